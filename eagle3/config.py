@@ -1,0 +1,312 @@
+"""The run configuration: one strict pydantic tree, one section per stage.
+
+A run is described by a preset (``configs/<name>.yaml``) plus dotted overrides
+(``--set train.lr=1e-4``). The resolved tree is written to ``<run>/config.json`` and is
+the only thing a stage reads; Prefect flows take the same model as a parameter, so the
+UI form, ``prefect.yaml`` and ``python -m eagle3.<stage>`` share one schema.
+
+Every field has a one-line doc (the attribute docstring below it); a test enforces it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PRESETS_DIR = REPO_ROOT / "configs"
+
+
+class ConfigError(ValueError):
+    """A preset, override or config file that cannot be turned into a valid RunConfig."""
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, docs come from docstrings."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunSection(Section):
+    workdir: str = "runs"
+    """Directory that holds one sub-directory per run (relative paths are relative to the CWD)."""
+    name: str = "demo"
+    """Run name; the run directory is <workdir>/<name>. Safe as a file name."""
+    seed: int = 0
+    """Seed for shuffling, the train/val split, model init and training."""
+
+    @model_validator(mode="after")
+    def _name_is_path_safe(self) -> RunSection:
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ValueError(f"run.name {self.name!r} must be a plain directory name")
+        return self
+
+
+class TinyTargetConfig(Section):
+    """Shape of the random tiny Llama target built locally (tests, CI, smoke runs)."""
+
+    num_hidden_layers: int = Field(4, ge=4)
+    """Decoder layers (>= 4 so the default aux ids [1, N//2-1, N-4] are distinct enough)."""
+    hidden_size: int = 64
+    """Model width H."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (GQA)."""
+    intermediate_size: int = 128
+    """MLP width."""
+    chat_template: Literal["chatml", "llama3"] = "chatml"
+    """Which chat template the locally built tokenizer carries."""
+
+
+class TargetConfig(Section):
+    kind: Literal["hf", "gguf", "tiny"] = "tiny"
+    """hf: a transformers directory; gguf: a GGUF file converted once to safetensors; tiny: random model."""
+    path: str | None = None
+    """Model directory or GGUF file; 'pkg://<package>/<file>' finds a file inside an installed package."""
+    name: str = "tiny-llama"
+    """Short slug for the target, used in cache folder names (one spelling everywhere)."""
+    cache_dir: str | None = None
+    """Where converted/built targets are cached; default <workdir>/_targets."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype when the model is loaded (bf16 is slow on CPUs without AVX-512)."""
+    aux_layer_ids: list[int] | None = None
+    """Aux layers, output-of-layer convention (0-based); default [1, N//2-1, N-4]."""
+    tiny: TinyTargetConfig = TinyTargetConfig()
+    """Shape of the tiny random target (kind=tiny only)."""
+
+    @model_validator(mode="after")
+    def _path_matches_kind(self) -> TargetConfig:
+        if self.kind in ("hf", "gguf") and not self.path:
+            raise ValueError(f"target.path is required when target.kind is {self.kind!r}")
+        return self
+
+
+class SourceConfig(Section):
+    name: str
+    """Source name; becomes the id prefix '<name>:<id in source>'. Letters, digits, '-', '_' and '.'."""
+    path: str
+    """File (or 'pkg://<package>/<file>') holding the conversations."""
+    format: Literal["auto", "sharegpt", "openai", "parquet"] = "auto"
+    """Reader: ShareGPT JSON/JSONL, OpenAI 'messages' JSONL, Parquet; auto picks by extension and content."""
+    max_records: int | None = Field(None, ge=1)
+    """Keep at most this many valid conversations from this source (cap applied after validation)."""
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = []
+    """Chat datasets to merge, in order."""
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    """Fraction of rows put in the val split (by a seeded hash of the row id)."""
+    dedupe: bool = True
+    """Drop rows whose normalized content duplicates an earlier row (kept in rejects.jsonl)."""
+    max_chars: int = Field(200_000, ge=1)
+    """Reject conversations longer than this many characters in total (reason 'too_long')."""
+    shuffle: bool = True
+    """Shuffle the merged rows with run.seed."""
+
+
+class RegenerateConfig(Section):
+    enabled: bool = False
+    """Re-answer every user turn with the target before tokenizing."""
+    backend: Literal["openai", "hf"] = "openai"
+    """openai: an OpenAI-compatible endpoint (SGLang, vLLM, hosted); hf: in-process transformers generate."""
+    endpoint: str = "http://127.0.0.1:30000/v1"
+    """Base URL of the OpenAI-compatible API (ends in /v1)."""
+    model: str = "default"
+    """Model name sent in the request body."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the API key (never the key itself)."""
+    max_concurrency: int = Field(8, ge=1)
+    """Conversations in flight at once (openai backend)."""
+    batch_size_conversations: int = Field(4, ge=1)
+    """Conversations per generate() batch (hf backend); counts conversations, not tokens."""
+    max_new_tokens: int = Field(512, ge=1)
+    """Cap on tokens generated per assistant turn."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Sampling temperature (0 = greedy)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Per-request timeout in seconds."""
+    max_retries: int = Field(3, ge=0)
+    """Retries per request on transport errors, timeouts and 5xx/429 answers."""
+    max_conversations: int | None = Field(None, ge=1)
+    """Regenerate only the first N rows (the rest are counted as skipped); None = all."""
+
+
+class TokenizeConfig(Section):
+    max_len: int = Field(2048, ge=8)
+    """Maximum tokens per sample."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """Policy for samples longer than max_len: cut at max_len, or drop (both are counted)."""
+    min_loss_tokens: int = Field(1, ge=0)
+    """Drop samples with fewer supervised tokens than this (after truncation)."""
+
+
+class VocabConfig(Section):
+    draft_vocab_size: int = Field(32000, ge=1)
+    """Draft vocabulary size (clipped to the target vocab size)."""
+
+
+class CaptureConfig(Section):
+    backend: Literal["hf", "sglang"] = "hf"
+    """Where hidden states come from: in-process transformers or a managed SGLang server."""
+    max_tokens_per_batch: int = Field(4096, ge=1)
+    """Token budget of one forward batch (sum of sample lengths), never a sample count."""
+    tokens_per_shard: int = Field(1_000_000, ge=1)
+    """Target tokens per shard file."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Storage dtype of the captured states."""
+
+
+class DrafterConfig(Section):
+    ttt_steps: int = Field(7, ge=1)
+    """Training-time-test unroll length."""
+
+
+class TrainConfig(Section):
+    lr: float = Field(1e-4, gt=0)
+    """Peak learning rate."""
+    num_epochs: int = Field(1, ge=1)
+    """Passes over the training data."""
+
+
+class ExportConfig(Section):
+    formats: list[Literal["sglang", "speculators"]] = ["sglang"]
+    """Export layouts to write."""
+
+
+class EvaluateConfig(Section):
+    num_prompts: int = Field(10, ge=1)
+    """Evaluation prompts per dataset."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Tokens generated per prompt."""
+
+
+class ServeConfig(Section):
+    host: str = "127.0.0.1"
+    """Interface the SGLang server binds to."""
+    port: int = Field(30000, ge=1, le=65535)
+    """SGLang server port."""
+
+
+class RunConfig(Section):
+    """The whole run: one section per stage."""
+
+    run: RunSection = RunSection()
+    """Run identity: workdir, name, seed."""
+    target: TargetConfig = TargetConfig()
+    """The target model."""
+    data: DataConfig = DataConfig()
+    """Chat sources and merge policy."""
+    regenerate: RegenerateConfig = RegenerateConfig()
+    """Answer regeneration with the target."""
+    tokenize: TokenizeConfig = TokenizeConfig()
+    """Chat-template rendering and loss masks."""
+    vocab: VocabConfig = VocabConfig()
+    """Draft vocabulary map."""
+    capture: CaptureConfig = CaptureConfig()
+    """Hidden-state capture."""
+    drafter: DrafterConfig = DrafterConfig()
+    """Drafter architecture."""
+    train: TrainConfig = TrainConfig()
+    """Training loop."""
+    export: ExportConfig = ExportConfig()
+    """Export formats."""
+    evaluate: EvaluateConfig = EvaluateConfig()
+    """Offline acceptance evaluation."""
+    serve: ServeConfig = ServeConfig()
+    """SGLang serving."""
+
+    @property
+    def run_dir(self) -> Path:
+        """The run directory <workdir>/<name>."""
+        return Path(self.run.workdir) / self.run.name
+
+    @property
+    def target_cache_dir(self) -> Path:
+        """Where converted or generated targets are cached."""
+        return Path(self.target.cache_dir) if self.target.cache_dir else Path(self.run.workdir) / "_targets"
+
+
+def list_presets() -> list[str]:
+    """Names of the presets in configs/."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def _read_preset(preset: str) -> dict[str, Any]:
+    path = Path(preset) if preset.endswith((".yaml", ".yml", ".json")) else PRESETS_DIR / f"{preset}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"preset {preset!r} not found (looked for {path}); presets: {', '.join(list_presets())}")
+    text = path.read_text(encoding="utf-8")
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"preset {path} must hold a mapping at top level, got {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'train.lr=1e-4' -> (['train', 'lr'], 1e-4); the value is parsed as YAML."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from exc
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set dotted keys in a nested dict (creating intermediate sections)."""
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for key in keys[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {key!r} is not a section")
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def _format_validation_error(exc: ValidationError, origin: str) -> str:
+    lines = [f"invalid config ({origin}):"]
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "<root>"
+        lines.append(f"  {field}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def validate_config(data: dict[str, Any], origin: str) -> RunConfig:
+    """Validate a raw dict, turning pydantic errors into a ConfigError that names each field."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, origin)) from None
+
+
+def load_config(preset: str = "tiny", overrides: list[str] | None = None) -> RunConfig:
+    """Load a preset (name in configs/ or a YAML/JSON path) and apply dotted overrides."""
+    overrides = list(overrides or [])
+    data = apply_overrides(_read_preset(preset), overrides)
+    origin = f"preset {preset}" + (f" with overrides {overrides}" if overrides else "")
+    return validate_config(data, origin)
+
+
+def save_config(cfg: RunConfig, path: Path) -> Path:
+    """Write the resolved config as JSON (atomically)."""
+    from infra.storage import atomic_write_text
+
+    return atomic_write_text(path, cfg.model_dump_json(indent=2) + "\n")
+
+
+def section_dict(cfg: RunConfig, *names: str) -> dict[str, Any]:
+    """JSON-able dump of some sections, used in stage keys."""
+    return {name: getattr(cfg, name).model_dump(mode="json") for name in names}
