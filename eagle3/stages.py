@@ -1,0 +1,183 @@
+"""The data stages as whole, skippable steps over a run directory (no Prefect here).
+
+Each ``run_*`` computes its stage key (eagle3.stage), returns at once when the manifest
+matches, and otherwise computes the outputs and writes the manifest last. Prefect tasks and
+``python -m eagle3.stages`` call exactly these functions, so a run behaves the same with or
+without an orchestrator.
+
+    python -m eagle3.stages all --preset tiny
+    python -m eagle3.stages tokenize --preset smollm2-demo --set tokenize.max_len=1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from eagle3.config import RunConfig, save_config, section_dict
+from eagle3.progress import ProgressFn
+from eagle3.stage import StageOutcome, run_stage, stage_key
+
+STAGES = ("merge", "regenerate", "tokenize", "vocab")
+
+
+def data_dir(cfg: RunConfig) -> Path:
+    """<run>/data."""
+    return cfg.run_dir / "data"
+
+
+def manifest_path(cfg: RunConfig, stage: str) -> Path:
+    """Where a stage's manifest lives."""
+    return (cfg.run_dir / "vocab" if stage == "vocab" else data_dir(cfg)) / f"{stage}.manifest.json"
+
+
+def write_run_config(cfg: RunConfig) -> Path:
+    """Save the resolved config as <run>/config.json."""
+    return save_config(cfg, cfg.run_dir / "config.json")
+
+
+def key_for(cfg: RunConfig, stage: str) -> str:
+    """The stage key (eagle3.stage); Prefect's cache key for the stage's task is this same string."""
+    if stage == "merge":
+        conf = {"data": cfg.data.model_dump(mode="json"), "seed": cfg.run.seed}
+        return stage_key("merge", conf, extra={"source_files": _source_stamps(cfg)})
+    _, fp = _target(cfg)
+    upstream = {"regenerate": manifest_path(cfg, "merge"), "tokenize": _conversations_manifest(cfg),
+                "vocab": manifest_path(cfg, "tokenize")}[stage]
+    return stage_key(stage, section_dict(cfg, stage), [upstream], {"target": fp})
+
+
+def is_complete(cfg: RunConfig, stage: str) -> bool:
+    """True when the stage's manifest matches its current inputs (a re-run would skip it)."""
+    from eagle3.stage import manifest_matches
+
+    path = manifest_path(cfg, stage)
+    return path.is_file() and manifest_matches(path, key_for(cfg, stage))
+
+
+def run_merge(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False) -> StageOutcome:
+    """Read, validate, dedupe, shuffle and split every source into data/merged.parquet."""
+    from eagle3.data.merge import merge_sources
+
+    if not cfg.data.sources:
+        raise ValueError("data.sources is empty: nothing to merge (add a source in the preset or with --set)")
+    return run_stage("merge", manifest_path(cfg, "merge"), key_for(cfg, "merge"), force=force,
+                     compute=lambda: merge_sources(cfg.data.sources, cfg.data, cfg.run.seed, data_dir(cfg), progress))
+
+
+def _source_stamps(cfg: RunConfig) -> list[dict]:
+    """Name, size and mtime of each source file: a changed file changes the merge key."""
+    from eagle3.paths import resolve_path
+
+    stamps = []
+    for src in cfg.data.sources:
+        path = resolve_path(src.path)
+        stat = path.stat() if path.is_file() else None
+        stamps.append({"name": src.name, "path": str(path), "bytes": stat.st_size if stat else None,
+                       "mtime_ns": stat.st_mtime_ns if stat else None})
+    return stamps
+
+
+def _conversations_manifest(cfg: RunConfig) -> Path:
+    """The manifest of the stage whose conversations get tokenized."""
+    return manifest_path(cfg, "regenerate" if cfg.regenerate.enabled else "merge")
+
+
+def _target(cfg: RunConfig) -> tuple[Path, str]:
+    from eagle3.target import fingerprint, prepare_target
+
+    model_dir = prepare_target(cfg)
+    return model_dir, fingerprint(model_dir)
+
+
+def run_regenerate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False) -> StageOutcome | None:
+    """Re-answer every user turn with the target (None when regeneration is off)."""
+    if not cfg.regenerate.enabled:
+        return None
+    from eagle3.data.regenerate import make_backend, regenerate
+
+    model_dir, _ = _target(cfg)
+    key = key_for(cfg, "regenerate")
+
+    def compute():
+        model = tok = None
+        if cfg.regenerate.backend == "hf":
+            from eagle3.target import load_model, load_tokenizer
+
+            model, tok = load_model(model_dir, cfg.target.dtype), load_tokenizer(model_dir)
+        backend = make_backend(cfg.regenerate, model=model, tokenizer=tok)
+        return regenerate(data_dir(cfg) / "merged.parquet", data_dir(cfg), cfg.regenerate, backend, progress)
+
+    return run_stage("regenerate", manifest_path(cfg, "regenerate"), key, compute, force=force)
+
+
+def run_tokenize(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False) -> StageOutcome:
+    """Render with the target's chat template and compute assistant loss masks."""
+    from eagle3.data.tokenize import tokenize_dataset
+    from eagle3.target import load_tokenizer
+
+    model_dir, _ = _target(cfg)
+    key = key_for(cfg, "tokenize")
+    in_parquet = data_dir(cfg) / ("regenerated.parquet" if cfg.regenerate.enabled else "merged.parquet")
+    return run_stage("tokenize", manifest_path(cfg, "tokenize"), key, force=force, compute=lambda: tokenize_dataset(
+        in_parquet, data_dir(cfg), load_tokenizer(model_dir), cfg.tokenize, progress))
+
+
+def run_vocab(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False) -> StageOutcome:
+    """Build the draft vocab map from train-split assistant tokens."""
+    from eagle3.target import load_tokenizer, stop_token_ids, target_info
+    from eagle3.vocab import build_vocab_map
+
+    model_dir, fp = _target(cfg)
+    key = key_for(cfg, "vocab")
+
+    def compute():
+        info = target_info(model_dir, cfg.target)
+        forced = stop_token_ids(load_tokenizer(model_dir), info)
+        return build_vocab_map(data_dir(cfg) / "tokenized.parquet", info.vocab_size, cfg.vocab.draft_vocab_size,
+                               forced, cfg.run_dir / "vocab", fp)
+
+    return run_stage("vocab", manifest_path(cfg, "vocab"), key, compute, force=force)
+
+
+def run_all(cfg: RunConfig, force: bool = False) -> list[StageOutcome]:
+    """Every data stage in order (what the pipeline flow does, without Prefect)."""
+    from infra.storage import run_lock
+
+    with run_lock(cfg.run_dir, owner="python -m eagle3.stages"):
+        write_run_config(cfg)
+        outcomes = [run_merge(cfg, force=force), run_regenerate(cfg, force=force),
+                    run_tokenize(cfg, force=force), run_vocab(cfg, force=force)]
+    return [o for o in outcomes if o is not None]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m eagle3.stages {merge,regenerate,tokenize,vocab,all} --preset NAME [--set k=v ...]"""
+    from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
+    from infra.storage import run_lock
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("stage", choices=(*STAGES, "all"))
+    parser.add_argument("--force", action="store_true", help="recompute even if the manifest matches")
+    add_config_args(parser)
+
+    @exit_on_user_error
+    def run() -> None:
+        args = parser.parse_args(argv)
+        cfg = config_from_args(args)
+        if args.stage == "all":
+            outcomes = run_all(cfg, force=args.force)
+        else:
+            with run_lock(cfg.run_dir, owner=f"python -m eagle3.stages {args.stage}"):
+                write_run_config(cfg)
+                outcomes = [globals()[f"run_{args.stage}"](cfg, force=args.force)]
+        for outcome in outcomes:
+            if outcome is not None:
+                print(json.dumps(outcome.to_json(), indent=2))
+
+    run()
+
+
+if __name__ == "__main__":
+    main()

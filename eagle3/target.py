@@ -1,0 +1,282 @@
+"""The target model handle: where its files are, what shape it has, and a cheap fingerprint.
+
+Three kinds of target all end up as one HF-style directory (config.json, safetensors, tokenizer):
+  hf    a transformers directory, used as is;
+  gguf  a GGUF file, converted once into a cached fp32 safetensors directory;
+  tiny  a random tiny Llama with a locally built tokenizer (tests, CI).
+Most stages need only the config and tokenizer; the trainer needs single tensors (embeddings,
+lm_head), which ``read_tensor`` takes from sharded safetensors through the index without
+loading the model. Run ``python -m eagle3.target --preset smollm2-demo`` for the tokenizer report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from eagle3.config import RunConfig, TargetConfig
+from eagle3.paths import resolve_path
+from infra.storage import sha256_file, sha256_json
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
+
+
+class TokenizerMismatchError(ValueError):
+    """The end-of-turn text of the chat template does not tokenize to an id the model stops on."""
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """Shape facts read from config.json (no weights loaded)."""
+
+    model_dir: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    aux_layer_ids: list[int]
+    tie_word_embeddings: bool
+    eos_token_ids: list[int]
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """[1, N//2-1, N-4] in the output-of-layer convention (0-based layer whose output is taken)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def prepare_target(cfg: RunConfig) -> Path:
+    """Return the HF directory of the target, converting or building it into the cache once."""
+    tcfg = cfg.target
+    if tcfg.kind == "hf":
+        path = resolve_path(tcfg.path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target.path {tcfg.path}: no config.json in {path}")
+        return path
+    if tcfg.kind == "gguf":
+        return convert_gguf(resolve_path(tcfg.path), cfg.target_cache_dir, tcfg.name)
+    from eagle3.tiny import save_tiny_target
+
+    key = sha256_json({"tiny": tcfg.tiny.model_dump(), "seed": cfg.run.seed})[:12]
+    return save_tiny_target(cfg.target_cache_dir / f"{tcfg.name}-{key}", tcfg.tiny, cfg.run.seed)
+
+
+def convert_gguf(gguf_file: Path, cache_dir: Path, name: str) -> Path:
+    """Dequantize a GGUF model once into ``<cache>/<name>-<hash>/`` (fp32 safetensors + tokenizer)."""
+    if not gguf_file.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_file} not found")
+    out = cache_dir / f"{name}-{sha256_file(gguf_file)[:12]}"
+    if (out / ".complete").is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _write_gguf_as_hf(gguf_file, tmp)
+    (tmp / ".complete").write_text(gguf_file.name + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _write_gguf_as_hf(gguf_file: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_file.parent), gguf_file.name
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The weights are plain fp32 after dequantization; the GGUF quantizer marker only blocks saving.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    _make_loadable_by_transformers4(out)
+
+
+def _make_loadable_by_transformers4(out: Path) -> None:
+    """transformers 4.x misreads folders written by 5.x (tokenizer class, rope_theta); fix both."""
+    tok_cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text())
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_cfg.pop("backend", None)
+    tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    cfg_path = out / "config.json"
+    model_cfg = json.loads(cfg_path.read_text())
+    theta = (model_cfg.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None and "rope_theta" not in model_cfg:
+        model_cfg["rope_theta"] = theta
+        cfg_path.write_text(json.dumps(model_cfg, indent=2) + "\n")
+
+
+def _eos_ids(model_dir: Path, model_cfg: dict[str, Any]) -> list[int]:
+    ids: list[int] = []
+    gen_path = model_dir / "generation_config.json"
+    for source in (json.loads(gen_path.read_text()) if gen_path.is_file() else {}, model_cfg):
+        value = source.get("eos_token_id")
+        ids += value if isinstance(value, list) else ([value] if value is not None else [])
+    return sorted(set(ids))
+
+
+def target_info(model_dir: Path, tcfg: TargetConfig | None = None) -> TargetInfo:
+    """Shape facts from config.json; aux ids from the config section or the default."""
+    model_dir = Path(model_dir)
+    c = json.loads((model_dir / "config.json").read_text())
+    c = c.get("text_config", c)  # multimodal wrappers keep the LM config nested
+    num_layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
+    aux = (tcfg.aux_layer_ids if tcfg and tcfg.aux_layer_ids else None) or default_aux_layer_ids(num_layers)
+    if any(not 0 <= i < num_layers for i in aux):
+        raise ValueError(f"target.aux_layer_ids {aux} out of range for {num_layers} layers")
+    return TargetInfo(
+        model_dir=str(model_dir), architecture=(c.get("architectures") or ["?"])[0], num_layers=num_layers,
+        hidden_size=c["hidden_size"], vocab_size=c["vocab_size"], num_attention_heads=heads,
+        num_key_value_heads=c.get("num_key_value_heads", heads),
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads, intermediate_size=c.get("intermediate_size", 0),
+        aux_layer_ids=list(aux), tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        eos_token_ids=_eos_ids(model_dir, c),
+    )
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (tensor names, dtypes, shapes, offsets)."""
+    with open(path, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        return json.loads(fh.read(length))
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    return sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.gguf")) + sorted(model_dir.glob("*.bin"))
+
+
+def fingerprint(model_dir: Path) -> str:
+    """Cheap identity of a target: config, tokenizer files, chat template, weight names/sizes/headers.
+
+    Never hashes the weights themselves (terabytes for large targets); safetensors headers
+    carry every tensor's dtype, shape and byte range, which changes with any re-export.
+    """
+    model_dir = Path(model_dir).resolve()
+    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(model_dir.iterdir()) if p.is_file())
+    return _fingerprint_cached(str(model_dir), stamp)
+
+
+@lru_cache(maxsize=16)
+def _fingerprint_cached(model_dir: str, stamp: tuple) -> str:
+    base = Path(model_dir)
+    doc: dict[str, Any] = {"config": json.loads((base / "config.json").read_text())}
+    doc["tokenizer"] = {n: sha256_file(base / n) for n in TOKENIZER_FILES if (base / n).is_file()}
+    doc["weights"] = [
+        {"name": p.name, "bytes": p.stat().st_size,
+         "header": sha256_json(safetensors_header(p)) if p.suffix == ".safetensors" else None}
+        for p in _weight_files(base)
+    ]
+    return sha256_json(doc)[:16]
+
+
+def _tensor_file(model_dir: Path, name: str) -> Path:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if name not in weight_map:
+            raise KeyError(f"tensor {name!r} not in {index}")
+        return model_dir / weight_map[name]
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+    return single
+
+
+def read_tensor(model_dir: Path, name: str, rows: Any = None):
+    """One tensor (optionally a row slice/index) from the target's safetensors, without loading the model."""
+    from safetensors import safe_open
+
+    path = _tensor_file(Path(model_dir), name)
+    with safe_open(str(path), framework="pt") as fh:
+        if name not in fh.keys():
+            raise KeyError(f"tensor {name!r} not in {path}")
+        if rows is None:
+            return fh.get_tensor(name)
+        if isinstance(rows, slice):
+            return fh.get_slice(name)[rows]
+        return fh.get_tensor(name)[rows]
+
+
+def lm_head_name(info: TargetInfo) -> str:
+    """Name of the output projection (tied models reuse the input embeddings)."""
+    return "model.embed_tokens.weight" if info.tie_word_embeddings else "lm_head.weight"
+
+
+def load_tokenizer(model_dir: Path):
+    """The target's tokenizer (fast)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def load_model(model_dir: Path, dtype: str = "float32", device: str = "cpu"):
+    """The target model in eval mode (only stages that run forwards need this)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    return model.to(device).eval()
+
+
+def tokenizer_report(tokenizer, info: TargetInfo) -> dict[str, Any]:
+    """Special tokens with ids, and the end-of-turn check (raises TokenizerMismatchError on a mismatch)."""
+    from eagle3.data.tokenize import end_of_turn_text
+
+    specials = {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    special_ids = {name: (tok, tokenizer.convert_tokens_to_ids(tok)) for name, tok in specials.items() if tok}
+    eot_text = end_of_turn_text(tokenizer)
+    eot_ids = tokenizer.encode(eot_text, add_special_tokens=False)
+    stop_ids = sorted(set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
+    report = {"special_tokens": {k: {"token": t, "id": i} for k, (t, i) in special_ids.items()},
+              "end_of_turn_text": eot_text, "end_of_turn_ids": eot_ids, "stop_ids": stop_ids,
+              "vocab_size_tokenizer": len(tokenizer), "vocab_size_model": info.vocab_size}
+    if len(eot_ids) != 1 or eot_ids[0] not in stop_ids:
+        raise TokenizerMismatchError(
+            f"the chat template closes assistant turns with {eot_text!r}, which tokenizes to ids {eot_ids}, "
+            f"but the model stops on ids {stop_ids}; generation would not stop where training says it does"
+        )
+    return report
+
+
+def stop_token_ids(tokenizer, info: TargetInfo) -> list[int]:
+    """Ids the model emits to end a turn: EOS ids plus the template's end-of-turn id."""
+    from eagle3.data.tokenize import end_of_turn_text
+
+    ids = set(info.eos_token_ids) | set(tokenizer.encode(end_of_turn_text(tokenizer), add_special_tokens=False))
+    return sorted(ids)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m eagle3.target --preset smollm2-demo: prepare the target and print its report."""
+    from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
+
+    parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
+
+    @exit_on_user_error
+    def run() -> None:
+        cfg = config_from_args(parser.parse_args(argv))
+        model_dir = prepare_target(cfg)
+        info = target_info(model_dir, cfg.target)
+        report = {"info": asdict(info), "fingerprint": fingerprint(model_dir),
+                  "tokenizer": tokenizer_report(load_tokenizer(model_dir), info)}
+        print(json.dumps(report, indent=2))
+
+    run()
+
+
+if __name__ == "__main__":
+    main()

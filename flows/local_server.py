@@ -1,0 +1,115 @@
+"""The embedded Prefect server: `prefect server start` on SQLite under <workdir>/.prefect.
+
+Started in the background once and reused by later commands; the client side only needs
+PREFECT_API_URL. Prefect's ephemeral server is not used: its 20 s start-up timeout fails on a
+fresh home on a slow machine.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from infra.process import kill_group, pid_alive, spawn_detached, tail
+
+DEFAULT_PORT = 4200
+STARTUP_TIMEOUT_S = 240.0
+
+
+@dataclass(frozen=True)
+class LocalServer:
+    """Where the local server keeps its state and answers."""
+
+    home: Path
+    port: int = DEFAULT_PORT
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.home / "server.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.home / "server.log"
+
+    def client_env(self) -> dict[str, str]:
+        """Environment for processes that talk to this server (flows, workers, the prefect CLI)."""
+        return {"PREFECT_HOME": str(self.home.resolve()), "PREFECT_API_URL": self.api_url,
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str((self.home / "storage").resolve())}
+
+
+def for_workdir(workdir: str | Path, port: int | None = None) -> LocalServer:
+    """The local server for a workdir (port from EAGLE3_PREFECT_PORT or 4200)."""
+    port = port or int(os.environ.get("EAGLE3_PREFECT_PORT", DEFAULT_PORT))
+    return LocalServer(Path(workdir) / ".prefect", port)
+
+
+def healthy(server: LocalServer, timeout_s: float = 2.0) -> bool:
+    """True when /api/health answers 200."""
+    try:
+        return httpx.get(f"{server.api_url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _pid(server: LocalServer) -> int | None:
+    try:
+        return int(server.pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def start(server: LocalServer, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
+    """Start the server unless it already answers; wait for health. Returns 'reused' or 'started'."""
+    if healthy(server):
+        return "reused"
+    server.home.mkdir(parents=True, exist_ok=True)
+    prefect = str(Path(sys.executable).with_name("prefect"))
+    argv = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(server.port)]
+    pid = spawn_detached(argv, server.log_file, env={**os.environ, **server.client_env()})
+    server.pid_file.write_text(f"{pid}\n")
+    _wait_healthy(server, pid, timeout_s)
+    return "started"
+
+
+def _wait_healthy(server: LocalServer, pid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if healthy(server):
+            return
+        if not pid_alive(pid):
+            raise RuntimeError(f"prefect server exited during start-up; log {server.log_file}:\n{tail(server.log_file)}")
+        time.sleep(1.0)
+    raise TimeoutError(f"prefect server not healthy after {timeout_s:.0f} s; log {server.log_file}:\n"
+                       f"{tail(server.log_file)}")
+
+
+def stop(server: LocalServer) -> bool:
+    """Stop the server this workdir started (its whole process group). True if one was running."""
+    pid = _pid(server)
+    if pid is None or not pid_alive(pid):
+        server.pid_file.unlink(missing_ok=True)
+        return False
+    kill_group(pid, grace_s=15.0)
+    server.pid_file.unlink(missing_ok=True)
+    return True
+
+
+def status(server: LocalServer) -> dict[str, object]:
+    """pid, health and URLs."""
+    pid = _pid(server)
+    return {"healthy": healthy(server), "pid": pid if pid and pid_alive(pid) else None,
+            "ui": server.ui_url, "api": server.api_url, "home": str(server.home), "log": str(server.log_file)}

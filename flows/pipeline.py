@@ -1,0 +1,78 @@
+"""The end-to-end pipeline flow: target check -> merge -> (regenerate) -> tokenize -> vocab.
+
+Parameters name a preset and dotted overrides (deployments never copy a preset's content), or
+carry a full RunConfig. Every stage is skipped when its manifest matches its inputs, so a
+re-run after a crash, a schedule or a UI "Retry" recomputes only what is missing or changed.
+
+    eagle3 run --preset smollm2-demo --set data.sources.0.max_records=10000
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from eagle3.config import RunConfig, list_presets, load_config
+from tasks.artifacts import artifact_key
+from tasks.data import merge_task, regenerate_task, target_check_task, tokenize_task, vocab_task
+
+PresetName = Literal[tuple(list_presets())]  # type: ignore[valid-type]
+MAX_CRASH_RETRIES = 3
+
+
+def _fresh(task, cfg: RunConfig, stage: str, force: bool):
+    """The task, told to ignore Prefect's cache when the manifest on disk no longer matches."""
+    from eagle3.stages import is_complete
+
+    return task.with_options(refresh_cache=True) if force or not is_complete(cfg, stage) else task
+
+
+def _guard_crash_loop() -> None:
+    if flow_run.run_count > MAX_CRASH_RETRIES:
+        raise RuntimeError(f"flow run restarted {flow_run.run_count} times; refusing to loop (see its logs)")
+
+
+def run_data_stages(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
+    """Call the data-stage tasks in order; returns {stage: task result}."""
+    results: dict[str, Any] = {"target": target_check_task(cfg)}
+    results["merge"] = _fresh(merge_task, cfg, "merge", force)(cfg, force)
+    if cfg.regenerate.enabled:
+        results["regenerate"] = _fresh(regenerate_task, cfg, "regenerate", force)(cfg, force)
+    results["tokenize"] = _fresh(tokenize_task, cfg, "tokenize", force)(cfg, force)
+    results["vocab"] = _fresh(vocab_task, cfg, "vocab", force)(cfg, force)
+    return results
+
+
+@flow(name="eagle3-pipeline", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=4))
+def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
+                    config: RunConfig | None = None, force: bool = False) -> dict[str, Any]:
+    """Run the pipeline for a preset (+ dotted overrides) or a full config; returns each stage's summary."""
+    from eagle3.stages import write_run_config
+    from infra.storage import run_lock
+
+    _guard_crash_loop()
+    cfg = config or load_config(preset, list(overrides or []))
+    get_run_logger().info("run directory %s", cfg.run_dir.resolve())
+    with run_lock(cfg.run_dir, owner=f"prefect flow run {flow_run.id}"):
+        write_run_config(cfg)
+        results = run_data_stages(cfg, force)
+    create_markdown_artifact(markdown=render_summary(cfg, results), key=artifact_key(cfg, "run-summary"),
+                             description="pipeline summary")
+    return {"run_dir": str(cfg.run_dir.resolve()), **{k: v for k, v in results.items() if k != "target"}}
+
+
+def render_summary(cfg: RunConfig, results: dict[str, Any]) -> str:
+    """Markdown: one line per stage with whether it ran and its main counts."""
+    lines = [f"# Run `{cfg.run.name}`", "", f"* run directory: `{cfg.run_dir.resolve()}`",
+             f"* target: `{results['target']['model_dir']}` (fingerprint `{results['target']['fingerprint']}`)", ""]
+    lines += ["| stage | computed | outputs |", "|---|---|---|"]
+    for stage in ("merge", "regenerate", "tokenize", "vocab"):
+        res = results.get(stage)
+        if res:
+            outs = ", ".join(f"`{k}`" for k in res.get("outputs", {}))
+            lines.append(f"| {stage} | {'yes' if res.get('computed') else 'no (up to date)'} | {outs} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,90 @@
+"""infra.storage: atomic writes, hashes, free-space check, run lock."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from infra.storage import (DiskSpaceError, LockHeldError, atomic_open, atomic_write_json, check_free_space, run_lock,
+                           sha256_file)
+
+
+def test_atomic_write_leaves_old_content_when_the_writer_fails(tmp_path):
+    """An exception inside the write keeps the previous file and leaves no temp file behind."""
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError):
+        with atomic_open(target) as fh:
+            fh.write(b"partial")
+            raise RuntimeError("crash mid-write")
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+
+
+def test_atomic_write_is_invisible_until_complete_after_sigkill(tmp_path):
+    """A process killed mid-write never leaves a file at the final path."""
+    target = tmp_path / "x.json"
+    code = ("import os,sys; from infra.storage import atomic_open\n"
+            f"with atomic_open({str(target)!r}) as fh:\n    fh.write(b'{{'); fh.flush(); os.kill(os.getpid(), 9)\n")
+    subprocess.run([sys.executable, "-c", code], check=False)
+    assert not target.exists()
+
+
+def test_sha256_file_matches_hashlib(tmp_path):
+    """sha256_file agrees with hashlib on a multi-chunk file."""
+    data = os.urandom(9 << 20)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    assert sha256_file(path) == hashlib.sha256(data).hexdigest()
+
+
+def test_free_space_check_names_both_numbers(tmp_path):
+    """Asking for more than the disk has raises with the needed and the free byte counts."""
+    with pytest.raises(DiskSpaceError, match=r"need .* bytes .* only .* are free"):
+        check_free_space(tmp_path, need_bytes=1 << 62)
+    assert check_free_space(tmp_path, need_bytes=1, margin_bytes=0) > 0
+
+
+def test_second_writer_is_refused_with_the_holder_named(tmp_path):
+    """A lock held by another live process makes a second writer fail, naming pid and host."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys,time; from infra.storage import run_lock\n"
+        f"with run_lock({str(tmp_path)!r}, owner='other'):\n    print('held', flush=True); time.sleep(30)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(LockHeldError, match=rf"pid {holder.pid} .*other"):
+            with run_lock(tmp_path):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+    """A lock left by a SIGKILLed writer on this host does not block the next run."""
+    code = (f"import os; from infra.storage import run_lock\nwith run_lock({str(tmp_path)!r}):\n"
+            "    os.kill(os.getpid(), 9)\n")
+    subprocess.run([sys.executable, "-c", code], check=False)
+    assert (tmp_path / ".lock").exists()
+    with run_lock(tmp_path):
+        pass
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_lock_is_reentrant_in_one_process(tmp_path):
+    """Nested stages of one flow run can take the lock again."""
+    with run_lock(tmp_path):
+        with run_lock(tmp_path):
+            pass
+        assert (tmp_path / ".lock").exists()
+
+
+def test_atomic_write_json_is_sorted_and_newline_terminated(tmp_path):
+    """JSON outputs are canonical (sorted keys), so equal content gives equal bytes."""
+    path = atomic_write_json(tmp_path / "a.json", {"b": 1, "a": 2})
+    assert path.read_text() == '{\n  "a": 2,\n  "b": 1\n}\n'
