@@ -262,17 +262,31 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def _child(node: Any, key: str, item: str) -> Any:
+    """Step into a dict key or a list index ('data.sources.0.path')."""
+    if isinstance(node, list):
+        if not key.isdigit() or int(key) >= len(node):
+            raise ConfigError(f"override {item!r}: {key!r} is not an index of a list of {len(node)}")
+        return node[int(key)]
+    child = node.setdefault(key, {})
+    if not isinstance(child, (dict, list)):
+        raise ConfigError(f"override {item!r}: {key!r} is not a section")
+    return child
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set dotted keys in a nested dict (creating intermediate sections)."""
+    """Set dotted keys in a nested dict (creating sections; digits index into lists)."""
     for item in overrides:
         keys, value = parse_override(item)
-        node = data
+        node: Any = data
         for key in keys[:-1]:
-            child = node.setdefault(key, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {key!r} is not a section")
-            node = child
-        node[keys[-1]] = value
+            node = _child(node, key, item)
+        last = keys[-1]
+        if isinstance(node, list):
+            _child(node, last, item)
+            node[int(last)] = value
+        else:
+            node[last] = value
     return data
 
 

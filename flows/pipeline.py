@@ -24,11 +24,20 @@ PresetName = Literal[tuple(list_presets())]  # type: ignore[valid-type]
 MAX_CRASH_RETRIES = 3
 
 
-def _fresh(task, cfg: RunConfig, stage: str, force: bool):
-    """The task, told to ignore Prefect's cache when the manifest on disk no longer matches."""
+def _call_stage(task, cfg: RunConfig, stage: str, force: bool) -> dict[str, Any]:
+    """Run a stage task; Prefect's cache is ignored when the manifest on disk no longer matches.
+
+    A result served from Prefect's cache is reported as not computed (the stored value is the
+    one of the run that did compute it).
+    """
     from eagle3.stages import is_complete
 
-    return task.with_options(refresh_cache=True) if force or not is_complete(cfg, stage) else task
+    if force or not is_complete(cfg, stage):
+        task = task.with_options(refresh_cache=True)
+    state = task(cfg, force, return_state=True)
+    result = dict(state.result())
+    result["computed"] = bool(result.get("computed")) and state.name != "Cached"
+    return result
 
 
 def _guard_crash_loop() -> None:
@@ -39,11 +48,11 @@ def _guard_crash_loop() -> None:
 def run_data_stages(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
     """Call the data-stage tasks in order; returns {stage: task result}."""
     results: dict[str, Any] = {"target": target_check_task(cfg)}
-    results["merge"] = _fresh(merge_task, cfg, "merge", force)(cfg, force)
+    results["merge"] = _call_stage(merge_task, cfg, "merge", force)
     if cfg.regenerate.enabled:
-        results["regenerate"] = _fresh(regenerate_task, cfg, "regenerate", force)(cfg, force)
-    results["tokenize"] = _fresh(tokenize_task, cfg, "tokenize", force)(cfg, force)
-    results["vocab"] = _fresh(vocab_task, cfg, "vocab", force)(cfg, force)
+        results["regenerate"] = _call_stage(regenerate_task, cfg, "regenerate", force)
+    results["tokenize"] = _call_stage(tokenize_task, cfg, "tokenize", force)
+    results["vocab"] = _call_stage(vocab_task, cfg, "vocab", force)
     return results
 
 

@@ -21,6 +21,12 @@ from typing import Any, BinaryIO
 CHUNK_BYTES = 8 << 20
 
 
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -35,6 +41,7 @@ def atomic_open(path: Path | str, mode: str = "wb") -> Iterator[BinaryIO]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, _umask_mode())  # mkstemp creates 0600; outputs get the usual permissions
     try:
         with os.fdopen(fd, mode) as fh:
             yield fh
@@ -70,6 +77,7 @@ def temp_path_for(path: Path | str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, _umask_mode())
     os.close(fd)
     return Path(tmp)
 

@@ -77,3 +77,11 @@ def test_run_name_must_be_a_plain_directory_name():
     """A run name with a slash is refused (it would escape the workdir)."""
     with pytest.raises(ConfigError, match="run"):
         load_config("tiny", ["run.name=../elsewhere"])
+
+
+def test_overrides_index_into_lists():
+    """'data.sources.0.max_records=5' edits the first source; a bad index is a clear error."""
+    cfg = load_config("smollm2-demo", ["data.sources.0.max_records=5"])
+    assert cfg.data.sources[0].max_records == 5
+    with pytest.raises(ConfigError, match="not an index"):
+        load_config("smollm2-demo", ["data.sources.3.max_records=5"])

@@ -1,0 +1,254 @@
+"""The merge stage: several chat sources -> one deduplicated, shuffled, split table of conversations.
+
+Outputs under ``out_dir`` (each written atomically):
+
+- ``merged.parquet``: one row per kept conversation (schema ``MERGED_SCHEMA``);
+- ``rejects.jsonl``: one line per record that did not become a row, with reason and the whole record;
+- ``stats.json``: per source and in total: read, kept, rejected (by reason), train/val, turns, chars.
+
+For every source and in total ``kept + rejected == read``; the stage checks it before writing stats.
+
+    python -m eagle3.data.merge --preset tiny --set data.val_fraction=0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle3.config import DataConfig, SourceConfig
+from eagle3.data.sources import REJECT_REASONS, Conversation, Reject, SourceError, content_hash, read_source
+from eagle3.progress import Progress, ProgressFn
+from infra.storage import atomic_open, atomic_path, atomic_write_json
+
+__all__ = ["MERGED_SCHEMA", "content_hash", "merge_sources", "read_merged", "split_for", "main"]
+
+MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
+MERGED_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("split", pa.string()),
+    ("messages", pa.list_(MESSAGE_TYPE)),
+    ("content_hash", pa.string()),
+])
+PROGRESS_EVERY = 500
+"""Records between progress updates (a per-record callback would slow reading and flood listeners)."""
+
+
+def split_for(row_id: str, seed: int, val_fraction: float) -> str:
+    """'train' or 'val' from a seeded hash of the id: stable across runs, machines and input order."""
+    digest = hashlib.sha256(f"{seed}\0{row_id}".encode("utf-8")).digest()
+    unit = int.from_bytes(digest[:8], "big") / 2**64
+    return "val" if unit < val_fraction else "train"
+
+
+@dataclass
+class _Tally:
+    """Counts for one source (or the total)."""
+
+    read: int = 0
+    kept: int = 0
+    rejected: int = 0
+    rejected_by_reason: Counter = field(default_factory=Counter)
+    train: int = 0
+    val: int = 0
+    num_turns: int = 0
+    num_chars: int = 0
+    num_dropped_turns: int = 0
+
+    def add(self, other: _Tally) -> None:
+        """Add another tally's counts into this one."""
+        for name in ("read", "kept", "rejected", "train", "val", "num_turns", "num_chars", "num_dropped_turns"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.rejected_by_reason.update(other.rejected_by_reason)
+
+    def count_reject(self, reason: str) -> None:
+        """One more record rejected for ``reason``."""
+        self.rejected += 1
+        self.rejected_by_reason[reason] += 1
+
+    def count_row(self, conv: Conversation) -> None:
+        """One more record kept as a row."""
+        self.kept += 1
+        self.num_turns += len(conv.messages)
+        self.num_chars += conv.num_chars
+        self.num_dropped_turns += conv.num_dropped_turns
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able counts; every reason is listed, zeros included, so tables line up across runs."""
+        doc = {name: getattr(self, name) for name in ("read", "kept", "rejected", "train", "val", "num_turns",
+                                                      "num_chars", "num_dropped_turns")}
+        doc["rejected_by_reason"] = {r: self.rejected_by_reason.get(r, 0) for r in REJECT_REASONS}
+        return doc
+
+
+class _RejectWriter:
+    """Appends Reject lines to rejects.jsonl (an atomic temp file until the merge succeeds)."""
+
+    def __init__(self, fh: BinaryIO):
+        self.fh = fh
+
+    def write(self, reject: Reject) -> None:
+        """One JSON line; text that is not UTF-8 is kept as \\udcXX escapes rather than lost."""
+        line = json.dumps(reject.to_json(), ensure_ascii=False, default=repr)
+        self.fh.write(line.encode("utf-8", "backslashreplace") + b"\n")
+
+
+def _check_sources(sources: list[SourceConfig], max_chars: int) -> None:
+    if not sources:
+        raise SourceError("no data sources configured: nothing to merge")
+    counts = Counter(src.name for src in sources)
+    repeated = sorted(name for name, num in counts.items() if num > 1)
+    if repeated:
+        # Ids are '<source>:<id>', so two sources with one name could silently share ids.
+        raise SourceError(f"source names must be unique; repeated: {repeated}")
+    for src in sources:
+        # Open (and sniff) each source now, so a bad last source fails before minutes spent on the first.
+        read_source(src, max_chars).close()
+
+
+def _dedupe(conv: Conversation, seen_hashes: dict[str, str], dedupe: bool) -> dict[str, Any] | Reject:
+    """The row for a conversation, or a duplicate_content Reject naming the row that came first."""
+    digest = content_hash(conv.messages)
+    if dedupe and digest in seen_hashes:
+        record = {"id": conv.id, "messages": conv.messages}
+        return Reject(conv.source, conv.location, "duplicate_content", f"same content as {seen_hashes[digest]}",
+                      record, conv.id)
+    seen_hashes.setdefault(digest, conv.id)
+    return {"id": conv.id, "source": conv.source, "split": "", "messages": conv.messages, "content_hash": digest}
+
+
+def _take_source(src: SourceConfig, cfg: DataConfig, seen_hashes: dict[str, str], rows: list[dict[str, Any]],
+                 rejects: _RejectWriter, prog: Progress) -> tuple[_Tally, dict[str, Any]]:
+    """Read one source until it ends or reaches its cap; returns its tally and facts for stats.json."""
+    tally = _Tally()
+    stream = read_source(src, cfg.max_chars)
+    stopped_at_cap = False
+    with contextlib.closing(stream):
+        for item in stream:
+            tally.read += 1
+            if tally.read % PROGRESS_EVERY == 0:
+                prog.update(PROGRESS_EVERY, source=src.name, kept=len(rows))
+            row = _dedupe(item, seen_hashes, cfg.dedupe) if isinstance(item, Conversation) else item
+            if isinstance(row, Reject):
+                rejects.write(row)
+                tally.count_reject(row.reason)
+                continue
+            rows.append(row)
+            tally.count_row(item)
+            if src.max_records is not None and tally.kept >= src.max_records:
+                stopped_at_cap = True
+                break  # the rest of the source is never read: a cap of 2k on a 100k file costs 2k records
+    prog.update(tally.read % PROGRESS_EVERY, source=src.name, kept=len(rows))
+    facts = {"path": str(stream.path), "format": stream.format, "max_records": src.max_records,
+             "stopped_at_cap": stopped_at_cap}
+    return tally, facts
+
+
+def _assign_splits(rows: list[dict[str, Any]], seed: int, val_fraction: float, tallies: dict[str, _Tally]) -> None:
+    for row in rows:
+        row["split"] = split_for(row["id"], seed, val_fraction)
+        tally = tallies[row["source"]]
+        tally.train += row["split"] == "train"
+        tally.val += row["split"] == "val"
+
+
+def _check_invariants(tallies: dict[str, _Tally], total: _Tally, num_rows: int) -> None:
+    """Every record read is either a row or a reject, and every row has exactly one split."""
+    for name, tally in [*tallies.items(), ("total", total)]:
+        if tally.kept + tally.rejected != tally.read or tally.train + tally.val != tally.kept:
+            raise AssertionError(f"merge counts do not add up for {name}: {tally.to_json()}")
+        if sum(tally.rejected_by_reason.values()) != tally.rejected:
+            raise AssertionError(f"rejects by reason do not add up for {name}: {tally.to_json()}")
+    if total.kept != num_rows:
+        raise AssertionError(f"{num_rows} rows collected but {total.kept} counted as kept")
+
+
+def _write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
+    table = pa.Table.from_pylist(rows, schema=MERGED_SCHEMA)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+def _stats_doc(tallies: dict[str, _Tally], facts: dict[str, dict], cfg: DataConfig,
+               seed: int) -> tuple[dict[str, Any], _Tally]:
+    total = _Tally()
+    for tally in tallies.values():
+        total.add(tally)
+    return {
+        "sources": {name: {**facts[name], **tally.to_json()} for name, tally in tallies.items()},
+        "total": total.to_json(),
+        "seed": seed, "val_fraction": cfg.val_fraction, "dedupe": cfg.dedupe, "shuffle": cfg.shuffle,
+        "max_chars": cfg.max_chars,
+    }, total
+
+
+def merge_sources(sources: list[SourceConfig], cfg: DataConfig, seed: int, out_dir: Path,
+                  progress: ProgressFn | None = None) -> tuple[dict[str, Path], dict[str, Any]]:
+    """Read, validate, dedupe, cap, shuffle and split the sources; write merged/rejects/stats.
+
+    Returns ({"merged": path, "rejects": path, "stats": path}, stats). Progress counts records read;
+    its total is the sum of the caps when every source has one, else 0 (unknown).
+    """
+    _check_sources(sources, cfg.max_chars)
+    out_dir = Path(out_dir)
+    paths = {"merged": out_dir / "merged.parquet", "rejects": out_dir / "rejects.jsonl",
+             "stats": out_dir / "stats.json"}
+    num_expected = sum(s.max_records for s in sources) if all(s.max_records for s in sources) else 0
+    rows: list[dict[str, Any]] = []
+    seen_hashes: dict[str, str] = {}  # content hash -> id of the first row with it (dedupe spans sources)
+    tallies: dict[str, _Tally] = {}
+    facts: dict[str, dict] = {}
+    with Progress(num_expected, "merge", progress) as prog, atomic_open(paths["rejects"]) as fh:
+        for src in sources:
+            tallies[src.name], facts[src.name] = _take_source(src, cfg, seen_hashes, rows, _RejectWriter(fh), prog)
+    if cfg.shuffle:
+        random.Random(seed).shuffle(rows)
+    _assign_splits(rows, seed, cfg.val_fraction, tallies)
+    stats, total = _stats_doc(tallies, facts, cfg, seed)
+    _check_invariants(tallies, total, len(rows))
+    _write_parquet(rows, paths["merged"])
+    atomic_write_json(paths["stats"], stats)
+    return paths, stats
+
+
+def read_merged(path: Path | str) -> list[dict[str, Any]]:
+    """Rows of merged.parquet as dicts (messages as a list of {'role', 'content'} dicts), in file order."""
+    return pq.read_table(path).to_pylist()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m eagle3.data.merge --preset NAME [--set data.val_fraction=0.1 ...] [--force]"""
+    from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
+    from eagle3.stages import run_merge, write_run_config
+    from infra.storage import run_lock
+
+    parser = argparse.ArgumentParser(description="Merge the configured chat sources into <run>/data/.")
+    parser.add_argument("--force", action="store_true", help="recompute even if the merge manifest matches")
+    add_config_args(parser)
+
+    @exit_on_user_error
+    def run() -> None:
+        args = parser.parse_args(argv)
+        cfg = config_from_args(args)
+        # The same lock and manifest logic as `python -m eagle3.stages merge`, so the two never disagree.
+        with run_lock(cfg.run_dir, owner="python -m eagle3.data.merge"):
+            write_run_config(cfg)
+            outcome = run_merge(cfg, force=args.force)
+        print(json.dumps(outcome.to_json(), indent=2))
+
+    run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,505 @@
+"""Readers for chat datasets: ShareGPT (JSON array or JSONL), OpenAI 'messages' JSONL, Parquet.
+
+A reader yields, in file order, one item per record: a ``Conversation`` when the record is usable
+and a ``Reject`` (with a reason from ``REJECT_REASONS`` and the whole raw record) otherwise, so the
+merge can count every record and drop nothing silently. A whole source that cannot be read at
+all (missing, empty, a directory, unknown format) raises ``SourceError`` before anything is yielded.
+
+Normalized conversations are plain ``{"role", "content"}`` dicts with roles system/user/assistant.
+Contents are kept verbatim (the chat template decides about whitespace); only hashing strips them.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3.config import SourceConfig
+from eagle3.paths import resolve_path
+
+REJECT_REASONS = (
+    "unparsable", "invalid_utf8", "empty_conversation", "no_user_turn", "no_assistant_turn", "unknown_role",
+    "non_string_content", "duplicate_id", "duplicate_content", "too_long",
+)
+"""Why a record was rejected (one of these is in every line of rejects.jsonl)."""
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+                  "bard": "assistant", "assistant": "assistant", "system": "system"}
+# 'developer' is OpenAI's newer name for the system prompt; tool/function turns have no place in a
+# drafter's plain chat data, so they are rejected as unknown roles rather than guessed at.
+OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+SOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
+ID_UNSAFE_RE = re.compile(r"[^A-Za-z0-9._:-]")
+MAX_ID_CHARS = 120
+TAIL_HEAD_CHARS = 2000
+READ_CHUNK_BYTES = 4 << 20
+SNIFF_RECORDS = 1000
+JSON_EXTENSIONS = (".json", ".jsonl", ".ndjson")
+BOM = b"\xef\xbb\xbf"
+
+
+class SourceError(ValueError):
+    """A whole source cannot be read (missing, empty, a directory, unknown format)."""
+
+
+@dataclass
+class Reject:
+    """One record that did not become a row, with everything needed to find and fix it."""
+
+    source: str
+    location: str
+    """'file.jsonl:17' (line), 'file.json#[123]' (array index), 'file.parquet#row 5', 'file.json@byte N'."""
+    reason: str
+    detail: str
+    record: Any
+    """The raw record as parsed JSON, or the raw text when it did not parse."""
+    id: str | None = None
+
+    def __post_init__(self) -> None:
+        assert self.reason in REJECT_REASONS, self.reason
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able dict (one line of rejects.jsonl)."""
+        return asdict(self)
+
+
+@dataclass
+class Conversation:
+    """A validated, normalized conversation: the future row of merged.parquet (split not yet known)."""
+
+    id: str
+    source: str
+    location: str
+    messages: list[dict[str, str]]
+    num_dropped_turns: int = 0
+    """Leading non-user turns removed from a ShareGPT record (counted in the stats, not silent)."""
+
+    @property
+    def num_chars(self) -> int:
+        """Characters of content over all turns."""
+        return sum(len(m["content"]) for m in self.messages)
+
+
+class SourceStream:
+    """The iterator ``read_source`` returns; also says which format it picked."""
+
+    def __init__(self, fmt: str, path: Path, items: Iterator[Conversation | Reject], raw: Iterator):
+        self.format, self.path, self._items, self._raw = fmt, path, items, raw
+
+    def __iter__(self) -> SourceStream:
+        return self
+
+    def __next__(self) -> Conversation | Reject:
+        return next(self._items)
+
+    def close(self) -> None:
+        """Stop early and release the file (the merge stops at a source's cap)."""
+        self._items.close()
+        self._raw.close()  # an unstarted _items never runs its finally, but the sniffing may have opened the file
+
+
+class _BadRecord(Exception):
+    """Raised inside record parsing; turned into a Reject by the caller."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+# ---------------------------------------------------------------- hashing and ids
+
+
+def normalized_pairs(messages: list[dict[str, str]]) -> list[list[str]]:
+    """[[role, stripped content], ...]: what two conversations must share to count as duplicates."""
+    return [[m["role"], m["content"].strip()] for m in messages]
+
+
+def content_hash(messages: list[dict[str, str]]) -> str:
+    """Hex sha256 of a canonical JSON of the normalized messages (roles + whitespace-stripped contents)."""
+    text = json.dumps(normalized_pairs(messages), ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def make_row_id(source: str, id_in_source: str) -> str:
+    """'<source>:<id>' with unsafe characters replaced by '_' and long ids cut (plus a hash of the original)."""
+    full = f"{source}:{id_in_source}"
+    safe = ID_UNSAFE_RE.sub("_", full)
+    if len(safe) > MAX_ID_CHARS:
+        # The hash of the uncut id keeps two long ids with a shared prefix apart.
+        safe = f"{safe[:MAX_ID_CHARS - 11]}-{hashlib.sha256(full.encode('utf-8', 'backslashreplace')).hexdigest()[:10]}"
+    return safe
+
+
+def _explicit_id(record: dict[str, Any]) -> str | None:
+    raw = record.get("id")
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (str, int)):
+        raise _BadRecord("unparsable", f"'id' must be a string or an integer, got {type(raw).__name__}")
+    return str(raw)
+
+
+# ---------------------------------------------------------------- opening a source
+
+
+def source_path(src: SourceConfig) -> Path:
+    """The source's file, or SourceError naming the source, the path and what is wrong with it."""
+    if not SOURCE_NAME_RE.fullmatch(src.name):
+        raise SourceError(f"source name {src.name!r} (path {src.path}): use only letters, digits, '-', '_' and '.'")
+    try:
+        path = resolve_path(src.path)
+    except FileNotFoundError as exc:
+        raise SourceError(f"source {src.name!r}: cannot resolve {src.path}: {exc}") from None
+    if not path.exists():
+        raise SourceError(f"source {src.name!r}: file {path} does not exist")
+    if path.is_dir():
+        raise SourceError(f"source {src.name!r}: {path} is a directory, expected a file")
+    return path
+
+
+def _first_content_byte(path: Path) -> bytes | None:
+    """First byte that is not whitespace, or None for a file with nothing in it."""
+    with open(path, "rb") as fh:
+        chunk = fh.read(1 << 16).removeprefix(BOM)  # a BOM-only file is as empty as a blank one
+        while chunk:
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped[:1]
+            chunk = fh.read(1 << 16)
+    return None
+
+
+def _pick_reader(src: SourceConfig, path: Path) -> str:
+    """'parquet', 'array' (one JSON array) or 'lines' (JSONL) from the config, extension and first byte."""
+    is_parquet = src.format == "parquet" or (src.format == "auto" and path.suffix == ".parquet")
+    if src.format == "auto" and not is_parquet and path.suffix not in JSON_EXTENSIONS:
+        raise SourceError(f"source {src.name!r}: unknown format for {path} (extension {path.suffix!r}); "
+                          "set format to sharegpt, openai or parquet")
+    if path.stat().st_size == 0:
+        raise SourceError(f"source {src.name!r}: file {path} is empty (0 bytes)")
+    if is_parquet:
+        return "parquet"
+    first = _first_content_byte(path)
+    if first is None:
+        raise SourceError(f"source {src.name!r}: file {path} holds only whitespace")
+    return "array" if first == b"[" else "lines"
+
+
+def read_source(src: SourceConfig, max_chars: int) -> SourceStream:
+    """Every record of one source, in file order, as Conversation or Reject (SourceError up front).
+
+    Lazy: records are parsed only as the caller asks for them, so stopping after N rows costs N rows.
+    """
+    path = source_path(src)
+    reader = _pick_reader(src, path)
+    if reader == "parquet":
+        fmt, raw = _open_parquet(src, path)
+    else:
+        raw = _iter_array(src.name, path) if reader == "array" else _iter_lines(src.name, path)
+        fmt, raw = _choose_format(src, path, raw)
+    return SourceStream(fmt, path, _normalize_all(src.name, fmt, raw, max_chars), raw)
+
+
+def _record_format(value: Any) -> str | None:
+    if isinstance(value, dict):
+        if isinstance(value.get("messages"), list):
+            return "openai"
+        if isinstance(value.get("conversations"), list):
+            return "sharegpt"
+    return None
+
+
+def _choose_format(src: SourceConfig, path: Path, raw: Iterator) -> tuple[str, Iterator]:
+    """The configured format, or (auto) the first record's: 'messages' -> openai, 'conversations' -> sharegpt."""
+    if src.format in ("sharegpt", "openai"):
+        return src.format, raw
+    # Look ahead over a few records so one broken first line does not decide the whole file.
+    peeked, fmt = [], None
+    for item in raw:
+        peeked.append(item)
+        fmt = _record_format(item[1]) if isinstance(item, tuple) else None
+        if fmt or len(peeked) >= SNIFF_RECORDS:
+            break
+    if not fmt:
+        raw.close()
+        what = f"none of the first {len(peeked)} records has" if peeked else "it holds no record with"
+        raise SourceError(f"source {src.name!r}: cannot tell the format of {path}: {what} a 'messages' or "
+                          "'conversations' list; set format to sharegpt or openai")
+    return fmt, _prepend(peeked, raw)
+
+
+def _prepend(peeked: list, raw: Iterator) -> Iterator:
+    """The looked-ahead items, then the rest; closing it closes the file."""
+    try:
+        yield from peeked
+        yield from raw
+    finally:
+        raw.close()
+
+
+# ---------------------------------------------------------------- raw records per container
+
+
+def _iter_lines(source: str, path: Path) -> Iterator[tuple[str, Any] | Reject]:
+    """JSONL: (location, parsed value) per non-blank line; bad bytes or bad JSON reject only that line."""
+    with open(path, "rb") as fh:
+        for num, raw in enumerate(fh, 1):
+            if num == 1:
+                raw = raw.removeprefix(BOM)
+            if not raw.strip():
+                continue  # a blank line is not a record
+            loc = f"{path.name}:{num}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                shown = raw.decode("utf-8", "backslashreplace").rstrip("\r\n")
+                yield Reject(source, loc, "invalid_utf8", f"not UTF-8 at byte {exc.start} of the line", shown)
+                continue
+            try:
+                yield loc, json.loads(text)
+            except json.JSONDecodeError as exc:
+                yield Reject(source, loc, "unparsable", f"invalid JSON: {exc.msg} (column {exc.colno})",
+                             text.rstrip("\r\n"))
+
+
+class _TextWindow:
+    """A sliding window over a file's text; bytes that are not UTF-8 become lone surrogates."""
+
+    def __init__(self, fh: Any):
+        self.fh, self.text, self.eof = fh, "", False
+        self._decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
+
+    def extend(self, pos: int) -> int | None:
+        """Drop the text before ``pos`` and read one more chunk; the new position, or None at EOF."""
+        if self.eof:
+            return None
+        chunk = self.fh.read(READ_CHUNK_BYTES)
+        self.eof = not chunk
+        # Cutting only here (not after every record) keeps slicing cost linear in the file size.
+        self.text = self.text[pos:] + self._decoder.decode(chunk, final=self.eof)
+        return 0
+
+
+def _skip_separators(window: _TextWindow, pos: int) -> int | None:
+    """Position of the next record's first character (past whitespace and commas), None at EOF."""
+    while True:
+        while pos < len(window.text) and window.text[pos] in " \t\r\n,\ufeff":
+            pos += 1
+        if pos < len(window.text):
+            return pos
+        pos = window.extend(pos)
+        if pos is None:
+            return None
+
+
+def _iter_array(source: str, path: Path) -> Iterator[tuple[str, Any] | Reject]:
+    """One JSON array, decoded record by record so a truncated file still yields every whole record.
+
+    The first record that cannot be decoded (the cut-off tail of a truncated file) ends the array:
+    there is no reliable way to resynchronize inside JSON, so the rest becomes one 'unparsable' reject.
+    """
+    decoder = json.JSONDecoder()
+    with open(path, "rb") as fh:
+        window = _TextWindow(fh)
+        pos = _skip_separators(window, 0)
+        assert window.text[pos] == "[", "_pick_reader chose the array reader for a file not starting with '['"
+        pos += 1
+        index = 0
+        while (pos := _skip_separators(window, pos)) is not None:
+            if window.text[pos] == "]":
+                yield from _trailing_reject(source, path, window, pos + 1)
+                return
+            try:
+                value, end = decoder.raw_decode(window.text, pos)
+                if end == len(window.text) and not window.eof:
+                    raise json.JSONDecodeError("value may continue in the next chunk", window.text, end)
+            except json.JSONDecodeError as exc:
+                # Either the record continues in the next chunk, or this is the cut-off tail.
+                next_pos = window.extend(pos)
+                if next_pos is None:
+                    yield _tail_reject(source, path, window.text[pos:], exc)
+                    return
+                pos = next_pos
+                continue
+            yield f"{path.name}#[{index}]", value
+            index, pos = index + 1, end
+
+
+def _tail_reject(source: str, path: Path, tail: str, exc: json.JSONDecodeError) -> Reject:
+    """The undecodable rest of a JSON array as ONE reject: located by byte offset, head kept for reading."""
+    num_bytes = len(tail.encode("utf-8", "surrogateescape"))
+    offset = path.stat().st_size - num_bytes
+    record = {"head": tail[:TAIL_HEAD_CHARS], "num_chars": len(tail), "num_bytes": num_bytes}
+    detail = (f"JSON array is cut off or broken here ({exc.msg}); the remaining {num_bytes:,} bytes "
+              "hold no complete record")
+    return Reject(source, f"{path.name}@byte {offset}", "unparsable", detail, record)
+
+
+def _trailing_reject(source: str, path: Path, window: _TextWindow, pos: int) -> Iterator[Reject]:
+    """Text after the closing ']' is not silently ignored."""
+    while window.extend(pos) is not None:
+        pos = 0
+    rest = window.text[pos:].lstrip(" \t\r\n")
+    if rest:
+        exc = json.JSONDecodeError("extra data after the closing ']'", rest, 0)
+        yield _tail_reject(source, path, rest, exc)
+
+
+def _open_parquet(src: SourceConfig, path: Path) -> tuple[str, Iterator[tuple[str, Any]]]:
+    """Format from the columns ('messages' or 'conversations', optional 'id') and a lazy row iterator."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pfile = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise SourceError(f"source {src.name!r}: cannot read {path} as Parquet: {exc}") from None
+    names = set(pfile.schema_arrow.names)
+    fmt = "openai" if "messages" in names else "sharegpt" if "conversations" in names else None
+    if fmt is None:
+        raise SourceError(f"source {src.name!r}: {path} has no 'messages' or 'conversations' column "
+                          f"(columns: {sorted(names)})")
+    columns = [c for c in ("id", "messages" if fmt == "openai" else "conversations") if c in names]
+    return fmt, _iter_parquet_rows(pfile, columns, path.name)
+
+
+def _iter_parquet_rows(pfile: Any, columns: list[str], file_name: str) -> Iterator[tuple[str, Any]]:
+    num = 0
+    for batch in pfile.iter_batches(batch_size=1024, columns=columns):
+        for row in batch.to_pylist():
+            yield f"{file_name}#row {num}", row
+            num += 1
+
+
+# ---------------------------------------------------------------- one record -> Conversation | Reject
+
+
+def _turn_pairs(record: Any, fmt: str) -> list[tuple[Any, Any]]:
+    """(role, content) per turn, before any checks on their values."""
+    sharegpt = fmt == "sharegpt"
+    key, role_key, content_key = ("conversations", "from", "value") if sharegpt else ("messages", "role", "content")
+    if not isinstance(record, dict):
+        raise _BadRecord("unparsable", f"record is a JSON {type(record).__name__}, not an object")
+    turns = record.get(key)
+    if not isinstance(turns, list):
+        raise _BadRecord("unparsable", f"record has no '{key}' list")
+    pairs = []
+    for num, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise _BadRecord("unparsable", f"turn {num} is a JSON {type(turn).__name__}, not an object")
+        pairs.append((turn.get(role_key), turn.get(content_key)))
+    return pairs
+
+
+def _is_utf8_text(text: str) -> bool:
+    # Lone surrogates come from non-UTF-8 bytes (surrogateescape) or from '\udXXX' JSON escapes;
+    # either way they cannot be written to Parquet or tokenized.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _normalize_turns(pairs: list[tuple[Any, Any]], fmt: str) -> list[dict[str, str]]:
+    """Map roles and check each turn's content; the first bad turn decides the reason."""
+    role_map = SHAREGPT_ROLES if fmt == "sharegpt" else OPENAI_ROLES
+    messages = []
+    for num, (raw_role, content) in enumerate(pairs):
+        # Roles are matched case-insensitively: 'Human' and 'GPT' occur in ShareGPT dumps.
+        role = role_map.get(raw_role.strip().lower()) if isinstance(raw_role, str) else None
+        if role is None:
+            raise _BadRecord("unknown_role", f"turn {num} has role {raw_role!r}; known: {sorted(role_map)}")
+        if not isinstance(content, str):
+            raise _BadRecord("non_string_content", f"turn {num} ({raw_role}) content is {type(content).__name__}")
+        if not _is_utf8_text(content):
+            raise _BadRecord("invalid_utf8", f"turn {num} ({raw_role}) content holds bytes that are not UTF-8")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _drop_leading_non_user(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """ShareGPT dumps were split into chunks, so many start mid-dialogue with a bot turn: drop turns
+    before the first user turn, except a system prompt in first place (it still applies)."""
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    keep_system = messages[:1] if messages[0]["role"] == "system" else []
+    return keep_system + messages[first_user:] if first_user else messages
+
+
+def _check_conversation(messages: list[dict[str, str]], max_chars: int) -> None:
+    if not messages or all(not m["content"].strip() for m in messages):
+        raise _BadRecord("empty_conversation", f"{len(messages)} turns, all empty")
+    roles = {m["role"] for m in messages}
+    if "user" not in roles:
+        raise _BadRecord("no_user_turn", "no user turn")
+    if "assistant" not in roles:
+        raise _BadRecord("no_assistant_turn", "no assistant turn (after the first user turn)")
+    num_chars = sum(len(m["content"]) for m in messages)
+    if num_chars > max_chars:
+        raise _BadRecord("too_long", f"{num_chars:,} characters > max_chars {max_chars:,}")
+
+
+def _to_messages(record: Any, fmt: str, max_chars: int) -> tuple[list[dict[str, str]], int]:
+    """Validated messages and the number of leading turns dropped (ShareGPT only)."""
+    messages = _normalize_turns(_turn_pairs(record, fmt), fmt)
+    if fmt == "sharegpt" and any(m["role"] == "user" for m in messages):
+        num_before = len(messages)
+        messages = _drop_leading_non_user(messages)
+        dropped = num_before - len(messages)
+    else:
+        dropped = 0
+    _check_conversation(messages, max_chars)
+    return messages, dropped
+
+
+def _normalize_all(source: str, fmt: str, raw: Iterator, max_chars: int) -> Iterator[Conversation | Reject]:
+    """Raw (location, record) items -> Conversation | Reject, with ids unique within the source."""
+    first_seen: dict[str, str] = {}  # row id -> location that took it
+    try:
+        for item in raw:
+            if isinstance(item, Reject):
+                yield item
+                continue
+            yield _one_record(source, fmt, item[0], item[1], max_chars, first_seen)
+    finally:
+        raw.close()  # the merge may stop early: close the file now, not at garbage collection
+
+
+def _one_record(source: str, fmt: str, loc: str, record: Any, max_chars: int,
+                first_seen: dict[str, str]) -> Conversation | Reject:
+    row_id = None
+    try:
+        explicit = _explicit_id(record) if isinstance(record, dict) else None
+        row_id = make_row_id(source, explicit) if explicit is not None else None
+        messages, dropped = _to_messages(record, fmt, max_chars)
+    except _BadRecord as bad:
+        return Reject(source, loc, bad.reason, bad.detail, record, row_id)
+    if row_id is None:
+        row_id = _unused_hash_id(source, messages, first_seen)
+    elif row_id in first_seen:
+        # Never overwrite: two records whose ids are equal (or become equal once sanitized) cannot both be rows.
+        detail = f"id {explicit!r} -> {row_id!r} already taken by {first_seen[row_id]}"
+        return Reject(source, loc, "duplicate_id", detail, record, row_id)
+    first_seen[row_id] = loc
+    return Conversation(row_id, source, loc, messages, dropped)
+
+
+def _unused_hash_id(source: str, messages: list[dict[str, str]], first_seen: dict[str, str]) -> str:
+    """'h' + 16 hex of the content hash; repeats of identical id-less records get '.2', '.3', ...
+
+    Repeats are numbered rather than rejected: they are duplicates of content (the merge's dedupe
+    decides), not of ids, and with dedupe off the user asked to keep them.
+    """
+    base = make_row_id(source, "h" + content_hash(messages)[:16])
+    row_id, num = base, 1
+    while row_id in first_seen:
+        num += 1
+        row_id = f"{base}.{num}"
+    return row_id

@@ -1,0 +1,71 @@
+"""The pipeline flow under a real Prefect server (prefect_test_harness): completion and skipping."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3.config import load_config
+from flows.pipeline import eagle3_pipeline
+
+STAGES = ("merge", "tokenize", "vocab")
+
+
+def _tiny(tmp_path, *overrides: str):
+    return load_config("tiny", [f"run.workdir={tmp_path}", *overrides])
+
+
+def _computed(result: dict) -> dict[str, bool]:
+    return {stage: result[stage]["computed"] for stage in STAGES}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("flow-runs")
+
+
+def test_flow_completes_and_writes_every_output(workdir):
+    """A first run completes and leaves merged, tokenized and vocab outputs plus config.json."""
+    state = eagle3_pipeline(config=_tiny(workdir), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert _computed(result) == {"merge": True, "tokenize": True, "vocab": True}
+    run_dir = workdir / "tiny"
+    for rel in ("config.json", "data/merged.parquet", "data/rejects.jsonl", "data/stats.json",
+                "data/tokenized.parquet", "vocab/vocab_map.safetensors", "vocab/vocab_map.json"):
+        assert (run_dir / rel).is_file(), rel
+
+
+def test_second_run_with_same_inputs_recomputes_nothing(workdir):
+    """Re-running with identical inputs skips every stage and leaves the outputs untouched."""
+    before = {p: p.stat().st_mtime_ns for p in (workdir / "tiny").rglob("*.parquet")}
+    result = eagle3_pipeline(config=_tiny(workdir))
+    assert _computed(result) == {"merge": False, "tokenize": False, "vocab": False}
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+
+
+def test_changed_tokenize_config_recomputes_only_downstream(workdir):
+    """Changing tokenize.max_len recomputes tokenize and vocab but not merge."""
+    result = eagle3_pipeline(config=_tiny(workdir, "tokenize.max_len=64"))
+    assert _computed(result) == {"merge": False, "tokenize": True, "vocab": True}
+
+
+def test_changed_vocab_size_recomputes_only_vocab(workdir):
+    """Changing the draft vocab size recomputes the vocab map alone."""
+    result = eagle3_pipeline(config=_tiny(workdir, "tokenize.max_len=64", "vocab.draft_vocab_size=64"))
+    assert _computed(result) == {"merge": False, "tokenize": False, "vocab": True}
+
+
+def test_deleted_output_is_recomputed_despite_prefect_cache(workdir):
+    """A stage whose output file vanished runs again even though Prefect holds a cached result."""
+    cfg = _tiny(workdir, "tokenize.max_len=64", "vocab.draft_vocab_size=64")
+    (workdir / "tiny" / "vocab" / "vocab_map.safetensors").unlink()
+    result = eagle3_pipeline(config=cfg)
+    assert _computed(result) == {"merge": False, "tokenize": False, "vocab": True}
+    assert (workdir / "tiny" / "vocab" / "vocab_map.safetensors").is_file()
+
+
+def test_flow_accepts_preset_and_overrides_as_parameters(workdir):
+    """Deployments pass a preset name and dotted overrides, not a copy of the preset."""
+    result = eagle3_pipeline(preset="tiny", overrides=[f"run.workdir={workdir}", "run.name=by-preset"])
+    assert result["run_dir"].endswith("by-preset")
+    assert _computed(result) == {"merge": True, "tokenize": True, "vocab": True}

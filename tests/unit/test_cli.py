@@ -1,0 +1,63 @@
+"""Command-line entry points: user errors give one clear message and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_missing_source_file_is_one_clear_error(tmp_path):
+    """A source path that does not exist names the source and the path; exit code 2; no traceback."""
+    proc = _run("eagle3.stages", "merge", "--preset", "tiny", "--set", f"run.workdir={tmp_path}",
+                "--set", "data.sources.0.path=/nonexistent/chats.jsonl")
+    assert proc.returncode == 2, proc.stderr
+    assert "tiny-chats" in proc.stderr and "/nonexistent/chats.jsonl" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_preset_field_is_one_clear_error(tmp_path):
+    """A preset with an unknown field fails before any work, naming the field."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  sourcez: []\n")
+    proc = _run("eagle3.stages", "all", "--preset", str(bad))
+    assert proc.returncode == 2
+    assert "data.sourcez" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_directory_given_as_source_is_one_clear_error(tmp_path):
+    """A directory where a file is expected is reported as such."""
+    proc = _run("eagle3.stages", "merge", "--preset", "tiny", "--set", f"run.workdir={tmp_path}",
+                "--set", f"data.sources.0.path={tmp_path}")
+    assert proc.returncode == 2 and "director" in proc.stderr.lower() and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(600)
+def test_stage_all_runs_without_prefect_and_skips_on_rerun(tmp_path):
+    """`python -m eagle3.stages all` on the tiny preset writes every output; a rerun computes nothing."""
+    args = ("eagle3.stages", "all", "--preset", "tiny", "--set", f"run.workdir={tmp_path}")
+    first = _run(*args)
+    assert first.returncode == 0, first.stderr
+    second = _run(*args)
+    assert second.returncode == 0, second.stderr
+    outcomes = [json.loads(block) for block in _json_blocks(second.stdout)]
+    assert [o["stage"] for o in outcomes] == ["merge", "tokenize", "vocab"]
+    assert not any(o["computed"] for o in outcomes)
+    assert (tmp_path / "tiny" / "vocab" / "vocab_map.safetensors").is_file()
+
+
+def _json_blocks(text: str) -> list[str]:
+    """Split concatenated pretty-printed JSON objects (each starts with '{' at column 0)."""
+    blocks, current = [], []
+    for line in text.splitlines():
+        if line == "{" and current:
+            blocks.append("\n".join(current))
+            current = []
+        current.append(line)
+    return blocks + (["\n".join(current)] if current else [])

@@ -1,0 +1,111 @@
+"""eagle3.target: target directories, shape facts, fingerprint, single-tensor reads, tokenizer report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from eagle3.config import load_config
+from eagle3.target import (TokenizerMismatchError, default_aux_layer_ids, fingerprint, lm_head_name,
+                           load_model, load_tokenizer, prepare_target, read_tensor, stop_token_ids, target_info,
+                           tokenizer_report)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    cfg = load_config("tiny", [f"run.workdir={tmp_path_factory.mktemp('w')}"])
+    return prepare_target(cfg)
+
+
+def test_default_aux_ids_follow_output_of_layer_convention():
+    """[1, N//2-1, N-4]: Llama-3.1-8B (32 layers) -> [1, 15, 28], SmolLM2 (30) -> [1, 14, 26]."""
+    assert default_aux_layer_ids(32) == [1, 15, 28]
+    assert default_aux_layer_ids(30) == [1, 14, 26]
+
+
+def test_target_info_reads_shapes_from_config(tiny_dir):
+    """Shape facts come from config.json and match the tiny preset."""
+    info = target_info(tiny_dir)
+    assert (info.num_layers, info.hidden_size, info.num_attention_heads) == (4, 64, 4)
+    assert info.aux_layer_ids == [1, 1, 0]
+    assert info.vocab_size == len(load_tokenizer(tiny_dir))
+
+
+def test_out_of_range_aux_ids_are_refused(tiny_dir):
+    """An aux layer id beyond the layer count is an error naming the ids."""
+    cfg = load_config("tiny", ["target.aux_layer_ids=[1,2,9]"])
+    with pytest.raises(ValueError, match=r"\[1, 2, 9\]"):
+        target_info(tiny_dir, cfg.target)
+
+
+def test_fingerprint_is_stable_and_tracks_tokenizer_changes(tiny_dir, tmp_path):
+    """Same files -> same fingerprint; an edited tokenizer file -> a different one."""
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dir, copy)
+    assert fingerprint(copy) == fingerprint(tiny_dir)
+    cfg_path = copy / "tokenizer_config.json"
+    doc = json.loads(cfg_path.read_text())
+    doc["model_max_length"] = 12345
+    cfg_path.write_text(json.dumps(doc))
+    assert fingerprint(copy) != fingerprint(tiny_dir)
+
+
+def test_read_tensor_through_a_sharded_index_matches_the_model(tiny_dir, tmp_path):
+    """Single tensors (and row slices) read through model.safetensors.index.json equal the loaded weights."""
+    model = load_model(tiny_dir)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    info = target_info(tiny_dir)
+    for name in ("model.embed_tokens.weight", "model.norm.weight", lm_head_name(info)):
+        assert torch.equal(read_tensor(sharded, name), model.state_dict()[name])
+    rows = read_tensor(sharded, "model.embed_tokens.weight", rows=slice(3, 7))
+    assert torch.equal(rows, model.state_dict()["model.embed_tokens.weight"][3:7])
+    with pytest.raises(KeyError, match="nope"):
+        read_tensor(sharded, "nope")
+
+
+def test_tokenizer_report_lists_specials_and_end_of_turn(tiny_dir):
+    """ChatML's <|im_end|> is one token and the model stops on it."""
+    report = tokenizer_report(load_tokenizer(tiny_dir), target_info(tiny_dir))
+    assert report["end_of_turn_text"] == "<|im_end|>"
+    assert report["end_of_turn_ids"] == [2] and 2 in report["stop_ids"]
+    assert report["special_tokens"]["eos_token"] == {"token": "<|im_end|>", "id": 2}
+
+
+def test_tokenizer_report_names_both_ids_on_a_mismatch(tiny_dir, tmp_path):
+    """A model that stops on another id than the template's end-of-turn token is an error naming both."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    for name in ("generation_config.json", "config.json"):
+        doc = json.loads((broken / name).read_text())
+        doc["eos_token_id"] = 0
+        (broken / name).write_text(json.dumps(doc))
+    tok = load_tokenizer(broken)
+    tok.eos_token = "<|endoftext|>"
+    with pytest.raises(TokenizerMismatchError, match=r"ids \[2\].*stops on ids \[0\]"):
+        tokenizer_report(tok, target_info(broken))
+
+
+def test_stop_ids_include_the_end_of_turn_token(tiny_dir):
+    """Ids forced into the draft vocab include EOS and the template's end-of-turn token."""
+    assert 2 in stop_token_ids(load_tokenizer(tiny_dir), target_info(tiny_dir))
+
+
+@pytest.mark.slow
+def test_gguf_conversion_makes_a_folder_both_transformers_generations_read(tmp_path):
+    """SmolLM2 GGUF -> fp32 safetensors once; the folder carries the transformers-4 fixes and answers Paris."""
+    cfg = load_config("smollm2-demo", [f"target.cache_dir={tmp_path}"])
+    model_dir = prepare_target(cfg)
+    assert json.loads((model_dir / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert json.loads((model_dir / "config.json").read_text())["rope_theta"] == 100000.0
+    assert prepare_target(cfg) == model_dir  # cached: second call does not convert again
+    tok, model = load_tokenizer(model_dir), load_model(model_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
+    tokenizer_report(tok, target_info(model_dir))
