@@ -69,3 +69,23 @@ def test_flow_accepts_preset_and_overrides_as_parameters(workdir):
     result = eagle3_pipeline(preset="tiny", overrides=[f"run.workdir={workdir}", "run.name=by-preset"])
     assert result["run_dir"].endswith("by-preset")
     assert _computed(result) == {"merge": True, "tokenize": True, "vocab": True}
+
+
+def test_flow_with_regeneration_against_the_fake_openai_server(tmp_path):
+    """With regeneration on, the flow re-answers through an OpenAI-compatible endpoint (a named fake here)
+    and tokenizes the regenerated answers, not the dataset's."""
+    import pyarrow.parquet as pq
+
+    from tests.fakes.openai_server import FakeOpenAIServer
+
+    with FakeOpenAIServer() as server:
+        cfg = _tiny(tmp_path, "regenerate.enabled=true", f"regenerate.endpoint={server.base_url}",
+                    "regenerate.max_conversations=5")
+        result = eagle3_pipeline(config=cfg)
+    stats = result["regenerate"]["stats"]
+    assert stats["success"] == 5 and stats["success"] + stats["error"] + stats["skipped_done"] \
+        + stats["skipped_limit"] == stats["input"]
+    rows = pq.read_table(tmp_path / "tiny" / "data" / "regenerated.parquet").to_pylist()
+    answers = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
+    assert sum(a.startswith("answer to:") for a in answers) >= 5
+    assert result["tokenize"]["computed"] and result["vocab"]["computed"]

@@ -1,0 +1,591 @@
+"""Re-answer every user turn of each conversation with the target model (EAGLE-3 regeneration).
+
+The drafter learns to predict the target's own tokens, so the assistant turns of the training data
+are replaced by what the target says. Answers are produced turn by turn on the *regenerated*
+history, as the EAGLE-3 paper did: for [system?, u1, a1, u2, a2] we send [system?, u1] -> a1',
+then [system?, u1, a1', u2] -> a2'. The original assistant turns are never sent.
+
+Which messages become answers (``plan_turns``):
+  * a generated answer follows each maximal run of user messages (also a trailing user turn);
+  * every original assistant message after the first user message is dropped (it is replaced);
+  * assistant messages before the first user message (an opening greeting) answer nothing and
+    are kept verbatim as context; system and other messages are kept in place.
+
+Resumability: every finished conversation (success or error) is appended to
+``regenerate.journal.jsonl`` and fsynced at once. A re-run skips ids already in the journal
+(``skipped_done``) unless their input row or the generation settings changed. The final
+``regenerated.parquet`` and ``regenerate_errors.jsonl`` are written atomically from the journal,
+in the input's row order. A failed conversation is never half-regenerated: it is absent from the
+parquet and present in the errors file with its reason.
+
+Failures: a row error (HTTP 4xx, 5xx or timeouts after the retries, empty or malformed answers)
+is journaled like a success and not retried by a re-run unless ``retry_errors=True``. An
+endpoint that cannot be reached at all raises EndpointUnreachable and stops the run instead
+(finished rows stay journaled), and so does any unexpected exception, which is a bug, not data.
+
+Rows beyond ``cfg.max_conversations`` are counted as ``skipped_limit`` and copied to the output
+with their ORIGINAL answers, so downstream stages still see every input row.
+
+Invariant (asserted): success + error + skipped_done + skipped_limit == input rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle3.config import RegenerateConfig
+from eagle3.progress import Progress, ProgressFn
+from infra.storage import atomic_path, atomic_write_text, sha256_json
+
+REGENERATED_NAME = "regenerated.parquet"
+ERRORS_NAME = "regenerate_errors.jsonl"
+JOURNAL_NAME = "regenerate.journal.jsonl"
+
+Message = dict[str, str]
+
+
+# --------------------------------------------------------------------------- backend contract
+
+@dataclass(frozen=True)
+class Completion:
+    """One generated assistant turn."""
+
+    content: str
+    finish_reason: str | None
+
+
+class CompletionError(Exception):
+    """A turn that could not be generated; the conversation goes to the errors file.
+
+    Only this exception marks a row as failed. Anything else raised by a backend is a bug or an
+    environment problem and aborts the run, so it cannot poison the journal with thousands of
+    error records that a resume would then skip.
+    """
+
+    def __init__(self, kind: str, message: str, *, retryable: bool = False, retry_after_s: float = 0.0):
+        super().__init__(message)
+        self.kind, self.message = kind, message
+        self.retryable, self.retry_after_s = retryable, retry_after_s
+        self.num_attempts = 1
+
+
+class EndpointUnreachable(RuntimeError):
+    """The endpoint cannot be reached at all (after retries): the run stops instead of failing rows.
+
+    A down or misconfigured server is not a property of a row; recording it as a row error would
+    mark every remaining row as done in the journal. Stopping keeps the finished rows, and a re-run
+    (or the orchestrator's task retry) resumes once the server is back.
+    """
+
+
+class ChatBackend(Protocol):
+    """Something that answers a chat history with one assistant message."""
+
+    max_parallel: int
+    """Conversations the runner keeps in flight at once."""
+
+    def session(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """Open per-run resources (HTTP client, batcher) inside the running event loop."""
+        ...
+
+    async def complete(self, messages: list[Message], request_id: str) -> Completion:
+        """Answer the history; raise CompletionError for a failure that belongs to this row."""
+        ...
+
+
+# --------------------------------------------------------------------------- OpenAI-compatible HTTP
+
+def parse_chat_response(payload: Any) -> Completion:
+    """Validate an OpenAI chat-completions body and pull out choices[0].message.content."""
+    choices = payload.get("choices") if isinstance(payload, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise CompletionError("invalid_response", f"no choices in response: {str(payload)[:200]}")
+    message = choices[0].get("message")
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, str):
+        raise CompletionError("invalid_response", f"choices[0].message.content is {type(content).__name__}, not str")
+    if not content.strip():
+        raise CompletionError("empty_content", "the model returned an empty answer")
+    return Completion(content=content, finish_reason=choices[0].get("finish_reason"))
+
+
+def _retry_after_s(response: httpx.Response) -> float:
+    """Seconds the server asked us to wait (Retry-After in seconds), 0 when absent or unparsable."""
+    try:
+        return max(0.0, float(response.headers.get("retry-after", "0")))
+    except ValueError:
+        return 0.0
+
+
+class OpenAIChatBackend:
+    """POST {endpoint}/chat/completions with retries, backoff and a per-request deadline."""
+
+    def __init__(self, cfg: RegenerateConfig, api_key: str | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 backoff_base_s: float = 0.5, backoff_max_s: float = 20.0):
+        self.cfg, self.max_parallel = cfg, cfg.max_concurrency
+        self.backoff_base_s, self.backoff_max_s = backoff_base_s, backoff_max_s
+        self._transport = transport
+        self._api_key = api_key if api_key is not None else _key_from_env(cfg.api_key_env)
+        self._client: httpx.AsyncClient | None = None
+        self.num_requests = 0
+        self.num_retries = 0
+
+    def __repr__(self) -> str:
+        # Never show the key, not even in a traceback's locals.
+        return f"OpenAIChatBackend(endpoint={self.cfg.endpoint!r}, model={self.cfg.model!r})"
+
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[None]:
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        limits = httpx.Limits(max_connections=self.max_parallel, max_keepalive_connections=self.max_parallel)
+        async with httpx.AsyncClient(base_url=self.cfg.endpoint.rstrip("/") + "/", headers=headers,
+                                     timeout=httpx.Timeout(self.cfg.timeout_s), limits=limits,
+                                     transport=self._transport) as client:
+            self._client = client
+            try:
+                yield
+            finally:
+                self._client = None
+
+    async def complete(self, messages: list[Message], request_id: str) -> Completion:
+        attempt = 1
+        while True:
+            try:
+                return await self._post_once(messages, request_id)
+            except CompletionError as exc:
+                exc.num_attempts = attempt
+                if exc.retryable and attempt <= self.cfg.max_retries:
+                    await asyncio.sleep(self._backoff_s(attempt, exc.retry_after_s))
+                    self.num_retries += 1
+                    attempt += 1
+                    continue
+                if exc.kind == "transport_error":
+                    raise EndpointUnreachable(f"cannot reach {self.cfg.endpoint} after {attempt} attempt(s): "
+                                              f"{exc.message}") from None
+                raise
+
+    def _backoff_s(self, attempt: int, retry_after_s: float) -> float:
+        # Full jitter keeps many workers that failed together from retrying together.
+        ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
+        return max(random.uniform(0.0, ceiling), min(retry_after_s, self.backoff_max_s))
+
+    async def _post_once(self, messages: list[Message], request_id: str) -> Completion:
+        if self._client is None:
+            raise RuntimeError("OpenAIChatBackend.complete() called outside session()")
+        body = {"model": self.cfg.model, "messages": messages,
+                "max_tokens": self.cfg.max_new_tokens, "temperature": self.cfg.temperature}
+        self.num_requests += 1
+        try:
+            # httpx's timeout bounds each read; the outer deadline bounds the whole request,
+            # so a server that trickles bytes cannot hold a worker forever.
+            response = await asyncio.wait_for(
+                self._client.post("chat/completions", json=body, headers={"X-Request-Id": request_id}),
+                timeout=self.cfg.timeout_s)
+        except (asyncio.TimeoutError, httpx.TimeoutException):
+            raise CompletionError("timeout", f"no answer within {self.cfg.timeout_s} s", retryable=True) from None
+        except httpx.TransportError as exc:
+            raise CompletionError("transport_error", f"{type(exc).__name__}: {exc}", retryable=True) from None
+        return _check_response(response)
+
+
+def _check_response(response: httpx.Response) -> Completion:
+    """Map HTTP status to retryable / permanent errors, then validate the body."""
+    code = response.status_code
+    if code != 200:
+        raise CompletionError(f"http_{code}", f"HTTP {code}: {response.text[:300]}",
+                              retryable=code == 429 or code >= 500, retry_after_s=_retry_after_s(response))
+    try:
+        payload = response.json()
+    except ValueError:
+        raise CompletionError("invalid_response", f"body is not JSON: {response.text[:200]!r}") from None
+    return parse_chat_response(payload)
+
+
+def _key_from_env(env_name: str | None) -> str | None:
+    """Read the API key from the named variable; a configured but unset variable is an error."""
+    if env_name is None:
+        return None
+    key = os.environ.get(env_name)
+    if not key:
+        raise ValueError(f"regenerate.api_key_env names {env_name!r}, but that environment variable is not set")
+    return key
+
+
+# --------------------------------------------------------------------------- in-process transformers
+
+# How often the batcher yields to the event loop before cutting a partial batch: after a batch
+# finishes, every woken conversation submits its next turn within one or two loop iterations.
+_BATCH_GATHER_YIELDS = 8
+
+
+class HFGenerateBackend:
+    """transformers ``generate`` on the k-th turns of several conversations at once.
+
+    Turns depend on earlier answers, so a batch can only hold one pending turn per
+    conversation; the runner keeps ``batch_size_conversations`` conversations in flight and a
+    small batcher task collects their pending turns into one left-padded generate call.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, cfg: RegenerateConfig):
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.max_parallel = cfg.batch_size_conversations
+        self.num_requests = 0
+        self.num_retries = 0
+        self._pending: list[tuple[list[Message], asyncio.Future[Completion]]] = []
+        self._has_work: asyncio.Event | None = None
+
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[None]:
+        self._has_work, self._pending = asyncio.Event(), []
+        loop_task = asyncio.create_task(self._batch_loop())
+        try:
+            yield
+        finally:
+            self._has_work = None
+            loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop_task
+
+    async def complete(self, messages: list[Message], request_id: str) -> Completion:
+        if self._has_work is None:
+            raise RuntimeError("HFGenerateBackend.complete() called outside session()")
+        future: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._pending.append((messages, future))
+        self._has_work.set()
+        return await future
+
+    async def _batch_loop(self) -> None:
+        assert self._has_work is not None
+        while True:
+            await self._has_work.wait()
+            for _ in range(_BATCH_GATHER_YIELDS):
+                if len(self._pending) >= self.max_parallel:
+                    break
+                await asyncio.sleep(0)
+            batch, self._pending = self._pending[: self.max_parallel], self._pending[self.max_parallel:]
+            if not self._pending:
+                self._has_work.clear()
+            self._run_batch(batch)
+
+    def _run_batch(self, batch: list[tuple[list[Message], asyncio.Future[Completion]]]) -> None:
+        # Errors go onto the futures, never out of the batcher task, so no caller waits forever.
+        live = [(msgs, fut) for msgs, fut in batch if not fut.done()]
+        if not live:
+            return
+        try:
+            results = self.generate_batch([msgs for msgs, _ in live])
+        except BaseException as exc:  # noqa: BLE001 - re-raised in every waiting conversation
+            for _, fut in live:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        for (_, fut), result in zip(live, results, strict=True):
+            if fut.done():
+                continue
+            if isinstance(result, CompletionError):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)
+
+    def generate_batch(self, conversations: list[list[Message]]) -> list[Completion | CompletionError]:
+        """Answer several histories with one left-padded generate call (an error per unusable answer)."""
+        import torch
+
+        input_ids, attention_mask = self._encode_left_padded(conversations)
+        device = next(self.model.parameters()).device
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                      **self._generate_kwargs())
+        self.num_requests += len(conversations)
+        return [self._decode(row) for row in out[:, input_ids.shape[1]:].tolist()]
+
+    def _encode_left_padded(self, conversations: list[list[Message]]) -> tuple[Any, Any]:
+        import torch
+
+        tok = self.tokenizer
+        texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+        # The template already writes BOS where the model wants one; adding it again would double it.
+        rows = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
+        width = max(len(r) for r in rows)
+        # Left padding keeps every prompt's last token at the same column, where generation starts.
+        ids = [[self._pad_id()] * (width - len(r)) + r for r in rows]
+        mask = [[0] * (width - len(r)) + [1] * len(r) for r in rows]
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+
+    def _eos_ids(self) -> list[int]:
+        """End ids from the generation config (e.g. Llama-3's <|eot_id|>) and the tokenizer."""
+        ids: set[int] = set()
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        for value in (gen_eos, self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(int(v) for v in value)
+        if not ids:
+            raise ValueError("tokenizer and generation config define no eos token; generation would never stop")
+        return sorted(ids)
+
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad) if pad is not None else self._eos_ids()[0]
+
+    def _generate_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"max_new_tokens": self.cfg.max_new_tokens, "eos_token_id": self._eos_ids(),
+                                  "pad_token_id": self._pad_id()}
+        if self.cfg.temperature == 0:
+            kwargs["do_sample"] = False
+        else:
+            kwargs.update(do_sample=True, temperature=self.cfg.temperature)
+        return kwargs
+
+    def _decode(self, new_ids: list[int]) -> Completion | CompletionError:
+        eos = set(self._eos_ids())
+        stop_at = next((i for i, t in enumerate(new_ids) if t in eos), None)
+        kept = new_ids if stop_at is None else new_ids[:stop_at]
+        text = self.tokenizer.decode(kept, skip_special_tokens=True)
+        if not text.strip():
+            return CompletionError("empty_content", "the model returned an empty answer")
+        return Completion(text, "stop" if stop_at is not None else "length")
+
+
+def make_backend(cfg: RegenerateConfig, model: Any = None, tokenizer: Any = None) -> ChatBackend:
+    """The backend cfg.backend names; the hf backend needs the loaded model and tokenizer."""
+    if cfg.backend == "openai":
+        return OpenAIChatBackend(cfg)
+    if model is None or tokenizer is None:
+        raise ValueError("regenerate.backend='hf' needs the target model and tokenizer")
+    return HFGenerateBackend(model, tokenizer, cfg)
+
+
+# --------------------------------------------------------------------------- conversations
+
+def plan_turns(messages: list[Message]) -> list[Message | None]:
+    """The regenerated conversation's skeleton: kept messages, and None where an answer goes."""
+    plan: list[Message | None] = []
+    seen_user = False
+    for i, msg in enumerate(messages):
+        if msg["role"] == "assistant" and seen_user:
+            continue
+        plan.append({"role": msg["role"], "content": msg["content"]})
+        if msg["role"] == "user":
+            seen_user = True
+            if i + 1 == len(messages) or messages[i + 1]["role"] != "user":
+                plan.append(None)
+    return plan
+
+
+async def regenerate_conversation(messages: list[Message], backend: ChatBackend,
+                                  row_id: str) -> tuple[list[Message], list[str | None]]:
+    """Answer each user turn on the regenerated history; returns (messages, finish reasons)."""
+    history: list[Message] = []
+    finish_reasons: list[str | None] = []
+    for item in plan_turns(messages):
+        if item is not None:
+            history.append(item)
+            continue
+        done = await backend.complete(list(history), f"{row_id}#{len(finish_reasons)}")
+        history.append({"role": "assistant", "content": done.content})
+        finish_reasons.append(done.finish_reason)
+    return history, finish_reasons
+
+
+# --------------------------------------------------------------------------- journal
+
+class Journal:
+    """Append-only JSONL of finished conversations, fsynced per record so a kill loses none."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        """Latest record per id; a torn last line (killed mid-write) is ignored."""
+        records: dict[str, dict[str, Any]] = {}
+        if not self.path.exists():
+            return records
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and "id" in record:
+                    records[record["id"]] = record
+        return records
+
+    @contextlib.contextmanager
+    def appender(self) -> Iterator[Callable[[dict[str, Any]], None]]:
+        """Yield append(record); starts on a fresh line if the previous run died mid-line."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a+b") as fh:
+            if fh.tell() > 0:
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":
+                    fh.write(b"\n")
+
+            def append(record: dict[str, Any]) -> None:
+                fh.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+                fh.flush()
+                os.fsync(fh.fileno())
+
+            yield append
+
+
+def settings_key(cfg: RegenerateConfig) -> str:
+    """Hash of the settings that change the answers; journal records from other settings are redone."""
+    return sha256_json({k: getattr(cfg, k) for k in ("backend", "model", "max_new_tokens", "temperature")})[:16]
+
+
+def _is_reusable(record: dict[str, Any] | None, row: dict[str, Any], key: str, retry_errors: bool) -> bool:
+    if record is None or record.get("settings") != key or record.get("content_hash") != row.get("content_hash"):
+        return False
+    return record.get("status") == "ok" or not retry_errors
+
+
+# --------------------------------------------------------------------------- the run
+
+@dataclass
+class _RunState:
+    """Counters of this run, shared by the workers (one event loop, so no locks)."""
+
+    success: int = 0
+    error: int = 0
+    num_turns: int = 0
+    finish_reasons: Counter[str] = field(default_factory=Counter)
+
+
+async def _process_row(row: dict[str, Any], backend: ChatBackend, key: str) -> dict[str, Any]:
+    """One conversation -> its journal record (ok or error)."""
+    record: dict[str, Any] = {"id": row["id"], "content_hash": row.get("content_hash"), "settings": key}
+    try:
+        messages, reasons = await regenerate_conversation(row["messages"], backend, row["id"])
+    except CompletionError as exc:
+        return {**record, "status": "error", "error_type": exc.kind, "message": exc.message,
+                "attempts": exc.num_attempts}
+    return {**record, "status": "ok", "messages": messages, "finish_reasons": reasons}
+
+
+async def _run_rows(todo: list[dict[str, Any]], backend: ChatBackend, key: str,
+                    append: Callable[[dict[str, Any]], None],
+                    state: _RunState, progress: Progress) -> None:
+    """Keep backend.max_parallel conversations in flight; journal each one as it finishes."""
+    rows = iter(todo)
+
+    async def worker() -> None:
+        # A shared iterator instead of one task per row keeps memory flat on millions of rows.
+        for row in rows:
+            record = await _process_row(row, backend, key)
+            append(record)
+            _count(record, state)
+            progress.update(1, success=state.success, error=state.error)
+
+    async with backend.session():
+        tasks = [asyncio.create_task(worker()) for _ in range(max(1, min(backend.max_parallel, len(todo))))]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _count(record: dict[str, Any], state: _RunState) -> None:
+    if record["status"] == "ok":
+        state.success += 1
+        state.num_turns += len(record["finish_reasons"])
+        state.finish_reasons.update(str(r) for r in record["finish_reasons"])
+    else:
+        state.error += 1
+
+
+def _read_rows(in_parquet: Path) -> tuple[list[dict[str, Any]], pa.Schema]:
+    table = pq.read_table(in_parquet)
+    missing = {"id", "messages"} - set(table.column_names)
+    if missing:
+        raise ValueError(f"{in_parquet} lacks column(s) {sorted(missing)}")
+    rows = table.to_pylist()
+    ids = [r["id"] for r in rows]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i, n in Counter(ids).items() if n > 1)
+        raise ValueError(f"{in_parquet} has duplicate id {dup!r}; the journal is keyed by id")
+    return rows, table.schema
+
+
+def _write_outputs(rows: list[dict[str, Any]], schema: pa.Schema, limit: int,
+                   journal: dict[str, dict[str, Any]], out_dir: Path) -> dict[str, Path]:
+    """regenerated.parquet (input order) and the errors file, both atomic, from the journal."""
+    kept: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for i, row in enumerate(rows):
+        if i >= limit:
+            kept.append(row)  # beyond max_conversations: original answers, by design
+            continue
+        record = journal.get(row["id"])
+        assert record is not None, f"row {row['id']!r} finished without a journal record"
+        if record["status"] == "ok":
+            kept.append({**row, "messages": record["messages"]})
+        else:
+            errors.append(json.dumps({k: record[k] for k in ("id", "error_type", "message", "attempts")},
+                                     ensure_ascii=False))
+    assert len(kept) + len(errors) == len(rows), "every input row must be regenerated, kept or an error"
+    paths = {"regenerated": out_dir / REGENERATED_NAME, "errors": out_dir / ERRORS_NAME}
+    with atomic_path(paths["regenerated"]) as tmp:
+        pq.write_table(pa.Table.from_pylist(kept, schema=schema), tmp)
+    atomic_write_text(paths["errors"], "".join(line + "\n" for line in errors))
+    return paths
+
+
+def regenerate(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, backend: ChatBackend,
+               progress: ProgressFn | None = None, retry_errors: bool = False) -> tuple[dict[str, Path], dict]:
+    """Re-answer the user turns of every row of ``in_parquet``; resumable through the journal.
+
+    ``retry_errors=True`` sends rows that failed in an earlier run again (by default an error
+    in the journal counts as done, like a success).
+    """
+    start = time.monotonic()
+    rows, schema = _read_rows(Path(in_parquet))
+    out_dir = Path(out_dir)
+    journal = Journal(out_dir / JOURNAL_NAME)
+    done, key = journal.load(), settings_key(cfg)
+    limit = min(len(rows), cfg.max_conversations or len(rows))
+    todo = [r for r in rows[:limit] if not _is_reusable(done.get(r["id"]), r, key, retry_errors)]
+    state = _RunState()
+    with journal.appender() as append, Progress(len(todo), "regenerate", progress) as bar:
+        _run_sync(_run_rows(todo, backend, key, append, state, bar))
+    stats = {"input": len(rows), "success": state.success, "error": state.error,
+             "skipped_done": limit - len(todo), "skipped_limit": len(rows) - limit,
+             "num_turns": state.num_turns, "num_requests": _backend_counter(backend, "num_requests"),
+             "num_retries": _backend_counter(backend, "num_retries"),
+             "finish_reasons": dict(sorted(state.finish_reasons.items()))}
+    assert stats["success"] + stats["error"] + stats["skipped_done"] + stats["skipped_limit"] == len(rows)
+    paths = _write_outputs(rows, schema, limit, journal.load(), out_dir)
+    stats["elapsed_s"] = round(time.monotonic() - start, 3)
+    return paths, stats
+
+
+def _run_sync(coro: Coroutine[Any, Any, None]) -> None:
+    """asyncio.run, also from code that already runs an event loop (a notebook, an async task)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _backend_counter(backend: ChatBackend, name: str) -> int | None:
+    """A backend's optional counter (requests, retries), None when it keeps none."""
+    value = getattr(backend, name, None)
+    return int(value) if isinstance(value, int) else None

@@ -1,0 +1,1 @@
+"""Named test doubles (fake servers) shared by the test suites."""
