@@ -151,15 +151,64 @@ class VocabConfig(Section):
     """Draft vocabulary size (clipped to the target vocab size)."""
 
 
+class SGLangCaptureConfig(Section):
+    """The SGLang capture backend: managed server(s) or existing endpoints."""
+
+    endpoints: list[str] = []
+    """Existing capture servers (http://host:port); empty = launch a managed server per pass."""
+    python: str = "python"
+    """Interpreter that has sglang installed (runs `-m sglang.launch_server`)."""
+    host: str = "127.0.0.1"
+    """Interface a managed server binds to."""
+    port: int = Field(30100, ge=1, le=65535)
+    """Port of a managed server."""
+    tp_size: int = Field(1, ge=1)
+    """Tensor-parallel size of a managed server."""
+    dp_size: int = Field(1, ge=1)
+    """Data-parallel replicas inside a managed server."""
+    api_key_env: str | None = "EAGLE3_SGLANG_API_KEY"
+    """Env var holding the server API key; generated per launch when unset."""
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    """--mem-fraction-static for a managed server (None = SGLang's choice)."""
+    extra_args: list[str] = []
+    """Extra launch flags, appended verbatim (checked against SGLang's parser in tests)."""
+    max_concurrency: int = Field(4, ge=1)
+    """Requests in flight per endpoint (each carries T x 3H floats as JSON)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Timeout of one capture request."""
+    startup_timeout_s: float = Field(1800.0, gt=0)
+    """How long a managed server may take to pass the readiness probe."""
+    max_restarts: int = Field(3, ge=0)
+    """Restarts of a managed server that died, with backoff, before the capture fails."""
+
+
 class CaptureConfig(Section):
     backend: Literal["hf", "sglang"] = "hf"
     """Where hidden states come from: in-process transformers or a managed SGLang server."""
+    supervision: Literal["final_hidden", "topk_logprobs"] = "final_hidden"
+    """What the trainer learns from: the post-norm final hidden state, or the target's top-K log-probs."""
+    topk: int = Field(20, ge=1)
+    """K for topk_logprobs supervision."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Storage dtype of the captured states."""
+    aux_dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
+    """Storage of the aux states: bf16, or fp8 e4m3 with a per-token scale (half the bytes)."""
     max_tokens_per_batch: int = Field(4096, ge=1)
     """Token budget of one forward batch (sum of sample lengths), never a sample count."""
     tokens_per_shard: int = Field(1_000_000, ge=1)
-    """Target tokens per shard file."""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Storage dtype of the captured states."""
+    """Target tokens per shard file (shards are balanced by tokens)."""
+    max_concurrent_shards: int = Field(1, ge=1)
+    """Shard tasks in flight in one flow run (they share the model or the servers)."""
+    device: str = "auto"
+    """HF backend device: auto (cuda if available), cpu, cuda, cuda:N."""
+    device_map: str | None = None
+    """HF backend: 'auto' spreads a large model over all visible GPUs (accelerate)."""
+    disk_margin_bytes: int = Field(1 << 30, ge=0)
+    """Free space that must remain after the planned bytes are written."""
+    allow_shared_gpus: bool = False
+    """Start even when other processes hold GPU memory (default: stop and name them)."""
+    sglang: SGLangCaptureConfig = SGLangCaptureConfig()
+    """SGLang backend settings."""
 
 
 class DrafterConfig(Section):
