@@ -29,6 +29,10 @@ FORMAT_VERSIONS: dict[str, int] = {"merge": 1, "regenerate": 1, "tokenize": 1, "
 """Bump a stage's number when its output's meaning changes; every run recomputes it then."""
 
 
+class MissingInputError(ValueError):
+    """A stage was asked to run before the stage it reads from completed."""
+
+
 @dataclass(frozen=True)
 class StageOutcome:
     """What a stage call did: where its manifest is, and whether it computed or found it complete."""
@@ -50,7 +54,10 @@ def stage_key(stage: str, config: dict[str, Any], inputs: list[Path] = (), extra
     """Hash of everything a stage's output depends on (see module doc)."""
     input_docs = []
     for path in inputs:
-        doc = json.loads(Path(path).read_text())
+        doc = read_manifest(Path(path))
+        if doc is None:
+            raise MissingInputError(f"stage {stage} needs {Path(path).name.split('.')[0]} to be complete first "
+                                    f"(no manifest at {path})")
         input_docs.append({"stage": doc["stage"], "key": doc["key"], "outputs": doc["outputs"]})
     return sha256_json({"stage": stage, "version": FORMAT_VERSIONS[stage], "config": config,
                         "inputs": input_docs, "extra": extra or {}})

@@ -74,3 +74,11 @@ def test_key_depends_on_config_inputs_and_version(tmp_path):
     assert base != stage_key("tokenize", {"max_len": 9}, [manifest])
     run_stage("merge", manifest, "k2", _writer(tmp_path, [], b"other rows"))
     assert base != stage_key("tokenize", {"max_len": 8}, [manifest])
+
+
+def test_missing_upstream_is_a_clear_error(tmp_path):
+    """Keying a stage whose input stage never completed names the missing stage."""
+    from eagle3.stage import MissingInputError
+
+    with pytest.raises(MissingInputError, match="needs merge to be complete first"):
+        stage_key("tokenize", {}, [tmp_path / "merge.manifest.json"])
