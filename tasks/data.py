@@ -98,17 +98,9 @@ def _flat(stats: dict[str, Any]) -> dict[str, Any]:
 
 def publish_merge_tables(cfg: RunConfig, stats: dict[str, Any]) -> None:
     """Per-source counts and rejects by reason as table artifacts."""
-    per_source = stats.get("per_source") or stats.get("sources") or {}
-    rows = [{"source": name, **_flat(s)} for name, s in per_source.items()] if isinstance(per_source, dict) else []
-    publish_table(cfg, "data-stats", rows or [_flat(stats)], "merged data: per-source counts")
-    by_reason = _find_reasons(stats)
-    publish_table(cfg, "rejects-by-reason", [{"reason": r, "count": n} for r, n in sorted(by_reason.items())]
-                  or [{"reason": "(none)", "count": 0}], "rejected records by reason (data/rejects.jsonl)")
-
-
-def _find_reasons(stats: dict[str, Any]) -> dict[str, int]:
-    for key in ("rejected_by_reason", "rejects_by_reason", "by_reason"):
-        if isinstance(stats.get(key), dict):
-            return stats[key]
-    total = stats.get("total")
-    return _find_reasons(total) if isinstance(total, dict) else {}
+    rows = [{"source": name, **_flat(s)} for name, s in stats["sources"].items()]
+    rows.append({"source": "(total)", **_flat(stats["total"])})
+    publish_table(cfg, "data-stats", rows, "merged data: per-source counts (kept + rejected = read)")
+    by_reason = stats["total"]["rejected_by_reason"]
+    publish_table(cfg, "rejects-by-reason", [{"reason": r, "count": n} for r, n in sorted(by_reason.items())],
+                  "rejected records by reason (data/rejects.jsonl)")
