@@ -1,0 +1,37 @@
+"""A stand-in for eagle3.train under torchrun (a test double): prints step lines, can fail or hang.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=2 -m tests.fakes.fake_trainer \
+        --steps 3 --pid-dir DIR [--fail] [--hang]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--pid-dir", type=Path, required=True)
+    parser.add_argument("--fail", action="store_true")
+    parser.add_argument("--hang", action="store_true")
+    args = parser.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    args.pid_dir.mkdir(parents=True, exist_ok=True)
+    (args.pid_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
+    for step in range(args.steps):
+        print(f"rank {rank} step {step} loss {1.0 / (step + 1):.3f}", flush=True)
+        print(f"rank {rank} chatter {step}", flush=True)
+    if args.fail and rank == 0:
+        print("rank 0 Traceback: simulated failure", flush=True)
+        sys.exit(3)
+    while args.hang:
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    main()

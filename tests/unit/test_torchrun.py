@@ -1,0 +1,67 @@
+"""infra.torchrun: command lines, streamed logs, failures with the log tail, timeouts that kill the group."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from infra.process import pid_alive
+from infra.torchrun import TorchrunError, TorchrunSpec, kill_leftover, run_torchrun
+
+
+def _spec(tmp_path, *extra: str, nproc: int = 2) -> TorchrunSpec:
+    return TorchrunSpec(module="tests.fakes.fake_trainer", args=("--pid-dir", str(tmp_path / "pids"), *extra),
+                        nproc_per_node=nproc, env={"OMP_NUM_THREADS": "1"})
+
+
+def _rank_pids(tmp_path) -> list[int]:
+    return [int(p.read_text()) for p in sorted((tmp_path / "pids").glob("rank*.pid"))]
+
+
+def test_single_node_uses_standalone_rendezvous():
+    """One node: --standalone; several nodes: c10d rendezvous with the endpoint, or a clear error without it."""
+    assert "--standalone" in TorchrunSpec(module="m").argv()
+    multi = TorchrunSpec(module="m", nnodes=2, node_rank=1, rdzv_endpoint="head:29400").argv()
+    assert "--rdzv-endpoint=head:29400" in multi and "--node-rank=1" in multi and "--standalone" not in multi
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        TorchrunSpec(module="m", nnodes=2).argv()
+
+
+def test_lines_stream_to_callback_and_whole_log_to_file(tmp_path):
+    """Both ranks' output lands in the log; the callback gets the loss lines, not every chatter line."""
+    seen: list[str] = []
+    log = tmp_path / "train.log"
+    run_torchrun(_spec(tmp_path), log, timeout_s=120, on_line=seen.append, every_n=10_000)
+    text = log.read_text()
+    assert "rank 0 step 2 loss" in text and "rank 1 step 2 loss" in text and "rank 1 chatter 2" in text
+    assert sum("loss" in line for line in seen) == 6
+    assert not any("chatter" in line for line in seen[1:])
+
+
+def test_failure_raises_with_the_log_tail(tmp_path):
+    """A non-zero exit raises TorchrunError whose message names the log and shows its last lines."""
+    with pytest.raises(TorchrunError, match="(?s)exited with .*simulated failure"):
+        run_torchrun(_spec(tmp_path, "--fail"), tmp_path / "train.log", timeout_s=120)
+
+
+def test_timeout_kills_every_rank(tmp_path):
+    """Past the wall-clock limit the whole group dies: no rank process is left."""
+    t0 = time.monotonic()
+    with pytest.raises(TorchrunError, match="past its limit"):
+        run_torchrun(_spec(tmp_path, "--hang"), tmp_path / "train.log", timeout_s=15)
+    assert time.monotonic() - t0 < 120
+    pids = _rank_pids(tmp_path)
+    assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
+
+
+def test_leftover_group_from_an_earlier_attempt_is_killed(tmp_path):
+    """A pid file left by a dead supervisor points at a live group: the next attempt kills it first."""
+    stale = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    pid_file = tmp_path / "train.pid"
+    pid_file.write_text(f"{stale.pid}\n")
+    assert kill_leftover(pid_file) == stale.pid
+    stale.wait(timeout=30)
+    assert not pid_alive(stale.pid)
