@@ -1,0 +1,401 @@
+"""The EAGLE-3 drafter as SGLang's ``LlamaForCausalLMEagle3`` runs it, and its training-time-test attention.
+
+One step of the drafter (reference section 5):
+    h      = fc(aux)                                     (step 0 only; later steps reuse their own output)
+    x      = cat(input_layernorm(embed(token)), hidden_norm(h))
+    h      = h + o_proj(attention(q/k/v_proj(x)))        (residual on the UN-normed feature, as SGLang)
+    h      = h + mlp(post_attention_layernorm(h))        (SwiGLU)
+    logits = lm_head(norm(h)); the pre-norm h is the next step's feature.
+Module names are SGLang's weight names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``), so the state dict
+exports 1:1; ``embed_tokens`` is the target's, frozen, kept out of the optimizer and of the export.
+
+Shape letters used in the comments:
+    B   rows of a micro-batch               T    tokens per row (documents may be packed)
+    S   TTT steps whose keys are cached     H    drafter hidden size (= target hidden size)
+    Ht  target hidden size                  A    aux layers (fc reads A * Ht)
+    nH  query heads    nKV  key/value heads    hd  head dim    I  MLP width
+    V   target vocab   Vd   draft vocab
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from eagle3.masks import causal_document_mask, ttt_mask_mod
+from eagle3.target import TargetInfo, lm_head_name, read_tensor, target_info
+
+try:  # flex_attention is the CUDA path only; CPU runs (and older torch builds) use the dense path
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - depends on the torch build
+    create_block_mask = flex_attention = None
+
+FLEX_AVAILABLE = flex_attention is not None
+AttnImpl = Literal["auto", "dense", "flex"]
+EMBED_TENSOR = "model.embed_tokens.weight"
+SGLANG_WEIGHT_NAMES = (
+    "fc.weight",
+    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+    "norm.weight", "lm_head.weight",
+)
+"""Weight names SGLang's EAGLE-3 loader matches (it silently skips any other name)."""
+
+
+# ----------------------------------------------------------------------------------------------- dimensions
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama-3.1 RoPE frequency scaling (config ``rope_type: llama3``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class DrafterDims:
+    """Every size the drafter needs; the target fixes all of them but the draft vocab."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Llama3RopeScaling | None
+    vocab_size: int
+    draft_vocab_size: int
+    num_aux: int
+    target_hidden_size: int
+    max_position_embeddings: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{self.num_attention_heads} query heads are not a multiple of "
+                             f"{self.num_key_value_heads} key/value heads")
+        if self.intermediate_size <= 0 or self.head_dim % 2:
+            raise ValueError(f"need intermediate_size > 0 and an even head_dim, got {self.intermediate_size}, "
+                             f"{self.head_dim} (MoE targets: pass a dense intermediate size)")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must lie in [1, {self.vocab_size}]")
+
+    @classmethod
+    def from_target(cls, info: TargetInfo, model_dir: Path | str, draft_vocab_size: int) -> DrafterDims:
+        """Dims of a drafter for this target: its widths, heads, norm eps and RoPE; the draft vocab clipped to V."""
+        cfg = read_model_config(model_dir)
+        theta, scaling = rope_settings(cfg)
+        return cls(
+            hidden_size=info.hidden_size, num_attention_heads=info.num_attention_heads,
+            num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim,
+            intermediate_size=info.intermediate_size, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, rope_scaling=scaling, vocab_size=info.vocab_size,
+            draft_vocab_size=min(draft_vocab_size, info.vocab_size), num_aux=len(info.aux_layer_ids),
+            target_hidden_size=info.hidden_size,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        )
+
+
+def read_model_config(model_dir: Path | str) -> dict[str, Any]:
+    """The target's config.json (the language-model part of a multimodal wrapper)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
+def rope_settings(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """(theta, llama3 scaling or None) from a transformers 4 (rope_scaling) or 5 (rope_parameters) config."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or params
+    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"RoPE type {rope_type!r} is not supported by the drafter (only default and llama3)")
+    original = scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    return theta, Llama3RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                                    float(scaling["high_freq_factor"]), int(original))
+
+
+def upcast(x: Tensor) -> Tensor:
+    """x in at least fp32 (bf16/fp16 are raised; fp64 stays fp64, so float64 checks keep their precision)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+# --------------------------------------------------------------------------------------------------- RoPE
+
+def llama3_scale(inv_freq: Tensor, s: Llama3RopeScaling) -> Tensor:
+    """Llama-3.1 scaling: long wavelengths are slowed by ``factor``, short ones kept, a linear blend between.
+
+    With L = original context, a wavelength above L / low_freq_factor gets inv_freq / factor, one below
+    L / high_freq_factor is kept, and in between the weight of the kept frequency rises linearly in L / wavelen.
+    """
+    wavelen = 2 * math.pi / inv_freq
+    kept = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    kept = kept.clamp(0.0, 1.0)  # 0: fully scaled, 1: untouched
+    return (1 - kept) * inv_freq / s.factor + kept * inv_freq
+
+
+@lru_cache(maxsize=8)
+def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> Tensor:
+    """float64 [hd/2] inverse frequencies theta^(-2i/hd), llama3-scaled when asked (cached on CPU; callers cast)."""
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is not None:
+        inv_freq = llama3_scale(inv_freq, scaling)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """cos, sin [B, 1, T, hd] for integer positions [B, T] (half-split layout, as Llama and SGLang).
+
+    Angles are fp32 like the engines' tables; ``dtype=torch.float64`` serves exact float64 checks.
+    """
+    angles = positions[..., None].to(dtype) * inv_freq.to(positions.device, dtype)  # [B, T, hd/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [B, T, hd]
+    return angles.cos()[:, None], angles.sin()[:, None]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (x_i, x_{i+hd/2}) of x [B, n, T, hd] by the position angles."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    # Cast the tables, not x: q, k and v must share a dtype for the attention kernels under autocast.
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+# -------------------------------------------------------------------------------------------- TTT attention
+
+@dataclass
+class TTTCache:
+    """Post-RoPE keys and values of the TTT steps run so far, one entry per step."""
+
+    keys: list[Tensor] = field(default_factory=list)  # S x [B, nKV, T, hd]
+    values: list[Tensor] = field(default_factory=list)  # S x [B, nKV, T, hd]
+
+
+def repeat_kv(x: Tensor, groups: int) -> Tensor:
+    """[B, nKV, T, hd] -> [B, nKV * groups, T, hd]: each key/value head serves ``groups`` query heads."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def dense_ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], document_ids: Tensor) -> Tensor:
+    """[B, nH, T, hd]: queries of step S-1 over step 0's keys (causal in-document) and their own later-step keys.
+
+    The later steps contribute one key per query (the diagonal), so their scores are per-token dot products
+    and memory stays O(T^2 + S*T) instead of O(S*T^2); one softmax runs over both parts.
+    """
+    seq_len, groups, scale = q.shape[2], q.shape[1] // keys[0].shape[1], q.shape[-1] ** -0.5
+    context = torch.matmul(q, repeat_kv(keys[0], groups).transpose(-1, -2)) * scale  # [B, nH, T, T]
+    context = context.masked_fill(~causal_document_mask(document_ids), float("-inf"))
+    diagonal = [(q * repeat_kv(k, groups)).sum(-1, keepdim=True) * scale for k in keys[1:]]  # S-1 x [B, nH, T, 1]
+    probs = torch.softmax(upcast(torch.cat([context, *diagonal], dim=-1)), dim=-1).to(q.dtype)  # [B, nH, T, T+S-1]
+    out = torch.matmul(probs[..., :seq_len], repeat_kv(values[0], groups))  # [B, nH, T, hd]
+    for j, v in enumerate(values[1:]):
+        out = out + probs[..., seq_len + j, None] * repeat_kv(v, groups)
+    return out
+
+
+@lru_cache(maxsize=1)
+def _compiled_flex_attention() -> Any:
+    # Uncompiled flex_attention materializes the full score matrix; only the compiled kernel is worth it.
+    # Every (T, S*T) shape compiles once: with packed rows of one fixed T a run compiles ttt_steps variants,
+    # under dynamo's default recompile limit (8); varying T would exceed it and fall back to the slow path.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], document_ids: Tensor) -> Tensor:
+    """Same result as dense_ttt_attention through a flex_attention block mask over all S*T cached keys."""
+    if not FLEX_AVAILABLE:
+        raise RuntimeError("flex_attention is not available in this torch build; use attn_impl='dense'")
+    batch, _, seq_len, _ = q.shape
+    all_keys, all_values = torch.cat(keys, dim=2), torch.cat(values, dim=2)  # [B, nKV, S*T, hd]
+    block_mask = create_block_mask(ttt_mask_mod(document_ids, seq_len), batch, None, seq_len, all_keys.shape[2],
+                                   device=q.device, _compile=q.is_cuda)
+    attend = _compiled_flex_attention() if q.is_cuda else flex_attention
+    return attend(q, all_keys, all_values, block_mask=block_mask, enable_gqa=True)
+
+
+def resolve_attn_impl(impl: AttnImpl, device: torch.device) -> Literal["dense", "flex"]:
+    """'auto' = flex on CUDA when importable, dense elsewhere."""
+    if impl == "auto":
+        return "flex" if FLEX_AVAILABLE and device.type == "cuda" else "dense"
+    if impl == "flex" and not FLEX_AVAILABLE:
+        raise RuntimeError("attn_impl='flex' but flex_attention is not importable in this torch build")
+    return impl
+
+
+def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], document_ids: Tensor,
+                  impl: AttnImpl = "auto") -> Tensor:
+    """TTT attention of the current step's queries q [B, nH, T, hd] -> [B, nH, T, hd] (see dense_ttt_attention)."""
+    if resolve_attn_impl(impl, q.device) == "flex":
+        return flex_ttt_attention(q, keys, values, document_ids)
+    return dense_ttt_attention(q, keys, values, document_ids)
+
+
+# ------------------------------------------------------------------------------------------------- modules
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, with the target's eps."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 (bf16 squares lose digits) and cast back before the weight, as Llama's norm does.
+        wide = upcast(x)
+        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * wide.to(x.dtype)
+
+
+class Eagle3Attention(nn.Module):
+    """Attention whose q/k/v read the 2H-wide [embedding, feature] input; output back to H."""
+
+    def __init__(self, dims: DrafterDims) -> None:
+        super().__init__()
+        width = 2 * dims.hidden_size
+        self.num_heads, self.num_kv_heads = dims.num_attention_heads, dims.num_key_value_heads
+        self.head_dim = dims.head_dim
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, dims.hidden_size, bias=False)
+
+    def _split_heads(self, x: Tensor, heads: int) -> Tensor:
+        return x.view(x.shape[0], x.shape[1], heads, self.head_dim).transpose(1, 2)  # [B, heads, T, hd]
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: TTTCache, document_ids: Tensor,
+                impl: AttnImpl) -> Tensor:
+        """x [B, T, 2H] -> [B, T, H]; appends this step's keys and values to ``cache``."""
+        q = apply_rope(self._split_heads(self.q_proj(x), self.num_heads), cos, sin)  # [B, nH, T, hd]
+        cache.keys.append(apply_rope(self._split_heads(self.k_proj(x), self.num_kv_heads), cos, sin))
+        cache.values.append(self._split_heads(self.v_proj(x), self.num_kv_heads))  # [B, nKV, T, hd]
+        out = ttt_attention(q, cache.keys, cache.values, document_ids, impl)  # [B, nH, T, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, H]
+
+
+class MidLayer(nn.Module):
+    """The one decoder layer of EAGLE-3: attention over [norm(embedding), norm(feature)], then SwiGLU."""
+
+    def __init__(self, dims: DrafterDims) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.hidden_norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.self_attn = Eagle3Attention(dims)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.mlp = SwiGLU(dims.hidden_size, dims.intermediate_size)
+
+    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, cache: TTTCache,
+                document_ids: Tensor, impl: AttnImpl) -> Tensor:
+        """embeds, hidden [B, T, H] -> pre-norm output [B, T, H]."""
+        # The embedding comes first in the concatenation: SGLang's q/k/v weights expect that order.
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        # The residual is the UN-normed feature (SGLang and SpecForge; speculators' norm_before_residual differs).
+        h = hidden + self.self_attn(x, cos, sin, cache, document_ids, impl)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    """fc + midlayer + norm + lm_head, with the target's frozen embeddings; ``forward`` is one TTT step."""
+
+    def __init__(self, dims: DrafterDims) -> None:
+        super().__init__()
+        self.dims = dims
+        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's own table, shared with it at serving time
+        self.fc = nn.Linear(dims.num_aux * dims.target_hidden_size, dims.hidden_size, bias=False)
+        self.midlayer = MidLayer(dims)
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.lm_head = nn.Linear(dims.hidden_size, dims.draft_vocab_size, bias=False)
+
+    def project_aux(self, aux: Tensor) -> Tensor:
+        """The step-0 feature: fc over the concatenated aux states, [B, T, A*Ht] -> [B, T, H]."""
+        return self.fc(aux)
+
+    def forward(self, hidden: Tensor, input_ids: Tensor, positions: Tensor, document_ids: Tensor,
+                cache: TTTCache, attn_impl: AttnImpl = "auto") -> tuple[Tensor, Tensor]:
+        """One TTT step: (pre-norm output [B, T, H], the next step's feature; draft logits [B, T, Vd])."""
+        embeds = self.embed_tokens(input_ids)  # [B, T, H]
+        inv_freq = rope_inv_freq(self.dims.head_dim, self.dims.rope_theta, self.dims.rope_scaling)
+        cos, sin = rope_cos_sin(inv_freq, positions, upcast(hidden).dtype)  # [B, 1, T, hd]
+        out = self.midlayer(embeds, hidden, cos, sin, cache, document_ids, attn_impl)  # [B, T, H]
+        return out, self.lm_head(self.norm(out))
+
+
+# -------------------------------------------------------------------------------- init, export, target weights
+
+def init_weights(model: Eagle3Drafter, std: float = 0.02, seed: int = 0) -> None:
+    """N(0, std) for every Linear (HF Llama's init), ones for the norms; embeddings untouched.
+
+    Numbers are drawn on CPU from a seeded generator, so the init is the same on every device.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * std)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """What the optimizer gets: every parameter but the frozen embeddings."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def export_state_dict(model: Eagle3Drafter) -> dict[str, Tensor]:
+    """The SGLang weights (names in SGLANG_WEIGHT_NAMES); embeddings are the target's and stay out."""
+    return {k: v for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+def read_rows(model_dir: Path | str, name: str, ids: Tensor, chunk_rows: int = 16384) -> Tensor:
+    """Rows ``ids`` (ascending) of a [V, H] target tensor, reading ``chunk_rows`` rows at a time."""
+    parts = []
+    for start in range(0, int(ids.max()) + 1, chunk_rows):
+        wanted = ids[(ids >= start) & (ids < start + chunk_rows)] - start
+        if len(wanted):
+            parts.append(read_tensor(Path(model_dir), name, rows=slice(start, start + chunk_rows))[wanted])
+    return torch.cat(parts)  # [len(ids), H]
+
+
+def _copy_checked(dst: Tensor, src: Tensor, what: str) -> None:
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"{what}: target tensor has shape {list(src.shape)}, the drafter expects {list(dst.shape)}")
+    dst.copy_(src)
+
+
+def load_target_weights(model: Eagle3Drafter, model_dir: Path | str, t2d: Tensor,
+                        init_lm_head_from_target: bool, chunk_rows: int = 16384) -> None:
+    """Copy the target's embeddings; optionally start lm_head from the target lm_head rows of the draft vocab."""
+    with torch.no_grad():
+        _copy_checked(model.embed_tokens.weight, read_tensor(Path(model_dir), EMBED_TENSOR), EMBED_TENSOR)
+        if init_lm_head_from_target:
+            name = lm_head_name(target_info(Path(model_dir)))
+            used = t2d.nonzero().squeeze(1)  # [Vd] target ids of the draft vocab, ascending = draft order
+            _copy_checked(model.lm_head.weight, read_rows(model_dir, name, used, chunk_rows), name)
