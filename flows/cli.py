@@ -3,6 +3,7 @@
     eagle3 demo                      start/reuse the local Prefect server, run the demo pipeline, print stats
     eagle3 run --preset tiny --set data.val_fraction=0.2
     eagle3 server start|stop|status  the embedded Prefect server (SQLite under <workdir>/.prefect)
+    eagle3 setup                     work pools, concurrency limits, crash-recovery automations
     eagle3 target --preset smollm2-demo   tokenizer sanity report
     eagle3 stage tokenize --preset tiny   one core stage without Prefect (= python -m eagle3.stages)
     eagle3 presets
@@ -88,6 +89,15 @@ def _headline(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def cmd_setup(args: argparse.Namespace) -> int:
+    """Work pools, concurrency limits and crash-recovery automations on the local server (idempotent)."""
+    _use_server(_server_for(args))
+    from deployments.setup import setup
+
+    print(json.dumps(setup(args.gpu_slots, args.inference_slots), indent=2))
+    return 0
+
+
 def cmd_target(args: argparse.Namespace) -> int:
     """Prepare the target and print its tokenizer report."""
     from eagle3 import target
@@ -122,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--workdir", default=None, help="workdir whose .prefect/ holds the server (default runs)")
     server.add_argument("--port", type=int)
     server.set_defaults(func=cmd_server)
+    setup = sub.add_parser("setup", help="work pools, concurrency limits, automations (idempotent)")
+    setup.add_argument("--workdir", default=None)
+    setup.add_argument("--port", type=int)
+    setup.add_argument("--gpu-slots", type=int, default=1)
+    setup.add_argument("--inference-slots", type=int, default=4)
+    setup.set_defaults(func=cmd_setup)
     target = add_config_args(sub.add_parser("target", help="tokenizer sanity report for the target"))
     target.set_defaults(func=cmd_target)
     stage = add_config_args(sub.add_parser("stage", help="run one core stage without Prefect"))
