@@ -155,7 +155,9 @@ class SGLangCaptureConfig(Section):
     """The SGLang capture backend: managed server(s) or existing endpoints."""
 
     endpoints: list[str] = []
-    """Existing capture servers (http://host:port); empty = launch a managed server per pass."""
+    """Existing aux-capture servers (http://host:port); empty = launch managed servers."""
+    final_endpoints: list[str] = []
+    """Existing final-hidden servers (--enable-return-hidden-states) for final_hidden supervision."""
     python: str = "python"
     """Interpreter that has sglang installed (runs `-m sglang.launch_server`)."""
     host: str = "127.0.0.1"
@@ -214,13 +216,63 @@ class CaptureConfig(Section):
 class DrafterConfig(Section):
     ttt_steps: int = Field(7, ge=1)
     """Training-time-test unroll length."""
+    step_decay: float = Field(0.8, gt=0)
+    """Loss weight of TTT step k is step_decay**k (EAGLE, SpecForge: 0.8)."""
+    attn_impl: Literal["auto", "dense", "flex"] = "auto"
+    """TTT attention kernel: auto = compiled flex_attention on CUDA, dense elsewhere."""
+    init_std: float = Field(0.02, gt=0)
+    """Std of the seeded normal init of every linear layer (HF Llama's 0.02)."""
+    init_lm_head_from_target: bool = True
+    """Start lm_head from the target lm_head rows of the draft vocab (else random init)."""
 
 
 class TrainConfig(Section):
     lr: float = Field(1e-4, gt=0)
-    """Peak learning rate."""
+    """Peak learning rate, tuned for reference_rows_per_step rows per optimizer step (see lr_scaling)."""
     num_epochs: int = Field(1, ge=1)
     """Passes over the training data."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps in total (None = all epochs); the LR schedule spans them."""
+    max_tokens_per_batch: int = Field(4096, ge=8)
+    """Tokens of one packed micro-batch row (documents packed, then padded); longer samples are cut to it."""
+    grad_accum_steps: int = Field(1, ge=1)
+    """Micro-batches (packed rows) per rank accumulated into one optimizer step."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """How lr scales with rows per step R = world_size x grad_accum_steps: x1, x R/ref or x sqrt(R/ref)."""
+    reference_rows_per_step: int = Field(1, ge=1)
+    """The rows per optimizer step (world_size x grad_accum_steps) that lr was tuned for."""
+    warmup_ratio: float = Field(0.015, ge=0, lt=1)
+    """Linear warmup length as a fraction of all optimizer steps (SpecForge 0.015)."""
+    warmup_steps: int | None = Field(None, ge=0)
+    """Linear warmup length in optimizer steps; overrides warmup_ratio when set."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """The cosine decay ends at lr x min_lr_ratio."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay on weight matrices (norm weights are never decayed)."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    grad_clip: float = Field(0.5, ge=0)
+    """Clip the global gradient norm to this (0 = no clipping; SpecForge 0.5)."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallelism under torchrun: DDP (replicated weights) or FSDP2 (fully_shard, sharded state)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: auto = cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    aux_noise: Literal["none", "uniform", "gaussian"] = "none"
+    """Noise added to the aux features of train batches (never to val): U(-s, s) or N(0, s^2)."""
+    aux_noise_std: float = Field(0.05, ge=0)
+    """The noise scale s: half-width of the uniform noise, std of the gaussian noise."""
+    eval_every_steps: int = Field(200, ge=0)
+    """Validate on the val split every N optimizer steps (0 = only at the end)."""
+    checkpoint_every_steps: int = Field(500, ge=0)
+    """Write a full checkpoint every N optimizer steps (0 = only at the end and on SIGTERM)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Keep this many newest checkpoints; older ones are deleted after a new one is complete."""
+    progress_every_s: float = Field(5.0, ge=0)
+    """Rewrite train/progress.json at most this often (seconds)."""
+    prefetch_rows: int = Field(2, ge=0)
+    """Rows collated ahead on a background thread (0 = load in the training thread)."""
 
 
 class ExportConfig(Section):

