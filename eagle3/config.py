@@ -273,6 +273,16 @@ class TrainConfig(Section):
     """Rewrite train/progress.json at most this often (seconds)."""
     prefetch_rows: int = Field(2, ge=0)
     """Rows collated ahead on a background thread (0 = load in the training thread)."""
+    nproc_per_node: int | None = Field(None, ge=1)
+    """torchrun processes per node; None = one per visible GPU (1 without GPUs)."""
+    nnodes: int = Field(1, ge=1)
+    """Nodes in the torchrun job (each node's worker runs the same task)."""
+    node_rank: int = Field(0, ge=0)
+    """This node's rank in a multi-node job."""
+    rdzv_endpoint: str | None = None
+    """host:port of the c10d rendezvous for multi-node jobs."""
+    timeout_s: float = Field(7 * 24 * 3600.0, gt=0)
+    """Wall-clock limit of one torchrun launch; the group is killed past it (a retry resumes)."""
 
 
 class ExportConfig(Section):

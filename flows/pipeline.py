@@ -40,7 +40,8 @@ def _call_stage(task, cfg: RunConfig, stage: str, force: bool) -> dict[str, Any]
     return result
 
 
-def _guard_crash_loop() -> None:
+def guard_crash_loop() -> None:
+    """Refuse to run again after MAX_CRASH_RETRIES automatic restarts (an OOM every time, say)."""
     if flow_run.run_count > MAX_CRASH_RETRIES:
         raise RuntimeError(f"flow run restarted {flow_run.run_count} times; refusing to loop (see its logs)")
 
@@ -63,7 +64,7 @@ def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | 
     from eagle3.stages import write_run_config
     from infra.storage import run_lock
 
-    _guard_crash_loop()
+    guard_crash_loop()
     cfg = config or load_config(preset, list(overrides or []))
     get_run_logger().info("run directory %s", cfg.run_dir.resolve())
     with run_lock(cfg.run_dir, owner=f"prefect flow run {flow_run.id}"):

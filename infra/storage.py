@@ -168,17 +168,32 @@ def _is_stale(holder: dict[str, Any]) -> bool:
     return holder.get("host") == socket.gethostname() and not _pid_alive(int(holder.get("pid", -1)))
 
 
+LOCK_HOLDER_ENV = "EAGLE3_RUN_LOCK_HOLDER"
+"""Set while a lock is held, so child processes (torchrun workers, stage subprocesses) count as its holder."""
+
+
+def _holder_id(holder: dict[str, Any]) -> str:
+    return f"{holder.get('host')}:{holder.get('pid')}"
+
+
+def _held_by_us(holder: dict[str, Any], me: dict[str, Any]) -> bool:
+    """Our own process, or an ancestor that handed the lock down through the environment."""
+    same_process = holder.get("pid") == me["pid"] and holder.get("host") == me["host"]
+    return same_process or (bool(holder) and os.environ.get(LOCK_HOLDER_ENV) == _holder_id(holder))
+
+
 @contextlib.contextmanager
 def run_lock(run_dir: Path | str, owner: str = "") -> Iterator[Path]:
     """Hold ``<run_dir>/.lock`` while writing; a second writer fails with a message naming the holder.
 
-    Re-entrant for the same process, so nested stages inside one flow run do not deadlock.
+    Re-entrant for the same process and for its children (through EAGLE3_RUN_LOCK_HOLDER), so a
+    flow that holds the lock can run stages and torchrun underneath it without deadlocking.
     """
     lock = Path(run_dir) / ".lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     me = {"pid": os.getpid(), "host": socket.gethostname(), "owner": owner}
     holder = _read_holder(lock) if lock.exists() else {}
-    if holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
+    if _held_by_us(holder, me):
         yield lock
         return
     if holder and _is_stale(holder):
@@ -193,7 +208,13 @@ def run_lock(run_dir: Path | str, owner: str = "") -> Iterator[Path]:
         ) from None
     with os.fdopen(fd, "w") as fh:
         json.dump(me, fh)
+    previous = os.environ.get(LOCK_HOLDER_ENV)
+    os.environ[LOCK_HOLDER_ENV] = _holder_id(me)
     try:
         yield lock
     finally:
+        if previous is None:
+            os.environ.pop(LOCK_HOLDER_ENV, None)
+        else:
+            os.environ[LOCK_HOLDER_ENV] = previous
         lock.unlink(missing_ok=True)

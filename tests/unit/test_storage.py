@@ -88,3 +88,22 @@ def test_atomic_write_json_is_sorted_and_newline_terminated(tmp_path):
     """JSON outputs are canonical (sorted keys), so equal content gives equal bytes."""
     path = atomic_write_json(tmp_path / "a.json", {"b": 1, "a": 2})
     assert path.read_text() == '{\n  "a": 2,\n  "b": 1\n}\n'
+
+
+def test_child_process_of_the_holder_may_take_the_lock(tmp_path):
+    """A subprocess started while the lock is held (torchrun under a flow) counts as the holder."""
+    code = f"from infra.storage import run_lock\nwith run_lock({str(tmp_path)!r}):\n    print('ok')\n"
+    with run_lock(tmp_path, owner="flow"):
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode == 0 and child.stdout.strip() == "ok", child.stderr
+    stranger = subprocess.Popen([sys.executable, "-c", (
+        "import time; from infra.storage import run_lock\n"
+        f"with run_lock({str(tmp_path)!r}, owner='other'):\n    print('held', flush=True); time.sleep(30)\n")],
+        stdout=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "EAGLE3_RUN_LOCK_HOLDER"})
+    try:
+        assert stranger.stdout.readline().strip() == "held"
+        refused = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert refused.returncode != 0 and "locked by pid" in refused.stderr
+    finally:
+        stranger.kill()
+        stranger.wait()

@@ -1,0 +1,384 @@
+"""The capture stage: target hidden states of every tokenized sample, in resumable, validated shards.
+
+    prepare_capture   spec.json (refused if an existing one differs), plan.json, stale-shard cleanup,
+                      disk preflight for the shards still to write
+    capture_shard     one shard: skip if its done file matches, else tokens -> backend -> write_shard
+    finalize_capture  every planned shard complete -> features/capture.manifest.json
+    run_capture       all three in sequence (what ``python -m eagle3.features.capture`` runs)
+
+Prefect runs the same three functions as tasks (one task per shard). Completion lives on disk, in
+each shard's done file, so a killed run resumes by recapturing only the shards without one; the
+shards of a resumed run are byte-identical to those of an uninterrupted one (same plan, same
+batches, deterministic forwards).
+
+    python -m eagle3.features.capture --preset tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from eagle3.config import RunConfig
+from eagle3.features.plan import PLAN_FILE, CapturePlan, ShardPlan, build_plan, check_disk, preflight_bytes
+from eagle3.features.shards import (
+    SHARD_RE,
+    complete_shards,
+    done_path_for,
+    read_done,
+    shard_is_complete,
+    shard_path,
+    shard_stem,
+    spec_hash,
+    write_shard,
+)
+from eagle3.features.spec import CaptureBackend, FeatureSpec, SampleTokens
+from eagle3.progress import Progress, ProgressFn
+from eagle3.stage import StageOutcome, manifest_matches, read_manifest, stage_key, write_manifest
+
+log = logging.getLogger(__name__)
+
+ST_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
+SPEC_FILE = "spec.json"
+MANIFEST_FILE = "capture.manifest.json"
+OPERATIONAL_KNOBS = ("max_tokens_per_batch", "max_concurrent_shards", "device", "device_map", "disk_margin_bytes",
+                     "allow_shared_gpus", "sglang")
+"""Capture settings that change how fast or where, never what is stored: left out of the stage key."""
+
+
+class SpecMismatchError(ValueError):
+    """features/spec.json describes other features than this run would capture."""
+
+
+def features_dir(cfg: RunConfig) -> Path:
+    """<run>/features."""
+    return cfg.run_dir / "features"
+
+
+def _tokenized(cfg: RunConfig) -> tuple[Path, Path]:
+    """(tokenized.parquet, its manifest); FileNotFoundError with the command to run when missing."""
+    from eagle3.stages import data_dir, manifest_path
+
+    manifest = manifest_path(cfg, "tokenize")
+    if not manifest.is_file():
+        raise FileNotFoundError(f"{manifest} not found: tokenize first (python -m eagle3.stages all, same config)")
+    return data_dir(cfg) / "tokenized.parquet", manifest
+
+
+def _tokenized_key(manifest: Path) -> str:
+    return json.loads(manifest.read_text())["key"]
+
+
+def build_spec(cfg: RunConfig, model_dir: Path) -> FeatureSpec:
+    """The FeatureSpec this run's capture produces (target shape, aux ids, supervision, dtypes, template)."""
+    from eagle3.target import fingerprint, load_tokenizer, target_info
+    from infra.storage import sha256_text
+
+    info = target_info(model_dir, cfg.target)
+    template = load_tokenizer(model_dir).chat_template
+    cap = cfg.capture
+    return FeatureSpec(
+        target_name=cfg.target.name, target_fingerprint=fingerprint(model_dir), hidden_size=info.hidden_size,
+        num_layers=info.num_layers, vocab_size=info.vocab_size, aux_layer_ids=info.aux_layer_ids,
+        supervision=cap.supervision, topk=cap.topk if cap.supervision == "topk_logprobs" else None,
+        dtype=cap.dtype, aux_dtype=cap.aux_dtype, max_len=cfg.tokenize.max_len,
+        chat_template_hash=sha256_text(template if isinstance(template, str) else json.dumps(template)),
+        backend=cap.backend,
+    )
+
+
+def capture_key(cfg: RunConfig, spec: FeatureSpec) -> str:
+    """Stage key: capture config minus operational knobs, target dtype, tokenized manifest, target, spec."""
+    _, manifest = _tokenized(cfg)
+    conf = {k: v for k, v in cfg.capture.model_dump(mode="json").items() if k not in OPERATIONAL_KNOBS}
+    conf["target_dtype"] = cfg.target.dtype
+    return stage_key("capture", conf, [manifest], {"target": spec.target_fingerprint, "spec": spec_hash(spec)})
+
+
+def spec_differences(old: dict[str, Any], new: FeatureSpec) -> list[str]:
+    """'field: old -> new' for every field that differs."""
+    fresh = new.model_dump(mode="json")
+    keys = sorted(set(old) | set(fresh))
+    return [f"{k}: {old.get(k)!r} -> {fresh.get(k)!r}" for k in keys if old.get(k) != fresh.get(k)]
+
+
+def _save_or_check_spec(fdir: Path, spec: FeatureSpec) -> None:
+    path = fdir / SPEC_FILE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diffs = spec_differences(old, spec)
+        if diffs:
+            raise SpecMismatchError(
+                f"{path} was written for other features; differing fields: {'; '.join(diffs)}. "
+                f"Delete {fdir} to capture again with this config, or use another run.name")
+        return
+    spec.save(path)
+
+
+def _shard_matches(doc: dict[str, Any] | None, shard: ShardPlan, fdir: Path, expected_hash: str) -> bool:
+    """The shard on disk is complete and holds exactly the planned samples."""
+    return (shard_is_complete(shard_path(fdir, shard.index), doc, expected_hash)
+            and doc["sample_ids"] == shard.sample_ids and doc["num_tokens"] == shard.num_tokens)
+
+
+def _remove_stale(fdir: Path, plan: CapturePlan, expected_hash: str) -> list[str]:
+    """Delete temp files of killed writers and shards that no longer match the plan (done file first)."""
+    planned = {s.index: s for s in plan.shards}
+    removed = []
+    for tmp in fdir.glob(".shard-*.tmp"):
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp.name)
+    for done in fdir.glob("shard-*.done.json"):
+        match = SHARD_RE.match(done.name)
+        shard = planned.get(int(match.group(1))) if match else None
+        if shard is None or not _shard_matches(read_done(done), shard, fdir, expected_hash):
+            done.unlink(missing_ok=True)
+            removed.append(done.name)
+    for st in fdir.glob("shard-*.safetensors"):
+        match = ST_RE.match(st.name)
+        if match and int(match.group(1)) not in planned:
+            st.unlink(missing_ok=True)
+            removed.append(st.name)
+    return removed
+
+
+def prepare_capture(cfg: RunConfig) -> CapturePlan:
+    """Write spec.json and plan.json, drop stale shards, check the disk; returns the plan with pending shards."""
+    from eagle3.target import prepare_target
+
+    tokenized, manifest = _tokenized(cfg)
+    fdir = features_dir(cfg)
+    fdir.mkdir(parents=True, exist_ok=True)
+    spec = build_spec(cfg, prepare_target(cfg))
+    _save_or_check_spec(fdir, spec)
+    plan = build_plan(tokenized, cfg.capture.tokens_per_shard, _tokenized_key(manifest))
+    expected = spec_hash(spec)
+    removed = _remove_stale(fdir, plan, expected)
+    if removed:
+        log.info("capture: removed %d stale files (%s)", len(removed), ", ".join(removed[:5]))
+    plan.save(fdir / PLAN_FILE)
+    on_disk = complete_shards(fdir, expected)
+    pending = tuple(s.index for s in plan.shards if not _shard_matches(on_disk.get(s.index), s, fdir, expected))
+    need = preflight_bytes(plan, spec, skip=[s.index for s in plan.shards if s.index not in set(pending)])
+    check_disk(fdir, need, cfg.capture.disk_margin_bytes)
+    return CapturePlan(plan.shards, plan.tokenized_key, plan.tokens_per_shard, plan.format_version, pending, need)
+
+
+def make_backend(cfg: RunConfig, model_dir: Path, spec: FeatureSpec | None = None) -> CaptureBackend:
+    """The configured backend: in-process HF, or SGLang (imported only when asked for)."""
+    spec = spec or build_spec(cfg, model_dir)
+    cap = cfg.capture
+    if cap.backend == "hf":
+        from eagle3.features.hf_backend import HFCaptureBackend
+
+        return HFCaptureBackend.from_spec(model_dir, spec, device=cap.device, dtype=cfg.target.dtype,
+                                          max_tokens_per_batch=cap.max_tokens_per_batch, device_map=cap.device_map)
+    from eagle3.features.sglang_backend import SGLangCaptureBackend
+
+    # Which servers to use (given endpoints, or managed ones per pass) is the SGLang module's decision.
+    if not hasattr(SGLangCaptureBackend, "from_config"):
+        raise ValueError("capture.backend=sglang: eagle3.features.sglang_backend has no "
+                         "SGLangCaptureBackend.from_config(cfg, model_dir, spec) yet")
+    return SGLangCaptureBackend.from_config(cfg, model_dir, spec)
+
+
+def load_shard_samples(tokenized: Path, shard: ShardPlan) -> list[SampleTokens]:
+    """The planned rows of one shard, reading only the row groups that hold them."""
+    import pyarrow.parquet as pq
+
+    source = pq.ParquetFile(tokenized)
+    groups, first_row, row = [], 0, 0
+    for g in range(source.metadata.num_row_groups):
+        num = source.metadata.row_group(g).num_rows
+        if row + num > shard.row_start and row < shard.row_end:
+            first_row = row if not groups else first_row
+            groups.append(g)
+        row += num
+    table = source.read_row_groups(groups, columns=["id", "input_ids", "loss_mask"])
+    table = table.slice(shard.row_start - first_row, shard.row_end - shard.row_start)
+    ids = table["id"].to_pylist()
+    if ids != shard.sample_ids:
+        raise ValueError(f"{tokenized} changed since plan.json was written ({shard_stem(shard.index)} expects "
+                         f"{shard.sample_ids[:3]}..., found {ids[:3]}...); run prepare_capture again")
+    return [SampleTokens(i, ids_, mask) for i, ids_, mask in
+            zip(ids, table["input_ids"].to_pylist(), table["loss_mask"].to_pylist())]
+
+
+def _load_prepared(cfg: RunConfig) -> tuple[Path, FeatureSpec, CapturePlan]:
+    fdir = features_dir(cfg)
+    if not (fdir / SPEC_FILE).is_file() or not (fdir / PLAN_FILE).is_file():
+        raise FileNotFoundError(f"{fdir} has no {SPEC_FILE}/{PLAN_FILE}: run prepare_capture first")
+    return fdir, FeatureSpec.load(fdir / SPEC_FILE), CapturePlan.load(fdir / PLAN_FILE)
+
+
+def capture_shard(cfg: RunConfig, shard_index: int, backend: CaptureBackend | None = None) -> dict[str, Any]:
+    """Capture one planned shard unless its done file already matches; returns counts and timing."""
+    fdir, spec, plan = _load_prepared(cfg)
+    shard = plan.shards[shard_index]
+    path = shard_path(fdir, shard_index)
+    doc = read_done(done_path_for(path))
+    if _shard_matches(doc, shard, fdir, spec_hash(spec)):
+        return {"shard": shard_index, "computed": False, "num_tokens": doc["num_tokens"],
+                "num_bytes": doc["num_bytes"], "elapsed_s": 0.0, "tokens_per_s": 0.0}
+    tokenized, manifest = _tokenized(cfg)
+    if _tokenized_key(manifest) != plan.tokenized_key:
+        raise ValueError(f"tokenized data changed since {fdir / PLAN_FILE} was written; run prepare_capture again")
+    samples = load_shard_samples(tokenized, shard)
+    start = time.perf_counter()
+    own = backend is None
+    if own:
+        from eagle3.target import prepare_target
+
+        backend = make_backend(cfg, prepare_target(cfg), spec)
+    try:
+        captured = list(backend.capture(samples))
+    finally:
+        if own:
+            backend.close()
+    doc = write_shard(path, spec, captured, requested=samples)
+    elapsed_s = time.perf_counter() - start
+    return {"shard": shard_index, "computed": True, "num_tokens": doc["num_tokens"], "num_bytes": doc["num_bytes"],
+            "elapsed_s": round(elapsed_s, 3), "tokens_per_s": round(doc["num_tokens"] / max(elapsed_s, 1e-9), 1)}
+
+
+def _incomplete(fdir: Path, spec: FeatureSpec, plan: CapturePlan) -> tuple[list[int], dict[int, dict]]:
+    on_disk = complete_shards(fdir, spec_hash(spec))
+    missing = [s.index for s in plan.shards if not _shard_matches(on_disk.get(s.index), s, fdir, spec_hash(spec))]
+    return missing, on_disk
+
+
+def _stats(spec: FeatureSpec, plan: CapturePlan, docs: list[dict]) -> dict[str, Any]:
+    num_tokens = sum(d["num_tokens"] for d in docs)
+    num_bytes = sum(d["num_bytes"] for d in docs)
+    return {"num_shards": len(docs), "num_samples": sum(d["num_samples"] for d in docs), "num_tokens": num_tokens,
+            "num_loss_tokens": sum(d["num_loss_tokens"] for d in docs), "num_bytes": num_bytes,
+            "bytes_per_token": round(num_bytes / max(num_tokens, 1), 2), "spec_bytes_per_token": spec.bytes_per_token(),
+            "spec_hash": spec_hash(spec), "aux_layer_ids": spec.aux_layer_ids, "supervision": spec.supervision,
+            "aux_dtype": spec.aux_dtype, "tokens_per_shard": plan.tokens_per_shard}
+
+
+def finalize_capture(cfg: RunConfig) -> dict[str, Any]:
+    """Check that every planned shard is complete, then write capture.manifest.json (last)."""
+    fdir, spec, plan = _load_prepared(cfg)
+    missing, on_disk = _incomplete(fdir, spec, plan)
+    if missing:
+        raise RuntimeError(f"{len(missing)} of {len(plan.shards)} capture shards are not complete "
+                           f"(first: {[shard_stem(i) for i in missing[:5]]}); run the capture again")
+    docs = [on_disk[s.index] for s in plan.shards]
+    outputs = {"spec": fdir / SPEC_FILE, "plan": fdir / PLAN_FILE}
+    # Done files carry each shard's size and sha256; hashing them (not terabytes of shards) is enough.
+    outputs.update({shard_stem(s.index): done_path_for(shard_path(fdir, s.index)) for s in plan.shards})
+    return write_manifest(fdir / MANIFEST_FILE, "capture", capture_key(cfg, spec), outputs, _stats(spec, plan, docs))
+
+
+def is_complete(cfg: RunConfig, key: str) -> bool:
+    """The manifest matches ``key`` and every shard file it vouches for is on disk with its size."""
+    fdir = features_dir(cfg)
+    if not manifest_matches(fdir / MANIFEST_FILE, key):
+        return False
+    _, spec, plan = _load_prepared(cfg)
+    return not _incomplete(fdir, spec, plan)[0]
+
+
+def capture_and_write(backend: CaptureBackend, spec: FeatureSpec, jobs: Iterable[tuple[Path, list[SampleTokens]]],
+                      on_written: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Capture each job's samples and write its shard; shard k is written while shard k+1's forwards run.
+
+    At most two shards are in host memory (one being written, one being captured). Returns the done
+    documents in job order; a failed write raises once the capture in progress has finished.
+    """
+    docs: list[dict[str, Any]] = []
+
+    def collect(future: Future) -> None:
+        docs.append(future.result())
+        if on_written is not None:
+            on_written(docs[-1])
+
+    with ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as writer:
+        in_flight: Future | None = None
+        for path, samples in jobs:
+            captured = list(backend.capture(samples))
+            if in_flight is not None:
+                collect(in_flight)
+            in_flight = writer.submit(write_shard, path, spec, captured, samples)
+        if in_flight is not None:
+            collect(in_flight)
+    return docs
+
+
+def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec, progress: ProgressFn | None) -> None:
+    """Every pending shard in order with one backend (the model loads once), writes overlapping forwards."""
+    from eagle3.target import prepare_target
+
+    fdir, (tokenized, _) = features_dir(cfg), _tokenized(cfg)
+    pending = [s for s in plan.shards if s.index in set(plan.pending or ())]
+    tokens_left = sum(s.num_tokens for s in pending)
+    totals = {"tokens": 0, "bytes": 0}
+    start = time.perf_counter()
+    with Progress(len(plan.shards), "capture", progress) as bar:
+        bar.update(len(plan.shards) - len(pending))  # complete before this run
+
+        def written(doc: dict[str, Any]) -> None:
+            totals["tokens"] += doc["num_tokens"]
+            totals["bytes"] += doc["num_bytes"]
+            rate = totals["tokens"] / max(time.perf_counter() - start, 1e-9)
+            bar.update(1, tokens=totals["tokens"], bytes=totals["bytes"], tokens_per_s=round(rate, 1),
+                       eta_s=round((tokens_left - totals["tokens"]) / rate, 1) if rate > 0 else None)
+
+        if not pending:
+            return
+        backend = make_backend(cfg, prepare_target(cfg), spec)
+        try:
+            jobs = ((shard_path(fdir, s.index), load_shard_samples(tokenized, s)) for s in pending)
+            capture_and_write(backend, spec, jobs, written)
+        finally:
+            backend.close()
+
+
+def run_capture(cfg: RunConfig, progress: ProgressFn | None = None) -> StageOutcome:
+    """Prepare, capture every missing shard, finalize; a no-op when the manifest matches and shards are intact."""
+    from eagle3.target import prepare_target
+
+    fdir = features_dir(cfg)
+    manifest = fdir / MANIFEST_FILE
+    key = capture_key(cfg, build_spec(cfg, prepare_target(cfg)))
+    if is_complete(cfg, key):
+        doc = read_manifest(manifest)
+        outputs = {k: str(fdir / v["path"]) for k, v in doc["outputs"].items()}
+        return StageOutcome("capture", key, manifest, False, doc["stats"], outputs)
+    plan = prepare_capture(cfg)
+    manifest.unlink(missing_ok=True)  # only now: a refused prepare must not cost a valid manifest
+    _capture_all(cfg, plan, FeatureSpec.load(fdir / SPEC_FILE), progress)
+    doc = finalize_capture(cfg)
+    return StageOutcome("capture", key, manifest, True, doc["stats"],
+                        {k: str(fdir / v["path"]) for k, v in doc["outputs"].items()})
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m eagle3.features.capture --preset NAME [--set k=v ...]: capture every missing shard."""
+    from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
+    from eagle3.stages import write_run_config
+    from infra.storage import run_lock
+
+    parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
+
+    @exit_on_user_error
+    def run() -> None:
+        cfg = config_from_args(parser.parse_args(argv))
+        with run_lock(cfg.run_dir, owner="python -m eagle3.features.capture"):
+            write_run_config(cfg)
+            outcome = run_capture(cfg)
+        print(json.dumps(outcome.to_json(), indent=2))
+
+    run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""In-process transformers capture backend: forward hooks, token-budget batches, no lm_head pass.
+
+Per batch we run only the decoder (``model.model``): forward hooks on ``model.model.layers[j]``
+take the OUTPUT of layer j for every aux id (spec.py's convention), and a hook on
+``model.model.norm`` takes the final post-norm state. ``output_hidden_states=True`` is never used:
+it would keep all N+1 states of the batch alive. With top-K supervision, lm_head is applied to the
+post-norm rows in token chunks so that [chunk, vocab] fp32 logits bound the memory.
+
+Batches hold samples in the given order while the sum of their padded lengths fits
+``max_tokens_per_batch`` (a longer sample runs alone); inputs are right-padded with an attention
+mask and each sample's rows are gathered back on the device, so padding is never copied out.
+
+Batch invariance: GEMMs and SDPA pick their reduction order by shape, so a padded sample would
+otherwise come out a few ulps different from the same sample run alone. For causal full-attention
+models we therefore register an attention function that runs SDPA per sample on its unpadded
+slice (exactly the call HF makes for a lone sample) and skip building the padding mask. On CPU
+this makes batched == unbatched bitwise (tested; GEMMs with very few rows, under ~12, can still
+differ on MKL); the same inputs in the same batches are bitwise reproducible either way.
+``torch.use_deterministic_algorithms`` is not needed for that on CPU; on CUDA cuBLAS may still
+vary with the batch shape, so only same-batching reproducibility holds there.
+
+On CUDA, each batch's outputs are copied to pinned host memory on a side stream with
+``non_blocking=True`` while the next batch's forward is already queued, and synchronised only when
+that batch is handed out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens
+
+PER_SAMPLE_ATTENTION = "eagle3_per_sample_sdpa"
+"""Name under which the per-sample SDPA attention is registered with transformers."""
+LOGITS_CHUNK_BYTES = 1 << 28
+"""fp32 logits kept at once by the top-K pass (256 MiB)."""
+
+_LENGTHS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("eagle3_sample_lengths", default=None)
+_MODELS: dict[tuple, Any] = {}
+_MODELS_LOCK = threading.Lock()
+_DEVICE_LOCKS: dict[str, threading.Lock] = {}
+
+
+# ---- model cache and device locks ---------------------------------------------------------------
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; anything else unchanged."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def device_lock(device: str | torch.device) -> threading.Lock:
+    """One lock per device: shard tasks in one process take turns running forwards on it."""
+    key = str(torch.device(device))
+    with _MODELS_LOCK:
+        return _DEVICE_LOCKS.setdefault(key, threading.Lock())
+
+
+def _load_model(model_dir: Path, dtype: str, device: str, device_map: str | None) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype)}
+    if device_map:
+        kwargs["device_map"] = device_map
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    if not device_map:
+        model = model.to(device)
+    model.eval()
+    enable_per_sample_attention(model)
+    return model
+
+
+def get_model(model_dir: Path, dtype: str = "float32", device: str = "cpu", device_map: str | None = None) -> Any:
+    """The target model, loaded once per process for (fingerprint, dtype, device, device_map)."""
+    from eagle3.target import fingerprint
+
+    device = resolve_device(device)
+    key = (fingerprint(Path(model_dir)), dtype, device, device_map)
+    with _MODELS_LOCK:
+        if key not in _MODELS:
+            _MODELS[key] = _load_model(Path(model_dir), dtype, device, device_map)
+        return _MODELS[key]
+
+
+def clear_model_cache() -> None:
+    """Forget every cached model (tests, or to free GPU memory between stages)."""
+    with _MODELS_LOCK:
+        _MODELS.clear()
+
+
+# ---- per-sample attention -------------------------------------------------------------------------
+
+
+def _per_sample_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """SDPA on each sample's unpadded prefix; q [B, Hq, L, D], k/v [B, Hkv, L, D] -> [B, L, Hq, D]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    lengths = _LENGTHS.get()
+    if lengths is None or len(lengths) != query.shape[0] or query.shape[2] != key.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    batch, heads, seq, _ = query.shape
+    out = query.new_zeros(batch, seq, heads, value.shape[-1])  # [B, L, Hq, Dv]; padded rows stay 0
+    for b, n in enumerate(lengths):
+        sample_out, _ = sdpa_attention_forward(module, query[b:b + 1, :, :n], key[b:b + 1, :, :n],
+                                               value[b:b + 1, :, :n], None, **kwargs)  # [1, n, Hq, Dv]
+        out[b, :n] = sample_out[0]
+    return out, None
+
+
+def _per_sample_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """No [B, 1, L, L] mask when lengths are known (the attention slices instead); else the SDPA mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _LENGTHS.get() is not None else sdpa_mask(*args, **kwargs)
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PER_SAMPLE_ATTENTION, _per_sample_sdpa)
+    AttentionMaskInterface.register(PER_SAMPLE_ATTENTION, _per_sample_mask)
+
+
+def supports_per_sample_attention(config: Any) -> bool:
+    """Causal full attention through SDPA: dropping the mask loses nothing (no sliding windows)."""
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", PER_SAMPLE_ATTENTION):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(t == "full_attention" for t in layer_types)
+    return getattr(config, "sliding_window", None) is None
+
+
+def enable_per_sample_attention(model: Any) -> bool:
+    """Switch a model to the per-sample attention when that is exact for it; returns whether it did."""
+    if not supports_per_sample_attention(model.config):
+        return False
+    _register_attention()
+    model.set_attn_implementation(PER_SAMPLE_ATTENTION)
+    return True
+
+
+# ---- batching --------------------------------------------------------------------------------------
+
+
+def plan_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive index groups whose padded size (count x longest) fits max_tokens; order kept."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i, n in enumerate(lengths):
+        grown = max(longest, n)
+        if current and (len(current) + 1) * grown > max_tokens:
+            batches.append(current)
+            current, grown = [], n
+        current.append(i)
+        longest = grown
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass
+class _Inputs:
+    """One padded batch: ids/mask [B, L] on the input device, gather index [N] of the valid rows."""
+
+    samples: list[SampleTokens]
+    lengths: list[int]
+    input_ids: torch.Tensor  # [B, L] int64
+    attention_mask: torch.Tensor  # [B, L] int64
+    rows: torch.Tensor  # [N] int64 into the flattened [B * L] positions
+
+
+@dataclass
+class _Launched:
+    """A batch whose forward has been queued and whose outputs are (being) copied to the host."""
+
+    samples: list[SampleTokens]
+    lengths: list[int]
+    host: dict[str, torch.Tensor]  # name -> [N, ...] on the CPU (pinned on CUDA)
+    ready: Any  # torch.cuda.Event or None
+
+
+def _keep_rows(store: dict, name: Any, rows_for: Any) -> Any:
+    """A forward hook that keeps only the valid rows of a module's output: [B, L, H] -> [N, H]."""
+
+    def hook(module: Any, args: Any, output: Any) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output  # [B, L, H]
+        store[name] = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows_for(hidden.device))
+
+    return hook
+
+
+class HFCaptureBackend:
+    """CaptureBackend over an in-process transformers causal LM (CPU, one GPU, or device_map='auto')."""
+
+    def __init__(self, model_dir: Path | None, aux_layer_ids: Sequence[int], *, supervision: str = "final_hidden",
+                 topk: int | None = None, device: str = "auto", dtype: str = "float32",
+                 max_tokens_per_batch: int = 4096, device_map: str | None = None, model: Any = None,
+                 batch_invariant: bool | None = None):
+        if supervision == "topk_logprobs" and not topk:
+            raise ValueError("topk_logprobs supervision needs topk >= 1")
+        self.model = model if model is not None else get_model(Path(model_dir), dtype, device, device_map)
+        self.decoder = self.model.model
+        num_layers = len(self.decoder.layers)
+        if any(not 0 <= j < num_layers for j in aux_layer_ids):
+            raise ValueError(f"aux_layer_ids {list(aux_layer_ids)} out of range for {num_layers} layers")
+        self.aux_layer_ids, self.supervision, self.topk = list(aux_layer_ids), supervision, topk
+        self.max_tokens_per_batch = max_tokens_per_batch
+        if batch_invariant is not False and model is not None:
+            enable_per_sample_attention(self.model)
+        attention = self.model.config._attn_implementation
+        self.per_sample = batch_invariant is not False and attention == PER_SAMPLE_ATTENTION
+        self.input_device = self.decoder.embed_tokens.weight.device
+        self.lock = device_lock(self.input_device)
+        self._copy_stream = torch.cuda.Stream(self.input_device) if self.input_device.type == "cuda" else None
+
+    @classmethod
+    def from_spec(cls, model_dir: Path, spec: FeatureSpec, **kwargs: Any) -> HFCaptureBackend:
+        """A backend capturing exactly what ``spec`` describes (aux ids, supervision, K)."""
+        return cls(model_dir, spec.aux_layer_ids, supervision=spec.supervision, topk=spec.topk, **kwargs)
+
+    # ---- inputs and forward --------------------------------------------------------------------
+
+    def _inputs(self, samples: list[SampleTokens]) -> _Inputs:
+        lengths = [len(s.input_ids) for s in samples]
+        for s, n in zip(samples, lengths):
+            if n == 0:
+                raise ValueError(f"sample {s.id!r} has no tokens")
+        seq = max(lengths)
+        ids = torch.zeros((len(samples), seq), dtype=torch.long)  # [B, L]; pad id 0 is masked out
+        mask = torch.zeros((len(samples), seq), dtype=torch.long)  # [B, L]
+        for b, (s, n) in enumerate(zip(samples, lengths)):
+            ids[b, :n] = torch.as_tensor(s.input_ids, dtype=torch.long)
+            mask[b, :n] = 1
+        rows = torch.cat([torch.arange(n) + b * seq for b, n in enumerate(lengths)])  # [N]
+        return _Inputs(samples, lengths, self._to_device(ids), self._to_device(mask), rows)
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.input_device.type == "cuda":
+            return tensor.pin_memory().to(self.input_device, non_blocking=True)
+        return tensor.to(self.input_device)
+
+    def _run_decoder(self, inputs: _Inputs, store: dict | None) -> None:
+        """model.model forward (no lm_head); with ``store``, hooks fill it with [N, H] rows per output."""
+        handles = []
+        if store is not None:
+            by_device: dict[torch.device, torch.Tensor] = {}
+
+            def rows_for(device: torch.device) -> torch.Tensor:
+                if device not in by_device:
+                    by_device[device] = inputs.rows.to(device, non_blocking=True)
+                return by_device[device]
+
+            handles = [self.decoder.layers[j].register_forward_hook(_keep_rows(store, j, rows_for))
+                       for j in sorted(set(self.aux_layer_ids))]
+            handles.append(self.decoder.norm.register_forward_hook(_keep_rows(store, "final", rows_for)))
+        token = _LENGTHS.set(inputs.lengths if self.per_sample else None)
+        try:
+            self.decoder(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, use_cache=False)
+        finally:
+            _LENGTHS.reset(token)
+            for handle in handles:
+                handle.remove()
+
+    def _outputs(self, store: dict) -> dict[str, torch.Tensor]:
+        """Hook rows -> aux [N, A*H] (+ final [N, H] or top-K [N, K]) on the input device."""
+        dev = self.input_device
+        out = {"aux": torch.cat([store[j].to(dev) for j in self.aux_layer_ids], dim=-1)}  # [N, A*H]
+        if self.supervision == "final_hidden":
+            out["final"] = store["final"].to(dev)  # [N, H]
+        else:
+            out["topk_ids"], out["topk_logprobs"] = self._topk(store["final"])
+        return out
+
+    def _topk(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-norm rows [N, H] -> top-K ids [N, K] int32 and log-probs [N, K] fp32 (full-vocab log_softmax)."""
+        head = self.model.get_output_embeddings()
+        vocab = head.weight.shape[0]
+        chunk = max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
+        final = final.to(head.weight.device)
+        ids, logprobs = [], []
+        for start in range(0, final.shape[0], chunk):
+            logits = head(final[start:start + chunk]).float()  # [c, V]
+            values, indices = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)  # [c, K]
+            ids.append(indices.to(torch.int32))
+            logprobs.append(values)
+        dev = self.input_device
+        return torch.cat(ids).to(dev), torch.cat(logprobs).to(dev)
+
+    # ---- host copies -----------------------------------------------------------------------------
+
+    def _to_host(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+        """CPU: as is. CUDA: async copies into pinned buffers on the copy stream, plus the event to wait on."""
+        if self._copy_stream is None:
+            return tensors, None
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.input_device))
+        host = {}
+        with torch.cuda.stream(stream):
+            for name, tensor in tensors.items():
+                host[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host[name].copy_(tensor, non_blocking=True)
+                tensor.record_stream(stream)  # keep the allocator from reusing it before the copy ends
+            event = torch.cuda.Event()
+            event.record(stream)
+        return host, event
+
+    def _launch(self, samples: list[SampleTokens]) -> _Launched:
+        inputs = self._inputs(samples)
+        store: dict = {}
+        with self.lock, torch.no_grad():
+            self._run_decoder(inputs, store)
+            host, ready = self._to_host(self._outputs(store))
+        return _Launched(samples, inputs.lengths, host, ready)
+
+    def _finish(self, launched: _Launched) -> Iterator[CapturedSample]:
+        host = launched.host
+        if launched.ready is not None:
+            launched.ready.synchronize()
+            # Pageable copies let the pinned buffers return to the cache: pinned memory stays ~2 batches.
+            host = {name: tensor.clone() for name, tensor in host.items()}
+        start = 0
+        for sample, n in zip(launched.samples, launched.lengths):
+            part = {name: tensor[start:start + n] for name, tensor in host.items()}
+            start += n
+            yield CapturedSample(id=sample.id, input_ids=torch.as_tensor(sample.input_ids, dtype=torch.int32),
+                                 loss_mask=torch.as_tensor(sample.loss_mask, dtype=torch.uint8), **part)
+
+    # ---- CaptureBackend ----------------------------------------------------------------------------
+
+    def batches(self, samples: Sequence[SampleTokens]) -> list[list[SampleTokens]]:
+        """The token-budget batches ``capture`` runs, in order."""
+        groups = plan_batches([len(s.input_ids) for s in samples], self.max_tokens_per_batch)
+        return [[samples[i] for i in group] for group in groups]
+
+    def capture(self, samples: Sequence[SampleTokens]) -> Iterator[CapturedSample]:
+        """Yield one CapturedSample per input, same order; batch k+1 is queued before batch k is handed out."""
+        pending: _Launched | None = None
+        for batch in self.batches(samples):
+            launched = self._launch(batch)
+            if pending is not None:
+                yield from self._finish(pending)
+            pending = launched
+        if pending is not None:
+            yield from self._finish(pending)
+
+    def forward_only(self, samples: Sequence[SampleTokens]) -> None:
+        """The same decoder forwards as ``capture`` with every output discarded (the benchmark's baseline)."""
+        for batch in self.batches(samples):
+            inputs = self._inputs(batch)
+            with self.lock, torch.no_grad():
+                self._run_decoder(inputs, None)
+        if self.input_device.type == "cuda":
+            torch.cuda.synchronize(self.input_device)
+
+    def close(self) -> None:
+        """Drop this backend's handle on the model (the process-wide cache keeps it for later shards)."""
+        with contextlib.suppress(AttributeError):
+            del self.model, self.decoder

@@ -1,0 +1,54 @@
+"""python -m eagle3.train --config <run>/config.json [--set train.lr=2e-4] [--stop-after-steps N]
+
+Trains the drafter of a run whose features and vocab map exist, resuming from the latest checkpoint.
+Works as a plain process (world size 1) or under torchrun (one process per GPU):
+
+    python -m eagle3.train --config runs/tiny/config.json
+    python -m torch.distributed.run --standalone --nproc-per-node=8 -m eagle3.train --config runs/x/config.json
+
+SIGTERM (or Ctrl-C) finishes the current step, writes a checkpoint and exits 0; running the same
+command again continues with the next batch. ``--stop-after-steps N`` does the same after N steps of
+this invocation (a planned preemption: smoke runs, tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+
+def _configure_logging() -> None:
+    """INFO on rank 0, warnings only on the other ranks (one step line per step, not one per GPU)."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
+                        format=f"%(asctime)s [rank {rank}] %(message)s", datefmt="%H:%M:%S")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the config arguments and run the train stage."""
+    from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
+
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--stop-after-steps", type=int, default=None, metavar="N",
+                        help="checkpoint and exit 0 after N optimizer steps of this invocation")
+
+    @exit_on_user_error
+    def run() -> None:
+        from eagle3.train.loop import train
+
+        args = parser.parse_args(argv)
+        cfg = config_from_args(args)
+        _configure_logging()
+        result = train(cfg, args.stop_after_steps)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps({"status": result.status, "step": result.step,
+                              "checkpoint": str(result.checkpoint) if result.checkpoint else None}))
+
+    run()
+
+
+if __name__ == "__main__":
+    main()

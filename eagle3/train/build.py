@@ -1,0 +1,213 @@
+"""Assembling a training run from its directory: inputs, drafter, objective, optimizer, schedule, data plans.
+
+Learning-rate scaling (``train.lr_scaling``): ``train.lr`` is the rate tuned for a global batch of
+``train.reference_rows_per_step`` packed rows per optimizer step. A run whose global batch has
+R = world_size x grad_accum_steps rows uses
+    none    lr
+    linear  lr * R / reference_rows_per_step     (the linear scaling rule of large-batch SGD)
+    sqrt    lr * sqrt(R / reference_rows_per_step)   (the usual rule for Adam-type optimizers)
+So moving from 1 GPU with 8 accumulation steps to 8 GPUs with 1 keeps the rate (same R), and moving
+to 8 GPUs with 8 scales it by 8 (linear) or 2.83 (sqrt). Warmup and cosine decay are counted in
+optimizer steps of the run as configured.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from eagle3.config import RunConfig
+from eagle3.features.spec import FeatureSpec
+from eagle3.model import DrafterDims, Eagle3Drafter, init_weights, load_target_weights
+from eagle3.train.data import EpochPlan, plan_epoch, read_split
+from eagle3.ttt import Supervision, TTTBatch, TTTObjective, TTTOutput, load_target_lm_head, ttt_loss
+
+log = logging.getLogger("eagle3.train")
+
+OPERATIONAL_KNOBS = ("eval_every_steps", "checkpoint_every_steps", "keep_checkpoints", "progress_every_s",
+                     "prefetch_rows", "parallel", "device", "nproc_per_node", "nnodes", "node_rank",
+                     "rdzv_endpoint", "timeout_s")
+"""Train settings that change how or where a run goes, never what it learns: left out of the stage key."""
+
+
+class TrainObjective(TTTObjective):
+    """TTTObjective whose forward takes the supervision precomputed: the trainer needs each step's
+    supervised-token count of the whole accumulation window (all ranks) before the first backward."""
+
+    def forward(self, batch: TTTBatch, supervision: Supervision) -> TTTOutput:  # type: ignore[override]
+        return ttt_loss(self.drafter, batch, supervision, self.t2d, self.d2t, self.ttt_steps, self.step_decay,
+                        self.attn_impl)
+
+
+# ----------------------------------------------------------------------------------------------- the inputs
+
+@dataclass(frozen=True)
+class RunInputs:
+    """Paths and facts a training run reads, checked against each other."""
+
+    run_dir: Path
+    model_dir: Path
+    features_dir: Path
+    tokenized: Path
+    spec: FeatureSpec
+    d2t: Tensor  # [Vd] int64
+    t2d: Tensor  # [V] bool
+    dims: DrafterDims
+
+
+def read_inputs(cfg: RunConfig, model_dir: Path) -> RunInputs:
+    """Vocab map, feature spec and drafter dims; refuses features captured from another target or layers."""
+    from eagle3.target import fingerprint, target_info
+    from eagle3.vocab import load_vocab_map
+
+    run_dir = cfg.run_dir
+    spec = FeatureSpec.load(run_dir / "features" / "spec.json")
+    d2t, t2d = load_vocab_map(run_dir / "vocab")
+    info = target_info(model_dir, cfg.target)
+    if spec.target_fingerprint != fingerprint(model_dir):
+        raise ValueError(f"features in {run_dir / 'features'} come from target {spec.target_fingerprint}, "
+                         f"not from {model_dir} ({fingerprint(model_dir)}); capture again")
+    if spec.aux_layer_ids != info.aux_layer_ids or spec.hidden_size != info.hidden_size:
+        raise ValueError(f"features hold aux layers {spec.aux_layer_ids} of width {spec.hidden_size}, the config "
+                         f"asks for {info.aux_layer_ids} of width {info.hidden_size}")
+    if len(t2d) != info.vocab_size:
+        raise ValueError(f"vocab map covers {len(t2d)} target ids, the target has {info.vocab_size}")
+    dims = DrafterDims.from_target(info, model_dir, draft_vocab_size=len(d2t))
+    return RunInputs(run_dir, Path(model_dir), run_dir / "features", run_dir / "data" / "tokenized.parquet",
+                     spec, d2t, t2d, dims)
+
+
+def stage_key_for(cfg: RunConfig, inputs: RunInputs) -> str:
+    """The train stage key: drafter + train config (operational knobs excluded), seed, input manifests."""
+    from eagle3.stage import stage_key
+    from eagle3.stages import manifest_path
+
+    conf = {"drafter": cfg.drafter.model_dump(mode="json"), "seed": cfg.run.seed,
+            "train": {k: v for k, v in cfg.train.model_dump(mode="json").items() if k not in OPERATIONAL_KNOBS}}
+    manifests = [inputs.features_dir / "capture.manifest.json", manifest_path(cfg, "vocab")]
+    return stage_key("train", conf, manifests, {"target": inputs.spec.target_fingerprint})
+
+
+# ---------------------------------------------------------------------------------------- model, optimizer
+
+def build_objective(cfg: RunConfig, inputs: RunInputs, device: torch.device) -> TrainObjective:
+    """Seeded drafter with the target's frozen embeddings (and lm_head rows if asked), on ``device``."""
+    drafter = Eagle3Drafter(inputs.dims)
+    init_weights(drafter, std=cfg.drafter.init_std, seed=cfg.run.seed)
+    load_target_weights(drafter, inputs.model_dir, inputs.t2d, cfg.drafter.init_lm_head_from_target)
+    lm_head = load_target_lm_head(inputs.model_dir) if inputs.spec.supervision == "final_hidden" else None
+    if lm_head is not None and device.type == "cuda":
+        lm_head = lm_head.to(torch.bfloat16)  # frozen and only read under autocast: bf16 halves its memory
+    objective = TrainObjective(drafter, inputs.t2d, inputs.d2t, lm_head, cfg.drafter.ttt_steps,
+                               cfg.drafter.step_decay, cfg.drafter.attn_impl)
+    return objective.to(device)
+
+
+def scaled_lr(lr: float, rule: str, rows_per_step: int, reference_rows: int) -> float:
+    """The peak rate after the scaling rule of the module docstring."""
+    ratio = rows_per_step / reference_rows
+    return {"none": lr, "linear": lr * ratio, "sqrt": lr * math.sqrt(ratio)}[rule]
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only; norms (1-D) are not decayed. Frozen parameters stay out."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: RunConfig, model: nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters (fused kernel on CUDA)."""
+    t = cfg.train
+    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
+                             fused=device.type == "cuda")
+
+
+@dataclass
+class WarmupCosine:
+    """LR factor at optimizer step s: linear warmup to 1 over ``warmup`` steps, then cosine to ``min_ratio``."""
+
+    total_steps: int
+    warmup_steps: int
+    min_ratio: float
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(self.total_steps - self.warmup_steps, 1)
+        progress = min((step - self.warmup_steps) / span, 1.0)
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def warmup_steps_for(cfg: RunConfig, total_steps: int) -> int:
+    """train.warmup_steps when set, else round(warmup_ratio x total steps)."""
+    if cfg.train.warmup_steps is not None:
+        return min(cfg.train.warmup_steps, total_steps)
+    return round(cfg.train.warmup_ratio * total_steps)
+
+
+def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warmup + cosine as a LambdaLR (its state, the step count, goes into checkpoints)."""
+    factor = WarmupCosine(total_steps, warmup_steps_for(cfg, total_steps), cfg.train.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# --------------------------------------------------------------------------------------------------- data
+
+@dataclass(frozen=True)
+class DataPlan:
+    """Every epoch's train plan (lengths only, so total steps are known up front) and the val plan."""
+
+    train: list[EpochPlan]
+    val: EpochPlan
+    rows_per_step: int  # world_size x grad_accum_steps
+
+    def steps_in(self, epoch: int) -> int:
+        """Optimizer steps in one epoch."""
+        return len(self.train[epoch].rows) // self.rows_per_step
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps over all epochs."""
+        return sum(self.steps_in(e) for e in range(len(self.train)))
+
+
+def plan_data(cfg: RunConfig, inputs: RunInputs, world_size: int) -> DataPlan:
+    """Pack every epoch of the train split and the val split (val padded to equal counts per rank)."""
+    from eagle3.features.shards import ShardReader
+    from eagle3.train.data import check_captured
+
+    reader = ShardReader(inputs.features_dir)
+    train, val = read_split(inputs.tokenized, "train"), read_split(inputs.tokenized, "val")
+    check_captured(train, reader, "train")
+    check_captured(val, reader, "val")
+    if not train:
+        raise ValueError(f"{inputs.tokenized} has no train rows")
+    t = cfg.train
+    rows_per_step = world_size * t.grad_accum_steps
+    epochs = [plan_epoch(train, t.max_tokens_per_batch, e, cfg.run.seed, rows_per_step, shuffle=True)
+              for e in range(t.num_epochs)]
+    val_plan = plan_epoch(val, t.max_tokens_per_batch, 0, cfg.run.seed, world_size, shuffle=False)
+    return DataPlan(epochs, val_plan, rows_per_step)
+
+
+def total_steps_for(cfg: RunConfig, plan: DataPlan) -> int:
+    """Steps of all epochs, capped by train.max_steps."""
+    total = plan.total_steps
+    return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+
+
+def unigram_token(inputs: RunInputs) -> tuple[int, float]:
+    """(most frequent supervised train token, its share of supervised train tokens): the unigram baseline."""
+    from eagle3.vocab import count_train_tokens
+
+    counts, _ = count_train_tokens(inputs.tokenized, len(inputs.t2d))
+    top = int(counts.argmax())
+    return top, float(counts[top]) / max(int(counts.sum()), 1)

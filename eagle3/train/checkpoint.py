@@ -1,0 +1,249 @@
+"""Full-state checkpoints under <run>/train/checkpoints/step-N/, written atomically, resumed automatically.
+
+A checkpoint directory holds
+    model.safetensors   trainable drafter weights, full (unsharded) fp32, SGLang names (fc.weight, midlayer.*,
+                        norm.weight, lm_head.weight); the frozen embeddings are the target's and stay out
+    optimizer.pt        AdamW state keyed by parameter name (loads into DDP, FSDP2 or a plain module)
+    trainer.pt          LR scheduler state, every rank's RNG states (python, torch, cuda)
+    config.json         the resolved run config it was trained with
+    checkpoint.json     step, sampler position, tokens seen, world layout, stage key, metrics; written last
+Rank 0 writes everything into ``.step-N.tmp-<pid>/``, fsyncs each file and the directory, then renames it
+to ``step-N``: a directory named step-N is complete by construction (a crash leaves only a temp dir,
+removed at the next save). Only the newest ``keep`` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from eagle3.train.dist import DistInfo, all_gather_objects, barrier
+
+CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
+MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE = "model.safetensors", "optimizer.pt", "trainer.pt"
+CONFIG_FILE, INFO_FILE = "config.json", "checkpoint.json"
+DRAFTER_PREFIX = "drafter."
+"""The objective holds the drafter under this name; checkpoint weight names drop it (SGLang names)."""
+
+
+@dataclass
+class TrainerState:
+    """Where training stands: optimizer steps done and the sampler position (epoch, rows done)."""
+
+    step: int = 0
+    epoch: int = 0
+    epoch_rows_done: int = 0  # rows of this epoch's global plan already trained on (a multiple of W * A)
+    tokens_seen: int = 0  # real tokens, all ranks
+
+    def rank_index(self, world_size: int) -> int:
+        """Index of the next row in a rank's list (rank r takes plan rows r, r + W, ...)."""
+        return self.epoch_rows_done // world_size
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint was written by a run that this one cannot continue (other config or batch layout)."""
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    """<run>/train/checkpoints."""
+    return Path(run_dir) / "train" / "checkpoints"
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    if not Path(ckpt_dir).is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in Path(ckpt_dir).iterdir()
+             if (m := CHECKPOINT_RE.match(p.name)) and (p / INFO_FILE).is_file()]
+    return sorted(found)
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    found = list_checkpoints(ckpt_dir)
+    return found[-1][1] if found else None
+
+
+# ------------------------------------------------------------------------------------------------------ RNG
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states (python, torch CPU, and every CUDA device once CUDA is initialised)."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what capture_rng took."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------------------------------- state dicts
+
+def _options(**kw: Any):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Frozen parameters (the target embeddings) are reloaded from the target, never saved.
+    return StateDictOptions(full_state_dict=True, ignore_frozen_params=True, **kw)
+
+
+def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Full model and optimizer state dicts keyed by name; a collective under FSDP (rank 0 gets them)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(model, [optimizer], options=_options(cpu_offload=True))
+
+
+def to_export_names(model_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """'drafter.fc.weight' -> 'fc.weight' (contiguous CPU tensors, as safetensors wants)."""
+    return {k.removeprefix(DRAFTER_PREFIX): v.detach().cpu().contiguous() for k, v in model_sd.items()}
+
+
+def from_export_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of to_export_names."""
+    return {DRAFTER_PREFIX + k: v for k, v in weights.items()}
+
+
+# ------------------------------------------------------------------------------------------------- writing
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_files(tmp: Path, model_sd: dict, optim_sd: dict, trainer: dict, config_json: str,
+                 info: dict[str, Any]) -> None:
+    """Every file of a checkpoint into ``tmp``, fsynced; checkpoint.json last."""
+    save_file(to_export_names(model_sd), str(tmp / MODEL_FILE))
+    torch.save(optim_sd, tmp / OPTIMIZER_FILE)
+    torch.save(trainer, tmp / TRAINER_FILE)
+    (tmp / CONFIG_FILE).write_text(config_json)
+    info = {**info, "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())},
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    mode = 0o666 & ~_umask()
+    for path in tmp.iterdir():
+        os.chmod(path, mode)  # some writers create 0600 files; checkpoints get the usual permissions
+        _fsync_file(path)
+    _fsync_dir(tmp)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished temp dir to step-N (replacing an older step-N of an earlier attempt)."""
+    if final.exists():
+        trash = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def prune(ckpt_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints and any temp dir left by a crash; returns what went."""
+    removed = [p for _, p in list_checkpoints(ckpt_dir)[:-keep]] if keep > 0 else []
+    removed += [p for p in Path(ckpt_dir).glob(".step-*") if p.is_dir()]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    state: TrainerState, config_json: str, info: dict[str, Any], dist_info: DistInfo,
+                    keep: int) -> Path:
+    """Collect the full state on every rank (collectives), write it atomically on rank 0, prune; all ranks
+    return once step-N exists."""
+    model_sd, optim_sd = gather_state(model, optimizer)
+    rngs = all_gather_objects(capture_rng(), dist_info)
+    final = Path(ckpt_dir) / f"step-{state.step}"
+    if dist_info.is_main:
+        Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+        tmp = Path(ckpt_dir) / f".step-{state.step}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        trainer = {"scheduler": scheduler.state_dict(), "rng": rngs, "state": asdict(state)}
+        _write_files(tmp, model_sd, optim_sd, trainer, config_json,
+                     {**info, **asdict(state), "world_size": dist_info.world_size})
+        _publish(tmp, final)
+        prune(ckpt_dir, keep)
+    barrier(dist_info)
+    return final
+
+
+# ------------------------------------------------------------------------------------------------- reading
+
+def read_info(path: Path) -> dict[str, Any]:
+    """checkpoint.json of a checkpoint directory."""
+    return json.loads((Path(path) / INFO_FILE).read_text())
+
+
+def check_compatible(info: dict[str, Any], stage_key: str, rows_per_step: int) -> None:
+    """Refuse a checkpoint of another config, or of another global batch layout (the plan would differ)."""
+    if info.get("stage_key") != stage_key:
+        raise CheckpointMismatchError(
+            f"checkpoint step-{info.get('step')} was written for another drafter/train config or other inputs; "
+            f"delete its checkpoints directory to train from scratch, or use another run.name")
+    if info.get("rows_per_step") != rows_per_step:
+        raise CheckpointMismatchError(
+            f"checkpoint step-{info.get('step')} trained with {info.get('rows_per_step')} rows per optimizer step "
+            f"(world_size x grad_accum_steps), this run has {rows_per_step}; resume with the same product")
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    dist_info: DistInfo) -> TrainerState:
+    """Restore weights, optimizer, scheduler and this rank's RNG (each rank reads the files itself)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = Path(path)
+    weights = from_export_names(load_file(str(path / MODEL_FILE)))
+    expected = {k for k, p in _named_trainable(model)}
+    if set(weights) != expected:
+        raise CheckpointMismatchError(f"{path / MODEL_FILE} holds {sorted(set(weights) ^ expected)[:5]} "
+                                      f"beyond/short of the drafter's trainable weights")
+    optim_sd = torch.load(path / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
+    set_state_dict(model, [optimizer], model_state_dict=weights, optim_state_dict=optim_sd,
+                   options=_options(strict=False))
+    for group in optimizer.param_groups:  # the state-dict round trip turns the betas tuple into a list
+        group["betas"] = tuple(group["betas"])
+    trainer = torch.load(path / TRAINER_FILE, weights_only=True, map_location="cpu")
+    scheduler.load_state_dict(trainer["scheduler"])
+    if dist_info.rank < len(trainer["rng"]):
+        restore_rng(trainer["rng"][dist_info.rank])
+    return TrainerState(**trainer["state"])
+
+
+def _named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of trainable parameters, names as state-dict APIs give them (no DDP prefix)."""
+    from eagle3.train.dist import unwrap
+
+    return [(n, p) for n, p in unwrap(model).named_parameters() if p.requires_grad]

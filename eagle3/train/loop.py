@@ -1,0 +1,466 @@
+"""The training loop: optimizer steps over packed rows, validation, checkpoints, SIGTERM, progress.
+
+One optimizer step (``train_step``), on every rank:
+  1. move its grad_accum_steps rows to the device, add aux noise (seeded per row);
+  2. compute the target's supervision of each row (no grad) and each TTT step's supervised-token count,
+     summed over the rows of every rank (one all-reduce): N_k;
+  3. per row: loss = sum_k decay^k * loss_sum_k / N_k * world_size, backward (gradient sync on the last
+     row only). DDP/FSDP average gradients over ranks, so the world_size factor makes the update the
+     gradient of ONE masked mean over the whole global batch: 1 process x 2 accumulation steps and
+     2 processes x 1 step take the same step, and a row full of prompt tokens weighs what its
+     supervised tokens weigh, not what its length does;
+  4. clip, AdamW, scheduler; one all-reduce of the metric sums (and of the stop flag, so every rank
+     stops after the same step).
+CPU runs are fp32 and deterministic (same seed -> same losses, resumed or not); CUDA runs use bf16
+autocast over fp32 master weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from eagle3.config import RunConfig
+from eagle3.train.build import (DataPlan, RunInputs, TrainObjective, build_objective, build_optimizer,
+                                build_scheduler, plan_data, read_inputs, scaled_lr, stage_key_for,
+                                total_steps_for, unigram_token)
+from eagle3.train.checkpoint import (TrainerState, check_compatible, checkpoints_dir, latest_checkpoint,
+                                     load_checkpoint, read_info, save_checkpoint)
+from eagle3.train.data import PackedBatch, RowLoader, add_aux_noise, batch_to
+from eagle3.train.dist import (DistInfo, all_reduce_sum, autocast, barrier, broadcast_object, full_tensor,
+                               gradient_sync, unwrap, wrap)
+from eagle3.train.metrics import (MetricsWriter, ProgressWriter, drafter_row_flops, format_step_line, mfu,
+                                  peak_flops)
+from eagle3.ttt import TTTBatch, align_step, metrics_from_counts
+
+log = logging.getLogger("eagle3.train")
+
+MANIFEST_FILE = "train.manifest.json"
+
+
+@dataclass
+class Trainer:
+    """Everything one training run holds (built by ``setup``)."""
+
+    cfg: RunConfig
+    dist: DistInfo
+    inputs: RunInputs
+    model: nn.Module  # the objective, wrapped in DDP or sharded by FSDP2 (or bare in a one-process world)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    plan: DataPlan
+    total_steps: int
+    stage_key: str
+    unigram: tuple[int, float]  # (token id, share of supervised train tokens)
+    metrics: MetricsWriter
+    progress: ProgressWriter
+    state: TrainerState
+    row_flops: float
+    peak_flops: float | None
+
+    @property
+    def objective(self) -> TrainObjective:
+        """The unwrapped objective (supervision, buffers)."""
+        return unwrap(self.model)
+
+    @property
+    def train_dir(self) -> Path:
+        """<run>/train."""
+        return self.inputs.run_dir / "train"
+
+    @property
+    def float_dtype(self) -> torch.dtype:
+        """Feature dtype on the device: bf16 as stored on CUDA (autocast reads it), fp32 on CPU."""
+        return torch.bfloat16 if self.dist.device.type == "cuda" else torch.float32
+
+
+@dataclass
+class TrainResult:
+    """How a call ended: done (all steps), stopped (signal or stop_after_steps) or up_to_date."""
+
+    status: str
+    step: int
+    checkpoint: Path | None
+    last_train: dict[str, Any] | None = None
+    last_eval: dict[str, Any] | None = None
+
+
+# ------------------------------------------------------------------------------------------------- setup
+
+def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
+    """Seeded model, wrapper, optimizer, schedule, data plans; resumed from the latest checkpoint."""
+    import random
+
+    random.seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)
+    plan = plan_data(cfg, inputs, info.world_size)
+    total = total_steps_for(cfg, plan)
+    model = wrap(build_objective(cfg, inputs, info.device), cfg.train.parallel, info)
+    lr = scaled_lr(cfg.train.lr, cfg.train.lr_scaling, plan.rows_per_step, cfg.train.reference_rows_per_step)
+    optimizer = build_optimizer(cfg, model, lr, info.device)
+    train_dir = inputs.run_dir / "train"
+    unigram = broadcast_object(unigram_token(inputs) if info.is_main else None, info)
+    row_flops = drafter_row_flops(inputs.dims, cfg.train.max_tokens_per_batch, cfg.drafter.ttt_steps,
+                                  inputs.spec.supervision == "final_hidden")["total"]
+    tr = Trainer(cfg, info, inputs, model, optimizer, build_scheduler(cfg, optimizer, total), plan, total,
+                 stage_key_for(cfg, inputs), unigram, MetricsWriter(train_dir / "metrics.jsonl", info.is_main),
+                 ProgressWriter(train_dir / "progress.json", total, info.is_main, cfg.train.progress_every_s),
+                 TrainerState(), cfg.train.grad_accum_steps * row_flops, peak_flops(info.device))
+    log.info("train: %d steps (%d epochs, %d rows per step, lr %.3e), %d train rows/epoch (fill %.2f, %d truncated), "
+             "%d val rows, world %d (%s) on %s", total, len(plan.train), plan.rows_per_step, lr,
+             len(plan.train[0].rows), plan.train[0].stats.fill(cfg.train.max_tokens_per_batch),
+             plan.train[0].stats.num_truncated, len(plan.val.rows), info.world_size, cfg.train.parallel, info.device)
+    resume(tr)
+    return tr
+
+
+def resume(tr: Trainer) -> None:
+    """Continue from the latest complete checkpoint, if any (its config and batch layout must match)."""
+    path = latest_checkpoint(checkpoints_dir(tr.inputs.run_dir))
+    if path is None:
+        return
+    check_compatible(read_info(path), tr.stage_key, tr.plan.rows_per_step)
+    tr.state = load_checkpoint(path, tr.model, tr.optimizer, tr.scheduler, tr.dist)
+    tr.metrics.keep_until(tr.state.step)
+    log.info("train: resuming from %s (step %d, epoch %d, row %d of the epoch)", path, tr.state.step,
+             tr.state.epoch, tr.state.epoch_rows_done)
+
+
+# -------------------------------------------------------------------------------------------------- steps
+
+def prepare_row(tr: Trainer, row: PackedBatch, noise: bool) -> TTTBatch:
+    """The row on the device, with the configured aux noise when ``noise`` (train rows only)."""
+    batch = batch_to(row.batch, tr.dist.device)
+    if noise and tr.cfg.train.aux_noise != "none":
+        batch = dataclasses.replace(batch, aux=add_aux_noise(batch.aux, tr.cfg.train.aux_noise,
+                                                             tr.cfg.train.aux_noise_std, row.noise_seed))
+    return batch
+
+
+def supervised_counts(objective: TrainObjective, batch: TTTBatch, argmax: Tensor) -> Tensor:
+    """[S] positions in each TTT step's loss (the same position masks ttt_loss builds)."""
+    return torch.stack([align_step(batch.input_ids, batch.loss_mask, batch.document_ids, argmax, objective.t2d,
+                                   k).position_mask.sum() for k in range(objective.ttt_steps)])
+
+
+def supervise(objective: TrainObjective, batches: list[TTTBatch], info: DistInfo) -> tuple[list, Tensor]:
+    """(supervision of each row, [S] supervised-token counts summed over the rows of every rank)."""
+    with torch.no_grad(), autocast(info):
+        sups = [objective.supervision(b) for b in batches]
+    counts = sum(supervised_counts(objective, b, s.argmax) for b, s in zip(batches, sups))
+    return sups, all_reduce_sum(counts.double(), info)
+
+
+def backward_rows(model: nn.Module, batches: list[TTTBatch], sups: list, counts: Tensor, info: DistInfo) -> Tensor:
+    """Forward + backward of every row against the global counts; returns summed metric counts [4, S]."""
+    obj = unwrap(model)
+    weights = obj.step_decay ** torch.arange(obj.ttt_steps, device=counts.device, dtype=torch.float32)
+    norm = counts.float().clamp_min(1)
+    sums = torch.zeros(4, obj.ttt_steps, device=counts.device, dtype=torch.float64)
+    for i, (batch, sup) in enumerate(zip(batches, sups)):
+        with gradient_sync(model, enabled=i == len(batches) - 1):
+            with autocast(info):
+                out = model(batch, sup)
+                loss = (weights * out.loss_sum / norm).sum() * info.world_size
+            loss.backward()
+        sums += torch.stack([out.loss_sum.detach().double(), out.num_predicted.double(), out.num_correct.double(),
+                             out.num_full_correct.double()])
+    return sums
+
+
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, grad_clip: float
+                   ) -> tuple[float, float]:
+    """Clip, step, advance the schedule; returns (grad norm before clipping, lr used)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")))
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm), lr
+
+
+def train_step(tr: Trainer, rows: list[PackedBatch], stop_requested: bool) -> tuple[dict[str, Any], bool]:
+    """One optimizer step over this rank's rows (module docstring); returns (metrics, any rank asked to stop)."""
+    batches = [prepare_row(tr, row, noise=True) for row in rows]
+    sups, counts = supervise(tr.objective, batches, tr.dist)
+    sums = backward_rows(tr.model, batches, sups, counts, tr.dist)
+    grad_norm, lr = optimizer_step(tr.model, tr.optimizer, tr.scheduler, tr.cfg.train.grad_clip)
+    extra = torch.tensor([sum(r.num_tokens for r in rows), float(stop_requested)], dtype=torch.float64,
+                         device=sums.device)
+    reduced = all_reduce_sum(torch.cat([sums.flatten(), extra]), tr.dist)
+    loss_sum, predicted, correct, full = reduced[:-2].view(4, -1)
+    record = metrics_from_counts(loss_sum, counts, predicted, correct, full, tr.objective.step_decay)
+    return {**record, "lr": lr, "grad_norm": grad_norm, "num_tokens": int(reduced[-2])}, bool(reduced[-1] > 0)
+
+
+@torch.no_grad()
+def evaluate(tr: Trainer) -> dict[str, Any] | None:
+    """Metrics over the whole val split (rows spread over ranks, repeats not counted) + the unigram baseline."""
+    rows = tr.plan.val.rows_for(tr.dist.rank, tr.dist.world_size)
+    if not tr.plan.val.rows:
+        return None
+    steps = tr.objective.ttt_steps
+    sums = torch.zeros(5 * steps + 1, dtype=torch.float64, device=tr.dist.device)
+    loader = RowLoader(tr.inputs.features_dir, rows, tr.cfg.train.max_tokens_per_batch, tr.float_dtype,
+                       depth=tr.cfg.train.prefetch_rows, pin_memory=tr.dist.device.type == "cuda")
+    for row in loader:
+        batch = prepare_row(tr, row, noise=False)
+        with autocast(tr.dist):
+            sup = tr.objective.supervision(batch)
+            out = tr.model(batch, sup)  # through the wrapper: FSDP2 must gather on every rank
+        if row.counted:
+            sums += _eval_counts(tr, batch, sup.argmax, out)
+    all_reduce_sum(sums, tr.dist)
+    loss_sum, supervised, predicted, correct, full = sums[:-1].view(5, steps)
+    record = metrics_from_counts(loss_sum, supervised, predicted, correct, full, tr.objective.step_decay)
+    token, share = tr.unigram
+    return {**record, "unigram_acc_0": float(sums[-1] / predicted[0].clamp_min(1)), "unigram_token": token,
+            "unigram_train_share": share, "num_rows": len(tr.plan.val.rows)}
+
+
+def _eval_counts(tr: Trainer, batch: TTTBatch, argmax: Tensor, out: Any) -> Tensor:
+    """[5 * S + 1] sums of one val row; the last entry counts step-0 hits of the unigram guess."""
+    step0 = align_step(batch.input_ids, batch.loss_mask, batch.document_ids, argmax, tr.objective.t2d, 0)
+    unigram_hits = ((step0.target_argmax == tr.unigram[0]) & step0.predicts_marked).sum()
+    parts = [out.loss_sum.float(), out.num_supervised, out.num_predicted, out.num_correct, out.num_full_correct]
+    return torch.cat([torch.stack([p.double() for p in parts]).flatten(), unigram_hits.double()[None]])
+
+
+# --------------------------------------------------------------------------------------------------- loop
+
+class StopSignal:
+    """SIGTERM/SIGINT set a flag; the loop finishes its step, checkpoints and exits cleanly."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+
+    def __enter__(self) -> StopSignal:
+        with contextlib.suppress(ValueError):  # not the main thread: no handlers (tests, notebooks)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def micro_batch_windows(tr: Trainer) -> Iterator[list[PackedBatch]]:
+    """This rank's rows in groups of grad_accum_steps, from the sampler position on, epoch after epoch."""
+    accum, world = tr.cfg.train.grad_accum_steps, tr.dist.world_size
+    while tr.state.epoch < len(tr.plan.train):
+        epoch = tr.state.epoch
+        rows = tr.plan.train[epoch].rows_for(tr.dist.rank, world)
+        loader = iter(RowLoader(tr.inputs.features_dir, rows, tr.cfg.train.max_tokens_per_batch, tr.float_dtype,
+                                start=tr.state.rank_index(world), depth=tr.cfg.train.prefetch_rows, epoch=epoch,
+                                seed=tr.cfg.run.seed, pin_memory=tr.dist.device.type == "cuda"))
+        try:
+            while window := list(itertools.islice(loader, accum)):
+                yield window
+        finally:
+            loader.close()
+
+
+def advance(tr: Trainer, num_tokens: int) -> None:
+    """Count a finished step and move the sampler position (to the next epoch at an epoch's end)."""
+    s = tr.state
+    s.step += 1
+    s.tokens_seen += num_tokens
+    s.epoch_rows_done += tr.plan.rows_per_step
+    if s.epoch_rows_done >= len(tr.plan.train[s.epoch].rows):
+        s.epoch, s.epoch_rows_done = s.epoch + 1, 0
+
+
+def save(tr: Trainer, last: dict[str, Any] | None) -> Path:
+    """A checkpoint of the current state (every rank takes part)."""
+    info = {"stage_key": tr.stage_key, "rows_per_step": tr.plan.rows_per_step, "total_steps": tr.total_steps,
+            "metrics": last or {}}
+    path = save_checkpoint(checkpoints_dir(tr.inputs.run_dir), tr.model, tr.optimizer, tr.scheduler, tr.state,
+                           tr.cfg.model_dump_json(indent=2) + "\n", info, tr.dist, tr.cfg.train.keep_checkpoints)
+    log.info("train: checkpoint %s written", path)
+    return path
+
+
+@dataclass
+class LoopClock:
+    """Step timing for tokens/s, MFU and the ETA (averaged over this invocation's steps)."""
+
+    start_s: float = dataclasses.field(default_factory=time.perf_counter)
+    num_steps: int = 0
+
+    def eta_s(self, steps_left: int) -> float:
+        """Seconds left at the average pace so far."""
+        return (time.perf_counter() - self.start_s) / max(self.num_steps, 1) * steps_left
+
+
+def _record(tr: Trainer, epoch: int, metrics: dict[str, Any], step_s: float) -> dict[str, Any]:
+    """The metrics.jsonl record of the step just finished (``epoch``: the one its rows came from)."""
+    rec = {"type": "train", "step": tr.state.step, "epoch": epoch, **metrics, "step_s": step_s,
+           "tokens_per_s": metrics["num_tokens"] / max(step_s, 1e-9), "tokens_seen": tr.state.tokens_seen}
+    rec["mfu"] = mfu(tr.row_flops, step_s, tr.peak_flops)
+    return rec
+
+
+def _report(tr: Trainer, rec: dict[str, Any], clock: LoopClock) -> None:
+    tr.metrics.write(rec)
+    log.info(format_step_line(rec, tr.total_steps))
+    tr.progress.update(step=tr.state.step, epoch=tr.state.epoch, loss=rec["loss"], acc_0=rec.get("acc_0"),
+                       tokens_per_s=rec["tokens_per_s"], eta_s=clock.eta_s(tr.total_steps - tr.state.step))
+
+
+def _run_eval(tr: Trainer) -> dict[str, Any] | None:
+    rec = evaluate(tr)
+    if rec is not None:
+        rec = {"type": "eval", "step": tr.state.step, "epoch": tr.state.epoch, **rec}
+        tr.metrics.write(rec)
+        log.info("eval step %d: loss %.4f acc_0 %.3f (unigram %.3f) accept_len_est %.3f", tr.state.step,
+                 rec["loss"], rec.get("acc_0", 0.0), rec["unigram_acc_0"], rec["accept_len_est"])
+        tr.progress.update(force=True, last_eval=rec)
+    return rec
+
+
+def run(tr: Trainer, stop_after_steps: int | None = None) -> TrainResult:
+    """Train until the last step, a signal, or ``stop_after_steps`` steps of this call (then checkpoint)."""
+    t, clock = tr.cfg.train, LoopClock()
+    last_train = last_eval = None
+    saved_at, evaluated_at, checkpoint = -1, -1, latest_checkpoint(checkpoints_dir(tr.inputs.run_dir))
+    tr.progress.update(force=True, step=tr.state.step, epoch=tr.state.epoch)
+    with StopSignal() as stop:
+        windows = micro_batch_windows(tr)
+        step_start = time.perf_counter()
+        for window in windows:
+            if tr.state.step >= tr.total_steps:
+                break
+            limit_hit = stop_after_steps is not None and clock.num_steps + 1 >= stop_after_steps
+            epoch = tr.state.epoch
+            metrics, stopping = train_step(tr, window, stop.signum is not None or limit_hit)
+            advance(tr, metrics["num_tokens"])
+            clock.num_steps += 1
+            now = time.perf_counter()
+            last_train = _record(tr, epoch, metrics, now - step_start)
+            _report(tr, last_train, clock)
+            if t.eval_every_steps and tr.state.step % t.eval_every_steps == 0 and tr.state.step < tr.total_steps:
+                last_eval, evaluated_at = _run_eval(tr), tr.state.step
+            if (t.checkpoint_every_steps and tr.state.step % t.checkpoint_every_steps == 0) or stopping:
+                checkpoint, saved_at = save(tr, last_train), tr.state.step
+            if stopping and tr.state.step < tr.total_steps:
+                windows.close()
+                return _stopped(tr, stop.signum, checkpoint, last_train, last_eval)
+            step_start = time.perf_counter()
+        windows.close()
+    if evaluated_at != tr.state.step:
+        last_eval = _run_eval(tr) or last_eval
+    if saved_at != tr.state.step:
+        checkpoint = save(tr, last_train)
+    return TrainResult("done", tr.state.step, checkpoint, last_train, last_eval)
+
+
+def _stopped(tr: Trainer, signum: int | None, checkpoint: Path, last_train: dict | None,
+             last_eval: dict | None) -> TrainResult:
+    why = f"received {signal.Signals(signum).name}" if signum is not None else "stop_after_steps reached"
+    log.warning("train: %s: finished step %d, checkpoint %s written, exiting cleanly (rerun the same command to "
+                "resume)", why, tr.state.step, checkpoint)
+    tr.progress.update(state="stopped", force=True, step=tr.state.step, checkpoint=str(checkpoint))
+    return TrainResult("stopped", tr.state.step, checkpoint, last_train, last_eval)
+
+
+# ----------------------------------------------------------------------------------------------- the stage
+
+def train(cfg: RunConfig, stop_after_steps: int | None = None) -> TrainResult:
+    """The train stage in this process: join torchrun's group (if any), lock the run, skip when the manifest
+    matches, else set up, resume, train, and write train.manifest.json when all steps are done."""
+    from eagle3.train.dist import init_distributed, shutdown
+
+    info = init_distributed(cfg.train.device)
+    try:
+        with _run_locked(cfg, info):
+            return _train(cfg, info, stop_after_steps)
+    finally:
+        shutdown(info)
+
+
+@contextlib.contextmanager
+def _run_locked(cfg: RunConfig, info: DistInfo) -> Iterator[None]:
+    """Rank 0 holds the run lock; every rank fails with the holder's name when it is taken."""
+    from eagle3.stages import write_run_config
+    from infra.storage import LockHeldError, run_lock
+
+    with contextlib.ExitStack() as stack:
+        error = None
+        if info.is_main:
+            try:
+                stack.enter_context(run_lock(cfg.run_dir, owner="python -m eagle3.train"))
+                write_run_config(cfg)
+            except LockHeldError as exc:
+                error = str(exc)
+        error = broadcast_object(error, info)
+        if error:
+            raise LockHeldError(error)
+        yield
+
+
+def _prepare_target(cfg: RunConfig, info: DistInfo) -> Path:
+    """The target directory; rank 0 first, since it may build or convert it into the cache."""
+    from eagle3.target import prepare_target
+
+    model_dir = prepare_target(cfg) if info.is_main else None
+    barrier(info)
+    return model_dir if model_dir is not None else prepare_target(cfg)
+
+
+def _train(cfg: RunConfig, info: DistInfo, stop_after_steps: int | None) -> TrainResult:
+    from eagle3.stage import manifest_matches
+
+    inputs = read_inputs(cfg, _prepare_target(cfg, info))
+    manifest = inputs.run_dir / "train" / MANIFEST_FILE
+    key = stage_key_for(cfg, inputs)
+    if broadcast_object(manifest_matches(manifest, key) if info.is_main else None, info):
+        log.info("train: up to date (%s), nothing to do", manifest)
+        return TrainResult("up_to_date", -1, None)
+    if info.is_main:
+        manifest.unlink(missing_ok=True)
+    tr = setup(cfg, info, inputs)
+    try:
+        result = run(tr, stop_after_steps)
+    except BaseException as exc:
+        tr.progress.update(state="failed", force=True, error=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        tr.metrics.close()
+    if result.status == "done":
+        _finish(tr, result)
+    return result
+
+
+def _finish(tr: Trainer, result: TrainResult) -> None:
+    """train.manifest.json (rank 0) naming the final checkpoint and its metrics; progress 'done'."""
+    from eagle3.stage import write_manifest
+    from eagle3.train.checkpoint import CONFIG_FILE, INFO_FILE, MODEL_FILE
+
+    if tr.dist.is_main:
+        final = result.checkpoint
+        outputs = {"model": final / MODEL_FILE, "checkpoint": final / INFO_FILE, "config": final / CONFIG_FILE}
+        packing = [dataclasses.asdict(p.stats) for p in tr.plan.train]  # per epoch: rows, truncations, repeats
+        stats = {"final_checkpoint": str(final.relative_to(tr.train_dir)), "step": result.step,
+                 "total_steps": tr.total_steps, "train": result.last_train, "eval": result.last_eval,
+                 "packing": packing, "rows_per_step": tr.plan.rows_per_step}
+        write_manifest(tr.train_dir / MANIFEST_FILE, "train", tr.stage_key, outputs, stats)
+    tr.progress.update(state="done", force=True, step=result.step, checkpoint=str(result.checkpoint), eta_s=0.0)
+    log.info("train: done after %d steps; final checkpoint %s", result.step, result.checkpoint)
+    barrier(tr.dist)

@@ -1,0 +1,97 @@
+"""The capture flow: hidden states of every tokenized sample, in resumable, validated shards.
+
+Usable alone (deployment `eagle3-capture`, or `eagle3 capture --preset tiny`) and as a subflow of
+the pipeline. Shards already on disk are skipped; the live progress artifact shows shards done,
+tokens/s, ETA and GB written.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.futures import PrefectFuture, wait
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from eagle3.config import RunConfig, load_config
+from flows.pipeline import PresetName
+from tasks.artifacts import artifact_key, publish_table
+from tasks.capture import capture_shard_task, finalize_capture_task, prepare_capture_task
+
+MAX_THREADS = 64
+
+
+class CaptureProgress:
+    """Shards done, tokens/s, ETA and bytes written, as one live progress artifact."""
+
+    def __init__(self, cfg: RunConfig, summary: dict[str, Any]):
+        self.num_shards = summary["num_shards"]
+        self.num_done = self.num_shards - len(summary["pending"])
+        self.tokens_left = summary["num_tokens_pending"]
+        self.num_tokens = self.num_bytes = 0
+        self.t0 = time.monotonic()
+        self.artifact_id = create_progress_artifact(progress=self._percent(), key=artifact_key(cfg, "capture-progress"),
+                                                    description=self._text())
+
+    def _percent(self) -> float:
+        return 100.0 * self.num_done / self.num_shards if self.num_shards else 100.0
+
+    def _text(self) -> str:
+        elapsed = max(time.monotonic() - self.t0, 1e-9)
+        rate = self.num_tokens / elapsed
+        eta = (self.tokens_left - self.num_tokens) / rate if rate > 0 else float("nan")
+        return (f"{self.num_done}/{self.num_shards} shards, {rate:,.0f} tokens/s, ETA {eta:,.0f} s, "
+                f"{self.num_bytes / 1e9:.2f} GB written")
+
+    def shard_done(self, result: dict[str, Any]) -> None:
+        """Count one finished shard and refresh the artifact."""
+        self.num_done += 1
+        self.num_tokens += result.get("num_tokens", 0) if result.get("computed", True) else 0
+        self.num_bytes += result.get("num_bytes", 0) if result.get("computed", True) else 0
+        update_progress_artifact(self.artifact_id, progress=self._percent(), description=self._text())
+
+
+def _bounded(cfg: RunConfig, pending: list[int], max_in_flight: int) -> Iterator[PrefectFuture]:
+    """Submit shard tasks keeping at most ``max_in_flight`` running; yield each as it finishes."""
+    queue, running = list(pending), []
+    while queue or running:
+        while queue and len(running) < max_in_flight:
+            running.append(capture_shard_task.submit(cfg, queue.pop(0)))
+        done, _ = wait(running, return_when="FIRST_COMPLETED")
+        for fut in done:
+            running.remove(fut)
+            yield fut
+
+
+def run_capture_shards(cfg: RunConfig) -> dict[str, Any]:
+    """Prepare, capture every pending shard with bounded concurrency, finalize."""
+    summary = prepare_capture_task(cfg)
+    progress = CaptureProgress(cfg, summary)
+    failures = []
+    for fut in _bounded(cfg, summary["pending"], cfg.capture.max_concurrent_shards):
+        fut.wait()  # fut.state is stale until wait()/result()
+        if fut.state.is_completed():
+            progress.shard_done(fut.result())
+        else:
+            failures.append(str(fut.state.message))
+    if failures:
+        raise RuntimeError(f"{len(failures)} capture shards failed; first: {failures[0]}")
+    manifest = finalize_capture_task(cfg)
+    publish_table(cfg, "capture-summary", [{k: v for k, v in manifest.get("stats", {}).items()
+                                            if not isinstance(v, (list, dict))}], "captured features")
+    return manifest
+
+
+@flow(name="eagle3-capture", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS))
+def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
+                   config: RunConfig | None = None) -> dict[str, Any]:
+    """Capture hidden states for a run whose tokenized data exists."""
+    from infra.storage import run_lock
+
+    cfg = config or load_config(preset, list(overrides or []))
+    get_run_logger().info("capturing into %s", (cfg.run_dir / "features").resolve())
+    with run_lock(cfg.run_dir, owner="prefect flow eagle3-capture"):
+        return run_capture_shards(cfg)

@@ -1,0 +1,28 @@
+"""The training flow: one GPU-tagged task that runs torchrun on the run's config.
+
+Usable alone (deployment `eagle3-train`, for a run whose features are captured) and from the
+pipeline. The trainer resumes from its latest checkpoint, so a retry or a crash-retry of the
+flow continues training instead of starting over.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from eagle3.config import RunConfig, load_config
+from flows.pipeline import PresetName, guard_crash_loop
+from tasks.train import train_task
+
+
+@flow(name="eagle3-train", log_prints=True)
+def eagle3_train(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
+                 config: RunConfig | None = None) -> dict[str, Any]:
+    """Train the drafter for a run whose vocab map and captured features exist."""
+    from infra.storage import run_lock
+
+    guard_crash_loop()
+    cfg = config or load_config(preset, list(overrides or []))
+    with run_lock(cfg.run_dir, owner="prefect flow eagle3-train"):
+        return train_task(cfg)

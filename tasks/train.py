@@ -1,0 +1,113 @@
+"""The GPU-tagged training task: torchrun under supervision, live progress, metrics and plots at the end.
+
+Retries are safe because the trainer resumes from its latest checkpoint; a finished run whose
+manifest matches its inputs is a no-op inside the trainer, so a re-run costs one process start.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+
+from eagle3.config import RunConfig
+from tasks.artifacts import artifact_key, publish_table
+
+
+def torchrun_spec(cfg: RunConfig, config_path: Path, num_gpus: int):
+    """The torchrun command for this run: nproc = configured, else one per visible GPU, else 1."""
+    from infra.torchrun import TorchrunSpec
+
+    nproc = cfg.train.nproc_per_node or max(1, num_gpus)
+    return TorchrunSpec(module="eagle3.train", args=("--config", str(config_path.resolve())), nproc_per_node=nproc,
+                        nnodes=cfg.train.nnodes, node_rank=cfg.train.node_rank, rdzv_endpoint=cfg.train.rdzv_endpoint,
+                        rdzv_id=f"eagle3-{cfg.run.name}", env={"OMP_NUM_THREADS": "1"} if num_gpus == 0 else {})
+
+
+def _visible_gpus(cfg: RunConfig) -> list:
+    """GPUs this task may use, checked free (named processes holding memory stop the run)."""
+    from infra.gpus import check_gpus_free, list_gpus
+
+    gpus = [] if cfg.train.device == "cpu" else list_gpus()
+    if gpus:
+        check_gpus_free([g.index for g in gpus], allow_shared=cfg.capture.allow_shared_gpus)
+    return gpus
+
+
+class ProgressWatcher:
+    """Polls train/progress.json in a thread and mirrors it into a progress artifact."""
+
+    def __init__(self, cfg: RunConfig, every_s: float = 5.0):
+        self.path = cfg.run_dir / "train" / "progress.json"
+        self.every_s = every_s
+        self.stop = threading.Event()
+        self.artifact_id = create_progress_artifact(0.0, key=artifact_key(cfg, "train-progress"),
+                                                    description="training: starting")
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.every_s):
+            self.refresh()
+
+    def refresh(self) -> None:
+        try:
+            doc = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        total, step = doc.get("total_steps") or 0, doc.get("step") or 0
+        nan = float("nan")
+        text = (f"{doc.get('state')}: step {step}/{total}, loss {doc.get('loss') or nan:.4f}, "
+                f"acc_0 {doc.get('acc_0') or nan:.3f}, {doc.get('tokens_per_s') or 0:,.0f} tok/s, "
+                f"ETA {doc.get('eta_s') or 0:,.0f} s")
+        update_progress_artifact(self.artifact_id, progress=100.0 * step / total if total else 0.0, description=text)
+
+    def __enter__(self) -> ProgressWatcher:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+        self.refresh()
+
+
+def publish_train_report(cfg: RunConfig) -> dict[str, Any]:
+    """Table of the last train/eval metrics and a markdown report with the loss/acc PNGs embedded."""
+    from eagle3.train.plots import plot_metrics, read_metrics
+
+    metrics = cfg.run_dir / "train" / "metrics.jsonl"
+    train, evals = read_metrics(metrics)
+    rows = [{"split": "train", **_scalars(train[-1])}] if train else []
+    rows += [{"split": "val", **_scalars(r)} for r in evals]
+    publish_table(cfg, "train-metrics", rows or [{"split": "(none)"}], "last train step and every validation")
+    images = "\n\n".join(f"![{p.stem}](data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()})"
+                         for p in plot_metrics(metrics))
+    create_markdown_artifact(markdown=f"# Training `{cfg.run.name}`\n\n{images}\n", key=artifact_key(cfg, "train-report"),
+                             description="loss and accuracy per TTT step")
+    return {"last_train": train[-1] if train else None, "last_eval": evals[-1] if evals else None}
+
+
+def _scalars(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()
+            if isinstance(v, (int, float, str)) and not k.startswith("num_supervised")}
+
+
+@task(name="train", tags=["gpu"], retries=2, retry_delay_seconds=[30, 120], task_run_name="train-{cfg.run.name}")
+def train_task(cfg: RunConfig) -> dict[str, Any]:
+    """Train the drafter with torchrun (resuming from the latest checkpoint); returns the manifest summary."""
+    from eagle3.stage import read_manifest
+    from eagle3.stages import write_run_config
+    from infra.torchrun import run_torchrun
+
+    logger = get_run_logger()
+    spec = torchrun_spec(cfg, write_run_config(cfg), len(_visible_gpus(cfg)))
+    logger.info("launching %s", " ".join(spec.argv()))
+    with ProgressWatcher(cfg):
+        run_torchrun(spec, cfg.run_dir / "train" / "torchrun.log", timeout_s=cfg.train.timeout_s, on_line=logger.info)
+    manifest = read_manifest(cfg.run_dir / "train" / "train.manifest.json") or {}
+    return {"manifest": manifest.get("stats", {}), **publish_train_report(cfg)}
