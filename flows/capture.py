@@ -7,17 +7,18 @@ tokens/s, ETA and GB written.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
-from prefect.futures import PrefectFuture, wait
+from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, load_config
-from flows.pipeline import PresetName
+from flows.pipeline import PresetName, guard_crash_loop
 from tasks.artifacts import artifact_key, publish_table
 from tasks.capture import capture_shard_task, finalize_capture_task, prepare_capture_task
 
@@ -60,15 +61,36 @@ def _bounded(cfg: RunConfig, pending: list[int], max_in_flight: int) -> Iterator
     while queue or running:
         while queue and len(running) < max_in_flight:
             running.append(capture_shard_task.submit(cfg, queue.pop(0)))
-        done, _ = wait(running, return_when="FIRST_COMPLETED")
-        for fut in done:
-            running.remove(fut)
-            yield fut
+        fut = next(as_completed(running))
+        running.remove(fut)
+        yield fut
+
+
+@contextlib.contextmanager
+def capture_endpoints(cfg: RunConfig) -> Iterator[RunConfig]:
+    """For the SGLang backend without given endpoints: launch the servers once for all shards."""
+    if cfg.capture.backend != "sglang" or cfg.capture.sglang.endpoints:
+        yield cfg
+        return
+    from eagle3.features.capture import build_spec
+    from eagle3.features.sglang_backend import managed_endpoints
+    from eagle3.target import prepare_target
+
+    model_dir = prepare_target(cfg)
+    with managed_endpoints(cfg, model_dir, build_spec(cfg, model_dir)) as served:
+        yield served
 
 
 def run_capture_shards(cfg: RunConfig) -> dict[str, Any]:
     """Prepare, capture every pending shard with bounded concurrency, finalize."""
     summary = prepare_capture_task(cfg)
+    if not summary["pending"]:
+        return finalize_capture_task(cfg)
+    with capture_endpoints(cfg) as served:
+        return _capture_pending(served, summary)
+
+
+def _capture_pending(cfg: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
     progress = CaptureProgress(cfg, summary)
     failures = []
     for fut in _bounded(cfg, summary["pending"], cfg.capture.max_concurrent_shards):
@@ -91,6 +113,7 @@ def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | N
     """Capture hidden states for a run whose tokenized data exists."""
     from infra.storage import run_lock
 
+    guard_crash_loop()
     cfg = config or load_config(preset, list(overrides or []))
     get_run_logger().info("capturing into %s", (cfg.run_dir / "features").resolve())
     with run_lock(cfg.run_dir, owner="prefect flow eagle3-capture"):

@@ -60,7 +60,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import eagle3_pipeline
 
     t0 = time.monotonic()
-    result = eagle3_pipeline(config=cfg, force=args.force)
+    result = eagle3_pipeline(config=cfg, force=args.force, until=args.until)
     print_summary(result, time.monotonic() - t0)
     print(f"\nPrefect UI: {server.ui_url}   run directory: {result['run_dir']}")
     return 0
@@ -77,6 +77,26 @@ def print_summary(result: dict[str, Any], wall_s: float) -> None:
         print(f"\n[{stage}] {state}")
         for key, value in _headline(res["stats"]).items():
             print(f"  {key:<28} {value}")
+    if result.get("capture"):
+        print("\n[capture]")
+        for key in ("num_shards", "num_samples", "num_tokens", "num_bytes", "bytes_per_token", "aux_layer_ids"):
+            print(f"  {key:<28} {result['capture']['stats'].get(key)}")
+    if result.get("train"):
+        _print_train(result["train"])
+
+
+def _print_train(train: dict[str, Any]) -> None:
+    """Train and validation accuracy per TTT step, and the acceptance-length estimate."""
+    print("\n[train]")
+    for name, rec in (("last train step", train.get("last_train")), ("last validation", train.get("last_eval"))):
+        if not rec:
+            continue
+        accs = " ".join(f"acc_{k}={rec[f'acc_{k}']:.3f}" for k in range(16) if f"acc_{k}" in rec)
+        print(f"  {name:<20} step {rec.get('step')}  loss {rec.get('loss', float('nan')):.4f}  {accs}")
+    last_eval = train.get("last_eval") or {}
+    if "accept_len_est" in last_eval:
+        print(f"  {'accept_len_est (val)':<20} {last_eval['accept_len_est']:.3f}  "
+              f"(unigram baseline acc_0 {last_eval.get('unigram_acc_0', float('nan')):.3f})")
 
 
 def _headline(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -124,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(preset="smollm2-demo")
     run = add_config_args(sub.add_parser("run", help="run the pipeline flow for a preset"))
     for p in (demo, run):
+        p.add_argument("--until", choices=("vocab", "capture", "train"), default="train",
+                       help="last stage to run (default: train)")
         p.add_argument("--force", action="store_true", help="recompute every stage")
         p.add_argument("--port", type=int, help="local Prefect server port (default 4200)")
         p.set_defaults(func=cmd_run)

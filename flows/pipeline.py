@@ -57,10 +57,27 @@ def run_data_stages(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
     return results
 
 
+LastStage = Literal["vocab", "capture", "train"]
+
+
+def run_model_stages(cfg: RunConfig, until: str) -> dict[str, Any]:
+    """Capture (a subflow with one task per shard), then training (torchrun), as far as ``until``."""
+    from flows.capture import eagle3_capture
+    from tasks.train import train_task
+
+    results: dict[str, Any] = {}
+    if until in ("capture", "train"):
+        results["capture"] = eagle3_capture(config=cfg)
+    if until == "train":
+        results["train"] = train_task(cfg)
+    return results
+
+
 @flow(name="eagle3-pipeline", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=4))
 def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
-                    config: RunConfig | None = None, force: bool = False) -> dict[str, Any]:
-    """Run the pipeline for a preset (+ dotted overrides) or a full config; returns each stage's summary."""
+                    config: RunConfig | None = None, force: bool = False,
+                    until: LastStage = "train") -> dict[str, Any]:
+    """Run the pipeline for a preset (+ dotted overrides) or a full config, up to stage ``until``."""
     from eagle3.stages import write_run_config
     from infra.storage import run_lock
 
@@ -70,6 +87,7 @@ def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | 
     with run_lock(cfg.run_dir, owner=f"prefect flow run {flow_run.id}"):
         write_run_config(cfg)
         results = run_data_stages(cfg, force)
+        results.update(run_model_stages(cfg, until))
     create_markdown_artifact(markdown=render_summary(cfg, results), key=artifact_key(cfg, "run-summary"),
                              description="pipeline summary")
     return {"run_dir": str(cfg.run_dir.resolve()), **{k: v for k, v in results.items() if k != "target"}}
@@ -85,4 +103,12 @@ def render_summary(cfg: RunConfig, results: dict[str, Any]) -> str:
         if res:
             outs = ", ".join(f"`{k}`" for k in res.get("outputs", {}))
             lines.append(f"| {stage} | {'yes' if res.get('computed') else 'no (up to date)'} | {outs} |")
+    if "capture" in results:
+        cap = results["capture"].get("stats", {})
+        lines.append(f"| capture | see capture flow | {cap.get('num_shards')} shards, {cap.get('num_tokens')} tokens, "
+                     f"{cap.get('num_bytes', 0) / 1e6:.1f} MB |")
+    if results.get("train"):
+        last = results["train"].get("last_eval") or {}
+        lines.append(f"| train | see train task | val acc_0 {last.get('acc_0')}, "
+                     f"accept_len_est {last.get('accept_len_est')} |")
     return "\n".join(lines) + "\n"

@@ -32,6 +32,7 @@ launch managed servers (``infra.sglang.ManagedServer``) that this backend stops 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -200,8 +201,7 @@ class SGLangCaptureBackend:
         kwargs: dict[str, Any] = dict(max_concurrency=sg.max_concurrency, request_timeout_s=sg.request_timeout_s,
                                       ready_timeout_s=sg.startup_timeout_s)
         if sg.endpoints:
-            final = list(getattr(sg, "final_endpoints", []))  # not a config field yet: see the module docs
-            return cls(spec, sg.endpoints, final, api_key=api_key, **kwargs)
+            return cls(spec, sg.endpoints, list(sg.final_endpoints), api_key=api_key, **kwargs)
         api_key = api_key or secrets.token_hex(16)
         servers = _launch_servers(cfg, model_dir, spec, api_key, module)
         return cls(spec, servers[:1], servers[1:], api_key=api_key, owned_servers=servers, **kwargs)
@@ -484,3 +484,33 @@ def _to_tensors(sample: SampleTokens, parts: tuple[_Part, _Part | None]) -> Capt
         topk_ids=torch.from_numpy(aux.topk_ids) if aux.topk_ids is not None else None,
         topk_logprobs=torch.from_numpy(aux.topk_logprobs) if aux.topk_logprobs is not None else None,
     )
+
+
+@contextlib.contextmanager
+def managed_endpoints(cfg: RunConfig, model_dir: Path, spec: FeatureSpec,
+                      module: str = LAUNCH_MODULE) -> Iterator[RunConfig]:
+    """Launch the capture servers once for a whole capture and yield a config that points at them.
+
+    Shard tasks then build backends on existing endpoints (no launch per shard); the API key is
+    handed over through the environment variable the config names. Servers stop on exit.
+    """
+    sg = cfg.capture.sglang
+    if sg.endpoints:
+        yield cfg
+        return
+    env_name = sg.api_key_env or "EAGLE3_SGLANG_API_KEY"
+    api_key = os.environ.get(env_name) or secrets.token_hex(16)
+    servers = _launch_servers(cfg, model_dir, spec, api_key, module)
+    previous = os.environ.get(env_name)
+    os.environ[env_name] = api_key
+    try:
+        urls = [server.spec.base_url for server in servers]
+        sglang = sg.model_copy(update={"endpoints": urls[:1], "final_endpoints": urls[1:], "api_key_env": env_name})
+        yield cfg.model_copy(update={"capture": cfg.capture.model_copy(update={"sglang": sglang})})
+    finally:
+        for server in servers:
+            server.stop()
+        if previous is None:
+            os.environ.pop(env_name, None)
+        else:
+            os.environ[env_name] = previous

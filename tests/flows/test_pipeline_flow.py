@@ -25,7 +25,7 @@ def workdir(tmp_path_factory):
 
 def test_flow_completes_and_writes_every_output(workdir):
     """A first run completes and leaves merged, tokenized and vocab outputs plus config.json."""
-    state = eagle3_pipeline(config=_tiny(workdir), return_state=True)
+    state = eagle3_pipeline(config=_tiny(workdir), until="vocab", return_state=True)
     assert state.is_completed(), state.message
     result = state.result()
     assert _computed(result) == {"merge": True, "tokenize": True, "vocab": True}
@@ -38,20 +38,20 @@ def test_flow_completes_and_writes_every_output(workdir):
 def test_second_run_with_same_inputs_recomputes_nothing(workdir):
     """Re-running with identical inputs skips every stage and leaves the outputs untouched."""
     before = {p: p.stat().st_mtime_ns for p in (workdir / "tiny").rglob("*.parquet")}
-    result = eagle3_pipeline(config=_tiny(workdir))
+    result = eagle3_pipeline(config=_tiny(workdir), until="vocab")
     assert _computed(result) == {"merge": False, "tokenize": False, "vocab": False}
     assert {p: p.stat().st_mtime_ns for p in before} == before
 
 
 def test_changed_tokenize_config_recomputes_only_downstream(workdir):
     """Changing tokenize.max_len recomputes tokenize and vocab but not merge."""
-    result = eagle3_pipeline(config=_tiny(workdir, "tokenize.max_len=64"))
+    result = eagle3_pipeline(config=_tiny(workdir, "tokenize.max_len=64"), until="vocab")
     assert _computed(result) == {"merge": False, "tokenize": True, "vocab": True}
 
 
 def test_changed_vocab_size_recomputes_only_vocab(workdir):
     """Changing the draft vocab size recomputes the vocab map alone."""
-    result = eagle3_pipeline(config=_tiny(workdir, "tokenize.max_len=64", "vocab.draft_vocab_size=64"))
+    result = eagle3_pipeline(config=_tiny(workdir, "tokenize.max_len=64", "vocab.draft_vocab_size=64"), until="vocab")
     assert _computed(result) == {"merge": False, "tokenize": False, "vocab": True}
 
 
@@ -59,14 +59,14 @@ def test_deleted_output_is_recomputed_despite_prefect_cache(workdir):
     """A stage whose output file vanished runs again even though Prefect holds a cached result."""
     cfg = _tiny(workdir, "tokenize.max_len=64", "vocab.draft_vocab_size=64")
     (workdir / "tiny" / "vocab" / "vocab_map.safetensors").unlink()
-    result = eagle3_pipeline(config=cfg)
+    result = eagle3_pipeline(config=cfg, until="vocab")
     assert _computed(result) == {"merge": False, "tokenize": False, "vocab": True}
     assert (workdir / "tiny" / "vocab" / "vocab_map.safetensors").is_file()
 
 
 def test_flow_accepts_preset_and_overrides_as_parameters(workdir):
     """Deployments pass a preset name and dotted overrides, not a copy of the preset."""
-    result = eagle3_pipeline(preset="tiny", overrides=[f"run.workdir={workdir}", "run.name=by-preset"])
+    result = eagle3_pipeline(preset="tiny", overrides=[f"run.workdir={workdir}", "run.name=by-preset"], until="vocab")
     assert result["run_dir"].endswith("by-preset")
     assert _computed(result) == {"merge": True, "tokenize": True, "vocab": True}
 
@@ -81,7 +81,7 @@ def test_flow_with_regeneration_against_the_fake_openai_server(tmp_path):
     with FakeOpenAIServer() as server:
         cfg = _tiny(tmp_path, "regenerate.enabled=true", f"regenerate.endpoint={server.base_url}",
                     "regenerate.max_conversations=5")
-        result = eagle3_pipeline(config=cfg)
+        result = eagle3_pipeline(config=cfg, until="vocab")
     stats = result["regenerate"]["stats"]
     assert stats["success"] == 5 and stats["success"] + stats["error"] + stats["skipped_done"] \
         + stats["skipped_limit"] == stats["input"]
