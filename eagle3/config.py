@@ -49,8 +49,8 @@ class RunSection(Section):
 class TinyTargetConfig(Section):
     """Shape of the random tiny Llama target built locally (tests, CI, smoke runs)."""
 
-    num_hidden_layers: int = Field(4, ge=4)
-    """Decoder layers (>= 4 so the default aux ids [1, N//2-1, N-4] are distinct enough)."""
+    num_hidden_layers: int = Field(8, ge=8)
+    """Decoder layers (>= 8 so the default aux ids [1, N//2-1, N-4] are distinct and below the last layer)."""
     hidden_size: int = 64
     """Model width H."""
     num_attention_heads: int = 4
@@ -197,8 +197,8 @@ class CaptureConfig(Section):
     """Storage of the aux states: bf16, or fp8 e4m3 with a per-token scale (half the bytes)."""
     max_tokens_per_batch: int = Field(4096, ge=1)
     """Token budget of one forward batch (sum of sample lengths), never a sample count."""
-    tokens_per_shard: int = Field(1_000_000, ge=1)
-    """Target tokens per shard file (shards are balanced by tokens)."""
+    tokens_per_shard: int = Field(131_072, ge=1)
+    """Target tokens per shard file (balanced by tokens; ~4 GB per shard for an 8B target)."""
     max_concurrent_shards: int = Field(1, ge=1)
     """Shard tasks in flight in one flow run (they share the model or the servers)."""
     device: str = "auto"

@@ -56,6 +56,20 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
+def check_aux_layer_ids(aux: list[int], num_layers: int) -> None:
+    """Aux ids must be distinct, ascending and below the last layer.
+
+    The last layer's output is the final hidden state (HF applies the final norm to it, SGLang
+    cannot capture it as aux), so id N-1 would silently mean different tensors in different places.
+    """
+    if any(not 0 <= i < num_layers - 1 for i in aux):
+        raise ValueError(f"target.aux_layer_ids {aux} out of range: ids must be in [0, {num_layers - 2}] "
+                         f"for {num_layers} layers (output-of-layer convention; the last layer is the final state)")
+    if list(aux) != sorted(set(aux)):
+        raise ValueError(f"target.aux_layer_ids {aux} must be distinct and ascending"
+                         f" (a {num_layers}-layer target needs explicit ids if the default repeats)")
+
+
 def prepare_target(cfg: RunConfig) -> Path:
     """Return the HF directory of the target, converting or building it into the cache once."""
     tcfg = cfg.target
@@ -136,8 +150,7 @@ def target_info(model_dir: Path, tcfg: TargetConfig | None = None) -> TargetInfo
     c = c.get("text_config", c)  # multimodal wrappers keep the LM config nested
     num_layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
     aux = (tcfg.aux_layer_ids if tcfg and tcfg.aux_layer_ids else None) or default_aux_layer_ids(num_layers)
-    if any(not 0 <= i < num_layers for i in aux):
-        raise ValueError(f"target.aux_layer_ids {aux} out of range for {num_layers} layers")
+    check_aux_layer_ids(aux, num_layers)
     return TargetInfo(
         model_dir=str(model_dir), architecture=(c.get("architectures") or ["?"])[0], num_layers=num_layers,
         hidden_size=c["hidden_size"], vocab_size=c["vocab_size"], num_attention_heads=heads,

@@ -183,9 +183,6 @@ def make_backend(cfg: RunConfig, model_dir: Path, spec: FeatureSpec | None = Non
     from eagle3.features.sglang_backend import SGLangCaptureBackend
 
     # Which servers to use (given endpoints, or managed ones per pass) is the SGLang module's decision.
-    if not hasattr(SGLangCaptureBackend, "from_config"):
-        raise ValueError("capture.backend=sglang: eagle3.features.sglang_backend has no "
-                         "SGLangCaptureBackend.from_config(cfg, model_dir, spec) yet")
     return SGLangCaptureBackend.from_config(cfg, model_dir, spec)
 
 

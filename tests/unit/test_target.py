@@ -29,15 +29,17 @@ def test_default_aux_ids_follow_output_of_layer_convention():
 def test_target_info_reads_shapes_from_config(tiny_dir):
     """Shape facts come from config.json and match the tiny preset."""
     info = target_info(tiny_dir)
-    assert (info.num_layers, info.hidden_size, info.num_attention_heads) == (4, 64, 4)
-    assert info.aux_layer_ids == [1, 1, 0]
+    assert (info.num_layers, info.hidden_size, info.num_attention_heads) == (8, 64, 4)
+    assert info.aux_layer_ids == [1, 3, 4]
     assert info.vocab_size == len(load_tokenizer(tiny_dir))
 
 
-def test_out_of_range_aux_ids_are_refused(tiny_dir):
-    """An aux layer id beyond the layer count is an error naming the ids."""
-    cfg = load_config("tiny", ["target.aux_layer_ids=[1,2,9]"])
-    with pytest.raises(ValueError, match=r"\[1, 2, 9\]"):
+@pytest.mark.parametrize("ids,reason", [("[1,2,9]", "out of range"), ("[1,2,7]", "out of range"),
+                                        ("[1,1,3]", "distinct and ascending"), ("[3,1,2]", "distinct and ascending")])
+def test_bad_aux_ids_are_refused(tiny_dir, ids, reason):
+    """Aux ids beyond the layers, on the last layer (the final state), repeated or unordered are errors."""
+    cfg = load_config("tiny", [f"target.aux_layer_ids={ids}"])
+    with pytest.raises(ValueError, match=reason):
         target_info(tiny_dir, cfg.target)
 
 
