@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from infra.process import pid_alive
+
 CHUNK_BYTES = 8 << 20
 
 
@@ -27,7 +29,8 @@ def _umask_mode() -> int:
     return 0o666 & ~mask
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so a rename inside it survives a power loss."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -48,7 +51,7 @@ def atomic_open(path: Path | str, mode: str = "wb") -> Iterator[BinaryIO]:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -87,7 +90,7 @@ def commit_temp(tmp: Path, path: Path | str) -> Path:
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(Path(path).parent)
+    fsync_dir(Path(path).parent)
     return Path(path)
 
 
@@ -146,16 +149,6 @@ class LockHeldError(RuntimeError):
     """Another writer holds the run directory."""
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _read_holder(lock: Path) -> dict[str, Any]:
     try:
         return json.loads(lock.read_text())
@@ -165,7 +158,7 @@ def _read_holder(lock: Path) -> dict[str, Any]:
 
 def _is_stale(holder: dict[str, Any]) -> bool:
     """A holder on this host whose process is gone left a stale lock; other hosts are trusted."""
-    return holder.get("host") == socket.gethostname() and not _pid_alive(int(holder.get("pid", -1)))
+    return holder.get("host") == socket.gethostname() and not pid_alive(int(holder.get("pid", -1)))
 
 
 LOCK_HOLDER_ENV = "EAGLE3_RUN_LOCK_HOLDER"

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle3.train.dist import DistInfo, all_gather_objects, barrier
+from infra.storage import fsync_dir
 
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
 MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE = "model.safetensors", "optimizer.pt", "trainer.pt"
@@ -132,12 +133,6 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_files(tmp: Path, model_sd: dict, optim_sd: dict, trainer: dict, config_json: str,
@@ -154,7 +149,7 @@ def _write_files(tmp: Path, model_sd: dict, optim_sd: dict, trainer: dict, confi
     for path in tmp.iterdir():
         os.chmod(path, mode)  # some writers create 0600 files; checkpoints get the usual permissions
         _fsync_file(path)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -166,7 +161,7 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(trash)
     else:
         os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def prune(ckpt_dir: Path, keep: int) -> list[Path]:
