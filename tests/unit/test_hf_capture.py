@@ -25,7 +25,7 @@ from eagle3.features.spec import SampleTokens
 from eagle3.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_target
 from infra.storage import DiskSpaceError
 
-NUM_LAYERS = 4
+NUM_LAYERS = 8
 LENGTHS = [17, 40, 25, 33, 64, 12, 90]  # >= 12 tokens: MKL picks one GEMM kernel for all of these row counts
 
 

@@ -223,7 +223,7 @@ def test_embedding_enters_only_through_input_layernorm():
 
 def _write_sharded_target(folder: Path, embed: torch.Tensor, lm_head: torch.Tensor, tied: bool) -> Path:
     cfg = {**LLAMA31_8B, "hidden_size": embed.shape[1], "vocab_size": embed.shape[0], "num_attention_heads": 4,
-           "num_key_value_heads": 2, "intermediate_size": 48, "num_hidden_layers": 4, "tie_word_embeddings": tied}
+           "num_key_value_heads": 2, "intermediate_size": 48, "num_hidden_layers": 8, "tie_word_embeddings": tied}
     write_config(folder, cfg)
     save_file({"model.embed_tokens.weight": embed}, str(folder / "model-00001-of-00002.safetensors"))
     shards = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}

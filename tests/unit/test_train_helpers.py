@@ -64,7 +64,7 @@ class SyntheticShape:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 64
-    num_layers: int = 4
+    num_layers: int = 8
     vocab_size: int = 96
     draft_vocab_size: int = 48
     lengths: tuple[int, ...] = (40, 17, 63, 25, 90, 33, 12, 51, 70, 28, 44, 9)
