@@ -90,7 +90,8 @@ def convert_gguf(gguf_file: Path, cache_dir: Path, name: str) -> Path:
     """Dequantize a GGUF model once into ``<cache>/<name>-<hash>/`` (fp32 safetensors + tokenizer)."""
     if not gguf_file.is_file():
         raise FileNotFoundError(f"GGUF file {gguf_file} not found")
-    out = cache_dir / f"{name}-{sha256_file(gguf_file)[:12]}"
+    stat = gguf_file.stat()
+    out = cache_dir / f"{name}-{_gguf_digest(str(gguf_file.resolve()), stat.st_size, stat.st_mtime_ns)[:12]}"
     if (out / ".complete").is_file():
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -100,6 +101,12 @@ def convert_gguf(gguf_file: Path, cache_dir: Path, name: str) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+@lru_cache(maxsize=8)
+def _gguf_digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of the GGUF file, once per process per (path, size, mtime): stage keys ask for it often."""
+    return sha256_file(path)
 
 
 def _write_gguf_as_hf(gguf_file: Path, out: Path) -> None:

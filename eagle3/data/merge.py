@@ -13,11 +13,11 @@ For every source and in total ``kept + rejected == read``; the stage checks it b
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
 import random
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,27 +228,10 @@ def read_merged(path: Path | str) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m eagle3.data.merge --preset NAME [--set data.val_fraction=0.1 ...] [--force]"""
-    from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
-    from eagle3.stages import run_merge, write_run_config
-    from infra.storage import run_lock
+    """python -m eagle3.data.merge --preset NAME [--set ...] [--force]: the same as `python -m eagle3.stages merge`."""
+    from eagle3.stages import main as stages_main
 
-    parser = argparse.ArgumentParser(description="Merge the configured chat sources into <run>/data/.")
-    parser.add_argument("--force", action="store_true", help="recompute even if the merge manifest matches")
-    add_config_args(parser)
-
-    @exit_on_user_error
-    def run() -> None:
-        args = parser.parse_args(argv)
-        cfg = config_from_args(args)
-        # The same lock and manifest logic as `python -m eagle3.stages merge`, so the two never disagree.
-        with run_lock(cfg.run_dir, owner="python -m eagle3.data.merge"):
-            write_run_config(cfg)
-            outcome = run_merge(cfg, force=args.force)
-        print(json.dumps(outcome.to_json(), indent=2))
-
-    run()
-
+    stages_main(["merge", *(sys.argv[1:] if argv is None else argv)])
 
 if __name__ == "__main__":
     main()
