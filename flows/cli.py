@@ -1,7 +1,8 @@
 """`eagle3`: the console script (the top of the house).
 
-    eagle3 demo                      start/reuse the local Prefect server, run the demo pipeline, print stats
-    eagle3 run --preset tiny --set data.val_fraction=0.2
+    eagle3 demo                      server + setup + deployment + worker; trigger the demo run and follow it
+    eagle3 run --preset tiny --set data.val_fraction=0.2   the flow in this process, with progress bars
+    eagle3 worker start --pool gpu   a background worker of a work pool
     eagle3 server start|stop|status  the embedded Prefect server (SQLite under <workdir>/.prefect)
     eagle3 setup                     work pools, concurrency limits, crash-recovery automations
     eagle3 target --preset smollm2-demo   tokenizer sanity report
@@ -18,12 +19,21 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
-from typing import Any
+from pathlib import Path
 
 from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
 from eagle3.config import list_presets
 from flows import local_server
+from flows.follow import deploy, follow, trigger
+from flows.local_worker import LocalWorker, start_worker, stop_worker, worker_pid
+from flows.report import DATA_STAGES, print_summary, results_from_disk
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK_POOLS = ("cpu", "gpu")
+PIPELINE_DEPLOYMENT = "eagle3-pipeline"
+LAST_STAGES = ("vocab", "capture", "train")
 
 
 def _server_for(args: argparse.Namespace) -> local_server.LocalServer:
@@ -38,75 +48,109 @@ def _use_server(server: local_server.LocalServer) -> None:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    """eagle3 server start|stop|status."""
+    """eagle3 server start|stop|status (stop also stops this workdir's workers)."""
     server = _server_for(args)
     if args.action == "start":
         t0 = time.monotonic()
         state = local_server.start(server)
         print(f"prefect server {state} in {time.monotonic() - t0:.1f} s: UI {server.ui_url}  API {server.api_url}")
     elif args.action == "stop":
+        for pool in WORK_POOLS:
+            if stop_worker(LocalWorker(server, pool)):
+                print(f"worker for pool {pool} stopped")
         print("stopped" if local_server.stop(server) else "no server of this workdir was running")
     else:
-        print(json.dumps(local_server.status(server), indent=2))
+        workers = {pool: worker_pid(LocalWorker(server, pool)) for pool in WORK_POOLS}
+        print(json.dumps({**local_server.status(server), "worker_pids": workers}, indent=2))
     return 0
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    """eagle3 worker start|stop|status: a background process worker of one pool on the local server."""
+    server = _server_for(args)
+    worker = LocalWorker(server, args.pool)
+    if args.action == "start":
+        _use_server(server)
+        print(f"worker {worker.name} {start_worker(worker, ROOT)}; log {worker.log_file}")
+    elif args.action == "stop":
+        print("stopped" if stop_worker(worker) else f"no worker for pool {args.pool} was running")
+    else:
+        print(json.dumps({"pool": args.pool, "pid": worker_pid(worker), "log": str(worker.log_file)}, indent=2))
+    return 0
+
+
+def _follow_in_thread(t0: float) -> threading.Thread:
+    """Draw the progress bars of the newest pipeline run that started after ``t0`` (the one this process runs)."""
+    def loop() -> None:
+        run_id = _wait_for_own_run(t0)
+        if run_id is not None:
+            follow(run_id, poll_s=2.0)
+
+    thread = threading.Thread(target=loop, daemon=True, name="eagle3-progress")
+    thread.start()
+    return thread
+
+
+def _wait_for_own_run(t0: float, wait_s: float = 120.0):
+    from datetime import datetime, timezone
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
+
+    after = datetime.fromtimestamp(t0, timezone.utc)
+    deadline = time.monotonic() + wait_s
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=after)))
+            roots = [r for r in runs if r.parent_task_run_id is None]
+            if roots:
+                return roots[0].id
+            time.sleep(1.0)
+    return None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run the pipeline flow against the local server (started if needed) and print the stats."""
+    """Run the pipeline flow in this process against the local server, with live progress bars."""
     cfg = config_from_args(args)
     args.workdir = cfg.run.workdir
     server = _server_for(args)
     _use_server(server)
     from flows.pipeline import eagle3_pipeline
 
-    t0 = time.monotonic()
+    t0 = time.time()
+    follower = _follow_in_thread(t0) if not args.no_progress else None
     result = eagle3_pipeline(config=cfg, force=args.force, until=args.until)
-    print_summary(result, time.monotonic() - t0)
+    if follower:
+        follower.join(timeout=15)
+    print_summary(results_from_disk(cfg) | {k: v for k, v in result.items() if k in DATA_STAGES},
+                  time.time() - t0)
     print(f"\nPrefect UI: {server.ui_url}   run directory: {result['run_dir']}")
     return 0
 
 
-def print_summary(result: dict[str, Any], wall_s: float) -> None:
-    """The stats a user wants after a run, one block per stage."""
-    print(f"\n== pipeline finished in {wall_s:.1f} s ==")
-    for stage in ("merge", "regenerate", "tokenize", "vocab"):
-        res = result.get(stage)
-        if not res:
-            continue
-        state = "computed" if res["computed"] else "up to date, skipped"
-        print(f"\n[{stage}] {state}")
-        for key, value in _headline(res["stats"]).items():
-            print(f"  {key:<28} {value}")
-    if result.get("capture"):
-        print("\n[capture]")
-        for key in ("num_shards", "num_samples", "num_tokens", "num_bytes", "bytes_per_token", "aux_layer_ids"):
-            print(f"  {key:<28} {result['capture']['stats'].get(key)}")
-    if result.get("train"):
-        _print_train(result["train"])
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job as a user runs it: server, setup, deployment, worker; trigger the run and follow it."""
+    cfg = config_from_args(args)
+    args.workdir = cfg.run.workdir
+    server = _server_for(args)
+    _use_server(server)
+    from deployments.setup import setup
 
-
-def _print_train(train: dict[str, Any]) -> None:
-    """Train and validation accuracy per TTT step, and the acceptance-length estimate."""
-    print("\n[train]")
-    for name, rec in (("last train step", train.get("last_train")), ("last validation", train.get("last_eval"))):
-        if not rec:
-            continue
-        accs = " ".join(f"acc_{k}={rec[f'acc_{k}']:.3f}" for k in range(16) if f"acc_{k}" in rec)
-        print(f"  {name:<20} step {rec.get('step')}  loss {rec.get('loss', float('nan')):.4f}  {accs}")
-    last_eval = train.get("last_eval") or {}
-    if "accept_len_est" in last_eval:
-        print(f"  {'accept_len_est (val)':<20} {last_eval['accept_len_est']:.3f}  "
-              f"(unigram baseline acc_0 {last_eval.get('unigram_acc_0', float('nan')):.3f})")
-
-
-def _headline(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in stats.items():
-        if isinstance(value, dict) and len(value) <= 12:
-            out.update(_headline(value, f"{prefix}{key}."))
-        elif not isinstance(value, (dict, list)):
-            out[f"{prefix}{key}"] = f"{value:,.3f}" if isinstance(value, float) else value
-    return out
+    setup()
+    deploy(server, [PIPELINE_DEPLOYMENT], ROOT)
+    worker = LocalWorker(server, "gpu")
+    print(f"worker {worker.name} {start_worker(worker, ROOT)} (log {worker.log_file})", flush=True)
+    params = {"config": json.loads(cfg.model_dump_json())} if args.config else {
+        "preset": args.preset, "overrides": list(args.overrides)}
+    t0 = time.monotonic()
+    run_id = trigger(f"eagle3-pipeline/{PIPELINE_DEPLOYMENT}", {**params, "force": args.force, "until": args.until})
+    print(f"flow run {server.ui_url}/runs/flow-run/{run_id}", flush=True)
+    final = follow(run_id, crash_grace_s=240.0)
+    print_summary(results_from_disk(cfg), time.monotonic() - t0)
+    print(f"\nflow run {final.name}: {final.state.name}\nPrefect UI: {server.ui_url}/runs/flow-run/{run_id}"
+          f"\nrun directory: {cfg.run_dir.resolve()}\nworker log: {worker.log_file}"
+          "\n(the server and the worker keep running; `eagle3 server stop` stops both)")
+    return 0 if final.state.type.value == "COMPLETED" else 1
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
@@ -136,38 +180,89 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+EXAMPLES = """\
+examples:
+  eagle3 demo                                  the demo: local server, worker, deployment run, followed live
+  eagle3 demo --set data.sources.0.max_records=1000
+  eagle3 run --preset tiny --set data.val_fraction=0.2      run the flow in this process with progress bars
+  eagle3 run --preset smollm2-demo --until vocab            stop after the data stages
+  eagle3 server start | stop | status          the embedded Prefect server (SQLite under runs/.prefect)
+  eagle3 worker start --pool gpu               a background process worker for a work pool
+  eagle3 setup                                 work pools, concurrency limits, crash-recovery automations
+  eagle3 target --preset smollm2-demo          tokenizer sanity report for the target
+  eagle3 stage tokenize --preset tiny          one data stage without Prefect (= python -m eagle3.stages)
+  eagle3 export --config runs/smollm2-demo/config.json      SGLang + speculators export of a trained run
+  eagle3 eval --config runs/smollm2-demo/config.json        measured acceptance length (speculative decoding)
+  eagle3 presets                               list the presets in configs/
+"""
+
+
+def _add_pipeline_args(p: argparse.ArgumentParser, func) -> None:
+    p.add_argument("--until", choices=LAST_STAGES, default=LAST_STAGES[-1],
+                   help=f"last stage to run (default: {LAST_STAGES[-1]})")
+    p.add_argument("--force", action="store_true", help="recompute every stage")
+    p.add_argument("--port", type=int, help="local Prefect server port (default 4200)")
+    p.set_defaults(func=func)
+
+
+def _add_local_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", default=None, help="workdir whose .prefect/ holds the server (default runs)")
+    p.add_argument("--port", type=int, help="local Prefect server port (default 4200)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree of the console script."""
-    parser = argparse.ArgumentParser(prog="eagle3", description="EAGLE-3 drafter pipeline")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = add_config_args(sub.add_parser("demo", help="run the demo pipeline on the local Prefect server"))
+    parser = argparse.ArgumentParser(prog="eagle3", description="EAGLE-3 drafter pipeline", epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = add_config_args(sub.add_parser("demo", help="the demo: server + worker + deployment run, followed live"))
     demo.set_defaults(preset="smollm2-demo")
-    run = add_config_args(sub.add_parser("run", help="run the pipeline flow for a preset"))
-    for p in (demo, run):
-        p.add_argument("--until", choices=("vocab", "capture", "train"), default="train",
-                       help="last stage to run (default: train)")
-        p.add_argument("--force", action="store_true", help="recompute every stage")
-        p.add_argument("--port", type=int, help="local Prefect server port (default 4200)")
-        p.set_defaults(func=cmd_run)
-    server = sub.add_parser("server", help="the embedded Prefect server")
+    _add_pipeline_args(demo, cmd_demo)
+    run = add_config_args(sub.add_parser("run", help="run the pipeline flow in this process, with progress bars"))
+    _add_pipeline_args(run, cmd_run)
+    run.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
+    server = sub.add_parser("server", help="the embedded Prefect server (start|stop|status)")
     server.add_argument("action", choices=("start", "stop", "status"))
-    server.add_argument("--workdir", default=None, help="workdir whose .prefect/ holds the server (default runs)")
-    server.add_argument("--port", type=int)
+    _add_local_server_args(server)
     server.set_defaults(func=cmd_server)
+    worker = sub.add_parser("worker", help="a background Prefect worker for a work pool (start|stop|status)")
+    worker.add_argument("action", choices=("start", "stop", "status"))
+    worker.add_argument("--pool", choices=WORK_POOLS, default="gpu")
+    _add_local_server_args(worker)
+    worker.set_defaults(func=cmd_worker)
     setup = sub.add_parser("setup", help="work pools, concurrency limits, automations (idempotent)")
-    setup.add_argument("--workdir", default=None)
-    setup.add_argument("--port", type=int)
+    _add_local_server_args(setup)
     setup.add_argument("--gpu-slots", type=int, default=1)
     setup.add_argument("--inference-slots", type=int, default=4)
     setup.set_defaults(func=cmd_setup)
     target = add_config_args(sub.add_parser("target", help="tokenizer sanity report for the target"))
     target.set_defaults(func=cmd_target)
-    stage = add_config_args(sub.add_parser("stage", help="run one core stage without Prefect"))
+    stage = add_config_args(sub.add_parser("stage", help="run one data stage without Prefect"))
     stage.add_argument("stage", choices=("merge", "regenerate", "tokenize", "vocab", "all"))
     stage.add_argument("--force", action="store_true")
     stage.set_defaults(func=cmd_stage)
+    _add_core_commands(sub)
     sub.add_parser("presets", help="list presets").set_defaults(func=lambda a: print("\n".join(list_presets())) or 0)
     return parser
+
+
+def _add_core_commands(sub) -> None:
+    """export / eval: core stages without Prefect, forwarded to their `python -m` entry points."""
+    for name, module, text in (("export", "eagle3.export", "export the trained drafter (SGLang, speculators)"),
+                               ("eval", "eagle3.evaluate", "measure acceptance length by speculative decoding")):
+        p = add_config_args(sub.add_parser(name, help=text))
+        p.add_argument("--force", action="store_true")
+        p.set_defaults(func=lambda a, m=module: _forward(m, a))
+
+
+def _forward(module: str, args: argparse.Namespace) -> int:
+    """Call ``module.main`` with the config arguments of this command."""
+    import importlib
+
+    argv = (["--config", str(args.config)] if args.config else ["--preset", args.preset])
+    argv += [f"--set={o}" for o in args.overrides] + (["--force"] if args.force else [])
+    importlib.import_module(module).main(argv)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:

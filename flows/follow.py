@@ -1,0 +1,130 @@
+"""Register deployments, trigger a run through a worker, and follow it live on the terminal.
+
+What `eagle3 demo` and the chaos script do on the client side: `prefect deploy` from prefect.yaml,
+`run_deployment` without waiting, then poll the server: task runs that finish are printed as lines
+and every progress artifact of the run (and of its subflows) is drawn as a progress bar.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from flows.local_server import LocalServer
+
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def deploy(server: LocalServer, names: list[str], cwd: Path) -> None:
+    """`prefect --no-prompt deploy --name ...` from prefect.yaml (idempotent: updates in place)."""
+    prefect = str(Path(sys.executable).with_name("prefect"))
+    argv = [prefect, "--no-prompt", "deploy"] + [a for n in names for a in ("--name", n)]
+    proc = subprocess.run(argv, cwd=cwd, env={**os.environ, **server.client_env()}, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode:
+        raise RuntimeError(f"prefect deploy failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def trigger(deployment: str, parameters: dict[str, Any]) -> UUID:
+    """Create a run of ``deployment`` ('flow-name/deployment-name') for a worker to pick up; its id."""
+    from prefect.deployments import run_deployment
+
+    return run_deployment(deployment, parameters=parameters, timeout=0, as_subflow=False).id
+
+
+@dataclass
+class RunView:
+    """What has been shown of a flow run so far."""
+
+    root: UUID
+    flow_runs: set[UUID] = field(default_factory=set)
+    task_states: dict[UUID, str] = field(default_factory=dict)
+    bars: dict[str, Any] = field(default_factory=dict)
+    crashed_at: float | None = None
+
+
+def _flow_run_tree(client: Any, view: RunView) -> list[Any]:
+    """The root run and its subflow runs (any depth)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[view.root])))
+    frontier = [view.root]
+    while frontier:
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=frontier)))
+        children = [c for c in children if c.id not in {r.id for r in runs}]
+        runs += children
+        frontier = [c.id for c in children]
+    view.flow_runs = {r.id for r in runs}
+    return runs
+
+
+def _print_task_changes(client: Any, view: RunView, say: Callable[[str], None]) -> None:
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    runs = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(
+        any_=list(view.flow_runs))))
+    for run in sorted(runs, key=lambda r: r.expected_start_time or r.created):
+        state = run.state.name if run.state else "?"
+        if view.task_states.get(run.id) != state and run.state and run.state.type.value in TERMINAL | {"RUNNING"}:
+            took = f" ({run.total_run_time.total_seconds():.1f} s)" if run.state.type.value in TERMINAL else ""
+            say(f"  {time.strftime('%H:%M:%S')}  {run.name:<40} {state}{took}")
+        view.task_states[run.id] = state
+
+
+def _update_bars(client: Any, view: RunView, progress: Any) -> None:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+    arts = client.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=list(view.flow_runs)), type=ArtifactFilterType(any_=["progress"])))
+    for art in arts:
+        key = art.key or str(art.id)
+        if key not in view.bars:
+            view.bars[key] = progress.add_task(key, total=100.0)
+        progress.update(view.bars[key], completed=float(art.data or 0.0), description=art.description or key)
+
+
+def _finished(run: Any, crash_grace_s: float, view: RunView, say: Callable[[str], None]) -> bool:
+    """True once the run is terminal (a crash only after its grace period found no automatic retry)."""
+    state = run.state.type.value if run.state else ""
+    if state != "CRASHED":
+        view.crashed_at = None
+        return state in TERMINAL
+    if view.crashed_at is None:
+        view.crashed_at = time.monotonic()
+        say(f"  {time.strftime('%H:%M:%S')}  flow run crashed: {run.state.message or ''}"
+            + (f" (waiting up to {crash_grace_s:.0f} s for the automatic retry)" if crash_grace_s else ""))
+    return time.monotonic() - view.crashed_at >= crash_grace_s
+
+
+def follow(flow_run_id: UUID, poll_s: float = 3.0, timeout_s: float | None = None,
+           crash_grace_s: float = 0.0) -> Any:
+    """Show a run's task states and progress bars until it reaches a terminal state; returns the flow run.
+
+    A Crashed run is followed for ``crash_grace_s`` more seconds, because the crash-recovery
+    automation puts it back to AwaitingRetry and a worker runs it again.
+    """
+    from prefect.client.orchestration import get_client
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+
+    view = RunView(flow_run_id)
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn())
+    with get_client(sync_client=True) as client, Progress(*columns, transient=False) as progress:
+        while True:
+            runs = _flow_run_tree(client, view)
+            _print_task_changes(client, view, progress.console.print)
+            _update_bars(client, view, progress)
+            root = next(r for r in runs if r.id == flow_run_id)
+            if _finished(root, crash_grace_s, view, progress.console.print):
+                return root
+            if deadline and time.monotonic() > deadline:
+                raise TimeoutError(f"flow run {flow_run_id} not finished after {timeout_s:.0f} s")
+            time.sleep(poll_s)
