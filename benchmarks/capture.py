@@ -1,28 +1,39 @@
 """Capture benchmark: how much the capture path costs on top of the bare forward, and what it stores.
 
-Prints, one per line as ``name: value``:
-  (a) raw_tokens_per_s     decoder-only forward (model.model, no lm_head) on the capture's own batches,
-                           outputs discarded;
-      capture_tokens_per_s forward + hooks + copy to host + shard write + fsync + sha256 + done files + manifest;
-      capture_over_raw     their ratio (1.0 = capture is free);
-  (b) disk_ratio           bytes on disk per token / ((num_aux + 1) * H * 2), i.e. against bare bf16 states
-                           (goal <= 1.02);
-  (c) fp8_aux_max_abs, fp8_aux_rel_rms   e4m3 + per-token scale reconstruction error of the captured aux
-                           states (against the bf16 states stored in the first shard, or freshly captured ones
-                           when the shards are fp8 already).
+Prints ``name: value`` lines for the setup and the shared figures, then ONE LINE PER CASE:
+  raw_tok_s                  decoder-only forward (model.model, no lm_head) on the capture's own batches,
+                             outputs discarded (best pass);
+  capture_tok_s              forward + hooks + copy to host + shard writes + fsync + sha256 + done files +
+                             manifest, with the case's write knobs (best pass);
+  capture_over_raw           their ratio (1.0 = capture is free);
+  disk_GB_s, disk_tok_s      the disk's write bandwidth measured alone (write + fsync of --disk-probe-gb),
+                             and the tokens/s it can absorb at this spec's bytes per token;
+  capture_over_bound         capture / min(raw, disk): how close capture gets to its real bound;
+  disk_ratio                 bytes on disk per token / ((num_aux + 1) * H * 2), against bare bf16 states;
+  wait_s                     time the capture loop waited for writers (backpressure; 0 = writers kept up).
+A case is a comma-separated list of CaptureConfig write knobs (stream_writes, num_writers, write_queue_bytes,
+early_writeback, pinned_handoff); ``--case`` repeats, and all cases share one model, one sample set and the
+raw passes (interleaved ABBA so drift hits all alike). fp8 figures: e4m3 + per-token scale error of the
+captured aux states.
 
     python benchmarks/capture.py --preset smollm2-demo --num-samples 50 --device cpu
-    python benchmarks/capture.py --random-llama8b --device cuda --num-samples 256 [--num-layers 8]
+    python benchmarks/capture.py --random-llama8b --device cuda --num-samples 256 --max-sample-tokens 2048 \\
+        --max-tokens-per-batch 16384 --tokens-per-shard 65536 \\
+        --case stream_writes=false,num_writers=1 --case num_writers=1 --case num_writers=2
+    python benchmarks/capture.py --random-smollm2 --device cuda --num-samples 2000 --max-sample-tokens 2048
 
-The preset mode needs the run's tokenized data (`eagle3 stage all --preset smollm2-demo`). The
-random mode builds a random-weight model with Llama-3.1-8B shapes directly on the device and a
-synthetic token set, so it needs no weights and no network.
+The preset mode needs the run's tokenized data (`eagle3 stage all --preset smollm2-demo`), or
+``--synthetic`` for random tokens with the preset's target. The random modes build a random-weight
+model with Llama-3.1-8B or SmolLM2-135M shapes directly on the device and a synthetic token set, so
+they need no weights, no data and no network.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -32,15 +43,24 @@ from typing import Any
 
 import torch
 
+from eagle3.config import CaptureConfig
 from eagle3.features.fp8 import fp8_error
 from eagle3.features.hf_backend import HFCaptureBackend, resolve_device
 from eagle3.features.plan import plan_shards
 from eagle3.features.shards import shard_path, write_shard
 from eagle3.features.spec import FeatureSpec, SampleTokens
+from eagle3.features.writers import WriteOptions, WriteStats, capture_and_write
 from infra.storage import atomic_write_json
 
 LLAMA31_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-              "vocab_size": 128256, "rope_theta": 500000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5}
+              "vocab_size": 128256, "rope_theta": 500000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+              "num_hidden_layers": 32, "tie_word_embeddings": False}
+SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+                "vocab_size": 49152, "rope_theta": 100000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+                "num_hidden_layers": 30, "tie_word_embeddings": True}
+CASE_KNOBS = ("stream_writes", "num_writers", "write_queue_bytes", "early_writeback", "pinned_handoff")
+DEFAULT_CASES = ["stream_writes=false,num_writers=1", ""]
+"""The previous scheme (whole shards, one writer) and the config's defaults."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,33 +70,51 @@ def _parser() -> argparse.ArgumentParser:
     add_config_args(parser)
     parser.add_argument("--num-samples", type=int, default=50, help="samples to capture")
     parser.add_argument("--max-sample-tokens", type=int, default=512, help="only samples up to this many tokens")
+    parser.add_argument("--min-sample-tokens", type=int, default=128, help="shortest synthetic sample")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: capture.device of the config)")
     parser.add_argument("--tokens-per-shard", type=int, default=8192, help="shard size for the benchmark's writes")
-    parser.add_argument("--repeats", type=int, default=2, help="timed passes of each; the best is reported")
-    parser.add_argument("--out-dir", type=Path, default=None, help="where shards are written (default: a temp dir)")
-    parser.add_argument("--fp8-rows", type=int, default=32768, help="aux rows used for the fp8 error")
-    parser.add_argument("--random-llama8b", action="store_true", help="random Llama-3.1-8B-shaped model on the device")
-    parser.add_argument("--num-layers", type=int, default=32, help="decoder layers of the random model")
-    parser.add_argument("--min-sample-tokens", type=int, default=128, help="shortest synthetic sample (random mode)")
     parser.add_argument("--max-tokens-per-batch", type=int, default=None, help="override capture.max_tokens_per_batch")
+    parser.add_argument("--repeats", type=int, default=2, help="timed passes of each; the best is reported")
+    parser.add_argument("--case", dest="cases", action="append", default=None, metavar="KNOB=V,...",
+                        help=f"write knobs of one case, among {', '.join(CASE_KNOBS)} (repeatable; "
+                             f"default: {DEFAULT_CASES})")
+    parser.add_argument("--out-dir", type=Path, default=None, help="where shards are written (default: a temp dir)")
+    parser.add_argument("--disk-probe-gb", type=float, default=2.0, help="GB written + fsynced to measure the disk")
+    parser.add_argument("--fp8-rows", type=int, default=32768, help="aux rows used for the fp8 error")
+    random = parser.add_mutually_exclusive_group()
+    random.add_argument("--random-llama8b", action="store_true", help="random Llama-3.1-8B-shaped model on the device")
+    random.add_argument("--random-smollm2", action="store_true", help="random SmolLM2-135M-shaped model on the device")
+    parser.add_argument("--num-layers", type=int, default=None, help="decoder layers of the random model")
+    parser.add_argument("--synthetic", action="store_true", help="preset mode: random tokens instead of its data")
     parser.add_argument("--check", action="store_true", help="first compare captured states with a plain forward")
     return parser
 
 
+def _synthetic_samples(args: argparse.Namespace, vocab_size: int, seed: int) -> list[SampleTokens]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(args.min_sample_tokens, args.max_sample_tokens + 1, (args.num_samples,), generator=gen)
+    return [SampleTokens(f"synthetic:{i}", torch.randint(0, vocab_size, (int(n),), generator=gen).tolist(),
+                         [1] * int(n)) for i, n in enumerate(lengths)]
+
+
 def _preset_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCaptureBackend, FeatureSpec, list]:
-    """The configured target, its spec, and the first samples of its tokenized data that fit the length cap."""
+    """The configured target, its spec, and the first tokenized samples that fit the length cap (or synthetic)."""
     from eagle3.data.tokenize import read_tokenized
     from eagle3.features.capture import build_spec
     from eagle3.target import prepare_target
 
     model_dir = prepare_target(cfg)
     spec = build_spec(cfg, model_dir)
-    table = read_tokenized(cfg.run_dir / "data" / "tokenized.parquet", columns=["id", "input_ids", "loss_mask",
-                                                                                "num_tokens"])
-    rows = [r for r in table.to_pylist() if r["num_tokens"] <= args.max_sample_tokens][:args.num_samples]
-    if not rows:
-        sys.exit(f"no tokenized samples of <= {args.max_sample_tokens} tokens under {cfg.run_dir}: tokenize first")
-    samples = [SampleTokens(r["id"], r["input_ids"], r["loss_mask"]) for r in rows]
+    if args.synthetic:
+        samples = _synthetic_samples(args, spec.vocab_size, cfg.run.seed)
+    else:
+        table = read_tokenized(cfg.run_dir / "data" / "tokenized.parquet",
+                               columns=["id", "input_ids", "loss_mask", "num_tokens"])
+        rows = [r for r in table.to_pylist() if r["num_tokens"] <= args.max_sample_tokens][:args.num_samples]
+        if not rows:
+            sys.exit(f"no tokenized samples of <= {args.max_sample_tokens} tokens under {cfg.run_dir}: tokenize "
+                     f"first, or pass --synthetic")
+        samples = [SampleTokens(r["id"], r["input_ids"], r["loss_mask"]) for r in rows]
     budget = args.max_tokens_per_batch or cfg.capture.max_tokens_per_batch
     backend = HFCaptureBackend.from_spec(model_dir, spec, device=device, dtype=cfg.target.dtype,
                                          max_tokens_per_batch=budget, device_map=cfg.capture.device_map)
@@ -84,30 +122,49 @@ def _preset_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCa
 
 
 def _random_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCaptureBackend, FeatureSpec, list]:
-    """A random-weight Llama-3.1-8B-shaped model built on the device, and synthetic samples."""
+    """A random-weight model of Llama-3.1-8B or SmolLM2-135M shapes built on the device, and synthetic samples."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from eagle3.target import default_aux_layer_ids
 
-    config = LlamaConfig(num_hidden_layers=args.num_layers, tie_word_embeddings=False, **LLAMA31_8B)
+    shape = dict(LLAMA31_8B if args.random_llama8b else SMOLLM2_135M)
+    shape["num_hidden_layers"] = args.num_layers or shape["num_hidden_layers"]
+    config = LlamaConfig(**shape)
     torch.manual_seed(cfg.run.seed)
     with torch.device(device):  # weights materialize on the device: nothing is loaded or carried
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    aux = cfg.target.aux_layer_ids or default_aux_layer_ids(args.num_layers)
-    spec = FeatureSpec(target_name="random-llama-3.1-8b", target_fingerprint="random", hidden_size=config.hidden_size,
-                       num_layers=args.num_layers, vocab_size=config.vocab_size, aux_layer_ids=aux,
+    num_layers = config.num_hidden_layers
+    aux = cfg.target.aux_layer_ids or default_aux_layer_ids(num_layers)
+    name = "random-llama-3.1-8b" if args.random_llama8b else "random-smollm2-135m"
+    spec = FeatureSpec(target_name=name, target_fingerprint="random", hidden_size=config.hidden_size,
+                       num_layers=num_layers, vocab_size=config.vocab_size, aux_layer_ids=aux,
                        supervision=cfg.capture.supervision,
                        topk=cfg.capture.topk if cfg.capture.supervision == "topk_logprobs" else None,
                        dtype=cfg.capture.dtype, aux_dtype=cfg.capture.aux_dtype, max_len=args.max_sample_tokens,
                        chat_template_hash="none", backend="hf")
-    gen = torch.Generator().manual_seed(cfg.run.seed)
-    lengths = torch.randint(args.min_sample_tokens, args.max_sample_tokens + 1, (args.num_samples,), generator=gen)
-    samples = [SampleTokens(f"synthetic:{i}", torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist(),
-                            [1] * int(n)) for i, n in enumerate(lengths)]
     budget = args.max_tokens_per_batch or cfg.capture.max_tokens_per_batch
     backend = HFCaptureBackend(None, aux, supervision=spec.supervision, topk=spec.topk, device=device,
                                max_tokens_per_batch=budget, model=model)
-    return backend, spec, samples
+    return backend, spec, _synthetic_samples(args, config.vocab_size, cfg.run.seed)
+
+
+def _cases(cfg: Any, specs: list[str] | None) -> list[tuple[str, CaptureConfig]]:
+    """(label, capture config with the case's knobs) for every --case; bad knobs exit naming them."""
+    cases = []
+    for text in specs if specs is not None else DEFAULT_CASES:
+        pairs = dict(item.split("=", 1) for item in text.split(",") if item.strip())
+        unknown = sorted(set(pairs) - set(CASE_KNOBS))
+        if unknown:
+            sys.exit(f"--case {text!r}: unknown knobs {unknown}; use {', '.join(CASE_KNOBS)}")
+        cap = CaptureConfig.model_validate({**cfg.capture.model_dump(), **{k.strip(): v for k, v in pairs.items()}})
+        cases.append((_label(cap), cap))
+    return cases
+
+
+def _label(cap: CaptureConfig) -> str:
+    """A case's knobs in short: stream=1,writers=2,queue_GB=4.3,writeback=1,pinned=0."""
+    return (f"stream={int(cap.stream_writes)},writers={cap.num_writers},queue_GB={cap.write_queue_bytes / 1e9:.3g},"
+            f"writeback={int(cap.early_writeback)},pinned={int(cap.pinned_handoff)}")
 
 
 def _check(backend: HFCaptureBackend, samples: list, num: int = 3) -> dict[str, float]:
@@ -148,21 +205,49 @@ def _time_raw(backend: HFCaptureBackend, shards: list[list[SampleTokens]], devic
     return time.perf_counter() - start
 
 
-def _time_capture(backend: HFCaptureBackend, spec: FeatureSpec, shards: list[list[SampleTokens]],
-                  out: Path) -> dict[str, float]:
-    """Capture into shards under ``out`` exactly as the stage does (writes overlap forwards)."""
-    from eagle3.features.capture import capture_and_write
-
+def _time_capture(backend: HFCaptureBackend, spec: FeatureSpec, shards: list[list[SampleTokens]], out: Path,
+                  cap: CaptureConfig) -> dict[str, Any]:
+    """Capture into shards under ``out`` exactly as the stage does, with the case's write knobs."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    backend.pinned_handoff = cap.pinned_handoff
     jobs = [(shard_path(out, index), shard) for index, shard in enumerate(shards)]
+    stats = WriteStats()
     start = time.perf_counter()
     spec.save(out / "spec.json")
-    capture_and_write(backend, spec, jobs)
+    docs = capture_and_write(backend, spec, jobs, options=WriteOptions.from_config(cap), stats=stats)
     atomic_write_json(out / "capture.manifest.json", {"num_shards": len(shards)})
     total_s = time.perf_counter() - start
     num_bytes = sum(p.stat().st_size for p in out.iterdir() if p.name.startswith("shard-"))
-    return {"total_s": total_s, "num_bytes": num_bytes}
+    return {"total_s": total_s, "num_bytes": num_bytes, "wait_s": stats.wait_s,
+            "peak_queued_bytes": stats.peak_queued_bytes, "sha256": [d["sha256"] for d in docs]}
+
+
+def _disk_probe(out: Path, num_bytes: int) -> float:
+    """GB/s of writing ``num_bytes`` of random bytes to a file under ``out`` and fsyncing it (nothing else)."""
+    out.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(64 << 20)  # incompressible, so a compressing filesystem cannot flatter the figure
+    path = out / "disk-probe.bin"
+    start = time.perf_counter()
+    with open(path, "wb") as fh:
+        for _ in range(max(1, num_bytes // len(block))):
+            fh.write(block)
+        fh.flush()
+        os.fsync(fh.fileno())
+    elapsed_s = time.perf_counter() - start
+    written = path.stat().st_size
+    path.unlink()
+    return written / elapsed_s / 1e9
+
+
+def _sha256_probe(num_bytes: int = 1 << 30) -> float:
+    """GB/s of one sha256 stream on this CPU (each shard is hashed by one thread)."""
+    block = os.urandom(64 << 20)
+    digest = hashlib.sha256()
+    start = time.perf_counter()
+    for _ in range(num_bytes // len(block)):
+        digest.update(block)
+    return num_bytes / (time.perf_counter() - start) / 1e9
 
 
 def _aux_rows(out: Path, spec: FeatureSpec, backend: HFCaptureBackend, samples: list,
@@ -193,74 +278,106 @@ def _time_write(spec: FeatureSpec, backend: HFCaptureBackend, shard: list[Sample
 
 
 def _report(name: str, value: Any) -> None:
-    print(f"{name}: {value}", flush=True)
+    print(f"{name}: {json.dumps(value) if isinstance(value, list) else value}", flush=True)
 
 
 def _timed_passes(backend: HFCaptureBackend, spec: FeatureSpec, shards: list[list[SampleTokens]], out: Path,
-                  repeats: int, device: str) -> tuple[list[float], list[dict[str, float]]]:
-    """Raw and capture passes interleaved in ABBA order, so slow drift of a busy machine hits both alike."""
-    raw_s, cap = [], []
+                  cases: list[tuple[str, CaptureConfig]], repeats: int, device: str) -> tuple[list, dict]:
+    """Raw and every case's capture passes in ABBA order (raw, c1..cn, then cn..c1, raw, ...)."""
+    raw_s: list[float] = []
+    caps: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in cases}
+    order = [("raw", None), *cases]
     for rep in range(repeats):
-        for kind in ("raw", "capture") if rep % 2 == 0 else ("capture", "raw"):
-            if kind == "raw":
+        for label, cap in order if rep % 2 == 0 else order[::-1]:
+            if cap is None:
                 raw_s.append(_time_raw(backend, shards, device))
+                _report("pass raw_s", round(raw_s[-1], 3))
             else:
-                cap.append(_time_capture(backend, spec, shards, out / "features"))
-    return raw_s, cap
+                caps[label].append(_time_capture(backend, spec, shards, out / "features", cap))
+                _report(f"pass capture_s[{label}]", round(caps[label][-1]["total_s"], 3))
+    return raw_s, caps
 
 
 def _figures(backend: HFCaptureBackend, spec: FeatureSpec, shards: list[list[SampleTokens]], raw_s: list[float],
-             cap: list[dict[str, float]], write: tuple[int, float], aux: torch.Tensor) -> dict[str, Any]:
-    """Everything the benchmark prints, in order (best pass of each kind)."""
-    samples = [s for shard in shards for s in shard]
-    num_tokens = sum(len(s.input_ids) for s in samples)
-    best = min(cap, key=lambda c: c["total_s"])
+             write: tuple[int, float], disk_gb_s: float, sha_gb_s: float, aux: torch.Tensor) -> dict[str, Any]:
+    """The shared figures (setup, raw forward, write alone, disk, fp8), in print order."""
+    num_tokens = sum(len(s.input_ids) for shard in shards for s in shard)
     ideal = (spec.num_aux + 1) * spec.hidden_size * 2  # bare bf16 aux + final states per token
-    fp8_spec = spec.model_copy(update={"aux_dtype": "float8_e4m3fn"})
     fp8 = fp8_error(aux)
     return {
         "device": str(backend.input_device), "model_dtype": str(next(backend.model.parameters()).dtype)[6:],
         "hidden_size": spec.hidden_size, "num_layers": spec.num_layers, "aux_layer_ids": spec.aux_layer_ids,
-        "num_samples": len(samples), "num_tokens": num_tokens,
+        "num_samples": sum(len(shard) for shard in shards), "num_tokens": num_tokens,
         "num_batches": sum(len(backend.batches(shard)) for shard in shards),
         "max_tokens_per_batch": backend.max_tokens_per_batch, "num_shards": len(shards),
-        "per_sample_attention": backend.per_sample,
-        "raw_s_each": [round(t, 2) for t in raw_s], "capture_s_each": [round(c["total_s"], 2) for c in cap],
-        "raw_s": round(min(raw_s), 3), "capture_s": round(best["total_s"], 3),
-        "first_shard_tokens": write[0], "first_shard_write_s": round(write[1], 3),
-        "write_tokens_per_s": round(write[0] / write[1], 1),
+        "per_sample_attention": backend.per_sample, "raw_s_each": [round(t, 2) for t in raw_s],
         "raw_tokens_per_s": round(num_tokens / min(raw_s), 1),
-        "capture_tokens_per_s": round(num_tokens / best["total_s"], 1),
-        "capture_over_raw": round(min(raw_s) / best["total_s"], 3),
-        "bytes_on_disk_per_token": round(best["num_bytes"] / num_tokens, 2), "bf16_states_bytes_per_token": ideal,
-        "disk_ratio": round(best["num_bytes"] / num_tokens / ideal, 4), "spec_aux_dtype": spec.aux_dtype,
-        "fp8_disk_ratio": round(fp8_spec.bytes_per_token() / ideal, 4), "fp8_aux_rows": aux.shape[0],
-        "fp8_aux_max_abs": round(fp8["max_abs"], 5), "fp8_aux_rel_rms": round(fp8["rel_rms"], 5),
+        "first_shard_tokens": write[0], "first_shard_write_s": round(write[1], 3),
+        "write_alone_tokens_per_s": round(write[0] / write[1], 1),
+        "disk_write_GB_s": round(disk_gb_s, 3), "sha256_GB_s": round(sha_gb_s, 3),
+        "spec_bytes_per_token": spec.bytes_per_token(), "bf16_states_bytes_per_token": ideal,
+        "spec_aux_dtype": spec.aux_dtype,
+        "fp8_disk_ratio": round(spec.model_copy(update={"aux_dtype": "float8_e4m3fn"}).bytes_per_token() / ideal, 4),
+        "fp8_aux_rows": aux.shape[0], "fp8_aux_max_abs": round(fp8["max_abs"], 5),
+        "fp8_aux_rel_rms": round(fp8["rel_rms"], 5),
     }
 
 
+def _case_line(label: str, passes: list[dict[str, Any]], num_tokens: int, raw_best_s: float, disk_gb_s: float,
+               spec: FeatureSpec) -> str:
+    """One case: raw, capture, their ratio, the disk bound, the ratio against min(raw, disk), bytes per token."""
+    best = min(passes, key=lambda p: p["total_s"])
+    raw_tok_s, cap_tok_s = num_tokens / raw_best_s, num_tokens / best["total_s"]
+    bytes_per_token = best["num_bytes"] / num_tokens
+    disk_tok_s = disk_gb_s * 1e9 / bytes_per_token
+    figures = {
+        "raw_tok_s": round(raw_tok_s), "capture_tok_s": round(cap_tok_s),
+        "capture_over_raw": round(cap_tok_s / raw_tok_s, 3),
+        "disk_GB_s": round(disk_gb_s, 3), "disk_tok_s": round(disk_tok_s),
+        "bound": "disk" if disk_tok_s < raw_tok_s else "raw",
+        "capture_over_bound": round(cap_tok_s / min(raw_tok_s, disk_tok_s), 3),
+        "bytes_per_token": round(bytes_per_token, 1),
+        "disk_ratio": round(bytes_per_token / ((spec.num_aux + 1) * spec.hidden_size * 2), 4),
+        "capture_s_each": json.dumps([round(p["total_s"], 2) for p in passes]),
+        "wait_s": round(best["wait_s"], 2), "peak_queue_MB": round(best["peak_queued_bytes"] / 1e6),
+    }
+    return f"case [{label}]: " + " ".join(f"{k}={v}" for k, v in figures.items())
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run the benchmark and print one figure per line."""
+    """Run the benchmark and print the shared figures, then one line per case."""
     from eagle3.cli_args import config_from_args
 
     args = _parser().parse_args(argv)
     cfg = config_from_args(args)
+    cases = _cases(cfg, args.cases)
     device = resolve_device(args.device or cfg.capture.device)
-    setup = _random_setup if args.random_llama8b else _preset_setup
+    setup = _random_setup if (args.random_llama8b or args.random_smollm2) else _preset_setup
     backend, spec, samples = setup(cfg, args, device)
     out = args.out_dir or Path(tempfile.mkdtemp(prefix="eagle3-capture-bench-"))
     try:
         shards = _shards(samples, args.tokens_per_shard)
-        # Warm-up: a GPU's first large batches pay for allocator growth and GEMM heuristics (2x on an H200).
+        # Warm-up: a GPU's first large batches pay for allocator growth and GEMM heuristics (2x on an H200),
+        # and the first capture for pinned host buffers.
         backend.forward_only(shards[0] if device.startswith("cuda") else samples[:2])
+        if device.startswith("cuda"):
+            list(backend.capture(shards[0]))
         if args.check:
             for name, value in _check(backend, samples).items():
                 _report(name, f"{value:.3g}")
-        raw_s, cap = _timed_passes(backend, spec, shards, out, args.repeats, device)
+        disk_gb_s = _disk_probe(out / "probe", int(args.disk_probe_gb * 1e9))
+        _report("disk_write_GB_s", round(disk_gb_s, 3))
+        raw_s, caps = _timed_passes(backend, spec, shards, out, cases, args.repeats, device)
+        backend.pinned_handoff = False
         aux = _aux_rows(out / "features", spec, backend, samples, args.fp8_rows)
         write = (sum(len(s.input_ids) for s in shards[0]), _time_write(spec, backend, shards[0], out / "write-only"))
-        for name, value in _figures(backend, spec, shards, raw_s, cap, write, aux).items():
-            _report(name, json.dumps(value) if isinstance(value, list) else value)
+        for name, value in _figures(backend, spec, shards, raw_s, write, disk_gb_s, _sha256_probe(), aux).items():
+            _report(name, value)
+        hashes = {tuple(p["sha256"]) for passes in caps.values() for p in passes}
+        _report("shards_identical_across_passes", len(hashes) == 1)  # same batches: same bytes, any write knobs
+        num_tokens = sum(len(s.input_ids) for s in samples)
+        for label, passes in caps.items():
+            print(_case_line(label, passes, num_tokens, min(raw_s), disk_gb_s, spec), flush=True)
     finally:
         if args.out_dir is None:
             shutil.rmtree(out, ignore_errors=True)

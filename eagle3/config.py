@@ -125,6 +125,8 @@ class RegenerateConfig(Section):
     """Conversations in flight at once (openai backend)."""
     batch_size_conversations: int = Field(4, ge=1)
     """Conversations per generate() batch (hf backend); counts conversations, not tokens."""
+    device: str = "cpu"
+    """Device of the in-process model (hf backend): cpu, cuda or cuda:N."""
     max_new_tokens: int = Field(512, ge=1)
     """Cap on tokens generated per assistant turn."""
     temperature: float = Field(0.0, ge=0.0)
@@ -135,6 +137,8 @@ class RegenerateConfig(Section):
     """Retries per request on transport errors, timeouts and 5xx/429 answers."""
     max_conversations: int | None = Field(None, ge=1)
     """Regenerate only the first N rows (the rest are counted as skipped); None = all."""
+    max_user_turns: int | None = Field(None, ge=1)
+    """Keep only the first N user turns of each conversation (with their new answers); None = all."""
 
 
 class TokenizeConfig(Section):
@@ -209,6 +213,16 @@ class CaptureConfig(Section):
     """Free space that must remain after the planned bytes are written."""
     allow_shared_gpus: bool = False
     """Start even when other processes hold GPU memory (default: stop and name them)."""
+    stream_writes: bool = True
+    """Write each sample's rows as soon as it is captured (false: a whole shard after its last forward)."""
+    num_writers: int = Field(2, ge=1)
+    """Writer threads: shards whose files are written (hashed, fsynced) at the same time."""
+    write_queue_bytes: int = Field(4 << 30, ge=1)
+    """Captured bytes waiting for a writer before the forwards pause (host-memory bound, backpressure)."""
+    early_writeback: bool = True
+    """Ask the kernel (Linux sync_file_range) to start writing shard pages early, so each fsync has little left."""
+    pinned_handoff: bool = False
+    """HF on CUDA: writers read the pinned copy buffers directly instead of a pageable clone (pins more memory)."""
     sglang: SGLangCaptureConfig = SGLangCaptureConfig()
     """SGLang backend settings."""
 
@@ -283,25 +297,141 @@ class TrainConfig(Section):
     """host:port of the c10d rendezvous for multi-node jobs."""
     timeout_s: float = Field(7 * 24 * 3600.0, gt=0)
     """Wall-clock limit of one torchrun launch; the group is killed past it (a retry resumes)."""
+    compile: bool = True
+    """torch.compile the TTT step's pieces and the fused loss on CUDA (CPU runs stay eager); false = eager."""
+    loss_chunk_tokens: int = Field(4096, ge=0)
+    """Fused soft cross-entropy over this many tokens at a time (no fp32 [T, Vd] tensors); 0 = plain log_softmax."""
+    reuse_block_mask: bool = False
+    """flex: one block mask per micro-batch for all TTT steps; false = one per step (measured faster on the H200)."""
 
 
 class ExportConfig(Section):
-    formats: list[Literal["sglang", "speculators"]] = ["sglang"]
-    """Export layouts to write."""
+    formats: list[Literal["sglang", "speculators"]] = ["sglang", "speculators"]
+    """Layouts to write under <run>/export/: sglang (official EAGLE-3, SGLang and vLLM) and speculators (vLLM)."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of the exported weights (d2t is always int64 and t2d always bool)."""
+    checkpoint: str | None = None
+    """Checkpoint folder to export, relative to <run>/train (e.g. checkpoints/step-500); None = the final one."""
+    verifier_name_or_path: str | None = None
+    """Verifier id or path written into the speculators config; None = target.path (hf) or the target folder."""
+    speculative_tokens: int = Field(3, ge=1)
+    """Draft tokens per step that the speculators config proposes to vLLM (greedy chain)."""
 
 
 class EvaluateConfig(Section):
-    num_prompts: int = Field(10, ge=1)
-    """Evaluation prompts per dataset."""
+    """Offline speculative decoding with the exported drafter: a fixed prompt set, fixed baseline settings."""
+
+    datasets: list[Literal["mtbench", "humaneval", "gsm8k"]] = ["mtbench"]
+    """Prompt sets (installed packages): MT-Bench first turns, HumanEval, GSM8K; rendered with the chat template."""
+    num_prompts: int | None = Field(10, ge=1)
+    """Prompts per dataset: the first N in file order (None = all: 80 / 164 / 1319)."""
     max_new_tokens: int = Field(64, ge=1)
-    """Tokens generated per prompt."""
+    """Tokens generated per prompt by every method (fewer when the target emits a stop token)."""
+    methods: list[Literal["chain", "tree", "ngram"]] = ["chain", "ngram"]
+    """Drafting methods, each checked against one shared plain-greedy reference per prompt."""
+    chain_steps: list[int] = [3]
+    """Chain lengths to measure (topk 1; steps + 1 tokens verified per step)."""
+    tree_steps: int = Field(5, ge=1)
+    """Tree depth: draft tokens on the longest branch."""
+    tree_topk: int = Field(4, ge=1)
+    """Tree: children proposed per expanded node, and nodes expanded per depth."""
+    tree_num_draft_tokens: int = Field(8, ge=2)
+    """Tree: tokens verified per step, the root included (SGLang's --speculative-num-draft-tokens)."""
+    ngram_max: int = Field(3, ge=1)
+    """Prompt lookup baseline: the longest n-gram, tried first."""
+    ngram_min: int = Field(1, ge=1)
+    """Prompt lookup baseline: the shortest n-gram tried."""
+    ngram_num_tokens: int = Field(3, ge=1)
+    """Prompt lookup baseline: tokens proposed after a match (the lookup window is the whole context)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where target and drafter run: auto = cuda when available, else cpu."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of target and drafter (fp32 keeps verify and single-token logits within rounding)."""
+    num_workers: int = Field(1, ge=1)
+    """Processes evaluating prompt slices in parallel on one device (their wall times then include contention)."""
+    near_tie_logit_gap: float = Field(1e-3, ge=0)
+    """A differing token within this logit gap of the reference's top-1 is a numerical near-tie, not a bug."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvaluateConfig:
+        if not self.datasets or not self.methods:
+            raise ValueError("evaluate.datasets and evaluate.methods must not be empty")
+        if "chain" in self.methods and (not self.chain_steps or min(self.chain_steps) < 1):
+            raise ValueError(f"evaluate.chain_steps {self.chain_steps} must hold steps >= 1 when chain is measured")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"evaluate.ngram_min {self.ngram_min} exceeds ngram_max {self.ngram_max}")
+        most = 1 + self.tree_topk + (self.tree_steps - 1) * self.tree_topk**2
+        if "tree" in self.methods and self.tree_num_draft_tokens > most:
+            raise ValueError(f"evaluate.tree_num_draft_tokens {self.tree_num_draft_tokens} exceeds the {most} nodes "
+                             f"a tree of depth {self.tree_steps} and topk {self.tree_topk} proposes (root included)")
+        return self
 
 
 class ServeConfig(Section):
+    """Deploy + benchmark: a baseline and an EAGLE-3 SGLang server, identical but for the --speculative-* flags."""
+
+    enabled: bool = False
+    """Start SGLang servers and benchmark them (only where a GPU host with sglang is configured)."""
+    model_path: str | None = None
+    """Target the servers load (HF directory or hub id); default the target's prepared HF directory."""
+    python: str = "python"
+    """Interpreter that has sglang installed (runs `-m <launch_module>`)."""
+    launch_module: str = "sglang.launch_server"
+    """Module that starts a server; tests substitute tests.fakes.sglang_server (a fake)."""
     host: str = "127.0.0.1"
-    """Interface the SGLang server binds to."""
-    port: int = Field(30000, ge=1, le=65535)
-    """SGLang server port."""
+    """Interface the servers bind to (the benchmark client connects there)."""
+    port: int = Field(30000, ge=1, le=65534)
+    """Port of the baseline server; the speculative server gets port + 1."""
+    api_key_env: str | None = "EAGLE3_SGLANG_API_KEY"
+    """Env var holding the servers' API key; generated per launch when unset."""
+    tp_size: int = Field(1, ge=1)
+    """Tensor-parallel size of both servers."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    """--dtype of both servers."""
+    mem_fraction_static: float | None = Field(0.8, gt=0, lt=1)
+    """--mem-fraction-static of both servers (None = SGLang's choice, which may differ between them)."""
+    max_running_requests: int = Field(32, ge=1)
+    """--max-running-requests of both servers (explicit: SGLang resets a speculative server's to 48)."""
+    cuda_graph_max_bs_decode: int | None = Field(32, ge=1)
+    """--cuda-graph-max-bs-decode of both servers (0.5.23's name for the old --cuda-graph-max-bs)."""
+    attention_backend: str | None = None
+    """--attention-backend of both servers (None = SGLang's choice)."""
+    extra_args: list[str] = []
+    """Extra launch flags for both servers, appended verbatim."""
+    num_steps: int = Field(3, ge=1)
+    """--speculative-num-steps: draft steps per verify step."""
+    eagle_topk: int = Field(1, ge=1)
+    """--speculative-eagle-topk: branches per draft step (1 = a chain)."""
+    num_draft_tokens: int = Field(4, ge=2)
+    """--speculative-num-draft-tokens: tokens verified per step (must be num_steps + 1 when eagle_topk is 1)."""
+    concurrency_levels: list[int] = [1, 4, 16]
+    """Requests in flight per measured level (1 = latency, more = throughput)."""
+    num_prompts: int = Field(32, ge=1)
+    """Measured requests per level: fixed prompts, the same for both servers."""
+    max_new_tokens: int = Field(256, ge=2)
+    """Tokens generated per request (ignore_eos, so every request produces exactly this many)."""
+    num_warmup: int = Field(4, ge=0)
+    """Unmeasured warmup requests before each level (/flush_cache follows them)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Timeout of one benchmark request."""
+    startup_timeout_s: float = Field(1800.0, gt=0)
+    """How long a server may take to pass the readiness probe."""
+    allow_shared_gpus: bool = False
+    """Start even when other processes hold GPU memory (the benchmark would measure them too)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServeConfig:
+        if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(f"serve.num_draft_tokens must be num_steps + 1 = {self.num_steps + 1} with eagle_topk 1 "
+                             f"(SGLang forces it), not {self.num_draft_tokens}")
+        levels = self.concurrency_levels
+        if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
+            raise ValueError(f"serve.concurrency_levels {levels} must be distinct values >= 1")
+        if max(levels) > min(self.max_running_requests, self.num_prompts):
+            raise ValueError(f"serve.concurrency_levels {levels}: the highest level exceeds max_running_requests "
+                             f"({self.max_running_requests}) or num_prompts ({self.num_prompts}), so it would "
+                             "measure queueing instead of that concurrency")
+        return self
 
 
 class RunConfig(Section):

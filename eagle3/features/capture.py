@@ -2,14 +2,15 @@
 
     prepare_capture   spec.json (refused if an existing one differs), plan.json, stale-shard cleanup,
                       disk preflight for the shards still to write
-    capture_shard     one shard: skip if its done file matches, else tokens -> backend -> write_shard
+    capture_shard     one shard: skip if its done file matches, else tokens -> backend -> shard file
     finalize_capture  every planned shard complete -> features/capture.manifest.json
     run_capture       all three in sequence (what ``python -m eagle3.features.capture`` runs)
 
-Prefect runs the same three functions as tasks (one task per shard). Completion lives on disk, in
-each shard's done file, so a killed run resumes by recapturing only the shards without one; the
-shards of a resumed run are byte-identical to those of an uninterrupted one (same plan, same
-batches, deterministic forwards).
+Both capture paths go through ``writers.capture_and_write``, so a shard's rows are written while its
+forwards (and the next shard's) run. Prefect runs the same three functions as tasks (one task per
+shard). Completion lives on disk, in each shard's done file, so a killed run resumes by recapturing
+only the shards without one; the shards of a resumed run are byte-identical to those of an
+uninterrupted one (same plan, same batches, deterministic forwards, any number of writers).
 
     python -m eagle3.features.capture --preset tiny
 """
@@ -21,8 +22,6 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +36,9 @@ from eagle3.features.shards import (
     shard_path,
     shard_stem,
     spec_hash,
-    write_shard,
 )
 from eagle3.features.spec import CaptureBackend, FeatureSpec, SampleTokens
+from eagle3.features.writers import WriteOptions, capture_and_write
 from eagle3.progress import Progress, ProgressFn
 from eagle3.stage import StageOutcome, manifest_matches, read_manifest, stage_key, write_manifest
 
@@ -49,7 +48,8 @@ ST_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
 SPEC_FILE = "spec.json"
 MANIFEST_FILE = "capture.manifest.json"
 OPERATIONAL_KNOBS = ("max_tokens_per_batch", "max_concurrent_shards", "device", "device_map", "disk_margin_bytes",
-                     "allow_shared_gpus", "sglang")
+                     "allow_shared_gpus", "stream_writes", "num_writers", "write_queue_bytes", "early_writeback",
+                     "pinned_handoff", "sglang")
 """Capture settings that change how fast or where, never what is stored: left out of the stage key."""
 
 
@@ -179,7 +179,8 @@ def make_backend(cfg: RunConfig, model_dir: Path, spec: FeatureSpec | None = Non
         from eagle3.features.hf_backend import HFCaptureBackend
 
         return HFCaptureBackend.from_spec(model_dir, spec, device=cap.device, dtype=cfg.target.dtype,
-                                          max_tokens_per_batch=cap.max_tokens_per_batch, device_map=cap.device_map)
+                                          max_tokens_per_batch=cap.max_tokens_per_batch, device_map=cap.device_map,
+                                          pinned_handoff=cap.pinned_handoff)
     from eagle3.features.sglang_backend import SGLangCaptureBackend
 
     # Which servers to use (given endpoints, or managed ones per pass) is the SGLang module's decision.
@@ -235,11 +236,10 @@ def capture_shard(cfg: RunConfig, shard_index: int, backend: CaptureBackend | No
 
         backend = make_backend(cfg, prepare_target(cfg), spec)
     try:
-        captured = list(backend.capture(samples))
+        (doc,) = capture_and_write(backend, spec, [(path, samples)], options=WriteOptions.from_config(cfg.capture))
     finally:
         if own:
             backend.close()
-    doc = write_shard(path, spec, captured, requested=samples)
     elapsed_s = time.perf_counter() - start
     return {"shard": shard_index, "computed": True, "num_tokens": doc["num_tokens"], "num_bytes": doc["num_bytes"],
             "elapsed_s": round(elapsed_s, 3), "tokens_per_s": round(doc["num_tokens"] / max(elapsed_s, 1e-9), 1)}
@@ -284,32 +284,6 @@ def is_complete(cfg: RunConfig, key: str) -> bool:
     return not _incomplete(fdir, spec, plan)[0]
 
 
-def capture_and_write(backend: CaptureBackend, spec: FeatureSpec, jobs: Iterable[tuple[Path, list[SampleTokens]]],
-                      on_written: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Capture each job's samples and write its shard; shard k is written while shard k+1's forwards run.
-
-    At most two shards are in host memory (one being written, one being captured). Returns the done
-    documents in job order; a failed write raises once the capture in progress has finished.
-    """
-    docs: list[dict[str, Any]] = []
-
-    def collect(future: Future) -> None:
-        docs.append(future.result())
-        if on_written is not None:
-            on_written(docs[-1])
-
-    with ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as writer:
-        in_flight: Future | None = None
-        for path, samples in jobs:
-            captured = list(backend.capture(samples))
-            if in_flight is not None:
-                collect(in_flight)
-            in_flight = writer.submit(write_shard, path, spec, captured, samples)
-        if in_flight is not None:
-            collect(in_flight)
-    return docs
-
-
 def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec, progress: ProgressFn | None) -> None:
     """Every pending shard in order with one backend (the model loads once), writes overlapping forwards."""
     from eagle3.target import prepare_target
@@ -334,7 +308,7 @@ def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec, progress:
         backend = make_backend(cfg, prepare_target(cfg), spec)
         try:
             jobs = ((shard_path(fdir, s.index), load_shard_samples(tokenized, s)) for s in pending)
-            capture_and_write(backend, spec, jobs, written)
+            capture_and_write(backend, spec, jobs, written, WriteOptions.from_config(cfg.capture))
         finally:
             backend.close()
 

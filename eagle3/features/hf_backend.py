@@ -20,8 +20,15 @@ differ on MKL); the same inputs in the same batches are bitwise reproducible eit
 vary with the batch shape, so only same-batching reproducibility holds there.
 
 On CUDA, each batch's outputs are copied to pinned host memory on a side stream with
-``non_blocking=True`` while the next batch's forward is already queued, and synchronised only when
-that batch is handed out.
+``non_blocking=True`` while the next batch's forward is already queued, and synchronised (one event
+per batch, never per tensor) only when that batch is handed out; nothing in the forward loop waits
+for the GPU otherwise. The pinned buffers come from torch's caching host allocator, so they are
+reused across batches. By default each batch is cloned into pageable memory when handed out (pinned
+memory stays ~2 batches); with ``pinned_handoff`` the samples are views of the pinned buffers
+themselves, which saves that memcpy on the capture thread and pins as much as the writers hold.
+``capture_many`` runs one pipeline through several groups (shards): batches never span a group, so
+each shard is batched exactly as ``capture`` would batch it alone, but the GPU does not drain
+between shards.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,6 +194,7 @@ class _Inputs:
 class _Launched:
     """A batch whose forward has been queued and whose outputs are (being) copied to the host."""
 
+    group: int  # index of the group (shard) the batch belongs to
     samples: list[SampleTokens]
     lengths: list[int]
     host: dict[str, torch.Tensor]  # name -> [N, ...] on the CPU (pinned on CUDA)
@@ -209,7 +217,7 @@ class HFCaptureBackend:
     def __init__(self, model_dir: Path | None, aux_layer_ids: Sequence[int], *, supervision: str = "final_hidden",
                  topk: int | None = None, device: str = "auto", dtype: str = "float32",
                  max_tokens_per_batch: int = 4096, device_map: str | None = None, model: Any = None,
-                 batch_invariant: bool | None = None):
+                 batch_invariant: bool | None = None, pinned_handoff: bool = False):
         if supervision == "topk_logprobs" and not topk:
             raise ValueError("topk_logprobs supervision needs topk >= 1")
         self.model = model if model is not None else get_model(Path(model_dir), dtype, device, device_map)
@@ -218,7 +226,7 @@ class HFCaptureBackend:
         if any(not 0 <= j < num_layers for j in aux_layer_ids):
             raise ValueError(f"aux_layer_ids {list(aux_layer_ids)} out of range for {num_layers} layers")
         self.aux_layer_ids, self.supervision, self.topk = list(aux_layer_ids), supervision, topk
-        self.max_tokens_per_batch = max_tokens_per_batch
+        self.max_tokens_per_batch, self.pinned_handoff = max_tokens_per_batch, pinned_handoff
         if batch_invariant is not False and model is not None:
             enable_per_sample_attention(self.model)
         attention = self.model.config._attn_implementation
@@ -318,26 +326,28 @@ class HFCaptureBackend:
             event.record(stream)
         return host, event
 
-    def _launch(self, samples: list[SampleTokens]) -> _Launched:
+    def _launch(self, group: int, samples: list[SampleTokens]) -> _Launched:
         inputs = self._inputs(samples)
         store: dict = {}
         with self.lock, torch.no_grad():
             self._run_decoder(inputs, store)
             host, ready = self._to_host(self._outputs(store))
-        return _Launched(samples, inputs.lengths, host, ready)
+        return _Launched(group, samples, inputs.lengths, host, ready)
 
-    def _finish(self, launched: _Launched) -> Iterator[CapturedSample]:
+    def _finish(self, launched: _Launched) -> Iterator[tuple[int, CapturedSample]]:
         host = launched.host
         if launched.ready is not None:
             launched.ready.synchronize()
-            # Pageable copies let the pinned buffers return to the cache: pinned memory stays ~2 batches.
-            host = {name: tensor.clone() for name, tensor in host.items()}
+            if not self.pinned_handoff:
+                # Pageable copies let the pinned buffers return to the cache: pinned memory stays ~2 batches.
+                host = {name: tensor.clone() for name, tensor in host.items()}
         start = 0
         for sample, n in zip(launched.samples, launched.lengths):
-            part = {name: tensor[start:start + n] for name, tensor in host.items()}
+            part = {name: tensor[start:start + n] for name, tensor in host.items()}  # views: no copy
             start += n
-            yield CapturedSample(id=sample.id, input_ids=torch.as_tensor(sample.input_ids, dtype=torch.int32),
-                                 loss_mask=torch.as_tensor(sample.loss_mask, dtype=torch.uint8), **part)
+            yield launched.group, CapturedSample(
+                id=sample.id, input_ids=torch.as_tensor(sample.input_ids, dtype=torch.int32),
+                loss_mask=torch.as_tensor(sample.loss_mask, dtype=torch.uint8), **part)
 
     # ---- CaptureBackend ----------------------------------------------------------------------------
 
@@ -348,14 +358,29 @@ class HFCaptureBackend:
 
     def capture(self, samples: Sequence[SampleTokens]) -> Iterator[CapturedSample]:
         """Yield one CapturedSample per input, same order; batch k+1 is queued before batch k is handed out."""
+        for _, sample in self.capture_many([samples]):
+            yield sample
+
+    def capture_many(self, groups: Iterable[Sequence[SampleTokens]]) -> Iterator[tuple[int, CapturedSample]]:
+        """(group index, sample) for every sample of every group, in order, through one pipeline.
+
+        Each group is batched on its own (exactly as ``capture(group)``), but the first batch of
+        group g+1 is queued before the last batch of group g is handed out. ``groups`` is read
+        lazily, one group ahead of the samples handed out.
+        """
         pending: _Launched | None = None
-        for batch in self.batches(samples):
-            launched = self._launch(batch)
+        for group, batch in self._group_batches(groups):
+            launched = self._launch(group, batch)
             if pending is not None:
                 yield from self._finish(pending)
             pending = launched
         if pending is not None:
             yield from self._finish(pending)
+
+    def _group_batches(self, groups: Iterable[Sequence[SampleTokens]]) -> Iterator[tuple[int, list[SampleTokens]]]:
+        for group, samples in enumerate(groups):
+            for batch in self.batches(samples):
+                yield group, batch
 
     def forward_only(self, samples: Sequence[SampleTokens]) -> None:
         """The same decoder forwards as ``capture`` with every output discarded (the benchmark's baseline)."""

@@ -1,34 +1,41 @@
 """Shard files: one safetensors file of concatenated samples plus a ``.done.json`` written last.
 
 A shard exists for readers only when its ``shard-NNNNN.done.json`` is present, names the current
-spec hash and records the safetensors file's exact size. The writer validates every sample
-(shapes, finiteness, ids) before anything is written, streams the tensors into a temp file while
-hashing them (no second pass over a multi-GB file), renames it into place, and only then writes
-the done file. A crash at any point leaves either the old state or an ignored temp file.
+spec hash and records the safetensors file's exact size. ``ShardStream`` writes a shard into a temp
+file as its samples arrive, checking each sample (request echo, shapes, finiteness, ids) before its
+rows are written and hashing the bytes in file order (no second pass over a multi-GB file); once
+every sample is in it fsyncs, renames into place, then writes the done file. ``write_shard``
+validates a whole list, then streams it. A crash or a bad sample leaves the old state or a temp file.
 
 The safetensors file is serialized here rather than by ``safetensors.torch.save_file`` so that
 (a) per-sample tensors are written straight from their buffers without first concatenating them
 (which would double peak memory), (b) the sha256 is computed on the bytes as they are written,
-and (c) the exact file size is known from the spec and token counts alone, which makes the disk
-preflight exact (``shard_file_bytes``). The files are standard safetensors; any reader loads them.
+and (c) the exact file size and every tensor's offset are known from the spec and the request
+alone, which makes the disk preflight exact (``shard_file_bytes``) and lets rows be written as
+soon as they exist. The files are standard safetensors; any reader loads them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import itertools
 import json
+import os
 import re
 import struct
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import infra.storage as storage
 from eagle3.features.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens
-from infra.storage import atomic_path, atomic_write_json, sha256_file, sha256_json
+from infra.storage import atomic_write_json, sha256_file, sha256_json
 
 SHARD_RE = re.compile(r"^shard-(\d{5,})\.done\.json$")
 DONE_SUFFIX = ".done.json"
@@ -37,7 +44,12 @@ ST_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "
 HEADER_ALIGN = 8
 """Payload starts on an 8-byte boundary; tensors are ordered by element size so each stays aligned."""
 WRITE_CHUNK_BYTES = 64 << 20
-"""Unit of the write/hash pipeline."""
+"""Largest single pwrite call."""
+WRITEBACK_BYTES = 64 << 20
+"""With early writeback, the kernel is asked to start writing a shard's dirty pages every this many bytes."""
+HASH_BACKLOG_BYTES = 512 << 20
+"""Bytes a shard writer may hand to its hashing thread ahead of the hash (it waits beyond that)."""
+SYNC_FILE_RANGE_WRITE = 2  # Linux sync_file_range flag: start writeback of dirty pages, do not wait for it
 
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
@@ -182,6 +194,21 @@ def check_sample(spec: FeatureSpec, sample: CapturedSample) -> None:
         _check_finite(sid, "topk_logprobs", sample.topk_logprobs)
 
 
+def _check_tokens(sample: CapturedSample, req: SampleTokens) -> None:
+    if sample.input_ids.tolist() != list(req.input_ids):
+        raise ShardValidationError(sample.id, "input_ids differ from the requested tokens")
+    if sample.loss_mask.tolist() != list(req.loss_mask):
+        raise ShardValidationError(sample.id, "loss_mask differs from the requested mask")
+
+
+def _check_echo(sample: CapturedSample, req: SampleTokens, position: int) -> None:
+    """One streamed sample is the request at its position, with the requested tokens and mask."""
+    if sample.id != req.id:
+        raise ShardValidationError(sample.id, f"backend returned ids out of order or wrong ({sample.id!r} at "
+                                              f"position {position}, where {req.id!r} was requested)")
+    _check_tokens(sample, req)
+
+
 def check_against_request(samples: Sequence[CapturedSample], requested: Sequence[SampleTokens]) -> None:
     """The backend echoed exactly the requested ids, in order, with the requested tokens."""
     got, want = [s.id for s in samples], [r.id for r in requested]
@@ -191,22 +218,24 @@ def check_against_request(samples: Sequence[CapturedSample], requested: Sequence
         raise ShardValidationError(first, f"backend returned ids out of order or wrong (missing {missing[:5]}, "
                                           f"unexpected {extra[:5]}, {len(got)} returned for {len(want)} requested)")
     for sample, req in zip(samples, requested):
-        if sample.input_ids.tolist() != list(req.input_ids):
-            raise ShardValidationError(sample.id, "input_ids differ from the requested tokens")
-        if sample.loss_mask.tolist() != list(req.loss_mask):
-            raise ShardValidationError(sample.id, "loss_mask differs from the requested mask")
+        _check_tokens(sample, req)
+
+
+def _check_request_ids(items: Sequence[CapturedSample] | Sequence[SampleTokens]) -> None:
+    """At least one sample, and no id twice."""
+    if not items:
+        raise ShardValidationError(None, "a shard needs at least one sample")
+    seen: set[str] = set()
+    for item in items:
+        if item.id in seen:
+            raise ShardValidationError(item.id, "duplicate sample id in one shard")
+        seen.add(item.id)
 
 
 def validate_samples(spec: FeatureSpec, samples: Sequence[CapturedSample],
                      requested: Sequence[SampleTokens] | None = None) -> None:
     """Everything write_shard checks before writing a byte (ids unique, request echoed, each sample sound)."""
-    if not samples:
-        raise ShardValidationError(None, "a shard needs at least one sample")
-    seen: set[str] = set()
-    for sample in samples:
-        if sample.id in seen:
-            raise ShardValidationError(sample.id, "duplicate sample id in one shard")
-        seen.add(sample.id)
+    _check_request_ids(samples)
     if requested is not None:
         check_against_request(samples, requested)
     for sample in samples:
@@ -216,8 +245,16 @@ def validate_samples(spec: FeatureSpec, samples: Sequence[CapturedSample],
 # ---- writing ----------------------------------------------------------------------------------
 
 
-def _cast_sample(spec: FeatureSpec, sample: CapturedSample) -> dict[str, torch.Tensor]:
-    """One sample's tensors in storage dtypes, on the CPU, contiguous."""
+class ShardWriteError(RuntimeError):
+    """Writing one shard failed: the message names the shard, the original error is the cause."""
+
+    def __init__(self, shard: str, cause: BaseException):
+        super().__init__(f"{shard}: {type(cause).__name__}: {cause}")
+        self.shard = shard
+
+
+def _cast_states(spec: FeatureSpec, sample: CapturedSample) -> dict[str, torch.Tensor]:
+    """One sample's captured states in storage dtypes, on the CPU, contiguous (ids and mask excluded)."""
     aux = sample.aux.detach().to("cpu")
     out: dict[str, torch.Tensor] = {}
     if spec.aux_dtype == "float8_e4m3fn":
@@ -229,52 +266,25 @@ def _cast_sample(spec: FeatureSpec, sample: CapturedSample) -> dict[str, torch.T
     else:
         out["topk_ids"] = sample.topk_ids.detach().to("cpu", torch.int32)
         out["topk_logprobs"] = sample.topk_logprobs.detach().to("cpu", torch.float32)
-    out["input_ids"] = sample.input_ids.detach().to("cpu", torch.int32)
-    out["loss_mask"] = sample.loss_mask.detach().to("cpu", torch.uint8)
     for name in ("aux", "final"):  # a cast to fp16 can overflow values that were finite in fp32
         if name in out and out[name].dtype == torch.float16:
             _check_finite(sample.id, name, out[name])
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _collect_parts(spec: FeatureSpec, samples: Sequence[CapturedSample]) -> dict[str, list[torch.Tensor]]:
-    """Per tensor name, the list of per-sample pieces in sample order (plus the offsets tensor)."""
-    parts: dict[str, list[torch.Tensor]] = {}
-    lengths = [0]
-    for sample in samples:
-        for name, tensor in _cast_sample(spec, sample).items():
-            parts.setdefault(name, []).append(tensor)
-        lengths.append(int(sample.input_ids.shape[0]))
-    parts["offsets"] = [torch.tensor(lengths, dtype=torch.int64).cumsum(0)]  # [S + 1]
-    return parts
-
-
-def _chunks(views: list[memoryview]) -> Iterator[memoryview]:
-    for view in views:
-        for start in range(0, view.nbytes, WRITE_CHUNK_BYTES):
-            yield view[start:start + WRITE_CHUNK_BYTES]
-
-
-def _write_streamed(path: Path, header: bytes, order: list[str],
-                    parts: dict[str, list[torch.Tensor]]) -> tuple[int, str]:
-    """Write header + parts to a temp file, hash as we go, fsync and rename; returns (bytes, sha256).
-
-    sha256 runs on its own thread (hashlib and file writes both release the GIL), so hashing a
-    multi-GB shard costs about nothing on top of writing it.
-    """
-    digest = hashlib.sha256()
-    views = [memoryview(header)] + [_as_bytes(t) for name in order for t in parts[name]]
-    num_bytes = 0
-    with atomic_path(path) as tmp:
-        with open(tmp, "wb") as fh, ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
-            hashed = []
-            for chunk in _chunks(views):
-                hashed.append(hasher.submit(digest.update, chunk))  # one worker: chunks hash in order
-                fh.write(chunk)
-                num_bytes += chunk.nbytes
-            for future in hashed:
-                future.result()
-    return num_bytes, digest.hexdigest()
+def _request_tensors(requested: Sequence[SampleTokens]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The request's input_ids [T] int32 and loss_mask [T] uint8, samples concatenated in order."""
+    ids, masks = [], []
+    for req in requested:
+        try:
+            ids.append(torch.as_tensor(req.input_ids, dtype=torch.int64).reshape(-1))
+            masks.append(torch.as_tensor(req.loss_mask).reshape(-1).to(torch.uint8))
+        except (TypeError, ValueError, RuntimeError, OverflowError) as err:
+            raise ShardValidationError(req.id, f"requested input_ids/loss_mask are not integer lists ({err})") from err
+        if ids[-1].numel() != masks[-1].numel():
+            raise ShardValidationError(req.id, f"requested loss_mask has {masks[-1].numel()} entries for "
+                                               f"{ids[-1].numel()} tokens")
+    return torch.cat(ids).to(torch.int32), torch.cat(masks)
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -282,40 +292,206 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def _check_layout(layout: Layout, parts: dict[str, list[torch.Tensor]]) -> None:
-    """The pieces add up to exactly the tensors the header announces (else the file would be corrupt)."""
-    if set(layout) != set(parts):
-        raise AssertionError(f"shard tensors {sorted(parts)} != layout {sorted(layout)}")
-    for name, (dtype, shape) in layout.items():
-        num = sum(p.numel() for p in parts[name])
-        if any(p.dtype != dtype for p in parts[name]) or num * dtype.itemsize != _nbytes(dtype, shape):
-            raise AssertionError(f"shard tensor {name}: pieces do not match {ST_DTYPE_NAMES[dtype]} {list(shape)}")
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """os.pwrite until every byte is written, WRITE_CHUNK_BYTES at a time."""
+    done = 0
+    while done < view.nbytes:
+        num = os.pwrite(fd, view[done:done + WRITE_CHUNK_BYTES], offset + done)
+        if num <= 0:
+            raise OSError(f"pwrite wrote nothing at offset {offset + done}")
+        done += num
+
+
+def _load_sync_file_range() -> Callable[..., int] | None:
+    """libc's sync_file_range (Linux), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+class _OrderedHasher:
+    """sha256 of a file whose pieces arrive out of order: a piece is hashed once every byte before it
+    has been; until then it is held (pinned host memory is copied out so staging buffers can recycle).
+
+    The hashing itself runs on a thread of its own (hashlib releases the GIL), so it overlaps the
+    writer's validation and pwrite calls; at most HASH_BACKLOG_BYTES wait for it.
+    """
+
+    def __init__(self) -> None:
+        self.digest = hashlib.sha256()
+        self.num_hashed = 0  # bytes handed to the hashing thread, always a prefix of the file
+        self._held: dict[int, torch.Tensor | memoryview] = {}
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="sha256")  # one worker: updates stay in order
+        self._backlog: deque[tuple[Future, int]] = deque()
+        self._backlog_bytes = 0
+
+    def add(self, offset: int, piece: torch.Tensor | memoryview) -> None:
+        num_bytes = piece.nbytes
+        if num_bytes == 0:
+            return
+        if offset < self.num_hashed or offset in self._held:
+            raise AssertionError(f"bytes at offset {offset} arrived twice")
+        ahead = offset != self.num_hashed
+        if ahead and isinstance(piece, torch.Tensor) and torch.cuda.is_initialized() and piece.is_pinned():
+            piece = piece.clone()
+        self._held[offset] = piece
+        while self.num_hashed in self._held:
+            held = self._held.pop(self.num_hashed)
+            view = _as_bytes(held) if isinstance(held, torch.Tensor) else held
+            self._backlog.append((self._thread.submit(self.digest.update, view), view.nbytes))
+            self._backlog_bytes += view.nbytes
+            self.num_hashed += view.nbytes
+            while self._backlog_bytes > HASH_BACKLOG_BYTES:
+                self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        future, num_bytes = self._backlog.popleft()
+        future.result()
+        self._backlog_bytes -= num_bytes
+
+    def hexdigest(self) -> str:
+        """Wait for the hashing thread, then the hex digest of everything handed to it."""
+        while self._backlog:
+            self._wait_oldest()
+        self._thread.shutdown()
+        return self.digest.hexdigest()
+
+    def close(self) -> None:
+        """Stop the hashing thread (pending updates are dropped)."""
+        self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+class ShardStream:
+    """One shard written as its samples arrive; the bytes equal those of writing all samples at once.
+
+    The header, offsets, input_ids and loss_mask are known from the request and written first; each
+    captured sample's rows go straight to their place in the temp file (pwrite). sha256 needs file
+    order, so rows that arrive ahead of the hashed prefix (the ``final`` region while ``aux`` rows
+    are still coming) are held until the prefix reaches them. ``early_writeback`` asks the kernel to
+    start writing dirty pages every WRITEBACK_BYTES (Linux), so the fsync in ``seal`` finds little
+    left. ``seal`` checks that every sample and byte arrived and fsyncs; ``commit`` renames and then
+    writes the done file; ``abort`` removes the temp file. One thread drives a stream.
+    """
+
+    def __init__(self, path: Path, spec: FeatureSpec, requested: Sequence[SampleTokens],
+                 early_writeback: bool = True):
+        self.path, self.spec, self.requested = Path(path), spec, list(requested)
+        _check_request_ids(self.requested)
+        input_ids, loss_mask = _request_tensors(self.requested)  # [T] int32, [T] uint8
+        lengths = [len(req.input_ids) for req in self.requested]
+        self._first_row = [0, *itertools.accumulate(lengths)]  # the offsets tensor: [S + 1]
+        self.num_tokens, self.num_loss_tokens = self._first_row[-1], int(loss_mask.sum())
+        layout = shard_layout(spec, self.num_tokens, len(lengths))
+        header = encode_header(layout, shard_metadata(spec, [req.id for req in self.requested]))
+        self._start, self._row_bytes, begin = {}, {}, len(header)
+        for name in _ordered(layout):
+            dtype, shape = layout[name]
+            self._start[name], self._row_bytes[name] = begin, _nbytes(dtype, shape[1:])
+            begin += _nbytes(dtype, shape)
+        self.num_bytes, self._next, self._hasher, self._sha256 = begin, 0, _OrderedHasher(), ""
+        self._writeback = _SYNC_FILE_RANGE if early_writeback else None
+        self._unflushed = 0
+        done_path_for(self.path).unlink(missing_ok=True)  # an old done file must never vouch for the new bytes
+        self._tmp = storage.temp_path_for(self.path)
+        self._fd: int | None = os.open(self._tmp, os.O_WRONLY)
+        try:
+            self._put(0, memoryview(header))
+            offsets = torch.tensor(self._first_row, dtype=torch.int64)
+            for name, tensor in (("offsets", offsets), ("input_ids", input_ids), ("loss_mask", loss_mask)):
+                self._put(self._start[name], tensor)
+        except BaseException:
+            self.abort()
+            raise
+
+    def append(self, samples: Iterable[CapturedSample], validated: bool = False) -> None:
+        """Write the next samples, in request order; each is checked against its request and the spec
+        first (ShardValidationError naming it) unless the caller did so already (``validated``)."""
+        for sample in samples:
+            position = self._next
+            if position >= len(self.requested):
+                raise ShardValidationError(sample.id, f"backend returned more than the {len(self.requested)} "
+                                                      f"requested samples")
+            if not validated:
+                _check_echo(sample, self.requested[position], position)
+                check_sample(self.spec, sample)
+            num_rows = self._first_row[position + 1] - self._first_row[position]
+            for name, tensor in _cast_states(self.spec, sample).items():
+                if tensor.nbytes != num_rows * self._row_bytes[name]:
+                    raise AssertionError(f"sample {sample.id!r}: {name} has {tensor.nbytes} bytes for {num_rows} rows")
+                self._put(self._start[name] + self._first_row[position] * self._row_bytes[name], tensor)
+            self._next += 1
+
+    def _put(self, offset: int, piece: torch.Tensor | memoryview) -> None:
+        view = _as_bytes(piece) if isinstance(piece, torch.Tensor) else piece
+        _pwrite_all(self._fd, view, offset)
+        self._hasher.add(offset, piece)
+        self._unflushed += view.nbytes
+        if self._writeback is not None and self._unflushed >= WRITEBACK_BYTES:
+            self._unflushed = 0
+            if self._writeback(self._fd, 0, 0, SYNC_FILE_RANGE_WRITE) != 0:
+                self._writeback = None  # unsupported here: the fsync in seal() does all the work
+
+    def seal(self) -> None:
+        """Check that every requested sample and every byte arrived, then fsync the temp file."""
+        if self._next != len(self.requested):
+            missing = [req.id for req in self.requested[self._next:]]
+            raise ShardValidationError(missing[0], f"backend returned {self._next} of {len(self.requested)} "
+                                                   f"requested samples (missing {missing[:5]})")
+        if self._hasher.num_hashed != self.num_bytes:
+            raise AssertionError(f"{self.path.name}: {self._hasher.num_hashed} of {self.num_bytes} bytes arrived")
+        os.fsync(self._fd)  # while the hashing thread finishes the rows that were held for file order
+        self._sha256 = self._hasher.hexdigest()
+        os.close(self._fd)
+        self._fd = None
+
+    def commit(self) -> dict[str, Any]:
+        """Rename the sealed temp file into place, then write the done file (last); returns the done document."""
+        if self._fd is not None:
+            raise RuntimeError(f"{self.path.name}: commit() before seal()")
+        storage.commit_temp(self._tmp, self.path)
+        ids = [req.id for req in self.requested]
+        doc = {"format_version": self.spec.format_version, "file": self.path.name, "sample_ids": ids,
+               "num_samples": len(ids), "num_tokens": self.num_tokens, "num_loss_tokens": self.num_loss_tokens,
+               "num_bytes": self.num_bytes, "sha256": self._sha256,
+               "spec_hash": spec_hash(self.spec)}
+        atomic_write_json(done_path_for(self.path), doc)
+        return doc
+
+    def abort(self) -> None:
+        """Close and delete the temp file: a failed or cancelled shard leaves nothing behind."""
+        self._hasher.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._tmp.unlink(missing_ok=True)
 
 
 def write_shard(path: Path, spec: FeatureSpec, samples: Sequence[CapturedSample],
                 requested: Sequence[SampleTokens] | None = None) -> dict[str, Any]:
-    """Validate, write ``path`` (safetensors) atomically, then its done file; returns the done document.
+    """Validate every sample, then write ``path`` (safetensors) atomically and its done file; returns the
+    done document.
 
     ``requested`` (the samples that were sent to the backend) adds the echo check: same ids in the
     same order and the same tokens, so states can never be filed under the wrong sample.
     """
-    path = Path(path)
     validate_samples(spec, samples, requested)
-    ids = [s.id for s in samples]
-    num_tokens = sum(int(s.input_ids.shape[0]) for s in samples)
-    parts = _collect_parts(spec, samples)
-    layout = shard_layout(spec, num_tokens, len(samples))
-    _check_layout(layout, parts)
-    if int(parts["offsets"][0][-1]) != num_tokens:
-        raise AssertionError("offsets do not end at the token count")
-    done = done_path_for(path)
-    done.unlink(missing_ok=True)  # an old done file must never vouch for the new bytes
-    num_bytes, digest = _write_streamed(path, encode_header(layout, shard_metadata(spec, ids)), _ordered(layout), parts)
-    doc = {"format_version": spec.format_version, "file": path.name, "sample_ids": ids, "num_samples": len(ids),
-           "num_tokens": num_tokens, "num_loss_tokens": int(sum(int(p.sum()) for p in parts["loss_mask"])),
-           "num_bytes": num_bytes, "sha256": digest, "spec_hash": spec_hash(spec)}
-    atomic_write_json(done, doc)
-    return doc
+    if requested is None:
+        requested = [SampleTokens(s.id, s.input_ids, s.loss_mask) for s in samples]
+    stream = ShardStream(path, spec, requested)
+    try:
+        stream.append(samples, validated=True)
+        stream.seal()
+        return stream.commit()
+    except BaseException:
+        stream.abort()
+        raise
 
 
 # ---- reading ----------------------------------------------------------------------------------

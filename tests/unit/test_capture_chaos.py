@@ -16,23 +16,24 @@ import pytest
 from eagle3.config import RunConfig
 from eagle3.features import shards
 from eagle3.features.capture import features_dir, run_capture
-from eagle3.features.shards import ShardReader
+from eagle3.features.shards import ShardReader, ShardWriteError
 from infra.storage import sha256_file
 from tests.unit.test_hf_capture import tiny_base, tiny_run  # noqa: F401  (module fixture + helper)
 
 TOKENS_PER_SHARD = "capture.tokens_per_shard=400"  # ~18 shards of the 7k-token tiny set
 REPO = Path(__file__).resolve().parents[2]
 
-# Runs the capture CLI with a pause after each shard write, so an outside SIGKILL lands mid-run.
+# Runs the capture CLI with a pause after each shard is committed, so an outside SIGKILL lands mid-run.
 SLOW_DRIVER = """
 import sys, time
 import eagle3.features.capture as capture
-original = capture.write_shard
-def slow(*args, **kwargs):
-    result = original(*args, **kwargs)
+from eagle3.features.shards import ShardStream
+original = ShardStream.commit
+def slow(self):
+    result = original(self)
     time.sleep(0.3)
     return result
-capture.write_shard = slow
+ShardStream.commit = slow
 capture.main(sys.argv[1:])
 """
 
@@ -139,8 +140,9 @@ def test_crash_before_done_file_is_recaptured(tiny_base, reference, tmp_path, mo
         return original(path, obj)
 
     monkeypatch.setattr(shards, "atomic_write_json", crash_on_third)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(ShardWriteError, match="shard-00002: OSError: simulated crash") as err:
         run_capture(cfg)
+    assert isinstance(err.value.__cause__, OSError)
     fdir = features_dir(cfg)
     assert (fdir / "shard-00002.safetensors").is_file() and sorted(ShardReader(fdir).shards) == [0, 1]
     monkeypatch.setattr(shards, "atomic_write_json", original)

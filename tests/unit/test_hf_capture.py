@@ -107,6 +107,17 @@ def test_topk_logprobs_equal_log_softmax_topk(samples, reference, monkeypatch):
         assert torch.allclose(got.topk_logprobs, values, atol=1e-5)
 
 
+def test_capture_many_equals_capture_per_group(samples):
+    """One pipeline through several groups tags every sample with its group and gives bitwise the states of
+    capturing each group alone (batches never span groups)."""
+    backend = _backend(budget=100)
+    groups = [samples[:3], samples[3:4], samples[4:]]
+    tagged = list(backend.capture_many(iter(groups)))
+    assert [(g, s.id) for g, s in tagged] == [(g, s.id) for g, group in enumerate(groups) for s in group]
+    alone = [s for group in groups for s in backend.capture(group)]
+    assert all(torch.equal(a.aux, b.aux) and torch.equal(a.final, b.final) for (_, a), b in zip(tagged, alone))
+
+
 def test_token_budget_batches():
     """Padded size (count x longest) stays within budget, order is kept, and an over-long sample runs alone."""
     lengths = [10, 30, 20, 200, 5, 50, 50, 50]
@@ -204,3 +215,20 @@ def test_run_capture_topk_fp8_covers_every_sample(tiny_base, tmp_path):
     manifest = json.loads((features_dir(cfg) / MANIFEST_FILE).read_text())
     assert manifest["stage"] == "capture" and manifest["key"] == outcome.key
     assert not run_capture(cfg).computed
+
+
+def _shard_files(cfg: RunConfig) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(features_dir(cfg).glob("shard-*"))}
+
+
+def test_run_capture_streamed_and_whole_shards_are_identical(tiny_base, tmp_path):
+    """run_capture writing whole shards with one writer (the previous scheme) and streaming them with three
+    writers and a small queue give byte-identical shards and done files under the same stage key."""
+    common = ("capture.tokens_per_shard=1500", "capture.max_tokens_per_batch=600")
+    whole = tiny_run(tiny_base, tmp_path / "whole", *common, "capture.stream_writes=false", "capture.num_writers=1")
+    streamed = tiny_run(tiny_base, tmp_path / "streamed", *common, "capture.num_writers=3",
+                        "capture.write_queue_bytes=200000")
+    first, second = run_capture(whole), run_capture(streamed)
+    assert first.key == second.key and first.stats["num_shards"] > 2
+    assert _shard_files(whole) == _shard_files(streamed) and len(_shard_files(whole)) == 2 * first.stats["num_shards"]
+

@@ -1,9 +1,15 @@
-"""Shard files, fp8 storage and the capture plan: round trips, validation, completeness, exact sizes."""
+"""Shard files, fp8 storage, the capture plan and the shard writer pool: round trips, validation,
+completeness, exact sizes, golden bytes, failures and backpressure."""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import shutil
+import struct
+import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,10 +21,13 @@ from safetensors.torch import load_file
 
 from eagle3.data.tokenize import TOKENIZED_SCHEMA
 from eagle3.features.fp8 import FP8_MAX, dequantize_fp8, fp8_error, quantize_fp8
+from eagle3.features import shards
 from eagle3.features.plan import CapturePlan, build_plan, check_disk, plan_shards, preflight_bytes
 from eagle3.features.shards import (
     ShardReader,
+    ShardStream,
     ShardValidationError,
+    ShardWriteError,
     done_path_for,
     shard_file_bytes,
     shard_path,
@@ -26,6 +35,7 @@ from eagle3.features.shards import (
     write_shard,
 )
 from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens
+from eagle3.features.writers import WriteOptions, WriteStats, capture_and_write
 from infra.storage import DiskSpaceError, sha256_file
 
 H, VOCAB, K = 8, 50, 4
@@ -339,3 +349,204 @@ def test_check_disk_names_both_numbers(tmp_path, monkeypatch):
         check_disk(tmp_path, 5_000_000, 1_000)
     assert "5,000,000" in str(err.value) and "123,456" in str(err.value)
     assert check_disk(tmp_path, 100_000, 1_000) == 123_456
+
+
+# ---- streaming writer -----------------------------------------------------------------------------
+
+# sha256 of the tensor payload (the file after its JSON header) that the whole-list writer of format
+# version 1 produced for patterned_samples(spec, [5, 1, 9]); the streaming writer must match it.
+PAYLOAD_SHA256 = {
+    ("bfloat16", "final_hidden"): "bf827f13935b31e29a5d15bbfe15d5fab2da6eac7db75c501e76259cf9d5efc0",
+    ("float8_e4m3fn", "final_hidden"): "e47c0f10486c45d751e87e0b9dbb04022656562e4fbfba770e18d66b1baa4650",
+    ("bfloat16", "topk_logprobs"): "ea7cbc02c31df64b572fc6f6483996d0a445951c543a14ec9e2a30cbccd21e1d",
+}
+
+
+def patterned_samples(spec: FeatureSpec, lengths: list[int], prefix: str = "s") -> list[CapturedSample]:
+    """Samples whose values follow fixed integer patterns (no random generator), for golden bytes."""
+    out, base = [], 0
+    for i, n in enumerate(lengths):
+        rows = torch.arange(base, base + n)
+        sample = CapturedSample(id=f"{prefix}{i}", input_ids=rows % VOCAB, loss_mask=(rows % 3 == 0).to(torch.uint8),
+                                aux=((torch.arange(n * 3 * H) + base * 3 * H) % 97 - 48).reshape(n, 3 * H) / 8)
+        if spec.supervision == "final_hidden":
+            sample.final = ((torch.arange(n * H) + base * H) % 89 - 44).reshape(n, H) / 16
+        else:
+            sample.topk_ids = ((torch.arange(n * K) + base * K) % VOCAB).reshape(n, K)
+            sample.topk_logprobs = -((torch.arange(n * K) + base * K) % 13).reshape(n, K).float() / 4
+        out.append(sample)
+        base += n
+    return out
+
+
+def _request(samples: list[CapturedSample]) -> list[SampleTokens]:
+    return [SampleTokens(s.id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in samples]
+
+
+@pytest.mark.parametrize("aux_dtype,supervision", list(PAYLOAD_SHA256))
+def test_streamed_shard_matches_golden_payload(tmp_path, monkeypatch, aux_dtype, supervision):
+    """Samples streamed one at a time (later regions held for file order, early writeback and a hash
+    backlog bound hit on every piece) give the golden payload, a done file whose sha256 and size are the
+    file's, and the same bytes and done document as write_shard."""
+    monkeypatch.setattr(shards, "WRITEBACK_BYTES", 1)
+    monkeypatch.setattr(shards, "HASH_BACKLOG_BYTES", 1)
+    spec = make_spec(aux_dtype, supervision)
+    samples = patterned_samples(spec, [5, 1, 9])
+    stream = ShardStream(shard_path(tmp_path, 0), spec, _request(samples))
+    for sample in samples:
+        stream.append([sample])
+    stream.seal()
+    doc = stream.commit()
+    data = shard_path(tmp_path, 0).read_bytes()
+    header_len = struct.unpack("<Q", data[:8])[0]
+    assert hashlib.sha256(data[8 + header_len:]).hexdigest() == PAYLOAD_SHA256[(aux_dtype, supervision)]
+    assert doc["sha256"] == hashlib.sha256(data).hexdigest() and doc["num_bytes"] == len(data)
+    whole = write_shard(shard_path(tmp_path, 1), spec, samples, _request(samples))
+    assert shard_path(tmp_path, 1).read_bytes() == data and {**whole, "file": doc["file"]} == doc
+
+
+def test_stream_refuses_unrequested_or_missing_samples_and_abort_cleans_up(tmp_path):
+    """A sample other than the next requested one, or sealing before all arrived, raises naming the sample;
+    abort leaves neither the shard, nor a done file, nor a temp file."""
+    spec = make_spec()
+    fdir = _features(tmp_path, spec)
+    samples = make_samples(spec, [3, 4, 2])
+    stream = ShardStream(shard_path(fdir, 0), spec, _request(samples))
+    with pytest.raises(ShardValidationError, match="out of order or wrong") as err:
+        stream.append([samples[1]])
+    assert err.value.sample_id == "s1"
+    stream.append(samples[:2])
+    with pytest.raises(ShardValidationError, match="2 of 3 requested samples") as err:
+        stream.seal()
+    assert err.value.sample_id == "s2"
+    stream.abort()
+    assert sorted(p.name for p in fdir.iterdir()) == ["spec.json"]
+
+
+# ---- the writer pool (capture_and_write) --------------------------------------------------------------
+
+
+class FakeCaptureBackend:
+    """Fake backend (no model): states are fixed functions of each sample's tokens; ``poison`` ids get a NaN."""
+
+    def __init__(self, spec: FeatureSpec, poison: tuple[str, ...] = ()):
+        self.spec, self.poison = spec, set(poison)
+        self.num_bytes_out = 0
+
+    def capture(self, samples):
+        for req in samples:
+            ids = torch.tensor(req.input_ids)
+            n = len(ids)
+            sample = CapturedSample(id=req.id, input_ids=ids, loss_mask=torch.tensor(req.loss_mask, dtype=torch.uint8),
+                                    aux=(ids[:, None] * torch.arange(1, 3 * H + 1) % 31 - 15).float() / 4)
+            if self.spec.supervision == "final_hidden":
+                sample.final = (ids[:, None] * torch.arange(1, H + 1) % 29 - 14).float() / 8
+            else:
+                sample.topk_ids = (ids[:, None] + torch.arange(K)) % VOCAB
+                sample.topk_logprobs = -(ids[:, None] + torch.arange(K)).float() / VOCAB
+            if req.id in self.poison:
+                sample.aux[n - 1, 0] = float("nan")
+            self.num_bytes_out += sum(t.nbytes for t in (sample.aux, sample.final, sample.topk_ids,
+                                                         sample.topk_logprobs) if t is not None)
+            yield sample
+
+    def close(self) -> None:
+        pass
+
+
+def _requests(num_shards: int, lengths: list[int]) -> list[list[SampleTokens]]:
+    return [[SampleTokens(f"j{j}-s{i}", [(7 * j + 3 * i + t) % VOCAB for t in range(n)], [t % 2 for t in range(n)])
+             for i, n in enumerate(lengths)] for j in range(num_shards)]
+
+
+def _jobs(fdir: Path, requests: list[list[SampleTokens]]) -> list[tuple[Path, list[SampleTokens]]]:
+    return [(shard_path(fdir, j), samples) for j, samples in enumerate(requests)]
+
+
+@pytest.mark.parametrize("aux_dtype,supervision", [("bfloat16", "final_hidden"), ("float8_e4m3fn", "topk_logprobs")])
+def test_writer_pool_gives_identical_shards_for_any_number_of_writers(tmp_path, aux_dtype, supervision):
+    """Whole shards with one writer (the previous scheme), and streaming with 1 or 3 writers and a queue of
+    a few samples, give byte-identical shard and done files, every one complete and verified."""
+    spec = make_spec(aux_dtype, supervision)
+    requests = _requests(5, [6, 2, 9, 4])
+    variants = {"whole-1": WriteOptions(stream=False, num_writers=1), "stream-1": WriteOptions(num_writers=1),
+                "stream-3-small-queue": WriteOptions(num_writers=3, queue_bytes=3 * 9 * 4 * H * 4)}
+    files = {}
+    for name, options in variants.items():
+        fdir = _features(tmp_path / name, spec)
+        docs = capture_and_write(FakeCaptureBackend(spec), spec, _jobs(fdir, requests), options=options)
+        assert [d["file"] for d in docs] == [shard_path(fdir, j).name for j in range(5)]
+        assert sorted(ShardReader(fdir).shards) == list(range(5)) and all(ShardReader(fdir).verify(j) for j in range(5))
+        files[name] = {p.name: p.read_bytes() for p in sorted(fdir.glob("shard-*"))}
+    assert len(files["whole-1"]) == 10
+    assert files["whole-1"] == files["stream-1"] == files["stream-3-small-queue"]
+
+
+def _fail_seal_of(monkeypatch, name: str) -> None:
+    original = ShardStream.seal
+
+    def seal(self) -> None:
+        if self.path.name == name:
+            raise OSError(errno.ENOSPC, "simulated full disk")
+        original(self)
+
+    monkeypatch.setattr(ShardStream, "seal", seal)
+
+
+@pytest.mark.parametrize("failure", ["nan_sample", "disk_full"])
+@pytest.mark.parametrize("options", [WriteOptions(stream=False, num_writers=1), WriteOptions(num_writers=1),
+                                     WriteOptions(num_writers=3)], ids=["whole-1", "stream-1", "stream-3"])
+def test_failed_writer_names_its_shard_and_no_later_shard_is_complete(tmp_path, monkeypatch, options, failure):
+    """A bad sample or a disk error in shard 1 raises ShardWriteError naming shard-00001 (and the sample);
+    shard 0 is complete, no later shard has a done file, and no temp file is left behind."""
+    spec = make_spec()
+    fdir = _features(tmp_path, spec)
+    requests = _requests(4, [5, 3, 7])
+    poison = ("j1-s2",) if failure == "nan_sample" else ()
+    if failure == "disk_full":
+        _fail_seal_of(monkeypatch, "shard-00001.safetensors")
+    with pytest.raises(ShardWriteError, match="shard-00001") as err:
+        capture_and_write(FakeCaptureBackend(spec, poison), spec, _jobs(fdir, requests), options=options)
+    assert err.value.shard == "shard-00001"
+    assert ("'j1-s2'" in str(err.value)) if failure == "nan_sample" else ("simulated full disk" in str(err.value))
+    assert sorted(p.name for p in fdir.glob("shard-*.done.json")) == ["shard-00000.done.json"]
+    assert not list(fdir.glob(".*.tmp")) and not shard_path(fdir, 1).exists()
+    assert list(ShardReader(fdir).shards) == [0] and ShardReader(fdir).verify(0)
+
+
+def test_backpressure_bounds_bytes_captured_but_not_written(tmp_path, monkeypatch):
+    """With a slow writer, the backend is never more than write_queue_bytes ahead of what is written, the
+    capture loop does wait, and every shard still completes."""
+    spec = make_spec()
+    fdir = _features(tmp_path, spec)
+    sample_bytes = 8 * (3 * H + H) * 4  # 8 tokens of fp32 aux + final, as the fake backend hands them out
+    limit = 4 * sample_bytes
+    written, lock, ahead = [0], threading.Lock(), []
+    original = ShardStream.append
+
+    def slow_append(self, samples, validated=False):
+        samples = list(samples)
+        time.sleep(0.005)
+        original(self, samples, validated)
+        with lock:
+            written[0] += sum(s.aux.nbytes + s.final.nbytes for s in samples)
+
+    monkeypatch.setattr(ShardStream, "append", slow_append)
+    backend = FakeCaptureBackend(spec)
+    requests = _requests(3, [8] * 10)
+    capture = backend.capture
+
+    def watched(samples):
+        for sample in capture(samples):
+            with lock:
+                ahead.append(backend.num_bytes_out - sample_bytes - written[0])  # handed out before this one
+            yield sample
+
+    backend.capture = watched
+    stats = WriteStats()
+    docs = capture_and_write(backend, spec, _jobs(fdir, requests), options=WriteOptions(num_writers=2,
+                                                                                        queue_bytes=limit), stats=stats)
+    assert len(docs) == 3 and sorted(ShardReader(fdir).shards) == [0, 1, 2]
+    assert max(ahead) <= limit and max(ahead) >= limit - sample_bytes
+    assert stats.num_waits > 0 and stats.peak_queued_bytes <= limit
+
