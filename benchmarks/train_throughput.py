@@ -1,16 +1,23 @@
 """Training throughput of the drafter step with Llama-3.1-8B shapes, on random features built on the device.
 
 The timed step is the trainer's own (eagle3.train.loop: supervise -> backward_rows -> optimizer_step):
-target supervision from final hidden states through a frozen bf16 target lm_head, the TTT unroll with
-flex attention, the soft cross-entropy, AdamW (fused) on fp32 master weights under bf16 autocast, grad
-clipping. One packed row of --seq-len tokens per step and GPU. No files are read.
+target supervision from final hidden states through a frozen bf16 target lm_head, the TTT unroll,
+the soft cross-entropy, AdamW (fused) on fp32 master weights under bf16 autocast, grad clipping.
+One packed row of --seq-len tokens per step and GPU. No files are read.
 
-Prints ``name: value`` lines: step_ms, tokens_per_s (all GPUs), peak_memory_gib, flops_per_step and the
-formula (eagle3.train.metrics), mfu against 989 TFLOP/s dense bf16, and the same at the peer's work
-(speculators 0.9.0: frozen lm_head, no target lm_head in the step, see --frozen-lm-head).
+Each case is the default RunConfig plus --set overrides plus the case's own overrides; the step's
+switches are train.compile, train.loss_chunk_tokens, train.reuse_block_mask (and drafter.attn_impl,
+drafter.ttt_steps). Every case prints ONE markdown table row (a table of all rows is repeated at the
+end): step ms, tokens/s (all GPUs), peak GiB, TFLOP per step (eagle3.train.metrics formula), MFU
+against the device's dense bf16 peak (989 TFLOP/s for an H200), tokens/s at the peer's FLOPs per token
+(speculators 0.9.0: frozen lm_head, no target lm_head in the step), the first step's loss and gradient
+norm (same seed and batch in every case: equal up to bf16 noise when the paths agree), the warm-up
+seconds (compilation) and the graph breaks torch.compile reported. A failing case prints its error
+and the next case runs.
 
-    python benchmarks/train_throughput.py --ttt-steps 7 3
-    python benchmarks/train_throughput.py --ttt-steps 7 --frozen-lm-head --profile
+    python benchmarks/train_throughput.py --ab                  # the A/B table of the step's switches
+    python benchmarks/train_throughput.py --ttt-steps 7 3 --set train.compile=false
+    python benchmarks/train_throughput.py --case "eager train.compile=false" --case default --profile default
     python -m torch.distributed.run --standalone --nproc-per-node=8 benchmarks/train_throughput.py --parallel fsdp
 
 Peer reference (reference/eagle3-training.md, appendix; H200, T=4096, full causal): ttt 7 168.4 ms,
@@ -21,19 +28,21 @@ lm_head, fc once); ours trains lm_head and applies the target lm_head in the ste
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from typing import Any
 
 import torch
+import torch._dynamo
 from torch import nn
 
-from eagle3.config import RunConfig
-from eagle3.model import DrafterDims, Eagle3Drafter, resolve_attn_impl
-from eagle3.train.build import TrainObjective, build_optimizer, build_scheduler
-from eagle3.train.dist import DistInfo, init_distributed, shutdown, wrap
-from eagle3.train.loop import backward_rows, optimizer_step, supervise
+from eagle3.config import RunConfig, apply_overrides, validate_config
+from eagle3.model import DrafterDims, Eagle3Drafter
+from eagle3.train.build import build_optimizer, build_scheduler
+from eagle3.train.dist import DistInfo, init_distributed, shutdown, unwrap, wrap
+from eagle3.train.loop import backward_rows, optimizer_step, step_options_for, supervise
 from eagle3.train.metrics import drafter_row_flops, peak_flops
-from eagle3.ttt import TTTBatch
+from eagle3.ttt import TTTBatch, TTTObjective, metrics_from_counts
 
 LLAMA31_8B = DrafterDims(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          intermediate_size=14336, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None,
@@ -41,27 +50,65 @@ LLAMA31_8B = DrafterDims(hidden_size=4096, num_attention_heads=32, num_key_value
                          max_position_embeddings=8192)
 PEER_TFLOP = {7: 61.0, 3: 27.2}
 """TFLOP per step of the peer's run at T=4096 (its own count: frozen lm_head, fc once, no target lm_head)."""
+PLAIN = ["train.compile=false", "train.loss_chunk_tokens=0", "train.reuse_block_mask=false"]
+AB_CASES = [
+    ("default", []),
+    ("mask_reuse", ["train.reuse_block_mask=true"]),
+    ("no_compile", ["train.compile=false"]),
+    ("no_fused_loss", ["train.loss_chunk_tokens=0"]),
+    ("plain", PLAIN),
+    ("default_ttt3", ["drafter.ttt_steps=3"]),
+]
+"""--ab: the defaults (compiled step, fused loss, one flex mask per step), each switch flipped alone, all off
+(rows' loss0/grad_norm0 must agree), then ttt 3 with the defaults."""
+HEADER = ("| case | ttt | T | step ms | tokens/s | peak GiB | TFLOP/step | MFU | tok/s at peer work | loss0 | "
+          "grad_norm0 | warmup s | graph breaks | overrides |")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ttt-steps", type=int, nargs="+", default=[7, 3], help="TTT unroll lengths to measure")
+    p.add_argument("--ttt-steps", type=int, nargs="+", default=[7], help="TTT unroll lengths (cases that do not "
+                   "set drafter.ttt_steps run once per value)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens of the packed row of each GPU")
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp", help="wrapper under torchrun")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps (flex attention compiles here)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens here)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--frozen-lm-head", action="store_true", help="freeze the draft lm_head (the peer's setting)")
-    p.add_argument("--profile", action="store_true", help="print the top-10 CUDA ops of two steps")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every case, e.g. --set train.compile=false (repeatable)")
+    p.add_argument("--case", dest="cases", action="append", default=[], metavar="'NAME [KEY=VALUE ...]'",
+                   help="a named case with its own overrides (repeatable); default: one case 'default'")
+    p.add_argument("--ab", action="store_true", help="run the A/B cases of the step's switches (AB_CASES)")
+    p.add_argument("--time-budget-s", type=float, default=None, help="skip the cases left once this much has passed")
+    p.add_argument("--profile", nargs="*", default=None, metavar="CASE",
+                   help="after the named cases (all when none is named), the top CUDA ops of two profiled steps")
     return p
 
 
-def build(dims: DrafterDims, ttt_steps: int, frozen_lm_head: bool, info: DistInfo) -> TrainObjective:
+def case_list(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(name, overrides) of every case to run, --set first, the case's own after (they win)."""
+    cases = list(AB_CASES) if args.ab else []
+    for spec in args.cases:
+        name, *overrides = spec.split()
+        cases.append((name, overrides))
+    cases = cases or [("default", [])]
+    out = []
+    for name, overrides in cases:
+        sets_ttt = any(o.startswith("drafter.ttt_steps=") for o in overrides)
+        for ttt in ([None] if sets_ttt else args.ttt_steps):
+            ttt_set = [] if ttt is None else [f"drafter.ttt_steps={ttt}"]
+            out.append((name, [*ttt_set, *args.overrides, *overrides]))
+    return out
+
+
+def build(cfg: RunConfig, frozen_lm_head: bool, info: DistInfo) -> TTTObjective:
     """Drafter and frozen tensors allocated on the device with random values (no CPU init of 1B numbers)."""
+    dims = LLAMA31_8B
     gen = torch.Generator(device=info.device).manual_seed(0)
     with torch.device(info.device):
         drafter = Eagle3Drafter(dims)
-        for module in drafter.modules():
-            if isinstance(module, nn.Linear):
+        for module in drafter.modules():  # every random tensor from the seeded generator: cases share one init
+            if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02, generator=gen)
         target_lm_head = torch.randn(dims.vocab_size, dims.hidden_size, generator=gen, dtype=torch.bfloat16) * 0.02
         used = torch.randperm(dims.vocab_size, generator=gen)[: dims.draft_vocab_size].sort().values
@@ -69,7 +116,8 @@ def build(dims: DrafterDims, ttt_steps: int, frozen_lm_head: bool, info: DistInf
         t2d[used] = True
         d2t = used - torch.arange(dims.draft_vocab_size)
     drafter.lm_head.weight.requires_grad_(not frozen_lm_head)
-    return TrainObjective(drafter, t2d, d2t, target_lm_head, ttt_steps, attn_impl="auto")
+    return TTTObjective(drafter, t2d, d2t, target_lm_head, cfg.drafter.ttt_steps, cfg.drafter.step_decay,
+                        cfg.drafter.attn_impl, options=step_options_for(cfg.train, info.device))
 
 
 def random_batch(dims: DrafterDims, seq_len: int, device: torch.device) -> TTTBatch:
@@ -86,25 +134,26 @@ def random_batch(dims: DrafterDims, seq_len: int, device: torch.device) -> TTTBa
     )
 
 
-def one_step(model: nn.Module, optimizer: Any, scheduler: Any, batch: TTTBatch, info: DistInfo) -> None:
-    """The trainer's optimizer step on one row (grad clip 1.0, as the peer)."""
-    from eagle3.train.dist import unwrap
-
+def one_step(model: nn.Module, optimizer: Any, scheduler: Any, batch: TTTBatch, info: DistInfo
+             ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The trainer's optimizer step on one row (grad clip 1.0, as the peer): (metric sums, counts, grad norm)."""
     sups, counts = supervise(unwrap(model), [batch], info)
-    backward_rows(model, [batch], sups, counts, info)
-    optimizer_step(model, optimizer, scheduler, grad_clip=1.0)
+    sums = backward_rows(model, [batch], sups, counts, info)
+    grad_norm, _ = optimizer_step(model, optimizer, scheduler, grad_clip=1.0)
+    return sums, counts, grad_norm
 
 
-def measure(args: argparse.Namespace, ttt_steps: int, info: DistInfo) -> dict[str, float]:
-    """Warm up, then time ``args.steps`` steps between two synchronizations."""
-    objective = build(LLAMA31_8B, ttt_steps, args.frozen_lm_head, info)
-    model = wrap(objective, args.parallel, info)
-    cfg = RunConfig()
+def measure(cfg: RunConfig, args: argparse.Namespace, info: DistInfo, profiled: bool) -> dict[str, Any]:
+    """Warm up (the first step's loss and grad norm recorded), then time ``args.steps`` steps."""
+    model = wrap(build(cfg, args.frozen_lm_head, info), args.parallel, info)
     optimizer = build_optimizer(cfg, model, 1e-4, info.device)
     scheduler = build_scheduler(cfg, optimizer, args.warmup + args.steps + 4)
     batch = random_batch(LLAMA31_8B, args.seq_len, info.device)
+    breaks_before = _graph_breaks()
     start = time.perf_counter()
-    for _ in range(args.warmup):
+    sums, counts, grad_norm0 = one_step(model, optimizer, scheduler, batch, info)
+    loss0 = metrics_from_counts(sums[0], counts, sums[1], sums[2], sums[3])["loss"]
+    for _ in range(args.warmup - 1):
         one_step(model, optimizer, scheduler, batch, info)
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - start
@@ -113,70 +162,103 @@ def measure(args: argparse.Namespace, ttt_steps: int, info: DistInfo) -> dict[st
     for _ in range(args.steps):
         one_step(model, optimizer, scheduler, batch, info)
     torch.cuda.synchronize()
-    step_s = (time.perf_counter() - start) / args.steps
-    if args.profile:
-        profile(model, optimizer, scheduler, batch, info)
-    return {"step_s": step_s, "warmup_s": warmup_s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    result = {"step_s": (time.perf_counter() - start) / args.steps, "warmup_s": warmup_s, "loss0": loss0,
+              "grad_norm0": grad_norm0, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+              "graph_breaks": _graph_breaks() - breaks_before}
+    if profiled:
+        result["profile"] = profile(model, optimizer, scheduler, batch, info)
+    return result
 
 
-def profile(model: nn.Module, optimizer: Any, scheduler: Any, batch: TTTBatch, info: DistInfo) -> None:
-    """torch.profiler over two steps: the 10 ops with the most CUDA time."""
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(sum(counters["graph_break"].values()))
+
+
+def profile(model: nn.Module, optimizer: Any, scheduler: Any, batch: TTTBatch, info: DistInfo) -> str:
+    """torch.profiler over two steps: the 15 ops with the most self CUDA time, and the GPU's busy share."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    start = time.perf_counter()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
             one_step(model, optimizer, scheduler, batch, info)
         torch.cuda.synchronize()
-    if info.is_main:
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10))
+    wall_us = (time.perf_counter() - start) * 1e6
+    events = prof.key_averages()
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    busy_us = sum(getattr(e, key) for e in events)
+    table = events.table(sort_by=key, row_limit=15)
+    return f"{table}\nGPU busy (kernel time / wall, profiler on): {busy_us / wall_us:.1%}"
 
 
-def report(args: argparse.Namespace, ttt_steps: int, result: dict[str, float], info: DistInfo) -> None:
-    """The ``name: value`` lines of one measurement."""
-    flops = drafter_row_flops(LLAMA31_8B, args.seq_len, ttt_steps)
-    lm_head_wgrad = args.seq_len * ttt_steps * 2 * LLAMA31_8B.hidden_size * LLAMA31_8B.draft_vocab_size
+def table_row(name: str, cfg: RunConfig, overrides: list[str], args: argparse.Namespace, result: dict[str, Any],
+              info: DistInfo) -> str:
+    """One markdown row: the numbers of one case (HEADER names the columns)."""
+    ttt = cfg.drafter.ttt_steps
+    flops = drafter_row_flops(LLAMA31_8B, args.seq_len, ttt)
+    lm_head_wgrad = args.seq_len * ttt * 2 * LLAMA31_8B.hidden_size * LLAMA31_8B.draft_vocab_size
     if args.frozen_lm_head:  # no weight gradient for lm_head: 2x instead of 3x its forward
         flops["total"] -= lm_head_wgrad
     peer_work = flops["total"] - flops["supervision"] - (0 if args.frozen_lm_head else lm_head_wgrad)
-    peak = peak_flops(info.device) or 989e12
     step_s = result["step_s"]
     tokens_per_s = args.seq_len * info.world_size / step_s
-    lines = {
-        "name": f"ttt{ttt_steps}_T{args.seq_len}_{args.parallel}_x{info.world_size}"
-                + ("_frozen_lm_head" if args.frozen_lm_head else ""),
-        "attn_impl": resolve_attn_impl("auto", info.device),
-        "step_ms": f"{step_s * 1e3:.1f}",
-        "tokens_per_s": f"{tokens_per_s:,.0f}",
-        "peak_memory_gib": f"{result['peak_gib']:.1f}",
-        "warmup_s": f"{result['warmup_s']:.1f}",
-        "flops_per_step_tflop": f"{flops['total'] / 1e12:.2f}",
-        "flops_formula": "3 x (linear_fwd + attention_fwd) + supervision (eagle3/train/metrics.py docstring)",
-        "flops_parts_tflop": ", ".join(f"{k} {v / 1e12:.2f}" for k, v in flops.items()),
-        "mfu": f"{flops['total'] / step_s / peak:.3f}",
-        "peer_work_tflop": f"{peer_work / 1e12:.2f} (frozen lm_head, no target lm_head; peer counted "
-                           f"{PEER_TFLOP.get(ttt_steps, float('nan'))})",
-        "tokens_per_s_at_peer_work": f"{tokens_per_s * flops['total'] / peer_work:,.0f} "
-                                     "(same efficiency, the peer's FLOPs per token)",
-    }
-    if info.is_main:
-        for key, value in lines.items():
-            print(f"{key}: {value}", flush=True)
-        print(flush=True)
+    mfu = flops["total"] / step_s / (peak_flops(info.device) or 989e12)
+    cells = [f"{name}{'_frozen_lm_head' if args.frozen_lm_head else ''}", ttt, args.seq_len, f"{step_s * 1e3:.1f}",
+             f"{tokens_per_s:,.0f}", f"{result['peak_gib']:.1f}", f"{flops['total'] / 1e12:.2f}", f"{mfu:.3f}",
+             f"{tokens_per_s * flops['total'] / peer_work:,.0f}", f"{result['loss0']:.5f}",
+             f"{result['grad_norm0']:.5f}", f"{result['warmup_s']:.1f}", result["graph_breaks"],
+             " ".join(overrides) or "-"]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def run_case(name: str, overrides: list[str], args: argparse.Namespace, info: DistInfo) -> str:
+    """Measure one case; a failure becomes its row (the next case still runs)."""
+    try:
+        cfg = validate_config(apply_overrides({}, overrides), f"case {name}")
+        result = measure(cfg, args, info, args.profile is not None and (not args.profile or name in args.profile))
+        row = table_row(name, cfg, overrides, args, result, info)
+        if "profile" in result and info.is_main:
+            print(f"\nprofile of case {name} ({' '.join(overrides) or 'defaults'}):\n{result['profile']}\n", flush=True)
+    except Exception as exc:  # noqa: BLE001 - a broken path must not hide the other cases
+        message = " ".join(str(exc).split())[:300]  # one line, whatever the error says
+        row = f"| {name} | FAILED: {type(exc).__name__}: {message} | {' '.join(overrides) or '-'} |"
+        torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
 
 
 def main() -> None:
     args = _parser().parse_args()
     info = init_distributed("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
+    for name in ("recompile_limit", "cache_size_limit"):  # every case adds its own compiled variants
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    rows, start = [], time.perf_counter()
     try:
         if info.is_main:
-            print(f"device: {torch.cuda.get_device_name(info.device)} x{info.world_size}, torch {torch.__version__}")
-        for ttt_steps in args.ttt_steps:
-            report(args, ttt_steps, measure(args, ttt_steps, info), info)
-            torch.cuda.empty_cache()
+            print(f"device: {torch.cuda.get_device_name(info.device)} x{info.world_size}, torch {torch.__version__}, "
+                  f"{args.warmup} warm-up + {args.steps} timed steps per case\n{HEADER}\n{_rule()}", flush=True)
+        for name, overrides in case_list(args):
+            if args.time_budget_s is not None and time.perf_counter() - start > args.time_budget_s:
+                rows.append(f"| {name} | skipped: time budget of {args.time_budget_s:.0f} s spent | "
+                            f"{' '.join(overrides) or '-'} |")
+            else:
+                rows.append(run_case(name, overrides, args, info))
+            if info.is_main:
+                print(rows[-1], flush=True)
+        if info.is_main:
+            print("\nall cases:\n" + "\n".join([HEADER, _rule(), *rows]), flush=True)
     finally:
         shutdown(info)
+
+
+def _rule() -> str:
+    return "|" + "---|" * HEADER.count(" | ") + "---|"
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ Shape letters: B rows, T tokens per row, S TTT steps whose keys are cached (the 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -69,14 +69,59 @@ def ttt_dense_mask(document_ids: Tensor, num_steps: int) -> Tensor:
     return torch.cat(blocks, dim=-1)
 
 
-def ttt_mask_mod(document_ids: Tensor, seq_len: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    """flex_attention mask_mod over keys laid out step by step (kv index = step * T + token)."""
+def ttt_mask_mod(document_ids: Tensor, seq_len: int, num_steps: Tensor | None = None
+                 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """flex_attention mask_mod over keys laid out step by step (kv index = step * T + token).
+
+    ``num_steps`` (a 0-dim int tensor) hides the keys of steps >= num_steps: a key tensor laid out for more
+    steps than exist yet (zeros there) then gives the same result. A tensor, not an int, so that a compiled
+    kernel reads it as an input instead of compiling once per value.
+    """
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         step = kv_idx // seq_len
         kv_tok = kv_idx - step * seq_len
         # Step 0 holds the real context; a later step k holds only the token's own draft-k key.
         context = (step == 0) & (kv_tok <= q_idx) & (document_ids[b, kv_tok] == document_ids[b, q_idx])
-        return context | ((step > 0) & (kv_tok == q_idx))
+        later = (step > 0) & (kv_tok == q_idx)
+        if num_steps is not None:
+            later = later & (step < num_steps)
+        return context | later
 
     return mask_mod
+
+
+def ttt_block_masks(document_ids: Tensor, num_steps: int, block_size: int = 128) -> list[Any]:
+    """Flex BlockMasks of steps 0..S-1 over ONE key layout of S*T keys, from a single create_block_mask.
+
+    Step k (k+1 cached steps) keeps the key blocks below (k+1)*T/block of the whole layout's mask, and its
+    mask_mod hides the later steps' keys as well, so the eager (dense) flex path, which ignores the block
+    lists, agrees. T must be a multiple of ``block_size``: then no key block straddles two steps.
+    """
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    batch, seq_len = document_ids.shape
+    if seq_len % block_size:
+        raise ValueError(f"one block mask for all steps needs T ({seq_len}) to be a multiple of {block_size}")
+    whole = create_block_mask(ttt_mask_mod(document_ids, seq_len), batch, None, seq_len, num_steps * seq_len,
+                              device=document_ids.device, BLOCK_SIZE=block_size, _compile=document_ids.is_cuda)
+    # Counts as device tensors (no host sync); one clone each so every mask owns a plain 0-dim tensor.
+    counts = torch.arange(1, num_steps + 1, device=document_ids.device)
+    masks = []
+    for k in range(num_steps):
+        limit = (k + 1) * seq_len // block_size
+        kv_num, kv_idx = keep_blocks_below(whole.kv_num_blocks, whole.kv_indices, limit)
+        full_num, full_idx = (None, None) if whole.full_kv_num_blocks is None else keep_blocks_below(
+            whole.full_kv_num_blocks, whole.full_kv_indices, limit)
+        masks.append(BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=whole.BLOCK_SIZE,
+                                              mask_mod=ttt_mask_mod(document_ids, seq_len, counts[k].clone()),
+                                              seq_lengths=(seq_len, num_steps * seq_len)))
+    return masks
+
+
+def keep_blocks_below(num_blocks: Tensor, indices: Tensor, limit: int) -> tuple[Tensor, Tensor]:
+    """A BlockMask row list [..., rows], [..., rows, n] cut to the block indices < limit (kept ones first, in order)."""
+    slot = torch.arange(indices.shape[-1], device=indices.device)
+    keep = (slot < num_blocks[..., None]) & (indices < limit)  # [..., rows, n]
+    order = torch.argsort(keep.to(torch.int32), dim=-1, descending=True, stable=True)
+    return keep.sum(-1, dtype=torch.int32), indices.gather(-1, order).to(torch.int32)

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -157,6 +157,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None
     return inv_freq
 
 
+@lru_cache(maxsize=16)
+def rope_inv_freq_on(head_dim: int, theta: float, scaling: Llama3RopeScaling | None, device: torch.device) -> Tensor:
+    """rope_inv_freq copied to ``device`` once: a host-to-device copy per step would stall the host every step."""
+    return rope_inv_freq(head_dim, theta, scaling).to(device)
+
+
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """cos, sin [B, 1, T, hd] for integer positions [B, T] (half-split layout, as Llama and SGLang).
 
@@ -210,8 +216,10 @@ def dense_ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], doc
 @lru_cache(maxsize=1)
 def _compiled_flex_attention() -> Any:
     # Uncompiled flex_attention materializes the full score matrix; only the compiled kernel is worth it.
-    # Every (T, S*T) shape compiles once: with packed rows of one fixed T a run compiles ttt_steps variants,
-    # under dynamo's default recompile limit (8); varying T would exceed it and fall back to the slow path.
+    # Every (T, key length) shape and grad mode compiles once. One block mask per step (flex_ttt_attention)
+    # means ttt_steps key lengths, twice with evaluation: ttt 7 passes dynamo's default recompile limit (8)
+    # and the rest falls back to the slow path. One key layout for all steps (masks.ttt_block_masks,
+    # flex_attention_over) compiles once for training and once for evaluation.
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -255,10 +263,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32 (bf16 squares lose digits) and cast back before the weight, as Llama's norm does.
-        wide = upcast(x)
-        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * wide.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / rms(x) * weight (RMSNorm's math, shared by the module and the functional step)."""
+    # Normalise in fp32 (bf16 squares lose digits) and cast back before the weight, as Llama's norm does.
+    wide = upcast(x)
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * wide.to(x.dtype)
 
 
 class Eagle3Attention(nn.Module):
@@ -342,10 +355,94 @@ class Eagle3Drafter(nn.Module):
                 cache: TTTCache, attn_impl: AttnImpl = "auto") -> tuple[Tensor, Tensor]:
         """One TTT step: (pre-norm output [B, T, H], the next step's feature; draft logits [B, T, Vd])."""
         embeds = self.embed_tokens(input_ids)  # [B, T, H]
-        inv_freq = rope_inv_freq(self.dims.head_dim, self.dims.rope_theta, self.dims.rope_scaling)
+        inv_freq = rope_inv_freq_on(self.dims.head_dim, self.dims.rope_theta, self.dims.rope_scaling, positions.device)
         cos, sin = rope_cos_sin(inv_freq, positions, upcast(hidden).dtype)  # [B, 1, T, hd]
         out = self.midlayer(embeds, hidden, cos, sin, cache, document_ids, attn_impl)  # [B, T, H]
         return out, self.lm_head(self.norm(out))
+
+
+# ------------------------------------------------------------------------------------------ functional step
+
+class StepWeights(NamedTuple):
+    """The tensors one TTT step reads (the drafter's own, linear weights possibly cast; see step_weights)."""
+
+    embed: Tensor  # [V, H] frozen target embeddings
+    input_norm: Tensor  # [H]
+    hidden_norm: Tensor  # [H]
+    q: Tensor  # [nH*hd, 2H]
+    k: Tensor  # [nKV*hd, 2H]
+    v: Tensor  # [nKV*hd, 2H]
+    o: Tensor  # [H, nH*hd]
+    post_norm: Tensor  # [H]
+    gate: Tensor  # [I, H]
+    up: Tensor  # [I, H]
+    down: Tensor  # [H, I]
+    norm: Tensor  # [H]
+    lm_head: Tensor  # [Vd, H]
+
+
+def step_weights(model: Eagle3Drafter, linear_dtype: torch.dtype | None = None) -> StepWeights:
+    """The step's tensors; ``linear_dtype`` casts each linear weight once (per micro-batch).
+
+    Under autocast that is what eager mode does too (its cast cache keeps one bf16 copy of each weight
+    for the whole forward, and the TTT steps' gradients meet in that copy); a compiled step would
+    otherwise re-cast 0.4B weights at every TTT step. Norm weights and embeddings are never cast.
+    """
+    layer, attn, mlp = model.midlayer, model.midlayer.self_attn, model.midlayer.mlp
+
+    def linear(module: nn.Linear) -> Tensor:
+        return module.weight if linear_dtype is None else module.weight.to(linear_dtype)
+
+    return StepWeights(model.embed_tokens.weight, layer.input_layernorm.weight, layer.hidden_norm.weight,
+                       linear(attn.q_proj), linear(attn.k_proj), linear(attn.v_proj), linear(attn.o_proj),
+                       layer.post_attention_layernorm.weight, linear(mlp.gate_proj), linear(mlp.up_proj),
+                       linear(mlp.down_proj), model.norm.weight, linear(model.lm_head))
+
+
+def _linear(x: Tensor, weight: Tensor) -> Tensor:
+    # The activation cast autocast makes, made explicit (a no-op when the dtypes already agree).
+    return F.linear(x.to(weight.dtype), weight)
+
+
+def attention_inputs(w: StepWeights, input_ids: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, eps: float,
+                     num_heads: int, num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """MidLayer up to the attention: q [B, nH, T, hd], this step's post-RoPE key and value [B, nKV, T, hd]."""
+    embeds = F.embedding(input_ids, w.embed)  # [B, T, H]
+    x = torch.cat([rms_norm(embeds, w.input_norm, eps), rms_norm(hidden, w.hidden_norm, eps)], dim=-1)  # [B, T, 2H]
+    batch, seq_len, _ = x.shape
+
+    def heads(y: Tensor, n: int) -> Tensor:
+        return y.view(batch, seq_len, n, -1).transpose(1, 2)  # [B, n, T, hd]
+
+    q = apply_rope(heads(_linear(x, w.q), num_heads), cos, sin)
+    k = apply_rope(heads(_linear(x, w.k), num_kv_heads), cos, sin)
+    return q, k, heads(_linear(x, w.v), num_kv_heads)
+
+
+def step_outputs(w: StepWeights, hidden: Tensor, attn: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """MidLayer after the attention [B, nH, T, hd], then the head: (pre-norm output [B, T, H], logits [B, T, Vd])."""
+    batch, _, seq_len, _ = attn.shape
+    h = hidden + _linear(attn.transpose(1, 2).reshape(batch, seq_len, -1), w.o)  # residual on the un-normed feature
+    x = rms_norm(h, w.post_norm, eps)
+    out = h + _linear(F.silu(_linear(x, w.gate)) * _linear(x, w.up), w.down)
+    return out, _linear(rms_norm(out, w.norm, eps), w.lm_head)
+
+
+@lru_cache(maxsize=4)
+def compiled_step_pieces(backend: str = "inductor") -> tuple[Any, Any]:
+    """(attention_inputs, step_outputs) under torch.compile with static shapes.
+
+    Their shapes do not depend on the TTT step, so each compiles once per row shape and grad mode (train,
+    eval); the attention between them (whose key count grows with the step) stays outside.
+    """
+    return (torch.compile(attention_inputs, dynamic=False, backend=backend),
+            torch.compile(step_outputs, dynamic=False, backend=backend))
+
+
+def flex_attention_over(q: Tensor, keys: Tensor, values: Tensor, block_mask: Any) -> Tensor:
+    """flex_attention of q [B, nH, T, hd] over a whole key layout [B, nKV, L, hd] that ``block_mask`` covers."""
+    attend = _compiled_flex_attention() if q.is_cuda else flex_attention
+    return attend(q, keys, values, block_mask=block_mask, enable_gqa=True)
 
 
 # -------------------------------------------------------------------------------- init, export, target weights

@@ -26,20 +26,32 @@ the drafter can never propose them, and dropping them would inflate the estimate
 argmax mapped through d2t equals the target's full-vocab argmax; full_acc_k requires steps 0..k all right
 at the same index; accept_len_est = 1 + sum_k prod_{i<=k} acc_i (the 1 is the target's bonus token).
 
+How the unroll runs (StepOptions; TrainConfig's compile, loss_chunk_tokens, reuse_block_mask) never changes
+what it computes, only the float rounding: the plain path calls the drafter module per step and scores with
+log_softmax; the fast path casts the linear weights once per micro-batch, runs the step as two compiled
+functions around the attention, builds one flex block mask for all steps, and scores each step with
+ChunkedSoftCE (per token chunk: logsumexp in fp32, the logits gradient recomputed in backward), so no fp32
+[T, Vd] tensor is ever materialised. Tests compare every path with a loop-by-loop reference.
+
 Shape letters: B rows, T tokens, H hidden, A*Ht aux width, K top-K, V target vocab, Vd draft vocab, S steps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eagle3.masks import positions_from_documents, same_document_ahead, shift_left, single_document_ids
-from eagle3.model import AttnImpl, Eagle3Drafter, TTTCache, upcast
+from eagle3.masks import (positions_from_documents, same_document_ahead, shift_left, single_document_ids,
+                          ttt_block_masks)
+from eagle3.model import (AttnImpl, Eagle3Drafter, TTTCache, attention_inputs, compiled_step_pieces,
+                          flex_attention_over, resolve_attn_impl, rope_cos_sin, rope_inv_freq_on, step_outputs,
+                          step_weights, ttt_attention, upcast)
 from eagle3.target import lm_head_name, read_tensor, target_info
 
 TOKEN_SHIFT = 1
@@ -50,6 +62,28 @@ PAD_TOKEN = 0
 """Fills token slots shifted past a document end; predictions from them are never supervised."""
 STEP_DECAY = 0.8
 """Weight of step k is STEP_DECAY**k (EAGLE, SpecForge)."""
+FLEX_BLOCK = 128
+"""flex_attention's default block size: one block mask serves all steps when T is a multiple of it."""
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How the unroll runs on the device, never what it computes (results agree up to float rounding).
+
+    The defaults are the plain path: the drafter module per step and log_softmax for the loss.
+    """
+
+    compile_backend: str | None = None
+    """torch.compile backend for the step's pieces and the fused loss ("inductor" on CUDA); None = eager."""
+    loss_chunk_tokens: int = 0
+    """Fused soft cross-entropy over this many tokens at a time (no fp32 [T, Vd] tensors); 0 = log_softmax path."""
+    reuse_block_mask: bool = False
+    """flex: one block mask per micro-batch over a fixed S*T key layout instead of one per step."""
+
+    @property
+    def functional_step(self) -> bool:
+        """Whether the step runs as functions over once-cast weights (see _FunctionalUnroll) instead of the module."""
+        return self.compile_backend is not None or self.reuse_block_mask
 
 
 @dataclass
@@ -93,24 +127,28 @@ def load_target_lm_head(model_dir: Path | str) -> Tensor:
 
 @torch.no_grad()
 def supervision_from_final(final_hidden: Tensor, lm_head_weight: Tensor, t2d: Tensor,
-                           chunk_tokens: int = 1024) -> Supervision:
+                           chunk_tokens: int = 1024, draft_ids: Tensor | None = None) -> Supervision:
     """Target logits = final @ W^T, computed ``chunk_tokens`` tokens at a time so only [chunk, V] lives at once.
 
     The full-vocab logits are needed for the argmax (position mask, accuracy); the distribution keeps the
-    draft-vocab columns and renormalises them.
+    draft-vocab columns and renormalises them. ``draft_ids`` [Vd] (the target ids of the draft vocab,
+    ascending) saves the host sync of finding them in t2d.
     """
     batch, seq_len, _ = final_hidden.shape
-    used = t2d.nonzero().squeeze(1)  # [Vd] target ids of the draft vocab, ascending = draft order
+    used = t2d.nonzero().squeeze(1) if draft_ids is None else draft_ids  # [Vd] ascending = draft order
     probs, argmax = [], []
     for chunk in final_hidden.reshape(batch * seq_len, -1).split(chunk_tokens):
-        logits = upcast(F.linear(chunk.to(lm_head_weight.dtype), lm_head_weight))  # [c, V]
+        logits = F.linear(chunk.to(lm_head_weight.dtype), lm_head_weight)  # [c, V] in the compute dtype
+        # Upcasting is exact, so the argmax and the column gather give the same on the narrow logits; only the
+        # draft columns are widened for the softmax (not a [c, V] fp32 copy).
         argmax.append(logits.argmax(-1))
-        probs.append(torch.softmax(logits[:, used], dim=-1))  # [c, Vd]
+        probs.append(torch.softmax(upcast(logits[:, used]), dim=-1))  # [c, Vd]
     return Supervision(torch.cat(probs).view(batch, seq_len, -1), torch.cat(argmax).view(batch, seq_len))
 
 
 @torch.no_grad()
-def supervision_from_topk(topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tensor) -> Supervision:
+def supervision_from_topk(topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tensor,
+                          draft_vocab_size: int | None = None) -> Supervision:
     """A draft-vocab distribution rebuilt from the target's top-K log-probs.
 
     p_v is proportional to exp(logprob_v) for the top-K ids inside the draft vocab and 0 for every other
@@ -123,7 +161,8 @@ def supervision_from_topk(topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tensor) 
     draft_index = t2d.long().cumsum(0) - 1  # [V] draft index of target id v (valid where t2d[v])
     inside = t2d[ids]  # [B, T, K]
     mass = torch.where(inside, topk_logprobs.float().exp(), torch.zeros((), device=ids.device))
-    probs = torch.zeros(*ids.shape[:2], int(t2d.sum()), device=ids.device)  # [B, T, Vd]
+    num_draft = int(t2d.sum()) if draft_vocab_size is None else draft_vocab_size  # the sum costs a host sync
+    probs = torch.zeros(*ids.shape[:2], num_draft, device=ids.device)  # [B, T, Vd]
     probs.scatter_add_(-1, torch.where(inside, draft_index[ids], 0), mass)
     probs = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
     argmax = ids.gather(-1, topk_logprobs.argmax(-1, keepdim=True)).squeeze(-1)  # [B, T]
@@ -144,6 +183,29 @@ def align_step(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, targe
     return StepAlignment(tokens, argmax, marked, marked & in_vocab)
 
 
+def align_steps(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, target_argmax: Tensor, t2d: Tensor,
+                num_steps: int) -> list[StepAlignment]:
+    """align_step for k = 0..S-1, computed together: a dozen [B, S, T] ops instead of ~25 small ones per step."""
+    batch, seq_len = input_ids.shape
+    steps = torch.arange(num_steps, device=input_ids.device)
+    index = torch.arange(seq_len, device=input_ids.device)
+
+    def ahead(x: Tensor, first: int, fill: int | bool) -> Tensor:  # [B, S, T]: x[:, t + first + k], fill past the row
+        padded = torch.cat([x, x.new_full((batch, first + num_steps), fill)], dim=1)
+        return padded.unfold(1, seq_len, 1)[:, first:first + num_steps]
+
+    def same_document(first: int) -> Tensor:  # [B, S, T]: token t + first + k exists and shares t's document
+        inside = (index + first + steps[:, None]) < seq_len  # [S, T]
+        return inside & (ahead(document_ids, first, 0) == document_ids[:, None])
+
+    token_ok, predict_ok = same_document(TOKEN_SHIFT), same_document(PREDICT_SHIFT)
+    tokens = torch.where(token_ok, ahead(input_ids, TOKEN_SHIFT, PAD_TOKEN), PAD_TOKEN)
+    argmax = torch.where(token_ok, ahead(target_argmax, TOKEN_SHIFT, -1), -1)
+    marked = predict_ok & ahead(loss_mask.bool(), PREDICT_SHIFT, False)
+    in_loss = marked & (argmax >= 0) & t2d[argmax.clamp(min=0)]
+    return [StepAlignment(tokens[:, k], argmax[:, k], marked[:, k], in_loss[:, k]) for k in range(num_steps)]
+
+
 def step_soft_ce(logits: Tensor, probs: Tensor, shift: int) -> Tensor:
     """[B, T]: -sum_v probs[t + shift, v] * log_softmax(logits[t])_v, 0 where t + shift is past the row."""
     seq_len = logits.shape[1]
@@ -151,6 +213,78 @@ def step_soft_ce(logits: Tensor, probs: Tensor, shift: int) -> Tensor:
     log_q = torch.log_softmax(upcast(logits[:, :n]), dim=-1)  # [B, n, Vd]
     ce = -(probs[:, shift:shift + n] * log_q).sum(-1)  # [B, n]
     return F.pad(ce, (0, seq_len - n))
+
+
+# ------------------------------------------------------------------------------------- fused soft cross-entropy
+
+def soft_ce_chunk(logits: Tensor, probs: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(sum of the masked CE [], logsumexp [c], draft argmax [c]) of logits [c, Vd] against probs [c, Vd].
+
+    CE_t = -sum_v p_tv (x_tv - lse_t), with x the logits widened to fp32 inside the kernel only.
+    """
+    x = upcast(logits)
+    lse = torch.logsumexp(x, dim=-1)  # [c]
+    ce = -(probs.to(x.dtype) * (x - lse[:, None])).sum(-1)  # [c]
+    return torch.where(mask, ce, 0).sum(), lse, logits.argmax(-1)
+
+
+def soft_ce_chunk_grad(logits: Tensor, probs: Tensor, mask: Tensor, lse: Tensor, grad_sum: Tensor) -> Tensor:
+    """d(grad_sum * CE sum)/d logits [c, Vd] = grad_sum * (softmax(x) * sum_v p - p) on masked rows (logits' dtype)."""
+    x = upcast(logits)
+    p = probs.to(x.dtype)
+    grad = torch.exp(x - lse[:, None]) * p.sum(-1, keepdim=True) - p  # [c, Vd]
+    return torch.where(mask[:, None], grad * grad_sum, 0).to(logits.dtype)
+
+
+@lru_cache(maxsize=4)
+def compiled_loss_kernels(backend: str = "inductor") -> tuple[Any, Any]:
+    """soft_ce_chunk and soft_ce_chunk_grad under torch.compile: each becomes one or two fused passes."""
+    return (torch.compile(soft_ce_chunk, dynamic=False, backend=backend),
+            torch.compile(soft_ce_chunk_grad, dynamic=False, backend=backend))
+
+
+class ChunkedSoftCE(torch.autograd.Function):
+    """Masked soft-CE sum of one TTT step, token chunk by token chunk, never holding fp32 [N, Vd] tensors.
+
+    Forward keeps only the logsumexp per token; backward recomputes softmax per chunk and returns the
+    logits gradient in the logits' dtype (one rounding, as the log_softmax path's cast back does).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, probs: Tensor, mask: Tensor, shift: int, chunk: int,
+                kernels: tuple[Callable, Callable]) -> tuple[Tensor, Tensor]:
+        # logits [B, T, Vd]; probs [B*T + pad, Vd] flat with rows past the end (pad >= shift); mask [B, T] bool.
+        flat, flat_mask = logits.reshape(-1, logits.shape[-1]), mask.reshape(-1)
+        bounds = _chunk_bounds(flat.shape[0], chunk)
+        parts = [kernels[0](flat[a:b], probs[a + shift:b + shift], flat_mask[a:b]) for a, b in bounds]
+        loss_sum = parts[0][0] if len(parts) == 1 else torch.stack([p[0] for p in parts]).sum()
+        lse, top = (torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in (1, 2))
+        ctx.save_for_backward(logits, probs, flat_mask, lse)
+        ctx.shift, ctx.bounds, ctx.kernels = shift, bounds, kernels
+        ctx.mark_non_differentiable(top)
+        return loss_sum, top.view(mask.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad_sum: Tensor, _grad_top: Any) -> tuple[Tensor | None, ...]:
+        logits, probs, mask, lse = ctx.saved_tensors
+        flat, shift = logits.reshape(-1, logits.shape[-1]), ctx.shift
+        grads = [ctx.kernels[1](flat[a:b], probs[a + shift:b + shift], mask[a:b], lse[a:b], grad_sum)
+                 for a, b in ctx.bounds]
+        grad = grads[0] if len(grads) == 1 else torch.cat(grads)
+        return grad.view(logits.shape), None, None, None, None, None
+
+
+def _chunk_bounds(num_rows: int, chunk: int) -> list[tuple[int, int]]:
+    return [(a, min(a + chunk, num_rows)) for a in range(0, num_rows, chunk)]
+
+
+def pad_probs(probs: Tensor, num_steps: int) -> Tensor:
+    """[B*T + S, Vd]: the flat target probs plus S zero rows, so step k's read at row + 1 + k (< B*T + S) stays inside.
+
+    Reads past a row's end land in the next row or the zeros; the position mask never supervises them.
+    """
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.cat([flat, flat.new_zeros(num_steps, flat.shape[1])])
 
 
 # ----------------------------------------------------------------------------------------- loss and metrics
@@ -197,10 +331,9 @@ def metrics_from_counts(loss_sum: Tensor, num_supervised: Tensor, num_predicted:
 
 
 @torch.no_grad()
-def _step_hits(logits: Tensor, d2t: Tensor, aligned: StepAlignment, chain: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _step_hits(draft_top: Tensor, d2t: Tensor, aligned: StepAlignment, chain: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(correct count, all-steps-correct count, updated chain [B, T]) over the predictions of a marked token."""
-    draft_top = logits.argmax(-1)  # [B, T] draft ids
-    hit = (draft_top + d2t[draft_top]) == aligned.target_argmax  # compared in target ids, full vocab
+    hit = (draft_top + d2t[draft_top]) == aligned.target_argmax  # draft_top [B, T]; compared in target ids
     chain = chain & hit
     marked = aligned.predicts_marked
     return (hit & marked).sum(), (chain & marked).sum(), chain
@@ -213,22 +346,108 @@ def _documents_and_positions(batch: TTTBatch) -> tuple[Tensor, Tensor]:
     return docs, positions  # [B, T] each
 
 
+StepFn = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
+"""(feature [B, T, H], input ids [B, T], step k) -> (pre-norm output [B, T, H], draft logits [B, T, Vd])."""
+ScoreFn = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
+"""(logits [B, T, Vd], position mask [B, T], step k) -> (masked soft-CE sum [], draft argmax [B, T])."""
+
+
 def ttt_loss(drafter: Eagle3Drafter, batch: TTTBatch, supervision: Supervision, t2d: Tensor, d2t: Tensor,
-             ttt_steps: int, step_decay: float = STEP_DECAY, attn_impl: AttnImpl = "auto") -> TTTOutput:
+             ttt_steps: int, step_decay: float = STEP_DECAY, attn_impl: AttnImpl = "auto",
+             options: StepOptions | None = None) -> TTTOutput:
     """Unroll ``ttt_steps`` steps of the drafter over one micro-batch and score every step (module docstring)."""
+    options = options or StepOptions()
     docs, positions = _documents_and_positions(batch)
     hidden = drafter.project_aux(batch.aux)  # [B, T, H]
-    cache, chain = TTTCache(), torch.ones_like(docs, dtype=torch.bool)
+    step = (_FunctionalUnroll(drafter, docs, positions, hidden, ttt_steps, attn_impl, options).step
+            if options.functional_step else _module_step(drafter, docs, positions, attn_impl))
+    score = _scorer(supervision.probs, ttt_steps, options)
+    chain = torch.ones_like(docs, dtype=torch.bool)
     sums, counts = [], []
-    for k in range(ttt_steps):
-        aligned = align_step(batch.input_ids, batch.loss_mask, docs, supervision.argmax, t2d, k)
-        hidden, logits = drafter(hidden, aligned.input_ids, positions + k, docs, cache, attn_impl)  # [B,T,H], [B,T,Vd]
-        ce = step_soft_ce(logits, supervision.probs, TOKEN_SHIFT + k)  # [B, T]
-        sums.append(torch.where(aligned.position_mask, ce, torch.zeros_like(ce)).sum())
-        correct, full_correct, chain = _step_hits(logits, d2t, aligned, chain)
+    for k, aligned in enumerate(align_steps(batch.input_ids, batch.loss_mask, docs, supervision.argmax, t2d,
+                                            ttt_steps)):
+        hidden, logits = step(hidden, aligned.input_ids, k)  # [B, T, H], [B, T, Vd]
+        loss_sum, draft_top = score(logits, aligned.position_mask, k)
+        sums.append(loss_sum)
+        correct, full_correct, chain = _step_hits(draft_top, d2t, aligned, chain)
         counts.append(torch.stack([aligned.position_mask.sum(), aligned.predicts_marked.sum(), correct, full_correct]))
     loss_sum, count = torch.stack(sums), torch.stack(counts).T  # [S], [4, S]
     return TTTOutput(weighted_loss(loss_sum, count[0], step_decay), loss_sum, *count, step_decay=step_decay)
+
+
+def _module_step(drafter: Eagle3Drafter, docs: Tensor, positions: Tensor, attn_impl: AttnImpl) -> StepFn:
+    """The plain step: the drafter module's forward, one flex block mask per step."""
+    cache = TTTCache()
+
+    def step(hidden: Tensor, input_ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        return drafter(hidden, input_ids, positions + k, docs, cache, attn_impl)
+
+    return step
+
+
+class _FunctionalUnroll:
+    """The step as functions over tensors prepared once per micro-batch: weights cast once, RoPE tables of
+    every step, and (flex) one block mask layout for all steps; the pieces compiled when asked.
+
+    Same math as Eagle3Drafter.forward (tests compare them). It reads the drafter's parameters directly,
+    which a wrapper that shards the whole objective (DDP, FSDP2 over the root) gathers before the forward.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, docs: Tensor, positions: Tensor, hidden: Tensor, num_steps: int,
+                 attn_impl: AttnImpl, options: StepOptions) -> None:
+        dims, device = drafter.dims, hidden.device
+        autocast_on = torch.is_autocast_enabled(device.type)
+        self.weights = step_weights(drafter, torch.get_autocast_dtype(device.type) if autocast_on else None)
+        inv_freq = rope_inv_freq_on(dims.head_dim, dims.rope_theta, dims.rope_scaling, device)
+        self.rope = [rope_cos_sin(inv_freq, positions + k, upcast(hidden).dtype) for k in range(num_steps)]
+        self.impl, self.docs, self.num_steps = resolve_attn_impl(attn_impl, device), docs, num_steps
+        self.masks = None
+        if self.impl == "flex" and options.reuse_block_mask and docs.shape[1] % FLEX_BLOCK == 0:
+            self.masks = ttt_block_masks(docs, num_steps, FLEX_BLOCK)
+        backend = options.compile_backend
+        self.pre, self.post = compiled_step_pieces(backend) if backend else (attention_inputs, step_outputs)
+        self.eps, self.heads = dims.rms_norm_eps, (dims.num_attention_heads, dims.num_key_value_heads)
+        self.keys: list[Tensor] = []  # S x [B, nKV, T, hd]
+        self.values: list[Tensor] = []
+
+    def step(self, hidden: Tensor, input_ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Step k (see StepFn)."""
+        cos, sin = self.rope[k]
+        q, key, value = self.pre(self.weights, input_ids, hidden, cos, sin, self.eps, *self.heads)
+        self.keys.append(key)
+        self.values.append(value)
+        if self.masks is None:
+            attn = ttt_attention(q, self.keys, self.values, self.docs, self.impl)
+        else:
+            attn = flex_attention_over(q, self._layout(self.keys), self._layout(self.values), self.masks[k])
+        return self.post(self.weights, hidden, attn, self.eps)
+
+    def _layout(self, parts: list[Tensor]) -> Tensor:
+        """[B, nKV, S*T, hd]: the steps so far, then zeros for the steps to come (their blocks are never read)."""
+        missing = self.num_steps - len(parts)
+        if missing:
+            batch, heads, seq_len, head_dim = parts[0].shape
+            parts = [*parts, parts[0].new_zeros(batch, heads, missing * seq_len, head_dim)]
+        return torch.cat(parts, dim=2)
+
+
+def _scorer(probs: Tensor, num_steps: int, options: StepOptions) -> ScoreFn:
+    """The per-step loss: log_softmax over the whole step (plain) or the chunked fused soft CE."""
+    if options.loss_chunk_tokens <= 0:
+        def plain(logits: Tensor, position_mask: Tensor, k: int) -> tuple[Tensor, Tensor]:
+            ce = step_soft_ce(logits, probs, TOKEN_SHIFT + k)  # [B, T]
+            return torch.where(position_mask, ce, torch.zeros_like(ce)).sum(), logits.detach().argmax(-1)
+        return plain
+
+    padded = pad_probs(probs, num_steps)  # [B*T + S, Vd]
+    backend = options.compile_backend
+    kernels = compiled_loss_kernels(backend) if backend else (soft_ce_chunk, soft_ce_chunk_grad)
+
+    def fused(logits: Tensor, position_mask: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        return ChunkedSoftCE.apply(logits, padded, position_mask, TOKEN_SHIFT + k, options.loss_chunk_tokens,
+                                   kernels)
+
+    return fused
 
 
 class TTTObjective(nn.Module):
@@ -240,25 +459,34 @@ class TTTObjective(nn.Module):
 
     def __init__(self, drafter: Eagle3Drafter, t2d: Tensor, d2t: Tensor, target_lm_head: Tensor | None,
                  ttt_steps: int, step_decay: float = STEP_DECAY, attn_impl: AttnImpl = "auto",
-                 chunk_tokens: int = 1024) -> None:
+                 chunk_tokens: int = 1024, options: StepOptions | None = None) -> None:
         super().__init__()
         self.drafter = drafter
         self.register_buffer("t2d", t2d.bool(), persistent=False)  # [V]
         self.register_buffer("d2t", d2t.long(), persistent=False)  # [Vd]
+        # [Vd] target ids of the draft vocab (d2t holds target id - draft id), ascending = draft order
+        self.register_buffer("draft_ids", d2t.long() + torch.arange(len(d2t), device=d2t.device), persistent=False)
         self.register_buffer("target_lm_head", target_lm_head, persistent=False)  # [V, Ht] or None
         self.ttt_steps, self.step_decay = ttt_steps, step_decay
         self.attn_impl, self.chunk_tokens = attn_impl, chunk_tokens
+        self.options = options or StepOptions()
 
     def supervision(self, batch: TTTBatch) -> Supervision:
         """From the final hidden state when the batch has it, else from its top-K log-probs."""
         if batch.final_hidden is not None:
             if self.target_lm_head is None:
                 raise ValueError("final_hidden supervision needs the target lm_head (target_lm_head=None)")
-            return supervision_from_final(batch.final_hidden, self.target_lm_head, self.t2d, self.chunk_tokens)
+            return supervision_from_final(batch.final_hidden, self.target_lm_head, self.t2d, self.chunk_tokens,
+                                          self.draft_ids)
         if batch.topk_ids is None or batch.topk_logprobs is None:
             raise ValueError("the batch carries neither final_hidden nor topk_ids/topk_logprobs")
-        return supervision_from_topk(batch.topk_ids, batch.topk_logprobs, self.t2d)
+        return supervision_from_topk(batch.topk_ids, batch.topk_logprobs, self.t2d, len(self.d2t))
 
-    def forward(self, batch: TTTBatch) -> TTTOutput:
-        return ttt_loss(self.drafter, batch, self.supervision(batch), self.t2d, self.d2t, self.ttt_steps,
-                        self.step_decay, self.attn_impl)
+    def unroll(self, batch: TTTBatch, supervision: Supervision) -> TTTOutput:
+        """ttt_loss with this objective's tensors and settings (``options`` included)."""
+        return ttt_loss(self.drafter, batch, supervision, self.t2d, self.d2t, self.ttt_steps, self.step_decay,
+                        self.attn_impl, self.options)
+
+    def forward(self, batch: TTTBatch, supervision: Supervision | None = None) -> TTTOutput:
+        """The unroll; the supervision is computed here unless given (a trainer computes it first for its counts)."""
+        return self.unroll(batch, self.supervision(batch) if supervision is None else supervision)

@@ -26,13 +26,13 @@ from eagle3.config import RunConfig
 from eagle3.features.spec import FeatureSpec
 from eagle3.model import DrafterDims, Eagle3Drafter, init_weights, load_target_weights
 from eagle3.train.data import EpochPlan, plan_epoch, read_split
-from eagle3.ttt import Supervision, TTTBatch, TTTObjective, TTTOutput, load_target_lm_head, ttt_loss
+from eagle3.ttt import Supervision, TTTBatch, TTTObjective, TTTOutput, load_target_lm_head
 
 log = logging.getLogger("eagle3.train")
 
 OPERATIONAL_KNOBS = ("eval_every_steps", "checkpoint_every_steps", "keep_checkpoints", "progress_every_s",
                      "prefetch_rows", "parallel", "device", "nproc_per_node", "nnodes", "node_rank",
-                     "rdzv_endpoint", "timeout_s")
+                     "rdzv_endpoint", "timeout_s", "compile", "loss_chunk_tokens", "reuse_block_mask")
 """Train settings that change how or where a run goes, never what it learns: left out of the stage key."""
 
 
@@ -41,8 +41,7 @@ class TrainObjective(TTTObjective):
     supervised-token count of the whole accumulation window (all ranks) before the first backward."""
 
     def forward(self, batch: TTTBatch, supervision: Supervision) -> TTTOutput:  # type: ignore[override]
-        return ttt_loss(self.drafter, batch, supervision, self.t2d, self.d2t, self.ttt_steps, self.step_decay,
-                        self.attn_impl)
+        return self.unroll(batch, supervision)
 
 
 # ----------------------------------------------------------------------------------------------- the inputs

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from eagle3.config import RunConfig
+from eagle3.config import RunConfig, TrainConfig
 from eagle3.train.build import (DataPlan, RunInputs, TrainObjective, build_objective, build_optimizer,
                                 build_scheduler, plan_data, read_inputs, scaled_lr, stage_key_for,
                                 total_steps_for, unigram_token)
@@ -42,7 +42,7 @@ from eagle3.train.dist import (DistInfo, all_reduce_sum, autocast, barrier, broa
                                gradient_sync, unwrap, wrap)
 from eagle3.train.metrics import (MetricsWriter, ProgressWriter, drafter_row_flops, format_step_line, mfu,
                                   peak_flops)
-from eagle3.ttt import TTTBatch, align_step, metrics_from_counts
+from eagle3.ttt import StepOptions, TTTBatch, align_step, align_steps, metrics_from_counts
 
 log = logging.getLogger("eagle3.train")
 
@@ -106,7 +106,9 @@ def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
     torch.manual_seed(cfg.run.seed)
     plan = plan_data(cfg, inputs, info.world_size)
     total = total_steps_for(cfg, plan)
-    model = wrap(build_objective(cfg, inputs, info.device), cfg.train.parallel, info)
+    objective = build_objective(cfg, inputs, info.device)
+    objective.options = step_options_for(cfg.train, info.device)
+    model = wrap(objective, cfg.train.parallel, info)
     lr = scaled_lr(cfg.train.lr, cfg.train.lr_scaling, plan.rows_per_step, cfg.train.reference_rows_per_step)
     optimizer = build_optimizer(cfg, model, lr, info.device)
     train_dir = inputs.run_dir / "train"
@@ -148,10 +150,17 @@ def prepare_row(tr: Trainer, row: PackedBatch, noise: bool) -> TTTBatch:
     return batch
 
 
+def step_options_for(train: TrainConfig, device: torch.device) -> StepOptions:
+    """The unroll's switches (how the step runs, not what it computes): compiled on CUDA only."""
+    return StepOptions(compile_backend="inductor" if train.compile and device.type == "cuda" else None,
+                       loss_chunk_tokens=train.loss_chunk_tokens, reuse_block_mask=train.reuse_block_mask)
+
+
 def supervised_counts(objective: TrainObjective, batch: TTTBatch, argmax: Tensor) -> Tensor:
     """[S] positions in each TTT step's loss (the same position masks ttt_loss builds)."""
-    return torch.stack([align_step(batch.input_ids, batch.loss_mask, batch.document_ids, argmax, objective.t2d,
-                                   k).position_mask.sum() for k in range(objective.ttt_steps)])
+    steps = align_steps(batch.input_ids, batch.loss_mask, batch.document_ids, argmax, objective.t2d,
+                        objective.ttt_steps)
+    return torch.stack([aligned.position_mask.sum() for aligned in steps])
 
 
 def supervise(objective: TrainObjective, batches: list[TTTBatch], info: DistInfo) -> tuple[list, Tensor]:

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from eagle3.masks import positions_from_documents, ttt_dense_mask
+from eagle3.masks import positions_from_documents, ttt_block_masks, ttt_dense_mask, ttt_mask_mod
 from eagle3.model import (FLEX_AVAILABLE, SGLANG_WEIGHT_NAMES, DrafterDims, Eagle3Drafter, TTTCache, apply_rope,
-                          dense_ttt_attention, export_state_dict, flex_ttt_attention, init_weights,
-                          load_target_weights, rope_cos_sin, rope_inv_freq, rope_settings, trainable_parameters)
+                          attention_inputs, dense_ttt_attention, export_state_dict, flex_ttt_attention, init_weights,
+                          load_target_weights, rope_cos_sin, rope_inv_freq, rope_inv_freq_on, rope_settings,
+                          step_outputs, step_weights, trainable_parameters)
 from eagle3.target import target_info
 
 SGLANG_KEYS = {
@@ -270,3 +271,53 @@ def test_init_is_seeded_and_device_independent():
     assert all(torch.equal(x, y) for x, y in zip(export_state_dict(a).values(), export_state_dict(b).values()))
     assert torch.equal(a.norm.weight, torch.ones(32))
     assert math.isclose(float(a.midlayer.mlp.up_proj.weight.detach().std()), 0.02, rel_tol=0.1)
+
+
+@pytest.mark.skipif(not FLEX_AVAILABLE, reason="flex_attention is not importable")
+def test_block_masks_of_one_layout_equal_masks_built_per_step():
+    """Each step's mask cut from the one S*T layout has the blocks create_block_mask gives for that step alone."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    docs, steps = torch.tensor([[0] * 100 + [1] * 156]), 3
+    masks = ttt_block_masks(docs, steps, block_size=128)
+    for k, got in enumerate(masks):
+        want = create_block_mask(ttt_mask_mod(docs, 256, torch.tensor(k + 1)), 1, None, 256, steps * 256,
+                                 device="cpu", BLOCK_SIZE=128)
+        assert torch.equal(got.to_dense(), want.to_dense()), k
+        for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (k, name)
+    assert masks[0].kv_num_blocks.sum() < masks[2].kv_num_blocks.sum()  # later steps add their diagonal blocks
+
+
+def test_functional_step_equals_the_module_step():
+    """attention_inputs -> attention -> step_outputs over step_weights is the module forward, number for number."""
+    model = Eagle3Drafter(tiny_dims()).double()
+    init_weights(model, std=0.2)
+    g = torch.Generator().manual_seed(4)
+    hidden, ids = torch.randn(2, 9, 32, generator=g, dtype=torch.float64), torch.randint(0, 50, (2, 9), generator=g)
+    docs = torch.tensor([[0] * 4 + [1] * 5, [0] * 9])
+    positions, cache, keys, values = positions_from_documents(docs), TTTCache(), [], []
+    w, d = step_weights(model), model.dims
+    for k in range(3):
+        want_out, want_logits = model(hidden, ids, positions + k, docs, cache, "dense")
+        cos, sin = rope_cos_sin(rope_inv_freq_on(d.head_dim, d.rope_theta, None, hidden.device), positions + k,
+                                torch.float64)
+        q, key, value = attention_inputs(w, ids, hidden, cos, sin, d.rms_norm_eps, 4, 2)
+        keys.append(key)
+        values.append(value)
+        out, logits = step_outputs(w, hidden, dense_ttt_attention(q, keys, values, docs), d.rms_norm_eps)
+        torch.testing.assert_close(out, want_out, rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-14, atol=1e-14)
+        hidden = out
+
+
+def test_step_weights_cast_linear_weights_once_and_keep_the_gradient_path():
+    """step_weights(bf16) casts only the linear weights; a loss on them reaches the fp32 parameters."""
+    model = Eagle3Drafter(tiny_dims())
+    w = step_weights(model, torch.bfloat16)
+    assert w.q.dtype == w.lm_head.dtype == torch.bfloat16
+    assert w.norm is model.norm.weight and w.embed is model.embed_tokens.weight
+    w.q.float().sum().backward()
+    assert model.midlayer.self_attn.q_proj.weight.grad.dtype == torch.float32
+    assert torch.equal(model.midlayer.self_attn.q_proj.weight.grad, torch.ones(32, 64))
+    assert torch.equal(rope_inv_freq_on(8, 10000.0, None, torch.device("cpu")), rope_inv_freq(8, 10000.0))

@@ -7,11 +7,19 @@ import torch
 
 from eagle3.masks import positions_from_documents
 from eagle3.model import FLEX_AVAILABLE, DrafterDims, Eagle3Drafter, init_weights, trainable_parameters
-from eagle3.ttt import (PAD_TOKEN, Supervision, TTTBatch, align_step, metrics_from_counts, supervision_from_final,
-                        supervision_from_topk, ttt_loss)
+from eagle3.ttt import (PAD_TOKEN, ChunkedSoftCE, StepOptions, Supervision, TTTBatch, align_step, align_steps,
+                        metrics_from_counts, pad_probs, soft_ce_chunk, soft_ce_chunk_grad, step_soft_ce,
+                        supervision_from_final, supervision_from_topk, ttt_loss)
 from tests.unit.ttt_reference import combined_loss, reference_ttt
 
 V, VD, HT, A, STEPS = 97, 40, 32, 3, 3
+PATHS = {
+    "plain": StepOptions(),
+    "fused_loss": StepOptions(loss_chunk_tokens=5),
+    "functional_step": StepOptions(reuse_block_mask=True),  # the functional step (dense attention on CPU)
+    "functional_fused": StepOptions(loss_chunk_tokens=7, reuse_block_mask=True),
+}
+"""Every way the unroll can run on CPU; each must equal the reference."""
 
 
 def tiny_dims() -> DrafterDims:
@@ -47,11 +55,12 @@ def target_weight(seed: int = 7, dtype: torch.dtype = torch.float64) -> torch.Te
     return torch.randn(V, HT, generator=torch.Generator().manual_seed(seed), dtype=dtype)  # [V, Ht]
 
 
-def run_optimized(model, x: dict, docs: torch.Tensor | None = None, attn_impl: str = "dense", steps: int = STEPS):
+def run_optimized(model, x: dict, docs: torch.Tensor | None = None, attn_impl: str = "dense", steps: int = STEPS,
+                  options: StepOptions | None = None):
     t2d, d2t = vocab_maps()
     batch = TTTBatch(aux=x["aux"], input_ids=x["input_ids"], loss_mask=x["loss_mask"], document_ids=docs)
-    sup = supervision_from_final(x["final"], target_weight(), t2d, chunk_tokens=5)
-    return ttt_loss(model, batch, sup, t2d, d2t, steps, attn_impl=attn_impl)
+    sup = supervision_from_final(x["final"], target_weight(dtype=x["final"].dtype), t2d, chunk_tokens=5)
+    return ttt_loss(model, batch, sup, t2d, d2t, steps, attn_impl=attn_impl, options=options)
 
 
 def run_reference(model, x: dict, row: int, start: int, stop: int, steps: int = STEPS):
@@ -122,10 +131,11 @@ def test_alignment_never_shifts_across_a_document_end():
     assert positions_from_documents(docs)[0].tolist() == [0, 1, 2, 0, 1, 2]
 
 
-def test_unpacked_batch_matches_the_reference():
+@pytest.mark.parametrize("path", PATHS)
+def test_unpacked_batch_matches_the_reference(path):
     """Two unpacked rows: loss, per-step sums and counts and every trainable gradient equal the reference."""
     model, x = tiny_model(), random_inputs(2, 12, seed=1)
-    out = run_optimized(model, x)
+    out = run_optimized(model, x, options=PATHS[path])
     refs = [run_reference(model, x, row, 0, 12) for row in range(2)]
     assert_counts_match(out, refs)
     ref_loss = combined_loss(refs)
@@ -133,11 +143,12 @@ def test_unpacked_batch_matches_the_reference():
     assert_same_grads(model, out.loss, ref_loss)
 
 
-def test_packed_row_equals_its_documents_run_separately():
+@pytest.mark.parametrize("path", PATHS)
+def test_packed_row_equals_its_documents_run_separately(path):
     """A row packing documents of 7, 9 and 4 tokens gives the sums, loss and gradients of the three run alone."""
     model, x = tiny_model(), random_inputs(1, 20, seed=2)
     docs = torch.tensor([[0] * 7 + [1] * 9 + [2] * 4])
-    out = run_optimized(model, x, docs)
+    out = run_optimized(model, x, docs, options=PATHS[path])
     refs = [run_reference(model, x, 0, a, b) for a, b in ((0, 7), (7, 16), (16, 20))]
     assert_counts_match(out, refs)
     ref_loss = combined_loss(refs)
@@ -292,3 +303,92 @@ def test_accuracy_full_accuracy_and_accept_length_through_the_unroll():
     assert [m[f"acc_{k}"] for k in range(3)] == pytest.approx([5 / 6, 4 / 5, 3 / 4])
     assert [m[f"full_acc_{k}"] for k in range(3)] == pytest.approx([5 / 6, 3 / 5, 1 / 4])
     assert m["accept_len_est"] == pytest.approx(3.0)
+
+
+# ------------------------------------------------------------------------------------ the fast paths
+
+def test_align_steps_equals_align_step_at_every_step():
+    """The all-steps alignment equals align_step for each k, packed rows, running past the row end included."""
+    g = torch.Generator().manual_seed(15)
+    ids, argmax = torch.randint(0, V, (2, 9), generator=g), torch.randint(0, V, (2, 9), generator=g)
+    mask = (torch.rand(2, 9, generator=g) < 0.6).to(torch.uint8)
+    docs, (t2d, _) = torch.tensor([[0] * 4 + [1] * 5, [3] * 2 + [7] * 7]), vocab_maps()
+    together = align_steps(ids, mask, docs, argmax, t2d, 6)  # 6 steps: shifts up to 7 of 9 tokens
+    for k in range(6):
+        alone = align_step(ids, mask, docs, argmax, t2d, k)
+        for field in ("input_ids", "target_argmax", "predicts_marked", "position_mask"):
+            assert torch.equal(getattr(together[k], field), getattr(alone, field)), (k, field)
+    assert together[0].position_mask.any() and not together[5].predicts_marked.any()
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 24, 1000])
+def test_chunked_soft_ce_equals_log_softmax_loss_and_gradient(chunk):
+    """Sum, argmax and the logits gradient of the chunked CE equal log_softmax's for chunks that do or don't divide."""
+    g = torch.Generator().manual_seed(16)
+    logits = torch.randn(2, 12, VD, generator=g, dtype=torch.float64, requires_grad=True)
+    probs = torch.softmax(torch.randn(2, 12, VD, generator=g, dtype=torch.float64), -1)
+    mask = torch.rand(2, 12, generator=g) < 0.7
+    mask[:, -2:] = False  # the last tokens read past their row (shift 2): never supervised
+    plain = torch.where(mask, step_soft_ce(logits, probs, 2), 0).sum()
+    fused, top = ChunkedSoftCE.apply(logits, pad_probs(probs, 3), mask, 2, chunk, (soft_ce_chunk, soft_ce_chunk_grad))
+    torch.testing.assert_close(fused, plain, rtol=1e-13, atol=0)
+    assert torch.equal(top, logits.argmax(-1))
+    want, = torch.autograd.grad(3.5 * plain, logits)
+    got, = torch.autograd.grad(3.5 * fused, logits)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    assert got[~mask].abs().max() == 0 and got[mask].abs().max() > 0
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_fused_loss_path_equals_the_plain_path(chunk):
+    """Through the whole packed unroll: same loss, sums, counts and every gradient as the log_softmax path."""
+    model, x = tiny_model(), random_inputs(2, 16, seed=17)
+    docs = torch.tensor([[0] * 10 + [1] * 6, [0] * 16])
+    plain = run_optimized(model, x, docs)
+    fused = run_optimized(model, x, docs, options=StepOptions(loss_chunk_tokens=chunk))
+    torch.testing.assert_close(fused.loss_sum, plain.loss_sum, rtol=1e-12, atol=0)
+    for name in ("num_supervised", "num_predicted", "num_correct", "num_full_correct"):
+        assert torch.equal(getattr(fused, name), getattr(plain, name)), name
+    assert_same_grads(model, fused.loss, plain.loss)
+
+
+def test_compiled_step_traces_without_graph_breaks_and_matches_eager():
+    """torch.compile (aot_eager on CPU: same tracing as inductor) of the step and loss: no graph break, same grads."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model, x = tiny_model(), random_inputs(2, 12, seed=18)
+    docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
+    eager = run_optimized(model, x, docs, options=StepOptions(loss_chunk_tokens=5))
+    compiled = run_optimized(model, x, docs, options=StepOptions("aot_eager", loss_chunk_tokens=5))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 4  # attention inputs, step outputs, CE forward, CE gradient
+    torch.testing.assert_close(compiled.loss_sum, eager.loss_sum, rtol=1e-12, atol=0)
+    assert torch.equal(compiled.num_correct, eager.num_correct)
+    assert_same_grads(model, compiled.loss, eager.loss)
+
+
+@pytest.mark.skipif(not FLEX_AVAILABLE, reason="flex_attention is not importable")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_one_block_mask_layout_equals_the_dense_path():
+    """flex over one S*T key layout (later steps zero until computed, hidden by the mask) equals dense attention."""
+    model, x = tiny_model(dtype=torch.float32), random_inputs(2, 128, seed=19, dtype=torch.float32)
+    docs = torch.tensor([[0] * 50 + [1] * 78, [0] * 128])
+    with torch.no_grad():  # flex has no CPU backward
+        dense = run_optimized(model, x, docs, "dense")
+        flex = run_optimized(model, x, docs, "flex", options=StepOptions(reuse_block_mask=True))
+    torch.testing.assert_close(flex.loss_sum, dense.loss_sum, rtol=1e-5, atol=1e-5)
+    assert torch.equal(flex.num_correct, dense.num_correct)
+
+
+def test_supervision_without_host_syncs_is_unchanged():
+    """Passing the draft ids / draft vocab size (no t2d scan) gives the same supervision."""
+    t2d, d2t = vocab_maps()
+    final = random_inputs(1, 6, seed=20)["final"]
+    draft_ids = d2t + torch.arange(VD)
+    a, b = supervision_from_final(final, target_weight(), t2d), supervision_from_final(final, target_weight(), t2d,
+                                                                                      draft_ids=draft_ids)
+    assert torch.equal(a.probs, b.probs) and torch.equal(a.argmax, b.argmax)
+    top = torch.log_softmax(final @ target_weight().T, -1).topk(5, dim=-1)
+    c, d = supervision_from_topk(top.indices, top.values, t2d), supervision_from_topk(top.indices, top.values, t2d, VD)
+    assert torch.equal(c.probs, d.probs) and torch.equal(c.argmax, d.argmax)
