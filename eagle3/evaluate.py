@@ -1,0 +1,442 @@
+"""The evaluate stage: real speculative decoding of the exported drafter against plain greedy decoding.
+
+    python -m eagle3.evaluate --config runs/smollm2-demo/config.json
+    python -m eagle3.evaluate --preset smollm2-demo --set evaluate.methods=[chain,tree,ngram] --export-dir DIR
+
+The drafter is loaded back from <run>/export/sglang (so the export is what gets tested) and the target
+from the run's target. Per prompt, in one process: plain greedy decoding (the shared reference, timed),
+then every method (timed) with the same prompt and max_new_tokens, each output checked token by token
+against the reference (eagle3.speculate.check_lossless). Every process warms up on the first prompt
+before it measures anything. With num_workers > 1, prompts are spread over spawned processes sharing
+the device; their wall times then include the contention (acceptance is unaffected).
+
+Definitions (docs/evaluate.md): acceptance length = tokens committed by verify forwards / verify forwards
+(bonus included; the prefill's first token is in neither); per-position acceptance at draft position i =
+verify steps that accepted >= i tokens / steps that proposed position i, and conditional = the same over
+steps that accepted >= i-1; speedup = greedy wall time / method wall time over the same prompts.
+
+Outputs in <run>/eval/: results.json, report.md, per_position.png, prompts.jsonl; manifest last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3.config import EvaluateConfig, RunConfig, section_dict
+from eagle3.eval_data import EvalPrompt
+from eagle3.progress import Progress, ProgressFn
+from eagle3.stage import StageOutcome, run_stage, stage_key
+
+WARMUP_TOKENS = 8
+"""Tokens each method generates on the first prompt before anything is timed (kernels, allocator, caches)."""
+
+
+# ------------------------------------------------------------------------------------------------- methods
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One drafting method; names follow SGLang's steps-topk-num_draft_tokens (chain-3-1-4, tree-5-4-8)."""
+
+    name: str
+    kind: str  # chain | tree | ngram
+    steps: int = 0
+    topk: int = 1
+    num_draft_tokens: int = 0
+
+
+def method_specs(ecfg: EvaluateConfig) -> list[MethodSpec]:
+    """The methods the config asks for, in a fixed order: chains (by steps), tree, n-gram."""
+    specs = []
+    if "chain" in ecfg.methods:
+        specs += [MethodSpec(f"chain-{s}-1-{s + 1}", "chain", s, 1, s + 1) for s in sorted(set(ecfg.chain_steps))]
+    if "tree" in ecfg.methods:
+        s, k, n = ecfg.tree_steps, ecfg.tree_topk, ecfg.tree_num_draft_tokens
+        specs.append(MethodSpec(f"tree-{s}-{k}-{n}", "tree", s, k, n))
+    if "ngram" in ecfg.methods:
+        specs.append(MethodSpec("ngram", "ngram", ecfg.ngram_num_tokens, 1, ecfg.ngram_num_tokens + 1))
+    return specs
+
+
+def make_proposer(spec: MethodSpec, ecfg: EvaluateConfig, drafter: Any = None, d2t: Any = None) -> Any:
+    """The Proposer of a method (EAGLE methods need the drafter and its d2t)."""
+    from eagle3.speculate import EagleProposer, NgramProposer
+
+    if spec.kind == "ngram":
+        return NgramProposer(ecfg.ngram_max, ecfg.ngram_min, ecfg.ngram_num_tokens)
+    if drafter is None:
+        raise ValueError(f"method {spec.name} needs a drafter")
+    return EagleProposer(drafter, d2t, spec.steps, spec.topk, spec.num_draft_tokens)
+
+
+# ------------------------------------------------------------------------------------------ one process
+
+@dataclass(frozen=True)
+class EvalJob:
+    """What a (possibly spawned) process needs to rebuild the models: paths and settings, no tensors."""
+
+    model_dir: str
+    export_dir: str
+    evaluate: dict[str, Any]  # EvaluateConfig as JSON
+    device: str  # resolved: cpu | cuda
+    stop_ids: list[int]
+    num_threads: int | None = None  # torch CPU threads in a spawned process
+
+
+@dataclass
+class EvalSession:
+    """Loaded target runner, proposers and settings of one process."""
+
+    target: Any  # TargetRunner
+    proposers: dict[str, Any]
+    ecfg: EvaluateConfig
+    stop_ids: list[int]
+
+
+def open_session(job: EvalJob, model: Any = None, loaded: Any = None) -> EvalSession:
+    """Load the target and the exported drafter on the job's device (or use the given ones: tests)."""
+    import torch
+
+    from eagle3.export import load_sglang_export
+    from eagle3.speculate import TargetRunner
+    from eagle3.target import load_model
+
+    ecfg = EvaluateConfig.model_validate(job.evaluate)
+    if loaded is None:
+        loaded = load_sglang_export(Path(job.export_dir), Path(job.model_dir), job.device, getattr(torch, ecfg.dtype))
+    if model is None:
+        model = load_model(Path(job.model_dir), ecfg.dtype, job.device)
+    proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, loaded.d2t) for s in method_specs(ecfg)}
+    return EvalSession(TargetRunner(model, loaded.aux_layer_ids), proposers, ecfg, list(job.stop_ids))
+
+
+def warm_up(session: EvalSession, prompt_ids: list[int]) -> None:
+    """Run greedy and every method briefly, untimed."""
+    from eagle3.speculate import greedy_decode, speculative_decode
+
+    num = min(WARMUP_TOKENS, session.ecfg.max_new_tokens)
+    greedy_decode(session.target, prompt_ids, num, session.stop_ids)
+    for proposer in session.proposers.values():
+        speculative_decode(session.target, proposer, prompt_ids, num, session.stop_ids)
+
+
+def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: list[int]) -> dict[str, Any]:
+    """The greedy reference and every method on one prompt: tokens, steps, wall times, lossless checks."""
+    from eagle3.speculate import check_lossless, greedy_decode, speculative_decode
+
+    ecfg = session.ecfg
+    ref = greedy_decode(session.target, ids, ecfg.max_new_tokens, session.stop_ids)
+    record: dict[str, Any] = {"index": index, "dataset": prompt.dataset, "id": prompt.id, "prompt_tokens": len(ids),
+                              "greedy": {"num_tokens": len(ref.tokens), "wall_s": ref.wall_s, "tokens": ref.tokens},
+                              "methods": {}}
+    for name, proposer in session.proposers.items():
+        out = speculative_decode(session.target, proposer, ids, ecfg.max_new_tokens, session.stop_ids)
+        check = check_lossless(ref, out.tokens, ecfg.near_tie_logit_gap)
+        record["methods"][name] = {
+            "num_tokens": len(out.tokens), "wall_s": out.wall_s, "lossless": check.to_json(),
+            "depth": [s.draft_depth for s in out.steps], "accepted": [s.accepted for s in out.steps],
+            "committed": [s.committed for s in out.steps],
+            **({"tokens": out.tokens} if check.kind != "identical" else {}),
+        }
+    return record
+
+
+_SESSION: EvalSession | None = None  # the spawned process's session (set by _init_worker)
+
+
+def _init_worker(job: EvalJob, warmup_ids: list[int]) -> None:
+    global _SESSION
+    import torch
+
+    if job.num_threads:
+        torch.set_num_threads(job.num_threads)
+    _SESSION = open_session(job)
+    warm_up(_SESSION, warmup_ids)
+
+
+def _run_item(item: tuple[int, EvalPrompt, list[int]]) -> dict[str, Any]:
+    return evaluate_prompt(_SESSION, *item)
+
+
+def evaluate_prompts(job: EvalJob, items: Sequence[tuple[EvalPrompt, list[int]]], num_workers: int = 1,
+                     progress: ProgressFn | None = None, show_bar: bool | None = None,
+                     session: EvalSession | None = None) -> list[dict[str, Any]]:
+    """Per-prompt records in prompt order; num_workers > 1 spreads prompts over spawned processes."""
+    indexed = [(i, p, ids) for i, (p, ids) in enumerate(items)]
+    records = []
+    with Progress(len(indexed), "evaluate", progress, bar=show_bar) as bar:
+        if num_workers <= 1:
+            if session is None:
+                session = open_session(job)
+                warm_up(session, indexed[0][2])
+            for item in indexed:
+                records.append(evaluate_prompt(session, *item))
+                bar.update(1)
+        else:
+            import multiprocessing
+
+            pool = multiprocessing.get_context("spawn").Pool(num_workers, _init_worker, (job, indexed[0][2]))
+            with pool:
+                for record in pool.imap_unordered(_run_item, indexed):
+                    records.append(record)
+                    bar.update(1)
+    return sorted(records, key=lambda r: r["index"])
+
+
+# --------------------------------------------------------------------------------------------- summaries
+
+def position_acceptance(depths: Sequence[int], accepted: Sequence[int]) -> tuple[list[float], list[float | None]]:
+    """Per draft position i = 1..max depth: (steps accepting >= i / steps proposing i, the same over the steps
+    proposing i that accepted >= i-1; None where no step got that far)."""
+    rates, conditional = [], []
+    for i in range(1, max(depths, default=0) + 1):
+        proposed = [a for d, a in zip(depths, accepted) if d >= i]
+        reached = [a for a in proposed if a >= i - 1]
+        hits = sum(a >= i for a in proposed)
+        rates.append(hits / len(proposed))
+        conditional.append(hits / len(reached) if reached else None)
+    return rates, conditional
+
+
+def summarize(records: Sequence[dict[str, Any]], method: str) -> dict[str, Any]:
+    """One method over some prompts: acceptance, per-position acceptance, speed, lossless counts."""
+    runs = [r["methods"][method] for r in records]
+    depths = [d for run in runs for d in run["depth"]]
+    accepted = [a for run in runs for a in run["accepted"]]
+    num_verify, committed = len(depths), sum(c for run in runs for c in run["committed"])
+    wall_s, greedy_s = sum(run["wall_s"] for run in runs), sum(r["greedy"]["wall_s"] for r in records)
+    num_tokens = sum(run["num_tokens"] for run in runs)
+    rates, conditional = position_acceptance(depths, accepted)
+    accept_len = committed / max(num_verify, 1)
+    kinds = [run["lossless"]["kind"] for run in runs]
+    return {
+        "method": method, "num_prompts": len(runs), "num_tokens": num_tokens, "num_verify": num_verify,
+        "accept_len": accept_len, "per_position": rates, "per_position_conditional": conditional,
+        "wall_s": wall_s, "tokens_per_s": num_tokens / max(wall_s, 1e-9),
+        "greedy_wall_s": greedy_s,
+        "greedy_tokens_per_s": sum(r["greedy"]["num_tokens"] for r in records) / max(greedy_s, 1e-9),
+        "speedup": greedy_s / max(wall_s, 1e-9),
+        "lossless": {"identical": kinds.count("identical"), "near_tie": kinds.count("near_tie"),
+                     "mismatch": kinds.count("mismatch"),
+                     "differences": [{"prompt": r["id"], **run["lossless"]} for r, run in zip(records, runs)
+                                     if run["lossless"]["kind"] != "identical"]},
+    }
+
+
+def summarize_all(records: Sequence[dict[str, Any]], methods: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per dataset x method, plus an 'all' row per method when there are several datasets."""
+    datasets = list(dict.fromkeys(r["dataset"] for r in records))
+    groups = [(d, [r for r in records if r["dataset"] == d]) for d in datasets]
+    if len(datasets) > 1:
+        groups.append(("all", list(records)))
+    rows = [{"dataset": name, **summarize(group, m)} for name, group in groups for m in methods]
+    ngram_wall_s = {r["dataset"]: r["wall_s"] for r in rows if r["method"] == "ngram"}
+    for r in rows:  # the baseline without training, measured on the same prompts in the same processes
+        r["speedup_vs_ngram"] = ngram_wall_s[r["dataset"]] / max(r["wall_s"], 1e-9) if ngram_wall_s else None
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- outputs
+
+def _lossless_text(row: dict[str, Any]) -> str:
+    loss = row["lossless"]
+    text = f"{loss['identical']}/{row['num_prompts']} identical"
+    for diff in loss["differences"]:
+        text += f"; {diff['kind']} {diff['prompt']} @ {diff['position']}"
+    return text
+
+
+def _rates(values: Sequence[float | None]) -> str:
+    return " / ".join("-" if v is None else f"{v:.2f}" for v in values) or "-"
+
+
+def report_markdown(rows: Sequence[dict[str, Any]], settings: dict[str, Any]) -> str:
+    """The results table (and the settings it was measured with) as markdown."""
+    lines = ["# Offline speculative decoding", "",
+             f"Target `{settings['target']}` ({settings['device']}, {settings['dtype']}); drafter "
+             f"`{settings['export_dir']}`; {settings['max_new_tokens']} new tokens per prompt, greedy; prompts: first "
+             f"N in file order ({', '.join(f'{k} {v}' for k, v in settings['num_prompts'].items())}); n-gram: "
+             f"{settings['ngram']}; workers: {settings['num_workers']}.", "",
+             "| dataset | method | prompts | accept len | per-position acceptance | conditional | tok/s | "
+             "greedy tok/s | speedup | vs n-gram | lossless |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        flag = " (!)" if r["speedup"] > r["accept_len"] else ""  # cannot happen unless the timing is wrong
+        vs_ngram = "-" if r.get("speedup_vs_ngram") is None else f"{r['speedup_vs_ngram']:.2f}x"
+        lines.append(f"| {r['dataset']} | {r['method']} | {r['num_prompts']} | {r['accept_len']:.3f} | "
+                     f"{_rates(r['per_position'])} | {_rates(r['per_position_conditional'])} | {r['tokens_per_s']:.1f} | "
+                     f"{r['greedy_tokens_per_s']:.1f} | {r['speedup']:.2f}x{flag} | {vs_ngram} | {_lossless_text(r)} |")
+    lines += ["", "accept len: tokens per verify forward, bonus token included. per-position: draft position i "
+              "accepted / proposed; conditional: given positions < i were accepted. speedup: greedy wall time / "
+              "method wall time, same prompts, same process; vs n-gram: n-gram wall time / method wall time. (!) marks "
+              "speedup > accept len: a timing error."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_per_position(rows: Sequence[dict[str, Any]], out: Path) -> Path:
+    """per_position.png: acceptance per draft position, one panel per dataset, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.6), dpi=110, squeeze=False)
+    for ax, dataset in zip(axes[0], datasets):
+        for r in (r for r in rows if r["dataset"] == dataset):
+            x = list(range(1, len(r["per_position"]) + 1))
+            line, = ax.plot(x, r["per_position"], "o-", ms=3, label=f"{r['method']} (AL {r['accept_len']:.2f})")
+            conditional = [float("nan") if v is None else v for v in r["per_position_conditional"]]
+            ax.plot(x, conditional, "--", color=line.get_color(), lw=1)
+        ax.set(title=dataset, xlabel="draft position", ylabel="acceptance (dashed: conditional)", ylim=(0, 1.02))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def write_outputs(out_dir: Path, records: Sequence[dict[str, Any]], rows: list[dict[str, Any]],
+                  settings: dict[str, Any]) -> dict[str, Path]:
+    """results.json, report.md, per_position.png and prompts.jsonl (atomic writes)."""
+    from infra.storage import atomic_write_json, atomic_write_text
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outputs = {"results": atomic_write_json(out_dir / "results.json", {"settings": settings, "results": rows}),
+               "report": atomic_write_text(out_dir / "report.md", report_markdown(rows, settings)),
+               "prompts": atomic_write_text(out_dir / "prompts.jsonl",
+                                            "".join(json.dumps(r) + "\n" for r in records))}
+    outputs["plot"] = plot_per_position(rows, out_dir / "per_position.png")
+    return outputs
+
+
+# ------------------------------------------------------------------------------------------------- stage
+
+def eval_dir(cfg: RunConfig) -> Path:
+    """<run>/eval."""
+    return cfg.run_dir / "eval"
+
+
+def manifest_path(cfg: RunConfig) -> Path:
+    """<run>/eval/evaluate.manifest.json."""
+    return eval_dir(cfg) / "evaluate.manifest.json"
+
+
+def default_export_dir(cfg: RunConfig) -> Path:
+    """<run>/export/sglang: the SGLang layout the export stage writes."""
+    return cfg.run_dir / "export" / "sglang"
+
+
+def key_for(cfg: RunConfig, model_dir: Path, export_dir: Path | None = None) -> str:
+    """Evaluate section + target fingerprint + the export manifest (or, for an explicit folder, its files' hashes)."""
+    from eagle3.export import MANIFEST_FILE
+    from eagle3.target import fingerprint
+    from infra.storage import sha256_file
+
+    extra: dict[str, Any] = {"target": fingerprint(model_dir)}
+    inputs = [cfg.run_dir / "export" / MANIFEST_FILE]
+    if export_dir is not None:
+        files = sorted(p for p in Path(export_dir).iterdir() if p.is_file())
+        extra["export"] = {p.name: sha256_file(p) for p in files}
+        inputs = []
+    return stage_key("evaluate", section_dict(cfg, "evaluate"), inputs, extra)
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> cuda when a GPU is visible, else cpu."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("evaluate.device is cuda but no CUDA device is visible")
+    return device
+
+
+def _settings(cfg: RunConfig, model_dir: Path, export_dir: Path, device: str,
+              items: Sequence[tuple[EvalPrompt, list[int]]], stop_ids: list[int]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from eagle3.export import read_json
+    from eagle3.target import fingerprint
+
+    e = cfg.evaluate
+    counts = {d: sum(p.dataset == d for p, _ in items) for d in e.datasets}
+    export_cfg = read_json(export_dir / "config.json")
+    return {"evaluate": e.model_dump(mode="json"), "target": cfg.target.name, "target_dir": str(model_dir),
+            "target_fingerprint": fingerprint(model_dir), "export_dir": str(export_dir),
+            "aux_layer_ids": export_cfg.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"),
+            "device": device, "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+            "dtype": e.dtype, "max_new_tokens": e.max_new_tokens, "num_prompts": counts, "stop_ids": stop_ids,
+            "ngram": f"n-gram {e.ngram_max} down to {e.ngram_min}, up to {e.ngram_num_tokens} tokens, whole context",
+            "methods": [asdict(s) for s in method_specs(e)], "num_workers": e.num_workers,
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: ProgressFn | None,
+             show_bar: bool | None) -> tuple[dict[str, Path], dict[str, Any]]:
+    from eagle3.eval_data import load_prompts
+    from eagle3.target import load_tokenizer, stop_token_ids, target_info
+
+    e = cfg.evaluate
+    tokenizer = load_tokenizer(model_dir)
+    stop_ids = stop_token_ids(tokenizer, target_info(model_dir, cfg.target))
+    items = load_prompts(e.datasets, e.num_prompts, tokenizer)
+    device = resolve_device(e.device)
+    threads = max(1, (os.cpu_count() or 1) // e.num_workers) if e.num_workers > 1 else None  # split the cores
+    job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), device, stop_ids, threads)
+    records = evaluate_prompts(job, items, e.num_workers, progress, show_bar)
+    rows = summarize_all(records, [s.name for s in method_specs(e)])
+    settings = _settings(cfg, model_dir, export_dir, device, items, stop_ids)
+    outputs = write_outputs(eval_dir(cfg), records, rows, settings)
+    stats = {f"{r['dataset']}/{r['method']}": {k: r[k] for k in ("accept_len", "speedup", "tokens_per_s")}
+             | {"lossless_identical": r["lossless"]["identical"], "num_prompts": r["num_prompts"]} for r in rows}
+    return outputs, stats
+
+
+def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
+                 export_dir: Path | None = None, show_bar: bool | None = None) -> StageOutcome:
+    """Evaluate <run>/export/sglang (or ``export_dir``) on the run's target; skipped when the manifest matches."""
+    from eagle3.target import prepare_target
+
+    model_dir = prepare_target(cfg)
+    source = Path(export_dir) if export_dir is not None else default_export_dir(cfg)
+    if not (source / "config.json").is_file():
+        raise FileNotFoundError(f"no SGLang export at {source} (run the export stage first, or pass --export-dir)")
+    key = key_for(cfg, model_dir, export_dir)
+    return run_stage("evaluate", manifest_path(cfg), key, force=force,
+                     compute=lambda: _compute(cfg, model_dir, source, progress, show_bar))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m eagle3.evaluate --preset X [--set a.b=c] | --config <run>/config.json [--export-dir D] [--force]"""
+    from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
+    from infra.storage import run_lock
+
+    parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
+    parser.add_argument("--export-dir", type=Path, help="an SGLang export folder (default <run>/export/sglang)")
+    parser.add_argument("--force", action="store_true", help="recompute even if the manifest matches")
+
+    @exit_on_user_error
+    def run() -> None:
+        args = parser.parse_args(argv)
+        cfg = config_from_args(args)
+        with run_lock(cfg.run_dir, owner="python -m eagle3.evaluate"):
+            outcome = run_evaluate(cfg, force=args.force, export_dir=args.export_dir, show_bar=True)
+        print(Path(outcome.outputs["report"]).read_text())
+        print(json.dumps(outcome.to_json(), indent=2))
+
+    run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,564 @@
+"""Offline speculative decoding with a transformers target: EAGLE-3 chain and tree drafting, prompt lookup.
+
+Everything runs at batch size 1 with greedy verification, so the output must equal plain greedy decoding
+of the target token for token; ``check_lossless`` reports the first difference and whether it is a
+numerical near-tie.
+
+Loop state. ``context`` = x_0..x_m, the prompt and every committed token. The target's KV cache holds
+x_0..x_{m-1}: the last committed token x_m is decided but not yet run. A verify forward runs
+[x_m, draft nodes] at positions m + depth (x_m is the root, depth 0) with a tree mask (a node sees the
+cache, its ancestors and itself; a chain needs only the causal mask). Row r's argmax is the target's
+greedy choice after the path ending at r. Walking down from the root, the child whose token equals its
+parent's greedy choice is accepted; the greedy choice after the last accepted node is the bonus token.
+Every committed token is thus the target's greedy token after the committed prefix: lossless. The cache
+then keeps x_0..x_{m-1} plus the root and accepted rows (a crop for a chain, an index select for a tree).
+
+EAGLE-3 at inference (the TTT alignment of eagle3/ttt.py). The drafter's cache holds, for every index
+t < m, the key/value of (feature fc(g_t), token x_{t+1}, position t), g_t being the target's aux states at
+t. Its output at t = m-1 (token x_m) predicts x_{m+1}, draft token 1. Draft step j >= 1 feeds its own
+previous pre-norm output with draft token j at position m-1+j (TTT step j at index m-1) and attends to
+every cached entry plus the draft entries of its ancestors (TTT's diagonal). After verification the
+draft entries are dropped and the committed rows are recomputed from the target's real aux states, as
+SGLang does: features g_m..g_{m+a}, tokens [accepted..., bonus], positions m..m+a. Draft logits are over
+the draft vocab: target id = draft id + d2t[draft id].
+
+Counting: the first token comes from the prefill forward (plain greedy needs it too); each verify
+forward then commits ``accepted + 1`` tokens (bonus included, as engines count), fewer only where
+max_new_tokens or a stop token cuts the output.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from eagle3.model import Eagle3Drafter, apply_rope, repeat_kv, rope_cos_sin, rope_inv_freq, upcast
+
+REFERENCE_TOPK = 5
+"""Top logits the greedy reference keeps per token, to tell a numerical near-tie from a real mismatch."""
+
+
+# ------------------------------------------------------------------------------------------ drafts, records
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft tokens (target ids) below the root, the last committed token; parents[i] < i, -1 = the root."""
+
+    tokens: list[int]
+    parents: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"draft tree: {len(self.tokens)} tokens but {len(self.parents)} parents")
+        if any(not -1 <= p < i for i, p in enumerate(self.parents)):
+            raise ValueError(f"draft tree parents {self.parents} must satisfy -1 <= parents[i] < i")
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        """A chain: token i's parent is token i-1."""
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    def depths(self) -> list[int]:
+        """Depth of every node (a child of the root has depth 1)."""
+        out: list[int] = []
+        for p in self.parents:
+            out.append(1 if p < 0 else out[p] + 1)
+        return out
+
+    def is_chain(self) -> bool:
+        """True when every node is the child of the one before (causal attention suffices)."""
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+    def ancestor_mask(self) -> Tensor:
+        """bool [N+1, N+1] over rows (0 = root, i+1 = node i): row r sees row c iff c is r or an ancestor of r."""
+        mask = torch.eye(len(self.tokens) + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, p in enumerate(self.parents):
+            mask[i + 1] |= mask[p + 1]  # the parent's row is complete: parents come first
+        return mask
+
+
+@dataclass(frozen=True)
+class VerifyStep:
+    """One verify forward of the target."""
+
+    draft_depth: int  # deepest proposed draft position (0 = nothing proposed)
+    num_draft_tokens: int  # draft nodes verified (a tree has several per depth)
+    accepted: int  # draft tokens accepted (the bonus token not included)
+    committed: int  # tokens appended to the output: accepted + 1, fewer where the output ended
+
+
+@dataclass
+class DecodeResult:
+    """Generated tokens (prompt excluded), wall time and, for speculative decoding, every verify step."""
+
+    tokens: list[int]
+    wall_s: float
+    steps: list[VerifyStep] = field(default_factory=list)
+    top_ids: list[list[int]] | None = None  # greedy reference: REFERENCE_TOPK ids per generated token
+    top_logits: list[list[float]] | None = None  # ... and their logits
+
+    @property
+    def accept_len(self) -> float:
+        """Tokens committed per verify forward, bonus included (1.0 = no draft token ever accepted)."""
+        return sum(s.committed for s in self.steps) / max(len(self.steps), 1)
+
+
+class Proposer(Protocol):
+    """Drafts tokens for the next verify forward."""
+
+    def reset(self) -> None:
+        """Forget the previous prompt."""
+
+    def observe(self, aux: Tensor, next_tokens: list[int], start: int) -> None:
+        """The target ran indices start.. (aux [q, A*H]); next_tokens[i] is the committed token after each."""
+
+    def propose(self, context: list[int]) -> DraftTree:
+        """Draft below the last token of ``context`` (prompt + committed tokens)."""
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # time the GPU work, not its launch
+    return time.perf_counter()
+
+
+# ---------------------------------------------------------------------------------------------- the target
+
+class TargetRunner:
+    """A transformers causal LM at batch 1: one DynamicCache, forward hooks taking the aux layers' outputs.
+
+    Aux ids are in the output-of-layer convention (features/spec.py): id j is the output of decoder layer j.
+    """
+
+    def __init__(self, model: Any, aux_layer_ids: Sequence[int]) -> None:
+        self.model = model.eval()
+        self.aux_layer_ids = list(aux_layer_ids)
+        layers = model.model.layers
+        if any(not 0 <= j < len(layers) for j in self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids {self.aux_layer_ids} out of range for a {len(layers)}-layer target")
+        self.device = model.get_input_embeddings().weight.device
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        self._outputs: dict[int, Tensor] = {}
+        self._hooks = [layers[j].register_forward_hook(self._keeper(j)) for j in sorted(set(self.aux_layer_ids))]
+        self.cache: Any = None
+        self.reset()
+
+    def _keeper(self, layer: int) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            self._outputs[layer] = output[0] if isinstance(output, tuple) else output  # [1, q, H]
+        return hook
+
+    def reset(self) -> None:
+        """An empty cache."""
+        from transformers import DynamicCache
+
+        try:
+            self.cache = DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers: no config argument
+            self.cache = DynamicCache()
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @property
+    def length(self) -> int:
+        """Entries in the KV cache."""
+        return self.cache.get_seq_length()
+
+    @torch.no_grad()
+    def forward(self, tokens: Sequence[int], positions: Sequence[int] | None = None,
+                visible: Tensor | None = None, last_only: bool = False) -> tuple[Tensor, Tensor]:
+        """(fp32 logits [q, V] (or [1, V] with last_only), aux [q, A*H]) of tokens run after the cache.
+
+        positions default to consecutive after the cache; ``visible`` (bool [q, q]) replaces causal
+        attention among the new tokens (every cached entry stays visible): the tree mask.
+        """
+        start, num = self.length, len(tokens)
+        positions = range(start, start + num) if positions is None else positions
+        kwargs: dict[str, Any] = {self._cache_arg: self.cache, "use_cache": True,
+                                  "position_ids": torch.tensor([list(positions)], device=self.device)}
+        if visible is not None:
+            kwargs["attention_mask"] = self._additive_mask(start, visible)
+        if last_only:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=torch.tensor([list(tokens)], device=self.device), **kwargs)
+        aux = torch.cat([self._outputs[j][0] for j in self.aux_layer_ids], dim=-1)  # [q, A*H]
+        return out.logits[0].float(), aux
+
+    def _additive_mask(self, start: int, visible: Tensor) -> Tensor:
+        """[1, 1, q, start + q] float mask (0 = attend): transformers passes a 4D mask through as it is."""
+        num = visible.shape[0]
+        allowed = torch.cat([torch.ones(num, start, dtype=torch.bool), visible.cpu()], dim=1)
+        dtype = self.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        return mask[None, None].to(self.device)
+
+    def keep(self, prefix: int, rows: Sequence[int]) -> None:
+        """Keep cache entries [0, prefix) followed by ``rows`` (absolute, ascending); drop everything else."""
+        rows = list(rows)
+        if rows == list(range(prefix, prefix + len(rows))):
+            select: Any = slice(0, prefix + len(rows))  # a chain: a crop
+        else:
+            select = torch.tensor([*range(prefix), *rows], device=self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "is_sliding", False):
+                raise ValueError("sliding-window attention layers are not supported by the offline evaluation")
+            if isinstance(select, slice):
+                layer.keys, layer.values = layer.keys[..., select, :], layer.values[..., select, :]
+            else:
+                layer.keys, layer.values = layer.keys.index_select(-2, select), layer.values.index_select(-2, select)
+
+
+# --------------------------------------------------------------------------------------------- the drafter
+
+def _heads(x: Tensor, heads: int, head_dim: int) -> Tensor:
+    return x.view(x.shape[0], x.shape[1], heads, head_dim).transpose(1, 2)  # [1, heads, q, hd]
+
+
+class DrafterRunner:
+    """The EAGLE-3 drafter with a KV cache: committed entries, then the current round's draft entries.
+
+    Built from the drafter's own submodules, so it computes exactly what Eagle3Drafter.forward computes
+    in training (a test checks it against the TTT unroll); only the attention reads a cache.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, d2t: Tensor) -> None:
+        self.drafter = drafter.eval()
+        dims = drafter.dims
+        self.device = drafter.fc.weight.device
+        self.d2t = d2t.to(self.device, torch.long)  # [Vd]
+        # On the device once: a host-to-device copy per draft step would stall the host.
+        self.inv_freq = rope_inv_freq(dims.head_dim, dims.rope_theta, dims.rope_scaling).to(self.device)
+        self.keys: Tensor | None = None  # [1, nKV, L, hd] post-RoPE
+        self.values: Tensor | None = None  # [1, nKV, L, hd]
+        self.num_committed = 0
+
+    def reset(self) -> None:
+        """An empty cache."""
+        self.keys = self.values = None
+        self.num_committed = 0
+
+    @property
+    def num_draft_entries(self) -> int:
+        """Entries of the current round's draft nodes."""
+        return (0 if self.keys is None else self.keys.shape[2]) - self.num_committed
+
+    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        """Draft-vocab ids -> target ids (d2t holds the offsets)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def _run(self, hidden: Tensor, tokens: Tensor, positions: Tensor, visible: Tensor) -> tuple[Tensor, Tensor]:
+        """hidden [q, H], tokens/positions [q], visible bool [q, L + q] -> (pre-norm out [q, H], logits [q, Vd])."""
+        d, mid = self.drafter, self.drafter.midlayer
+        attn = mid.self_attn
+        x = torch.cat([mid.input_layernorm(d.embed_tokens(tokens)), mid.hidden_norm(hidden)], dim=-1)[None]
+        cos, sin = rope_cos_sin(self.inv_freq, positions[None], upcast(hidden).dtype)  # [1, 1, q, hd]
+        q = apply_rope(_heads(attn.q_proj(x), attn.num_heads, attn.head_dim), cos, sin)  # [1, nH, q, hd]
+        k = apply_rope(_heads(attn.k_proj(x), attn.num_kv_heads, attn.head_dim), cos, sin)  # [1, nKV, q, hd]
+        v = _heads(attn.v_proj(x), attn.num_kv_heads, attn.head_dim)
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        groups = attn.num_heads // attn.num_kv_heads
+        out = F.scaled_dot_product_attention(q, repeat_kv(self.keys, groups), repeat_kv(self.values, groups),
+                                             attn_mask=visible.to(self.device)[None, None])  # [1, nH, q, hd]
+        h = hidden[None] + attn.o_proj(out.transpose(1, 2).reshape(1, len(tokens), -1))  # [1, q, H]
+        h = h + mid.mlp(mid.post_attention_layernorm(h))
+        return h[0], d.lm_head(d.norm(h))[0]
+
+    def extend(self, aux: Tensor, next_tokens: Sequence[int], start: int) -> tuple[Tensor, Tensor]:
+        """Commit indices start..start+q-1 (feature fc(aux), the token after each, position = index), causal.
+
+        The previous round's draft entries are dropped first. Returns (out [q, H], logits [q, Vd]).
+        """
+        if start != self.num_committed:
+            raise ValueError(f"drafter cache holds {self.num_committed} committed entries, asked to extend at {start}")
+        self._drop_drafts()
+        num = len(next_tokens)
+        visible = torch.cat([torch.ones(num, start, dtype=torch.bool),
+                             torch.ones(num, num, dtype=torch.bool).tril()], dim=1)
+        hidden = self.drafter.project_aux(aux.to(self.device, self.drafter.fc.weight.dtype))  # [q, H]
+        tokens = torch.tensor(list(next_tokens), device=self.device)
+        out = self._run(hidden, tokens, torch.arange(start, start + num, device=self.device), visible)
+        self.num_committed = start + num
+        return out
+
+    def draft(self, hidden: Tensor, tokens: Tensor, position: int, ancestors: Tensor) -> tuple[Tensor, Tensor]:
+        """Run draft nodes at one depth: hidden [q, H] = their parents' outputs, tokens [q] target ids.
+
+        ``ancestors`` bool [q, D + q] says which of the round's draft entries (D earlier ones, then these)
+        each node sees: its ancestors and itself. Every committed entry is visible.
+        """
+        num = len(tokens)
+        visible = torch.cat([torch.ones(num, self.num_committed, dtype=torch.bool), ancestors.cpu()], dim=1)
+        positions = torch.full((num,), position, device=self.device)
+        return self._run(hidden, tokens, positions, visible)
+
+    def _drop_drafts(self) -> None:
+        if self.keys is not None and self.num_draft_entries:
+            self.keys = self.keys[:, :, : self.num_committed]
+            self.values = self.values[:, :, : self.num_committed]
+
+
+@dataclass
+class _Node:
+    token: int  # target id
+    parent: int  # index in the pool, -1 = the root
+    depth: int
+    score: float  # cumulative draft log-prob
+
+
+class EagleProposer:
+    """EAGLE-3 drafting: a chain (topk 1) or an EAGLE-2-style tree, from the drafter's cached state.
+
+    Tree (as SGLang): the root's top-k children form depth 1; at every further depth each of the k
+    frontier nodes is run through the drafter and proposes its top-k children, and the k best of those
+    k*k by cumulative log-prob become the next frontier. Of all nodes proposed, the best
+    ``num_draft_tokens - 1`` by cumulative log-prob are verified (num_draft_tokens counts the root, as
+    SGLang's --speculative-num-draft-tokens). A child never scores above its parent, so the kept set is
+    a tree. ``steps`` is the depth; chain and tree run ``steps - 1`` drafter forwards per round.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, d2t: Tensor, steps: int, topk: int = 1,
+                 num_draft_tokens: int | None = None) -> None:
+        if steps < 1 or topk < 1 or topk > len(d2t):
+            raise ValueError(f"need steps >= 1 and 1 <= topk <= draft vocab {len(d2t)}, got {steps}, {topk}")
+        self.runner = DrafterRunner(drafter, d2t)
+        self.steps, self.topk = steps, topk
+        self.num_draft_tokens = num_draft_tokens or steps + 1
+        self._root: tuple[Tensor, Tensor] | None = None  # (out [1, H], logits [Vd]) at the last committed index
+
+    def reset(self) -> None:
+        self.runner.reset()
+        self._root = None
+
+    def observe(self, aux: Tensor, next_tokens: list[int], start: int) -> None:
+        out, logits = self.runner.extend(aux, next_tokens, start)
+        self._root = (out[-1:], logits[-1])
+
+    def propose(self, context: list[int]) -> DraftTree:
+        if self._root is None:
+            raise RuntimeError("EagleProposer.propose before observe: the drafter has no state")
+        return self._chain() if self.topk == 1 else self._tree()
+
+    def _chain(self) -> DraftTree:
+        hidden, logits = self._root
+        root_position = self.runner.num_committed - 1
+        tokens = []
+        for j in range(1, self.steps + 1):
+            token = self.runner.to_target_ids(logits.argmax(-1, keepdim=True))  # [1]
+            tokens.append(token)
+            if j < self.steps:
+                ancestors = torch.ones(1, self.runner.num_draft_entries + 1, dtype=torch.bool)
+                hidden, logits = self.runner.draft(hidden, token, root_position + j, ancestors)
+                logits = logits[0]
+        return DraftTree.chain(torch.cat(tokens).tolist())  # one device sync per round
+
+    def _children(self, nodes: list[_Node], parents: list[int], logits: Tensor, depth: int) -> list[int]:
+        """Add the top-k children of each parent (logits [P, Vd]); returns the new pool indices."""
+        scores, ids = F.log_softmax(upcast(logits), dim=-1).topk(self.topk, dim=-1)  # [P, k]
+        base = torch.tensor([nodes[p].score if p >= 0 else 0.0 for p in parents], device=scores.device)
+        scores, ids = (scores + base[:, None]).tolist(), self.runner.to_target_ids(ids).tolist()
+        start = len(nodes)
+        for row, p in enumerate(parents):
+            nodes.extend(_Node(t, p, depth, s) for t, s in zip(ids[row], scores[row]))
+        return list(range(start, len(nodes)))
+
+    def _tree(self) -> DraftTree:
+        root_hidden, root_logits = self._root
+        root_position = self.runner.num_committed - 1
+        nodes: list[_Node] = []
+        frontier = self._children(nodes, [-1], root_logits[None], 1)
+        hidden_of: dict[int, Tensor] = {-1: root_hidden[0]}  # pool index -> its drafter output
+        entry_of: dict[int, int] = {}  # pool index -> its draft entry
+        for depth in range(1, self.steps):
+            first_entry = self.runner.num_draft_entries
+            ancestors = torch.zeros(len(frontier), first_entry + len(frontier), dtype=torch.bool)
+            for row, f in enumerate(frontier):
+                entry_of[f] = first_entry + row
+                a = f
+                while a >= 0:
+                    ancestors[row, entry_of[a]] = True
+                    a = nodes[a].parent
+            hidden = torch.stack([hidden_of[nodes[f].parent] for f in frontier])  # [k, H]
+            tokens = torch.tensor([nodes[f].token for f in frontier], device=self.runner.device)
+            out, logits = self.runner.draft(hidden, tokens, root_position + depth, ancestors)
+            hidden_of.update({f: out[row] for row, f in enumerate(frontier)})
+            candidates = self._children(nodes, frontier, logits, depth + 1)
+            frontier = sorted(candidates, key=lambda i: (-nodes[i].score, i))[: self.topk]
+        return _best_subtree(nodes, self.num_draft_tokens - 1)
+
+
+def _best_subtree(nodes: list[_Node], size: int) -> DraftTree:
+    """The ``size`` best nodes by cumulative log-prob (ties: shallower first), parents before children."""
+    best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:size]
+    keep = sorted(best, key=lambda i: (nodes[i].depth, i))
+    index = {old: new for new, old in enumerate(keep)}
+    parents = [-1 if nodes[i].parent < 0 else index[nodes[i].parent] for i in keep]
+    return DraftTree([nodes[i].token for i in keep], parents)
+
+
+# ------------------------------------------------------------------------------------------------- n-grams
+
+class NgramProposer:
+    """Prompt-lookup drafting: what followed the latest earlier occurrence of the context's last n tokens.
+
+    n runs from max_ngram down to min_ngram; the lookup window is the whole context (prompt + generated);
+    up to num_tokens tokens are proposed, none when no n-gram recurs.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 3) -> None:
+        if not 1 <= min_ngram <= max_ngram or num_tokens < 1:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram and num_tokens >= 1, got {min_ngram}, "
+                             f"{max_ngram}, {num_tokens}")
+        self.max_ngram, self.min_ngram, self.num_tokens = max_ngram, min_ngram, num_tokens
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, aux: Tensor, next_tokens: list[int], start: int) -> None:
+        pass
+
+    def propose(self, context: list[int]) -> DraftTree:
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(context) <= n:
+                continue
+            suffix = context[-n:]
+            for i in range(len(context) - n - 1, -1, -1):  # latest first; i + n < len: a continuation exists
+                if context[i:i + n] == suffix:
+                    return DraftTree.chain(context[i + n:i + n + self.num_tokens])
+        return DraftTree.chain([])
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+
+def _finished(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
+    return len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in stop_ids)
+
+
+@torch.no_grad()
+def greedy_decode(target: TargetRunner, prompt: Sequence[int], max_new_tokens: int,
+                  stop_ids: Sequence[int] = ()) -> DecodeResult:
+    """Plain greedy decoding with the KV cache, one forward per token, timed: the reference and the baseline."""
+    stops = set(stop_ids)
+    start_s = _clock(target.device)
+    target.reset()
+    logits, _ = target.forward(prompt, last_only=True)
+    tokens: list[Tensor] = []
+    tops: list[Any] = []
+    while True:
+        token = logits[-1].argmax()  # argmax, not topk[0]: the same tie rule as verification
+        tops.append(logits[-1].topk(REFERENCE_TOPK))
+        tokens.append(token)
+        value = int(token)
+        if value in stops or len(tokens) >= max_new_tokens:
+            break
+        logits, _ = target.forward([value])
+    wall_s = _clock(target.device) - start_s
+    return DecodeResult(torch.stack(tokens).tolist(), wall_s,
+                        top_ids=torch.stack([t.indices for t in tops]).tolist(),
+                        top_logits=torch.stack([t.values for t in tops]).tolist())
+
+
+def accept_path(tree: DraftTree, greedy: Sequence[int]) -> tuple[list[int], int]:
+    """(accepted node indices from the root down, bonus token) given the argmax of every verify row."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        children.setdefault(parent, {}).setdefault(token, i)
+    path, node = [], -1
+    while (child := children.get(node, {}).get(greedy[node + 1])) is not None:
+        path.append(child)
+        node = child
+    return path, greedy[node + 1]
+
+
+def verify(target: TargetRunner, tree: DraftTree, context: list[int]) -> tuple[list[int], list[int], Tensor]:
+    """Run [last token, draft] through the target; returns (new tokens, accepted nodes, aux [a+1, A*H])."""
+    m = len(context) - 1
+    if target.length != m:
+        raise RuntimeError(f"target cache holds {target.length} entries, expected {m}")
+    visible = None if tree.is_chain() else tree.ancestor_mask()
+    positions = [m, *(m + d for d in tree.depths())]
+    logits, aux = target.forward([context[-1], *tree.tokens], positions, visible)
+    path, bonus = accept_path(tree, logits.argmax(-1).tolist())
+    rows = [0, *(i + 1 for i in path)]
+    target.keep(m, [m + r for r in rows])
+    return [tree.tokens[i] for i in path] + [bonus], path, aux[rows]
+
+
+@torch.no_grad()
+def speculative_decode(target: TargetRunner, proposer: Proposer, prompt: Sequence[int], max_new_tokens: int,
+                       stop_ids: Sequence[int] = ()) -> DecodeResult:
+    """Draft, verify greedily, commit; timed from the prefill to the last token, like greedy_decode."""
+    stops = set(stop_ids)
+    start_s = _clock(target.device)
+    target.reset()
+    proposer.reset()
+    logits, aux = target.forward(prompt, last_only=True)
+    tokens = [int(logits[-1].argmax())]
+    context = [*prompt, tokens[0]]
+    proposer.observe(aux, context[1:], 0)
+    steps: list[VerifyStep] = []
+    while not _finished(tokens, max_new_tokens, stops):
+        tree = proposer.propose(context)
+        start = len(context) - 1
+        new, path, aux = verify(target, tree, context)
+        committed = 0
+        for token in new:
+            if _finished(tokens, max_new_tokens, stops):
+                break
+            tokens.append(token)
+            committed += 1
+        context.extend(new[:committed])
+        steps.append(VerifyStep(max(tree.depths(), default=0), len(tree.tokens), len(path), committed))
+        if not _finished(tokens, max_new_tokens, stops):
+            proposer.observe(aux, new, start)
+    return DecodeResult(tokens, _clock(target.device) - start_s, steps)
+
+
+# ---------------------------------------------------------------------------------------------- lossless
+
+@dataclass(frozen=True)
+class LosslessCheck:
+    """How a method's output compares with the greedy reference, at the first differing token."""
+
+    kind: Literal["identical", "near_tie", "mismatch"]
+    position: int | None = None  # index into the generated tokens (0 = first generated token)
+    reference_token: int | None = None
+    method_token: int | None = None  # None: the method's output ended there
+    top2_gap: float | None = None  # reference's top-1 minus top-2 logit at that position
+    token_gap: float | None = None  # reference's top-1 logit minus its logit of the method's token (None: not in top-K)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able dict."""
+        return dict(self.__dict__)
+
+
+def check_lossless(reference: DecodeResult, tokens: Sequence[int], near_tie_gap: float) -> LosslessCheck:
+    """identical, or the first difference: near_tie when the method's token is within ``near_tie_gap`` of the
+    reference's top logit there (two tokens the target can hardly tell apart: summation-order noise of a
+    batched verify forward), else mismatch (a bug)."""
+    ref = reference.tokens
+    if list(tokens) == list(ref):
+        return LosslessCheck("identical")
+    pos = next((i for i, (a, b) in enumerate(zip(ref, tokens)) if a != b), min(len(ref), len(tokens)))
+    if pos >= len(ref):
+        return LosslessCheck("mismatch", pos, None, int(tokens[pos]))
+    ids, values = reference.top_ids[pos], reference.top_logits[pos]
+    method_token = int(tokens[pos]) if pos < len(tokens) else None
+    top2_gap = values[0] - values[1] if len(values) > 1 else None
+    token_gap = values[0] - values[ids.index(method_token)] if method_token in ids else None
+    near = token_gap is not None and token_gap <= near_tie_gap
+    return LosslessCheck("near_tie" if near else "mismatch", pos, ref[pos], method_token, top2_gap, token_gap)

@@ -1,0 +1,66 @@
+"""The deploy flow: export -> offline evaluation -> baseline and EAGLE-3 SGLang benchmarks -> report.
+
+Usable alone (deployment `eagle3-deploy`) and as a subflow. ``steps`` picks the parts to run, so a
+caller that exported and evaluated already can ask for the benchmark only. The benchmark runs only
+with ``serve.enabled`` (a GPU host with SGLang); it starts the baseline server, benchmarks it and
+stops it, then does the same with the speculative server (never both at once: they would share the
+GPUs), compares them and writes ``<run>/deploy/results.json`` and ``report.md``.
+
+    prefect deployment run 'eagle3-deploy/eagle3-deploy' --param preset=llama31-8b \
+        --param overrides='["serve.enabled=true"]'
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from prefect import flow, get_run_logger
+
+from eagle3.config import RunConfig, load_config
+from flows.pipeline import PresetName, guard_crash_loop
+from tasks.deploy import benchmark_server_task, evaluate_task, export_task, prepare_serving_task, report_task
+
+DeployStep = Literal["export", "evaluate", "benchmark"]
+ALL_STEPS: tuple[str, ...] = ("export", "evaluate", "benchmark")
+NOT_ENABLED = "serve.enabled is false: no GPU host with SGLang configured, so no server was started"
+
+
+def run_benchmarks(cfg: RunConfig) -> dict[str, Any]:
+    """Baseline server, then speculative server (each started, benchmarked, stopped), then the comparison."""
+    plan = prepare_serving_task(cfg)
+    baseline = benchmark_server_task(cfg, "baseline", plan["model_path"], plan["draft_model_path"])
+    speculative = benchmark_server_task(cfg, "speculative", plan["model_path"], plan["draft_model_path"])
+    return report_task(cfg, baseline, speculative)
+
+
+def run_deploy_steps(cfg: RunConfig, steps: list[str], force: bool = False) -> dict[str, Any]:
+    """The chosen steps in order; {step: task result}."""
+    unknown = sorted(set(steps) - set(ALL_STEPS))
+    if unknown:
+        raise ValueError(f"unknown deploy steps {unknown}; choose from {list(ALL_STEPS)}")
+    results: dict[str, Any] = {}
+    if "export" in steps:
+        results["export"] = export_task(cfg, force)
+    if "evaluate" in steps:
+        results["evaluate"] = evaluate_task(cfg, force)
+    if "benchmark" in steps:
+        if cfg.serve.enabled:
+            results["benchmark"] = run_benchmarks(cfg)
+        else:
+            get_run_logger().warning(NOT_ENABLED)
+            results["benchmark"] = {"skipped": NOT_ENABLED}
+    return results
+
+
+@flow(name="eagle3-deploy", log_prints=True)
+def eagle3_deploy(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
+                  config: RunConfig | None = None, force: bool = False,
+                  steps: list[DeployStep] | None = None) -> dict[str, Any]:
+    """Export, evaluate offline and (serve.enabled) benchmark baseline vs EAGLE-3 SGLang servers."""
+    from infra.storage import run_lock
+
+    guard_crash_loop()
+    cfg = config or load_config(preset, list(overrides or []))
+    with run_lock(cfg.run_dir, owner="prefect flow eagle3-deploy"):
+        results = run_deploy_steps(cfg, list(steps or ALL_STEPS), force)
+    return {"run_dir": str(cfg.run_dir.resolve()), **results}

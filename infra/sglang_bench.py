@@ -1,0 +1,446 @@
+"""Benchmark a serving SGLang 0.5.23 server, and compare a speculative server with its baseline.
+
+Hygiene (shared/reference/sglang.md section 5): the same fixed prompts for every server, temperature
+0, a fixed ``max_new_tokens`` with ``ignore_eos``, and before each measured concurrency level some
+warmup requests followed by ``POST /flush_cache``. Every answer is checked (HTTP 200, meta_info with
+the request's id, ``completion_tokens == max_new_tokens``, verify steps on a speculative server and
+none on a baseline) before it counts. Requests stream (server-sent events), so the time to the first
+token is measured per request.
+
+Metrics per level:
+
+* output tok/s = sum completion_tokens / wall time of the level (first request sent to last answer);
+* latency median and p90 (nearest rank), TTFT median, TPOT median with
+  TPOT = (latency - TTFT) / (completion_tokens - 1);
+* speculative server: acceptance length = sum completion_tokens / sum spec_verify_ct (the bonus
+  token included, as SGLang reports it), plus SGLang's own ``avg_spec_accept_length`` from
+  ``/server_info`` since the flush, as a cross-check.
+
+``compare`` gives the speedup spec/baseline per level and raises ``MeasurementError`` when it exceeds
+the acceptance length: a speculative server cannot emit more tokens per target forward than it
+accepts, so such a ratio means one of the two runs measured something else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from infra.sglang import ResponseCheckError, auth_headers, response_meta
+
+Prompt = str | list[int]
+ProgressFn = Callable[[int, int, dict[str, Any]], None]
+# Settings a baseline and its speculative twin must share (names of SGLang's ServerArgs fields).
+SHARED_SETTINGS = ("model_path", "tp_size", "dp_size", "dtype", "mem_fraction_static", "max_running_requests",
+                   "cuda_graph_max_bs_decode", "attention_backend", "kv_cache_dtype", "chunked_prefill_size",
+                   "context_length", "disable_radix_cache")
+SPEC_SETTINGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
+                 "speculative_eagle_topk", "speculative_num_draft_tokens")
+_TASKS = ("Explain {t} to a new colleague in five short paragraphs.",
+          "Write a step-by-step checklist for {t}.",
+          "List the ten most common mistakes in {t} and how to avoid each.",
+          "Compare two approaches to {t} in a table, then recommend one.",
+          "Write a short story in which {t} saves the day.",
+          "Draft an email that asks a manager for a budget for {t}.",
+          "Summarize the history of {t} as a numbered timeline.",
+          "Answer as a tutor: what should a student learn first about {t}, and why?")
+_TOPICS = ("sourdough baking", "database indexing", "bicycle maintenance", "tax filing", "garden irrigation",
+           "unit testing", "marathon training", "home networking")
+
+
+def fixed_prompts(num: int) -> list[str]:
+    """``num`` distinct, deterministic English prompts (task x topic, then numbered variants)."""
+    grid = [task.format(t=topic) for topic in _TOPICS for task in _TASKS]
+    return [grid[i % len(grid)] + (f" (variant {i // len(grid)})" if i >= len(grid) else "") for i in range(num)]
+
+
+def prompts_digest(prompts: Sequence[Prompt]) -> str:
+    """sha256 of the prompt set: two runs are comparable only with the same digest."""
+    return hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest()[:16]
+
+
+class BenchmarkError(RuntimeError):
+    """A request or answer the benchmark cannot count; the message names the server, request and check."""
+
+
+class MeasurementError(RuntimeError):
+    """Figures that cannot all be right (speedup above the acceptance length, runs that differ)."""
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What one benchmark run does; a baseline and a speculative run must use equal settings."""
+
+    concurrency_levels: tuple[int, ...] = (1, 4, 16)
+    num_prompts: int = 32
+    max_new_tokens: int = 256
+    num_warmup: int = 4
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "concurrency_levels", tuple(self.concurrency_levels))
+        if not self.concurrency_levels or min(self.concurrency_levels) < 1:
+            raise ValueError(f"concurrency_levels {list(self.concurrency_levels)} must be non-empty and >= 1")
+        if self.num_prompts < 1 or self.num_warmup < 0 or self.max_new_tokens < 2:
+            raise ValueError("num_prompts >= 1, num_warmup >= 0 and max_new_tokens >= 2 (TPOT needs two tokens)")
+
+
+@dataclass(frozen=True)
+class RequestSample:
+    """One checked, measured request."""
+
+    prompt_index: int
+    latency_s: float
+    ttft_s: float
+    completion_tokens: int
+    cached_tokens: int
+    spec_verify_ct: int | None
+    output_digest: str
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first."""
+        return (self.latency_s - self.ttft_s) / max(self.completion_tokens - 1, 1)
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    """One concurrency level of one server."""
+
+    concurrency: int
+    num_requests: int
+    duration_s: float
+    completion_tokens: int
+    output_tok_per_s: float
+    median_latency_s: float
+    p90_latency_s: float
+    median_ttft_s: float
+    median_tpot_ms: float
+    cached_tokens: int
+    spec_verify_ct: int | None = None
+    accept_length: float | None = None
+    server_accept_length: float | None = None
+    output_digests: tuple[str, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """A whole run against one server: settings, its /server_info settings and one result per level."""
+
+    base_url: str
+    speculative: bool
+    settings: BenchSettings
+    prompts_digest: str
+    server_settings: dict[str, Any]
+    levels: tuple[LevelResult, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able dict (round-trips through ``from_json``)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> BenchResult:
+        levels = tuple(LevelResult(**(lvl | {"output_digests": tuple(lvl["output_digests"])})) for lvl in doc["levels"])
+        return cls(doc["base_url"], doc["speculative"], BenchSettings(**doc["settings"]), doc["prompts_digest"],
+                   dict(doc["server_settings"]), levels)
+
+
+# ---------------------------------------------------------------- arithmetic (pure, golden-tested)
+
+
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The q-quantile by nearest rank (q=0.5 median of an odd count is the middle value)."""
+    ordered = sorted(values)
+    return ordered[max(math.ceil(q * len(ordered)) - 1, 0)]
+
+
+def summarize_level(concurrency: int, samples: Sequence[RequestSample], duration_s: float,
+                    speculative: bool, server_accept_length: float | None = None) -> LevelResult:
+    """Per-level metrics from checked samples; acceptance length = sum completion / sum verify steps."""
+    completion = sum(s.completion_tokens for s in samples)
+    verify_ct = sum(s.spec_verify_ct or 0 for s in samples) if speculative else None
+    ordered = sorted(samples, key=lambda s: s.prompt_index)
+    return LevelResult(
+        concurrency=concurrency, num_requests=len(samples), duration_s=duration_s, completion_tokens=completion,
+        output_tok_per_s=completion / duration_s, median_latency_s=nearest_rank([s.latency_s for s in samples], 0.5),
+        p90_latency_s=nearest_rank([s.latency_s for s in samples], 0.9),
+        median_ttft_s=nearest_rank([s.ttft_s for s in samples], 0.5),
+        median_tpot_ms=1000 * nearest_rank([s.tpot_s for s in samples], 0.5),
+        cached_tokens=sum(s.cached_tokens for s in samples), spec_verify_ct=verify_ct,
+        accept_length=completion / verify_ct if verify_ct else None, server_accept_length=server_accept_length,
+        output_digests=tuple(s.output_digest for s in ordered))
+
+
+# ---------------------------------------------------------------- one request
+
+
+def bench_request_body(prompt: Prompt, rid: str, max_new_tokens: int) -> dict[str, Any]:
+    """A streamed greedy /generate body producing exactly ``max_new_tokens`` tokens."""
+    body: dict[str, Any] = {"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
+    return body | {"rid": rid, "stream": True,
+                   "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+
+
+def check_bench_answer(final: Any, *, rid: str, max_new_tokens: int, speculative: bool) -> dict[str, Any]:
+    """The last streamed chunk's checked meta_info; ResponseCheckError names the failed check."""
+    if final is None:
+        raise ResponseCheckError("stream", "the stream ended without a data chunk")
+    meta = response_meta(final, rid)
+    got = meta.get("completion_tokens")
+    if got != max_new_tokens:
+        raise ResponseCheckError("completion_tokens", f"{got} tokens for max_new_tokens {max_new_tokens} with "
+                                 "ignore_eos: the server stopped early or ignored the sampling params")
+    ids = final.get("output_ids")
+    if not isinstance(ids, list) or len(ids) != got:
+        raise ResponseCheckError("output_ids", f"{len(ids) if isinstance(ids, list) else 'no'} output ids for {got} "
+                                 "tokens (incremental streaming output is not supported)")
+    verify_ct = meta.get("spec_verify_ct")
+    if speculative and not (isinstance(verify_ct, int) and verify_ct > 0):
+        raise ResponseCheckError("spec_verify_ct", f"spec_verify_ct is {verify_ct!r}: the draft did not run")
+    if not speculative and verify_ct is not None:
+        raise ResponseCheckError("spec_verify_ct", "the baseline server reports verify steps: it is speculative")
+    return meta
+
+
+async def _stream_generate(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[Any, float | None]:
+    """POST a streamed /generate; (last data chunk, perf_counter time of the first chunk with tokens)."""
+    last, first_at = None, None
+    async with client.stream("POST", "/generate", json=body) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")[:300]
+            raise ResponseCheckError("http_status", f"HTTP {resp.status_code}: {text}")
+        async for line in resp.aiter_lines():
+            payload = line[len("data:"):].strip() if line.startswith("data:") else None
+            if payload is None or payload == "[DONE]":
+                continue
+            chunk = json.loads(payload)
+            if not isinstance(chunk, dict) or "error" in chunk:
+                raise ResponseCheckError("stream_error", str(chunk.get("error") if isinstance(chunk, dict)
+                                                             else chunk)[:300])
+            if first_at is None and (chunk.get("output_ids") or chunk.get("text")):
+                first_at = time.perf_counter()
+            last = chunk
+    return last, first_at
+
+
+async def measure_request(client: httpx.AsyncClient, prompt: Prompt, index: int, *, max_new_tokens: int,
+                          speculative: bool, label: str) -> RequestSample:
+    """Send one prompt, check the answer, time it; BenchmarkError names the request and the check."""
+    rid = f"bench-{label}-{index}-{uuid.uuid4().hex[:8]}"
+    t0 = time.perf_counter()
+    try:
+        final, first_at = await _stream_generate(client, bench_request_body(prompt, rid, max_new_tokens))
+        meta = check_bench_answer(final, rid=rid, max_new_tokens=max_new_tokens, speculative=speculative)
+    except ResponseCheckError as exc:
+        raise BenchmarkError(f"{client.base_url} request {rid} (prompt {index}): {exc}") from exc
+    except (httpx.HTTPError, ValueError) as exc:
+        raise BenchmarkError(f"{client.base_url} request {rid} (prompt {index}): {type(exc).__name__}: {exc}") from exc
+    end = time.perf_counter()
+    digest = hashlib.sha256(json.dumps(final["output_ids"]).encode()).hexdigest()[:16]
+    return RequestSample(index, end - t0, (first_at or end) - t0, meta["completion_tokens"],
+                         int(meta.get("cached_tokens") or 0), meta.get("spec_verify_ct"), digest)
+
+
+# ---------------------------------------------------------------- levels and runs
+
+
+async def run_requests(client: httpx.AsyncClient, prompts: Sequence[Prompt], concurrency: int,
+                       measure: Callable[..., Any]) -> tuple[list[RequestSample], float]:
+    """Keep ``concurrency`` requests in flight until every prompt is answered; (samples, wall seconds)."""
+    pending = list(enumerate(prompts))
+    samples: list[RequestSample] = []
+
+    async def worker() -> None:
+        while pending:
+            index, prompt = pending.pop(0)
+            samples.append(await measure(client, prompt, index))
+
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(worker()) for _ in range(min(concurrency, len(prompts)))]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    return samples, time.perf_counter() - t0
+
+
+async def flush_cache(client: httpx.AsyncClient) -> None:
+    """POST /flush_cache; SGLang refuses (400) while requests run, so a failure means the server was not idle."""
+    resp = await client.post("/flush_cache")
+    if resp.status_code != 200:
+        raise BenchmarkError(f"{client.base_url} POST /flush_cache answered {resp.status_code}: {resp.text[:200]} "
+                             "(the next level would start with a warm prefix cache)")
+
+
+async def server_settings(client: httpx.AsyncClient) -> dict[str, Any]:
+    """The shared and speculative settings plus the version from /server_info."""
+    resp = await client.get("/server_info")
+    if resp.status_code != 200:
+        raise BenchmarkError(f"{client.base_url} GET /server_info answered {resp.status_code}")
+    info = resp.json()
+    return {key: info.get(key) for key in (*SHARED_SETTINGS, *SPEC_SETTINGS, "version")}
+
+
+async def _server_accept_length(client: httpx.AsyncClient) -> float | None:
+    """SGLang's own acceptance length since the last flush (a cross-check; None when not reported)."""
+    resp = await client.get("/server_info")
+    states = (resp.json().get("internal_states") if resp.status_code == 200 else None) or [{}]
+    value = states[0].get("avg_spec_accept_length")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+class _Counter:
+    """Requests done across all levels, forwarded to a ProgressFn."""
+
+    def __init__(self, total: int, progress: ProgressFn | None):
+        self.done, self.total, self.progress = 0, total, progress
+
+    def tick(self, level: int) -> None:
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total, {"concurrency": level})
+
+
+async def run_level(client: httpx.AsyncClient, prompts: Sequence[Prompt], warmup: Sequence[Prompt],
+                    concurrency: int, settings: BenchSettings, speculative: bool, counter: _Counter) -> LevelResult:
+    """Warmup at this concurrency, flush the cache, then measure every prompt."""
+
+    def measure(label: str) -> Callable[..., Any]:
+        async def one(client: httpx.AsyncClient, prompt: Prompt, index: int) -> RequestSample:
+            sample = await measure_request(client, prompt, index, max_new_tokens=settings.max_new_tokens,
+                                           speculative=speculative, label=label)
+            counter.tick(concurrency)
+            return sample
+        return one
+
+    if warmup:
+        await run_requests(client, warmup, concurrency, measure(f"warmup-c{concurrency}"))
+    await flush_cache(client)
+    samples, duration_s = await run_requests(client, prompts, concurrency, measure(f"c{concurrency}"))
+    server_accept = await _server_accept_length(client) if speculative else None
+    return summarize_level(concurrency, samples, duration_s, speculative, server_accept)
+
+
+async def run_benchmark_async(base_url: str, prompts: Sequence[Prompt], settings: BenchSettings, *,
+                              speculative: bool, api_key: str | None = None,
+                              progress: ProgressFn | None = None) -> BenchResult:
+    """Every level in order against one server (already ready); see the module doc."""
+    if len(prompts) != settings.num_prompts:
+        raise ValueError(f"{len(prompts)} prompts given, settings say num_prompts {settings.num_prompts}")
+    warmup = fixed_prompts(settings.num_prompts + settings.num_warmup)[settings.num_prompts:]
+    if prompts and not isinstance(prompts[0], str):
+        warmup = [list(prompts[i % len(prompts)])[::-1] for i in range(settings.num_warmup)]
+    counter = _Counter(len(settings.concurrency_levels) * (settings.num_prompts + settings.num_warmup), progress)
+    limits = httpx.Limits(max_connections=max(settings.concurrency_levels) + 2)
+    async with httpx.AsyncClient(base_url=base_url, headers=auth_headers(api_key), limits=limits,
+                                 timeout=httpx.Timeout(settings.request_timeout_s)) as client:
+        found = await server_settings(client)
+        levels = [await run_level(client, prompts, warmup, level, settings, speculative, counter)
+                  for level in settings.concurrency_levels]
+    return BenchResult(base_url, speculative, settings, prompts_digest(prompts), found, tuple(levels))
+
+
+def run_benchmark(base_url: str, prompts: Sequence[Prompt], settings: BenchSettings, *, speculative: bool,
+                  api_key: str | None = None, progress: ProgressFn | None = None) -> BenchResult:
+    """Synchronous wrapper of ``run_benchmark_async`` (its own event loop)."""
+    return asyncio.run(run_benchmark_async(base_url, prompts, settings, speculative=speculative, api_key=api_key,
+                                           progress=progress))
+
+
+# ---------------------------------------------------------------- comparison and report
+
+
+@dataclass(frozen=True)
+class LevelComparison:
+    """Baseline vs speculative at one concurrency."""
+
+    concurrency: int
+    baseline_tok_per_s: float
+    speculative_tok_per_s: float
+    speedup: float
+    accept_length: float
+    server_accept_length: float | None
+    baseline_tpot_ms: float
+    speculative_tpot_ms: float
+    baseline_p90_latency_s: float
+    speculative_p90_latency_s: float
+    identical_outputs: int
+    num_requests: int
+
+
+def comparable_problems(baseline: BenchResult, speculative: BenchResult) -> list[str]:
+    """Why two runs cannot be compared (empty when they can)."""
+    problems = []
+    if baseline.speculative or not speculative.speculative:
+        problems.append("need one baseline run and one speculative run")
+    if baseline.settings != speculative.settings:
+        problems.append(f"benchmark settings differ: {baseline.settings} vs {speculative.settings}")
+    if baseline.prompts_digest != speculative.prompts_digest:
+        problems.append("the runs used different prompts")
+    for key in SHARED_SETTINGS:
+        b, s = baseline.server_settings.get(key), speculative.server_settings.get(key)
+        if b != s:
+            problems.append(f"servers differ in {key}: baseline {b!r}, speculative {s!r}")
+    return problems
+
+
+def compare(baseline: BenchResult, speculative: BenchResult) -> list[LevelComparison]:
+    """Speedup per level; MeasurementError for incomparable runs or a speedup above the acceptance length."""
+    problems = comparable_problems(baseline, speculative)
+    if problems:
+        raise MeasurementError("baseline and speculative runs are not comparable:\n  " + "\n  ".join(problems))
+    rows = [_compare_level(b, s) for b, s in zip(baseline.levels, speculative.levels, strict=True)]
+    impossible = [f"concurrency {r.concurrency}: speedup {r.speedup:.3f} > acceptance length {r.accept_length:.3f}"
+                  for r in rows if r.speedup > r.accept_length]
+    if impossible:
+        raise MeasurementError(
+            "speedup above the acceptance length, which no speculative server can reach (each verify step "
+            "costs at least one target forward); one run measured something else (a busy GPU during the "
+            "baseline, cache hits, other settings):\n  " + "\n  ".join(impossible))
+    return rows
+
+
+def _compare_level(b: LevelResult, s: LevelResult) -> LevelComparison:
+    assert s.accept_length is not None, "a speculative level always has an acceptance length"
+    identical = sum(x == y for x, y in zip(b.output_digests, s.output_digests))
+    return LevelComparison(b.concurrency, b.output_tok_per_s, s.output_tok_per_s,
+                           s.output_tok_per_s / b.output_tok_per_s, s.accept_length, s.server_accept_length,
+                           b.median_tpot_ms, s.median_tpot_ms, b.p90_latency_s, s.p90_latency_s, identical,
+                           b.num_requests)
+
+
+def render_report(rows: Sequence[LevelComparison], baseline: BenchResult, speculative: BenchResult,
+                  context: dict[str, str]) -> str:
+    """Markdown: setup lines, one table row per level, and the metric definitions."""
+    st = baseline.settings
+    lines = ["# EAGLE-3 deploy benchmark", ""] + [f"* {k}: `{v}`" for k, v in context.items()]
+    lines += [f"* SGLang version (server): `{speculative.server_settings.get('version')}`",
+              f"* prompts: {st.num_prompts} fixed (digest `{baseline.prompts_digest}`), temperature 0, "
+              f"max_new_tokens {st.max_new_tokens} with ignore_eos, {st.num_warmup} warmup requests then "
+              "/flush_cache before each level", "",
+              "| concurrency | baseline tok/s | EAGLE-3 tok/s | speedup | accept length (server) | "
+              "TPOT ms base / spec | p90 latency s base / spec | identical outputs |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        server = f" ({r.server_accept_length:.2f})" if r.server_accept_length is not None else ""
+        lines.append(f"| {r.concurrency} | {r.baseline_tok_per_s:,.1f} | {r.speculative_tok_per_s:,.1f} | "
+                     f"{r.speedup:.2f}x | {r.accept_length:.2f}{server} | {r.baseline_tpot_ms:.2f} / "
+                     f"{r.speculative_tpot_ms:.2f} | {r.baseline_p90_latency_s:.3f} / "
+                     f"{r.speculative_p90_latency_s:.3f} | {r.identical_outputs}/{r.num_requests} |")
+    lines += ["", "speedup = EAGLE-3 output tok/s / baseline output tok/s; accept length = sum completion_tokens / "
+              "sum spec_verify_ct (bonus token included; in brackets SGLang's avg_spec_accept_length since the "
+              "flush); checked: speedup <= accept length at every level. Identical outputs: greedy outputs equal "
+              "to the baseline's (numerics of batched kernels may legitimately differ)."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,249 @@
+"""An SGLang 0.5.23 server as data: ``ServerSpec`` builds the launch argv and says what /server_info must report.
+
+Every argv built here is checked in tests against SGLang's own argument parser. ``serving_pair``
+builds the baseline and the EAGLE-3 server of a benchmark: identical flags except the
+``--speculative-*`` ones (shared/reference/sglang.md sections 3 and 5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SGLANG_VERSION = "0.5.23"
+LAUNCH_MODULE = "sglang.launch_server"
+Mode = Literal["capture_aux", "capture_final", "serve", "speculative"]
+MODES: tuple[str, ...] = ("capture_aux", "capture_final", "serve", "speculative")
+CAPTURE_MODES = ("capture_aux", "capture_final")
+# Without explicit ids SGLang captures its default EAGLE-3 layers: three of them.
+DEFAULT_NUM_AUX = 3
+# Full prefill, one forward, rows == tokens: chunked prefill and the radix cache both truncate the block.
+CAPTURE_COMMON_ARGS = ("--chunked-prefill-size", "-1", "--disable-radix-cache", "--skip-tokenizer-init")
+# Serving limits a baseline and its speculative twin must share; SGLang's flags and ServerArgs fields by these names.
+SERVING_FIELDS = ("max_running_requests", "cuda_graph_max_bs_decode", "attention_backend")
+# Flags a caller must not pass in extra_args: the probe depends on the warmup forward.
+FORBIDDEN_EXTRA = {"--skip-server-warmup": "readiness relies on SGLang's warmup forward; drop it"}
+
+
+class ServerSpecError(ValueError):
+    """A ServerSpec that would launch a wrong or ambiguous server."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One SGLang server as data; ``argv()`` is the launch command. Layer ids: output-of-layer convention."""
+
+    model_path: str
+    mode: Mode = "serve"
+    port: int = 30000
+    host: str = "127.0.0.1"
+    tp_size: int = 1
+    dp_size: int = 1
+    api_key: str | None = field(default=None, repr=False)
+    aux_layer_ids: tuple[int, ...] | None = None
+    mem_fraction_static: float | None = None
+    dtype: str | None = None
+    max_running_requests: int | None = None
+    cuda_graph_max_bs_decode: int | None = None
+    attention_backend: str | None = None
+    draft_model_path: str | None = None
+    num_steps: int | None = None
+    topk: int | None = None
+    num_draft_tokens: int | None = None
+    extra_args: tuple[str, ...] = ()
+    python: str = "python"
+    module: str = LAUNCH_MODULE
+
+    def __post_init__(self) -> None:
+        # Accept lists from configs, store tuples so the spec stays hashable and immutable.
+        if self.aux_layer_ids is not None:
+            object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        problems = _spec_problems(self)
+        if problems:
+            raise ServerSpecError("invalid SGLang server spec:\n  " + "\n  ".join(problems))
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        """The full command: ``<python> -m <module> <launch_args>``."""
+        return [self.python, "-m", self.module, *self.launch_args()]
+
+    def launch_args(self) -> list[str]:
+        """The flags SGLang's parser sees (everything after the module name)."""
+        return [*self._core_args(), *_mode_args(self), *self.extra_args]
+
+    def _core_args(self) -> list[str]:
+        args = ["--model-path", self.model_path, "--host", self.host, "--port", str(self.port),
+                "--tp-size", str(self.tp_size), "--dp-size", str(self.dp_size)]
+        if self.api_key:
+            args += ["--api-key", self.api_key]
+        if self.mem_fraction_static is not None:
+            args += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.dtype:
+            args += ["--dtype", self.dtype]
+        return args + _serving_args(self)
+
+    @property
+    def num_aux(self) -> int:
+        """Aux layers a capture_aux server concatenates per row."""
+        return len(self.aux_layer_ids) if self.aux_layer_ids else DEFAULT_NUM_AUX
+
+    def row_width(self, hidden_size: int) -> int:
+        """Values per hidden-state row: num_aux * H (capture_aux) or H (capture_final)."""
+        if self.mode == "capture_aux":
+            return self.num_aux * hidden_size
+        if self.mode == "capture_final":
+            return hidden_size
+        raise ServerSpecError(f"mode {self.mode!r} returns no hidden states")
+
+    def expected_server_info(self) -> dict[str, Any]:
+        """Resolved settings /server_info must report (SGLang's resolution applied, e.g. aux resets the algorithm)."""
+        want: dict[str, Any] = {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,
+                                "port": self.port}
+        if self.mem_fraction_static is not None:
+            want["mem_fraction_static"] = self.mem_fraction_static
+        for key in SERVING_FIELDS:
+            if getattr(self, key) is not None:
+                want[key] = getattr(self, key)
+        return want | _mode_expectations(self)
+
+
+def _serving_args(spec: ServerSpec) -> list[str]:
+    args = []
+    for key in SERVING_FIELDS:
+        value = getattr(spec, key)
+        if value is not None:
+            args += ["--" + key.replace("_", "-"), str(value)]
+    return args
+
+
+def _mode_args(spec: ServerSpec) -> list[str]:
+    if spec.mode == "capture_aux":
+        ids = ["--return-aux-hidden-state-layer-ids", *map(str, spec.aux_layer_ids)] if spec.aux_layer_ids else []
+        return ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3", *ids, *CAPTURE_COMMON_ARGS]
+    if spec.mode == "capture_final":
+        return ["--enable-return-hidden-states", *CAPTURE_COMMON_ARGS]
+    if spec.mode == "speculative":
+        args = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(spec.draft_model_path)]
+        if spec.num_steps is not None:
+            args += ["--speculative-num-steps", str(spec.num_steps), "--speculative-eagle-topk", str(spec.topk),
+                     "--speculative-num-draft-tokens", str(spec.num_draft_tokens)]
+        return args
+    return []
+
+
+def _mode_expectations(spec: ServerSpec) -> dict[str, Any]:
+    capture = {"chunked_prefill_size": -1, "disable_radix_cache": True, "skip_tokenizer_init": True,
+               "return_hidden_states_mode": "full"}
+    if spec.mode == "capture_aux":
+        want = capture | {"enable_return_aux_hidden_states": True, "aux_hidden_state_capture": "eagle3",
+                          "speculative_algorithm": None}
+        if spec.aux_layer_ids:
+            want["return_aux_hidden_state_layer_ids"] = list(spec.aux_layer_ids)
+        return want
+    if spec.mode == "capture_final":
+        return capture | {"enable_return_hidden_states": True}
+    if spec.mode == "speculative":
+        want = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": spec.draft_model_path}
+        if spec.num_steps is not None:
+            want |= {"speculative_num_steps": spec.num_steps, "speculative_eagle_topk": spec.topk,
+                     "speculative_num_draft_tokens": spec.num_draft_tokens}
+        return want
+    return {"speculative_algorithm": None}
+
+
+def _spec_problems(spec: ServerSpec) -> list[str]:
+    problems = _basic_problems(spec) + _aux_problems(spec) + _speculative_problems(spec)
+    return problems or _extra_arg_problems(spec)
+
+
+def _basic_problems(spec: ServerSpec) -> list[str]:
+    problems = []
+    if spec.mode not in MODES:
+        problems.append(f"mode {spec.mode!r} is not one of {', '.join(MODES)}")
+    if not spec.model_path:
+        problems.append("model_path is empty")
+    if not 1 <= spec.port <= 65535:
+        problems.append(f"port {spec.port} is outside 1..65535")
+    if spec.tp_size < 1 or spec.dp_size < 1:
+        problems.append(f"tp_size ({spec.tp_size}) and dp_size ({spec.dp_size}) must be >= 1")
+    if spec.mem_fraction_static is not None and not 0 < spec.mem_fraction_static < 1:
+        problems.append(f"mem_fraction_static {spec.mem_fraction_static} must be in (0, 1)")
+    for key in ("max_running_requests", "cuda_graph_max_bs_decode"):
+        if getattr(spec, key) is not None and getattr(spec, key) < 1:
+            problems.append(f"{key} {getattr(spec, key)} must be >= 1")
+    return problems
+
+
+def _aux_problems(spec: ServerSpec) -> list[str]:
+    ids = spec.aux_layer_ids
+    if ids is None:
+        return []
+    if spec.mode != "capture_aux":
+        return [f"aux_layer_ids only apply to mode capture_aux, not {spec.mode!r} (a speculative server "
+                "takes its capture layers from the draft's config.json eagle_config)"]
+    if not ids:
+        return ["aux_layer_ids is empty: give at least one id, or None for SGLang's default three layers"]
+    problems = []
+    if any(i < 0 for i in ids):
+        problems.append(f"aux_layer_ids {list(ids)} must all be >= 0")
+    if len(set(ids)) != len(ids):
+        problems.append(f"aux_layer_ids {list(ids)} repeat a layer")
+    elif list(ids) != sorted(ids):
+        problems.append(f"aux_layer_ids {list(ids)} must be ascending (SGLang concatenates in ascending order)")
+    return problems
+
+
+def _speculative_problems(spec: ServerSpec) -> list[str]:
+    trio = {"num_steps": spec.num_steps, "topk": spec.topk, "num_draft_tokens": spec.num_draft_tokens}
+    given = [name for name, value in trio.items() if value is not None]
+    if spec.mode != "speculative":
+        extra = given + (["draft_model_path"] if spec.draft_model_path else [])
+        return [f"{', '.join(extra)} only apply to mode speculative, not {spec.mode!r}"] if extra else []
+    problems = [] if spec.draft_model_path else ["mode speculative needs draft_model_path"]
+    if given and len(given) != 3:
+        missing = sorted(set(trio) - set(given))
+        problems.append(f"num_steps, topk and num_draft_tokens go together (SGLang rejects a partial set): "
+                        f"missing {', '.join(missing)}")
+    elif given:
+        problems += _trio_value_problems(spec)
+    return problems
+
+
+def _trio_value_problems(spec: ServerSpec) -> list[str]:
+    assert spec.num_steps is not None and spec.topk is not None and spec.num_draft_tokens is not None
+    if min(spec.num_steps, spec.topk, spec.num_draft_tokens) < 1:
+        return ["num_steps, topk and num_draft_tokens must be >= 1"]
+    if spec.topk == 1 and spec.num_draft_tokens != spec.num_steps + 1:
+        return [f"with topk 1 SGLang forces num_draft_tokens = num_steps + 1 = {spec.num_steps + 1}, "
+                f"not {spec.num_draft_tokens}: set it so, or the server runs something else"]
+    return []
+
+
+def _extra_arg_problems(spec: ServerSpec) -> list[str]:
+    managed = {arg for arg in [*spec._core_args(), *_mode_args(spec)] if arg.startswith("--")}
+    problems = []
+    for arg in spec.extra_args:
+        flag = arg.split("=", 1)[0]
+        if flag in managed:
+            problems.append(f"extra_args repeats {flag}, which the spec sets itself (argparse would silently "
+                            "keep the last one): set the field instead")
+        elif flag in FORBIDDEN_EXTRA:
+            problems.append(f"extra_args has {flag}: {FORBIDDEN_EXTRA[flag]}")
+    return problems
+
+
+def serving_pair(model_path: str, draft_model_path: str, *, port: int, num_steps: int, topk: int,
+                 num_draft_tokens: int, **shared: Any) -> tuple[ServerSpec, ServerSpec]:
+    """(baseline, speculative) specs for a benchmark: the same ``shared`` fields, ports ``port`` and ``port + 1``.
+
+    Only the ``--speculative-*`` flags (and the port) differ, as a fair comparison needs; the
+    EAGLE-3 trio is always explicit, so SGLang's per-architecture defaults never pick it silently.
+    """
+    baseline = ServerSpec(model_path, "serve", port=port, **shared)
+    speculative = ServerSpec(model_path, "speculative", port=port + 1, draft_model_path=draft_model_path,
+                             num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens, **shared)
+    return baseline, speculative

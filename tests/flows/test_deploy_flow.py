@@ -1,0 +1,98 @@
+"""The deploy flow's serve + benchmark part, run by Prefect against the FAKE SGLang server.
+
+serve.launch_module points at tests/fakes/sglang_server.py, so ManagedServer launches, probes and
+kills real processes, but the figures are the fake's inventions: the tests check plumbing (reports,
+artifacts, arithmetic, clean shutdown), not performance.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+from eagle3.config import RunConfig
+from flows.deploy import NOT_ENABLED, eagle3_deploy
+from infra.process import free_port, group_alive, pid_alive, port_in_use
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE = "tests.fakes.sglang_server"
+
+
+def _two_free_ports() -> int:
+    for _ in range(20):
+        port = free_port()
+        if port < 65535 and not port_in_use("127.0.0.1", port + 1):
+            return port
+    raise RuntimeError("no two adjacent free ports")
+
+
+@pytest.fixture
+def serve_cfg(tmp_path, monkeypatch) -> RunConfig:
+    monkeypatch.chdir(REPO)  # `python -m tests.fakes.sglang_server` resolves from the repository root
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"hidden_size": 16, "num_hidden_layers": 8, "vocab_size": 256,
+                                                    "architectures": ["LlamaForCausalLM"]}))
+    draft = tmp_path / "dep" / "export" / "sglang"
+    draft.mkdir(parents=True)
+    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    return RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "dep"}, "serve": {
+        "enabled": True, "model_path": str(target), "python": sys.executable, "launch_module": FAKE,
+        "port": _two_free_ports(), "api_key_env": None, "concurrency_levels": [1, 4], "num_prompts": 8,
+        "max_new_tokens": 16, "num_warmup": 2, "max_running_requests": 8, "cuda_graph_max_bs_decode": 8,
+        "startup_timeout_s": 30, "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"]}})
+
+
+def _artifact_keys(*keys: str) -> set[str]:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=list(keys))))
+    return {a.key for a in found}
+
+
+def test_deploy_flow_benchmarks_both_fake_servers_and_reports(serve_cfg):
+    """Benchmark-only run: results.json + report.md + artifacts, 1 < speedup <= accept length, servers gone."""
+    state = eagle3_deploy(config=serve_cfg, steps=["benchmark"], return_state=True)
+    assert state.is_completed(), state.message
+    out = serve_cfg.run_dir / "deploy"
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["valid"] and [row["concurrency"] for row in doc["comparison"]] == [1, 4]
+    for row in doc["comparison"]:
+        assert 1.0 < row["speedup"] <= row["accept_length"] == pytest.approx(16 / 7)  # ceil(16 / 2.5) = 7 steps
+    for role in ("baseline", "speculative"):
+        assert not group_alive(doc[role]["pid"])
+        assert "a test double, not SGLang" in Path(doc[role]["log"]).read_text()
+    assert "--speculative-num-draft-tokens 4" in doc["speculative"]["argv"]
+    assert "--api-key ***" in doc["baseline"]["argv"]  # the generated key never reaches results.json
+    report = (out / "report.md").read_text()
+    assert "not SGLang measurements" in report and report.count("x | 2.29") == 2
+    assert _artifact_keys("dep-deploy-report", "dep-deploy-benchmark") == {"dep-deploy-report", "dep-deploy-benchmark"}
+    assert not port_in_use("127.0.0.1", serve_cfg.serve.port) and not port_in_use("127.0.0.1", serve_cfg.serve.port + 1)
+
+
+def test_a_speculative_server_whose_draft_never_runs_fails_the_flow_and_is_stopped(serve_cfg):
+    """The speculative server fails readiness (no verify steps): the flow fails, no report, no process left."""
+    cfg = serve_cfg.model_copy(deep=True)
+    cfg.serve.concurrency_levels, cfg.serve.num_prompts, cfg.serve.num_warmup = [1], 2, 0  # a short baseline run
+    cfg.serve.extra_args = [*cfg.serve.extra_args, "--fake-spec-verify-ct-zero"]
+    state = eagle3_deploy(config=cfg, steps=["benchmark"], return_state=True)
+    assert state.is_failed()
+    log = (cfg.run_dir / "deploy" / "sglang-speculative.log").read_text()
+    pids = [int(m) for m in re.findall(r"a test double, not SGLang\) pid (\d+)", log)]
+    assert len(pids) == 1 and not pid_alive(pids[0])  # launched once (no restart), then killed
+    assert not (cfg.run_dir / "deploy" / "results.json").exists()
+    assert not port_in_use("127.0.0.1", cfg.serve.port + 1)
+    with pytest.raises(Exception, match="the draft did not run"):
+        state.result()
+
+
+def test_benchmark_is_skipped_without_a_serving_host(tmp_path):
+    """serve.enabled false: the benchmark step starts nothing and says why."""
+    cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "off"}})
+    result = eagle3_deploy(config=cfg, steps=["benchmark"])
+    assert result["benchmark"] == {"skipped": NOT_ENABLED} and not (tmp_path / "off" / "deploy").exists()

@@ -1,0 +1,153 @@
+"""The evaluate stage: dataset loaders, acceptance summaries (golden values), config checks, and the stage end to
+end on a tiny target with a tiny drafter exported and loaded back."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3.config import ConfigError, EvaluateConfig, load_config
+from eagle3.eval_data import load_prompts, read_prompts, render
+from eagle3.evaluate import (EvalJob, evaluate_prompts, method_specs, position_acceptance, run_evaluate, summarize,
+                             summarize_all)
+from eagle3.export import export_sglang
+from eagle3.model import DrafterDims, Eagle3Drafter, export_state_dict, init_weights
+from eagle3.target import prepare_target, target_info
+from eagle3.tiny import build_tiny_tokenizer
+from eagle3.vocab import maps_from_used
+
+# ------------------------------------------------------------------------------------------------ datasets
+
+
+def test_mtbench_first_turns_in_file_order():
+    """80 MT-Bench questions, first turns, file order: the first is question 81, the Hawaii travel blog."""
+    prompts = read_prompts("mtbench")
+    assert len(prompts) == 80 and prompts[0].id == "mtbench:81"
+    assert prompts[0].text.startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+    assert read_prompts("mtbench", 3) == prompts[:3]
+
+
+def test_humaneval_and_gsm8k_counts_and_first_items():
+    """164 HumanEval stubs (first HumanEval/0 inside the instruction) and 1319 GSM8K questions (Janet's ducks)."""
+    humaneval, gsm8k = read_prompts("humaneval"), read_prompts("gsm8k")
+    assert len(humaneval) == 164 and humaneval[0].id == "humaneval:HumanEval/0"
+    assert humaneval[0].text.startswith("Complete the following Python function.") and \
+        "def has_close_elements" in humaneval[0].text
+    assert len(gsm8k) == 1319 and gsm8k[0].text.startswith("Janet\u2019s ducks lay 16 eggs per day.")
+
+
+def test_unknown_dataset_is_named():
+    """A dataset name we do not ship fails with its name and the known ones."""
+    with pytest.raises(ValueError, match="unknown evaluation dataset 'alpaca'.*mtbench"):
+        read_prompts("alpaca")
+
+
+def test_prompts_are_rendered_with_the_chat_template():
+    """A prompt is the user turn under the chat template, ending in the assistant header; datasets in order."""
+    tokenizer = build_tiny_tokenizer()
+    items = load_prompts(["gsm8k", "mtbench"], 2, tokenizer)
+    assert [p.id for p, _ in items] == ["gsm8k:0", "gsm8k:1", "mtbench:81", "mtbench:82"]
+    text = tokenizer.decode(items[2][1])
+    assert text.endswith("<|im_start|>user\n" + items[2][0].text + "<|im_end|>\n<|im_start|>assistant\n")
+    assert render(tokenizer, "hi") == tokenizer(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
+        "input_ids"]
+
+
+# -------------------------------------------------------------------------------------------------- summaries
+
+def test_position_acceptance_golden():
+    """Hand-computed: positions accepted / proposed, and conditional on the previous one; empty drafts ignored."""
+    rates, conditional = position_acceptance([3, 3, 3, 3, 0], [3, 1, 0, 2, 0])
+    assert rates == [0.75, 0.5, 0.25]
+    assert conditional == pytest.approx([0.75, 2 / 3, 0.5])
+
+
+def _record(index: int, depth, accepted, committed, wall_s: float, kind: str = "identical") -> dict:
+    lossless = {"kind": kind, "position": None if kind == "identical" else 4}
+    return {"index": index, "dataset": "mtbench", "id": f"mtbench:{index}",
+            "greedy": {"num_tokens": 1 + sum(committed), "wall_s": 2.0},
+            "methods": {"m": {"num_tokens": 1 + sum(committed), "wall_s": wall_s, "depth": depth,
+                              "accepted": accepted, "committed": committed, "lossless": lossless}}}
+
+
+def test_summary_golden():
+    """Acceptance length = committed / verify forwards, speedup = greedy / method time, lossless counted by kind."""
+    records = [_record(0, [3, 3], [3, 1], [4, 2], 1.0), _record(1, [3, 0, 3], [0, 0, 2], [1, 1, 3], 3.0, "near_tie")]
+    row = summarize(records, "m")
+    assert (row["num_verify"], row["accept_len"], row["speedup"]) == (5, 11 / 5, 1.0)
+    assert row["per_position"] == [0.75, 0.5, 0.25] and row["num_tokens"] == 13
+    assert row["lossless"]["identical"] == 1 and row["lossless"]["near_tie"] == 1
+    assert row["lossless"]["differences"] == [{"prompt": "mtbench:1", "kind": "near_tie", "position": 4}]
+    assert [r["dataset"] for r in summarize_all(records, ["m"])] == ["mtbench"]
+
+
+def test_config_defaults_and_checks():
+    """Defaults are the CPU demo (MT-Bench, 10 prompts, 64 tokens, chain 3 + n-gram 3..1 x 3); a tree too big
+    for its depth and topk is refused with the field named."""
+    e = EvaluateConfig()
+    assert (e.datasets, e.num_prompts, e.max_new_tokens, e.methods, e.chain_steps) == (
+        ["mtbench"], 10, 64, ["chain", "ngram"], [3])
+    assert (e.ngram_max, e.ngram_min, e.ngram_num_tokens) == (3, 1, 3)
+    names = [s.name for s in method_specs(EvaluateConfig(methods=["chain", "tree", "ngram"], chain_steps=[7, 3]))]
+    assert names == ["chain-3-1-4", "chain-7-1-8", "tree-5-4-8", "ngram"]
+    with pytest.raises(ConfigError, match="tree_num_draft_tokens"):
+        load_config("tiny", ["evaluate.methods=[tree]", "evaluate.tree_steps=2", "evaluate.tree_topk=2",
+                             "evaluate.tree_num_draft_tokens=9"])
+
+
+# ---------------------------------------------------------------------------------------------- the stage
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny target run with a random drafter exported in the SGLang layout (float32)."""
+    workdir = tmp_path_factory.mktemp("eval")
+    cfg = load_config("tiny", [f"run.workdir={workdir}", "evaluate.num_prompts=2", "evaluate.max_new_tokens=12",
+                               "evaluate.methods=[chain,tree,ngram]", "evaluate.tree_steps=3", "evaluate.tree_topk=2",
+                               "evaluate.tree_num_draft_tokens=5", "evaluate.device=cpu",
+                               "evaluate.datasets=[mtbench,gsm8k]"])
+    model_dir = prepare_target(cfg)
+    info = target_info(model_dir, cfg.target)
+    dims = DrafterDims.from_target(info, model_dir, draft_vocab_size=info.vocab_size // 2)
+    drafter = Eagle3Drafter(dims)
+    init_weights(drafter, std=0.2)
+    d2t, t2d = maps_from_used(np.arange(0, info.vocab_size, 2), info.vocab_size)
+    export_dir = export_sglang(export_state_dict(drafter), dims, d2t, t2d, info.aux_layer_ids,
+                               workdir / "drafter-export", dtype=torch.float32)
+    return cfg, model_dir, export_dir
+
+
+def test_stage_measures_every_method_losslessly_and_skips_when_done(tiny_run):
+    """Chain, tree and n-gram on 2 prompts x 2 datasets: no mismatch, a row per dataset x method (+ all), the
+    report and plot written; the second call finds the manifest and computes nothing."""
+    cfg, _, export_dir = tiny_run
+    outcome = run_evaluate(cfg, export_dir=export_dir)
+    assert outcome.computed
+    doc = json.loads((cfg.run_dir / "eval" / "results.json").read_text())
+    rows = {(r["dataset"], r["method"]): r for r in doc["results"]}
+    assert set(rows) == {(d, m) for d in ("mtbench", "gsm8k", "all") for m in ("chain-3-1-4", "tree-3-2-5", "ngram")}
+    for row in rows.values():
+        assert row["lossless"]["mismatch"] == 0, row["lossless"]
+        assert row["accept_len"] >= 1.0 and len(row["per_position"]) <= 3
+    assert rows[("mtbench", "ngram")]["speedup_vs_ngram"] == 1.0
+    assert rows[("all", "ngram")]["num_prompts"] == 4 and doc["settings"]["num_prompts"] == {"mtbench": 2, "gsm8k": 2}
+    assert "| mtbench | tree-3-2-5 | 2 |" in (cfg.run_dir / "eval" / "report.md").read_text()
+    assert (cfg.run_dir / "eval" / "per_position.png").read_bytes()[:4] == b"\x89PNG"
+    assert not run_evaluate(cfg, export_dir=export_dir).computed
+
+
+def test_parallel_workers_give_the_same_records(tiny_run):
+    """Two spawned workers sharing the device return the same tokens and acceptance per prompt as one process."""
+    cfg, model_dir, export_dir = tiny_run
+    e = cfg.evaluate.model_copy(update={"methods": ["chain"], "max_new_tokens": 8})
+    job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), "cpu", [], num_threads=1)
+    items = load_prompts(["mtbench"], 3, build_tiny_tokenizer())
+    one, two = evaluate_prompts(job, items, 1), evaluate_prompts(job, items, 2)
+
+    def strip(records):
+        return [(r["id"], r["greedy"]["tokens"], r["methods"]["chain-3-1-4"]["accepted"]) for r in records]
+
+    assert strip(one) == strip(two) and len(two) == 3
