@@ -105,7 +105,7 @@ def run_regenerate(cfg: RunConfig, progress: ProgressFn | None = None, force: bo
         if cfg.regenerate.backend == "hf":
             from eagle3.target import load_model, load_tokenizer
 
-            model, tok = load_model(model_dir, cfg.target.dtype), load_tokenizer(model_dir)
+            model, tok = load_model(model_dir, cfg.target.dtype, cfg.regenerate.device), load_tokenizer(model_dir)
         backend = make_backend(cfg.regenerate, model=model, tokenizer=tok)
         return regenerate(data_dir(cfg) / "merged.parquet", data_dir(cfg), cfg.regenerate, backend, progress)
 

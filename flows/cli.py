@@ -33,7 +33,7 @@ from flows.report import DATA_STAGES, print_summary, results_from_disk
 ROOT = Path(__file__).resolve().parents[1]
 WORK_POOLS = ("cpu", "gpu")
 PIPELINE_DEPLOYMENT = "eagle3-pipeline"
-LAST_STAGES = ("vocab", "capture", "train")
+LAST_STAGES = ("vocab", "capture", "train", "export", "evaluate", "deploy")  # = flows.pipeline.LAST_STAGES
 
 
 def _server_for(args: argparse.Namespace) -> local_server.LocalServer:

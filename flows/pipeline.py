@@ -1,4 +1,5 @@
-"""The end-to-end pipeline flow: target check -> merge -> (regenerate) -> tokenize -> vocab.
+"""The end-to-end pipeline flow: target check -> merge -> (regenerate) -> tokenize -> vocab -> capture
+-> train -> export -> offline evaluation -> (SGLang benchmark when serve.enabled).
 
 Parameters name a preset and dotted overrides (deployments never copy a preset's content), or
 carry a full RunConfig. Every stage is skipped when its manifest matches its inputs, so a
@@ -17,6 +18,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, list_presets, load_config
+from flows.report import render_run_report
 from tasks.artifacts import artifact_key
 from tasks.data import merge_task, regenerate_task, target_check_task, tokenize_task, vocab_task
 
@@ -57,26 +59,33 @@ def run_data_stages(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
     return results
 
 
-LastStage = Literal["vocab", "capture", "train"]
+LastStage = Literal["vocab", "capture", "train", "export", "evaluate", "deploy"]
+LAST_STAGES: tuple[str, ...] = ("vocab", "capture", "train", "export", "evaluate", "deploy")
+DEPLOY_STEPS = {"export": ["export"], "evaluate": ["export", "evaluate"], "deploy": ["export", "evaluate", "benchmark"]}
 
 
-def run_model_stages(cfg: RunConfig, until: str) -> dict[str, Any]:
-    """Capture (a subflow with one task per shard), then training (torchrun), as far as ``until``."""
+def run_model_stages(cfg: RunConfig, until: str, force: bool = False) -> dict[str, Any]:
+    """Capture (a subflow, one task per shard), training (torchrun), then the deploy subflow, as far as ``until``."""
     from flows.capture import eagle3_capture
+    from flows.deploy import eagle3_deploy
     from tasks.train import train_task
 
+    reached = LAST_STAGES.index(until)
     results: dict[str, Any] = {}
-    if until in ("capture", "train"):
+    if reached >= LAST_STAGES.index("capture"):
         results["capture"] = eagle3_capture(config=cfg)
-    if until == "train":
+    if reached >= LAST_STAGES.index("train"):
         results["train"] = train_task(cfg)
+    if until in DEPLOY_STEPS:
+        deployed = eagle3_deploy(config=cfg, force=force, steps=DEPLOY_STEPS[until])
+        results.update({k: v for k, v in deployed.items() if k != "run_dir"})
     return results
 
 
 @flow(name="eagle3-pipeline", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=4))
 def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
                     config: RunConfig | None = None, force: bool = False,
-                    until: LastStage = "train") -> dict[str, Any]:
+                    until: LastStage = "deploy") -> dict[str, Any]:
     """Run the pipeline for a preset (+ dotted overrides) or a full config, up to stage ``until``."""
     from eagle3.stages import write_run_config
     from infra.storage import run_lock
@@ -87,9 +96,11 @@ def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | 
     with run_lock(cfg.run_dir, owner=f"prefect flow run {flow_run.id}"):
         write_run_config(cfg)
         results = run_data_stages(cfg, force)
-        results.update(run_model_stages(cfg, until))
+        results.update(run_model_stages(cfg, until, force))
     create_markdown_artifact(markdown=render_summary(cfg, results), key=artifact_key(cfg, "run-summary"),
                              description="pipeline summary")
+    create_markdown_artifact(markdown=render_run_report(cfg), key=artifact_key(cfg, "run-report"),
+                             description="run report: data, capture, training curves, measured acceptance")
     return {"run_dir": str(cfg.run_dir.resolve()), **{k: v for k, v in results.items() if k != "target"}}
 
 
@@ -111,4 +122,10 @@ def render_summary(cfg: RunConfig, results: dict[str, Any]) -> str:
         last = results["train"].get("last_eval") or {}
         lines.append(f"| train | see train task | val acc_0 {last.get('acc_0')}, "
                      f"accept_len_est {last.get('accept_len_est')} |")
+    if results.get("export"):
+        lines.append(f"| export | {'yes' if results['export'].get('computed') else 'no (up to date)'} | "
+                     f"{', '.join(f'`{k}`' for k in results['export'].get('outputs', {}))} |")
+    if results.get("evaluate"):
+        lines.append(f"| evaluate | {'yes' if results['evaluate'].get('computed') else 'no (up to date)'} | "
+                     "see the run report |")
     return "\n".join(lines) + "\n"

@@ -92,18 +92,64 @@ def _print_train(train: dict[str, Any]) -> None:
 
 def _print_eval(evaluation: dict[str, Any]) -> None:
     """Measured acceptance length per dataset and method (from eval/results.json)."""
-    print("\n[evaluate] measured by speculative decoding against the target (lossless check included)")
+    print("\n[evaluate] measured by speculative decoding against the target (bonus token included)")
     for row in eval_rows(evaluation):
-        print("  " + "  ".join(f"{k}={v}" for k, v in row.items()))
+        print(f"  {row['dataset']:<10} {row['method']:<14} accept_len {row['accept_len']:<7} "
+              f"per position {row['per_position']}  speedup {row['speedup']}x  lossless {row['lossless']}")
 
 
 def eval_rows(evaluation: dict[str, Any]) -> list[dict[str, Any]]:
-    """One flat row per (dataset, method) of eval/results.json."""
+    """One row per (dataset, method) of eval/results.json, rounded for display."""
     rows = []
     for res in evaluation.get("results", []):
-        rows.append({k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()
-                     if isinstance(v, (int, float, str, bool))})
+        lossless = res.get("lossless", {})
+        rows.append({"dataset": res.get("dataset"), "method": res.get("method"),
+                     "prompts": res.get("num_prompts"), "accept_len": round(res.get("accept_len", float("nan")), 3),
+                     "per_position": " / ".join(f"{p:.3f}" for p in res.get("per_position", [])),
+                     "tokens_per_s": round(res.get("tokens_per_s", float("nan")), 2),
+                     "speedup": round(res.get("speedup", float("nan")), 2),
+                     "lossless": f"{lossless.get('identical')}/{res.get('num_prompts')} identical, "
+                                 f"{lossless.get('mismatch')} mismatch, {lossless.get('near_tie')} near-tie"})
     return rows
+
+
+def _image(path: Path) -> str:
+    """A PNG embedded as a data URI (the UI renders markdown artifacts without file access)."""
+    import base64
+
+    return f"![{path.stem}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    head = list(rows[0])
+    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            + ["| " + " | ".join(str(r.get(k, "")) for k in head) + " |" for r in rows])
+
+
+def render_run_report(cfg: RunConfig) -> str:
+    """The run report: data, capture throughput, training curves, measured acceptance (from the run dir)."""
+    res, run = results_from_disk(cfg), cfg.run_dir
+    lines = [f"# Run report `{cfg.run.name}`", "", f"run directory `{run.resolve()}`", ""]
+    cap = res.get("capture", {}).get("stats", {})
+    if cap:
+        lines += ["## Capture", f"{cap.get('num_samples')} samples, {cap.get('num_tokens')} tokens, "
+                  f"{cap.get('num_bytes', 0) / 1e6:.1f} MB, {cap.get('bytes_per_token')} bytes/token", ""]
+    train = res.get("train")
+    if train:
+        last_train, last_eval = train.get("last_train") or {}, train.get("last_eval") or {}
+        lines += ["## Training", f"last step {last_train.get('step')}: {last_train.get('tokens_per_s', 0):,.0f} "
+                  f"tokens/s; validation accept_len_est {last_eval.get('accept_len_est')}", ""]
+        lines += [_image(p) for p in (run / "train" / "loss.png", run / "train" / "acc.png") if p.is_file()]
+    if res.get("evaluate"):
+        lines += ["", "## Measured acceptance (speculative decoding against the target)", ""]
+        lines += _table(eval_rows(res["evaluate"]))
+        plot = run / "eval" / "per_position.png"
+        lines += ["", _image(plot)] if plot.is_file() else []
+    if (run / "deploy" / "report.md").is_file():
+        lines += ["", (run / "deploy" / "report.md").read_text()]
+    return "\n".join(lines) + "\n"
 
 
 def _headline(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.process import kill_group, pid_alive, tail
+from infra.process import group_alive, kill_group, tail
 
 PR_SET_PDEATHSIG = 1
 DEFAULT_KEEP = re.compile(r"step|loss|acc|epoch|error|warn|traceback|exception|checkpoint|resum", re.I)
@@ -73,7 +73,7 @@ def kill_leftover(pid_file: Path) -> int | None:
         pid = int(pid_file.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    if not pid_alive(pid):
+    if not group_alive(pid):  # the leader may be gone while its workers still run
         return None
     kill_group(pid, grace_s=30.0)
     return pid

@@ -375,13 +375,18 @@ def make_backend(cfg: RegenerateConfig, model: Any = None, tokenizer: Any = None
 
 # --------------------------------------------------------------------------- conversations
 
-def plan_turns(messages: list[Message]) -> list[Message | None]:
-    """The regenerated conversation's skeleton: kept messages, and None where an answer goes."""
+def plan_turns(messages: list[Message], max_user_turns: int | None = None) -> list[Message | None]:
+    """The regenerated conversation's skeleton: kept messages, and None where an answer goes.
+
+    With ``max_user_turns``, everything after the answer to that many user turns is left out.
+    """
     plan: list[Message | None] = []
     seen_user = False
     for i, msg in enumerate(messages):
         if msg["role"] == "assistant" and seen_user:
             continue
+        if max_user_turns is not None and plan.count(None) >= max_user_turns:
+            break
         plan.append({"role": msg["role"], "content": msg["content"]})
         if msg["role"] == "user":
             seen_user = True
@@ -390,12 +395,12 @@ def plan_turns(messages: list[Message]) -> list[Message | None]:
     return plan
 
 
-async def regenerate_conversation(messages: list[Message], backend: ChatBackend,
-                                  row_id: str) -> tuple[list[Message], list[str | None]]:
+async def regenerate_conversation(messages: list[Message], backend: ChatBackend, row_id: str,
+                                  max_user_turns: int | None = None) -> tuple[list[Message], list[str | None]]:
     """Answer each user turn on the regenerated history; returns (messages, finish reasons)."""
     history: list[Message] = []
     finish_reasons: list[str | None] = []
-    for item in plan_turns(messages):
+    for item in plan_turns(messages, max_user_turns):
         if item is not None:
             history.append(item)
             continue
@@ -464,13 +469,15 @@ class _RunState:
     error: int = 0
     num_turns: int = 0
     finish_reasons: Counter[str] = field(default_factory=Counter)
+    max_user_turns: int | None = None
 
 
-async def _process_row(row: dict[str, Any], backend: ChatBackend, key: str) -> dict[str, Any]:
+async def _process_row(row: dict[str, Any], backend: ChatBackend, key: str,
+                       max_user_turns: int | None = None) -> dict[str, Any]:
     """One conversation -> its journal record (ok or error)."""
     record: dict[str, Any] = {"id": row["id"], "content_hash": row.get("content_hash"), "settings": key}
     try:
-        messages, reasons = await regenerate_conversation(row["messages"], backend, row["id"])
+        messages, reasons = await regenerate_conversation(row["messages"], backend, row["id"], max_user_turns)
     except CompletionError as exc:
         return {**record, "status": "error", "error_type": exc.kind, "message": exc.message,
                 "attempts": exc.num_attempts}
@@ -486,7 +493,7 @@ async def _run_rows(todo: list[dict[str, Any]], backend: ChatBackend, key: str,
     async def worker() -> None:
         # A shared iterator instead of one task per row keeps memory flat on millions of rows.
         for row in rows:
-            record = await _process_row(row, backend, key)
+            record = await _process_row(row, backend, key, state.max_user_turns)
             append(record)
             _count(record, state)
             progress.update(1, success=state.success, error=state.error)
@@ -561,7 +568,8 @@ def regenerate(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, backend: 
     done, key = journal.load(), settings_key(cfg)
     limit = min(len(rows), cfg.max_conversations or len(rows))
     todo = [r for r in rows[:limit] if not _is_reusable(done.get(r["id"]), r, key, retry_errors)]
-    state = _RunState()
+    todo.sort(key=lambda r: sum(len(m["content"]) for m in r["messages"]))  # similar lengths batch together
+    state = _RunState(max_user_turns=cfg.max_user_turns)
     with journal.appender() as append, Progress(len(todo), "regenerate", progress) as bar:
         _run_sync(_run_rows(todo, backend, key, append, state, bar))
     stats = {"input": len(rows), "success": state.success, "error": state.error,

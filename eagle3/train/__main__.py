@@ -19,12 +19,31 @@ import logging
 import os
 import sys
 
+PR_SET_PDEATHSIG = 1
+
 
 def _configure_logging() -> None:
     """INFO on rank 0, warnings only on the other ranks (one step line per step, not one per GPU)."""
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
                         format=f"%(asctime)s [rank {rank}] %(message)s", datefmt="%H:%M:%S")
+
+
+def _stop_with_launcher() -> None:
+    """Under torchrun: SIGTERM this worker when its launcher dies.
+
+    The launcher is SIGKILLed with the orchestrating process (infra.torchrun asks for that); without
+    this, its workers would train on unsupervised and race the next attempt. SIGTERM makes the
+    trainer checkpoint and exit, so the work done so far is kept.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args(argv)
         cfg = config_from_args(args)
         _configure_logging()
+        _stop_with_launcher()
         result = train(cfg, args.stop_after_steps)
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps({"status": result.status, "step": result.step,

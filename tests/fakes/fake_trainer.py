@@ -1,7 +1,10 @@
 """A stand-in for eagle3.train under torchrun (a test double): prints step lines, can fail or hang.
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 -m tests.fakes.fake_trainer \
-        --steps 3 --pid-dir DIR [--fail] [--hang]
+        --steps 3 --pid-dir DIR [--fail] [--hang] [--launcher-guard]
+
+--launcher-guard installs the real trainer's "stop when the launcher dies" request and a SIGTERM
+handler that records rank<r>.stopped (where the real trainer would checkpoint) before exiting.
 """
 
 from __future__ import annotations
@@ -19,9 +22,21 @@ def main() -> None:
     parser.add_argument("--pid-dir", type=Path, required=True)
     parser.add_argument("--fail", action="store_true")
     parser.add_argument("--hang", action="store_true")
+    parser.add_argument("--launcher-guard", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     args.pid_dir.mkdir(parents=True, exist_ok=True)
+    if args.launcher_guard:
+        import signal
+
+        from eagle3.train.__main__ import _stop_with_launcher
+
+        def stopped(*_):
+            (args.pid_dir / f"rank{rank}.stopped").write_text("SIGTERM\n")
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, stopped)
+        _stop_with_launcher()
     (args.pid_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
     for step in range(args.steps):
         print(f"rank {rank} step {step} loss {1.0 / (step + 1):.3f}", flush=True)

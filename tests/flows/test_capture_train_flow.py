@@ -59,7 +59,24 @@ def test_train_rerun_is_a_no_op(cfg):
 def test_full_pipeline_after_capture_and_train_recomputes_nothing(cfg):
     """The end-to-end flow (data, capture subflow, train task) on a finished run rewrites no shard or checkpoint."""
     stamps = {p: p.stat().st_mtime_ns for p in cfg.run_dir.rglob("*.safetensors")}
-    result = eagle3_pipeline(config=cfg)
+    result = eagle3_pipeline(config=cfg, until="train")
     assert not any(result[s]["computed"] for s in ("merge", "tokenize", "vocab"))
     assert result["capture"]["stats"]["num_tokens"] > 0 and result["train"]["last_train"]["step"] == 6
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+def test_pipeline_exports_and_evaluates_and_reports(cfg):
+    """until=evaluate: the SGLang export and the measured evaluation exist, lossless on every prompt; a run report."""
+    from prefect.client.orchestration import get_client
+
+    cfg2 = cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"num_prompts": 2, "max_new_tokens": 12})})
+    result = eagle3_pipeline(config=cfg2, until="evaluate")
+    assert (cfg.run_dir / "export" / "sglang" / "config.json").is_file()
+    records = json.loads((cfg.run_dir / "eval" / "results.json").read_text())["results"]
+    assert {r["method"] for r in records} >= {"ngram"} and all(r["num_prompts"] == 2 for r in records)
+    assert all(r["lossless"]["identical"] == 2 for r in records) and all(r["accept_len"] >= 1.0 for r in records)
+    assert result["evaluate"]["computed"] and "benchmark" not in result
+    with get_client(sync_client=True) as client:
+        report = client.read_artifacts(limit=200)
+    keys = {a.key for a in report}
+    assert f"{cfg.run.name}-run-report" in keys and f"{cfg.run.name}-evaluate-progress" in keys

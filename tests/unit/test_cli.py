@@ -61,3 +61,16 @@ def _json_blocks(text: str) -> list[str]:
             current = []
         current.append(line)
     return blocks + (["\n".join(current)] if current else [])
+
+
+def test_help_lists_every_subcommand_with_an_example():
+    """`eagle3 --help` names each subcommand and shows at least one example line for it."""
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    from flows.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices  # the registered subcommands
+    examples = proc.stdout.split("examples:")[1]
+    for name in commands:
+        assert name in proc.stdout.split("examples:")[0], name
+        assert f"eagle3 {name}" in examples, f"no example for {name}"

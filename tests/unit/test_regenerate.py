@@ -341,3 +341,13 @@ def test_hf_backend_stops_at_eos_and_decodes_only_new_tokens(tiny_target):
     stopping.generation_config.eos_token_id = [tokenizer.eos_token_id, new[cut]]
     [short] = HFGenerateBackend(stopping, tokenizer, cfg).generate_batch([conv])
     assert short == Completion(tokenizer.decode(new[:cut], skip_special_tokens=True), "stop")
+
+
+def test_plan_turns_max_user_turns_stops_after_that_many_answers():
+    """max_user_turns=1 keeps the system prompt and first user turn, one answer slot, and nothing after it."""
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "x"}, {"role": "user", "content": "b"},
+            {"role": "assistant", "content": "y"}]
+    plan = plan_turns(msgs, max_user_turns=1)
+    assert [p["content"] if p else None for p in plan] == ["s", "a", None]
+    assert [p["content"] if p else None for p in plan_turns(msgs, max_user_turns=2)] == ["s", "a", None, "b", None]

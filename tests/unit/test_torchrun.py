@@ -65,3 +65,26 @@ def test_leftover_group_from_an_earlier_attempt_is_killed(tmp_path):
     assert kill_leftover(pid_file) == stale.pid
     stale.wait(timeout=30)
     assert not pid_alive(stale.pid)
+
+
+def test_ranks_stop_when_the_supervising_process_is_sigkilled(tmp_path):
+    """A SIGKILLed orchestrator takes the torchrun launcher with it, and every rank gets SIGTERM (to checkpoint)."""
+    import signal
+
+    spec = _spec(tmp_path, "--hang", "--launcher-guard")
+    code = ("import sys; from pathlib import Path; from infra.torchrun import run_torchrun, TorchrunSpec; "
+            f"run_torchrun(TorchrunSpec(module={spec.module!r}, args={spec.args!r}, nproc_per_node=2, "
+            f"env={spec.env!r}), Path({str(tmp_path / 'train.log')!r}), timeout_s=300)")
+    supervisor = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 120
+    while len(_rank_pids(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = _rank_pids(tmp_path)
+    assert len(pids) == 2, "ranks did not start"
+    supervisor.send_signal(signal.SIGKILL)
+    supervisor.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_alive(p) for p in pids)
+    assert sorted(p.name for p in (tmp_path / "pids").glob("*.stopped")) == ["rank0.stopped", "rank1.stopped"]
