@@ -140,7 +140,8 @@ def render_run_report(cfg: RunConfig) -> str:
     if train:
         last_train, last_eval = train.get("last_train") or {}, train.get("last_eval") or {}
         lines += ["## Training", f"last step {last_train.get('step')}: {last_train.get('tokens_per_s', 0):,.0f} "
-                  f"tokens/s; validation accept_len_est {last_eval.get('accept_len_est')}", ""]
+                  f"tokens/s; validation acc_0 {last_eval.get('acc_0', float('nan')):.3f}, accept_len_est "
+                  f"{last_eval.get('accept_len_est', float('nan')):.3f}", ""]
         lines += [_image(p) for p in (run / "train" / "loss.png", run / "train" / "acc.png") if p.is_file()]
     if res.get("evaluate"):
         lines += ["", "## Measured acceptance (speculative decoding against the target)", ""]
