@@ -85,3 +85,11 @@ def test_overrides_index_into_lists():
     assert cfg.data.sources[0].max_records == 5
     with pytest.raises(ConfigError, match="not an index"):
         load_config("smollm2-demo", ["data.sources.3.max_records=5"])
+
+
+def test_tiny_layer_minimum_applies_only_to_tiny_targets():
+    """A tiny target needs >= 8 layers (named in the error); a gguf run's inert tiny section does not block loading."""
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        load_config("tiny", ["target.tiny.num_hidden_layers=4"])
+    cfg = load_config("smollm2-demo", ["target.tiny.num_hidden_layers=4"])
+    assert cfg.target.kind == "gguf" and cfg.target.tiny.num_hidden_layers == 4
