@@ -37,12 +37,15 @@ def write_run_config(cfg: RunConfig) -> Path:
     return save_config(cfg, cfg.run_dir / "config.json")
 
 
-def key_for(cfg: RunConfig, stage: str) -> str:
-    """The stage key (eagle3.stage); Prefect's cache key for the stage's task is this same string."""
+def key_for(cfg: RunConfig, stage: str, fp: str | None = None) -> str:
+    """The stage key (eagle3.stage); Prefect's cache key for the stage's task is this same string.
+
+    ``fp`` is the target fingerprint when the caller has it already (else it is computed here).
+    """
     if stage == "merge":
         conf = {"data": cfg.data.model_dump(mode="json"), "seed": cfg.run.seed}
         return stage_key("merge", conf, extra={"source_files": _source_stamps(cfg)})
-    _, fp = _target(cfg)
+    fp = fp or _target(cfg)[1]
     upstream = {"regenerate": manifest_path(cfg, "merge"), "tokenize": _conversations_manifest(cfg),
                 "vocab": manifest_path(cfg, "tokenize")}[stage]
     return stage_key(stage, section_dict(cfg, stage), [upstream], {"target": fp})
@@ -97,8 +100,8 @@ def run_regenerate(cfg: RunConfig, progress: ProgressFn | None = None, force: bo
         return None
     from eagle3.data.regenerate import make_backend, regenerate
 
-    model_dir, _ = _target(cfg)
-    key = key_for(cfg, "regenerate")
+    model_dir, fp = _target(cfg)
+    key = key_for(cfg, "regenerate", fp)
 
     def compute():
         model = tok = None
@@ -117,8 +120,8 @@ def run_tokenize(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
     from eagle3.data.tokenize import tokenize_dataset
     from eagle3.target import load_tokenizer
 
-    model_dir, _ = _target(cfg)
-    key = key_for(cfg, "tokenize")
+    model_dir, fp = _target(cfg)
+    key = key_for(cfg, "tokenize", fp)
     in_parquet = data_dir(cfg) / ("regenerated.parquet" if cfg.regenerate.enabled else "merged.parquet")
     return run_stage("tokenize", manifest_path(cfg, "tokenize"), key, force=force, compute=lambda: tokenize_dataset(
         in_parquet, data_dir(cfg), load_tokenizer(model_dir), cfg.tokenize, progress))
@@ -130,7 +133,7 @@ def run_vocab(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = 
     from eagle3.vocab import build_vocab_map
 
     model_dir, fp = _target(cfg)
-    key = key_for(cfg, "vocab")
+    key = key_for(cfg, "vocab", fp)
 
     def compute():
         info = target_info(model_dir, cfg.target)

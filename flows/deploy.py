@@ -12,7 +12,7 @@ GPUs), compares them and writes ``<run>/deploy/results.json`` and ``report.md``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from prefect import flow, get_run_logger
 
@@ -21,7 +21,7 @@ from flows.pipeline import PresetName, guard_crash_loop
 from tasks.deploy import benchmark_server_task, evaluate_task, export_task, prepare_serving_task, report_task
 
 DeployStep = Literal["export", "evaluate", "benchmark"]
-ALL_STEPS: tuple[str, ...] = ("export", "evaluate", "benchmark")
+ALL_STEPS: tuple[str, ...] = get_args(DeployStep)
 NOT_ENABLED = "serve.enabled is false: no GPU host with SGLang configured, so no server was started"
 
 

@@ -7,7 +7,6 @@ work), not a Python return value.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,38 +15,28 @@ from eagle3.config import RunConfig
 DATA_STAGES = ("merge", "regenerate", "tokenize", "vocab")
 
 
-def _manifest(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _json(path: Path) -> dict[str, Any] | None:
-    return _manifest(path)
-
-
 def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
     """{stage: {"computed": None, "stats": ...}} for every stage whose manifest exists."""
+    from eagle3.stage import read_manifest
     from eagle3.stages import manifest_path
 
     run = cfg.run_dir
     results: dict[str, Any] = {"run_dir": str(run.resolve())}
     for stage in DATA_STAGES:
-        doc = _manifest(manifest_path(cfg, stage))
+        doc = read_manifest(manifest_path(cfg, stage))
         if doc:
             results[stage] = {"computed": None, "stats": doc.get("stats", {}), "outputs": doc.get("outputs", {})}
-    capture = _manifest(run / "features" / "capture.manifest.json")
+    capture = read_manifest(run / "features" / "capture.manifest.json")
     if capture:
         results["capture"] = {"stats": capture.get("stats", {})}
-    train = _manifest(run / "train" / "train.manifest.json")
+    train = read_manifest(run / "train" / "train.manifest.json")
     if train:
         stats = train.get("stats", {})
         results["train"] = {"last_train": stats.get("train"), "last_eval": stats.get("eval"), "manifest": stats}
-    export = _manifest(run / "export" / "export.manifest.json")
+    export = read_manifest(run / "export" / "export.manifest.json")
     if export:
         results["export"] = {"stats": export.get("stats", {}), "dir": str((run / "export").resolve())}
-    evaluation = _json(run / "eval" / "results.json")
+    evaluation = read_manifest(run / "eval" / "results.json")  # any JSON file, or None
     if evaluation:
         results["evaluate"] = evaluation
     return results
@@ -113,7 +102,7 @@ def eval_rows(evaluation: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _image(path: Path) -> str:
+def markdown_image(path: Path) -> str:
     """A PNG embedded as a data URI (the UI renders markdown artifacts without file access)."""
     import base64
 
@@ -142,12 +131,12 @@ def render_run_report(cfg: RunConfig) -> str:
         lines += ["## Training", f"last step {last_train.get('step')}: {last_train.get('tokens_per_s', 0):,.0f} "
                   f"tokens/s; validation acc_0 {last_eval.get('acc_0', float('nan')):.3f}, accept_len_est "
                   f"{last_eval.get('accept_len_est', float('nan')):.3f}", ""]
-        lines += [_image(p) for p in (run / "train" / "loss.png", run / "train" / "acc.png") if p.is_file()]
+        lines += [markdown_image(p) for p in (run / "train" / "loss.png", run / "train" / "acc.png") if p.is_file()]
     if res.get("evaluate"):
         lines += ["", "## Measured acceptance (speculative decoding against the target)", ""]
         lines += _table(eval_rows(res["evaluate"]))
         plot = run / "eval" / "per_position.png"
-        lines += ["", _image(plot)] if plot.is_file() else []
+        lines += ["", markdown_image(plot)] if plot.is_file() else []
     if (run / "deploy" / "report.md").is_file():
         lines += ["", (run / "deploy" / "report.md").read_text()]
     return "\n".join(lines) + "\n"

@@ -23,7 +23,8 @@ from infra.process import pid_alive
 CHUNK_BYTES = 8 << 20
 
 
-def _umask_mode() -> int:
+def umask_mode() -> int:
+    """Permissions a new file gets under the process umask (0o666 & ~umask)."""
     mask = os.umask(0)
     os.umask(mask)
     return 0o666 & ~mask
@@ -44,7 +45,7 @@ def atomic_open(path: Path | str, mode: str = "wb") -> Iterator[BinaryIO]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, _umask_mode())  # mkstemp creates 0600; outputs get the usual permissions
+    os.fchmod(fd, umask_mode())  # mkstemp creates 0600; outputs get the usual permissions
     try:
         with os.fdopen(fd, mode) as fh:
             yield fh
@@ -80,7 +81,7 @@ def temp_path_for(path: Path | str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, _umask_mode())
+    os.fchmod(fd, umask_mode())
     os.close(fd)
     return Path(tmp)
 
@@ -149,7 +150,8 @@ class LockHeldError(RuntimeError):
     """Another writer holds the run directory."""
 
 
-def _read_holder(lock: Path) -> dict[str, Any]:
+def read_holder(lock: Path) -> dict[str, Any]:
+    """The run lock's holder record (pid, host, owner); {} when there is none."""
     try:
         return json.loads(lock.read_text())
     except (OSError, ValueError):
@@ -185,7 +187,7 @@ def run_lock(run_dir: Path | str, owner: str = "") -> Iterator[Path]:
     lock = Path(run_dir) / ".lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     me = {"pid": os.getpid(), "host": socket.gethostname(), "owner": owner}
-    holder = _read_holder(lock) if lock.exists() else {}
+    holder = read_holder(lock) if lock.exists() else {}
     if _held_by_us(holder, me):
         yield lock
         return
@@ -194,7 +196,7 @@ def run_lock(run_dir: Path | str, owner: str = "") -> Iterator[Path]:
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
-        holder = _read_holder(lock)
+        holder = read_holder(lock)
         raise LockHeldError(
             f"run directory {run_dir} is locked by pid {holder.get('pid')} on host {holder.get('host')}"
             f" ({holder.get('owner') or 'unknown owner'}); remove {lock} only if that process is gone"

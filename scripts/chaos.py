@@ -34,6 +34,7 @@ from eagle3.config import load_config  # noqa: E402
 from flows import local_server  # noqa: E402
 from flows.follow import deploy, trigger  # noqa: E402
 from flows.local_worker import LocalWorker, start_worker, worker_pid  # noqa: E402
+from infra.storage import read_holder  # noqa: E402
 
 TINY_OVERRIDES = ["capture.tokens_per_shard=300", "train.num_epochs=30", "train.checkpoint_every_steps=25"]
 
@@ -88,10 +89,11 @@ def kill_vm(worker: LocalWorker, run_dir: Path) -> list[int]:
     pid = worker_pid(worker)
     if pid:
         groups.add(os.getpgid(pid))
+    holder = read_holder(run_dir / ".lock").get("pid")
     try:
-        holder = json.loads((run_dir / ".lock").read_text())["pid"]
-        groups.add(os.getpgid(holder))
-    except (OSError, ValueError, KeyError, ProcessLookupError):
+        if holder:
+            groups.add(os.getpgid(holder))
+    except ProcessLookupError:
         pass
     try:  # torchrun's own group: on a lost VM it dies too, with no chance to checkpoint
         groups.add(int((run_dir / "train" / "torchrun.pid").read_text().split()[0]))
@@ -124,11 +126,16 @@ def trainer_pids(run_dir: Path) -> list[int]:
     return pids
 
 
+def last_logged_int(run_dir: Path, pattern: str) -> int | None:
+    """The number in the last match of ``pattern`` (one group) in the trainer's log."""
+    log = run_dir / "train" / "torchrun.log"
+    found = re.findall(pattern, log.read_text(errors="replace")) if log.is_file() else []
+    return int(found[-1]) if found else None
+
+
 def logged_step(run_dir: Path) -> int | None:
     """The last optimizer step rank 0 logged ("step N/M ...")."""
-    log = run_dir / "train" / "torchrun.log"
-    found = re.findall(r"\bstep (\d+)/\d+", log.read_text(errors="replace")) if log.is_file() else []
-    return int(found[-1]) if found else None
+    return last_logged_int(run_dir, r"\bstep (\d+)/\d+")
 
 
 def state_history(run_id) -> list[tuple[str, float]]:
@@ -199,9 +206,7 @@ def chaos_train(run_id, worker: LocalWorker, run_dir: Path, timeout_s: float) ->
 
 def _resumed_step(run_dir: Path) -> int | None:
     """The step the newest trainer launch resumed from, read from its log ("resuming from ... (step N, ...")."""
-    log = run_dir / "train" / "torchrun.log"
-    found = re.findall(r"resuming from \S+ \(step (\d+)", log.read_text(errors="replace")) if log.is_file() else []
-    return int(found[-1]) if found else None
+    return last_logged_int(run_dir, r"resuming from \S+ \(step (\d+)")
 
 
 def main() -> int:

@@ -24,7 +24,6 @@ from eagle3.config import RunConfig
 from tasks.artifacts import ProgressArtifact, artifact_key, publish_table
 
 Role = Literal["baseline", "speculative"]
-SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def deploy_dir(cfg: RunConfig) -> Path:
@@ -33,8 +32,10 @@ def deploy_dir(cfg: RunConfig) -> Path:
 
 
 def draft_dir(cfg: RunConfig) -> Path:
-    """The exported SGLang drafter, <run>/export/sglang."""
-    return cfg.run_dir / "export" / "sglang"
+    """The exported SGLang drafter (the folder the evaluate stage reads too)."""
+    from eagle3.evaluate import default_export_dir
+
+    return default_export_dir(cfg)
 
 
 def server_specs(cfg: RunConfig, model_path: str, draft_path: str, api_key: str | None):
@@ -71,13 +72,12 @@ def probe_expectations(model_path: str):
 
 
 def check_draft(path: Path) -> None:
-    """The exported drafter must be an SGLang EAGLE-3 directory; say which step is missing otherwise."""
-    config = path / "config.json"
-    if not config.is_file():
+    """The export's own strict check (SGLang skips unknown keys silently); say which step is missing first."""
+    from eagle3.export import check_sglang_export
+
+    if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no exported drafter at {path} (no config.json): run the export step first")
-    architectures = json.loads(config.read_text()).get("architectures") or []
-    if SGLANG_ARCHITECTURE not in architectures:
-        raise ValueError(f"{config} names architectures {architectures}; SGLang needs [{SGLANG_ARCHITECTURE!r}]")
+    check_sglang_export(path)
 
 
 @task(name="export", task_run_name="export-{cfg.run.name}")

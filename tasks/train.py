@@ -6,7 +6,6 @@ manifest matches its inputs is a no-op inside the trainer, so a re-run costs one
 
 from __future__ import annotations
 
-import base64
 import json
 import threading
 from pathlib import Path
@@ -16,6 +15,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from eagle3.config import RunConfig
+from flows.report import markdown_image
 from tasks.artifacts import artifact_key, publish_table
 
 
@@ -35,7 +35,7 @@ def _visible_gpus(cfg: RunConfig) -> list:
 
     gpus = [] if cfg.train.device == "cpu" else list_gpus()
     if gpus:
-        check_gpus_free([g.index for g in gpus], allow_shared=cfg.capture.allow_shared_gpus)
+        check_gpus_free([g.index for g in gpus], allow_shared=cfg.capture.allow_shared_gpus, gpus=gpus)
     return gpus
 
 
@@ -85,8 +85,7 @@ def publish_train_report(cfg: RunConfig) -> dict[str, Any]:
     rows = [{"split": "train", **_scalars(train[-1])}] if train else []
     rows += [{"split": "val", **_scalars(r)} for r in evals]
     publish_table(cfg, "train-metrics", rows or [{"split": "(none)"}], "last train step and every validation")
-    images = "\n\n".join(f"![{p.stem}](data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()})"
-                         for p in plot_metrics(metrics))
+    images = "\n\n".join(markdown_image(p) for p in plot_metrics(metrics))
     create_markdown_artifact(markdown=f"# Training `{cfg.run.name}`\n\n{images}\n", key=artifact_key(cfg, "train-report"),
                              description="loss and accuracy per TTT step")
     return {"last_train": train[-1] if train else None, "last_eval": evals[-1] if evals else None}

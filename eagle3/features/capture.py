@@ -166,7 +166,8 @@ def prepare_capture(cfg: RunConfig) -> CapturePlan:
     plan.save(fdir / PLAN_FILE)
     on_disk = complete_shards(fdir, expected)
     pending = tuple(s.index for s in plan.shards if not _shard_matches(on_disk.get(s.index), s, fdir, expected))
-    need = preflight_bytes(plan, spec, skip=[s.index for s in plan.shards if s.index not in set(pending)])
+    todo = set(pending)
+    need = preflight_bytes(plan, spec, skip=[s.index for s in plan.shards if s.index not in todo])
     check_disk(fdir, need, cfg.capture.disk_margin_bytes)
     return CapturePlan(plan.shards, plan.tokenized_key, plan.tokens_per_shard, plan.format_version, pending, need)
 
@@ -246,8 +247,9 @@ def capture_shard(cfg: RunConfig, shard_index: int, backend: CaptureBackend | No
 
 
 def _incomplete(fdir: Path, spec: FeatureSpec, plan: CapturePlan) -> tuple[list[int], dict[int, dict]]:
-    on_disk = complete_shards(fdir, spec_hash(spec))
-    missing = [s.index for s in plan.shards if not _shard_matches(on_disk.get(s.index), s, fdir, spec_hash(spec))]
+    expected = spec_hash(spec)
+    on_disk = complete_shards(fdir, expected)
+    missing = [s.index for s in plan.shards if not _shard_matches(on_disk.get(s.index), s, fdir, expected)]
     return missing, on_disk
 
 
@@ -289,7 +291,8 @@ def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec, progress:
     from eagle3.target import prepare_target
 
     fdir, (tokenized, _) = features_dir(cfg), _tokenized(cfg)
-    pending = [s for s in plan.shards if s.index in set(plan.pending or ())]
+    todo = set(plan.pending or ())
+    pending = [s for s in plan.shards if s.index in todo]
     tokens_left = sum(s.num_tokens for s in pending)
     totals = {"tokens": 0, "bytes": 0}
     start = time.perf_counter()

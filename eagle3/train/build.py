@@ -26,7 +26,7 @@ from eagle3.config import RunConfig
 from eagle3.features.spec import FeatureSpec
 from eagle3.model import DrafterDims, Eagle3Drafter, init_weights, load_target_weights
 from eagle3.train.data import EpochPlan, plan_epoch, read_split
-from eagle3.ttt import Supervision, TTTBatch, TTTObjective, TTTOutput, load_target_lm_head
+from eagle3.ttt import StepOptions, TTTObjective, load_target_lm_head
 
 log = logging.getLogger("eagle3.train")
 
@@ -34,14 +34,6 @@ OPERATIONAL_KNOBS = ("eval_every_steps", "checkpoint_every_steps", "keep_checkpo
                      "prefetch_rows", "parallel", "device", "nproc_per_node", "nnodes", "node_rank",
                      "rdzv_endpoint", "timeout_s", "compile", "loss_chunk_tokens", "reuse_block_mask")
 """Train settings that change how or where a run goes, never what it learns: left out of the stage key."""
-
-
-class TrainObjective(TTTObjective):
-    """TTTObjective whose forward takes the supervision precomputed: the trainer needs each step's
-    supervised-token count of the whole accumulation window (all ranks) before the first backward."""
-
-    def forward(self, batch: TTTBatch, supervision: Supervision) -> TTTOutput:  # type: ignore[override]
-        return self.unroll(batch, supervision)
 
 
 # ----------------------------------------------------------------------------------------------- the inputs
@@ -95,16 +87,21 @@ def stage_key_for(cfg: RunConfig, inputs: RunInputs) -> str:
 
 # ---------------------------------------------------------------------------------------- model, optimizer
 
-def build_objective(cfg: RunConfig, inputs: RunInputs, device: torch.device) -> TrainObjective:
-    """Seeded drafter with the target's frozen embeddings (and lm_head rows if asked), on ``device``."""
+def build_objective(cfg: RunConfig, inputs: RunInputs, device: torch.device,
+                    options: StepOptions | None = None) -> TTTObjective:
+    """Seeded drafter with the target's frozen embeddings (and lm_head rows if asked), on ``device``.
+
+    The trainer passes the supervision to forward precomputed: it needs each step's supervised-token
+    count of the whole accumulation window (all ranks) before the first backward.
+    """
     drafter = Eagle3Drafter(inputs.dims)
     init_weights(drafter, std=cfg.drafter.init_std, seed=cfg.run.seed)
     load_target_weights(drafter, inputs.model_dir, inputs.t2d, cfg.drafter.init_lm_head_from_target)
     lm_head = load_target_lm_head(inputs.model_dir) if inputs.spec.supervision == "final_hidden" else None
     if lm_head is not None and device.type == "cuda":
         lm_head = lm_head.to(torch.bfloat16)  # frozen and only read under autocast: bf16 halves its memory
-    objective = TrainObjective(drafter, inputs.t2d, inputs.d2t, lm_head, cfg.drafter.ttt_steps,
-                               cfg.drafter.step_decay, cfg.drafter.attn_impl)
+    objective = TTTObjective(drafter, inputs.t2d, inputs.d2t, lm_head, cfg.drafter.ttt_steps,
+                             cfg.drafter.step_decay, cfg.drafter.attn_impl, options=options)
     return objective.to(device)
 
 

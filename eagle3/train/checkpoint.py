@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle3.train.dist import DistInfo, all_gather_objects, barrier
-from infra.storage import fsync_dir
+from infra.storage import fsync_dir, umask_mode
 
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
 MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE = "model.safetensors", "optimizer.pt", "trainer.pt"
@@ -122,11 +122,6 @@ def from_export_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 # ------------------------------------------------------------------------------------------------- writing
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
 
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as fh:
@@ -145,7 +140,7 @@ def _write_files(tmp: Path, model_sd: dict, optim_sd: dict, trainer: dict, confi
     info = {**info, "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())},
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-    mode = 0o666 & ~_umask()
+    mode = umask_mode()
     for path in tmp.iterdir():
         os.chmod(path, mode)  # some writers create 0600 files; checkpoints get the usual permissions
         _fsync_file(path)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from eagle3.config import RunConfig, TrainConfig
-from eagle3.train.build import (DataPlan, RunInputs, TrainObjective, build_objective, build_optimizer,
+from eagle3.train.build import (DataPlan, RunInputs, build_objective, build_optimizer,
                                 build_scheduler, plan_data, read_inputs, scaled_lr, stage_key_for,
                                 total_steps_for, unigram_token)
 from eagle3.train.checkpoint import (TrainerState, check_compatible, checkpoints_dir, latest_checkpoint,
@@ -42,7 +42,8 @@ from eagle3.train.dist import (DistInfo, all_reduce_sum, autocast, barrier, broa
                                gradient_sync, unwrap, wrap)
 from eagle3.train.metrics import (MetricsWriter, ProgressWriter, drafter_row_flops, format_step_line, mfu,
                                   peak_flops)
-from eagle3.ttt import StepOptions, TTTBatch, align_step, align_steps, metrics_from_counts
+from eagle3.model import trainable_parameters
+from eagle3.ttt import StepOptions, TTTBatch, TTTObjective, align_step, align_steps, metrics_from_counts
 
 log = logging.getLogger("eagle3.train")
 
@@ -70,7 +71,7 @@ class Trainer:
     peak_flops: float | None
 
     @property
-    def objective(self) -> TrainObjective:
+    def objective(self) -> TTTObjective:
         """The unwrapped objective (supervision, buffers)."""
         return unwrap(self.model)
 
@@ -106,8 +107,7 @@ def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
     torch.manual_seed(cfg.run.seed)
     plan = plan_data(cfg, inputs, info.world_size)
     total = total_steps_for(cfg, plan)
-    objective = build_objective(cfg, inputs, info.device)
-    objective.options = step_options_for(cfg.train, info.device)
+    objective = build_objective(cfg, inputs, info.device, step_options_for(cfg.train, info.device))
     model = wrap(objective, cfg.train.parallel, info)
     lr = scaled_lr(cfg.train.lr, cfg.train.lr_scaling, plan.rows_per_step, cfg.train.reference_rows_per_step)
     optimizer = build_optimizer(cfg, model, lr, info.device)
@@ -156,14 +156,14 @@ def step_options_for(train: TrainConfig, device: torch.device) -> StepOptions:
                        loss_chunk_tokens=train.loss_chunk_tokens, reuse_block_mask=train.reuse_block_mask)
 
 
-def supervised_counts(objective: TrainObjective, batch: TTTBatch, argmax: Tensor) -> Tensor:
+def supervised_counts(objective: TTTObjective, batch: TTTBatch, argmax: Tensor) -> Tensor:
     """[S] positions in each TTT step's loss (the same position masks ttt_loss builds)."""
     steps = align_steps(batch.input_ids, batch.loss_mask, batch.document_ids, argmax, objective.t2d,
                         objective.ttt_steps)
     return torch.stack([aligned.position_mask.sum() for aligned in steps])
 
 
-def supervise(objective: TrainObjective, batches: list[TTTBatch], info: DistInfo) -> tuple[list, Tensor]:
+def supervise(objective: TTTObjective, batches: list[TTTBatch], info: DistInfo) -> tuple[list, Tensor]:
     """(supervision of each row, [S] supervised-token counts summed over the rows of every rank)."""
     with torch.no_grad(), autocast(info):
         sups = [objective.supervision(b) for b in batches]
@@ -191,7 +191,7 @@ def backward_rows(model: nn.Module, batches: list[TTTBatch], sups: list, counts:
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, grad_clip: float
                    ) -> tuple[float, float]:
     """Clip, step, advance the schedule; returns (grad norm before clipping, lr used)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = trainable_parameters(model)
     grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")))
     lr = scheduler.get_last_lr()[0]
     optimizer.step()

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,9 @@ from typing import Any
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train records, eval records) from metrics.jsonl."""
-    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in records if r.get("type") == "train"], [r for r in records if r.get("type") == "eval"]
+    from eagle3.train.metrics import read_metrics as read_kind
+
+    return read_kind(path, "train"), read_kind(path, "eval")
 
 
 def num_steps_in(records: list[dict[str, Any]], prefix: str) -> int:

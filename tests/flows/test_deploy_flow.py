@@ -32,6 +32,14 @@ def _two_free_ports() -> int:
     raise RuntimeError("no two adjacent free ports")
 
 
+def _write_tiny_export(export_root):
+    """A small random drafter exported in the SGLang layout (the fake servers never read its weights)."""
+    from tests.unit.test_export import sglang_export
+
+    out, *_ = sglang_export(export_root)
+    assert out == export_root / "sglang"
+
+
 @pytest.fixture
 def serve_cfg(tmp_path, monkeypatch) -> RunConfig:
     monkeypatch.chdir(REPO)  # `python -m tests.fakes.sglang_server` resolves from the repository root
@@ -39,9 +47,7 @@ def serve_cfg(tmp_path, monkeypatch) -> RunConfig:
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"hidden_size": 16, "num_hidden_layers": 8, "vocab_size": 256,
                                                     "architectures": ["LlamaForCausalLM"]}))
-    draft = tmp_path / "dep" / "export" / "sglang"
-    draft.mkdir(parents=True)
-    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    _write_tiny_export(tmp_path / "dep" / "export")  # a real export: deploy runs the export's strict check
     return RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "dep"}, "serve": {
         "enabled": True, "model_path": str(target), "python": sys.executable, "launch_module": FAKE,
         "port": _two_free_ports(), "api_key_env": None, "concurrency_levels": [1, 4], "num_prompts": 8,
