@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.model import Eagle3Drafter, apply_rope, repeat_kv, rope_cos_sin, rope_inv_freq, upcast
+from eagle3.model import (Eagle3Drafter, attention_inputs, repeat_kv, rope_cos_sin, rope_inv_freq_on, step_outputs,
+                          step_weights, upcast)
 
 REFERENCE_TOPK = 5
 """Top logits the greedy reference keeps per token, to tell a numerical near-tie from a real mismatch."""
@@ -223,15 +224,12 @@ class TargetRunner:
 
 # --------------------------------------------------------------------------------------------- the drafter
 
-def _heads(x: Tensor, heads: int, head_dim: int) -> Tensor:
-    return x.view(x.shape[0], x.shape[1], heads, head_dim).transpose(1, 2)  # [1, heads, q, hd]
-
-
 class DrafterRunner:
     """The EAGLE-3 drafter with a KV cache: committed entries, then the current round's draft entries.
 
-    Built from the drafter's own submodules, so it computes exactly what Eagle3Drafter.forward computes
-    in training (a test checks it against the TTT unroll); only the attention reads a cache.
+    Built from the functional step of eagle3.model (attention_inputs / step_outputs, the same code the
+    compiled training step runs), so it computes what the TTT unroll computes (a test checks it); only the
+    attention reads a cache.
     """
 
     def __init__(self, drafter: Eagle3Drafter, d2t: Tensor) -> None:
@@ -239,8 +237,8 @@ class DrafterRunner:
         dims = drafter.dims
         self.device = drafter.fc.weight.device
         self.d2t = d2t.to(self.device, torch.long)  # [Vd]
-        # On the device once: a host-to-device copy per draft step would stall the host.
-        self.inv_freq = rope_inv_freq(dims.head_dim, dims.rope_theta, dims.rope_scaling).to(self.device)
+        self.weights = step_weights(self.drafter)
+        self.inv_freq = rope_inv_freq_on(dims.head_dim, dims.rope_theta, dims.rope_scaling, self.device)
         self.keys: Tensor | None = None  # [1, nKV, L, hd] post-RoPE
         self.values: Tensor | None = None  # [1, nKV, L, hd]
         self.num_committed = 0
@@ -262,21 +260,17 @@ class DrafterRunner:
     @torch.no_grad()
     def _run(self, hidden: Tensor, tokens: Tensor, positions: Tensor, visible: Tensor) -> tuple[Tensor, Tensor]:
         """hidden [q, H], tokens/positions [q], visible bool [q, L + q] -> (pre-norm out [q, H], logits [q, Vd])."""
-        d, mid = self.drafter, self.drafter.midlayer
-        attn = mid.self_attn
-        x = torch.cat([mid.input_layernorm(d.embed_tokens(tokens)), mid.hidden_norm(hidden)], dim=-1)[None]
+        dims = self.drafter.dims
         cos, sin = rope_cos_sin(self.inv_freq, positions[None], upcast(hidden).dtype)  # [1, 1, q, hd]
-        q = apply_rope(_heads(attn.q_proj(x), attn.num_heads, attn.head_dim), cos, sin)  # [1, nH, q, hd]
-        k = apply_rope(_heads(attn.k_proj(x), attn.num_kv_heads, attn.head_dim), cos, sin)  # [1, nKV, q, hd]
-        v = _heads(attn.v_proj(x), attn.num_kv_heads, attn.head_dim)
+        q, k, v = attention_inputs(self.weights, tokens[None], hidden[None], cos, sin, dims.rms_norm_eps,
+                                   dims.num_attention_heads, dims.num_key_value_heads)  # [1, nH|nKV, q, hd]
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
         self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        groups = attn.num_heads // attn.num_kv_heads
-        out = F.scaled_dot_product_attention(q, repeat_kv(self.keys, groups), repeat_kv(self.values, groups),
-                                             attn_mask=visible.to(self.device)[None, None])  # [1, nH, q, hd]
-        h = hidden[None] + attn.o_proj(out.transpose(1, 2).reshape(1, len(tokens), -1))  # [1, q, H]
-        h = h + mid.mlp(mid.post_attention_layernorm(h))
-        return h[0], d.lm_head(d.norm(h))[0]
+        groups = dims.num_attention_heads // dims.num_key_value_heads
+        attn = F.scaled_dot_product_attention(q, repeat_kv(self.keys, groups), repeat_kv(self.values, groups),
+                                              attn_mask=visible.to(self.device)[None, None])  # [1, nH, q, hd]
+        out, logits = step_outputs(self.weights, hidden[None], attn, dims.rms_norm_eps)  # [1, q, H], [1, q, Vd]
+        return out[0], logits[0]
 
     def extend(self, aux: Tensor, next_tokens: Sequence[int], start: int) -> tuple[Tensor, Tensor]:
         """Commit indices start..start+q-1 (feature fc(aux), the token after each, position = index), causal.
