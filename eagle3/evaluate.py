@@ -299,7 +299,10 @@ def plot_per_position(rows: Sequence[dict[str, Any]], out: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out)
+    from infra.storage import atomic_path
+
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png")  # the temp name has no .png suffix
     plt.close(fig)
     return out
 

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import RunConfig
+from eagle3.stages import STAGES
 
-DATA_STAGES = ("merge", "regenerate", "tokenize", "vocab")
+DATA_STAGES = STAGES
 
 
 def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
