@@ -423,7 +423,9 @@ class Journal:
         records: dict[str, dict[str, Any]] = {}
         if not self.path.exists():
             return records
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        # Split on "\n" only: json.dumps(ensure_ascii=False) leaves U+2028, U+0085 and the like unescaped
+        # inside strings, and str.splitlines() would cut those records in two and drop them.
+        for line in self.path.read_text(encoding="utf-8").split("\n"):
             with contextlib.suppress(ValueError):
                 record = json.loads(line)
                 if isinstance(record, dict) and "id" in record:

@@ -17,6 +17,7 @@ from eagle3.data.regenerate import (
     Completion,
     EndpointUnreachable,
     HFGenerateBackend,
+    Journal,
     OpenAIChatBackend,
     make_backend,
     plan_turns,
@@ -351,3 +352,14 @@ def test_plan_turns_max_user_turns_stops_after_that_many_answers():
     plan = plan_turns(msgs, max_user_turns=1)
     assert [p["content"] if p else None for p in plan] == ["s", "a", None]
     assert [p["content"] if p else None for p in plan_turns(msgs, max_user_turns=2)] == ["s", "a", None, "b", None]
+
+
+def test_journal_keeps_records_with_unicode_line_separators(tmp_path):
+    """A journaled answer holding U+2028 / U+0085 (left unescaped by json.dumps) is read back whole."""
+    journal = Journal(tmp_path / JOURNAL_NAME)
+    texts = ["one\u2028two", "three\x85four\u2029", "plain"]
+    with journal.appender() as append:
+        for i, text in enumerate(texts):
+            append({"id": f"src:{i}", "status": "ok", "messages": [{"role": "assistant", "content": text}]})
+    loaded = journal.load()
+    assert [loaded[f"src:{i}"]["messages"][0]["content"] for i in range(3)] == texts
