@@ -15,23 +15,29 @@ Definitions (docs/evaluate.md): acceptance length = tokens committed by verify f
 verify steps that accepted >= i tokens / steps that proposed position i, and conditional = the same over
 steps that accepted >= i-1; speedup = greedy wall time / method wall time over the same prompts.
 
-Outputs in <run>/eval/: results.json, report.md, per_position.png, prompts.jsonl; manifest last.
+Outputs in <run>/eval/: results.json, report.md, per_position.png, prompts.jsonl; manifest last. While it runs,
+every measured prompt is journaled (evaluate.journal.jsonl), so a killed evaluation re-measures only the rest.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from eagle3.config import EvaluateConfig, RunConfig, section_dict
 from eagle3.eval_data import EvalPrompt
+from eagle3.journal import Journal
 from eagle3.progress import Progress, ProgressFn
 from eagle3.stage import StageOutcome, run_stage, stage_key
+
+JOURNAL_NAME = "evaluate.journal.jsonl"
+"""<run>/eval/: one fsynced line per measured prompt while the stage runs; removed once the outputs exist."""
 
 WARMUP_TOKENS = 8
 """Tokens each method generates on the first prompt before anything is timed (kernels, allocator, caches)."""
@@ -165,27 +171,67 @@ def _run_item(item: tuple[int, EvalPrompt, list[int]]) -> dict[str, Any]:
 
 def evaluate_prompts(job: EvalJob, items: Sequence[tuple[EvalPrompt, list[int]]], num_workers: int = 1,
                      progress: ProgressFn | None = None, show_bar: bool | None = None,
-                     session: EvalSession | None = None) -> list[dict[str, Any]]:
-    """Per-prompt records in prompt order; num_workers > 1 spreads prompts over spawned processes."""
-    indexed = [(i, p, ids) for i, (p, ids) in enumerate(items)]
-    records = []
-    with Progress(len(indexed), "evaluate", progress, bar=show_bar) as bar:
-        if num_workers <= 1:
-            if session is None:
-                session = open_session(job)
-                warm_up(session, indexed[0][2])
-            for item in indexed:
-                records.append(evaluate_prompt(session, *item))
-                bar.update(1)
-        else:
-            import multiprocessing
+                     session: EvalSession | None = None, journal: Journal | None = None,
+                     key: str = "") -> list[dict[str, Any]]:
+    """Per-prompt records in prompt order; num_workers > 1 spreads prompts over spawned processes.
 
-            pool = multiprocessing.get_context("spawn").Pool(num_workers, _init_worker, (job, indexed[0][2]))
-            with pool:
-                for record in pool.imap_unordered(_run_item, indexed):
-                    records.append(record)
-                    bar.update(1)
+    With a journal, every finished prompt is appended at once and prompts already journaled under the
+    same key are not measured again, so a killed evaluation resumes where it stopped.
+    """
+    indexed = [(i, p, ids) for i, (p, ids) in enumerate(items)]
+    done = journaled_records(journal, key, indexed)
+    todo = [item for item in indexed if item[0] not in done]
+    records = list(done.values())
+    with Progress(len(indexed), "evaluate", progress, bar=show_bar) as bar, _appender(journal) as append:
+        bar.update(len(done), resumed=len(done))
+        for record in _measure(job, todo, indexed[0][2], num_workers, session):
+            append({"id": str(record["index"]), "key": key, "record": record})
+            records.append(record)
+            bar.update(1)
     return sorted(records, key=lambda r: r["index"])
+
+
+def journaled_records(journal: Journal | None, key: str,
+                      indexed: Sequence[tuple[int, EvalPrompt, list[int]]]) -> dict[int, dict[str, Any]]:
+    """Records journaled under this key for these very prompts (same index, dataset, id and length)."""
+    if journal is None:
+        return {}
+    entries = journal.load()
+    done = {}
+    for index, prompt, ids in indexed:
+        entry = entries.get(str(index))
+        record = entry.get("record") if entry and entry.get("key") == key else None
+        if record and (record["dataset"], record["id"], record["prompt_tokens"]) == (prompt.dataset, prompt.id, len(ids)):
+            done[index] = record
+    return done
+
+
+@contextlib.contextmanager
+def _appender(journal: Journal | None) -> Iterator[Callable[[dict[str, Any]], None]]:
+    if journal is None:
+        yield lambda entry: None
+        return
+    with journal.appender() as append:
+        yield append
+
+
+def _measure(job: EvalJob, todo: list[tuple[int, EvalPrompt, list[int]]], warmup_ids: list[int],
+             num_workers: int, session: EvalSession | None) -> Iterator[dict[str, Any]]:
+    """Records of the prompts in ``todo`` as they finish (in this process, or a pool of spawned ones)."""
+    if not todo:
+        return
+    if num_workers <= 1:
+        if session is None:
+            session = open_session(job)
+            warm_up(session, warmup_ids)
+        for item in todo:
+            yield evaluate_prompt(session, *item)
+        return
+    import multiprocessing
+
+    pool = multiprocessing.get_context("spawn").Pool(min(num_workers, len(todo)), _init_worker, (job, warmup_ids))
+    with pool:
+        yield from pool.imap_unordered(_run_item, todo)
 
 
 # --------------------------------------------------------------------------------------------- summaries
@@ -386,7 +432,7 @@ def _settings(cfg: RunConfig, model_dir: Path, export_dir: Path, device: str,
 
 
 def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: ProgressFn | None,
-             show_bar: bool | None) -> tuple[dict[str, Path], dict[str, Any]]:
+             show_bar: bool | None, key: str) -> tuple[dict[str, Path], dict[str, Any]]:
     from eagle3.eval_data import load_prompts
     from eagle3.target import load_tokenizer, stop_token_ids, target_info
 
@@ -397,10 +443,12 @@ def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: Progre
     device = resolve_device(e.device)
     threads = max(1, (os.cpu_count() or 1) // e.num_workers) if e.num_workers > 1 else None  # split the cores
     job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), device, stop_ids, threads)
-    records = evaluate_prompts(job, items, e.num_workers, progress, show_bar)
+    journal = Journal(eval_dir(cfg) / JOURNAL_NAME)
+    records = evaluate_prompts(job, items, e.num_workers, progress, show_bar, journal=journal, key=key)
     rows = summarize_all(records, [s.name for s in method_specs(e)])
     settings = _settings(cfg, model_dir, export_dir, device, items, stop_ids)
     outputs = write_outputs(eval_dir(cfg), records, rows, settings)
+    journal.path.unlink(missing_ok=True)  # prompts.jsonl now holds every record; a forced re-run measures afresh
     stats = {f"{r['dataset']}/{r['method']}": {k: r[k] for k in ("accept_len", "speedup", "tokens_per_s")}
              | {"lossless_identical": r["lossless"]["identical"], "num_prompts": r["num_prompts"]} for r in rows}
     return outputs, stats
@@ -416,8 +464,10 @@ def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"no SGLang export at {source} (run the export stage first, or pass --export-dir)")
     key = key_for(cfg, model_dir, export_dir)
+    if force:
+        (eval_dir(cfg) / JOURNAL_NAME).unlink(missing_ok=True)
     return run_stage("evaluate", manifest_path(cfg), key, force=force,
-                     compute=lambda: _compute(cfg, model_dir, source, progress, show_bar))
+                     compute=lambda: _compute(cfg, model_dir, source, progress, show_bar, key))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,7 +38,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +49,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3.config import RegenerateConfig
+from eagle3.journal import Journal
 from eagle3.progress import Progress, ProgressFn
 from infra.storage import atomic_path, atomic_write_text, sha256_json
 
@@ -408,46 +409,6 @@ async def regenerate_conversation(messages: list[Message], backend: ChatBackend,
         history.append({"role": "assistant", "content": done.content})
         finish_reasons.append(done.finish_reason)
     return history, finish_reasons
-
-
-# --------------------------------------------------------------------------- journal
-
-class Journal:
-    """Append-only JSONL of finished conversations, fsynced per record so a kill loses none."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def load(self) -> dict[str, dict[str, Any]]:
-        """Latest record per id; a torn last line (killed mid-write) is ignored."""
-        records: dict[str, dict[str, Any]] = {}
-        if not self.path.exists():
-            return records
-        # Split on "\n" only: json.dumps(ensure_ascii=False) leaves U+2028, U+0085 and the like unescaped
-        # inside strings, and str.splitlines() would cut those records in two and drop them.
-        for line in self.path.read_text(encoding="utf-8").split("\n"):
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if isinstance(record, dict) and "id" in record:
-                    records[record["id"]] = record
-        return records
-
-    @contextlib.contextmanager
-    def appender(self) -> Iterator[Callable[[dict[str, Any]], None]]:
-        """Yield append(record); starts on a fresh line if the previous run died mid-line."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a+b") as fh:
-            if fh.tell() > 0:
-                fh.seek(-1, os.SEEK_END)
-                if fh.read(1) != b"\n":
-                    fh.write(b"\n")
-
-            def append(record: dict[str, Any]) -> None:
-                fh.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
-                fh.flush()
-                os.fsync(fh.fileno())
-
-            yield append
 
 
 def settings_key(cfg: RegenerateConfig) -> str:

@@ -11,9 +11,10 @@ import torch
 
 from eagle3.config import ConfigError, EvaluateConfig, load_config
 from eagle3.eval_data import load_prompts, read_prompts, render
-from eagle3.evaluate import (EvalJob, evaluate_prompts, method_specs, position_acceptance, run_evaluate, summarize,
-                             summarize_all)
+from eagle3.evaluate import (JOURNAL_NAME, EvalJob, evaluate_prompts, method_specs, position_acceptance, run_evaluate,
+                             summarize, summarize_all)
 from eagle3.export import export_sglang
+from eagle3.journal import Journal
 from eagle3.model import DrafterDims, Eagle3Drafter, export_state_dict, init_weights
 from eagle3.target import prepare_target, target_info
 from eagle3.tiny import build_tiny_tokenizer
@@ -151,3 +152,37 @@ def test_parallel_workers_give_the_same_records(tiny_run):
         return [(r["id"], r["greedy"]["tokens"], r["methods"]["chain-3-1-4"]["accepted"]) for r in records]
 
     assert strip(one) == strip(two) and len(two) == 3
+
+
+def test_killed_evaluation_resumes_from_its_journal(tiny_run, tmp_path, monkeypatch):
+    """Prompts journaled under the same key are not measured again and give the uninterrupted records; another
+    key (other settings) measures everything afresh."""
+    import eagle3.evaluate as evaluate_module
+
+    cfg, model_dir, export_dir = tiny_run
+    e = cfg.evaluate.model_copy(update={"methods": ["chain"], "max_new_tokens": 8})
+    job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), "cpu", [], num_threads=1)
+    items = load_prompts(["mtbench"], 3, build_tiny_tokenizer())
+    journal = Journal(tmp_path / "evaluate.journal.jsonl")
+    evaluate_prompts(job, items[:2], 1, journal=journal, key="k1")  # "killed" after two prompts
+    measured = []
+    real = evaluate_module.evaluate_prompt
+    monkeypatch.setattr(evaluate_module, "evaluate_prompt", lambda s, i, p, ids: measured.append(i) or real(s, i, p, ids))
+    resumed = evaluate_prompts(job, items, 1, journal=journal, key="k1")
+    assert measured == [2]
+
+    def strip(records):
+        return [(r["index"], r["id"], r["greedy"]["tokens"], r["methods"]["chain-3-1-4"]["accepted"]) for r in records]
+
+    assert strip(resumed) == strip(evaluate_prompts(job, items, 1))
+    measured.clear()
+    evaluate_prompts(job, items, 1, journal=journal, key="k2")
+    assert measured == [0, 1, 2]
+
+
+def test_stage_removes_its_journal_once_outputs_exist(tiny_run):
+    """After a completed evaluation the per-prompt journal is gone (prompts.jsonl holds the records)."""
+    cfg, _, export_dir = tiny_run
+    run_evaluate(cfg, export_dir=export_dir, force=True)
+    assert (cfg.run_dir / "eval" / "prompts.jsonl").is_file()
+    assert not (cfg.run_dir / "eval" / JOURNAL_NAME).exists()

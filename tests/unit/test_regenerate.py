@@ -17,12 +17,12 @@ from eagle3.data.regenerate import (
     Completion,
     EndpointUnreachable,
     HFGenerateBackend,
-    Journal,
     OpenAIChatBackend,
     make_backend,
     plan_turns,
     regenerate,
 )
+from eagle3.journal import Journal
 from tests.fakes.openai_server import FakeOpenAIServer, fake_answer
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])

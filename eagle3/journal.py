@@ -1,0 +1,52 @@
+"""An append-only JSONL journal: what a long, resumable loop has finished, one fsynced line per item.
+
+Regeneration journals every answered conversation and evaluation every measured prompt, so a run
+killed at any point (a VM lost, a time limit) redoes only the items that had not finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+class Journal:
+    """Append-only JSONL of finished work items (one record per id), fsynced per record so a kill loses none."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        """Latest record per id; a torn last line (killed mid-write) is ignored."""
+        records: dict[str, dict[str, Any]] = {}
+        if not self.path.exists():
+            return records
+        # Split on "\n" only: json.dumps(ensure_ascii=False) leaves U+2028, U+0085 and the like unescaped
+        # inside strings, and str.splitlines() would cut those records in two and drop them.
+        for line in self.path.read_text(encoding="utf-8").split("\n"):
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and "id" in record:
+                    records[record["id"]] = record
+        return records
+
+    @contextlib.contextmanager
+    def appender(self) -> Iterator[Callable[[dict[str, Any]], None]]:
+        """Yield append(record); starts on a fresh line if the previous run died mid-line."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a+b") as fh:
+            if fh.tell() > 0:
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":
+                    fh.write(b"\n")
+
+            def append(record: dict[str, Any]) -> None:
+                fh.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+                fh.flush()
+                os.fsync(fh.fileno())
+
+            yield append
