@@ -133,6 +133,8 @@ def warm_up(session: EvalSession, prompt_ids: list[int]) -> None:
 
 def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: list[int]) -> dict[str, Any]:
     """The greedy reference and every method on one prompt: tokens, steps, wall times, lossless checks."""
+    import torch
+
     from eagle3.speculate import check_lossless, greedy_decode, speculative_decode
 
     ecfg = session.ecfg
@@ -142,7 +144,7 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
                               "methods": {}}
     for name, proposer in session.proposers.items():
         out = speculative_decode(session.target, proposer, ids, ecfg.max_new_tokens, session.stop_ids)
-        check = check_lossless(ref, out.tokens, ecfg.near_tie_logit_gap)
+        check = check_lossless(ref, out.tokens, ecfg.near_tie_logit_gap, getattr(torch, ecfg.dtype))
         record["methods"][name] = {
             "num_tokens": len(out.tokens), "wall_s": out.wall_s, "lossless": check.to_json(),
             "depth": [s.draft_depth for s in out.steps], "accepted": [s.accepted for s in out.steps],

@@ -30,6 +30,7 @@ max_new_tokens or a stop token cuts the output.
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -540,10 +541,11 @@ class LosslessCheck:
         return dict(self.__dict__)
 
 
-def check_lossless(reference: DecodeResult, tokens: Sequence[int], near_tie_gap: float) -> LosslessCheck:
+def check_lossless(reference: DecodeResult, tokens: Sequence[int], near_tie_gap: float,
+                   dtype: torch.dtype = torch.float32) -> LosslessCheck:
     """identical, or the first difference: near_tie when the method's token is within ``near_tie_gap`` of the
-    reference's top logit there (two tokens the target can hardly tell apart: summation-order noise of a
-    batched verify forward), else mismatch (a bug)."""
+    reference's top logit there, or within 2 units of ``dtype``'s rounding at that logit (two tokens the target
+    can hardly tell apart: summation-order noise of a batched verify forward), else mismatch (a bug)."""
     ref = reference.tokens
     if list(tokens) == list(ref):
         return LosslessCheck("identical")
@@ -554,5 +556,11 @@ def check_lossless(reference: DecodeResult, tokens: Sequence[int], near_tie_gap:
     method_token = int(tokens[pos]) if pos < len(tokens) else None
     top2_gap = values[0] - values[1] if len(values) > 1 else None
     token_gap = values[0] - values[ids.index(method_token)] if method_token in ids else None
-    near = token_gap is not None and token_gap <= near_tie_gap
+    near = token_gap is not None and token_gap <= max(near_tie_gap, 2 * rounding_step(values[0], dtype))
     return LosslessCheck("near_tie" if near else "mismatch", pos, ref[pos], method_token, top2_gap, token_gap)
+
+
+def rounding_step(value: float, dtype: torch.dtype) -> float:
+    """Spacing of ``dtype``'s representable numbers at ``value`` (bf16 at 15.3: 0.0625; fp32: ~1e-6)."""
+    exponent = math.floor(math.log2(abs(value))) if value else 0
+    return torch.finfo(dtype).eps * 2.0 ** exponent

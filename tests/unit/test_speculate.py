@@ -10,7 +10,8 @@ from eagle3.config import TinyTargetConfig
 from eagle3.masks import shift_left
 from eagle3.model import DrafterDims, Eagle3Drafter, TTTCache, init_weights
 from eagle3.speculate import (DecodeResult, DraftTree, DrafterRunner, EagleProposer, NgramProposer, TargetRunner,
-                              accept_path, check_lossless, greedy_decode, speculative_decode, verify)
+                              accept_path, check_lossless, greedy_decode, rounding_step, speculative_decode,
+                              verify)
 from eagle3.tiny import build_tiny_model, build_tiny_tokenizer
 
 AUX_IDS = [1, 3, 4]  # the default [1, N//2-1, N-4] of the 8-layer tiny target
@@ -302,3 +303,11 @@ def test_lossless_check_tells_a_near_tie_from_a_bug():
     assert (near.kind, near.position) == ("near_tie", 1) and near.top2_gap == pytest.approx(1e-4)
     assert check_lossless(ref, [5, 9], 1e-3).kind == "mismatch"
     assert check_lossless(ref, [5, 77], 1e-3).token_gap is None
+
+
+def test_lossless_check_allows_one_rounding_step_of_the_compute_dtype():
+    """In bf16 two logits one rounding step apart (0.0625 at 15.3) are a near-tie; the same gap in fp32 is a bug."""
+    ref = DecodeResult([5], 0.0, top_ids=[[5, 8]], top_logits=[[15.3125, 15.25]])
+    assert check_lossless(ref, [8], 1e-3, torch.bfloat16).kind == "near_tie"
+    assert check_lossless(ref, [8], 1e-3, torch.float32).kind == "mismatch"
+    assert rounding_step(15.3, torch.bfloat16) == 0.0625 and rounding_step(0.0, torch.float32) == torch.finfo().eps
