@@ -182,7 +182,7 @@ def evaluate_prompts(job: EvalJob, items: Sequence[tuple[EvalPrompt, list[int]]]
     """
     indexed = [(i, p, ids) for i, (p, ids) in enumerate(items)]
     done = journaled_records(journal, key, indexed)
-    todo = [item for item in indexed if item[0] not in done]
+    todo = interleaved([item for item in indexed if item[0] not in done])
     records = list(done.values())
     with Progress(len(indexed), "evaluate", progress, bar=show_bar) as bar, _appender(journal) as append:
         bar.update(len(done), resumed=len(done))
@@ -191,6 +191,18 @@ def evaluate_prompts(job: EvalJob, items: Sequence[tuple[EvalPrompt, list[int]]]
             records.append(record)
             bar.update(1)
     return sorted(records, key=lambda r: r["index"])
+
+
+def interleaved(items: Sequence[tuple[int, EvalPrompt, list[int]]]) -> list[tuple[int, EvalPrompt, list[int]]]:
+    """Measuring order: the first prompt of every dataset, then the second of each, ...; a run cut short (and
+    its partial report) then covers every dataset. Records keep their index, so outputs stay in prompt order."""
+    ranks: dict[str, int] = {}
+    keyed = []
+    for item in items:
+        rank = ranks.get(item[1].dataset, 0)
+        ranks[item[1].dataset] = rank + 1
+        keyed.append((rank, item[0], item))
+    return [item for _, _, item in sorted(keyed, key=lambda k: k[:2])]
 
 
 def journaled_records(journal: Journal | None, key: str,
@@ -203,7 +215,9 @@ def journaled_records(journal: Journal | None, key: str,
     for index, prompt, ids in indexed:
         entry = entries.get(str(index))
         record = entry.get("record") if entry and entry.get("key") == key else None
-        if record and (record["dataset"], record["id"], record["prompt_tokens"]) == (prompt.dataset, prompt.id, len(ids)):
+        same_prompt = record and (record["dataset"], record["id"], record["prompt_tokens"]) == (prompt.dataset,
+                                                                                               prompt.id, len(ids))
+        if same_prompt:
             done[index] = record
     return done
 
@@ -309,7 +323,7 @@ def report_markdown(rows: Sequence[dict[str, Any]], settings: dict[str, Any]) ->
              f"Target `{settings['target']}` ({settings['device']}, {settings['dtype']}); drafter "
              f"`{settings['export_dir']}`; {settings['max_new_tokens']} new tokens per prompt, greedy; prompts: first "
              f"N in file order ({', '.join(f'{k} {v}' for k, v in settings['num_prompts'].items())}); n-gram: "
-             f"{settings['ngram']}; workers: {settings['num_workers']}.", "",
+             f"{settings['ngram']}; workers: {settings['num_workers']}.", "", *_partial_lines(settings),
              "| dataset | method | prompts | accept len | per-position acceptance | conditional | tok/s | "
              "greedy tok/s | speedup | vs n-gram | lossless |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -324,6 +338,14 @@ def report_markdown(rows: Sequence[dict[str, Any]], settings: dict[str, Any]) ->
               "method wall time, same prompts, same process; vs n-gram: n-gram wall time / method wall time. (!) marks "
               "speedup > accept len: a timing error."]
     return "\n".join(lines) + "\n"
+
+
+def _partial_lines(settings: dict[str, Any]) -> list[str]:
+    partial = settings.get("partial")
+    if not partial:
+        return []
+    return [f"**PARTIAL: {partial['num_measured']} of {partial['num_planned']} prompts measured** (read from the "
+            "journal of an evaluation that has not finished; the planned counts above are not all measured).", ""]
 
 
 def plot_per_position(rows: Sequence[dict[str, Any]], out: Path) -> Path:
@@ -433,8 +455,17 @@ def _settings(cfg: RunConfig, model_dir: Path, export_dir: Path, device: str,
             "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: ProgressFn | None,
-             show_bar: bool | None, key: str) -> tuple[dict[str, Path], dict[str, Any]]:
+@dataclass
+class _Plan:
+    """What one evaluation measures: the rendered prompts, stop ids, device and the workers' job."""
+
+    items: list[tuple[EvalPrompt, list[int]]]
+    stop_ids: list[int]
+    device: str
+    job: EvalJob
+
+
+def _plan(cfg: RunConfig, model_dir: Path, export_dir: Path) -> _Plan:
     from eagle3.eval_data import load_prompts
     from eagle3.target import load_tokenizer, stop_token_ids, target_info
 
@@ -445,15 +476,42 @@ def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: Progre
     device = resolve_device(e.device)
     threads = max(1, (os.cpu_count() or 1) // e.num_workers) if e.num_workers > 1 else None  # split the cores
     job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), device, stop_ids, threads)
+    return _Plan(items, stop_ids, device, job)
+
+
+def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: ProgressFn | None,
+             show_bar: bool | None, key: str) -> tuple[dict[str, Path], dict[str, Any]]:
+    e, plan = cfg.evaluate, _plan(cfg, model_dir, export_dir)
     journal = Journal(eval_dir(cfg) / JOURNAL_NAME)
-    records = evaluate_prompts(job, items, e.num_workers, progress, show_bar, journal=journal, key=key)
+    records = evaluate_prompts(plan.job, plan.items, e.num_workers, progress, show_bar, journal=journal, key=key)
     rows = summarize_all(records, [s.name for s in method_specs(e)])
-    settings = _settings(cfg, model_dir, export_dir, device, items, stop_ids)
+    settings = _settings(cfg, model_dir, export_dir, plan.device, plan.items, plan.stop_ids)
     outputs = write_outputs(eval_dir(cfg), records, rows, settings)
     journal.path.unlink(missing_ok=True)  # prompts.jsonl now holds every record; a forced re-run measures afresh
     stats = {f"{r['dataset']}/{r['method']}": {k: r[k] for k in ("accept_len", "speedup", "tokens_per_s")}
              | {"lossless_identical": r["lossless"]["identical"], "num_prompts": r["num_prompts"]} for r in rows}
     return outputs, stats
+
+
+def write_partial_report(cfg: RunConfig, export_dir: Path | None = None) -> dict[str, Path]:
+    """<run>/eval/partial/: the report of the prompts an unfinished evaluation has journaled (no manifest, marked
+    PARTIAL), for a run cut short by a time limit; the stage itself still measures the rest when run again."""
+    from eagle3.target import prepare_target
+
+    model_dir = prepare_target(cfg)
+    source = Path(export_dir) if export_dir is not None else default_export_dir(cfg)
+    plan = _plan(cfg, model_dir, source)
+    indexed = [(i, p, ids) for i, (p, ids) in enumerate(plan.items)]
+    done = journaled_records(Journal(eval_dir(cfg) / JOURNAL_NAME), key_for(cfg, model_dir, export_dir), indexed)
+    if not done:
+        raise FileNotFoundError(f"no prompt of these settings is journaled in {eval_dir(cfg) / JOURNAL_NAME}")
+    records = [done[i] for i in sorted(done)]
+    rows = summarize_all(records, [s.name for s in method_specs(cfg.evaluate)])
+    settings = _settings(cfg, model_dir, source, plan.device, plan.items, plan.stop_ids)
+    settings["partial"] = {"num_measured": len(records), "num_planned": len(plan.items),
+                           "num_measured_by_dataset": {d: sum(r["dataset"] == d for r in records)
+                                                       for d in cfg.evaluate.datasets}}
+    return write_outputs(eval_dir(cfg) / "partial", records, rows, settings)
 
 
 def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
@@ -473,18 +531,24 @@ def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m eagle3.evaluate --preset X [--set a.b=c] | --config <run>/config.json [--export-dir D] [--force]"""
+    """python -m eagle3.evaluate --preset X [--set a.b=c] | --config <run>/config.json [--export-dir D] [--force]
+    [--partial-report]"""
     from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
     from infra.storage import run_lock
 
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
     parser.add_argument("--export-dir", type=Path, help="an SGLang export folder (default <run>/export/sglang)")
     parser.add_argument("--force", action="store_true", help="recompute even if the manifest matches")
+    parser.add_argument("--partial-report", action="store_true",
+                        help="only report the prompts an unfinished evaluation has journaled (<run>/eval/partial/)")
 
     @exit_on_user_error
     def run() -> None:
         args = parser.parse_args(argv)
         cfg = config_from_args(args)
+        if args.partial_report:  # reads the journal only: no lock, so it works while the evaluation runs
+            print(write_partial_report(cfg, args.export_dir)["report"].read_text())
+            return
         with run_lock(cfg.run_dir, owner="python -m eagle3.evaluate"):
             outcome = run_evaluate(cfg, force=args.force, export_dir=args.export_dir, show_bar=True)
         print(Path(outcome.outputs["report"]).read_text())

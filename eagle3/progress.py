@@ -1,6 +1,7 @@
 """Progress reporting that the core can call without knowing who listens.
 
-The CLI shows a tqdm bar; a Prefect task passes a callback that updates a progress artifact.
+The CLI shows a tqdm bar; a Prefect task passes a callback that updates a progress artifact. With neither
+(a CLI whose stderr is a log file), a plain line goes to stderr every ``LOG_EVERY_S`` seconds and at the end.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+LOG_EVERY_S = 30.0
+"""How often a progress line is written when there is no bar and no callback."""
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 """Called as fn(done, total, info) with info holding rates and counters."""
@@ -25,7 +29,11 @@ class Progress:
         self._last_emit = 0.0
         self._start = time.monotonic()
         self._bar = None
-        if bar if bar is not None else sys.stderr.isatty():
+        self._info: dict[str, Any] = {}
+        self._last_line = self._start
+        show_bar = bar if bar is not None else sys.stderr.isatty()
+        self._log_lines = not show_bar and bar is None and callback is None
+        if show_bar:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc=desc, unit="row", dynamic_ncols=True)
@@ -36,6 +44,9 @@ class Progress:
         if self._bar is not None:
             self._bar.update(num)
         now = time.monotonic()
+        self._info.update(info)
+        if self._log_lines and now - self._last_line >= LOG_EVERY_S:
+            self._write_line(now)
         if self.callback and (now - self._last_emit >= self.min_interval_s or self.done >= self.total):
             self._last_emit = now
             elapsed = max(now - self._start, 1e-9)
@@ -48,6 +59,17 @@ class Progress:
             self.callback(self.done, self.total, {"desc": self.desc, "rate_per_s": self.done / elapsed})
         if self._bar is not None:
             self._bar.close()
+        if self._log_lines:
+            self._write_line(time.monotonic())
+
+    def _write_line(self, now: float) -> None:
+        """'capture: 5/11 (45%) 120 s, 0.04/s, tokens_per_s=...' on stderr."""
+        self._last_line = now
+        elapsed = max(now - self._start, 1e-9)
+        pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
+        extra = "".join(f", {k}={v}" for k, v in self._info.items())
+        print(f"{self.desc}: {self.done}/{self.total}{pct} {elapsed:.0f} s, {self.done / elapsed:.3g}/s{extra}",
+              file=sys.stderr, flush=True)
 
     def __enter__(self) -> Progress:
         return self

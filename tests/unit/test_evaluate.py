@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from eagle3.config import ConfigError, EvaluateConfig, load_config
-from eagle3.eval_data import load_prompts, read_prompts, render
-from eagle3.evaluate import (JOURNAL_NAME, EvalJob, evaluate_prompts, method_specs, position_acceptance, run_evaluate,
-                             summarize, summarize_all)
+from eagle3.eval_data import EvalPrompt, load_prompts, read_prompts, render
+from eagle3.evaluate import (JOURNAL_NAME, EvalJob, evaluate_prompts, interleaved, key_for, method_specs,
+                             position_acceptance, run_evaluate, summarize, summarize_all, write_partial_report)
 from eagle3.export import export_sglang
 from eagle3.journal import Journal
 from eagle3.model import DrafterDims, Eagle3Drafter, export_state_dict, init_weights
@@ -167,7 +167,8 @@ def test_killed_evaluation_resumes_from_its_journal(tiny_run, tmp_path, monkeypa
     evaluate_prompts(job, items[:2], 1, journal=journal, key="k1")  # "killed" after two prompts
     measured = []
     real = evaluate_module.evaluate_prompt
-    monkeypatch.setattr(evaluate_module, "evaluate_prompt", lambda s, i, p, ids: measured.append(i) or real(s, i, p, ids))
+    monkeypatch.setattr(evaluate_module, "evaluate_prompt",
+                        lambda s, i, p, ids: measured.append(i) or real(s, i, p, ids))
     resumed = evaluate_prompts(job, items, 1, journal=journal, key="k1")
     assert measured == [2]
 
@@ -186,3 +187,28 @@ def test_stage_removes_its_journal_once_outputs_exist(tiny_run):
     run_evaluate(cfg, export_dir=export_dir, force=True)
     assert (cfg.run_dir / "eval" / "prompts.jsonl").is_file()
     assert not (cfg.run_dir / "eval" / JOURNAL_NAME).exists()
+
+
+def test_measuring_order_interleaves_datasets():
+    """First prompt of each dataset, then the second of each...; indices (output order) are untouched."""
+    prompts = [EvalPrompt("mtbench", f"m{i}", "") for i in range(3)] + [EvalPrompt("gsm8k", f"g{i}", "")
+                                                                        for i in range(2)]
+    order = interleaved([(i, p, [0]) for i, p in enumerate(prompts)])
+    assert [item[0] for item in order] == [0, 3, 1, 4, 2]
+
+
+def test_partial_report_covers_the_journaled_prompts_only(tiny_run):
+    """An evaluation cut short: the partial report has exactly the journaled prompts, says PARTIAL, writes no
+    manifest; the stage run afterwards measures only the rest."""
+    cfg, model_dir, export_dir = tiny_run
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": "partial"})})
+    plan_items = load_prompts(cfg.evaluate.datasets, cfg.evaluate.num_prompts, build_tiny_tokenizer())
+    e = cfg.evaluate
+    job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), "cpu", [], num_threads=1)
+    journal = Journal(cfg.run_dir / "eval" / JOURNAL_NAME)
+    key = key_for(cfg, model_dir, export_dir)
+    evaluate_prompts(job, plan_items[:2], 1, journal=journal, key=key)  # the two MT-Bench prompts, then "killed"
+    report = write_partial_report(cfg, export_dir)["report"].read_text()
+    assert "PARTIAL: 2 of 4 prompts measured" in report and "| mtbench | ngram | 2 |" in report
+    assert "| gsm8k |" not in report
+    assert not (cfg.run_dir / "eval" / "evaluate.manifest.json").exists()
