@@ -38,7 +38,7 @@ from eagle3.features.shards import (
     spec_hash,
 )
 from eagle3.features.spec import CaptureBackend, FeatureSpec, SampleTokens
-from eagle3.features.writers import WriteOptions, capture_and_write
+from eagle3.features.writers import WriteOptions, WriteStats, capture_and_write
 from eagle3.progress import Progress, ProgressFn
 from eagle3.stage import StageOutcome, manifest_matches, read_manifest, stage_key, write_manifest
 
@@ -263,8 +263,11 @@ def _stats(spec: FeatureSpec, plan: CapturePlan, docs: list[dict]) -> dict[str, 
             "aux_dtype": spec.aux_dtype, "tokens_per_shard": plan.tokens_per_shard}
 
 
-def finalize_capture(cfg: RunConfig) -> dict[str, Any]:
-    """Check that every planned shard is complete, then write capture.manifest.json (last)."""
+def finalize_capture(cfg: RunConfig, last_run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check that every planned shard is complete, then write capture.manifest.json (last).
+
+    ``last_run``: what the capture that completed the shards measured (time, tokens/s, writer waits).
+    """
     fdir, spec, plan = _load_prepared(cfg)
     missing, on_disk = _incomplete(fdir, spec, plan)
     if missing:
@@ -274,7 +277,8 @@ def finalize_capture(cfg: RunConfig) -> dict[str, Any]:
     outputs = {"spec": fdir / SPEC_FILE, "plan": fdir / PLAN_FILE}
     # Done files carry each shard's size and sha256; hashing them (not terabytes of shards) is enough.
     outputs.update({shard_stem(s.index): done_path_for(shard_path(fdir, s.index)) for s in plan.shards})
-    return write_manifest(fdir / MANIFEST_FILE, "capture", capture_key(cfg, spec), outputs, _stats(spec, plan, docs))
+    stats = _stats(spec, plan, docs) | ({"last_run": last_run} if last_run else {})
+    return write_manifest(fdir / MANIFEST_FILE, "capture", capture_key(cfg, spec), outputs, stats)
 
 
 def is_complete(cfg: RunConfig, key: str) -> bool:
@@ -286,8 +290,12 @@ def is_complete(cfg: RunConfig, key: str) -> bool:
     return not _incomplete(fdir, spec, plan)[0]
 
 
-def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec, progress: ProgressFn | None) -> None:
-    """Every pending shard in order with one backend (the model loads once), writes overlapping forwards."""
+def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec,
+                 progress: ProgressFn | None) -> dict[str, Any]:
+    """Every pending shard in order with one backend (the model loads once), writes overlapping forwards.
+
+    Returns this run's figures: shards and tokens captured, wall time (model load included), tokens/s, and how
+    long the forwards waited for the writers."""
     from eagle3.target import prepare_target
 
     fdir, (tokenized, _) = features_dir(cfg), _tokenized(cfg)
@@ -307,13 +315,18 @@ def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec, progress:
                        eta_s=round((tokens_left - totals["tokens"]) / rate, 1) if rate > 0 else None)
 
         if not pending:
-            return
+            return {}
         backend = make_backend(cfg, prepare_target(cfg), spec)
+        waits = WriteStats()
         try:
             jobs = ((shard_path(fdir, s.index), load_shard_samples(tokenized, s)) for s in pending)
-            capture_and_write(backend, spec, jobs, written, WriteOptions.from_config(cfg.capture))
+            capture_and_write(backend, spec, jobs, written, WriteOptions.from_config(cfg.capture), waits)
         finally:
             backend.close()
+    elapsed_s = time.perf_counter() - start
+    return {"num_shards": len(pending), "num_tokens": totals["tokens"], "elapsed_s": round(elapsed_s, 3),
+            "tokens_per_s": round(totals["tokens"] / max(elapsed_s, 1e-9), 1),
+            "writer_wait_s": round(waits.wait_s, 3), "peak_queued_bytes": waits.peak_queued_bytes}
 
 
 def run_capture(cfg: RunConfig, progress: ProgressFn | None = None) -> StageOutcome:
@@ -329,8 +342,8 @@ def run_capture(cfg: RunConfig, progress: ProgressFn | None = None) -> StageOutc
         return StageOutcome("capture", key, manifest, False, doc["stats"], outputs)
     plan = prepare_capture(cfg)
     manifest.unlink(missing_ok=True)  # only now: a refused prepare must not cost a valid manifest
-    _capture_all(cfg, plan, FeatureSpec.load(fdir / SPEC_FILE), progress)
-    doc = finalize_capture(cfg)
+    last_run = _capture_all(cfg, plan, FeatureSpec.load(fdir / SPEC_FILE), progress)
+    doc = finalize_capture(cfg, last_run)
     return StageOutcome("capture", key, manifest, True, doc["stats"],
                         {k: str(fdir / v["path"]) for k, v in doc["outputs"].items()})
 

@@ -214,6 +214,10 @@ def test_run_capture_topk_fp8_covers_every_sample(tiny_base, tmp_path):
     assert sample["aux"].dtype == torch.bfloat16 and sample["topk_ids"].shape == (len(sample["input_ids"]), 4)
     manifest = json.loads((features_dir(cfg) / MANIFEST_FILE).read_text())
     assert manifest["stage"] == "capture" and manifest["key"] == outcome.key
+    last_run = manifest["stats"]["last_run"]  # this run's own figures: every token, a positive rate
+    assert last_run["num_tokens"] == outcome.stats["num_tokens"]
+    assert last_run["num_shards"] == manifest["stats"]["num_shards"]
+    assert last_run["tokens_per_s"] > 0 and last_run["elapsed_s"] > 0 and last_run["writer_wait_s"] >= 0
     assert not run_capture(cfg).computed
 
 
