@@ -330,6 +330,8 @@ class EvaluateConfig(Section):
     """Prompt sets (installed packages): MT-Bench first turns, HumanEval, GSM8K; rendered with the chat template."""
     num_prompts: int | None = Field(10, ge=1)
     """Prompts per dataset: the first N in file order (None = all: 80 / 164 / 1319)."""
+    num_prompts_by_dataset: dict[Literal["mtbench", "humaneval", "gsm8k"], int] = {}
+    """Prompts of the named datasets (first N in file order), replacing num_prompts for them."""
     max_new_tokens: int = Field(64, ge=1)
     """Tokens generated per prompt by every method (fewer when the target emits a stop token)."""
     methods: list[Literal["chain", "tree", "ngram"]] = ["chain", "ngram"]
@@ -357,12 +359,20 @@ class EvaluateConfig(Section):
     near_tie_logit_gap: float = Field(1e-3, ge=0)
     """A differing token within this logit gap of the reference's top-1 is a numerical near-tie, not a bug."""
 
+    def limit_for(self, dataset: str) -> int | None:
+        """How many prompts of ``dataset`` are measured (None = all)."""
+        return self.num_prompts_by_dataset.get(dataset, self.num_prompts)  # type: ignore[call-overload]
+
     @model_validator(mode="after")
     def _consistent(self) -> EvaluateConfig:
         if not self.datasets or not self.methods:
             raise ValueError("evaluate.datasets and evaluate.methods must not be empty")
         if "chain" in self.methods and (not self.chain_steps or min(self.chain_steps) < 1):
             raise ValueError(f"evaluate.chain_steps {self.chain_steps} must hold steps >= 1 when chain is measured")
+        unused = sorted(set(self.num_prompts_by_dataset) - set(self.datasets))
+        if unused or any(n < 1 for n in self.num_prompts_by_dataset.values()):
+            raise ValueError(f"evaluate.num_prompts_by_dataset {self.num_prompts_by_dataset}: counts must be >= 1 "
+                             f"and name datasets in evaluate.datasets (not {unused})")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"evaluate.ngram_min {self.ngram_min} exceeds ngram_max {self.ngram_max}")
         most = 1 + self.tree_topk + (self.tree_steps - 1) * self.tree_topk**2

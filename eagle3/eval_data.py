@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,9 @@ def render(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
-def load_prompts(datasets: Sequence[str], limit: int | None, tokenizer: Any) -> list[tuple[EvalPrompt, list[int]]]:
-    """(prompt, token ids) for the first ``limit`` prompts of every dataset, datasets in the given order."""
-    return [(p, render(tokenizer, p.text)) for name in datasets for p in read_prompts(name, limit)]
+def load_prompts(datasets: Sequence[str], limit: int | None | Mapping[str, int | None],
+                 tokenizer: Any) -> list[tuple[EvalPrompt, list[int]]]:
+    """(prompt, token ids) for the first ``limit`` prompts of every dataset (one limit, or one per dataset),
+    datasets in the given order."""
+    limits = limit if isinstance(limit, Mapping) else dict.fromkeys(datasets, limit)
+    return [(p, render(tokenizer, p.text)) for name in datasets for p in read_prompts(name, limits[name])]

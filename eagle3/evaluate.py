@@ -472,7 +472,7 @@ def _plan(cfg: RunConfig, model_dir: Path, export_dir: Path) -> _Plan:
     e = cfg.evaluate
     tokenizer = load_tokenizer(model_dir)
     stop_ids = stop_token_ids(tokenizer, target_info(model_dir, cfg.target))
-    items = load_prompts(e.datasets, e.num_prompts, tokenizer)
+    items = load_prompts(e.datasets, {name: e.limit_for(name) for name in e.datasets}, tokenizer)
     device = resolve_device(e.device)
     threads = max(1, (os.cpu_count() or 1) // e.num_workers) if e.num_workers > 1 else None  # split the cores
     job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), device, stop_ids, threads)

@@ -40,6 +40,15 @@ def test_humaneval_and_gsm8k_counts_and_first_items():
     assert len(gsm8k) == 1319 and gsm8k[0].text.startswith("Janet\u2019s ducks lay 16 eggs per day.")
 
 
+def test_per_dataset_counts_replace_num_prompts():
+    """num_prompts_by_dataset sets the count of the datasets it names; the others keep num_prompts."""
+    e = EvaluateConfig(datasets=["mtbench", "gsm8k"], num_prompts=3, num_prompts_by_dataset={"gsm8k": 1})
+    items = load_prompts(e.datasets, {d: e.limit_for(d) for d in e.datasets}, build_tiny_tokenizer())
+    assert [p.dataset for p, _ in items] == ["mtbench"] * 3 + ["gsm8k"]
+    with pytest.raises(ValueError, match="num_prompts_by_dataset"):
+        EvaluateConfig(datasets=["mtbench"], num_prompts_by_dataset={"gsm8k": 2})
+
+
 def test_unknown_dataset_is_named():
     """A dataset name we do not ship fails with its name and the known ones."""
     with pytest.raises(ValueError, match="unknown evaluation dataset 'alpaca'.*mtbench"):
