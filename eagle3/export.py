@@ -282,25 +282,12 @@ def _cast_weights(weights: dict[str, Tensor], specs: dict[str, TensorSpec], d2t:
     return {k: given[k].detach().to("cpu", specs[k][1]).contiguous() for k in specs}
 
 
-def _publish_dir(tmp: Path, final: Path) -> None:
-    """Rename a finished temp folder to ``final``, replacing an older one only once the new one is whole."""
-    from infra.storage import fsync_dir
-
-    trash = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if final.exists():
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(final, trash)  # the old folder stays whole until the new one takes its name
-    os.rename(tmp, final)
-    shutil.rmtree(trash, ignore_errors=True)
-    fsync_dir(final.parent)
-
-
 def _write_folder(out_dir: Path, config: dict[str, Any], tensors: dict[str, Tensor], info: dict[str, Any],
                   run_config: dict[str, Any] | None) -> Path:
     """config.json, model.safetensors and the provenance files into a temp folder, fsynced, then renamed."""
     from safetensors.torch import save_file
 
-    from infra.storage import fsync_dir
+    from infra.storage import fsync_dir, publish_dir
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
@@ -318,7 +305,7 @@ def _write_folder(out_dir: Path, config: dict[str, Any], tensors: dict[str, Tens
             with open(path, "rb") as fh:
                 os.fsync(fh.fileno())
         fsync_dir(tmp)
-        _publish_dir(tmp, out_dir)
+        publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

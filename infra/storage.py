@@ -108,6 +108,20 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
         raise
 
 
+def publish_dir(tmp: Path | str, final: Path | str) -> Path:
+    """Rename a finished (fsynced) temp folder to ``final``; an older ``final`` is moved aside first and
+    deleted only once the new one has its name, so a crash leaves one whole folder under that name."""
+    tmp, final = Path(tmp), Path(final)
+    trash = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
+    os.rename(tmp, final)
+    shutil.rmtree(trash, ignore_errors=True)
+    fsync_dir(final.parent)
+    return final
+
+
 def sha256_file(path: Path | str) -> str:
     """Hex sha256 of a file's bytes, read in chunks."""
     digest = hashlib.sha256()

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle3.train.dist import DistInfo, all_gather_objects, barrier
-from infra.storage import fsync_dir, umask_mode
+from infra.storage import fsync_dir, publish_dir, umask_mode
 
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
 MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE = "model.safetensors", "optimizer.pt", "trainer.pt"
@@ -147,18 +147,6 @@ def _write_files(tmp: Path, model_sd: dict, optim_sd: dict, trainer: dict, confi
     fsync_dir(tmp)
 
 
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename the finished temp dir to step-N (replacing an older step-N of an earlier attempt)."""
-    if final.exists():
-        trash = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.rename(final, trash)
-        os.rename(tmp, final)
-        shutil.rmtree(trash)
-    else:
-        os.rename(tmp, final)
-    fsync_dir(final.parent)
-
-
 def prune(ckpt_dir: Path, keep: int) -> list[Path]:
     """Delete all but the newest ``keep`` checkpoints and any temp dir left by a crash; returns what went."""
     removed = [p for _, p in list_checkpoints(ckpt_dir)[:-keep]] if keep > 0 else []
@@ -184,7 +172,7 @@ def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
         trainer = {"scheduler": scheduler.state_dict(), "rng": rngs, "state": asdict(state)}
         _write_files(tmp, model_sd, optim_sd, trainer, config_json,
                      {**info, **asdict(state), "world_size": dist_info.world_size})
-        _publish(tmp, final)
+        publish_dir(tmp, final)
         prune(ckpt_dir, keep)
     barrier(dist_info)
     return final

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from infra.storage import (DiskSpaceError, LockHeldError, atomic_open, atomic_write_json, check_free_space, run_lock,
-                           sha256_file)
+from infra.storage import (DiskSpaceError, LockHeldError, atomic_open, atomic_write_json, check_free_space,
+                           publish_dir, run_lock, sha256_file)
 
 
 def test_atomic_write_leaves_old_content_when_the_writer_fails(tmp_path):
@@ -107,3 +107,15 @@ def test_child_process_of_the_holder_may_take_the_lock(tmp_path):
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_publish_dir_replaces_an_older_folder_whole(tmp_path):
+    """The new folder takes the name with all its files; the old one is gone and no aside copy is left."""
+    final, tmp = tmp_path / "step-5", tmp_path / ".step-5.tmp"
+    final.mkdir()
+    (final / "old.bin").write_bytes(b"old")
+    tmp.mkdir()
+    (tmp / "new.bin").write_bytes(b"new")
+    assert publish_dir(tmp, final) == final
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-5"]
+    assert [p.name for p in final.iterdir()] == ["new.bin"] and (final / "new.bin").read_bytes() == b"new"
