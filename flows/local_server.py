@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from infra.process import kill_group, pid_alive, spawn_detached, tail
+from infra.process import kill_group, pid_alive, read_pid_file, spawn_detached, tail, write_pid_file
 
 DEFAULT_PORT = 4200
 STARTUP_TIMEOUT_S = 240.0
@@ -66,10 +66,7 @@ def healthy(server: LocalServer, timeout_s: float = 2.0) -> bool:
 
 
 def _pid(server: LocalServer) -> int | None:
-    try:
-        return int(server.pid_file.read_text().strip())
-    except (OSError, ValueError):
-        return None
+    return read_pid_file(server.pid_file)
 
 
 def start(server: LocalServer, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
@@ -80,7 +77,7 @@ def start(server: LocalServer, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
     prefect = str(Path(sys.executable).with_name("prefect"))
     argv = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(server.port)]
     pid = spawn_detached(argv, server.log_file, env={**os.environ, **server.client_env()})
-    server.pid_file.write_text(f"{pid}\n")
+    write_pid_file(server.pid_file, pid)
     _wait_healthy(server, pid, timeout_s)
     return "started"
 

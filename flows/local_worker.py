@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flows.local_server import LocalServer
-from infra.process import kill_group, pid_alive, spawn_detached, tail
+from infra.process import kill_group, pid_alive, read_pid_file, spawn_detached, tail, write_pid_file
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,8 @@ class LocalWorker:
 
 def worker_pid(worker: LocalWorker) -> int | None:
     """The pid of this worker if it is running."""
-    try:
-        pid = int(worker.pid_file.read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return pid if pid_alive(pid) else None
+    pid = read_pid_file(worker.pid_file)
+    return pid if pid is not None and pid_alive(pid) else None
 
 
 def start_worker(worker: LocalWorker, cwd: Path, wait_s: float = 60.0) -> str:
@@ -63,7 +60,7 @@ def start_worker(worker: LocalWorker, cwd: Path, wait_s: float = 60.0) -> str:
     env = {**os.environ, **worker.server.client_env(), "PYTHONUNBUFFERED": "1"}
     log_offset = worker.log_file.stat().st_size if worker.log_file.exists() else 0
     pid = spawn_detached(worker.argv(), worker.log_file, env=env, cwd=cwd)
-    worker.pid_file.write_text(f"{pid}\n")
+    write_pid_file(worker.pid_file, pid)
     _wait_polling(worker, pid, log_offset, wait_s)
     return "started"
 

@@ -33,6 +33,19 @@ def popen_detached(argv: Sequence[str], log_path: Path, env: Mapping[str, str] |
                                 env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True)
 
 
+def read_pid_file(path: Path) -> int | None:
+    """The pid recorded in ``path`` (its first word), or None when the file is missing or holds no number."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def write_pid_file(path: Path, pid: int) -> None:
+    """Record ``pid`` in ``path`` (one line)."""
+    path.write_text(f"{pid}\n")
+
+
 def pid_alive(pid: int) -> bool:
     """True while a process with this pid exists (zombies count as gone)."""
     try:

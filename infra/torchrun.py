@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.process import group_alive, kill_group, tail
+from infra.process import group_alive, kill_group, read_pid_file, tail, write_pid_file
 
 PR_SET_PDEATHSIG = 1
 DEFAULT_KEEP = re.compile(r"step|loss|acc|epoch|error|warn|traceback|exception|checkpoint|resum", re.I)
@@ -69,11 +69,8 @@ def _die_with_parent() -> None:
 
 def kill_leftover(pid_file: Path) -> int | None:
     """Kill the process group recorded by an earlier attempt, if it still runs; returns its pid."""
-    try:
-        pid = int(pid_file.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    if not group_alive(pid):  # the leader may be gone while its workers still run
+    pid = read_pid_file(pid_file)
+    if pid is None or not group_alive(pid):  # the leader may be gone while its workers still run
         return None
     kill_group(pid, grace_s=30.0)
     return pid
@@ -89,7 +86,7 @@ def run_torchrun(spec: TorchrunSpec, log_path: Path, timeout_s: float, on_line: 
     with open(log_path, "a", encoding="utf-8") as log:
         proc = subprocess.Popen(spec.argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                 env=env, start_new_session=True, preexec_fn=_die_with_parent)
-        pid_file.write_text(f"{proc.pid}\n")
+        write_pid_file(pid_file, proc.pid)
         timed_out = threading.Event()
         timer = threading.Timer(timeout_s, lambda: (timed_out.set(), kill_group(proc.pid, grace_s=30.0)))
         timer.start()

@@ -34,6 +34,7 @@ from eagle3.config import load_config  # noqa: E402
 from flows import local_server  # noqa: E402
 from flows.follow import deploy, trigger  # noqa: E402
 from flows.local_worker import LocalWorker, start_worker, worker_pid  # noqa: E402
+from infra.process import read_pid_file  # noqa: E402
 from infra.storage import read_holder  # noqa: E402
 
 TINY_OVERRIDES = ["capture.tokens_per_shard=300", "train.num_epochs=30", "train.checkpoint_every_steps=25"]
@@ -95,10 +96,9 @@ def kill_vm(worker: LocalWorker, run_dir: Path) -> list[int]:
             groups.add(os.getpgid(holder))
     except ProcessLookupError:
         pass
-    try:  # torchrun's own group: on a lost VM it dies too, with no chance to checkpoint
-        groups.add(int((run_dir / "train" / "torchrun.pid").read_text().split()[0]))
-    except (OSError, ValueError, IndexError):
-        pass
+    torchrun_pid = read_pid_file(run_dir / "train" / "torchrun.pid")
+    if torchrun_pid is not None:  # torchrun's own group: on a lost VM it dies too, with no chance to checkpoint
+        groups.add(torchrun_pid)
     for group in groups:
         try:
             os.killpg(group, signal.SIGKILL)

@@ -19,8 +19,10 @@ from infra.process import (
     group_alive,
     kill_group,
     pid_alive,
+    read_pid_file,
     spawn_detached,
     tail,
+    write_pid_file,
 )
 
 FAST = RestartPolicy(max_restarts=2, backoff_s=0.05, max_backoff_s=0.1)
@@ -127,3 +129,14 @@ def test_tail_returns_the_last_lines_or_says_the_log_is_missing(tmp_path):
     log.write_text("\n".join(f"line {i}" for i in range(100)))
     assert tail(log, 2) == "line 98\nline 99"
     assert "no log at" in tail(Path(tmp_path / "missing.log"))
+
+
+def test_pid_file_round_trip_and_bad_contents(tmp_path):
+    """A written pid reads back; a missing, empty or non-numeric file reads as None (never an exception)."""
+    path = tmp_path / "worker.pid"
+    assert read_pid_file(path) is None
+    write_pid_file(path, 4321)
+    assert read_pid_file(path) == 4321
+    for text in ("", "\n", "not-a-pid\n"):
+        path.write_text(text)
+        assert read_pid_file(path) is None
