@@ -16,6 +16,13 @@ import time
 from pathlib import Path
 
 
+def emit(line: str) -> None:
+    """One write per line: under PYTHONUNBUFFERED print() writes the text and its newline separately, and the
+    two ranks' lines then interleave in the shared pipe."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
@@ -39,10 +46,10 @@ def main() -> None:
         _stop_with_launcher()
     (args.pid_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
     for step in range(args.steps):
-        print(f"rank {rank} step {step} loss {1.0 / (step + 1):.3f}", flush=True)
-        print(f"rank {rank} chatter {step}", flush=True)
+        emit(f"rank {rank} step {step} loss {1.0 / (step + 1):.3f}")
+        emit(f"rank {rank} chatter {step}")
     if args.fail and rank == 0:
-        print("rank 0 Traceback: simulated failure", flush=True)
+        emit("rank 0 Traceback: simulated failure")
         sys.exit(3)
     while args.hang:
         time.sleep(0.5)
