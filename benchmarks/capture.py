@@ -21,6 +21,8 @@ captured aux states.
         --max-tokens-per-batch 16384 --tokens-per-shard 65536 \\
         --case stream_writes=false,num_writers=1 --case num_writers=1 --case num_writers=2
     python benchmarks/capture.py --random-smollm2 --device cuda --num-samples 2000 --max-sample-tokens 2048
+    python benchmarks/capture.py --random-smollm2 --device cuda --num-samples 2000 --max-sample-tokens 2048 \
+        --padded-attention    # the same without per-sample attention: what it costs with many short samples
 
 The preset mode needs the run's tokenized data (`eagle3 stage all --preset smollm2-demo`), or
 ``--synthetic`` for random tokens with the preset's target. The random modes build a random-weight
@@ -86,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     random.add_argument("--random-smollm2", action="store_true", help="random SmolLM2-135M-shaped model on the device")
     parser.add_argument("--num-layers", type=int, default=None, help="decoder layers of the random model")
     parser.add_argument("--synthetic", action="store_true", help="preset mode: random tokens instead of its data")
+    parser.add_argument("--padded-attention", action="store_true",
+                        help="one padded SDPA per layer, not per-sample attention (capture.per_sample_attention)")
     parser.add_argument("--check", action="store_true", help="first compare captured states with a plain forward")
     return parser
 
@@ -117,7 +121,8 @@ def _preset_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCa
         samples = [SampleTokens(r["id"], r["input_ids"], r["loss_mask"]) for r in rows]
     budget = args.max_tokens_per_batch or cfg.capture.max_tokens_per_batch
     backend = HFCaptureBackend.from_spec(model_dir, spec, device=device, dtype=cfg.target.dtype,
-                                         max_tokens_per_batch=budget, device_map=cfg.capture.device_map)
+                                         max_tokens_per_batch=budget, device_map=cfg.capture.device_map,
+                                         batch_invariant=not args.padded_attention)
     return backend, spec, samples
 
 
@@ -144,7 +149,7 @@ def _random_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCa
                        chat_template_hash="none", backend="hf")
     budget = args.max_tokens_per_batch or cfg.capture.max_tokens_per_batch
     backend = HFCaptureBackend(None, aux, supervision=spec.supervision, topk=spec.topk, device=device,
-                               max_tokens_per_batch=budget, model=model)
+                               max_tokens_per_batch=budget, model=model, batch_invariant=not args.padded_attention)
     return backend, spec, _synthetic_samples(args, config.vocab_size, cfg.run.seed)
 
 

@@ -228,6 +228,8 @@ class CaptureConfig(Section):
     """Ask the kernel (Linux sync_file_range) to start writing shard pages early, so each fsync has little left."""
     pinned_handoff: bool = False
     """HF on CUDA: writers read the pinned copy buffers directly instead of a pageable clone (pins more memory)."""
+    per_sample_attention: bool = True
+    """HF: attention runs per sample on its unpadded slice (batch-invariant); false = one padded SDPA call per layer."""
     sglang: SGLangCaptureConfig = SGLangCaptureConfig()
     """SGLang backend settings."""
 

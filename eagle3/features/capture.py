@@ -49,7 +49,7 @@ SPEC_FILE = "spec.json"
 MANIFEST_FILE = "capture.manifest.json"
 OPERATIONAL_KNOBS = ("max_tokens_per_batch", "max_concurrent_shards", "device", "device_map", "disk_margin_bytes",
                      "allow_shared_gpus", "stream_writes", "num_writers", "write_queue_bytes", "early_writeback",
-                     "pinned_handoff", "sglang")
+                     "pinned_handoff", "per_sample_attention", "sglang")
 """Capture settings that change how fast or where, never what is stored: left out of the stage key."""
 
 
@@ -181,7 +181,8 @@ def make_backend(cfg: RunConfig, model_dir: Path, spec: FeatureSpec | None = Non
 
         return HFCaptureBackend.from_spec(model_dir, spec, device=cap.device, dtype=cfg.target.dtype,
                                           max_tokens_per_batch=cap.max_tokens_per_batch, device_map=cap.device_map,
-                                          pinned_handoff=cap.pinned_handoff)
+                                          pinned_handoff=cap.pinned_handoff,
+                                          batch_invariant=cap.per_sample_attention)
     from eagle3.features.sglang_backend import SGLangCaptureBackend
 
     # Which servers to use (given endpoints, or managed ones per pass) is the SGLang module's decision.

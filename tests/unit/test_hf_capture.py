@@ -236,3 +236,19 @@ def test_run_capture_streamed_and_whole_shards_are_identical(tiny_base, tmp_path
     assert first.key == second.key and first.stats["num_shards"] > 2
     assert _shard_files(whole) == _shard_files(streamed) and len(_shard_files(whole)) == 2 * first.stats["num_shards"]
 
+
+
+def test_per_sample_attention_knob_reaches_the_backend_and_keeps_the_key(tiny_base, tmp_path):
+    """capture.per_sample_attention=false gives a padded-attention backend; the capture key does not change
+    (like the batch size, it moves results by rounding only)."""
+    from eagle3.features.capture import build_spec, capture_key, make_backend
+    from eagle3.target import prepare_target
+
+    on, off = tiny_run(tiny_base, tmp_path), load_config("tiny", [f"run.workdir={tmp_path}",
+                                                                   f"target.cache_dir={tiny_base / '_targets'}",
+                                                                   "capture.per_sample_attention=false"])
+    model_dir = prepare_target(on)
+    spec = build_spec(on, model_dir)
+    backends = [make_backend(cfg, model_dir, spec) for cfg in (on, off)]
+    assert [b.per_sample for b in backends] == [True, False]
+    assert capture_key(on, spec) == capture_key(off, spec)
