@@ -287,7 +287,7 @@ def _write_folder(out_dir: Path, config: dict[str, Any], tensors: dict[str, Tens
     """config.json, model.safetensors and the provenance files into a temp folder, fsynced, then renamed."""
     from safetensors.torch import save_file
 
-    from infra.storage import fsync_dir, publish_dir
+    from infra.storage import publish_dir, seal_dir
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
@@ -298,13 +298,7 @@ def _write_folder(out_dir: Path, config: dict[str, Any], tensors: dict[str, Tens
         docs = {CONFIG_FILE: config, INFO_FILE: info, RUN_CONFIG_FILE: run_config}
         for name, doc in ((k, v) for k, v in docs.items() if v is not None):
             (tmp / name).write_text(json.dumps(doc, indent=2) + "\n")
-        umask = os.umask(0o022)
-        os.umask(umask)
-        for path in tmp.iterdir():
-            os.chmod(path, 0o666 & ~umask)  # safetensors writes 0600; a server running as another user must read it
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(tmp)
+        seal_dir(tmp)
         publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

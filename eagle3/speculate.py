@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.model import (Eagle3Drafter, attention_inputs, repeat_kv, rope_cos_sin, rope_inv_freq_on, step_outputs,
+from eagle3.model import (Eagle3Drafter, attention_inputs, rope_cos_sin, rope_inv_freq_on, step_outputs,
                           step_weights, upcast)
 
 REFERENCE_TOPK = 5
@@ -181,8 +181,10 @@ class TargetRunner:
 
     @torch.no_grad()
     def forward(self, tokens: Sequence[int], positions: Sequence[int] | None = None,
-                visible: Tensor | None = None, last_only: bool = False) -> tuple[Tensor, Tensor]:
-        """(fp32 logits [q, V] (or [1, V] with last_only), aux [q, A*H]) of tokens run after the cache.
+                visible: Tensor | None = None, last_only: bool = False,
+                with_aux: bool = True) -> tuple[Tensor, Tensor | None]:
+        """(fp32 logits [q, V] (or [1, V] with last_only), aux [q, A*H] (None without with_aux)) of tokens run
+        after the cache.
 
         positions default to consecutive after the cache; ``visible`` (bool [q, q]) replaces causal
         attention among the new tokens (every cached entry stays visible): the tree mask.
@@ -196,16 +198,19 @@ class TargetRunner:
         if last_only:
             kwargs["logits_to_keep"] = 1
         out = self.model(input_ids=torch.tensor([list(tokens)], device=self.device), **kwargs)
-        aux = torch.cat([self._outputs[j][0] for j in self.aux_layer_ids], dim=-1)  # [q, A*H]
+        aux = torch.cat([self._outputs[j][0] for j in self.aux_layer_ids], dim=-1) if with_aux else None
         return out.logits[0].float(), aux
 
     def _additive_mask(self, start: int, visible: Tensor) -> Tensor:
         """[1, 1, q, start + q] float mask (0 = attend): transformers passes a 4D mask through as it is."""
         num = visible.shape[0]
-        allowed = torch.cat([torch.ones(num, start, dtype=torch.bool), visible.cpu()], dim=1)
+        # Built on the device: only the small [q, q] tree block crosses from the host, not the O(L) prefix.
+        allowed = torch.cat([torch.ones(num, start, dtype=torch.bool, device=self.device),
+                             visible.to(self.device)], dim=1)
         dtype = self.model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        return mask[None, None].to(self.device)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
+        return mask[None, None]
 
     def keep(self, prefix: int, rows: Sequence[int]) -> None:
         """Keep cache entries [0, prefix) followed by ``rows`` (absolute, ascending); drop everything else."""
@@ -267,9 +272,8 @@ class DrafterRunner:
                                    dims.num_attention_heads, dims.num_key_value_heads)  # [1, nH|nKV, q, hd]
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
         self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        groups = dims.num_attention_heads // dims.num_key_value_heads
-        attn = F.scaled_dot_product_attention(q, repeat_kv(self.keys, groups), repeat_kv(self.values, groups),
-                                              attn_mask=visible.to(self.device)[None, None])  # [1, nH, q, hd]
+        attn = F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=visible[None, None],
+                                              enable_gqa=True)  # [1, nH, q, hd]; no repeated copy of the cache
         out, logits = step_outputs(self.weights, hidden[None], attn, dims.rms_norm_eps)  # [1, q, H], [1, q, Vd]
         return out[0], logits[0]
 
@@ -282,8 +286,7 @@ class DrafterRunner:
             raise ValueError(f"drafter cache holds {self.num_committed} committed entries, asked to extend at {start}")
         self._drop_drafts()
         num = len(next_tokens)
-        visible = torch.cat([torch.ones(num, start, dtype=torch.bool),
-                             torch.ones(num, num, dtype=torch.bool).tril()], dim=1)
+        visible = torch.ones(num, start + num, dtype=torch.bool, device=self.device).tril(start)  # causal
         hidden = self.drafter.project_aux(aux.to(self.device, self.drafter.fc.weight.dtype))  # [q, H]
         tokens = torch.tensor(list(next_tokens), device=self.device)
         out = self._run(hidden, tokens, torch.arange(start, start + num, device=self.device), visible)
@@ -297,7 +300,8 @@ class DrafterRunner:
         each node sees: its ancestors and itself. Every committed entry is visible.
         """
         num = len(tokens)
-        visible = torch.cat([torch.ones(num, self.num_committed, dtype=torch.bool), ancestors.cpu()], dim=1)
+        visible = torch.cat([torch.ones(num, self.num_committed, dtype=torch.bool, device=self.device),
+                             ancestors.to(self.device)], dim=1)
         positions = torch.full((num,), position, device=self.device)
         return self._run(hidden, tokens, positions, visible)
 
@@ -356,7 +360,8 @@ class EagleProposer:
             token = self.runner.to_target_ids(logits.argmax(-1, keepdim=True))  # [1]
             tokens.append(token)
             if j < self.steps:
-                ancestors = torch.ones(1, self.runner.num_draft_entries + 1, dtype=torch.bool)
+                ancestors = torch.ones(1, self.runner.num_draft_entries + 1, dtype=torch.bool,
+                                       device=self.runner.device)
                 hidden, logits = self.runner.draft(hidden, token, root_position + j, ancestors)
                 logits = logits[0]
         return DraftTree.chain(torch.cat(tokens).tolist())  # one device sync per round
@@ -450,7 +455,7 @@ def greedy_decode(target: TargetRunner, prompt: Sequence[int], max_new_tokens: i
     stops = set(stop_ids)
     start_s = _clock(target.device)
     target.reset()
-    logits, _ = target.forward(prompt, last_only=True)
+    logits, _ = target.forward(prompt, last_only=True, with_aux=False)
     tokens: list[Tensor] = []
     tops: list[Any] = []
     while True:
@@ -460,7 +465,7 @@ def greedy_decode(target: TargetRunner, prompt: Sequence[int], max_new_tokens: i
         value = int(token)
         if value in stops or len(tokens) >= max_new_tokens:
             break
-        logits, _ = target.forward([value])
+        logits, _ = target.forward([value], with_aux=False)
     wall_s = _clock(target.device) - start_s
     return DecodeResult(torch.stack(tokens).tolist(), wall_s,
                         top_ids=torch.stack([t.indices for t in tops]).tolist(),

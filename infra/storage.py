@@ -108,6 +108,17 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
         raise
 
 
+def seal_dir(tmp: Path | str) -> None:
+    """Make a folder of finished files durable and readable: each file gets the umask's usual mode (some writers
+    create 0600 files; a server running as another user must read them) and is fsynced, then the folder."""
+    mode = umask_mode()
+    for path in Path(tmp).iterdir():
+        os.chmod(path, mode)
+        with open(path, "rb") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(Path(tmp))
+
+
 def publish_dir(tmp: Path | str, final: Path | str) -> Path:
     """Rename a finished (fsynced) temp folder to ``final``; an older ``final`` is moved aside first and
     deleted only once the new one has its name, so a crash leaves one whole folder under that name."""

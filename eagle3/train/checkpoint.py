@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle3.train.dist import DistInfo, all_gather_objects, barrier
-from infra.storage import fsync_dir, publish_dir, umask_mode
+from infra.storage import publish_dir, seal_dir
 
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
 MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE = "model.safetensors", "optimizer.pt", "trainer.pt"
@@ -122,14 +122,6 @@ def from_export_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 # ------------------------------------------------------------------------------------------------- writing
 
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-
-
 def _write_files(tmp: Path, model_sd: dict, optim_sd: dict, trainer: dict, config_json: str,
                  info: dict[str, Any]) -> None:
     """Every file of a checkpoint into ``tmp``, fsynced; checkpoint.json last."""
@@ -140,11 +132,7 @@ def _write_files(tmp: Path, model_sd: dict, optim_sd: dict, trainer: dict, confi
     info = {**info, "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())},
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-    mode = umask_mode()
-    for path in tmp.iterdir():
-        os.chmod(path, mode)  # some writers create 0600 files; checkpoints get the usual permissions
-        _fsync_file(path)
-    fsync_dir(tmp)
+    seal_dir(tmp)
 
 
 def prune(ckpt_dir: Path, keep: int) -> list[Path]:
