@@ -10,7 +10,7 @@ re-run after a crash, a schedule or a UI "Retry" recomputes only what is missing
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -60,7 +60,7 @@ def run_data_stages(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
 
 
 LastStage = Literal["vocab", "capture", "train", "export", "evaluate", "deploy"]
-LAST_STAGES: tuple[str, ...] = ("vocab", "capture", "train", "export", "evaluate", "deploy")
+LAST_STAGES: tuple[str, ...] = get_args(LastStage)
 DEPLOY_STEPS = {"export": ["export"], "evaluate": ["export", "evaluate"], "deploy": ["export", "evaluate", "benchmark"]}
 
 

@@ -36,13 +36,13 @@ from typing import Any
 import httpx
 
 from infra.sglang import ResponseCheckError, auth_headers, response_meta
+from infra.sglang_spec import SERVING_FIELDS
 
 Prompt = str | list[int]
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 # Settings a baseline and its speculative twin must share (names of SGLang's ServerArgs fields).
-SHARED_SETTINGS = ("model_path", "tp_size", "dp_size", "dtype", "mem_fraction_static", "max_running_requests",
-                   "cuda_graph_max_bs_decode", "attention_backend", "kv_cache_dtype", "chunked_prefill_size",
-                   "context_length", "disable_radix_cache")
+SHARED_SETTINGS = ("model_path", "tp_size", "dp_size", "dtype", "mem_fraction_static", *SERVING_FIELDS,
+                   "kv_cache_dtype", "chunked_prefill_size", "context_length", "disable_radix_cache")
 SPEC_SETTINGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
                  "speculative_eagle_topk", "speculative_num_draft_tokens")
 _TASKS = ("Explain {t} to a new colleague in five short paragraphs.",

@@ -243,7 +243,7 @@ def run_chaos(preset: str, overrides: list[str], workdir: str, port: int, kill: 
         report["capture_kill"] = chaos_capture(run_id, worker, cfg.run_dir, timeout_s)
     if kill in ("train", "both"):
         report["train_kill"] = chaos_train(run_id, worker, cfg.run_dir, timeout_s)
-    state = wait_until(lambda: (s := flow_state(run_id))[0] in ("Completed", "Failed", "Crashed") and s,
+    state = wait_until(lambda: (s := flow_state(run_id))[0] in ("Completed", "Failed", "Crashed", "Cancelled") and s,
                        timeout_s, "the run to finish")
     report.update(final_state=state[0], run_count=state[1], total_s=round(time.monotonic() - t0, 1))
     (Path(workdir) / "chaos.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -114,7 +114,7 @@ def _check_gpus(cfg: RunConfig) -> None:
 
     gpus = list_gpus()
     if gpus:
-        check_gpus_free([g.index for g in gpus], allow_shared=cfg.serve.allow_shared_gpus)
+        check_gpus_free([g.index for g in gpus], allow_shared=cfg.serve.allow_shared_gpus, gpus=gpus)
 
 
 @task(name="serve-benchmark", task_run_name="benchmark-{role}-{cfg.run.name}", tags=["inference"],
