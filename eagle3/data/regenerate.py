@@ -416,10 +416,15 @@ def settings_key(cfg: RegenerateConfig) -> str:
     return sha256_json({k: getattr(cfg, k) for k in ("backend", "model", "max_new_tokens", "temperature")})[:16]
 
 
-def _is_reusable(record: dict[str, Any] | None, row: dict[str, Any], key: str, retry_errors: bool) -> bool:
+def _is_reusable(record: dict[str, Any] | None, row: dict[str, Any], key: str, retry_errors: bool,
+                 max_user_turns: int | None = None) -> bool:
     if record is None or record.get("settings") != key or record.get("content_hash") != row.get("content_hash"):
         return False
-    return record.get("status") == "ok" or not retry_errors
+    if record.get("status") != "ok":
+        return not retry_errors
+    # max_user_turns is not in the settings key (old journals keep theirs): an answer is reused only if it
+    # answered exactly the turns the current setting asks for.
+    return len(record.get("finish_reasons") or ()) == plan_turns(row["messages"], max_user_turns).count(None)
 
 
 # --------------------------------------------------------------------------- the run
@@ -530,7 +535,8 @@ def regenerate(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, backend: 
     journal = Journal(out_dir / JOURNAL_NAME)
     done, key = journal.load(), settings_key(cfg)
     limit = min(len(rows), cfg.max_conversations or len(rows))
-    todo = [r for r in rows[:limit] if not _is_reusable(done.get(r["id"]), r, key, retry_errors)]
+    todo = [r for r in rows[:limit]
+            if not _is_reusable(done.get(r["id"]), r, key, retry_errors, cfg.max_user_turns)]
     todo.sort(key=lambda r: sum(len(m["content"]) for m in r["messages"]))  # similar lengths batch together
     state = _RunState(max_user_turns=cfg.max_user_turns)
     with journal.appender() as append, Progress(len(todo), "regenerate", progress) as bar:

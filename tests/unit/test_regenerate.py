@@ -363,3 +363,17 @@ def test_journal_keeps_records_with_unicode_line_separators(tmp_path):
             append({"id": f"src:{i}", "status": "ok", "messages": [{"role": "assistant", "content": text}]})
     loaded = journal.load()
     assert [loaded[f"src:{i}"]["messages"][0]["content"] for i in range(3)] == texts
+
+
+def test_journal_answers_for_fewer_user_turns_are_redone(tmp_path):
+    """A row journaled under max_user_turns=1 is regenerated when all turns are asked for; a one-turn row is not."""
+    src = _write_merged(tmp_path / "merged.parquet", [_conv(0, num_turns=2), _conv(1, num_turns=1)])
+    out = tmp_path / "out"
+    with FakeOpenAIServer() as server:
+        regenerate(src, out, _cfg(server, max_user_turns=1), _backend(_cfg(server)))
+        cfg = _cfg(server)
+        paths, stats = regenerate(src, out, cfg, _backend(cfg))
+    assert stats["skipped_done"] == 1 and stats["success"] == 1
+    answered = [sum(m["role"] == "assistant" for m in r) for r in pq.read_table(paths["regenerated"])
+                .column("messages").to_pylist()]
+    assert answered == [2, 1]
