@@ -104,8 +104,8 @@ class EvalSession:
     stop_ids: list[int]
 
 
-def open_session(job: EvalJob, model: Any = None, loaded: Any = None) -> EvalSession:
-    """Load the target and the exported drafter on the job's device (or use the given ones: tests)."""
+def open_session(job: EvalJob) -> EvalSession:
+    """Load the target and the exported drafter on the job's device."""
     import torch
 
     from eagle3.export import load_sglang_export
@@ -113,10 +113,8 @@ def open_session(job: EvalJob, model: Any = None, loaded: Any = None) -> EvalSes
     from eagle3.target import load_model
 
     ecfg = EvaluateConfig.model_validate(job.evaluate)
-    if loaded is None:
-        loaded = load_sglang_export(Path(job.export_dir), Path(job.model_dir), job.device, getattr(torch, ecfg.dtype))
-    if model is None:
-        model = load_model(Path(job.model_dir), ecfg.dtype, job.device)
+    loaded = load_sglang_export(Path(job.export_dir), Path(job.model_dir), job.device, getattr(torch, ecfg.dtype))
+    model = load_model(Path(job.model_dir), ecfg.dtype, job.device)
     proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, loaded.d2t) for s in method_specs(ecfg)}
     return EvalSession(TargetRunner(model, loaded.aux_layer_ids), proposers, ecfg, list(job.stop_ids))
 
@@ -173,8 +171,7 @@ def _run_item(item: tuple[int, EvalPrompt, list[int]]) -> dict[str, Any]:
 
 def evaluate_prompts(job: EvalJob, items: Sequence[tuple[EvalPrompt, list[int]]], num_workers: int = 1,
                      progress: ProgressFn | None = None, show_bar: bool | None = None,
-                     session: EvalSession | None = None, journal: Journal | None = None,
-                     key: str = "") -> list[dict[str, Any]]:
+                     journal: Journal | None = None, key: str = "") -> list[dict[str, Any]]:
     """Per-prompt records in prompt order; num_workers > 1 spreads prompts over spawned processes.
 
     With a journal, every finished prompt is appended at once and prompts already journaled under the
@@ -186,7 +183,7 @@ def evaluate_prompts(job: EvalJob, items: Sequence[tuple[EvalPrompt, list[int]]]
     records = list(done.values())
     with Progress(len(indexed), "evaluate", progress, bar=show_bar) as bar, _appender(journal) as append:
         bar.update(len(done), resumed=len(done))
-        for record in _measure(job, todo, indexed[0][2], num_workers, session):
+        for record in _measure(job, todo, indexed[0][2], num_workers):
             append({"id": str(record["index"]), "key": key, "record": record})
             records.append(record)
             bar.update(1)
@@ -232,14 +229,13 @@ def _appender(journal: Journal | None) -> Iterator[Callable[[dict[str, Any]], No
 
 
 def _measure(job: EvalJob, todo: list[tuple[int, EvalPrompt, list[int]]], warmup_ids: list[int],
-             num_workers: int, session: EvalSession | None) -> Iterator[dict[str, Any]]:
+             num_workers: int) -> Iterator[dict[str, Any]]:
     """Records of the prompts in ``todo`` as they finish (in this process, or a pool of spawned ones)."""
     if not todo:
         return
     if num_workers <= 1:
-        if session is None:
-            session = open_session(job)
-            warm_up(session, warmup_ids)
+        session = open_session(job)
+        warm_up(session, warmup_ids)
         for item in todo:
             yield evaluate_prompt(session, *item)
         return
@@ -424,14 +420,14 @@ def key_for(cfg: RunConfig, model_dir: Path, export_dir: Path | None = None) -> 
 
 
 def resolve_device(device: str) -> str:
-    """'auto' -> cuda when a GPU is visible, else cpu."""
+    """'auto' -> cuda when a GPU is visible, else cpu (the capture backend's rule); cuda without one is an error."""
     import torch
 
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+    from eagle3.features.hf_backend import resolve_device as resolve_auto
+
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("evaluate.device is cuda but no CUDA device is visible")
-    return device
+    return resolve_auto(device)
 
 
 def _settings(cfg: RunConfig, model_dir: Path, export_dir: Path, device: str,
@@ -457,11 +453,9 @@ def _settings(cfg: RunConfig, model_dir: Path, export_dir: Path, device: str,
 
 @dataclass
 class _Plan:
-    """What one evaluation measures: the rendered prompts, stop ids, device and the workers' job."""
+    """What one evaluation measures: the rendered prompts and the workers' job (device, stop ids, settings)."""
 
     items: list[tuple[EvalPrompt, list[int]]]
-    stop_ids: list[int]
-    device: str
     job: EvalJob
 
 
@@ -476,7 +470,7 @@ def _plan(cfg: RunConfig, model_dir: Path, export_dir: Path) -> _Plan:
     device = resolve_device(e.device)
     threads = max(1, (os.cpu_count() or 1) // e.num_workers) if e.num_workers > 1 else None  # split the cores
     job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), device, stop_ids, threads)
-    return _Plan(items, stop_ids, device, job)
+    return _Plan(items, job)
 
 
 def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: ProgressFn | None,
@@ -485,7 +479,7 @@ def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: Progre
     journal = Journal(eval_dir(cfg) / JOURNAL_NAME)
     records = evaluate_prompts(plan.job, plan.items, e.num_workers, progress, show_bar, journal=journal, key=key)
     rows = summarize_all(records, [s.name for s in method_specs(e)])
-    settings = _settings(cfg, model_dir, export_dir, plan.device, plan.items, plan.stop_ids)
+    settings = _settings(cfg, model_dir, export_dir, plan.job.device, plan.items, plan.job.stop_ids)
     outputs = write_outputs(eval_dir(cfg), records, rows, settings)
     journal.path.unlink(missing_ok=True)  # prompts.jsonl now holds every record; a forced re-run measures afresh
     stats = {f"{r['dataset']}/{r['method']}": {k: r[k] for k in ("accept_len", "speedup", "tokens_per_s")}
@@ -507,7 +501,7 @@ def write_partial_report(cfg: RunConfig, export_dir: Path | None = None) -> dict
         raise FileNotFoundError(f"no prompt of these settings is journaled in {eval_dir(cfg) / JOURNAL_NAME}")
     records = [done[i] for i in sorted(done)]
     rows = summarize_all(records, [s.name for s in method_specs(cfg.evaluate)])
-    settings = _settings(cfg, model_dir, source, plan.device, plan.items, plan.stop_ids)
+    settings = _settings(cfg, model_dir, source, plan.job.device, plan.items, plan.job.stop_ids)
     settings["partial"] = {"num_measured": len(records), "num_planned": len(plan.items),
                            "num_measured_by_dataset": {d: sum(r["dataset"] == d for r in records)
                                                        for d in cfg.evaluate.datasets}}
