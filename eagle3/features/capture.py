@@ -149,14 +149,16 @@ def _remove_stale(fdir: Path, plan: CapturePlan, expected_hash: str) -> list[str
     return removed
 
 
-def prepare_capture(cfg: RunConfig) -> CapturePlan:
-    """Write spec.json and plan.json, drop stale shards, check the disk; returns the plan with pending shards."""
+def prepare_capture(cfg: RunConfig, spec: FeatureSpec | None = None) -> CapturePlan:
+    """Write spec.json and plan.json, drop stale shards, check the disk; returns the plan with pending shards.
+
+    ``spec``: the run's FeatureSpec when the caller has built it already (it loads the tokenizer)."""
     from eagle3.target import prepare_target
 
     tokenized, manifest = _tokenized(cfg)
     fdir = features_dir(cfg)
     fdir.mkdir(parents=True, exist_ok=True)
-    spec = build_spec(cfg, prepare_target(cfg))
+    spec = spec or build_spec(cfg, prepare_target(cfg))
     _save_or_check_spec(fdir, spec)
     plan = build_plan(tokenized, cfg.capture.tokens_per_shard, _tokenized_key(manifest))
     expected = spec_hash(spec)
@@ -336,14 +338,15 @@ def run_capture(cfg: RunConfig, progress: ProgressFn | None = None) -> StageOutc
 
     fdir = features_dir(cfg)
     manifest = fdir / MANIFEST_FILE
-    key = capture_key(cfg, build_spec(cfg, prepare_target(cfg)))
+    spec = build_spec(cfg, prepare_target(cfg))
+    key = capture_key(cfg, spec)
     if is_complete(cfg, key):
         doc = read_manifest(manifest)
         outputs = {k: str(fdir / v["path"]) for k, v in doc["outputs"].items()}
         return StageOutcome("capture", key, manifest, False, doc["stats"], outputs)
-    plan = prepare_capture(cfg)
+    plan = prepare_capture(cfg, spec)
     manifest.unlink(missing_ok=True)  # only now: a refused prepare must not cost a valid manifest
-    last_run = _capture_all(cfg, plan, FeatureSpec.load(fdir / SPEC_FILE), progress)
+    last_run = _capture_all(cfg, plan, spec, progress)  # prepare_capture saved exactly this spec
     doc = finalize_capture(cfg, last_run)
     return StageOutcome("capture", key, manifest, True, doc["stats"],
                         {k: str(fdir / v["path"]) for k, v in doc["outputs"].items()})
