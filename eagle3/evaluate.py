@@ -100,6 +100,7 @@ class EvalSession:
 
     target: Any  # TargetRunner
     proposers: dict[str, Any]
+    drafter: Any  # DrafterRunner of its own, for the teacher-forced cross-check
     ecfg: EvaluateConfig
     stop_ids: list[int]
 
@@ -109,14 +110,15 @@ def open_session(job: EvalJob) -> EvalSession:
     import torch
 
     from eagle3.export import load_sglang_export
-    from eagle3.speculate import TargetRunner
+    from eagle3.speculate import DrafterRunner, TargetRunner
     from eagle3.target import load_model
 
     ecfg = EvaluateConfig.model_validate(job.evaluate)
     loaded = load_sglang_export(Path(job.export_dir), Path(job.model_dir), job.device, getattr(torch, ecfg.dtype))
     model = load_model(Path(job.model_dir), ecfg.dtype, job.device)
     proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, loaded.d2t) for s in method_specs(ecfg)}
-    return EvalSession(TargetRunner(model, loaded.aux_layer_ids), proposers, ecfg, list(job.stop_ids))
+    return EvalSession(TargetRunner(model, loaded.aux_layer_ids), proposers,
+                       DrafterRunner(loaded.drafter, loaded.d2t), ecfg, list(job.stop_ids))
 
 
 def warm_up(session: EvalSession, prompt_ids: list[int]) -> None:
@@ -133,12 +135,15 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
     """The greedy reference and every method on one prompt: tokens, steps, wall times, lossless checks."""
     import torch
 
-    from eagle3.speculate import check_lossless, greedy_decode, speculative_decode
+    from eagle3.speculate import check_lossless, greedy_decode, speculative_decode, teacher_forced_drafts
 
     ecfg = session.ecfg
     ref = greedy_decode(session.target, ids, ecfg.max_new_tokens, session.stop_ids)
+    drafts = teacher_forced_drafts(session.target, session.drafter, ids, ref.tokens)  # untimed
     record: dict[str, Any] = {"index": index, "dataset": prompt.dataset, "id": prompt.id, "prompt_tokens": len(ids),
                               "greedy": {"num_tokens": len(ref.tokens), "wall_s": ref.wall_s, "tokens": ref.tokens},
+                              "teacher_forced": {"num_tokens": len(drafts),
+                                                 "num_hits": sum(d == t for d, t in zip(drafts, ref.tokens[1:]))},
                               "methods": {}}
     for name, proposer in session.proposers.items():
         out = speculative_decode(session.target, proposer, ids, ecfg.max_new_tokens, session.stop_ids)
@@ -278,12 +283,21 @@ def summarize(records: Sequence[dict[str, Any]], method: str) -> dict[str, Any]:
         "wall_s": wall_s, "tokens_per_s": num_tokens / max(wall_s, 1e-9),
         "greedy_wall_s": greedy_s,
         "greedy_tokens_per_s": sum(r["greedy"]["num_tokens"] for r in records) / max(greedy_s, 1e-9),
-        "speedup": greedy_s / max(wall_s, 1e-9),
+        "speedup": greedy_s / max(wall_s, 1e-9), "teacher_forced_acc_0": teacher_forced_acc_0(records),
         "lossless": {"identical": kinds.count("identical"), "near_tie": kinds.count("near_tie"),
                      "mismatch": kinds.count("mismatch"),
                      "differences": [{"prompt": r["id"], **run["lossless"]} for r, run in zip(records, runs)
                                      if run["lossless"]["kind"] != "identical"]},
     }
+
+
+def teacher_forced_acc_0(records: Sequence[dict[str, Any]]) -> float | None:
+    """The drafter's first-draft agreement with the greedy text over these prompts (None if any record lacks it:
+    journals written before the cross-check existed)."""
+    if not records or any("teacher_forced" not in r for r in records):
+        return None
+    num_tokens = sum(r["teacher_forced"]["num_tokens"] for r in records)
+    return sum(r["teacher_forced"]["num_hits"] for r in records) / max(num_tokens, 1)
 
 
 def summarize_all(records: Sequence[dict[str, Any]], methods: Sequence[str]) -> list[dict[str, Any]]:
@@ -329,11 +343,27 @@ def report_markdown(rows: Sequence[dict[str, Any]], settings: dict[str, Any]) ->
         lines.append(f"| {r['dataset']} | {r['method']} | {r['num_prompts']} | {r['accept_len']:.3f} | "
                      f"{_rates(r['per_position'])} | {_rates(r['per_position_conditional'])} | {r['tokens_per_s']:.1f} | "
                      f"{r['greedy_tokens_per_s']:.1f} | {r['speedup']:.2f}x{flag} | {vs_ngram} | {_lossless_text(r)} |")
+    lines += _teacher_forced_lines(rows)
     lines += ["", "accept len: tokens per verify forward, bonus token included. per-position: draft position i "
               "accepted / proposed; conditional: given positions < i were accepted. speedup: greedy wall time / "
               "method wall time, same prompts, same process; vs n-gram: n-gram wall time / method wall time. (!) marks "
               "speedup > accept len: a timing error."]
     return "\n".join(lines) + "\n"
+
+
+def _teacher_forced_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Per dataset: the drafter's teacher-forced acc_0 on the greedy text next to the chains' position-1
+    acceptance; the two agree when the decode feeds the drafter what training did."""
+    chains = [r for r in rows if r["method"].startswith("chain") and r.get("teacher_forced_acc_0") is not None]
+    if not chains:
+        return []
+    lines = ["", "Cross-check: the drafter's first draft token, teacher-forced on the greedy text (TTT step 0 as "
+             "training computes it), against the chains' position-1 acceptance:", ""]
+    for dataset in dict.fromkeys(r["dataset"] for r in chains):
+        rates = ", ".join(f"{r['method']} {r['per_position'][0]:.3f}" for r in chains if r["dataset"] == dataset)
+        tf = next(r["teacher_forced_acc_0"] for r in chains if r["dataset"] == dataset)
+        lines.append(f"- {dataset}: teacher-forced acc_0 {tf:.3f}; position 1 accepted: {rates}")
+    return lines
 
 
 def _partial_lines(settings: dict[str, Any]) -> list[str]:

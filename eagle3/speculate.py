@@ -528,6 +528,29 @@ def speculative_decode(target: TargetRunner, proposer: Proposer, prompt: Sequenc
     return DecodeResult(tokens, _clock(target.device) - start_s, steps)
 
 
+@torch.no_grad()
+def teacher_forced_drafts(target: TargetRunner, runner: DrafterRunner, prompt: Sequence[int],
+                          generated: Sequence[int]) -> list[int]:
+    """The drafter's first draft token (target ids) for generated[1:], every context fed from the text itself.
+
+    One target forward over prompt + generated and one causal drafter pass: TTT step 0 as training computes
+    it. A chain round starting with c context tokens proposes entry c - len(prompt) - 1 of this list, so
+    position-1 acceptance far below this list's agreement with ``generated`` means the decode does not give
+    the drafter what training did; both low means the drafter itself misses on this text.
+    """
+    seq = [*prompt, *generated]
+    if len(generated) < 2:
+        return []
+    target.reset()
+    runner.reset()
+    _, aux = target.forward(seq[:-2])  # [L-2, A*H]: index t's feature with token t+1 predicts token t+2
+    _, logits = runner.extend(aux, seq[1:-1], 0)  # [L-2, Vd]
+    drafts = runner.to_target_ids(logits[len(prompt) - 1:].argmax(-1))  # predicts seq[len(prompt)+1:]
+    target.reset()
+    runner.reset()
+    return drafts.tolist()
+
+
 # ---------------------------------------------------------------------------------------------- lossless
 
 @dataclass(frozen=True)

@@ -93,6 +93,15 @@ def test_summary_golden():
     assert row["lossless"]["identical"] == 1 and row["lossless"]["near_tie"] == 1
     assert row["lossless"]["differences"] == [{"prompt": "mtbench:1", "kind": "near_tie", "position": 4}]
     assert [r["dataset"] for r in summarize_all(records, ["m"])] == ["mtbench"]
+    assert row["teacher_forced_acc_0"] is None  # records journaled before the cross-check existed
+
+
+def test_teacher_forced_acc_golden():
+    """Teacher-forced acc_0 pools hits over the prompts' tokens (3 + 1 of 4 + 6), not a mean of prompt rates."""
+    records = [_record(0, [3], [3], [4], 1.0), _record(1, [3], [0], [1], 1.0)]
+    records[0]["teacher_forced"], records[1]["teacher_forced"] = ({"num_tokens": 4, "num_hits": 3},
+                                                                  {"num_tokens": 6, "num_hits": 1})
+    assert summarize(records, "m")["teacher_forced_acc_0"] == 0.4
 
 
 def test_config_defaults_and_checks():
@@ -145,6 +154,8 @@ def test_stage_measures_every_method_losslessly_and_skips_when_done(tiny_run):
     assert rows[("mtbench", "ngram")]["speedup_vs_ngram"] == 1.0
     assert rows[("all", "ngram")]["num_prompts"] == 4 and doc["settings"]["num_prompts"] == {"mtbench": 2, "gsm8k": 2}
     assert "| mtbench | tree-3-2-5 | 2 |" in (cfg.run_dir / "eval" / "report.md").read_text()
+    assert 0.0 <= rows[("all", "chain-3-1-4")]["teacher_forced_acc_0"] <= 1.0
+    assert "- gsm8k: teacher-forced acc_0 " in (cfg.run_dir / "eval" / "report.md").read_text()
     assert (cfg.run_dir / "eval" / "per_position.png").read_bytes()[:4] == b"\x89PNG"
     assert not run_evaluate(cfg, export_dir=export_dir).computed
 

@@ -11,7 +11,7 @@ from eagle3.masks import shift_left
 from eagle3.model import DrafterDims, Eagle3Drafter, TTTCache, init_weights
 from eagle3.speculate import (DecodeResult, DraftTree, DrafterRunner, EagleProposer, NgramProposer, TargetRunner,
                               accept_path, check_lossless, greedy_decode, rounding_step, speculative_decode,
-                              verify)
+                              teacher_forced_drafts, verify)
 from eagle3.tiny import build_tiny_model, build_tiny_tokenizer
 
 AUX_IDS = [1, 3, 4]  # the default [1, N//2-1, N-4] of the 8-layer tiny target
@@ -259,6 +259,23 @@ def test_tree_with_topk_one_equals_the_chain(setup):
     proposer.propose = lambda context: proposer._tree()  # force the tree code path
     tree = speculative_decode(setup["target"], proposer, prompt, MAX_NEW)
     assert tree.tokens == chain.tokens and tree.steps == chain.steps
+
+
+def test_teacher_forced_drafts_are_the_chain_rounds_first_drafts(setup):
+    """Every chain round's first draft token is the teacher-forced draft at that round's start, and the
+    list covers every generated token after the first."""
+    for prompt, ref in zip(setup["prompts"], setup["refs"]):
+        proposer = EagleProposer(setup["drafter"], setup["d2t"], steps=3)
+        firsts: list[tuple[int, int]] = []  # (context length, first draft token)
+        propose = proposer.propose
+        proposer.propose = lambda context: (tree := propose(context), firsts.append((len(context), tree.tokens[0])))[0]
+        result = speculative_decode(setup["target"], proposer, prompt, MAX_NEW)
+        drafts = teacher_forced_drafts(setup["target"], DrafterRunner(setup["drafter"], setup["d2t"]), prompt,
+                                       result.tokens)
+        assert len(drafts) == len(result.tokens) - 1 and len(firsts) == len(result.steps) > 1
+        assert [drafts[c - len(prompt) - 1] for c, _ in firsts] == [token for _, token in firsts]
+        assert [s.accepted >= 1 for s in result.steps] == [
+            drafts[c - len(prompt) - 1] == result.tokens[c - len(prompt)] for c, _ in firsts]
 
 
 # ------------------------------------------------------------------------------------------------- n-grams
