@@ -12,6 +12,7 @@ from typing import Any
 
 from eagle3.config import RunConfig
 from eagle3.stages import STAGES
+from tasks.artifacts import markdown_image
 
 DATA_STAGES = STAGES
 
@@ -101,13 +102,6 @@ def eval_rows(evaluation: dict[str, Any]) -> list[dict[str, Any]]:
                      "lossless": f"{lossless.get('identical')}/{res.get('num_prompts')} identical, "
                                  f"{lossless.get('mismatch')} mismatch, {lossless.get('near_tie')} near-tie"})
     return rows
-
-
-def markdown_image(path: Path) -> str:
-    """A PNG embedded as a data URI (the UI renders markdown artifacts without file access)."""
-    import base64
-
-    return f"![{path.stem}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

@@ -6,6 +6,10 @@ log in a file, kills the whole process group on timeout or on any exception in t
 asks the kernel to SIGKILL the group leader when the supervising process dies (PR_SET_PDEATHSIG),
 so a crashed orchestrator never leaves a trainer racing the next attempt. A pid file beside the
 log lets the next attempt kill a leftover group from a previous host process as well.
+
+The ranks are not in that group: torch's launcher starts each in a session of its own. They stop with
+torchrun: on SIGTERM it stops its workers, and if it dies hard each rank's own PR_SET_PDEATHSIG
+(eagle3/train/__main__.py) ends it.
 """
 
 from __future__ import annotations
@@ -68,9 +72,12 @@ def _die_with_parent() -> None:
 
 
 def kill_leftover(pid_file: Path) -> int | None:
-    """Kill the process group recorded by an earlier attempt, if it still runs; returns its pid."""
+    """Kill the torchrun process group recorded by an earlier attempt, if it still runs; returns its pid.
+
+    The ranks follow torchrun (module docstring), not this kill.
+    """
     pid = read_pid_file(pid_file)
-    if pid is None or not group_alive(pid):  # the leader may be gone while its workers still run
+    if pid is None or not group_alive(pid):  # the leader may be gone while others of its group still run
         return None
     kill_group(pid, grace_s=30.0)
     return pid

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import base64
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from eagle3.config import RunConfig
+
+
+def markdown_image(path: Path) -> str:
+    """A PNG embedded as a data URI (the UI renders markdown artifacts without file access)."""
+    return f"![{path.stem}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
 
 
 def artifact_key(cfg: RunConfig, name: str) -> str:

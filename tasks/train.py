@@ -15,8 +15,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from eagle3.config import RunConfig
-from flows.report import markdown_image
-from tasks.artifacts import artifact_key, publish_table
+from tasks.artifacts import artifact_key, markdown_image, publish_table
 
 
 def torchrun_spec(cfg: RunConfig, config_path: Path, num_gpus: int):
