@@ -334,6 +334,7 @@ def report_markdown(rows: Sequence[dict[str, Any]], settings: dict[str, Any]) ->
              f"`{settings['export_dir']}`; {settings['max_new_tokens']} new tokens per prompt, greedy; prompts: first "
              f"N in file order ({', '.join(f'{k} {v}' for k, v in settings['num_prompts'].items())}); n-gram: "
              f"{settings['ngram']}; workers: {settings['num_workers']}.", "", *_partial_lines(settings),
+             *_contention_lines(settings),
              "| dataset | method | prompts | accept len | per-position acceptance | conditional | tok/s | "
              "greedy tok/s | speedup | vs n-gram | lossless |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -364,6 +365,14 @@ def _teacher_forced_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
         tf = next(r["teacher_forced_acc_0"] for r in chains if r["dataset"] == dataset)
         lines.append(f"- {dataset}: teacher-forced acc_0 {tf:.3f}; position 1 accepted: {rates}")
     return lines
+
+
+def _contention_lines(settings: dict[str, Any]) -> list[str]:
+    if settings["num_workers"] <= 1:
+        return []
+    return [f"**Speeds measured by {settings['num_workers']} processes sharing one {settings['device']} device:** "
+            "acceptance is unaffected, but tok/s and speedups include their contention. Time an isolated subset "
+            "with `evaluate.num_workers=1`.", ""]
 
 
 def _partial_lines(settings: dict[str, Any]) -> list[str]:

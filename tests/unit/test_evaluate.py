@@ -12,7 +12,8 @@ import torch
 from eagle3.config import ConfigError, EvaluateConfig, load_config
 from eagle3.eval_data import EvalPrompt, load_prompts, read_prompts, render
 from eagle3.evaluate import (JOURNAL_NAME, EvalJob, evaluate_prompts, interleaved, key_for, method_specs,
-                             position_acceptance, run_evaluate, summarize, summarize_all, write_partial_report)
+                             position_acceptance, report_markdown, run_evaluate, summarize, summarize_all,
+                             write_partial_report)
 from eagle3.export import export_sglang
 from eagle3.journal import Journal
 from eagle3.model import DrafterDims, Eagle3Drafter, export_state_dict, init_weights
@@ -102,6 +103,15 @@ def test_teacher_forced_acc_golden():
     records[0]["teacher_forced"], records[1]["teacher_forced"] = ({"num_tokens": 4, "num_hits": 3},
                                                                   {"num_tokens": 6, "num_hits": 1})
     assert summarize(records, "m")["teacher_forced_acc_0"] == 0.4
+
+
+def test_report_says_when_speeds_come_from_processes_sharing_a_device():
+    """With several workers the report warns that tok/s and speedups include contention; with one it does not."""
+    rows = summarize_all([_record(0, [3, 3], [3, 1], [4, 2], 1.0)], ["m"])
+    settings = {"target": "t", "device": "cuda", "dtype": "float32", "export_dir": "e", "max_new_tokens": 8,
+                "num_prompts": {"mtbench": 1}, "ngram": "n"}
+    assert "processes sharing one cuda device" in report_markdown(rows, {**settings, "num_workers": 14})
+    assert "sharing" not in report_markdown(rows, {**settings, "num_workers": 1})
 
 
 def test_config_defaults_and_checks():
