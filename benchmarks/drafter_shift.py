@@ -33,13 +33,13 @@ from eagle3.eval_data import load_prompts, render
 from eagle3.export import load_sglang_export
 from eagle3.journal import Journal
 from eagle3.progress import Progress
-from eagle3.speculate import DrafterRunner, TargetRunner, teacher_forced_drafts
+from eagle3.speculate import DrafterRunner, TargetRunner, draft_hits, teacher_forced_drafts
 from eagle3.target import load_model, load_tokenizer, prepare_target
 
 
 def hits(drafts: list[int], generated: list[int]) -> tuple[int, int]:
     """(matches, tokens): drafts[i] predicts generated[i + 1]."""
-    return sum(d == t for d, t in zip(drafts, generated[1:])), len(drafts)
+    return draft_hits(drafts, generated), len(drafts)
 
 
 def conversations(journal: Path, cfg: RunConfig, split: str, limit: int) -> Iterator[tuple[str, str]]:

@@ -135,15 +135,15 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
     """The greedy reference and every method on one prompt: tokens, steps, wall times, lossless checks."""
     import torch
 
-    from eagle3.speculate import check_lossless, greedy_decode, speculative_decode, teacher_forced_drafts
+    from eagle3.speculate import (check_lossless, draft_hits, greedy_decode, speculative_decode,
+                                  teacher_forced_drafts)
 
     ecfg = session.ecfg
     ref = greedy_decode(session.target, ids, ecfg.max_new_tokens, session.stop_ids)
     drafts = teacher_forced_drafts(session.target, session.drafter, ids, ref.tokens)  # untimed
     record: dict[str, Any] = {"index": index, "dataset": prompt.dataset, "id": prompt.id, "prompt_tokens": len(ids),
                               "greedy": {"num_tokens": len(ref.tokens), "wall_s": ref.wall_s, "tokens": ref.tokens},
-                              "teacher_forced": {"num_tokens": len(drafts),
-                                                 "num_hits": sum(d == t for d, t in zip(drafts, ref.tokens[1:]))},
+                              "teacher_forced": {"num_tokens": len(drafts), "num_hits": draft_hits(drafts, ref.tokens)},
                               "methods": {}}
     for name, proposer in session.proposers.items():
         out = speculative_decode(session.target, proposer, ids, ecfg.max_new_tokens, session.stop_ids)
@@ -512,14 +512,26 @@ def _plan(cfg: RunConfig, model_dir: Path, export_dir: Path) -> _Plan:
     return _Plan(items, job)
 
 
+def journal_of(cfg: RunConfig) -> Journal:
+    """<run>/eval/evaluate.journal.jsonl."""
+    return Journal(eval_dir(cfg) / JOURNAL_NAME)
+
+
+def _report(cfg: RunConfig, model_dir: Path, export_dir: Path, plan: _Plan, records: list[dict[str, Any]],
+            out_dir: Path, partial: dict[str, Any] | None = None) -> tuple[dict[str, Path], list[dict[str, Any]]]:
+    """Summarize the records and write results, report, plot and prompts into ``out_dir``; (outputs, rows)."""
+    rows = summarize_all(records, [s.name for s in method_specs(cfg.evaluate)])
+    settings = _settings(cfg, model_dir, export_dir, plan.job.device, plan.items, plan.job.stop_ids)
+    if partial:
+        settings["partial"] = partial
+    return write_outputs(out_dir, records, rows, settings), rows
+
+
 def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: ProgressFn | None,
              show_bar: bool | None, key: str) -> tuple[dict[str, Path], dict[str, Any]]:
-    e, plan = cfg.evaluate, _plan(cfg, model_dir, export_dir)
-    journal = Journal(eval_dir(cfg) / JOURNAL_NAME)
+    e, plan, journal = cfg.evaluate, _plan(cfg, model_dir, export_dir), journal_of(cfg)
     records = evaluate_prompts(plan.job, plan.items, e.num_workers, progress, show_bar, journal=journal, key=key)
-    rows = summarize_all(records, [s.name for s in method_specs(e)])
-    settings = _settings(cfg, model_dir, export_dir, plan.job.device, plan.items, plan.job.stop_ids)
-    outputs = write_outputs(eval_dir(cfg), records, rows, settings)
+    outputs, rows = _report(cfg, model_dir, export_dir, plan, records, eval_dir(cfg))
     journal.path.unlink(missing_ok=True)  # prompts.jsonl now holds every record; a forced re-run measures afresh
     stats = {f"{r['dataset']}/{r['method']}": {k: r[k] for k in ("accept_len", "speedup", "tokens_per_s")}
              | {"lossless_identical": r["lossless"]["identical"], "num_prompts": r["num_prompts"]} for r in rows}
@@ -535,16 +547,14 @@ def write_partial_report(cfg: RunConfig, export_dir: Path | None = None) -> dict
     source = Path(export_dir) if export_dir is not None else default_export_dir(cfg)
     plan = _plan(cfg, model_dir, source)
     indexed = [(i, p, ids) for i, (p, ids) in enumerate(plan.items)]
-    done = journaled_records(Journal(eval_dir(cfg) / JOURNAL_NAME), key_for(cfg, model_dir, export_dir), indexed)
+    journal = journal_of(cfg)
+    done = journaled_records(journal, key_for(cfg, model_dir, export_dir), indexed)
     if not done:
-        raise FileNotFoundError(f"no prompt of these settings is journaled in {eval_dir(cfg) / JOURNAL_NAME}")
+        raise FileNotFoundError(f"no prompt of these settings is journaled in {journal.path}")
     records = [done[i] for i in sorted(done)]
-    rows = summarize_all(records, [s.name for s in method_specs(cfg.evaluate)])
-    settings = _settings(cfg, model_dir, source, plan.job.device, plan.items, plan.job.stop_ids)
-    settings["partial"] = {"num_measured": len(records), "num_planned": len(plan.items),
-                           "num_measured_by_dataset": {d: sum(r["dataset"] == d for r in records)
-                                                       for d in cfg.evaluate.datasets}}
-    return write_outputs(eval_dir(cfg) / "partial", records, rows, settings)
+    partial = {"num_measured": len(records), "num_planned": len(plan.items),
+               "num_measured_by_dataset": {d: sum(r["dataset"] == d for r in records) for d in cfg.evaluate.datasets}}
+    return _report(cfg, model_dir, source, plan, records, eval_dir(cfg) / "partial", partial)[0]
 
 
 def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
@@ -558,7 +568,7 @@ def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
         raise FileNotFoundError(f"no SGLang export at {source} (run the export stage first, or pass --export-dir)")
     key = key_for(cfg, model_dir, export_dir)
     if force:
-        (eval_dir(cfg) / JOURNAL_NAME).unlink(missing_ok=True)
+        journal_of(cfg).path.unlink(missing_ok=True)
     return run_stage("evaluate", manifest_path(cfg), key, force=force,
                      compute=lambda: _compute(cfg, model_dir, source, progress, show_bar, key))
 

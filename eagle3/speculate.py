@@ -551,6 +551,11 @@ def teacher_forced_drafts(target: TargetRunner, runner: DrafterRunner, prompt: S
     return drafts.tolist()
 
 
+def draft_hits(drafts: Sequence[int], generated: Sequence[int]) -> int:
+    """How many teacher-forced drafts equal the token they predict (drafts[i] predicts generated[i + 1])."""
+    return sum(d == t for d, t in zip(drafts, generated[1:]))
+
+
 # ---------------------------------------------------------------------------------------------- lossless
 
 @dataclass(frozen=True)

@@ -65,10 +65,6 @@ def healthy(server: LocalServer, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def _pid(server: LocalServer) -> int | None:
-    return read_pid_file(server.pid_file)
-
-
 def start(server: LocalServer, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
     """Start the server unless it already answers; wait for health. Returns 'reused' or 'started'."""
     if healthy(server):
@@ -96,7 +92,7 @@ def _wait_healthy(server: LocalServer, pid: int, timeout_s: float) -> None:
 
 def stop(server: LocalServer) -> bool:
     """Stop the server this workdir started (its whole process group). True if one was running."""
-    pid = _pid(server)
+    pid = read_pid_file(server.pid_file)
     if pid is None or not pid_alive(pid):
         server.pid_file.unlink(missing_ok=True)
         return False
@@ -107,6 +103,6 @@ def stop(server: LocalServer) -> bool:
 
 def status(server: LocalServer) -> dict[str, object]:
     """pid, health and URLs."""
-    pid = _pid(server)
+    pid = read_pid_file(server.pid_file)
     return {"healthy": healthy(server), "pid": pid if pid and pid_alive(pid) else None,
             "ui": server.ui_url, "api": server.api_url, "home": str(server.home), "log": str(server.log_file)}

@@ -7,7 +7,6 @@ work), not a Python return value.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from eagle3.config import RunConfig
