@@ -242,7 +242,6 @@ def test_auto_format_from_jsonl_content(tmp_path):
     (BAD / "blank.jsonl", "auto", "only whitespace"),
     (BAD / "table.csv", "auto", "unknown format"),
     (BAD / "not_chat.jsonl", "auto", "cannot tell the format"),
-    (BAD / "broken.parquet", "auto", "Parquet"),
     (BAD, "openai", "is a directory"),
 ])
 def test_unreadable_source_raises_source_error_naming_it(path, fmt, needle):
@@ -251,6 +250,16 @@ def test_unreadable_source_raises_source_error_naming_it(path, fmt, needle):
         read_source(SourceConfig(name="my-src", path=str(path), format=fmt), 100)
     message = str(info.value)
     assert "my-src" in message and path.name in message and needle in message
+
+
+def test_corrupt_parquet_raises_source_error_naming_it(tmp_path):
+    """A .parquet file that is not Parquet (its magic, then text) raises SourceError naming source, path, reason."""
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"PAR1 this is not really parquet")
+    with pytest.raises(SourceError) as info:
+        read_source(SourceConfig(name="my-src", path=str(path)), 100)
+    message = str(info.value)
+    assert "my-src" in message and path.name in message and "Parquet" in message
 
 
 def test_source_name_must_be_file_name_safe():
