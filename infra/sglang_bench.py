@@ -1,6 +1,6 @@
 """Benchmark a serving SGLang 0.5.23 server, and compare a speculative server with its baseline.
 
-Hygiene (shared/reference/sglang.md section 5): the same fixed prompts for every server, temperature
+Hygiene (as in SGLang's python/sglang/benchmark/serving.py): the same fixed prompts for every server, temperature
 0, a fixed ``max_new_tokens`` with ``ignore_eos``, and before each measured concurrency level some
 warmup requests followed by ``POST /flush_cache``. Every answer is checked (HTTP 200, meta_info with
 the request's id, ``completion_tokens == max_new_tokens``, verify steps on a speculative server and

@@ -1,7 +1,7 @@
 """FakeSGLangServer: a TEST DOUBLE that speaks SGLang 0.5.23's native HTTP JSON. It is not SGLang.
 
-Written from a static reading of SGLang 0.5.23 (shared/reference/sglang.md sections 1, 4 and 5,
-``http_server.py``, ``tokenizer_manager.py``, ``utils/auth.py``); never compared with a live server.
+Written from a static reading of SGLang 0.5.23 (python/sglang/srt/: ``entrypoints/http_server.py``,
+``managers/tokenizer_manager.py``, ``utils/auth.py``); never compared with a live server.
 It answers:
 
   GET  /model_info        model_path, served_model_name, tokenizer_path, is_generation, model_type, architectures...
