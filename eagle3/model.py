@@ -1,6 +1,7 @@
 """The EAGLE-3 drafter as SGLang's ``LlamaForCausalLMEagle3`` runs it, and its training-time-test attention.
 
-One step of the drafter (reference section 5):
+One step of the drafter (SGLang's python/sglang/srt/models/llama_eagle3.py; SpecForge's
+specforge/modeling/draft/llama3_eagle.py and EAGLE's eagle/model/cnets.py compute the same):
     h      = fc(aux)                                     (step 0 only; later steps reuse their own output)
     x      = cat(input_layernorm(embed(token)), hidden_norm(h))
     h      = h + o_proj(attention(q/k/v_proj(x)))        (residual on the UN-normed feature, as SGLang)

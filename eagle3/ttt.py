@@ -1,6 +1,6 @@
 """Training-time test (TTT): the EAGLE-3 unroll, its alignment, loss and metrics.
 
-Alignment (ARCHITECTURE section 4: a prediction is supervised iff the token it predicts is marked in
+Alignment (our convention: a prediction is supervised iff the token it predicts is marked in
 ``loss_mask``). A row holds tokens x_0..x_{T-1}; g_t are the target's aux states at position t and p_j
 is the target's distribution at position j (its prediction of x_{j+1}). At TTT step k, row index t:
     feature    fc(g_t) at k = 0, else the drafter's own step-(k-1) pre-norm output at index t
@@ -9,9 +9,9 @@ is the target's distribution at position j (its prediction of x_{j+1}). At TTT s
     predicts   x_{t+2+k}, scored against p_{t+1+k}
     supervised iff loss_mask[t+2+k] = 1 (PREDICT_SHIFT + k), x_{t+2+k} lies in t's document, and the
                target's full-vocab argmax at t+1+k is in the draft vocab (SpecForge's position mask).
-In the offsets of the reference doc: SpecForge reads loss_mask[t] (two tokens before the predicted one),
-speculators loss_mask[t+1+k] (the input token); we read the bit of the predicted token itself, which is
-what tokenization marks: "the tokens the drafter should learn to produce".
+Upstream offsets: SpecForge (specforge/core/eagle3.py) reads loss_mask[t] (two tokens before the predicted
+one), speculators (src/speculators/models/eagle3/core.py) loss_mask[t+1+k] (the input token); we read the bit
+of the predicted token itself, which is what tokenization marks: "the tokens the drafter should learn to produce".
 
 Loss: L_k = soft cross-entropy between softmax(target logits restricted to the draft vocab) and
 log_softmax(draft logits), summed over the supervised positions of step k and divided by their count

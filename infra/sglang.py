@@ -7,9 +7,10 @@ group with a log file, reports ready only after the probe of ``probe_ready`` (mo
 health_generate -> server_info -> our own checked forward pass), restarts it with backoff when it
 dies, and kills the whole group on exit. Every error names the log file and shows its tail.
 
-Facts used here (field names, flags, JSON shapes) come from reading SGLang 0.5.23; see
-shared/reference/sglang.md sections 1 and 4. The ``/generate`` bodies built here are checked in
-tests against SGLang's own request schema; responses are only checked against a fake server.
+Facts used here (field names, flags, JSON shapes) come from reading SGLang 0.5.23's
+python/sglang/srt/entrypoints/http_server.py and python/sglang/srt/managers/tokenizer_manager.py. The
+``/generate`` bodies built here are checked in tests against SGLang's own request schema; responses are
+only checked against a fake server.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class ProbeExpectations:
 
 def probe_ready(spec: ServerSpec, expect: ProbeExpectations, *, timeout_s: float,
                 is_alive: Callable[[], bool] = lambda: True, poll_s: float = 1.0) -> ReadyReport:
-    """sglang.md section 4: model_info, then health_generate, then server_info, then our own checked forward."""
+    """model_info, then health_generate, then server_info, then our own checked forward (SGLang's http_server.py)."""
     if spec.mode in CAPTURE_MODES and expect.hidden_size is None:
         raise ServerSpecError("a capture server's readiness needs hidden_size to check the smoke rows")
     t0 = time.monotonic()

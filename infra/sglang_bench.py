@@ -1,6 +1,6 @@
 """Benchmark a serving SGLang 0.5.23 server, and compare a speculative server with its baseline.
 
-Hygiene (shared/reference/sglang.md section 5): the same fixed prompts for every server, temperature
+Hygiene (as in SGLang's python/sglang/benchmark/serving.py): the same fixed prompts for every server, temperature
 0, a fixed ``max_new_tokens`` with ``ignore_eos``, and before each measured concurrency level some
 warmup requests followed by ``POST /flush_cache``. Every answer is checked (HTTP 200, meta_info with
 the request's id, ``completion_tokens == max_new_tokens``, verify steps on a speculative server and
@@ -40,6 +40,7 @@ from infra.sglang_spec import SERVING_FIELDS
 
 Prompt = str | list[int]
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
+clock: Callable[[], float] = time.perf_counter  # every timing here reads this; tests swap in a scripted clock
 # Settings a baseline and its speculative twin must share (names of SGLang's ServerArgs fields).
 SHARED_SETTINGS = ("model_path", "tp_size", "dp_size", "dtype", "mem_fraction_static", *SERVING_FIELDS,
                    "kv_cache_dtype", "chunked_prefill_size", "context_length", "disable_radix_cache")
@@ -212,7 +213,7 @@ def check_bench_answer(final: Any, *, rid: str, max_new_tokens: int, speculative
 
 
 async def _stream_generate(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[Any, float | None]:
-    """POST a streamed /generate; (last data chunk, perf_counter time of the first chunk with tokens)."""
+    """POST a streamed /generate; (last data chunk, clock() time of the first chunk with tokens)."""
     last, first_at = None, None
     async with client.stream("POST", "/generate", json=body) as resp:
         if resp.status_code != 200:
@@ -227,7 +228,7 @@ async def _stream_generate(client: httpx.AsyncClient, body: dict[str, Any]) -> t
                 raise ResponseCheckError("stream_error", str(chunk.get("error") if isinstance(chunk, dict)
                                                              else chunk)[:300])
             if first_at is None and (chunk.get("output_ids") or chunk.get("text")):
-                first_at = time.perf_counter()
+                first_at = clock()
             last = chunk
     return last, first_at
 
@@ -236,7 +237,7 @@ async def measure_request(client: httpx.AsyncClient, prompt: Prompt, index: int,
                           speculative: bool, label: str) -> RequestSample:
     """Send one prompt, check the answer, time it; BenchmarkError names the request and the check."""
     rid = f"bench-{label}-{index}-{uuid.uuid4().hex[:8]}"
-    t0 = time.perf_counter()
+    t0 = clock()
     try:
         final, first_at = await _stream_generate(client, bench_request_body(prompt, rid, max_new_tokens))
         meta = check_bench_answer(final, rid=rid, max_new_tokens=max_new_tokens, speculative=speculative)
@@ -244,7 +245,7 @@ async def measure_request(client: httpx.AsyncClient, prompt: Prompt, index: int,
         raise BenchmarkError(f"{client.base_url} request {rid} (prompt {index}): {exc}") from exc
     except (httpx.HTTPError, ValueError) as exc:
         raise BenchmarkError(f"{client.base_url} request {rid} (prompt {index}): {type(exc).__name__}: {exc}") from exc
-    end = time.perf_counter()
+    end = clock()
     digest = hashlib.sha256(json.dumps(final["output_ids"]).encode()).hexdigest()[:16]
     return RequestSample(index, end - t0, (first_at or end) - t0, meta["completion_tokens"],
                          int(meta.get("cached_tokens") or 0), meta.get("spec_verify_ct"), digest)
@@ -264,7 +265,7 @@ async def run_requests(client: httpx.AsyncClient, prompts: Sequence[Prompt], con
             index, prompt = pending.pop(0)
             samples.append(await measure(client, prompt, index))
 
-    t0 = time.perf_counter()
+    t0 = clock()
     tasks = [asyncio.create_task(worker()) for _ in range(min(concurrency, len(prompts)))]
     try:
         await asyncio.gather(*tasks)
@@ -273,7 +274,7 @@ async def run_requests(client: httpx.AsyncClient, prompts: Sequence[Prompt], con
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-    return samples, time.perf_counter() - t0
+    return samples, clock() - t0
 
 
 async def flush_cache(client: httpx.AsyncClient) -> None:

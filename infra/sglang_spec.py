@@ -2,7 +2,7 @@
 
 Every argv built here is checked in tests against SGLang's own argument parser. ``serving_pair``
 builds the baseline and the EAGLE-3 server of a benchmark: identical flags except the
-``--speculative-*`` ones (shared/reference/sglang.md sections 3 and 5).
+``--speculative-*`` ones (SGLang's python/sglang/srt/arg_groups/fields/spec.py defines those).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """FakeSGLangServer: a TEST DOUBLE that speaks SGLang 0.5.23's native HTTP JSON. It is not SGLang.
 
-Written from a static reading of SGLang 0.5.23 (shared/reference/sglang.md sections 1, 4 and 5,
-``http_server.py``, ``tokenizer_manager.py``, ``utils/auth.py``); never compared with a live server.
+Written from a static reading of SGLang 0.5.23 (python/sglang/srt/: ``entrypoints/http_server.py``,
+``managers/tokenizer_manager.py``, ``utils/auth.py``); never compared with a live server.
 It answers:
 
   GET  /model_info        model_path, served_model_name, tokenizer_path, is_generation, model_type, architectures...
@@ -131,6 +131,7 @@ class FakeServing:
     accept_length: float = 2.5
     step_s: float = 0.0
     spec_step_cost: float = 1.5  # with accept 2.5: speedup ~1.5, well inside (1, accept)
+    hold_until_in_flight: int = 0  # hold each /generate until this many were in flight at once (10 s at most)
 
 
 @dataclass
@@ -210,6 +211,7 @@ class FakeSGLangServer:
         self._lock = threading.Lock()
         self._num_generate = 0
         self.num_in_flight = self.max_in_flight = 0
+        self._gathered = threading.Event()  # set once hold_until_in_flight requests were in flight together
         self.events: list[tuple[str, str]] = []
         self._spec_totals = [0, 0]  # completion tokens, verify steps since the last flush
         self._httpd: ThreadingHTTPServer | None = None
@@ -305,6 +307,8 @@ class FakeSGLangServer:
         with self._lock:
             self.num_in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+            if self.max_in_flight >= self.serving.hold_until_in_flight:
+                self._gathered.set()
         try:
             yield
         finally:
@@ -490,6 +494,7 @@ def _handler_class(fake: FakeSGLangServer) -> type[BaseHTTPRequestHandler]:
             fake.generate_headers.append(dict(self.headers))
             faults = fake.take_faults(str(body.get("rid", "")))
             with fake.in_flight():
+                fake._gathered.wait(timeout=10)  # a concurrency test sees its requests together, whatever the load
                 if faults.stall_s:
                     time.sleep(faults.stall_s)
                 if fake.dead:

@@ -16,9 +16,11 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
+import infra.sglang_bench
 from eagle3.config import RunConfig
 from flows.deploy import NOT_ENABLED, eagle3_deploy
 from infra.process import free_port, group_alive, pid_alive, port_in_use
+from tests.fakes.clock import FakeClock
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = "tests.fakes.sglang_server"
@@ -61,22 +63,25 @@ def _artifact_keys(*keys: str) -> set[str]:
     return {a.key for a in found}
 
 
-def test_deploy_flow_benchmarks_both_fake_servers_and_reports(serve_cfg):
-    """Benchmark-only run: results.json + report.md + artifacts, 1 < speedup <= accept length, servers gone."""
+def test_deploy_flow_benchmarks_both_fake_servers_and_reports(serve_cfg, monkeypatch):
+    """Benchmark-only run: results.json + report.md + artifacts with the scripted clock's figures, servers gone."""
+    monkeypatch.setattr(infra.sglang_bench, "clock", FakeClock(0.01))  # a level of 8 requests lasts 3 x 8 + 1 ticks
     state = eagle3_deploy(config=serve_cfg, steps=["benchmark"], return_state=True)
     assert state.is_completed(), state.message
     out = serve_cfg.run_dir / "deploy"
     doc = json.loads((out / "results.json").read_text())
     assert doc["valid"] and [row["concurrency"] for row in doc["comparison"]] == [1, 4]
     for row in doc["comparison"]:
-        assert 1.0 < row["speedup"] <= row["accept_length"] == pytest.approx(16 / 7)  # ceil(16 / 2.5) = 7 steps
+        assert row["accept_length"] == pytest.approx(16 / 7)  # ceil(16 / 2.5) = 7 verify steps per request
+        assert [row["baseline_tok_per_s"], row["speculative_tok_per_s"]] == pytest.approx([8 * 16 / 0.25] * 2)
+        assert row["speedup"] == pytest.approx(1.0)  # the same ticks for both servers
     for role in ("baseline", "speculative"):
         assert not group_alive(doc[role]["pid"])
         assert "a test double, not SGLang" in Path(doc[role]["log"]).read_text()
     assert "--speculative-num-draft-tokens 4" in doc["speculative"]["argv"]
     assert "--api-key ***" in doc["baseline"]["argv"]  # the generated key never reaches results.json
     report = (out / "report.md").read_text()
-    assert "not SGLang measurements" in report and report.count("x | 2.29") == 2
+    assert "not SGLang measurements" in report and report.count("| 1.00x | 2.29") == 2
     assert _artifact_keys("dep-deploy-report", "dep-deploy-benchmark") == {"dep-deploy-report", "dep-deploy-benchmark"}
     assert not port_in_use("127.0.0.1", serve_cfg.serve.port) and not port_in_use("127.0.0.1", serve_cfg.serve.port + 1)
 

@@ -1,8 +1,11 @@
-"""Import rules of ARCHITECTURE.md section 2, checked by parsing every module."""
+"""The codebase's import rules, checked by parsing every module; and no citation of files outside the repo."""
 
 from __future__ import annotations
 
 import ast
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -54,3 +57,45 @@ def test_rule_checker_detects_a_violation(tmp_path):
     module.write_text("def f():\n    import prefect\n")
     assert _imports(module, top_level_only=False) == ["prefect"]
     assert _imports(module, top_level_only=True) == []
+
+
+_OUTSIDE_FILES = re.compile(
+    r"shared/reference|\breference/[\w-]+\.md|reference (section|doc)|(?-i:ARCHITECTURE)(\.md| section)"
+    r"|\b(sglang|prefect|eagle3-training|offline-assets|style-anchors|transformers-generation"
+    r"|prefect-postgres-auth-sglang)\.md\b", re.IGNORECASE)
+"""Citations of design notes kept outside this repository; code and docs cite the upstream project instead."""
+
+
+def _outside_citations(paths: list[Path]) -> list[str]:
+    hits = []
+    for path in paths:
+        data = path.read_bytes()
+        if b"\0" in data:
+            continue  # binary
+        for number, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+            if _OUTSIDE_FILES.search(line):
+                hits.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{number}: {line.strip()}")
+    return hits
+
+
+def test_no_tracked_file_cites_files_outside_the_repo():
+    """No tracked text file (but this one) cites shared/reference notes, their sections or ARCHITECTURE.md."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout to list the tracked files")
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    this = Path(__file__).resolve()
+    paths = [ROOT / name for name in listed.decode().split("\0") if name]
+    assert _outside_citations([p for p in paths if p.is_file() and p.resolve() != this]) == []
+
+
+def test_outside_citation_checker_detects_each_form(tmp_path):
+    """The pattern catches every form such a citation took, and leaves ordinary uses of the words alone."""
+    cited = ["see shared/reference/sglang.md", "per `reference/sglang.md` section 8", "(reference section 5)",
+             "ARCHITECTURE section 4", "ARCHITECTURE.md", "reference/eagle3-training.md, appendix", "prefect.md",
+             "In the offsets of the reference doc"]
+    fine = ["architectures: [\"LlamaForCausalLMEagle3\"]", "the greedy reference", "docs/export.md",
+            "SGLANG_ARCHITECTURE = 1", "python/sglang/srt/models/llama_eagle3.py"]
+    for i, line in enumerate(cited + fine):
+        (tmp_path / f"{i}.txt").write_text(line + "\n")
+    hits = _outside_citations(sorted(tmp_path.iterdir(), key=lambda p: int(p.stem)))
+    assert [h.split(": ", 1)[1] for h in hits] == cited

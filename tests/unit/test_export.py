@@ -251,7 +251,7 @@ def test_sglang_config_golden_fields_for_llama31_8b():
 
 @pytest.mark.parametrize("num_layers, ours, sglang, speculators", [
     (30, [1, 14, 26], [1, 14, 26], [2, 15, 27]),  # SmolLM2-135M
-    (32, [1, 15, 28], [1, 15, 28], [2, 16, 29]),  # Llama-3.1-8B (reference section 3)
+    (32, [1, 15, 28], [1, 15, 28], [2, 16, 29]),  # Llama-3.1-8B (speculators: src/speculators/models/utils.py)
 ])
 def test_aux_id_translation_golden(num_layers, ours, sglang, speculators):
     """Our default ids, SGLang's eagle_config ids (it adds 1 itself) and speculators' capture-before ids."""

@@ -3,7 +3,7 @@
 SGLang's loader silently skips names it does not know, so the only proof that an export serves the weights we
 trained is to load it into SGLang's real class and look: every parameter except the embeddings (shared from the
 target at serving time) must be written and equal ours, with SGLang's q/k/v and gate/up fusion and its padded
-lm_head. The SGLang side runs in a child process (this file run as a script, reference sglang.md section 8),
+lm_head. The SGLang side runs in a child process (this file run as a script),
 because it initialises a process-wide runtime context and a gloo process group that must not leak into other
 tests. It reads the config through SGLang's get_config and the weights through SGLang's safetensors iterator.
 

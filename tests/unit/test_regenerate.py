@@ -254,15 +254,15 @@ def test_max_conversations_keeps_original_answers_beyond_limit(tmp_path):
 
 
 def test_stalling_server_times_out_into_an_error(tmp_path):
-    """A server that never answers in timeout_s yields a 'timeout' error after the retries."""
+    """A server that answers only after 10 s yields a 'timeout' error (0.3 s) after 1 retry: 2 sends, no answer kept."""
     src = _write_merged(tmp_path / "merged.parquet", [_conv(0, num_turns=1, marker=" STALL"), _conv(1)])
     with FakeOpenAIServer(stall_marker="STALL", stall_s=10.0) as server:
         cfg = _cfg(server, timeout_s=0.3, max_retries=1)
         paths, stats = regenerate(src, tmp_path / "out", cfg, _backend(cfg))
     out, errors = _read_out(paths)
-    assert [r["id"] for r in out] == ["src:1"]
+    assert [r["id"] for r in out] == ["src:1"] and sum("STALL" in r.last_user for r in server.requests) == 2
     assert errors == [{"id": "src:0", "error_type": "timeout", "message": errors[0]["message"], "attempts": 2}]
-    assert stats["elapsed_s"] < 5.0 and _balanced(stats)
+    assert _balanced(stats)
 
 
 def test_progress_callback_reports_counts(tmp_path):

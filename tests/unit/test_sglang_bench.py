@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+import infra.sglang_bench
 from infra.sglang import ProbeExpectations, ServerCheckError, ServerSpec, probe_ready
 from infra.sglang_bench import (
     BenchmarkError,
@@ -28,6 +29,7 @@ from infra.sglang_bench import (
     summarize_level,
 )
 from infra.sglang_spec import ServerSpecError
+from tests.fakes.clock import FakeClock
 from tests.fakes.sglang_server import FakeServing, FakeSGLangServer, Faults, LaunchArgs
 
 SPEC_FLAGS = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/d", speculative_num_steps=3,
@@ -168,8 +170,8 @@ def test_warmup_then_flush_cache_precede_every_measured_level():
 
 
 def test_requests_in_flight_match_the_concurrency_level():
-    """At level 4 the fake sees exactly 4 requests at once (each holds ~16 ms), never more."""
-    with baseline_fake(step_s=0.001) as fake:
+    """At level 4 the fake sees exactly 4 requests at once (it holds each until 4 are in flight), never more."""
+    with baseline_fake(step_s=0.001, hold_until_in_flight=4) as fake:
         bench(fake, BenchSettings((4,), num_prompts=8, max_new_tokens=16, num_warmup=0))
         assert fake.max_in_flight == 4
 
@@ -187,25 +189,38 @@ def test_a_refused_flush_fails_the_benchmark():
             bench(fake)
 
 
-def test_fake_pair_gives_a_sane_ratio_and_a_report():
-    """Fake timing (accept 2.5, a verify costs 1.5 steps): 1 < speedup <= accept length; one report row per level."""
+def _bench_timed(fake: FakeSGLangServer, tick: float, settings: BenchSettings, monkeypatch) -> BenchResult:
+    """Benchmark with a FakeClock: a level of N requests lasts 3N + 1 ticks (start, each request's send, first
+    chunk and end, finish), a request at concurrency 1 two ticks, its first token one."""
+    monkeypatch.setattr(infra.sglang_bench, "clock", FakeClock(tick))
+    return bench(fake, settings)
+
+
+def test_fake_pair_gives_the_ratio_of_its_timings_and_a_report(monkeypatch):
+    """Clock ticks of 15 ms (baseline) and 10 ms (spec): tok/s, latency and a speedup of exactly 1.5 <= 16/7."""
     settings = BenchSettings((1, 4), num_prompts=4, max_new_tokens=16, num_warmup=1)
-    # 10 ms per fake forward keeps sleeping, not this loaded machine's scheduling, the dominant cost
-    with baseline_fake(step_s=0.01) as base, spec_fake(step_s=0.01) as spec:
-        rows = compare(bench(base, settings), result := bench(spec, settings))
+    with baseline_fake() as base, spec_fake() as spec:
+        base_run = _bench_timed(base, 0.015, settings, monkeypatch)
+        rows = compare(base_run, result := _bench_timed(spec, 0.010, settings, monkeypatch))
+    level = base_run.levels[0]  # concurrency 1: 4 requests x 16 tokens in 13 ticks
+    assert level.output_tok_per_s == pytest.approx(64 / (13 * 0.015))
+    assert (level.median_latency_s, level.median_ttft_s) == (pytest.approx(0.030), pytest.approx(0.015))
+    assert level.median_tpot_ms == pytest.approx(1000 * 0.015 / 15)
     for row in rows:
-        assert 1.0 < row.speedup <= row.accept_length == pytest.approx(16 / math.ceil(16 / 2.5))
+        assert row.speedup == pytest.approx(1.5) and row.accept_length == pytest.approx(16 / math.ceil(16 / 2.5))
         assert row.identical_outputs == 4  # the fake's greedy chain is the same for both servers
     report = render_report(rows, result, result, {"target": "fake"})
     assert report.count("\n| 1 |") == 1 and report.count("\n| 4 |") == 1
 
 
-def test_fake_spec_server_faster_than_its_acceptance_is_caught():
-    """A verify step costing 0.2 plain steps (impossible) gives speedup > accept length: MeasurementError."""
-    with baseline_fake(step_s=0.004) as base, spec_fake(step_s=0.004, spec_step_cost=0.2) as spec:
+def test_fake_spec_server_faster_than_its_acceptance_is_caught(monkeypatch):
+    """A spec run timed 5x faster than its baseline, with acceptance length 16/7, is a MeasurementError."""
+    with baseline_fake() as base, spec_fake() as spec:
         settings = BenchSettings((1,), num_prompts=4, max_new_tokens=16, num_warmup=0)
-        with pytest.raises(MeasurementError, match="speedup above the acceptance length"):
-            compare(bench(base, settings), bench(spec, settings))
+        base_run, spec_run = (_bench_timed(base, 0.010, settings, monkeypatch),
+                              _bench_timed(spec, 0.002, settings, monkeypatch))
+        with pytest.raises(MeasurementError, match="concurrency 1: speedup 5.000 > acceptance length 2.286"):
+            compare(base_run, spec_run)
 
 
 # ---------------------------------------------------------------- readiness of a speculative server

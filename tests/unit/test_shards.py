@@ -515,8 +515,8 @@ def test_failed_writer_names_its_shard_and_no_later_shard_is_complete(tmp_path, 
 
 
 def test_backpressure_bounds_bytes_captured_but_not_written(tmp_path, monkeypatch):
-    """With a slow writer, the backend is never more than write_queue_bytes ahead of what is written, the
-    capture loop does wait, and every shard still completes."""
+    """With a writer held until the capture loop waits, the backend is never more than write_queue_bytes ahead
+    of what is written, the capture loop does wait, and every shard still completes."""
     spec = make_spec()
     fdir = _features(tmp_path, spec)
     sample_bytes = 8 * (3 * H + H) * 4  # 8 tokens of fp32 aux + final, as the fake backend hands them out
@@ -526,7 +526,9 @@ def test_backpressure_bounds_bytes_captured_but_not_written(tmp_path, monkeypatc
 
     def slow_append(self, samples, validated=False):
         samples = list(samples)
-        time.sleep(0.005)
+        deadline = time.monotonic() + 10  # the writer waits until the capture loop had to wait (not a timing race)
+        while stats.num_waits == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
         original(self, samples, validated)
         with lock:
             written[0] += sum(s.aux.nbytes + s.final.nbytes for s in samples)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -189,11 +188,10 @@ def test_real_sharegpt_is_streamed_and_fully_recovered(monkeypatch):
     num_chunks = []
     extend = sources._TextWindow.extend
     monkeypatch.setattr(sources._TextWindow, "extend", lambda self, pos: num_chunks.append(1) or extend(self, pos))
-    start = time.monotonic()
     stream = read_source(src, 200_000)
     first = [item for _, item in zip(range(2000), stream)]
     stream.close()
-    assert len(first) == 2000 and time.monotonic() - start < 2.0
+    assert len(first) == 2000
     assert len(num_chunks) * sources.READ_CHUNK_BYTES < 40e6
     items = list(read_source(src, 200_000))
     tails = [i for i in items if isinstance(i, Reject) and "@byte" in i.location]
