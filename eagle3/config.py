@@ -47,8 +47,10 @@ class RunSection(Section):
 
 
 class TinyTargetConfig(Section):
-    """Shape of the random tiny Llama target built locally (tests, CI, smoke runs)."""
+    """Shape of the random tiny target built locally (tests, CI, smoke runs)."""
 
+    architecture: Literal["llama", "qwen3", "deepseek_v3"] = "llama"
+    """Which transformers class: Llama, Qwen3 (q/k norms), or DeepSeek-V3 (MLA attention + MoE, as Kimi-K2)."""
     num_hidden_layers: int = Field(8, ge=1)
     """Decoder layers (>= 8 when kind=tiny, so the default aux ids [1, N//2-1, N-4] are distinct and < N-1)."""
     hidden_size: int = 64
@@ -56,9 +58,9 @@ class TinyTargetConfig(Section):
     num_attention_heads: int = 4
     """Query heads."""
     num_key_value_heads: int = 2
-    """Key/value heads (GQA)."""
+    """Key/value heads (GQA; deepseek_v3 ignores it: MLA keeps one key/value head per query head)."""
     intermediate_size: int = 128
-    """MLP width."""
+    """MLP width (deepseek_v3: of the dense first layer; each expert is a quarter of it)."""
     chat_template: Literal["chatml", "llama3"] = "chatml"
     """Which chat template the locally built tokenizer carries."""
 

@@ -95,9 +95,16 @@ class DrafterDims:
 
     @classmethod
     def from_target(cls, info: TargetInfo, model_dir: Path | str, draft_vocab_size: int) -> DrafterDims:
-        """Dims of a drafter for this target: its widths, heads, norm eps and RoPE; the draft vocab clipped to V."""
+        """Dims of a drafter for this target: its widths, heads, norm eps and RoPE; the draft vocab clipped to V.
+
+        MLA/MoE targets (DeepSeek-V3, Kimi-K2) get a Llama layer as SGLang's LlamaForCausalLMEagle3 runs it:
+        the target's query and key/value head counts, head_dim = v_head_dim (TargetInfo), intermediate_size
+        = the target's dense MLP width (SpecForge's Kimi-K2 drafter config has the same numbers). The drafter's
+        positions are its own (trained, exported and served with the RoPE in its config): a target RoPE it does
+        not implement (DeepSeek-V3/Kimi-K2's YaRN) gives it plain RoPE at the target's theta, as SpecForge's too.
+        """
         cfg = read_model_config(model_dir)
-        theta, scaling = rope_settings(cfg)
+        theta, scaling = rope_settings(cfg, plain_if_unsupported=True)
         return cls(
             hidden_size=info.hidden_size, num_attention_heads=info.num_attention_heads,
             num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim,
@@ -115,8 +122,9 @@ def read_model_config(model_dir: Path | str) -> dict[str, Any]:
     return cfg.get("text_config", cfg)
 
 
-def rope_settings(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
-    """(theta, llama3 scaling or None) from a transformers 4 (rope_scaling) or 5 (rope_parameters) config."""
+def rope_settings(cfg: dict[str, Any], plain_if_unsupported: bool = False) -> tuple[float, Llama3RopeScaling | None]:
+    """(theta, llama3 scaling or None) from a transformers 4 (rope_scaling) or 5 (rope_parameters) config; a
+    RoPE type other than default/llama3 raises, or with ``plain_if_unsupported`` gives (theta, None)."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or params
     theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
@@ -124,6 +132,8 @@ def rope_settings(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
+        if plain_if_unsupported:
+            return theta, None
         raise ValueError(f"RoPE type {rope_type!r} is not supported by the drafter (only default and llama3)")
     original = scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
     return theta, Llama3RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),

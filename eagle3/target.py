@@ -3,7 +3,7 @@
 Three kinds of target all end up as one HF-style directory (config.json, safetensors, tokenizer):
   hf    a transformers directory, used as is;
   gguf  a GGUF file, converted once into a cached fp32 safetensors directory;
-  tiny  a random tiny Llama with a locally built tokenizer (tests, CI).
+  tiny  a random tiny Llama, Qwen3 or DeepSeek-V3 with a locally built tokenizer (tests, CI).
 Most stages need only the config and tokenizer; the trainer needs single tensors (embeddings,
 lm_head), which ``read_tensor`` takes from sharded safetensors through the index without
 loading the model. Run ``python -m eagle3.target --preset smollm2-demo`` for the tokenizer report.
@@ -35,7 +35,12 @@ class TokenizerMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class TargetInfo:
-    """Shape facts read from config.json (no weights loaded)."""
+    """Shape facts read from config.json (no weights loaded).
+
+    The attention fields are those a Llama-style layer of the same width uses, since the drafter is one:
+    for an MLA target (DeepSeek-V3, Kimi-K2) head_dim is v_head_dim, the per-head width of its attention
+    output, because its config's head_dim is only the RoPE part of the query/key heads.
+    """
 
     model_dir: str
     architecture: str
@@ -150,6 +155,13 @@ def _eos_ids(model_dir: Path, model_cfg: dict[str, Any]) -> list[int]:
     return sorted(set(ids))
 
 
+def _head_dim(c: dict[str, Any]) -> int:
+    """Per-head attention output width: MLA's v_head_dim (kv_lora_rank marks MLA), else head_dim or H / heads."""
+    if c.get("kv_lora_rank") and c.get("v_head_dim"):
+        return c["v_head_dim"]
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
 def target_info(model_dir: Path, tcfg: TargetConfig | None = None) -> TargetInfo:
     """Shape facts from config.json; aux ids from the config section or the default."""
     model_dir = Path(model_dir)
@@ -161,8 +173,8 @@ def target_info(model_dir: Path, tcfg: TargetConfig | None = None) -> TargetInfo
     return TargetInfo(
         model_dir=str(model_dir), architecture=(c.get("architectures") or ["?"])[0], num_layers=num_layers,
         hidden_size=c["hidden_size"], vocab_size=c["vocab_size"], num_attention_heads=heads,
-        num_key_value_heads=c.get("num_key_value_heads", heads),
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads, intermediate_size=c.get("intermediate_size", 0),
+        num_key_value_heads=c.get("num_key_value_heads", heads), head_dim=_head_dim(c),
+        intermediate_size=c.get("intermediate_size", 0),
         aux_layer_ids=list(aux), tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         eos_token_ids=_eos_ids(model_dir, c),
     )

@@ -1,4 +1,8 @@
-"""A random tiny Llama target built locally, with no downloads: for tests, CI and smoke runs.
+"""A random tiny target built locally, with no downloads: for tests, CI and smoke runs.
+
+The model is one of transformers' own classes (``target.tiny.architecture``): Llama, Qwen3, or
+DeepSeek-V3 (MLA attention + MoE, the text model of Kimi-K2/K2.5), so every stage runs on the
+architectures users bring, not only on Llama.
 
 The tokenizer is a byte-level BPE whose merges are derived in code from a constant English text,
 so it needs no training data, builds in milliseconds and is identical on every machine. It carries
@@ -19,7 +23,8 @@ from typing import Literal
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM)
 
 from eagle3.config import TinyTargetConfig
 from infra.storage import atomic_write_json
@@ -178,26 +183,50 @@ def _special_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
     return tokenizer.convert_tokens_to_ids(token)
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyTargetConfig, seed: int) -> LlamaForCausalLM:
-    """A randomly initialized Llama whose vocab and special ids match ``tokenizer``."""
+def _llama(cfg: TinyTargetConfig, common: dict) -> PreTrainedModel:
+    return LlamaForCausalLM(LlamaConfig(**common, num_key_value_heads=cfg.num_key_value_heads))
+
+
+def _qwen3(cfg: TinyTargetConfig, common: dict) -> PreTrainedModel:
+    # Qwen3Config's head_dim defaults to 128 whatever the width; give it the usual H / heads.
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return Qwen3ForCausalLM(Qwen3Config(**common, num_key_value_heads=cfg.num_key_value_heads, head_dim=head_dim))
+
+
+def _deepseek_v3(cfg: TinyTargetConfig, common: dict) -> PreTrainedModel:
+    """MLA + MoE in DeepSeek-V3's proportions: layer 0 dense, the rest 8 routed experts (2 per token) + 1 shared."""
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        **common, num_key_value_heads=cfg.num_attention_heads,  # MLA: no key/value head sharing
+        q_lora_rank=cfg.hidden_size // 2, kv_lora_rank=cfg.hidden_size // 4,
+        qk_nope_head_dim=head_dim, qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim,
+        moe_intermediate_size=max(1, cfg.intermediate_size // 4), n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1))
+
+
+ARCHITECTURES = {"llama": _llama, "qwen3": _qwen3, "deepseek_v3": _deepseek_v3}
+"""target.tiny.architecture -> builder of the randomly initialized transformers model."""
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyTargetConfig, seed: int) -> PreTrainedModel:
+    """A randomly initialized model of ``cfg.architecture`` whose vocab and special ids match ``tokenizer``."""
     ids = {
         "bos_token_id": _special_id(tokenizer, tokenizer.bos_token),
         "eos_token_id": _special_id(tokenizer, tokenizer.eos_token),
         "pad_token_id": _special_id(tokenizer, tokenizer.pad_token),
     }
-    config = LlamaConfig(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers,
         num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
         max_position_embeddings=4096,
         tie_word_embeddings=False,  # EAGLE-3 reads lm_head separately from the embeddings; keep them distinct
         **ids,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = ARCHITECTURES[cfg.architecture](cfg, common).eval()
     model.generation_config = GenerationConfig(**ids)
     return model
 

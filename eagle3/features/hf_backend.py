@@ -17,7 +17,9 @@ slice (exactly the call HF makes for a lone sample) and skip building the paddin
 this makes batched == unbatched bitwise (tested; GEMMs with very few rows, under ~12, can still
 differ on MKL); the same inputs in the same batches are bitwise reproducible either way.
 ``torch.use_deterministic_algorithms`` is not needed for that on CPU; on CUDA cuBLAS may still
-vary with the batch shape, so only same-batching reproducibility holds there.
+vary with the batch shape, so only same-batching reproducibility holds there. MoE targets (DeepSeek-V3)
+are not batch-invariant even on CPU: each expert's GEMM runs over the tokens the whole batch routes to it
+(MLA attention itself is, tested).
 
 On CUDA, each batch's outputs are copied to pinned host memory on a side stream with
 ``non_blocking=True`` while the next batch's forward is already queued, and synchronised (one event

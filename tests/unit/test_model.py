@@ -114,6 +114,8 @@ def test_unsupported_rope_types_are_refused():
     with pytest.raises(ValueError, match="yarn"):
         rope_settings({"rope_theta": 1e6, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     assert rope_settings({"rope_theta": 1e6}) == (1e6, None)
+    yarn = {"rope_theta": 5e4, "rope_scaling": {"type": "yarn", "factor": 64.0}}
+    assert rope_settings(yarn, plain_if_unsupported=True) == (5e4, None)  # the drafter's own RoPE (from_target)
 
 
 def test_llama3_rope_matches_transformers():
