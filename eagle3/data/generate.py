@@ -162,7 +162,7 @@ class TokenGenerator:
             _size_static_cache(self.model, static_cache_len(width, s.max_new_tokens), kwargs)
         ids, mask = left_pad(rows, width, s.pad_id)
         device = _device(self.model)
-        with torch.inference_mode():
+        with torch.no_grad():  # the mode generate itself runs in, not inference_mode
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
         return out[:real, width:].tolist()
 
@@ -192,7 +192,7 @@ class TokenGenerator:
         cbc = ContinuousBatchingConfig(page_size=page, num_blocks=in_flight * (longest // page + 2),
                                        max_batch_tokens=max(in_flight, 256), max_requests_per_batch=in_flight)
         gc = GenerationConfig(**self._sampling_kwargs())
-        with torch.inference_mode():
+        with torch.no_grad():  # the mode generate itself runs in, not inference_mode
             res = self.model.generate_batch(inputs=prompts, generation_config=gc, continuous_batching_config=cbc,
                                             progress_bar=False)
         # Results are keyed "req_<input index>"; generated_tokens ends at the eos (kept) or at max_new_tokens.
