@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.shapes import LLAMA31_8B, SMOLLM2_135M
 from eagle3.config import CaptureConfig
 from eagle3.features.fp8 import fp8_error
 from eagle3.features.hf_backend import HFCaptureBackend, resolve_device
@@ -54,12 +55,6 @@ from eagle3.features.spec import FeatureSpec, SampleTokens
 from eagle3.features.writers import WriteOptions, WriteStats, capture_and_write
 from infra.storage import atomic_write_json
 
-LLAMA31_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-              "vocab_size": 128256, "rope_theta": 500000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-              "num_hidden_layers": 32, "tie_word_embeddings": False}
-SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
-                "vocab_size": 49152, "rope_theta": 100000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-                "num_hidden_layers": 30, "tie_word_embeddings": True}
 CASE_KNOBS = ("stream_writes", "num_writers", "write_queue_bytes", "early_writeback", "pinned_handoff")
 DEFAULT_CASES = ["stream_writes=false,num_writers=1", ""]
 """The previous scheme (whole shards, one writer) and the config's defaults."""

@@ -132,6 +132,12 @@ class RegenerateConfig(Section):
     """Conversations in flight at once (openai backend)."""
     batch_size_conversations: int = Field(4, ge=1)
     """Conversations per generate() batch (hf backend); counts conversations, not tokens."""
+    generation_backend: Literal["auto", "static", "dynamic", "continuous"] = "auto"
+    """hf backend: static = static cache (compiled on CUDA), dynamic = plain generate, continuous = generate_batch; auto = static on CUDA, else dynamic."""
+    prompt_bucket: int = Field(64, ge=1)
+    """hf static: prompts are left padded to a multiple of this many tokens."""
+    kv_head_attention: bool = True
+    """hf static: decode attention on the key/value heads, without copying the cache for each query head."""
     device: str = "cpu"
     """Device of the in-process model (hf backend): cpu, cuda or cuda:N."""
     max_new_tokens: int = Field(512, ge=1)

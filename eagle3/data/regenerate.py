@@ -240,16 +240,25 @@ class HFGenerateBackend:
 
     Turns depend on earlier answers, so a batch can only hold one pending turn per
     conversation; the runner keeps ``batch_size_conversations`` conversations in flight and a
-    small batcher task collects their pending turns into one left-padded generate call.
+    small batcher task collects their pending turns into one batch for ``TokenGenerator``
+    (``eagle3/data/generate.py``: static cache compiled on CUDA, plain generate, or continuous batching).
     """
 
     def __init__(self, model: Any, tokenizer: Any, cfg: RegenerateConfig):
+        from eagle3.data.generate import GenerationSettings, TokenGenerator
+
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.max_parallel = cfg.batch_size_conversations
         self.num_requests = 0
         self.num_retries = 0
         self._pending: list[tuple[list[Message], asyncio.Future[Completion]]] = []
         self._has_work: asyncio.Event | None = None
+        self._eos = _eos_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.generator = TokenGenerator(model, GenerationSettings(
+            max_new_tokens=cfg.max_new_tokens, eos_ids=self._eos, pad_id=int(pad) if pad is not None else self._eos[0],
+            temperature=cfg.temperature, backend=cfg.generation_backend, batch_size=cfg.batch_size_conversations,
+            prompt_bucket=cfg.prompt_bucket, kv_head_attention=cfg.kv_head_attention))
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[None]:
@@ -305,64 +314,35 @@ class HFGenerateBackend:
                 fut.set_result(result)
 
     def generate_batch(self, conversations: list[list[Message]]) -> list[Completion | CompletionError]:
-        """Answer several histories with one left-padded generate call (an error per unusable answer)."""
-        import torch
-
-        input_ids, attention_mask = self._encode_left_padded(conversations)
-        device = next(self.model.parameters()).device
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                      **self._generate_kwargs())
-        self.num_requests += len(conversations)
-        return [self._decode(row) for row in out[:, input_ids.shape[1]:].tolist()]
-
-    def _encode_left_padded(self, conversations: list[list[Message]]) -> tuple[Any, Any]:
-        import torch
-
+        """Answer several histories in one batch (an error per unusable answer)."""
         tok = self.tokenizer
         texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
         # The template already writes BOS where the model wants one; adding it again would double it.
         rows = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
-        width = max(len(r) for r in rows)
-        # Left padding keeps every prompt's last token at the same column, where generation starts.
-        ids = [[self._pad_id()] * (width - len(r)) + r for r in rows]
-        mask = [[0] * (width - len(r)) + [1] * len(r) for r in rows]
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
-
-    def _eos_ids(self) -> list[int]:
-        """End ids from the generation config (e.g. Llama-3's <|eot_id|>) and the tokenizer."""
-        ids: set[int] = set()
-        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        for value in (gen_eos, self.tokenizer.eos_token_id):
-            if isinstance(value, int):
-                ids.add(value)
-            elif value:
-                ids.update(int(v) for v in value)
-        if not ids:
-            raise ValueError("tokenizer and generation config define no eos token; generation would never stop")
-        return sorted(ids)
-
-    def _pad_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return int(pad) if pad is not None else self._eos_ids()[0]
-
-    def _generate_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"max_new_tokens": self.cfg.max_new_tokens, "eos_token_id": self._eos_ids(),
-                                  "pad_token_id": self._pad_id()}
-        if self.cfg.temperature == 0:
-            kwargs["do_sample"] = False
-        else:
-            kwargs.update(do_sample=True, temperature=self.cfg.temperature)
-        return kwargs
+        answers = self.generator.generate(rows)
+        self.num_requests += len(conversations)
+        return [self._decode(row) for row in answers]
 
     def _decode(self, new_ids: list[int]) -> Completion | CompletionError:
-        eos = set(self._eos_ids())
-        stop_at = next((i for i, t in enumerate(new_ids) if t in eos), None)
-        kept = new_ids if stop_at is None else new_ids[:stop_at]
-        text = self.tokenizer.decode(kept, skip_special_tokens=True)
+        stopped = bool(new_ids) and new_ids[-1] in self._eos  # rows come back cut after their first eos
+        text = self.tokenizer.decode(new_ids[:-1] if stopped else new_ids, skip_special_tokens=True)
         if not text.strip():
             return CompletionError("empty_content", "the model returned an empty answer")
-        return Completion(text, "stop" if stop_at is not None else "length")
+        return Completion(text, "stop" if stopped else "length")
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    """End ids from the generation config (e.g. Llama-3's <|eot_id|>) and the tokenizer."""
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    if not ids:
+        raise ValueError("tokenizer and generation config define no eos token; generation would never stop")
+    return tuple(sorted(ids))
 
 
 def make_backend(cfg: RegenerateConfig, model: Any = None, tokenizer: Any = None) -> ChatBackend:

@@ -377,3 +377,24 @@ def test_journal_answers_for_fewer_user_turns_are_redone(tmp_path):
     answered = [sum(m["role"] == "assistant" for m in r) for r in pq.read_table(paths["regenerated"])
                 .column("messages").to_pylist()]
     assert answered == [2, 1]
+
+
+def test_hf_static_backend_regenerates_like_dynamic_and_resumes(tmp_path, tiny_target):
+    """generation_backend=static (fixed batch, bucketed padding) writes the dynamic run's parquet; a re-run skips all rows."""
+    model, tokenizer = tiny_target
+    rows = [_conv(0, num_turns=2), _conv(1, num_turns=1), _conv(2, num_turns=2)]
+    rows[1]["messages"][1]["content"] = "a much longer first question to force left padding"
+    src = _write_merged(tmp_path / "merged.parquet", rows)
+    outs = {}
+    try:
+        for name in ("dynamic", "static"):
+            cfg = RegenerateConfig(backend="hf", batch_size_conversations=2, max_new_tokens=8,
+                                   generation_backend=name, prompt_bucket=16)
+            paths, stats = regenerate(src, tmp_path / name, cfg, HFGenerateBackend(model, tokenizer, cfg))
+            outs[name] = pq.read_table(paths["regenerated"]).to_pylist()
+            assert stats["success"] + stats["error"] == 3 and _balanced(stats)
+        _, again = regenerate(src, tmp_path / "static", cfg, HFGenerateBackend(model, tokenizer, cfg))
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert outs["static"] == outs["dynamic"]
+    assert again["skipped_done"] == 3 and again["success"] == 0

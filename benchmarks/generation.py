@@ -1,0 +1,192 @@
+"""Generation benchmark: plain ``generate`` against regeneration's fast path, on one device.
+
+Prints ``name: value`` lines:
+  plain_tok_s        plain ``model.generate`` (dynamic cache, eager) on the prompts, in batches of --batch;
+  fast_tok_s         ``TokenGenerator`` at regeneration's defaults for the device (static cache compiled by
+                     transformers on CUDA, kv-head decode attention), same batches, after a warm-up pass
+                     (fast_warmup_s: the first pass, compile included);
+  fast_over_plain    their ratio;
+  identical_rows     rows of the timed runs whose greedy tokens are equal (the model's dtype: bf16 rounding
+                     differs between kernels, so a near tie can flip a token of a random model);
+  check_identical    the same on --check-rows prompts in float32 with a fresh float32 copy of the model,
+                     plain vs fast, so kernel rounding cannot flip ties (the correctness check);
+  sweep B: tok_s     the fast path at other batch sizes (--sweep; each size compiles once more).
+Tokens per second count generated tokens up to and including each row's first eos (a row that stopped
+early costs steps in static generate but its idle steps are not counted).
+
+    python benchmarks/generation.py --tiny                                # CPU smoke run (seconds)
+    python benchmarks/generation.py --device cuda                         # SmolLM2-135M shape, random weights
+    python benchmarks/generation.py --device cuda --sweep 1024,4096 --check-rows 0
+    python benchmarks/generation.py --device cuda --model-dir path/to/SmolLM2-135M-Instruct
+
+Needs only torch and transformers (and the repository root on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for a plain `python benchmarks/...`
+
+from benchmarks.shapes import SMOLLM2_135M  # noqa: E402
+from eagle3.data.generate import GenerationSettings, TokenGenerator, cut_after_eos, left_pad  # noqa: E402
+
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 1000, "max_position_embeddings": 1024, "num_hidden_layers": 2, "tie_word_embeddings": True}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model-dir", default=None, help="a transformers model folder instead of the random model")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer random Llama and small sizes (CPU smoke run)")
+    p.add_argument("--dtype", default=None, help="bfloat16 (default on cuda) or float32 (default on cpu)")
+    p.add_argument("--batch", type=int, default=None, help="rows per generate call (default 2048; 8 with --tiny)")
+    p.add_argument("--num-prompts", type=int, default=None, help="prompts (default: one batch)")
+    p.add_argument("--min-len", type=int, default=None, help="shortest prompt (default 32; 4 with --tiny)")
+    p.add_argument("--max-len", type=int, default=None, help="longest prompt (default 512; 40 with --tiny)")
+    p.add_argument("--new-tokens", type=int, default=None, help="max new tokens (default 256; 16 with --tiny)")
+    p.add_argument("--backend", default="auto", choices=("auto", "static", "dynamic", "continuous"))
+    p.add_argument("--no-kv-head-attention", action="store_true", help="static: transformers' own sdpa decode")
+    p.add_argument("--check-rows", type=int, default=64, help="float32 identity check rows (0 = skip)")
+    p.add_argument("--check-new-tokens", type=int, default=32)
+    p.add_argument("--sweep", default="", help="comma-separated extra batch sizes for the fast path")
+    p.add_argument("--skip-plain", action="store_true", help="time only the fast path")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    tiny = {"batch": 8, "min_len": 4, "max_len": 40, "new_tokens": 16}
+    full = {"batch": 2048, "min_len": 32, "max_len": 512, "new_tokens": 256}
+    for name, value in (tiny if args.tiny else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.tiny:
+        args.check_rows, args.check_new_tokens = min(args.check_rows, 8), min(args.check_new_tokens, 8)
+    args.num_prompts = args.num_prompts or args.batch
+    args.dtype = args.dtype or ("bfloat16" if torch.device(args.device).type == "cuda" else "float32")
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    """A random-weight Llama of SmolLM2-135M's shape (or --tiny), or the model in --model-dir."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    if args.model_dir:
+        return AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, attn_implementation="sdpa") \
+            .to(args.device).eval()
+    torch.manual_seed(args.seed)
+    cfg = LlamaConfig(**(TINY if args.tiny else SMOLLM2_135M), bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      attn_implementation="sdpa")
+    with torch.device(args.device):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def make_prompts(args: argparse.Namespace, vocab: int, n: int) -> list[list[int]]:
+    """n prompts of uniformly random lengths in [min_len, max_len], random non-special token ids (seeded)."""
+    rng = random.Random(args.seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(args.min_len, args.max_len))] for _ in range(n)]
+
+
+def plain_generate(model: Any, prompts: list[list[int]], s: GenerationSettings) -> list[list[int]]:
+    """Plain generate (dynamic cache) in input order, batches of s.batch_size, cut after the first eos."""
+    device, out = next(model.parameters()).device, []
+    for start in range(0, len(prompts), s.batch_size):
+        rows = prompts[start:start + s.batch_size]
+        ids, mask = left_pad(rows, max(map(len, rows)), s.pad_id)
+        with torch.no_grad():  # the mode generate itself runs in, not inference_mode
+            new = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                 max_new_tokens=s.max_new_tokens, eos_token_id=list(s.eos_ids),
+                                 pad_token_id=s.pad_id)
+        out += [cut_after_eos(r, s.eos_ids) for r in new[:, ids.shape[1]:].tolist()]
+    return out
+
+
+def timed(fn: Any, *args: Any) -> tuple[list[list[int]], float]:
+    """fn(*args) and its wall time, with the device synchronized on both ends."""
+    _sync()
+    start = time.perf_counter()
+    result = fn(*args)
+    _sync()
+    return result, time.perf_counter() - start
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _tok_s(rows: list[list[int]], seconds: float) -> float:
+    return sum(map(len, rows)) / seconds
+
+
+def _settings(model: Any, args: argparse.Namespace, batch: int, new_tokens: int) -> GenerationSettings:
+    eos = model.generation_config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
+    pad = model.generation_config.pad_token_id
+    return GenerationSettings(max_new_tokens=new_tokens, eos_ids=eos_ids, pad_id=eos_ids[0] if pad is None else pad,
+                              backend=args.backend, batch_size=batch, kv_head_attention=not args.no_kv_head_attention)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    _defaults(args)
+    begin = time.perf_counter()
+    model = build_model(args)
+    vocab = model.config.vocab_size
+    prompts = make_prompts(args, vocab, args.num_prompts)
+    s = _settings(model, args, args.batch, args.new_tokens)
+    print(f"device: {args.device} ({torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'})")
+    print(f"model: {args.model_dir or ('tiny' if args.tiny else 'random SmolLM2-135M shape')}, {args.dtype}")
+    print(f"prompts: {len(prompts)}, lengths {args.min_len}-{args.max_len}, new tokens {args.new_tokens}, "
+          f"batch {args.batch}")
+    plain = None
+    if not args.skip_plain:
+        plain_generate(model, prompts[:2], GenerationSettings(**{**s.__dict__, "max_new_tokens": 4}))  # warm-up
+        plain, plain_s = timed(plain_generate, model, prompts, s)
+        print(f"plain_tok_s: {_tok_s(plain, plain_s):.0f} ({sum(map(len, plain))} tokens in {plain_s:.1f} s)")
+    fast_gen = TokenGenerator(model, s)
+    print(f"fast_backend: {fast_gen.settings.backend}, attention {model.config._attn_implementation}")
+    _, warm_s = timed(fast_gen.generate, prompts[:args.batch])
+    fast, fast_s = timed(fast_gen.generate, prompts)
+    print(f"fast_warmup_s: {warm_s:.1f}")
+    print(f"fast_tok_s: {_tok_s(fast, fast_s):.0f} ({sum(map(len, fast))} tokens in {fast_s:.1f} s)")
+    if plain is not None:
+        print(f"fast_over_plain: {_tok_s(fast, fast_s) / _tok_s(plain, plain_s):.2f}")
+        print(f"identical_rows: {sum(a == b for a, b in zip(plain, fast))}/{len(fast)} ({args.dtype})")
+    for batch in [int(b) for b in args.sweep.split(",") if b.strip()]:
+        gen = TokenGenerator(model, _settings(model, args, batch, args.new_tokens))
+        sweep_prompts = make_prompts(args, vocab, max(batch, args.num_prompts))
+        _, warm = timed(gen.generate, sweep_prompts[:batch])
+        rows, secs = timed(gen.generate, sweep_prompts)
+        print(f"sweep {batch}: {_tok_s(rows, secs):.0f} tok/s (warm-up {warm:.1f} s)")
+    if args.check_rows:
+        check(model, args, vocab)
+    print(f"total_s: {time.perf_counter() - begin:.0f}")
+
+
+def check(model: Any, args: argparse.Namespace, vocab: int) -> None:
+    """Plain vs fast greedy tokens on a float32 copy of the model (its own batch size: one more compile)."""
+    del model  # the timed model may be bf16; the check builds its own float32 copy from the same seed / folder
+    _sync()
+    args32 = argparse.Namespace(**{**vars(args), "dtype": "float32"})
+    model32 = build_model(args32)
+    prompts = make_prompts(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}), vocab, args.check_rows)
+    s = _settings(model32, args32, args.check_rows, args.check_new_tokens)
+    plain = plain_generate(model32, prompts, s)
+    fast = TokenGenerator(model32, s).generate(prompts)
+    same = sum(a == b for a, b in zip(plain, fast))
+    print(f"check_identical: {same}/{len(prompts)} (float32, {args.check_new_tokens} new tokens)")
+
+
+if __name__ == "__main__":
+    main()

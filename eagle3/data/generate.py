@@ -1,0 +1,218 @@
+"""Batched generation of token rows with transformers, fast on CUDA (used by regeneration).
+
+Three ways, all transformers' own generation code (no hand-written decoder):
+  * ``dynamic``: plain ``model.generate`` with its default dynamic cache, one call per batch of
+    prompts, left padded to the longest prompt. Works everywhere; slow on a GPU.
+  * ``static``: ``generate`` with ``cache_implementation="static"``. On CUDA transformers compiles the
+    decode step (``torch.compile``, CUDA graphs under its default ``CompileConfig``); on CPU it runs
+    uncompiled. A compiled graph is specific to (batch size, cache length), so every call gets the same
+    batch size (short batches are filled with copies of a real row, whose answers are dropped) and a
+    cache length rounded up to a power of two (few shapes; transformers also keeps the cache length at
+    the largest seen so far, ``_previous_max_cache_length``). Prompts are sorted by length and cut into
+    batches, so one batch holds similar lengths; the prompt width is rounded up to ``prompt_bucket``.
+    With ``kv_head_attention`` the decode step's attention runs on the key/value heads (the query heads
+    of one key/value head become query rows), instead of transformers' compiled path, which copies the
+    whole static cache per layer and step to repeat it for every query head (``repeat_kv``).
+  * ``continuous``: transformers' continuous batching, ``model.generate_batch`` (finished rows leave
+    the batch at once; needs a transformers that ships ``ContinuousBatchingConfig``).
+
+Rows that end at an eos id keep running in ``generate`` until the whole batch is done (static and
+dynamic): their tokens after the eos are dropped. Outputs come back in input order, cut after the
+first eos id (which is kept), so all three ways can be compared token for token.
+
+Imports only torch and transformers, so the benchmark runs on a host that has nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Backend = Literal["auto", "static", "dynamic", "continuous"]
+KV_HEAD_ATTENTION = "sdpa_kv_heads"
+"""Name under which the kv-head decode attention is registered with transformers."""
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What every generate call uses; ``backend`` is resolved (never "auto") by ``resolve_backend``."""
+
+    max_new_tokens: int
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    temperature: float = 0.0
+    backend: Backend = "dynamic"
+    batch_size: int = 8
+    prompt_bucket: int = 64
+    kv_head_attention: bool = True
+
+
+def resolve_backend(backend: Backend, device: torch.device | str) -> Backend:
+    """auto -> static (compiled by transformers) on CUDA, dynamic elsewhere (compile on CPU is slow to warm)."""
+    if backend != "auto":
+        return backend
+    return "static" if torch.device(device).type == "cuda" else "dynamic"
+
+
+def round_up(n: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= n."""
+    return -(-n // multiple) * multiple
+
+
+def static_cache_len(width: int, max_new_tokens: int) -> int:
+    """Cache slots for a batch of padded width ``width``: the next power of two, so few graphs are compiled."""
+    return 1 << math.ceil(math.log2(width + max_new_tokens))
+
+
+def cut_after_eos(row: list[int], eos_ids: tuple[int, ...]) -> list[int]:
+    """The row up to and including its first eos id (the whole row when there is none)."""
+    stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
+    return row if stop is None else row[: stop + 1]
+
+
+def left_pad(rows: list[list[int]], width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids and attention mask, both [B, width]; left padding puts every prompt's last token in the last column."""
+    ids = [[pad_id] * (width - len(r)) + r for r in rows]
+    mask = [[0] * (width - len(r)) + [1] * len(r) for r in rows]
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+
+
+# --------------------------------------------------------------------------- kv-head decode attention
+
+def sdpa_kv_heads(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """SDPA that never repeats the kv cache for grouped-query attention in a one-token decode step.
+
+    query [B, H, 1, D] is viewed as [B, Hkv, G, D] (query head h = kv head h // G, as ``repeat_kv``
+    orders them): the G query heads sharing a kv head become G query rows against the unrepeated
+    key/value [B, Hkv, L, D], and the mask [B, 1, 1, L] broadcasts over them. Everything else
+    (prefill, no grouping, position bias) goes to transformers' own sdpa function.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, q_len, dim = query.shape
+    mask_ok = attention_mask is None or (attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1)
+    if q_len != 1 or groups == 1 or not mask_ok or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    packed = query.reshape(batch, heads // groups, groups, dim)  # [B, Hkv, G, D]
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling)  # [B, Hkv, G, D]
+    return out.reshape(batch, 1, heads, dim), None  # [B, 1, H, D], the layout sdpa_attention_forward returns
+
+
+def use_kv_head_attention(model: Any) -> None:
+    """Register ``sdpa_kv_heads`` (with the sdpa mask) and switch an sdpa model to it; others are left alone."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if model.config._attn_implementation not in ("sdpa", KV_HEAD_ATTENTION):
+        return
+    AttentionInterface.register(KV_HEAD_ATTENTION, sdpa_kv_heads)
+    AttentionMaskInterface.register(KV_HEAD_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    if model.config._attn_implementation != KV_HEAD_ATTENTION:
+        model.set_attn_implementation(KV_HEAD_ATTENTION)
+
+
+# --------------------------------------------------------------------------- the generator
+
+class TokenGenerator:
+    """Answers lists of prompt token ids with new token ids, in batches of ``settings.batch_size``."""
+
+    def __init__(self, model: Any, settings: GenerationSettings):
+        if settings.backend == "auto":
+            settings = GenerationSettings(**{**settings.__dict__,
+                                             "backend": resolve_backend("auto", _device(model))})
+        self.model, self.settings = model, settings
+        if settings.backend == "static" and settings.kv_head_attention:
+            use_kv_head_attention(model)
+        elif model.config._attn_implementation == KV_HEAD_ATTENTION:
+            model.set_attn_implementation("sdpa")  # continuous batching refuses unknown attention names
+
+    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        """New tokens per prompt (input order), each cut after its first eos id."""
+        if any(not p for p in prompts):
+            raise ValueError("an empty prompt cannot be answered (no token to start from)")
+        if self.settings.backend == "continuous":
+            return self._continuous(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
+        out: list[list[int]] = [[] for _ in prompts]
+        size = self.settings.batch_size
+        for start in range(0, len(order), size):
+            chunk = order[start:start + size]
+            for i, row in zip(chunk, self._generate_batch([prompts[i] for i in chunk]), strict=True):
+                out[i] = cut_after_eos(row, self.settings.eos_ids)
+        return out
+
+    def _generate_batch(self, rows: list[list[int]]) -> list[list[int]]:
+        """One generate call on at most batch_size rows -> their new tokens (full length, not cut)."""
+        s = self.settings
+        width = max(len(r) for r in rows)
+        kwargs = self._sampling_kwargs()
+        real = len(rows)
+        if s.backend == "static":
+            width = round_up(width, s.prompt_bucket)
+            rows = rows + [rows[0]] * (s.batch_size - real)  # a fixed batch size reuses the compiled graph
+            kwargs["cache_implementation"] = "static"
+            _size_static_cache(self.model, static_cache_len(width, s.max_new_tokens), kwargs)
+        ids, mask = left_pad(rows, width, s.pad_id)
+        device = _device(self.model)
+        with torch.no_grad():  # the mode generate itself runs in, not inference_mode
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+        return out[:real, width:].tolist()
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        s = self.settings
+        kwargs: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "eos_token_id": list(s.eos_ids),
+                                  "pad_token_id": s.pad_id}
+        if s.temperature == 0:
+            kwargs["do_sample"] = False
+        else:
+            kwargs.update(do_sample=True, temperature=s.temperature)
+        return kwargs
+
+    def _continuous(self, prompts: list[list[int]]) -> list[list[int]]:
+        """transformers' continuous batching; its KV pages are sized from this call, not from host RAM."""
+        from transformers import GenerationConfig
+
+        try:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        except ImportError as exc:
+            raise RuntimeError("regenerate.generation_backend='continuous' needs a transformers that ships "
+                               "ContinuousBatchingConfig (generation/configuration_utils.py)") from exc
+        s = self.settings
+        page = 64
+        longest = max(len(p) for p in prompts) + s.max_new_tokens
+        in_flight = min(s.batch_size, len(prompts))
+        cbc = ContinuousBatchingConfig(page_size=page, num_blocks=in_flight * (longest // page + 2),
+                                       max_batch_tokens=max(in_flight, 256), max_requests_per_batch=in_flight)
+        gc = GenerationConfig(**self._sampling_kwargs())
+        with torch.no_grad():  # the mode generate itself runs in, not inference_mode
+            res = self.model.generate_batch(inputs=prompts, generation_config=gc, continuous_batching_config=cbc,
+                                            progress_bar=False)
+        # Results are keyed "req_<input index>"; generated_tokens ends at the eos (kept) or at max_new_tokens.
+        return [cut_after_eos(list(res[f"req_{i}"].generated_tokens), s.eos_ids) for i in range(len(prompts))]
+
+
+def _size_static_cache(model: Any, cache_len: int, kwargs: dict[str, Any]) -> None:
+    """Ask generate for a static cache of at least ``cache_len`` slots.
+
+    Newer transformers take ``max_cache_len`` as a generation setting; older ones (no such field,
+    where an unknown generate kwarg is an error) size the cache from the longest cache used so far,
+    ``model._previous_max_cache_length``, which both read.
+    """
+    from transformers import GenerationConfig
+
+    if hasattr(GenerationConfig(), "max_cache_len"):
+        kwargs["max_cache_len"] = cache_len
+    else:
+        model._previous_max_cache_length = max(getattr(model, "_previous_max_cache_length", -1), cache_len)
+
+
+def _device(model: Any) -> torch.device:
+    return next(model.parameters()).device

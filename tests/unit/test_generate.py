@@ -1,0 +1,154 @@
+"""Fast generation (eagle3/data/generate.py): every backend gives plain greedy generate's tokens."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from eagle3.data import generate as gen
+from eagle3.data.generate import GenerationSettings, TokenGenerator, cut_after_eos, left_pad
+
+NEW = 12
+
+
+def _tiny_llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _prompts(n: int = 10, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 40))] for _ in range(n)]
+
+
+def _plain(model: Any, prompts: list[list[int]], eos: tuple[int, ...]) -> list[list[int]]:
+    """Reference: one plain generate call (dynamic cache) on the whole left-padded batch."""
+    ids, mask = left_pad(prompts, max(map(len, prompts)), 0)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                         eos_token_id=list(eos), pad_token_id=0)
+    return [cut_after_eos(r, eos) for r in out[:, ids.shape[1]:].tolist()]
+
+
+@pytest.fixture(scope="module")
+def case() -> tuple[Any, list[list[int]], tuple[int, ...], list[list[int]]]:
+    """A tiny GQA Llama, prompts of 2..39 tokens, eos ids that stop some rows early, and plain generate's answers."""
+    model = _tiny_llama()
+    prompts = _prompts()
+    free = _plain(model, prompts, (2,))
+    eos = (2, free[0][4], free[3][1])  # tokens the model really emits: rows stop at different steps
+    ref = _plain(model, prompts, eos)
+    assert len({len(r) for r in ref}) > 1, "the eos choice must stop rows at different lengths"
+    return model, prompts, eos, ref
+
+
+def _settings(eos: tuple[int, ...], **kw: Any) -> GenerationSettings:
+    return GenerationSettings(**{"max_new_tokens": NEW, "eos_ids": eos, "pad_id": 0, "batch_size": 4,
+                                 "prompt_bucket": 16, **kw})
+
+
+@pytest.mark.parametrize("backend,kv_heads", [("dynamic", True), ("static", True), ("static", False),
+                                              ("continuous", True)])
+def test_backends_equal_plain_generate_token_for_token(case, backend, kv_heads):
+    """Greedy answers of each backend (batches of 4 with a short last batch, left padding) equal plain generate's."""
+    model, prompts, eos, ref = case
+    got = TokenGenerator(model, _settings(eos, backend=backend, kv_head_attention=kv_heads)).generate(prompts)
+    model.set_attn_implementation("sdpa")
+    assert got == ref
+
+
+def test_static_calls_use_fixed_shapes_and_kv_head_attention(case, monkeypatch):
+    """Static calls all have batch_size rows, bucketed widths, power-of-two caches, and decode through sdpa_kv_heads."""
+    model, prompts, eos, ref = case
+    calls: list[tuple[int, int, int]] = []
+    decode_calls = []
+    real_generate, real_attention = model.generate, gen.sdpa_kv_heads
+
+    def spy_generate(**kw: Any) -> Any:
+        calls.append((*kw["input_ids"].shape, kw["max_cache_len"]))
+        return real_generate(**kw)
+
+    def spy_attention(module, query, *args, **kw):
+        decode_calls.append(query.shape[2])
+        return real_attention(module, query, *args, **kw)
+
+    monkeypatch.setattr(model, "generate", spy_generate)
+    monkeypatch.setattr(gen, "sdpa_kv_heads", spy_attention)
+    try:
+        got = TokenGenerator(model, _settings(eos, backend="static")).generate(prompts)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert got == ref
+    assert [c[0] for c in calls] == [4, 4, 4] and all(c[1] % 16 == 0 for c in calls)
+    assert all(c[2] & (c[2] - 1) == 0 and c[2] >= c[1] + NEW for c in calls)
+    assert 1 in decode_calls, "the decode steps must run through the kv-head attention"
+
+
+def test_kv_head_attention_equals_sdpa_with_padding_mask():
+    """sdpa_kv_heads on a one-token query equals transformers' sdpa (repeat_kv) under a left-padding mask."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(1)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    q, k, v = torch.randn(2, 6, 1, 8), torch.randn(2, 2, 20, 8), torch.randn(2, 2, 20, 8)
+    mask = torch.ones(2, 1, 1, 20, dtype=torch.bool)
+    mask[0, ..., :7] = False  # row 0 is left padded
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.35)
+    got, _ = gen.sdpa_kv_heads(module, q, k, v, mask, scaling=0.35)
+    assert got.shape == want.shape == (2, 1, 6, 8)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_static_equals_plain_generate(case):
+    """With transformers' compile forced on CPU (Dynamo, eager backend) the static path still equals plain generate."""
+    from transformers import CompileConfig
+
+    model, prompts, eos, ref = case
+    compile_config = CompileConfig(backend="eager", dynamic=False)
+    compile_config._compile_all_devices = True  # CPU is not compiled by default (transformers' device gate)
+    model.generation_config.compile_config = compile_config
+    try:
+        got = TokenGenerator(model, _settings(eos, backend="static")).generate(prompts)
+        assert hasattr(model, "_compiled_call"), "the compiled forward was not used"
+    finally:
+        model.generation_config.compile_config = None
+        model.set_attn_implementation("sdpa")
+    assert got == ref
+
+
+def test_auto_backend_is_dynamic_on_cpu_and_static_on_cuda():
+    """auto resolves to the compiled static cache on CUDA only."""
+    assert gen.resolve_backend("auto", "cpu") == "dynamic"
+    assert gen.resolve_backend("auto", "cuda:0") == "static"
+    assert gen.resolve_backend("continuous", "cpu") == "continuous"
+
+
+def test_empty_prompt_is_refused(case):
+    """An empty prompt is an error, not a silent empty answer."""
+    model, _, eos, _ = case
+    with pytest.raises(ValueError, match="empty prompt"):
+        TokenGenerator(model, _settings(eos)).generate([[5, 6], []])
+
+
+def test_generation_benchmark_runs_tiny_and_reports_identical_rows(capsys):
+    """benchmarks/generation.py --tiny (static path on CPU) prints its figures and all rows identical to plain."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "generation.py"
+    spec = importlib.util.spec_from_file_location("generation_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--tiny", "--device", "cpu", "--backend", "static", "--new-tokens", "6"])
+    out = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line)
+    assert {"plain_tok_s", "fast_tok_s", "fast_over_plain"} <= set(out)
+    assert out["identical_rows"].startswith("8/8") and out["check_identical"].startswith("8/8")
+    assert out["fast_backend"].startswith("static")
