@@ -256,6 +256,8 @@ class DrafterConfig(Section):
 
 
 class TrainConfig(Section):
+    features: Literal["offline", "online"] = "offline"
+    """offline: read captured shards; online: run the frozen target in each training step (no capture, no feature disk)."""
     lr: float = Field(1e-4, gt=0)
     """Peak learning rate, tuned for reference_rows_per_step rows per optimizer step (see lr_scaling)."""
     num_epochs: int = Field(1, ge=1)

@@ -61,6 +61,7 @@ def run_data_stages(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
 
 LastStage = Literal["vocab", "capture", "train", "export", "evaluate", "deploy"]
 LAST_STAGES: tuple[str, ...] = get_args(LastStage)
+ONLINE_SKIP = "skipped: train.features=online computes the target's states inside each training step (no feature disk)"
 DEPLOY_STEPS = {"export": ["export"], "evaluate": ["export", "evaluate"], "deploy": ["export", "evaluate", "benchmark"]}
 
 
@@ -73,7 +74,11 @@ def run_model_stages(cfg: RunConfig, until: str, force: bool = False) -> dict[st
     reached = LAST_STAGES.index(until)
     results: dict[str, Any] = {}
     if reached >= LAST_STAGES.index("capture"):
-        results["capture"] = eagle3_capture(config=cfg)
+        if cfg.train.features == "online":
+            get_run_logger().info("capture: %s", ONLINE_SKIP)
+            results["capture"] = {"skipped": ONLINE_SKIP}
+        else:
+            results["capture"] = eagle3_capture(config=cfg)
     if reached >= LAST_STAGES.index("train"):
         results["train"] = train_task(cfg)
     if until in DEPLOY_STEPS:
@@ -114,7 +119,9 @@ def render_summary(cfg: RunConfig, results: dict[str, Any]) -> str:
         if res:
             outs = ", ".join(f"`{k}`" for k in res.get("outputs", {}))
             lines.append(f"| {stage} | {'yes' if res.get('computed') else 'no (up to date)'} | {outs} |")
-    if "capture" in results:
+    if results.get("capture", {}).get("skipped"):
+        lines.append(f"| capture | no | {results['capture']['skipped']} |")
+    elif "capture" in results:
         cap = results["capture"].get("stats", {})
         lines.append(f"| capture | see capture flow | {cap.get('num_shards')} shards, {cap.get('num_tokens')} tokens, "
                      f"{cap.get('num_bytes', 0) / 1e6:.1f} MB |")

@@ -28,7 +28,9 @@ def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
         if doc:
             results[stage] = {"computed": None, "stats": doc.get("stats", {}), "outputs": doc.get("outputs", {})}
     capture = read_manifest(run / "features" / "capture.manifest.json")
-    if capture:
+    if cfg.train.features == "online":
+        results["capture"] = {"skipped": "train.features=online (the target runs inside each training step)"}
+    elif capture:
         results["capture"] = {"stats": capture.get("stats", {})}
     train = read_manifest(run / "train" / "train.manifest.json")
     if train:
@@ -54,7 +56,9 @@ def print_summary(result: dict[str, Any], wall_s: float | None = None) -> None:
         print(f"\n[{stage}] {state}")
         for key, value in _headline(res["stats"]).items():
             print(f"  {key:<28} {value}")
-    if result.get("capture"):
+    if result.get("capture", {}).get("skipped"):
+        print(f"\n[capture] skipped: {result['capture']['skipped']}")
+    elif result.get("capture"):
         print("\n[capture]")
         for key in ("num_shards", "num_samples", "num_tokens", "num_bytes", "bytes_per_token", "aux_layer_ids"):
             print(f"  {key:<28} {result['capture']['stats'].get(key)}")

@@ -109,7 +109,9 @@ def spec_differences(old: dict[str, Any], new: FeatureSpec) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {fresh.get(k)!r}" for k in keys if old.get(k) != fresh.get(k)]
 
 
-def _save_or_check_spec(fdir: Path, spec: FeatureSpec) -> None:
+def save_or_check_spec(fdir: Path, spec: FeatureSpec) -> None:
+    """Write <fdir>/spec.json, or refuse when the one there describes other features (which fields differ)."""
+    fdir.mkdir(parents=True, exist_ok=True)
     path = fdir / SPEC_FILE
     if path.is_file():
         old = json.loads(path.read_text())
@@ -159,7 +161,7 @@ def prepare_capture(cfg: RunConfig, spec: FeatureSpec | None = None) -> CaptureP
     fdir = features_dir(cfg)
     fdir.mkdir(parents=True, exist_ok=True)
     spec = spec or build_spec(cfg, prepare_target(cfg))
-    _save_or_check_spec(fdir, spec)
+    save_or_check_spec(fdir, spec)
     plan = build_plan(tokenized, cfg.capture.tokens_per_shard, _tokenized_key(manifest))
     expected = spec_hash(spec)
     removed = _remove_stale(fdir, plan, expected)

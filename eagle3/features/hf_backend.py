@@ -336,6 +336,26 @@ class HFCaptureBackend:
             host, ready = self._to_host(self._outputs(store))
         return _Launched(group, samples, inputs.lengths, host, ready)
 
+    def device_states(self, samples: Sequence[SampleTokens]) -> dict[str, torch.Tensor]:
+        """[N, ...] states of ``samples`` concatenated in their order, left on the device (online training).
+
+        The same decoder forward, hooks and outputs as ``capture``; batches are planned over the samples
+        sorted longest first (less padding), and the rows are put back in the given order.
+        """
+        order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
+        pieces: dict[int, dict[str, torch.Tensor]] = {}
+        for group in plan_batches([len(samples[i].input_ids) for i in order], self.max_tokens_per_batch):
+            batch = [samples[order[g]] for g in group]
+            inputs = self._inputs(batch)
+            store: dict = {}
+            with self.lock:
+                self._run_decoder(inputs, store)
+            outputs, start = self._outputs(store), 0
+            for g, n in zip(group, inputs.lengths):
+                pieces[order[g]] = {name: t[start:start + n] for name, t in outputs.items()}
+                start += n
+        return {name: torch.cat([pieces[i][name] for i in range(len(samples))]) for name in pieces[0]}
+
     def _finish(self, launched: _Launched) -> Iterator[tuple[int, CapturedSample]]:
         host = launched.host
         if launched.ready is not None:

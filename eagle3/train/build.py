@@ -53,12 +53,21 @@ class RunInputs:
 
 
 def read_inputs(cfg: RunConfig, model_dir: Path) -> RunInputs:
-    """Vocab map, feature spec and drafter dims; refuses features captured from another target or layers."""
+    """Vocab map, feature spec and drafter dims; refuses features captured from another target or layers.
+
+    Online (``train.features: online``) the spec is the one capture would write for this config; it is saved
+    as features/spec.json (no shards) so export and evaluation know what the drafter was trained on.
+    """
     from eagle3.target import fingerprint, target_info
     from eagle3.vocab import load_vocab_map
 
     run_dir = cfg.run_dir
-    spec = FeatureSpec.load(run_dir / "features" / "spec.json")
+    if cfg.train.features == "online":
+        from eagle3.features.capture import build_spec
+
+        spec = build_spec(cfg, model_dir)
+    else:
+        spec = FeatureSpec.load(run_dir / "features" / "spec.json")
     d2t, t2d = load_vocab_map(run_dir / "vocab")
     info = target_info(model_dir, cfg.target)
     if spec.target_fingerprint != fingerprint(model_dir):
@@ -75,14 +84,24 @@ def read_inputs(cfg: RunConfig, model_dir: Path) -> RunInputs:
 
 
 def stage_key_for(cfg: RunConfig, inputs: RunInputs) -> str:
-    """The train stage key: drafter + train config (operational knobs excluded), seed, input manifests."""
+    """The train stage key: drafter + train config (operational knobs excluded), seed, input manifests.
+
+    Offline the features' manifest stands for them; online the tokenized data's manifest, the spec (aux ids,
+    supervision, storage dtypes) and the target dtype do: the features are computed from exactly those.
+    """
+    from eagle3.features.shards import spec_hash
     from eagle3.stage import stage_key
     from eagle3.stages import manifest_path
 
     conf = {"drafter": cfg.drafter.model_dump(mode="json"), "seed": cfg.run.seed,
             "train": {k: v for k, v in cfg.train.model_dump(mode="json").items() if k not in OPERATIONAL_KNOBS}}
-    manifests = [inputs.features_dir / "capture.manifest.json", manifest_path(cfg, "vocab")]
-    return stage_key("train", conf, manifests, {"target": inputs.spec.target_fingerprint})
+    extra = {"target": inputs.spec.target_fingerprint}
+    if cfg.train.features == "online":
+        manifests = [manifest_path(cfg, "tokenize"), manifest_path(cfg, "vocab")]
+        extra |= {"spec": spec_hash(inputs.spec), "target_dtype": cfg.target.dtype}
+    else:
+        manifests = [inputs.features_dir / "capture.manifest.json", manifest_path(cfg, "vocab")]
+    return stage_key("train", conf, manifests, extra)
 
 
 # ---------------------------------------------------------------------------------------- model, optimizer
@@ -180,10 +199,11 @@ def plan_data(cfg: RunConfig, inputs: RunInputs, world_size: int) -> DataPlan:
     from eagle3.features.shards import ShardReader
     from eagle3.train.data import check_captured
 
-    reader = ShardReader(inputs.features_dir)
     train, val = read_split(inputs.tokenized, "train"), read_split(inputs.tokenized, "val")
-    check_captured(train, reader, "train")
-    check_captured(val, reader, "val")
+    if cfg.train.features == "offline":
+        reader = ShardReader(inputs.features_dir)
+        check_captured(train, reader, "train")
+        check_captured(val, reader, "val")
     if not train:
         raise ValueError(f"{inputs.tokenized} has no train rows")
     t = cfg.train

@@ -106,6 +106,7 @@ class PackedBatch:
     num_loss_tokens: int
     counted: bool
     noise_seed: int  # seeds this row's aux noise (same row -> same noise, on resume too)
+    lengths: tuple[int, ...] = ()  # tokens of each real document, in row order (online features need them)
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -203,7 +204,8 @@ def collate_row(reader: ShardReader, row: PackedRow, max_tokens: int, float_dtyp
     pad_fill = {"input_ids": PAD_TOKEN, "loss_mask": 0, "topk_ids": 0, "topk_logprobs": TOPK_PAD_LOGPROB}
     full = {name: _pad_to(t, max_tokens, pad_fill.get(name, 0.0))[None] for name, t in cat.items()}  # [1, T, ...]
     return TTTBatch(
-        aux=full["aux"].to(float_dtype), input_ids=full["input_ids"].long(), loss_mask=full["loss_mask"],
+        aux=full["aux"].to(float_dtype) if "aux" in full else None,  # None: online, filled on the device
+        input_ids=full["input_ids"].long(), loss_mask=full["loss_mask"],
         document_ids=torch.cat(docs)[None], position_ids=torch.cat(positions)[None],
         final_hidden=full["final"].to(float_dtype) if "final" in full else None,
         topk_ids=full["topk_ids"].long() if "topk_ids" in full else None,
@@ -253,8 +255,10 @@ class RowLoader:
     """
 
     def __init__(self, features_dir: Path, rows: list[PackedRow], max_tokens: int, float_dtype: torch.dtype,
-                 start: int = 0, depth: int = 2, epoch: int = 0, seed: int = 0, pin_memory: bool = False) -> None:
-        self.reader = ShardReader(features_dir)
+                 start: int = 0, depth: int = 2, epoch: int = 0, seed: int = 0, pin_memory: bool = False,
+                 reader: object | None = None) -> None:
+        # ``reader``: a shared read-only source of the samples' tensors instead of the shards (online training)
+        self.reader = reader if reader is not None else ShardReader(features_dir)
         self.rows, self.max_tokens, self.float_dtype = rows, max_tokens, float_dtype
         self.start, self.depth, self.epoch, self.seed = start, depth, epoch, seed
         self.pin_memory = pin_memory
@@ -266,7 +270,7 @@ class RowLoader:
         if self.pin_memory:  # here, on the loader thread: pinning 100 MB rows costs the training thread nothing
             batch = map_tensors(batch, Tensor.pin_memory)
         return PackedBatch(batch, row.num_tokens, int(batch.loss_mask.sum()), row.counted,
-                           noise_seed(self.seed, self.epoch, index))
+                           noise_seed(self.seed, self.epoch, index), tuple(s.num_tokens for s in row.samples))
 
     def _put(self, out: queue.Queue, item: object) -> bool:
         """Put unless the consumer has gone away (then the thread must end instead of blocking forever)."""

@@ -40,6 +40,7 @@ from eagle3.train.checkpoint import (TrainerState, check_compatible, checkpoints
 from eagle3.train.data import PackedBatch, RowLoader, add_aux_noise, batch_to
 from eagle3.train.dist import (DistInfo, all_reduce_sum, autocast, barrier, broadcast_object, full_tensor,
                                gradient_sync, unwrap, wrap)
+from eagle3.train.online import OnlineFeatures, TokenReader
 from eagle3.train.metrics import (MetricsWriter, ProgressWriter, drafter_row_flops, format_step_line, mfu,
                                   peak_flops)
 from eagle3.model import trainable_parameters
@@ -69,6 +70,8 @@ class Trainer:
     state: TrainerState
     row_flops: float
     peak_flops: float | None
+    online: OnlineFeatures | None = None  # train.features=online: the frozen target that fills each row
+    tokens: TokenReader | None = None  # online: the rows' token ids and masks, in place of the shards
 
     @property
     def objective(self) -> TTTObjective:
@@ -119,6 +122,9 @@ def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
                  stage_key_for(cfg, inputs), unigram, MetricsWriter(train_dir / "metrics.jsonl", info.is_main),
                  ProgressWriter(train_dir / "progress.json", total, info.is_main, cfg.train.progress_every_s),
                  TrainerState(), cfg.train.grad_accum_steps * row_flops, peak_flops(info.device))
+    if cfg.train.features == "online":
+        tr.tokens = TokenReader(inputs.tokenized)
+        tr.online = OnlineFeatures.from_config(cfg, inputs.model_dir, inputs.spec, info.device)
     log.info("train: %d steps (%d epochs, %d rows per step, lr %.3e), %d train rows/epoch (fill %.2f, %d truncated), "
              "%d val rows, world %d (%s) on %s", total, len(plan.train), plan.rows_per_step, lr,
              len(plan.train[0].rows), plan.train[0].stats.fill(cfg.train.max_tokens_per_batch),
@@ -144,6 +150,8 @@ def resume(tr: Trainer) -> None:
 def prepare_row(tr: Trainer, row: PackedBatch, noise: bool) -> TTTBatch:
     """The row on the device, with the configured aux noise when ``noise`` (train rows only)."""
     batch = batch_to(row.batch, tr.dist.device)
+    if tr.online is not None:
+        batch = tr.online.fill(batch, list(row.lengths), tr.float_dtype)
     if noise and tr.cfg.train.aux_noise != "none":
         batch = dataclasses.replace(batch, aux=add_aux_noise(batch.aux, tr.cfg.train.aux_noise,
                                                              tr.cfg.train.aux_noise_std, row.noise_seed))
@@ -222,8 +230,7 @@ def evaluate(tr: Trainer) -> dict[str, Any] | None:
         return None
     steps = tr.objective.ttt_steps
     sums = torch.zeros(5 * steps + 1, dtype=torch.float64, device=tr.dist.device)
-    loader = RowLoader(tr.inputs.features_dir, rows, tr.cfg.train.max_tokens_per_batch, tr.float_dtype,
-                       depth=tr.cfg.train.prefetch_rows, pin_memory=tr.dist.device.type == "cuda")
+    loader = row_loader(tr, rows)
     for row in loader:
         batch = prepare_row(tr, row, noise=False)
         with autocast(tr.dist):
@@ -270,15 +277,20 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
+def row_loader(tr: Trainer, rows: list, **position: int) -> RowLoader:
+    """This trainer's loader over ``rows``: shards offline, tokenized rows online (features filled on the device)."""
+    return RowLoader(tr.inputs.features_dir, rows, tr.cfg.train.max_tokens_per_batch, tr.float_dtype,
+                     depth=tr.cfg.train.prefetch_rows, pin_memory=tr.dist.device.type == "cuda", reader=tr.tokens,
+                     **position)
+
+
 def micro_batch_windows(tr: Trainer) -> Iterator[list[PackedBatch]]:
     """This rank's rows in groups of grad_accum_steps, from the sampler position on, epoch after epoch."""
     accum, world = tr.cfg.train.grad_accum_steps, tr.dist.world_size
     while tr.state.epoch < len(tr.plan.train):
         epoch = tr.state.epoch
         rows = tr.plan.train[epoch].rows_for(tr.dist.rank, world)
-        loader = iter(RowLoader(tr.inputs.features_dir, rows, tr.cfg.train.max_tokens_per_batch, tr.float_dtype,
-                                start=tr.state.rank_index(world), depth=tr.cfg.train.prefetch_rows, epoch=epoch,
-                                seed=tr.cfg.run.seed, pin_memory=tr.dist.device.type == "cuda"))
+        loader = iter(row_loader(tr, rows, start=tr.state.rank_index(world), epoch=epoch, seed=tr.cfg.run.seed))
         try:
             while window := list(itertools.islice(loader, accum)):
                 yield window
@@ -437,6 +449,10 @@ def _train(cfg: RunConfig, info: DistInfo, stop_after_steps: int | None) -> Trai
     from eagle3.stage import manifest_matches
 
     inputs = read_inputs(cfg, _prepare_target(cfg, info))
+    if cfg.train.features == "online" and info.is_main:
+        from eagle3.features.capture import save_or_check_spec
+
+        save_or_check_spec(inputs.features_dir, inputs.spec)  # export and evaluation read what was trained on
     manifest = inputs.run_dir / "train" / MANIFEST_FILE
     key = stage_key_for(cfg, inputs)
     if broadcast_object(manifest_matches(manifest, key) if info.is_main else None, info):

@@ -1,0 +1,129 @@
+"""Online features (``train.features: online``): the frozen target runs inside the training step.
+
+Offline training reads each sample's aux and final states from the capture stage's shards; online training
+computes the same tensors on the training device, row by row, and never writes them anywhere. "The same"
+is meant literally:
+  * the target is loaded exactly as the capture stage loads it (``target.dtype``, eval mode, the same
+    attention choice ``capture.per_sample_attention``) and run through the capture backend's own decoder
+    forward and hooks (``HFCaptureBackend.device_states``), so the aux ids, the output-of-layer convention
+    and the post-norm final state cannot drift between the two modes;
+  * each state is rounded to its storage dtype (``capture.dtype`` / ``capture.aux_dtype``, fp8 included) and
+    then to the trainer's compute dtype, as a shard write followed by a shard read would do.
+Each document of a packed row runs as a sample of its own (positions from 0, no attention across
+documents), cut to the tokens the row takes, which for a causal model equals cutting the captured states.
+
+The trainer reads token ids and loss masks from ``tokenized.parquet`` (``TokenReader``, a drop-in for the
+ShardReader in the row loader) and hands each collated row to ``OnlineFeatures.fill`` on the device.
+One target copy per rank (DDP); a target that does not fit one GPU needs offline capture (SGLang, or the
+HF backend with ``capture.device_map``) until sharded online targets exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from eagle3.features.spec import FeatureSpec, SampleTokens
+
+
+class TokenReader:
+    """input_ids [T] int32 and loss_mask [T] uint8 of every tokenized sample, by id (read once, kept in memory)."""
+
+    def __init__(self, tokenized: Path):
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(tokenized, columns=["id", "input_ids", "loss_mask"])
+        self.path = Path(tokenized)
+        self._ids = table.column("input_ids").combine_chunks()
+        self._mask = table.column("loss_mask").combine_chunks()
+        self._where = {sid: i for i, sid in enumerate(table.column("id").to_pylist())}
+
+    def __contains__(self, sample_id: str) -> bool:
+        return sample_id in self._where
+
+    def get(self, sample_id: str) -> dict[str, Tensor]:
+        """One sample's token ids and loss mask (what a shard holds besides the states)."""
+        if sample_id not in self._where:
+            raise KeyError(f"sample {sample_id!r} is not in {self.path}")
+        i = self._where[sample_id]
+        ids = torch.from_numpy(self._ids[i].values.to_numpy(zero_copy_only=False).astype("int32"))
+        mask = torch.from_numpy(self._mask[i].values.to_numpy(zero_copy_only=False).astype("uint8"))
+        return {"input_ids": ids, "loss_mask": mask}
+
+
+def _storage_round(x: Tensor, dtype_name: str, compute: torch.dtype) -> Tensor:
+    """x as a shard stores it and the loader reads it back: storage dtype, then the compute dtype."""
+    if dtype_name == "float8_e4m3fn":
+        from eagle3.features.fp8 import dequantize_fp8, quantize_fp8
+
+        q, scale = quantize_fp8(x)
+        return dequantize_fp8(q, scale, torch.bfloat16).to(compute)  # the reader dequantizes to bf16
+    return x.to(getattr(torch, dtype_name)).to(compute)
+
+
+def _pad_rows(x: Tensor, length: int, value: float = 0.0) -> Tensor:
+    """[n, ...] -> [1, length, ...] filled with ``value`` after row n (the row's padding document)."""
+    out = x.new_full((length, *x.shape[1:]), value)
+    out[: x.shape[0]] = x
+    return out[None]
+
+
+class OnlineFeatures:
+    """Fills a collated row's aux and supervision on the device from the frozen target (module docstring)."""
+
+    def __init__(self, model_dir: Path, spec: FeatureSpec, device: torch.device, target_dtype: str,
+                 max_tokens_per_batch: int, per_sample_attention: bool):
+        from eagle3.features.hf_backend import HFCaptureBackend
+
+        self.spec = spec
+        self.backend = HFCaptureBackend.from_spec(model_dir, spec, device=str(device), dtype=target_dtype,
+                                                  max_tokens_per_batch=max_tokens_per_batch,
+                                                  batch_invariant=per_sample_attention)
+        self.backend.model.requires_grad_(False)
+
+    @classmethod
+    def from_config(cls, cfg: Any, model_dir: Path, spec: FeatureSpec, device: torch.device) -> OnlineFeatures:
+        """The online target of a run: the capture section's load settings, the training device."""
+        cap = cfg.capture
+        return cls(model_dir, spec, device, cfg.target.dtype, cap.max_tokens_per_batch, cap.per_sample_attention)
+
+    def states(self, documents: list[SampleTokens], compute: torch.dtype) -> dict[str, Tensor]:
+        """Concatenated [N, ...] states of ``documents`` in order, rounded as stored, on the device."""
+        with torch.no_grad():
+            raw = self.backend.device_states(documents)
+        spec = self.spec
+        out = {"aux": _storage_round(raw["aux"], spec.aux_dtype, compute)}  # [N, A*H]
+        if "final" in raw:
+            out["final"] = _storage_round(raw["final"], spec.dtype, compute)  # [N, H]
+        else:
+            out["topk_ids"], out["topk_logprobs"] = raw["topk_ids"].long(), raw["topk_logprobs"].float()
+        return out
+
+    def fill(self, batch: Any, lengths: list[int], compute: torch.dtype) -> Any:
+        """The TTTBatch with aux/final (or top-K) of its documents; ``lengths``: tokens of each real document."""
+        from eagle3.train.data import TOPK_PAD_LOGPROB
+
+        ids = batch.input_ids[0]  # [T]
+        mask = batch.loss_mask[0]
+        docs, start = [], 0
+        host_ids, host_mask = ids.tolist(), mask.tolist()  # one sync per row
+        for k, n in enumerate(lengths):
+            docs.append(SampleTokens(f"doc{k}", host_ids[start:start + n], host_mask[start:start + n]))
+            start += n
+        states = self.states(docs, compute)
+        length = ids.shape[0]
+        fields: dict[str, Tensor] = {"aux": _pad_rows(states["aux"], length)}  # [1, T, A*H]
+        if "final" in states:
+            fields["final_hidden"] = _pad_rows(states["final"], length)  # [1, T, H]
+        else:
+            fields["topk_ids"] = _pad_rows(states["topk_ids"], length)  # [1, T, K]
+            fields["topk_logprobs"] = _pad_rows(states["topk_logprobs"], length, TOPK_PAD_LOGPROB)
+        return dataclasses.replace(batch, **fields)
+
+    def close(self) -> None:
+        """Drop the backend's handle on the target (the process-wide model cache keeps it)."""
+        self.backend.close()
