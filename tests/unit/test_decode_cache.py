@@ -152,3 +152,15 @@ def test_resolve_decode_switches():
         resolve_decode("off", "on", "cuda")
     with pytest.raises(ValueError, match="evaluate.compile=on needs the static cache"):
         EvaluateConfig(static_cache="off", compile="on")
+
+
+def test_eval_speed_benchmark_tiny_run_is_lossless(capsys):
+    """benchmarks/eval_speed.py --tiny runs end to end on CPU and every decode it times equals the eager greedy."""
+    import runpy
+    from pathlib import Path
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "eval_speed.py"))
+    bench["main"](["--tiny", "--new-tokens", "16", "--repeats", "1"])
+    printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line)
+    assert printed["lossless_identical"].startswith("7 of 7") and float(printed["greedy_static_tok_s"]) > 0
+    assert float(printed["chain-3-oracle_round_ms"].split()[0]) > 0
