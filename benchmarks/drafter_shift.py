@@ -33,7 +33,8 @@ from eagle3.eval_data import load_prompts, render
 from eagle3.export import load_sglang_export
 from eagle3.journal import Journal
 from eagle3.progress import Progress
-from eagle3.speculate import DrafterRunner, TargetRunner, draft_hits, teacher_forced_drafts
+from eagle3.runners import DrafterRunner, TargetRunner
+from eagle3.speculate import draft_hits, teacher_forced_drafts
 from eagle3.target import load_model, load_tokenizer, prepare_target
 
 

@@ -368,6 +368,10 @@ class EvaluateConfig(Section):
     """Compute dtype of target and drafter (fp32 keeps verify and single-token logits within rounding)."""
     num_workers: int = Field(1, ge=1)
     """Processes evaluating prompt slices in parallel on one device (their wall times then include contention)."""
+    static_cache: Literal["auto", "on", "off"] = "auto"
+    """Fixed-size KV caches and fixed-width forwards for target and drafter: auto = on for cuda, off for cpu."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile the fixed-width forwards (CUDA graphs on cuda): auto = on for cuda with the static cache."""
     near_tie_logit_gap: float = Field(1e-3, ge=0)
     """A differing token within this logit gap of the reference's top-1 is a numerical near-tie, not a bug."""
 
@@ -385,6 +389,8 @@ class EvaluateConfig(Section):
         if unused or any(n < 1 for n in self.num_prompts_by_dataset.values()):
             raise ValueError(f"evaluate.num_prompts_by_dataset {self.num_prompts_by_dataset}: counts must be >= 1 "
                              f"and name datasets in evaluate.datasets (not {unused})")
+        if self.compile == "on" and self.static_cache == "off":
+            raise ValueError("evaluate.compile=on needs the static cache (evaluate.static_cache auto or on)")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"evaluate.ngram_min {self.ngram_min} exceeds ngram_max {self.ngram_max}")
         most = 1 + self.tree_topk + (self.tree_steps - 1) * self.tree_topk**2

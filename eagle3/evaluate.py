@@ -69,15 +69,16 @@ def method_specs(ecfg: EvaluateConfig) -> list[MethodSpec]:
     return specs
 
 
-def make_proposer(spec: MethodSpec, ecfg: EvaluateConfig, drafter: Any = None, d2t: Any = None) -> Any:
-    """The Proposer of a method (EAGLE methods need the drafter and its d2t)."""
+def make_proposer(spec: MethodSpec, ecfg: EvaluateConfig, drafter: Any = None, d2t: Any = None,
+                  runner: Any = None) -> Any:
+    """The Proposer of a method (EAGLE methods need the drafter and its d2t; ``runner``: a shared drafter runner)."""
     from eagle3.speculate import EagleProposer, NgramProposer
 
     if spec.kind == "ngram":
         return NgramProposer(ecfg.ngram_max, ecfg.ngram_min, ecfg.ngram_num_tokens)
     if drafter is None:
         raise ValueError(f"method {spec.name} needs a drafter")
-    return EagleProposer(drafter, d2t, spec.steps, spec.topk, spec.num_draft_tokens)
+    return EagleProposer(drafter, d2t, spec.steps, spec.topk, spec.num_draft_tokens, runner=runner)
 
 
 # ------------------------------------------------------------------------------------------ one process
@@ -92,6 +93,7 @@ class EvalJob:
     device: str  # resolved: cpu | cuda
     stop_ids: list[int]
     num_threads: int | None = None  # torch CPU threads in a spawned process
+    cache_len: int = 1024  # static KV cache entries: the longest prompt + max_new_tokens + a margin
 
 
 @dataclass
@@ -106,25 +108,29 @@ class EvalSession:
 
 
 def open_session(job: EvalJob) -> EvalSession:
-    """Load the target and the exported drafter on the job's device."""
+    """Load the target and the exported drafter on the job's device; one drafter runner serves every method."""
     import torch
 
+    from eagle3.decode_cache import make_runners, resolve_decode
     from eagle3.export import load_sglang_export
-    from eagle3.speculate import DrafterRunner, TargetRunner
     from eagle3.target import load_model
 
     ecfg = EvaluateConfig.model_validate(job.evaluate)
     loaded = load_sglang_export(Path(job.export_dir), Path(job.model_dir), job.device, getattr(torch, ecfg.dtype))
     model = load_model(Path(job.model_dir), ecfg.dtype, job.device)
-    proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, loaded.d2t) for s in method_specs(ecfg)}
-    return EvalSession(TargetRunner(model, loaded.aux_layer_ids), proposers,
-                       DrafterRunner(loaded.drafter, loaded.d2t), ecfg, list(job.stop_ids))
+    static, settings = resolve_decode(ecfg.static_cache, ecfg.compile, job.device)
+    target, runner = make_runners(model, loaded.aux_layer_ids, loaded.drafter, loaded.d2t, static, settings,
+                                  job.cache_len)
+    proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, loaded.d2t, runner) for s in method_specs(ecfg)}
+    return EvalSession(target, proposers, runner, ecfg, list(job.stop_ids))
 
 
 def warm_up(session: EvalSession, prompt_ids: list[int]) -> None:
-    """Run greedy and every method briefly, untimed."""
+    """Run every forward width of the static runners (compiles them), then greedy and every method briefly; untimed."""
     from eagle3.speculate import greedy_decode, speculative_decode
 
+    for runner in (session.target, session.drafter):
+        getattr(runner, "warm_up_widths", lambda: None)()
     num = min(WARMUP_TOKENS, session.ecfg.max_new_tokens)
     greedy_decode(session.target, prompt_ids, num, session.stop_ids)
     for proposer in session.proposers.values():
@@ -508,7 +514,8 @@ def _plan(cfg: RunConfig, model_dir: Path, export_dir: Path) -> _Plan:
     items = load_prompts(e.datasets, {name: e.limit_for(name) for name in e.datasets}, tokenizer)
     device = resolve_device(e.device)
     threads = max(1, (os.cpu_count() or 1) // e.num_workers) if e.num_workers > 1 else None  # split the cores
-    job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), device, stop_ids, threads)
+    cache_len = max((len(ids) for _, ids in items), default=0) + e.max_new_tokens + 128  # + verify and draft rows
+    job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), device, stop_ids, threads, cache_len)
     return _Plan(items, job)
 
 

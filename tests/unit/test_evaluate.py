@@ -186,6 +186,22 @@ def test_parallel_workers_give_the_same_records(tiny_run):
     assert strip(one) == strip(two) and len(two) == 3
 
 
+def test_static_cache_session_gives_the_eager_records(tiny_run):
+    """evaluate.static_cache=on (fixed-size caches, CPU, uncompiled): the same greedy tokens, verify steps and
+    lossless checks per prompt and method as the eager session."""
+    cfg, model_dir, export_dir = tiny_run
+    items = load_prompts(["mtbench"], 2, build_tiny_tokenizer())
+
+    def records(static_cache: str) -> list:
+        e = cfg.evaluate.model_copy(update={"max_new_tokens": 12, "static_cache": static_cache})
+        job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), "cpu", [], num_threads=1)
+        return [(r["greedy"]["tokens"], {m: (v["accepted"], v["lossless"]["kind"]) for m, v in r["methods"].items()})
+                for r in evaluate_prompts(job, items, 1)]
+
+    static = records("on")
+    assert static == records("off") and all(k == "identical" for _, m in static for _, k in m.values())
+
+
 def test_killed_evaluation_resumes_from_its_journal(tiny_run, tmp_path, monkeypatch):
     """Prompts journaled under the same key are not measured again and give the uninterrupted records; another
     key (other settings) measures everything afresh."""

@@ -9,9 +9,9 @@ import torch
 from eagle3.config import TinyTargetConfig
 from eagle3.masks import shift_left
 from eagle3.model import DrafterDims, Eagle3Drafter, TTTCache, init_weights
-from eagle3.speculate import (DecodeResult, DraftTree, DrafterRunner, EagleProposer, NgramProposer, TargetRunner,
-                              accept_path, check_lossless, greedy_decode, rounding_step, speculative_decode,
-                              teacher_forced_drafts, verify)
+from eagle3.runners import DrafterRunner, TargetRunner
+from eagle3.speculate import (DecodeResult, DraftTree, EagleProposer, NgramProposer, accept_path, check_lossless,
+                              greedy_decode, rounding_step, speculative_decode, teacher_forced_drafts, verify)
 from eagle3.tiny import build_tiny_model, build_tiny_tokenizer
 
 AUX_IDS = [1, 3, 4]  # the default [1, N//2-1, N-4] of the 8-layer tiny target

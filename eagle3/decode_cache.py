@@ -1,0 +1,396 @@
+"""Static KV caches and fixed-shape (compilable) forwards for the offline evaluation at batch 1.
+
+The eager runners (eagle3/runners.py) grow their caches at every forward and launch every kernel from Python;
+at batch 1 a small target is then bound by kernel launches, not by the GPU. The runners here keep fixed-size
+caches and run every forward at one of a few widths (WIDTHS; fewer rows are padded, more are cut into chunks
+of CHUNK rows), so torch.compile (on CUDA with mode="reduce-overhead": CUDA graphs) replays one graph per width.
+
+Why a static cache stays exact without clean-up:
+- Every forward writes its rows at explicit cache indices and attends through an explicit mask over the whole
+  cache. A row sees the committed entries, itself and the rows its caller marks (its ancestors), never anything
+  past the committed length. Rejected draft rows and padding rows are therefore invisible: rolling back is
+  setting the length, and later forwards overwrite those entries before anyone may see them.
+- After a tree verify the accepted rows are moved down to consecutive indices (``keep``), which is what the
+  dynamic cache's index_select does.
+- The target's cache is transformers' StaticCache; only the write position is ours (PositionedStaticCache).
+  transformers passes a prepared 4D float mask through unchanged, so the model attends exactly as told.
+
+Host reads: the runners never read device values themselves; the decode loops do (one read per verify round,
+one per greedy token, and the tree drafter's per-depth top-k).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
+
+from eagle3.model import Eagle3Drafter, attention_inputs, rope_cos_sin, step_outputs, upcast
+from eagle3.runners import REFERENCE_TOPK, DrafterRunner, StepOut, TargetRunner, as_token_tensor
+
+CHUNK = 64
+"""Rows per forward of a long input (a prompt): longer inputs run in chunks, the last one padded."""
+WIDTHS = (1, 4, 8, CHUNK)
+"""The forward widths: a greedy token, chain/n-gram verifies and draft levels, deeper verifies, chunks."""
+CAPACITY_STEP = 256
+"""Cache lengths are multiples of this; a longer sequence reallocates (and recompiles) once."""
+RECOMPILE_LIMIT = 64
+"""Dynamo's per-function recompile limit while compiled decoding is on: every (width, cache length) is one
+compile, and past the default limit (8) dynamo silently runs the function uncompiled."""
+
+
+def bucket(num: int) -> int:
+    """The width a forward of ``num`` (1 <= num <= CHUNK) rows runs at: the smallest of WIDTHS that holds it."""
+    if not 1 <= num <= CHUNK:
+        raise ValueError(f"a fixed-width forward takes 1..{CHUNK} rows, got {num}")
+    return next(w for w in WIDTHS if w >= num)
+
+
+def _pad_rows(x: Tensor, width: int) -> Tensor:
+    """x [n, ...] -> [width, ...] with zero rows appended."""
+    return x if len(x) == width else torch.cat([x, x.new_zeros((width - len(x), *x.shape[1:]))])
+
+
+def _round_up(n: int) -> int:
+    return -(-n // CAPACITY_STEP) * CAPACITY_STEP
+
+
+# ------------------------------------------------------------------------------------------------ compiling
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """How the fixed-width forwards run: eagerly, or through torch.compile."""
+
+    enabled: bool = False
+    backend: str = "inductor"
+    mode: str | None = "reduce-overhead"  # inductor on CUDA: CUDA graphs
+    fallback: bool = False  # on an error while compiling, warn and run that function eagerly from then on
+
+
+class CompiledStep:
+    """``fn`` run eagerly or through torch.compile (static shapes); results are copied out of the CUDA-graph pool.
+
+    Each call starts a new CUDA-graph step (torch.compiler.cudagraph_mark_step_begin), so the graphs of the
+    target and the drafter may reuse one memory pool; the copies keep results alive past the next replay.
+    """
+
+    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], settings: CompileSettings, device: torch.device) -> None:
+        self.fn, self.settings, self.cuda = fn, settings, device.type == "cuda"
+        self._compiled: Any = None
+        if settings.enabled:
+            import torch._dynamo
+
+            dynamo_cfg = torch._dynamo.config
+            name = "recompile_limit" if hasattr(dynamo_cfg, "recompile_limit") else "cache_size_limit"
+            setattr(dynamo_cfg, name, max(getattr(dynamo_cfg, name), RECOMPILE_LIMIT))
+            self._compiled = torch.compile(fn, backend=settings.backend, mode=settings.mode, dynamic=False)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether calls go through torch.compile (False after a fallback)."""
+        return self._compiled is not None
+
+    def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
+        if self._compiled is None:
+            return self.fn(*args)
+        try:
+            if self.cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+            out = self._compiled(*args)
+        except Exception as err:  # compile errors surface at the first call of each shape
+            if not self.settings.fallback:
+                raise
+            warnings.warn(f"compiled decode step failed, running it eagerly from now on: {err!r:.500}", stacklevel=2)
+            self._compiled = None
+            return self.fn(*args)
+        return tuple(t.clone() for t in out) if self.cuda else out
+
+
+# ---------------------------------------------------------------------------------------------- the target
+
+class PositionedStaticCache(StaticCache):
+    """transformers' StaticCache writing each forward's rows at ``write_index`` (long [q], set before the forward)
+    rather than appending at the layer's running length, so a verify can overwrite rejected rows in place."""
+
+    def __init__(self, config: Any, max_cache_len: int) -> None:
+        super().__init__(config=config, max_cache_len=max_cache_len)
+        other = sorted({type(layer).__name__ for layer in self.layers if type(layer) is not StaticLayer})
+        if other:
+            raise ValueError(f"the static decode cache needs full-attention layers only; this target has {other}")
+        self.write_index: Tensor | None = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """Write key/value states [1, nKV, q, hd] at write_index of layer ``layer_idx``; return the whole layer."""
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:  # allocates [1, nKV, max_cache_len, hd] (static address, outside compile)
+            layer.lazy_initialization(key_states, value_states)
+        layer.keys.index_copy_(2, self.write_index, key_states)
+        layer.values.index_copy_(2, self.write_index, value_states)
+        return layer.keys, layer.values
+
+
+class StaticTargetRunner(TargetRunner):
+    """TargetRunner over a PositionedStaticCache: the same step/keep/length contract, fixed-width forwards.
+
+    The cache is allocated once and grows (copying its contents) when a sequence needs more room; ``reset``
+    only sets the length to 0. The first forward runs eagerly: it allocates the cache outside torch.compile,
+    so the cache keeps a static address for the CUDA graphs.
+    """
+
+    def __init__(self, model: Any, aux_layer_ids: Sequence[int], capacity: int = 1024,
+                 compile_settings: CompileSettings = CompileSettings()) -> None:
+        self._length = 0
+        super().__init__(model, aux_layer_ids)  # hooks, device; calls reset()
+        self._dtype = model.get_input_embeddings().weight.dtype
+        self._rows = torch.arange(CHUNK, device=self.device)  # [CHUNK]
+        self.cache = self._key_index = None  # type: ignore[assignment]
+        self._allocate(_round_up(capacity))
+        self.step_fn = CompiledStep(self._forward_rows, compile_settings, self.device)
+
+    def reset(self) -> None:
+        """An empty cache (its memory is kept)."""
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """Committed entries (the host's count; the cache beyond it holds stale rows nobody sees)."""
+        return self._length
+
+    def _allocate(self, capacity: int) -> None:
+        old = self.cache
+        self.cache = PositionedStaticCache(self.model.config, capacity)
+        if old is not None and old.layers[0].is_initialized:
+            for new, previous in zip(self.cache.layers, old.layers):
+                new.lazy_initialization(previous.keys, previous.values)
+                new.keys[:, :, : previous.keys.shape[2]] = previous.keys
+                new.values[:, :, : previous.values.shape[2]] = previous.values
+        self.capacity = capacity
+        self._key_index = torch.arange(capacity, device=self.device)  # [L]
+
+    def _reserve(self, end: int) -> None:
+        if end > self.capacity:
+            self._allocate(_round_up(max(end, 2 * self.capacity)))
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        raise NotImplementedError("StaticTargetRunner runs through step(); forward is the eager runner's API")
+
+    def _forward_rows(self, ids: Tensor, positions: Tensor, write_index: Tensor,
+                      visible: Tensor) -> tuple[Tensor, ...]:
+        """ids, positions, write_index long [w]; visible bool [w, L] -> greedy [w], top values, top ids [w, K],
+        aux [w, A*H]. The function torch.compile sees: fixed shapes per width, no host reads."""
+        self.cache.write_index = write_index
+        mask = torch.zeros(visible.shape, dtype=self._dtype, device=visible.device)
+        mask = mask.masked_fill(~visible, torch.finfo(self._dtype).min)[None, None]  # [1, 1, w, L], 0 = attend
+        out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True,
+                         **{self._cache_arg: self.cache})
+        logits = out.logits[0].float()  # [w, V]
+        top = logits.topk(REFERENCE_TOPK)
+        aux = torch.cat([self._outputs[j][0] for j in self.aux_layer_ids], dim=-1)  # [w, A*H]
+        return logits.argmax(-1), top.values, top.indices, aux
+
+    @torch.no_grad()
+    def step(self, tokens: Sequence[int] | Tensor, positions: Sequence[int] | None = None,
+             visible: Tensor | None = None, last_only: bool = False, with_aux: bool = True) -> StepOut:
+        """Run tokens after the committed entries (TargetRunner.step's contract); they become committed
+        (``keep`` rolls back). positions default to the cache indices; ``visible`` bool [q, q] is a tree mask."""
+        ids = as_token_tensor(tokens, self.device)
+        num, start = len(ids), self._length
+        if visible is not None and num > CHUNK:
+            raise ValueError(f"a tree verify takes at most {CHUNK} rows, got {num}")
+        given = None if positions is None else torch.tensor(list(positions), device=self.device)
+        parts = []
+        for first in range(0, num, CHUNK):
+            n = min(CHUNK, num - first)
+            width, at = bucket(n), start + first
+            self._reserve(at + width)
+            write = self._rows[:width] + at  # [w] cache indices (padding rows continue past the real ones)
+            pos = write if given is None else torch.cat([given[first:first + n], write[n:]])
+            parts.append(self._run(_pad_rows(ids[first:first + n], width), pos, write,
+                                   self._visible(at, width, n, visible), n))
+        self._length = start + num
+        greedy, values, top_ids, aux = parts[0] if len(parts) == 1 else (torch.cat(p) for p in zip(*parts))
+        if last_only:
+            greedy, values, top_ids = greedy[-1:], values[-1:], top_ids[-1:]
+        return StepOut(greedy, values, top_ids, aux if with_aux else None)
+
+    def _visible(self, at: int, width: int, num: int, tree: Tensor | None) -> Tensor:
+        """bool [w, L]: causal over cache indices, or the prefix plus the tree block (padding rows see themselves)."""
+        write = self._rows[:width] + at
+        if tree is None:
+            return self._key_index[None, :] <= write[:, None]
+        block = torch.eye(width, dtype=torch.bool)
+        block[:num, :num] = tree
+        visible = (self._key_index < at)[None, :].repeat(width, 1)  # [w, L]
+        visible[:, at:at + width] = block.to(self.device)
+        return visible
+
+    def _run(self, ids: Tensor, positions: Tensor, write: Tensor, visible: Tensor, num: int) -> tuple[Tensor, ...]:
+        eager = not self.cache.layers[0].is_initialized  # the first forward allocates the cache: never compiled
+        out = (self._forward_rows if eager else self.step_fn)(ids, positions, write, visible)
+        return tuple(t[:num] for t in out)
+
+    def warm_up_widths(self) -> None:
+        """One forward at every width (compiling each), then an empty cache."""
+        for width in WIDTHS:
+            self.reset()
+            self.step(torch.zeros(width, dtype=torch.long, device=self.device))
+        self.reset()
+
+    @torch.no_grad()
+    def keep(self, prefix: int, rows: Sequence[int]) -> None:
+        """Keep entries [0, prefix) then ``rows`` (absolute, ascending), moved down to follow the prefix."""
+        rows = list(rows)
+        target = list(range(prefix, prefix + len(rows)))
+        if rows != target:  # a tree's accepted branch: copy its rows down (a chain's are in place already)
+            src = torch.tensor(rows, device=self.device)
+            dst = torch.tensor(target, device=self.device)
+            for layer in self.cache.layers:
+                layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
+                layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+        self._length = prefix + len(rows)
+
+
+# --------------------------------------------------------------------------------------------- the drafter
+
+class StaticDrafterRunner(DrafterRunner):
+    """DrafterRunner with a fixed-size key/value cache: committed entries, then the round's draft entries.
+
+    Same extend/draft contract; a draft level of q nodes writes q entries after the previous levels' ones,
+    and ``extend`` starts again right after the committed entries (dropping the drafts is setting a count).
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, d2t: Tensor, capacity: int = 1024,
+                 compile_settings: CompileSettings = CompileSettings()) -> None:
+        super().__init__(drafter, d2t)
+        self._num_entries = 0  # committed + the current round's draft entries
+        self._rows = torch.arange(CHUNK, device=self.device)
+        self.capacity = 0
+        self._allocate(_round_up(capacity))
+        if compile_settings.enabled:  # weights are read through a tuple: tell dynamo they never move
+            for t in (*self.weights, self.inv_freq):
+                torch._dynamo.mark_static_address(t)
+        self.step_fn = CompiledStep(self._rows_step, compile_settings, self.device)
+
+    def _allocate(self, capacity: int) -> None:
+        dims = self.drafter.dims
+        shape = (1, dims.num_key_value_heads, capacity, dims.head_dim)
+        keys = torch.zeros(shape, dtype=self.weights.k.dtype, device=self.device)  # [1, nKV, L, hd] post-RoPE
+        values = torch.zeros_like(keys)
+        if self.capacity:
+            keys[:, :, : self.capacity], values[:, :, : self.capacity] = self.keys, self.values
+        torch._dynamo.mark_static_address(keys)  # written in place by the compiled step: keep one address
+        torch._dynamo.mark_static_address(values)
+        self.keys, self.values, self.capacity = keys, values, capacity
+        self._key_index = torch.arange(capacity, device=self.device)
+
+    def _reserve(self, end: int) -> None:
+        if end > self.capacity:
+            self._allocate(_round_up(max(end, 2 * self.capacity)))
+
+    def reset(self) -> None:
+        """An empty cache (its memory is kept)."""
+        self.num_committed = self._num_entries = 0
+
+    @property
+    def num_draft_entries(self) -> int:
+        """Entries of the current round's draft nodes."""
+        return self._num_entries - self.num_committed
+
+    def _rows_step(self, hidden: Tensor, tokens: Tensor, positions: Tensor, write_index: Tensor,
+                   visible: Tensor) -> tuple[Tensor, Tensor]:
+        """hidden [w, H], tokens/positions/write_index [w], visible bool [w, L] -> (out [w, H], logits [w, Vd])."""
+        dims = self.drafter.dims
+        cos, sin = rope_cos_sin(self.inv_freq, positions[None], upcast(hidden).dtype)  # [1, 1, w, hd]
+        q, k, v = attention_inputs(self.weights, tokens[None], hidden[None], cos, sin, dims.rms_norm_eps,
+                                   dims.num_attention_heads, dims.num_key_value_heads)  # [1, nH|nKV, w, hd]
+        self.keys.index_copy_(2, write_index, k)
+        self.values.index_copy_(2, write_index, v)
+        attn = F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=visible[None, None],
+                                              enable_gqa=True)  # [1, nH, w, hd]
+        out, logits = step_outputs(self.weights, hidden[None], attn, dims.rms_norm_eps)  # [1, w, H], [1, w, Vd]
+        return out[0], logits[0]
+
+    def _call(self, hidden: Tensor, tokens: Tensor, positions: Tensor, at: int, num: int,
+              visible: Tensor) -> tuple[Tensor, Tensor]:
+        width = len(positions)
+        write = self._rows[:width] + at
+        out, logits = self.step_fn(_pad_rows(hidden, width), _pad_rows(tokens, width), positions, write, visible)
+        return out[:num], logits[:num]
+
+    @torch.no_grad()
+    def extend(self, aux: Tensor, next_tokens: Sequence[int] | Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """Commit indices start..start+q-1 (DrafterRunner.extend's contract); the round's drafts are dropped."""
+        if start != self.num_committed:
+            raise ValueError(f"drafter cache holds {self.num_committed} committed entries, asked to extend at {start}")
+        tokens = as_token_tensor(next_tokens, self.device)
+        hidden = self.drafter.project_aux(aux.to(self.device, self.drafter.fc.weight.dtype))  # [q, H]
+        outs = []
+        for first in range(0, len(tokens), CHUNK):
+            n = min(CHUNK, len(tokens) - first)
+            width, at = bucket(n), start + first
+            self._reserve(at + width)
+            write = self._rows[:width] + at  # positions = indices; padding rows continue
+            visible = self._key_index[None, :] <= write[:, None]  # causal [w, L]
+            outs.append(self._call(hidden[first:first + n], tokens[first:first + n], write, at, n, visible))
+        self.num_committed = self._num_entries = start + len(tokens)
+        return outs[0] if len(outs) == 1 else tuple(torch.cat(p) for p in zip(*outs))  # type: ignore[return-value]
+
+    def warm_up_widths(self) -> None:
+        """One forward at every width (compiling each), then an empty cache."""
+        dims = self.drafter.dims
+        for width in WIDTHS:
+            self.reset()
+            aux = torch.zeros(width, dims.num_aux * dims.target_hidden_size, device=self.device)
+            self.extend(aux, torch.zeros(width, dtype=torch.long, device=self.device), 0)
+        self.reset()
+
+    @torch.no_grad()
+    def draft(self, hidden: Tensor, tokens: Tensor, position: int, ancestors: Tensor) -> tuple[Tensor, Tensor]:
+        """One draft level of q nodes (DrafterRunner.draft's contract: ancestors bool [q, D + q])."""
+        num, committed, drafts = len(tokens), self.num_committed, self.num_draft_entries
+        width, at = bucket(num), committed + drafts
+        self._reserve(at + width)
+        visible = (self._key_index < committed)[None, :].repeat(width, 1)  # [w, L]: every committed entry
+        visible[:num, committed:at + num] = ancestors.to(self.device)
+        visible[:, at:at + width] |= torch.eye(width, dtype=torch.bool, device=self.device)  # padding: itself
+        positions = torch.full((width,), position, device=self.device)
+        out = self._call(hidden, as_token_tensor(tokens, self.device), positions, at, num, visible)
+        self._num_entries = at + num
+        return out
+
+
+# ------------------------------------------------------------------------------------------------- factory
+
+def resolve_decode(static_cache: str, compile_mode: str, device: str) -> tuple[bool, CompileSettings]:
+    """(static cache?, compile settings) from the evaluate section's auto|on|off switches on ``device``.
+
+    auto: both on CUDA (compiled with inductor's CUDA graphs, falling back to eager on a compile error),
+    neither on CPU (inductor's warm-up costs more there than it saves).
+    """
+    cuda = device.startswith("cuda")
+    static = static_cache == "on" or (static_cache == "auto" and cuda)
+    enabled = static and (compile_mode == "on" or (compile_mode == "auto" and cuda))
+    if compile_mode == "on" and not static:
+        raise ValueError("compiled decoding needs the static cache")
+    return static, CompileSettings(enabled, mode="reduce-overhead" if cuda else None, fallback=compile_mode == "auto")
+
+
+def make_runners(model: Any, aux_layer_ids: Sequence[int], drafter: Eagle3Drafter | None, d2t: Tensor | None,
+                 static: bool, compile_settings: CompileSettings,
+                 capacity: int = 1024) -> tuple[TargetRunner, DrafterRunner | None]:
+    """The target runner and one drafter runner (None without a drafter), static or eager."""
+    if not static:
+        if compile_settings.enabled:
+            raise ValueError("compiled decoding needs the static cache")
+        return TargetRunner(model, aux_layer_ids), None if drafter is None else DrafterRunner(drafter, d2t)
+    target = StaticTargetRunner(model, aux_layer_ids, capacity, compile_settings)
+    runner = None if drafter is None else StaticDrafterRunner(drafter, d2t, capacity, compile_settings)
+    return target, runner

@@ -1,0 +1,166 @@
+"""Static-cache decoding (eagle3/decode_cache.py) on the tiny random target and drafter: token-identical to plain
+greedy for chain, tree and n-gram (drafts rejected and accepted, small chunks, cache growth), the same logits as the
+eager runners, and the same results through torch.compile (Dynamo with the eager backend on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3 import decode_cache
+from eagle3.config import EvaluateConfig
+from eagle3.decode_cache import (CompileSettings, StaticDrafterRunner, StaticTargetRunner, bucket, make_runners,
+                                 resolve_decode)
+from eagle3.runners import DrafterRunner, TargetRunner
+from eagle3.speculate import (DraftTree, EagleProposer, NgramProposer, check_lossless, greedy_decode,
+                              speculative_decode, teacher_forced_drafts, verify)
+from eagle3.tiny import build_tiny_tokenizer
+from tests.unit.test_speculate import (AUX_IDS, MAX_NEW, QUESTIONS, FakeOracleProposer, prompt_ids, tiny_drafter,
+                                       tiny_target)
+
+COMPILED = CompileSettings(enabled=True, backend="eager", mode=None)  # Dynamo traces, graphs run eagerly
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """Tiny target and drafter, the eager runners and the eager greedy references of the three prompts."""
+    model = tiny_target()
+    tokenizer = build_tiny_tokenizer()
+    prompts = [prompt_ids(tokenizer, q) for q in QUESTIONS]
+    prompts.append(prompt_ids(tokenizer, "Repeat: the capital of France is Paris. " * 4))  # n-gram hits
+    eager = TargetRunner(model, AUX_IDS)
+    refs = [greedy_decode(eager, p, MAX_NEW) for p in prompts]
+    drafter, d2t = tiny_drafter(model)
+    return {"model": model, "eager": eager, "prompts": prompts, "refs": refs, "drafter": drafter, "d2t": d2t}
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 8 rows and caches growing in steps of 16: a prompt runs in several chunks and the caches grow."""
+    monkeypatch.setattr(decode_cache, "CHUNK", 8)
+    monkeypatch.setattr(decode_cache, "WIDTHS", (1, 4, 8))
+    monkeypatch.setattr(decode_cache, "CAPACITY_STEP", 16)
+
+
+def proposers(setup, runner) -> dict:
+    drafter, d2t = setup["drafter"], setup["d2t"]
+    return {"chain": EagleProposer(drafter, d2t, steps=3, runner=runner),
+            "tree": EagleProposer(drafter, d2t, steps=3, topk=3, num_draft_tokens=7, runner=runner),
+            "ngram": NgramProposer()}
+
+
+def eager_proposers(setup) -> dict:
+    drafter, d2t = setup["drafter"], setup["d2t"]
+    return {"chain": EagleProposer(drafter, d2t, steps=3),
+            "tree": EagleProposer(drafter, d2t, steps=3, topk=3, num_draft_tokens=7), "ngram": NgramProposer()}
+
+
+def test_bucket_widths():
+    """Rows are padded to the smallest fixed width that holds them; more than a chunk is refused."""
+    assert [bucket(n) for n in (1, 2, 4, 5, 8, 9, 64)] == [1, 4, 4, 8, 8, 64, 64]
+    with pytest.raises(ValueError, match="1..64 rows"):
+        bucket(65)
+
+
+def test_static_greedy_and_methods_equal_the_eager_path(setup, small_chunks):
+    """Chunked, growing static caches: greedy equals the eager greedy reference, and chain, tree and n-gram are
+    token-identical to it with the very same verify steps (accepted counts) as the eager runners."""
+    target = StaticTargetRunner(setup["model"], AUX_IDS, capacity=16)
+    runner = StaticDrafterRunner(setup["drafter"], setup["d2t"], capacity=16)
+    static, eager = proposers(setup, runner), eager_proposers(setup)
+    for prompt, ref in zip(setup["prompts"], setup["refs"]):
+        assert greedy_decode(target, prompt, MAX_NEW).tokens == ref.tokens
+        for name in static:
+            result = speculative_decode(target, static[name], prompt, MAX_NEW)
+            assert check_lossless(ref, result.tokens, near_tie_gap=0.0).kind == "identical", name
+            assert result.steps == speculative_decode(setup["eager"], eager[name], prompt, MAX_NEW).steps, name
+    assert target.capacity > 16 and runner.capacity > 16  # both grew while in use
+    accepted = [s.accepted for s in speculative_decode(target, static["ngram"], setup["prompts"][3], MAX_NEW).steps]
+    assert max(accepted) >= 2 and min(accepted) == 0  # drafts both accepted and rejected
+
+
+def test_static_tree_keeps_the_accepted_branch(setup):
+    """Trees whose right branch sits behind wrong siblings (test double): the accepted rows are moved down the
+    static cache, so every later token still equals greedy; and one verify leaves exactly that path."""
+    target = StaticTargetRunner(setup["model"], AUX_IDS, capacity=16)
+    for prompt, ref in zip(setup["prompts"], setup["refs"]):
+        result = speculative_decode(target, FakeOracleProposer(prompt, ref.tokens, 4, tree=True), prompt, MAX_NEW)
+        assert result.tokens == ref.tokens and [s.accepted for s in result.steps] == [4] * 6 + [2]
+    prompt, (g0, g1, g2) = setup["prompts"][0], setup["refs"][0].tokens[:3]
+    wrong = [(g0 + 1) % 384, (g1 + 1) % 384]
+    target.reset()
+    target.step(prompt[:-1])
+    new, path, aux = verify(target, DraftTree([wrong[0], g0, wrong[1], g1], [-1, -1, 0, 1]), prompt)
+    assert (new, path, target.length) == ([g0, g1, g2], [1, 3], len(prompt) + 2)
+    eager = setup["eager"]
+    eager.reset()
+    torch.testing.assert_close(aux, eager.forward([*prompt, g0, g1])[1][-3:], rtol=1e-9, atol=1e-9)
+    after = target.step([g2])
+    eager.reset()
+    reference = eager.forward([*prompt, g0, g1, g2])[0][-1]
+    assert int(after.greedy[0]) == int(reference.argmax())
+    torch.testing.assert_close(after.top_values[0], reference.topk(5).values, rtol=1e-9, atol=1e-9)
+
+
+def test_static_drafter_equals_the_eager_drafter(setup, small_chunks):
+    """Chunked extends and a tree draft level give the eager DrafterRunner's outputs; a teacher-forced pass too."""
+    drafter, d2t = setup["drafter"], setup["d2t"]
+    gen = torch.Generator().manual_seed(3)
+    aux, ids = torch.randn(19, 192, generator=gen, dtype=torch.float64), torch.randint(0, 300, (19,), generator=gen)
+    eager, static = DrafterRunner(drafter, d2t), StaticDrafterRunner(drafter, d2t, capacity=16)
+    for runner in (eager, static):
+        runner.reset()
+    for start, stop in ((0, 13), (13, 19)):  # 13 rows: two chunks of 8, the second padded
+        expected, got = eager.extend(aux[start:stop], ids[start:stop].tolist(), start), static.extend(
+            aux[start:stop], ids[start:stop].tolist(), start)
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-9)
+    root = expected[0][-1:]
+    level = (root.expand(2, -1), torch.tensor([7, 9]), 19, torch.eye(2, dtype=torch.bool))
+    for e, g in zip(eager.draft(*level), static.draft(*level)):  # 2 nodes padded to width 4
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-9)
+    prompt, ref = setup["prompts"][1], setup["refs"][1]
+    target = StaticTargetRunner(setup["model"], AUX_IDS, capacity=16)
+    assert teacher_forced_drafts(target, static, prompt, ref.tokens) == teacher_forced_drafts(
+        setup["eager"], eager, prompt, ref.tokens)
+
+
+def test_compiled_static_path_is_lossless(setup):
+    """Through torch.compile (Dynamo, eager backend) every width compiles and chain, tree and n-gram stay
+    token-identical to greedy, with the eager path's verify steps."""
+    target, runner = make_runners(setup["model"], AUX_IDS, setup["drafter"], setup["d2t"], True, COMPILED, 128)
+    target.warm_up_widths()
+    runner.warm_up_widths()
+    static, eager = proposers(setup, runner), eager_proposers(setup)
+    for prompt, ref in zip(setup["prompts"][2:], setup["refs"][2:]):
+        assert greedy_decode(target, prompt, MAX_NEW).tokens == ref.tokens
+        for name in static:
+            result = speculative_decode(target, static[name], prompt, MAX_NEW)
+            assert result.tokens == ref.tokens, name
+            assert result.steps == speculative_decode(setup["eager"], eager[name], prompt, MAX_NEW).steps, name
+    assert target.step_fn.compiled and runner.step_fn.compiled  # no fallback to eager happened
+
+
+def test_resolve_decode_switches():
+    """auto: static + compiled (with fallback) on cuda, eager on cpu; compile=on without the static cache fails."""
+    assert resolve_decode("auto", "auto", "cpu") == (False, CompileSettings(False, mode=None, fallback=True))
+    static, settings = resolve_decode("auto", "auto", "cuda")
+    assert static and settings == CompileSettings(True, "inductor", "reduce-overhead", fallback=True)
+    assert resolve_decode("on", "off", "cuda") == (True, CompileSettings(False, fallback=False))
+    assert resolve_decode("on", "on", "cpu")[1].enabled
+    with pytest.raises(ValueError, match="static cache"):
+        resolve_decode("off", "on", "cuda")
+    with pytest.raises(ValueError, match="evaluate.compile=on needs the static cache"):
+        EvaluateConfig(static_cache="off", compile="on")
+
+
+def test_eval_speed_benchmark_tiny_run_is_lossless(capsys):
+    """benchmarks/eval_speed.py --tiny runs end to end on CPU and every decode it times equals the eager greedy."""
+    import runpy
+    from pathlib import Path
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "eval_speed.py"))
+    bench["main"](["--tiny", "--new-tokens", "16", "--repeats", "1"])
+    printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line)
+    assert printed["lossless_identical"].startswith("7 of 7") and float(printed["greedy_static_tok_s"]) > 0
+    assert float(printed["chain-3-oracle_round_ms"].split()[0]) > 0
