@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -212,8 +212,8 @@ class CaptureConfig(Section):
     """Storage dtype of the captured states."""
     aux_dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
     """Storage of the aux states: bf16, or fp8 e4m3 with a per-token scale (half the bytes)."""
-    max_tokens_per_batch: int = Field(4096, ge=1)
-    """Token budget of one forward batch (sum of sample lengths), never a sample count."""
+    max_tokens_per_batch: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    """Token budget of one forward batch (padded tokens, never a sample count); auto: from free GPU memory, 4096 on CPU."""
     tokens_per_shard: int = Field(131_072, ge=1)
     """Target tokens per shard file (balanced by tokens; ~4 GB per shard for an 8B target)."""
     max_concurrent_shards: int = Field(1, ge=1)
@@ -236,8 +236,8 @@ class CaptureConfig(Section):
     """Ask the kernel (Linux sync_file_range) to start writing shard pages early, so each fsync has little left."""
     pinned_handoff: bool = False
     """HF on CUDA: writers read the pinned copy buffers directly instead of a pageable clone (pins more memory)."""
-    per_sample_attention: bool = True
-    """HF: attention runs per sample on its unpadded slice (batch-invariant); false = one padded SDPA call per layer."""
+    per_sample_attention: bool | Literal["auto"] = "auto"
+    """HF: true = attention per sample (bitwise batch-invariant, for debugging); false = one padded SDPA per layer; auto = false on GPUs, true on CPU."""
     sglang: SGLangCaptureConfig = SGLangCaptureConfig()
     """SGLang backend settings."""
 

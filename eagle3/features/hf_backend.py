@@ -163,6 +163,52 @@ def enable_per_sample_attention(model: Any) -> bool:
 
 # ---- batching --------------------------------------------------------------------------------------
 
+AUTO_CPU_TOKENS = 4096
+"""capture.max_tokens_per_batch=auto on a CPU (compute-bound: bigger batches buy nothing)."""
+AUTO_MAX_TOKENS = 65536
+"""Upper bound of the auto budget on a GPU: past ~32K padded tokens a forward no longer gets faster per token."""
+AUTO_MEMORY_SHARE = 0.5
+"""Share of the free GPU memory the auto budget may plan for (the rest: allocator slack, host-copy overlap)."""
+
+
+def per_sample_for(setting: bool | str | None, device: torch.device) -> bool:
+    """capture.per_sample_attention resolved: auto (or None) = per-sample on CPU only.
+
+    On a CPU the per-sample calls cost little and buy bitwise batch invariance; on a GPU one attention launch
+    per sample and layer leaves it idle (30 layers x thousands of short samples), so padded batches win.
+    """
+    if setting in ("auto", None):
+        return torch.device(device).type == "cpu"
+    return bool(setting)
+
+
+def activation_bytes_per_token(config: Any, num_outputs: int, dtype: torch.dtype) -> int:
+    """Upper estimate of the device bytes one token of a capture forward holds at its peak.
+
+    The residual stream and attention projections (~8 x H), the MLP's gate/up/act (3 x intermediate), and
+    the kept outputs (num_outputs x H) in the model dtype; MoE layers are counted as one dense MLP of the
+    widest of their intermediate sizes, which the estimate's margin covers.
+    """
+    hidden = config.hidden_size
+    inter = max(getattr(config, "intermediate_size", 0) or 0, getattr(config, "moe_intermediate_size", 0) or 0,
+                4 * hidden)
+    width = torch.finfo(dtype).bits // 8
+    return width * (8 * hidden + 3 * inter + num_outputs * hidden)
+
+
+def auto_tokens_per_batch(config: Any, num_outputs: int, dtype: torch.dtype, device: torch.device) -> int:
+    """capture.max_tokens_per_batch=auto: a power of two that fits AUTO_MEMORY_SHARE of the free GPU memory."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return AUTO_CPU_TOKENS
+    free, _ = torch.cuda.mem_get_info(device)
+    fit = int(free * AUTO_MEMORY_SHARE) // activation_bytes_per_token(config, num_outputs, dtype)
+    if fit < 1:
+        raise ValueError(f"capture.max_tokens_per_batch=auto: {free:,} bytes free on {device} hold no batch; "
+                         f"free the GPU or set capture.max_tokens_per_batch")
+    return min(AUTO_MAX_TOKENS, 1 << (fit.bit_length() - 1))
+
+
 
 def plan_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Consecutive index groups whose padded size (count x longest) fits max_tokens; order kept."""
@@ -218,8 +264,8 @@ class HFCaptureBackend:
 
     def __init__(self, model_dir: Path | None, aux_layer_ids: Sequence[int], *, supervision: str = "final_hidden",
                  topk: int | None = None, device: str = "auto", dtype: str = "float32",
-                 max_tokens_per_batch: int = 4096, device_map: str | None = None, model: Any = None,
-                 batch_invariant: bool | None = None, pinned_handoff: bool = False):
+                 max_tokens_per_batch: int | str = 4096, device_map: str | None = None, model: Any = None,
+                 batch_invariant: bool | str | None = None, pinned_handoff: bool = False):
         if supervision == "topk_logprobs" and not topk:
             raise ValueError("topk_logprobs supervision needs topk >= 1")
         self.model = model if model is not None else get_model(Path(model_dir), dtype, device, device_map)
@@ -228,12 +274,18 @@ class HFCaptureBackend:
         if any(not 0 <= j < num_layers for j in aux_layer_ids):
             raise ValueError(f"aux_layer_ids {list(aux_layer_ids)} out of range for {num_layers} layers")
         self.aux_layer_ids, self.supervision, self.topk = list(aux_layer_ids), supervision, topk
-        self.max_tokens_per_batch, self.pinned_handoff = max_tokens_per_batch, pinned_handoff
-        if batch_invariant is not False and model is not None:
+        self.pinned_handoff = pinned_handoff
+        self.input_device = self.decoder.embed_tokens.weight.device
+        wants_per_sample = per_sample_for(batch_invariant, self.input_device)
+        if wants_per_sample and model is not None:
             enable_per_sample_attention(self.model)
         attention = self.model.config._attn_implementation
-        self.per_sample = batch_invariant is not False and attention == PER_SAMPLE_ATTENTION
-        self.input_device = self.decoder.embed_tokens.weight.device
+        self.per_sample = wants_per_sample and attention == PER_SAMPLE_ATTENTION
+        if max_tokens_per_batch == "auto":
+            weight_dtype = self.decoder.embed_tokens.weight.dtype
+            max_tokens_per_batch = auto_tokens_per_batch(self.model.config, len(self.aux_layer_ids) + 1,
+                                                         weight_dtype, self.input_device)
+        self.max_tokens_per_batch = int(max_tokens_per_batch)
         self.lock = device_lock(self.input_device)
         self._copy_stream = torch.cuda.Stream(self.input_device) if self.input_device.type == "cuda" else None
 
