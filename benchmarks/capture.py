@@ -22,7 +22,7 @@ captured aux states.
         --case stream_writes=false,num_writers=1 --case num_writers=1 --case num_writers=2
     python benchmarks/capture.py --random-smollm2 --device cuda --num-samples 2000 --max-sample-tokens 2048
     python benchmarks/capture.py --random-smollm2 --device cuda --num-samples 2000 --max-sample-tokens 2048 \
-        --padded-attention    # the same without per-sample attention: what it costs with many short samples
+        --per-sample-attention  # the bitwise per-sample path instead of the default (padded batches on a GPU)
 
 The preset mode needs the run's tokenized data (`eagle3 stage all --preset smollm2-demo`), or
 ``--synthetic`` for random tokens with the preset's target. The random modes build a random-weight
@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--synthetic", action="store_true", help="preset mode: random tokens instead of its data")
     parser.add_argument("--padded-attention", action="store_true",
                         help="one padded SDPA per layer, not per-sample attention (capture.per_sample_attention)")
+    parser.add_argument("--per-sample-attention", action="store_true",
+                        help="one attention call per sample (bitwise batch-invariant; the CPU default)")
     parser.add_argument("--check", action="store_true", help="first compare captured states with a plain forward")
     parser.add_argument("--tokens-file", type=Path, default=None,
                         help="random modes: real token ids and lengths from an .npz written by --save-tokens")
@@ -144,8 +146,15 @@ def _preset_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCa
     budget = args.max_tokens_per_batch or cfg.capture.max_tokens_per_batch
     backend = HFCaptureBackend.from_spec(model_dir, spec, device=device, dtype=cfg.target.dtype,
                                          max_tokens_per_batch=budget, device_map=cfg.capture.device_map,
-                                         batch_invariant=not args.padded_attention)
+                                         batch_invariant=_per_sample(cfg, args))
     return backend, spec, samples
+
+
+def _per_sample(cfg: Any, args: argparse.Namespace) -> bool | str:
+    """The attention choice: --padded-attention / --per-sample-attention, else capture.per_sample_attention."""
+    if args.padded_attention:
+        return False
+    return True if args.per_sample_attention else cfg.capture.per_sample_attention
 
 
 def _random_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCaptureBackend, FeatureSpec, list]:
@@ -171,7 +180,7 @@ def _random_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCa
                        chat_template_hash="none", backend="hf")
     budget = args.max_tokens_per_batch or cfg.capture.max_tokens_per_batch
     backend = HFCaptureBackend(None, aux, supervision=spec.supervision, topk=spec.topk, device=device,
-                               max_tokens_per_batch=budget, model=model, batch_invariant=not args.padded_attention)
+                               max_tokens_per_batch=budget, model=model, batch_invariant=_per_sample(cfg, args))
     samples = (_file_samples(args.tokens_file, args) if args.tokens_file
                else _synthetic_samples(args, config.vocab_size, cfg.run.seed))
     return backend, spec, samples

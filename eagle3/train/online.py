@@ -75,21 +75,20 @@ def _pad_rows(x: Tensor, length: int, value: float = 0.0) -> Tensor:
 class OnlineFeatures:
     """Fills a collated row's aux and supervision on the device from the frozen target (module docstring)."""
 
-    def __init__(self, model_dir: Path, spec: FeatureSpec, device: torch.device, target_dtype: str,
-                 max_tokens_per_batch: int, per_sample_attention: bool):
-        from eagle3.features.hf_backend import HFCaptureBackend
-
-        self.spec = spec
-        self.backend = HFCaptureBackend.from_spec(model_dir, spec, device=str(device), dtype=target_dtype,
-                                                  max_tokens_per_batch=max_tokens_per_batch,
-                                                  batch_invariant=per_sample_attention)
+    def __init__(self, backend: Any, spec: FeatureSpec):
+        self.spec, self.backend = spec, backend  # backend: an HFCaptureBackend on the training device
         self.backend.model.requires_grad_(False)
 
     @classmethod
     def from_config(cls, cfg: Any, model_dir: Path, spec: FeatureSpec, device: torch.device) -> OnlineFeatures:
-        """The online target of a run: the capture section's load settings, the training device."""
+        """The online target of a run: loaded with the capture section's settings, on the training device."""
+        from eagle3.features.hf_backend import HFCaptureBackend
+
         cap = cfg.capture
-        return cls(model_dir, spec, device, cfg.target.dtype, cap.max_tokens_per_batch, cap.per_sample_attention)
+        backend = HFCaptureBackend.from_spec(model_dir, spec, device=str(device), dtype=cfg.target.dtype,
+                                             max_tokens_per_batch=cap.max_tokens_per_batch,
+                                             batch_invariant=cap.per_sample_attention)
+        return cls(backend, spec)
 
     def states(self, documents: list[SampleTokens], compute: torch.dtype) -> dict[str, Tensor]:
         """Concatenated [N, ...] states of ``documents`` in order, rounded as stored, on the device."""

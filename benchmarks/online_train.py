@@ -1,0 +1,222 @@
+"""Online vs offline training throughput on one GPU, with a random-weight target built on the device.
+
+Both modes run the trainer's own pieces on the same packed rows (eagle3.train.data.pack of the same
+documents) and the same drafter step (eagle3.train.loop: supervise -> backward_rows -> optimizer_step):
+  offline  the capture stage's writer first stores every document's states as shards (capture_and_write, the
+           stage's own code, default settings), then training reads each row back through RowLoader
+           (safetensors slices, pinned, prefetched on a thread) -> the step;
+  online   RowLoader over the token ids alone, OnlineFeatures.fill runs the frozen target on the device -> the step.
+Printed per mode after --warmup untimed steps: training tokens/s, peak GiB; offline also the capture's tokens/s,
+bytes on disk and the tokens/s of capture + one epoch together (what offline costs when the features are
+used once). Documents: real lengths from a --tokens-file (benchmarks/capture.py --save-tokens), or random.
+
+    python benchmarks/online_train.py --target smollm2 --tokens-file sharegpt_smollm2_tokens.npz
+    python benchmarks/online_train.py --target llama8b --seq-len 4096 --rows 24 --ttt-steps 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.shapes import LLAMA31_8B, SMOLLM2_135M
+from eagle3.config import apply_overrides, validate_config
+from eagle3.features.hf_backend import HFCaptureBackend
+from eagle3.features.plan import plan_shards
+from eagle3.features.shards import shard_path
+from eagle3.features.spec import FeatureSpec, SampleTokens
+from eagle3.features.writers import capture_and_write
+from eagle3.model import DrafterDims, Eagle3Drafter
+from eagle3.train.build import build_optimizer, build_scheduler
+from eagle3.train.data import RowLoader, batch_to, pack
+from eagle3.train.dist import DistInfo
+from eagle3.train.loop import backward_rows, optimizer_step, step_options_for, supervise
+from eagle3.train.online import OnlineFeatures
+from eagle3.ttt import TTTObjective
+
+SHAPES = {"smollm2": (SMOLLM2_135M, 16384), "llama8b": (LLAMA31_8B, 32000)}  # (target shape, draft vocab)
+
+
+class MemoryTokens:
+    """The token source of the online loader: ids and loss masks by sample id (TokenReader's interface)."""
+
+    def __init__(self, samples: list[SampleTokens]):
+        self._by_id = {s.id: s for s in samples}
+
+    def get(self, sample_id: str) -> dict[str, torch.Tensor]:
+        s = self._by_id[sample_id]
+        return {"input_ids": torch.tensor(s.input_ids, dtype=torch.int32),
+                "loss_mask": torch.tensor(s.loss_mask, dtype=torch.uint8)}
+
+
+def documents(args: argparse.Namespace, vocab: int) -> list[SampleTokens]:
+    """Documents enough for --rows rows of --seq-len tokens: real ids and lengths from a file, or random."""
+    need, out = args.rows * args.seq_len, []
+    if args.tokens_file:
+        data = np.load(args.tokens_file)
+        ids, lengths = data["ids"].astype(np.int64), data["lengths"]
+        start = 0
+        for n in lengths:
+            out.append(SampleTokens(f"doc{len(out)}", ids[start:start + n].tolist(), [1] * int(n)))
+            start += n
+            if start >= need:
+                break
+    gen = np.random.default_rng(0)
+    while sum(len(s.input_ids) for s in out) < need:
+        n = int(gen.integers(64, 1024))
+        out.append(SampleTokens(f"doc{len(out)}", gen.integers(0, vocab, n).tolist(), [1] * n))
+    return out
+
+
+def build_target(shape: dict, layers: int | None, device: torch.device):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**{**shape, "num_hidden_layers": layers or shape["num_hidden_layers"]})
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def build_objective(cfg, model, shape: dict, draft_vocab: int, device: torch.device) -> TTTObjective:
+    """A seeded drafter over the target's dims; the target's own lm_head supervises; a random draft vocab."""
+    c = model.config
+    dims = DrafterDims(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                       num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
+                       intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps, rope_theta=shape["rope_theta"],
+                       rope_scaling=None, vocab_size=c.vocab_size, draft_vocab_size=draft_vocab, num_aux=3,
+                       target_hidden_size=c.hidden_size, max_position_embeddings=c.max_position_embeddings)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.device(device):
+        drafter = Eagle3Drafter(dims)
+        for p in drafter.parameters():
+            if p.ndim >= 2:
+                torch.nn.init.normal_(p, std=0.02, generator=gen)
+        used = torch.randperm(dims.vocab_size, generator=gen)[:draft_vocab].sort().values
+        t2d = torch.zeros(dims.vocab_size, dtype=torch.bool)
+        t2d[used] = True
+        d2t = used - torch.arange(draft_vocab)
+    lm_head = model.get_output_embeddings().weight.detach()
+    if device.type == "cpu":
+        lm_head = lm_head.float()
+    return TTTObjective(drafter, t2d, d2t, lm_head, cfg.drafter.ttt_steps, cfg.drafter.step_decay,
+                        cfg.drafter.attn_impl, options=step_options_for(cfg.train, device))
+
+
+def _sync(device: torch.device, reset_peak: bool = False) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats()
+
+
+def train_pass(cfg, objective, loader: RowLoader, fill, info: DistInfo, warmup: int) -> tuple[float, int, float]:
+    """(seconds of the timed steps, their tokens, peak GiB): one row per step, the first ``warmup`` untimed."""
+    optimizer = build_optimizer(cfg, objective, 1e-4, info.device)
+    scheduler = build_scheduler(cfg, optimizer, 10_000)
+    tokens, start = 0, None
+    for i, row in enumerate(loader):
+        if i == warmup:
+            _sync(info.device, reset_peak=True)
+            start = time.perf_counter()
+        batch = fill(batch_to(row.batch, info.device), row)
+        sups, counts = supervise(objective, [batch], info)
+        backward_rows(objective, [batch], sups, counts, info)
+        optimizer_step(objective, optimizer, scheduler, grad_clip=0.5)
+        tokens += row.num_tokens if i >= warmup else 0
+    _sync(info.device)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if info.device.type == "cuda" else float("nan")
+    return time.perf_counter() - start, tokens, peak
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", choices=sorted(SHAPES), default="smollm2")
+    p.add_argument("--num-layers", type=int, default=None, help="target decoder layers (default: the real count)")
+    p.add_argument("--seq-len", type=int, default=16384, help="tokens per packed row (train.max_tokens_per_batch)")
+    p.add_argument("--rows", type=int, default=24, help="packed rows (= optimizer steps) per mode")
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps per mode (compilation)")
+    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--tokens-file", type=Path, default=None, help="real documents (benchmarks/capture.py --save-tokens)")
+    p.add_argument("--device", default="cuda", help="cuda (figures), or cpu for a smoke run with --num-layers 4")
+    p.add_argument("--out-dir", type=Path, default=None, help="where the offline shards go (default: a temp dir)")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=device, initialized=False)
+    shape, draft_vocab = SHAPES[args.target]
+    cfg = validate_config(apply_overrides({}, [f"drafter.ttt_steps={args.ttt_steps}", "train.reuse_block_mask=true"]),
+                          "benchmark")
+    model = build_target(shape, args.num_layers, device)
+    fdt = torch.bfloat16 if device.type == "cuda" else torch.float32  # the trainer's feature dtype
+    layers = model.config.num_hidden_layers
+    aux = [1, layers // 2 - 1, layers - 4]
+    spec = FeatureSpec(target_name=f"random-{args.target}", target_fingerprint="random", hidden_size=shape["hidden_size"],
+                       num_layers=layers, vocab_size=shape["vocab_size"], aux_layer_ids=aux, max_len=1 << 20,
+                       chat_template_hash="none", backend="hf")
+    backend = HFCaptureBackend(None, aux, model=model, device=str(device), max_tokens_per_batch="auto")
+    docs = documents(args, shape["vocab_size"])
+    rows, _ = pack([(d.id, len(d.input_ids)) for d in docs], args.seq_len)
+    rows = rows[: args.rows]
+    used = {ref.sample_id for row in rows for ref in row.samples}
+    docs = [d for d in docs if d.id in used]
+    num_tokens = sum(len(d.input_ids) for d in docs)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"device: {name}, torch {torch.__version__}; target random-{args.target} "
+          f"({layers} layers, bf16), capture batch {backend.max_tokens_per_batch} tokens "
+          f"({'per-sample' if backend.per_sample else 'padded'} attention); {len(rows)} rows of {args.seq_len} "
+          f"tokens, {len(docs)} documents, {num_tokens} tokens; ttt {args.ttt_steps}", flush=True)
+    out = args.out_dir or Path(tempfile.mkdtemp(prefix="eagle3-online-bench-"))
+    try:
+        # offline: capture every document to shards (the stage's writer, default settings), then train from disk
+        fdir = out / "features"
+        fdir.mkdir(parents=True, exist_ok=True)
+        spec.save(fdir / "spec.json")
+        plan = plan_shards([d.id for d in docs], [len(d.input_ids) for d in docs], 262144)
+        by_id = {d.id: d for d in docs}
+        jobs = [(shard_path(fdir, i), [by_id[s] for s in shard.sample_ids]) for i, shard in enumerate(plan)]
+        list(backend.capture(jobs[0][1][:8]))  # warm the capture path
+        _sync(device)
+        start = time.perf_counter()
+        capture_and_write(backend, spec, jobs)
+        capture_s = time.perf_counter() - start
+        disk = sum(f.stat().st_size for f in fdir.glob("shard-*.safetensors"))
+        print(f"offline capture: {num_tokens / capture_s:,.0f} tokens/s, {capture_s:.1f} s, {disk / 1e9:.2f} GB on disk "
+              f"({disk / num_tokens:,.0f} B/token)", flush=True)
+        torch.manual_seed(0)
+        off_obj = build_objective(cfg, model, shape, draft_vocab, device)
+        loader = RowLoader(fdir, rows, args.seq_len, fdt, depth=2, pin_memory=device.type == "cuda")
+        off_s, off_tokens, off_gib = train_pass(cfg, off_obj, loader, lambda b, r: b, info, args.warmup)
+        off_tok_s = off_tokens / off_s
+        print(f"offline train: {off_tok_s:,.0f} tokens/s, peak {off_gib:.1f} GiB (shards read from disk)", flush=True)
+        del off_obj
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        # online: token ids only; the frozen target fills each row on the device
+        online = OnlineFeatures(backend, spec)
+        torch.manual_seed(0)
+        on_obj = build_objective(cfg, model, shape, draft_vocab, device)
+        loader = RowLoader(fdir, rows, args.seq_len, fdt, depth=2, pin_memory=device.type == "cuda", reader=MemoryTokens(docs))
+        on_s, on_tokens, on_gib = train_pass(cfg, on_obj, loader,
+                                             lambda b, r: online.fill(b, list(r.lengths), fdt),
+                                             info, args.warmup)
+        on_tok_s = on_tokens / on_s
+        print(f"online train: {on_tok_s:,.0f} tokens/s, peak {on_gib:.1f} GiB (target forward inside the step)",
+              flush=True)
+        both = 1 / (1 / (num_tokens / capture_s) + 1 / off_tok_s)
+        print(f"summary: online_tok_s={on_tok_s:,.0f} offline_train_tok_s={off_tok_s:,.0f} "
+              f"offline_capture_plus_one_epoch_tok_s={both:,.0f} online_over_offline_train={on_tok_s / off_tok_s:.3f} "
+              f"online_over_capture_plus_epoch={on_tok_s / both:.3f} disk_bytes_per_token={disk / num_tokens:,.0f} "
+              f"peak_gib_online={on_gib:.1f} peak_gib_offline={off_gib:.1f}", flush=True)
+    finally:
+        if args.out_dir is None:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
