@@ -44,6 +44,7 @@ _ZERO_PATTERNS = {(True, True, True, False): "utf-32-be", (False, True, True, Tr
                   (True, False, True, False): "utf-16-be", (False, True, False, True): "utf-16-le"}
 _RECORD_START = re.compile(r",[\s\ufeff]*\{")
 _LONE_SURROGATE = re.compile("[\udc00-\udcff]")
+_NON_SPACE = re.compile(r"[^\s\ufeff]")
 
 
 def _to_lone_surrogates(exc: UnicodeDecodeError) -> tuple[str, int]:
@@ -197,8 +198,9 @@ def _skip_separators(window: _TextWindow, pos: int) -> int | None:
             return None
 
 
-def _next_record(window: _TextWindow, pos: int, keys: set[str] | None) -> int | None:
-    """Start of the first whole record after a broken one at ``pos``; None if the window holds none (yet)."""
+def _next_record(window: _TextWindow, pos: int, keys: set[str] | None) -> tuple[int, str] | None:
+    """(start, the separator before it) of the first whole record after a broken one at ``pos``; None if the
+    window holds none (yet)."""
     text = window.text
     for match in _RECORD_START.finditer(text, pos + 1):
         start = match.end() - 1
@@ -210,15 +212,44 @@ def _next_record(window: _TextWindow, pos: int, keys: set[str] | None) -> int | 
             continue  # a turn, or some other object nested in a record
         rest = text[end:].lstrip(" \t\r\n\ufeff")
         if not rest:
-            return start if window.eof else None  # the next chunk tells whether a ',' or ']' follows
+            return (start, match.group()[:-1]) if window.eof else None  # the next chunk tells what follows
         if rest[0] in ",]":
-            return start
+            return start, match.group()[:-1]
     return None
 
 
-def _span_text(text: str) -> str:
-    """A skipped record's text without the separator that ended it."""
-    return text.rstrip(SEPARATORS)
+def _check_record_end(text: str, end: int, value: Any) -> None:
+    """Malformed unless a ',' or ']' follows the value (or the '{' of a next record after a missing comma).
+
+    Without this, a record that lost its '{' would read as the string of its first key, then more rejects.
+    """
+    match = _NON_SPACE.search(text, end)
+    if match is None or match.group() in ",]" or (match.group() == "{" and isinstance(value, dict)):
+        return
+    raise Malformed(f"invalid JSON: expected ',' or ']' after the record, found {match.group()!r}")
+
+
+def _split_skipped(text: str, separator: str) -> list[str]:
+    """The skipped text as one piece per record: split where the separator that precedes the next whole record
+    recurs followed by a record's first character, when it holds a line break.
+
+    JSON strings cannot hold a raw line break, so in a file with one record per line (or pretty-printed, where
+    nested values are indented deeper) that separator only occurs between records. In a one-line array the
+    records cannot be told apart and the skipped text stays one reject.
+    """
+    text = text.rstrip(SEPARATORS)
+    if "\n" not in separator:
+        return [text]
+    return re.split(re.escape(separator) + r"(?=[^\s\ufeff])", text)
+
+
+def _piece(source: str, location: str, text: str) -> tuple[str, Any] | Reject:
+    """One record of skipped text: its value when it decodes on its own, else an 'unparsable' reject."""
+    try:
+        return location, _decode(text, 0, whole=True)[0]
+    except Malformed as exc:
+        return Reject(source, location, "unparsable", f"{exc}; reading resumed at the next record",
+                      show_text(text))
 
 
 def iter_array(source: str, path: Path, enc: TextEncoding) -> Iterator[tuple[str, Any] | Reject]:
@@ -234,13 +265,17 @@ def iter_array(source: str, path: Path, enc: TextEncoding) -> Iterator[tuple[str
                 return
             try:
                 value, end = _decode(window.text, pos, whole=False)
+                if end == len(window.text) and not window.eof:
+                    pos = window.extend(pos)  # a number or literal may continue in the next chunk
+                    continue
+                _check_record_end(window.text, end, value)
             except Malformed as exc:
                 found = _next_record(window, pos, keys)
                 if found is not None:
-                    detail = f"{exc}; reading resumed at the next record"
-                    yield Reject(source, f"{path.name}#[{index}]", "unparsable", detail,
-                                 _span_text(window.text[pos:found]))
-                    index, pos = index + 1, found
+                    for piece in _split_skipped(window.text[pos:found[0]], found[1]):
+                        yield _piece(source, f"{path.name}#[{index}]", piece)
+                        index += 1
+                    pos = found[0]
                     continue
                 # The record continues in the next chunk, or nothing decodable follows (a cut-off tail).
                 next_pos = window.extend(pos)
@@ -248,9 +283,6 @@ def iter_array(source: str, path: Path, enc: TextEncoding) -> Iterator[tuple[str
                     yield _tail_reject(source, path, enc, window, pos, str(exc))
                     return
                 pos = next_pos
-                continue
-            if end == len(window.text) and not window.eof:
-                pos = window.extend(pos)  # a number or literal may continue in the next chunk
                 continue
             yield f"{path.name}#[{index}]", value
             keys = set(value) if isinstance(value, dict) else keys
