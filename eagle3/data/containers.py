@@ -210,11 +210,12 @@ def _next_record(window: _TextWindow, pos: int, keys: set[str] | None) -> tuple[
             continue
         if not isinstance(value, dict) or not (record_format(value) or (keys is not None and set(value) == keys)):
             continue  # a turn, or some other object nested in a record
-        rest = text[end:].lstrip(" \t\r\n\ufeff")
-        if not rest:
-            return (start, match.group()[:-1]) if window.eof else None  # the next chunk tells what follows
-        if rest[0] in ",]":
-            return start, match.group()[:-1]
+        after = _NON_SPACE.search(text, end)
+        separator = match.group()[:-1].replace("\ufeff", "")
+        if after is None:
+            return (start, separator) if window.eof else None  # the next chunk tells what follows
+        if after.group() in ",]":
+            return start, separator
     return None
 
 
@@ -238,7 +239,7 @@ def _split_skipped(text: str, separator: str) -> list[str]:
     records cannot be told apart and the skipped text stays one reject.
     """
     text = text.rstrip(SEPARATORS)
-    if "\n" not in separator:
+    if "\n" not in separator or "," not in separator:
         return [text]
     return re.split(re.escape(separator) + r"(?=[^\s\ufeff])", text)
 
@@ -259,7 +260,15 @@ def iter_array(source: str, path: Path, enc: TextEncoding) -> Iterator[tuple[str
         pos = _skip_separators(window, 0)
         assert pos is not None and window.text[pos] == "[", "the array reader was chosen for a file without '['"
         pos, index, keys = pos + 1, 0, None
-        while (pos := _skip_separators(window, pos)) is not None:
+        lead = window.text[pos:len(window.text) - len(window.text[pos:].lstrip(" \t\r\n"))]
+        sep = "," + lead  # '[\n  {' suggests ',\n  ' between records, until two whole records show it
+        while True:
+            base, start = window.base, _skip_separators(window, pos)
+            if start is None:
+                return
+            if index and window.base == base and start > pos:
+                sep = window.text[pos:start].replace("\ufeff", "")  # what separates two whole records in this file
+            pos = start
             if window.text[pos] == "]":
                 yield from _trailing_reject(source, path, enc, window, pos + 1)
                 return
@@ -277,16 +286,33 @@ def iter_array(source: str, path: Path, enc: TextEncoding) -> Iterator[tuple[str
                         index += 1
                     pos = found[0]
                     continue
-                # The record continues in the next chunk, or nothing decodable follows (a cut-off tail).
+                # The record continues in the next chunk, or no whole record follows it in the file.
                 next_pos = window.extend(pos)
                 if next_pos is None:
-                    yield _tail_reject(source, path, enc, window, pos, str(exc))
+                    yield from _last_records(source, path, enc, window, pos, sep, index, str(exc))
                     return
                 pos = next_pos
                 continue
             yield f"{path.name}#[{index}]", value
             keys = set(value) if isinstance(value, dict) else keys
             index, pos = index + 1, end
+
+
+def _last_records(source: str, path: Path, enc: TextEncoding, window: _TextWindow, pos: int, sep: str, index: int,
+                  why: str) -> Iterator[tuple[str, Any] | Reject]:
+    """The rest of an array after a broken record with no whole record behind it, split like skipped text.
+
+    In a closed array every piece is a record; in a cut-off one the last piece is the cut-off tail.
+    """
+    tail = window.text[pos:]
+    stripped = tail.rstrip(" \t\r\n\ufeff")
+    closed = stripped.endswith("]")
+    pieces = _split_skipped(stripped[:-1] if closed else tail, sep)
+    for piece in pieces if closed else pieces[:-1]:
+        yield _piece(source, f"{path.name}#[{index}]", piece)
+        index += 1
+    if not closed:
+        yield _tail_reject(source, path, enc, window, pos + tail.rindex(pieces[-1]), why)
 
 
 def _tail_reject(source: str, path: Path, enc: TextEncoding, window: _TextWindow, pos: int, why: str) -> Reject:

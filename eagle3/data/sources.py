@@ -149,7 +149,8 @@ def _pick_reader(src: SourceConfig, path: Path) -> tuple[str, TextEncoding | Non
     first = first_content_char(path, enc)  # a BOM-only file is as empty as a blank one
     if first is None:
         raise SourceError(f"source {src.name!r}: file {path} ({enc.name}) holds only whitespace")
-    return ("array" if first == "[" else "lines"), enc
+    # A JSONL line may itself be an array, so only a .json file is read as one array when it starts with '['.
+    return ("array" if first == "[" and path.suffix not in (".jsonl", ".ndjson") else "lines"), enc
 
 
 def read_source(src: SourceConfig, max_chars: int) -> SourceStream:
@@ -205,9 +206,9 @@ def _open_parquet(src: SourceConfig, path: Path) -> tuple[str, Iterator[tuple[st
 
     try:
         pfile = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as exc:
+        names = set(pfile.schema_arrow.names)
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # a damaged footer may hold non-UTF-8 names
         raise SourceError(f"source {src.name!r}: cannot read {path} as Parquet: {exc}") from None
-    names = set(pfile.schema_arrow.names)
     fmt = "openai" if "messages" in names else "sharegpt" if "conversations" in names else None
     if fmt is None:
         raise SourceError(f"source {src.name!r}: {path} has no 'messages' or 'conversations' column "
@@ -225,16 +226,32 @@ def _iter_parquet_rows(source: str, pfile: Any, columns: list[str], path: Path) 
     while True:
         try:
             batch = next(batches, None)
-            rows = [] if batch is None else batch.to_pylist()
         except (pa.ArrowException, OSError) as exc:
             # The rows after a corrupt page cannot be located, so the rest of the file is not guessed at.
             raise SourceError(f"source {source!r}: {path} is corrupt from row {num} on ({exc}); "
                               f"{num} rows were read before it") from None
         if batch is None:
             return
-        for row in rows:
-            yield f"{path.name}#row {num}", row
+        for row in _batch_rows(source, batch, path.name, num):
+            yield row
             num += 1
+
+
+def _batch_rows(source: str, batch: Any, file_name: str, first: int) -> list[tuple[str, Any] | Reject]:
+    """The batch's rows; if a string in it is not UTF-8 (Parquet does not check), row by row, rejecting those."""
+    try:
+        return [(f"{file_name}#row {first + i}", row) for i, row in enumerate(batch.to_pylist())]
+    except UnicodeDecodeError:
+        pass
+    rows: list[tuple[str, Any] | Reject] = []
+    for i in range(batch.num_rows):
+        loc = f"{file_name}#row {first + i}"
+        try:
+            rows.append((loc, batch.slice(i, 1).to_pylist()[0]))
+        except UnicodeDecodeError as exc:
+            rows.append(Reject(source, loc, "invalid_utf8", f"a string in the row is not UTF-8 ({exc.reason} at "
+                               f"byte {exc.start})", {"raw": repr(exc.object[:200])}))
+    return rows
 
 
 # ---------------------------------------------------------------- one record -> Conversation | Reject
