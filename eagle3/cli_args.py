@@ -22,14 +22,12 @@ def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """Build the RunConfig the arguments describe (ConfigError on bad input)."""
     if getattr(args, "config", None):
-        import json
-
-        from eagle3.config import apply_overrides
+        from eagle3.config import apply_overrides, read_config_file
 
         path = Path(args.config)
         if not path.is_file():
             raise ConfigError(f"config file {path} not found")
-        data = apply_overrides(json.loads(path.read_text()), list(args.overrides))
+        data = apply_overrides(read_config_file(path), list(args.overrides))
         return validate_config(data, str(path))
     return load_config(args.preset, list(args.overrides))
 

@@ -11,18 +11,61 @@ Every field has a one-line doc (the attribute docstring below it); a test enforc
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PRESETS_DIR = REPO_ROOT / "configs"
+MAX_NAME_CHARS = 100
+"""Longest name that becomes one path component (file systems allow 255 bytes; suffixes are added to names)."""
+MAX_PATH_COMPONENT_BYTES = 255
 
 
 class ConfigError(ValueError):
     """A preset, override or config file that cannot be turned into a valid RunConfig."""
+
+
+def _plain_name(value: str) -> str:
+    """A name that becomes one path component: no separators, '..', leading '.', control characters; bounded."""
+    if not value or len(value) > MAX_NAME_CHARS:
+        raise ValueError(f"must be 1 to {MAX_NAME_CHARS} characters (got {len(value)})")
+    if any(c in value for c in "/\\") or value.startswith(".") or any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError(f"{value[:40]!r} must be a plain name: no '/', '\\', control characters or leading '.'")
+    return value
+
+
+PlainName = Annotated[str, AfterValidator(_plain_name)]
+"""A config value used as a file or folder name inside a folder the pipeline owns."""
+
+
+def _folder_path(value: str) -> str:
+    """A folder path whose components fit the file system and whose nearest existing ancestor is a folder."""
+    if not value or "\0" in value:
+        raise ValueError("must be a non-empty path without NUL characters")
+    path = Path(value)
+    too_long = [part for part in path.parts if len(os.fsencode(part)) > MAX_PATH_COMPONENT_BYTES]
+    if too_long:
+        raise ValueError(f"the component {too_long[0][:40]!r}... is longer than {MAX_PATH_COMPONENT_BYTES} bytes")
+    for ancestor in (path, *path.parents):
+        try:
+            if ancestor.exists():
+                if not ancestor.is_dir():
+                    raise ValueError(f"{str(ancestor)!r} is a file, not a folder")
+                break
+        except OSError as exc:
+            raise ValueError(f"cannot inspect {str(ancestor)!r}: {exc.strerror}") from None
+    return value
+
+
+def _relative_inside(value: str | None) -> str | None:
+    """A path relative to a folder of the run that stays inside it (no absolute path, no '..')."""
+    if value is not None and (not value or Path(value).is_absolute() or ".." in Path(value).parts or "\0" in value):
+        raise ValueError(f"{value!r} must be a relative path inside its folder (no leading '/', no '..')")
+    return value
 
 
 class Section(BaseModel):
@@ -32,18 +75,12 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    workdir: str = "runs"
+    workdir: Annotated[str, AfterValidator(_folder_path)] = "runs"
     """Directory that holds one sub-directory per run (relative paths are relative to the CWD)."""
-    name: str = "demo"
-    """Run name; the run directory is <workdir>/<name>. Safe as a file name."""
+    name: PlainName = "demo"
+    """Run name; the run directory is <workdir>/<name>. A plain folder name of at most 100 characters."""
     seed: int = 0
     """Seed for shuffling, the train/val split, model init and training."""
-
-    @model_validator(mode="after")
-    def _name_is_path_safe(self) -> RunSection:
-        if not self.name or "/" in self.name or self.name.startswith("."):
-            raise ValueError(f"run.name {self.name!r} must be a plain directory name")
-        return self
 
 
 class TinyTargetConfig(Section):
@@ -51,15 +88,15 @@ class TinyTargetConfig(Section):
 
     architecture: Literal["llama", "qwen3", "deepseek_v3"] = "llama"
     """Which transformers class: Llama, Qwen3 (q/k norms), or DeepSeek-V3 (MLA attention + MoE, as Kimi-K2)."""
-    num_hidden_layers: int = Field(8, ge=1)
+    num_hidden_layers: int = Field(8, ge=1, le=256)
     """Decoder layers (>= 8 when kind=tiny, so the default aux ids [1, N//2-1, N-4] are distinct and < N-1)."""
-    hidden_size: int = 64
-    """Model width H."""
-    num_attention_heads: int = 4
+    hidden_size: int = Field(64, ge=2, le=16384)
+    """Model width H (a multiple of num_attention_heads, with an even head size)."""
+    num_attention_heads: int = Field(4, ge=1, le=1024)
     """Query heads."""
-    num_key_value_heads: int = 2
-    """Key/value heads (GQA; deepseek_v3 ignores it: MLA keeps one key/value head per query head)."""
-    intermediate_size: int = 128
+    num_key_value_heads: int = Field(2, ge=1, le=1024)
+    """Key/value heads (GQA; they divide num_attention_heads; deepseek_v3 ignores it: MLA keeps one per query head)."""
+    intermediate_size: int = Field(128, ge=1, le=65536)
     """MLP width (deepseek_v3: of the dense first layer; each expert is a quarter of it)."""
     chat_template: Literal["chatml", "llama3"] = "chatml"
     """Which chat template the locally built tokenizer carries."""
@@ -70,8 +107,8 @@ class TargetConfig(Section):
     """hf: a transformers directory; gguf: a GGUF file converted once to safetensors; tiny: random model."""
     path: str | None = None
     """Model directory or GGUF file; 'pkg://<package>/<file>' finds a file inside an installed package."""
-    name: str = "tiny-llama"
-    """Short slug for the target, used in cache folder names (one spelling everywhere)."""
+    name: PlainName = "tiny-llama"
+    """Short slug for the target, used in cache folder names (one spelling everywhere); a plain name."""
     cache_dir: str | None = None
     """Where converted/built targets are cached; default <workdir>/_targets."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -90,7 +127,19 @@ class TargetConfig(Section):
         if self.kind == "tiny" and self.tiny.num_hidden_layers < 8:
             raise ValueError(f"target.tiny.num_hidden_layers must be >= 8 (got {self.tiny.num_hidden_layers}) so "
                              "the default aux layer ids [1, N//2-1, N-4] are distinct and below the last layer")
+        if self.kind == "tiny":
+            _check_tiny_heads(self.tiny)
         return self
+
+
+def _check_tiny_heads(tiny: TinyTargetConfig) -> None:
+    """Attention shapes the Llama layers can build: whole, even head sizes and whole query groups."""
+    heads, kv = tiny.num_attention_heads, tiny.num_key_value_heads
+    if tiny.hidden_size % heads or (tiny.hidden_size // heads) % 2:
+        raise ValueError(f"target.tiny.hidden_size {tiny.hidden_size} must be num_attention_heads ({heads}) times "
+                         "an even head size (rotary embeddings rotate pairs of channels)")
+    if heads % kv:
+        raise ValueError(f"target.tiny.num_key_value_heads {kv} must divide num_attention_heads {heads}")
 
 
 class SourceConfig(Section):
@@ -115,6 +164,8 @@ class DataConfig(Section):
     """Reject conversations longer than this many characters in total (reason 'too_long')."""
     shuffle: bool = True
     """Shuffle the merged rows with run.seed."""
+    min_rows: int = Field(1, ge=1)
+    """Fail the merge when it keeps fewer rows than this (an empty merge is always an error)."""
 
 
 class RegenerateConfig(Section):
@@ -327,7 +378,7 @@ class ExportConfig(Section):
     """Layouts to write under <run>/export/: sglang (official EAGLE-3, SGLang and vLLM) and speculators (vLLM)."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype of the exported weights (d2t is always int64 and t2d always bool)."""
-    checkpoint: str | None = None
+    checkpoint: Annotated[str | None, AfterValidator(_relative_inside)] = None
     """Checkpoint folder to export, relative to <run>/train (e.g. checkpoints/step-500); None = the final one."""
     verifier_name_or_path: str | None = None
     """Verifier id or path written into the speculators config; None = target.path (hf) or the target folder."""
@@ -515,12 +566,37 @@ def _read_preset(preset: str) -> dict[str, Any]:
     path = Path(preset) if preset.endswith((".yaml", ".yml", ".json")) else PRESETS_DIR / f"{preset}.yaml"
     if not path.is_file():
         raise ConfigError(f"preset {preset!r} not found (looked for {path}); presets: {', '.join(list_presets())}")
-    text = path.read_text(encoding="utf-8")
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    return read_config_file(path)
+
+
+def _parse_config_text(path: Path, text: str) -> Any:
+    """The parsed file; a syntax error becomes a ConfigError naming the file, line and column."""
+    try:
+        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}, line {exc.lineno} column {exc.colno}: invalid JSON: {exc.msg}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f", line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}{where}: invalid YAML: {problem}") from None
+    except (RecursionError, ValueError) as exc:  # nesting past the recursion limit, huge integers
+        raise ConfigError(f"{path}: cannot be parsed: {str(exc).split(';')[0]}") from None
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A YAML preset or JSON config as a dict (ConfigError naming the file on unreadable or bad content)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    data = _parse_config_text(path, text)
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"preset {path} must hold a mapping at top level, got {type(data).__name__}")
+        raise ConfigError(f"{path} must hold a mapping at top level, got {type(data).__name__}")
     return data
 
 

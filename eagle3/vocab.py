@@ -127,6 +127,10 @@ def build_vocab_map(tokenized_parquet: Path, target_vocab_size: int, draft_vocab
     """Count supervised train tokens, pick the draft vocab, validate and save d2t/t2d plus a JSON summary."""
     draft_vocab_size = min(draft_vocab_size, target_vocab_size)  # a draft vocab cannot exceed the target's
     counts, num_train_rows = count_train_tokens(tokenized_parquet, target_vocab_size)
+    if not counts.any():
+        # A map ranked from zero counts is just the lowest ids: it would look valid and be useless.
+        raise VocabMapError(f"{tokenized_parquet}: no supervised tokens in the train split ({num_train_rows:,} "
+                            "train rows), so there is nothing to build a draft vocabulary from")
     used = select_tokens(counts, draft_vocab_size, forced_ids)
     d2t, t2d = maps_from_used(used, target_vocab_size)
     validate_maps(d2t, t2d, draft_vocab_size)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import random
 import sys
 from collections import Counter
@@ -27,11 +26,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3.config import DataConfig, SourceConfig
+from eagle3.data.rejects import reject_line
 from eagle3.data.sources import REJECT_REASONS, Conversation, Reject, SourceError, content_hash, read_source
 from eagle3.progress import Progress, ProgressFn
 from infra.storage import atomic_open, atomic_path, atomic_write_json
 
-__all__ = ["MERGED_SCHEMA", "content_hash", "merge_sources", "read_merged", "split_for", "main"]
+__all__ = ["MERGED_SCHEMA", "MergeError", "content_hash", "merge_sources", "read_merged", "split_for", "main"]
 
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 MERGED_SCHEMA = pa.schema([
@@ -43,6 +43,10 @@ MERGED_SCHEMA = pa.schema([
 ])
 PROGRESS_EVERY = 500
 """Records between progress updates (a per-record callback would slow reading and flood listeners)."""
+
+
+class MergeError(ValueError):
+    """The merge kept fewer rows than data.min_rows: an empty (or nearly empty) dataset is an error, not a result."""
 
 
 def split_for(row_id: str, seed: int, val_fraction: float) -> str:
@@ -99,9 +103,8 @@ class _RejectWriter:
         self.fh = fh
 
     def write(self, reject: Reject) -> None:
-        """One JSON line; text that is not UTF-8 is kept as \\udcXX escapes rather than lost."""
-        line = json.dumps(reject.to_json(), ensure_ascii=False, default=repr)
-        self.fh.write(line.encode("utf-8", "backslashreplace") + b"\n")
+        """One JSON line (eagle3.data.rejects.reject_line: always valid JSON)."""
+        self.fh.write(reject_line(reject))
 
 
 def _check_sources(sources: list[SourceConfig], max_chars: int) -> None:
@@ -217,9 +220,19 @@ def merge_sources(sources: list[SourceConfig], cfg: DataConfig, seed: int, out_d
     _assign_splits(rows, seed, cfg.val_fraction, tallies)
     stats, total = _stats_doc(tallies, facts, cfg, seed)
     _check_invariants(tallies, total, len(rows))
+    atomic_write_json(paths["stats"], stats)  # written even when too few rows were kept: it says why
+    _check_min_rows(total, cfg.min_rows, paths)
     _write_parquet(rows, paths["merged"])
-    atomic_write_json(paths["stats"], stats)
     return paths, stats
+
+
+def _check_min_rows(total: _Tally, min_rows: int, paths: dict[str, Path]) -> None:
+    """MergeError naming the counts, the main reject reasons and the files to read when too few rows were kept."""
+    if total.kept >= min_rows:
+        return
+    reasons = ", ".join(f"{reason} {num:,}" for reason, num in total.rejected_by_reason.most_common(4))
+    raise MergeError(f"merge kept {total.kept:,} of {total.read:,} records read, fewer than data.min_rows="
+                     f"{min_rows:,} (rejected: {reasons or 'none'}); see {paths['rejects']} and {paths['stats']}")
 
 
 def read_merged(path: Path | str) -> list[dict[str, Any]]:

@@ -11,23 +11,22 @@ Contents are kept verbatim (the chat template decides about whitespace); only ha
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eagle3.config import SourceConfig
+from eagle3.data.containers import TextEncoding, detect_encoding, first_content_char, iter_array, iter_lines
+from eagle3.data.containers import record_format as _record_format
+from eagle3.data.rejects import REJECT_REASONS, Reject, SourceError
 from eagle3.paths import resolve_path
 
-REJECT_REASONS = (
-    "unparsable", "invalid_utf8", "empty_conversation", "no_user_turn", "no_assistant_turn", "unknown_role",
-    "non_string_content", "duplicate_id", "duplicate_content", "too_long",
-)
-"""Why a record was rejected (one of these is in every line of rejects.jsonl)."""
+__all__ = ["REJECT_REASONS", "Conversation", "Reject", "SourceError", "SourceStream", "content_hash", "make_row_id",
+           "read_source", "source_path"]
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
                   "bard": "assistant", "assistant": "assistant", "system": "system"}
@@ -38,36 +37,8 @@ OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assi
 SOURCE_NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
 ID_UNSAFE_RE = re.compile(r"[^A-Za-z0-9._:-]")
 MAX_ID_CHARS = 120
-TAIL_HEAD_CHARS = 2000
-READ_CHUNK_BYTES = 4 << 20
 SNIFF_RECORDS = 1000
 JSON_EXTENSIONS = (".json", ".jsonl", ".ndjson")
-BOM = b"\xef\xbb\xbf"
-
-
-class SourceError(ValueError):
-    """A whole source cannot be read (missing, empty, a directory, unknown format)."""
-
-
-@dataclass
-class Reject:
-    """One record that did not become a row, with everything needed to find and fix it."""
-
-    source: str
-    location: str
-    """'file.jsonl:17' (line), 'file.json#[123]' (array index), 'file.parquet#row 5', 'file.json@byte N'."""
-    reason: str
-    detail: str
-    record: Any
-    """The raw record as parsed JSON, or the raw text when it did not parse."""
-    id: str | None = None
-
-    def __post_init__(self) -> None:
-        assert self.reason in REJECT_REASONS, self.reason
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-able dict (one line of rejects.jsonl)."""
-        return asdict(self)
 
 
 @dataclass
@@ -164,20 +135,8 @@ def source_path(src: SourceConfig) -> Path:
     return path
 
 
-def _first_content_byte(path: Path) -> bytes | None:
-    """First byte that is not whitespace, or None for a file with nothing in it."""
-    with open(path, "rb") as fh:
-        chunk = fh.read(1 << 16).removeprefix(BOM)  # a BOM-only file is as empty as a blank one
-        while chunk:
-            stripped = chunk.lstrip()
-            if stripped:
-                return stripped[:1]
-            chunk = fh.read(1 << 16)
-    return None
-
-
-def _pick_reader(src: SourceConfig, path: Path) -> str:
-    """'parquet', 'array' (one JSON array) or 'lines' (JSONL) from the config, extension and first byte."""
+def _pick_reader(src: SourceConfig, path: Path) -> tuple[str, TextEncoding | None]:
+    """('parquet' | 'array' (one JSON array) | 'lines' (JSONL), text encoding) from config, extension, content."""
     is_parquet = src.format == "parquet" or (src.format == "auto" and path.suffix == ".parquet")
     if src.format == "auto" and not is_parquet and path.suffix not in JSON_EXTENSIONS:
         raise SourceError(f"source {src.name!r}: unknown format for {path} (extension {path.suffix!r}); "
@@ -185,11 +144,13 @@ def _pick_reader(src: SourceConfig, path: Path) -> str:
     if path.stat().st_size == 0:
         raise SourceError(f"source {src.name!r}: file {path} is empty (0 bytes)")
     if is_parquet:
-        return "parquet"
-    first = _first_content_byte(path)
+        return "parquet", None
+    enc = detect_encoding(path)
+    first = first_content_char(path, enc)  # a BOM-only file is as empty as a blank one
     if first is None:
-        raise SourceError(f"source {src.name!r}: file {path} holds only whitespace")
-    return "array" if first == b"[" else "lines"
+        raise SourceError(f"source {src.name!r}: file {path} ({enc.name}) holds only whitespace")
+    # A JSONL line may itself be an array, so only a .json file is read as one array when it starts with '['.
+    return ("array" if first == "[" and path.suffix not in (".jsonl", ".ndjson") else "lines"), enc
 
 
 def read_source(src: SourceConfig, max_chars: int) -> SourceStream:
@@ -198,25 +159,16 @@ def read_source(src: SourceConfig, max_chars: int) -> SourceStream:
     Lazy: records are parsed only as the caller asks for them, so stopping after N rows costs N rows.
     """
     path = source_path(src)
-    reader = _pick_reader(src, path)
-    if reader == "parquet":
+    reader, enc = _pick_reader(src, path)
+    if enc is None:
         fmt, raw = _open_parquet(src, path)
     else:
-        raw = _iter_array(src.name, path) if reader == "array" else _iter_lines(src.name, path)
-        fmt, raw = _choose_format(src, path, raw)
+        raw = (iter_array if reader == "array" else iter_lines)(src.name, path, enc)
+        fmt, raw = _choose_format(src, path, enc, raw)
     return SourceStream(fmt, path, _normalize_all(src.name, fmt, raw, max_chars), raw)
 
 
-def _record_format(value: Any) -> str | None:
-    if isinstance(value, dict):
-        if isinstance(value.get("messages"), list):
-            return "openai"
-        if isinstance(value.get("conversations"), list):
-            return "sharegpt"
-    return None
-
-
-def _choose_format(src: SourceConfig, path: Path, raw: Iterator) -> tuple[str, Iterator]:
+def _choose_format(src: SourceConfig, path: Path, enc: TextEncoding, raw: Iterator) -> tuple[str, Iterator]:
     """The configured format, or (auto) the first record's: 'messages' -> openai, 'conversations' -> sharegpt."""
     if src.format in ("sharegpt", "openai"):
         return src.format, raw
@@ -230,8 +182,8 @@ def _choose_format(src: SourceConfig, path: Path, raw: Iterator) -> tuple[str, I
     if not fmt:
         raw.close()
         what = f"none of the first {len(peeked)} records has" if peeked else "it holds no record with"
-        raise SourceError(f"source {src.name!r}: cannot tell the format of {path}: {what} a 'messages' or "
-                          "'conversations' list; set format to sharegpt or openai")
+        raise SourceError(f"source {src.name!r}: cannot tell the format of {path} (read as {enc.name}): {what} "
+                          "a 'messages' or 'conversations' list; set format to sharegpt or openai")
     return fmt, _prepend(peeked, raw)
 
 
@@ -247,111 +199,6 @@ def _prepend(peeked: list, raw: Iterator) -> Iterator:
 # ---------------------------------------------------------------- raw records per container
 
 
-def _iter_lines(source: str, path: Path) -> Iterator[tuple[str, Any] | Reject]:
-    """JSONL: (location, parsed value) per non-blank line; bad bytes or bad JSON reject only that line."""
-    with open(path, "rb") as fh:
-        for num, raw in enumerate(fh, 1):
-            if num == 1:
-                raw = raw.removeprefix(BOM)
-            if not raw.strip():
-                continue  # a blank line is not a record
-            loc = f"{path.name}:{num}"
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                shown = raw.decode("utf-8", "backslashreplace").rstrip("\r\n")
-                yield Reject(source, loc, "invalid_utf8", f"not UTF-8 at byte {exc.start} of the line", shown)
-                continue
-            try:
-                yield loc, json.loads(text)
-            except json.JSONDecodeError as exc:
-                yield Reject(source, loc, "unparsable", f"invalid JSON: {exc.msg} (column {exc.colno})",
-                             text.rstrip("\r\n"))
-
-
-class _TextWindow:
-    """A sliding window over a file's text; bytes that are not UTF-8 become lone surrogates."""
-
-    def __init__(self, fh: Any):
-        self.fh, self.text, self.eof = fh, "", False
-        self._decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
-
-    def extend(self, pos: int) -> int | None:
-        """Drop the text before ``pos`` and read one more chunk; the new position, or None at EOF."""
-        if self.eof:
-            return None
-        chunk = self.fh.read(READ_CHUNK_BYTES)
-        self.eof = not chunk
-        # Cutting only here (not after every record) keeps slicing cost linear in the file size.
-        self.text = self.text[pos:] + self._decoder.decode(chunk, final=self.eof)
-        return 0
-
-
-def _skip_separators(window: _TextWindow, pos: int) -> int | None:
-    """Position of the next record's first character (past whitespace and commas), None at EOF."""
-    while True:
-        while pos < len(window.text) and window.text[pos] in " \t\r\n,\ufeff":
-            pos += 1
-        if pos < len(window.text):
-            return pos
-        pos = window.extend(pos)
-        if pos is None:
-            return None
-
-
-def _iter_array(source: str, path: Path) -> Iterator[tuple[str, Any] | Reject]:
-    """One JSON array, decoded record by record so a truncated file still yields every whole record.
-
-    The first record that cannot be decoded (the cut-off tail of a truncated file) ends the array:
-    there is no reliable way to resynchronize inside JSON, so the rest becomes one 'unparsable' reject.
-    """
-    decoder = json.JSONDecoder()
-    with open(path, "rb") as fh:
-        window = _TextWindow(fh)
-        pos = _skip_separators(window, 0)
-        assert window.text[pos] == "[", "_pick_reader chose the array reader for a file not starting with '['"
-        pos += 1
-        index = 0
-        while (pos := _skip_separators(window, pos)) is not None:
-            if window.text[pos] == "]":
-                yield from _trailing_reject(source, path, window, pos + 1)
-                return
-            try:
-                value, end = decoder.raw_decode(window.text, pos)
-                if end == len(window.text) and not window.eof:
-                    raise json.JSONDecodeError("value may continue in the next chunk", window.text, end)
-            except json.JSONDecodeError as exc:
-                # Either the record continues in the next chunk, or this is the cut-off tail.
-                next_pos = window.extend(pos)
-                if next_pos is None:
-                    yield _tail_reject(source, path, window.text[pos:], exc)
-                    return
-                pos = next_pos
-                continue
-            yield f"{path.name}#[{index}]", value
-            index, pos = index + 1, end
-
-
-def _tail_reject(source: str, path: Path, tail: str, exc: json.JSONDecodeError) -> Reject:
-    """The undecodable rest of a JSON array as ONE reject: located by byte offset, head kept for reading."""
-    num_bytes = len(tail.encode("utf-8", "surrogateescape"))
-    offset = path.stat().st_size - num_bytes
-    record = {"head": tail[:TAIL_HEAD_CHARS], "num_chars": len(tail), "num_bytes": num_bytes}
-    detail = (f"JSON array is cut off or broken here ({exc.msg}); the remaining {num_bytes:,} bytes "
-              "hold no complete record")
-    return Reject(source, f"{path.name}@byte {offset}", "unparsable", detail, record)
-
-
-def _trailing_reject(source: str, path: Path, window: _TextWindow, pos: int) -> Iterator[Reject]:
-    """Text after the closing ']' is not silently ignored."""
-    while window.extend(pos) is not None:
-        pos = 0
-    rest = window.text[pos:].lstrip(" \t\r\n")
-    if rest:
-        exc = json.JSONDecodeError("extra data after the closing ']'", rest, 0)
-        yield _tail_reject(source, path, rest, exc)
-
-
 def _open_parquet(src: SourceConfig, path: Path) -> tuple[str, Iterator[tuple[str, Any]]]:
     """Format from the columns ('messages' or 'conversations', optional 'id') and a lazy row iterator."""
     import pyarrow as pa
@@ -359,23 +206,52 @@ def _open_parquet(src: SourceConfig, path: Path) -> tuple[str, Iterator[tuple[st
 
     try:
         pfile = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as exc:
+        names = set(pfile.schema_arrow.names)
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:  # a damaged footer may hold non-UTF-8 names
         raise SourceError(f"source {src.name!r}: cannot read {path} as Parquet: {exc}") from None
-    names = set(pfile.schema_arrow.names)
     fmt = "openai" if "messages" in names else "sharegpt" if "conversations" in names else None
     if fmt is None:
         raise SourceError(f"source {src.name!r}: {path} has no 'messages' or 'conversations' column "
                           f"(columns: {sorted(names)})")
     columns = [c for c in ("id", "messages" if fmt == "openai" else "conversations") if c in names]
-    return fmt, _iter_parquet_rows(pfile, columns, path.name)
+    return fmt, _iter_parquet_rows(src.name, pfile, columns, path)
 
 
-def _iter_parquet_rows(pfile: Any, columns: list[str], file_name: str) -> Iterator[tuple[str, Any]]:
+def _iter_parquet_rows(source: str, pfile: Any, columns: list[str], path: Path) -> Iterator[tuple[str, Any]]:
+    """(location, row dict) per row; a row group that cannot be decoded stops the source with its row number."""
+    import pyarrow as pa
+
     num = 0
-    for batch in pfile.iter_batches(batch_size=1024, columns=columns):
-        for row in batch.to_pylist():
-            yield f"{file_name}#row {num}", row
+    batches = pfile.iter_batches(batch_size=1024, columns=columns)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as exc:
+            # The rows after a corrupt page cannot be located, so the rest of the file is not guessed at.
+            raise SourceError(f"source {source!r}: {path} is corrupt from row {num} on ({exc}); "
+                              f"{num} rows were read before it") from None
+        if batch is None:
+            return
+        for row in _batch_rows(source, batch, path.name, num):
+            yield row
             num += 1
+
+
+def _batch_rows(source: str, batch: Any, file_name: str, first: int) -> list[tuple[str, Any] | Reject]:
+    """The batch's rows; if a string in it is not UTF-8 (Parquet does not check), row by row, rejecting those."""
+    try:
+        return [(f"{file_name}#row {first + i}", row) for i, row in enumerate(batch.to_pylist())]
+    except UnicodeDecodeError:
+        pass
+    rows: list[tuple[str, Any] | Reject] = []
+    for i in range(batch.num_rows):
+        loc = f"{file_name}#row {first + i}"
+        try:
+            rows.append((loc, batch.slice(i, 1).to_pylist()[0]))
+        except UnicodeDecodeError as exc:
+            rows.append(Reject(source, loc, "invalid_utf8", f"a string in the row is not UTF-8 ({exc.reason} at "
+                               f"byte {exc.start})", {"raw": repr(exc.object[:200])}))
+    return rows
 
 
 # ---------------------------------------------------------------- one record -> Conversation | Reject

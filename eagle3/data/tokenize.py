@@ -54,6 +54,10 @@ TOKENIZED_SCHEMA = pa.schema([
 ])
 
 
+class EmptyTokenizeError(ValueError):
+    """Tokenize had no rows to read, or rejected every row: nothing a drafter could learn from."""
+
+
 class TemplateError(ValueError):
     """The chat template cannot give a trustworthy loss mask for this conversation."""
 
@@ -336,6 +340,13 @@ def _write_rejects(path: Path, rejects: list[dict]) -> Path:
     return atomic_write_text(path, text)
 
 
+def _check_not_empty(tally: _Tally, in_parquet: Path, rejects_path: Path) -> None:
+    if tally.rows_written == 0:
+        reasons = ", ".join(f"{reason} {num:,}" for reason, num in tally.rejected.most_common() if num)
+        raise EmptyTokenizeError(f"tokenize rejected all {tally.rows_in:,} rows of {in_parquet} ({reasons}); "
+                                 f"see {rejects_path}")
+
+
 def tokenize_dataset(in_parquet: Path, out_dir: Path, tokenizer: Any, cfg: TokenizeConfig,
                      progress: ProgressFn | None = None) -> tuple[dict[str, Path], dict]:
     """Tokenize + mask every row of the merged parquet; writes tokenized.parquet and tokenize_rejects.jsonl."""
@@ -343,6 +354,8 @@ def tokenize_dataset(in_parquet: Path, out_dir: Path, tokenizer: Any, cfg: Token
     out_dir = Path(out_dir)
     end_of_turn = end_of_turn_text(tokenizer)
     source = pq.ParquetFile(in_parquet)
+    if source.metadata.num_rows == 0:
+        raise EmptyTokenizeError(f"no rows to tokenize: {in_parquet} holds 0 rows")
     tally, rejects = _Tally(), []
     out_path = out_dir / "tokenized.parquet"
     with Progress(source.metadata.num_rows, "tokenize", progress) as bar, atomic_path(out_path) as tmp:
@@ -352,7 +365,8 @@ def tokenize_dataset(in_parquet: Path, out_dir: Path, tokenizer: Any, cfg: Token
                 tally.rows_in += len(rows)
                 writer.write_table(_chunk_table(_tokenize_chunk(rows, tokenizer, cfg, end_of_turn, rejects, tally)))
                 bar.update(len(rows), tokens=tally.num_tokens, rejected=sum(tally.rejected.values()))
-    rejects_path = _write_rejects(out_dir / "tokenize_rejects.jsonl", rejects)
+        rejects_path = _write_rejects(out_dir / "tokenize_rejects.jsonl", rejects)
+        _check_not_empty(tally, in_parquet, rejects_path)  # before the empty table replaces tokenized.parquet
     stats = _stats(tally, time.perf_counter() - start, end_of_turn)
     return {"tokenized": out_path, "rejects": rejects_path}, stats
 

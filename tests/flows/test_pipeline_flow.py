@@ -89,3 +89,22 @@ def test_flow_with_regeneration_against_the_fake_openai_server(tmp_path):
     answers = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
     assert sum(a.startswith("answer to:") for a in answers) >= 5
     assert result["tokenize"]["computed"] and result["vocab"]["computed"]
+
+
+def test_merge_keeping_no_rows_fails_its_task_with_the_reason(tmp_path):
+    """A binary file forced to sharegpt keeps 0 rows: the merge task run fails with the reason and the flow stops."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(bytes(range(256)) * 8)
+    cfg = _tiny(tmp_path, f"data.sources.0.path={blob}", "data.sources.0.format=sharegpt")
+    state = eagle3_pipeline(config=cfg, until="vocab", return_state=True)
+    assert state.is_failed()
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(
+            any_=[state.state_details.flow_run_id])))
+    merge = [r for r in runs if r.name.startswith("merge")]
+    assert len(merge) == 1 and merge[0].state.is_failed()
+    assert "merge kept 0 of" in merge[0].state.message and "data.min_rows=1" in merge[0].state.message
+    assert not [r for r in runs if r.name.startswith(("tokenize", "vocab"))]

@@ -74,3 +74,43 @@ def test_help_lists_every_subcommand_with_an_example():
     for name in commands:
         assert name in proc.stdout.split("examples:")[0], name
         assert f"eagle3 {name}" in examples, f"no example for {name}"
+
+
+def _stage_main(capsys, *args: str) -> str:
+    """Run `python -m eagle3.stages ARGS` in this process; its exit code must be 2; returns stderr."""
+    from eagle3.stages import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_config_files_with_syntax_errors_name_file_and_line(tmp_path, capsys):
+    """A preset YAML and a JSON --config with a syntax error: exit 2, one message naming the file and line."""
+    preset = tmp_path / "broken.yaml"
+    preset.write_text("run:\n  name: x\n data: [\n")
+    err = _stage_main(capsys, "merge", "--preset", str(preset))
+    assert f"{preset}, line 3" in err and "invalid YAML" in err and err.count("\n") == 1
+    config = tmp_path / "config.json"
+    config.write_text('{\n  "run": {"name": "x",}\n}\n')
+    err = _stage_main(capsys, "merge", "--config", str(config))
+    assert f"{config}, line 2" in err and "invalid JSON" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("run.name=" + "n" * 300, "run.name"),
+    ("run.workdir={afile}", "is a file, not a folder"),
+    ("target.tiny.hidden_size=-64", "target.tiny.hidden_size"),
+    ("target.tiny.num_attention_heads=0", "target.tiny.num_attention_heads"),
+    ("target.name=../../x", "target.name"),
+])
+def test_bad_config_values_are_one_message_and_exit_2(tmp_path, capsys, override, needle):
+    """Over-long names, a file as workdir, non-positive sizes, '..' in a name: exit 2 naming the field; nothing made."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    workdir = tmp_path / "runs"
+    args = ["tokenize", "--preset", "tiny", "--set", f"run.workdir={workdir}", "--set", override.format(afile=afile)]
+    err = _stage_main(capsys, *args)
+    assert err.startswith("error: invalid config") and needle in err and "Traceback" not in err
+    assert not workdir.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

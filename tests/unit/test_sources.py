@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3.config import SourceConfig
-from eagle3.data import sources
+from eagle3.data import containers, sources
 from eagle3.data.sources import (MAX_ID_CHARS, REJECT_REASONS, Conversation, Reject, SourceError, make_row_id,
                                  read_source)
 
@@ -148,7 +148,7 @@ def test_array_reading_does_not_depend_on_chunk_size(monkeypatch):
     """Records split across read chunks (even mid UTF-8 character) decode as with one big chunk."""
     path = BAD / "truncated_sharegpt.json"
     whole = [i.to_json() if isinstance(i, Reject) else vars(i) for i in read_all(path)]
-    monkeypatch.setattr(sources, "READ_CHUNK_BYTES", 7)
+    monkeypatch.setattr(containers, "READ_CHUNK_CHARS", 7)
     chunked = [i.to_json() if isinstance(i, Reject) else vars(i) for i in read_all(path)]
     assert chunked == whole
 
@@ -159,7 +159,7 @@ def test_complete_array_with_multibyte_text_has_no_tail(tmp_path, monkeypatch):
                                                 {"from": "gpt", "value": "日本語"}]} for n in range(1, 30)]
     path = tmp_path / "full.json"
     path.write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
-    monkeypatch.setattr(sources, "READ_CHUNK_BYTES", 5)
+    monkeypatch.setattr(containers, "READ_CHUNK_CHARS", 5)
     items = read_all(path, max_chars=10_000)
     assert [c.messages[0]["content"] for c in items] == [r["conversations"][0]["value"] for r in records]
 
@@ -186,13 +186,13 @@ def test_real_sharegpt_is_streamed_and_fully_recovered(monkeypatch):
     """Taking 2,000 items reads a fraction of the 125 MB file; a full read gives 17,671 records + one tail."""
     src = SourceConfig(name="sharegpt", path=SHAREGPT_PKG)
     num_chunks = []
-    extend = sources._TextWindow.extend
-    monkeypatch.setattr(sources._TextWindow, "extend", lambda self, pos: num_chunks.append(1) or extend(self, pos))
+    extend = containers._TextWindow.extend
+    monkeypatch.setattr(containers._TextWindow, "extend", lambda self, pos: num_chunks.append(1) or extend(self, pos))
     stream = read_source(src, 200_000)
     first = [item for _, item in zip(range(2000), stream)]
     stream.close()
     assert len(first) == 2000
-    assert len(num_chunks) * sources.READ_CHUNK_BYTES < 40e6
+    assert len(num_chunks) * containers.READ_CHUNK_CHARS < 40e6
     items = list(read_source(src, 200_000))
     tails = [i for i in items if isinstance(i, Reject) and "@byte" in i.location]
     assert len(items) == 17_671 + 1 and len(tails) == 1 and tails[0] is items[-1]

@@ -279,18 +279,6 @@ def test_min_loss_tokens_zero_keeps_unsupervised_rows(tmp_path: Path, chatml: An
     assert stats["rows_rejected"] == 0
 
 
-def test_empty_input_writes_empty_outputs(tmp_path: Path, chatml: Any) -> None:
-    """Zero rows in gives a valid, empty tokenized.parquet and an empty rejects file."""
-    empty = pa.table({"id": pa.array([], pa.string()), "source": pa.array([], pa.string()),
-                      "split": pa.array([], pa.string()),
-                      "messages": pa.array([], pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-                      "content_hash": pa.array([], pa.string())})
-    pq.write_table(empty, tmp_path / "m.parquet")
-    paths, stats = tokenize_dataset(tmp_path / "m.parquet", tmp_path / "out", chatml, TokenizeConfig())
-    assert read_tokenized(paths["tokenized"]).num_rows == 0 and paths["rejects"].read_text() == ""
-    assert stats["rows_in"] == 0 == stats["rows_written"]
-
-
 def test_read_tokenized_filters_split(tmp_path: Path, chatml: Any) -> None:
     """read_tokenized(split=...) keeps only that split, even when the split column is not requested."""
     merged = _write_merged(tmp_path / "m.parquet", [{"id": "a", "messages": _chat(1)},
@@ -319,3 +307,20 @@ def test_real_smollm2_chatml_mask() -> None:
     ids, mask = render_with_mask(tok, CONVERSATION[1:3])
     assert "named SmolLM" in _unmasked_text(tok, ids, mask)
     assert _masked_texts(tok, ids, mask) == ["Paris.<|im_end|>"]
+
+
+def test_no_rows_or_every_row_rejected_is_an_error(tmp_path: Path, chatml: Any) -> None:
+    """0 rows in, or every row rejected, fails naming the input (and the reasons); no tokenized.parquet is left."""
+    from eagle3.data.merge import MERGED_SCHEMA
+    from eagle3.data.tokenize import EmptyTokenizeError
+
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.Table.from_pylist([], schema=MERGED_SCHEMA), empty)
+    with pytest.raises(EmptyTokenizeError, match="no rows to tokenize: .*empty.parquet holds 0 rows"):
+        tokenize_dataset(empty, tmp_path / "out", chatml, TokenizeConfig())
+    unanswered = _write_merged(tmp_path / "merged.parquet", [
+        {"id": f"s:{i}", "messages": [{"role": "user", "content": "Hello?"}]} for i in range(3)])
+    with pytest.raises(EmptyTokenizeError, match="rejected all 3 rows .*too_few_loss_tokens 3.*tokenize_rejects"):
+        tokenize_dataset(unanswered, tmp_path / "out", chatml, TokenizeConfig())
+    assert not (tmp_path / "out" / "tokenized.parquet").exists()
+    assert len((tmp_path / "out" / "tokenize_rejects.jsonl").read_text().splitlines()) == 3

@@ -145,12 +145,14 @@ def test_out_of_range_ids_are_rejected(tmp_path: Path) -> None:
         build_vocab_map(ok, TARGET_VOCAB, 1, [1, 2], tmp_path / "v", "fp")
 
 
-def test_no_train_rows_still_gives_a_valid_map(tmp_path: Path) -> None:
-    """With only val rows the map is the lowest ids (plus forced ones) and coverage is 0, not a crash."""
-    path = _write_tokenized(tmp_path / "t.parquet", [("val", [3, 4], [1, 1])])
-    _, info = build_vocab_map(path, TARGET_VOCAB, 3, [7], tmp_path / "v", "fp")
-    assert load_vocab_map(tmp_path / "v")[1].nonzero().flatten().tolist() == [0, 1, 7]
-    assert info["coverage"] == 0.0 and info["num_train_rows"] == 0
+def test_no_supervised_train_tokens_is_an_error_not_a_map(tmp_path: Path) -> None:
+    """With no supervised train token (only val rows, or every mask 0) the build fails naming the file."""
+    only_val = _write_tokenized(tmp_path / "t.parquet", [("val", [3, 4], [1, 1])])
+    unmasked = _write_tokenized(tmp_path / "u.parquet", [("train", [3, 4], [0, 0])])
+    for path in (only_val, unmasked):
+        with pytest.raises(VocabMapError, match=f"{path.name}: no supervised tokens in the train split"):
+            build_vocab_map(path, TARGET_VOCAB, 3, [7], tmp_path / "v", "fp")
+    assert not (tmp_path / "v" / MAP_FILE).exists()
 
 
 def test_load_rejects_inconsistent_maps(tmp_path: Path) -> None:
