@@ -337,7 +337,25 @@ def test_managed_server_gives_up_after_max_restarts_and_shows_the_log(tmp_path):
         server.start()
     assert server.num_restarts == 2 and "no restarts left" in str(exc.value)
     assert "unrecognized arguments: --no-such-flag" in str(exc.value)
-    assert "--api-key ***" in str(exc.value) and "--api-key k" not in str(exc.value)
+    assert "--api-key k " not in str(exc.value) and "--config " in str(exc.value)  # usage text lists --api-key
+
+
+def test_managed_server_key_stays_out_of_cmdline_and_environment(tmp_path, monkeypatch):
+    """The key is in no /proc cmdline or environ of the server, only in a 0600 file removed on stop; log 0600."""
+    key = "s3cret-key-0123456789"
+    monkeypatch.setenv("EAGLE3_SGLANG_API_KEY", key)  # as a user exports it: the server must not inherit it
+    monkeypatch.setenv("UNRELATED", "kept")
+    spec = ServerSpec("fake-model", "capture_aux", port=free_port(), api_key=key, aux_layer_ids=tuple(AUX_IDS),
+                      python=sys.executable, module="tests.fakes.sglang_server", extra_args=("--fake-lifetime-s", "60"))
+    server = ManagedServer(spec, tmp_path / "sglang.log", expect=ProbeExpectations(hidden_size=H),
+                           startup_timeout_s=20, poll_s=0.05, cwd=REPO)
+    with server:
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes()
+        assert key.encode() not in cmdline and key.encode() not in environ and b"UNRELATED=kept" in environ
+        assert oct(server.key_file.stat().st_mode & 0o777) == "0o600" and key in server.key_file.read_text()
+        assert oct(server.log_path.stat().st_mode & 0o777) == "0o600"
+    assert not server.key_file.exists()
 
 
 # ---------------------------------------------------------------- from_config
