@@ -55,8 +55,11 @@ def _killed_holder(run_dir: Path) -> None:
     """A process that takes the lock and is SIGKILLed while holding it."""
     pid = os.fork()
     if pid == 0:
-        with run_lock(run_dir, owner="doomed"):
-            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            with run_lock(run_dir, owner="doomed"):
+                os.kill(os.getpid(), signal.SIGKILL)
+        finally:
+            os._exit(1)  # refused: the forked child must never return into the caller's code
     os.waitpid(pid, 0)
 
 
@@ -75,12 +78,19 @@ def _racer(run_dir: str, trials: int, start: mp.Barrier, tried: mp.Barrier, rele
     os.environ.pop(LOCK_HOLDER_ENV, None)
     for trial in range(trials):
         start.wait()
+        held = False
         try:
             with run_lock(run_dir, owner=f"racer {os.getpid()}"):
+                held = True
                 with wins.get_lock():
                     wins[trial] += 1
                 tried.wait()  # hold until every racer has tried
         except LockHeldError:
+            pass
+        except Exception:  # noqa: BLE001 (any other failure to lock is a refusal here; the trial still counts)
+            if held:
+                raise
+        if not held:
             tried.wait()
         released.wait()
 
