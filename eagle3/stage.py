@@ -93,7 +93,7 @@ def output_problem(doc: dict[str, Any], manifest: Path) -> str | None:
             return f"{path} is missing"
         size = path.stat().st_size
         if size != entry.get("bytes"):
-            return f"{path} has {size:,} bytes where {Path(manifest).name} recorded {entry.get('bytes'):,}"
+            return f"{path} has {size} bytes where {Path(manifest).name} recorded {entry.get('bytes')}"
         digest = sha256_file_cached(path)
         if digest != entry.get("sha256"):
             return (f"{path} has sha256 {digest[:16]}..., not the {str(entry.get('sha256'))[:16]}... "

@@ -405,3 +405,32 @@ def test_from_config_launches_owns_and_stops_both_servers(tmp_path, monkeypatch)
     assert (tmp_path / "r" / "logs" / "sglang-capture_final.log").exists()
     assert_matches_fake(captured, samples(1)[0])
     np.testing.assert_array_equal(captured.final.numpy(), fake_hidden_rows(samples(1)[0].input_ids, [LAYERS], H))
+
+
+def test_managed_endpoints_hand_the_key_to_shard_backends_in_memory_not_the_environment(tmp_path, monkeypatch):
+    """Backends built inside managed_endpoints get the servers' generated key; os.environ never holds it."""
+    from eagle3.features.sglang_backend import _MANAGED_KEYS, managed_endpoints
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\ncase "$1" in --query-gpu=*) echo "0, GPU-a, Fake, 81920, 3";; esac\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.chdir(REPO)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 16, "num_hidden_layers": 8, "vocab_size": 256}')
+    cfg = run_config(tmp_path, "topk_logprobs", python=sys.executable, port=free_port(), startup_timeout_s=30,
+                     api_key_env="EAGLE3_TEST_SGLANG_KEY")
+    monkeypatch.delenv("EAGLE3_TEST_SGLANG_KEY", raising=False)
+    spec = feature_spec("topk_logprobs", topk=2)
+    with managed_endpoints(cfg, model, spec, module="tests.fakes.sglang_server") as served:
+        key = _MANAGED_KEYS[served.capture.sglang.endpoints[0]]
+        assert key not in os.environ.values()
+        b = SGLangCaptureBackend.from_config(served, model, spec)
+        assert b.api_key == key and b.owned_servers == []
+        (captured,) = list(b.capture(samples(1)))
+        b.close()
+    assert _MANAGED_KEYS == {} and key not in os.environ.values()
+    assert_matches_fake(captured, samples(1)[0])
