@@ -124,8 +124,9 @@ def _holding(fd: int, lock: Path, me: dict[str, Any]) -> Iterator[Path]:
 
 
 _HELD: dict[str, int] = {}
-"""Lock files this process holds (path -> pid, so a forked child does not inherit the claim). Re-entry checks this set rather than taking the flock on a second descriptor:
-where flock is emulated with POSIX locks (NFS), closing any descriptor of the file would drop the lock."""
+"""Lock files this process holds (path -> pid, so a forked child does not inherit the claim). Re-entry looks here
+rather than taking the flock on a second descriptor: where flock is emulated with POSIX locks (NFS), closing
+any descriptor of the file would drop the lock."""
 
 
 @contextlib.contextmanager

@@ -159,7 +159,8 @@ def test_stale_temps_of_a_killed_writer_are_removed_and_nothing_else(tmp_path):
     """Only ``.<name>.<random>.tmp`` files of the given finals go; other files, and a newer temp, stay."""
     final = tmp_path / "merged.parquet"
     code = ("import os; from infra.storage import atomic_open\n"
-            f"with atomic_open({str(final)!r}) as fh:\n    fh.write(b'x' * 4096); fh.flush(); os.kill(os.getpid(), 9)\n")
+            f"with atomic_open({str(final)!r}) as fh:\n"
+            "    fh.write(b'x' * 4096); fh.flush(); os.kill(os.getpid(), 9)\n")
     subprocess.run([sys.executable, "-c", code], check=False)
     killed = [p.name for p in tmp_path.iterdir()]
     assert len(killed) == 1 and killed[0].startswith(".merged.parquet.") and killed[0].endswith(".tmp")
