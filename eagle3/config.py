@@ -230,6 +230,8 @@ class SGLangCaptureConfig(Section):
     """Interpreter that has sglang installed (runs `-m sglang.launch_server`)."""
     host: str = "127.0.0.1"
     """Interface a managed server binds to."""
+    allow_remote_host: bool = False
+    """Let a managed server bind a non-loopback host (reachable from other machines; it always gets an API key)."""
     port: int = Field(30100, ge=1, le=65535)
     """Port of a managed server."""
     tp_size: int = Field(1, ge=1)
@@ -464,6 +466,8 @@ class ServeConfig(Section):
     """Module that starts a server; tests substitute tests.fakes.sglang_server (a fake)."""
     host: str = "127.0.0.1"
     """Interface the servers bind to (the benchmark client connects there)."""
+    allow_remote_host: bool = False
+    """Let the servers bind a non-loopback host (reachable from other machines; they always get an API key)."""
     port: int = Field(30000, ge=1, le=65534)
     """Port of the baseline server; the speculative server gets port + 1."""
     api_key_env: str | None = "EAGLE3_SGLANG_API_KEY"

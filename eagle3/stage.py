@@ -7,8 +7,12 @@ code: editing a comment must not force hours of capture or training again. Prefe
 for the stage's task is this same key.
 
 The manifest is written last and atomically, after every output file, so a stage killed
-half-way has no manifest and runs again; a manifest whose outputs were deleted or changed
-size does not count either.
+half-way has no manifest and runs again. Completeness is checked by content: a manifest counts only
+while every output it names has the recorded size and sha256 (hashed once per process and file
+version, ``sha256_file_cached``), so a flipped byte makes the stage run again. A downstream stage's
+key reads its input manifests the same way and stops with ``CorruptOutputError`` naming the file when
+an input no longer matches: that data was already consumed, and only its own stage may redo it. A
+stage that runs removes the temp files a killed earlier run of it left beside its outputs.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.storage import atomic_write_json, sha256_file, sha256_json
+from infra.storage import atomic_write_json, remove_stale_temps, sha256_file_cached, sha256_json
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,10 @@ FORMAT_VERSIONS: dict[str, int] = {"merge": 1, "regenerate": 1, "tokenize": 1, "
 
 class MissingInputError(ValueError):
     """A stage was asked to run before the stage it reads from completed."""
+
+
+class CorruptOutputError(ValueError):
+    """A completed stage's output no longer matches the size or sha256 its manifest records."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,10 @@ def stage_key(stage: str, config: dict[str, Any], inputs: list[Path] = (), extra
         if doc is None:
             raise MissingInputError(f"stage {stage} needs {Path(path).name.split('.')[0]} to be complete first "
                                     f"(no manifest at {path})")
+        problem = output_problem(doc, Path(path))
+        if problem:
+            raise CorruptOutputError(f"stage {stage} reads the output of stage {doc.get('stage')}, but {problem}; "
+                                     f"run stage {doc.get('stage')} again (it recomputes on its next run)")
         input_docs.append({"stage": doc["stage"], "key": doc["key"], "outputs": doc["outputs"]})
     return sha256_json({"stage": stage, "version": FORMAT_VERSIONS[stage], "config": config,
                         "inputs": input_docs, "extra": extra or {}})
@@ -72,31 +84,51 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _outputs_intact(doc: dict[str, Any], base: Path) -> bool:
+def output_problem(doc: dict[str, Any], manifest: Path) -> str | None:
+    """Why the outputs a manifest names are not the ones it recorded (missing, size, sha256), or None."""
+    base = Path(manifest).parent
     for entry in doc.get("outputs", {}).values():
         path = base / entry["path"]
-        if not path.is_file() or path.stat().st_size != entry["bytes"]:
-            return False
-    return True
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            return f"{path} has {size} bytes where {Path(manifest).name} recorded {entry.get('bytes')}"
+        digest = sha256_file_cached(path)
+        if digest != entry.get("sha256"):
+            return (f"{path} has sha256 {digest[:16]}..., not the {str(entry.get('sha256'))[:16]}... "
+                    f"recorded in {Path(manifest).name} (changed or corrupted on disk)")
+    return None
 
 
 def manifest_matches(path: Path, key: str) -> bool:
-    """True when the manifest exists, has this key, and its outputs are on disk with the recorded sizes."""
+    """True when the manifest exists, has this key, and its outputs are on disk with the recorded size and sha256."""
     doc = read_manifest(path)
-    return bool(doc) and doc.get("key") == key and _outputs_intact(doc, Path(path).parent)
+    if not doc or doc.get("key") != key:
+        return False
+    problem = output_problem(doc, Path(path))
+    if problem:
+        log.warning("%s: %s; the stage runs again", doc.get("stage"), problem)
+    return problem is None
 
 
 def write_manifest(path: Path, stage: str, key: str, outputs: dict[str, Path], stats: dict[str, Any]) -> dict:
     """Record outputs (relative path, bytes, sha256) and stats; written last, atomically."""
     base = Path(path).parent
     entries = {
-        name: {"path": str(Path(p).relative_to(base)), "bytes": Path(p).stat().st_size, "sha256": sha256_file(p)}
+        name: {"path": str(Path(p).relative_to(base)), "bytes": Path(p).stat().st_size, "sha256": sha256_file_cached(p)}
         for name, p in outputs.items()
     }
     doc = {"stage": stage, "key": key, "format_version": FORMAT_VERSIONS[stage], "outputs": entries,
            "stats": stats, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     atomic_write_json(path, doc)
     return doc
+
+
+def _own_files(manifest: Path, doc: dict[str, Any] | None) -> list[Path]:
+    """The manifest and the outputs its previous version names: whose temp files a killed run of this stage left."""
+    entries = (doc or {}).get("outputs", {}).values() if isinstance(doc, dict) else []
+    return [manifest, *(manifest.parent / e["path"] for e in entries if isinstance(e, dict) and "path" in e)]
 
 
 ComputeFn = Callable[[], tuple[dict[str, Path], dict[str, Any]]]
@@ -109,7 +141,11 @@ def run_stage(stage: str, manifest: Path, key: str, compute: ComputeFn, force: b
         log.info("%s: up to date (%s), skipped", stage, manifest)
         outputs = {k: str(manifest.parent / v["path"]) for k, v in doc["outputs"].items()}
         return StageOutcome(stage, key, manifest, False, doc["stats"], outputs)
+    started_ns = time.time_ns()
+    remove_stale_temps(_own_files(manifest, read_manifest(manifest)))  # nothing of this run exists yet
     manifest.unlink(missing_ok=True)
     outputs, stats = compute()
+    # A first run killed mid-write had no manifest to name its files; now the outputs do.
+    remove_stale_temps([manifest, *outputs.values()], older_than_ns=started_ns)
     write_manifest(manifest, stage, key, outputs, stats)
     return StageOutcome(stage, key, manifest, True, stats, {k: str(v) for k, v in outputs.items()})

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import struct
 from dataclasses import asdict, dataclass
@@ -23,6 +24,7 @@ from typing import Any
 
 from eagle3.config import RunConfig, TargetConfig
 from eagle3.paths import resolve_path
+from infra.locks import file_lock
 from infra.storage import sha256_file, sha256_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -92,20 +94,38 @@ def prepare_target(cfg: RunConfig) -> Path:
 
 
 def convert_gguf(gguf_file: Path, cache_dir: Path, name: str) -> Path:
-    """Dequantize a GGUF model once into ``<cache>/<name>-<hash>/`` (fp32 safetensors + tokenizer)."""
+    """Dequantize a GGUF model once into ``<cache>/<name>-<hash>/`` (fp32 safetensors + tokenizer).
+
+    The cache is shared by runs, so the conversion holds a flock on ``.<name>-<hash>.lock``: a second
+    process waits for the first one's result instead of converting too, and whoever holds the lock
+    may delete the ``<name>-<hash>.tmp<pid>`` folders that killed conversions left (gigabytes each).
+    """
     if not gguf_file.is_file():
         raise FileNotFoundError(f"GGUF file {gguf_file} not found")
     stat = gguf_file.stat()
     out = cache_dir / f"{name}-{_gguf_digest(str(gguf_file.resolve()), stat.st_size, stat.st_mtime_ns)[:12]}"
     if (out / ".complete").is_file():
         return out
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    _write_gguf_as_hf(gguf_file, tmp)
-    (tmp / ".complete").write_text(gguf_file.name + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with file_lock(cache_dir / f".{out.name}.lock"):
+        if (out / ".complete").is_file():  # converted by the process we waited for
+            return out
+        remove_conversion_temps(out)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        _write_gguf_as_hf(gguf_file, tmp)
+        (tmp / ".complete").write_text(gguf_file.name + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
     return out
+
+
+def remove_conversion_temps(out: Path) -> list[Path]:
+    """Delete the ``<out>.tmp<pid>`` folders of earlier conversions into ``out`` (call only under its lock)."""
+    pattern = re.compile(re.escape(out.name) + r"\.tmp\d+")
+    stale = sorted(p for p in out.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir())
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 @lru_cache(maxsize=8)

@@ -2,7 +2,10 @@
 
 Started in the background once and reused by later commands; the client side only needs
 PREFECT_API_URL. Prefect's ephemeral server is not used: its 20 s start-up timeout fails on a
-fresh home on a slow machine.
+fresh home on a slow machine. A healthy listener on the port is reused only when the workdir's pid
+file names a live ``prefect server start`` on that port: anything else answering there (another
+user's server, another workdir's) would receive this workdir's flow runs, so start() refuses it.
+It binds 127.0.0.1 only; a server for other machines is set up as docs/operations.md describes.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from infra.process import kill_group, pid_alive, read_pid_file, spawn_detached, tail, write_pid_file
+from infra.process import kill_group, pid_alive, process_cmdline, read_pid_file, spawn_detached, tail, write_pid_file
 
 DEFAULT_PORT = 4200
 STARTUP_TIMEOUT_S = 240.0
@@ -65,9 +68,31 @@ def healthy(server: LocalServer, timeout_s: float = 2.0) -> bool:
         return False
 
 
+class ForeignServerError(RuntimeError):
+    """Something other than this workdir's server answers on its port."""
+
+
+def owner_problem(server: LocalServer) -> str | None:
+    """Why the process on the server's port is not the one this workdir started (None when it is ours)."""
+    pid = read_pid_file(server.pid_file)
+    if pid is None:
+        return f"there is no pid file {server.pid_file}"
+    argv = process_cmdline(pid) if pid_alive(pid) else None
+    if argv is None:
+        return f"pid {pid} of {server.pid_file} is not running"
+    port_flag = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--port"]
+    if not ("server" in argv and "start" in argv and port_flag == [str(server.port)]):
+        return f"pid {pid} of {server.pid_file} is not `prefect server start --port {server.port}` ({' '.join(argv)})"
+    return None
+
+
 def start(server: LocalServer, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
-    """Start the server unless it already answers; wait for health. Returns 'reused' or 'started'."""
+    """Start the server unless ours already answers; wait for health. Returns 'reused' or 'started'."""
     if healthy(server):
+        problem = owner_problem(server)
+        if problem:
+            raise ForeignServerError(f"{server.api_url} answers, but it is not the Prefect server of this workdir "
+                                     f"({problem}); stop that server or pick another port (EAGLE3_PREFECT_PORT)")
         return "reused"
     server.home.mkdir(parents=True, exist_ok=True)
     prefect = str(Path(sys.executable).with_name("prefect"))

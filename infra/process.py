@@ -41,6 +41,15 @@ def read_pid_file(path: Path) -> int | None:
         return None
 
 
+def process_cmdline(pid: int) -> list[str] | None:
+    """The command line of a live process (Linux /proc), or None when it is gone or unreadable."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return [arg.decode("utf-8", errors="replace") for arg in raw.split(b"\0") if arg] or None
+
+
 def write_pid_file(path: Path, pid: int) -> None:
     """Record ``pid`` in ``path`` (one line)."""
     path.write_text(f"{pid}\n")

@@ -7,6 +7,11 @@ group with a log file, reports ready only after the probe of ``probe_ready`` (mo
 health_generate -> server_info -> our own checked forward pass), restarts it with backoff when it
 dies, and kills the whole group on exit. Every error names the log file and shows its tail.
 
+The API key reaches the server in a 0600 YAML file beside the log (``--config``, removed on stop), not
+on its command line, and the server's environment has no variable holding the key. SGLang itself
+writes the key into its log (the startup ``server_args=`` line) and returns it from /server_info to
+key holders, so the log of a server with a key is created 0600 too.
+
 Facts used here (field names, flags, JSON shapes) come from reading SGLang 0.5.23's
 python/sglang/srt/entrypoints/http_server.py and python/sglang/srt/managers/tokenizer_manager.py. The
 ``/generate`` bodies built here are checked in tests against SGLang's own request schema; responses are
@@ -15,6 +20,7 @@ only checked against a fake server.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -27,6 +33,7 @@ import httpx
 import numpy as np
 
 from infra.process import ProcessDiedError, RestartPolicy, SupervisedProcess, port_in_use
+from infra.storage import private_write_text
 from infra.sglang_spec import (  # noqa: F401 (re-exported: callers import the spec from infra.sglang)
     CAPTURE_MODES,
     LAUNCH_MODULE,
@@ -271,6 +278,26 @@ class ServerStartError(RuntimeError):
     """A managed server did not become ready; the message names the log and shows its tail."""
 
 
+def key_file_for(log_path: Path) -> Path:
+    """Where a managed server's API key file lives: hidden, beside its log, named for SGLang's YAML check."""
+    return log_path.with_name(f".{log_path.stem}.api-key.yaml")
+
+
+def env_without_secret(env: Mapping[str, str], secret: str | None) -> dict[str, str]:
+    """``env`` minus every variable whose value is the secret (the server gets its key from the key file)."""
+    return {k: v for k, v in env.items() if not secret or v != secret}
+
+
+def _make_private(path: Path) -> None:
+    """Create ``path`` (or keep it) readable by this user only: SGLang logs its API key at startup."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 class ManagedServer:
     """An SGLang server we launch, probe, restart when it dies, and kill as a group (context manager).
 
@@ -287,8 +314,10 @@ class ManagedServer:
             raise ServerSpecError("a capture server needs expect.hidden_size: its smoke check compares row widths")
         self.spec, self.expect, self.startup_timeout_s = spec, expect, startup_timeout_s
         self.poll_s, self.watch_s = poll_s, watch_s
-        self.process = SupervisedProcess(spec.argv(), log_path, env=env, cwd=cwd, policy=policy,
-                                         secret_flags=("--api-key",))
+        self.key_file = key_file_for(Path(log_path)) if spec.api_key else None
+        self.process = SupervisedProcess(spec.argv(str(self.key_file) if self.key_file else None), log_path,
+                                         env=env_without_secret(os.environ if env is None else env, spec.api_key),
+                                         cwd=cwd, policy=policy, secret_flags=("--api-key",))
         self.report: ReadyReport | None = None
         self._ready, self._stopping = threading.Event(), threading.Event()
         self._failure: BaseException | None = None
@@ -325,6 +354,9 @@ class ManagedServer:
             # The probe would talk to that server instead of ours, and might even find it healthy.
             raise ServerStartError(f"{self.spec.host}:{self.spec.port} already answers: stop that server "
                                    "(a stale one?) or pick another port")
+        if self.key_file is not None:
+            private_write_text(self.key_file, self.spec.key_file_text())
+            _make_private(self.log_path)
         self.process.start()
         try:
             self.report = self._bring_up()
@@ -393,6 +425,8 @@ class ManagedServer:
         if self._watchdog is not None and self._watchdog is not threading.current_thread():
             self._watchdog.join(timeout=max(30.0, self.watch_s * 2))
         self.process.stop()
+        if self.key_file is not None:
+            self.key_file.unlink(missing_ok=True)
         self._ready.set()  # waiters wake, see _stopping and raise instead of blocking until their timeout
 
     def __enter__(self) -> ManagedServer:

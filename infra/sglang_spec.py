@@ -3,10 +3,19 @@
 Every argv built here is checked in tests against SGLang's own argument parser. ``serving_pair``
 builds the baseline and the EAGLE-3 server of a benchmark: identical flags except the
 ``--speculative-*`` ones (SGLang's python/sglang/srt/arg_groups/fields/spec.py defines those).
+
+The API key never goes on the command line, where ``ps`` and ``/proc/<pid>/cmdline`` show it to every
+local user. SGLang 0.5.23 reads no environment variable for it, but its ``--config FILE.yaml`` flag
+(``sglang/srt/server_args.py``: ``prepare_server_args`` merges the YAML keys into argv in-process)
+accepts ``api-key: ...``; ``key_file_text`` is that file's content and ``launch_args(key_file)`` points
+``--config`` at it. A server bound to a non-loopback host is refused unless ``allow_remote`` says so, and
+then it must have an API key.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,7 +31,10 @@ CAPTURE_COMMON_ARGS = ("--chunked-prefill-size", "-1", "--disable-radix-cache", 
 # Serving limits a baseline and its speculative twin must share; SGLang's flags and ServerArgs fields by these names.
 SERVING_FIELDS = ("max_running_requests", "cuda_graph_max_bs_decode", "attention_backend")
 # Flags a caller must not pass in extra_args: the probe depends on the warmup forward.
-FORBIDDEN_EXTRA = {"--skip-server-warmup": "readiness relies on SGLang's warmup forward; drop it"}
+FORBIDDEN_EXTRA = {"--skip-server-warmup": "readiness relies on SGLang's warmup forward; drop it",
+                   "--api-key": "the key would be readable by every local user in the process list; set api_key "
+                                "(it travels in a 0600 --config file)",
+                   "--config": "the launch passes its own --config (the API key file) and SGLang reads only one"}
 
 
 class ServerSpecError(ValueError):
@@ -40,6 +52,7 @@ class ServerSpec:
     tp_size: int = 1
     dp_size: int = 1
     api_key: str | None = field(default=None, repr=False)
+    allow_remote: bool = False
     aux_layer_ids: tuple[int, ...] | None = None
     mem_fraction_static: float | None = None
     dtype: str | None = None
@@ -67,19 +80,27 @@ class ServerSpec:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def argv(self) -> list[str]:
+    def argv(self, key_file: str | None = None) -> list[str]:
         """The full command: ``<python> -m <module> <launch_args>``."""
-        return [self.python, "-m", self.module, *self.launch_args()]
+        return [self.python, "-m", self.module, *self.launch_args(key_file)]
 
-    def launch_args(self) -> list[str]:
-        """The flags SGLang's parser sees (everything after the module name)."""
-        return [*self._core_args(), *_mode_args(self), *self.extra_args]
+    def launch_args(self, key_file: str | None = None) -> list[str]:
+        """The flags SGLang's parser sees (everything after the module name); ``key_file`` holds ``key_file_text``."""
+        if self.api_key and not key_file:
+            raise ServerSpecError("the API key goes in a --config file, never on the command line: pass key_file "
+                                  "(ManagedServer writes it)")
+        key_args = ["--config", str(key_file)] if self.api_key else []
+        return [*self._core_args(), *key_args, *_mode_args(self), *self.extra_args]
+
+    def key_file_text(self) -> str:
+        """The YAML SGLang's --config reads the key from (a JSON string is a YAML double-quoted scalar)."""
+        if not self.api_key:
+            raise ServerSpecError("this spec has no API key")
+        return f"api-key: {json.dumps(self.api_key)}\n"
 
     def _core_args(self) -> list[str]:
         args = ["--model-path", self.model_path, "--host", self.host, "--port", str(self.port),
                 "--tp-size", str(self.tp_size), "--dp-size", str(self.dp_size)]
-        if self.api_key:
-            args += ["--api-key", self.api_key]
         if self.mem_fraction_static is not None:
             args += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.dtype:
@@ -166,6 +187,11 @@ def _basic_problems(spec: ServerSpec) -> list[str]:
         problems.append(f"mode {spec.mode!r} is not one of {', '.join(MODES)}")
     if not spec.model_path:
         problems.append("model_path is empty")
+    if not is_loopback(spec.host) and not spec.allow_remote:
+        problems.append(f"host {spec.host!r} is not a loopback address, so other machines could reach the server: "
+                        "set allow_remote (the config's allow_remote_host) if that is meant")
+    elif not is_loopback(spec.host) and not spec.api_key:
+        problems.append(f"a server reachable from other machines (host {spec.host!r}) needs an API key")
     if not 1 <= spec.port <= 65535:
         problems.append(f"port {spec.port} is outside 1..65535")
     if spec.tp_size < 1 or spec.dp_size < 1:
@@ -176,6 +202,16 @@ def _basic_problems(spec: ServerSpec) -> list[str]:
         if getattr(spec, key) is not None and getattr(spec, key) < 1:
             problems.append(f"{key} {getattr(spec, key)} must be >= 1")
     return problems
+
+
+def is_loopback(host: str) -> bool:
+    """True for 'localhost' and loopback addresses (127.0.0.0/8, ::1); a hostname may resolve anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _aux_problems(spec: ServerSpec) -> list[str]:

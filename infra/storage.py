@@ -1,8 +1,10 @@
-"""Files that are either complete or absent: atomic writes, content hashes, disk preflight, run locks.
+"""Files that are either complete or absent: atomic writes, content hashes, temp clean-up, disk preflight.
 
 Every output of the pipeline goes through ``atomic_write*`` (temp file in the same directory,
 fsync, rename, fsync of the directory), so a crash leaves the previous version or nothing,
-never half a file that a later stage could mistake for a complete one.
+never half a file that a later stage could mistake for a complete one. A writer killed mid-write leaves
+its temp file; the next run of the same stage removes it (``remove_stale_temps``). The run lock lives in
+infra/locks.py and is re-exported here.
 """
 
 from __future__ import annotations
@@ -12,15 +14,22 @@ import hashlib
 import json
 import os
 import shutil
-import socket
+import re
 import tempfile
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from infra.process import pid_alive
+from infra.locks import LOCK_HOLDER_ENV, LockHeldError, read_holder, run_lock  # noqa: F401 (re-exported)
 
 CHUNK_BYTES = 8 << 20
+TEMP_SUFFIX = ".tmp"
+"""Temp files are ``.<final name>.<random>.tmp`` beside the final file (``temp_name_re`` matches them)."""
+RACY_NS = 1_000_000_000
+"""A file modified less than this before it was hashed is not cached: a second write within one timestamp tick
+could otherwise keep its stamp (git's "racily clean" problem)."""
 
 
 def umask_mode() -> int:
@@ -44,7 +53,7 @@ def atomic_open(path: Path | str, mode: str = "wb") -> Iterator[BinaryIO]:
     """Open a temp file beside ``path``; on clean exit fsync and rename it over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     os.fchmod(fd, umask_mode())  # mkstemp creates 0600; outputs get the usual permissions
     try:
         with os.fdopen(fd, mode) as fh:
@@ -80,7 +89,7 @@ def temp_path_for(path: Path | str) -> Path:
     """A unique temp name beside ``path`` for writers that need a file name (pyarrow, safetensors)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     os.fchmod(fd, umask_mode())
     os.close(fd)
     return Path(tmp)
@@ -142,6 +151,43 @@ def sha256_file(path: Path | str) -> str:
     return digest.hexdigest()
 
 
+FileStamp = tuple[int, int, int, int, int]
+_HASHES: dict[FileStamp, str] = {}
+_HASHES_LOCK = threading.Lock()
+
+
+def file_stamp(path: Path | str) -> FileStamp:
+    """(device, inode, size, mtime_ns, ctime_ns): changes whenever the file's bytes can have changed."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def sha256_file_cached(path: Path | str) -> str:
+    """sha256_file, computed once per process per version of the file (keyed by ``file_stamp``).
+
+    A file changed less than RACY_NS before hashing is hashed again next time rather than cached, so a
+    rewrite within one timestamp tick (same size, same mtime) is still seen.
+    """
+    stamp = file_stamp(path)
+    with _HASHES_LOCK:
+        cached = _HASHES.get(stamp)
+    if cached is not None:
+        return cached
+    started_ns = time.time_ns()
+    digest = sha256_file(path)
+    settled = max(stamp[3], stamp[4]) < started_ns - RACY_NS
+    if settled and file_stamp(path) == stamp:
+        with _HASHES_LOCK:
+            _HASHES[stamp] = digest
+    return digest
+
+
+def forget_hashes() -> None:
+    """Drop the process's hash cache (what a new process starts with)."""
+    with _HASHES_LOCK:
+        _HASHES.clear()
+
+
 def sha256_json(obj: Any) -> str:
     """Hex sha256 of a canonical JSON rendering (sorted keys, no spaces)."""
     text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
@@ -151,6 +197,35 @@ def sha256_json(obj: Any) -> str:
 def sha256_text(text: str) -> str:
     """Hex sha256 of a UTF-8 string."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def temp_name_re(name: str) -> re.Pattern[str]:
+    """Names of the temp files that ``atomic_open``/``temp_path_for`` create for a final file called ``name``."""
+    return re.compile(re.escape(f".{name}.") + r"[A-Za-z0-9_]+" + re.escape(TEMP_SUFFIX))
+
+
+def remove_stale_temps(paths: Iterable[Path | str], older_than_ns: int | None = None) -> list[Path]:
+    """Delete the temp files a killed writer of these final files left in their folders; returns what went.
+
+    Only names of the form ``.<final name>.<random>.tmp`` beside each final path are touched, and with
+    ``older_than_ns`` only those last modified before it (a writer still at work keeps touching its file).
+    """
+    removed: list[Path] = []
+    for final in {Path(p) for p in paths}:
+        pattern = temp_name_re(final.name)
+        try:
+            entries = list(os.scandir(final.parent))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            if not pattern.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
+                continue
+            if older_than_ns is not None and entry.stat(follow_symlinks=False).st_mtime_ns >= older_than_ns:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return sorted(removed)
 
 
 class DiskSpaceError(RuntimeError):
@@ -171,70 +246,19 @@ def check_free_space(path: Path | str, need_bytes: int, margin_bytes: int = 1 <<
     return free
 
 
-class LockHeldError(RuntimeError):
-    """Another writer holds the run directory."""
-
-
-def read_holder(lock: Path) -> dict[str, Any]:
-    """The run lock's holder record (pid, host, owner); {} when there is none."""
+def private_write_text(path: Path | str, text: str) -> Path:
+    """Write a secret atomically as a 0600 file (mkstemp's mode, kept): only this user can read it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
-        return json.loads(lock.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _is_stale(holder: dict[str, Any]) -> bool:
-    """A holder on this host whose process is gone left a stale lock; other hosts are trusted."""
-    return holder.get("host") == socket.gethostname() and not pid_alive(int(holder.get("pid", -1)))
-
-
-LOCK_HOLDER_ENV = "EAGLE3_RUN_LOCK_HOLDER"
-"""Set while a lock is held, so child processes (torchrun workers, stage subprocesses) count as its holder."""
-
-
-def _holder_id(holder: dict[str, Any]) -> str:
-    return f"{holder.get('host')}:{holder.get('pid')}"
-
-
-def _held_by_us(holder: dict[str, Any], me: dict[str, Any]) -> bool:
-    """Our own process, or an ancestor that handed the lock down through the environment."""
-    same_process = holder.get("pid") == me["pid"] and holder.get("host") == me["host"]
-    return same_process or (bool(holder) and os.environ.get(LOCK_HOLDER_ENV) == _holder_id(holder))
-
-
-@contextlib.contextmanager
-def run_lock(run_dir: Path | str, owner: str = "") -> Iterator[Path]:
-    """Hold ``<run_dir>/.lock`` while writing; a second writer fails with a message naming the holder.
-
-    Re-entrant for the same process and for its children (through EAGLE3_RUN_LOCK_HOLDER), so a
-    flow that holds the lock can run stages and torchrun underneath it without deadlocking.
-    """
-    lock = Path(run_dir) / ".lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "owner": owner}
-    holder = read_holder(lock) if lock.exists() else {}
-    if _held_by_us(holder, me):
-        yield lock
-        return
-    if holder and _is_stale(holder):
-        lock.unlink(missing_ok=True)
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        holder = read_holder(lock)
-        raise LockHeldError(
-            f"run directory {run_dir} is locked by pid {holder.get('pid')} on host {holder.get('host')}"
-            f" ({holder.get('owner') or 'unknown owner'}); remove {lock} only if that process is gone"
-        ) from None
-    with os.fdopen(fd, "w") as fh:
-        json.dump(me, fh)
-    previous = os.environ.get(LOCK_HOLDER_ENV)
-    os.environ[LOCK_HOLDER_ENV] = _holder_id(me)
-    try:
-        yield lock
-    finally:
-        if previous is None:
-            os.environ.pop(LOCK_HOLDER_ENV, None)
-        else:
-            os.environ[LOCK_HOLDER_ENV] = previous
-        lock.unlink(missing_ok=True)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path

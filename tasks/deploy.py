@@ -44,7 +44,8 @@ def server_specs(cfg: RunConfig, model_path: str, draft_path: str, api_key: str 
 
     sv = cfg.serve
     return serving_pair(model_path, draft_path, port=sv.port, num_steps=sv.num_steps, topk=sv.eagle_topk,
-                        num_draft_tokens=sv.num_draft_tokens, host=sv.host, tp_size=sv.tp_size, dtype=sv.dtype,
+                        num_draft_tokens=sv.num_draft_tokens, host=sv.host, allow_remote=sv.allow_remote_host,
+                        tp_size=sv.tp_size, dtype=sv.dtype,
                         mem_fraction_static=sv.mem_fraction_static, max_running_requests=sv.max_running_requests,
                         cuda_graph_max_bs_decode=sv.cuda_graph_max_bs_decode, attention_backend=sv.attention_backend,
                         extra_args=tuple(sv.extra_args), api_key=api_key, python=sv.python, module=sv.launch_module)

@@ -197,7 +197,8 @@ class SGLangCaptureBackend:
         ``port + 1``, on the same GPUs (each gets half the memory unless mem_fraction_static is set).
         """
         sg = cfg.capture.sglang
-        api_key = os.environ.get(sg.api_key_env) if sg.api_key_env else None
+        api_key = _MANAGED_KEYS.get(sg.endpoints[0]) if sg.endpoints else None
+        api_key = api_key or (os.environ.get(sg.api_key_env) if sg.api_key_env else None)
         kwargs: dict[str, Any] = dict(max_concurrency=sg.max_concurrency, request_timeout_s=sg.request_timeout_s,
                                       ready_timeout_s=sg.startup_timeout_s)
         if sg.endpoints:
@@ -449,7 +450,8 @@ def _launch_servers(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, api_key:
     servers: list[ManagedServer] = []
     try:
         for offset, mode in enumerate(modes):
-            server_spec = ServerSpec(str(model_dir), mode, port=sg.port + offset, host=sg.host, tp_size=sg.tp_size,
+            server_spec = ServerSpec(str(model_dir), mode, port=sg.port + offset, host=sg.host,
+                                     allow_remote=sg.allow_remote_host, tp_size=sg.tp_size,
                                      dp_size=sg.dp_size, api_key=api_key, mem_fraction_static=mem,
                                      aux_layer_ids=tuple(spec.aux_layer_ids) if mode == "capture_aux" else None,
                                      extra_args=tuple(sg.extra_args), python=sg.python, module=module)
@@ -486,31 +488,32 @@ def _to_tensors(sample: SampleTokens, parts: tuple[_Part, _Part | None]) -> Capt
     )
 
 
+_MANAGED_KEYS: dict[str, str] = {}
+"""Base URL -> API key of the servers ``managed_endpoints`` runs in this process."""
+
+
 @contextlib.contextmanager
 def managed_endpoints(cfg: RunConfig, model_dir: Path, spec: FeatureSpec,
                       module: str = LAUNCH_MODULE) -> Iterator[RunConfig]:
     """Launch the capture servers once for a whole capture and yield a config that points at them.
 
-    Shard tasks then build backends on existing endpoints (no launch per shard); the API key is
-    handed over through the environment variable the config names. Servers stop on exit.
+    Shard tasks (threads of this process) then build backends on existing endpoints (no launch per
+    shard); the API key is handed over in this process's memory (``_MANAGED_KEYS``), never through
+    ``os.environ``, which every child process would inherit. Servers stop on exit.
     """
     sg = cfg.capture.sglang
     if sg.endpoints:
         yield cfg
         return
-    env_name = sg.api_key_env or "EAGLE3_SGLANG_API_KEY"
-    api_key = os.environ.get(env_name) or secrets.token_hex(16)
+    api_key = (os.environ.get(sg.api_key_env) if sg.api_key_env else None) or secrets.token_hex(16)
     servers = _launch_servers(cfg, model_dir, spec, api_key, module)
-    previous = os.environ.get(env_name)
-    os.environ[env_name] = api_key
+    urls = [server.spec.base_url for server in servers]
+    _MANAGED_KEYS.update(dict.fromkeys(urls, api_key))
     try:
-        urls = [server.spec.base_url for server in servers]
-        sglang = sg.model_copy(update={"endpoints": urls[:1], "final_endpoints": urls[1:], "api_key_env": env_name})
+        sglang = sg.model_copy(update={"endpoints": urls[:1], "final_endpoints": urls[1:]})
         yield cfg.model_copy(update={"capture": cfg.capture.model_copy(update={"sglang": sglang})})
     finally:
         for server in servers:
             server.stop()
-        if previous is None:
-            os.environ.pop(env_name, None)
-        else:
-            os.environ[env_name] = previous
+        for url in urls:
+            _MANAGED_KEYS.pop(url, None)

@@ -35,7 +35,7 @@ import torch
 import infra.storage as storage
 from eagle3.features.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens
-from infra.storage import atomic_write_json, sha256_file, sha256_json
+from infra.storage import atomic_write_json, sha256_file_cached, sha256_json
 
 SHARD_RE = re.compile(r"^shard-(\d{5,})\.done\.json$")
 DONE_SUFFIX = ".done.json"
@@ -527,11 +527,17 @@ def complete_shards(features_dir: Path, expected_spec_hash: str) -> dict[int, di
     return found
 
 
+class CorruptShardError(ValueError):
+    """A complete shard's bytes no longer have the sha256 its done file records."""
+
+
 class ShardReader:
     """Random access to the samples of the complete shards of a features directory, memory-mapped.
 
     Tensors are read with ``safetensors.safe_open`` slices, so ``get`` touches only that sample's
-    rows; nothing is loaded up front except the done documents and offsets.
+    rows; nothing is loaded up front except the done documents and offsets. A shard is verified
+    against its done file's sha256 when first opened (once per process and file version), so a
+    corrupted shard stops its consumer with the file named instead of feeding it wrong states.
     """
 
     def __init__(self, features_dir: Path):
@@ -568,6 +574,10 @@ class ShardReader:
         if index not in self._handles:
             from safetensors import safe_open
 
+            if not self.verify(index):
+                path, done = shard_path(self.features_dir, index), done_path_for(shard_path(self.features_dir, index))
+                raise CorruptShardError(f"{path} does not match the sha256 in {done.name} (corrupted on disk); "
+                                        f"delete {done} and run the capture again, which recaptures that shard")
             handle = safe_open(str(shard_path(self.features_dir, index)), framework="pt")
             self._handles[index] = handle
             self._offsets[index] = handle.get_tensor("offsets").tolist()
@@ -587,8 +597,8 @@ class ShardReader:
         return out
 
     def verify(self, shard_index: int) -> bool:
-        """Recompute the shard file's sha256 and compare it with its done document."""
-        return sha256_file(shard_path(self.features_dir, shard_index)) == self.shards[shard_index]["sha256"]
+        """The shard file's sha256 (hashed once per process and file version) equals its done document's."""
+        return sha256_file_cached(shard_path(self.features_dir, shard_index)) == self.shards[shard_index]["sha256"]
 
     def close(self) -> None:
         """Drop the open file handles (and their mappings)."""

@@ -22,7 +22,8 @@ of ``fake_next_token``; a speculative one reports ceil(completion / accept_lengt
 
 Hidden states are deterministic (``fake_hidden_rows``: a function of token id, position and layer),
 so tests can check the values a client stores. Top-K log-probs come from ``fake_topk``. NaN and inf
-are sent as null, as SGLang's orjson does. With --api-key every other path needs ``Bearer <key>``.
+are sent as null, as SGLang's orjson does. With --api-key every other path needs ``Bearer <key>``; like
+SGLang's, the process reads flags from ``--config FILE.yaml`` too (``api-key: ...``), the command line winning.
 
 Faults (``Faults``; CLI ``--fake-*``; at run time ``POST /_fake/faults``): short_rows (drop rows),
 id_fault "drop"/"alter" (the echoed meta_info.id), cached_tokens (report a prefix-cache hit and omit
@@ -580,9 +581,28 @@ def _parse_value(text: str) -> int | float | str:
     return text
 
 
+def merge_config(argv: list[str]) -> list[str]:
+    """SGLang's --config FILE.yaml: each key becomes ``--key value`` (``--key`` for true), before the other args."""
+    if "--config" not in argv:
+        return argv
+    import yaml
+
+    at = argv.index("--config")
+    path = argv[at + 1]
+    if not path.endswith((".yaml", ".yml")):
+        raise ValueError(f"Config file must be YAML format, got: {path}")
+    config_args: list[str] = []
+    for key, value in (yaml.safe_load(Path(path).read_text()) or {}).items():
+        if value is True:
+            config_args.append(f"--{key}")
+        elif value not in (False, None):
+            config_args += [f"--{key}", str(value)]
+    return config_args + argv[:at] + argv[at + 2:]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run as a process: ``python -m tests.fakes.sglang_server --model-path M --port P ...``."""
-    ns = vars(build_parser().parse_args(argv))
+    ns = vars(build_parser().parse_args(merge_config(list(sys.argv[1:] if argv is None else argv))))
     launch = LaunchArgs(**{f.name: ns[f.name] for f in fields(LaunchArgs)})
     faults = Faults(**{f.name: v for f in fields(Faults) if (v := ns["fake_" + f.name]) not in (None, False)})
     print(f"fake sglang {FAKE_VERSION} (a test double, not SGLang) pid {os.getpid()}: loading {launch.model_path}",

@@ -79,7 +79,7 @@ def test_deploy_flow_benchmarks_both_fake_servers_and_reports(serve_cfg, monkeyp
         assert not group_alive(doc[role]["pid"])
         assert "a test double, not SGLang" in Path(doc[role]["log"]).read_text()
     assert "--speculative-num-draft-tokens 4" in doc["speculative"]["argv"]
-    assert "--api-key ***" in doc["baseline"]["argv"]  # the generated key never reaches results.json
+    assert "--api-key" not in doc["baseline"]["argv"] and "--config " in doc["baseline"]["argv"]  # key in a file
     report = (out / "report.md").read_text()
     assert "not SGLang measurements" in report and report.count("| 1.00x | 2.29") == 2
     assert _artifact_keys("dep-deploy-report", "dep-deploy-benchmark") == {"dep-deploy-report", "dep-deploy-benchmark"}

@@ -11,6 +11,7 @@ config through modules that need torchvision's CUDA build), and anything that st
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -59,13 +60,14 @@ RESOLVED_BY_HOOKS = {"speculative_algorithm", "aux_hidden_state_capture", "retur
 
 def test_capture_aux_argv_has_exactly_the_capture_flags():
     """capture_aux adds the aux flags, explicit ids, full prefill, no radix cache, no tokenizer, loopback host."""
-    argv = ServerSpec("M", "capture_aux", port=30100, aux_layer_ids=[1, 3, 5], api_key="s").argv()
+    argv = ServerSpec("M", "capture_aux", port=30100, aux_layer_ids=[1, 3, 5], api_key="s").argv("/r/.k.api-key.yaml")
     assert argv[:3] == ["python", "-m", "sglang.launch_server"]
     joined = " ".join(argv)
     assert ("--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "
             "--return-aux-hidden-state-layer-ids 1 3 5 --chunked-prefill-size -1 --disable-radix-cache "
             "--skip-tokenizer-init") in joined
-    assert "--host 127.0.0.1 --port 30100" in joined and "--api-key s" in joined
+    assert "--host 127.0.0.1 --port 30100" in joined and "--config /r/.k.api-key.yaml" in joined
+    assert "--api-key" not in argv and "s" not in argv
     assert "--enable-return-hidden-states" not in argv
 
 
@@ -116,6 +118,52 @@ def test_extra_args_cannot_shadow_managed_flags():
         ServerSpec("M", "serve", extra_args=("--skip-server-warmup",))
 
 
+def test_api_key_never_reaches_the_command_line():
+    """The key travels only in the --config file's text; a spec with a key and no file builds no argv at all."""
+    spec = ServerSpec("M", "serve", api_key='p"w\\:d#')
+    assert 'p"w\\:d#' not in " ".join(spec.argv("/r/k.yaml"))
+    assert spec.key_file_text() == 'api-key: "p\\"w\\\\:d#"\n'
+    with pytest.raises(ServerSpecError, match="never on the command line"):
+        spec.argv()
+    for flag in ("--api-key", "--config"):
+        with pytest.raises(ServerSpecError, match=flag):
+            ServerSpec("M", "serve", extra_args=(flag, "x"))
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "gpu-host.example"])
+def test_non_loopback_host_is_refused_unless_allowed_and_then_needs_a_key(host):
+    """A host other machines can reach needs allow_remote, and then an API key; loopback hosts need neither."""
+    with pytest.raises(ServerSpecError, match="not a loopback address"):
+        ServerSpec("M", "serve", host=host, api_key="k")
+    with pytest.raises(ServerSpecError, match="needs an API key"):
+        ServerSpec("M", "serve", host=host, allow_remote=True)
+    assert ServerSpec("M", "serve", host=host, allow_remote=True, api_key="k").host == host
+    for loopback in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert ServerSpec("M", "serve", host=loopback).host == loopback
+
+
+def test_deploy_config_refuses_a_public_host_unless_allowed():
+    """serve.host 0.0.0.0 fails at spec building; serve.allow_remote_host lets it through (with the run's key)."""
+    from eagle3.config import RunConfig
+    from tasks.deploy import server_specs
+
+    cfg = RunConfig()
+    public = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"host": "0.0.0.0"})})
+    with pytest.raises(ServerSpecError, match="allow_remote_host"):
+        server_specs(public, "/m", "/d", api_key="k")
+    allowed = public.model_copy(update={"serve": public.serve.model_copy(update={"allow_remote_host": True})})
+    assert {s.host for s in server_specs(allowed, "/m", "/d", api_key="k")} == {"0.0.0.0"}
+
+
+def _args_of(spec: ServerSpec, folder: Path) -> list[str]:
+    """launch_args with the key file written as ManagedServer writes it."""
+    if not spec.api_key:
+        return spec.launch_args()
+    key_file = folder / ".sglang.api-key.yaml"
+    key_file.write_text(spec.key_file_text())
+    return spec.launch_args(str(key_file))
+
+
 def _without_speculative_flags(argv: list[str]) -> list[str]:
     out, skip = [], False
     for arg in argv:
@@ -132,10 +180,10 @@ def test_serving_pair_differs_only_in_speculative_flags_and_port():
     """Baseline and speculative argv are equal once the --speculative-* pairs and the port are removed."""
     baseline, speculative = BENCH_PAIR
     assert (baseline.mode, speculative.mode, speculative.port) == ("serve", "speculative", baseline.port + 1)
-    assert _without_speculative_flags(speculative.launch_args()) == _without_speculative_flags(baseline.launch_args())
-    assert " ".join(speculative.launch_args()).count("--speculative-") == 5
-    assert "--max-running-requests 32 --cuda-graph-max-bs-decode 32 --attention-backend triton" in " ".join(
-        baseline.launch_args())
+    base_args, spec_args = baseline.launch_args("k.yaml"), speculative.launch_args("k.yaml")
+    assert _without_speculative_flags(spec_args) == _without_speculative_flags(base_args)
+    assert " ".join(spec_args).count("--speculative-") == 5
+    assert "--max-running-requests 32 --cuda-graph-max-bs-decode 32 --attention-backend triton" in " ".join(base_args)
 
 
 def test_serving_pair_refuses_a_wrong_eagle3_trio():
@@ -161,7 +209,12 @@ def sglang_parser() -> tuple[Any, argparse.ArgumentParser]:
 
 
 def _sglang_args(sglang_parser: tuple[Any, argparse.ArgumentParser], argv: list[str]) -> Any:
+    """ServerArgs from argv the way prepare_server_args builds them, --config file merged in."""
     cls, parser = sglang_parser
+    if "--config" in argv:
+        from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+        argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
     return cls.from_cli_args(parser.parse_args(argv))
 
 
@@ -173,10 +226,10 @@ def test_installed_sglang_is_the_version_we_speak(sglang_parser):
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
-def test_every_argv_parses_with_sglangs_own_parser(sglang_parser, name):
-    """SGLang's parser and from_cli_args accept each argv and read back the values we meant."""
+def test_every_argv_parses_with_sglangs_own_parser(sglang_parser, name, tmp_path):
+    """SGLang's parser and from_cli_args accept each argv and read back the values we meant (the key from the file)."""
     spec = SPECS[name]
-    args = _sglang_args(sglang_parser, spec.launch_args())
+    args = _sglang_args(sglang_parser, _args_of(spec, tmp_path))
     assert (args.model_path, args.host, args.port) == (spec.model_path, spec.host, spec.port)
     assert (args.tp_size, args.dp_size, args.api_key) == (spec.tp_size, spec.dp_size, spec.api_key)
     assert args.mem_fraction_static == spec.mem_fraction_static
@@ -194,14 +247,14 @@ def test_expected_server_info_keys_are_sglang_fields(sglang_parser, name):
 
 
 @pytest.mark.parametrize("name", ["capture_aux", "capture_aux_ids", "capture_final", "capture_final_opts", "serve"])
-def test_sglang_resolution_hooks_give_the_settings_the_probe_expects(sglang_parser, name):
+def test_sglang_resolution_hooks_give_the_settings_the_probe_expects(sglang_parser, name, tmp_path):
     """SGLang's own aux-capture and hidden-state-mode hooks resolve our argv to expected_server_info()."""
     from sglang.srt.arg_groups.overrides import resolution_result
     from sglang.srt.arg_groups.serving_hook import handle_return_hidden_states_mode
     from sglang.srt.arg_groups.validation_hook import handle_aux_hidden_state_capture
 
     spec = SPECS[name]
-    args = _sglang_args(sglang_parser, spec.launch_args())
+    args = _sglang_args(sglang_parser, _args_of(spec, tmp_path))
     handle_aux_hidden_state_capture(args)
     handle_return_hidden_states_mode(args)
     assert {k: resolution_result(args, k) for k in spec.expected_server_info()} == spec.expected_server_info()
@@ -241,11 +294,11 @@ def _bodies() -> list[dict[str, Any]]:
             bench_request_body([1, 2, 3], "bench-c4-1", 64)]
 
 
-def test_sglang_parses_the_pair_to_settings_that_differ_only_in_speculative_fields(sglang_parser):
+def test_sglang_parses_the_pair_to_settings_that_differ_only_in_speculative_fields(sglang_parser, tmp_path):
     """Through SGLang's parser, the benchmark pair's ServerArgs differ in speculative_* fields and port only."""
     import msgspec
 
-    base, spec = (_sglang_args(sglang_parser, s.launch_args()) for s in BENCH_PAIR)
+    base, spec = (_sglang_args(sglang_parser, _args_of(s, tmp_path)) for s in BENCH_PAIR)
     names = [f.name for f in msgspec.structs.fields(sglang_parser[0])]
     differ = {n for n in names if getattr(base, n) != getattr(spec, n)}
     assert differ == {"port", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
@@ -253,17 +306,18 @@ def test_sglang_parses_the_pair_to_settings_that_differ_only_in_speculative_fiel
     assert (spec.max_running_requests, spec.cuda_graph_max_bs_decode, spec.attention_backend) == (32, 32, "triton")
 
 
-def test_deploy_config_builds_a_pair_sglang_accepts(sglang_parser):
+def test_deploy_config_builds_a_pair_sglang_accepts(sglang_parser, tmp_path):
     """The deploy flow's specs from the default serve config parse in SGLang with the documented flags."""
     from eagle3.config import RunConfig
     from tasks.deploy import server_specs
 
     baseline, speculative = server_specs(RunConfig(), "/models/target", "/runs/r/export/sglang", api_key="k")
-    args = _sglang_args(sglang_parser, speculative.launch_args())
+    args = _sglang_args(sglang_parser, _args_of(speculative, tmp_path))
     assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (3, 1, 4)
     assert (args.dtype, args.mem_fraction_static, args.max_running_requests, args.cuda_graph_max_bs_decode) == (
         "bfloat16", 0.8, 32, 32)
-    assert _sglang_args(sglang_parser, baseline.launch_args()).speculative_algorithm is None
+    assert args.api_key == "k"
+    assert _sglang_args(sglang_parser, _args_of(baseline, tmp_path)).speculative_algorithm is None
 
 
 def test_benchmark_settings_names_are_sglang_fields(sglang_parser):

@@ -336,7 +336,25 @@ def test_managed_server_gives_up_after_max_restarts_and_shows_the_log(tmp_path):
         server.start()
     assert server.num_restarts == 2 and "no restarts left" in str(exc.value)
     assert "unrecognized arguments: --no-such-flag" in str(exc.value)
-    assert "--api-key ***" in str(exc.value) and "--api-key k" not in str(exc.value)
+    assert "--api-key k " not in str(exc.value) and "--config " in str(exc.value)  # usage text lists --api-key
+
+
+def test_managed_server_key_stays_out_of_cmdline_and_environment(tmp_path, monkeypatch):
+    """The key is in no /proc cmdline or environ of the server, only in a 0600 file removed on stop; log 0600."""
+    key = "s3cret-key-0123456789"
+    monkeypatch.setenv("EAGLE3_SGLANG_API_KEY", key)  # as a user exports it: the server must not inherit it
+    monkeypatch.setenv("UNRELATED", "kept")
+    spec = ServerSpec("fake-model", "capture_aux", port=free_port(), api_key=key, aux_layer_ids=tuple(AUX_IDS),
+                      python=sys.executable, module="tests.fakes.sglang_server", extra_args=("--fake-lifetime-s", "60"))
+    server = ManagedServer(spec, tmp_path / "sglang.log", expect=ProbeExpectations(hidden_size=H),
+                           startup_timeout_s=20, poll_s=0.05, cwd=REPO)
+    with server:
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes()
+        assert key.encode() not in cmdline and key.encode() not in environ and b"UNRELATED=kept" in environ
+        assert oct(server.key_file.stat().st_mode & 0o777) == "0o600" and key in server.key_file.read_text()
+        assert oct(server.log_path.stat().st_mode & 0o777) == "0o600"
+    assert not server.key_file.exists()
 
 
 # ---------------------------------------------------------------- from_config
@@ -386,3 +404,32 @@ def test_from_config_launches_owns_and_stops_both_servers(tmp_path, monkeypatch)
     assert (tmp_path / "r" / "logs" / "sglang-capture_final.log").exists()
     assert_matches_fake(captured, samples(1)[0])
     np.testing.assert_array_equal(captured.final.numpy(), fake_hidden_rows(samples(1)[0].input_ids, [LAYERS], H))
+
+
+def test_managed_endpoints_hand_the_key_to_shard_backends_in_memory_not_the_environment(tmp_path, monkeypatch):
+    """Backends built inside managed_endpoints get the servers' generated key; os.environ never holds it."""
+    from eagle3.features.sglang_backend import _MANAGED_KEYS, managed_endpoints
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\ncase "$1" in --query-gpu=*) echo "0, GPU-a, Fake, 81920, 3";; esac\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.chdir(REPO)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 16, "num_hidden_layers": 8, "vocab_size": 256}')
+    cfg = run_config(tmp_path, "topk_logprobs", python=sys.executable, port=free_port(), startup_timeout_s=30,
+                     api_key_env="EAGLE3_TEST_SGLANG_KEY")
+    monkeypatch.delenv("EAGLE3_TEST_SGLANG_KEY", raising=False)
+    spec = feature_spec("topk_logprobs", topk=2)
+    with managed_endpoints(cfg, model, spec, module="tests.fakes.sglang_server") as served:
+        key = _MANAGED_KEYS[served.capture.sglang.endpoints[0]]
+        assert key not in os.environ.values()
+        b = SGLangCaptureBackend.from_config(served, model, spec)
+        assert b.api_key == key and b.owned_servers == []
+        (captured,) = list(b.capture(samples(1)))
+        b.close()
+    assert _MANAGED_KEYS == {} and key not in os.environ.values()
+    assert_matches_fake(captured, samples(1)[0])

@@ -250,6 +250,24 @@ def test_reader_ignores_shard_whose_size_changed(tmp_path):
     assert ShardReader(fdir).ids() == ["a0"]
 
 
+def test_reader_refuses_a_shard_with_a_flipped_byte_naming_it(tmp_path):
+    """A complete shard whose bytes changed (same size) stops the reader at open with the file named."""
+    spec = make_spec()
+    fdir = _features(tmp_path, spec)
+    write_shard(shard_path(fdir, 0), spec, make_samples(spec, [3], prefix="a"))
+    write_shard(shard_path(fdir, 1), spec, make_samples(spec, [4], prefix="b"))
+    path = shard_path(fdir, 1)
+    with open(path, "r+b") as fh:  # a byte of the payload, well past the header
+        fh.seek(path.stat().st_size - 20)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0x40]))
+    reader = ShardReader(fdir)
+    assert reader.get("a0")["input_ids"].numel() == 3
+    with pytest.raises(shards.CorruptShardError, match=r"shard-00001\.safetensors does not match the sha256"):
+        reader.get("b0")
+
+
 def test_reader_ignores_shards_of_another_spec_and_temp_files(tmp_path):
     """Shards recorded under another spec hash, and leftover temp files, are invisible."""
     spec = make_spec()

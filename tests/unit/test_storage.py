@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
+import infra.storage as storage
 from infra.storage import (DiskSpaceError, LockHeldError, atomic_open, atomic_write_json, check_free_space,
-                           publish_dir, run_lock, sha256_file)
+                           publish_dir, read_holder, remove_stale_temps, run_lock, sha256_file, sha256_file_cached,
+                           temp_path_for)
 
 
 def test_atomic_write_leaves_old_content_when_the_writer_fails(tmp_path):
@@ -66,14 +70,14 @@ def test_second_writer_is_refused_with_the_holder_named(tmp_path):
 
 
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
-    """A lock left by a SIGKILLed writer on this host does not block the next run."""
+    """A lock left by a SIGKILLed writer does not block the next run; the lock file stays, its record emptied."""
     code = (f"import os; from infra.storage import run_lock\nwith run_lock({str(tmp_path)!r}):\n"
             "    os.kill(os.getpid(), 9)\n")
     subprocess.run([sys.executable, "-c", code], check=False)
-    assert (tmp_path / ".lock").exists()
-    with run_lock(tmp_path):
-        pass
-    assert not (tmp_path / ".lock").exists()
+    assert read_holder(tmp_path / ".lock")["pid"] != os.getpid()
+    with run_lock(tmp_path, owner="next"):
+        assert read_holder(tmp_path / ".lock") == {"pid": os.getpid(), "host": socket.gethostname(), "owner": "next"}
+    assert (tmp_path / ".lock").read_text() == ""
 
 
 def test_lock_is_reentrant_in_one_process(tmp_path):
@@ -119,3 +123,52 @@ def test_publish_dir_replaces_an_older_folder_whole(tmp_path):
     assert publish_dir(tmp, final) == final
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-5"]
     assert [p.name for p in final.iterdir()] == ["new.bin"] and (final / "new.bin").read_bytes() == b"new"
+
+
+def test_cached_hash_is_computed_once_per_file_version(tmp_path, monkeypatch):
+    """A settled file is hashed once per process; a same-size rewrite (new mtime/ctime) is hashed again."""
+    calls: list[str] = []
+    real = storage.sha256_file
+    monkeypatch.setattr(storage, "sha256_file", lambda p: calls.append(str(p)) or real(p))
+    path = tmp_path / "blob"
+    path.write_bytes(b"a" * 1000)
+    old = time.time() - 10
+    os.utime(path, (old, old))
+    time.sleep(1.1)  # the ctime set by utime must settle too (RACY_NS)
+    first = sha256_file_cached(path)
+    assert sha256_file_cached(path) == first == hashlib.sha256(b"a" * 1000).hexdigest() and len(calls) == 1
+    with open(path, "r+b") as fh:
+        fh.write(b"b")
+    os.utime(path, (old, old))  # same size and same mtime: only the ctime tells
+    assert sha256_file_cached(path) == hashlib.sha256(b"b" + b"a" * 999).hexdigest() and len(calls) == 2
+
+
+def test_freshly_written_file_is_not_cached(tmp_path, monkeypatch):
+    """A file changed within RACY_NS of its hashing is hashed again: a rewrite in the same tick keeps its stamp."""
+    calls: list[str] = []
+    real = storage.sha256_file
+    monkeypatch.setattr(storage, "sha256_file", lambda p: calls.append(str(p)) or real(p))
+    path = tmp_path / "fresh"
+    path.write_bytes(b"x")
+    sha256_file_cached(path)
+    sha256_file_cached(path)
+    assert len(calls) == 2
+
+
+def test_stale_temps_of_a_killed_writer_are_removed_and_nothing_else(tmp_path):
+    """Only ``.<name>.<random>.tmp`` files of the given finals go; other files, and a newer temp, stay."""
+    final = tmp_path / "merged.parquet"
+    code = ("import os; from infra.storage import atomic_open\n"
+            f"with atomic_open({str(final)!r}) as fh:\n"
+            "    fh.write(b'x' * 4096); fh.flush(); os.kill(os.getpid(), 9)\n")
+    subprocess.run([sys.executable, "-c", code], check=False)
+    killed = [p.name for p in tmp_path.iterdir()]
+    assert len(killed) == 1 and killed[0].startswith(".merged.parquet.") and killed[0].endswith(".tmp")
+    keep = [tmp_path / ".other.parquet.abc123.tmp", tmp_path / "merged.parquet.tmp", tmp_path / ".merged.parquet.old"]
+    for path in keep:
+        path.write_bytes(b"keep")
+    cutoff = time.time_ns()
+    newer = temp_path_for(final)  # a writer that started after the cutoff
+    os.utime(newer, ns=(cutoff + 10**9, cutoff + 10**9))
+    assert [p.name for p in remove_stale_temps([final], older_than_ns=cutoff)] == killed
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*(p.name for p in keep), newer.name])

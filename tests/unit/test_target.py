@@ -111,3 +111,28 @@ def test_gguf_conversion_makes_a_folder_both_transformers_generations_read(tmp_p
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
     tokenizer_report(tok, target_info(model_dir))
+
+
+def test_killed_gguf_conversion_temp_dir_is_removed_by_the_next_conversion(tmp_path, monkeypatch):
+    """A conversion killed mid-write leaves <name>-<hash>.tmp<pid>/; the next one removes it (only its own)."""
+    import subprocess
+    import sys
+
+    import eagle3.target as target
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF fake bytes")  # the conversion itself is replaced below: only the folders matter
+    cache = tmp_path / "cache"
+    code = ("import os, eagle3.target as t\n"
+            "def killed(src, out):\n    out.mkdir(parents=True); (out / 'model.safetensors').write_bytes(b'x' * 4096)\n"
+            "    os.kill(os.getpid(), 9)\n"
+            f"t._write_gguf_as_hf = killed\nt.convert_gguf(t.Path({str(gguf)!r}), t.Path({str(cache)!r}), 'm')\n")
+    subprocess.run([sys.executable, "-c", code], check=False)
+    killed = [p.name for p in cache.iterdir() if ".tmp" in p.name]
+    assert len(killed) == 1 and killed[0].startswith("m-")
+    other = cache / "other-0123456789ab.tmp123"  # another target's conversion: not ours to remove
+    other.mkdir()
+    monkeypatch.setattr(target, "_write_gguf_as_hf", lambda src, out: out.mkdir(parents=True))
+    out = target.convert_gguf(gguf, cache, "m")
+    assert (out / ".complete").is_file()
+    assert sorted(p.name for p in cache.iterdir()) == sorted([out.name, other.name, f".{out.name}.lock"])
