@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
-from eagle3.config import list_presets
+from eagle3.config import RunConfig, list_presets
 from flows import local_server
 from flows.follow import deploy, follow, trigger
 from flows.local_worker import LocalWorker, start_worker, stop_worker, worker_pid
@@ -80,11 +80,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _follow_in_thread(t0: float) -> threading.Thread:
-    """Draw the progress bars of the newest pipeline run that started after ``t0`` (the one this process runs)."""
+    """Draw the progress bars of the newest pipeline run that started after ``t0`` (the one this process runs).
+
+    A failure is explained by run_here, which has the final state, not by this view."""
     def loop() -> None:
         run_id = _wait_for_own_run(t0)
         if run_id is not None:
-            follow(run_id, poll_s=2.0)
+            follow(run_id, poll_s=2.0, explain=False)
 
     thread = threading.Thread(target=loop, daemon=True, name="eagle3-progress")
     thread.start()
@@ -115,16 +117,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     args.workdir = cfg.run.workdir
     server = _server_for(args)
     _use_server(server)
+    code = run_here(cfg, args.force, args.until, progress=not args.no_progress)
+    print(f"\nPrefect UI: {server.ui_url}   run directory: {cfg.run_dir.resolve()}")
+    return code
+
+
+def run_here(cfg: RunConfig, force: bool, until: str, progress: bool = True) -> int:
+    """Run the pipeline flow in this process and print its summary; a failed run is explained
+    (failed task, exception, last log lines, full log saved under <run>/logs/). Returns the exit code."""
+    from prefect.logging.handlers import APILogHandler
+
+    from flows.follow import explain_flow_run
     from flows.pipeline import eagle3_pipeline
 
     t0 = time.time()
-    follower = _follow_in_thread(t0) if not args.no_progress else None
-    result = eagle3_pipeline(config=cfg, force=args.force, until=args.until)
+    follower = _follow_in_thread(t0) if progress else None
+    state = eagle3_pipeline(config=cfg, force=force, until=until, return_state=True)
     if follower:
         follower.join(timeout=15)
-    print_summary(results_from_disk(cfg) | {k: v for k, v in result.items() if k in DATA_STAGES},
-                  time.time() - t0)
-    print(f"\nPrefect UI: {server.ui_url}   run directory: {result['run_dir']}")
+    if not state.is_completed():
+        print_summary(results_from_disk(cfg), time.time() - t0, outcome=f"did not complete ({state.name})")
+        APILogHandler().flush()  # the last log lines, the traceback among them, are still in this process's queue
+        print("\n" + "\n".join(explain_flow_run(state.state_details.flow_run_id, cfg.run_dir / "logs")), flush=True)
+        return 1
+    result = state.result()
+    print_summary(results_from_disk(cfg) | {k: v for k, v in result.items() if k in DATA_STAGES}, time.time() - t0)
     return 0
 
 
@@ -145,12 +162,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     run_id = trigger(f"eagle3-pipeline/{PIPELINE_DEPLOYMENT}", {**params, "force": args.force, "until": args.until})
     print(f"flow run {server.ui_url}/runs/flow-run/{run_id}", flush=True)
-    final = follow(run_id, crash_grace_s=240.0)
-    print_summary(results_from_disk(cfg), time.monotonic() - t0)
+    final = follow(run_id, crash_grace_s=240.0, full_log=str(worker.log_file))
+    completed = final.state.type.value == "COMPLETED"
+    print_summary(results_from_disk(cfg), time.monotonic() - t0,
+                  outcome="finished" if completed else f"did not complete ({final.state.name}; why: above)")
     print(f"\nflow run {final.name}: {final.state.name}\nPrefect UI: {server.ui_url}/runs/flow-run/{run_id}"
           f"\nrun directory: {cfg.run_dir.resolve()}\nworker log: {worker.log_file}"
           "\n(the server and the worker keep running; `eagle3 server stop` stops both)")
-    return 0 if final.state.type.value == "COMPLETED" else 1
+    return 0 if completed else 1
 
 
 def cmd_setup(args: argparse.Namespace) -> int:

@@ -43,9 +43,9 @@ def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
     return results
 
 
-def print_summary(result: dict[str, Any], wall_s: float | None = None) -> None:
-    """The stats a user wants after a run, one block per stage."""
-    print("\n== pipeline finished" + (f" in {wall_s:.1f} s ==" if wall_s is not None else " =="))
+def print_summary(result: dict[str, Any], wall_s: float | None = None, outcome: str = "finished") -> None:
+    """The stats a user wants after a run, one block per stage (of a failed run: the stages it completed)."""
+    print(f"\n== pipeline {outcome}" + (f" in {wall_s:.1f} s ==" if wall_s is not None else " =="))
     for stage in DATA_STAGES:
         res = result.get(stage)
         if not res:
