@@ -4,7 +4,7 @@
     eagle3 run --preset tiny --set data.val_fraction=0.2   the flow in this process, with progress bars
     eagle3 worker start --pool gpu   a background worker of a work pool
     eagle3 server start|stop|status  the embedded Prefect server (SQLite under <workdir>/.prefect)
-    eagle3 setup                     work pools, concurrency limits, crash-recovery automations
+    eagle3 setup                     work pools, limits, automations, every deployment, a worker per pool
     eagle3 target --preset smollm2-demo   tokenizer sanity report
     eagle3 stage tokenize --preset tiny   one core stage without Prefect (= python -m eagle3.stages)
     eagle3 presets
@@ -26,7 +26,7 @@ from pathlib import Path
 from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
 from eagle3.config import RunConfig, list_presets
 from flows import local_server
-from flows.follow import deploy, follow, trigger
+from flows.follow import deploy, deployment_pools, follow, trigger
 from flows.local_worker import LocalWorker, start_worker, stop_worker, worker_pid
 from flows.report import DATA_STAGES, print_summary, results_from_disk
 
@@ -151,12 +151,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.workdir = cfg.run.workdir
     server = _server_for(args)
     _use_server(server)
-    from deployments.setup import setup
-
-    setup()
-    deploy(server, [PIPELINE_DEPLOYMENT], ROOT)
-    worker = LocalWorker(server, "gpu")
-    print(f"worker {worker.name} {start_worker(worker, ROOT)} (log {worker.log_file})", flush=True)
+    setup_local(server, start_workers=True)
+    worker = LocalWorker(server, deployment_pools(ROOT)[PIPELINE_DEPLOYMENT])
     params = {"config": json.loads(cfg.model_dump_json())} if args.config else {
         "preset": args.preset, "overrides": list(args.overrides)}
     t0 = time.monotonic()
@@ -168,17 +164,39 @@ def cmd_demo(args: argparse.Namespace) -> int:
                   outcome="finished" if completed else f"did not complete ({final.state.name}; why: above)")
     print(f"\nflow run {final.name}: {final.state.name}\nPrefect UI: {server.ui_url}/runs/flow-run/{run_id}"
           f"\nrun directory: {cfg.run_dir.resolve()}\nworker log: {worker.log_file}"
-          "\n(the server and the worker keep running; `eagle3 server stop` stops both)")
+          "\n(the server and the workers keep running; `eagle3 server stop` stops them all)")
     return 0 if completed else 1
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    """Work pools, concurrency limits and crash-recovery automations on the local server (idempotent)."""
-    _use_server(_server_for(args))
+    """Work pools, concurrency limits, crash-recovery automations, every deployment of prefect.yaml and a
+    worker for each pool they use, on the local server (idempotent)."""
+    server = _server_for(args)
+    _use_server(server)
+    setup_local(server, not args.no_workers, args.gpu_slots, args.inference_slots)
+    return 0
+
+
+def setup_local(server: local_server.LocalServer, start_workers: bool, gpu_slots: int = 1,
+                inference_slots: int = 4) -> dict[str, list[str]]:
+    """deployments.setup, then `prefect deploy` of every deployment in prefect.yaml, then a local worker per
+    work pool they use (started, or the command that starts it printed). Returns {pool: deployment names}."""
     from deployments.setup import setup
 
-    print(json.dumps(setup(args.gpu_slots, args.inference_slots), indent=2))
-    return 0
+    print(json.dumps(setup(gpu_slots, inference_slots), indent=2), flush=True)
+    pools: dict[str, list[str]] = {}
+    for name, pool in deployment_pools(ROOT).items():
+        pools.setdefault(pool, []).append(name)
+    deploy(server, [n for names in pools.values() for n in names], ROOT)
+    for pool, names in pools.items():
+        worker = LocalWorker(server, pool)
+        if start_workers:
+            print(f"worker {worker.name} {start_worker(worker, ROOT)} for {', '.join(names)} (log {worker.log_file})",
+                  flush=True)
+        else:
+            print(f"registered {', '.join(names)} on pool {pool}; their runs wait until a worker runs: "
+                  f"`eagle3 worker start --pool {pool}` (this host) or `prefect worker start --pool {pool}`", flush=True)
+    return pools
 
 
 def cmd_target(args: argparse.Namespace) -> int:
@@ -207,7 +225,7 @@ examples:
   eagle3 run --preset smollm2-demo --until vocab            stop after the data stages
   eagle3 server start | stop | status          the embedded Prefect server (SQLite under runs/.prefect)
   eagle3 worker start --pool gpu               a background process worker for a work pool
-  eagle3 setup                                 work pools, concurrency limits, crash-recovery automations
+  eagle3 setup                                 pools, limits, automations, all deployments, a worker per pool
   eagle3 target --preset smollm2-demo          tokenizer sanity report for the target
   eagle3 stage tokenize --preset tiny          one data stage without Prefect (= python -m eagle3.stages)
   eagle3 export --config runs/smollm2-demo/config.json      SGLang + speculators export of a trained run
@@ -249,10 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--pool", choices=WORK_POOLS, default="gpu")
     _add_local_server_args(worker)
     worker.set_defaults(func=cmd_worker)
-    setup = sub.add_parser("setup", help="work pools, concurrency limits, automations (idempotent)")
+    setup = sub.add_parser("setup", help="pools, limits, automations, every deployment, a worker per pool (idempotent)")
     _add_local_server_args(setup)
     setup.add_argument("--gpu-slots", type=int, default=1)
     setup.add_argument("--inference-slots", type=int, default=4)
+    setup.add_argument("--no-workers", action="store_true",
+                       help="register the deployments but start no local worker (print how to start one)")
     setup.set_defaults(func=cmd_setup)
     target = add_config_args(sub.add_parser("target", help="tokenizer sanity report for the target"))
     target.set_defaults(func=cmd_target)

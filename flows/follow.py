@@ -35,6 +35,14 @@ def deploy(server: LocalServer, names: list[str], cwd: Path) -> None:
         raise RuntimeError(f"prefect deploy failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
+def deployment_pools(cwd: Path) -> dict[str, str]:
+    """{deployment name: work pool name} of every deployment in ``cwd``/prefect.yaml, in file order."""
+    import yaml
+
+    doc = yaml.safe_load((cwd / "prefect.yaml").read_text())
+    return {d["name"]: d["work_pool"]["name"] for d in doc["deployments"]}
+
+
 def trigger(deployment: str, parameters: dict[str, Any]) -> UUID:
     """Create a run of ``deployment`` ('flow-name/deployment-name') for a worker to pick up; its id."""
     from prefect.deployments import run_deployment
