@@ -7,6 +7,7 @@
     eagle3 setup                     work pools, limits, automations, every deployment, a worker per pool
     eagle3 target --preset smollm2-demo   tokenizer sanity report
     eagle3 stage tokenize --preset tiny   one core stage without Prefect (= python -m eagle3.stages)
+    eagle3 doctor --preset tiny      can this machine run the preset? versions, optional pieces, fixes
     eagle3 presets
 
 Prefect is imported only after PREFECT_API_URL points at the local server, because Prefect
@@ -199,6 +200,13 @@ def setup_local(server: local_server.LocalServer, start_workers: bool, gpu_slots
     return pools
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Can this machine run the preset? (flows/doctor.py)"""
+    from flows.doctor import run_doctor
+
+    return run_doctor(args.preset)
+
+
 def cmd_target(args: argparse.Namespace) -> int:
     """Prepare the target and print its tokenizer report."""
     from eagle3 import target
@@ -230,6 +238,7 @@ examples:
   eagle3 stage tokenize --preset tiny          one data stage without Prefect (= python -m eagle3.stages)
   eagle3 export --config runs/smollm2-demo/config.json      SGLang + speculators export of a trained run
   eagle3 eval --config runs/smollm2-demo/config.json        measured acceptance length (speculative decoding)
+  eagle3 doctor                                what the demo preset needs and is missing, with the fixes
   eagle3 presets                               list the presets in configs/
 """
 
@@ -281,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--force", action="store_true")
     stage.set_defaults(func=cmd_stage)
     _add_core_commands(sub)
+    doctor = sub.add_parser("doctor", help="versions, optional pieces, Prefect API, disk, presets; exit 1 if the "
+                                           "chosen preset lacks something")
+    doctor.add_argument("--preset", default="smollm2-demo", help="preset to check for (default smollm2-demo)")
+    doctor.set_defaults(func=cmd_doctor)
     sub.add_parser("presets", help="list presets").set_defaults(func=lambda a: print("\n".join(list_presets())) or 0)
     return parser
 
