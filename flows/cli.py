@@ -196,7 +196,8 @@ def setup_local(server: local_server.LocalServer, start_workers: bool, gpu_slots
                   flush=True)
         else:
             print(f"registered {', '.join(names)} on pool {pool}; their runs wait until a worker runs: "
-                  f"`eagle3 worker start --pool {pool}` (this host) or `prefect worker start --pool {pool}`", flush=True)
+                  f"`eagle3 worker start --pool {pool}` (this host) or `prefect worker start --pool {pool}`",
+                  flush=True)
     return pools
 
 

@@ -59,7 +59,8 @@ def versions() -> list[str]:
 
     cuda = (f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}"
             if torch.cuda.is_available() else "no CUDA device (CPU)")
-    return [f"  python        {sys.version.split()[0]} ({sys.executable})", f"  torch         {torch.__version__}; {cuda}",
+    return [f"  python        {sys.version.split()[0]} ({sys.executable})",
+            f"  torch         {torch.__version__}; {cuda}",
             f"  transformers  {_version('transformers')}", f"  prefect       {_version('prefect')}"]
 
 
@@ -87,7 +88,7 @@ def optional_checks() -> dict[str, Check]:
                         f"sglang {_version('sglang')}" if sglang_error is None else sglang_error,
                         f"{PIP} -r tests/sglang-parser-requirements.txt (or use serve.python with sglang)"),
         "speculators": Check("speculators", speculators_error is None,
-                             f"speculators {_version('speculators')}" if speculators_error is None else speculators_error,
+                             speculators_error or f"speculators {_version('speculators')}",
                              f"{PIP} -r tests/speculators-requirements.txt"),
         "chromium": Check("chromium (UI screenshots)", browser is not None, browser or "not on PATH",
                           "apt-get install -y chromium"),
@@ -144,8 +145,10 @@ def preset_checks(cfg: RunConfig) -> list[Check]:
         [_resolves(f"target ({t.kind})", "target.path", t.path, need_config=t.kind == "hf")]
     checks += [_resolves(f"data source {s.name}", f"data.sources.{i}.path", s.path)
                for i, s in enumerate(cfg.data.sources)]
-    for python, why in ((cfg.capture.sglang.python, "capture.backend sglang"), (cfg.serve.python, "serve.enabled")):
-        if (why.startswith("capture") and cfg.capture.backend == "sglang") or (why == "serve.enabled" and cfg.serve.enabled):
+    sglang_users = ((cfg.capture.sglang.python, "capture.backend sglang", cfg.capture.backend == "sglang"),
+                    (cfg.serve.python, "serve.enabled", cfg.serve.enabled))
+    for python, why, used in sglang_users:
+        if used:
             found = shutil.which(python)
             checks.append(Check(f"interpreter for {why}", found is not None, found or f"{python} not found",
                                 f"set {why.split()[0]}.python to an interpreter that has sglang"))

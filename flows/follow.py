@@ -150,7 +150,8 @@ def _warn_if_no_worker(client: Any, root: Any, view: RunView, after_s: float, sa
     view.warned_no_worker = True
     text = no_worker_message(root.name, root.work_pool_name)
     say(f"  {time.strftime('%H:%M:%S')}  WARNING: {text}")
-    client.create_artifact(ArtifactCreate(type="markdown", flow_run_id=root.id, data=f"# Waiting for a worker\n\n{text}\n",
+    client.create_artifact(ArtifactCreate(type="markdown", flow_run_id=root.id,
+                                          data=f"# Waiting for a worker\n\n{text}\n",
                                           description="run summary: no worker for this run's work pool"))
 
 

@@ -141,8 +141,9 @@ def data_section(res: dict[str, Any]) -> list[str]:
                   f"end of turn `{tok.get('end_of_turn_text')}`", ""]
     vocab = res.get("vocab", {}).get("stats", {})
     if vocab:
-        lines += ["## Draft vocabulary", f"{vocab.get('draft_vocab_size', 0):,} of {vocab.get('target_vocab_size', 0):,}"
-                  f" target tokens; they cover {vocab.get('coverage', float('nan')):.3f} of the "
+        lines += ["## Draft vocabulary", f"{vocab.get('draft_vocab_size', 0):,} of "
+                  f"{vocab.get('target_vocab_size', 0):,} target tokens; they cover "
+                  f"{vocab.get('coverage', float('nan')):.3f} of the "
                   f"{vocab.get('num_train_loss_tokens', 0):,} trained-on tokens of the train split "
                   f"({vocab.get('num_distinct_tokens', 0):,} distinct)", ""]
     return lines
@@ -166,9 +167,9 @@ def render_run_report(cfg: RunConfig) -> str:
     if res.get("evaluate"):
         lines += ["", "## Measured acceptance (speculative decoding against the target)", ""]
         rows = eval_rows(res["evaluate"])
-        lines += _table(rows, ACCEPTANCE_COLUMNS) + ["", "Lossless check against the target's own greedy output: identical, "
-                                                      "near_tie (first difference where the target's logits hardly "
-                                                      "differ), mismatch (any other difference)", ""]
+        lines += _table(rows, ACCEPTANCE_COLUMNS) + [
+            "", "Lossless check against the target's own greedy output: identical, near_tie (first difference "
+            "where the target's logits hardly differ), mismatch (any other difference)", ""]
         lines += _table(rows, LOSSLESS_COLUMNS)
         plot = run / "eval" / "per_position.png"
         lines += ["", markdown_image(plot)] if plot.is_file() else []
