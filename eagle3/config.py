@@ -78,7 +78,7 @@ class RunSection(Section):
     workdir: Annotated[str, AfterValidator(_folder_path)] = "runs"
     """Directory that holds one sub-directory per run (relative paths are relative to the CWD)."""
     name: PlainName = "demo"
-    """Run name; the run directory is <workdir>/<name>. A plain folder name of at most 100 characters."""
+    """Run name; the run directory is {workdir}/{name}. A plain folder name of at most 100 characters."""
     seed: int = 0
     """Seed for shuffling, the train/val split, model init and training."""
 
@@ -106,11 +106,11 @@ class TargetConfig(Section):
     kind: Literal["hf", "gguf", "tiny"] = "tiny"
     """hf: a transformers directory; gguf: a GGUF file converted once to safetensors; tiny: random model."""
     path: str | None = None
-    """Model directory or GGUF file; 'pkg://<package>/<file>' finds a file inside an installed package."""
+    """Model directory or GGUF file; 'pkg://{package}/{file}' finds a file inside an installed package."""
     name: PlainName = "tiny-llama"
     """Short slug for the target, used in cache folder names (one spelling everywhere); a plain name."""
     cache_dir: str | None = None
-    """Where converted/built targets are cached; default <workdir>/_targets."""
+    """Where converted/built targets are cached; default {workdir}/_targets."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Compute dtype when the model is loaded (bf16 is slow on CPUs without AVX-512)."""
     aux_layer_ids: list[int] | None = None
@@ -144,9 +144,9 @@ def _check_tiny_heads(tiny: TinyTargetConfig) -> None:
 
 class SourceConfig(Section):
     name: str
-    """Source name; becomes the id prefix '<name>:<id in source>'. Letters, digits, '-', '_' and '.'."""
+    """Source name; becomes the id prefix '{name}:{id in source}'. Letters, digits, '-', '_' and '.'."""
     path: str
-    """File (or 'pkg://<package>/<file>') holding the conversations."""
+    """File (or 'pkg://{package}/{file}') holding the conversations."""
     format: Literal["auto", "sharegpt", "openai", "parquet"] = "auto"
     """Reader: ShareGPT JSON/JSONL, OpenAI 'messages' JSONL, Parquet; auto picks by extension and content."""
     max_records: int | None = Field(None, ge=1)
@@ -377,11 +377,11 @@ class TrainConfig(Section):
 
 class ExportConfig(Section):
     formats: list[Literal["sglang", "speculators"]] = ["sglang", "speculators"]
-    """Layouts to write under <run>/export/: sglang (official EAGLE-3, SGLang and vLLM) and speculators (vLLM)."""
+    """Layouts to write under {run}/export/: sglang (official EAGLE-3, SGLang and vLLM) and speculators (vLLM)."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype of the exported weights (d2t is always int64 and t2d always bool)."""
     checkpoint: Annotated[str | None, AfterValidator(_relative_inside)] = None
-    """Checkpoint folder to export, relative to <run>/train (e.g. checkpoints/step-500); None = the final one."""
+    """Checkpoint folder to export, relative to {run}/train (e.g. checkpoints/step-500); None = the final one."""
     verifier_name_or_path: str | None = None
     """Verifier id or path written into the speculators config; None = target.path (hf) or the target folder."""
     speculative_tokens: int = Field(3, ge=1)
@@ -461,7 +461,7 @@ class ServeConfig(Section):
     model_path: str | None = None
     """Target the servers load (HF directory or hub id); default the target's prepared HF directory."""
     python: str = "python"
-    """Interpreter that has sglang installed (runs `-m <launch_module>`)."""
+    """Interpreter that has sglang installed (runs `-m {launch_module}`)."""
     launch_module: str = "sglang.launch_server"
     """Module that starts a server; tests substitute tests.fakes.sglang_server (a fake)."""
     host: str = "127.0.0.1"

@@ -110,7 +110,14 @@ def _capture_pending(cfg: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
 @flow(name="eagle3-capture", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS))
 def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
                    config: RunConfig | None = None) -> dict[str, Any]:
-    """Capture hidden states for a run whose tokenized data exists."""
+    """Capture hidden states for a run whose tokenized data exists.
+
+    Args:
+        preset: Preset in configs/ that describes the run (target model, data, sizes); `tiny` runs in seconds.
+        overrides: Dotted `section.field=value` changes to the preset, one per item, e.g.
+            `["data.sources.0.max_records=1000", "train.num_epochs=1"]`.
+        config: A full run configuration; when given, `preset` and `overrides` are ignored.
+    """
     from infra.storage import run_lock
 
     guard_crash_loop()

@@ -4,9 +4,10 @@
     eagle3 run --preset tiny --set data.val_fraction=0.2   the flow in this process, with progress bars
     eagle3 worker start --pool gpu   a background worker of a work pool
     eagle3 server start|stop|status  the embedded Prefect server (SQLite under <workdir>/.prefect)
-    eagle3 setup                     work pools, concurrency limits, crash-recovery automations
+    eagle3 setup                     work pools, limits, automations, every deployment, a worker per pool
     eagle3 target --preset smollm2-demo   tokenizer sanity report
     eagle3 stage tokenize --preset tiny   one core stage without Prefect (= python -m eagle3.stages)
+    eagle3 doctor --preset tiny      can this machine run the preset? versions, optional pieces, fixes
     eagle3 presets
 
 Prefect is imported only after PREFECT_API_URL points at the local server, because Prefect
@@ -24,9 +25,9 @@ import time
 from pathlib import Path
 
 from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
-from eagle3.config import list_presets
+from eagle3.config import RunConfig, list_presets
 from flows import local_server
-from flows.follow import deploy, follow, trigger
+from flows.follow import deploy, deployment_pools, follow, trigger
 from flows.local_worker import LocalWorker, start_worker, stop_worker, worker_pid
 from flows.report import DATA_STAGES, print_summary, results_from_disk
 
@@ -80,11 +81,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _follow_in_thread(t0: float) -> threading.Thread:
-    """Draw the progress bars of the newest pipeline run that started after ``t0`` (the one this process runs)."""
+    """Draw the progress bars of the newest pipeline run that started after ``t0`` (the one this process runs).
+
+    A failure is explained by run_here, which has the final state, not by this view."""
     def loop() -> None:
         run_id = _wait_for_own_run(t0)
         if run_id is not None:
-            follow(run_id, poll_s=2.0)
+            follow(run_id, poll_s=2.0, explain=False)
 
     thread = threading.Thread(target=loop, daemon=True, name="eagle3-progress")
     thread.start()
@@ -115,16 +118,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     args.workdir = cfg.run.workdir
     server = _server_for(args)
     _use_server(server)
+    code = run_here(cfg, args.force, args.until, progress=not args.no_progress)
+    print(f"\nPrefect UI: {server.ui_url}   run directory: {cfg.run_dir.resolve()}")
+    return code
+
+
+def run_here(cfg: RunConfig, force: bool, until: str, progress: bool = True) -> int:
+    """Run the pipeline flow in this process and print its summary; a failed run is explained
+    (failed task, exception, last log lines, full log saved under <run>/logs/). Returns the exit code."""
+    from prefect.logging.handlers import APILogHandler
+
+    from flows.follow import explain_flow_run
     from flows.pipeline import eagle3_pipeline
 
     t0 = time.time()
-    follower = _follow_in_thread(t0) if not args.no_progress else None
-    result = eagle3_pipeline(config=cfg, force=args.force, until=args.until)
+    follower = _follow_in_thread(t0) if progress else None
+    state = eagle3_pipeline(config=cfg, force=force, until=until, return_state=True)
     if follower:
         follower.join(timeout=15)
-    print_summary(results_from_disk(cfg) | {k: v for k, v in result.items() if k in DATA_STAGES},
-                  time.time() - t0)
-    print(f"\nPrefect UI: {server.ui_url}   run directory: {result['run_dir']}")
+    if not state.is_completed():
+        print_summary(results_from_disk(cfg), time.time() - t0, outcome=f"did not complete ({state.name})")
+        APILogHandler().flush()  # the last log lines, the traceback among them, are still in this process's queue
+        print("\n" + "\n".join(explain_flow_run(state.state_details.flow_run_id, cfg.run_dir / "logs")), flush=True)
+        return 1
+    result = state.result()
+    print_summary(results_from_disk(cfg) | {k: v for k, v in result.items() if k in DATA_STAGES}, time.time() - t0)
     return 0
 
 
@@ -134,32 +152,60 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.workdir = cfg.run.workdir
     server = _server_for(args)
     _use_server(server)
-    from deployments.setup import setup
-
-    setup()
-    deploy(server, [PIPELINE_DEPLOYMENT], ROOT)
-    worker = LocalWorker(server, "gpu")
-    print(f"worker {worker.name} {start_worker(worker, ROOT)} (log {worker.log_file})", flush=True)
+    setup_local(server, start_workers=True)
+    worker = LocalWorker(server, deployment_pools(ROOT)[PIPELINE_DEPLOYMENT])
     params = {"config": json.loads(cfg.model_dump_json())} if args.config else {
         "preset": args.preset, "overrides": list(args.overrides)}
     t0 = time.monotonic()
     run_id = trigger(f"eagle3-pipeline/{PIPELINE_DEPLOYMENT}", {**params, "force": args.force, "until": args.until})
     print(f"flow run {server.ui_url}/runs/flow-run/{run_id}", flush=True)
-    final = follow(run_id, crash_grace_s=240.0)
-    print_summary(results_from_disk(cfg), time.monotonic() - t0)
+    final = follow(run_id, crash_grace_s=240.0, full_log=str(worker.log_file))
+    completed = final.state.type.value == "COMPLETED"
+    print_summary(results_from_disk(cfg), time.monotonic() - t0,
+                  outcome="finished" if completed else f"did not complete ({final.state.name}; why: above)")
     print(f"\nflow run {final.name}: {final.state.name}\nPrefect UI: {server.ui_url}/runs/flow-run/{run_id}"
           f"\nrun directory: {cfg.run_dir.resolve()}\nworker log: {worker.log_file}"
-          "\n(the server and the worker keep running; `eagle3 server stop` stops both)")
-    return 0 if final.state.type.value == "COMPLETED" else 1
+          "\n(the server and the workers keep running; `eagle3 server stop` stops them all)")
+    return 0 if completed else 1
 
 
 def cmd_setup(args: argparse.Namespace) -> int:
-    """Work pools, concurrency limits and crash-recovery automations on the local server (idempotent)."""
-    _use_server(_server_for(args))
+    """Work pools, concurrency limits, crash-recovery automations, every deployment of prefect.yaml and a
+    worker for each pool they use, on the local server (idempotent)."""
+    server = _server_for(args)
+    _use_server(server)
+    setup_local(server, not args.no_workers, args.gpu_slots, args.inference_slots)
+    return 0
+
+
+def setup_local(server: local_server.LocalServer, start_workers: bool, gpu_slots: int = 1,
+                inference_slots: int = 4) -> dict[str, list[str]]:
+    """deployments.setup, then `prefect deploy` of every deployment in prefect.yaml, then a local worker per
+    work pool they use (started, or the command that starts it printed). Returns {pool: deployment names}."""
     from deployments.setup import setup
 
-    print(json.dumps(setup(args.gpu_slots, args.inference_slots), indent=2))
-    return 0
+    print(json.dumps(setup(gpu_slots, inference_slots), indent=2), flush=True)
+    pools: dict[str, list[str]] = {}
+    for name, pool in deployment_pools(ROOT).items():
+        pools.setdefault(pool, []).append(name)
+    deploy(server, [n for names in pools.values() for n in names], ROOT)
+    for pool, names in pools.items():
+        worker = LocalWorker(server, pool)
+        if start_workers:
+            print(f"worker {worker.name} {start_worker(worker, ROOT)} for {', '.join(names)} (log {worker.log_file})",
+                  flush=True)
+        else:
+            print(f"registered {', '.join(names)} on pool {pool}; their runs wait until a worker runs: "
+                  f"`eagle3 worker start --pool {pool}` (this host) or `prefect worker start --pool {pool}`",
+                  flush=True)
+    return pools
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Can this machine run the preset? (flows/doctor.py)"""
+    from flows.doctor import run_doctor
+
+    return run_doctor(args.preset)
 
 
 def cmd_target(args: argparse.Namespace) -> int:
@@ -188,11 +234,12 @@ examples:
   eagle3 run --preset smollm2-demo --until vocab            stop after the data stages
   eagle3 server start | stop | status          the embedded Prefect server (SQLite under runs/.prefect)
   eagle3 worker start --pool gpu               a background process worker for a work pool
-  eagle3 setup                                 work pools, concurrency limits, crash-recovery automations
+  eagle3 setup                                 pools, limits, automations, all deployments, a worker per pool
   eagle3 target --preset smollm2-demo          tokenizer sanity report for the target
   eagle3 stage tokenize --preset tiny          one data stage without Prefect (= python -m eagle3.stages)
   eagle3 export --config runs/smollm2-demo/config.json      SGLang + speculators export of a trained run
   eagle3 eval --config runs/smollm2-demo/config.json        measured acceptance length (speculative decoding)
+  eagle3 doctor                                what the demo preset needs and is missing, with the fixes
   eagle3 presets                               list the presets in configs/
 """
 
@@ -230,10 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--pool", choices=WORK_POOLS, default="gpu")
     _add_local_server_args(worker)
     worker.set_defaults(func=cmd_worker)
-    setup = sub.add_parser("setup", help="work pools, concurrency limits, automations (idempotent)")
+    setup = sub.add_parser("setup", help="pools, limits, automations, every deployment, a worker per pool (idempotent)")
     _add_local_server_args(setup)
     setup.add_argument("--gpu-slots", type=int, default=1)
     setup.add_argument("--inference-slots", type=int, default=4)
+    setup.add_argument("--no-workers", action="store_true",
+                       help="register the deployments but start no local worker (print how to start one)")
     setup.set_defaults(func=cmd_setup)
     target = add_config_args(sub.add_parser("target", help="tokenizer sanity report for the target"))
     target.set_defaults(func=cmd_target)
@@ -242,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--force", action="store_true")
     stage.set_defaults(func=cmd_stage)
     _add_core_commands(sub)
+    doctor = sub.add_parser("doctor", help="versions, optional pieces, Prefect API, disk, presets; exit 1 if the "
+                                           "chosen preset lacks something")
+    doctor.add_argument("--preset", default="smollm2-demo", help="preset to check for (default smollm2-demo)")
+    doctor.set_defaults(func=cmd_doctor)
     sub.add_parser("presets", help="list presets").set_defaults(func=lambda a: print("\n".join(list_presets())) or 0)
     return parser
 

@@ -56,7 +56,17 @@ def run_deploy_steps(cfg: RunConfig, steps: list[str], force: bool = False) -> d
 def eagle3_deploy(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
                   config: RunConfig | None = None, force: bool = False,
                   steps: list[DeployStep] | None = None) -> dict[str, Any]:
-    """Export, evaluate offline and (serve.enabled) benchmark baseline vs EAGLE-3 SGLang servers."""
+    """Export, evaluate offline and (serve.enabled) benchmark baseline vs EAGLE-3 SGLang servers.
+
+    Args:
+        preset: Preset in configs/ that describes the run (target model, data, sizes); `tiny` runs in seconds.
+        overrides: Dotted `section.field=value` changes to the preset, one per item, e.g.
+            `["data.sources.0.max_records=1000", "train.num_epochs=1"]`.
+        config: A full run configuration; when given, `preset` and `overrides` are ignored.
+        force: Export and evaluate again even when their outputs on disk are up to date.
+        steps: Parts to run, in order: `export`, `evaluate`, `benchmark` (the benchmark needs `serve.enabled`);
+            empty = all three.
+    """
     from infra.storage import run_lock
 
     guard_crash_loop()

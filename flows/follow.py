@@ -2,7 +2,9 @@
 
 What `eagle3 demo` and the chaos script do on the client side: `prefect deploy` from prefect.yaml,
 `run_deployment` without waiting, then poll the server: task runs that finish are printed as lines
-and every progress artifact of the run (and of its subflows) is drawn as a progress bar.
+and every progress artifact of the run (and of its subflows) is drawn as a progress bar. A run that
+waits on a work pool without an online worker is flagged (terminal and an artifact on the run), and a
+run that ends Failed or Crashed is explained: failed task, exception, last log lines (flows/failure.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+from flows.failure import explain_run, write_full_log
 from flows.local_server import LocalServer
 
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -30,6 +33,14 @@ def deploy(server: LocalServer, names: list[str], cwd: Path) -> None:
                           text=True, timeout=600)
     if proc.returncode:
         raise RuntimeError(f"prefect deploy failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def deployment_pools(cwd: Path) -> dict[str, str]:
+    """{deployment name: work pool name} of every deployment in ``cwd``/prefect.yaml, in file order."""
+    import yaml
+
+    doc = yaml.safe_load((cwd / "prefect.yaml").read_text())
+    return {d["name"]: d["work_pool"]["name"] for d in doc["deployments"]}
 
 
 def trigger(deployment: str, parameters: dict[str, Any]) -> UUID:
@@ -48,9 +59,11 @@ class RunView:
     task_states: dict[UUID, str] = field(default_factory=dict)
     bars: dict[str, Any] = field(default_factory=dict)
     crashed_at: float | None = None
+    waiting_since: float | None = None
+    warned_no_worker: bool = False
 
 
-def _flow_run_tree(client: Any, view: RunView) -> list[Any]:
+def flow_run_tree(client: Any, view: RunView) -> list[Any]:
     """The root run and its subflow runs (any depth)."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 
@@ -104,12 +117,54 @@ def _finished(run: Any, crash_grace_s: float, view: RunView, say: Callable[[str]
     return time.monotonic() - view.crashed_at >= crash_grace_s
 
 
+def pool_has_online_worker(client: Any, pool: str) -> bool:
+    """True when some worker of work pool ``pool`` is online (sent a heartbeat recently)."""
+    from prefect.client.schemas.objects import WorkerStatus
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        return any(w.status == WorkerStatus.ONLINE for w in client.read_workers_for_work_pool(pool))
+    except ObjectNotFound:
+        return False
+
+
+def no_worker_message(run_name: str, pool: str) -> str:
+    """The warning for a run that no worker will pick up, with the command that fixes it."""
+    return (f"flow run {run_name} waits on work pool '{pool}', which has no online worker; it will not start "
+            f"until one runs: `eagle3 worker start --pool {pool}` here, or `prefect worker start --pool {pool}` "
+            "on a host of that pool")
+
+
+def _warn_if_no_worker(client: Any, root: Any, view: RunView, after_s: float, say: Callable[[str], None]) -> None:
+    """Once a run has waited ``after_s`` in Scheduled/Pending on a pool with no online worker: say so, and
+    attach the same words to the run as a markdown artifact (the flow cannot write its own before it starts)."""
+    from prefect.client.schemas.actions import ArtifactCreate
+
+    waiting = root.state and root.state.type.value in ("SCHEDULED", "PENDING") and root.work_pool_name
+    if not waiting or view.warned_no_worker:
+        view.waiting_since = None if not waiting else view.waiting_since
+        return
+    view.waiting_since = view.waiting_since or time.monotonic()
+    if time.monotonic() - view.waiting_since < after_s or pool_has_online_worker(client, root.work_pool_name):
+        return
+    view.warned_no_worker = True
+    text = no_worker_message(root.name, root.work_pool_name)
+    say(f"  {time.strftime('%H:%M:%S')}  WARNING: {text}")
+    client.create_artifact(ArtifactCreate(type="markdown", flow_run_id=root.id,
+                                          data=f"# Waiting for a worker\n\n{text}\n",
+                                          description="run summary: no worker for this run's work pool"))
+
+
 def follow(flow_run_id: UUID, poll_s: float = 3.0, timeout_s: float | None = None,
-           crash_grace_s: float = 0.0) -> Any:
+           crash_grace_s: float = 0.0, full_log: str | None = None, explain: bool = True,
+           no_worker_after_s: float = 10.0) -> Any:
     """Show a run's task states and progress bars until it reaches a terminal state; returns the flow run.
 
     A Crashed run is followed for ``crash_grace_s`` more seconds, because the crash-recovery
-    automation puts it back to AwaitingRetry and a worker runs it again.
+    automation puts it back to AwaitingRetry and a worker runs it again. A run that ends other than
+    Completed is explained (``explain``): failed task, exception, last log lines and ``full_log``
+    (where the complete log is). A run still waiting after ``no_worker_after_s`` on a pool with no
+    online worker is flagged.
     """
     from prefect.client.orchestration import get_client
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
@@ -118,13 +173,35 @@ def follow(flow_run_id: UUID, poll_s: float = 3.0, timeout_s: float | None = Non
     deadline = time.monotonic() + timeout_s if timeout_s else None
     columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn())
     with get_client(sync_client=True) as client, Progress(*columns, transient=False) as progress:
+        def say(text: str) -> None:  # whole lines (no wrapping, no rich markup): they hold paths and tracebacks
+            progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
         while True:
-            runs = _flow_run_tree(client, view)
-            _print_task_changes(client, view, progress.console.print)
+            runs = flow_run_tree(client, view)
+            _print_task_changes(client, view, say)
             _update_bars(client, view, progress)
             root = next(r for r in runs if r.id == flow_run_id)
-            if _finished(root, crash_grace_s, view, progress.console.print):
+            _warn_if_no_worker(client, root, view, no_worker_after_s, say)
+            if _finished(root, crash_grace_s, view, say):
+                if explain and root.state.type.value != "COMPLETED":
+                    for line in explain_run(client, root, list(view.flow_runs)).lines(full_log):
+                        say(line)
                 return root
             if deadline and time.monotonic() > deadline:
                 raise TimeoutError(f"flow run {flow_run_id} not finished after {timeout_s:.0f} s")
             time.sleep(poll_s)
+
+
+def explain_flow_run(flow_run_id: UUID, log_dir: Path) -> list[str]:
+    """The failure report lines of a finished flow run and its subflows (flows/failure.py), via a new client;
+    the run's whole API log is saved as ``<log_dir>/<flow run name>.log``, the report's full log."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        view = RunView(flow_run_id)
+        runs = flow_run_tree(client, view)
+        root = next(r for r in runs if r.id == flow_run_id)
+        ids = [r.id for r in runs]
+        full_log = log_dir / f"{root.name}.log"
+        write_full_log(client, ids, full_log)
+        return explain_run(client, root, ids).lines(str(full_log.resolve()))

@@ -48,9 +48,11 @@ def guard_crash_loop() -> None:
         raise RuntimeError(f"flow run restarted {flow_run.run_count} times; refusing to loop (see its logs)")
 
 
-def run_data_stages(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
-    """Call the data-stage tasks in order; returns {stage: task result}."""
-    results: dict[str, Any] = {"target": target_check_task(cfg)}
+def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Call the data-stage tasks in order; returns {stage: task result} (filled in place when ``results`` is given,
+    so a caller that catches a failure knows which stages finished)."""
+    results = {} if results is None else results
+    results["target"] = target_check_task(cfg)
     results["merge"] = _call_stage(merge_task, cfg, "merge", force)
     if cfg.regenerate.enabled:
         results["regenerate"] = _call_stage(regenerate_task, cfg, "regenerate", force)
@@ -65,14 +67,16 @@ ONLINE_SKIP = "skipped: train.features=online computes the target's states insid
 DEPLOY_STEPS = {"export": ["export"], "evaluate": ["export", "evaluate"], "deploy": ["export", "evaluate", "benchmark"]}
 
 
-def run_model_stages(cfg: RunConfig, until: str, force: bool = False) -> dict[str, Any]:
-    """Capture (a subflow, one task per shard), training (torchrun), then the deploy subflow, as far as ``until``."""
+def run_model_stages(cfg: RunConfig, until: str, force: bool = False,
+                     results: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Capture (a subflow, one task per shard), training (torchrun), then the deploy subflow, as far as ``until``
+    (``results`` is filled in place when given)."""
     from flows.capture import eagle3_capture
     from flows.deploy import eagle3_deploy
     from tasks.train import train_task
 
     reached = LAST_STAGES.index(until)
-    results: dict[str, Any] = {}
+    results = {} if results is None else results
     if reached >= LAST_STAGES.index("capture"):
         if cfg.train.features == "online":
             get_run_logger().info("capture: %s", ONLINE_SKIP)
@@ -87,21 +91,55 @@ def run_model_stages(cfg: RunConfig, until: str, force: bool = False) -> dict[st
     return results
 
 
+def planned_stages(cfg: RunConfig, until: str) -> list[str]:
+    """The stages a run up to ``until`` calls, in order (the keys of its results)."""
+    data = ["target", "merge"] + (["regenerate"] if cfg.regenerate.enabled else []) + ["tokenize", "vocab"]
+    model = [s for s in ("capture", "train") if LAST_STAGES.index(until) >= LAST_STAGES.index(s)]
+    return data + model + DEPLOY_STEPS.get(until, [])
+
+
+def failed_stage(cfg: RunConfig, until: str, results: dict[str, Any]) -> str:
+    """The stage that was running when the flow raised: the first planned one without a result.
+
+    The deploy subflow returns its steps together, so a failure inside it names the steps it had left.
+    """
+    pending = [s for s in planned_stages(cfg, until) if s not in results]
+    if not pending:
+        return "after the last stage"
+    return pending[0] if pending[0] not in DEPLOY_STEPS["deploy"] else "deploy subflow (" + ", ".join(pending) + ")"
+
+
 @flow(name="eagle3-pipeline", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=4))
 def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
                     config: RunConfig | None = None, force: bool = False,
                     until: LastStage = "deploy") -> dict[str, Any]:
-    """Run the pipeline for a preset (+ dotted overrides) or a full config, up to stage ``until``."""
+    """Run the pipeline for a preset (+ dotted overrides) or a full config, up to stage ``until``.
+
+    Args:
+        preset: Preset in configs/ that describes the run (target model, data, sizes); `tiny` runs in seconds.
+        overrides: Dotted `section.field=value` changes to the preset, one per item, e.g.
+            `["data.sources.0.max_records=1000", "train.num_epochs=1"]`.
+        config: A full run configuration; when given, `preset` and `overrides` are ignored.
+        force: Recompute every stage even when its outputs on disk are up to date.
+        until: Last stage to run (`vocab` = the data stages only; `deploy` = everything).
+    """
     from eagle3.stages import write_run_config
     from infra.storage import run_lock
 
     guard_crash_loop()
     cfg = config or load_config(preset, list(overrides or []))
     get_run_logger().info("run directory %s", cfg.run_dir.resolve())
-    with run_lock(cfg.run_dir, owner=f"prefect flow run {flow_run.id}"):
-        write_run_config(cfg)
-        results = run_data_stages(cfg, force)
-        results.update(run_model_stages(cfg, until, force))
+    results: dict[str, Any] = {}
+    try:
+        with run_lock(cfg.run_dir, owner=f"prefect flow run {flow_run.id}"):
+            write_run_config(cfg)
+            run_data_stages(cfg, force, results)
+            run_model_stages(cfg, until, force, results)
+    except Exception as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+        create_markdown_artifact(markdown=render_summary(cfg, results, (failed_stage(cfg, until, results), failure)),
+                                 key=artifact_key(cfg, "run-summary"), description="pipeline summary (failed)")
+        raise
     create_markdown_artifact(markdown=render_summary(cfg, results), key=artifact_key(cfg, "run-summary"),
                              description="pipeline summary")
     create_markdown_artifact(markdown=render_run_report(cfg), key=artifact_key(cfg, "run-report"),
@@ -109,10 +147,17 @@ def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | 
     return {"run_dir": str(cfg.run_dir.resolve()), **{k: v for k, v in results.items() if k != "target"}}
 
 
-def render_summary(cfg: RunConfig, results: dict[str, Any]) -> str:
-    """Markdown: one line per stage with whether it ran and its main counts."""
-    lines = [f"# Run `{cfg.run.name}`", "", f"* run directory: `{cfg.run_dir.resolve()}`",
-             f"* target: `{results['target']['model_dir']}` (fingerprint `{results['target']['fingerprint']}`)", ""]
+def render_summary(cfg: RunConfig, results: dict[str, Any], failure: tuple[str, str] | None = None) -> str:
+    """Markdown: one line per stage with whether it ran and its main counts; first, for a failed run,
+    ``failure`` = (stage, "ExceptionType: message")."""
+    lines = [f"# Run `{cfg.run.name}`" + (" failed" if failure else ""), ""]
+    if failure:
+        lines += [f"**Failed at stage `{failure[0]}`**:", "", "```", failure[1][:4000], "```", "",
+                  "The flow run's Logs tab holds the traceback; stages above it in the table completed.", ""]
+    lines += [f"* run directory: `{cfg.run_dir.resolve()}`"]
+    if "target" in results:
+        lines.append(f"* target: `{results['target']['model_dir']}` (fingerprint `{results['target']['fingerprint']}`)")
+    lines.append("")
     lines += ["| stage | computed | outputs |", "|---|---|---|"]
     for stage in ("merge", "regenerate", "tokenize", "vocab"):
         res = results.get(stage)

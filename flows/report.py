@@ -11,7 +11,7 @@ from typing import Any
 
 from eagle3.config import RunConfig
 from eagle3.stages import STAGES
-from tasks.artifacts import markdown_image
+from tasks.artifacts import MAX_TABLE_COLUMNS, markdown_image
 
 DATA_STAGES = STAGES
 
@@ -45,9 +45,9 @@ def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
     return results
 
 
-def print_summary(result: dict[str, Any], wall_s: float | None = None) -> None:
-    """The stats a user wants after a run, one block per stage."""
-    print("\n== pipeline finished" + (f" in {wall_s:.1f} s ==" if wall_s is not None else " =="))
+def print_summary(result: dict[str, Any], wall_s: float | None = None, outcome: str = "finished") -> None:
+    """The stats a user wants after a run, one block per stage (of a failed run: the stages it completed)."""
+    print(f"\n== pipeline {outcome}" + (f" in {wall_s:.1f} s ==" if wall_s is not None else " =="))
     for stage in DATA_STAGES:
         res = result.get(stage)
         if not res:
@@ -89,11 +89,17 @@ def _print_eval(evaluation: dict[str, Any]) -> None:
     print("\n[evaluate] measured by speculative decoding against the target (bonus token included)")
     for row in eval_rows(evaluation):
         print(f"  {row['dataset']:<10} {row['method']:<14} accept_len {row['accept_len']:<7} "
-              f"per position {row['per_position']}  speedup {row['speedup']}x  lossless {row['lossless']}")
+              f"per position {row['per_position']}  speedup {row['speedup']}x  lossless {row['identical']} identical, "
+              f"{row['mismatch']} mismatch, {row['near_tie']} near-tie")
+
+
+ACCEPTANCE_COLUMNS = ("dataset", "method", "prompts", "accept_len", "per_position", "tokens_per_s", "speedup")
+LOSSLESS_COLUMNS = ("dataset", "method", "identical", "mismatch", "near_tie")
 
 
 def eval_rows(evaluation: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (dataset, method) of eval/results.json, rounded for display."""
+    """One row per (dataset, method) of eval/results.json, rounded for display (ACCEPTANCE_COLUMNS and
+    LOSSLESS_COLUMNS: the report shows them as two tables)."""
     rows = []
     for res in evaluation.get("results", []):
         lossless = res.get("lossless", {})
@@ -102,23 +108,55 @@ def eval_rows(evaluation: dict[str, Any]) -> list[dict[str, Any]]:
                      "per_position": " / ".join(f"{p:.3f}" for p in res.get("per_position", [])),
                      "tokens_per_s": round(res.get("tokens_per_s", float("nan")), 2),
                      "speedup": round(res.get("speedup", float("nan")), 2),
-                     "lossless": f"{lossless.get('identical')}/{res.get('num_prompts')} identical, "
-                                 f"{lossless.get('mismatch')} mismatch, {lossless.get('near_tie')} near-tie"})
+                     "identical": f"{lossless.get('identical')}/{res.get('num_prompts')}",
+                     "mismatch": lossless.get("mismatch"), "near_tie": lossless.get("near_tie")})
     return rows
 
 
-def _table(rows: list[dict[str, Any]]) -> list[str]:
+def _table(rows: list[dict[str, Any]], columns: tuple[str, ...] | None = None) -> list[str]:
+    """A markdown table of ``columns`` (default: the first row's keys), at most MAX_TABLE_COLUMNS wide."""
     if not rows:
         return []
-    head = list(rows[0])
+    head = list(columns or rows[0])
+    if len(head) > MAX_TABLE_COLUMNS:
+        raise ValueError(f"table of {len(head)} columns would be cut off in the UI: {head}")
     return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             + ["| " + " | ".join(str(r.get(k, "")) for k in head) + " |" for r in rows])
 
 
+def data_section(res: dict[str, Any]) -> list[str]:
+    """Markdown of the data stages' stats: per-source counts, rejects by reason, tokenization, draft vocab."""
+    lines: list[str] = []
+    merge = res.get("merge", {}).get("stats", {})
+    if merge:
+        per_source = [{"source": name, **{k: s.get(k) for k in ("read", "kept", "rejected", "train", "val",
+                                                                 "num_turns")}}
+                      for name, s in {**merge.get("sources", {}), "(total)": merge.get("total", {})}.items()]
+        reasons = {r: n for r, n in merge.get("total", {}).get("rejected_by_reason", {}).items() if n}
+        lines += ["## Data", ""] + _table(per_source) + ["", "rejected by reason: " + (
+            ", ".join(f"{r} {n:,}" for r, n in sorted(reasons.items())) if reasons else "none") + "", ""]
+    tok = res.get("tokenize", {}).get("stats", {})
+    if tok:
+        cut = {r: n for r, n in tok.get("rejected_by_reason", {}).items() if n}
+        lines += ["## Tokenization", f"{tok.get('rows_written', 0):,} of {tok.get('rows_in', 0):,} rows written "
+                  f"({tok.get('rows_truncated', 0):,} truncated, {tok.get('rows_rejected', 0):,} rejected"
+                  + (": " + ", ".join(f"{r} {n:,}" for r, n in sorted(cut.items())) if cut else "") + "); "
+                  f"{tok.get('num_tokens', 0):,} tokens, {tok.get('num_loss_tokens', 0):,} of them trained on; "
+                  f"end of turn `{tok.get('end_of_turn_text')}`", ""]
+    vocab = res.get("vocab", {}).get("stats", {})
+    if vocab:
+        lines += ["## Draft vocabulary", f"{vocab.get('draft_vocab_size', 0):,} of "
+                  f"{vocab.get('target_vocab_size', 0):,} target tokens; they cover "
+                  f"{vocab.get('coverage', float('nan')):.3f} of the "
+                  f"{vocab.get('num_train_loss_tokens', 0):,} trained-on tokens of the train split "
+                  f"({vocab.get('num_distinct_tokens', 0):,} distinct)", ""]
+    return lines
+
+
 def render_run_report(cfg: RunConfig) -> str:
-    """The run report: data, capture throughput, training curves, measured acceptance (from the run dir)."""
+    """The run report: data stats, capture throughput, training curves, measured acceptance (from the run dir)."""
     res, run = results_from_disk(cfg), cfg.run_dir
-    lines = [f"# Run report `{cfg.run.name}`", "", f"run directory `{run.resolve()}`", ""]
+    lines = [f"# Run report `{cfg.run.name}`", "", f"run directory `{run.resolve()}`", ""] + data_section(res)
     cap = res.get("capture", {}).get("stats", {})
     if cap:
         lines += ["## Capture", f"{cap.get('num_samples')} samples, {cap.get('num_tokens')} tokens, "
@@ -132,7 +170,11 @@ def render_run_report(cfg: RunConfig) -> str:
         lines += [markdown_image(p) for p in (run / "train" / "loss.png", run / "train" / "acc.png") if p.is_file()]
     if res.get("evaluate"):
         lines += ["", "## Measured acceptance (speculative decoding against the target)", ""]
-        lines += _table(eval_rows(res["evaluate"]))
+        rows = eval_rows(res["evaluate"])
+        lines += _table(rows, ACCEPTANCE_COLUMNS) + [
+            "", "Lossless check against the target's own greedy output: identical, near_tie (first difference "
+            "where the target's logits hardly differ), mismatch (any other difference)", ""]
+        lines += _table(rows, LOSSLESS_COLUMNS)
         plot = run / "eval" / "per_position.png"
         lines += ["", markdown_image(plot)] if plot.is_file() else []
     if (run / "deploy" / "report.md").is_file():

@@ -19,7 +19,14 @@ from tasks.train import train_task
 @flow(name="eagle3-train", log_prints=True)
 def eagle3_train(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
                  config: RunConfig | None = None) -> dict[str, Any]:
-    """Train the drafter for a run whose vocab map and captured features exist."""
+    """Train the drafter for a run whose vocab map and captured features exist.
+
+    Args:
+        preset: Preset in configs/ that describes the run (target model, data, sizes); `tiny` runs in seconds.
+        overrides: Dotted `section.field=value` changes to the preset, one per item, e.g.
+            `["data.sources.0.max_records=1000", "train.num_epochs=1"]`.
+        config: A full run configuration; when given, `preset` and `overrides` are ignored.
+    """
     from infra.storage import run_lock
 
     guard_crash_loop()

@@ -23,9 +23,36 @@ def artifact_key(cfg: RunConfig, name: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", f"{cfg.run.name}-{name}".lower()).strip("-")
 
 
-def publish_table(cfg: RunConfig, name: str, rows: list[dict[str, Any]], description: str) -> None:
-    """A keyed table artifact (versioned under the key on the Artifacts page)."""
-    create_table_artifact(table=rows, key=artifact_key(cfg, name), description=description)
+MAX_TABLE_COLUMNS = 8
+"""Widest table an artifact or report shows: wider ones are cut off on the right of the UI's page."""
+
+
+def narrow_tables(rows: list[dict[str, Any]], index: int = 1,
+                  max_columns: int = MAX_TABLE_COLUMNS) -> list[list[dict[str, Any]]]:
+    """``rows`` as tables of at most ``max_columns`` columns.
+
+    One row becomes a two-column field/value table; several rows are split by columns, each part
+    repeating the first ``index`` columns (the ones that say which row it is).
+    """
+    if not rows:
+        return []
+    if len(rows) == 1:
+        return [[{"field": k, "value": v} for k, v in rows[0].items()]]
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    keys, rest = columns[:index], columns[index:]
+    width = max(1, max_columns - index)
+    groups = [rest[i:i + width] for i in range(0, len(rest), width)] or [[]]
+    return [[{k: r.get(k, "") for k in keys + group} for r in rows] for group in groups]
+
+
+def publish_table(cfg: RunConfig, name: str, rows: list[dict[str, Any]], description: str, index: int = 1) -> None:
+    """Keyed table artifacts (versioned under the key on the Artifacts page), at most MAX_TABLE_COLUMNS wide:
+    a wider table is published as parts `<name>`, `<name>-2`, ... (see narrow_tables)."""
+    parts = narrow_tables(rows, index)
+    for i, part in enumerate(parts, start=1):
+        suffix = "" if i == 1 else f"-{i}"
+        text = description if len(parts) == 1 else f"{description} (part {i} of {len(parts)})"
+        create_table_artifact(table=part, key=artifact_key(cfg, name + suffix), description=text)
 
 
 class ProgressArtifact:

@@ -81,9 +81,10 @@ def publish_train_report(cfg: RunConfig) -> dict[str, Any]:
 
     metrics = cfg.run_dir / "train" / "metrics.jsonl"
     train, evals = read_metrics(metrics)
-    rows = [{"split": "train", **_scalars(train[-1])}] if train else []
-    rows += [{"split": "val", **_scalars(r)} for r in evals]
-    publish_table(cfg, "train-metrics", rows or [{"split": "(none)"}], "last train step and every validation")
+    rows = [{"split": "train", "step": train[-1].get("step"), **_scalars(train[-1])}] if train else []
+    rows += [{"split": "val", "step": r.get("step"), **_scalars(r)} for r in evals]
+    publish_table(cfg, "train-metrics", rows or [{"split": "(none)"}], "last train step and every validation",
+                  index=2)  # split, step
     images = "\n\n".join(markdown_image(p) for p in plot_metrics(metrics))
     create_markdown_artifact(markdown=f"# Training `{cfg.run.name}`\n\n{images}\n", key=artifact_key(cfg, "train-report"),
                              description="loss and accuracy per TTT step")

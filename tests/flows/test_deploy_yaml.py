@@ -3,30 +3,35 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
+import yaml
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 
-from deployments.setup import setup
+from flows.cli import setup_local
+from flows.local_server import LocalServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_prefect_deploy_all_registers_every_deployment():
-    """`prefect --no-prompt deploy --all` succeeds; deployments name a preset and carry the eagle3 tag."""
-    setup()
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    prefect = str(Path(sys.executable).with_name("prefect"))
-    proc = subprocess.run([prefect, "--no-prompt", "deploy", "--all"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_setup_registers_every_deployment_and_says_how_to_serve_each_pool(tmp_path, capsys):
+    """`eagle3 setup` registers every deployment of prefect.yaml (preset-named, eagle3-tagged) and, without
+    starting workers, prints the command that starts one for each pool a deployment uses."""
+    server = LocalServer(tmp_path / ".prefect", urlparse(PREFECT_API_URL.value()).port)
+    pools = setup_local(server, start_workers=False)
+    printed = capsys.readouterr().out
+    in_yaml = {d["name"]: d["work_pool"]["name"] for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())
+               ["deployments"]}
+    assert {"eagle3-pipeline", "eagle3-capture", "eagle3-train", "eagle3-data", "eagle3-deploy"} <= set(in_yaml)
+    assert pools == {"gpu": [n for n, p in in_yaml.items() if p == "gpu"], "cpu": ["eagle3-data"]}
+    for pool in pools:
+        assert f"eagle3 worker start --pool {pool}" in printed
     with get_client(sync_client=True) as client:
         deployments = {d.name: d for d in client.read_deployments()}
-    assert {"eagle3-pipeline", "eagle3-capture", "eagle3-train", "eagle3-data", "eagle3-deploy"} <= set(deployments)
+    assert set(in_yaml) <= set(deployments)
+    assert all(deployments[n].work_pool_name == p for n, p in in_yaml.items())
     pipeline = deployments["eagle3-pipeline"]
     assert pipeline.parameters == {"preset": "smollm2-demo", "overrides": []}
     assert "eagle3" in pipeline.tags and pipeline.work_pool_name == "gpu"
@@ -40,3 +45,8 @@ def test_prefect_deploy_all_registers_every_deployment():
     assert deploy.entrypoint == "flows/deploy.py:eagle3_deploy" and deploy.global_concurrency_limit.limit == 1
     steps_field = deploy.parameter_openapi_schema["properties"]["steps"]
     assert "export" in json.dumps(steps_field) and "benchmark" in json.dumps(steps_field)  # a multi-choice in the UI
+    for name, dep in deployments.items():
+        if name in in_yaml:  # the UI form shows each parameter's description as its help text
+            props = dep.parameter_openapi_schema["properties"]
+            assert all(p.get("description") for p in props.values()), (name, props)
+    assert "e.g." in deployments["eagle3-pipeline"].parameter_openapi_schema["properties"]["overrides"]["description"]
