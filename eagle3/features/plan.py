@@ -133,6 +133,16 @@ def preflight_bytes(plan: CapturePlan, spec: FeatureSpec, skip: Sequence[int] = 
     return sum(shard_bytes(s, spec) for s in plan.shards if s.index not in done)
 
 
+ONLINE_HINT = ("offline capture does not fit; train.features=online needs no feature disk (the target runs inside "
+               "each training step, for a target that fits the training GPUs)")
+
+
 def check_disk(features_dir: Path, need_bytes: int, margin_bytes: int) -> int:
-    """Raise infra.storage.DiskSpaceError (naming need, margin and free bytes) unless it fits; returns free bytes."""
-    return check_free_space(features_dir, need_bytes, margin_bytes)
+    """Raise infra.storage.DiskSpaceError (naming need, margin and free bytes, and the mode that fits) unless it
+    fits; returns free bytes."""
+    from infra.storage import DiskSpaceError
+
+    try:
+        return check_free_space(features_dir, need_bytes, margin_bytes)
+    except DiskSpaceError as exc:
+        raise DiskSpaceError(f"{exc}; {ONLINE_HINT}") from None

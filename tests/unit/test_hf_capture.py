@@ -179,12 +179,13 @@ def test_prepare_refuses_a_changed_spec(tiny_base, tmp_path):
 
 
 def test_preflight_refuses_when_disk_is_small(tiny_base, tmp_path, monkeypatch):
-    """With too little free space prepare raises naming both numbers, and no shard is written."""
+    """With too little free space prepare raises naming both numbers and the mode that fits, and writes no shard."""
     cfg = tiny_run(tiny_base, tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 10_000, 10_000))
     with pytest.raises(DiskSpaceError, match="10,000 are free") as err:
         prepare_capture(cfg)
     assert "need" in str(err.value) and not list(features_dir(cfg).glob("shard-*"))
+    assert "train.features=online needs no feature disk" in str(err.value)
 
 
 def test_capture_shard_skips_a_matching_shard(tiny_base, tmp_path):
