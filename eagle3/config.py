@@ -89,7 +89,7 @@ class TinyTargetConfig(Section):
     architecture: Literal["llama", "qwen3", "deepseek_v3"] = "llama"
     """Which transformers class: Llama, Qwen3 (q/k norms), or DeepSeek-V3 (MLA attention + MoE, as Kimi-K2)."""
     num_hidden_layers: int = Field(8, ge=1, le=256)
-    """Decoder layers (>= 8 when kind=tiny, so the default aux ids [1, N//2-1, N-4] are distinct and < N-1)."""
+    """Decoder layers (>= 8 when kind=tiny, so the default aux ids [1, N//2-1, N-4] are distinct and below N-1)."""
     hidden_size: int = Field(64, ge=2, le=16384)
     """Model width H (a multiple of num_attention_heads, with an even head size)."""
     num_attention_heads: int = Field(4, ge=1, le=1024)

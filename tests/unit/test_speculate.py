@@ -328,3 +328,15 @@ def test_lossless_check_allows_one_rounding_step_of_the_compute_dtype():
     assert check_lossless(ref, [8], 1e-3, torch.bfloat16).kind == "near_tie"
     assert check_lossless(ref, [8], 1e-3, torch.float32).kind == "mismatch"
     assert rounding_step(15.3, torch.bfloat16) == 0.0625 and rounding_step(0.0, torch.float32) == torch.finfo().eps
+
+
+@pytest.mark.parametrize("stop_at", [0, 2, 7, 8, 10])
+def test_greedy_ends_at_the_first_stop_token_wherever_the_device_is_read(setup, stop_at):
+    """A stop id first generated at position k ends greedy at k + 1 tokens, with the reference's tokens and tops,
+    whether k falls on, before or after a read of the device (every STOP_CHECK_EVERY tokens)."""
+    ref = setup["refs"][0]
+    stop = ref.tokens[stop_at]
+    first = ref.tokens.index(stop)
+    got = greedy_decode(setup["target"], setup["prompts"][0], MAX_NEW, stop_ids=[stop])
+    assert got.tokens == ref.tokens[:first + 1]
+    assert got.top_ids == ref.top_ids[:first + 1] and got.top_logits == ref.top_logits[:first + 1]
