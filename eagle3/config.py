@@ -352,7 +352,9 @@ class TrainConfig(Section):
     checkpoint_every_steps: int = Field(500, ge=0)
     """Write a full checkpoint every N optimizer steps (0 = only at the end and on SIGTERM)."""
     keep_checkpoints: int = Field(2, ge=1)
-    """Keep this many newest checkpoints; older ones are deleted after a new one is complete."""
+    """Keep this many newest checkpoints (and the best one by validation); older ones are deleted."""
+    select: Literal["best", "last"] = "best"
+    """Checkpoint the export ships: best = highest validation accept_len_est, last = the final one."""
     progress_every_s: float = Field(5.0, ge=0)
     """Rewrite train/progress.json at most this often (seconds)."""
     prefetch_rows: int = Field(2, ge=0)
@@ -381,7 +383,7 @@ class ExportConfig(Section):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype of the exported weights (d2t is always int64 and t2d always bool)."""
     checkpoint: Annotated[str | None, AfterValidator(_relative_inside)] = None
-    """Checkpoint folder to export, relative to {run}/train (e.g. checkpoints/step-500); None = the final one."""
+    """Checkpoint folder to export, relative to {run}/train (e.g. checkpoints/step-500); None = train.select's."""
     verifier_name_or_path: str | None = None
     """Verifier id or path written into the speculators config; None = target.path (hf) or the target folder."""
     speculative_tokens: int = Field(3, ge=1)

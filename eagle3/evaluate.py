@@ -17,6 +17,7 @@ steps that accepted >= i-1; speedup = greedy wall time / method wall time over t
 
 Outputs in <run>/eval/: results.json, report.md, per_position.png, prompts.jsonl; manifest last. While it runs,
 every measured prompt is journaled (evaluate.journal.jsonl), so a killed evaluation re-measures only the rest.
+Evaluating the run's own export also writes the measured table into its model cards (eagle3.model_card).
 """
 
 from __future__ import annotations
@@ -458,7 +459,9 @@ def key_for(cfg: RunConfig, model_dir: Path, export_dir: Path | None = None) -> 
     extra: dict[str, Any] = {"target": fingerprint(model_dir)}
     inputs = [cfg.run_dir / "export" / MANIFEST_FILE]
     if export_dir is not None:
-        files = sorted(p for p in Path(export_dir).iterdir() if p.is_file())
+        from eagle3.model_card import CARD_FILE  # rewritten by this stage: never part of what it measured
+
+        files = sorted(p for p in Path(export_dir).iterdir() if p.is_file() and p.name != CARD_FILE)
         extra["export"] = {p.name: sha256_file(p) for p in files}
         inputs = []
     return stage_key("evaluate", section_dict(cfg, "evaluate"), inputs, extra)
@@ -576,8 +579,13 @@ def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
     key = key_for(cfg, model_dir, export_dir)
     if force:
         journal_of(cfg).path.unlink(missing_ok=True)
-    return run_stage("evaluate", manifest_path(cfg), key, force=force,
-                     compute=lambda: _compute(cfg, model_dir, source, progress, show_bar, key))
+    outcome = run_stage("evaluate", manifest_path(cfg), key, force=force,
+                        compute=lambda: _compute(cfg, model_dir, source, progress, show_bar, key))
+    if export_dir is None:  # the run's own export: its model cards get the table just measured (or still current)
+        from eagle3.export import write_cards
+
+        write_cards(cfg, json.loads(Path(outcome.outputs["results"]).read_text()), model_dir)
+    return outcome
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,8 +4,8 @@
 num_hidden_layers 1, the target vocab_size, draft_vocab_size, target_hidden_size and eagle_config; weights fc.weight,
 midlayer.*, norm.weight, lm_head.weight, d2t int64 [Vd], t2d bool [V]; no embed_tokens (the target's are shared)
 unless target_hidden_size differs. ``<run>/export/speculators/`` (vLLM): an Eagle3Speculator config whose flags
-describe our drafter, ``layers.0.*`` for ``midlayer.*``. Each folder also gets eagle3_export.json and
-eagle3_run_config.json (provenance; no engine reads them).
+describe our drafter, ``layers.0.*`` for ``midlayer.*``. Each folder also gets eagle3_export.json (with the selected
+checkpoint and why: eagle3.model_card), eagle3_run_config.json and README.md (the model card); no engine reads them.
 
 Aux layer ids name the same tensors in three conventions: ours = output of layer j ([1, N//2-1, N-4]); SGLang's
 eagle_config = the same numbers (its Llama code adds 1 and captures before layer j+1); speculators/vLLM = capture
@@ -318,13 +318,15 @@ def export_info(fmt: str, aux_layer_ids: list[int], dtype: torch.dtype, **extra:
 
 def export_sglang(weights: dict[str, Tensor], dims: DrafterDims, d2t: Tensor, t2d: Tensor,
                   aux_layer_ids: list[int], out_dir: Path, dtype: torch.dtype = torch.bfloat16,
-                  run_config: dict[str, Any] | None = None, source: str | None = None) -> Path:
+                  run_config: dict[str, Any] | None = None, source: str | None = None,
+                  selection: dict[str, Any] | None = None) -> Path:
     """Write the SGLang layout of a drafter (weights under SGLang names, aux ids in OUR convention) and check it."""
     config = sglang_config(dims, aux_layer_ids, dtype)
     tensors = _cast_weights(weights, sglang_tensor_specs(dims, dtype), d2t, t2d, "weights to export")
     for warning in aux_id_warnings(aux_layer_ids):
         log.warning("%s", warning)
-    info = export_info("sglang", aux_layer_ids, dtype, source=source, warnings=aux_id_warnings(aux_layer_ids))
+    info = export_info("sglang", aux_layer_ids, dtype, source=source, selection=selection,
+                       warnings=aux_id_warnings(aux_layer_ids))
     out = _write_folder(Path(out_dir), config, tensors, info, run_config)
     check_sglang_export(out)
     return out
@@ -435,7 +437,7 @@ def export_speculators(weights: dict[str, Tensor], dims: DrafterDims, d2t: Tenso
                        aux_layer_ids: list[int], out_dir: Path, dtype: torch.dtype = torch.bfloat16,
                        verifier_name_or_path: str = "", verifier_architectures: list[str] | None = None,
                        speculative_tokens: int = 3, run_config: dict[str, Any] | None = None,
-                       source: str | None = None) -> Path:
+                       source: str | None = None, selection: dict[str, Any] | None = None) -> Path:
     """Write the speculators layout and check it: ``weights`` under SGLang names plus the target's
     embed_tokens.weight, aux ids in OUR convention."""
     if not verifier_name_or_path:
@@ -449,7 +451,7 @@ def export_speculators(weights: dict[str, Tensor], dims: DrafterDims, d2t: Tenso
     tensors = _cast_weights(weights, {**sglang_tensor_specs(dims, dtype), **embed}, d2t, t2d, "weights to export")
     kept = speculators_tensor_specs(dims, dtype)
     tensors = {to_speculators_name(k): v for k, v in tensors.items() if to_speculators_name(k) in kept}
-    info = export_info("speculators", aux_layer_ids, dtype, source=source, warnings=[])
+    info = export_info("speculators", aux_layer_ids, dtype, source=source, selection=selection, warnings=[])
     out = _write_folder(Path(out_dir), config, tensors, info, run_config)
     check_speculators_export(out)
     return out
@@ -473,25 +475,43 @@ def export_dir(cfg: RunConfig) -> Path:
 
 
 def key_for(cfg: RunConfig) -> str:
-    """The export stage key: export section, train + vocab manifests, target fingerprint."""
+    """The export stage key: export section and train.select, train + vocab manifests, target fingerprint."""
     from eagle3.config import section_dict
     from eagle3.stage import stage_key
     from eagle3.stages import manifest_path
     from eagle3.target import fingerprint, prepare_target
 
     fp = fingerprint(prepare_target(cfg))
-    return stage_key("export", section_dict(cfg, "export"), [cfg.run_dir / TRAIN_MANIFEST, manifest_path(cfg, "vocab")],
-                     {"target": fp})
+    conf = section_dict(cfg, "export") | {"train.select": cfg.train.select}  # what to ship: not in train's key
+    return stage_key("export", conf, [cfg.run_dir / TRAIN_MANIFEST, manifest_path(cfg, "vocab")], {"target": fp})
 
 
-def _checkpoint_dir(cfg: RunConfig) -> Path:
+def _train_stats(cfg: RunConfig) -> dict[str, Any]:
     from eagle3.stage import read_manifest
 
-    train_dir, manifest = cfg.run_dir / "train", read_manifest(cfg.run_dir / TRAIN_MANIFEST) or {}
-    name = cfg.export.checkpoint or manifest.get("stats", {}).get("final_checkpoint")
-    if not name or not (train_dir / name / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(f"no checkpoint weights at {train_dir / str(name) / WEIGHTS_FILE}")
-    return train_dir / name
+    return (read_manifest(cfg.run_dir / TRAIN_MANIFEST) or {}).get("stats", {})
+
+
+def _checkpoint_dir(cfg: RunConfig) -> tuple[Path, Any]:
+    """(checkpoint folder, eagle3.model_card.Selection): export.checkpoint, else train.select's."""
+    from eagle3.model_card import select_checkpoint
+
+    selection = select_checkpoint(cfg.train.select, cfg.export.checkpoint, _train_stats(cfg))
+    path = cfg.run_dir / "train" / selection.checkpoint
+    if not selection.checkpoint or not (path / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"no checkpoint weights at {path / WEIGHTS_FILE} ({selection.reason})")
+    return path, selection
+
+
+def write_cards(cfg: RunConfig, results: dict[str, Any] | None = None, model_dir: Path | None = None) -> list[Path]:
+    """README.md (eagle3.model_card) into every export folder of the run; ``results``: the evaluation of them."""
+    from eagle3.model_card import CardInputs, write_card
+    from eagle3.target import prepare_target
+
+    model_dir, train = model_dir or prepare_target(cfg), _train_stats(cfg)
+    folders = {f: export_dir(cfg) / f for f in cfg.export.formats if (export_dir(cfg) / f / INFO_FILE).is_file()}
+    return [write_card(CardInputs(cfg, folder, fmt, folders.get("sglang"), model_dir, read_json(folder / INFO_FILE),
+                                  train, results)) for fmt, folder in folders.items()]
 
 
 def _verifier(cfg: RunConfig, model_dir: Path) -> str:
@@ -523,10 +543,11 @@ def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
     model_dir = prepare_target(cfg)
     dims, aux, d2t, t2d = _drafter_inputs(cfg, model_dir)
     embed = {"embed_tokens.weight": read_tensor(model_dir, EMBED_TENSOR)}  # [V, H], for the speculators layout
-    ckpt = _checkpoint_dir(cfg)
+    ckpt, selection = _checkpoint_dir(cfg)
     weights, dtype = load_file(str(ckpt / WEIGHTS_FILE)), FLOAT_DTYPES[cfg.export.dtype]
-    common = dict(run_config=cfg.model_dump(mode="json"), source=str(ckpt))
-    outputs, stats = {}, {"checkpoint": str(ckpt.relative_to(cfg.run_dir)), "dtype": cfg.export.dtype, "formats": {}}
+    common = dict(run_config=cfg.model_dump(mode="json"), source=str(ckpt), selection=selection.to_json())
+    outputs, stats = {}, {"checkpoint": str(ckpt.relative_to(cfg.run_dir)), "selection": selection.to_json(),
+                          "dtype": cfg.export.dtype, "formats": {}}
     for fmt in dict.fromkeys(cfg.export.formats):
         out = export_dir(cfg) / fmt
         if fmt == "sglang":
@@ -540,11 +561,12 @@ def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
         stats["formats"][fmt] = {"dir": str(out), "aux_layer_ids": ids,
                                  "warnings": aux_id_warnings(aux) if fmt == "sglang" else []}
     stats["aux_layer_ids_output_of_layer"] = aux
+    write_cards(cfg, model_dir=model_dir)  # no measured table: the evaluate stage adds it (not hashed: module doc)
     return outputs, stats
 
 
 def run_export(cfg: RunConfig, force: bool = False) -> StageOutcome:
-    """Export the final checkpoint in every configured layout; a no-op when the manifest matches."""
+    """Export the selected checkpoint in every configured layout; a no-op when the manifest matches."""
     from eagle3.stage import run_stage
 
     return run_stage("export", export_dir(cfg) / MANIFEST_FILE, key_for(cfg), lambda: _export_all(cfg), force=force)

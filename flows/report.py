@@ -66,6 +66,8 @@ def print_summary(result: dict[str, Any], wall_s: float | None = None, outcome: 
         _print_train(result["train"])
     if result.get("export"):
         print(f"\n[export]\n  {'directory':<28} {result['export']['dir']}")
+        if selection := result["export"]["stats"].get("selection"):
+            print(f"  {'checkpoint':<28} step {selection['step']} ({selection['reason']})")
     if result.get("evaluate"):
         _print_eval(result["evaluate"])
 
@@ -82,6 +84,9 @@ def _print_train(train: dict[str, Any]) -> None:
     if "accept_len_est" in last_eval:
         print(f"  {'accept_len_est (val)':<20} {last_eval['accept_len_est']:.3f}  "
               f"(unigram baseline acc_0 {last_eval.get('unigram_acc_0', float('nan')):.3f})")
+    best = train.get("manifest", {}).get("best_step")
+    if best is not None:
+        print(f"  {'best validation':<20} step {best}  accept_len_est {train['manifest']['best_accept_len_est']:.3f}")
 
 
 def _print_eval(evaluation: dict[str, Any]) -> None:
@@ -153,6 +158,19 @@ def data_section(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def selection_lines(train_stats: dict[str, Any], export_stats: dict[str, Any]) -> list[str]:
+    """The best validation of the run and the checkpoint the export shipped, with the reason."""
+    lines = []
+    if train_stats.get("best_step") is not None:
+        lines.append(f"best validation: step {train_stats['best_step']}, accept_len_est "
+                     f"{train_stats['best_accept_len_est']:.3f} (of {len(train_stats.get('eval_history') or [])} "
+                     "validations)")
+    if export_stats.get("selection"):
+        sel = export_stats["selection"]
+        lines.append(f"exported: `{sel['checkpoint']}` (step {sel['step']}): {sel['reason']}")
+    return [f"- {line}" for line in lines] + ([""] if lines else [])
+
+
 def render_run_report(cfg: RunConfig) -> str:
     """The run report: data stats, capture throughput, training curves, measured acceptance (from the run dir)."""
     res, run = results_from_disk(cfg), cfg.run_dir
@@ -167,6 +185,7 @@ def render_run_report(cfg: RunConfig) -> str:
         lines += ["## Training", f"last step {last_train.get('step')}: {last_train.get('tokens_per_s', 0):,.0f} "
                   f"tokens/s; validation acc_0 {last_eval.get('acc_0', float('nan')):.3f}, accept_len_est "
                   f"{last_eval.get('accept_len_est', float('nan')):.3f}", ""]
+        lines += selection_lines(train.get("manifest", {}), res.get("export", {}).get("stats", {}))
         lines += [markdown_image(p) for p in (run / "train" / "loss.png", run / "train" / "acc.png") if p.is_file()]
     if res.get("evaluate"):
         lines += ["", "## Measured acceptance (speculative decoding against the target)", ""]

@@ -6,10 +6,12 @@ A checkpoint directory holds
     optimizer.pt        AdamW state keyed by parameter name (loads into DDP, FSDP2 or a plain module)
     trainer.pt          LR scheduler state, every rank's RNG states (python, torch, cuda)
     config.json         the resolved run config it was trained with
-    checkpoint.json     step, sampler position, tokens seen, world layout, stage key, metrics; written last
+    checkpoint.json     step, sampler position, tokens seen, world layout, stage key, metrics, and the best
+                        validation so far (best_step, best_accept_len_est); written last
 Rank 0 writes everything into ``.step-N.tmp-<pid>/``, fsyncs each file and the directory, then renames it
 to ``step-N``: a directory named step-N is complete by construction (a crash leaves only a temp dir,
-removed at the next save). Only the newest ``keep`` checkpoints are kept.
+removed at the next save). Only the newest ``keep`` checkpoints are kept, and the best one (``best_step`` of
+the state being saved), which the export ships when train.select is best.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class TrainerState:
     epoch: int = 0
     epoch_rows_done: int = 0  # rows of this epoch's global plan already trained on (a multiple of W * A)
     tokens_seen: int = 0  # real tokens, all ranks
+    best_step: int | None = None  # the step of the highest validation accept_len_est so far (it has a checkpoint)
+    best_accept_len_est: float | None = None
 
     def rank_index(self, world_size: int) -> int:
         """Index of the next row in a rank's list (rank r takes plan rows r, r + W, ...)."""
@@ -68,6 +72,11 @@ def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
     found = [(int(m.group(1)), p) for p in Path(ckpt_dir).iterdir()
              if (m := CHECKPOINT_RE.match(p.name)) and (p / INFO_FILE).is_file()]
     return sorted(found)
+
+
+def step_dir(ckpt_dir: Path, step: int) -> Path:
+    """<checkpoints>/step-N: where the checkpoint of step N lives."""
+    return Path(ckpt_dir) / f"step-{step}"
 
 
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -135,9 +144,11 @@ def _write_files(tmp: Path, model_sd: dict, optim_sd: dict, trainer: dict, confi
     seal_dir(tmp)
 
 
-def prune(ckpt_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints and any temp dir left by a crash; returns what went."""
-    removed = [p for _, p in list_checkpoints(ckpt_dir)[:-keep]] if keep > 0 else []
+def prune(ckpt_dir: Path, keep: int, protect: int | None = None) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (and step ``protect``) and any temp dir left by a crash;
+    returns what went."""
+    old = list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []
+    removed = [p for step, p in old if step != protect]
     removed += [p for p in Path(ckpt_dir).glob(".step-*") if p.is_dir()]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
@@ -151,7 +162,7 @@ def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
     return once step-N exists."""
     model_sd, optim_sd = gather_state(model, optimizer)
     rngs = all_gather_objects(capture_rng(), dist_info)
-    final = Path(ckpt_dir) / f"step-{state.step}"
+    final = step_dir(ckpt_dir, state.step)
     if dist_info.is_main:
         Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
         tmp = Path(ckpt_dir) / f".step-{state.step}.tmp-{os.getpid()}"
@@ -161,7 +172,7 @@ def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
         _write_files(tmp, model_sd, optim_sd, trainer, config_json,
                      {**info, **asdict(state), "world_size": dist_info.world_size})
         publish_dir(tmp, final)
-        prune(ckpt_dir, keep)
+        prune(ckpt_dir, keep, protect=state.best_step)
     barrier(dist_info)
     return final
 

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from eagle3.config import RunConfig, TrainConfig
+from eagle3.train.best import best_stats, note_best
 from eagle3.train.build import (DataPlan, RunInputs, build_objective, build_optimizer,
                                 build_scheduler, plan_data, read_inputs, scaled_lr, stage_key_for,
                                 total_steps_for, unigram_token)
@@ -376,18 +377,22 @@ def run(tr: Trainer, stop_after_steps: int | None = None) -> TrainResult:
             now = time.perf_counter()
             last_train = _record(tr, epoch, metrics, now - step_start)
             _report(tr, last_train, clock)
-            if t.eval_every_steps and tr.state.step % t.eval_every_steps == 0 and tr.state.step < tr.total_steps:
+            improved = False
+            if (t.eval_every_steps and tr.state.step % t.eval_every_steps == 0) or tr.state.step >= tr.total_steps:
                 last_eval, evaluated_at = _run_eval(tr), tr.state.step
-            if (t.checkpoint_every_steps and tr.state.step % t.checkpoint_every_steps == 0) or stopping:
+                improved = note_best(tr.state, last_eval)
+            if (t.checkpoint_every_steps and tr.state.step % t.checkpoint_every_steps == 0) or stopping or improved:
                 checkpoint, saved_at = save(tr, last_train), tr.state.step
             if stopping and tr.state.step < tr.total_steps:
                 windows.close()
                 return _stopped(tr, stop.signum, checkpoint, last_train, last_eval)
             step_start = time.perf_counter()
         windows.close()
-    if evaluated_at != tr.state.step:
-        last_eval = _run_eval(tr) or last_eval
-    if saved_at != tr.state.step:
+    improved = False
+    if evaluated_at != tr.state.step:  # e.g. resumed from the final step's checkpoint before the manifest
+        rec = _run_eval(tr)
+        improved, last_eval = note_best(tr.state, rec), rec or last_eval
+    if saved_at != tr.state.step or improved:
         checkpoint = save(tr, last_train)
     return TrainResult("done", tr.state.step, checkpoint, last_train, last_eval)
 
@@ -474,7 +479,7 @@ def _train(cfg: RunConfig, info: DistInfo, stop_after_steps: int | None) -> Trai
 
 
 def _finish(tr: Trainer, result: TrainResult) -> None:
-    """train.manifest.json (rank 0) naming the final checkpoint and its metrics; progress 'done'."""
+    """train.manifest.json (rank 0) naming the final and the best checkpoint and their metrics; progress 'done'."""
     from eagle3.stage import write_manifest
     from eagle3.train.checkpoint import CONFIG_FILE, INFO_FILE, MODEL_FILE
 
@@ -484,7 +489,10 @@ def _finish(tr: Trainer, result: TrainResult) -> None:
         packing = [dataclasses.asdict(p.stats) for p in tr.plan.train]  # per epoch: rows, truncations, repeats
         stats = {"final_checkpoint": str(final.relative_to(tr.train_dir)), "step": result.step,
                  "total_steps": tr.total_steps, "train": result.last_train, "eval": result.last_eval,
-                 "packing": packing, "rows_per_step": tr.plan.rows_per_step}
+                 "packing": packing, "rows_per_step": tr.plan.rows_per_step,
+                 **best_stats(tr.state, tr.metrics.path, tr.train_dir)}
+        if tr.state.best_step is not None:
+            outputs["best_model"] = tr.train_dir / stats["best_checkpoint"] / MODEL_FILE
         write_manifest(tr.train_dir / MANIFEST_FILE, "train", tr.stage_key, outputs, stats)
     tr.progress.update(state="done", force=True, step=result.step, checkpoint=str(result.checkpoint), eta_s=0.0)
     log.info("train: done after %d steps; final checkpoint %s", result.step, result.checkpoint)

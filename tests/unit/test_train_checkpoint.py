@@ -81,6 +81,17 @@ def test_incomplete_checkpoints_are_ignored_and_pruned(tmp_path):
     assert not (ckpt / ".step-12.tmp-77").exists() and (ckpt / "step-3").exists()
 
 
+def test_prune_keeps_the_protected_step(tmp_path):
+    """prune(keep=1, protect=2) removes every older step but the protected one (the best checkpoint)."""
+    ckpt = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        (ckpt / f"step-{step}").mkdir(parents=True)
+        (ckpt / f"step-{step}" / "checkpoint.json").write_text("{}")
+    removed = prune(ckpt, keep=1, protect=2)
+    assert sorted(p.name for p in removed) == ["step-1", "step-3"]
+    assert [step for step, _ in list_checkpoints(ckpt)] == [2, 4]
+
+
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     """With keep_checkpoints=2 and a checkpoint every step, only the last two remain."""
     cfg = load_run_config(synthetic_run(tmp_path, [*OVERRIDES, "train.checkpoint_every_steps=1",
