@@ -30,7 +30,7 @@ from typing import Any
 
 from eagle3.config import RegenerateConfig, SourceConfig, SyntheticConfig
 from eagle3.data.chat_backends import CompletionError, HFGenerateBackend
-from eagle3.data.synthetic import SYNTHETIC_DIR, synthetic_path
+from eagle3.data.synthetic import synthetic_path
 from eagle3.journal import Journal
 from eagle3.progress import Progress, ProgressFn
 from infra.storage import atomic_write_text, sha256_json
@@ -42,8 +42,8 @@ REGENERATE_FIELDS = ("temperature", "batch_size_conversations", "generation_back
 
 
 def journal_path(data_dir: Path, name: str) -> Path:
-    """The journal of one synthetic source."""
-    return Path(data_dir) / SYNTHETIC_DIR / f"{name}.journal.jsonl"
+    """The journal of one synthetic source (beside its records file)."""
+    return synthetic_path(data_dir, name).with_suffix(".journal.jsonl")
 
 
 def user_turn_prefix(tokenizer: Any) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 from eagle3.config import SourceConfig
 from eagle3.data.containers import detect_encoding, iter_lines
 from eagle3.data.rejects import Reject, SourceError
-from eagle3.data.sources import Conversation, SourceStream, normalize_records
+from eagle3.data.sources import SOURCE_NAME_RE, Conversation, SourceStream, make_row_id, normalize_records
 from eagle3.data.textcheck import NearDuplicates, degenerate_reason, words
 
 SYNTHETIC_DIR = "synthetic"
@@ -36,6 +36,8 @@ SYNTHETIC_DIR = "synthetic"
 
 def synthetic_path(data_dir: Path, name: str) -> Path:
     """The file the synthesize stage writes for a synthetic source (the merge reads it)."""
+    if not SOURCE_NAME_RE.fullmatch(name):
+        raise SourceError(f"source name {name!r}: use only letters, digits, '-', '_' and '.'")
     return Path(data_dir) / SYNTHETIC_DIR / f"{name}.jsonl"
 
 
@@ -75,7 +77,7 @@ def _check_generation(source: str, raw: Iterator) -> Iterator:
                 yield item
                 continue
             loc, record = item
-            yield Reject(source, loc, problem[0], problem[1], record, f"{source}:{record.get('id')}")
+            yield Reject(source, loc, problem[0], problem[1], record, make_row_id(source, str(record.get("id"))))
     finally:
         raw.close()
 
