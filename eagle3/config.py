@@ -197,7 +197,7 @@ class DataConfig(Section):
     """Fail the merge when it keeps fewer rows than this (an empty merge is always an error)."""
     eval_overlap: bool = True
     """Reject records holding an evaluation prompt (MT-Bench, HumanEval, GSM8K) or a near-copy (reason eval_overlap)."""
-    eval_overlap_min_ngrams: int = Field(3, ge=1)
+    eval_overlap_min_ngrams: int = Field(4, ge=1)
     """A record is a near-copy when it shares this many word 8-grams found in one evaluation prompt only."""
 
 

@@ -11,6 +11,8 @@ punctuation and whitespace edits do not hide a copy.
 * ``EvalOverlap`` holds the word 8-grams of every evaluation prompt, built once; a record is contaminated
   when it shares ``min_shared`` 8-grams that occur in one evaluation prompt only (boilerplate that many prompts
   share, like HumanEval's instruction line, is no evidence), or every 8-gram of one prompt (it contains it).
+  8-grams that are mostly numbers or one-letter words (a matrix literal's '0 0 1 0 ...') are not indexed,
+  unless a prompt has no other ('x+y = 4z, x*y = 4z^2, express x-y in z').
 """
 
 from __future__ import annotations
@@ -126,6 +128,12 @@ class EvalHit:
         return f"shares {self.shared} of the {self.total} word {EVAL_NGRAM}-grams of evaluation prompt {self.prompt_id}"
 
 
+def _informative(gram: tuple[str, ...]) -> bool:
+    """At least half the words are words (two or more characters, a letter): runs of numbers and symbols like
+    '0 0 1 0 0 1 0 0' from a matrix literal occur everywhere and prove no copy."""
+    return 2 * sum(len(w) > 1 and any(c.isalpha() for c in w) for w in gram) >= len(gram)
+
+
 class EvalOverlap:
     """Word n-gram index of the evaluation prompts, built once; ``check`` tells whether a record overlaps one."""
 
@@ -138,7 +146,8 @@ class EvalOverlap:
             ws = words(text)
             if not ws:
                 continue
-            grams = word_ngrams(ws, min(n, len(ws)))  # a prompt shorter than n words is one shorter gram
+            every = word_ngrams(ws, min(n, len(ws)))  # a prompt shorter than n words is one shorter gram
+            grams = {g for g in every if _informative(g)} or every  # all of them when none is informative
             for gram in grams:
                 self._index[gram].append(len(self.ids))
             self.ids.append(prompt_id)

@@ -244,6 +244,20 @@ def test_merge_rejects_an_edited_copy_of_an_mtbench_question_and_keeps_normal_re
     assert off["total"]["kept"] == 4 and off["eval_overlap"] == {"enabled": False}
 
 
+def test_eval_overlap_ignores_number_runs_and_shared_boilerplate_but_finds_whole_prompts():
+    """Matrix literals and a line every prompt shares prove no copy; a whole prompt (even all symbols) does."""
+    from eagle3.data.textcheck import EvalOverlap
+
+    header = "Complete the following Python function from typing import List def "
+    prompts = [("a:1", header + "grid_sum(grid): add [[0, 0, 1, 0], [0, 1, 0, 0], [1, 1, 1, 1]] up"),
+               ("a:2", header + "other(x): return the x"), ("b:1", "x+y = 4z, x*y = 4z^2, express x-y in z")]
+    index = EvalOverlap(prompts, min_shared=2)
+    assert index.check(["m = [[0, 0, 1, 0], [0, 1, 0, 0], [1, 1, 1, 1]]"]) is None
+    assert index.check([f"{header} mine(): pass"]) is None  # shared by a:1 and a:2: boilerplate
+    hit = index.check(["solve this: X + Y = 4z; x * y = 4z^2 -- express x - y in z please"])
+    assert hit is not None and hit.prompt_id == "b:1" and hit.shared == hit.total
+
+
 def test_filter_reasons_are_all_exercised():
     """Between them the crafted synthetic records and the overlap test use every filter reason."""
     assert set(FILTER_REASONS) <= {outcome for _, outcome in CRAFTED} | {"eval_overlap"}
