@@ -142,15 +142,44 @@ def _check_tiny_heads(tiny: TinyTargetConfig) -> None:
         raise ValueError(f"target.tiny.num_key_value_heads {kv} must divide num_attention_heads {heads}")
 
 
+class SyntheticConfig(Section):
+    count: int = Field(1000, ge=1)
+    """Conversations to generate (rejected ones included: the merge filters them)."""
+    seed: int = 0
+    """Seed of the sampled user turns: the same seed, target and settings give the same records."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the user turns the target writes (answers use regenerate.temperature)."""
+    max_prompt_tokens: int = Field(256, ge=1)
+    """Cap on a user turn's tokens; a turn that hits it without ending is rejected as truncated."""
+    max_answer_tokens: int = Field(512, ge=1)
+    """Cap on an answer's tokens; an answer that hits it without ending is rejected as truncated."""
+    near_duplicate: float = Field(0.7, gt=0, le=1)
+    """Reject a user turn whose word 3-gram Jaccard similarity to an earlier kept one is at least this."""
+
+
 class SourceConfig(Section):
     name: str
     """Source name; becomes the id prefix '{name}:{id in source}'. Letters, digits, '-', '_' and '.'."""
-    path: str
-    """File (or 'pkg://{package}/{file}') holding the conversations."""
-    format: Literal["auto", "sharegpt", "openai", "parquet"] = "auto"
-    """Reader: ShareGPT JSON/JSONL, OpenAI 'messages' JSONL, Parquet; auto picks by extension and content."""
+    path: str | None = None
+    """File (or 'pkg://{package}/{file}') holding the conversations; unset for a synthetic source."""
+    format: Literal["auto", "sharegpt", "openai", "parquet", "synthetic"] = "auto"
+    """Reader: ShareGPT JSON/JSONL, OpenAI 'messages' JSONL, Parquet; auto picks; synthetic = written by the target."""
     max_records: int | None = Field(None, ge=1)
     """Keep at most this many valid conversations from this source (cap applied after validation)."""
+    synthetic: SyntheticConfig | None = None
+    """Generation settings of a synthetic source (format synthetic; defaults when unset)."""
+
+    @model_validator(mode="after")
+    def _path_or_synthetic(self) -> SourceConfig:
+        synthetic = self.format == "synthetic"
+        if synthetic and self.path is not None:
+            raise ValueError(f"source {self.name!r}: a synthetic source has no path (the synthesize stage writes "
+                             "data/synthetic/<name>.jsonl in the run)")
+        if not synthetic and (self.path is None or self.synthetic is not None):
+            raise ValueError(f"source {self.name!r}: set path (and leave synthetic unset) unless format is synthetic")
+        if synthetic and self.synthetic is None:
+            self.synthetic = SyntheticConfig()
+        return self
 
 
 class DataConfig(Section):
@@ -166,6 +195,10 @@ class DataConfig(Section):
     """Shuffle the merged rows with run.seed."""
     min_rows: int = Field(1, ge=1)
     """Fail the merge when it keeps fewer rows than this (an empty merge is always an error)."""
+    eval_overlap: bool = True
+    """Reject records holding an evaluation prompt (MT-Bench, HumanEval, GSM8K) or a near-copy (reason eval_overlap)."""
+    eval_overlap_min_ngrams: int = Field(4, ge=1)
+    """A record is a near-copy when it shares this many word 8-grams found in one evaluation prompt only."""
 
 
 class RegenerateConfig(Section):

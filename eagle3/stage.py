@@ -29,8 +29,8 @@ from infra.storage import atomic_write_json, remove_stale_temps, sha256_file_cac
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSIONS: dict[str, int] = {"merge": 1, "regenerate": 1, "tokenize": 1, "vocab": 1, "capture": 1, "train": 1,
-                                   "export": 1, "evaluate": 1, "deploy": 1}
+FORMAT_VERSIONS: dict[str, int] = {"synthesize": 1, "merge": 1, "regenerate": 1, "tokenize": 1, "vocab": 1,
+                                   "capture": 1, "train": 1, "export": 1, "evaluate": 1, "deploy": 1}
 """Bump a stage's number when its output's meaning changes; every run recomputes it then."""
 
 

@@ -15,11 +15,11 @@ import argparse
 import json
 from pathlib import Path
 
-from eagle3.config import RunConfig, save_config, section_dict
+from eagle3.config import RunConfig, SourceConfig, save_config, section_dict
 from eagle3.progress import ProgressFn
 from eagle3.stage import StageOutcome, run_stage, stage_key
 
-STAGES = ("merge", "regenerate", "tokenize", "vocab")
+STAGES = ("synthesize", "merge", "regenerate", "tokenize", "vocab")
 
 
 def data_dir(cfg: RunConfig) -> Path:
@@ -44,8 +44,13 @@ def key_for(cfg: RunConfig, stage: str, fp: str | None = None) -> str:
     """
     if stage == "merge":
         conf = {"data": cfg.data.model_dump(mode="json"), "seed": cfg.run.seed}
-        return stage_key("merge", conf, extra={"source_files": _source_stamps(cfg)})
+        upstream = [manifest_path(cfg, "synthesize")] if synthetic_sources(cfg) else []
+        return stage_key("merge", conf, upstream, extra={"source_files": _source_stamps(cfg)})
     fp = fp or _target(cfg)[1]
+    if stage == "synthesize":
+        from eagle3.data.synthesize import stage_config
+
+        return stage_key(stage, stage_config(synthetic_sources(cfg), cfg.regenerate), [], {"target": fp})
     upstream = {"regenerate": manifest_path(cfg, "merge"), "tokenize": _conversations_manifest(cfg),
                 "vocab": manifest_path(cfg, "tokenize")}[stage]
     return stage_key(stage, section_dict(cfg, stage), [upstream], {"target": fp})
@@ -57,6 +62,37 @@ def is_complete(cfg: RunConfig, stage: str) -> bool:
 
     path = manifest_path(cfg, stage)
     return path.is_file() and manifest_matches(path, key_for(cfg, stage))
+
+
+def synthetic_sources(cfg: RunConfig) -> list[SourceConfig]:
+    """The data sources the target writes itself (format synthetic), in config order."""
+    return [src for src in cfg.data.sources if src.format == "synthetic"]
+
+
+def run_synthesize(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False) -> StageOutcome | None:
+    """Let the target write and answer the records of every synthetic source (None when there is none)."""
+    sources = synthetic_sources(cfg)
+    if not sources:
+        return None
+    from eagle3.data.synthesize import synthesize
+
+    model_dir, fp = _target(cfg)
+
+    def compute():
+        return synthesize(sources, data_dir(cfg), cfg.regenerate, _model_loader(cfg, model_dir), fp, progress)
+
+    return run_stage("synthesize", manifest_path(cfg, "synthesize"), key_for(cfg, "synthesize", fp), compute,
+                     force=force)
+
+
+def _model_loader(cfg: RunConfig, model_dir: Path):
+    """A function that loads the target and its tokenizer for in-process generation (regenerate.device)."""
+    def load():
+        from eagle3.target import load_model, load_tokenizer
+
+        return load_model(model_dir, cfg.target.dtype, cfg.regenerate.device), load_tokenizer(model_dir)
+
+    return load
 
 
 def run_merge(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False) -> StageOutcome:
@@ -75,6 +111,8 @@ def _source_stamps(cfg: RunConfig) -> list[dict]:
 
     stamps = []
     for src in cfg.data.sources:
+        if src.path is None:
+            continue  # a synthetic source: the synthesize manifest is the merge's input
         path = resolve_path(src.path)
         stat = path.stat() if path.is_file() else None
         stamps.append({"name": src.name, "path": str(path), "bytes": stat.st_size if stat else None,
@@ -104,13 +142,11 @@ def run_regenerate(cfg: RunConfig, progress: ProgressFn | None = None, force: bo
     key = key_for(cfg, "regenerate", fp)
 
     def compute():
-        model = tok = None
-        if cfg.regenerate.backend == "hf":
-            from eagle3.target import load_model, load_tokenizer
-
-            model, tok = load_model(model_dir, cfg.target.dtype, cfg.regenerate.device), load_tokenizer(model_dir)
+        model, tok = _model_loader(cfg, model_dir)() if cfg.regenerate.backend == "hf" else (None, None)
         backend = make_backend(cfg.regenerate, model=model, tokenizer=tok)
-        return regenerate(data_dir(cfg) / "merged.parquet", data_dir(cfg), cfg.regenerate, backend, progress)
+        own = frozenset(src.name for src in synthetic_sources(cfg))  # answered by the target already
+        return regenerate(data_dir(cfg) / "merged.parquet", data_dir(cfg), cfg.regenerate, backend, progress,
+                          keep_sources=own)
 
     return run_stage("regenerate", manifest_path(cfg, "regenerate"), key, compute, force=force)
 
@@ -150,13 +186,13 @@ def run_all(cfg: RunConfig, force: bool = False) -> list[StageOutcome]:
 
     with run_lock(cfg.run_dir, owner="python -m eagle3.stages"):
         write_run_config(cfg)
-        outcomes = [run_merge(cfg, force=force), run_regenerate(cfg, force=force),
+        outcomes = [run_synthesize(cfg, force=force), run_merge(cfg, force=force), run_regenerate(cfg, force=force),
                     run_tokenize(cfg, force=force), run_vocab(cfg, force=force)]
     return [o for o in outcomes if o is not None]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m eagle3.stages {merge,regenerate,tokenize,vocab,all} --preset NAME [--set k=v ...]"""
+    """python -m eagle3.stages {synthesize,merge,regenerate,tokenize,vocab,all} --preset NAME [--set k=v ...]"""
     from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
     from infra.storage import run_lock
 

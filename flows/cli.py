@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     target = add_config_args(sub.add_parser("target", help="tokenizer sanity report for the target"))
     target.set_defaults(func=cmd_target)
     stage = add_config_args(sub.add_parser("stage", help="run one data stage without Prefect"))
-    stage.add_argument("stage", choices=("merge", "regenerate", "tokenize", "vocab", "all"))
+    stage.add_argument("stage", choices=(*DATA_STAGES, "all"))
     stage.add_argument("--force", action="store_true")
     stage.set_defaults(func=cmd_stage)
     _add_core_commands(sub)

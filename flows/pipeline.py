@@ -1,5 +1,5 @@
-"""The end-to-end pipeline flow: target check -> merge -> (regenerate) -> tokenize -> vocab -> capture
--> train -> export -> offline evaluation -> (SGLang benchmark when serve.enabled).
+"""The end-to-end pipeline flow: target check -> (synthesize) -> merge -> (regenerate) -> tokenize -> vocab
+-> capture -> train -> export -> offline evaluation -> (SGLang benchmark when serve.enabled).
 
 Parameters name a preset and dotted overrides (deployments never copy a preset's content), or
 carry a full RunConfig. Every stage is skipped when its manifest matches its inputs, so a
@@ -18,9 +18,10 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, list_presets, load_config
+from eagle3.stages import synthetic_sources
 from flows.report import render_run_report
 from tasks.artifacts import artifact_key
-from tasks.data import merge_task, regenerate_task, target_check_task, tokenize_task, vocab_task
+from tasks.data import merge_task, regenerate_task, synthesize_task, target_check_task, tokenize_task, vocab_task
 
 PresetName = Literal[tuple(list_presets())]  # type: ignore[valid-type]
 MAX_CRASH_RETRIES = 3
@@ -53,6 +54,8 @@ def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any]
     so a caller that catches a failure knows which stages finished)."""
     results = {} if results is None else results
     results["target"] = target_check_task(cfg)
+    if synthetic_sources(cfg):
+        results["synthesize"] = _call_stage(synthesize_task, cfg, "synthesize", force)
     results["merge"] = _call_stage(merge_task, cfg, "merge", force)
     if cfg.regenerate.enabled:
         results["regenerate"] = _call_stage(regenerate_task, cfg, "regenerate", force)
@@ -93,7 +96,8 @@ def run_model_stages(cfg: RunConfig, until: str, force: bool = False,
 
 def planned_stages(cfg: RunConfig, until: str) -> list[str]:
     """The stages a run up to ``until`` calls, in order (the keys of its results)."""
-    data = ["target", "merge"] + (["regenerate"] if cfg.regenerate.enabled else []) + ["tokenize", "vocab"]
+    data = (["target"] + (["synthesize"] if synthetic_sources(cfg) else []) + ["merge"]
+            + (["regenerate"] if cfg.regenerate.enabled else []) + ["tokenize", "vocab"])
     model = [s for s in ("capture", "train") if LAST_STAGES.index(until) >= LAST_STAGES.index(s)]
     return data + model + DEPLOY_STEPS.get(until, [])
 

@@ -37,6 +37,13 @@ def _run(stage: str, cfg: RunConfig, force: bool) -> dict[str, Any]:
     return outcome.to_json() if outcome else {}
 
 
+@task(name="synthesize", cache_key_fn=_stage_cache_key("synthesize"), task_run_name="synthesize-{cfg.run.name}",
+      tags=["inference"], **STAGE_CACHE, **IO_RETRY)
+def synthesize_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
+    """Let the target write and answer the records of the synthetic sources (resumable by record)."""
+    return _run("synthesize", cfg, force)
+
+
 @task(name="merge", cache_key_fn=_stage_cache_key("merge"), task_run_name="merge-{cfg.run.name}", **STAGE_CACHE,
       **IO_RETRY)
 def merge_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:

@@ -7,6 +7,9 @@ Outputs under ``out_dir`` (each written atomically):
 - ``stats.json``: per source and in total: read, kept, rejected (by reason), train/val, turns, chars.
 
 For every source and in total ``kept + rejected == read``; the stage checks it before writing stats.
+A synthetic source is read from the file the synthesize stage wrote (eagle3.data.synthetic). With
+``data.eval_overlap`` every record of every source is checked against the evaluation prompts
+(eagle3.data.textcheck.EvalOverlap) and rejected as ``eval_overlap`` when it holds one or a near-copy.
 
     python -m eagle3.data.merge --preset tiny --set data.val_fraction=0.1
 """
@@ -27,7 +30,10 @@ import pyarrow.parquet as pq
 
 from eagle3.config import DataConfig, SourceConfig
 from eagle3.data.rejects import reject_line
-from eagle3.data.sources import REJECT_REASONS, Conversation, Reject, SourceError, content_hash, read_source
+from eagle3.data.sources import (REJECT_REASONS, Conversation, Reject, SourceError, SourceStream, content_hash,
+                                 read_source)
+from eagle3.data.synthetic import read_synthetic
+from eagle3.data.textcheck import EVAL_NGRAM, EvalOverlap
 from eagle3.progress import Progress, ProgressFn
 from infra.storage import atomic_open, atomic_path, atomic_write_json
 
@@ -107,7 +113,47 @@ class _RejectWriter:
         self.fh.write(reject_line(reject))
 
 
-def _check_sources(sources: list[SourceConfig], max_chars: int) -> None:
+def _open(src: SourceConfig, max_chars: int, data_dir: Path) -> SourceStream:
+    """The source's records: its file, or for a synthetic source what the synthesize stage wrote."""
+    return read_synthetic(src, data_dir, max_chars) if src.format == "synthetic" else read_source(src, max_chars)
+
+
+@dataclass
+class _EvalCheck:
+    """The evaluation-prompt index and what it rejected, by dataset."""
+
+    index: EvalOverlap
+    num_prompts: dict[str, int]
+    rejected: Counter = field(default_factory=Counter)
+
+    def reject(self, conv: Conversation) -> Reject | None:
+        """An eval_overlap Reject for a record that holds an evaluation prompt or a near-copy, else None."""
+        hit = self.index.check(m["content"] for m in conv.messages)
+        if hit is None:
+            return None
+        self.rejected[hit.prompt_id.split(":")[0]] += 1
+        return Reject(conv.source, conv.location, "eval_overlap", hit.describe(),
+                      {"id": conv.id, "messages": conv.messages}, conv.id)
+
+    def to_json(self, min_shared: int) -> dict[str, Any]:
+        """What stats.json says about the check."""
+        return {"enabled": True, "ngram": EVAL_NGRAM, "min_shared_ngrams": min_shared,
+                "eval_prompts": self.num_prompts, "rejected": sum(self.rejected.values()),
+                "rejected_by_dataset": {name: self.rejected.get(name, 0) for name in self.num_prompts}}
+
+
+def _eval_check(cfg: DataConfig) -> _EvalCheck | None:
+    """The index of every prompt of every evaluation dataset (eagle3.eval_data), built once; None when off."""
+    if not cfg.eval_overlap:
+        return None
+    from eagle3.eval_data import DATASET_FILES, read_prompts
+
+    prompts = {name: read_prompts(name) for name in DATASET_FILES}
+    index = EvalOverlap(((p.id, p.text) for ps in prompts.values() for p in ps), cfg.eval_overlap_min_ngrams)
+    return _EvalCheck(index, {name: len(ps) for name, ps in prompts.items()})
+
+
+def _check_sources(sources: list[SourceConfig], max_chars: int, data_dir: Path) -> None:
     if not sources:
         raise SourceError("no data sources configured: nothing to merge")
     counts = Counter(src.name for src in sources)
@@ -117,7 +163,7 @@ def _check_sources(sources: list[SourceConfig], max_chars: int) -> None:
         raise SourceError(f"source names must be unique; repeated: {repeated}")
     for src in sources:
         # Open (and sniff) each source now, so a bad last source fails before minutes spent on the first.
-        read_source(src, max_chars).close()
+        _open(src, max_chars, data_dir).close()
 
 
 def _dedupe(conv: Conversation, seen_hashes: dict[str, str], dedupe: bool) -> dict[str, Any] | Reject:
@@ -132,17 +178,20 @@ def _dedupe(conv: Conversation, seen_hashes: dict[str, str], dedupe: bool) -> di
 
 
 def _take_source(src: SourceConfig, cfg: DataConfig, seen_hashes: dict[str, str], rows: list[dict[str, Any]],
-                 rejects: _RejectWriter, prog: Progress) -> tuple[_Tally, dict[str, Any]]:
+                 rejects: _RejectWriter, prog: Progress, data_dir: Path,
+                 evals: _EvalCheck | None) -> tuple[_Tally, dict[str, Any]]:
     """Read one source until it ends or reaches its cap; returns its tally and facts for stats.json."""
     tally = _Tally()
-    stream = read_source(src, cfg.max_chars)
+    stream = _open(src, cfg.max_chars, data_dir)
     stopped_at_cap = False
     with contextlib.closing(stream):
         for item in stream:
             tally.read += 1
             if tally.read % PROGRESS_EVERY == 0:
                 prog.update(PROGRESS_EVERY, source=src.name, kept=len(rows))
-            row = _dedupe(item, seen_hashes, cfg.dedupe) if isinstance(item, Conversation) else item
+            row = item
+            if isinstance(item, Conversation):
+                row = (evals and evals.reject(item)) or _dedupe(item, seen_hashes, cfg.dedupe)
             if isinstance(row, Reject):
                 rejects.write(row)
                 tally.count_reject(row.reason)
@@ -183,8 +232,8 @@ def _write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
         pq.write_table(table, tmp)
 
 
-def _stats_doc(tallies: dict[str, _Tally], facts: dict[str, dict], cfg: DataConfig,
-               seed: int) -> tuple[dict[str, Any], _Tally]:
+def _stats_doc(tallies: dict[str, _Tally], facts: dict[str, dict], cfg: DataConfig, seed: int,
+               evals: _EvalCheck | None) -> tuple[dict[str, Any], _Tally]:
     total = _Tally()
     for tally in tallies.values():
         total.add(tally)
@@ -193,6 +242,7 @@ def _stats_doc(tallies: dict[str, _Tally], facts: dict[str, dict], cfg: DataConf
         "total": total.to_json(),
         "seed": seed, "val_fraction": cfg.val_fraction, "dedupe": cfg.dedupe, "shuffle": cfg.shuffle,
         "max_chars": cfg.max_chars,
+        "eval_overlap": evals.to_json(cfg.eval_overlap_min_ngrams) if evals else {"enabled": False},
     }, total
 
 
@@ -203,8 +253,9 @@ def merge_sources(sources: list[SourceConfig], cfg: DataConfig, seed: int, out_d
     Returns ({"merged": path, "rejects": path, "stats": path}, stats). Progress counts records read;
     its total is the sum of the caps when every source has one, else 0 (unknown).
     """
-    _check_sources(sources, cfg.max_chars)
     out_dir = Path(out_dir)
+    _check_sources(sources, cfg.max_chars, out_dir)
+    evals = _eval_check(cfg)
     paths = {"merged": out_dir / "merged.parquet", "rejects": out_dir / "rejects.jsonl",
              "stats": out_dir / "stats.json"}
     num_expected = sum(s.max_records for s in sources) if all(s.max_records for s in sources) else 0
@@ -214,11 +265,12 @@ def merge_sources(sources: list[SourceConfig], cfg: DataConfig, seed: int, out_d
     facts: dict[str, dict] = {}
     with Progress(num_expected, "merge", progress) as prog, atomic_open(paths["rejects"]) as fh:
         for src in sources:
-            tallies[src.name], facts[src.name] = _take_source(src, cfg, seen_hashes, rows, _RejectWriter(fh), prog)
+            tallies[src.name], facts[src.name] = _take_source(src, cfg, seen_hashes, rows, _RejectWriter(fh), prog,
+                                                              out_dir, evals)
     if cfg.shuffle:
         random.Random(seed).shuffle(rows)
     _assign_splits(rows, seed, cfg.val_fraction, tallies)
-    stats, total = _stats_doc(tallies, facts, cfg, seed)
+    stats, total = _stats_doc(tallies, facts, cfg, seed, evals)
     _check_invariants(tallies, total, len(rows))
     atomic_write_json(paths["stats"], stats)  # written even when too few rows were kept: it says why
     _check_min_rows(total, cfg.min_rows, paths)

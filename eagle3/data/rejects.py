@@ -11,9 +11,11 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+FILTER_REASONS = ("empty_turn", "truncated", "duplicate_prompt", "near_duplicate", "degenerate", "eval_overlap")
+"""Reasons of the checks on readable records: generated ones (eagle3.data.synthetic), eval_overlap on every source."""
 REJECT_REASONS = (
     "unparsable", "invalid_utf8", "empty_conversation", "no_user_turn", "no_assistant_turn", "unknown_role",
-    "non_string_content", "duplicate_id", "duplicate_content", "too_long",
+    "non_string_content", "duplicate_id", "duplicate_content", "too_long", *FILTER_REASONS,
 )
 """Why a record was rejected (one of these is in every line of rejects.jsonl)."""
 

@@ -26,7 +26,7 @@ from eagle3.data.rejects import REJECT_REASONS, Reject, SourceError
 from eagle3.paths import resolve_path
 
 __all__ = ["REJECT_REASONS", "Conversation", "Reject", "SourceError", "SourceStream", "content_hash", "make_row_id",
-           "read_source", "source_path"]
+           "normalize_records", "read_source", "source_path"]
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
                   "bard": "assistant", "assistant": "assistant", "system": "system"}
@@ -165,7 +165,7 @@ def read_source(src: SourceConfig, max_chars: int) -> SourceStream:
     else:
         raw = (iter_array if reader == "array" else iter_lines)(src.name, path, enc)
         fmt, raw = _choose_format(src, path, enc, raw)
-    return SourceStream(fmt, path, _normalize_all(src.name, fmt, raw, max_chars), raw)
+    return SourceStream(fmt, path, normalize_records(src.name, fmt, raw, max_chars), raw)
 
 
 def _choose_format(src: SourceConfig, path: Path, enc: TextEncoding, raw: Iterator) -> tuple[str, Iterator]:
@@ -335,7 +335,7 @@ def _to_messages(record: Any, fmt: str, max_chars: int) -> tuple[list[dict[str, 
     return messages, dropped
 
 
-def _normalize_all(source: str, fmt: str, raw: Iterator, max_chars: int) -> Iterator[Conversation | Reject]:
+def normalize_records(source: str, fmt: str, raw: Iterator, max_chars: int) -> Iterator[Conversation | Reject]:
     """Raw (location, record) items -> Conversation | Reject, with ids unique within the source."""
     first_seen: dict[str, str] = {}  # row id -> location that took it
     try:

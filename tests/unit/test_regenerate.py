@@ -60,7 +60,8 @@ def _read_out(paths: dict[str, Path]) -> tuple[list[dict[str, Any]], list[dict[s
 
 
 def _balanced(stats: dict[str, Any]) -> bool:
-    return stats["success"] + stats["error"] + stats["skipped_done"] + stats["skipped_limit"] == stats["input"]
+    parts = ("success", "error", "skipped_done", "skipped_source", "skipped_limit")
+    return sum(stats[k] for k in parts) == stats["input"]
 
 
 def test_plan_turns_answers_each_user_run_and_trailing_user():
@@ -398,3 +399,41 @@ def test_hf_static_backend_regenerates_like_dynamic_and_resumes(tmp_path, tiny_t
         model.set_attn_implementation("sdpa")
     assert outs["static"] == outs["dynamic"]
     assert again["skipped_done"] == 3 and again["success"] == 0
+
+
+def test_hf_regenerates_every_user_turn_on_the_regenerated_history(tmp_path, tiny_target):
+    """max_user_turns unset: each of three user turns is answered by the tiny target, each request carrying the
+    target's earlier answers (never the originals), and the output holds exactly those answers."""
+    model, tokenizer = tiny_target
+    src = _write_merged(tmp_path / "merged.parquet", [_conv(0, num_turns=3), _conv(1, num_turns=1)])
+    cfg = RegenerateConfig(backend="hf", batch_size_conversations=2, max_new_tokens=6)
+    assert cfg.max_user_turns is None
+    backend = _RecordingHF(model, tokenizer, cfg)
+    sent: list[list[dict[str, str]]] = []
+    original = backend.generate_batch
+    backend.generate_batch = lambda convs: (sent.extend(convs), original(convs))[1]
+    paths, stats = regenerate(src, tmp_path / "out", cfg, backend)
+    rows = {r["id"]: r["messages"] for r in pq.read_table(paths["regenerated"]).to_pylist()}
+    three = rows["src:0"]
+    assert [m["role"] for m in three] == ["system"] + ["user", "assistant"] * 3
+    assert [m["content"] for m in three if m["role"] == "user"] == ["q0.0", "q0.1", "q0.2"]
+    requests = [c for c in sent if c[1]["content"] == "q0.0"]
+    assert [len(c) for c in requests] == [2, 4, 6]  # system + u1; + a1', u2; + a2', u3
+    assert requests[1][:3] == three[:3] and requests[2][:5] == three[:5]  # each turn saw the regenerated answers
+    assert all("ORIGINAL" not in m["content"] for c in sent for m in c)
+    assert stats["num_turns"] == 4 and stats["success"] == 2 and _balanced(stats)
+
+
+def test_rows_of_kept_sources_are_copied_without_requests(tmp_path):
+    """Rows of keep_sources (synthetic: answered by the target already) are copied as they are, counted as
+    skipped_source, and never sent."""
+    rows = [_conv(0), {**_conv(1), "id": "syn:1", "source": "syn"}, _conv(2)]
+    src = _write_merged(tmp_path / "merged.parquet", rows)
+    with FakeOpenAIServer() as server:
+        cfg = _cfg(server)
+        paths, stats = regenerate(src, tmp_path / "out", cfg, _backend(cfg), keep_sources=frozenset({"syn"}))
+    out, errors = _read_out(paths)
+    assert [r["id"] for r in out] == ["src:0", "syn:1", "src:2"] and errors == []
+    assert out[1] == rows[1] and "ORIGINAL" not in out[0]["messages"][2]["content"]
+    assert stats["skipped_source"] == 1 and stats["success"] == 2 and _balanced(stats)
+    assert not any("q1." in m["content"] for r in server.requests for m in r.messages)
