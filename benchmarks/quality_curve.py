@@ -136,7 +136,9 @@ def subprocess_runner(module: str, argv: list[str], budget_s: float) -> bool:
     """``python -m module argv`` in its own process group; SIGTERM past the budget, SIGKILL after the grace."""
     cmd = [sys.executable, "-m", module, *argv]
     print(f"$ {' '.join(cmd)}  (budget {budget_s:.0f} s)", flush=True)
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    repo = Path(__file__).resolve().parents[1]  # the stages import from this checkout, from any cwd
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen(cmd, start_new_session=True, cwd=repo, env=env)
     try:
         rc = proc.wait(timeout=budget_s)
     except subprocess.TimeoutExpired:
