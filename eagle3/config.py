@@ -350,6 +350,8 @@ class TrainConfig(Section):
     """Passes over the training data."""
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many optimizer steps in total (None = all epochs); the LR schedule spans them."""
+    max_train_tokens: int | None = Field(None, ge=1)
+    """Train on the first train-split rows (tokenized order) totalling at most this many tokens; None = all rows."""
     max_tokens_per_batch: int = Field(4096, ge=8)
     """Tokens of one packed micro-batch row (documents packed, then padded); longer samples are cut to it."""
     grad_accum_steps: int = Field(1, ge=1)

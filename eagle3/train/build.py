@@ -208,11 +208,36 @@ def plan_data(cfg: RunConfig, inputs: RunInputs, world_size: int) -> DataPlan:
     if not train:
         raise ValueError(f"{inputs.tokenized} has no train rows")
     t = cfg.train
+    if t.max_train_tokens is not None:
+        train = first_tokens(train, t.max_train_tokens, inputs.tokenized)
     rows_per_step = world_size * t.grad_accum_steps
     epochs = [plan_epoch(train, t.max_tokens_per_batch, e, cfg.run.seed, rows_per_step, shuffle=True)
               for e in range(t.num_epochs)]
     val_plan = plan_epoch(val, t.max_tokens_per_batch, 0, cfg.run.seed, world_size, shuffle=False)
     return DataPlan(epochs, val_plan, rows_per_step)
+
+
+def first_tokens(samples: list[tuple[str, int]], budget: int, source: Path) -> list[tuple[str, int]]:
+    """The longest prefix of ``samples`` (file order) holding at most ``budget`` tokens.
+
+    File order is the merge's seeded shuffle, so a smaller budget takes a subset of a larger one's rows (the
+    points of a data-scaling curve are nested). A split with fewer tokens than the budget is an error: the
+    curve point would be labelled with more data than it trained on.
+    """
+    total = sum(n for _, n in samples)
+    if total < budget:
+        raise ValueError(f"train.max_train_tokens is {budget:,} but the train split of {source} holds only "
+                         f"{total:,} tokens ({len(samples)} rows); generate more data or lower the budget")
+    kept, used = [], 0
+    for sample in samples:
+        if used + sample[1] > budget:
+            break
+        kept.append(sample)
+        used += sample[1]
+    if not kept:
+        raise ValueError(f"train.max_train_tokens {budget:,} is below the first train row of {source} "
+                         f"({samples[0][1]:,} tokens)")
+    return kept
 
 
 def total_steps_for(cfg: RunConfig, plan: DataPlan) -> int:

@@ -1,0 +1,125 @@
+"""The data-scaling curve's report: acceptance length against training tokens, one line per method.
+
+Reads each size's ``eval/results.json`` (eagle3.evaluate) and writes into one folder:
+curve.json (the rows), curve.md (a table per dataset) and curve.png (acceptance vs training tokens on a log
+axis, one line per drafting method, the n-gram baseline as a flat dashed line: it uses no drafter, so
+every size measures the same thing and the first size that measured it stands for all).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+NGRAM = "ngram"
+
+
+@dataclass(frozen=True)
+class CurveRow:
+    """One method's acceptance at one size on one dataset ('all' = the prompts of every dataset)."""
+
+    tokens: int  # the size's train.max_train_tokens
+    dataset: str
+    method: str
+    accept_len: float
+    num_prompts: int
+    lossless_identical: int
+
+
+def token_label(tokens: int) -> str:
+    """3_000_000 -> '3M', 500_000 -> '500K', 1_500_000 -> '1.5M' (also the size runs' name suffix)."""
+    for unit, scale in (("M", 1_000_000), ("K", 1_000)):
+        if tokens >= scale:
+            return f"{tokens / scale:g}{unit}"
+    return str(tokens)
+
+
+def read_rows(results: Mapping[int, Path]) -> tuple[list[CurveRow], list[int]]:
+    """Rows of every size whose results file exists, and the sizes without one (not measured yet)."""
+    rows, missing = [], []
+    for tokens, path in sorted(results.items()):
+        if not path.is_file():
+            missing.append(tokens)
+            continue
+        for r in json.loads(path.read_text())["results"]:
+            rows.append(CurveRow(tokens, r["dataset"], r["method"], float(r["accept_len"]), int(r["num_prompts"]),
+                                 int(r["lossless"]["identical"])))
+    return rows, missing
+
+
+def ngram_baseline(rows: list[CurveRow]) -> dict[str, CurveRow]:
+    """Per dataset, the n-gram row of the smallest size that measured it."""
+    out: dict[str, CurveRow] = {}
+    for r in sorted(rows, key=lambda r: r.tokens):
+        if r.method == NGRAM:
+            out.setdefault(r.dataset, r)
+    return out
+
+
+def curve_markdown(rows: list[CurveRow], missing: list[int]) -> str:
+    """One table per dataset: a row per size, a column per drafting method, the n-gram baseline last."""
+    baseline = ngram_baseline(rows)
+    methods = list(dict.fromkeys(r.method for r in rows if r.method != NGRAM))
+    lines = ["# Acceptance length vs training tokens", ""]
+    for dataset in dict.fromkeys(r.dataset for r in rows):
+        by = {(r.tokens, r.method): r for r in rows if r.dataset == dataset}
+        sizes = sorted({t for t, _ in by})
+        lines += [f"## {dataset}", "", "| training tokens | " + " | ".join(methods) + " | n-gram (no drafter) |",
+                  "|---:|" + "---:|" * (len(methods) + 1)]
+        base = f"{baseline[dataset].accept_len:.3f}" if dataset in baseline else "-"
+        for tokens in sizes:
+            cells = [f"{by[tokens, m].accept_len:.3f}" if (tokens, m) in by else "-" for m in methods]
+            lines.append(f"| {token_label(tokens)} | " + " | ".join(cells) + f" | {base} |")
+        lines.append("")
+    unlossless = [r for r in rows if r.lossless_identical != r.num_prompts]
+    lines.append("Every decode token-identical to greedy." if not unlossless else
+                 "Not identical to greedy: " + ", ".join(f"{token_label(r.tokens)} {r.dataset} {r.method} "
+                                                         f"({r.lossless_identical}/{r.num_prompts})"
+                                                         for r in unlossless))
+    if missing:
+        lines.append("Not measured yet: " + ", ".join(token_label(t) for t in missing) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curve(rows: list[CurveRow], out: Path, dataset: str = "all") -> Path:
+    """curve.png: acceptance length vs training tokens (log x) on one dataset, n-gram as a flat dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from infra.storage import atomic_path
+
+    chosen = [r for r in rows if r.dataset == dataset] or rows
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+    for method in dict.fromkeys(r.method for r in chosen if r.method != NGRAM):
+        points = sorted((r.tokens, r.accept_len) for r in chosen if r.method == method)
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=method)
+    base = ngram_baseline(chosen).get(chosen[0].dataset if chosen else dataset)
+    if base is not None:
+        ax.axhline(base.accept_len, color="gray", ls="--", label=f"n-gram ({base.accept_len:.2f})")
+    ax.set(xscale="log", xlabel="training tokens", ylabel="acceptance length",
+           title=f"acceptance vs training tokens ({chosen[0].dataset if chosen else dataset})")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+    return out
+
+
+def write_curve_report(results: Mapping[int, Path], out_dir: Path) -> dict[str, Path]:
+    """curve.json, curve.md and (with any measured size) curve.png in ``out_dir``."""
+    from infra.storage import atomic_write_json, atomic_write_text
+
+    rows, missing = read_rows(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outputs = {"json": atomic_write_json(out_dir / "curve.json", {"rows": [asdict(r) for r in rows],
+                                                                  "not_measured": missing}),
+               "markdown": atomic_write_text(out_dir / "curve.md", curve_markdown(rows, missing))}
+    if rows:
+        outputs["plot"] = plot_curve(rows, out_dir / "curve.png")
+    return outputs

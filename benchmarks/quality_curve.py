@@ -1,0 +1,335 @@
+"""The data-scaling curve on one GPU, without Prefect: data once, then train, export and evaluate per size.
+
+    python3 benchmarks/quality_curve.py PHASE [--preset smollm2-curve] [--sizes 3M,10M,20M] [--set k=v ...]
+    PHASE: data | train-N | export-N | eval-N | size-N (train, export, eval) | report | all   (N: 3M, 10M, ...)
+
+``data`` runs every data stage (synthesize, merge, regenerate, tokenize, vocab) in the preset's run
+(runs/<name>). Each size N is its own run, runs/<name>-N, whose data/ and vocab/ are links to that run's and
+whose config adds ``train.max_train_tokens=N`` (the first rows of the shuffled train split up to N tokens, so
+the sizes are nested). Every size after the first leaves n-gram out of its methods: the baseline uses no
+drafter, so one measurement stands for all (``--ngram-every-size`` measures it each time). ``report`` writes
+runs/<name>/curve/{curve.md,curve.png,curve.json} from the sizes' eval/results.json (benchmarks/curve_report.py).
+
+Every phase skips what its manifests (and the regeneration, synthesis and evaluation journals, and the
+training checkpoints) say is done, and runs under a time budget (``--budget-s phase=seconds``; phases:
+data, train, export, eval): past it the phase gets SIGTERM (training checkpoints and exits, the journals are
+fsynced per record), then SIGKILL after a grace period, and the script exits 3. Running the same command
+again continues where it stopped. ``--in-process`` runs the stages in this process with no budgets (tests).
+
+Budget on one H200 (30 minutes of device time; rates measured there with the commands in docs/):
+  generation, static cache, batch 2,048  57K generated tok/s (random SmolLM2-shaped weights, 256 new
+                                         tokens); real answers stop unevenly, so plan on ~0.6 of it
+  online training, ttt 7, rows of 16,384 96K tok/s (compile ~40-60 s per run on top)
+  greedy decode, batch 1, static+compiled 357 tok/s; chain 3 round 6.3 ms, tree 5-4-8 14.7 ms,
+                                         n-gram 4.5 ms; compile warm-up 68 s (widths 1 and 4)
+Per size N and one epoch: training N / 96K s (3M: 31 s, 10M: 104 s, 20M: 208 s), i.e. 343 s + ~150 s
+compile for the three sizes. Data for the largest size: ~21M tokens of which ~80% generated, 17M / 34K
+= ~500 s. Evaluation of the 160 prompts (~190 new tokens each on average, 256 at most) in one process:
+greedy 0.53 s + chain 3 0.6 s + chain 7 ~1.0 s + tree ~1.2 s per prompt = ~530 s, + n-gram 0.5 s per prompt
+once, + warm-up ~130 s; the preset's 4 workers share the GPU (acceptance is unaffected; their speedups are
+contended) and are assumed to give ~2x, so ~400 s per size. Sum: staging ~150 s + data 500 + training 500 +
+evaluation 3 x 400 = ~2,350 s: the whole curve does NOT fit one 30-minute stretch. Plan two:
+  stretch 1: data, size-3M (data ~500 + 3M ~120 + 400 eval) and carry the data journals back
+             (``pack-journals OUT``, xz, ~25 MB);
+  stretch 2: restore them (``unpack-journals DIR``; data then only merges and tokenizes), size-10M, size-20M.
+The default budgets below follow these figures with ~25% margin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.curve_report import token_label, write_curve_report  # noqa: E402
+
+DEFAULT_PRESET, DEFAULT_SIZES = "smollm2-curve", "3M,10M,20M"
+DEFAULT_BUDGETS_S = {"data": 650.0, "train": 240.0, "export": 90.0, "eval": 500.0}
+"""Seconds per phase (train: plus N / 80K s for size N); see the module docstring."""
+TRAIN_TOKENS_PER_S = 80_000
+"""The online training rate the train budget plans with (96K tok/s measured, less for safety)."""
+GRACE_S = 90.0
+"""After SIGTERM, how long a phase may take to checkpoint and exit before SIGKILL."""
+CUT_SHORT = 3
+"""Exit status when a phase ran out of its budget (run the same command again to continue)."""
+JOURNALS = ("data/regenerate.journal.jsonl", "data/synthetic")
+"""What pack-journals carries back: the generated text, from which a rerun rebuilds the data without generating."""
+
+
+@dataclass(frozen=True)
+class Size:
+    """One point of the curve: its token budget and its run."""
+
+    tokens: int
+
+    @property
+    def label(self) -> str:
+        """'3M'."""
+        return token_label(self.tokens)
+
+
+def parse_tokens(text: str) -> int:
+    """'3M' -> 3_000_000, '500K' -> 500_000, '1.5M', '20000'."""
+    text = text.strip().upper()
+    scale = {"K": 1_000, "M": 1_000_000}.get(text[-1:], 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise SystemExit(f"error: size {text!r} is not a token count like 3M, 500K or 20000") from None
+    if value < 1:
+        raise SystemExit(f"error: size {text!r} must be at least one token")
+    return int(value)
+
+
+# ------------------------------------------------------------------------------------------------- runs
+
+def base_config(preset: str, overrides: list[str]):
+    """The run holding the data (runs/<name>)."""
+    from eagle3.config import load_config
+
+    return load_config(preset, overrides)
+
+
+def size_config(preset: str, overrides: list[str], size: Size, with_ngram: bool):
+    """The run of one size: same preset, its own name, train.max_train_tokens, n-gram only where asked."""
+    from eagle3.config import load_config
+
+    base = load_config(preset, overrides)
+    extra = [f"run.name={base.run.name}-{size.label}", f"train.max_train_tokens={size.tokens}"]
+    if not with_ngram:
+        methods = [m for m in base.evaluate.methods if m != "ngram"] or base.evaluate.methods
+        extra.append(f"evaluate.methods=[{','.join(methods)}]")
+    return load_config(preset, [*overrides, *extra])
+
+
+def prepare_size_run(base, cfg) -> Path:
+    """runs/<name>-N with data/ and vocab/ linked to the data run's, and its config.json; returns the config path."""
+    from eagle3.stages import write_run_config
+
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    for part in ("data", "vocab"):
+        link, target = cfg.run_dir / part, base.run_dir.resolve() / part
+        if link.is_symlink() and link.resolve() == target:
+            continue
+        if link.exists() or link.is_symlink():
+            raise SystemExit(f"error: {link} exists and is not a link to {target}; remove it to reuse the data run")
+        link.symlink_to(target, target_is_directory=True)
+    return write_run_config(cfg)
+
+
+# ----------------------------------------------------------------------------------------------- runners
+
+Runner = Callable[[str, list[str], float], bool]
+"""(module, argv, budget_s) -> True when it finished, False when cut short by the budget."""
+
+
+def subprocess_runner(module: str, argv: list[str], budget_s: float) -> bool:
+    """``python -m module argv`` in its own process group; SIGTERM past the budget, SIGKILL after the grace."""
+    cmd = [sys.executable, "-m", module, *argv]
+    print(f"$ {' '.join(cmd)}  (budget {budget_s:.0f} s)", flush=True)
+    repo = Path(__file__).resolve().parents[1]  # the stages import from this checkout, from any cwd
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen(cmd, start_new_session=True, cwd=repo, env=env)
+    try:
+        rc = proc.wait(timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return False
+    if rc != 0:
+        raise SystemExit(f"error: {module} exited with status {rc}")
+    return True
+
+
+def in_process_runner(module: str, argv: list[str], budget_s: float) -> bool:
+    """The module's main(argv) in this process (no budget): for tests and CPU smoke runs."""
+    import importlib
+
+    main = importlib.import_module(module if module != "eagle3.train" else "eagle3.train.__main__").main
+    try:
+        main(argv)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise SystemExit(f"error: {module} exited with status {exc.code}") from None
+    return True
+
+
+# ------------------------------------------------------------------------------------------------ phases
+
+@dataclass
+class Curve:
+    """What every phase needs: the preset, overrides, sizes, budgets and how stages are run."""
+
+    preset: str
+    overrides: list[str]
+    sizes: list[Size]
+    budgets: dict[str, float]
+    runner: Runner
+    ngram_every_size: bool = False
+    nproc: int = 1
+
+    def set_args(self) -> list[str]:
+        """The overrides as --set arguments."""
+        return [a for o in self.overrides for a in ("--set", o)]
+
+    def size(self, label: str) -> Size:
+        """The size named in a phase ('3M'), which must be one of --sizes."""
+        tokens = parse_tokens(label)
+        if tokens not in [s.tokens for s in self.sizes]:
+            raise SystemExit(f"error: size {label} is not in --sizes ({', '.join(s.label for s in self.sizes)})")
+        return Size(tokens)
+
+    def size_run(self, size: Size) -> tuple[object, Path]:
+        """(config, config.json path) of one size's run, prepared."""
+        with_ngram = self.ngram_every_size or size == self.sizes[0]
+        cfg = size_config(self.preset, self.overrides, size, with_ngram)
+        return cfg, prepare_size_run(base_config(self.preset, self.overrides), cfg)
+
+
+def phase_data(c: Curve) -> bool:
+    """Every data stage of the data run."""
+    return c.runner("eagle3.stages", ["all", "--preset", c.preset, *c.set_args()], c.budgets["data"])
+
+
+def phase_train(c: Curve, size: Size) -> bool:
+    """Online training on the first N tokens (torchrun when NPROC > 1)."""
+    _, config = c.size_run(size)
+    budget = c.budgets["train"] + size.tokens / TRAIN_TOKENS_PER_S
+    if c.nproc > 1:
+        return c.runner("torch.distributed.run", ["--standalone", f"--nproc-per-node={c.nproc}", "-m", "eagle3.train",
+                                                  "--config", str(config)], budget)
+    return c.runner("eagle3.train", ["--config", str(config)], budget)
+
+
+def phase_export(c: Curve, size: Size) -> bool:
+    """Both export layouts of the size's selected checkpoint."""
+    return c.runner("eagle3.export", ["--config", str(c.size_run(size)[1])], c.budgets["export"])
+
+
+def phase_eval(c: Curve, size: Size) -> bool:
+    """The fixed prompts with every method of the size's config."""
+    return c.runner("eagle3.evaluate", ["--config", str(c.size_run(size)[1])], c.budgets["eval"])
+
+
+def phase_report(c: Curve) -> dict[str, Path]:
+    """curve.md, curve.png and curve.json under runs/<name>/curve from every size measured so far."""
+    base = base_config(c.preset, c.overrides)
+    results = {s.tokens: base.run_dir.parent / f"{base.run.name}-{s.label}" / "eval" / "results.json"
+               for s in c.sizes}
+    outputs = write_curve_report(results, base.run_dir / "curve")
+    print(outputs["markdown"].read_text())
+    return outputs
+
+
+def pack_journals(c: Curve, out: Path, part_mib: float = 15.0) -> list[Path]:
+    """The data run's journals as an xz tar cut into parts (a GPU call returns files of at most 16 MiB)."""
+    base = base_config(c.preset, c.overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    archive = out / "journals.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        for rel in JOURNALS:
+            if (base.run_dir / rel).exists():
+                tar.add(base.run_dir / rel, arcname=rel)
+    data, parts, size = archive.read_bytes(), [], int(part_mib * (1 << 20))
+    archive.unlink()
+    for i in range(0, max(len(data), 1), size):
+        parts.append(out / f"journals.tar.xz.{i // size:02d}")
+        parts[-1].write_bytes(data[i:i + size])
+    return parts
+
+
+def unpack_journals(c: Curve, folder: Path) -> None:
+    """Restore pack-journals' parts into the data run (the data phase then skips what they hold)."""
+    import io
+
+    base = base_config(c.preset, c.overrides)
+    parts = sorted(folder.glob("journals.tar.xz.*"))
+    if not parts:
+        raise SystemExit(f"error: no journals.tar.xz.* parts in {folder}")
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)), mode="r:xz") as tar:
+        tar.extractall(base.run_dir, filter="data")
+
+
+def run_phase(c: Curve, phase: str) -> bool:
+    """One phase by name; False when it was cut short."""
+    t0 = time.monotonic()
+    print(f"== {phase} ==", flush=True)
+    name, _, label = phase.partition("-")
+    steps: list[Callable[[], bool]]
+    if phase == "data":
+        steps = [lambda: phase_data(c)]
+    elif phase == "report":
+        steps = [lambda: bool(phase_report(c))]
+    elif name in ("train", "export", "eval", "size") and label:
+        size = c.size(label)
+        chosen = ("train", "export", "eval") if name == "size" else (name,)
+        fns = {"train": phase_train, "export": phase_export, "eval": phase_eval}
+        steps = [lambda f=fns[n]: f(c, size) for n in chosen]
+    else:
+        raise SystemExit(f"error: unknown phase {phase!r}")
+    for step in steps:
+        if not step():
+            print(f"== {phase} cut short by its budget after {time.monotonic() - t0:.0f} s: run it again ==")
+            return False
+    print(f"== {phase} took {time.monotonic() - t0:.0f} s ==", flush=True)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments and run the phases; exit status 3 when one was cut short."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("phase", help="data | train-N | export-N | eval-N | size-N | report | all | "
+                                      "pack-journals DIR | unpack-journals DIR")
+    parser.add_argument("folder", nargs="?", type=Path, help="pack-journals / unpack-journals: the folder")
+    parser.add_argument("--preset", default=DEFAULT_PRESET)
+    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="token budgets, ascending (e.g. 3M,10M,20M)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--budget-s", action="append", default=[], metavar="PHASE=SECONDS",
+                        help=f"phase budgets (defaults {DEFAULT_BUDGETS_S}; train adds N / {TRAIN_TOKENS_PER_S})")
+    parser.add_argument("--ngram-every-size", action="store_true", help="measure n-gram at every size")
+    parser.add_argument("--in-process", action="store_true", help="run stages in this process, no budgets")
+    args = parser.parse_args(argv)
+    budgets = dict(DEFAULT_BUDGETS_S)
+    for item in args.budget_s:
+        key, _, value = item.partition("=")
+        if key not in budgets:
+            raise SystemExit(f"error: --budget-s {item!r}: phase must be one of {', '.join(budgets)}")
+        budgets[key] = float(value)
+    sizes = [Size(parse_tokens(s)) for s in args.sizes.split(",")]
+    if [s.tokens for s in sizes] != sorted({s.tokens for s in sizes}):
+        raise SystemExit(f"error: --sizes {args.sizes} must be distinct and ascending")
+    curve = Curve(args.preset, args.overrides, sizes, budgets,
+                  in_process_runner if args.in_process else subprocess_runner,
+                  args.ngram_every_size, int(os.environ.get("NPROC", "1")))
+    if args.phase in ("pack-journals", "unpack-journals"):
+        if args.folder is None:
+            raise SystemExit(f"error: {args.phase} needs a folder")
+        if args.phase == "pack-journals":
+            print("\n".join(str(p) for p in pack_journals(curve, args.folder)))
+        else:
+            unpack_journals(curve, args.folder)
+        return 0
+    phases = (["data", *[f"size-{s.label}" for s in sizes], "report"] if args.phase == "all" else [args.phase])
+    for phase in phases:
+        if not run_phase(curve, phase):
+            if phase != "report" and args.phase == "all":
+                run_phase(curve, "report")  # what is measured so far
+            return CUT_SHORT
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

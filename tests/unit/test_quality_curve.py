@@ -1,0 +1,106 @@
+"""The data-scaling curve: token-budget prefixes, the curve report, asset bundles and the CPU smoke of every phase."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import curve_assets, curve_report, quality_curve
+from eagle3.train.build import first_tokens
+
+
+def test_first_tokens_is_a_nested_prefix():
+    """A budget keeps the longest prefix within it; a larger budget's rows start with a smaller one's."""
+    rows = [("a", 5), ("b", 3), ("c", 4), ("d", 2)]
+    assert first_tokens(rows, 8, Path("t")) == [("a", 5), ("b", 3)]
+    assert first_tokens(rows, 11, Path("t")) == [("a", 5), ("b", 3)]
+    assert first_tokens(rows, 12, Path("t")) == rows[:3]
+    assert first_tokens(rows, 14, Path("t")) == rows
+
+
+def test_first_tokens_refuses_a_budget_the_split_cannot_fill():
+    """A curve point would be mislabelled if the split held fewer tokens than its budget: a clear error."""
+    with pytest.raises(ValueError, match="holds only 14 tokens"):
+        first_tokens([("a", 5), ("b", 3), ("c", 4), ("d", 2)], 15, Path("tok.parquet"))
+    with pytest.raises(ValueError, match="below the first train row"):
+        first_tokens([("a", 5), ("b", 3)], 4, Path("tok.parquet"))
+
+
+def _fake_results(path: Path, accept: dict[str, float]) -> Path:
+    """A fake eval/results.json (the fields the curve reads, values made up)."""
+    rows = [{"dataset": d, "method": m, "accept_len": a + (0.1 if d == "gsm8k" else 0.0), "num_prompts": 2,
+             "lossless": {"identical": 2}} for d in ("mtbench", "gsm8k", "all") for m, a in accept.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": {"fake": True}, "results": rows}))
+    return path
+
+
+def test_curve_report_table_and_flat_ngram(tmp_path):
+    """Each measured size is a table row per dataset; n-gram comes from the first size; unmeasured sizes are named."""
+    results = {3_000_000: _fake_results(tmp_path / "fake-3M/results.json", {"chain-3-1-4": 1.5, "ngram": 1.7}),
+               10_000_000: _fake_results(tmp_path / "fake-10M/results.json", {"chain-3-1-4": 1.9}),
+               20_000_000: tmp_path / "fake-20M/results.json"}
+    out = curve_report.write_curve_report(results, tmp_path / "curve")
+    text = out["markdown"].read_text()
+    assert "| 3M | 1.500 | 1.700 |" in text and "| 10M | 1.900 | 1.700 |" in text
+    assert "| 10M | 2.000 | 1.800 |" in text  # gsm8k table
+    assert "Not measured yet: 20M." in text
+    data = json.loads(out["json"].read_text())
+    assert data["not_measured"] == [20_000_000] and len(data["rows"]) == 9
+    assert out["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_token_labels_round_trip():
+    """Size labels name the runs; parsing a label gives the budget back."""
+    for tokens in (2_000, 500_000, 1_500_000, 3_000_000, 20_000_000):
+        assert quality_curve.parse_tokens(curve_report.token_label(tokens)) == tokens
+
+
+def test_assets_travel_in_bundles_and_assemble_checked(tmp_path):
+    """Files cut over several bundles come back byte-identical (text via xz); a damaged chunk is an error."""
+    blob, text = tmp_path / "w.gguf", tmp_path / "d.json"
+    blob.write_bytes(bytes(range(256)) * 40)  # 10,240 bytes
+    text.write_text(json.dumps([{"x": "hello " * 50}] * 30))
+    bundles = curve_assets.pack({"pkg_a/w.gguf": blob, "pkg_b/data/d.json": text}, tmp_path / "out", limit=4096)
+    assert len(bundles) >= 3 and all(sum(f.stat().st_size for f in b.iterdir() if f.name != "assets.json") <= 4096
+                                     for b in bundles)
+    site, stage = tmp_path / "site", tmp_path / "stage"
+    missing = []
+    for bundle in bundles:
+        missing = curve_assets.unpack(bundle, stage, site)
+    assert missing == []
+    assert (site / "pkg_a/w.gguf").read_bytes() == blob.read_bytes()
+    assert (site / "pkg_b/data/d.json").read_bytes() == text.read_bytes()
+    (site / "pkg_a/w.gguf").unlink()
+    damaged = next(p for p in stage.iterdir() if not p.name.endswith(".joined"))
+    damaged.write_bytes(b"x" + damaged.read_bytes()[1:])
+    with pytest.raises(ValueError, match="sha256"):
+        for bundle in bundles:
+            curve_assets.unpack(bundle, stage, site)
+
+
+def test_curve_all_phases_on_the_tiny_target(tmp_path, capsys):
+    """data, train/export/eval at 2 sizes and the report run on CPU; a second run recomputes nothing."""
+    args = ["all", "--in-process", "--preset", "tiny", "--sizes", "2K,4K", "--set", f"run.workdir={tmp_path}",
+            "--set", "train.features=online", "--set", "evaluate.datasets=[mtbench]", "--set", "evaluate.num_prompts=2",
+            "--set", "evaluate.max_new_tokens=8", "--set", "evaluate.methods=[chain,ngram]"]
+    assert quality_curve.main(args) == 0
+    small, large = (json.loads((tmp_path / f"tiny-{s}/eval/results.json").read_text()) for s in ("2K", "4K"))
+    assert {r["method"] for r in small["results"]} == {"chain-3-1-4", "ngram"}
+    assert {r["method"] for r in large["results"]} == {"chain-3-1-4"}  # n-gram measured once
+    configs = [json.loads((tmp_path / f"tiny-{s}/config.json").read_text()) for s in ("2K", "4K")]
+    assert [c["train"]["max_train_tokens"] for c in configs] == [2000, 4000]
+    steps = [json.loads((tmp_path / f"tiny-{s}/train/train.manifest.json").read_text())["stats"]["total_steps"]
+             for s in ("2K", "4K")]
+    assert 0 < steps[0] < steps[1]  # the smaller budget trained on fewer rows
+    assert (tmp_path / "tiny-2K/data").resolve() == (tmp_path / "tiny/data").resolve()
+    curve = (tmp_path / "tiny/curve/curve.md").read_text()
+    assert "| 2K |" in curve and "| 4K |" in curve
+    manifests = sorted(tmp_path.glob("tiny*/**/*.manifest.json"))
+    stamps = {p: p.stat().st_mtime_ns for p in manifests}
+    capsys.readouterr()
+    assert quality_curve.main(args) == 0
+    assert {p: p.stat().st_mtime_ns for p in manifests} == stamps
+    assert '"computed": true' not in capsys.readouterr().out
