@@ -133,10 +133,11 @@ def train_summary(cfg: RunConfig) -> dict[str, Any]:
     return {"manifest": manifest.get("stats", {}), **publish_train_report(cfg)}
 
 
-@task(name="train-node", tags=["gpu"], retries=0, task_run_name="train-{cfg.run.name}-node{node_rank}")
+@task(name="train-node", retries=0, task_run_name="train-{cfg.run.name}-node{node_rank}")
 def train_node_task(cfg: RunConfig, node_rank: int) -> None:
     """One node of a multi-node training: its torchrun joins the others at train.rdzv_endpoint.
 
     No task retries: a node that restarted alone would wait at a rendezvous the others have left; the
-    parent flow re-submits all nodes together, and the trainer resumes from the newest checkpoint."""
+    parent flow re-submits all nodes together, and the trainer resumes from the newest checkpoint. No `gpu`
+    tag either (flows/train_nodes.py says why)."""
     run_node(cfg, node_rank)
