@@ -28,13 +28,20 @@ MAX_ROUNDS = 2
 
 
 @flow(name="eagle3-train-node", log_prints=True)
-def eagle3_train_node(config: RunConfig, node_rank: int = 0) -> None:
+def eagle3_train_node(config: RunConfig, node_rank: int = 0, lock_holder: str | None = None) -> None:
     """One node of a multi-node training; eagle3-train starts one run of it per node.
 
     Args:
         config: The run's full configuration (train.nnodes above 1 and train.rdzv_endpoint set).
         node_rank: This node's rank, 0 to train.nnodes - 1.
+        lock_holder: Id of the run lock's holder, handed down by the parent flow that holds the run directory.
     """
+    import os
+
+    from infra.storage import LOCK_HOLDER_ENV
+
+    if lock_holder:  # the trainer's rank 0 (on node 0) then counts as the holder, as under a single-node flow
+        os.environ[LOCK_HOLDER_ENV] = lock_holder
     train_node_task(config, node_rank)
 
 
@@ -55,9 +62,14 @@ def train_nodes(cfg: RunConfig, poll_s: float = 5.0) -> dict[str, Any]:
 
 
 def _submit(cfg: RunConfig, rank: int, attempt: int) -> UUID:
+    import os
+
     from prefect.deployments import run_deployment
 
-    params = {"config": json.loads(cfg.model_dump_json()), "node_rank": rank}
+    from infra.storage import LOCK_HOLDER_ENV
+
+    params = {"config": json.loads(cfg.model_dump_json()), "node_rank": rank,
+              "lock_holder": os.environ.get(LOCK_HOLDER_ENV)}
     run = run_deployment(NODE_DEPLOYMENT, parameters=params, timeout=0, as_subflow=True,
                          flow_run_name=f"train-{cfg.run.name}-node{rank}-try{attempt}")
     return run.id

@@ -1,6 +1,6 @@
 """Multi-node training through Prefect: eagle3-train with train.nnodes=2 submits two eagle3-train-node runs, two
 workers of the gpu pool ("hosts" with their own name and home) pick one each, and their torchruns form one world.
-Slow (~2-3 min on 2 cores: deploy, two workers, two flow-run processes, torchrun)."""
+Slow (~1 min on 2 cores: deploy, two workers, two flow-run processes, torchrun)."""
 
 from __future__ import annotations
 
