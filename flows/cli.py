@@ -3,7 +3,7 @@
     eagle3 demo                      server + setup + deployment + worker; trigger the demo run and follow it
     eagle3 run --preset tiny --set data.val_fraction=0.2   the flow in this process, with progress bars
     eagle3 worker start --pool gpu   a background worker of a work pool
-    eagle3 server start|stop|status  the embedded Prefect server (SQLite under <workdir>/.prefect)
+    eagle3 server start|stop|status  the embedded Prefect server (SQLite under <workdir>/.prefect, or --database URL)
     eagle3 setup                     work pools, limits, automations, every deployment, a worker per pool
     eagle3 target --preset smollm2-demo   tokenizer sanity report
     eagle3 stage tokenize --preset tiny   one core stage without Prefect (= python -m eagle3.stages)
@@ -39,7 +39,7 @@ LAST_STAGES = ("vocab", "capture", "train", "export", "evaluate", "deploy")  # =
 
 def _server_for(args: argparse.Namespace) -> local_server.LocalServer:
     workdir = getattr(args, "workdir", None) or os.environ.get("EAGLE3_WORKDIR", "runs")
-    return local_server.for_workdir(workdir, getattr(args, "port", None))
+    return local_server.for_workdir(workdir, getattr(args, "port", None), getattr(args, "database", None))
 
 
 def _use_server(server: local_server.LocalServer) -> None:
@@ -54,7 +54,8 @@ def cmd_server(args: argparse.Namespace) -> int:
     if args.action == "start":
         t0 = time.monotonic()
         state = local_server.start(server)
-        print(f"prefect server {state} in {time.monotonic() - t0:.1f} s: UI {server.ui_url}  API {server.api_url}")
+        print(f"prefect server {state} in {time.monotonic() - t0:.1f} s on {local_server.running_database(server)}: "
+              f"UI {server.ui_url}  API {server.api_url}")
     elif args.action == "stop":
         for pool in WORK_POOLS:
             if stop_worker(LocalWorker(server, pool)):
@@ -233,6 +234,7 @@ examples:
   eagle3 run --preset tiny --set data.val_fraction=0.2      run the flow in this process with progress bars
   eagle3 run --preset smollm2-demo --until vocab            stop after the data stages
   eagle3 server start | stop | status          the embedded Prefect server (SQLite under runs/.prefect)
+  eagle3 server start --database postgresql+asyncpg://prefect@127.0.0.1:55432/prefect   on PostgreSQL
   eagle3 worker start --pool gpu               a background process worker for a work pool
   eagle3 setup                                 pools, limits, automations, all deployments, a worker per pool
   eagle3 target --preset smollm2-demo          tokenizer sanity report for the target
@@ -271,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     server = sub.add_parser("server", help="the embedded Prefect server (start|stop|status)")
     server.add_argument("action", choices=("start", "stop", "status"))
     _add_local_server_args(server)
+    server.add_argument("--database", metavar="URL", help="start: run on this database, e.g. postgresql+asyncpg://"
+                        "user:pass@host:5432/db (default SQLite; also PREFECT_SERVER_DATABASE_CONNECTION_URL)")
     server.set_defaults(func=cmd_server)
     worker = sub.add_parser("worker", help="a background Prefect worker for a work pool (start|stop|status)")
     worker.add_argument("action", choices=("start", "stop", "status"))

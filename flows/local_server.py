@@ -1,4 +1,9 @@
-"""The embedded Prefect server: `prefect server start` on SQLite under <workdir>/.prefect.
+"""The embedded Prefect server: `prefect server start` on SQLite under <workdir>/.prefect, or on PostgreSQL.
+
+The database is SQLite unless a URL is given (`eagle3 server start --database URL`, or Prefect's own
+PREFECT_SERVER_DATABASE_CONNECTION_URL in the environment): `postgresql+asyncpg://user:pass@host:5432/db`.
+The URL goes to the server process only (clients talk HTTP); its password-masked form is kept beside the pid
+file, so `status` shows it and a later start that asks for another database refuses to reuse the running one.
 
 Started in the background once and reused by later commands; the client side only needs
 PREFECT_API_URL. Prefect's ephemeral server is not used: its 20 s start-up timeout fails on a
@@ -14,6 +19,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 from pathlib import Path
 
 import httpx
@@ -22,6 +28,8 @@ from infra.process import kill_group, pid_alive, process_cmdline, read_pid_file,
 
 DEFAULT_PORT = 4200
 STARTUP_TIMEOUT_S = 240.0
+DATABASE_ENV = "PREFECT_SERVER_DATABASE_CONNECTION_URL"  # Prefect's setting (older alias: PREFECT_API_DATABASE_...)
+DATABASE_SCHEMES = ("postgresql+asyncpg", "sqlite+aiosqlite")  # the async drivers Prefect's server runs on
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,7 @@ class LocalServer:
 
     home: Path
     port: int = DEFAULT_PORT
+    database_url: str | None = None  # None: SQLite under home (or PREFECT_SERVER_DATABASE_CONNECTION_URL if set)
 
     @property
     def api_url(self) -> str:
@@ -47,6 +56,21 @@ class LocalServer:
     def log_file(self) -> Path:
         return self.home / "server.log"
 
+    @property
+    def database_file(self) -> Path:
+        return self.home / "server.database"
+
+    def database(self) -> str:
+        """The database this server is to use, password masked ("sqlite" for Prefect's default)."""
+        url = self.database_url or os.environ.get(DATABASE_ENV)
+        return mask_password(url) if url else "sqlite"
+
+    def server_env(self) -> dict[str, str]:
+        """Environment of the `prefect server start` process: the client's, the bind address (so the UI's API URL
+        names this port, which `--port` alone does not set) and the database URL when one is given."""
+        env = {**self.client_env(), "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(self.port)}
+        return env | ({DATABASE_ENV: self.database_url} if self.database_url else {})
+
     def client_env(self) -> dict[str, str]:
         """Environment for processes that talk to this server (flows, workers, the prefect CLI)."""
         return {"PREFECT_HOME": str(self.home.resolve()), "PREFECT_API_URL": self.api_url,
@@ -54,10 +78,29 @@ class LocalServer:
                 "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str((self.home / "storage").resolve())}
 
 
-def for_workdir(workdir: str | Path, port: int | None = None) -> LocalServer:
-    """The local server for a workdir (port from EAGLE3_PREFECT_PORT or 4200)."""
+def for_workdir(workdir: str | Path, port: int | None = None, database_url: str | None = None) -> LocalServer:
+    """The local server for a workdir (port from EAGLE3_PREFECT_PORT or 4200; database SQLite unless given)."""
     port = port or int(os.environ.get("EAGLE3_PREFECT_PORT", DEFAULT_PORT))
-    return LocalServer(Path(workdir) / ".prefect", port)
+    return LocalServer(Path(workdir) / ".prefect", port, check_database_url(database_url) if database_url else None)
+
+
+def check_database_url(url: str) -> str:
+    """The URL itself when Prefect's server can use it; else a ValueError saying which form it needs."""
+    scheme = urlsplit(url).scheme
+    if scheme not in DATABASE_SCHEMES:
+        hint = " (add the async driver: postgresql+asyncpg://...)" if scheme.startswith("postgres") else ""
+        raise ValueError(f"database URL scheme {scheme!r} is not one Prefect's server runs on "
+                         f"({', '.join(DATABASE_SCHEMES)}){hint}: {mask_password(url)}")
+    return url
+
+
+def mask_password(url: str) -> str:
+    """The URL with its password replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def healthy(server: LocalServer, timeout_s: float = 2.0) -> bool:
@@ -93,12 +136,17 @@ def start(server: LocalServer, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
         if problem:
             raise ForeignServerError(f"{server.api_url} answers, but it is not the Prefect server of this workdir "
                                      f"({problem}); stop that server or pick another port (EAGLE3_PREFECT_PORT)")
+        running = running_database(server)
+        if server.database_url and running != server.database():
+            raise ForeignServerError(f"the server of this workdir runs on {running}, not on {server.database()}; "
+                                     "stop it first (eagle3 server stop)")
         return "reused"
     server.home.mkdir(parents=True, exist_ok=True)
     prefect = str(Path(sys.executable).with_name("prefect"))
     argv = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(server.port)]
-    pid = spawn_detached(argv, server.log_file, env={**os.environ, **server.client_env()})
+    pid = spawn_detached(argv, server.log_file, env={**os.environ, **server.server_env()})
     write_pid_file(server.pid_file, pid)
+    server.database_file.write_text(server.database() + "\n")
     _wait_healthy(server, pid, timeout_s)
     return "started"
 
@@ -113,6 +161,14 @@ def _wait_healthy(server: LocalServer, pid: int, timeout_s: float) -> None:
         time.sleep(1.0)
     raise TimeoutError(f"prefect server not healthy after {timeout_s:.0f} s; log {server.log_file}:\n"
                        f"{tail(server.log_file)}")
+
+
+def running_database(server: LocalServer) -> str:
+    """The (masked) database of the server this workdir started, as recorded at its start."""
+    try:
+        return server.database_file.read_text().strip()
+    except OSError:
+        return "sqlite"
 
 
 def stop(server: LocalServer) -> bool:
@@ -130,4 +186,4 @@ def status(server: LocalServer) -> dict[str, object]:
     """pid, health and URLs."""
     pid = read_pid_file(server.pid_file)
     return {"healthy": healthy(server), "pid": pid if pid and pid_alive(pid) else None,
-            "ui": server.ui_url, "api": server.api_url, "home": str(server.home), "log": str(server.log_file)}
+            "database": running_database(server), "ui": server.ui_url, "api": server.api_url, "home": str(server.home), "log": str(server.log_file)}

@@ -76,6 +76,7 @@ def run_model_stages(cfg: RunConfig, until: str, force: bool = False,
     (``results`` is filled in place when given)."""
     from flows.capture import eagle3_capture
     from flows.deploy import eagle3_deploy
+    from flows.train_nodes import train_nodes
     from tasks.train import train_task
 
     reached = LAST_STAGES.index(until)
@@ -87,7 +88,7 @@ def run_model_stages(cfg: RunConfig, until: str, force: bool = False,
         else:
             results["capture"] = eagle3_capture(config=cfg)
     if reached >= LAST_STAGES.index("train"):
-        results["train"] = train_task(cfg)
+        results["train"] = train_nodes(cfg) if cfg.train.nnodes > 1 else train_task(cfg)
     if until in DEPLOY_STEPS:
         deployed = eagle3_deploy(config=cfg, force=force, steps=DEPLOY_STEPS[until])
         results.update({k: v for k, v in deployed.items() if k != "run_dir"})

@@ -11,7 +11,6 @@ from typing import Any
 
 from eagle3.config import RunConfig
 from eagle3.stages import STAGES
-from tasks.artifacts import MAX_TABLE_COLUMNS, markdown_image
 
 DATA_STAGES = STAGES
 
@@ -120,6 +119,10 @@ def eval_rows(evaluation: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _table(rows: list[dict[str, Any]], columns: tuple[str, ...] | None = None) -> list[str]:
     """A markdown table of ``columns`` (default: the first row's keys), at most MAX_TABLE_COLUMNS wide."""
+    # tasks.artifacts imports prefect: not at module level, since flows.cli imports this module before it points
+    # PREFECT_API_URL at the local server, and Prefect reads its settings once, at import
+    from tasks.artifacts import MAX_TABLE_COLUMNS
+
     if not rows:
         return []
     head = list(columns or rows[0])
@@ -173,6 +176,8 @@ def selection_lines(train_stats: dict[str, Any], export_stats: dict[str, Any]) -
 
 def render_run_report(cfg: RunConfig) -> str:
     """The run report: data stats, capture throughput, training curves, measured acceptance (from the run dir)."""
+    from tasks.artifacts import markdown_image
+
     res, run = results_from_disk(cfg), cfg.run_dir
     lines = [f"# Run report `{cfg.run.name}`", "", f"run directory `{run.resolve()}`", ""] + data_section(res)
     cap = res.get("capture", {}).get("stats", {})

@@ -1,4 +1,5 @@
-"""The training flow: one GPU-tagged task that runs torchrun on the run's config.
+"""The training flow: one GPU-tagged task that runs torchrun on the run's config (train.nnodes > 1: one flow
+run of the eagle3-train-node deployment per node, flows/train_nodes.py).
 
 Usable alone (deployment `eagle3-train`, for a run whose features are captured) and from the
 pipeline. The trainer resumes from its latest checkpoint, so a retry or a crash-retry of the
@@ -13,6 +14,7 @@ from prefect import flow
 
 from eagle3.config import RunConfig, load_config
 from flows.pipeline import PresetName, guard_crash_loop
+from flows.train_nodes import train_nodes
 from tasks.train import train_task
 
 
@@ -32,4 +34,4 @@ def eagle3_train(preset: PresetName = "smollm2-demo", overrides: list[str] | Non
     guard_crash_loop()
     cfg = config or load_config(preset, list(overrides or []))
     with run_lock(cfg.run_dir, owner="prefect flow eagle3-train"):
-        return train_task(cfg)
+        return train_nodes(cfg) if cfg.train.nnodes > 1 else train_task(cfg)

@@ -6,6 +6,7 @@ manifest matches its inputs is a no-op inside the trainer, so a re-run costs one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from pathlib import Path
@@ -18,14 +19,23 @@ from eagle3.config import RunConfig
 from tasks.artifacts import artifact_key, markdown_image, publish_table
 
 
-def torchrun_spec(cfg: RunConfig, config_path: Path, num_gpus: int):
-    """The torchrun command for this run: nproc = configured, else one per visible GPU, else 1."""
+def torchrun_spec(cfg: RunConfig, config_path: Path, num_gpus: int, node_rank: int | None = None):
+    """The torchrun command for this run (node ``node_rank``, default train.node_rank): nproc = configured, else one
+    per visible GPU, else 1; with train.nnodes > 1 the nodes meet at train.rdzv_endpoint (c10d)."""
     from infra.torchrun import TorchrunSpec
 
     nproc = cfg.train.nproc_per_node or max(1, num_gpus)
+    rank = cfg.train.node_rank if node_rank is None else node_rank
     return TorchrunSpec(module="eagle3.train", args=("--config", str(config_path.resolve())), nproc_per_node=nproc,
-                        nnodes=cfg.train.nnodes, node_rank=cfg.train.node_rank, rdzv_endpoint=cfg.train.rdzv_endpoint,
+                        nnodes=cfg.train.nnodes, node_rank=rank, rdzv_endpoint=cfg.train.rdzv_endpoint,
                         rdzv_id=f"eagle3-{cfg.run.name}", env={"OMP_NUM_THREADS": "1"} if num_gpus == 0 else {})
+
+
+def torchrun_log(cfg: RunConfig, node_rank: int) -> Path:
+    """The torchrun log of one node: torchrun.log on a single node, torchrun.node<R>.log per node otherwise
+    (the nodes share the run directory, and the pid file beside the log must name this node's torchrun only)."""
+    name = "torchrun.log" if cfg.train.nnodes == 1 else f"torchrun.node{node_rank}.log"
+    return cfg.run_dir / "train" / name
 
 
 def _visible_gpus(cfg: RunConfig) -> list:
@@ -99,14 +109,35 @@ def _scalars(record: dict[str, Any]) -> dict[str, Any]:
 @task(name="train", tags=["gpu"], retries=2, retry_delay_seconds=[30, 120], task_run_name="train-{cfg.run.name}")
 def train_task(cfg: RunConfig) -> dict[str, Any]:
     """Train the drafter with torchrun (resuming from the latest checkpoint); returns the manifest summary."""
-    from eagle3.stage import read_manifest
+    run_node(cfg, cfg.train.node_rank)
+    return train_summary(cfg)
+
+
+def run_node(cfg: RunConfig, node_rank: int) -> None:
+    """This node's torchrun to completion; node 0 mirrors train/progress.json (written by global rank 0)."""
     from eagle3.stages import write_run_config
     from infra.torchrun import run_torchrun
 
     logger = get_run_logger()
-    spec = torchrun_spec(cfg, write_run_config(cfg), len(_visible_gpus(cfg)))
+    spec = torchrun_spec(cfg, write_run_config(cfg), len(_visible_gpus(cfg)), node_rank)
     logger.info("launching %s", " ".join(spec.argv()))
-    with ProgressWatcher(cfg):
-        run_torchrun(spec, cfg.run_dir / "train" / "torchrun.log", timeout_s=cfg.train.timeout_s, on_line=logger.info)
+    with ProgressWatcher(cfg) if node_rank == 0 else contextlib.nullcontext():
+        run_torchrun(spec, torchrun_log(cfg, node_rank), timeout_s=cfg.train.timeout_s, on_line=logger.info)
+
+
+def train_summary(cfg: RunConfig) -> dict[str, Any]:
+    """The manifest stats and the metrics report of a finished training."""
+    from eagle3.stage import read_manifest
+
     manifest = read_manifest(cfg.run_dir / "train" / "train.manifest.json") or {}
     return {"manifest": manifest.get("stats", {}), **publish_train_report(cfg)}
+
+
+@task(name="train-node", retries=0, task_run_name="train-{cfg.run.name}-node{node_rank}")
+def train_node_task(cfg: RunConfig, node_rank: int) -> None:
+    """One node of a multi-node training: its torchrun joins the others at train.rdzv_endpoint.
+
+    No task retries: a node that restarted alone would wait at a rendezvous the others have left; the
+    parent flow re-submits all nodes together, and the trainer resumes from the newest checkpoint. No `gpu`
+    tag either (flows/train_nodes.py says why)."""
+    run_node(cfg, node_rank)

@@ -114,3 +114,11 @@ def test_bad_config_values_are_one_message_and_exit_2(tmp_path, capsys, override
     err = _stage_main(capsys, *args)
     assert err.startswith("error: invalid config") and needle in err and "Traceback" not in err
     assert not workdir.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_importing_the_cli_does_not_import_prefect():
+    """flows.cli loads without prefect: Prefect reads PREFECT_API_URL at import, which the CLI sets afterwards
+    (imported earlier, `eagle3 run` ran on a temporary server of its own instead of the local one)."""
+    code = "import sys, flows.cli; print(sorted(m for m in sys.modules if m.split('.')[0] == 'prefect'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from flows.local_server import ForeignServerError, LocalServer, owner_problem, start
+from flows.local_server import (DATABASE_ENV, ForeignServerError, LocalServer, for_workdir, mask_password, owner_problem,
+                                 start)
 from infra.process import write_pid_file
 
 
@@ -73,4 +74,38 @@ def test_our_own_live_server_is_reused(tmp_path):
         with _process("server", "start", "--host", "127.0.0.1", "--port", str(port)) as pid:
             write_pid_file(server.pid_file, pid)
             assert owner_problem(server) is None
+            assert start(server, timeout_s=1) == "reused"
+
+
+PG_URL = "postgresql+asyncpg://prefect:s3cret@db.example:5432/prefect"
+
+
+def test_a_database_url_reaches_the_server_process_only_and_is_shown_masked(tmp_path):
+    """--database goes into the server's environment (with its port for the UI), never into the clients'."""
+    server = for_workdir(tmp_path, 4311, PG_URL)
+    env = server.server_env()
+    assert env[DATABASE_ENV] == PG_URL and env["PREFECT_SERVER_API_PORT"] == "4311"
+    assert DATABASE_ENV not in server.client_env() and "s3cret" not in str(server.client_env())
+    assert server.database() == "postgresql+asyncpg://prefect:***@db.example:5432/prefect"
+    assert mask_password("sqlite+aiosqlite:////tmp/x.db") == "sqlite+aiosqlite:////tmp/x.db"
+    assert DATABASE_ENV not in for_workdir(tmp_path, 4311).server_env()
+
+
+def test_a_database_url_without_an_async_driver_is_refused_with_the_form_it_needs(tmp_path):
+    """postgresql:// (psycopg2's scheme) is refused naming postgresql+asyncpg, and the password is not printed."""
+    with pytest.raises(ValueError, match=r"postgresql\+asyncpg://\.\.\.") as info:
+        for_workdir(tmp_path, 4311, PG_URL.replace("+asyncpg", ""))
+    assert "s3cret" not in str(info.value)
+
+
+def test_our_server_on_another_database_is_not_reused_for_a_database_request(tmp_path):
+    """A running server of this workdir started on SQLite is refused when PostgreSQL is asked for."""
+    with _someone_elses_server() as port:
+        server = for_workdir(tmp_path, port, PG_URL)
+        server.home.mkdir(parents=True)
+        with _process("server", "start", "--host", "127.0.0.1", "--port", str(port)) as pid:
+            write_pid_file(server.pid_file, pid)
+            with pytest.raises(ForeignServerError, match="runs on sqlite, not on postgresql"):
+                start(server, timeout_s=1)
+            server.database_file.write_text(server.database() + "\n")
             assert start(server, timeout_s=1) == "reused"

@@ -1,0 +1,88 @@
+"""Multi-node training through deployments: train.nnodes = N starts N flow runs of `eagle3-train-node`.
+
+The parent (eagle3-train, or the pipeline's train step) submits one run per node_rank 0..N-1 to that
+deployment on the gpu pool, so N workers (one per host) each start one torchrun; the torchruns meet at
+train.rdzv_endpoint (torchrun's c10d store, served by the agent on that host) and form one world. The parent
+waits for all of them. When a node ends Failed or Crashed its peers fail too (their collectives lose a rank),
+so the parent submits all nodes again, at most MAX_ROUNDS times in all, and the trainer resumes from the newest
+checkpoint. Every host must see the run directory at the same path (shared storage) and reach the endpoint.
+
+The node task carries no `gpu` tag: that concurrency limit counts slots on the whole server, and the N nodes
+must hold theirs at the same time (a node queued behind another would leave it waiting at the rendezvous).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+from uuid import UUID
+
+from prefect import flow, get_run_logger
+
+from eagle3.config import RunConfig
+from tasks.train import train_node_task, train_summary
+
+NODE_DEPLOYMENT = "eagle3-train-node/eagle3-train-node"
+MAX_ROUNDS = 2
+
+
+@flow(name="eagle3-train-node", log_prints=True)
+def eagle3_train_node(config: RunConfig, node_rank: int = 0, lock_holder: str | None = None) -> None:
+    """One node of a multi-node training; eagle3-train starts one run of it per node.
+
+    Args:
+        config: The run's full configuration (train.nnodes above 1 and train.rdzv_endpoint set).
+        node_rank: This node's rank, 0 to train.nnodes - 1.
+        lock_holder: Id of the run lock's holder, handed down by the parent flow that holds the run directory.
+    """
+    import os
+
+    from infra.storage import LOCK_HOLDER_ENV
+
+    if lock_holder:  # the trainer's rank 0 (on node 0) then counts as the holder, as under a single-node flow
+        os.environ[LOCK_HOLDER_ENV] = lock_holder
+    train_node_task(config, node_rank)
+
+
+def train_nodes(cfg: RunConfig, poll_s: float = 5.0) -> dict[str, Any]:
+    """Run the node flow runs to completion (all re-submitted together after a failure); the training summary."""
+    if not cfg.train.rdzv_endpoint:
+        raise ValueError(f"train.nnodes={cfg.train.nnodes} needs train.rdzv_endpoint (host:port every node reaches)")
+    logger = get_run_logger()
+    for attempt in range(1, MAX_ROUNDS + 1):
+        ids = [_submit(cfg, rank, attempt) for rank in range(cfg.train.nnodes)]
+        logger.info("attempt %d: %d node runs submitted to %s", attempt, len(ids), NODE_DEPLOYMENT)
+        states = _wait(ids, poll_s, deadline_s=cfg.train.timeout_s + 3600.0)
+        failed = {rank: name for rank, name in enumerate(states) if name != "COMPLETED"}
+        if not failed:
+            return train_summary(cfg)
+        logger.warning("attempt %d: nodes %s did not complete (%s)", attempt, sorted(failed), failed)
+    raise RuntimeError(f"multi-node training failed {MAX_ROUNDS} times; last node states: {failed}")
+
+
+def _submit(cfg: RunConfig, rank: int, attempt: int) -> UUID:
+    import os
+
+    from prefect.deployments import run_deployment
+
+    from infra.storage import LOCK_HOLDER_ENV
+
+    params = {"config": json.loads(cfg.model_dump_json()), "node_rank": rank,
+              "lock_holder": os.environ.get(LOCK_HOLDER_ENV)}
+    run = run_deployment(NODE_DEPLOYMENT, parameters=params, timeout=0, as_subflow=True,
+                         flow_run_name=f"train-{cfg.run.name}-node{rank}-try{attempt}")
+    return run.id
+
+
+def _wait(ids: list[UUID], poll_s: float, deadline_s: float) -> list[str]:
+    """Poll until every flow run is final; their state types, in order (TIMEOUT for any still open at the end)."""
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + deadline_s
+    with get_client(sync_client=True) as client:
+        while True:
+            states = [client.read_flow_run(i).state for i in ids]
+            if all(s is not None and s.is_final() for s in states) or time.monotonic() > deadline:
+                return [s.type.value if s is not None and s.is_final() else "TIMEOUT" for s in states]
+            time.sleep(poll_s)
