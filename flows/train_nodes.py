@@ -40,7 +40,7 @@ def eagle3_train_node(config: RunConfig, node_rank: int = 0, lock_holder: str | 
 
     from infra.storage import LOCK_HOLDER_ENV
 
-    if lock_holder:  # the trainer's rank 0 (on node 0) then counts as the holder, as under a single-node flow
+    if lock_holder:  # the trainer's rank 0 (on any node) then counts as the holder, as under a single-node flow
         os.environ[LOCK_HOLDER_ENV] = lock_holder
     train_node_task(config, node_rank)
 

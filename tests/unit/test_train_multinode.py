@@ -70,8 +70,12 @@ def test_two_nodes_give_the_loss_curve_of_one_node_with_two_processes(runs):
 
 
 def test_each_node_logs_its_own_torchrun_and_rank_zero_writes_the_run(runs):
-    """Node 0 ran global rank 0 (it writes the manifest), node 1 rank 1; each node kept its own log."""
+    """Each node kept its own log; exactly one node ran global rank 0 (it logs the steps and writes the manifest).
+
+    With the c10d rendezvous torchrun assigns global ranks in joining order, not by --node-rank, so which
+    node holds rank 0 is not fixed."""
     train_dir = runs["multi"].run_dir / "train"
-    logs = {rank: (train_dir / f"torchrun.node{rank}.log").read_text() for rank in (0, 1)}
-    assert "world 2" in logs[0] and "[rank 0] step " in logs[0] and "[rank 0]" not in logs[1]
+    logs = [(train_dir / f"torchrun.node{rank}.log").read_text() for rank in (0, 1)]
+    leaders = [log for log in logs if "[rank 0] step " in log]
+    assert len(leaders) == 1 and "world 2" in leaders[0]
     assert not (train_dir / "torchrun.log").exists() and (train_dir / "train.manifest.json").exists()
