@@ -50,10 +50,16 @@ def key_for(cfg: RunConfig, stage: str, fp: str | None = None) -> str:
     if stage == "synthesize":
         from eagle3.data.synthesize import stage_config
 
-        return stage_key(stage, stage_config(synthetic_sources(cfg), cfg.regenerate), [], {"target": fp})
+        conf = stage_config(synthetic_sources(cfg), cfg.regenerate)
+        return stage_key(stage, conf, [], {"target": _generating(cfg, fp)})
     upstream = {"regenerate": manifest_path(cfg, "merge"), "tokenize": _conversations_manifest(cfg),
                 "vocab": manifest_path(cfg, "tokenize")}[stage]
     return stage_key(stage, section_dict(cfg, stage), [upstream], {"target": fp})
+
+
+def _generating(cfg: RunConfig, fp: str) -> str:
+    """The generating target: its fingerprint and the dtype it is loaded in (the dtype changes the text too)."""
+    return f"{fp}:{cfg.target.dtype}"
 
 
 def is_complete(cfg: RunConfig, stage: str) -> bool:
@@ -79,7 +85,8 @@ def run_synthesize(cfg: RunConfig, progress: ProgressFn | None = None, force: bo
     model_dir, fp = _target(cfg)
 
     def compute():
-        return synthesize(sources, data_dir(cfg), cfg.regenerate, _model_loader(cfg, model_dir), fp, progress)
+        return synthesize(sources, data_dir(cfg), cfg.regenerate, _model_loader(cfg, model_dir), _generating(cfg, fp),
+                          progress)
 
     return run_stage("synthesize", manifest_path(cfg, "synthesize"), key_for(cfg, "synthesize", fp), compute,
                      force=force)

@@ -167,6 +167,8 @@ AUTO_CPU_TOKENS = 4096
 """capture.max_tokens_per_batch=auto on a CPU (compute-bound: bigger batches buy nothing)."""
 AUTO_MAX_TOKENS = 65536
 """Upper bound of the auto budget on a GPU: past ~32K padded tokens a forward no longer gets faster per token."""
+ONLINE_MAX_PADDING = 1.25
+"""Online training batches a packed row's documents longest first; a batch closes before padding passes 25%."""
 AUTO_MEMORY_SHARE = 0.5
 """Share of the free GPU memory the auto budget may plan for (the rest: allocator slack, host-copy overlap)."""
 
@@ -210,18 +212,22 @@ def auto_tokens_per_batch(config: Any, num_outputs: int, dtype: torch.dtype, dev
 
 
 
-def plan_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive index groups whose padded size (count x longest) fits max_tokens; order kept."""
+def plan_batches(lengths: Sequence[int], max_tokens: int, max_padding: float | None = None) -> list[list[int]]:
+    """Consecutive index groups whose padded size (count x longest) fits max_tokens; order kept.
+
+    ``max_padding``: also start a new group when count x longest would exceed this multiple of the real tokens.
+    """
     batches: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    longest = real = 0
     for i, n in enumerate(lengths):
         grown = max(longest, n)
-        if current and (len(current) + 1) * grown > max_tokens:
+        padded = (len(current) + 1) * grown
+        if current and (padded > max_tokens or (max_padding is not None and padded > max_padding * (real + n))):
             batches.append(current)
-            current, grown = [], n
+            current, grown, real = [], n, 0
         current.append(i)
-        longest = grown
+        longest, real = grown, real + n
     if current:
         batches.append(current)
     return batches
@@ -396,7 +402,8 @@ class HFCaptureBackend:
         """
         order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
         pieces: dict[int, dict[str, torch.Tensor]] = {}
-        for group in plan_batches([len(samples[i].input_ids) for i in order], self.max_tokens_per_batch):
+        lengths = [len(samples[i].input_ids) for i in order]
+        for group in plan_batches(lengths, self.max_tokens_per_batch, max_padding=ONLINE_MAX_PADDING):
             batch = [samples[order[g]] for g in group]
             inputs = self._inputs(batch)
             store: dict = {}

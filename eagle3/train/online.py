@@ -11,6 +11,9 @@ is meant literally:
     then to the trainer's compute dtype, as a shard write followed by a shard read would do.
 Each document of a packed row runs as a sample of its own (positions from 0, no attention across
 documents), cut to the tokens the row takes, which for a causal model equals cutting the captured states.
+On a CPU (per-sample attention) the states are bitwise the captured ones; on a GPU the documents are batched
+differently from the capture's batches (padded SDPA, cuBLAS picks kernels by shape), so they agree to the
+rounding of the compute dtype, not bit for bit.
 
 The trainer reads token ids and loss masks from ``tokenized.parquet`` (``TokenReader``, a drop-in for the
 ShardReader in the row loader) and hands each collated row to ``OnlineFeatures.fill`` on the device.
