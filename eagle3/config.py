@@ -304,6 +304,8 @@ class CaptureConfig(Section):
     """Target tokens per shard file (balanced by tokens; ~4 GB per shard for an 8B target)."""
     max_concurrent_shards: int = Field(1, ge=1)
     """Shard tasks in flight in one flow run (they share the model or the servers)."""
+    num_slices: int = Field(1, ge=1)
+    """Flow runs the capture flow splits the pending shards into, each on its own gpu-pool worker (1: capture in the flow itself)."""
     device: str = "auto"
     """HF backend device: auto (cuda if available), cpu, cuda, cuda:N."""
     device_map: str | None = None

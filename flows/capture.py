@@ -3,13 +3,21 @@
 Usable alone (deployment `eagle3-capture`, or `eagle3 capture --preset tiny`) and as a subflow of
 the pipeline. Shards already on disk are skipped; the live progress artifact shows shards done,
 tokens/s, ETA and GB written.
+
+With capture.num_slices = N above 1 the flow fans out: it splits the pending shards into N disjoint slices of
+about equal tokens and submits each as a run of the `eagle3-capture-slice` deployment on the gpu pool, so N
+workers (one per host, each with its own model or managed SGLang servers) capture at once into the shared run
+directory. The parent counts done files on disk for one progress artifact over all slices, submits a slice
+again when its run ends Crashed or Failed (MAX_SLICE_ROUNDS submissions in all; the shards it finished are
+skipped), and finalizes only when every shard is complete. Slice runs take no run lock: the parent holds it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -18,11 +26,16 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, load_config
+from flows.common import submit_run, wait_runs
 from flows.pipeline import PresetName, guard_crash_loop
 from tasks.artifacts import artifact_key, publish_table
 from tasks.capture import capture_shard_task, finalize_capture_task, prepare_capture_task
 
 MAX_THREADS = 64
+SLICE_DEPLOYMENT = "eagle3-capture-slice/eagle3-capture-slice"
+MAX_SLICE_ROUNDS = 3
+"""Submissions of one slice in all (the first and two more after a Crashed or Failed run)."""
+RESUBMIT_STATES = ("CRASHED", "FAILED")
 
 
 class CaptureProgress:
@@ -82,29 +95,76 @@ def capture_endpoints(cfg: RunConfig) -> Iterator[RunConfig]:
 
 
 def run_capture_shards(cfg: RunConfig) -> dict[str, Any]:
-    """Prepare, capture every pending shard with bounded concurrency, finalize."""
+    """Prepare, capture every pending shard (here with bounded concurrency, or in slice runs), finalize."""
     summary = prepare_capture_task(cfg)
     if not summary["pending"]:
         return finalize_capture_task(cfg)
+    if cfg.capture.num_slices > 1:
+        return run_capture_slices(cfg, summary)
     with capture_endpoints(cfg) as served:
-        return _capture_pending(served, summary)
+        progress = CaptureProgress(cfg, summary)  # after the servers are up: tokens/s counts capture only
+        _capture_list(served, summary["pending"], progress.shard_done)
+    return _finalize(cfg)
 
 
-def _capture_pending(cfg: RunConfig, summary: dict[str, Any]) -> dict[str, Any]:
-    progress = CaptureProgress(cfg, summary)
+def _capture_list(cfg: RunConfig, shards: list[int], on_done: Callable[[dict[str, Any]], None]) -> None:
+    """Capture ``shards`` with bounded concurrency; RuntimeError naming the first failure after all have ended."""
     failures = []
-    for fut in _bounded(cfg, summary["pending"], cfg.capture.max_concurrent_shards):
+    for fut in _bounded(cfg, shards, cfg.capture.max_concurrent_shards):
         fut.wait()  # fut.state is stale until wait()/result()
         if fut.state.is_completed():
-            progress.shard_done(fut.result())
+            on_done(fut.result())
         else:
             failures.append(str(fut.state.message))
     if failures:
         raise RuntimeError(f"{len(failures)} capture shards failed; first: {failures[0]}")
+
+
+def _finalize(cfg: RunConfig) -> dict[str, Any]:
     manifest = finalize_capture_task(cfg)
     publish_table(cfg, "capture-summary", [{k: v for k, v in manifest.get("stats", {}).items()
                                             if not isinstance(v, (list, dict))}], "captured features")
     return manifest
+
+
+def run_capture_slices(cfg: RunConfig, summary: dict[str, Any], poll_s: float = 5.0) -> dict[str, Any]:
+    """Capture the pending shards as capture.num_slices slice runs on the gpu pool; finalize when all complete."""
+    from eagle3.features.capture import features_dir
+    from eagle3.features.plan import PLAN_FILE, CapturePlan, split_slices
+
+    logger = get_run_logger()
+    plan = CapturePlan.load(features_dir(cfg) / PLAN_FILE)
+    todo = dict(enumerate(split_slices(plan.shards, summary["pending"], cfg.capture.num_slices)))
+    watch = _watch_disk(cfg, summary["pending"], CaptureProgress(cfg, summary))
+    for attempt in range(1, MAX_SLICE_ROUNDS + 1):
+        ids = {k: submit_run(SLICE_DEPLOYMENT, {"config": cfg, "shards": shards},
+                             f"capture-{cfg.run.name}-slice{k}-try{attempt}") for k, shards in todo.items()}
+        logger.info("attempt %d: slices %s submitted to %s", attempt, sorted(ids), SLICE_DEPLOYMENT)
+        states = dict(zip(ids, wait_runs(list(ids.values()), poll_s, deadline_s=math.inf, on_poll=watch)))
+        ended = {k: st for k, st in states.items() if st != "COMPLETED"}
+        if not ended:
+            return _finalize(cfg)
+        if any(st not in RESUBMIT_STATES for st in ended.values()):
+            raise RuntimeError(f"capture slice runs ended {ended} (slice -> state); not submitting them again")
+        logger.warning("attempt %d: slices %s did not complete (%s)", attempt, sorted(ended), ended)
+        todo = {k: todo[k] for k in ended}
+    raise RuntimeError(f"capture slices {sorted(todo)} failed {MAX_SLICE_ROUNDS} times; last states: {ended}")
+
+
+def _watch_disk(cfg: RunConfig, pending: list[int], progress: CaptureProgress) -> Callable[[], None]:
+    """A poll that counts each pending shard into ``progress`` once its done file (written last) appears."""
+    from eagle3.features.capture import features_dir
+    from eagle3.features.shards import done_path_for, read_done, shard_path
+
+    fdir, left = features_dir(cfg), set(pending)
+
+    def poll() -> None:
+        for index in sorted(left):
+            doc = read_done(done_path_for(shard_path(fdir, index)))
+            if doc is not None:
+                left.discard(index)
+                progress.shard_done(doc)
+    return poll
 
 
 @flow(name="eagle3-capture", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS))
@@ -125,3 +185,20 @@ def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | N
     get_run_logger().info("capturing into %s", (cfg.run_dir / "features").resolve())
     with run_lock(cfg.run_dir, owner="prefect flow eagle3-capture"):
         return run_capture_shards(cfg)
+
+
+@flow(name="eagle3-capture-slice", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS))
+def eagle3_capture_slice(config: RunConfig, shards: list[int]) -> None:
+    """One slice of a capture (capture.num_slices > 1); eagle3-capture starts one run of it per slice.
+
+    Args:
+        config: The run's full configuration; its features/plan.json and spec.json are already written.
+        shards: Indices of the planned shards this run captures (shards already complete are skipped).
+    """
+    import os
+    import socket
+
+    get_run_logger().info("capturing %d shards %s on host %s (pid %d)", len(shards), shards[:8],
+                          socket.gethostname(), os.getpid())
+    with capture_endpoints(config) as served:
+        _capture_list(served, list(shards), lambda result: None)

@@ -13,14 +13,13 @@ must hold theirs at the same time (a node queued behind another would leave it w
 
 from __future__ import annotations
 
-import json
-import time
 from typing import Any
 from uuid import UUID
 
 from prefect import flow, get_run_logger
 
 from eagle3.config import RunConfig
+from flows.common import submit_run, wait_runs
 from tasks.train import train_node_task, train_summary
 
 NODE_DEPLOYMENT = "eagle3-train-node/eagle3-train-node"
@@ -53,7 +52,7 @@ def train_nodes(cfg: RunConfig, poll_s: float = 5.0) -> dict[str, Any]:
     for attempt in range(1, MAX_ROUNDS + 1):
         ids = [_submit(cfg, rank, attempt) for rank in range(cfg.train.nnodes)]
         logger.info("attempt %d: %d node runs submitted to %s", attempt, len(ids), NODE_DEPLOYMENT)
-        states = _wait(ids, poll_s, deadline_s=cfg.train.timeout_s + 3600.0)
+        states = wait_runs(ids, poll_s, deadline_s=cfg.train.timeout_s + 3600.0)
         failed = {rank: name for rank, name in enumerate(states) if name != "COMPLETED"}
         if "TIMEOUT" in failed.values():  # still running: a new attempt would train beside it in the same run
             raise RuntimeError(f"node runs {[str(ids[r]) for r, n in failed.items() if n == 'TIMEOUT']} still run "
@@ -67,25 +66,7 @@ def train_nodes(cfg: RunConfig, poll_s: float = 5.0) -> dict[str, Any]:
 def _submit(cfg: RunConfig, rank: int, attempt: int) -> UUID:
     import os
 
-    from prefect.deployments import run_deployment
-
     from infra.storage import LOCK_HOLDER_ENV
 
-    params = {"config": json.loads(cfg.model_dump_json()), "node_rank": rank,
-              "lock_holder": os.environ.get(LOCK_HOLDER_ENV)}
-    run = run_deployment(NODE_DEPLOYMENT, parameters=params, timeout=0, as_subflow=True,
-                         flow_run_name=f"train-{cfg.run.name}-node{rank}-try{attempt}")
-    return run.id
-
-
-def _wait(ids: list[UUID], poll_s: float, deadline_s: float) -> list[str]:
-    """Poll until every flow run is final; their state types, in order (TIMEOUT for any still open at the end)."""
-    from prefect.client.orchestration import get_client
-
-    deadline = time.monotonic() + deadline_s
-    with get_client(sync_client=True) as client:
-        while True:
-            states = [client.read_flow_run(i).state for i in ids]
-            if all(s is not None and s.is_final() for s in states) or time.monotonic() > deadline:
-                return [s.type.value if s is not None and s.is_final() else "TIMEOUT" for s in states]
-            time.sleep(poll_s)
+    params = {"config": cfg, "node_rank": rank, "lock_holder": os.environ.get(LOCK_HOLDER_ENV)}
+    return submit_run(NODE_DEPLOYMENT, params, f"train-{cfg.run.name}-node{rank}-try{attempt}")

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 ST_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
 SPEC_FILE = "spec.json"
 MANIFEST_FILE = "capture.manifest.json"
-OPERATIONAL_KNOBS = ("max_tokens_per_batch", "max_concurrent_shards", "device", "device_map", "disk_margin_bytes",
+OPERATIONAL_KNOBS = ("max_tokens_per_batch", "max_concurrent_shards", "num_slices", "device", "device_map", "disk_margin_bytes",
                      "allow_shared_gpus", "stream_writes", "num_writers", "write_queue_bytes", "early_writeback",
                      "pinned_handoff", "per_sample_attention", "sglang")
 """Capture settings that change how fast or where, never what is stored: left out of the stage key."""
