@@ -379,18 +379,25 @@ def test_from_config_uses_existing_endpoints(tmp_path):
     assert_matches_fake(captured, samples(1)[0])
 
 
-def test_from_config_launches_owns_and_stops_both_servers(tmp_path, monkeypatch):
-    """Without endpoints it checks the GPU, launches aux + final servers (fake), captures, and close() kills both."""
+def _fake_gpu_host(tmp_path, monkeypatch):
+    """A fake nvidia-smi (one idle GPU) first on PATH, the repository as CWD (so `python -m
+    tests.fakes.sglang_server` resolves), and a model folder with a config only; returns the folder."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"
     smi.write_text('#!/bin/sh\ncase "$1" in --query-gpu=*) echo "0, GPU-a, Fake, 81920, 3";; esac\n')
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.chdir(REPO)  # `python -m tests.fakes.sglang_server` resolves from the repository root
+    monkeypatch.chdir(REPO)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"hidden_size": 16, "num_hidden_layers": 8, "vocab_size": 256}')
+    return model
+
+
+def test_from_config_launches_owns_and_stops_both_servers(tmp_path, monkeypatch):
+    """Without endpoints it checks the GPU, launches aux + final servers (fake), captures, and close() kills both."""
+    model = _fake_gpu_host(tmp_path, monkeypatch)
     cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=free_port(), startup_timeout_s=30)
     b = SGLangCaptureBackend.from_config(cfg, model, feature_spec(), module="tests.fakes.sglang_server")
     try:
@@ -410,16 +417,7 @@ def test_managed_endpoints_hand_the_key_to_shard_backends_in_memory_not_the_envi
     """Backends built inside managed_endpoints get the servers' generated key; os.environ never holds it."""
     from eagle3.features.sglang_backend import _MANAGED_KEYS, managed_endpoints
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text('#!/bin/sh\ncase "$1" in --query-gpu=*) echo "0, GPU-a, Fake, 81920, 3";; esac\n')
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.chdir(REPO)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"hidden_size": 16, "num_hidden_layers": 8, "vocab_size": 256}')
+    model = _fake_gpu_host(tmp_path, monkeypatch)
     cfg = run_config(tmp_path, "topk_logprobs", python=sys.executable, port=free_port(), startup_timeout_s=30,
                      api_key_env="EAGLE3_TEST_SGLANG_KEY")
     monkeypatch.delenv("EAGLE3_TEST_SGLANG_KEY", raising=False)
