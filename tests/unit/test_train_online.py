@@ -113,3 +113,30 @@ def test_online_run_writes_the_spec_and_no_shards(online):
     fdir = cfg.run_dir / "features"
     assert (fdir / "spec.json").is_file()
     assert not list(fdir.glob("shard-*"))
+
+
+@pytest.mark.parametrize("capture", [["capture.supervision=topk_logprobs", "capture.topk=4"],
+                                     ["capture.aux_dtype=float8_e4m3fn"]], ids=["topk", "fp8"])
+def test_online_rows_equal_captured_rows_for_topk_and_fp8(tmp_path, capture):
+    """Top-K supervision and fp8 aux: rows filled online equal the rows collated from a capture with those settings."""
+    from eagle3.config import load_config
+    from eagle3.features.capture import run_capture
+    from eagle3.stages import run_all
+    from eagle3.target import prepare_target
+    from eagle3.train.build import plan_data, read_inputs
+    from eagle3.train.data import RowLoader
+    from eagle3.train.online import OnlineFeatures, TokenReader
+
+    cfg = load_config("tiny", [f"run.workdir={tmp_path}", "train.max_tokens_per_batch=1024", *capture])
+    run_all(cfg)
+    run_capture(cfg)
+    inputs = read_inputs(cfg, prepare_target(cfg))
+    rows = list(plan_data(cfg, inputs, 1).train[0].rows[:2])
+    online = OnlineFeatures.from_config(cfg, inputs.model_dir, inputs.spec, torch.device("cpu"))
+    stored = RowLoader(inputs.features_dir, rows, 1024, torch.float32, depth=0)
+    tokens = RowLoader(inputs.features_dir, rows, 1024, torch.float32, depth=0, reader=TokenReader(inputs.tokenized))
+    names = ("aux", "topk_ids", "topk_logprobs") if "topk" in capture[0] else ("aux", "final_hidden")
+    for want, got in zip(stored, tokens):
+        filled = online.fill(got.batch, list(got.lengths), torch.float32)
+        for name in names:
+            assert torch.equal(getattr(filled, name), getattr(want.batch, name)), name
