@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import RunConfig
+from eagle3.stage import read_manifest
 
 CARD_FILE = "README.md"
 VLLM_DOCS = "https://docs.vllm.ai/en/latest/features/speculative_decoding/eagle/"
@@ -109,7 +110,7 @@ def _header(c: CardInputs) -> list[str]:
 def _target(c: CardInputs) -> list[str]:
     from eagle3.target import fingerprint
 
-    config = _json(c.model_dir / "config.json") or {}
+    config = read_manifest(c.model_dir / "config.json") or {}
     aux = (c.info.get("aux_layer_ids") or {}).get("output_of_layer")
     return ["## Target", "", f"- name: `{c.cfg.target.name}` ({c.cfg.target.kind})",
             f"- path: `{target_path(c.cfg, c.model_dir)}`", f"- fingerprint: `{fingerprint(c.model_dir)}`",
@@ -162,7 +163,7 @@ def _data(c: CardInputs) -> list[str]:
     from eagle3.stage import read_manifest
     from eagle3.stages import data_dir, manifest_path
 
-    merge = _json(data_dir(c.cfg) / "stats.json") or {}
+    merge = read_manifest(data_dir(c.cfg) / "stats.json") or {}
     tok = (read_manifest(manifest_path(c.cfg, "tokenize")) or {}).get("stats", {})
     vocab = (read_manifest(manifest_path(c.cfg, "vocab")) or {}).get("stats", {})
     lines = ["## Training data", ""]
@@ -236,14 +237,6 @@ def _measured(c: CardInputs) -> list[str]:
                      f"{r.get('accept_len', float('nan')):.3f} | {r.get('speedup', float('nan')):.2f}x | "
                      f"{lossless.get('identical')}/{r.get('num_prompts')} identical |")
     return lines
-
-
-def _json(path: Path) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
 
 
 def _n(value: Any) -> str:
