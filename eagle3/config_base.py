@@ -1,0 +1,64 @@
+"""Pieces every config module shares: the strict Section base, path-safe name validators, limits and errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PRESETS_DIR = REPO_ROOT / "configs"
+MAX_NAME_CHARS = 100
+"""Longest name that becomes one path component (file systems allow 255 bytes; suffixes are added to names)."""
+MAX_PATH_COMPONENT_BYTES = 255
+
+
+class ConfigError(ValueError):
+    """A preset, override or config file that cannot be turned into a valid RunConfig."""
+
+
+def _plain_name(value: str) -> str:
+    """A name that becomes one path component: no separators, '..', leading '.', control characters; bounded."""
+    if not value or len(value) > MAX_NAME_CHARS:
+        raise ValueError(f"must be 1 to {MAX_NAME_CHARS} characters (got {len(value)})")
+    if any(c in value for c in "/\\") or value.startswith(".") or any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError(f"{value[:40]!r} must be a plain name: no '/', '\\', control characters or leading '.'")
+    return value
+
+
+PlainName = Annotated[str, AfterValidator(_plain_name)]
+"""A config value used as a file or folder name inside a folder the pipeline owns."""
+
+
+def _folder_path(value: str) -> str:
+    """A folder path whose components fit the file system and whose nearest existing ancestor is a folder."""
+    if not value or "\0" in value:
+        raise ValueError("must be a non-empty path without NUL characters")
+    path = Path(value)
+    too_long = [part for part in path.parts if len(os.fsencode(part)) > MAX_PATH_COMPONENT_BYTES]
+    if too_long:
+        raise ValueError(f"the component {too_long[0][:40]!r}... is longer than {MAX_PATH_COMPONENT_BYTES} bytes")
+    for ancestor in (path, *path.parents):
+        try:
+            if ancestor.exists():
+                if not ancestor.is_dir():
+                    raise ValueError(f"{str(ancestor)!r} is a file, not a folder")
+                break
+        except OSError as exc:
+            raise ValueError(f"cannot inspect {str(ancestor)!r}: {exc.strerror}") from None
+    return value
+
+
+def _relative_inside(value: str | None) -> str | None:
+    """A path relative to a folder of the run that stays inside it (no absolute path, no '..')."""
+    if value is not None and (not value or Path(value).is_absolute() or ".." in Path(value).parts or "\0" in value):
+        raise ValueError(f"{value!r} must be a relative path inside its folder (no leading '/', no '..')")
+    return value
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, docs come from docstrings."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)

@@ -1,0 +1,318 @@
+"""Config sections of the model stages: capture, drafter, train, export, evaluate, serve (eagle3.config holds
+the rest of the tree and re-exports these)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, model_validator
+
+from eagle3.config_base import Section, _relative_inside
+
+class SGLangCaptureConfig(Section):
+    """The SGLang capture backend: managed server(s) or existing endpoints."""
+
+    endpoints: list[str] = []
+    """Existing aux-capture servers (http://host:port); empty = launch managed servers."""
+    final_endpoints: list[str] = []
+    """Existing final-hidden servers (--enable-return-hidden-states) for final_hidden supervision."""
+    python: str = "python"
+    """Interpreter that has sglang installed (runs `-m sglang.launch_server`)."""
+    host: str = "127.0.0.1"
+    """Interface a managed server binds to."""
+    allow_remote_host: bool = False
+    """Let a managed server bind a non-loopback host (reachable from other machines; it always gets an API key)."""
+    port: int = Field(30100, ge=1, le=65535)
+    """Port of a managed server."""
+    tp_size: int = Field(1, ge=1)
+    """Tensor-parallel size of a managed server."""
+    dp_size: int = Field(1, ge=1)
+    """Data-parallel replicas inside a managed server."""
+    api_key_env: str | None = "EAGLE3_SGLANG_API_KEY"
+    """Env var holding the server API key; generated per launch when unset."""
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    """--mem-fraction-static for a managed server (None = SGLang's choice)."""
+    extra_args: list[str] = []
+    """Extra launch flags, appended verbatim (checked against SGLang's parser in tests)."""
+    max_concurrency: int = Field(4, ge=1)
+    """Requests in flight per endpoint (each carries T x 3H floats as JSON)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Timeout of one capture request."""
+    startup_timeout_s: float = Field(1800.0, gt=0)
+    """How long a managed server may take to pass the readiness probe."""
+    max_restarts: int = Field(3, ge=0)
+    """Restarts of a managed server that died, with backoff, before the capture fails."""
+
+
+class CaptureConfig(Section):
+    backend: Literal["hf", "sglang"] = "hf"
+    """Where hidden states come from: in-process transformers or a managed SGLang server."""
+    supervision: Literal["final_hidden", "topk_logprobs"] = "final_hidden"
+    """What the trainer learns from: the post-norm final hidden state, or the target's top-K log-probs."""
+    topk: int = Field(20, ge=1)
+    """K for topk_logprobs supervision."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Storage dtype of the captured states."""
+    aux_dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
+    """Storage of the aux states: bf16, or fp8 e4m3 with a per-token scale (half the bytes)."""
+    max_tokens_per_batch: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    """Token budget of one forward batch (padded tokens, never a sample count); auto: from free GPU memory, 4096 on CPU."""
+    tokens_per_shard: int = Field(131_072, ge=1)
+    """Target tokens per shard file (balanced by tokens; ~4 GB per shard for an 8B target)."""
+    max_concurrent_shards: int = Field(1, ge=1)
+    """Shard tasks in flight in one flow run (they share the model or the servers)."""
+    num_slices: int = Field(1, ge=1)
+    """Flow runs the capture flow splits the pending shards into, each on its own gpu-pool worker (1: capture in the flow itself)."""
+    device: str = "auto"
+    """HF backend device: auto (cuda if available), cpu, cuda, cuda:N."""
+    device_map: str | None = None
+    """HF backend: 'auto' spreads a large model over all visible GPUs (accelerate)."""
+    disk_margin_bytes: int = Field(1 << 30, ge=0)
+    """Free space that must remain after the planned bytes are written."""
+    allow_shared_gpus: bool = False
+    """Start even when other processes hold GPU memory (default: stop and name them)."""
+    stream_writes: bool = True
+    """Write each sample's rows as soon as it is captured (false: a whole shard after its last forward)."""
+    num_writers: int = Field(2, ge=1)
+    """Writer threads: shards whose files are written (hashed, fsynced) at the same time."""
+    write_queue_bytes: int = Field(4 << 30, ge=1)
+    """Captured bytes waiting for a writer before the forwards pause (host-memory bound, backpressure)."""
+    early_writeback: bool = True
+    """Ask the kernel (Linux sync_file_range) to start writing shard pages early, so each fsync has little left."""
+    pinned_handoff: bool = False
+    """HF on CUDA: writers read the pinned copy buffers directly instead of a pageable clone (pins more memory)."""
+    per_sample_attention: bool | Literal["auto"] = "auto"
+    """HF: true = attention per sample (bitwise batch-invariant, for debugging); false = one padded SDPA per layer; auto = false on GPUs, true on CPU."""
+    sglang: SGLangCaptureConfig = SGLangCaptureConfig()
+    """SGLang backend settings."""
+
+
+class DrafterConfig(Section):
+    ttt_steps: int = Field(7, ge=1)
+    """Training-time-test unroll length."""
+    step_decay: float = Field(0.8, gt=0)
+    """Loss weight of TTT step k is step_decay**k (EAGLE, SpecForge: 0.8)."""
+    attn_impl: Literal["auto", "dense", "flex"] = "auto"
+    """TTT attention kernel: auto = compiled flex_attention on CUDA, dense elsewhere."""
+    init_std: float = Field(0.02, gt=0)
+    """Std of the seeded normal init of every linear layer (HF Llama's 0.02)."""
+    init_lm_head_from_target: bool = True
+    """Start lm_head from the target lm_head rows of the draft vocab (else random init)."""
+
+
+class TrainConfig(Section):
+    features: Literal["offline", "online"] = "offline"
+    """offline: read captured shards; online: run the frozen target in each training step (no capture, no feature disk)."""
+    lr: float = Field(1e-4, gt=0)
+    """Peak learning rate, tuned for reference_rows_per_step rows per optimizer step (see lr_scaling)."""
+    num_epochs: int = Field(1, ge=1)
+    """Passes over the training data."""
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps in total (None = all epochs); the LR schedule spans them."""
+    max_train_tokens: int | None = Field(None, ge=1)
+    """Train on the first train-split rows (tokenized order) totalling at most this many tokens; None = all rows."""
+    max_tokens_per_batch: int = Field(4096, ge=8)
+    """Tokens of one packed micro-batch row (documents packed, then padded); longer samples are cut to it."""
+    grad_accum_steps: int = Field(1, ge=1)
+    """Micro-batches (packed rows) per rank accumulated into one optimizer step."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """How lr scales with rows per step R = world_size x grad_accum_steps: x1, x R/ref or x sqrt(R/ref)."""
+    reference_rows_per_step: int = Field(1, ge=1)
+    """The rows per optimizer step (world_size x grad_accum_steps) that lr was tuned for."""
+    warmup_ratio: float = Field(0.015, ge=0, lt=1)
+    """Linear warmup length as a fraction of all optimizer steps (SpecForge 0.015)."""
+    warmup_steps: int | None = Field(None, ge=0)
+    """Linear warmup length in optimizer steps; overrides warmup_ratio when set."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """The cosine decay ends at lr x min_lr_ratio."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay on weight matrices (norm weights are never decayed)."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    grad_clip: float = Field(0.5, ge=0)
+    """Clip the global gradient norm to this (0 = no clipping; SpecForge 0.5)."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallelism under torchrun: DDP (replicated weights) or FSDP2 (fully_shard, sharded state)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: auto = cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    aux_noise: Literal["none", "uniform", "gaussian"] = "none"
+    """Noise added to the aux features of train batches (never to val): U(-s, s) or N(0, s^2)."""
+    aux_noise_std: float = Field(0.05, ge=0)
+    """The noise scale s: half-width of the uniform noise, std of the gaussian noise."""
+    eval_every_steps: int = Field(200, ge=0)
+    """Validate on the val split every N optimizer steps (0 = only at the end)."""
+    checkpoint_every_steps: int = Field(500, ge=0)
+    """Write a full checkpoint every N optimizer steps (0 = only at the end and on SIGTERM)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Keep this many newest checkpoints (and the best one by validation); older ones are deleted."""
+    select: Literal["best", "last"] = "best"
+    """Checkpoint the export ships: best = highest validation accept_len_est, last = the final one."""
+    progress_every_s: float = Field(5.0, ge=0)
+    """Rewrite train/progress.json at most this often (seconds)."""
+    prefetch_rows: int = Field(2, ge=0)
+    """Rows collated ahead on a background thread (0 = load in the training thread)."""
+    nproc_per_node: int | None = Field(None, ge=1)
+    """torchrun processes per node; None = one per visible GPU (1 without GPUs)."""
+    nnodes: int = Field(1, ge=1)
+    """Nodes in the torchrun job (each node's worker runs the same task)."""
+    node_rank: int = Field(0, ge=0)
+    """This node's rank in a multi-node job."""
+    rdzv_endpoint: str | None = None
+    """host:port of the c10d rendezvous for multi-node jobs."""
+    timeout_s: float = Field(7 * 24 * 3600.0, gt=0)
+    """Wall-clock limit of one torchrun launch; the group is killed past it (a retry resumes)."""
+    compile: bool = True
+    """torch.compile the TTT step's pieces and the fused loss on CUDA (CPU runs stay eager); false = eager."""
+    loss_chunk_tokens: int = Field(4096, ge=0)
+    """Fused soft cross-entropy over this many tokens at a time (no fp32 [T, Vd] tensors); 0 = plain log_softmax."""
+    reuse_block_mask: bool = False
+    """flex: one block mask per micro-batch for all TTT steps; false = one per step (measured faster on the H200)."""
+
+
+class ExportConfig(Section):
+    formats: list[Literal["sglang", "speculators"]] = ["sglang", "speculators"]
+    """Layouts to write under {run}/export/: sglang (official EAGLE-3, SGLang and vLLM) and speculators (vLLM)."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype of the exported weights (d2t is always int64 and t2d always bool)."""
+    checkpoint: Annotated[str | None, AfterValidator(_relative_inside)] = None
+    """Checkpoint folder to export, relative to {run}/train (e.g. checkpoints/step-500); None = train.select's."""
+    verifier_name_or_path: str | None = None
+    """Verifier id or path written into the speculators config; None = target.path (hf) or the target folder."""
+    speculative_tokens: int = Field(3, ge=1)
+    """Draft tokens per step that the speculators config proposes to vLLM (greedy chain)."""
+
+
+class EvaluateConfig(Section):
+    """Offline speculative decoding with the exported drafter: a fixed prompt set, fixed baseline settings."""
+
+    datasets: list[Literal["mtbench", "humaneval", "gsm8k"]] = ["mtbench"]
+    """Prompt sets (installed packages): MT-Bench first turns, HumanEval, GSM8K; rendered with the chat template."""
+    num_prompts: int | None = Field(10, ge=1)
+    """Prompts per dataset: the first N in file order (None = all: 80 / 164 / 1319)."""
+    num_prompts_by_dataset: dict[Literal["mtbench", "humaneval", "gsm8k"], int] = {}
+    """Prompts of the named datasets (first N in file order), replacing num_prompts for them."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Tokens generated per prompt by every method (fewer when the target emits a stop token)."""
+    methods: list[Literal["chain", "tree", "ngram"]] = ["chain", "ngram"]
+    """Drafting methods, each checked against one shared plain-greedy reference per prompt."""
+    chain_steps: list[int] = [3]
+    """Chain lengths to measure (topk 1; steps + 1 tokens verified per step)."""
+    tree_steps: int = Field(5, ge=1)
+    """Tree depth: draft tokens on the longest branch."""
+    tree_topk: int = Field(4, ge=1)
+    """Tree: children proposed per expanded node, and nodes expanded per depth."""
+    tree_num_draft_tokens: int = Field(8, ge=2)
+    """Tree: tokens verified per step, the root included (SGLang's --speculative-num-draft-tokens)."""
+    ngram_max: int = Field(3, ge=1)
+    """Prompt lookup baseline: the longest n-gram, tried first."""
+    ngram_min: int = Field(1, ge=1)
+    """Prompt lookup baseline: the shortest n-gram tried."""
+    ngram_num_tokens: int = Field(3, ge=1)
+    """Prompt lookup baseline: tokens proposed after a match (the lookup window is the whole context)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where target and drafter run: auto = cuda when available, else cpu."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype of target and drafter (fp32 keeps verify and single-token logits within rounding)."""
+    num_workers: int = Field(1, ge=1)
+    """Processes evaluating prompt slices in parallel on one device (their wall times then include contention)."""
+    static_cache: Literal["auto", "on", "off"] = "auto"
+    """Fixed-size KV caches and fixed-width forwards for target and drafter: auto = on for cuda, off for cpu."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile the fixed-width forwards (CUDA graphs on cuda): auto = on for cuda with the static cache."""
+    near_tie_logit_gap: float = Field(1e-3, ge=0)
+    """A differing token within this logit gap of the reference's top-1 is a numerical near-tie, not a bug."""
+
+    def limit_for(self, dataset: str) -> int | None:
+        """How many prompts of ``dataset`` are measured (None = all)."""
+        return self.num_prompts_by_dataset.get(dataset, self.num_prompts)  # type: ignore[call-overload]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EvaluateConfig:
+        if not self.datasets or not self.methods:
+            raise ValueError("evaluate.datasets and evaluate.methods must not be empty")
+        if "chain" in self.methods and (not self.chain_steps or min(self.chain_steps) < 1):
+            raise ValueError(f"evaluate.chain_steps {self.chain_steps} must hold steps >= 1 when chain is measured")
+        unused = sorted(set(self.num_prompts_by_dataset) - set(self.datasets))
+        if unused or any(n < 1 for n in self.num_prompts_by_dataset.values()):
+            raise ValueError(f"evaluate.num_prompts_by_dataset {self.num_prompts_by_dataset}: counts must be >= 1 "
+                             f"and name datasets in evaluate.datasets (not {unused})")
+        if self.compile == "on" and self.static_cache == "off":
+            raise ValueError("evaluate.compile=on needs the static cache (evaluate.static_cache auto or on)")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"evaluate.ngram_min {self.ngram_min} exceeds ngram_max {self.ngram_max}")
+        most = 1 + self.tree_topk + (self.tree_steps - 1) * self.tree_topk**2
+        if "tree" in self.methods and self.tree_num_draft_tokens > most:
+            raise ValueError(f"evaluate.tree_num_draft_tokens {self.tree_num_draft_tokens} exceeds the {most} nodes "
+                             f"a tree of depth {self.tree_steps} and topk {self.tree_topk} proposes (root included)")
+        return self
+
+
+class ServeConfig(Section):
+    """Deploy + benchmark: a baseline and an EAGLE-3 SGLang server, identical but for the --speculative-* flags."""
+
+    enabled: bool = False
+    """Start SGLang servers and benchmark them (only where a GPU host with sglang is configured)."""
+    model_path: str | None = None
+    """Target the servers load (HF directory or hub id); default the target's prepared HF directory."""
+    python: str = "python"
+    """Interpreter that has sglang installed (runs `-m {launch_module}`)."""
+    launch_module: str = "sglang.launch_server"
+    """Module that starts a server; tests substitute tests.fakes.sglang_server (a fake)."""
+    host: str = "127.0.0.1"
+    """Interface the servers bind to (the benchmark client connects there)."""
+    allow_remote_host: bool = False
+    """Let the servers bind a non-loopback host (reachable from other machines; they always get an API key)."""
+    port: int = Field(30000, ge=1, le=65534)
+    """Port of the baseline server; the speculative server gets port + 1."""
+    api_key_env: str | None = "EAGLE3_SGLANG_API_KEY"
+    """Env var holding the servers' API key; generated per launch when unset."""
+    tp_size: int = Field(1, ge=1)
+    """Tensor-parallel size of both servers."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    """--dtype of both servers."""
+    mem_fraction_static: float | None = Field(0.8, gt=0, lt=1)
+    """--mem-fraction-static of both servers (None = SGLang's choice, which may differ between them)."""
+    max_running_requests: int = Field(32, ge=1)
+    """--max-running-requests of both servers (explicit: SGLang resets a speculative server's to 48)."""
+    cuda_graph_max_bs_decode: int | None = Field(32, ge=1)
+    """--cuda-graph-max-bs-decode of both servers (0.5.23's name for the old --cuda-graph-max-bs)."""
+    attention_backend: str | None = None
+    """--attention-backend of both servers (None = SGLang's choice)."""
+    extra_args: list[str] = []
+    """Extra launch flags for both servers, appended verbatim."""
+    num_steps: int = Field(3, ge=1)
+    """--speculative-num-steps: draft steps per verify step."""
+    eagle_topk: int = Field(1, ge=1)
+    """--speculative-eagle-topk: branches per draft step (1 = a chain)."""
+    num_draft_tokens: int = Field(4, ge=2)
+    """--speculative-num-draft-tokens: tokens verified per step (must be num_steps + 1 when eagle_topk is 1)."""
+    concurrency_levels: list[int] = [1, 4, 16]
+    """Requests in flight per measured level (1 = latency, more = throughput)."""
+    num_prompts: int = Field(32, ge=1)
+    """Measured requests per level: fixed prompts, the same for both servers."""
+    max_new_tokens: int = Field(256, ge=2)
+    """Tokens generated per request (ignore_eos, so every request produces exactly this many)."""
+    num_warmup: int = Field(4, ge=0)
+    """Unmeasured warmup requests before each level (/flush_cache follows them)."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Timeout of one benchmark request."""
+    startup_timeout_s: float = Field(1800.0, gt=0)
+    """How long a server may take to pass the readiness probe."""
+    allow_shared_gpus: bool = False
+    """Start even when other processes hold GPU memory (the benchmark would measure them too)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServeConfig:
+        if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(f"serve.num_draft_tokens must be num_steps + 1 = {self.num_steps + 1} with eagle_topk 1 "
+                             f"(SGLang forces it), not {self.num_draft_tokens}")
+        levels = self.concurrency_levels
+        if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
+            raise ValueError(f"serve.concurrency_levels {levels} must be distinct values >= 1")
+        if max(levels) > min(self.max_running_requests, self.num_prompts):
+            raise ValueError(f"serve.concurrency_levels {levels}: the highest level exceeds max_running_requests "
+                             f"({self.max_running_requests}) or num_prompts ({self.num_prompts}), so it would "
+                             "measure queueing instead of that concurrency")
+        return self
