@@ -13,8 +13,8 @@ import torch
 
 from eagle3.config import ConfigError, EvaluateConfig, load_config
 from eagle3.eval_data import EvalPrompt, load_prompts, read_prompts, render
-from eagle3.evaluate import (JOURNAL_NAME, EvalJob, evaluate_prompts, interleaved, key_for, method_specs,
-                             position_acceptance, report_markdown, run_evaluate, summarize, summarize_all,
+from eagle3.eval_report import position_acceptance, report_markdown, summarize, summarize_all
+from eagle3.evaluate import (JOURNAL_NAME, EvalJob, evaluate_prompts, interleaved, key_for, method_specs, run_evaluate,
                              write_partial_report)
 from eagle3.export import export_sglang
 from eagle3.journal import Journal
