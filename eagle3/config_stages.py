@@ -135,6 +135,8 @@ class TrainConfig(Section):
     """Clip the global gradient norm to this (0 = no clipping; SpecForge 0.5)."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """Data parallelism under torchrun: DDP (replicated weights) or FSDP2 (fully_shard, sharded state)."""
+    target_sharding: Literal["auto", "replicate", "fsdp"] = "auto"
+    """Online target per rank: a full copy, or FSDP2-sharded over the ranks; auto = fsdp on >1 GPU when it fills half their free memory."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: auto = cuda:LOCAL_RANK when CUDA is available, else cpu."""
     aux_noise: Literal["none", "uniform", "gaussian"] = "none"

@@ -75,7 +75,8 @@ def device_lock(device: str | torch.device) -> threading.Lock:
         return _DEVICE_LOCKS.setdefault(key, threading.Lock())
 
 
-def _load_model(model_dir: Path, dtype: str, device: str, device_map: str | None) -> Any:
+def load_model(model_dir: Path, dtype: str, device: str, device_map: str | None = None) -> Any:
+    """A fresh (uncached) target in eval mode with the per-sample attention where it is exact."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype)}
@@ -97,7 +98,7 @@ def get_model(model_dir: Path, dtype: str = "float32", device: str = "cpu", devi
     key = (fingerprint(Path(model_dir)), dtype, device, device_map)
     with _MODELS_LOCK:
         if key not in _MODELS:
-            _MODELS[key] = _load_model(Path(model_dir), dtype, device, device_map)
+            _MODELS[key] = load_model(Path(model_dir), dtype, device, device_map)
         return _MODELS[key]
 
 
@@ -337,11 +338,15 @@ class HFCaptureBackend:
             handles.append(self.decoder.norm.register_forward_hook(_keep_rows(store, "final", rows_for)))
         token = _LENGTHS.set(inputs.lengths if self.per_sample else None)
         try:
-            self.decoder(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, use_cache=False)
+            self._forward(inputs)
         finally:
             _LENGTHS.reset(token)
             for handle in handles:
                 handle.remove()
+
+    def _forward(self, inputs: _Inputs) -> None:
+        """The decoder alone (no lm_head); the hooks keep what is needed."""
+        self.decoder(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, use_cache=False)
 
     def _outputs(self, store: dict) -> dict[str, torch.Tensor]:
         """Hook rows -> aux [N, A*H] (+ final [N, H] or top-K [N, K]) on the input device."""
@@ -400,20 +405,30 @@ class HFCaptureBackend:
         The same decoder forward, hooks and outputs as ``capture``; batches are planned over the samples
         sorted longest first (less padding), and the rows are put back in the given order.
         """
-        order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
+        order, groups = self.online_batches(samples)
         pieces: dict[int, dict[str, torch.Tensor]] = {}
-        lengths = [len(samples[i].input_ids) for i in order]
-        for group in plan_batches(lengths, self.max_tokens_per_batch, max_padding=ONLINE_MAX_PADDING):
+        for group in groups:
             batch = [samples[order[g]] for g in group]
-            inputs = self._inputs(batch)
-            store: dict = {}
-            with self.lock:
-                self._run_decoder(inputs, store)
-            outputs, start = self._outputs(store), 0
-            for g, n in zip(group, inputs.lengths):
+            outputs, start = self.batch_states(batch), 0
+            for g, sample in zip(group, batch):
+                n = len(sample.input_ids)
                 pieces[order[g]] = {name: t[start:start + n] for name, t in outputs.items()}
                 start += n
         return {name: torch.cat([pieces[i][name] for i in range(len(samples))]) for name in pieces[0]}
+
+    def online_batches(self, samples: Sequence[SampleTokens]) -> tuple[list[int], list[list[int]]]:
+        """(sample indices longest first, groups of positions in that order): the batches ``device_states`` runs."""
+        order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
+        lengths = [len(samples[i].input_ids) for i in order]
+        return order, plan_batches(lengths, self.max_tokens_per_batch, max_padding=ONLINE_MAX_PADDING)
+
+    def batch_states(self, batch: list[SampleTokens]) -> dict[str, torch.Tensor]:
+        """One forward over ``batch``: its [N, ...] outputs concatenated in order, on the device."""
+        inputs = self._inputs(batch)
+        store: dict = {}
+        with self.lock:
+            self._run_decoder(inputs, store)
+        return self._outputs(store)
 
     def _finish(self, launched: _Launched) -> Iterator[tuple[int, CapturedSample]]:
         host = launched.host

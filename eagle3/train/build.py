@@ -31,7 +31,7 @@ from eagle3.ttt import StepOptions, TTTObjective, load_target_lm_head
 log = logging.getLogger("eagle3.train")
 
 OPERATIONAL_KNOBS = ("eval_every_steps", "checkpoint_every_steps", "keep_checkpoints", "progress_every_s",
-                     "prefetch_rows", "parallel", "device", "nproc_per_node", "nnodes", "node_rank",
+                     "prefetch_rows", "parallel", "target_sharding", "device", "nproc_per_node", "nnodes", "node_rank",
                      "rdzv_endpoint", "timeout_s", "compile", "loss_chunk_tokens", "reuse_block_mask", "select")
 """Train settings that change how or where a run goes, never what it learns: left out of the stage key
 (select changes only which checkpoint the export ships: the export's key reads it)."""

@@ -83,10 +83,17 @@ class OnlineFeatures:
         self.backend.model.requires_grad_(False)
 
     @classmethod
-    def from_config(cls, cfg: Any, model_dir: Path, spec: FeatureSpec, device: torch.device) -> OnlineFeatures:
-        """The online target of a run: loaded with the capture section's settings, on the training device."""
+    def from_config(cls, cfg: Any, model_dir: Path, spec: FeatureSpec, device: torch.device,
+                    info: Any = None) -> OnlineFeatures:
+        """The online target of a run: loaded with the capture section's settings, on the training device;
+        with ``info`` (the trainer's DistInfo) sharded over the ranks when train.target_sharding resolves to fsdp."""
         from eagle3.features.hf_backend import HFCaptureBackend
 
+        if info is not None:
+            from eagle3.train.target_shard import resolve_sharding, sharded_backend
+
+            if resolve_sharding(cfg.train.target_sharding, info, model_dir, cfg.target.dtype) == "fsdp":
+                return cls(sharded_backend(cfg, model_dir, spec, info), spec)
         cap = cfg.capture
         backend = HFCaptureBackend.from_spec(model_dir, spec, device=str(device), dtype=cfg.target.dtype,
                                              max_tokens_per_batch=cap.max_tokens_per_batch,
