@@ -154,7 +154,7 @@ def preflight_bytes(plan: CapturePlan, spec: FeatureSpec, skip: Sequence[int] = 
 
 
 ONLINE_HINT = ("offline capture does not fit; train.features=online needs no feature disk (the target runs inside "
-               "each training step, for a target that fits the training GPUs)")
+               "each training step, whole on each training GPU or FSDP2-sharded across them: train.target_sharding)")
 
 
 def check_disk(features_dir: Path, need_bytes: int, margin_bytes: int) -> int:

@@ -17,8 +17,9 @@ rounding of the compute dtype, not bit for bit.
 
 The trainer reads token ids and loss masks from ``tokenized.parquet`` (``TokenReader``, a drop-in for the
 ShardReader in the row loader) and hands each collated row to ``OnlineFeatures.fill`` on the device.
-One target copy per rank (DDP); a target that does not fit one GPU needs offline capture (SGLang, or the
-HF backend with ``capture.device_map``) until sharded online targets exist.
+Each rank holds a full target copy (``train.target_sharding: replicate``), or, for a target too large for one
+GPU, an FSDP2 shard of it (``fsdp``: eagle3.train.target_shard, which also keeps the ranks' forward counts
+equal, as its collectives need); ``auto`` picks fsdp on several GPUs when the target would fill half of one.
 """
 
 from __future__ import annotations

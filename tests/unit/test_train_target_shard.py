@@ -149,3 +149,28 @@ def test_sharded_online_training_equals_replicated(tmp_path):
     got = [[r.get(k) for k in keys] for r in records["fsdp"]]
     want = [[r.get(k) for k in keys] for r in records["replicate"]]
     assert len(got) == 2 + 2 and got == want  # 2 train records and 2 evaluations, equal to the last bit
+
+
+def test_target_sharding_choice():
+    """fsdp only with a process group; auto replicates on CPU and in a one-process world; explicit choices hold."""
+    from eagle3.train.dist import DistInfo
+    from eagle3.train.target_shard import resolve_sharding
+
+    alone = DistInfo(0, 1, 0, torch.device("cpu"), False)
+    gloo_pair = DistInfo(0, 2, 0, torch.device("cpu"), True)
+    assert [resolve_sharding(s, alone, None, "float32") for s in ("auto", "replicate", "fsdp")] == ["replicate"] * 3
+    assert [resolve_sharding(s, gloo_pair, None, "float32") for s in ("auto", "replicate", "fsdp")] == [
+        "replicate", "replicate", "fsdp"]
+
+
+def test_target_param_bytes_counts_the_loaded_parameters(tmp_path):
+    """The meta-device count of auto's rule equals the parameter bytes of the loaded target, in the asked dtype."""
+    from eagle3.config import TinyTargetConfig
+    from eagle3.features.hf_backend import load_model
+    from eagle3.tiny import save_tiny_target
+    from eagle3.train.target_shard import target_param_bytes
+
+    model_dir = save_tiny_target(tmp_path / "tiny", TinyTargetConfig(num_hidden_layers=2), seed=0)
+    model = load_model(model_dir, "bfloat16", "cpu")
+    assert target_param_bytes(model_dir, "bfloat16") == sum(p.numel() * 2 for p in model.parameters())
+    assert target_param_bytes(model_dir, "float32") == 2 * target_param_bytes(model_dir, "bfloat16")
