@@ -17,6 +17,9 @@ Resumability: every finished conversation (success or error) is appended to
 ``regenerated.parquet`` and ``regenerate_errors.jsonl`` are written atomically from the journal,
 in the input's row order. A failed conversation is never half-regenerated: it is absent from the
 parquet and present in the errors file with its reason.
+With regenerate.num_slices > 1 several hosts answer disjoint slices, each into its own
+``regenerate.journal.slice-K.jsonl`` (eagle3.data.regenerate_slices); every run here first folds such slice
+journals into the main one (``fold_slice_journals``), so what a stopped sliced run answered is kept.
 
 Failures: a row error (HTTP 4xx, 5xx or timeouts after the retries, empty or malformed answers)
 is journaled like a success and not retried by a re-run unless ``retry_errors=True``. An
@@ -113,7 +116,8 @@ def settings_key(cfg: RegenerateConfig) -> str:
 
 
 def is_reusable(record: dict[str, Any] | None, row: dict[str, Any], key: str, retry_errors: bool,
-                 max_user_turns: int | None = None) -> bool:
+                max_user_turns: int | None = None) -> bool:
+    """Whether a journal record still answers ``row`` (same input, same settings), so the row is not sent again."""
     if record is None or record.get("settings") != key or record.get("content_hash") != row.get("content_hash"):
         return False
     if record.get("status") != "ok":
@@ -158,8 +162,8 @@ async def _process_row(row: dict[str, Any], backend: ChatBackend, key: str,
 
 
 async def run_rows(todo: list[dict[str, Any]], backend: ChatBackend, key: str,
-                    append: Callable[[dict[str, Any]], None],
-                    state: RunState, progress: Progress) -> None:
+                   append: Callable[[dict[str, Any]], None],
+                   state: RunState, progress: Progress) -> None:
     """Keep backend.max_parallel conversations in flight; journal each one as it finishes."""
     rows = iter(todo)
 
@@ -182,6 +186,7 @@ async def run_rows(todo: list[dict[str, Any]], backend: ChatBackend, key: str,
 
 
 def read_rows(in_parquet: Path) -> tuple[list[dict[str, Any]], pa.Schema]:
+    """The input's rows and schema; an error naming the file for missing columns or a duplicate id."""
     table = pq.read_table(in_parquet)
     missing = {"id", "messages"} - set(table.column_names)
     if missing:
@@ -304,7 +309,7 @@ def slice_journals(out_dir: Path) -> list[Path]:
 
 
 def fold_slice_journals(out_dir: Path) -> int:
-    """Append the records of every slice journal to the main journal (slice order, then line order) and delete
+    """Append the records of every slice journal to the main journal (slice order; per id its latest) and delete
     the slice files; the number of records moved.
 
     Only called while no slice runs (before planning, at finalize). A conversation is answered by one slice, so

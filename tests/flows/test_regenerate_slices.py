@@ -53,12 +53,14 @@ def _fake_slices(monkeypatch, outcome):
     return submitted
 
 
-def _progress(key: str) -> list[float]:
+def _progress(key: str, flow_run_id) -> list[float]:
+    """The values of the progress artifacts under ``key`` that one flow run made."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
     return [a.data for a in found]
 
 
@@ -68,7 +70,8 @@ def test_a_crashed_slice_is_submitted_again_and_the_output_equals_one_slice(tmp_
     artifact reached 100%, and with num_slices=1 the stage counts as complete (num_slices is not in its key)."""
     submitted = _fake_slices(monkeypatch, lambda name: "CRASHED" if name.endswith("slice1-try1") else "COMPLETED")
     cfg = _cfg(tmp_path / "three", server, 3)
-    result = eagle3_pipeline(config=cfg, until="vocab")
+    state = eagle3_pipeline(config=cfg, until="vocab", return_state=True)
+    result = state.result()
     assert submitted == [("regenerate-tiny-slice0-try1", 0), ("regenerate-tiny-slice1-try1", 1),
                          ("regenerate-tiny-slice2-try1", 2), ("regenerate-tiny-slice1-try2", 1)]
     data = cfg.run_dir / "data"
@@ -76,7 +79,7 @@ def test_a_crashed_slice_is_submitted_again_and_the_output_equals_one_slice(tmp_
     ids = [json.loads(line)["id"] for line in (data / "regenerate.journal.jsonl").read_text().splitlines()]
     assert sorted(i for s in slices for i in s) == sorted(ids) and len(ids) == len(set(ids))
     assert result["regenerate"]["stats"]["success"] == len(ids) == result["regenerate"]["stats"]["input"]
-    assert _progress("tiny-regenerate-progress") == [100.0]
+    assert _progress("tiny-regenerate-progress", state.state_details.flow_run_id) == [100.0]
 
     one = _cfg(tmp_path / "one", server, 1)
     run_merge(one)
