@@ -183,6 +183,8 @@ class RegenerateConfig(Section):
     """Regenerate only the first N rows (the rest are counted as skipped); None = all."""
     max_user_turns: int | None = Field(None, ge=1)
     """Keep only the first N user turns of each conversation (with their new answers); None = all."""
+    num_slices: int = Field(1, ge=1)
+    """Flow runs the conversations left are split into, each on its own gpu-pool worker (1: regenerate in the flow itself)."""
 
 
 class TokenizeConfig(Section):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 class Journal:
@@ -35,14 +35,20 @@ class Journal:
         return records
 
     @contextlib.contextmanager
-    def appender(self) -> Iterator[Callable[[dict[str, Any]], None]]:
-        """Yield append(record); starts on a fresh line if the previous run died mid-line."""
+    def _open(self) -> Iterator[BinaryIO]:
+        """The file opened for appending, on a fresh line if the previous run died mid-line."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a+b") as fh:
             if fh.tell() > 0:
                 fh.seek(-1, os.SEEK_END)
                 if fh.read(1) != b"\n":
                     fh.write(b"\n")
+            yield fh
+
+    @contextlib.contextmanager
+    def appender(self) -> Iterator[Callable[[dict[str, Any]], None]]:
+        """Yield append(record), which writes and fsyncs one record."""
+        with self._open() as fh:
 
             def append(record: dict[str, Any]) -> None:
                 fh.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
@@ -50,3 +56,14 @@ class Journal:
                 os.fsync(fh.fileno())
 
             yield append
+
+    def extend(self, records: Iterable[dict[str, Any]]) -> int:
+        """Append many records with one fsync at the end (moving finished records, not live progress); how many."""
+        num = 0
+        with self._open() as fh:
+            for record in records:
+                fh.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+                num += 1
+            fh.flush()
+            os.fsync(fh.fileno())
+        return num

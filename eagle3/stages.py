@@ -14,12 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eagle3.config import RunConfig, SourceConfig, save_config, section_dict
 from eagle3.progress import ProgressFn
 from eagle3.stage import StageOutcome, run_stage, stage_key
 
+if TYPE_CHECKING:
+    from eagle3.data.regenerate_slices import SliceRunner
+
 STAGES = ("synthesize", "merge", "regenerate", "tokenize", "vocab")
+OPERATIONAL_KNOBS = {"regenerate": ("num_slices",)}
+"""Fields that change how a stage runs, not what it writes: left out of its key, so changing them redoes nothing."""
 
 
 def data_dir(cfg: RunConfig) -> Path:
@@ -54,7 +60,9 @@ def key_for(cfg: RunConfig, stage: str, fp: str | None = None) -> str:
         return stage_key(stage, conf, [], {"target": _generating(cfg, fp)})
     upstream = {"regenerate": manifest_path(cfg, "merge"), "tokenize": _conversations_manifest(cfg),
                 "vocab": manifest_path(cfg, "tokenize")}[stage]
-    return stage_key(stage, section_dict(cfg, stage), [upstream], {"target": fp})
+    conf = section_dict(cfg, stage)
+    conf[stage] = {k: v for k, v in conf[stage].items() if k not in OPERATIONAL_KNOBS.get(stage, ())}
+    return stage_key(stage, conf, [upstream], {"target": fp})
 
 
 def _generating(cfg: RunConfig, fp: str) -> str:
@@ -139,23 +147,47 @@ def _target(cfg: RunConfig) -> tuple[Path, str]:
     return model_dir, fingerprint(model_dir)
 
 
-def run_regenerate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False) -> StageOutcome | None:
-    """Re-answer every user turn with the target (None when regeneration is off)."""
+def run_regenerate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
+                   run_slices: SliceRunner | None = None) -> StageOutcome | None:
+    """Re-answer every user turn with the target (None when regeneration is off).
+
+    With regenerate.num_slices above 1 and a ``run_slices`` (the flows pass one that starts a flow run per slice),
+    the conversations left are split into slices that ``run_slices`` has answered elsewhere (``run_regenerate_slice``),
+    and this process only plans and merges; without ``run_slices`` everything is answered here."""
     if not cfg.regenerate.enabled:
         return None
-    from eagle3.data.regenerate import make_backend, regenerate
+    from eagle3.data.regenerate import regenerate
+    from eagle3.data.regenerate_slices import regenerate_sliced
 
     model_dir, fp = _target(cfg)
     key = key_for(cfg, "regenerate", fp)
+    own = frozenset(src.name for src in synthetic_sources(cfg))  # answered by the target already
+    in_parquet = data_dir(cfg) / "merged.parquet"
 
     def compute():
-        model, tok = _model_loader(cfg, model_dir)() if cfg.regenerate.backend == "hf" else (None, None)
-        backend = make_backend(cfg.regenerate, model=model, tokenizer=tok)
-        own = frozenset(src.name for src in synthetic_sources(cfg))  # answered by the target already
-        return regenerate(data_dir(cfg) / "merged.parquet", data_dir(cfg), cfg.regenerate, backend, progress,
+        if run_slices is not None and cfg.regenerate.num_slices > 1:
+            return regenerate_sliced(in_parquet, data_dir(cfg), cfg.regenerate, run_slices, progress, keep_sources=own)
+        return regenerate(in_parquet, data_dir(cfg), cfg.regenerate, _chat_backend(cfg, model_dir), progress,
                           keep_sources=own)
 
     return run_stage("regenerate", manifest_path(cfg, "regenerate"), key, compute, force=force)
+
+
+def run_regenerate_slice(cfg: RunConfig, index: int, progress: ProgressFn | None = None) -> dict:
+    """Answer slice ``index`` of a sliced regeneration planned by ``run_regenerate`` (its stats)."""
+    from eagle3.data.regenerate_slices import regenerate_slice
+
+    model_dir, _ = _target(cfg)
+    return regenerate_slice(data_dir(cfg) / "merged.parquet", data_dir(cfg), cfg.regenerate,
+                            _chat_backend(cfg, model_dir), index, progress)
+
+
+def _chat_backend(cfg: RunConfig, model_dir: Path):
+    """The regenerate backend: an endpoint client, or the target loaded here (hf)."""
+    from eagle3.data.regenerate import make_backend
+
+    model, tok = _model_loader(cfg, model_dir)() if cfg.regenerate.backend == "hf" else (None, None)
+    return make_backend(cfg.regenerate, model=model, tokenizer=tok)
 
 
 def run_tokenize(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False) -> StageOutcome:

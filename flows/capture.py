@@ -8,14 +8,14 @@ With capture.num_slices = N above 1 the flow fans out: it splits the pending sha
 about equal tokens and submits each as a run of the `eagle3-capture-slice` deployment on the gpu pool, so N
 workers (one per host, each with its own model or managed SGLang servers) capture at once into the shared run
 directory. The parent counts done files on disk for one progress artifact over all slices, submits a slice
-again when its run ends Crashed or Failed (MAX_SLICE_ROUNDS submissions in all; the shards it finished are
-skipped), and finalizes only when every shard is complete. Slice runs take no run lock: the parent holds it.
+again when its run ends Crashed or Failed (flows.common.run_slices: MAX_SLICE_ROUNDS submissions in all; the
+shards it finished are skipped), and finalizes only when every shard is complete. Slice runs take no run lock:
+the parent holds it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,16 +26,13 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, load_config
-from flows.common import submit_run, wait_runs
+from flows.common import run_slices
 from flows.pipeline import PresetName, guard_crash_loop
 from tasks.artifacts import artifact_key, publish_table
 from tasks.capture import capture_shard_task, finalize_capture_task, prepare_capture_task
 
 MAX_THREADS = 64
 SLICE_DEPLOYMENT = "eagle3-capture-slice/eagle3-capture-slice"
-MAX_SLICE_ROUNDS = 3
-"""Submissions of one slice in all (the first and two more after a Crashed or Failed run)."""
-RESUBMIT_STATES = ("CRASHED", "FAILED")
 
 
 class CaptureProgress:
@@ -132,23 +129,12 @@ def run_capture_slices(cfg: RunConfig, summary: dict[str, Any], poll_s: float = 
     from eagle3.features.capture import features_dir
     from eagle3.features.plan import PLAN_FILE, CapturePlan, split_slices
 
-    logger = get_run_logger()
     plan = CapturePlan.load(features_dir(cfg) / PLAN_FILE)
-    todo = dict(enumerate(split_slices(plan.shards, summary["pending"], cfg.capture.num_slices)))
-    watch = _watch_disk(cfg, summary["pending"], CaptureProgress(cfg, summary))
-    for attempt in range(1, MAX_SLICE_ROUNDS + 1):
-        ids = {k: submit_run(SLICE_DEPLOYMENT, {"config": cfg, "shards": shards},
-                             f"capture-{cfg.run.name}-slice{k}-try{attempt}") for k, shards in todo.items()}
-        logger.info("attempt %d: slices %s submitted to %s", attempt, sorted(ids), SLICE_DEPLOYMENT)
-        states = dict(zip(ids, wait_runs(list(ids.values()), poll_s, deadline_s=math.inf, on_poll=watch)))
-        ended = {k: st for k, st in states.items() if st != "COMPLETED"}
-        if not ended:
-            return _finalize(cfg)
-        if any(st not in RESUBMIT_STATES for st in ended.values()):
-            raise RuntimeError(f"capture slice runs ended {ended} (slice -> state); not submitting them again")
-        logger.warning("attempt %d: slices %s did not complete (%s)", attempt, sorted(ended), ended)
-        todo = {k: todo[k] for k in ended}
-    raise RuntimeError(f"capture slices {sorted(todo)} failed {MAX_SLICE_ROUNDS} times; last states: {ended}")
+    slices = split_slices(plan.shards, summary["pending"], cfg.capture.num_slices)
+    run_slices(SLICE_DEPLOYMENT, {k: {"config": cfg, "shards": shards} for k, shards in enumerate(slices)},
+               f"capture-{cfg.run.name}", on_poll=_watch_disk(cfg, summary["pending"], CaptureProgress(cfg, summary)),
+               poll_s=poll_s)
+    return _finalize(cfg)
 
 
 def _watch_disk(cfg: RunConfig, pending: list[int], progress: CaptureProgress) -> Callable[[], None]:

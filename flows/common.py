@@ -1,5 +1,5 @@
 """Flow runs of a deployment, submitted without waiting and then polled: the fan-out that multi-node training
-(flows/train_nodes.py) and sliced capture (flows/capture.py) share.
+(flows/train_nodes.py), sliced capture (flows/capture.py) and sliced regeneration (flows/regenerate.py) share.
 
 `run_deployment(..., timeout=0)` returns as soon as the run is scheduled, so a parent can hand N runs to N
 workers at once; the parent then polls their states (a flow run's state lives on the server, so a run whose
@@ -15,6 +15,11 @@ from typing import Any
 from uuid import UUID
 
 from pydantic import BaseModel
+
+MAX_SLICE_ROUNDS = 3
+"""Submissions of one slice in all (the first and two more after a Crashed or Failed run)."""
+RESUBMIT_STATES = ("CRASHED", "FAILED")
+"""Endings after which a slice is submitted again (a lost host, an error); Cancelled stops the fan-out."""
 
 
 def submit_run(deployment: str, parameters: dict[str, Any], name: str) -> UUID:
@@ -42,3 +47,29 @@ def wait_runs(ids: list[UUID], poll_s: float, deadline_s: float,
             if all(s is not None and s.is_final() for s in states) or time.monotonic() > deadline:
                 return [s.type.value if s is not None and s.is_final() else "TIMEOUT" for s in states]
             time.sleep(poll_s)
+
+
+def run_slices(deployment: str, parameters: dict[int, dict[str, Any]], name: str,
+               on_poll: Callable[[], None] | None = None, poll_s: float = 5.0) -> None:
+    """Run one flow run of ``deployment`` per slice (``parameters``: slice -> its run's parameters) until all
+    complete; a slice whose run ends Crashed or Failed is submitted again with the same parameters
+    (MAX_SLICE_ROUNDS submissions in all). Runs are named ``{name}-slice{k}-try{n}``; RuntimeError naming the
+    slices when one ends otherwise (Cancelled) or fails every round. Slices must be idempotent: a re-submitted
+    one skips the work its first run finished."""
+    import math
+
+    from prefect import get_run_logger
+
+    logger, todo = get_run_logger(), dict(parameters)
+    for attempt in range(1, MAX_SLICE_ROUNDS + 1):
+        ids = {k: submit_run(deployment, params, f"{name}-slice{k}-try{attempt}") for k, params in todo.items()}
+        logger.info("attempt %d: slices %s submitted to %s", attempt, sorted(ids), deployment)
+        states = dict(zip(ids, wait_runs(list(ids.values()), poll_s, deadline_s=math.inf, on_poll=on_poll)))
+        ended = {k: st for k, st in states.items() if st != "COMPLETED"}
+        if not ended:
+            return
+        if any(st not in RESUBMIT_STATES for st in ended.values()):
+            raise RuntimeError(f"{name} slice runs ended {ended} (slice -> state); not submitting them again")
+        logger.warning("attempt %d: slices %s did not complete (%s)", attempt, sorted(ended), ended)
+        todo = {k: todo[k] for k in ended}
+    raise RuntimeError(f"{name} slices {sorted(todo)} failed {MAX_SLICE_ROUNDS} times; last states: {ended}")

@@ -57,7 +57,11 @@ def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any]
     if synthetic_sources(cfg):
         results["synthesize"] = _call_stage(synthesize_task, cfg, "synthesize", force)
     results["merge"] = _call_stage(merge_task, cfg, "merge", force)
-    if cfg.regenerate.enabled:
+    if cfg.regenerate.enabled and cfg.regenerate.num_slices > 1:
+        from flows.regenerate import regenerate_in_slices
+
+        results["regenerate"] = regenerate_in_slices(cfg, force)
+    elif cfg.regenerate.enabled:
         results["regenerate"] = _call_stage(regenerate_task, cfg, "regenerate", force)
     results["tokenize"] = _call_stage(tokenize_task, cfg, "tokenize", force)
     results["vocab"] = _call_stage(vocab_task, cfg, "vocab", force)

@@ -60,6 +60,14 @@ def regenerate_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
     return _run("regenerate", cfg, force)
 
 
+@task(name="regenerate-slice", task_run_name="regenerate-{cfg.run.name}-slice{index}", tags=["inference"], **IO_RETRY)
+def regenerate_slice_task(cfg: RunConfig, index: int) -> dict[str, Any]:
+    """Answer one slice of a sliced regeneration into its own journal (resumable by sample id)."""
+    from eagle3.stages import run_regenerate_slice
+
+    return run_regenerate_slice(cfg, index)
+
+
 @task(name="tokenize", cache_key_fn=_stage_cache_key("tokenize"), task_run_name="tokenize-{cfg.run.name}",
       **STAGE_CACHE, **IO_RETRY)
 def tokenize_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:

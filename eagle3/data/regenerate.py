@@ -17,6 +17,9 @@ Resumability: every finished conversation (success or error) is appended to
 ``regenerated.parquet`` and ``regenerate_errors.jsonl`` are written atomically from the journal,
 in the input's row order. A failed conversation is never half-regenerated: it is absent from the
 parquet and present in the errors file with its reason.
+With regenerate.num_slices > 1 several hosts answer disjoint slices, each into its own
+``regenerate.journal.slice-K.jsonl`` (eagle3.data.regenerate_slices); every run here first folds such slice
+journals into the main one (``fold_slice_journals``), so what a stopped sliced run answered is kept.
 
 Failures: a row error (HTTP 4xx, 5xx or timeouts after the retries, empty or malformed answers)
 is journaled like a success and not retried by a re-run unless ``retry_errors=True``. An
@@ -66,6 +69,8 @@ from infra.storage import atomic_path, atomic_write_text, sha256_json
 REGENERATED_NAME = "regenerated.parquet"
 ERRORS_NAME = "regenerate_errors.jsonl"
 JOURNAL_NAME = "regenerate.journal.jsonl"
+SLICE_JOURNAL_PREFIX = "regenerate.journal.slice-"
+"""Slice K of a sliced run journals into regenerate.journal.slice-K.jsonl."""
 
 
 # --------------------------------------------------------------------------- conversations
@@ -110,8 +115,9 @@ def settings_key(cfg: RegenerateConfig) -> str:
     return sha256_json({k: getattr(cfg, k) for k in ("backend", "model", "max_new_tokens", "temperature")})[:16]
 
 
-def _is_reusable(record: dict[str, Any] | None, row: dict[str, Any], key: str, retry_errors: bool,
-                 max_user_turns: int | None = None) -> bool:
+def is_reusable(record: dict[str, Any] | None, row: dict[str, Any], key: str, retry_errors: bool,
+                max_user_turns: int | None = None) -> bool:
+    """Whether a journal record still answers ``row`` (same input, same settings), so the row is not sent again."""
     if record is None or record.get("settings") != key or record.get("content_hash") != row.get("content_hash"):
         return False
     if record.get("status") != "ok":
@@ -124,14 +130,23 @@ def _is_reusable(record: dict[str, Any] | None, row: dict[str, Any], key: str, r
 # --------------------------------------------------------------------------- the run
 
 @dataclass
-class _RunState:
-    """Counters of this run, shared by the workers (one event loop, so no locks)."""
+class RunState:
+    """Counters of a run (or of the slices of one), shared by the workers (one event loop, so no locks)."""
 
     success: int = 0
     error: int = 0
     num_turns: int = 0
     finish_reasons: Counter[str] = field(default_factory=Counter)
     max_user_turns: int | None = None
+
+    def count(self, record: dict[str, Any]) -> None:
+        """Add one finished conversation's journal record."""
+        if record["status"] == "ok":
+            self.success += 1
+            self.num_turns += len(record["finish_reasons"])
+            self.finish_reasons.update(str(r) for r in record["finish_reasons"])
+        else:
+            self.error += 1
 
 
 async def _process_row(row: dict[str, Any], backend: ChatBackend, key: str,
@@ -146,9 +161,9 @@ async def _process_row(row: dict[str, Any], backend: ChatBackend, key: str,
     return {**record, "status": "ok", "messages": messages, "finish_reasons": reasons}
 
 
-async def _run_rows(todo: list[dict[str, Any]], backend: ChatBackend, key: str,
-                    append: Callable[[dict[str, Any]], None],
-                    state: _RunState, progress: Progress) -> None:
+async def run_rows(todo: list[dict[str, Any]], backend: ChatBackend, key: str,
+                   append: Callable[[dict[str, Any]], None],
+                   state: RunState, progress: Progress) -> None:
     """Keep backend.max_parallel conversations in flight; journal each one as it finishes."""
     rows = iter(todo)
 
@@ -157,7 +172,7 @@ async def _run_rows(todo: list[dict[str, Any]], backend: ChatBackend, key: str,
         for row in rows:
             record = await _process_row(row, backend, key, state.max_user_turns)
             append(record)
-            _count(record, state)
+            state.count(record)
             progress.update(1, success=state.success, error=state.error)
 
     async with backend.session():
@@ -170,16 +185,8 @@ async def _run_rows(todo: list[dict[str, Any]], backend: ChatBackend, key: str,
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _count(record: dict[str, Any], state: _RunState) -> None:
-    if record["status"] == "ok":
-        state.success += 1
-        state.num_turns += len(record["finish_reasons"])
-        state.finish_reasons.update(str(r) for r in record["finish_reasons"])
-    else:
-        state.error += 1
-
-
-def _read_rows(in_parquet: Path) -> tuple[list[dict[str, Any]], pa.Schema]:
+def read_rows(in_parquet: Path) -> tuple[list[dict[str, Any]], pa.Schema]:
+    """The input's rows and schema; an error naming the file for missing columns or a duplicate id."""
     table = pq.read_table(in_parquet)
     missing = {"id", "messages"} - set(table.column_names)
     if missing:
@@ -216,6 +223,40 @@ def _write_outputs(rows: list[dict[str, Any]], schema: pa.Schema, limit: int, jo
     return paths
 
 
+@dataclass(frozen=True)
+class Work:
+    """The input rows and which of them are left to regenerate (what every run, sliced or not, starts from)."""
+
+    rows: list[dict[str, Any]]
+    schema: pa.Schema
+    limit: int
+    """Rows past this index are kept with their original answers (max_conversations)."""
+    own: int
+    """Rows below the limit of keep_sources (copied as they are)."""
+    todo: list[dict[str, Any]]
+    """Rows to answer, shortest first (similar lengths batch together)."""
+
+
+def pending_work(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, retry_errors: bool = False,
+                 keep_sources: frozenset[str] = frozenset()) -> Work:
+    """Read the input and the journal (first folding in the slice journals of a sliced run that stopped): the
+    rows no reusable journal record answers yet."""
+    rows, schema = read_rows(Path(in_parquet))
+    fold_slice_journals(Path(out_dir))
+    done, key = Journal(Path(out_dir) / JOURNAL_NAME).load(), settings_key(cfg)
+    limit = min(len(rows), cfg.max_conversations or len(rows))
+    own = sum(r.get("source") in keep_sources for r in rows[:limit])
+    todo = [r for r in rows[:limit] if r.get("source") not in keep_sources
+            and not is_reusable(done.get(r["id"]), r, key, retry_errors, cfg.max_user_turns)]
+    todo.sort(key=conversation_chars)
+    return Work(rows, schema, limit, own, todo)
+
+
+def conversation_chars(row: dict[str, Any]) -> int:
+    """Characters of a conversation's messages: the sort key of batching and the weight of a slice."""
+    return sum(len(m["content"]) for m in row["messages"])
+
+
 def regenerate(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, backend: ChatBackend,
                progress: ProgressFn | None = None, retry_errors: bool = False,
                keep_sources: frozenset[str] = frozenset()) -> tuple[dict[str, Path], dict]:
@@ -226,30 +267,64 @@ def regenerate(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, backend: 
     whose answers the target wrote already) are copied as they are and counted as ``skipped_source``.
     """
     start = time.monotonic()
-    rows, schema = _read_rows(Path(in_parquet))
     out_dir = Path(out_dir)
-    journal = Journal(out_dir / JOURNAL_NAME)
-    done, key = journal.load(), settings_key(cfg)
-    limit = min(len(rows), cfg.max_conversations or len(rows))
-    own = sum(r.get("source") in keep_sources for r in rows[:limit])
-    todo = [r for r in rows[:limit] if r.get("source") not in keep_sources
-            and not _is_reusable(done.get(r["id"]), r, key, retry_errors, cfg.max_user_turns)]
-    todo.sort(key=lambda r: sum(len(m["content"]) for m in r["messages"]))  # similar lengths batch together
-    state = _RunState(max_user_turns=cfg.max_user_turns)
-    with journal.appender() as append, Progress(len(todo), "regenerate", progress) as bar:
-        _run_sync(_run_rows(todo, backend, key, append, state, bar))
+    work = pending_work(in_parquet, out_dir, cfg, retry_errors, keep_sources)
+    state = RunState(max_user_turns=cfg.max_user_turns)
+    with Journal(out_dir / JOURNAL_NAME).appender() as append, \
+            Progress(len(work.todo), "regenerate", progress) as bar:
+        run_sync(run_rows(work.todo, backend, settings_key(cfg), append, state, bar))
+    return finish(work, out_dir, state, backend, keep_sources, start)
+
+
+def finish(work: Work, out_dir: Path, state: RunState, backend: ChatBackend | None,
+           keep_sources: frozenset[str], start: float) -> tuple[dict[str, Path], dict]:
+    """Write the outputs from the journal and return (paths, stats) with the invariant checked."""
+    rows, limit, own = work.rows, work.limit, work.own
     stats = {"input": len(rows), "success": state.success, "error": state.error,
-             "skipped_done": limit - own - len(todo), "skipped_source": own, "skipped_limit": len(rows) - limit,
+             "skipped_done": limit - own - len(work.todo), "skipped_source": own, "skipped_limit": len(rows) - limit,
              "num_turns": state.num_turns, "num_requests": _backend_counter(backend, "num_requests"),
              "num_retries": _backend_counter(backend, "num_retries"),
              "finish_reasons": dict(sorted(state.finish_reasons.items()))}
     assert stats["success"] + stats["error"] + stats["skipped_done"] + own + stats["skipped_limit"] == len(rows)
-    paths = _write_outputs(rows, schema, limit, journal.load(), out_dir, keep_sources)
+    paths = _write_outputs(rows, work.schema, limit, Journal(out_dir / JOURNAL_NAME).load(), out_dir, keep_sources)
     stats["elapsed_s"] = round(time.monotonic() - start, 3)
     return paths, stats
 
 
-def _run_sync(coro: Coroutine[Any, Any, None]) -> None:
+# --------------------------------------------------------------------------- slice journals
+
+def slice_journal_path(out_dir: Path, index: int) -> Path:
+    """The journal slice ``index`` of a sliced run appends to (one writer per file, also on shared storage)."""
+    return Path(out_dir) / f"{SLICE_JOURNAL_PREFIX}{index}.jsonl"
+
+
+def slice_journals(out_dir: Path) -> list[Path]:
+    """The slice journals in ``out_dir``, by slice index."""
+    found = []
+    for path in Path(out_dir).glob(f"{SLICE_JOURNAL_PREFIX}*.jsonl"):
+        index = path.name[len(SLICE_JOURNAL_PREFIX):-len(".jsonl")]
+        if index.isdigit():
+            found.append((int(index), path))
+    return [path for _, path in sorted(found)]
+
+
+def fold_slice_journals(out_dir: Path) -> int:
+    """Append the records of every slice journal to the main journal (slice order; per id its latest) and delete
+    the slice files; the number of records moved.
+
+    Only called while no slice runs (before planning, at finalize). A conversation is answered by one slice, so
+    the order changes no answer; a fixed order keeps the main journal's bytes reproducible. Killed half-way, the
+    records moved already are in both files, and the next fold appends them again: the latest record wins."""
+    moved, paths = 0, slice_journals(out_dir)
+    main = Journal(Path(out_dir) / JOURNAL_NAME)
+    for path in paths:
+        moved += main.extend(Journal(path).load().values())
+    for path in paths:
+        path.unlink()
+    return moved
+
+
+def run_sync(coro: Coroutine[Any, Any, None]) -> None:
     """asyncio.run, also from code that already runs an event loop (a notebook, an async task)."""
     try:
         asyncio.get_running_loop()

@@ -20,6 +20,7 @@ from typing import Any
 
 from eagle3.features.shards import shard_file_bytes
 from eagle3.features.spec import FeatureSpec
+from eagle3.slices import split_balanced
 from infra.storage import atomic_write_json, check_free_space
 
 PLAN_FILE = "plan.json"
@@ -110,21 +111,13 @@ def plan_shards(sample_ids: Sequence[str], num_tokens: Sequence[int], tokens_per
 def split_slices(shards: Sequence[ShardPlan], pending: Sequence[int], num_slices: int) -> list[list[int]]:
     """Split the pending shard indices into at most ``num_slices`` disjoint lists of about equal tokens.
 
-    Largest shard first onto the slice with the fewest tokens so far (ties: the lower slice), so no slice
+    Largest shard first onto the slice with the fewest tokens so far (eagle3.slices.split_balanced), so no slice
     exceeds an even split by more than one shard; each list is in shard order, empty slices are dropped."""
-    if num_slices < 1:
-        raise ValueError(f"num_slices must be at least 1, got {num_slices}")
     tokens = {s.index: s.num_tokens for s in shards}
     unknown = sorted(set(pending) - set(tokens))
     if unknown:
         raise ValueError(f"pending shards {unknown[:5]} are not in the plan ({len(tokens)} shards)")
-    slices: list[list[int]] = [[] for _ in range(num_slices)]
-    loads = [0] * num_slices
-    for index in sorted(set(pending), key=lambda i: (-tokens[i], i)):
-        k = min(range(num_slices), key=lambda j: (loads[j], j))
-        slices[k].append(index)
-        loads[k] += tokens[index]
-    return [sorted(s) for s in slices if s]
+    return split_balanced({index: tokens[index] for index in sorted(set(pending))}, num_slices)
 
 
 def build_plan(tokenized: Path, tokens_per_shard: int, tokenized_key: str) -> CapturePlan:

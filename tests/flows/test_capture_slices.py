@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 import flows.capture as capture_flow
+import flows.common as common
 from eagle3.config import load_config
 from eagle3.features.capture import capture_shard
 from eagle3.stages import run_all
@@ -43,8 +44,8 @@ def _fake_slices(monkeypatch, outcome):
         on_poll()
         return states
 
-    monkeypatch.setattr(capture_flow, "submit_run", submit)
-    monkeypatch.setattr(capture_flow, "wait_runs", wait)
+    monkeypatch.setattr(common, "submit_run", submit)
+    monkeypatch.setattr(common, "wait_runs", wait)
     return submitted
 
 

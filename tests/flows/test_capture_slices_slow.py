@@ -42,12 +42,14 @@ def _start_host(tmp_path: Path, port: int, name: str) -> int:
 
 
 def _picked_by(tmp_path: Path) -> dict[str, str]:
-    """Flow run id -> name of the worker that submitted it, from each worker's own log."""
+    """Flow run id -> name of the worker that submitted it, from each worker's own log. Two workers may both try a
+    run; the server lets one have it and the other logs "Aborted submission", which does not count."""
     found = {}
     for host in HOSTS:
         text = (tmp_path / host / "worker.log").read_text()
+        aborted = set(re.findall(r"Aborted submission of flow run '([0-9a-f-]+)'", text))
         found.update({run_id: name for name, run_id in
-                      re.findall(r"Worker '([^']+)' submitting flow run '([0-9a-f-]+)'", text)})
+                      re.findall(r"Worker '([^']+)' submitting flow run '([0-9a-f-]+)'", text) if run_id not in aborted})
     return found
 
 
