@@ -95,12 +95,14 @@ def fanout_runs(deployment: str) -> list:
 
 
 def picked_by(hosts: dict[str, LocalWorker]) -> dict[str, str]:
-    """Flow run id -> host whose worker submitted it, from each worker's log."""
-    names, found = {w.name: h for h, w in hosts.items()}, {}
-    for worker in hosts.values():
+    """Flow run id -> host whose worker ran it, from each worker's log (two workers may both try to submit a run;
+    the server aborts all but one, and the others log that)."""
+    found = {}
+    for host, worker in hosts.items():
         text = worker.log_file.read_text(errors="replace") if worker.log_file.is_file() else ""
-        for name, run_id in re.findall(r"Worker '([^']+)' submitting flow run '([0-9a-f-]+)'", text):
-            found[run_id] = names.get(name, name)
+        aborted = set(re.findall(r"Aborted submission of flow run '([0-9a-f-]+)'", text))
+        found.update({run_id: host for run_id in re.findall(r"submitting flow run '([0-9a-f-]+)'", text)
+                      if run_id not in aborted})
     return found
 
 
@@ -119,10 +121,15 @@ def done_shards(run_dir: Path) -> dict[int, float]:
     return {int(name[6:11]): t for name, t in shard_manifests(run_dir).items()}
 
 
-def in_flight(run_dir: Path) -> list[int]:
-    """Shards with a writer's temp file in features/ (being written)."""
-    return sorted({int(m.group(1)) for p in (run_dir / "features").glob(".shard-*")
-                   if (m := re.match(r"\.shard-(\d{5})\.", p.name))})
+def in_flight(run_id) -> list[int]:
+    """Shards whose task run in flow run ``run_id`` is Running (after a kill: those the dead host was capturing)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+    return sorted(int(m.group(1)) for t in tasks if t.state and t.state.is_running()
+                  and (m := re.search(r"shard-(\d+)$", t.name)))
 
 
 def start_hosts(names: list[str], workdir: Path, port: int) -> dict[str, LocalWorker]:
@@ -149,9 +156,9 @@ def chaos_capture(hosts: dict[str, LocalWorker], run_dir: Path, victim: str, t0:
         return sum(s in done for s in mine) >= 1 and sum(s not in done for s in mine) >= 2 and run
 
     run = wait_until(victim_slice, timeout_s, f"{victim}'s capture slice to be part-way")
-    shards, flying = run.parameters["shards"], in_flight(run_dir)
-    wall_kill, before = time.time(), done_shards(run_dir)
+    shards, wall_kill, before = run.parameters["shards"], time.time(), done_shards(run_dir)
     killed = kill_host(hosts[victim])
+    flying = in_flight(run.id)  # its task runs stay Running: nobody is left to report their end
     print(f"capture: killed {victim} ({len(killed)} processes) with {len(before)} shards complete, its slice "
           f"{run.name} at {sum(s in before for s in shards)}/{len(shards)}", flush=True)
     t_crashed = wait_until(lambda: first_state(run.id, "Crashed", wall_kill), timeout_s, "the slice run Crashed", 2.0)
@@ -163,7 +170,7 @@ def chaos_capture(hosts: dict[str, LocalWorker], run_dir: Path, victim: str, t0:
     after = done_shards(run_dir)
     return {"victim": victim, "killed_processes": len(killed), "kill_at_s": round(wall_kill - t0, 1),
             "slice": run.name, "slice_shards": len(shards), "slice_shards_done_at_kill": sum(s in before for s in shards),
-            "shards_in_flight_at_kill": [s for s in flying if s in shards], "shards_done_at_kill": len(before),
+            "shards_in_flight_at_kill": flying, "shards_done_at_kill": len(before),
             "shards_total": len(after), "to_crashed_s": round(t_crashed - wall_kill, 1),
             "resubmitted_as": again.name, "resubmitted_to_host": picked_by(hosts)[str(again.id)],
             "to_running_again_s": round(t_running - wall_kill, 1),
