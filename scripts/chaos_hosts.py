@@ -17,7 +17,8 @@ the run directory, as hosts share NFS. A separate worker, `head`, runs the paren
    parent submits both nodes again and they land on the two hosts still alive (so a run with both kills needs
    4 hosts: 2 left after two losses), resuming from the newest checkpoint.
 No worker is ever started again on a dead host. The figures go to `<workdir>/chaos_hosts.json`; the final
-shards are checked (sha256 as in the done files, sample ids the plan's, each once).
+shards are checked (sha256 as in the done files, sample ids the plan's, each once). The server keeps running, so
+the runs can be looked at in its UI: `eagle3 server stop --workdir <workdir> --port 4320` ends it.
 """
 
 from __future__ import annotations
