@@ -47,7 +47,7 @@ from eagle3.config import load_config  # noqa: E402
 from flows import local_server  # noqa: E402
 from flows.follow import deploy, trigger  # noqa: E402
 from flows.local_server import LocalServer  # noqa: E402
-from flows.local_worker import LocalWorker, start_worker  # noqa: E402
+from flows.local_worker import LocalWorker, start_worker, stop_worker  # noqa: E402
 
 SLICE, NODE = "eagle3-capture-slice", "eagle3-train-node"
 EXTRA = ["evaluate.num_prompts=1", "evaluate.max_new_tokens=8"]
@@ -281,7 +281,8 @@ def run_chaos_hosts(args: argparse.Namespace) -> int:
     shards = check_shards(cfg.run_dir)
     report.update(final_state=state[0], parent_run_count=state[1], total_s=round(time.time() - t0, 1),
                   dead_hosts=sorted(dead), shard_check=shards.to_json())
-    for worker in [head, *hosts.values()]:
+    stop_worker(head)  # not kill_host: the server shares head's PREFECT_HOME and stays up for its UI
+    for worker in hosts.values():
         kill_host(worker)
     (workdir / "chaos_hosts.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
