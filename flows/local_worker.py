@@ -20,14 +20,18 @@ from infra.process import kill_group, pid_alive, read_pid_file, spawn_detached, 
 
 @dataclass(frozen=True)
 class LocalWorker:
-    """A worker of ``pool`` whose pid file and log live beside the local server's state."""
+    """A worker of ``pool`` whose pid file and log live beside the local server's state.
+
+    ``host`` names the worker after a host other than this machine (several "hosts" on one machine, each
+    with its own ``server.home``, as the multi-host chaos run starts them)."""
 
     server: LocalServer
     pool: str = "gpu"
+    host: str = ""
 
     @property
     def name(self) -> str:
-        return f"eagle3-{socket.gethostname()}-{self.pool}"
+        return f"eagle3-{self.host or socket.gethostname()}-{self.pool}"
 
     @property
     def pid_file(self) -> Path:

@@ -51,8 +51,17 @@ def process_cmdline(pid: int) -> list[str] | None:
 
 
 def write_pid_file(path: Path, pid: int) -> None:
-    """Record ``pid`` in ``path`` (one line)."""
-    path.write_text(f"{pid}\n")
+    """Record ``pid`` and this host's name in ``path`` (one line: the pid first, as read_pid_file reads it)."""
+    path.write_text(f"{pid} {socket.gethostname()}\n")
+
+
+def pid_file_host(path: Path) -> str | None:
+    """The host that wrote the pid file (its second word), or None when missing (an older one-word file)."""
+    try:
+        words = path.read_text().split()
+    except OSError:
+        return None
+    return words[1] if len(words) > 1 else None
 
 
 def pid_alive(pid: int) -> bool:

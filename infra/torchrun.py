@@ -18,6 +18,7 @@ import ctypes
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.process import group_alive, kill_group, read_pid_file, tail, write_pid_file
+from infra.process import group_alive, kill_group, pid_file_host, read_pid_file, tail, write_pid_file
 
 PR_SET_PDEATHSIG = 1
 DEFAULT_KEEP = re.compile(r"step|loss|acc|epoch|error|warn|traceback|exception|checkpoint|resum", re.I)
@@ -74,10 +75,13 @@ def _die_with_parent() -> None:
 def kill_leftover(pid_file: Path) -> int | None:
     """Kill the torchrun process group recorded by an earlier attempt, if it still runs; returns its pid.
 
-    The ranks follow torchrun (module docstring), not this kill.
+    The ranks follow torchrun (module docstring), not this kill. A pid file written on another host (the run
+    directory is shared; a node re-submitted after its host was lost lands elsewhere) names a process of that
+    host, not of this one, so it is left alone.
     """
     pid = read_pid_file(pid_file)
-    if pid is None or not group_alive(pid):  # the leader may be gone while others of its group still run
+    host = pid_file_host(pid_file)
+    if pid is None or (host is not None and host != socket.gethostname()) or not group_alive(pid):  # the leader may be gone while others of its group still run
         return None
     kill_group(pid, grace_s=30.0)
     return pid

@@ -28,3 +28,33 @@ def test_heartbeat_window_is_three_periods():
     setup()
     trigger = Automation.read(name="eagle3-heartbeat-missing").trigger
     assert trigger.within.total_seconds() == 90
+
+
+def _crashed_event(tags: list[str]):
+    """The `prefect.flow-run.Crashed` event of a run whose deployment carries ``tags`` (as the server relates them)."""
+    from uuid import uuid4
+
+    from prefect.server.events.schemas.events import ReceivedEvent
+    from prefect.types._datetime import now
+
+    related = [{"prefect.resource.id": f"prefect.tag.{t}", "prefect.resource.role": "tag"} for t in tags]
+    return ReceivedEvent(occurred=now("UTC"), event="prefect.flow-run.Crashed", id=uuid4(),
+                         resource={"prefect.resource.id": f"prefect.flow-run.{uuid4()}"}, related=related)
+
+
+def test_retry_automation_reruns_top_level_runs_but_not_fanout_runs():
+    """The retry trigger covers a Crashed run of every prefect.yaml deployment except the slice and node runs,
+    which their parent re-submits (a node re-run alone by the automation would wait at a left rendezvous)."""
+    from pathlib import Path
+
+    import yaml
+    from prefect.server.events.schemas.automations import EventTrigger
+
+    from deployments.setup import _retry_automation
+
+    trigger = EventTrigger.model_validate(_retry_automation().trigger.model_dump())
+    doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "prefect.yaml").read_text())
+    covered = {d["name"]: trigger.covers(_crashed_event(d["tags"])) for d in doc["deployments"]}
+    fanout = {"eagle3-capture-slice", "eagle3-train-node"}
+    assert {n for n, c in covered.items() if not c} == fanout
+    assert len(covered) >= 7 and all(covered[n] for n in covered if n not in fanout)

@@ -67,6 +67,23 @@ def test_leftover_group_from_an_earlier_attempt_is_killed(tmp_path):
     assert not pid_alive(stale.pid)
 
 
+def test_leftover_recorded_by_another_host_is_left_alone(tmp_path):
+    """A pid file in the shared run directory written on another host names that host's process: not killed here;
+    the same file written on this host (write_pid_file) is."""
+    from infra.process import write_pid_file
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    pid_file = tmp_path / "torchrun.node1.pid"
+    try:
+        pid_file.write_text(f"{live.pid} another-host\n")
+        assert kill_leftover(pid_file) is None and pid_alive(live.pid)
+        write_pid_file(pid_file, live.pid)
+        assert kill_leftover(pid_file) == live.pid
+        live.wait(timeout=30)
+    finally:
+        live.kill()
+
+
 def test_ranks_stop_when_the_supervising_process_is_sigkilled(tmp_path):
     """A SIGKILLed orchestrator takes the torchrun launcher with it, and every rank gets SIGTERM (to checkpoint)."""
     import signal
