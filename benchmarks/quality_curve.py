@@ -16,23 +16,21 @@ data, train, export, eval): past it the phase gets SIGTERM (training checkpoints
 fsynced per record), then SIGKILL after a grace period, and the script exits 3. Running the same command
 again continues where it stopped. ``--in-process`` runs the stages in this process with no budgets (tests).
 
-Budget on one H200 (30 minutes of device time; rates measured there with the commands in docs/):
-  generation, static cache, batch 2,048  57K generated tok/s (random SmolLM2-shaped weights, 256 new
-                                         tokens); real answers stop unevenly, so plan on ~0.6 of it
-  online training, ttt 7, rows of 16,384 96K tok/s (compile ~40-60 s per run on top)
-  greedy decode, batch 1, static+compiled 357 tok/s; chain 3 round 6.3 ms, tree 5-4-8 14.7 ms,
-                                         n-gram 4.5 ms; compile warm-up 68 s (widths 1 and 4)
-Per size N and one epoch: training N / 96K s (3M: 31 s, 10M: 104 s, 20M: 208 s), i.e. 343 s + ~150 s
-compile for the three sizes. Data for the largest size: ~21M tokens of which ~80% generated, 17M / 34K
-= ~500 s. Evaluation of the 160 prompts (~190 new tokens each on average, 256 at most) in one process:
-greedy 0.53 s + chain 3 0.6 s + chain 7 ~1.0 s + tree ~1.2 s per prompt = ~530 s, + n-gram 0.5 s per prompt
-once, + warm-up ~130 s; the preset's 4 workers share the GPU (acceptance is unaffected; their speedups are
-contended) and are assumed to give ~2x, so ~400 s per size. Sum: staging ~150 s + data 500 + training 500 +
-evaluation 3 x 400 = ~2,350 s: the whole curve does NOT fit one 30-minute stretch. Plan two:
-  stretch 1: data, size-3M (data ~500 + 3M ~120 + 400 eval) and carry the data journals back
-             (``pack-journals OUT``, xz, ~25 MB);
-  stretch 2: restore them (``unpack-journals DIR``; data then only merges and tokenizes), size-10M, size-20M.
-The default budgets below follow these figures with ~25% margin.
+Budget on one H200, as measured by a first run of this script there (2026-12-01; docs/evaluate.md), which
+replaced the plan made from benchmark rates (they were 3-6x too optimistic for real data):
+  data (synthesize 1,500 + 4,000 ShareGPT records, 3 user turns each, regenerated; merge, tokenize, vocab)
+      319 s for 2.78M train tokens, ~115 s per million tokens (the 57K tok/s of benchmarks/generation.py
+      was random weights, 256 new tokens, one batch of 2,048; regeneration runs turns one after the other)
+  online training, ttt 7, rows of 16,384: ~40K tok/s in the trainer's log (the target's eager forward bounds
+      it, docs/train.md); 2.78M tokens, one epoch, 165 steps: 124 s with start-up and compile
+  evaluation in one process, float32, a weak drafter (accept 1.26-1.47): ~7.5 s per prompt after a 164 s
+      start, i.e. ~23 minutes for the 160 prompts
+and one epoch was too little: val accept_len_est 1.382 after the one epoch of 2.78M tokens, 1.606 after 400
+steps (~2.4 epochs) of the same data and still rising. So the curve needs data built over several GPU
+stretches (``pack-journals`` carries the generated text back, ~1.5 MB xz per 4,700 records, and
+``unpack-journals`` restores it, after which the data phase only generates what is missing), more than one
+epoch per size, and an evaluation several times faster (or fewer prompts per size) before all sizes fit.
+The default budgets keep each phase inside one 10-minute device command; a phase cut short resumes.
 """
 
 from __future__ import annotations
@@ -54,9 +52,9 @@ from benchmarks.curve_report import token_label, write_curve_report  # noqa: E40
 
 DEFAULT_PRESET, DEFAULT_SIZES = "smollm2-curve", "3M,10M,20M"
 DEFAULT_BUDGETS_S = {"data": 650.0, "train": 240.0, "export": 90.0, "eval": 500.0}
-"""Seconds per phase (train: plus N / 80K s for size N); see the module docstring."""
-TRAIN_TOKENS_PER_S = 80_000
-"""The online training rate the train budget plans with (96K tok/s measured, less for safety)."""
+"""Seconds per phase (train: plus N / TRAIN_TOKENS_PER_S s for size N); see the module docstring."""
+TRAIN_TOKENS_PER_S = 32_000
+"""The online training rate the train budget plans with (~40K tok/s in the trainer's log on the H200, less for safety)."""
 GRACE_S = 90.0
 """After SIGTERM, how long a phase may take to checkpoint and exit before SIGKILL."""
 CUT_SHORT = 3

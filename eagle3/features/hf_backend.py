@@ -168,8 +168,6 @@ AUTO_CPU_TOKENS = 4096
 """capture.max_tokens_per_batch=auto on a CPU (compute-bound: bigger batches buy nothing)."""
 AUTO_MAX_TOKENS = 65536
 """Upper bound of the auto budget on a GPU: past ~32K padded tokens a forward no longer gets faster per token."""
-ONLINE_MAX_PADDING = 1.25
-"""Online training batches a packed row's documents longest first; a batch closes before padding passes 25%."""
 AUTO_MEMORY_SHARE = 0.5
 """Share of the free GPU memory the auto budget may plan for (the rest: allocator slack, host-copy overlap)."""
 
@@ -212,23 +210,18 @@ def auto_tokens_per_batch(config: Any, num_outputs: int, dtype: torch.dtype, dev
     return min(AUTO_MAX_TOKENS, 1 << (fit.bit_length() - 1))
 
 
-
-def plan_batches(lengths: Sequence[int], max_tokens: int, max_padding: float | None = None) -> list[list[int]]:
-    """Consecutive index groups whose padded size (count x longest) fits max_tokens; order kept.
-
-    ``max_padding``: also start a new group when count x longest would exceed this multiple of the real tokens.
-    """
+def plan_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive index groups whose padded size (count x longest) fits max_tokens; order kept."""
     batches: list[list[int]] = []
     current: list[int] = []
-    longest = real = 0
+    longest = 0
     for i, n in enumerate(lengths):
         grown = max(longest, n)
-        padded = (len(current) + 1) * grown
-        if current and (padded > max_tokens or (max_padding is not None and padded > max_padding * (real + n))):
+        if current and (len(current) + 1) * grown > max_tokens:
             batches.append(current)
-            current, grown, real = [], n, 0
+            current, grown = [], n
         current.append(i)
-        longest, real = grown, real + n
+        longest = grown
     if current:
         batches.append(current)
     return batches
@@ -420,7 +413,9 @@ class HFCaptureBackend:
         """(sample indices longest first, groups of positions in that order): the batches ``device_states`` runs."""
         order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
         lengths = [len(samples[i].input_ids) for i in order]
-        return order, plan_batches(lengths, self.max_tokens_per_batch, max_padding=ONLINE_MAX_PADDING)
+        # No cap on padding: on the H200 a 25% cap (more, smaller forwards per row) halved online training's
+        # tokens/s for a SmolLM2-sized target, whose forwards cost launches more than padded FLOPs (docs/train.md).
+        return order, plan_batches(lengths, self.max_tokens_per_batch)
 
     def batch_states(self, batch: list[SampleTokens]) -> dict[str, torch.Tensor]:
         """One forward over ``batch``: its [N, ...] outputs concatenated in order, on the device."""

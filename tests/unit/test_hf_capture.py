@@ -127,15 +127,6 @@ def test_token_budget_batches():
     assert all(len(b) * max(lengths[i] for i in b) <= 100 or len(b) == 1 for b in batches)
 
 
-def test_padding_cap_closes_batches_before_padding_passes_the_limit():
-    """With max_padding 1.25, a batch of lengths sorted longest first closes before count x longest > 1.25 x real."""
-    lengths = [100, 96, 90, 40, 38, 35, 10, 9]
-    batches = plan_batches(lengths, 10_000, max_padding=1.25)
-    assert batches == [[0, 1, 2, 3], [4, 5], [6, 7]]
-    assert all(len(b) * max(lengths[i] for i in b) <= 1.25 * sum(lengths[i] for i in b) for b in batches)
-    assert plan_batches(lengths, 10_000) == [list(range(8))]  # without the cap: one batch, 800 slots for 418 tokens
-
-
 def test_no_hooks_left_behind(samples):
     """After a capture the shared model carries no forward hooks (another backend may use it next)."""
     backend = _backend()

@@ -19,7 +19,7 @@ from eagle3.train.metrics import read_metrics
 from tests.unit.test_train_helpers import load_run_config, real_tiny_run
 
 DEADLINE_S = 90.0  # a deadlock fails the test after this instead of hanging the suite
-BUDGET = 64  # capture.max_tokens_per_batch of the workers: rank 0's documents need 4 batches, rank 1's one
+BUDGET = 64  # capture.max_tokens_per_batch of the workers: rank 0's documents need 3 batches, rank 1's one
 
 
 def _free_port() -> int:
@@ -29,7 +29,7 @@ def _free_port() -> int:
 
 
 def _documents(rank: int):
-    """Rank 0: 4 documents in 4 batches (BUDGET and the 25% padding cap); rank 1: 2 short ones in a single batch."""
+    """Rank 0: 4 documents in 3 batches (BUDGET); rank 1: 2 short ones in a single batch."""
     from eagle3.features.spec import SampleTokens
 
     lengths = [40, 33, 25, 12] if rank == 0 else [9, 7]
@@ -62,7 +62,7 @@ def _states_worker(rank: int, port: int, out_dir: str) -> None:
         kwargs = {"supervision": supervision, "topk": topk, "device": "cpu", "max_tokens_per_batch": BUDGET}
         whole = HFCaptureBackend(None, [0, 1, 3], model=_tiny(tied), **kwargs)
         sharded = ShardedCaptureBackend(None, [0, 1, 3], model=shard_target(_tiny(tied)), **kwargs)
-        assert len(whole.online_batches(docs)[1]) == (4 if rank == 0 else 1)
+        assert len(whole.online_batches(docs)[1]) == (3 if rank == 0 else 1)
         with torch.no_grad():
             want, got = whole.device_states(docs), sharded.device_states(docs)
             got_again = sharded.device_states(docs[::-1])  # a second row: the FSDP state carries over
