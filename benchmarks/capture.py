@@ -61,7 +61,7 @@ DEFAULT_CASES = ["stream_writes=false,num_writers=1", ""]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from eagle3.cli_args import add_config_args
+    from eagle3.run.cli_args import add_config_args
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(parser)
@@ -129,7 +129,7 @@ def _preset_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCa
     """The configured target, its spec, and the first tokenized samples that fit the length cap (or synthetic)."""
     from eagle3.data.tokenize import read_tokenized
     from eagle3.features.capture import build_spec
-    from eagle3.target import prepare_target
+    from eagle3.target.load import prepare_target
 
     model_dir = prepare_target(cfg)
     spec = build_spec(cfg, model_dir)
@@ -161,7 +161,7 @@ def _random_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCa
     """A random-weight model of Llama-3.1-8B or SmolLM2-135M shapes built on the device, and synthetic samples."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from eagle3.target import default_aux_layer_ids
+    from eagle3.target.load import default_aux_layer_ids
 
     shape = dict(LLAMA31_8B if args.random_llama8b else SMOLLM2_135M)
     shape["num_hidden_layers"] = args.num_layers or shape["num_hidden_layers"]
@@ -404,7 +404,7 @@ def _case_line(label: str, passes: list[dict[str, Any]], num_tokens: int, raw_be
 
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark and print the shared figures, then one line per case."""
-    from eagle3.cli_args import config_from_args
+    from eagle3.run.cli_args import config_from_args
 
     args = _parser().parse_args(argv)
     cfg = config_from_args(args)

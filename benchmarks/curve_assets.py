@@ -13,7 +13,7 @@ between calls while the host stays warm):
     # then PYTHONPATH=/tmp/curve-site: every 'pkg://' path and evaluation dataset resolves as it does here.
 
 Each file is stored under the path an installed package would give it (``<package>/<file>``), so presets
-and ``eagle3.eval_data`` find them unchanged; text files travel xz-compressed. ``unpack`` assembles a file
+and ``eagle3.evaluate.prompts`` find them unchanged; text files travel xz-compressed. ``unpack`` assembles a file
 once all its chunks have arrived and checks its sha256 (a mismatch is an error naming the file); it prints
 what is still missing. ``--wheels DIR`` adds wheels (e.g. pydantic and gguf for Python 3.12), which the last
 ``unpack`` installs into the site folder with pip (no index, no dependencies).
@@ -77,7 +77,7 @@ def sha256_of(path: Path) -> str:
 
 def resolve_default(relative: str) -> Path:
     """'<package>/<file>' -> the file inside the package installed here."""
-    from eagle3.paths import package_dir
+    from eagle3.run.paths import package_dir
 
     package, _, rest = relative.partition("/")
     return package_dir(package) / rest

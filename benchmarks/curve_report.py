@@ -1,6 +1,6 @@
 """The data-scaling curve's report: acceptance length against training tokens, one line per method.
 
-Reads each size's ``eval/results.json`` (eagle3.evaluate) and writes into one folder:
+Reads each size's ``eval/results.json`` (eagle3.evaluate.stage) and writes into one folder:
 curve.json (the rows), curve.md (a table per dataset) and curve.png (acceptance vs training tokens on a log
 axis, one line per drafting method, the n-gram baseline as a flat dashed line: it uses no drafter, so
 every size measures the same thing and the first size that measured it stands for all).

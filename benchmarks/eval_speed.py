@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.decode_cache import CompileSettings, StaticDrafterRunner, StaticTargetRunner  # noqa: E402
-from eagle3.model import DrafterDims, Eagle3Drafter, init_weights  # noqa: E402
-from eagle3.runners import DrafterRunner, TargetRunner  # noqa: E402
-from eagle3.speculate import (DecodeResult, DraftTree, EagleProposer, NgramProposer, check_lossless,  # noqa: E402
+from eagle3.evaluate.decode_cache import CompileSettings, StaticDrafterRunner, StaticTargetRunner  # noqa: E402
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights  # noqa: E402
+from eagle3.evaluate.runners import DrafterRunner, TargetRunner  # noqa: E402
+from eagle3.evaluate.speculate import (DecodeResult, DraftTree, EagleProposer, NgramProposer, check_lossless,  # noqa: E402
                               greedy_decode, speculative_decode)
 
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,

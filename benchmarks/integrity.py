@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.stage import manifest_matches, write_manifest  # noqa: E402
+from eagle3.run.stage import manifest_matches, write_manifest  # noqa: E402
 from infra.storage import RACY_NS, forget_hashes, sha256_file  # noqa: E402
 
 

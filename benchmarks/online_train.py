@@ -32,13 +32,13 @@ from eagle3.features.plan import plan_shards
 from eagle3.features.shards import shard_path
 from eagle3.features.spec import FeatureSpec, SampleTokens
 from eagle3.features.writers import capture_and_write
-from eagle3.model import DrafterDims, Eagle3Drafter
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter
 from eagle3.train.build import build_optimizer, build_scheduler
 from eagle3.train.data import RowLoader, batch_to, pack
 from eagle3.train.dist import DistInfo
 from eagle3.train.loop import backward_rows, optimizer_step, step_options_for, supervise
 from eagle3.train.online import OnlineFeatures
-from eagle3.ttt import TTTObjective
+from eagle3.drafter.ttt import TTTObjective
 
 SHAPES = {"smollm2": (SMOLLM2_135M, 16384), "llama8b": (LLAMA31_8B, 32000)}  # (target shape, draft vocab)
 

@@ -111,7 +111,7 @@ def size_config(preset: str, overrides: list[str], size: Size, with_ngram: bool)
 
 def prepare_size_run(base, cfg) -> Path:
     """runs/<name>-N with data/ and vocab/ linked to the data run's, and its config.json; returns the config path."""
-    from eagle3.stages import write_run_config
+    from eagle3.run.stages import write_run_config
 
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     for part in ("data", "vocab"):
@@ -199,7 +199,7 @@ class Curve:
 
 def phase_data(c: Curve) -> bool:
     """Every data stage of the data run."""
-    return c.runner("eagle3.stages", ["all", "--preset", c.preset, *c.set_args()], c.budgets["data"])
+    return c.runner("eagle3.run.stages", ["all", "--preset", c.preset, *c.set_args()], c.budgets["data"])
 
 
 def phase_train(c: Curve, size: Size) -> bool:
@@ -219,7 +219,7 @@ def phase_export(c: Curve, size: Size) -> bool:
 
 def phase_eval(c: Curve, size: Size) -> bool:
     """The fixed prompts with every method of the size's config."""
-    return c.runner("eagle3.evaluate", ["--config", str(c.size_run(size)[1])], c.budgets["eval"])
+    return c.runner("eagle3.evaluate.stage", ["--config", str(c.size_run(size)[1])], c.budgets["eval"])
 
 
 def phase_report(c: Curve) -> dict[str, Path]:

@@ -21,11 +21,11 @@ run_phase() {
   local t0=$SECONDS
   echo "== $1 =="
   case $1 in
-    data) $PY -m eagle3.stages all --preset "$PRESET" "${overrides[@]}" ;;
+    data) $PY -m eagle3.run.stages all --preset "$PRESET" "${overrides[@]}" ;;
     capture) $PY -m eagle3.features.capture --config "$config" "${overrides[@]}" ;;
     train) $PY -m torch.distributed.run --standalone --nproc-per-node="$nproc" -m eagle3.train --config "$config" ;;
     export) $PY -m eagle3.export --config "$config" "${overrides[@]}" ;;
-    eval) $PY -m eagle3.evaluate --config "$config" "${overrides[@]}" ;;
+    eval) $PY -m eagle3.evaluate.stage --config "$config" "${overrides[@]}" ;;
   esac
   echo "== $1 took $((SECONDS - t0)) s =="
 }

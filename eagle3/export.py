@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from eagle3.config import RunConfig
-from eagle3.model import DrafterDims, Eagle3Drafter, load_target_weights, rope_settings
-from eagle3.stage import StageOutcome
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter, load_target_weights, rope_settings
+from eagle3.run.stage import StageOutcome
 
 log = logging.getLogger("eagle3.export")
 
@@ -137,7 +137,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _header_specs(path: Path) -> dict[str, TensorSpec]:
     """name -> (shape, dtype) from a safetensors header, without reading the tensors."""
-    from eagle3.target import safetensors_header
+    from eagle3.target.load import safetensors_header
 
     if not Path(path).is_file():
         raise ExportError(f"{path} not found")
@@ -260,7 +260,7 @@ def check_sglang_export(export_dir: Path) -> None:
 def _check_vocab_maps(weights: Path) -> None:
     from safetensors import safe_open
 
-    from eagle3.vocab import VocabMapError, validate_maps
+    from eagle3.data.vocab import VocabMapError, validate_maps
 
     with safe_open(str(weights), framework="pt") as fh:
         d2t, t2d = fh.get_tensor("d2t"), fh.get_tensor("t2d")
@@ -477,9 +477,9 @@ def export_dir(cfg: RunConfig) -> Path:
 def key_for(cfg: RunConfig) -> str:
     """The export stage key: export section and train.select, train + vocab manifests, target fingerprint."""
     from eagle3.config import section_dict
-    from eagle3.stage import stage_key
-    from eagle3.stages import manifest_path
-    from eagle3.target import fingerprint, prepare_target
+    from eagle3.run.stage import stage_key
+    from eagle3.run.stages import manifest_path
+    from eagle3.target.load import fingerprint, prepare_target
 
     fp = fingerprint(prepare_target(cfg))
     conf = section_dict(cfg, "export") | {"train.select": cfg.train.select}  # what to ship: not in train's key
@@ -487,7 +487,7 @@ def key_for(cfg: RunConfig) -> str:
 
 
 def _train_stats(cfg: RunConfig) -> dict[str, Any]:
-    from eagle3.stage import read_manifest
+    from eagle3.run.stage import read_manifest
 
     return (read_manifest(cfg.run_dir / TRAIN_MANIFEST) or {}).get("stats", {})
 
@@ -506,7 +506,7 @@ def _checkpoint_dir(cfg: RunConfig) -> tuple[Path, Any]:
 def write_cards(cfg: RunConfig, results: dict[str, Any] | None = None, model_dir: Path | None = None) -> list[Path]:
     """README.md (eagle3.model_card) into every export folder of the run; ``results``: the evaluation of them."""
     from eagle3.model_card import CardInputs, write_card
-    from eagle3.target import prepare_target
+    from eagle3.target.load import prepare_target
 
     model_dir, train = model_dir or prepare_target(cfg), _train_stats(cfg)
     folders = {f: export_dir(cfg) / f for f in cfg.export.formats if (export_dir(cfg) / f / INFO_FILE).is_file()}
@@ -522,8 +522,8 @@ def _verifier(cfg: RunConfig, model_dir: Path) -> str:
 def _drafter_inputs(cfg: RunConfig, model_dir: Path) -> tuple[DrafterDims, list[int], Tensor, Tensor]:
     """(dims, aux ids in our convention, d2t, t2d), checked against the features the drafter was trained on."""
     from eagle3.features.spec import FeatureSpec
-    from eagle3.target import fingerprint, target_info
-    from eagle3.vocab import load_vocab_map
+    from eagle3.target.load import fingerprint, target_info
+    from eagle3.data.vocab import load_vocab_map
 
     spec = FeatureSpec.load(cfg.run_dir / "features" / "spec.json")
     info = target_info(model_dir, cfg.target)
@@ -537,8 +537,8 @@ def _drafter_inputs(cfg: RunConfig, model_dir: Path) -> tuple[DrafterDims, list[
 def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
     from safetensors.torch import load_file
 
-    from eagle3.model import EMBED_TENSOR
-    from eagle3.target import prepare_target, read_tensor
+    from eagle3.drafter.model import EMBED_TENSOR
+    from eagle3.target.load import prepare_target, read_tensor
 
     model_dir = prepare_target(cfg)
     dims, aux, d2t, t2d = _drafter_inputs(cfg, model_dir)
@@ -567,14 +567,14 @@ def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
 
 def run_export(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Export the selected checkpoint in every configured layout; a no-op when the manifest matches."""
-    from eagle3.stage import run_stage
+    from eagle3.run.stage import run_stage
 
     return run_stage("export", export_dir(cfg) / MANIFEST_FILE, key_for(cfg), lambda: _export_all(cfg), force=force)
 
 
 def main(argv: list[str] | None = None) -> None:
     """python -m eagle3.export --config <run>/config.json [--set export.dtype=float32] [--force] | --check DIR"""
-    from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
+    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
     from infra.storage import run_lock
 
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))

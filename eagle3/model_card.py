@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import RunConfig
-from eagle3.stage import read_manifest
+from eagle3.run.stage import read_manifest
 
 CARD_FILE = "README.md"
 VLLM_DOCS = "https://docs.vllm.ai/en/latest/features/speculative_decoding/eagle/"
@@ -108,7 +108,7 @@ def _header(c: CardInputs) -> list[str]:
 
 
 def _target(c: CardInputs) -> list[str]:
-    from eagle3.target import fingerprint
+    from eagle3.target.load import fingerprint
 
     config = read_manifest(c.model_dir / "config.json") or {}
     aux = (c.info.get("aux_layer_ids") or {}).get("output_of_layer")
@@ -160,8 +160,8 @@ def _serving(c: CardInputs) -> list[str]:
 
 
 def _data(c: CardInputs) -> list[str]:
-    from eagle3.stage import read_manifest
-    from eagle3.stages import data_dir, manifest_path
+    from eagle3.run.stage import read_manifest
+    from eagle3.run.stages import data_dir, manifest_path
 
     merge = read_manifest(data_dir(c.cfg) / "stats.json") or {}
     tok = (read_manifest(manifest_path(c.cfg, "tokenize")) or {}).get("stats", {})

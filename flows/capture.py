@@ -84,7 +84,7 @@ def capture_endpoints(cfg: RunConfig) -> Iterator[RunConfig]:
         return
     from eagle3.features.capture import build_spec
     from eagle3.features.sglang_backend import managed_endpoints
-    from eagle3.target import prepare_target
+    from eagle3.target.load import prepare_target
 
     model_dir = prepare_target(cfg)
     with managed_endpoints(cfg, model_dir, build_spec(cfg, model_dir)) as served:

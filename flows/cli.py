@@ -6,7 +6,7 @@
     eagle3 server start|stop|status  the embedded Prefect server (SQLite under <workdir>/.prefect, or --database URL)
     eagle3 setup                     work pools, limits, automations, every deployment, a worker per pool
     eagle3 target --preset smollm2-demo   tokenizer sanity report
-    eagle3 stage tokenize --preset tiny   one core stage without Prefect (= python -m eagle3.stages)
+    eagle3 stage tokenize --preset tiny   one core stage without Prefect (= python -m eagle3.run.stages)
     eagle3 doctor --preset tiny      can this machine run the preset? versions, optional pieces, fixes
     eagle3 presets
 
@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
+from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
 from eagle3.config import RunConfig, list_presets
 from flows import local_server
 from flows.follow import deploy, deployment_pools, follow, trigger
@@ -211,7 +211,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_target(args: argparse.Namespace) -> int:
     """Prepare the target and print its tokenizer report."""
-    from eagle3 import target
+    from eagle3.target import load as target
 
     argv = (["--config", str(args.config)] if args.config else ["--preset", args.preset])
     target.main(argv + [f"--set={o}" for o in args.overrides])
@@ -220,7 +220,7 @@ def cmd_target(args: argparse.Namespace) -> int:
 
 def cmd_stage(args: argparse.Namespace) -> int:
     """One core stage without Prefect."""
-    from eagle3 import stages
+    from eagle3.run import stages
 
     argv = [args.stage] + (["--config", str(args.config)] if args.config else ["--preset", args.preset])
     stages.main(argv + [f"--set={o}" for o in args.overrides] + (["--force"] if args.force else []))
@@ -238,7 +238,7 @@ examples:
   eagle3 worker start --pool gpu               a background process worker for a work pool
   eagle3 setup                                 pools, limits, automations, all deployments, a worker per pool
   eagle3 target --preset smollm2-demo          tokenizer sanity report for the target
-  eagle3 stage tokenize --preset tiny          one data stage without Prefect (= python -m eagle3.stages)
+  eagle3 stage tokenize --preset tiny          one data stage without Prefect (= python -m eagle3.run.stages)
   eagle3 export --config runs/smollm2-demo/config.json      SGLang + speculators export of a trained run
   eagle3 eval --config runs/smollm2-demo/config.json        measured acceptance length (speculative decoding)
   eagle3 doctor                                what the demo preset needs and is missing, with the fixes
@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_core_commands(sub) -> None:
     """export / eval: core stages without Prefect, forwarded to their `python -m` entry points."""
     for name, module, text in (("export", "eagle3.export", "export the trained drafter (SGLang, speculators)"),
-                               ("eval", "eagle3.evaluate", "measure acceptance length by speculative decoding")):
+                               ("eval", "eagle3.evaluate.stage", "measure acceptance length by speculative decoding")):
         p = add_config_args(sub.add_parser(name, help=text))
         p.add_argument("--force", action="store_true")
         p.set_defaults(func=lambda a, m=module: _forward(m, a))

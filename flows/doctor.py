@@ -127,7 +127,7 @@ def disk_line(label: str, path: Path) -> str:
 
 
 def _resolves(what: str, setting: str, path: str | None, need_config: bool = False) -> Check:
-    from eagle3.paths import resolve_path
+    from eagle3.run.paths import resolve_path
 
     try:
         resolved = resolve_path(path or "")

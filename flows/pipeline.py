@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, list_presets, load_config
-from eagle3.stages import synthetic_sources
+from eagle3.run.stages import synthetic_sources
 from flows.report import render_run_report
 from tasks.artifacts import artifact_key
 from tasks.data import merge_task, regenerate_task, synthesize_task, target_check_task, tokenize_task, vocab_task
@@ -33,7 +33,7 @@ def _call_stage(task, cfg: RunConfig, stage: str, force: bool) -> dict[str, Any]
     A result served from Prefect's cache is reported as not computed (the stored value is the
     one of the run that did compute it).
     """
-    from eagle3.stages import is_complete
+    from eagle3.run.stages import is_complete
 
     if force or not is_complete(cfg, stage):
         task = task.with_options(refresh_cache=True)
@@ -132,7 +132,7 @@ def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | 
         force: Recompute every stage even when its outputs on disk are up to date.
         until: Last stage to run (`vocab` = the data stages only; `deploy` = everything).
     """
-    from eagle3.stages import write_run_config
+    from eagle3.run.stages import write_run_config
     from infra.storage import run_lock
 
     guard_crash_loop()

@@ -10,15 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from eagle3.config import RunConfig
-from eagle3.stages import STAGES
+from eagle3.run.stages import STAGES
 
 DATA_STAGES = STAGES
 
 
 def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
     """{stage: {"computed": None, "stats": ...}} for every stage whose manifest exists."""
-    from eagle3.stage import read_manifest
-    from eagle3.stages import manifest_path
+    from eagle3.run.stage import read_manifest
+    from eagle3.run.stages import manifest_path
 
     run = cfg.run_dir
     results: dict[str, Any] = {"run_dir": str(run.resolve())}

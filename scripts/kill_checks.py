@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3.stage import read_manifest
+from eagle3.run.stage import read_manifest
 from infra.locks import LOCK_FILE, read_holder
 from infra.storage import sha256_file
 

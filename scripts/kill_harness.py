@@ -3,9 +3,9 @@
     .venv/bin/python scripts/kill_harness.py                          # 1 trial, 21 kills, seed 0 (~8 min, 2 cores)
     .venv/bin/python scripts/kill_harness.py --trials 3 --kills 24 --seed 7 --workdir runs/kill
 
-No Prefect: each stage is its plain command (``python -m eagle3.stages merge|regenerate|tokenize|vocab``,
+No Prefect: each stage is its plain command (``python -m eagle3.run.stages merge|regenerate|tokenize|vocab``,
 ``python -m eagle3.features.capture``, ``python -m eagle3.train``, ``python -m eagle3.export``,
-``python -m eagle3.evaluate``), a child in its own process group. What it does:
+``python -m eagle3.evaluate.stage``), a child in its own process group. What it does:
 1. an uninterrupted reference run of the tiny preset (enlarged: more conversations, regeneration on the
    in-process target, small capture shards, a few hundred training steps), timing each stage, then
    running each stage once more to time its no-op (start-up, manifest check, exit);
@@ -71,16 +71,16 @@ class Stage:
 
     def argv(self, preset: str, overrides: list[str], run_dir: Path) -> list[str]:
         """The command that runs (or resumes, or skips) this stage."""
-        head = [sys.executable, "-m", self.module] + ([self.name] if self.module == "eagle3.stages" else [])
+        head = [sys.executable, "-m", self.module] + ([self.name] if self.module == "eagle3.run.stages" else [])
         if self.by_preset:
             return head + ["--preset", preset] + [a for o in overrides for a in ("--set", o)]
         return head + ["--config", str(run_dir / "config.json")]
 
 
-STAGES = [Stage("merge", "eagle3.stages", True), Stage("regenerate", "eagle3.stages", True),
-          Stage("tokenize", "eagle3.stages", True), Stage("vocab", "eagle3.stages", True),
+STAGES = [Stage("merge", "eagle3.run.stages", True), Stage("regenerate", "eagle3.run.stages", True),
+          Stage("tokenize", "eagle3.run.stages", True), Stage("vocab", "eagle3.run.stages", True),
           Stage("capture", "eagle3.features.capture", True), Stage("train", "eagle3.train", False),
-          Stage("export", "eagle3.export", False), Stage("evaluate", "eagle3.evaluate", False)]
+          Stage("export", "eagle3.export", False), Stage("evaluate", "eagle3.evaluate.stage", False)]
 
 
 class StageFailed(RuntimeError):

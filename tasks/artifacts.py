@@ -69,7 +69,7 @@ class ProgressArtifact:
         return self
 
     def callback(self, done: int, total: int, info: dict[str, Any]) -> None:
-        """eagle3.progress.ProgressFn: update the artifact with percent done and the rate."""
+        """eagle3.run.progress.ProgressFn: update the artifact with percent done and the rate."""
         now = time.monotonic()
         if now - self._last < self.min_interval_s and done < total:
             return

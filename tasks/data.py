@@ -1,4 +1,4 @@
-"""Prefect tasks for the data stages: thin wrappers over eagle3.stages.
+"""Prefect tasks for the data stages: thin wrappers over eagle3.run.stages.
 
 Each task's cache key is the stage key (input manifests + config section + format version +
 target fingerprint), never the task's source code. A cached result is only trusted while the
@@ -22,7 +22,7 @@ STAGE_CACHE = dict(persist_result=True, cache_result_in_memory=False)
 
 def _stage_cache_key(stage: str):
     def key_fn(ctx: TaskRunContext, params: dict[str, Any]) -> str:
-        from eagle3.stages import key_for
+        from eagle3.run.stages import key_for
 
         return f"eagle3-{stage}-{key_for(params['cfg'], stage)}"
 
@@ -30,7 +30,7 @@ def _stage_cache_key(stage: str):
 
 
 def _run(stage: str, cfg: RunConfig, force: bool) -> dict[str, Any]:
-    import eagle3.stages as stages
+    import eagle3.run.stages as stages
 
     with ProgressArtifact(artifact_key(cfg, stage), f"{stage} ({cfg.run.name})") as progress:
         outcome = getattr(stages, f"run_{stage}")(cfg, progress=progress.callback, force=force)
@@ -63,7 +63,7 @@ def regenerate_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
 @task(name="regenerate-slice", task_run_name="regenerate-{cfg.run.name}-slice{index}", tags=["inference"], **IO_RETRY)
 def regenerate_slice_task(cfg: RunConfig, index: int) -> dict[str, Any]:
     """Answer one slice of a sliced regeneration into its own journal (resumable by sample id)."""
-    from eagle3.stages import run_regenerate_slice
+    from eagle3.run.stages import run_regenerate_slice
 
     return run_regenerate_slice(cfg, index)
 
@@ -89,7 +89,7 @@ def vocab_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
 @task(name="target-check", task_run_name="target-check-{cfg.run.name}")
 def target_check_task(cfg: RunConfig) -> dict[str, Any]:
     """Prepare the target and publish the tokenizer sanity report (fails on an end-of-turn mismatch)."""
-    from eagle3.target import fingerprint, load_tokenizer, prepare_target, target_info, tokenizer_report
+    from eagle3.target.load import fingerprint, load_tokenizer, prepare_target, target_info, tokenizer_report
 
     model_dir = prepare_target(cfg)
     info = target_info(model_dir, cfg.target)

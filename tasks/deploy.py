@@ -1,6 +1,6 @@
 """Prefect tasks of the deploy flow: export, offline evaluation, one benchmark per SGLang server, the report.
 
-Export and evaluation are thin wrappers over ``eagle3.export`` and ``eagle3.evaluate`` (their stage
+Export and evaluation are thin wrappers over ``eagle3.export`` and ``eagle3.evaluate.stage`` (their stage
 manifests make a re-run a no-op). A benchmark task owns a live server: it checks the GPUs, launches
 the server (readiness = model_info, health_generate, server_info, then a checked greedy smoke
 generation; a speculative server must also report verify steps), benchmarks it and stops it in
@@ -33,7 +33,7 @@ def deploy_dir(cfg: RunConfig) -> Path:
 
 def draft_dir(cfg: RunConfig) -> Path:
     """The exported SGLang drafter (the folder the evaluate stage reads too)."""
-    from eagle3.evaluate import default_export_dir
+    from eagle3.evaluate.stage import default_export_dir
 
     return default_export_dir(cfg)
 
@@ -92,7 +92,7 @@ def export_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
 @task(name="evaluate", task_run_name="evaluate-{cfg.run.name}", tags=["gpu"])
 def evaluate_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
     """Offline speculative decoding with the target in PyTorch: acceptance and lossless check."""
-    from eagle3.evaluate import run_evaluate
+    from eagle3.evaluate.stage import run_evaluate
 
     with ProgressArtifact(artifact_key(cfg, "evaluate"), f"offline evaluation ({cfg.run.name})") as progress:
         return run_evaluate(cfg, progress=progress.callback, force=force).to_json()
@@ -104,7 +104,7 @@ def prepare_serving_task(cfg: RunConfig) -> dict[str, str]:
     check_draft(draft_dir(cfg))
     model_path = cfg.serve.model_path
     if model_path is None:
-        from eagle3.target import prepare_target
+        from eagle3.target.load import prepare_target
 
         model_path = str(prepare_target(cfg).resolve())
     return {"model_path": model_path, "draft_model_path": str(draft_dir(cfg).resolve())}

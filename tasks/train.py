@@ -115,7 +115,7 @@ def train_task(cfg: RunConfig) -> dict[str, Any]:
 
 def run_node(cfg: RunConfig, node_rank: int) -> None:
     """This node's torchrun to completion; node 0 mirrors train/progress.json (written by global rank 0)."""
-    from eagle3.stages import write_run_config
+    from eagle3.run.stages import write_run_config
     from infra.torchrun import run_torchrun
 
     logger = get_run_logger()
@@ -127,7 +127,7 @@ def run_node(cfg: RunConfig, node_rank: int) -> None:
 
 def train_summary(cfg: RunConfig) -> dict[str, Any]:
     """The manifest stats and the metrics report of a finished training."""
-    from eagle3.stage import read_manifest
+    from eagle3.run.stage import read_manifest
 
     manifest = read_manifest(cfg.run_dir / "train" / "train.manifest.json") or {}
     return {"manifest": manifest.get("stats", {}), **publish_train_report(cfg)}

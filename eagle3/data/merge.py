@@ -34,7 +34,7 @@ from eagle3.data.sources import (REJECT_REASONS, Conversation, Reject, SourceErr
                                  read_source)
 from eagle3.data.synthetic import read_synthetic
 from eagle3.data.textcheck import EVAL_NGRAM, EvalOverlap
-from eagle3.progress import Progress, ProgressFn
+from eagle3.run.progress import Progress, ProgressFn
 from infra.storage import atomic_open, atomic_path, atomic_write_json
 
 __all__ = ["MERGED_SCHEMA", "MergeError", "content_hash", "merge_sources", "read_merged", "split_for", "main"]
@@ -143,10 +143,10 @@ class _EvalCheck:
 
 
 def _eval_check(cfg: DataConfig) -> _EvalCheck | None:
-    """The index of every prompt of every evaluation dataset (eagle3.eval_data), built once; None when off."""
+    """The index of every prompt of every evaluation dataset (eagle3.evaluate.prompts), built once; None when off."""
     if not cfg.eval_overlap:
         return None
-    from eagle3.eval_data import DATASET_FILES, read_prompts
+    from eagle3.evaluate.prompts import DATASET_FILES, read_prompts
 
     prompts = {name: read_prompts(name) for name in DATASET_FILES}
     index = EvalOverlap(((p.id, p.text) for ps in prompts.values() for p in ps), cfg.eval_overlap_min_ngrams)
@@ -293,8 +293,8 @@ def read_merged(path: Path | str) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m eagle3.data.merge --preset NAME [--set ...] [--force]: the same as `python -m eagle3.stages merge`."""
-    from eagle3.stages import main as stages_main
+    """python -m eagle3.data.merge --preset NAME [--set ...] [--force]: the same as `python -m eagle3.run.stages merge`."""
+    from eagle3.run.stages import main as stages_main
 
     stages_main(["merge", *(sys.argv[1:] if argv is None else argv)])
 

@@ -62,8 +62,8 @@ from eagle3.data.chat_backends import (  # noqa: F401 - re-exported: the backend
     make_backend,
     parse_chat_response,
 )
-from eagle3.journal import Journal
-from eagle3.progress import Progress, ProgressFn
+from eagle3.run.journal import Journal
+from eagle3.run.progress import Progress, ProgressFn
 from infra.storage import atomic_path, atomic_write_text, sha256_json
 
 REGENERATED_NAME = "regenerated.parquet"

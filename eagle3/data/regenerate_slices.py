@@ -2,7 +2,7 @@
 
 The parent reads what is left to regenerate (``pending_work``: rows without a reusable record in the journal,
 after folding in the slice journals of any sliced run that stopped), splits those conversations into N disjoint
-slices of about equal characters (eagle3.slices.split_balanced) and writes them to ``regenerate.slices.json``.
+slices of about equal characters (eagle3.run.slices.split_balanced) and writes them to ``regenerate.slices.json``.
 Each slice run (``regenerate_slice``, on its own host, with its own backend) answers the conversations of its
 slice into its own journal, ``regenerate.journal.slice-K.jsonl``: one writer per file, so concurrent hosts on a
 shared filesystem never append to the same file. A slice run started again skips what its journal already has.
@@ -42,9 +42,9 @@ from eagle3.data.regenerate import (
     slice_journal_path,
     slice_journals,
 )
-from eagle3.journal import Journal
-from eagle3.progress import Progress, ProgressFn
-from eagle3.slices import split_balanced
+from eagle3.run.journal import Journal
+from eagle3.run.progress import Progress, ProgressFn
+from eagle3.run.slices import split_balanced
 from infra.storage import atomic_write_json
 
 SLICES_NAME = "regenerate.slices.json"

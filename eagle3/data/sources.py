@@ -23,7 +23,7 @@ from eagle3.config import SourceConfig
 from eagle3.data.containers import TextEncoding, detect_encoding, first_content_char, iter_array, iter_lines
 from eagle3.data.containers import record_format as _record_format
 from eagle3.data.rejects import REJECT_REASONS, Reject, SourceError
-from eagle3.paths import resolve_path
+from eagle3.run.paths import resolve_path
 
 __all__ = ["REJECT_REASONS", "Conversation", "Reject", "SourceError", "SourceStream", "content_hash", "make_row_id",
            "normalize_records", "read_source", "source_path"]

@@ -13,7 +13,7 @@ seeded with a hash of (synthetic.seed, batch number), so the same seed, target a
 records, also when a run is resumed. Each record keeps that seed and its generation settings.
 
 Resumability: every finished batch is appended to ``<name>.journal.jsonl`` (one fsynced line per record,
-eagle3.journal); a re-run redoes only batches without a journal record under the current settings. The
+eagle3.run.journal); a re-run redoes only batches without a journal record under the current settings. The
 stage then writes every record, in index order, to ``data/synthetic/<name>.jsonl`` (atomically), rejects
 included: the merge decides, with reasons, which become rows (eagle3.data.synthetic).
 """
@@ -31,8 +31,8 @@ from typing import Any
 from eagle3.config import RegenerateConfig, SourceConfig, SyntheticConfig
 from eagle3.data.chat_backends import CompletionError, HFGenerateBackend
 from eagle3.data.synthetic import synthetic_path
-from eagle3.journal import Journal
-from eagle3.progress import Progress, ProgressFn
+from eagle3.run.journal import Journal
+from eagle3.run.progress import Progress, ProgressFn
 from infra.storage import atomic_write_text, sha256_json
 
 PROBE = "\u2063synthetic-user-turn\u2063"

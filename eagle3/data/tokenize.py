@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle3.config import TokenizeConfig
-from eagle3.progress import Progress, ProgressFn
+from eagle3.run.progress import Progress, ProgressFn
 from infra.storage import atomic_path, atomic_write_text
 
 Message = dict[str, str]

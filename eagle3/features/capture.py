@@ -39,8 +39,8 @@ from eagle3.features.shards import (
 )
 from eagle3.features.spec import CaptureBackend, FeatureSpec, SampleTokens
 from eagle3.features.writers import WriteOptions, WriteStats, capture_and_write
-from eagle3.progress import Progress, ProgressFn
-from eagle3.stage import StageOutcome, manifest_matches, read_manifest, stage_key, write_manifest
+from eagle3.run.progress import Progress, ProgressFn
+from eagle3.run.stage import StageOutcome, manifest_matches, read_manifest, stage_key, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +64,11 @@ def features_dir(cfg: RunConfig) -> Path:
 
 def _tokenized(cfg: RunConfig) -> tuple[Path, Path]:
     """(tokenized.parquet, its manifest); FileNotFoundError with the command to run when missing."""
-    from eagle3.stages import data_dir, manifest_path
+    from eagle3.run.stages import data_dir, manifest_path
 
     manifest = manifest_path(cfg, "tokenize")
     if not manifest.is_file():
-        raise FileNotFoundError(f"{manifest} not found: tokenize first (python -m eagle3.stages all, same config)")
+        raise FileNotFoundError(f"{manifest} not found: tokenize first (python -m eagle3.run.stages all, same config)")
     return data_dir(cfg) / "tokenized.parquet", manifest
 
 
@@ -78,7 +78,7 @@ def _tokenized_key(manifest: Path) -> str:
 
 def build_spec(cfg: RunConfig, model_dir: Path) -> FeatureSpec:
     """The FeatureSpec this run's capture produces (target shape, aux ids, supervision, dtypes, template)."""
-    from eagle3.target import fingerprint, load_tokenizer, target_info
+    from eagle3.target.load import fingerprint, load_tokenizer, target_info
     from infra.storage import sha256_text
 
     info = target_info(model_dir, cfg.target)
@@ -155,7 +155,7 @@ def prepare_capture(cfg: RunConfig, spec: FeatureSpec | None = None) -> CaptureP
     """Write spec.json and plan.json, drop stale shards, check the disk; returns the plan with pending shards.
 
     ``spec``: the run's FeatureSpec when the caller has built it already (it loads the tokenizer)."""
-    from eagle3.target import prepare_target
+    from eagle3.target.load import prepare_target
 
     tokenized, manifest = _tokenized(cfg)
     fdir = features_dir(cfg)
@@ -238,7 +238,7 @@ def capture_shard(cfg: RunConfig, shard_index: int, backend: CaptureBackend | No
     start = time.perf_counter()
     own = backend is None
     if own:
-        from eagle3.target import prepare_target
+        from eagle3.target.load import prepare_target
 
         backend = make_backend(cfg, prepare_target(cfg), spec)
     try:
@@ -301,7 +301,7 @@ def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec,
 
     Returns this run's figures: shards and tokens captured, wall time (model load included), tokens/s, and how
     long the forwards waited for the writers."""
-    from eagle3.target import prepare_target
+    from eagle3.target.load import prepare_target
 
     fdir, (tokenized, _) = features_dir(cfg), _tokenized(cfg)
     todo = set(plan.pending or ())
@@ -336,7 +336,7 @@ def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec,
 
 def run_capture(cfg: RunConfig, progress: ProgressFn | None = None) -> StageOutcome:
     """Prepare, capture every missing shard, finalize; a no-op when the manifest matches and shards are intact."""
-    from eagle3.target import prepare_target
+    from eagle3.target.load import prepare_target
 
     fdir = features_dir(cfg)
     manifest = fdir / MANIFEST_FILE
@@ -356,8 +356,8 @@ def run_capture(cfg: RunConfig, progress: ProgressFn | None = None) -> StageOutc
 
 def main(argv: list[str] | None = None) -> None:
     """python -m eagle3.features.capture --preset NAME [--set k=v ...]: capture every missing shard."""
-    from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
-    from eagle3.stages import write_run_config
+    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
+    from eagle3.run.stages import write_run_config
     from infra.storage import run_lock
 
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))

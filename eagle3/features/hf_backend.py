@@ -92,7 +92,7 @@ def load_model(model_dir: Path, dtype: str, device: str, device_map: str | None 
 
 def get_model(model_dir: Path, dtype: str = "float32", device: str = "cpu", device_map: str | None = None) -> Any:
     """The target model, loaded once per process for (fingerprint, dtype, device, device_map)."""
-    from eagle3.target import fingerprint
+    from eagle3.target.load import fingerprint
 
     device = resolve_device(device)
     key = (fingerprint(Path(model_dir)), dtype, device, device_map)

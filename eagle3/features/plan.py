@@ -20,7 +20,7 @@ from typing import Any
 
 from eagle3.features.shards import shard_file_bytes
 from eagle3.features.spec import FeatureSpec
-from eagle3.slices import split_balanced
+from eagle3.run.slices import split_balanced
 from infra.storage import atomic_write_json, check_free_space
 
 PLAN_FILE = "plan.json"
@@ -111,7 +111,7 @@ def plan_shards(sample_ids: Sequence[str], num_tokens: Sequence[int], tokens_per
 def split_slices(shards: Sequence[ShardPlan], pending: Sequence[int], num_slices: int) -> list[list[int]]:
     """Split the pending shard indices into at most ``num_slices`` disjoint lists of about equal tokens.
 
-    Largest shard first onto the slice with the fewest tokens so far (eagle3.slices.split_balanced), so no slice
+    Largest shard first onto the slice with the fewest tokens so far (eagle3.run.slices.split_balanced), so no slice
     exceeds an even split by more than one shard; each list is in shard order, empty slices are dropped."""
     tokens = {s.index: s.num_tokens for s in shards}
     unknown = sorted(set(pending) - set(tokens))

@@ -44,7 +44,7 @@ class FeatureSpec(BaseModel):
     target_name: str
     """Target slug (config target.name)."""
     target_fingerprint: str
-    """eagle3.target.fingerprint of the target the states came from."""
+    """eagle3.target.load.fingerprint of the target the states came from."""
     hidden_size: int
     """Target hidden size H."""
     num_layers: int

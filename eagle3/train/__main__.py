@@ -48,7 +48,7 @@ def _stop_with_launcher() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the config arguments and run the train stage."""
-    from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
+    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
 
     parser = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--stop-after-steps", type=int, default=None, metavar="N",

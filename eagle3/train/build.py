@@ -24,9 +24,9 @@ from torch import Tensor, nn
 
 from eagle3.config import RunConfig
 from eagle3.features.spec import FeatureSpec
-from eagle3.model import DrafterDims, Eagle3Drafter, init_weights, load_target_weights
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights, load_target_weights
 from eagle3.train.data import EpochPlan, plan_epoch, read_split
-from eagle3.ttt import StepOptions, TTTObjective, load_target_lm_head
+from eagle3.drafter.ttt import StepOptions, TTTObjective, load_target_lm_head
 
 log = logging.getLogger("eagle3.train")
 
@@ -59,8 +59,8 @@ def read_inputs(cfg: RunConfig, model_dir: Path) -> RunInputs:
     Online (``train.features: online``) the spec is the one capture would write for this config; it is saved
     as features/spec.json (no shards) so export and evaluation know what the drafter was trained on.
     """
-    from eagle3.target import fingerprint, target_info
-    from eagle3.vocab import load_vocab_map
+    from eagle3.target.load import fingerprint, target_info
+    from eagle3.data.vocab import load_vocab_map
 
     run_dir = cfg.run_dir
     if cfg.train.features == "online":
@@ -91,8 +91,8 @@ def stage_key_for(cfg: RunConfig, inputs: RunInputs) -> str:
     supervision, storage dtypes) and the target dtype do: the features are computed from exactly those.
     """
     from eagle3.features.shards import spec_hash
-    from eagle3.stage import stage_key
-    from eagle3.stages import manifest_path
+    from eagle3.run.stage import stage_key
+    from eagle3.run.stages import manifest_path
 
     conf = {"drafter": cfg.drafter.model_dump(mode="json"), "seed": cfg.run.seed,
             "train": {k: v for k, v in cfg.train.model_dump(mode="json").items() if k not in OPERATIONAL_KNOBS}}
@@ -248,7 +248,7 @@ def total_steps_for(cfg: RunConfig, plan: DataPlan) -> int:
 
 def unigram_token(inputs: RunInputs) -> tuple[int, float]:
     """(most frequent supervised train token, its share of supervised train tokens): the unigram baseline."""
-    from eagle3.vocab import count_train_tokens
+    from eagle3.data.vocab import count_train_tokens
 
     counts, _ = count_train_tokens(inputs.tokenized, len(inputs.t2d))
     top = int(counts.argmax())

@@ -18,7 +18,7 @@ list), saved in checkpoints.
 
 A row holds its documents back to back, then padding that forms a document of its own (loss_mask 0):
 document_ids count 0, 1, ... per row and positions restart at 0 in each document, so no attention,
-shift or loss crosses a document end (eagle3.masks).
+shift or loss crosses a document end (eagle3.drafter.masks).
 
 Shape letters: T tokens per row (max_tokens), A*Ht aux width, Ht target hidden, K top-K.
 """
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from eagle3.features.shards import ShardReader
-from eagle3.ttt import PAD_TOKEN, TTTBatch
+from eagle3.drafter.ttt import PAD_TOKEN, TTTBatch
 
 OPEN_ROWS = 16
 """Rows kept open for first-fit packing; older rows are closed (bounded work per sample)."""

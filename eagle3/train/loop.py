@@ -44,8 +44,8 @@ from eagle3.train.dist import (DistInfo, all_reduce_sum, autocast, barrier, broa
 from eagle3.train.online import OnlineFeatures, TokenReader
 from eagle3.train.metrics import (MetricsWriter, ProgressWriter, drafter_row_flops, format_step_line, mfu,
                                   peak_flops)
-from eagle3.model import trainable_parameters
-from eagle3.ttt import StepOptions, TTTBatch, TTTObjective, align_step, align_steps, metrics_from_counts
+from eagle3.drafter.model import trainable_parameters
+from eagle3.drafter.ttt import StepOptions, TTTBatch, TTTObjective, align_step, align_steps, metrics_from_counts
 
 log = logging.getLogger("eagle3.train")
 
@@ -424,7 +424,7 @@ def train(cfg: RunConfig, stop_after_steps: int | None = None) -> TrainResult:
 @contextlib.contextmanager
 def _run_locked(cfg: RunConfig, info: DistInfo) -> Iterator[None]:
     """Rank 0 holds the run lock; every rank fails with the holder's name when it is taken."""
-    from eagle3.stages import write_run_config
+    from eagle3.run.stages import write_run_config
     from infra.storage import LockHeldError, run_lock
 
     with contextlib.ExitStack() as stack:
@@ -443,7 +443,7 @@ def _run_locked(cfg: RunConfig, info: DistInfo) -> Iterator[None]:
 
 def _prepare_target(cfg: RunConfig, info: DistInfo) -> Path:
     """The target directory; rank 0 first, since it may build or convert it into the cache."""
-    from eagle3.target import prepare_target
+    from eagle3.target.load import prepare_target
 
     model_dir = prepare_target(cfg) if info.is_main else None
     barrier(info)
@@ -451,7 +451,7 @@ def _prepare_target(cfg: RunConfig, info: DistInfo) -> Path:
 
 
 def _train(cfg: RunConfig, info: DistInfo, stop_after_steps: int | None) -> TrainResult:
-    from eagle3.stage import manifest_matches
+    from eagle3.run.stage import manifest_matches
 
     inputs = read_inputs(cfg, _prepare_target(cfg, info))
     if cfg.train.features == "online" and info.is_main:
@@ -480,7 +480,7 @@ def _train(cfg: RunConfig, info: DistInfo, stop_after_steps: int | None) -> Trai
 
 def _finish(tr: Trainer, result: TrainResult) -> None:
     """train.manifest.json (rank 0) naming the final and the best checkpoint and their metrics; progress 'done'."""
-    from eagle3.stage import write_manifest
+    from eagle3.run.stage import write_manifest
     from eagle3.train.checkpoint import CONFIG_FILE, INFO_FILE, MODEL_FILE
 
     if tr.dist.is_main:

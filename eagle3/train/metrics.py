@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from eagle3.model import DrafterDims
+from eagle3.drafter.model import DrafterDims
 from infra.storage import atomic_write_json
 
 log = logging.getLogger("eagle3.train")

@@ -12,7 +12,7 @@ import flows.capture as capture_flow
 import flows.common as common
 from eagle3.config import load_config
 from eagle3.features.capture import capture_shard
-from eagle3.stages import run_all
+from eagle3.run.stages import run_all
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from prefect.settings import PREFECT_API_URL
 
 from deployments.setup import setup
 from eagle3.config import load_config
-from eagle3.stages import run_all
+from eagle3.run.stages import run_all
 from flows.capture import eagle3_capture
 from flows.follow import deploy
 from flows.local_server import LocalServer

@@ -11,7 +11,7 @@ import pytest
 import flows.common as common
 import flows.regenerate as regenerate_flow
 from eagle3.config import load_config
-from eagle3.stages import is_complete, run_merge, run_regenerate, run_regenerate_slice
+from eagle3.run.stages import is_complete, run_merge, run_regenerate, run_regenerate_slice
 from flows.pipeline import eagle3_pipeline
 from tests.fakes.openai_server import FakeOpenAIServer
 

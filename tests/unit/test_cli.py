@@ -15,7 +15,7 @@ def _run(*args: str, cwd=None) -> subprocess.CompletedProcess:
 
 def test_missing_source_file_is_one_clear_error(tmp_path):
     """A source path that does not exist names the source and the path; exit code 2; no traceback."""
-    proc = _run("eagle3.stages", "merge", "--preset", "tiny", "--set", f"run.workdir={tmp_path}",
+    proc = _run("eagle3.run.stages", "merge", "--preset", "tiny", "--set", f"run.workdir={tmp_path}",
                 "--set", "data.sources.0.path=/nonexistent/chats.jsonl")
     assert proc.returncode == 2, proc.stderr
     assert "tiny-chats" in proc.stderr and "/nonexistent/chats.jsonl" in proc.stderr
@@ -26,22 +26,22 @@ def test_unknown_preset_field_is_one_clear_error(tmp_path):
     """A preset with an unknown field fails before any work, naming the field."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  sourcez: []\n")
-    proc = _run("eagle3.stages", "all", "--preset", str(bad))
+    proc = _run("eagle3.run.stages", "all", "--preset", str(bad))
     assert proc.returncode == 2
     assert "data.sourcez" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_directory_given_as_source_is_one_clear_error(tmp_path):
     """A directory where a file is expected is reported as such."""
-    proc = _run("eagle3.stages", "merge", "--preset", "tiny", "--set", f"run.workdir={tmp_path}",
+    proc = _run("eagle3.run.stages", "merge", "--preset", "tiny", "--set", f"run.workdir={tmp_path}",
                 "--set", f"data.sources.0.path={tmp_path}")
     assert proc.returncode == 2 and "director" in proc.stderr.lower() and "Traceback" not in proc.stderr
 
 
 @pytest.mark.timeout(600)
 def test_stage_all_runs_without_prefect_and_skips_on_rerun(tmp_path):
-    """`python -m eagle3.stages all` on the tiny preset writes every output; a rerun computes nothing."""
-    args = ("eagle3.stages", "all", "--preset", "tiny", "--set", f"run.workdir={tmp_path}")
+    """`python -m eagle3.run.stages all` on the tiny preset writes every output; a rerun computes nothing."""
+    args = ("eagle3.run.stages", "all", "--preset", "tiny", "--set", f"run.workdir={tmp_path}")
     first = _run(*args)
     assert first.returncode == 0, first.stderr
     second = _run(*args)
@@ -77,8 +77,8 @@ def test_help_lists_every_subcommand_with_an_example():
 
 
 def _stage_main(capsys, *args: str) -> str:
-    """Run `python -m eagle3.stages ARGS` in this process; its exit code must be 2; returns stderr."""
-    from eagle3.stages import main
+    """Run `python -m eagle3.run.stages ARGS` in this process; its exit code must be 2; returns stderr."""
+    from eagle3.run.stages import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(list(args))

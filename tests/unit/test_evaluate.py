@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from eagle3.config import ConfigError, EvaluateConfig, load_config
-from eagle3.eval_data import EvalPrompt, load_prompts, read_prompts, render
-from eagle3.eval_report import position_acceptance, report_markdown, summarize, summarize_all
-from eagle3.evaluate import (JOURNAL_NAME, EvalJob, evaluate_prompts, interleaved, key_for, method_specs, run_evaluate,
+from eagle3.evaluate.prompts import EvalPrompt, load_prompts, read_prompts, render
+from eagle3.evaluate.report import position_acceptance, report_markdown, summarize, summarize_all
+from eagle3.evaluate.stage import (JOURNAL_NAME, EvalJob, evaluate_prompts, interleaved, key_for, method_specs, run_evaluate,
                              write_partial_report)
 from eagle3.export import export_sglang
-from eagle3.journal import Journal
-from eagle3.model import DrafterDims, Eagle3Drafter, export_state_dict, init_weights
-from eagle3.target import prepare_target, target_info
-from eagle3.tiny import build_tiny_tokenizer
-from eagle3.vocab import maps_from_used
+from eagle3.run.journal import Journal
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter, export_state_dict, init_weights
+from eagle3.target.load import prepare_target, target_info
+from eagle3.target.tiny import build_tiny_tokenizer
+from eagle3.data.vocab import maps_from_used
 
 # ------------------------------------------------------------------------------------------------ datasets
 
@@ -205,7 +205,7 @@ def test_static_cache_session_gives_the_eager_records(tiny_run):
 def test_killed_evaluation_resumes_from_its_journal(tiny_run, tmp_path, monkeypatch):
     """Prompts journaled under the same key are not measured again and give the uninterrupted records; another
     key (other settings) measures everything afresh."""
-    import eagle3.evaluate as evaluate_module
+    import eagle3.evaluate.stage as evaluate_module
 
     cfg, model_dir, export_dir = tiny_run
     e = cfg.evaluate.model_copy(update={"methods": ["chain"], "max_new_tokens": 8})
@@ -268,7 +268,7 @@ def test_drafter_shift_benchmark_reproduces_the_decodes_position1_acceptance(tin
     others (it always proposes the tiny target's most frequent greedy token)."""
     import runpy
 
-    from eagle3.stages import write_run_config
+    from eagle3.run.stages import write_run_config
 
     cfg, model_dir, export_dir = tiny_run
     run_evaluate(cfg, export_dir=export_dir)

@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from eagle3.export import (ExportError, aux_id_warnings, check_sglang_export, check_speculators_export,
                            export_sglang, export_speculators, load_sglang_export, ours_from_speculators,
                            sglang_aux_ids, sglang_config, speculators_aux_ids)
-from eagle3.masks import shift_left, single_document_ids
-from eagle3.model import DrafterDims, Eagle3Drafter, Llama3RopeScaling, TTTCache, export_state_dict, init_weights
-from eagle3.target import default_aux_layer_ids
+from eagle3.drafter.masks import shift_left, single_document_ids
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter, Llama3RopeScaling, TTTCache, export_state_dict, init_weights
+from eagle3.target.load import default_aux_layer_ids
 
 AUX = [1, 3, 4]  # output-of-layer ids of an 8-layer target: [1, N//2-1, N-4]
 NUM_TARGET_LAYERS = 8

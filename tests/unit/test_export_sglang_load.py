@@ -177,7 +177,7 @@ def misname_hidden_norm(export_dir: Path, broken: Path) -> Path:
 def loaded(tmp_path_factory):
     """SGLang's parameters after loading a clean fp32 export and a misnamed copy; our drafter, dims, the dirs."""
     from eagle3.export import export_sglang
-    from eagle3.model import export_state_dict
+    from eagle3.drafter.model import export_state_dict
     from tests.unit.test_export import AUX, random_drafter, tiny_dims, vocab_maps, write_target
 
     tmp = tmp_path_factory.mktemp("sglang")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from eagle3.export import export_speculators
-from eagle3.model import export_state_dict
+from eagle3.drafter.model import export_state_dict
 from tests.unit.test_export import (AUX, random_drafter, tiny_dims, ttt_inputs, ttt_logits, vocab_maps,
                                     write_target)
 

@@ -22,7 +22,7 @@ from eagle3.features.capture import (
 from eagle3.features.hf_backend import HFCaptureBackend, get_model, plan_batches
 from eagle3.features.shards import ShardReader
 from eagle3.features.spec import SampleTokens
-from eagle3.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_target
+from eagle3.target.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_target
 from infra.storage import DiskSpaceError
 
 NUM_LAYERS = 8
@@ -152,7 +152,7 @@ def test_get_model_is_cached_per_target(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_base(tmp_path_factory) -> Path:
     """Tokenized tiny data (built once) plus the tiny target cache."""
-    from eagle3.stages import run_all
+    from eagle3.run.stages import run_all
 
     root = tmp_path_factory.mktemp("tiny-base")
     run_all(load_config("tiny", [f"run.workdir={root}", f"target.cache_dir={root / '_targets'}"]))
@@ -243,7 +243,7 @@ def test_per_sample_attention_knob_reaches_the_backend_and_keeps_the_key(tiny_ba
     """capture.per_sample_attention=false gives a padded-attention backend; the capture key does not change
     (like the batch size, it moves results by rounding only)."""
     from eagle3.features.capture import build_spec, capture_key, make_backend
-    from eagle3.target import prepare_target
+    from eagle3.target.load import prepare_target
 
     on, off = tiny_run(tiny_base, tmp_path), load_config("tiny", [f"run.workdir={tmp_path}",
                                                                    f"target.cache_dir={tiny_base / '_targets'}",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import eagle3.progress as progress_module
-from eagle3.progress import Progress
+import eagle3.run.progress as progress_module
+from eagle3.run.progress import Progress
 
 
 def test_lines_every_interval_and_at_the_end_when_no_bar_and_no_callback(monkeypatch, capsys):

@@ -22,7 +22,7 @@ from eagle3.data.regenerate import (
     plan_turns,
     regenerate,
 )
-from eagle3.journal import Journal
+from eagle3.run.journal import Journal
 from tests.fakes.openai_server import FakeOpenAIServer, fake_answer
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
@@ -287,7 +287,7 @@ def test_make_backend_hf_requires_model():
 
 @pytest.fixture(scope="module")
 def tiny_target():
-    tiny = pytest.importorskip("eagle3.tiny")
+    tiny = pytest.importorskip("eagle3.target.tiny")
     from eagle3.config import TinyTargetConfig
 
     tokenizer = tiny.build_tiny_tokenizer(chat_template="chatml")

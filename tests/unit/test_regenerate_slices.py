@@ -31,7 +31,7 @@ from eagle3.data.regenerate_slices import (
     regenerate_slice,
     regenerate_sliced,
 )
-from eagle3.slices import split_balanced
+from eagle3.run.slices import split_balanced
 from tests.fakes.openai_server import fake_answer
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])

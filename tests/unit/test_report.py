@@ -14,7 +14,7 @@ from tasks.artifacts import MAX_TABLE_COLUMNS, narrow_tables
 @pytest.fixture(scope="module")
 def data_only_run(tmp_path_factory):
     """The tiny preset's data stages, run without Prefect (what a `--until vocab` run leaves on disk)."""
-    from eagle3.stages import run_all
+    from eagle3.run.stages import run_all
 
     cfg = load_config("tiny", [f"run.workdir={tmp_path_factory.mktemp('report')}"])
     run_all(cfg)

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from eagle3.config import TinyTargetConfig
-from eagle3.masks import shift_left
-from eagle3.model import DrafterDims, Eagle3Drafter, TTTCache, init_weights
-from eagle3.runners import DrafterRunner, TargetRunner
-from eagle3.speculate import (DecodeResult, DraftTree, EagleProposer, NgramProposer, accept_path, check_lossless,
+from eagle3.drafter.masks import shift_left
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter, TTTCache, init_weights
+from eagle3.evaluate.runners import DrafterRunner, TargetRunner
+from eagle3.evaluate.speculate import (DecodeResult, DraftTree, EagleProposer, NgramProposer, accept_path, check_lossless,
                               greedy_decode, rounding_step, speculative_decode, teacher_forced_drafts, verify)
-from eagle3.tiny import build_tiny_model, build_tiny_tokenizer
+from eagle3.target.tiny import build_tiny_model, build_tiny_tokenizer
 
 AUX_IDS = [1, 3, 4]  # the default [1, N//2-1, N-4] of the 8-layer tiny target
 MAX_NEW = 33  # 1 token from the prefill + 8 verify steps of 4 (chain of 3) or of 5 (depth 4: not a multiple)

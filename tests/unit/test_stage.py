@@ -1,4 +1,4 @@
-"""eagle3.stage: manifests written last, keys from inputs, skipping only what is really complete."""
+"""eagle3.run.stage: manifests written last, keys from inputs, skipping only what is really complete."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle3.stage import manifest_matches, run_stage, stage_key
+from eagle3.run.stage import manifest_matches, run_stage, stage_key
 
 
 def _writer(tmp_path, calls: list[int], payload: bytes = b"rows"):
@@ -78,7 +78,7 @@ def test_key_depends_on_config_inputs_and_version(tmp_path):
 
 def test_missing_upstream_is_a_clear_error(tmp_path):
     """Keying a stage whose input stage never completed names the missing stage."""
-    from eagle3.stage import MissingInputError
+    from eagle3.run.stage import MissingInputError
 
     with pytest.raises(MissingInputError, match="needs merge to be complete first"):
         stage_key("tokenize", {}, [tmp_path / "merge.manifest.json"])

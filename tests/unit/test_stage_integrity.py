@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from eagle3.config import RunConfig, load_config
-from eagle3.stage import CorruptOutputError, manifest_matches, run_stage
-from eagle3.stages import data_dir, is_complete, run_all, run_merge, run_tokenize, run_vocab
+from eagle3.run.stage import CorruptOutputError, manifest_matches, run_stage
+from eagle3.run.stages import data_dir, is_complete, run_all, run_merge, run_tokenize, run_vocab
 from infra.storage import forget_hashes, sha256_file, temp_path_for
 
 

@@ -29,7 +29,7 @@ def _source(name: str = "syn", **syn: Any) -> SourceConfig:
 @pytest.fixture(scope="module")
 def tiny():
     """A tiny ChatML target whose generation also stops on a third of the vocab (so some turns end)."""
-    from eagle3 import tiny as tiny_mod
+    from eagle3.target import tiny as tiny_mod
 
     tok = tiny_mod.build_tiny_tokenizer(chat_template="chatml")
     model = tiny_mod.build_tiny_model(tok, TinyTargetConfig(), seed=0).eval()
@@ -47,7 +47,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 def test_user_turn_prefix_is_what_the_template_writes_before_user_content():
     """ChatML ends the prefix with '<|im_start|>user\\n' (after its default system prompt); Llama 3 with its header."""
-    from eagle3 import tiny as tiny_mod
+    from eagle3.target import tiny as tiny_mod
 
     chatml = user_turn_prefix(tiny_mod.build_tiny_tokenizer(chat_template="chatml"))
     assert chatml.startswith("<|im_start|>system\n") and chatml.endswith("<|im_end|>\n<|im_start|>user\n")
@@ -222,7 +222,7 @@ def _chat(i: int, user: str) -> dict[str, Any]:
 
 def test_merge_rejects_an_edited_copy_of_an_mtbench_question_and_keeps_normal_records(tmp_path):
     """A lightly edited MT-Bench question is rejected as eval_overlap (counted by dataset); others are kept."""
-    from eagle3.eval_data import read_prompts
+    from eagle3.evaluate.prompts import read_prompts
 
     assert read_prompts("mtbench", 1)[0].text == MTBENCH_81  # the first MT-Bench question, as the test assumes
     edited = ("Please compose an engaging travel-blog post about a recent trip to HAWAII highlighting the "
@@ -268,7 +268,7 @@ def test_filter_reasons_are_all_exercised():
 
 def test_stages_synthesize_then_merge_regenerate_and_tokenize_on_the_tiny_target(tmp_path):
     """synthesize -> merge -> regenerate (synthetic rows kept as they are) -> tokenize run; a re-run skips all."""
-    from eagle3.stages import run_all
+    from eagle3.run.stages import run_all
 
     syn = "{count: 8, max_prompt_tokens: 8, max_answer_tokens: 8}"
     cfg = load_config("tiny", [f"run.workdir={tmp_path / 'runs'}", f"target.cache_dir={tmp_path / 'targets'}",

@@ -1,4 +1,4 @@
-"""eagle3.target: target directories, shape facts, fingerprint, single-tensor reads, tokenizer report."""
+"""eagle3.target.load: target directories, shape facts, fingerprint, single-tensor reads, tokenizer report."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagle3.config import load_config
-from eagle3.target import (TokenizerMismatchError, default_aux_layer_ids, fingerprint, lm_head_name,
+from eagle3.target.load import (TokenizerMismatchError, default_aux_layer_ids, fingerprint, lm_head_name,
                            load_model, load_tokenizer, prepare_target, read_tensor, stop_token_ids, target_info,
                            tokenizer_report)
 
@@ -118,12 +118,12 @@ def test_killed_gguf_conversion_temp_dir_is_removed_by_the_next_conversion(tmp_p
     import subprocess
     import sys
 
-    import eagle3.target as target
+    import eagle3.target.load as target
 
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF fake bytes")  # the conversion itself is replaced below: only the folders matter
     cache = tmp_path / "cache"
-    code = ("import os, eagle3.target as t\n"
+    code = ("import os, eagle3.target.load as t\n"
             "def killed(src, out):\n    out.mkdir(parents=True); (out / 'model.safetensors').write_bytes(b'x' * 4096)\n"
             "    os.kill(os.getpid(), 9)\n"
             f"t._write_gguf_as_hf = killed\nt.convert_gguf(t.Path({str(gguf)!r}), t.Path({str(cache)!r}), 'm')\n")

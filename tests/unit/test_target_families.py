@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.config import RunConfig, load_config
-from eagle3.model import EMBED_TENSOR, DrafterDims
-from eagle3.target import lm_head_name, load_model, prepare_target, read_tensor, target_info
+from eagle3.drafter.model import EMBED_TENSOR, DrafterDims
+from eagle3.target.load import lm_head_name, load_model, prepare_target, read_tensor, target_info
 
 ARCHITECTURES = ("qwen3", "deepseek_v3")
 """Families run end to end here (the tiny Llama runs through every other stage test)."""
@@ -66,9 +66,9 @@ def run_training(cfg: RunConfig, mode: str) -> None:
                 ids=lambda p: "-".join(p))
 def family_run(request, tmp_path_factory) -> tuple[str, RunConfig]:
     """(architecture, config) of a tiny run taken through every stage without Prefect."""
-    from eagle3.evaluate import run_evaluate
+    from eagle3.evaluate.stage import run_evaluate
     from eagle3.export import run_export
-    from eagle3.stages import run_all
+    from eagle3.run.stages import run_all
 
     architecture, mode = request.param
     cfg = family_config(tmp_path_factory.mktemp(f"family-{architecture}-{mode}"), architecture, mode)
@@ -165,7 +165,7 @@ def test_per_sample_attention_keeps_mla_batch_invariant():
     from eagle3.config import TinyTargetConfig
     from eagle3.features.hf_backend import HFCaptureBackend
     from eagle3.features.spec import SampleTokens
-    from eagle3.tiny import build_tiny_model, build_tiny_tokenizer
+    from eagle3.target.tiny import build_tiny_model, build_tiny_tokenizer
 
     config = build_tiny_model(build_tiny_tokenizer(), TinyTargetConfig(architecture="deepseek_v3"), seed=0).config
     config.first_k_dense_replace = config.num_hidden_layers  # every layer dense

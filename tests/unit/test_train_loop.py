@@ -69,7 +69,7 @@ def test_run_writes_metrics_progress_and_manifest(uninterrupted):
 
 def test_eval_reports_metrics_and_the_unigram_baseline(uninterrupted):
     """Eval records (every 3 steps and at the end) hold acc_k, accept_len_est and the unigram accuracy."""
-    from eagle3.vocab import count_train_tokens
+    from eagle3.data.vocab import count_train_tokens
 
     cfg, _ = uninterrupted
     evals = read_metrics(cfg.run_dir / "train" / "metrics.jsonl", "eval")

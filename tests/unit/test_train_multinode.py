@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from eagle3.stages import write_run_config
+from eagle3.run.stages import write_run_config
 from eagle3.train.metrics import read_metrics
 from infra.torchrun import run_torchrun
 from tests.unit.test_train_helpers import load_run_config, real_tiny_run

@@ -47,7 +47,7 @@ def test_online_rows_hold_the_captured_features(tmp_path):
     from eagle3.train.data import RowLoader
     from eagle3.train.online import OnlineFeatures, TokenReader
 
-    from eagle3.target import prepare_target
+    from eagle3.target.load import prepare_target
 
     cfg = load_run_config(real_tiny_run(tmp_path / "runs", OVERRIDES))
     inputs = read_inputs(cfg, prepare_target(cfg))
@@ -121,8 +121,8 @@ def test_online_rows_equal_captured_rows_for_topk_and_fp8(tmp_path, capture):
     """Top-K supervision and fp8 aux: rows filled online equal the rows collated from a capture with those settings."""
     from eagle3.config import load_config
     from eagle3.features.capture import run_capture
-    from eagle3.stages import run_all
-    from eagle3.target import prepare_target
+    from eagle3.run.stages import run_all
+    from eagle3.target.load import prepare_target
     from eagle3.train.build import plan_data, read_inputs
     from eagle3.train.data import RowLoader
     from eagle3.train.online import OnlineFeatures, TokenReader

@@ -107,7 +107,7 @@ def test_resumed_run_selects_what_the_uninterrupted_run_selects(trained, tmp_pat
 def test_model_card_names_target_step_tokens_and_serve_commands(trained):
     """Each export folder's README.md names the target, the selected step, the token counts and both commands."""
     from eagle3.export import run_export
-    from eagle3.stages import manifest_path
+    from eagle3.run.stages import manifest_path
 
     run_export(trained)
     tokens = json.loads(manifest_path(trained, "tokenize").read_text())["stats"]["num_tokens"]
@@ -129,7 +129,7 @@ def test_model_card_names_target_step_tokens_and_serve_commands(trained):
 
 def test_evaluation_writes_its_table_into_the_cards_and_keeps_the_export_whole(trained):
     """After evaluate: the cards hold the measured table; export and evaluate are still up to date and checked."""
-    from eagle3.evaluate import run_evaluate
+    from eagle3.evaluate.stage import run_evaluate
     from eagle3.export import check_export, run_export
 
     run_export(trained)

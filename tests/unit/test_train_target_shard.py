@@ -40,7 +40,7 @@ def _documents(rank: int):
 
 def _tiny(tied: bool):
     from eagle3.config import TinyTargetConfig
-    from eagle3.tiny import build_tiny_model, build_tiny_tokenizer
+    from eagle3.target.tiny import build_tiny_model, build_tiny_tokenizer
 
     model = build_tiny_model(build_tiny_tokenizer(), TinyTargetConfig(num_hidden_layers=4), seed=0).eval()
     if tied:  # SmolLM2-style tied embeddings: the shared weight must land in the root's FSDP group once
@@ -167,7 +167,7 @@ def test_target_param_bytes_counts_the_loaded_parameters(tmp_path):
     """The meta-device count of auto's rule equals the parameter bytes of the loaded target, in the asked dtype."""
     from eagle3.config import TinyTargetConfig
     from eagle3.features.hf_backend import load_model
-    from eagle3.tiny import save_tiny_target
+    from eagle3.target.tiny import save_tiny_target
     from eagle3.train.target_shard import target_param_bytes
 
     model_dir = save_tiny_target(tmp_path / "tiny", TinyTargetConfig(num_hidden_layers=2), seed=0)

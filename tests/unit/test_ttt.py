@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.masks import positions_from_documents
-from eagle3.model import FLEX_AVAILABLE, DrafterDims, Eagle3Drafter, init_weights, trainable_parameters
-from eagle3.ttt import (PAD_TOKEN, ChunkedSoftCE, StepOptions, Supervision, TTTBatch, align_step, align_steps,
+from eagle3.drafter.masks import positions_from_documents
+from eagle3.drafter.model import FLEX_AVAILABLE, DrafterDims, Eagle3Drafter, init_weights, trainable_parameters
+from eagle3.drafter.ttt import (PAD_TOKEN, ChunkedSoftCE, StepOptions, Supervision, TTTBatch, align_step, align_steps,
                         metrics_from_counts, pad_probs, soft_ce_chunk, soft_ce_chunk_grad, step_soft_ce,
                         supervision_from_final, supervision_from_topk, ttt_loss)
 from tests.unit.ttt_reference import combined_loss, reference_ttt

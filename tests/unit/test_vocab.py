@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.data.tokenize import TOKENIZED_SCHEMA
-from eagle3.vocab import (
+from eagle3.data.vocab import (
     INFO_FILE,
     MAP_FILE,
     VocabMapError,

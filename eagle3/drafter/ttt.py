@@ -47,12 +47,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eagle3.masks import (positions_from_documents, same_document_ahead, shift_left, single_document_ids,
+from eagle3.drafter.masks import (positions_from_documents, same_document_ahead, shift_left, single_document_ids,
                           ttt_block_masks)
-from eagle3.model import (AttnImpl, Eagle3Drafter, TTTCache, attention_inputs, compiled_step_pieces,
+from eagle3.drafter.model import (AttnImpl, Eagle3Drafter, TTTCache, attention_inputs, compiled_step_pieces,
                           flex_attention_over, resolve_attn_impl, rope_cos_sin, rope_inv_freq_on, step_outputs,
                           step_weights, ttt_attention, upcast)
-from eagle3.target import lm_head_name, read_tensor, target_info
+from eagle3.target.load import lm_head_name, read_tensor, target_info
 
 TOKEN_SHIFT = 1
 """Step k at row index t reads token x_{t + TOKEN_SHIFT + k} and is scored against p_{t + TOKEN_SHIFT + k}."""

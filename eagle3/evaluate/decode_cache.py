@@ -1,6 +1,6 @@
 """Static KV caches and fixed-shape (compilable) forwards for the offline evaluation at batch 1.
 
-The eager runners (eagle3/runners.py) grow their caches at every forward and launch every kernel from Python;
+The eager runners (eagle3/evaluate/runners.py) grow their caches at every forward and launch every kernel from Python;
 at batch 1 a small target is then bound by kernel launches, not by the GPU. The runners here keep fixed-size
 caches and run every forward at one of a few widths (WIDTHS; fewer rows are padded, more are cut into chunks
 of CHUNK rows), so torch.compile (on CUDA with mode="reduce-overhead": CUDA graphs) replays one graph per width.
@@ -32,8 +32,8 @@ from torch import Tensor
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
-from eagle3.model import Eagle3Drafter, attention_inputs, rope_cos_sin, step_outputs, upcast
-from eagle3.runners import REFERENCE_TOPK, DrafterRunner, StepOut, TargetRunner, as_token_tensor
+from eagle3.drafter.model import Eagle3Drafter, attention_inputs, rope_cos_sin, step_outputs, upcast
+from eagle3.evaluate.runners import REFERENCE_TOPK, DrafterRunner, StepOut, TargetRunner, as_token_tensor
 
 CHUNK = 64
 """Rows per forward of a long input (a prompt): longer inputs run in chunks, the last one padded."""

@@ -13,7 +13,7 @@ parent's greedy choice is accepted; the greedy choice after the last accepted no
 Every committed token is thus the target's greedy token after the committed prefix: lossless. The cache
 then keeps x_0..x_{m-1} plus the root and accepted rows (a crop for a chain, an index select for a tree).
 
-EAGLE-3 at inference (the TTT alignment of eagle3/ttt.py). The drafter's cache holds, for every index
+EAGLE-3 at inference (the TTT alignment of eagle3/drafter/ttt.py). The drafter's cache holds, for every index
 t < m, the key/value of (feature fc(g_t), token x_{t+1}, position t), g_t being the target's aux states at
 t. Its output at t = m-1 (token x_m) predicts x_{m+1}, draft token 1. Draft step j >= 1 feeds its own
 previous pre-norm output with draft token j at position m-1+j (TTT step j at index m-1) and attends to
@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.model import Eagle3Drafter, upcast
-from eagle3.runners import REFERENCE_TOPK, DrafterRunner, TargetRunner
+from eagle3.drafter.model import Eagle3Drafter, upcast
+from eagle3.evaluate.runners import REFERENCE_TOPK, DrafterRunner, TargetRunner
 
 
 # ------------------------------------------------------------------------------------------ drafts, records
@@ -147,7 +147,7 @@ class EagleProposer:
     ``num_draft_tokens - 1`` by cumulative log-prob are verified (num_draft_tokens counts the root, as
     SGLang's --speculative-num-draft-tokens). A child never scores above its parent, so the kept set is
     a tree. ``steps`` is the depth; chain and tree run ``steps - 1`` drafter forwards per round.
-    ``runner`` replaces the eager DrafterRunner (a static-cache one of eagle3.decode_cache, possibly shared
+    ``runner`` replaces the eager DrafterRunner (a static-cache one of eagle3.evaluate.decode_cache, possibly shared
     by several proposers of one process: each round starts from its own observe).
     """
 

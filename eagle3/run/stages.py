@@ -1,12 +1,12 @@
 """The data stages as whole, skippable steps over a run directory (no Prefect here).
 
-Each ``run_*`` computes its stage key (eagle3.stage), returns at once when the manifest
+Each ``run_*`` computes its stage key (eagle3.run.stage), returns at once when the manifest
 matches, and otherwise computes the outputs and writes the manifest last. Prefect tasks and
-``python -m eagle3.stages`` call exactly these functions, so a run behaves the same with or
+``python -m eagle3.run.stages`` call exactly these functions, so a run behaves the same with or
 without an orchestrator.
 
-    python -m eagle3.stages all --preset tiny
-    python -m eagle3.stages tokenize --preset smollm2-demo --set tokenize.max_len=1024
+    python -m eagle3.run.stages all --preset tiny
+    python -m eagle3.run.stages tokenize --preset smollm2-demo --set tokenize.max_len=1024
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eagle3.config import RunConfig, SourceConfig, save_config, section_dict
-from eagle3.progress import ProgressFn
-from eagle3.stage import StageOutcome, run_stage, stage_key
+from eagle3.run.progress import ProgressFn
+from eagle3.run.stage import StageOutcome, run_stage, stage_key
 
 if TYPE_CHECKING:
     from eagle3.data.regenerate_slices import SliceRunner
@@ -44,7 +44,7 @@ def write_run_config(cfg: RunConfig) -> Path:
 
 
 def key_for(cfg: RunConfig, stage: str, fp: str | None = None) -> str:
-    """The stage key (eagle3.stage); Prefect's cache key for the stage's task is this same string.
+    """The stage key (eagle3.run.stage); Prefect's cache key for the stage's task is this same string.
 
     ``fp`` is the target fingerprint when the caller has it already (else it is computed here).
     """
@@ -72,7 +72,7 @@ def _generating(cfg: RunConfig, fp: str) -> str:
 
 def is_complete(cfg: RunConfig, stage: str) -> bool:
     """True when the stage's manifest matches its current inputs (a re-run would skip it)."""
-    from eagle3.stage import manifest_matches
+    from eagle3.run.stage import manifest_matches
 
     path = manifest_path(cfg, stage)
     return path.is_file() and manifest_matches(path, key_for(cfg, stage))
@@ -103,7 +103,7 @@ def run_synthesize(cfg: RunConfig, progress: ProgressFn | None = None, force: bo
 def _model_loader(cfg: RunConfig, model_dir: Path):
     """A function that loads the target and its tokenizer for in-process generation (regenerate.device)."""
     def load():
-        from eagle3.target import load_model, load_tokenizer
+        from eagle3.target.load import load_model, load_tokenizer
 
         return load_model(model_dir, cfg.target.dtype, cfg.regenerate.device), load_tokenizer(model_dir)
 
@@ -122,7 +122,7 @@ def run_merge(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = 
 
 def _source_stamps(cfg: RunConfig) -> list[dict]:
     """Name, size and mtime of each source file: a changed file changes the merge key."""
-    from eagle3.paths import resolve_path
+    from eagle3.run.paths import resolve_path
 
     stamps = []
     for src in cfg.data.sources:
@@ -141,7 +141,7 @@ def _conversations_manifest(cfg: RunConfig) -> Path:
 
 
 def _target(cfg: RunConfig) -> tuple[Path, str]:
-    from eagle3.target import fingerprint, prepare_target
+    from eagle3.target.load import fingerprint, prepare_target
 
     model_dir = prepare_target(cfg)
     return model_dir, fingerprint(model_dir)
@@ -193,7 +193,7 @@ def _chat_backend(cfg: RunConfig, model_dir: Path):
 def run_tokenize(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False) -> StageOutcome:
     """Render with the target's chat template and compute assistant loss masks."""
     from eagle3.data.tokenize import tokenize_dataset
-    from eagle3.target import load_tokenizer
+    from eagle3.target.load import load_tokenizer
 
     model_dir, fp = _target(cfg)
     key = key_for(cfg, "tokenize", fp)
@@ -204,8 +204,8 @@ def run_tokenize(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
 
 def run_vocab(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False) -> StageOutcome:
     """Build the draft vocab map from train-split assistant tokens."""
-    from eagle3.target import load_tokenizer, stop_token_ids, target_info
-    from eagle3.vocab import build_vocab_map
+    from eagle3.target.load import load_tokenizer, stop_token_ids, target_info
+    from eagle3.data.vocab import build_vocab_map
 
     model_dir, fp = _target(cfg)
     key = key_for(cfg, "vocab", fp)
@@ -223,7 +223,7 @@ def run_all(cfg: RunConfig, force: bool = False) -> list[StageOutcome]:
     """Every data stage in order (what the pipeline flow does, without Prefect)."""
     from infra.storage import run_lock
 
-    with run_lock(cfg.run_dir, owner="python -m eagle3.stages"):
+    with run_lock(cfg.run_dir, owner="python -m eagle3.run.stages"):
         write_run_config(cfg)
         outcomes = [run_synthesize(cfg, force=force), run_merge(cfg, force=force), run_regenerate(cfg, force=force),
                     run_tokenize(cfg, force=force), run_vocab(cfg, force=force)]
@@ -231,8 +231,8 @@ def run_all(cfg: RunConfig, force: bool = False) -> list[StageOutcome]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m eagle3.stages {synthesize,merge,regenerate,tokenize,vocab,all} --preset NAME [--set k=v ...]"""
-    from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
+    """python -m eagle3.run.stages {synthesize,merge,regenerate,tokenize,vocab,all} --preset NAME [--set k=v ...]"""
+    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
     from infra.storage import run_lock
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.stage == "all":
             outcomes = run_all(cfg, force=args.force)
         else:
-            with run_lock(cfg.run_dir, owner=f"python -m eagle3.stages {args.stage}"):
+            with run_lock(cfg.run_dir, owner=f"python -m eagle3.run.stages {args.stage}"):
                 write_run_config(cfg)
                 outcomes = [globals()[f"run_{args.stage}"](cfg, force=args.force)]
         for outcome in outcomes:

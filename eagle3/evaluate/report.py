@@ -1,5 +1,5 @@
 """The evaluation's summaries and outputs: per-method rows from the measured records, the markdown report, the
-per-position plot and the files of <run>/eval (definitions in eagle3.evaluate's docstring)."""
+per-position plot and the files of <run>/eval (definitions in eagle3.evaluate.stage's docstring)."""
 
 from __future__ import annotations
 

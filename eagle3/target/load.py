@@ -6,7 +6,7 @@ Three kinds of target all end up as one HF-style directory (config.json, safeten
   tiny  a random tiny Llama, Qwen3 or DeepSeek-V3 with a locally built tokenizer (tests, CI).
 Most stages need only the config and tokenizer; the trainer needs single tensors (embeddings,
 lm_head), which ``read_tensor`` takes from sharded safetensors through the index without
-loading the model. Run ``python -m eagle3.target --preset smollm2-demo`` for the tokenizer report.
+loading the model. Run ``python -m eagle3.target.load --preset smollm2-demo`` for the tokenizer report.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import RunConfig, TargetConfig
-from eagle3.paths import resolve_path
+from eagle3.run.paths import resolve_path
 from infra.locks import file_lock
 from infra.storage import sha256_file, sha256_json
 
@@ -87,7 +87,7 @@ def prepare_target(cfg: RunConfig) -> Path:
         return path
     if tcfg.kind == "gguf":
         return convert_gguf(resolve_path(tcfg.path), cfg.target_cache_dir, tcfg.name)
-    from eagle3.tiny import save_tiny_target
+    from eagle3.target.tiny import save_tiny_target
 
     key = sha256_json({"tiny": tcfg.tiny.model_dump(), "seed": cfg.run.seed})[:12]
     return save_tiny_target(cfg.target_cache_dir / f"{tcfg.name}-{key}", tcfg.tiny, cfg.run.seed)
@@ -313,8 +313,8 @@ def stop_token_ids(tokenizer, info: TargetInfo) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m eagle3.target --preset smollm2-demo: prepare the target and print its report."""
-    from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
+    """python -m eagle3.target.load --preset smollm2-demo: prepare the target and print its report."""
+    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
 
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
 

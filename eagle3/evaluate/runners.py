@@ -1,6 +1,6 @@
 """Eager KV-cache runners of the offline evaluation, at batch 1: the target with transformers' DynamicCache, the
-EAGLE-3 drafter with a growing key/value tensor. eagle3/decode_cache.py holds their static-cache (and compiled)
-counterparts; eagle3/speculate.py drives either through the same methods (step, keep, extend, draft).
+EAGLE-3 drafter with a growing key/value tensor. eagle3/evaluate/decode_cache.py holds their static-cache (and compiled)
+counterparts; eagle3/evaluate/speculate.py drives either through the same methods (step, keep, extend, draft).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.model import Eagle3Drafter, attention_inputs, rope_cos_sin, rope_inv_freq_on, step_outputs, step_weights, upcast
+from eagle3.drafter.model import Eagle3Drafter, attention_inputs, rope_cos_sin, rope_inv_freq_on, step_outputs, step_weights, upcast
 
 REFERENCE_TOPK = 5
 """Top logits the greedy reference keeps per token, to tell a numerical near-tie from a real mismatch."""
@@ -144,7 +144,7 @@ class TargetRunner:
 class DrafterRunner:
     """The EAGLE-3 drafter with a KV cache: committed entries, then the current round's draft entries.
 
-    Built from the functional step of eagle3.model (attention_inputs / step_outputs, the same code the
+    Built from the functional step of eagle3.drafter.model (attention_inputs / step_outputs, the same code the
     compiled training step runs), so it computes what the TTT unroll computes (a test checks it); only the
     attention reads a cache.
     """

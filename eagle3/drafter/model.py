@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eagle3.masks import causal_document_mask, ttt_mask_mod
-from eagle3.target import TargetInfo, lm_head_name, read_tensor, target_info
+from eagle3.drafter.masks import causal_document_mask, ttt_mask_mod
+from eagle3.target.load import TargetInfo, lm_head_name, read_tensor, target_info
 
 try:  # flex_attention is the CUDA path only; CPU runs (and older torch builds) use the dense path
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention

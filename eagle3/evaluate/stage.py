@@ -1,12 +1,12 @@
 """The evaluate stage: real speculative decoding of the exported drafter against plain greedy decoding.
 
-    python -m eagle3.evaluate --config runs/smollm2-demo/config.json
-    python -m eagle3.evaluate --preset smollm2-demo --set evaluate.methods=[chain,tree,ngram] --export-dir DIR
+    python -m eagle3.evaluate.stage --config runs/smollm2-demo/config.json
+    python -m eagle3.evaluate.stage --preset smollm2-demo --set evaluate.methods=[chain,tree,ngram] --export-dir DIR
 
 The drafter is loaded back from <run>/export/sglang (so the export is what gets tested) and the target
 from the run's target. Per prompt, in one process: plain greedy decoding (the shared reference, timed),
 then every method (timed) with the same prompt and max_new_tokens, each output checked token by token
-against the reference (eagle3.speculate.check_lossless). Every process warms up on the first prompt
+against the reference (eagle3.evaluate.speculate.check_lossless). Every process warms up on the first prompt
 before it measures anything. With num_workers > 1, prompts are spread over spawned processes sharing
 the device; their wall times then include the contention (acceptance is unaffected).
 
@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import EvaluateConfig, RunConfig, section_dict
-from eagle3.eval_data import EvalPrompt
-from eagle3.eval_report import summarize_all, write_outputs
-from eagle3.journal import Journal
-from eagle3.progress import Progress, ProgressFn
-from eagle3.stage import StageOutcome, run_stage, stage_key
+from eagle3.evaluate.prompts import EvalPrompt
+from eagle3.evaluate.report import summarize_all, write_outputs
+from eagle3.run.journal import Journal
+from eagle3.run.progress import Progress, ProgressFn
+from eagle3.run.stage import StageOutcome, run_stage, stage_key
 
 JOURNAL_NAME = "evaluate.journal.jsonl"
 """<run>/eval/: one fsynced line per measured prompt while the stage runs; removed once the outputs exist."""
@@ -74,7 +74,7 @@ def method_specs(ecfg: EvaluateConfig) -> list[MethodSpec]:
 def make_proposer(spec: MethodSpec, ecfg: EvaluateConfig, drafter: Any = None, d2t: Any = None,
                   runner: Any = None) -> Any:
     """The Proposer of a method (EAGLE methods need the drafter and its d2t; ``runner``: a shared drafter runner)."""
-    from eagle3.speculate import EagleProposer, NgramProposer
+    from eagle3.evaluate.speculate import EagleProposer, NgramProposer
 
     if spec.kind == "ngram":
         return NgramProposer(ecfg.ngram_max, ecfg.ngram_min, ecfg.ngram_num_tokens)
@@ -113,9 +113,9 @@ def open_session(job: EvalJob) -> EvalSession:
     """Load the target and the exported drafter on the job's device; one drafter runner serves every method."""
     import torch
 
-    from eagle3.decode_cache import make_runners, resolve_decode
+    from eagle3.evaluate.decode_cache import make_runners, resolve_decode
     from eagle3.export import load_sglang_export
-    from eagle3.target import load_model
+    from eagle3.target.load import load_model
 
     ecfg = EvaluateConfig.model_validate(job.evaluate)
     loaded = load_sglang_export(Path(job.export_dir), Path(job.model_dir), job.device, getattr(torch, ecfg.dtype))
@@ -129,7 +129,7 @@ def open_session(job: EvalJob) -> EvalSession:
 
 def warm_up(session: EvalSession, prompt_ids: list[int]) -> None:
     """Run every forward width of the static runners (compiles them), then greedy and every method briefly; untimed."""
-    from eagle3.speculate import greedy_decode, speculative_decode
+    from eagle3.evaluate.speculate import greedy_decode, speculative_decode
 
     for runner in (session.target, session.drafter):
         getattr(runner, "warm_up_widths", lambda: None)()
@@ -143,7 +143,7 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
     """The greedy reference and every method on one prompt: tokens, steps, wall times, lossless checks."""
     import torch
 
-    from eagle3.speculate import (check_lossless, draft_hits, greedy_decode, speculative_decode,
+    from eagle3.evaluate.speculate import (check_lossless, draft_hits, greedy_decode, speculative_decode,
                                   teacher_forced_drafts)
 
     ecfg = session.ecfg
@@ -279,7 +279,7 @@ def default_export_dir(cfg: RunConfig) -> Path:
 def key_for(cfg: RunConfig, model_dir: Path, export_dir: Path | None = None) -> str:
     """Evaluate section + target fingerprint + the export manifest (or, for an explicit folder, its files' hashes)."""
     from eagle3.export import MANIFEST_FILE
-    from eagle3.target import fingerprint
+    from eagle3.target.load import fingerprint
     from infra.storage import sha256_file
 
     extra: dict[str, Any] = {"target": fingerprint(model_dir)}
@@ -310,7 +310,7 @@ def _settings(cfg: RunConfig, model_dir: Path, export_dir: Path, device: str,
     import transformers
 
     from eagle3.export import read_json
-    from eagle3.target import fingerprint
+    from eagle3.target.load import fingerprint
 
     e = cfg.evaluate
     counts = {d: sum(p.dataset == d for p, _ in items) for d in e.datasets}
@@ -334,8 +334,8 @@ class _Plan:
 
 
 def _plan(cfg: RunConfig, model_dir: Path, export_dir: Path) -> _Plan:
-    from eagle3.eval_data import load_prompts
-    from eagle3.target import load_tokenizer, stop_token_ids, target_info
+    from eagle3.evaluate.prompts import load_prompts
+    from eagle3.target.load import load_tokenizer, stop_token_ids, target_info
 
     e = cfg.evaluate
     tokenizer = load_tokenizer(model_dir)
@@ -377,7 +377,7 @@ def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: Progre
 def write_partial_report(cfg: RunConfig, export_dir: Path | None = None) -> dict[str, Path]:
     """<run>/eval/partial/: the report of the prompts an unfinished evaluation has journaled (no manifest, marked
     PARTIAL), for a run cut short by a time limit; the stage itself still measures the rest when run again."""
-    from eagle3.target import prepare_target
+    from eagle3.target.load import prepare_target
 
     model_dir = prepare_target(cfg)
     source = Path(export_dir) if export_dir is not None else default_export_dir(cfg)
@@ -396,7 +396,7 @@ def write_partial_report(cfg: RunConfig, export_dir: Path | None = None) -> dict
 def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
                  export_dir: Path | None = None, show_bar: bool | None = None) -> StageOutcome:
     """Evaluate <run>/export/sglang (or ``export_dir``) on the run's target; skipped when the manifest matches."""
-    from eagle3.target import prepare_target
+    from eagle3.target.load import prepare_target
 
     model_dir = prepare_target(cfg)
     source = Path(export_dir) if export_dir is not None else default_export_dir(cfg)
@@ -415,9 +415,9 @@ def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m eagle3.evaluate --preset X [--set a.b=c] | --config <run>/config.json [--export-dir D] [--force]
+    """python -m eagle3.evaluate.stage --preset X [--set a.b=c] | --config <run>/config.json [--export-dir D] [--force]
     [--partial-report]"""
-    from eagle3.cli_args import add_config_args, config_from_args, exit_on_user_error
+    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
     from infra.storage import run_lock
 
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.partial_report:  # reads the journal only: no lock, so it works while the evaluation runs
             print(write_partial_report(cfg, args.export_dir)["report"].read_text())
             return
-        with run_lock(cfg.run_dir, owner="python -m eagle3.evaluate"):
+        with run_lock(cfg.run_dir, owner="python -m eagle3.evaluate.stage"):
             outcome = run_evaluate(cfg, force=args.force, export_dir=args.export_dir, show_bar=True)
         print(Path(outcome.outputs["report"]).read_text())
         print(json.dumps(outcome.to_json(), indent=2))
