@@ -30,6 +30,7 @@ from eagle3.run.cli_args import add_config_args, config_from_args
 from eagle3.config import RunConfig
 from eagle3.data.merge import split_for
 from eagle3.evaluate.prompts import load_prompts, render
+from eagle3.evaluate.records import PromptRecord
 from eagle3.export import load_sglang_export
 from eagle3.run.journal import Journal
 from eagle3.run.progress import Progress
@@ -81,19 +82,20 @@ def measure_conversations(runners, tokenizer, cfg: RunConfig, journal: Path, spl
 
 
 def measure_eval(runners, tokenizer, prompts_file: Path) -> None:
-    records = [json.loads(line) for line in prompts_file.read_text().splitlines() if line.strip()]
-    datasets = list(dict.fromkeys(r["dataset"] for r in records))
+    records = [PromptRecord.from_json(json.loads(line)) for line in prompts_file.read_text().splitlines()
+               if line.strip()]
+    datasets = list(dict.fromkeys(r.dataset for r in records))
     ids = {p.id: i for p, i in load_prompts(datasets, None, tokenizer)}
     tallies: dict[str, list[int]] = {d: [0] * 5 for d in datasets}  # hits, tokens, round hits (tf, decode), rounds
     with Progress(len(records), "eval texts") as bar:
         for r in records:
-            generated = r["greedy"]["tokens"]
-            drafts = teacher_forced_drafts(*runners, ids[r["id"]], generated)
-            chain = next(m for name, m in r["methods"].items() if name.startswith("chain"))
-            starts = round_starts(chain["committed"])
+            generated = r.greedy.tokens
+            drafts = teacher_forced_drafts(*runners, ids[r.id], generated)
+            chain = next(m for name, m in r.methods.items() if name.startswith("chain"))
+            starts = round_starts(chain.committed)
             counts = (*hits(drafts, generated), sum(drafts[i] == generated[i + 1] for i in starts),
-                      sum(a >= 1 for a in chain["accepted"]), len(starts))
-            tallies[r["dataset"]] = [t + c for t, c in zip(tallies[r["dataset"]], counts)]
+                      sum(a >= 1 for a in chain.accepted), len(starts))
+            tallies[r.dataset] = [t + c for t, c in zip(tallies[r.dataset], counts)]
             bar.update()
     for d, (h, n, tf_round_hits, round_hits, rounds) in tallies.items():
         print(f"eval_{d}_teacher_forced_acc_0: {h / max(n, 1):.4f} ({n} tokens)")

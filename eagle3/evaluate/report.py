@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+
+from eagle3.evaluate.records import (EvalResults, EvalSettings, LosslessCounts, LosslessDifference, PromptRecord,
+                                     SummaryRow)
+
 
 def position_acceptance(depths: Sequence[int], accepted: Sequence[int]) -> tuple[list[float], list[float | None]]:
     """Per draft position i = 1..max depth: (steps accepting >= i / steps proposing i, the same over the steps
@@ -21,60 +25,58 @@ def position_acceptance(depths: Sequence[int], accepted: Sequence[int]) -> tuple
     return rates, conditional
 
 
-def summarize(records: Sequence[dict[str, Any]], method: str) -> dict[str, Any]:
-    """One method over some prompts: acceptance, per-position acceptance, speed, lossless counts."""
-    runs = [r["methods"][method] for r in records]
-    depths = [d for run in runs for d in run["depth"]]
-    accepted = [a for run in runs for a in run["accepted"]]
-    num_verify, committed = len(depths), sum(c for run in runs for c in run["committed"])
-    wall_s, greedy_s = sum(run["wall_s"] for run in runs), sum(r["greedy"]["wall_s"] for r in records)
-    num_tokens = sum(run["num_tokens"] for run in runs)
+def summarize(records: Sequence[PromptRecord], method: str, dataset: str | None = None) -> SummaryRow:
+    """One method over some prompts: acceptance, per-position acceptance, speed, lossless counts. ``dataset``: the
+    row's name (default: the records' one dataset, or "all")."""
+    runs = [r.methods[method] for r in records]
+    depths = [d for run in runs for d in run.depth]
+    accepted = [a for run in runs for a in run.accepted]
+    num_verify, committed = len(depths), sum(c for run in runs for c in run.committed)
+    wall_s, greedy_s = sum(run.wall_s for run in runs), sum(r.greedy.wall_s for r in records)
+    num_tokens = sum(run.num_tokens for run in runs)
     rates, conditional = position_acceptance(depths, accepted)
-    accept_len = committed / max(num_verify, 1)
-    kinds = [run["lossless"]["kind"] for run in runs]
-    return {
-        "method": method, "num_prompts": len(runs), "num_tokens": num_tokens, "num_verify": num_verify,
-        "accept_len": accept_len, "per_position": rates, "per_position_conditional": conditional,
-        "wall_s": wall_s, "tokens_per_s": num_tokens / max(wall_s, 1e-9),
-        "greedy_wall_s": greedy_s,
-        "greedy_tokens_per_s": sum(r["greedy"]["num_tokens"] for r in records) / max(greedy_s, 1e-9),
-        "speedup": greedy_s / max(wall_s, 1e-9), "teacher_forced_acc_0": teacher_forced_acc_0(records),
-        "lossless": {"identical": kinds.count("identical"), "near_tie": kinds.count("near_tie"),
-                     "mismatch": kinds.count("mismatch"),
-                     "differences": [{"prompt": r["id"], **run["lossless"]} for r, run in zip(records, runs)
-                                     if run["lossless"]["kind"] != "identical"]},
-    }
+    kinds = [run.lossless.kind for run in runs]
+    names = set(r.dataset for r in records)
+    lossless = LosslessCounts(kinds.count("identical"), kinds.count("near_tie"), kinds.count("mismatch"),
+                              [LosslessDifference(r.id, run.lossless) for r, run in zip(records, runs)
+                               if run.lossless.kind != "identical"])
+    return SummaryRow(
+        dataset=dataset or (names.pop() if len(names) == 1 else "all"), method=method, num_prompts=len(runs),
+        num_tokens=num_tokens, num_verify=num_verify, accept_len=committed / max(num_verify, 1),
+        per_position=rates, per_position_conditional=conditional, wall_s=wall_s,
+        tokens_per_s=num_tokens / max(wall_s, 1e-9), greedy_wall_s=greedy_s,
+        greedy_tokens_per_s=sum(r.greedy.num_tokens for r in records) / max(greedy_s, 1e-9),
+        speedup=greedy_s / max(wall_s, 1e-9), teacher_forced_acc_0=teacher_forced_acc_0(records), lossless=lossless)
 
 
-def teacher_forced_acc_0(records: Sequence[dict[str, Any]]) -> float | None:
+def teacher_forced_acc_0(records: Sequence[PromptRecord]) -> float | None:
     """The drafter's first-draft agreement with the greedy text over these prompts (None if any record lacks it:
     journals written before the cross-check existed)."""
-    if not records or any("teacher_forced" not in r for r in records):
+    if not records or any(r.teacher_forced is None for r in records):
         return None
-    num_tokens = sum(r["teacher_forced"]["num_tokens"] for r in records)
-    return sum(r["teacher_forced"]["num_hits"] for r in records) / max(num_tokens, 1)
+    num_tokens = sum(r.teacher_forced.num_tokens for r in records if r.teacher_forced)
+    return sum(r.teacher_forced.num_hits for r in records if r.teacher_forced) / max(num_tokens, 1)
 
 
-def summarize_all(records: Sequence[dict[str, Any]], methods: Sequence[str]) -> list[dict[str, Any]]:
+def summarize_all(records: Sequence[PromptRecord], methods: Sequence[str]) -> list[SummaryRow]:
     """One row per dataset x method, plus an 'all' row per method when there are several datasets."""
-    datasets = list(dict.fromkeys(r["dataset"] for r in records))
-    groups = [(d, [r for r in records if r["dataset"] == d]) for d in datasets]
+    datasets = list(dict.fromkeys(r.dataset for r in records))
+    groups = [(d, [r for r in records if r.dataset == d]) for d in datasets]
     if len(datasets) > 1:
         groups.append(("all", list(records)))
-    rows = [{"dataset": name, **summarize(group, m)} for name, group in groups for m in methods]
-    ngram_wall_s = {r["dataset"]: r["wall_s"] for r in rows if r["method"] == "ngram"}
-    for r in rows:  # the baseline without training, measured on the same prompts in the same processes
-        r["speedup_vs_ngram"] = ngram_wall_s[r["dataset"]] / max(r["wall_s"], 1e-9) if ngram_wall_s else None
-    return rows
+    rows = [summarize(group, m, name) for name, group in groups for m in methods]
+    ngram_wall_s = {r.dataset: r.wall_s for r in rows if r.method == "ngram"}
+    # the baseline without training, measured on the same prompts in the same processes
+    return [replace(r, speedup_vs_ngram=ngram_wall_s[r.dataset] / max(r.wall_s, 1e-9) if ngram_wall_s else None)
+            for r in rows]
 
 
 # ----------------------------------------------------------------------------------------------- outputs
 
-def _lossless_text(row: dict[str, Any]) -> str:
-    loss = row["lossless"]
-    text = f"{loss['identical']}/{row['num_prompts']} identical"
-    for diff in loss["differences"]:
-        text += f"; {diff['kind']} {diff['prompt']} @ {diff['position']}"
+def _lossless_text(row: SummaryRow) -> str:
+    text = f"{row.lossless.identical}/{row.num_prompts} identical"
+    for diff in row.lossless.differences:
+        text += f"; {diff.check.kind} {diff.prompt} @ {diff.check.position}"
     return text
 
 
@@ -82,23 +84,23 @@ def _rates(values: Sequence[float | None]) -> str:
     return " / ".join("-" if v is None else f"{v:.2f}" for v in values) or "-"
 
 
-def report_markdown(rows: Sequence[dict[str, Any]], settings: dict[str, Any]) -> str:
+def report_markdown(rows: Sequence[SummaryRow], settings: EvalSettings) -> str:
     """The results table (and the settings it was measured with) as markdown."""
     lines = ["# Offline speculative decoding", "",
-             f"Target `{settings['target']}` ({settings['device']}, {settings['dtype']}); drafter "
-             f"`{settings['export_dir']}`; {settings['max_new_tokens']} new tokens per prompt, greedy; prompts: first "
-             f"N in file order ({', '.join(f'{k} {v}' for k, v in settings['num_prompts'].items())}); n-gram: "
-             f"{settings['ngram']}; workers: {settings['num_workers']}.", "", *_partial_lines(settings),
+             f"Target `{settings.target}` ({settings.device}, {settings.dtype}); drafter "
+             f"`{settings.export_dir}`; {settings.max_new_tokens} new tokens per prompt, greedy; prompts: first "
+             f"N in file order ({', '.join(f'{k} {v}' for k, v in settings.num_prompts.items())}); n-gram: "
+             f"{settings.ngram}; workers: {settings.num_workers}.", "", *_partial_lines(settings),
              *_contention_lines(settings),
              "| dataset | method | prompts | accept len | per-position acceptance | conditional | tok/s | "
              "greedy tok/s | speedup | vs n-gram | lossless |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        flag = " (!)" if r["speedup"] > r["accept_len"] else ""  # cannot happen unless the timing is wrong
-        vs_ngram = "-" if r.get("speedup_vs_ngram") is None else f"{r['speedup_vs_ngram']:.2f}x"
-        lines.append(f"| {r['dataset']} | {r['method']} | {r['num_prompts']} | {r['accept_len']:.3f} | "
-                     f"{_rates(r['per_position'])} | {_rates(r['per_position_conditional'])} | {r['tokens_per_s']:.1f} | "
-                     f"{r['greedy_tokens_per_s']:.1f} | {r['speedup']:.2f}x{flag} | {vs_ngram} | {_lossless_text(r)} |")
+        flag = " (!)" if r.speedup > r.accept_len else ""  # cannot happen unless the timing is wrong
+        vs_ngram = "-" if r.speedup_vs_ngram is None else f"{r.speedup_vs_ngram:.2f}x"
+        lines.append(f"| {r.dataset} | {r.method} | {r.num_prompts} | {r.accept_len:.3f} | "
+                     f"{_rates(r.per_position)} | {_rates(r.per_position_conditional)} | {r.tokens_per_s:.1f} | "
+                     f"{r.greedy_tokens_per_s:.1f} | {r.speedup:.2f}x{flag} | {vs_ngram} | {_lossless_text(r)} |")
     lines += _teacher_forced_lines(rows)
     lines += ["", "accept len: tokens per verify forward, bonus token included. per-position: draft position i "
               "accepted / proposed; conditional: given positions < i were accepted. speedup: greedy wall time / "
@@ -107,38 +109,38 @@ def report_markdown(rows: Sequence[dict[str, Any]], settings: dict[str, Any]) ->
     return "\n".join(lines) + "\n"
 
 
-def _teacher_forced_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+def _teacher_forced_lines(rows: Sequence[SummaryRow]) -> list[str]:
     """Per dataset: the drafter's teacher-forced acc_0 on the greedy text next to the chains' position-1
     acceptance; the two agree when the decode feeds the drafter what training did."""
-    chains = [r for r in rows if r["method"].startswith("chain") and r.get("teacher_forced_acc_0") is not None]
+    chains = [r for r in rows if r.method.startswith("chain") and r.teacher_forced_acc_0 is not None]
     if not chains:
         return []
     lines = ["", "Cross-check: the drafter's first draft token, teacher-forced on the greedy text (TTT step 0 as "
              "training computes it), against the chains' position-1 acceptance:", ""]
-    for dataset in dict.fromkeys(r["dataset"] for r in chains):
-        rates = ", ".join(f"{r['method']} {r['per_position'][0]:.3f}" for r in chains if r["dataset"] == dataset)
-        tf = next(r["teacher_forced_acc_0"] for r in chains if r["dataset"] == dataset)
+    for dataset in dict.fromkeys(r.dataset for r in chains):
+        rates = ", ".join(f"{r.method} {r.per_position[0]:.3f}" for r in chains if r.dataset == dataset)
+        tf = next(r.teacher_forced_acc_0 for r in chains if r.dataset == dataset)
         lines.append(f"- {dataset}: teacher-forced acc_0 {tf:.3f}; position 1 accepted: {rates}")
     return lines
 
 
-def _contention_lines(settings: dict[str, Any]) -> list[str]:
-    if settings["num_workers"] <= 1:
+def _contention_lines(settings: EvalSettings) -> list[str]:
+    if settings.num_workers <= 1:
         return []
-    return [f"**Speeds measured by {settings['num_workers']} processes sharing one {settings['device']} device:** "
+    return [f"**Speeds measured by {settings.num_workers} processes sharing one {settings.device} device:** "
             "acceptance is unaffected, but tok/s and speedups include their contention. Time an isolated subset "
             "with `evaluate.num_workers=1`.", ""]
 
 
-def _partial_lines(settings: dict[str, Any]) -> list[str]:
-    partial = settings.get("partial")
+def _partial_lines(settings: EvalSettings) -> list[str]:
+    partial = settings.partial
     if not partial:
         return []
-    return [f"**PARTIAL: {partial['num_measured']} of {partial['num_planned']} prompts measured** (read from the "
+    return [f"**PARTIAL: {partial.num_measured} of {partial.num_planned} prompts measured** (read from the "
             "journal of an evaluation that has not finished; the planned counts above are not all measured).", ""]
 
 
-def plot_per_position(rows: Sequence[dict[str, Any]], out: Path) -> Path:
+def plot_per_position(rows: Sequence[SummaryRow], out: Path) -> Path:
     """per_position.png: acceptance per draft position, one panel per dataset, one line per method."""
     import matplotlib
 
@@ -146,13 +148,13 @@ def plot_per_position(rows: Sequence[dict[str, Any]], out: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    datasets = list(dict.fromkeys(r.dataset for r in rows))
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.6), dpi=110, squeeze=False)
     for ax, dataset in zip(axes[0], datasets):
-        for r in (r for r in rows if r["dataset"] == dataset):
-            x = list(range(1, len(r["per_position"]) + 1))
-            line, = ax.plot(x, r["per_position"], "o-", ms=3, label=f"{r['method']} (AL {r['accept_len']:.2f})")
-            conditional = [float("nan") if v is None else v for v in r["per_position_conditional"]]
+        for r in (r for r in rows if r.dataset == dataset):
+            x = list(range(1, len(r.per_position) + 1))
+            line, = ax.plot(x, r.per_position, "o-", ms=3, label=f"{r.method} (AL {r.accept_len:.2f})")
+            conditional = [float("nan") if v is None else v for v in r.per_position_conditional]
             ax.plot(x, conditional, "--", color=line.get_color(), lw=1)
         ax.set(title=dataset, xlabel="draft position", ylabel="acceptance (dashed: conditional)", ylim=(0, 1.02))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -167,15 +169,16 @@ def plot_per_position(rows: Sequence[dict[str, Any]], out: Path) -> Path:
     return out
 
 
-def write_outputs(out_dir: Path, records: Sequence[dict[str, Any]], rows: list[dict[str, Any]],
-                  settings: dict[str, Any]) -> dict[str, Path]:
+def write_outputs(out_dir: Path, records: Sequence[PromptRecord], rows: list[SummaryRow],
+                  settings: EvalSettings) -> dict[str, Path]:
     """results.json, report.md, per_position.png and prompts.jsonl (atomic writes)."""
     from infra.storage import atomic_write_json, atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    outputs = {"results": atomic_write_json(out_dir / "results.json", {"settings": settings, "results": rows}),
+    results = EvalResults(settings, rows).to_json()
+    outputs = {"results": atomic_write_json(out_dir / "results.json", results),
                "report": atomic_write_text(out_dir / "report.md", report_markdown(rows, settings)),
                "prompts": atomic_write_text(out_dir / "prompts.jsonl",
-                                            "".join(json.dumps(r) + "\n" for r in records))}
+                                            "".join(json.dumps(r.to_json()) + "\n" for r in records))}
     outputs["plot"] = plot_per_position(rows, out_dir / "per_position.png")
     return outputs

@@ -33,13 +33,14 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from eagle3.drafter.model import Eagle3Drafter, upcast
+from eagle3.evaluate.records import LosslessCheck
 from eagle3.evaluate.runners import REFERENCE_TOPK, DrafterRunner, TargetRunner
 
 
@@ -394,22 +395,6 @@ def draft_hits(drafts: Sequence[int], generated: Sequence[int]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- lossless
-
-@dataclass(frozen=True)
-class LosslessCheck:
-    """How a method's output compares with the greedy reference, at the first differing token."""
-
-    kind: Literal["identical", "near_tie", "mismatch"]
-    position: int | None = None  # index into the generated tokens (0 = first generated token)
-    reference_token: int | None = None
-    method_token: int | None = None  # None: the method's output ended there
-    top2_gap: float | None = None  # reference's top-1 minus top-2 logit at that position
-    token_gap: float | None = None  # reference's top-1 logit minus its logit of the method's token (None: not in top-K)
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-able dict."""
-        return dict(self.__dict__)
-
 
 def check_lossless(reference: DecodeResult, tokens: Sequence[int], near_tie_gap: float,
                    dtype: torch.dtype = torch.float32) -> LosslessCheck:

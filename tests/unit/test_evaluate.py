@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +14,12 @@ import torch
 
 from eagle3.config import ConfigError, EvaluateConfig, load_config
 from eagle3.evaluate.prompts import EvalPrompt, load_prompts, read_prompts, render
+from eagle3.evaluate.pool import evaluate_prompts, interleaved
+from eagle3.evaluate.records import (EvalSettings, GreedyReference, LosslessCheck, LosslessDifference, MethodRun,
+                                     PromptRecord, TeacherForced)
 from eagle3.evaluate.report import position_acceptance, report_markdown, summarize, summarize_all
-from eagle3.evaluate.stage import (JOURNAL_NAME, EvalJob, evaluate_prompts, interleaved, key_for, method_specs, run_evaluate,
-                             write_partial_report)
+from eagle3.evaluate.session import EvalJob, method_specs
+from eagle3.evaluate.stage import JOURNAL_NAME, key_for, run_evaluate, write_partial_report
 from eagle3.export import export_sglang
 from eagle3.run.journal import Journal
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, export_state_dict, init_weights
@@ -79,41 +83,40 @@ def test_position_acceptance_golden():
     assert conditional == pytest.approx([0.75, 2 / 3, 0.5])
 
 
-def _record(index: int, depth, accepted, committed, wall_s: float, kind: str = "identical") -> dict:
-    lossless = {"kind": kind, "position": None if kind == "identical" else 4}
-    return {"index": index, "dataset": "mtbench", "id": f"mtbench:{index}",
-            "greedy": {"num_tokens": 1 + sum(committed), "wall_s": 2.0},
-            "methods": {"m": {"num_tokens": 1 + sum(committed), "wall_s": wall_s, "depth": depth,
-                              "accepted": accepted, "committed": committed, "lossless": lossless}}}
+def _record(index: int, depth, accepted, committed, wall_s: float, kind: str = "identical") -> PromptRecord:
+    lossless = LosslessCheck(kind, None if kind == "identical" else 4)
+    return PromptRecord(index, "mtbench", f"mtbench:{index}", 0, GreedyReference(1 + sum(committed), 2.0, []), None,
+                        {"m": MethodRun(1 + sum(committed), wall_s, lossless, depth, accepted, committed)})
 
 
 def test_summary_golden():
     """Acceptance length = committed / verify forwards, speedup = greedy / method time, lossless counted by kind."""
     records = [_record(0, [3, 3], [3, 1], [4, 2], 1.0), _record(1, [3, 0, 3], [0, 0, 2], [1, 1, 3], 3.0, "near_tie")]
     row = summarize(records, "m")
-    assert (row["num_verify"], row["accept_len"], row["speedup"]) == (5, 11 / 5, 1.0)
-    assert row["per_position"] == [0.75, 0.5, 0.25] and row["num_tokens"] == 13
-    assert row["lossless"]["identical"] == 1 and row["lossless"]["near_tie"] == 1
-    assert row["lossless"]["differences"] == [{"prompt": "mtbench:1", "kind": "near_tie", "position": 4}]
-    assert [r["dataset"] for r in summarize_all(records, ["m"])] == ["mtbench"]
-    assert row["teacher_forced_acc_0"] is None  # records journaled before the cross-check existed
+    assert (row.num_verify, row.accept_len, row.speedup) == (5, 11 / 5, 1.0)
+    assert row.per_position == [0.75, 0.5, 0.25] and row.num_tokens == 13
+    assert row.lossless.identical == 1 and row.lossless.near_tie == 1
+    assert row.lossless.differences == [LosslessDifference("mtbench:1", LosslessCheck("near_tie", 4))]
+    assert [r.dataset for r in summarize_all(records, ["m"])] == ["mtbench"]
+    assert row.teacher_forced_acc_0 is None  # records journaled before the cross-check existed
 
 
 def test_teacher_forced_acc_golden():
     """Teacher-forced acc_0 pools hits over the prompts' tokens (3 + 1 of 4 + 6), not a mean of prompt rates."""
     records = [_record(0, [3], [3], [4], 1.0), _record(1, [3], [0], [1], 1.0)]
-    records[0]["teacher_forced"], records[1]["teacher_forced"] = ({"num_tokens": 4, "num_hits": 3},
-                                                                  {"num_tokens": 6, "num_hits": 1})
-    assert summarize(records, "m")["teacher_forced_acc_0"] == 0.4
+    records = [replace(records[0], teacher_forced=TeacherForced(4, 3)),
+               replace(records[1], teacher_forced=TeacherForced(6, 1))]
+    assert summarize(records, "m").teacher_forced_acc_0 == 0.4
 
 
 def test_report_says_when_speeds_come_from_processes_sharing_a_device():
     """With several workers the report warns that tok/s and speedups include contention; with one it does not."""
     rows = summarize_all([_record(0, [3, 3], [3, 1], [4, 2], 1.0)], ["m"])
-    settings = {"target": "t", "device": "cuda", "dtype": "float32", "export_dir": "e", "max_new_tokens": 8,
-                "num_prompts": {"mtbench": 1}, "ngram": "n"}
-    assert "processes sharing one cuda device" in report_markdown(rows, {**settings, "num_workers": 14})
-    assert "sharing" not in report_markdown(rows, {**settings, "num_workers": 1})
+    settings = EvalSettings({}, target="t", target_dir="t", target_fingerprint="f", export_dir="e", aux_layer_ids=None,
+                            device="cuda", gpu=None, dtype="float32", max_new_tokens=8, num_prompts={"mtbench": 1},
+                            stop_ids=[], ngram="n", methods=[], num_workers=1, torch="", transformers="")
+    assert "processes sharing one cuda device" in report_markdown(rows, replace(settings, num_workers=14))
+    assert "sharing" not in report_markdown(rows, replace(settings, num_workers=1))
 
 
 def test_config_defaults_and_checks():
@@ -181,7 +184,7 @@ def test_parallel_workers_give_the_same_records(tiny_run):
     one, two = evaluate_prompts(job, items, 1), evaluate_prompts(job, items, 2)
 
     def strip(records):
-        return [(r["id"], r["greedy"]["tokens"], r["methods"]["chain-3-1-4"]["accepted"]) for r in records]
+        return [(r.id, r.greedy.tokens, r.methods["chain-3-1-4"].accepted) for r in records]
 
     assert strip(one) == strip(two) and len(two) == 3
 
@@ -195,7 +198,7 @@ def test_static_cache_session_gives_the_eager_records(tiny_run):
     def records(static_cache: str) -> list:
         e = cfg.evaluate.model_copy(update={"max_new_tokens": 12, "static_cache": static_cache})
         job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), "cpu", [], num_threads=1)
-        return [(r["greedy"]["tokens"], {m: (v["accepted"], v["lossless"]["kind"]) for m, v in r["methods"].items()})
+        return [(r.greedy.tokens, {m: (v.accepted, v.lossless.kind) for m, v in r.methods.items()})
                 for r in evaluate_prompts(job, items, 1)]
 
     static = records("on")
@@ -205,7 +208,7 @@ def test_static_cache_session_gives_the_eager_records(tiny_run):
 def test_killed_evaluation_resumes_from_its_journal(tiny_run, tmp_path, monkeypatch):
     """Prompts journaled under the same key are not measured again and give the uninterrupted records; another
     key (other settings) measures everything afresh."""
-    import eagle3.evaluate.stage as evaluate_module
+    import eagle3.evaluate.pool as evaluate_module
 
     cfg, model_dir, export_dir = tiny_run
     e = cfg.evaluate.model_copy(update={"methods": ["chain"], "max_new_tokens": 8})
@@ -221,7 +224,7 @@ def test_killed_evaluation_resumes_from_its_journal(tiny_run, tmp_path, monkeypa
     assert measured == [2]
 
     def strip(records):
-        return [(r["index"], r["id"], r["greedy"]["tokens"], r["methods"]["chain-3-1-4"]["accepted"]) for r in records]
+        return [(r.index, r.id, r.greedy.tokens, r.methods["chain-3-1-4"].accepted) for r in records]
 
     assert strip(resumed) == strip(evaluate_prompts(job, items, 1))
     measured.clear()

@@ -1,0 +1,121 @@
+"""One evaluating process: the drafting methods the config asks for, the loaded session (target runner, drafter
+runner, a proposer per method) and the measurement of one prompt (greedy reference, then every method).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3.config import EvaluateConfig
+from eagle3.evaluate.prompts import EvalPrompt
+from eagle3.evaluate.records import GreedyReference, MethodRun, MethodSpec, PromptRecord, TeacherForced
+
+WARMUP_TOKENS = 8
+"""Tokens each method generates on the first prompt before anything is timed (kernels, allocator, caches)."""
+
+
+# ------------------------------------------------------------------------------------------------- methods
+
+def method_specs(ecfg: EvaluateConfig) -> list[MethodSpec]:
+    """The methods the config asks for, in a fixed order: chains (by steps), tree, n-gram."""
+    specs = []
+    if "chain" in ecfg.methods:
+        specs += [MethodSpec(f"chain-{s}-1-{s + 1}", "chain", s, 1, s + 1) for s in sorted(set(ecfg.chain_steps))]
+    if "tree" in ecfg.methods:
+        s, k, n = ecfg.tree_steps, ecfg.tree_topk, ecfg.tree_num_draft_tokens
+        specs.append(MethodSpec(f"tree-{s}-{k}-{n}", "tree", s, k, n))
+    if "ngram" in ecfg.methods:
+        specs.append(MethodSpec("ngram", "ngram", ecfg.ngram_num_tokens, 1, ecfg.ngram_num_tokens + 1))
+    return specs
+
+
+def make_proposer(spec: MethodSpec, ecfg: EvaluateConfig, drafter: Any = None, d2t: Any = None,
+                  runner: Any = None) -> Any:
+    """The Proposer of a method (EAGLE methods need the drafter and its d2t; ``runner``: a shared drafter runner)."""
+    from eagle3.evaluate.speculate import EagleProposer, NgramProposer
+
+    if spec.kind == "ngram":
+        return NgramProposer(ecfg.ngram_max, ecfg.ngram_min, ecfg.ngram_num_tokens)
+    if drafter is None:
+        raise ValueError(f"method {spec.name} needs a drafter")
+    return EagleProposer(drafter, d2t, spec.steps, spec.topk, spec.num_draft_tokens, runner=runner)
+
+
+# ------------------------------------------------------------------------------------------ one process
+
+@dataclass(frozen=True)
+class EvalJob:
+    """What a (possibly spawned) process needs to rebuild the models: paths and settings, no tensors."""
+
+    model_dir: str
+    export_dir: str
+    evaluate: dict[str, Any]  # EvaluateConfig as JSON
+    device: str  # resolved: cpu | cuda
+    stop_ids: list[int]
+    num_threads: int | None = None  # torch CPU threads in a spawned process
+    cache_len: int = 1024  # static KV cache entries: the longest prompt + max_new_tokens + a margin
+
+
+@dataclass
+class EvalSession:
+    """Loaded target runner, proposers and settings of one process."""
+
+    target: Any  # TargetRunner
+    proposers: dict[str, Any]
+    drafter: Any  # DrafterRunner of its own, for the teacher-forced cross-check
+    ecfg: EvaluateConfig
+    stop_ids: list[int]
+
+
+def open_session(job: EvalJob) -> EvalSession:
+    """Load the target and the exported drafter on the job's device; one drafter runner serves every method."""
+    import torch
+
+    from eagle3.evaluate.decode_cache import make_runners, resolve_decode
+    from eagle3.export import load_sglang_export
+    from eagle3.target.load import load_model
+
+    ecfg = EvaluateConfig.model_validate(job.evaluate)
+    loaded = load_sglang_export(Path(job.export_dir), Path(job.model_dir), job.device, getattr(torch, ecfg.dtype))
+    model = load_model(Path(job.model_dir), ecfg.dtype, job.device)
+    static, settings = resolve_decode(ecfg.static_cache, ecfg.compile, job.device)
+    target, runner = make_runners(model, loaded.aux_layer_ids, loaded.drafter, loaded.d2t, static, settings,
+                                  job.cache_len)
+    proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, loaded.d2t, runner) for s in method_specs(ecfg)}
+    return EvalSession(target, proposers, runner, ecfg, list(job.stop_ids))
+
+
+def warm_up(session: EvalSession, prompt_ids: list[int]) -> None:
+    """Run every forward width of the static runners (compiles them), then greedy and every method briefly; untimed."""
+    from eagle3.evaluate.speculate import greedy_decode, speculative_decode
+
+    for runner in (session.target, session.drafter):
+        getattr(runner, "warm_up_widths", lambda: None)()
+    num = min(WARMUP_TOKENS, session.ecfg.max_new_tokens)
+    greedy_decode(session.target, prompt_ids, num, session.stop_ids)
+    for proposer in session.proposers.values():
+        speculative_decode(session.target, proposer, prompt_ids, num, session.stop_ids)
+
+
+def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: list[int]) -> PromptRecord:
+    """The greedy reference and every method on one prompt: tokens, steps, wall times, lossless checks."""
+    import torch
+
+    from eagle3.evaluate.speculate import (check_lossless, draft_hits, greedy_decode, speculative_decode,
+                                           teacher_forced_drafts)
+
+    ecfg = session.ecfg
+    ref = greedy_decode(session.target, ids, ecfg.max_new_tokens, session.stop_ids)
+    drafts = teacher_forced_drafts(session.target, session.drafter, ids, ref.tokens)  # untimed
+    methods = {}
+    for name, proposer in session.proposers.items():
+        out = speculative_decode(session.target, proposer, ids, ecfg.max_new_tokens, session.stop_ids)
+        check = check_lossless(ref, out.tokens, ecfg.near_tie_logit_gap, getattr(torch, ecfg.dtype))
+        methods[name] = MethodRun(len(out.tokens), out.wall_s, check, [s.draft_depth for s in out.steps],
+                                  [s.accepted for s in out.steps], [s.committed for s in out.steps],
+                                  out.tokens if check.kind != "identical" else None)
+    return PromptRecord(index, prompt.dataset, prompt.id, len(ids),
+                        GreedyReference(len(ref.tokens), ref.wall_s, ref.tokens),
+                        TeacherForced(len(drafts), draft_hits(drafts, ref.tokens)), methods)
