@@ -2,6 +2,7 @@
 
     python benchmarks/eval_speed.py                  # on a GPU host: SmolLM2-135M-shaped random target
     python benchmarks/eval_speed.py --tiny           # CPU smoke run: a tiny random target, uncompiled static path
+    python benchmarks/eval_speed.py --capacity 1408 --prompt-len 300 --dtype bfloat16 --profile   # as the evaluation
 
 Builds a random Llama with SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, 3 key/value heads, MLP 1536,
 vocab 49152, tied embeddings; nothing is downloaded) and a random EAGLE-3 drafter of matching dims. Random
@@ -112,6 +113,23 @@ def warm_widths(target: StaticTargetRunner, runner: StaticDrafterRunner, widths:
     runner.reset()
 
 
+def profile_decode(name: str, decode, device: str, rows: int = 15) -> None:
+    """torch.profiler over one decode: the ops that take the most host time, and (on CUDA) the most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        out = decode()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    print(f"profile {name}: {len(out.steps)} rounds, {len(out.tokens)} tokens; top ops by host time")
+    print(table.table(sort_by="self_cpu_time_total", row_limit=rows))
+    if device == "cuda":
+        print(f"profile {name}: top ops by device time")
+        print(table.table(sort_by="self_cuda_time_total", row_limit=rows))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny target on CPU (a smoke run of this script)")
@@ -119,22 +137,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens (a repeated 4-token phrase)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per figure (best is printed)")
     parser.add_argument("--widths", default="1,4,8", help="forward widths compiled before timing (eval adds 64)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="target and drafter dtype (the evaluation's evaluate.dtype; it defaults to float32)")
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="static cache entries (default prompt + new tokens + 128; the evaluation sizes it for "
+                             "its longest prompt, e.g. ~1,400 for the 160 prompts of smollm2-quality)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, print torch.profiler tables (host and device time per op) of one "
+                             "chain-3-oracle and one tree-5-4-8-oracle decode: where a round's time goes")
     args = parser.parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    model, drafter, d2t, aux_ids = build(TINY if args.tiny else SMOLLM2, device, torch.float32,
+    model, drafter, d2t, aux_ids = build(TINY if args.tiny else SMOLLM2, device, getattr(torch, args.dtype),
                                          256 if args.tiny else 16384)
     settings = CompileSettings(enabled=device == "cuda", mode="reduce-overhead", fallback=True)
     prompt = ([11, 12, 13, 14] * args.prompt_len)[: args.prompt_len]
     n = args.new_tokens
-    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}")
+    capacity = args.capacity or args.prompt_len + n + 128
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+          f"{args.dtype}; static cache {capacity} entries")
 
     eager = TargetRunner(model, aux_ids)
     greedy_decode(eager, prompt, 4)
     eager_s, reference = timed(lambda: greedy_decode(eager, prompt, n), 1 if device == "cuda" else args.repeats)
     print(f"greedy_eager_tok_s: {n / eager_s:.1f}")
 
-    target = StaticTargetRunner(model, aux_ids, capacity=args.prompt_len + n + 128, compile_settings=settings)
-    runner = StaticDrafterRunner(drafter, d2t, capacity=args.prompt_len + n + 128, compile_settings=settings)
+    target = StaticTargetRunner(model, aux_ids, capacity=capacity, compile_settings=settings)
+    runner = StaticDrafterRunner(drafter, d2t, capacity=capacity, compile_settings=settings)
     start = time.perf_counter()
     warm_widths(target, runner, [int(w) for w in args.widths.split(",")])
     print(f"warmup_total_s: {time.perf_counter() - start:.1f}")
@@ -168,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     kinds = [check_lossless(reference, out.tokens, 1e-3).kind for _, out in results]
     print(f"lossless_identical: {kinds.count('identical')} of {len(kinds)} (near_tie {kinds.count('near_tie')}, "
           f"mismatch {kinds.count('mismatch')}; outputs vs the eager greedy reference)")
+    if args.profile:
+        for name in ("chain-3-oracle", "tree-5-4-8-oracle"):
+            profile_decode(name, lambda: speculative_decode(target, methods[name](), prompt, n), device)
     if device == "cuda":
         from torch._dynamo.utils import counters
 
