@@ -278,6 +278,8 @@ class StaticDrafterRunner(DrafterRunner):
             for t in (*self.weights, self.inv_freq):
                 torch._dynamo.mark_static_address(t)
         self.step_fn = CompiledStep(self._rows_step, compile_settings, self.device)
+        self._settings = compile_settings
+        self._chains: dict[int, CompiledStep] = {}  # steps -> the whole chain round as one compiled function
 
     def _allocate(self, capacity: int) -> None:
         dims = self.drafter.dims
@@ -317,6 +319,35 @@ class StaticDrafterRunner(DrafterRunner):
                                               enable_gqa=True)  # [1, nH, w, hd]
         out, logits = step_outputs(self.weights, hidden[None], attn, dims.rms_norm_eps)  # [1, w, H], [1, w, Vd]
         return out[0], logits[0]
+
+    def _chain_rows(self, hidden: Tensor, logits: Tensor, committed: Tensor, steps: int) -> tuple[Tensor]:
+        """The chain round on the device: hidden [1, H] and logits [Vd] of the root, committed long [1] ->
+        draft tokens [steps] (target ids). Draft j >= 1 feeds step j-1's output and token at position
+        committed - 1 + j, writes entry committed + j - 1 and sees every entry up to it (the committed ones and
+        its chain ancestors: what ``draft`` builds from an all-True ancestor row). No host read inside."""
+        tokens = []
+        for j in range(1, steps + 1):
+            token = self.to_target_ids(logits.argmax(-1, keepdim=True))  # [1]
+            tokens.append(token)
+            if j < steps:
+                write = committed + (j - 1)  # [1]
+                visible = (self._key_index <= write)[None, :]  # [1, L]
+                hidden, rows = self._rows_step(hidden, token, committed - 1 + j, write, visible)  # [1, H], [1, Vd]
+                logits = rows[0]
+        return (torch.cat(tokens),)
+
+    @torch.no_grad()
+    def chain(self, hidden: Tensor, logits: Tensor, steps: int) -> Tensor:
+        """A whole chain round in one call (one CUDA graph when compiled): the ``steps`` draft tokens below the root
+        (out [1, H], logits [Vd] at the last committed index), as ``steps - 1`` calls of ``draft`` would give them."""
+        self._reserve(self.num_committed + steps)
+        if steps not in self._chains:
+            self._chains[steps] = CompiledStep(lambda h, lg, c: self._chain_rows(h, lg, c, steps), self._settings,
+                                               self.device)
+        committed = self._key_index[self.num_committed:self.num_committed + 1]  # [1] on the device: no copy
+        (tokens,) = self._chains[steps](hidden, logits, committed)
+        self._num_entries = self.num_committed + steps - 1
+        return tokens
 
     def _call(self, hidden: Tensor, tokens: Tensor, positions: Tensor, at: int, num: int,
               visible: Tensor) -> tuple[Tensor, Tensor]:

@@ -176,6 +176,8 @@ class EagleProposer:
 
     def _chain(self) -> DraftTree:
         hidden, logits = self._root
+        if hasattr(self.runner, "chain"):  # the static runner drafts the whole chain in one (compiled) call
+            return DraftTree.chain(self.runner.chain(hidden, logits, self.steps).tolist())  # one device sync
         root_position = self.runner.num_committed - 1
         tokens = []
         for j in range(1, self.steps + 1):

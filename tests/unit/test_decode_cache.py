@@ -164,3 +164,34 @@ def test_eval_speed_benchmark_tiny_run_is_lossless(capsys):
     printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line)
     assert printed["lossless_identical"].startswith("7 of 7") and float(printed["greedy_static_tok_s"]) > 0
     assert float(printed["chain-3-oracle_round_ms"].split()[0]) > 0
+
+
+@pytest.mark.parametrize("settings", [CompileSettings(), COMPILED], ids=["uncompiled", "compiled"])
+def test_static_chain_round_in_one_call_equals_step_by_step_drafts(setup, settings):
+    """StaticDrafterRunner.chain (one call per round) proposes the tokens and leaves the cache entries that
+    steps - 1 calls of draft give, after extends at several lengths, also through torch.compile."""
+    drafter, d2t = setup["drafter"], setup["d2t"]
+    fused, stepwise = (StaticDrafterRunner(drafter, d2t, capacity=64, compile_settings=settings) for _ in range(2))
+    gen = torch.Generator().manual_seed(5)
+    aux, ids = torch.randn(30, 192, generator=gen, dtype=torch.float64), torch.randint(0, 300, (30,), generator=gen)
+    for stop in (5, 17, 30):
+        for runner in (fused, stepwise):
+            runner.reset()
+            out, logits = runner.extend(aux[:stop], ids[:stop].tolist(), 0)
+        root = (out[-1:], logits[-1])
+        for steps in (1, 3, 7):
+            fused_tokens = fused.chain(*root, steps).tolist()
+            tokens, (hidden, level) = [], root
+            for j in range(1, steps + 1):
+                token = stepwise.to_target_ids(level.argmax(-1, keepdim=True))
+                tokens.append(int(token))
+                if j < steps:
+                    hidden, rows = stepwise.draft(hidden, token, stop - 1 + j,
+                                                  torch.ones(1, stepwise.num_draft_entries + 1, dtype=torch.bool))
+                    level = rows[0]
+            assert fused_tokens == tokens, (stop, steps)
+            assert fused.num_draft_entries == stepwise.num_draft_entries == steps - 1
+            end = stop + steps - 1
+            torch.testing.assert_close(fused.keys[:, :, :end], stepwise.keys[:, :, :end], rtol=0, atol=0)
+            stepwise._num_entries = stepwise.num_committed  # drop the round's drafts, as extend would
+            fused._num_entries = fused.num_committed
