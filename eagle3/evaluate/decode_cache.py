@@ -280,6 +280,7 @@ class StaticDrafterRunner(DrafterRunner):
         self.step_fn = CompiledStep(self._rows_step, compile_settings, self.device)
         self._settings = compile_settings
         self._chains: dict[int, CompiledStep] = {}  # steps -> the whole chain round as one compiled function
+        self._trees: dict[tuple[int, int, int], CompiledStep] = {}  # (steps, topk, size) -> the tree round
 
     def _allocate(self, capacity: int) -> None:
         dims = self.drafter.dims
@@ -348,6 +349,23 @@ class StaticDrafterRunner(DrafterRunner):
         (tokens,) = self._chains[steps](hidden, logits, committed)
         self._num_entries = self.num_committed + steps - 1
         return tokens
+
+    @torch.no_grad()
+    def tree(self, hidden: Tensor, logits: Tensor, steps: int, topk: int, size: int) -> tuple[Tensor, Tensor]:
+        """A whole tree round in one call (eagle3/evaluate/tree_draft.py): (tokens [size], parents [size]) of the
+        ``size`` best nodes, as EagleProposer's host-built tree would give them."""
+        from eagle3.evaluate.tree_draft import tree_rows
+
+        width = bucket(topk)
+        self._reserve(self.num_committed + (steps - 1) * topk + width)
+        key = (steps, topk, size)
+        if key not in self._trees:
+            self._trees[key] = CompiledStep(
+                lambda h, lg, c: tree_rows(self, h, lg, c, steps, topk, size, width), self._settings, self.device)
+        committed = self._key_index[self.num_committed:self.num_committed + 1]  # [1] on the device: no copy
+        tokens, parents = self._trees[key](hidden, logits, committed)
+        self._num_entries = self.num_committed + (steps - 1) * topk
+        return tokens, parents
 
     def _call(self, hidden: Tensor, tokens: Tensor, positions: Tensor, at: int, num: int,
               visible: Tensor) -> tuple[Tensor, Tensor]:

@@ -202,6 +202,10 @@ class EagleProposer:
 
     def _tree(self) -> DraftTree:
         root_hidden, root_logits = self._root
+        if hasattr(self.runner, "tree"):  # the static runner builds the tree on the device in one call
+            tokens, parents = self.runner.tree(root_hidden, root_logits, self.steps, self.topk,
+                                               self.num_draft_tokens - 1)
+            return DraftTree(tokens.tolist(), parents.tolist())
         root_position = self.runner.num_committed - 1
         nodes: list[_Node] = []
         frontier = self._children(nodes, [-1], root_logits[None], 1)

@@ -195,3 +195,35 @@ def test_static_chain_round_in_one_call_equals_step_by_step_drafts(setup, settin
             torch.testing.assert_close(fused.keys[:, :, :end], stepwise.keys[:, :, :end], rtol=0, atol=0)
             stepwise._num_entries = stepwise.num_committed  # drop the round's drafts, as extend would
             fused._num_entries = fused.num_committed
+
+
+class HostTreeRunner(StaticDrafterRunner):
+    """The static runner without its device-side tree: EagleProposer builds the tree on the host, level by level."""
+
+    @property
+    def tree(self):
+        raise AttributeError("tree: this runner makes EagleProposer build its tree on the host")
+
+
+@pytest.mark.parametrize("settings", [CompileSettings(), COMPILED], ids=["uncompiled", "compiled"])
+def test_static_tree_round_built_on_the_device_equals_the_host_tree(setup, settings):
+    """StaticDrafterRunner.tree (one call per round, on the device) proposes the tree the host builds level by level
+    (tokens and parents) and writes the same draft entries, for several shapes and context lengths (some keeping
+    every proposed node, so the frontier choice shows), also through torch.compile."""
+    drafter, d2t = setup["drafter"], setup["d2t"]
+    device_runner = StaticDrafterRunner(drafter, d2t, capacity=64, compile_settings=settings)
+    host_runner = HostTreeRunner(drafter, d2t, capacity=64)
+    gen = torch.Generator().manual_seed(7)
+    aux, ids = torch.randn(30, 192, generator=gen, dtype=torch.float64), torch.randint(0, 300, (30,), generator=gen)
+    for steps, topk, num_tokens in ((3, 3, 7), (5, 4, 8), (3, 3, 1 + 3 + 2 * 9), (4, 2, 1 + 2 + 3 * 4), (1, 3, 3)):
+        device_side = EagleProposer(drafter, d2t, steps, topk, num_tokens, runner=device_runner)
+        host_side = EagleProposer(drafter, d2t, steps, topk, num_tokens, runner=host_runner)
+        for stop in (6, 19, 30):
+            for proposer in (device_side, host_side):
+                proposer.reset()
+                proposer.observe(aux[:stop], ids[:stop].tolist(), 0)
+            got, expected = device_side.propose([]), host_side.propose([])
+            assert got == expected, (steps, topk, num_tokens, stop)
+            end = stop + (steps - 1) * topk
+            assert device_runner.num_draft_entries == host_runner.num_draft_entries == end - stop
+            torch.testing.assert_close(device_runner.keys[:, :, :end], host_runner.keys[:, :, :end], rtol=0, atol=0)
