@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args
 from prefect import flow, get_run_logger
 
 from eagle3.config import RunConfig, load_config
-from flows.pipeline import PresetName, guard_crash_loop
+from flows.common import PresetName, guard_crash_loop
 from tasks.deploy import benchmark_server_task, evaluate_task, export_task, prepare_serving_task, report_task
 
 DeployStep = Literal["export", "evaluate", "benchmark"]
