@@ -10,7 +10,7 @@
   `eagle3-heartbeat-missing` marks a run Crashed when no heartbeat arrived within 3 heartbeat
   periods; `eagle3-retry-crashed` puts a Crashed run of a deployment tagged `eagle3` back to
   AwaitingRetry, so a live worker picks the same run up again and completed stages are skipped
-  from their manifests. The flows refuse to loop forever (run_count guard in flows/pipeline.py).
+  from their manifests. The flows refuse to loop forever (run_count guard in flows/common.py).
 """
 
 from __future__ import annotations

@@ -26,8 +26,7 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, load_config
-from flows.common import run_slices
-from flows.pipeline import PresetName, guard_crash_loop
+from flows.common import PresetName, guard_crash_loop, run_slices
 from tasks.artifacts import artifact_key, publish_table
 from tasks.capture import capture_shard_task, finalize_capture_task, prepare_capture_task
 

@@ -1,5 +1,6 @@
-"""Flow runs of a deployment, submitted without waiting and then polled: the fan-out that multi-node training
-(flows/train_nodes.py), sliced capture (flows/capture.py) and sliced regeneration (flows/regenerate.py) share.
+"""What the flows share: the preset parameter type and the crash-loop guard every flow starts with, and the fan-out
+that multi-node training (flows/train_nodes.py), sliced capture (flows/capture.py) and sliced regeneration
+(flows/regenerate.py) share: flow runs of a deployment, submitted without waiting and then polled.
 
 `run_deployment(..., timeout=0)` returns as soon as the run is scheduled, so a parent can hand N runs to N
 workers at once; the parent then polls their states (a flow run's state lives on the server, so a run whose
@@ -11,15 +12,29 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 from uuid import UUID
 
 from pydantic import BaseModel
+
+from eagle3.config import list_presets
+
+PresetName = Literal[tuple(list_presets())]  # type: ignore[valid-type]
+"""A flow's ``preset`` parameter: one of the presets in configs/ (the UI shows them as a drop-down)."""
+MAX_CRASH_RETRIES = 3
 
 MAX_SLICE_ROUNDS = 3
 """Submissions of one slice in all (the first and two more after a Crashed or Failed run)."""
 RESUBMIT_STATES = ("CRASHED", "FAILED")
 """Endings after which a slice is submitted again (a lost host, an error); Cancelled stops the fan-out."""
+
+
+def guard_crash_loop() -> None:
+    """Refuse to run again after MAX_CRASH_RETRIES automatic restarts (an OOM every time, say)."""
+    from prefect.runtime import flow_run
+
+    if flow_run.run_count > MAX_CRASH_RETRIES:
+        raise RuntimeError(f"flow run restarted {flow_run.run_count} times; refusing to loop (see its logs)")
 
 
 def submit_run(deployment: str, parameters: dict[str, Any], name: str) -> UUID:

@@ -17,12 +17,12 @@ from typing import Any, Literal, get_args
 from prefect import flow, get_run_logger
 
 from eagle3.config import RunConfig, load_config
-from flows.pipeline import PresetName, guard_crash_loop
+from eagle3.deploy import NOT_ENABLED
+from flows.common import PresetName, guard_crash_loop
 from tasks.deploy import benchmark_server_task, evaluate_task, export_task, prepare_serving_task, report_task
 
 DeployStep = Literal["export", "evaluate", "benchmark"]
 ALL_STEPS: tuple[str, ...] = get_args(DeployStep)
-NOT_ENABLED = "serve.enabled is false: no GPU host with SGLang configured, so no server was started"
 
 
 def run_benchmarks(cfg: RunConfig) -> dict[str, Any]:

@@ -17,14 +17,13 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from eagle3.config import RunConfig, list_presets, load_config
+from eagle3.config import RunConfig, load_config
 from eagle3.run.stages import synthetic_sources
+from flows.common import PresetName, guard_crash_loop
 from flows.report import render_run_report
 from tasks.artifacts import artifact_key
 from tasks.data import merge_task, regenerate_task, synthesize_task, target_check_task, tokenize_task, vocab_task
 
-PresetName = Literal[tuple(list_presets())]  # type: ignore[valid-type]
-MAX_CRASH_RETRIES = 3
 
 
 def _call_stage(task, cfg: RunConfig, stage: str, force: bool) -> dict[str, Any]:
@@ -41,12 +40,6 @@ def _call_stage(task, cfg: RunConfig, stage: str, force: bool) -> dict[str, Any]
     result = dict(state.result())
     result["computed"] = bool(result.get("computed")) and state.name != "Cached"
     return result
-
-
-def guard_crash_loop() -> None:
-    """Refuse to run again after MAX_CRASH_RETRIES automatic restarts (an OOM every time, say)."""
-    if flow_run.run_count > MAX_CRASH_RETRIES:
-        raise RuntimeError(f"flow run restarted {flow_run.run_count} times; refusing to loop (see its logs)")
 
 
 def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 from prefect import flow
 
 from eagle3.config import RunConfig, load_config
-from flows.pipeline import PresetName, guard_crash_loop
+from flows.common import PresetName, guard_crash_loop
 from flows.train_nodes import train_nodes
 from tasks.train import train_task
 

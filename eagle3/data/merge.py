@@ -11,7 +11,9 @@ A synthetic source is read from the file the synthesize stage wrote (eagle3.data
 ``data.eval_overlap`` every record of every source is checked against the evaluation prompts
 (eagle3.data.textcheck.EvalOverlap) and rejected as ``eval_overlap`` when it holds one or a near-copy.
 
-    python -m eagle3.data.merge --preset tiny --set data.val_fraction=0.1
+The stage step (key, manifest, skip) is eagle3.run.stages.run_merge, which calls ``merge_sources``:
+
+    python -m eagle3.run.stages merge --preset tiny --set data.val_fraction=0.1
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import random
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,12 +292,3 @@ def read_merged(path: Path | str) -> list[dict[str, Any]]:
     """Rows of merged.parquet as dicts (messages as a list of {'role', 'content'} dicts), in file order."""
     return pq.read_table(path).to_pylist()
 
-
-def main(argv: list[str] | None = None) -> None:
-    """python -m eagle3.data.merge --preset NAME [--set ...] [--force]: the same as `python -m eagle3.run.stages merge`."""
-    from eagle3.run.stages import main as stages_main
-
-    stages_main(["merge", *(sys.argv[1:] if argv is None else argv)])
-
-if __name__ == "__main__":
-    main()

@@ -13,6 +13,7 @@ from eagle3.config import DataConfig, SourceConfig
 from eagle3.data import merge
 from eagle3.data.merge import MERGED_SCHEMA, content_hash, merge_sources, read_merged, split_for
 from eagle3.data.sources import Conversation, SourceError, read_source
+from eagle3.run import stages
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 MIXED = ASSETS / "bad" / "mixed_openai.jsonl"
@@ -162,14 +163,14 @@ def test_bad_source_lists_fail_before_writing(tmp_path, sources, needle):
 
 
 def test_cli_merges_a_preset_and_skips_when_up_to_date(tmp_path, capsys):
-    """python -m eagle3.data.merge writes data/ and a manifest; a second run finds it complete."""
+    """python -m eagle3.run.stages merge writes data/ and a manifest; a second run finds it complete."""
     preset = tmp_path / "p.yaml"
     preset.write_text(f"run: {{workdir: {tmp_path}, name: r}}\n"
                       f"data: {{sources: [{{name: tiny, path: 'pkg://eagle3/assets/tiny_chats.jsonl'}}]}}\n")
-    merge.main(["--preset", str(preset), "--set", "data.val_fraction=0.5"])
+    stages.main(["merge", "--preset", str(preset), "--set", "data.val_fraction=0.5"])
     first = json.loads(capsys.readouterr().out)
     assert first["computed"] and first["stats"]["total"]["kept"] == 60
     assert 10 < first["stats"]["total"]["val"] < 50
-    merge.main(["--preset", str(preset), "--set", "data.val_fraction=0.5"])
+    stages.main(["merge", "--preset", str(preset), "--set", "data.val_fraction=0.5"])
     assert json.loads(capsys.readouterr().out)["computed"] is False
     assert (tmp_path / "r" / "data" / "merged.parquet").is_file()

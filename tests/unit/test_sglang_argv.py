@@ -145,7 +145,7 @@ def test_non_loopback_host_is_refused_unless_allowed_and_then_needs_a_key(host):
 def test_deploy_config_refuses_a_public_host_unless_allowed():
     """serve.host 0.0.0.0 fails at spec building; serve.allow_remote_host lets it through (with the run's key)."""
     from eagle3.config import RunConfig
-    from tasks.deploy import server_specs
+    from eagle3.deploy import server_specs
 
     cfg = RunConfig()
     public = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"host": "0.0.0.0"})})
@@ -309,7 +309,7 @@ def test_sglang_parses_the_pair_to_settings_that_differ_only_in_speculative_fiel
 def test_deploy_config_builds_a_pair_sglang_accepts(sglang_parser, tmp_path):
     """The deploy flow's specs from the default serve config parse in SGLang with the documented flags."""
     from eagle3.config import RunConfig
-    from tasks.deploy import server_specs
+    from eagle3.deploy import server_specs
 
     baseline, speculative = server_specs(RunConfig(), "/models/target", "/runs/r/export/sglang", api_key="k")
     args = _sglang_args(sglang_parser, _args_of(speculative, tmp_path))

@@ -1,0 +1,94 @@
+"""The deploy stage without Prefect: `python -m eagle3.deploy` against the FAKE SGLang server.
+
+serve.launch_module points at tests/fakes/sglang_server.py (a test double, not SGLang), so the stage
+launches, probes and kills real processes while the figures are the fake's inventions; a scripted clock
+(tests/fakes/clock.py) makes them exact. The stage runs in a child process in which importing prefect fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import RunConfig, save_config
+from infra.process import free_port, group_alive, port_in_use
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE = "tests.fakes.sglang_server"
+WITHOUT_PREFECT = """
+import sys
+sys.modules["prefect"] = None  # any `import prefect` (or of a submodule) now raises ImportError
+import infra.sglang_bench
+from tests.fakes.clock import FakeClock
+infra.sglang_bench.clock = FakeClock(0.01)  # a level of 8 requests lasts 3 x 8 + 1 ticks
+from eagle3.deploy import main
+main(sys.argv[1:])
+"""
+
+
+def _two_free_ports() -> int:
+    for _ in range(20):
+        port = free_port()
+        if port < 65535 and not port_in_use("127.0.0.1", port + 1):
+            return port
+    raise RuntimeError("no two adjacent free ports")
+
+
+@pytest.fixture
+def config_file(tmp_path) -> Path:
+    """<run>/config.json of a run with a real tiny SGLang export, served by the fake on two free ports."""
+    from tests.unit.test_export import sglang_export
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"hidden_size": 16, "num_hidden_layers": 8, "vocab_size": 256,
+                                                    "architectures": ["LlamaForCausalLM"]}))
+    sglang_export(tmp_path / "dep" / "export")  # deploy runs the export's strict check on <run>/export/sglang
+    cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "dep"}, "serve": {
+        "enabled": True, "model_path": str(target), "python": sys.executable, "launch_module": FAKE,
+        "port": _two_free_ports(), "api_key_env": None, "concurrency_levels": [1, 4], "num_prompts": 8,
+        "max_new_tokens": 16, "num_warmup": 2, "max_running_requests": 8, "cuda_graph_max_bs_decode": 8,
+        "startup_timeout_s": 30, "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"]}})
+    return save_config(cfg, cfg.run_dir / "config.json")
+
+
+def _run_stage(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", WITHOUT_PREFECT, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_deploy_stage_runs_without_prefect_against_the_fake_server(config_file):
+    """With prefect unimportable, the stage benchmarks both fake servers, writes the golden figures, stops both."""
+    proc = _run_stage("--config", str(config_file))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    printed = json.loads(proc.stdout[proc.stdout.index("\n{") + 1:])  # the report's markdown, then the JSON
+    out = config_file.parent / "deploy"
+    assert printed["results"] == str(out / "results.json") and printed["report"] == str(out / "report.md")
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["valid"] and doc["comparison"] == printed["comparison"]
+    assert [row["concurrency"] for row in doc["comparison"]] == [1, 4]
+    for row in doc["comparison"]:
+        assert row["accept_length"] == pytest.approx(16 / 7)  # ceil(16 / 2.5) = 7 verify steps per request
+        assert [row["baseline_tok_per_s"], row["speculative_tok_per_s"]] == pytest.approx([8 * 16 / 0.25] * 2)
+        assert row["speedup"] == pytest.approx(1.0)
+    for role in ("baseline", "speculative"):
+        assert doc[role]["role"] == role and not group_alive(doc[role]["pid"])
+        assert "a test double, not SGLang" in Path(doc[role]["log"]).read_text()
+    report = (out / "report.md").read_text()
+    assert "not SGLang measurements" in report and report in proc.stdout
+    port = json.loads(config_file.read_text())["serve"]["port"]
+    assert not port_in_use("127.0.0.1", port) and not port_in_use("127.0.0.1", port + 1)
+
+
+def test_deploy_stage_refuses_a_run_without_a_serving_host(tmp_path):
+    """serve.enabled false: the command exits 2 naming the setting, starts nothing and writes nothing."""
+    cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "off"}})
+    proc = _run_stage("--config", str(save_config(cfg, cfg.run_dir / "config.json")))
+    assert proc.returncode == 2 and "serve.enabled is false" in proc.stderr
+    assert not (cfg.run_dir / "deploy").exists()
