@@ -50,7 +50,8 @@ from eagle3.config import CaptureConfig
 from eagle3.features.fp8 import fp8_error
 from eagle3.features.hf_backend import HFCaptureBackend, resolve_device
 from eagle3.features.plan import plan_shards
-from eagle3.features.shards import shard_path, write_shard
+from eagle3.features.shards.layout import shard_path
+from eagle3.features.shards.writer import write_shard
 from eagle3.features.spec import FeatureSpec, SampleTokens
 from eagle3.features.writers import WriteOptions, WriteStats, capture_and_write
 from infra.storage import atomic_write_json
@@ -258,7 +259,7 @@ def _time_capture(backend: HFCaptureBackend, spec: FeatureSpec, shards: list[lis
     total_s = time.perf_counter() - start
     num_bytes = sum(p.stat().st_size for p in out.iterdir() if p.name.startswith("shard-"))
     return {"total_s": total_s, "num_bytes": num_bytes, "wait_s": stats.wait_s,
-            "peak_queued_bytes": stats.peak_queued_bytes, "sha256": [d["sha256"] for d in docs]}
+            "peak_queued_bytes": stats.peak_queued_bytes, "sha256": [d.sha256 for d in docs]}
 
 
 def _disk_probe(out: Path, num_bytes: int) -> float:

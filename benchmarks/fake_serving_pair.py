@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 
 from infra.sglang_bench import BenchSettings, MeasurementError, compare, fixed_prompts, run_benchmark
-from tests.fakes.sglang_server import FakeServing, FakeSGLangServer, LaunchArgs
+from tests.fakes.sglang_model import FakeServing, LaunchArgs
+from tests.fakes.sglang_server import FakeSGLangServer
 
 SPEC_FLAGS = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/d", speculative_num_steps=3,
                   speculative_eagle_topk=1, speculative_num_draft_tokens=4)

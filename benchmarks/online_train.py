@@ -29,7 +29,7 @@ from benchmarks.shapes import LLAMA31_8B, SMOLLM2_135M
 from eagle3.config import apply_overrides, validate_config
 from eagle3.features.hf_backend import HFCaptureBackend
 from eagle3.features.plan import plan_shards
-from eagle3.features.shards import shard_path
+from eagle3.features.shards.layout import shard_path
 from eagle3.features.spec import FeatureSpec, SampleTokens
 from eagle3.features.writers import capture_and_write
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter

@@ -139,7 +139,8 @@ def run_capture_slices(cfg: RunConfig, summary: dict[str, Any], poll_s: float = 
 def _watch_disk(cfg: RunConfig, pending: list[int], progress: CaptureProgress) -> Callable[[], None]:
     """A poll that counts each pending shard into ``progress`` once its done file (written last) appears."""
     from eagle3.features.capture import features_dir
-    from eagle3.features.shards import done_path_for, read_done, shard_path
+    from eagle3.features.shards.done import read_done
+    from eagle3.features.shards.layout import done_path_for, shard_path
 
     fdir, left = features_dir(cfg), set(pending)
 
@@ -148,7 +149,7 @@ def _watch_disk(cfg: RunConfig, pending: list[int], progress: CaptureProgress) -
             doc = read_done(done_path_for(shard_path(fdir, index)))
             if doc is not None:
                 left.discard(index)
-                progress.shard_done(doc)
+                progress.shard_done(doc.to_json())
     return poll
 
 

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3.features.shards.done import ShardDone
+from eagle3.features.shards.layout import done_path_for, shard_path
 from eagle3.run.stage import read_manifest
 from infra.locks import LOCK_FILE, read_holder
 from infra.storage import sha256_file
@@ -75,16 +77,16 @@ def check_shards(run_dir: Path) -> Check:
     planned = {s["index"]: s["sample_ids"] for s in plan["shards"]}
     problems, ids = [], Counter()
     for index, plan_ids in planned.items():
-        st, done = fdir / f"shard-{index:05d}.safetensors", fdir / f"shard-{index:05d}.done.json"
+        st, done = shard_path(fdir, index), done_path_for(shard_path(fdir, index))
         if not st.is_file() or not done.is_file():
             problems.append(f"shard {index} lost")
             continue
-        doc = json.loads(done.read_text())
-        if sha256_file(st) != doc["sha256"] or st.stat().st_size != doc["num_bytes"]:
+        doc = ShardDone.from_json(json.loads(done.read_text()))
+        if sha256_file(st) != doc.sha256 or st.stat().st_size != doc.num_bytes:
             problems.append(f"shard {index} corrupt (sha256/size differ from its done file)")
-        if doc["sample_ids"] != plan_ids or _shard_header_ids(st) != plan_ids:
+        if doc.sample_ids != plan_ids or _shard_header_ids(st) != plan_ids:
             problems.append(f"shard {index} holds other samples than planned")
-        ids.update(doc["sample_ids"])
+        ids.update(doc.sample_ids)
     extra = sorted(p.name for p in fdir.glob("shard-*") if int(p.name[6:11]) not in planned)
     plan_ids = Counter(i for s in plan["shards"] for i in s["sample_ids"])
     dupes = sorted(i for i, n in ids.items() if n > 1)

@@ -27,16 +27,8 @@ from typing import Any
 
 from eagle3.config import RunConfig
 from eagle3.features.plan import PLAN_FILE, CapturePlan, ShardPlan, build_plan, check_disk, preflight_bytes
-from eagle3.features.shards import (
-    SHARD_RE,
-    complete_shards,
-    done_path_for,
-    read_done,
-    shard_is_complete,
-    shard_path,
-    shard_stem,
-    spec_hash,
-)
+from eagle3.features.shards.done import ShardDone, complete_shards, read_done, shard_is_complete
+from eagle3.features.shards.layout import SHARD_RE, done_path_for, shard_path, shard_stem, spec_hash
 from eagle3.features.spec import CaptureBackend, FeatureSpec, SampleTokens
 from eagle3.features.writers import WriteOptions, WriteStats, capture_and_write
 from eagle3.run.progress import Progress, ProgressFn
@@ -124,10 +116,10 @@ def save_or_check_spec(fdir: Path, spec: FeatureSpec) -> None:
     spec.save(path)
 
 
-def _shard_matches(doc: dict[str, Any] | None, shard: ShardPlan, fdir: Path, expected_hash: str) -> bool:
+def _shard_matches(doc: ShardDone | None, shard: ShardPlan, fdir: Path, expected_hash: str) -> bool:
     """The shard on disk is complete and holds exactly the planned samples."""
-    return (shard_is_complete(shard_path(fdir, shard.index), doc, expected_hash)
-            and doc["sample_ids"] == shard.sample_ids and doc["num_tokens"] == shard.num_tokens)
+    return (doc is not None and shard_is_complete(shard_path(fdir, shard.index), doc, expected_hash)
+            and doc.sample_ids == shard.sample_ids and doc.num_tokens == shard.num_tokens)
 
 
 def _remove_stale(fdir: Path, plan: CapturePlan, expected_hash: str) -> list[str]:
@@ -229,8 +221,8 @@ def capture_shard(cfg: RunConfig, shard_index: int, backend: CaptureBackend | No
     path = shard_path(fdir, shard_index)
     doc = read_done(done_path_for(path))
     if _shard_matches(doc, shard, fdir, spec_hash(spec)):
-        return {"shard": shard_index, "computed": False, "num_tokens": doc["num_tokens"],
-                "num_bytes": doc["num_bytes"], "elapsed_s": 0.0, "tokens_per_s": 0.0}
+        return {"shard": shard_index, "computed": False, "num_tokens": doc.num_tokens,
+                "num_bytes": doc.num_bytes, "elapsed_s": 0.0, "tokens_per_s": 0.0}
     tokenized, manifest = _tokenized(cfg)
     if _tokenized_key(manifest) != plan.tokenized_key:
         raise ValueError(f"tokenized data changed since {fdir / PLAN_FILE} was written; run prepare_capture again")
@@ -247,22 +239,22 @@ def capture_shard(cfg: RunConfig, shard_index: int, backend: CaptureBackend | No
         if own:
             backend.close()
     elapsed_s = time.perf_counter() - start
-    return {"shard": shard_index, "computed": True, "num_tokens": doc["num_tokens"], "num_bytes": doc["num_bytes"],
-            "elapsed_s": round(elapsed_s, 3), "tokens_per_s": round(doc["num_tokens"] / max(elapsed_s, 1e-9), 1)}
+    return {"shard": shard_index, "computed": True, "num_tokens": doc.num_tokens, "num_bytes": doc.num_bytes,
+            "elapsed_s": round(elapsed_s, 3), "tokens_per_s": round(doc.num_tokens / max(elapsed_s, 1e-9), 1)}
 
 
-def _incomplete(fdir: Path, spec: FeatureSpec, plan: CapturePlan) -> tuple[list[int], dict[int, dict]]:
+def _incomplete(fdir: Path, spec: FeatureSpec, plan: CapturePlan) -> tuple[list[int], dict[int, ShardDone]]:
     expected = spec_hash(spec)
     on_disk = complete_shards(fdir, expected)
     missing = [s.index for s in plan.shards if not _shard_matches(on_disk.get(s.index), s, fdir, expected)]
     return missing, on_disk
 
 
-def _stats(spec: FeatureSpec, plan: CapturePlan, docs: list[dict]) -> dict[str, Any]:
-    num_tokens = sum(d["num_tokens"] for d in docs)
-    num_bytes = sum(d["num_bytes"] for d in docs)
-    return {"num_shards": len(docs), "num_samples": sum(d["num_samples"] for d in docs), "num_tokens": num_tokens,
-            "num_loss_tokens": sum(d["num_loss_tokens"] for d in docs), "num_bytes": num_bytes,
+def _stats(spec: FeatureSpec, plan: CapturePlan, docs: list[ShardDone]) -> dict[str, Any]:
+    num_tokens = sum(d.num_tokens for d in docs)
+    num_bytes = sum(d.num_bytes for d in docs)
+    return {"num_shards": len(docs), "num_samples": sum(d.num_samples for d in docs), "num_tokens": num_tokens,
+            "num_loss_tokens": sum(d.num_loss_tokens for d in docs), "num_bytes": num_bytes,
             "bytes_per_token": round(num_bytes / max(num_tokens, 1), 2), "spec_bytes_per_token": spec.bytes_per_token(),
             "spec_hash": spec_hash(spec), "aux_layer_ids": spec.aux_layer_ids, "supervision": spec.supervision,
             "aux_dtype": spec.aux_dtype, "tokens_per_shard": plan.tokens_per_shard}
@@ -312,9 +304,9 @@ def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec,
     with Progress(len(plan.shards), "capture", progress) as bar:
         bar.update(len(plan.shards) - len(pending))  # complete before this run
 
-        def written(doc: dict[str, Any]) -> None:
-            totals["tokens"] += doc["num_tokens"]
-            totals["bytes"] += doc["num_bytes"]
+        def written(doc: ShardDone) -> None:
+            totals["tokens"] += doc.num_tokens
+            totals["bytes"] += doc.num_bytes
             rate = totals["tokens"] / max(time.perf_counter() - start, 1e-9)
             bar.update(1, tokens=totals["tokens"], bytes=totals["bytes"], tokens_per_s=round(rate, 1),
                        eta_s=round((tokens_left - totals["tokens"]) / rate, 1) if rate > 0 else None)

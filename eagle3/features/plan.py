@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3.features.shards import shard_file_bytes
+from eagle3.features.shards.layout import shard_file_bytes
 from eagle3.features.spec import FeatureSpec
 from eagle3.run.slices import split_balanced
 from infra.storage import atomic_write_json, check_free_space

@@ -8,9 +8,9 @@ num_aux * H wide); supervision ``final_hidden`` needs a second pass on ``capture
 H wide), because SGLang does not return the final hidden state in aux mode. The two halves are joined
 by sample id, and both echoes of the prompt must equal the ids we sent.
 
-Every response is checked before it is accepted (``infra.sglang.check_capture_response``): echoed id,
-prompt_tokens, cached_tokens == 0, echoed prompt ids, exactly one prefill block with one row per token,
-row width, all values finite. A failed check, a timeout or a dropped connection retries the sample
+Every response is checked before it is accepted (``sglang_response.parse_response``, over
+``infra.sglang.check_capture_response``): echoed id, prompt_tokens, cached_tokens == 0, echoed prompt
+ids, exactly one prefill block with one row per token, row width, all values finite. A failed check, a timeout or a dropped connection retries the sample
 (bounded, with backoff, preferably on another endpoint; a managed server that died is waited for
 while its supervisor restarts it); when the retries are spent the capture raises ``CaptureError``
 naming the sample and the check. A bad sample is never yielded.
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -45,10 +44,9 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import httpx
-import numpy as np
-import torch
 
 from eagle3.config import RunConfig
+from eagle3.features.sglang_response import ResponsePart, parse_response, to_captured_sample
 from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens
 from infra.gpus import check_gpus_free
 from infra.process import RestartPolicy
@@ -60,21 +58,12 @@ from infra.sglang import (
     ServerSpec,
     auth_headers,
     capture_request_body,
-    check_capture_response,
 )
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Client errors that no retry can fix (bad request, auth, wrong path): fail at once.
 PERMANENT_STATUS = (400, 401, 403, 404, 422)
-
-try:  # orjson parses the huge float arrays several times faster; plain json is the fallback
-    import orjson
-
-    _loads = orjson.loads
-except ImportError:  # pragma: no cover - orjson ships with prefect, but is not our dependency
-    _loads = json.loads
-
 
 class ServerHandle(Protocol):
     """A server we can wait on after it died (infra.sglang.ManagedServer is one)."""
@@ -149,17 +138,6 @@ class _Pass:
     top_logprobs_num: int | None = None
 
 
-@dataclass
-class _Part:
-    """A validated response half: rows and, in the aux pass with top-K supervision, the top-K."""
-
-    rid: str
-    prompt_ids: list[int]
-    rows: np.ndarray
-    topk_ids: np.ndarray | None = None
-    topk_logprobs: np.ndarray | None = None
-
-
 class SGLangCaptureBackend:
     """CaptureBackend over SGLang servers (several endpoints, or sglang-router replicas, share the work).
 
@@ -215,7 +193,7 @@ class SGLangCaptureBackend:
         try:
             loop.run(session.open())
             for index in range(len(samples)):
-                yield _to_tensors(samples[index], loop.run(session.result(index)))
+                yield to_captured_sample(samples[index], loop.run(session.result(index)))
         finally:
             loop.run(session.aclose())
             loop.close()
@@ -250,7 +228,7 @@ class _Session:
 
     def __init__(self, backend: SGLangCaptureBackend, samples: list[SampleTokens]):
         self.b, self.samples = backend, samples
-        self.tasks: dict[int, asyncio.Task[tuple[_Part, _Part | None]]] = {}
+        self.tasks: dict[int, asyncio.Task[tuple[ResponsePart, ResponsePart | None]]] = {}
         self.client: httpx.AsyncClient | None = None
 
     async def open(self) -> None:
@@ -274,7 +252,7 @@ class _Session:
         if self.client is not None:
             await self.client.aclose()
 
-    async def result(self, index: int) -> tuple[_Part, _Part | None]:
+    async def result(self, index: int) -> tuple[ResponsePart, ResponsePart | None]:
         for i in range(index, min(index + self.window, len(self.samples))):
             if i not in self.tasks:
                 self.tasks[i] = asyncio.create_task(self._capture_one(self.samples[i]))
@@ -305,7 +283,7 @@ class _Session:
             raise CaptureError("-", "server_info", f"GET /server_info answered {resp.status_code}", 1, url)
         return resp.json()
 
-    async def _capture_one(self, sample: SampleTokens) -> tuple[_Part, _Part | None]:
+    async def _capture_one(self, sample: SampleTokens) -> tuple[ResponsePart, ResponsePart | None]:
         passes = [self.aux] + ([self.final] if self.final else [])
         tasks = [asyncio.create_task(self._fetch(p, sample)) for p in passes]
         try:
@@ -318,7 +296,7 @@ class _Session:
         _check_join(sample, parts[0], final)
         return parts[0], final
 
-    async def _fetch(self, p: _Pass, sample: SampleTokens) -> _Part:
+    async def _fetch(self, p: _Pass, sample: SampleTokens) -> ResponsePart:
         """One pass for one sample, retried (bounded) until a response passes every check."""
         avoid: _Endpoint | None = None
         for attempt in range(self.b.max_retries + 1):
@@ -348,7 +326,7 @@ class _Session:
         except Exception as exc:  # the supervisor gave up: nothing left to retry on
             raise CaptureError(sample.id, "server", str(exc), 1, endpoint.url) from exc
 
-    async def _attempt(self, p: _Pass, endpoint: _Endpoint, sample: SampleTokens) -> _Part:
+    async def _attempt(self, p: _Pass, endpoint: _Endpoint, sample: SampleTokens) -> ResponsePart:
         assert self.client is not None
         body = capture_request_body(sample.input_ids, sample.id, top_logprobs_num=p.top_logprobs_num)
         t0 = time.monotonic()
@@ -363,57 +341,12 @@ class _Session:
             raise _Attempt("http_status", f"HTTP {resp.status_code}: {resp.text[:300]}",
                            retryable=resp.status_code not in PERMANENT_STATUS)
         try:
-            return await asyncio.to_thread(_validate, resp.content, sample, p, self.b.spec)
+            return await asyncio.to_thread(parse_response, resp.content, sample, p.width, p.top_logprobs_num,
+                                           self.b.spec.vocab_size)
         except ResponseCheckError as exc:
             raise _Attempt(exc.check, exc.detail) from None
         finally:
             log.debug("sample %s %s pass: %.2f s", sample.id, p.name, time.monotonic() - t0)
-
-
-def _validate(content: bytes, sample: SampleTokens, p: _Pass, spec: FeatureSpec) -> _Part:
-    """Parse and check one response off the event loop (JSON of T x width floats is slow)."""
-    try:
-        body = _loads(content)
-    except ValueError as exc:
-        raise ResponseCheckError("json", f"response is not JSON: {exc}") from None
-    rows = check_capture_response(body, rid=sample.id, input_ids=sample.input_ids, width=p.width)
-    part = _Part(sample.id, list(body["prompt_token_ids"]), rows)
-    if p.top_logprobs_num:
-        part.topk_ids, part.topk_logprobs = check_topk(body["meta_info"], num_tokens=len(sample.input_ids),
-                                                       k=p.top_logprobs_num, vocab_size=spec.vocab_size)
-    return part
-
-
-def check_topk(meta: dict[str, Any], *, num_tokens: int, k: int,
-               vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Top-K of the target's next-token distribution at every prompt position: (ids int32, logprobs fp32) [T, K].
-
-    SGLang's input_top_logprobs[i] is the distribution that predicted token i (entry 0 is None), so
-    position t's own prediction is input_top_logprobs[t + 1]; the last position's is
-    output_top_logprobs[0], the distribution the one generated token was drawn from.
-    """
-    inputs, outputs = meta.get("input_top_logprobs"), meta.get("output_top_logprobs")
-    got = len(inputs) if isinstance(inputs, list) else "no"
-    _require(isinstance(inputs, list) and len(inputs) == num_tokens,
-             f"input_top_logprobs has {got} entries for {num_tokens} tokens")
-    _require(isinstance(outputs, list) and len(outputs) >= 1, "output_top_logprobs is missing or empty")
-    rows = [*inputs[1:], outputs[0]]
-    bad = next((t for t, row in enumerate(rows) if not isinstance(row, list) or len(row) != k), None)
-    _require(bad is None, f"position {bad} has no list of {k} (logprob, token id) entries")
-    try:
-        logprobs = np.asarray([[entry[0] for entry in row] for row in rows], dtype=np.float32)
-        ids = np.asarray([[entry[1] for entry in row] for row in rows], dtype=np.int64)
-    except (TypeError, ValueError, IndexError):
-        raise ResponseCheckError("topk", "a top-K entry is not a (logprob, token id, ...) triple") from None
-    _require(bool(np.isfinite(logprobs).all() and (logprobs <= 1e-4).all()), "top-K logprobs must be finite and <= 0")
-    upper = vocab_size if vocab_size is not None else np.iinfo(np.int32).max
-    _require(bool(((ids >= 0) & (ids < upper)).all()), f"top-K token ids outside [0, {upper})")
-    return ids.astype(np.int32), logprobs
-
-
-def _require(ok: bool, detail: str) -> None:
-    if not ok:
-        raise ResponseCheckError("topk", detail)
 
 
 def _check_aux_server(info: dict[str, Any], spec: FeatureSpec, url: str) -> None:
@@ -430,7 +363,7 @@ def _check_aux_server(info: dict[str, Any], spec: FeatureSpec, url: str) -> None
                            f"{list(spec.aux_layer_ids)}", 1, url)
 
 
-def _check_join(sample: SampleTokens, aux: _Part, final: _Part | None) -> None:
+def _check_join(sample: SampleTokens, aux: ResponsePart, final: ResponsePart | None) -> None:
     """Both halves belong to this sample and saw the same prompt (already checked per pass; cheap to repeat)."""
     if final is None:
         return
@@ -472,20 +405,6 @@ def _gpu_indices(num_gpus: int) -> list[int]:
     """The GPUs a server will use: the first of CUDA_VISIBLE_DEVICES (when numeric), else 0..n-1."""
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip().isdigit()]
     return [int(d) for d in visible[:num_gpus]] if visible else list(range(num_gpus))
-
-
-def _to_tensors(sample: SampleTokens, parts: tuple[_Part, _Part | None]) -> CapturedSample:
-    """numpy float32 -> torch float32; the shard writer casts to the storage dtype."""
-    aux, final = parts
-    return CapturedSample(
-        id=sample.id,
-        input_ids=torch.tensor(sample.input_ids, dtype=torch.long),
-        loss_mask=torch.tensor(sample.loss_mask, dtype=torch.uint8),
-        aux=torch.from_numpy(aux.rows),
-        final=torch.from_numpy(final.rows) if final is not None else None,
-        topk_ids=torch.from_numpy(aux.topk_ids) if aux.topk_ids is not None else None,
-        topk_logprobs=torch.from_numpy(aux.topk_logprobs) if aux.topk_logprobs is not None else None,
-    )
 
 
 _MANAGED_KEYS: dict[str, str] = {}

@@ -24,7 +24,8 @@ from queue import SimpleQueue
 from typing import Any
 
 from eagle3.config import CaptureConfig
-from eagle3.features.shards import ShardStream, ShardWriteError, write_shard
+from eagle3.features.shards.done import ShardDone
+from eagle3.features.shards.writer import ShardStream, ShardWriteError, write_shard
 from eagle3.features.spec import CaptureBackend, CapturedSample, FeatureSpec, SampleTokens
 
 
@@ -110,7 +111,7 @@ class _Lane:
     previous: _Lane | None
     queue: SimpleQueue = field(default_factory=SimpleQueue)
     settled: threading.Event = field(default_factory=threading.Event)
-    doc: dict[str, Any] | None = None
+    doc: ShardDone | None = None
     """The done document, once committed."""
     future: Future | None = None
 
@@ -132,7 +133,7 @@ class ShardWriters:
     """
 
     def __init__(self, spec: FeatureSpec, options: WriteOptions, stats: WriteStats | None = None,
-                 on_written: Callable[[dict[str, Any]], None] | None = None):
+                 on_written: Callable[[ShardDone], None] | None = None):
         self.spec, self.options, self.stats, self._on_written = spec, options, stats or WriteStats(), on_written
         self._budget = _ByteBudget(options.queue_bytes, self.stats)
         self._pool = ThreadPoolExecutor(options.num_writers, thread_name_prefix="shard-writer")
@@ -165,7 +166,7 @@ class ShardWriters:
             lane.queue.put(_ABORT)  # a lane already past its _END never reads it
         self._pool.shutdown(wait=True)
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self) -> list[ShardDone]:
         """Wait for every lane: the done documents in job order, or the first failure (ShardWriteError)."""
         self._pool.shutdown(wait=True)
         failure = self.first_error()
@@ -189,7 +190,7 @@ class ShardWriters:
                 return error
         return None
 
-    def _drain(self, lane: _Lane) -> dict[str, Any] | None:
+    def _drain(self, lane: _Lane) -> ShardDone | None:
         stream = None
         try:
             stream = ShardStream(lane.path, self.spec, lane.requested, self.options.early_writeback)
@@ -263,9 +264,9 @@ def _stream_jobs(backend: CaptureBackend, jobs: Iterable[tuple[Path, list[Sample
 
 def _write_whole_shards(backend: CaptureBackend, spec: FeatureSpec,
                         jobs: Iterable[tuple[Path, list[SampleTokens]]], options: WriteOptions,
-                        on_written: Callable[[dict[str, Any]], None] | None) -> list[dict[str, Any]]:
+                        on_written: Callable[[ShardDone], None] | None) -> list[ShardDone]:
     """Capture a whole shard, then write it on one of ``num_writers`` threads while the next is captured."""
-    docs: list[dict[str, Any]] = []
+    docs: list[ShardDone] = []
     in_flight: deque[tuple[Path, Future]] = deque()
 
     def collect() -> None:
@@ -289,8 +290,8 @@ def _write_whole_shards(backend: CaptureBackend, spec: FeatureSpec,
 
 
 def capture_and_write(backend: CaptureBackend, spec: FeatureSpec, jobs: Iterable[tuple[Path, list[SampleTokens]]],
-                      on_written: Callable[[dict[str, Any]], None] | None = None,
-                      options: WriteOptions | None = None, stats: WriteStats | None = None) -> list[dict[str, Any]]:
+                      on_written: Callable[[ShardDone], None] | None = None,
+                      options: WriteOptions | None = None, stats: WriteStats | None = None) -> list[ShardDone]:
     """Capture each job's samples into its shard; writes overlap the forwards. Returns done documents in job order.
 
     With ``options.stream`` (default) samples go to the writer pool as they are captured (see

@@ -90,7 +90,7 @@ def stage_key_for(cfg: RunConfig, inputs: RunInputs) -> str:
     Offline the features' manifest stands for them; online the tokenized data's manifest, the spec (aux ids,
     supervision, storage dtypes) and the target dtype do: the features are computed from exactly those.
     """
-    from eagle3.features.shards import spec_hash
+    from eagle3.features.shards.layout import spec_hash
     from eagle3.run.stage import stage_key
     from eagle3.run.stages import manifest_path
 
@@ -197,7 +197,7 @@ class DataPlan:
 
 def plan_data(cfg: RunConfig, inputs: RunInputs, world_size: int) -> DataPlan:
     """Pack every epoch of the train split and the val split (val padded to equal counts per rank)."""
-    from eagle3.features.shards import ShardReader
+    from eagle3.features.shards.reader import ShardReader
     from eagle3.train.data import check_captured
 
     train, val = read_split(inputs.tokenized, "train"), read_split(inputs.tokenized, "val")

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from eagle3.features.shards import ShardReader
+from eagle3.features.shards.reader import ShardReader
 from eagle3.drafter.ttt import PAD_TOKEN, TTTBatch
 
 OPEN_ROWS = 16

@@ -37,12 +37,12 @@ busy). ``GET /_fake/stats`` counts requests; in-process, ``events`` lists ("flus
 Runs in-process (``with FakeSGLangServer(...) as fake: fake.base_url``) or as a process whose command line
 mimics ``python -m sglang.launch_server`` (``python -m tests.fakes.sglang_server --model-path M --port P ...``),
 so ``infra.sglang.ManagedServer`` can launch, kill and restart it. Either way it exits by itself after
-``lifetime_s`` so a broken test cannot leave it running.
+``lifetime_s`` so a broken test cannot leave it running. Its pretend target, flags, faults and serving settings
+are in tests/fakes/sglang_model.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -54,140 +54,22 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
-import numpy as np
+from tests.fakes.sglang_model import (
+    FAKE_VERSION,
+    FakeModel,
+    FakeServing,
+    Faults,
+    LaunchArgs,
+    build_parser,
+    fake_hidden_rows,
+    fake_next_token,
+    fake_topk,
+    merge_config,
+)
 
-FAKE_VERSION = "0.5.23"
 PUBLIC_PREFIXES = ("/health", "/ready", "/metrics")
-
-
-def fake_hidden_rows(input_ids: list[int], layer_ids: list[int], hidden_size: int) -> np.ndarray:
-    """[T, len(layer_ids) * H] float32: layer blocks side by side in the order given."""
-    tokens = np.asarray(input_ids, dtype=np.float64)[:, None]
-    positions = np.arange(len(input_ids), dtype=np.float64)[:, None]
-    cols = np.arange(hidden_size, dtype=np.float64)[None, :]
-    blocks = [np.sin(0.37 * (tokens + 1) + 0.11 * positions + 1.3 * (layer + 1) + 0.05 * cols)
-              for layer in layer_ids]
-    return np.concatenate(blocks, axis=1).astype(np.float32)
-
-
-def fake_topk(token_id: int, position: int, k: int, vocab_size: int) -> tuple[list[int], list[float]]:
-    """The fake target's top-K next-token (ids, logprobs) after ``token_id`` at ``position``, best first."""
-    base = (token_id * 7 + position * 3) % vocab_size
-    ids = [(base + 13 * j) % vocab_size for j in range(k)]
-    return ids, [-0.25 * (j + 1) - 0.01 * (position % 5) for j in range(k)]
-
-
-def fake_next_token(token_id: int, position: int, vocab_size: int) -> int:
-    """Greedy next token of the fake target (its top-1)."""
-    return fake_topk(token_id, position, 1, vocab_size)[0][0]
-
-
-@dataclass
-class FakeModel:
-    """Shape of the pretend target; read from <model_path>/config.json when there is one."""
-
-    hidden_size: int = 16
-    num_layers: int = 8
-    vocab_size: int = 256
-    architectures: tuple[str, ...] = ("LlamaForCausalLM",)
-    model_type: str = "llama"
-
-    @classmethod
-    def from_path(cls, model_path: str) -> FakeModel:
-        config = Path(model_path) / "config.json"
-        if not config.is_file():
-            return cls()
-        data = json.loads(config.read_text())
-        return cls(data.get("hidden_size", 16), data.get("num_hidden_layers", 8), data.get("vocab_size", 256),
-                   tuple(data.get("architectures") or ("LlamaForCausalLM",)), data.get("model_type", "llama"))
-
-    def default_aux_layers(self) -> list[int]:
-        """SGLang's default EAGLE-3 capture, in the output-of-layer convention: [1, L//2 - 1, L - 4]."""
-        return [1, self.num_layers // 2 - 1, self.num_layers - 4]
-
-
-@dataclass
-class Faults:
-    """What the fake gets wrong on purpose (all off by default)."""
-
-    short_rows: int = 0
-    id_fault: str | None = None
-    cached_tokens: int = 0
-    nan: bool = False
-    stall_s: float = 0.0
-    die_after: int | None = None
-    times: int | None = None
-    spec_verify_ct_zero: bool = False
-    short_completion: int = 0
-    flush_fails: bool = False
-
-
-@dataclass
-class FakeServing:
-    """How the fake pretends to decode (made up: see the module doc)."""
-
-    accept_length: float = 2.5
-    step_s: float = 0.0
-    spec_step_cost: float = 1.5  # with accept 2.5: speedup ~1.5, well inside (1, accept)
-    hold_until_in_flight: int = 0  # hold each /generate until this many were in flight at once (10 s at most)
-
-
-@dataclass
-class LaunchArgs:
-    """The subset of SGLang's launch flags the fake understands (anything else is an error)."""
-
-    model_path: str = "fake-model"
-    host: str = "127.0.0.1"
-    port: int = 0
-    api_key: str | None = None
-    tp_size: int = 1
-    dp_size: int = 1
-    mem_fraction_static: float | None = None
-    dtype: str = "auto"
-    max_running_requests: int | None = None
-    cuda_graph_max_bs_decode: int | None = None
-    attention_backend: str | None = None
-    enable_return_hidden_states: bool = False
-    enable_return_aux_hidden_states: bool = False
-    return_aux_hidden_state_layer_ids: list[int] | None = None
-    speculative_algorithm: str | None = None
-    speculative_draft_model_path: str | None = None
-    speculative_num_steps: int | None = None
-    speculative_eagle_topk: int | None = None
-    speculative_num_draft_tokens: int | None = None
-    chunked_prefill_size: int | None = None
-    disable_radix_cache: bool = False
-    skip_tokenizer_init: bool = False
-
-    def resolved(self, model: FakeModel) -> dict[str, Any]:
-        """What SGLang's resolution would report in /server_info (as far as the fake models it)."""
-        out = asdict(self) | {"return_hidden_states_mode": None, "aux_hidden_state_capture": None}
-        if self.enable_return_aux_hidden_states:
-            method = (self.speculative_algorithm or "").upper()
-            if method not in ("EAGLE3", "DFLASH", "DSPARK"):
-                raise ValueError("--enable-return-aux-hidden-states needs --speculative-algorithm EAGLE3, DFLASH "
-                                 f"or DSPARK to name the capture convention, got {self.speculative_algorithm!r}.")
-            out |= {"speculative_algorithm": None, "aux_hidden_state_capture": method.lower()}
-        if self.enable_return_hidden_states or self.enable_return_aux_hidden_states:
-            out["return_hidden_states_mode"] = "full"
-        if out["speculative_algorithm"] == "EAGLE3":
-            out |= _speculative_defaults(self, model)
-            if self.max_running_requests is None:
-                out["max_running_requests"] = 48  # SGLang's reset for speculative decoding
-        return out
-
-
-def _speculative_defaults(args: LaunchArgs, model: FakeModel) -> dict[str, Any]:
-    trio = (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
-    if all(v is None for v in trio):
-        trio = (5, 4, 8) if "LlamaForCausalLM" in model.architectures else (3, 1, 4)
-    steps, topk, draft = trio
-    if topk == 1:
-        draft = steps + 1
-    return {"speculative_num_steps": steps, "speculative_eagle_topk": topk, "speculative_num_draft_tokens": draft}
 
 
 @dataclass
@@ -544,60 +426,6 @@ def fake_authorized(path: str, authorization: str | None, api_key: str | None) -
 def _count(fake: FakeSGLangServer, path: str) -> None:
     with fake._lock:
         fake.counts[path] = fake.counts.get(path, 0) + 1
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The fake's command line: SGLang's flag spellings for what it models, plus --fake-* knobs."""
-    parser = argparse.ArgumentParser(prog="fake sglang.launch_server", allow_abbrev=False)
-    for spec in fields(LaunchArgs):
-        flag = "--" + spec.name.replace("_", "-")
-        kind = str(spec.type).split(" ")[0]  # annotations are strings here: "int", "float | None", ...
-        if kind == "bool":
-            parser.add_argument(flag, action="store_true")
-        elif kind == "list[int]":
-            parser.add_argument(flag, type=int, nargs="+")
-        else:
-            parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str), default=spec.default)
-    for spec in fields(Faults):
-        flag = "--fake-" + spec.name.replace("_", "-")
-        if spec.type == "bool":
-            parser.add_argument(flag, action="store_true")
-        else:
-            parser.add_argument(flag, type=_parse_value)
-    for spec in fields(FakeServing):
-        parser.add_argument("--fake-" + spec.name.replace("_", "-"), type=float, default=spec.default)
-    parser.add_argument("--fake-startup-s", type=float, default=0.0, help="sleep before binding (weights 'loading')")
-    parser.add_argument("--fake-warmup-s", type=float, default=0.0, help="/health_generate answers 503 this long")
-    parser.add_argument("--fake-lifetime-s", type=float, default=300.0, help="exit after this long, whatever happens")
-    return parser
-
-
-def _parse_value(text: str) -> int | float | str:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def merge_config(argv: list[str]) -> list[str]:
-    """SGLang's --config FILE.yaml: each key becomes ``--key value`` (``--key`` for true), before the other args."""
-    if "--config" not in argv:
-        return argv
-    import yaml
-
-    at = argv.index("--config")
-    path = argv[at + 1]
-    if not path.endswith((".yaml", ".yml")):
-        raise ValueError(f"Config file must be YAML format, got: {path}")
-    config_args: list[str] = []
-    for key, value in (yaml.safe_load(Path(path).read_text()) or {}).items():
-        if value is True:
-            config_args.append(f"--{key}")
-        elif value not in (False, None):
-            config_args += [f"--{key}", str(value)]
-    return config_args + argv[:at] + argv[at + 2:]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,9 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3.config import RunConfig
-from eagle3.features import shards
+from eagle3.features.shards import writer
 from eagle3.features.capture import features_dir, run_capture
-from eagle3.features.shards import ShardReader, ShardWriteError
+from eagle3.features.shards.reader import ShardReader
+from eagle3.features.shards.writer import ShardWriteError
 from infra.storage import sha256_file
 from tests.unit.test_hf_capture import tiny_base, tiny_run  # noqa: F401  (module fixture + helper)
 
@@ -27,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 SLOW_DRIVER = """
 import sys, time
 import eagle3.features.capture as capture
-from eagle3.features.shards import ShardStream
+from eagle3.features.shards.writer import ShardStream
 original = ShardStream.commit
 def slow(self):
     result = original(self)
@@ -131,7 +132,7 @@ def test_kill_inside_a_shard_write_leaves_an_ignored_temp_file(tiny_base, refere
 def test_crash_before_done_file_is_recaptured(tiny_base, reference, tmp_path, monkeypatch):  # noqa: F811
     """A shard file without its done file (crash right after the rename) is invisible and rewritten identically."""
     cfg = tiny_run(tiny_base, tmp_path, TOKENS_PER_SHARD)
-    original, calls = shards.atomic_write_json, []
+    original, calls = writer.atomic_write_json, []
 
     def crash_on_third(path, obj):
         calls.append(path)
@@ -139,13 +140,13 @@ def test_crash_before_done_file_is_recaptured(tiny_base, reference, tmp_path, mo
             raise OSError("simulated crash before the done file")
         return original(path, obj)
 
-    monkeypatch.setattr(shards, "atomic_write_json", crash_on_third)
+    monkeypatch.setattr(writer, "atomic_write_json", crash_on_third)
     with pytest.raises(ShardWriteError, match="shard-00002: OSError: simulated crash") as err:
         run_capture(cfg)
     assert isinstance(err.value.__cause__, OSError)
     fdir = features_dir(cfg)
     assert (fdir / "shard-00002.safetensors").is_file() and sorted(ShardReader(fdir).shards) == [0, 1]
-    monkeypatch.setattr(shards, "atomic_write_json", original)
+    monkeypatch.setattr(writer, "atomic_write_json", original)
     run_capture(cfg)
     _assert_complete_and_identical(cfg, reference)
 

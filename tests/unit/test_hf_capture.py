@@ -20,7 +20,7 @@ from eagle3.features.capture import (
     run_capture,
 )
 from eagle3.features.hf_backend import HFCaptureBackend, get_model, plan_batches
-from eagle3.features.shards import ShardReader
+from eagle3.features.shards.reader import ShardReader
 from eagle3.features.spec import SampleTokens
 from eagle3.target.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_target
 from infra.storage import DiskSpaceError

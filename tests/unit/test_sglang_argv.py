@@ -25,7 +25,8 @@ from infra.sglang import (
     serving_pair,
 )
 from infra.sglang_bench import SHARED_SETTINGS, SPEC_SETTINGS, bench_request_body
-from tests.fakes.sglang_server import LaunchArgs, build_parser, fake_authorized
+from tests.fakes.sglang_model import LaunchArgs, build_parser
+from tests.fakes.sglang_server import fake_authorized
 
 SKIP_REASON = ("sglang 0.5.23 is not importable: install it with `pip install --no-deps sglang==0.5.23` and "
                "`pip install -r tests/sglang-parser-requirements.txt` to check argv with SGLang's own parser")

@@ -30,7 +30,8 @@ from infra.sglang_bench import (
 )
 from infra.sglang_spec import ServerSpecError
 from tests.fakes.clock import FakeClock
-from tests.fakes.sglang_server import FakeServing, FakeSGLangServer, Faults, LaunchArgs
+from tests.fakes.sglang_model import FakeServing, Faults, LaunchArgs
+from tests.fakes.sglang_server import FakeSGLangServer
 
 SPEC_FLAGS = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/d", speculative_num_steps=3,
                   speculative_eagle_topk=1, speculative_num_draft_tokens=4)

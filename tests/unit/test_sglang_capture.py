@@ -28,7 +28,8 @@ from infra.sglang import (
     ServerStartError,
     probe_ready,
 )
-from tests.fakes.sglang_server import FakeSGLangServer, Faults, LaunchArgs, fake_hidden_rows, fake_topk
+from tests.fakes.sglang_model import Faults, LaunchArgs, fake_hidden_rows, fake_topk
+from tests.fakes.sglang_server import FakeSGLangServer
 
 REPO = Path(__file__).resolve().parents[2]
 H, LAYERS, VOCAB = 16, 8, 256

@@ -109,7 +109,7 @@ def test_captured_states_are_the_models_hidden_states(family_run):
     """Stored aux = hidden_states[j + 1] for j in the aux ids, stored final = the post-norm last state, for the
     first captured sample run alone through the model (to the stored dtype's rounding)."""
     from eagle3.features.capture import features_dir
-    from eagle3.features.shards import ShardReader
+    from eagle3.features.shards.reader import ShardReader
 
     _, cfg = family_run
     if cfg.train.features == "online":

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from eagle3.features.shards import ShardReader
+from eagle3.features.shards.reader import ShardReader
 from eagle3.train.data import (PackedRow, RowLoader, SampleRef, add_aux_noise, collate_row, pack, plan_epoch,
                                read_split)
 from tests.unit.test_train_helpers import load_run_config, synthetic_run

@@ -111,7 +111,8 @@ def _write_features(run_dir: Path, model_dir: Path, shape: SyntheticShape, rows:
                     gen: torch.Generator) -> None:
     from safetensors.torch import load_file
 
-    from eagle3.features.shards import shard_path, write_shard
+    from eagle3.features.shards.layout import shard_path
+    from eagle3.features.shards.writer import write_shard
     from eagle3.features.spec import CapturedSample, FeatureSpec
     from eagle3.run.stage import write_manifest
     from eagle3.target.load import default_aux_layer_ids, fingerprint
