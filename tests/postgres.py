@@ -83,15 +83,14 @@ def postgres_cluster() -> Iterator[Postgres]:
 def prefect_on_postgres(home: Path) -> Iterator[Postgres]:
     """A Prefect server on a new cluster, started the way `eagle3 server start --database URL` starts it, with this
     process's Prefect settings pointed at it (as prefect_test_harness does for its SQLite server)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from flows import local_server
 
     with postgres_cluster() as pg:
         server = local_server.LocalServer(home, free_port(), pg.url)
         try:
             local_server.start(server)
-            with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            _drain_prefect_workers()  # queued for the previous server; the next event starts a worker for this one
+            with _api_url(server.api_url):
                 try:
                     yield pg
                 finally:
@@ -100,14 +99,27 @@ def prefect_on_postgres(home: Path) -> Iterator[Postgres]:
             local_server.stop(server)
 
 
+@contextmanager
+def _api_url(url: str) -> Iterator[None]:
+    """This process's Prefect client settings point at ``url``: in this context and, as prefect_test_harness also
+    does (prefect/testing/utilities.py), in the process-global one, which threads that did not copy this context
+    read (a progress thread of the train task does: without it, its updates go to an ephemeral server)."""
+    import prefect.context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        with prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
+            yield
+
+
 def _drain_prefect_workers() -> None:
-    """Send the logs and events still queued for this server while it is up, as prefect_test_harness does before
-    it stops its server: queued for a stopped server, they keep the next drain retrying for about a minute."""
+    """Send the queued logs and events to the server they were meant for and stop their workers, as
+    prefect_test_harness does before it stops its server. Prefect keeps one events worker per process, bound to the
+    API URL of its first event: without this, the events (and so the task runs, which Prefect records from events)
+    of flows run after a change of server go to the previous one, and logs queued for a stopped server keep the
+    next drain retrying for about a minute."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
-    try:
-        APILogWorker.instance().drain()
-    except RuntimeError:  # the worker never started
-        pass
-    EventsWorker.drain_all()
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(at_exit=False)  # every instance there is (instance() would start one), waiting for each
