@@ -4,6 +4,8 @@
 #   scripts/postgres.sh url       postgresql+asyncpg://prefect@127.0.0.1:PORT/prefect
 #   scripts/postgres.sh stop      pg_ctl stop (the data folder stays; delete it to start over)
 #   scripts/postgres.sh status | bin
+#   scripts/postgres.sh install   apt-get install postgresql when no server binaries are found (root, Debian);
+#                                 ./scripts/test.sh runs it, as the default suite has tests on PostgreSQL
 #   eagle3 server start --database "$(scripts/postgres.sh url)"
 # Binaries: Debian's `postgresql` package (apt-get install -y postgresql), found under /usr/lib/postgresql/N/bin,
 # or on PATH, or in $EAGLE3_PG_BIN. Folder: $EAGLE3_PG_DIR (default runs/.postgres), port: $EAGLE3_PG_PORT
@@ -17,10 +19,13 @@ PORT=${EAGLE3_PG_PORT:-55432}
 DB_USER=prefect
 DB_NAME=prefect
 
-die() { echo "postgres.sh: $*" >&2; exit "${2:-1}"; }
+die() { echo "postgres.sh: $1" >&2; exit "${2:-1}"; }
 
 find_bin() {
-  if [[ -n ${EAGLE3_PG_BIN:-} ]]; then echo "$EAGLE3_PG_BIN"; return; fi
+  if [[ -n ${EAGLE3_PG_BIN:-} ]]; then
+    [[ -x $EAGLE3_PG_BIN/initdb && -x $EAGLE3_PG_BIN/pg_ctl ]] || die "EAGLE3_PG_BIN=$EAGLE3_PG_BIN has no initdb/pg_ctl" 3
+    echo "$EAGLE3_PG_BIN"; return
+  fi
   local newest
   newest=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
   if [[ -n $newest && -x $newest/initdb ]]; then echo "$newest"; return; fi
@@ -36,6 +41,22 @@ as_server() {
   else
     "$@"
   fi
+}
+
+# install: nothing when binaries are found; as root with apt-get, Debian's package (it also makes the `postgres`
+# user that as_server needs); otherwise a warning, and the tests on PostgreSQL fail saying the same.
+install() {
+  if [[ -n ${EAGLE3_PG_BIN:-} ]] || find_bin >/dev/null 2>&1; then find_bin >/dev/null; return; fi
+  if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
+    echo "postgres.sh: no PostgreSQL server binaries and no way to install them here (needs root and apt-get):" \
+      "install PostgreSQL or set EAGLE3_PG_BIN; the tests marked postgres will fail" >&2
+    return 0
+  fi
+  echo "postgres.sh: installing Debian's postgresql package (one time)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null || die "apt-get update failed"
+  apt-get install -y -qq --no-install-recommends postgresql >/dev/null || die "apt-get install postgresql failed"
+  find_bin >/dev/null
 }
 
 url() { echo "postgresql+asyncpg://${DB_USER}@127.0.0.1:${PORT}/${DB_NAME}"; }
@@ -88,5 +109,6 @@ case ${1:-} in
   url) url ;;
   status) status ;;
   bin) find_bin ;;
-  *) die "usage: $0 start|stop|url|status|bin" 2 ;;
+  install) install ;;
+  *) die "usage: $0 start|stop|url|status|bin|install" 2 ;;
 esac
