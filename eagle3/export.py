@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from eagle3.config import RunConfig
-from eagle3.drafter.model import DrafterDims, Eagle3Drafter, load_target_weights, rope_settings
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter
+from eagle3.target.tensors import drafter_dims, load_target_weights, rope_settings
 from eagle3.run.stage import StageOutcome
 
 log = logging.getLogger("eagle3.export")
@@ -531,14 +532,13 @@ def _drafter_inputs(cfg: RunConfig, model_dir: Path) -> tuple[DrafterDims, list[
         raise ValueError(f"features/spec.json (target {spec.target_fingerprint}, aux {spec.aux_layer_ids}) does not "
                          f"match the configured target {model_dir} (aux {info.aux_layer_ids})")
     d2t, t2d = load_vocab_map(cfg.run_dir / "vocab")
-    return DrafterDims.from_target(info, model_dir, draft_vocab_size=len(d2t)), list(spec.aux_layer_ids), d2t, t2d
+    return drafter_dims(info, model_dir, draft_vocab_size=len(d2t)), list(spec.aux_layer_ids), d2t, t2d
 
 
 def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
     from safetensors.torch import load_file
 
-    from eagle3.drafter.model import EMBED_TENSOR
-    from eagle3.target.load import prepare_target, read_tensor
+    from eagle3.target.load import EMBED_TENSOR, prepare_target, read_tensor
 
     model_dir = prepare_target(cfg)
     dims, aux, d2t, t2d = _drafter_inputs(cfg, model_dir)

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.config import RunConfig, load_config
-from eagle3.drafter.model import EMBED_TENSOR, DrafterDims
-from eagle3.target.load import lm_head_name, load_model, prepare_target, read_tensor, target_info
+from eagle3.target.load import EMBED_TENSOR, lm_head_name, load_model, prepare_target, read_tensor, target_info
+from eagle3.target.tensors import drafter_dims
 
 ARCHITECTURES = ("qwen3", "deepseek_v3")
 """Families run end to end here (the tiny Llama runs through every other stage test)."""
@@ -203,7 +203,7 @@ def test_kimi_k25_preset_derives_the_drafter_of_specforges_kimi_config(tmp_path)
     preset = load_config("kimi-k25", [])
     info = target_info(tmp_path, preset.target)
     assert info.aux_layer_ids == target_info(tmp_path).aux_layer_ids == [1, 29, 57]
-    dims = DrafterDims.from_target(info, tmp_path, preset.vocab.draft_vocab_size)
+    dims = drafter_dims(info, tmp_path, preset.vocab.draft_vocab_size)
     assert (dims.hidden_size, dims.target_hidden_size, dims.num_aux, dims.vocab_size) == (7168, 7168, 3, 163840)
     assert (dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim) == (64, 64, 128)
     assert (dims.intermediate_size, dims.draft_vocab_size, dims.rms_norm_eps) == (18432, 32000, 1e-5)
