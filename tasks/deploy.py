@@ -1,6 +1,6 @@
 """Prefect tasks of the deploy flow: export, offline evaluation, one benchmark per SGLang server, the report.
 
-Export and evaluation are thin wrappers over ``eagle3.export`` and ``eagle3.evaluate.stage`` (their stage
+Export and evaluation are thin wrappers over ``eagle3.export.stage`` and ``eagle3.evaluate.stage`` (their stage
 manifests make a re-run a no-op). A benchmark task owns a live server: it checks the GPUs, launches
 the server (readiness = model_info, health_generate, server_info, then a checked greedy smoke
 generation; a speculative server must also report verify steps), benchmarks it and stops it in
@@ -74,7 +74,7 @@ def probe_expectations(model_path: str):
 
 def check_draft(path: Path) -> None:
     """The export's own strict check (SGLang skips unknown keys silently); say which step is missing first."""
-    from eagle3.export import check_sglang_export
+    from eagle3.export.sglang import check_sglang_export
 
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no exported drafter at {path} (no config.json): run the export step first")
@@ -84,7 +84,7 @@ def check_draft(path: Path) -> None:
 @task(name="export", task_run_name="export-{cfg.run.name}")
 def export_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
     """Export the trained drafter (no-op when its manifest matches)."""
-    from eagle3.export import run_export
+    from eagle3.export.stage import run_export
 
     return run_export(cfg, force).to_json()
 

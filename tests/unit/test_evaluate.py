@@ -16,7 +16,7 @@ from eagle3.evaluate.prompts import EvalPrompt, load_prompts, read_prompts, rend
 from eagle3.evaluate.report import position_acceptance, report_markdown, summarize, summarize_all
 from eagle3.evaluate.stage import (JOURNAL_NAME, EvalJob, evaluate_prompts, interleaved, key_for, method_specs, run_evaluate,
                              write_partial_report)
-from eagle3.export import export_sglang
+from eagle3.export.sglang import export_sglang
 from eagle3.run.journal import Journal
 from eagle3.drafter.model import Eagle3Drafter, export_state_dict, init_weights
 from eagle3.target.load import prepare_target, target_info

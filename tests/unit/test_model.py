@@ -63,6 +63,21 @@ def test_state_dict_names_are_exactly_sglangs():
     assert set(export_state_dict(model)) == SGLANG_KEYS == set(SGLANG_WEIGHT_NAMES)
 
 
+def test_the_drafter_package_imports_nothing_from_the_target_package():
+    """eagle3/drafter/ never imports eagle3.target: the model reads no files (eagle3.target.tensors feeds it)."""
+    import ast
+
+    imported = set()
+    for path in (Path(__file__).resolve().parents[2] / "eagle3" / "drafter").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+    assert "eagle3.drafter.masks" in imported  # the walk sees the package's own imports
+    assert sorted(m for m in imported if m.split(".")[:2] == ["eagle3", "target"]) == []
+
+
 def test_embeddings_are_frozen_and_out_of_the_optimizer():
     """embed_tokens needs no grad, is not among the trainable parameters and gets no gradient from a step."""
     model = Eagle3Drafter(tiny_dims())

@@ -67,7 +67,7 @@ def run_training(cfg: RunConfig, mode: str) -> None:
 def family_run(request, tmp_path_factory) -> tuple[str, RunConfig]:
     """(architecture, config) of a tiny run taken through every stage without Prefect."""
     from eagle3.evaluate.stage import run_evaluate
-    from eagle3.export import run_export
+    from eagle3.export.stage import run_export
     from eagle3.run.stages import run_all
 
     architecture, mode = request.param
@@ -130,7 +130,8 @@ def test_captured_states_are_the_models_hidden_states(family_run):
 def test_export_carries_the_targets_dims_and_aux_ids(family_run):
     """The SGLang config: target_hidden_size 64, the drafter's heads/head_dim/MLP from the target, eagle aux ids
     [1, 3, 4]; speculators' capture-before ids [2, 4, 5]; fc reads 3 x 64 and both layouts pass their checks."""
-    from eagle3.export import check_sglang_export, check_speculators_export
+    from eagle3.export.sglang import check_sglang_export
+    from eagle3.export.speculators import check_speculators_export
 
     architecture, cfg = family_run
     sglang, speculators = cfg.run_dir / "export" / "sglang", cfg.run_dir / "export" / "speculators"
