@@ -67,7 +67,7 @@ class Llama3RopeScaling:
 
 @dataclass(frozen=True)
 class DrafterDims:
-    """Every size the drafter needs; the target fixes all of them but the draft vocab."""
+    """Every size the drafter needs; the target fixes all but the draft vocab (eagle3.target.tensors.drafter_dims)."""
 
     hidden_size: int
     num_attention_heads: int

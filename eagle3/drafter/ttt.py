@@ -382,8 +382,9 @@ class _FunctionalUnroll:
     """The step as functions over tensors prepared once per micro-batch: weights cast once, RoPE tables of
     every step, and (flex) one block mask layout for all steps; the pieces compiled when asked.
 
-    The functions Eagle3Drafter.forward calls too, over once-cast weights (tests compare the paths). It reads the drafter's parameters directly,
-    which a wrapper that shards the whole objective (DDP, FSDP2 over the root) gathers before the forward.
+    The functions Eagle3Drafter.forward calls too, over once-cast weights (tests compare the paths). It reads
+    the drafter's parameters directly, which a wrapper that shards the whole objective (DDP, FSDP2 over the
+    root) gathers before the forward.
     """
 
     def __init__(self, drafter: Eagle3Drafter, docs: Tensor, positions: Tensor, hidden: Tensor, num_steps: int,

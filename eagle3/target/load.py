@@ -6,7 +6,8 @@ Three kinds of target all end up as one HF-style directory (config.json, safeten
   tiny  a random tiny Llama, Qwen3 or DeepSeek-V3 with a locally built tokenizer (tests, CI).
 Most stages need only the config and tokenizer; the trainer needs single tensors (embeddings,
 lm_head), which ``read_tensor`` takes from sharded safetensors through the index without
-loading the model. Run ``python -m eagle3.target.load --preset smollm2-demo`` for the tokenizer report.
+loading the model (eagle3.target.tensors hands them to the drafter). Run
+``python -m eagle3.target.load --preset smollm2-demo`` for the tokenizer report.
 """
 
 from __future__ import annotations
