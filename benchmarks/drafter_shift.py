@@ -31,7 +31,7 @@ from eagle3.config import RunConfig
 from eagle3.data.merge import split_for
 from eagle3.evaluate.prompts import load_prompts, render
 from eagle3.evaluate.records import PromptRecord
-from eagle3.export import load_sglang_export
+from eagle3.export.sglang import load_sglang_export
 from eagle3.run.journal import Journal
 from eagle3.run.progress import Progress
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner

@@ -214,7 +214,7 @@ def phase_train(c: Curve, size: Size) -> bool:
 
 def phase_export(c: Curve, size: Size) -> bool:
     """Both export layouts of the size's selected checkpoint."""
-    return c.runner("eagle3.export", ["--config", str(c.size_run(size)[1])], c.budgets["export"])
+    return c.runner("eagle3.export.stage", ["--config", str(c.size_run(size)[1])], c.budgets["export"])
 
 
 def phase_eval(c: Curve, size: Size) -> bool:

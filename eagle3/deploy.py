@@ -89,7 +89,7 @@ def probe_expectations(model_path: str) -> ProbeExpectations:
 
 def check_draft(path: Path) -> None:
     """The export's own strict check (SGLang skips unknown keys silently); say which step is missing first."""
-    from eagle3.export import check_sglang_export
+    from eagle3.export.sglang import check_sglang_export
 
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no exported drafter at {path} (no config.json): run the export step first")

@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_core_commands(sub) -> None:
     """export / eval: core stages without Prefect, forwarded to their `python -m` entry points."""
-    for name, module, text in (("export", "eagle3.export", "export the trained drafter (SGLang, speculators)"),
+    for name, module, text in (("export", "eagle3.export.stage", "export the trained drafter (SGLang, speculators)"),
                                ("eval", "eagle3.evaluate.stage", "measure acceptance length by speculative decoding")):
         p = add_config_args(sub.add_parser(name, help=text))
         p.add_argument("--force", action="store_true")

@@ -1,6 +1,6 @@
 """Prefect tasks of the deploy flow: export, offline evaluation, one benchmark per SGLang server, the report.
 
-Each is a thin wrapper over the core, which runs the same without Prefect: ``eagle3.export``,
+Each is a thin wrapper over the core, which runs the same without Prefect: ``eagle3.export.stage``,
 ``eagle3.evaluate.stage`` (their stage manifests make a re-run a no-op) and ``eagle3.deploy`` (the deploy
 stage: check the export, launch a server, probe its readiness, benchmark it, stop it in ``finally``,
 compare and write the report). What is Prefect's stays here: task runs, progress and report artifacts,
@@ -24,7 +24,7 @@ from tasks.artifacts import ProgressArtifact, artifact_key, publish_table
 @task(name="export", task_run_name="export-{cfg.run.name}")
 def export_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
     """Export the trained drafter (no-op when its manifest matches)."""
-    from eagle3.export import run_export
+    from eagle3.export.stage import run_export
 
     return run_export(cfg, force).to_json()
 

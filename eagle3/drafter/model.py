@@ -9,6 +9,10 @@ specforge/modeling/draft/llama3_eagle.py and EAGLE's eagle/model/cnets.py comput
     logits = lm_head(norm(h)); the pre-norm h is the next step's feature.
 Module names are SGLang's weight names (``fc``, ``midlayer.*``, ``norm``, ``lm_head``), so the state dict
 exports 1:1; ``embed_tokens`` is the target's, frozen, kept out of the optimizer and of the export.
+The modules only hold those weights: the layer is written once, as the functional step (attention_inputs, the
+TTT attention, step_outputs) that ``Eagle3Drafter.forward``, the training unroll (eagle3.drafter.ttt) and the
+decoders (eagle3.evaluate) all run. This file reads no files: the dims and the target's tensors come from
+eagle3.target.tensors.
 
 Shape letters used in the comments:
     B   rows of a micro-batch               T    tokens per row (documents may be packed)
@@ -20,11 +24,9 @@ Shape letters used in the comments:
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -32,7 +34,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eagle3.drafter.masks import causal_document_mask, ttt_mask_mod
-from eagle3.target.load import TargetInfo, lm_head_name, read_tensor, target_info
 
 try:  # flex_attention is the CUDA path only; CPU runs (and older torch builds) use the dense path
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -41,7 +42,6 @@ except ImportError:  # pragma: no cover - depends on the torch build
 
 FLEX_AVAILABLE = flex_attention is not None
 AttnImpl = Literal["auto", "dense", "flex"]
-EMBED_TENSOR = "model.embed_tokens.weight"
 SGLANG_WEIGHT_NAMES = (
     "fc.weight",
     "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
@@ -67,7 +67,7 @@ class Llama3RopeScaling:
 
 @dataclass(frozen=True)
 class DrafterDims:
-    """Every size the drafter needs; the target fixes all of them but the draft vocab."""
+    """Every size the drafter needs; the target fixes all but the draft vocab (eagle3.target.tensors.drafter_dims)."""
 
     hidden_size: int
     num_attention_heads: int
@@ -92,52 +92,6 @@ class DrafterDims:
                              f"{self.head_dim} (MoE targets: pass a dense intermediate size)")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must lie in [1, {self.vocab_size}]")
-
-    @classmethod
-    def from_target(cls, info: TargetInfo, model_dir: Path | str, draft_vocab_size: int) -> DrafterDims:
-        """Dims of a drafter for this target: its widths, heads, norm eps and RoPE; the draft vocab clipped to V.
-
-        MLA/MoE targets (DeepSeek-V3, Kimi-K2) get a Llama layer as SGLang's LlamaForCausalLMEagle3 runs it:
-        the target's query and key/value head counts, head_dim = v_head_dim (TargetInfo), intermediate_size
-        = the target's dense MLP width (SpecForge's Kimi-K2 drafter config has the same numbers). The drafter's
-        positions are its own (trained, exported and served with the RoPE in its config): a target RoPE it does
-        not implement (DeepSeek-V3/Kimi-K2's YaRN) gives it plain RoPE at the target's theta, as SpecForge's too.
-        """
-        cfg = read_model_config(model_dir)
-        theta, scaling = rope_settings(cfg, plain_if_unsupported=True)
-        return cls(
-            hidden_size=info.hidden_size, num_attention_heads=info.num_attention_heads,
-            num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim,
-            intermediate_size=info.intermediate_size, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta, rope_scaling=scaling, vocab_size=info.vocab_size,
-            draft_vocab_size=min(draft_vocab_size, info.vocab_size), num_aux=len(info.aux_layer_ids),
-            target_hidden_size=info.hidden_size,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        )
-
-
-def read_model_config(model_dir: Path | str) -> dict[str, Any]:
-    """The target's config.json (the language-model part of a multimodal wrapper)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return cfg.get("text_config", cfg)
-
-
-def rope_settings(cfg: dict[str, Any], plain_if_unsupported: bool = False) -> tuple[float, Llama3RopeScaling | None]:
-    """(theta, llama3 scaling or None) from a transformers 4 (rope_scaling) or 5 (rope_parameters) config; a
-    RoPE type other than default/llama3 raises, or with ``plain_if_unsupported`` gives (theta, None)."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or params
-    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "llama3":
-        if plain_if_unsupported:
-            return theta, None
-        raise ValueError(f"RoPE type {rope_type!r} is not supported by the drafter (only default and llama3)")
-    original = scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
-    return theta, Llama3RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                    float(scaling["high_freq_factor"]), int(original))
 
 
 def upcast(x: Tensor) -> Tensor:
@@ -269,116 +223,7 @@ def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], document_
     return dense_ttt_attention(q, keys, values, document_ids)
 
 
-# ------------------------------------------------------------------------------------------------- modules
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, with the target's eps."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x / rms(x) * weight (RMSNorm's math, shared by the module and the functional step)."""
-    # Normalise in fp32 (bf16 squares lose digits) and cast back before the weight, as Llama's norm does.
-    wide = upcast(x)
-    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * wide.to(x.dtype)
-
-
-class Eagle3Attention(nn.Module):
-    """Attention whose q/k/v read the 2H-wide [embedding, feature] input; output back to H."""
-
-    def __init__(self, dims: DrafterDims) -> None:
-        super().__init__()
-        width = 2 * dims.hidden_size
-        self.num_heads, self.num_kv_heads = dims.num_attention_heads, dims.num_key_value_heads
-        self.head_dim = dims.head_dim
-        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, dims.hidden_size, bias=False)
-
-    def _split_heads(self, x: Tensor, heads: int) -> Tensor:
-        return x.view(x.shape[0], x.shape[1], heads, self.head_dim).transpose(1, 2)  # [B, heads, T, hd]
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: TTTCache, document_ids: Tensor,
-                impl: AttnImpl) -> Tensor:
-        """x [B, T, 2H] -> [B, T, H]; appends this step's keys and values to ``cache``."""
-        q = apply_rope(self._split_heads(self.q_proj(x), self.num_heads), cos, sin)  # [B, nH, T, hd]
-        cache.keys.append(apply_rope(self._split_heads(self.k_proj(x), self.num_kv_heads), cos, sin))
-        cache.values.append(self._split_heads(self.v_proj(x), self.num_kv_heads))  # [B, nKV, T, hd]
-        out = ttt_attention(q, cache.keys, cache.values, document_ids, impl)  # [B, nH, T, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
-
-
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, H]
-
-
-class MidLayer(nn.Module):
-    """The one decoder layer of EAGLE-3: attention over [norm(embedding), norm(feature)], then SwiGLU."""
-
-    def __init__(self, dims: DrafterDims) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.hidden_norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.self_attn = Eagle3Attention(dims)
-        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.mlp = SwiGLU(dims.hidden_size, dims.intermediate_size)
-
-    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, cache: TTTCache,
-                document_ids: Tensor, impl: AttnImpl) -> Tensor:
-        """embeds, hidden [B, T, H] -> pre-norm output [B, T, H]."""
-        # The embedding comes first in the concatenation: SGLang's q/k/v weights expect that order.
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-        # The residual is the UN-normed feature (SGLang and SpecForge; speculators' norm_before_residual differs).
-        h = hidden + self.self_attn(x, cos, sin, cache, document_ids, impl)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Eagle3Drafter(nn.Module):
-    """fc + midlayer + norm + lm_head, with the target's frozen embeddings; ``forward`` is one TTT step."""
-
-    def __init__(self, dims: DrafterDims) -> None:
-        super().__init__()
-        self.dims = dims
-        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)  # the target's own table, shared with it at serving time
-        self.fc = nn.Linear(dims.num_aux * dims.target_hidden_size, dims.hidden_size, bias=False)
-        self.midlayer = MidLayer(dims)
-        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.lm_head = nn.Linear(dims.hidden_size, dims.draft_vocab_size, bias=False)
-
-    def project_aux(self, aux: Tensor) -> Tensor:
-        """The step-0 feature: fc over the concatenated aux states, [B, T, A*Ht] -> [B, T, H]."""
-        return self.fc(aux)
-
-    def forward(self, hidden: Tensor, input_ids: Tensor, positions: Tensor, document_ids: Tensor,
-                cache: TTTCache, attn_impl: AttnImpl = "auto") -> tuple[Tensor, Tensor]:
-        """One TTT step: (pre-norm output [B, T, H], the next step's feature; draft logits [B, T, Vd])."""
-        embeds = self.embed_tokens(input_ids)  # [B, T, H]
-        inv_freq = rope_inv_freq_on(self.dims.head_dim, self.dims.rope_theta, self.dims.rope_scaling, positions.device)
-        cos, sin = rope_cos_sin(inv_freq, positions, upcast(hidden).dtype)  # [B, 1, T, hd]
-        out = self.midlayer(embeds, hidden, cos, sin, cache, document_ids, attn_impl)  # [B, T, H]
-        return out, self.lm_head(self.norm(out))
-
-
-# ------------------------------------------------------------------------------------------ functional step
+# ---------------------------------------------------------------------------------- the layer: one step
 
 class StepWeights(NamedTuple):
     """The tensors one TTT step reads (the drafter's own, linear weights possibly cast; see step_weights)."""
@@ -396,6 +241,124 @@ class StepWeights(NamedTuple):
     down: Tensor  # [H, I]
     norm: Tensor  # [H]
     lm_head: Tensor  # [Vd, H]
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / rms(x) * weight."""
+    # Normalise in fp32 (bf16 squares lose digits) and cast back before the weight, as Llama's norm does.
+    wide = upcast(x)
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * wide.to(x.dtype)
+
+
+def _linear(x: Tensor, weight: Tensor) -> Tensor:
+    # The activation cast autocast makes, made explicit (a no-op when the dtypes already agree).
+    return F.linear(x.to(weight.dtype), weight)
+
+
+def attention_inputs(w: StepWeights, input_ids: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, eps: float,
+                     num_heads: int, num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """MidLayer up to the attention: q [B, nH, T, hd], this step's post-RoPE key and value [B, nKV, T, hd]."""
+    embeds = F.embedding(input_ids, w.embed)  # [B, T, H]
+    # The embedding comes first in the concatenation: SGLang's q/k/v weights expect that order.
+    x = torch.cat([rms_norm(embeds, w.input_norm, eps), rms_norm(hidden, w.hidden_norm, eps)], dim=-1)  # [B, T, 2H]
+    batch, seq_len, _ = x.shape
+
+    def heads(y: Tensor, n: int) -> Tensor:
+        return y.view(batch, seq_len, n, -1).transpose(1, 2)  # [B, n, T, hd]
+
+    q = apply_rope(heads(_linear(x, w.q), num_heads), cos, sin)
+    k = apply_rope(heads(_linear(x, w.k), num_kv_heads), cos, sin)
+    return q, k, heads(_linear(x, w.v), num_kv_heads)
+
+
+def step_outputs(w: StepWeights, hidden: Tensor, attn: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """MidLayer after the attention [B, nH, T, hd], then the head: (pre-norm output [B, T, H], logits [B, T, Vd])."""
+    batch, _, seq_len, _ = attn.shape
+    # The residual is the UN-normed feature (SGLang and SpecForge; speculators' norm_before_residual differs).
+    h = hidden + _linear(attn.transpose(1, 2).reshape(batch, seq_len, -1), w.o)  # [B, T, H]
+    x = rms_norm(h, w.post_norm, eps)
+    out = h + _linear(F.silu(_linear(x, w.gate)) * _linear(x, w.up), w.down)  # SwiGLU, [B, T, H]
+    return out, _linear(rms_norm(out, w.norm, eps), w.lm_head)
+
+
+# ------------------------------------------------------------------------------------------------- modules
+
+class RMSNorm(nn.Module):
+    """The weight of one rms_norm (its eps is DrafterDims.rms_norm_eps)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))  # [H]
+
+
+class Eagle3Attention(nn.Module):
+    """q/k/v read the 2H-wide [embedding, feature] input; o_proj writes back to H."""
+
+    def __init__(self, dims: DrafterDims) -> None:
+        super().__init__()
+        width = 2 * dims.hidden_size
+        heads, kv_heads = dims.num_attention_heads * dims.head_dim, dims.num_key_value_heads * dims.head_dim
+        self.q_proj = nn.Linear(width, heads, bias=False)  # [nH*hd, 2H]
+        self.k_proj = nn.Linear(width, kv_heads, bias=False)  # [nKV*hd, 2H]
+        self.v_proj = nn.Linear(width, kv_heads, bias=False)  # [nKV*hd, 2H]
+        self.o_proj = nn.Linear(heads, dims.hidden_size, bias=False)  # [H, nH*hd]
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)  # [I, H]
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)  # [I, H]
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)  # [H, I]
+
+
+class MidLayer(nn.Module):
+    """The one decoder layer of EAGLE-3: attention over [norm(embedding), norm(feature)], then SwiGLU."""
+
+    def __init__(self, dims: DrafterDims) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(dims.hidden_size)
+        self.hidden_norm = RMSNorm(dims.hidden_size)
+        self.self_attn = Eagle3Attention(dims)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size)
+        self.mlp = SwiGLU(dims.hidden_size, dims.intermediate_size)
+
+
+class Eagle3Drafter(nn.Module):
+    """fc + midlayer + norm + lm_head, with the target's frozen embeddings; ``forward`` is one TTT step."""
+
+    def __init__(self, dims: DrafterDims) -> None:
+        super().__init__()
+        self.dims = dims
+        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's own table, shared with it at serving time
+        self.fc = nn.Linear(dims.num_aux * dims.target_hidden_size, dims.hidden_size, bias=False)
+        self.midlayer = MidLayer(dims)
+        self.norm = RMSNorm(dims.hidden_size)
+        self.lm_head = nn.Linear(dims.hidden_size, dims.draft_vocab_size, bias=False)
+
+    def project_aux(self, aux: Tensor) -> Tensor:
+        """The step-0 feature: fc over the concatenated aux states, [B, T, A*Ht] -> [B, T, H]."""
+        return self.fc(aux)
+
+    def forward(self, hidden: Tensor, input_ids: Tensor, positions: Tensor, document_ids: Tensor,
+                cache: TTTCache, attn_impl: AttnImpl = "auto") -> tuple[Tensor, Tensor]:
+        """One TTT step: (pre-norm output [B, T, H], the next step's feature; draft logits [B, T, Vd]).
+
+        Appends this step's keys and values to ``cache``; the attention covers every step cached so far.
+        """
+        d, w = self.dims, step_weights(self)
+        inv_freq = rope_inv_freq_on(d.head_dim, d.rope_theta, d.rope_scaling, positions.device)
+        cos, sin = rope_cos_sin(inv_freq, positions, upcast(hidden).dtype)  # [B, 1, T, hd]
+        q, key, value = attention_inputs(w, input_ids, hidden, cos, sin, d.rms_norm_eps, d.num_attention_heads,
+                                         d.num_key_value_heads)  # [B, nH, T, hd], [B, nKV, T, hd] x 2
+        cache.keys.append(key)
+        cache.values.append(value)
+        attn = ttt_attention(q, cache.keys, cache.values, document_ids, attn_impl)  # [B, nH, T, hd]
+        return step_outputs(w, hidden, attn, d.rms_norm_eps)
 
 
 def step_weights(model: Eagle3Drafter, linear_dtype: torch.dtype | None = None) -> StepWeights:
@@ -416,35 +379,6 @@ def step_weights(model: Eagle3Drafter, linear_dtype: torch.dtype | None = None) 
                        linear(mlp.down_proj), model.norm.weight, linear(model.lm_head))
 
 
-def _linear(x: Tensor, weight: Tensor) -> Tensor:
-    # The activation cast autocast makes, made explicit (a no-op when the dtypes already agree).
-    return F.linear(x.to(weight.dtype), weight)
-
-
-def attention_inputs(w: StepWeights, input_ids: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, eps: float,
-                     num_heads: int, num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """MidLayer up to the attention: q [B, nH, T, hd], this step's post-RoPE key and value [B, nKV, T, hd]."""
-    embeds = F.embedding(input_ids, w.embed)  # [B, T, H]
-    x = torch.cat([rms_norm(embeds, w.input_norm, eps), rms_norm(hidden, w.hidden_norm, eps)], dim=-1)  # [B, T, 2H]
-    batch, seq_len, _ = x.shape
-
-    def heads(y: Tensor, n: int) -> Tensor:
-        return y.view(batch, seq_len, n, -1).transpose(1, 2)  # [B, n, T, hd]
-
-    q = apply_rope(heads(_linear(x, w.q), num_heads), cos, sin)
-    k = apply_rope(heads(_linear(x, w.k), num_kv_heads), cos, sin)
-    return q, k, heads(_linear(x, w.v), num_kv_heads)
-
-
-def step_outputs(w: StepWeights, hidden: Tensor, attn: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """MidLayer after the attention [B, nH, T, hd], then the head: (pre-norm output [B, T, H], logits [B, T, Vd])."""
-    batch, _, seq_len, _ = attn.shape
-    h = hidden + _linear(attn.transpose(1, 2).reshape(batch, seq_len, -1), w.o)  # residual on the un-normed feature
-    x = rms_norm(h, w.post_norm, eps)
-    out = h + _linear(F.silu(_linear(x, w.gate)) * _linear(x, w.up), w.down)
-    return out, _linear(rms_norm(out, w.norm, eps), w.lm_head)
-
-
 @lru_cache(maxsize=4)
 def compiled_step_pieces(backend: str = "inductor") -> tuple[Any, Any]:
     """(attention_inputs, step_outputs) under torch.compile with static shapes.
@@ -462,7 +396,7 @@ def flex_attention_over(q: Tensor, keys: Tensor, values: Tensor, block_mask: Any
     return attend(q, keys, values, block_mask=block_mask, enable_gqa=True)
 
 
-# -------------------------------------------------------------------------------- init, export, target weights
+# ---------------------------------------------------------------------------------------------- init, export
 
 def init_weights(model: Eagle3Drafter, std: float = 0.02, seed: int = 0) -> None:
     """N(0, std) for every Linear (HF Llama's init), ones for the norms; embeddings untouched.
@@ -487,29 +421,3 @@ def export_state_dict(model: Eagle3Drafter) -> dict[str, Tensor]:
     """The SGLang weights (names in SGLANG_WEIGHT_NAMES); embeddings are the target's and stay out."""
     return {k: v for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
 
-
-def read_rows(model_dir: Path | str, name: str, ids: Tensor, chunk_rows: int = 16384) -> Tensor:
-    """Rows ``ids`` (ascending) of a [V, H] target tensor, reading ``chunk_rows`` rows at a time."""
-    parts = []
-    for start in range(0, int(ids.max()) + 1, chunk_rows):
-        wanted = ids[(ids >= start) & (ids < start + chunk_rows)] - start
-        if len(wanted):
-            parts.append(read_tensor(Path(model_dir), name, rows=slice(start, start + chunk_rows))[wanted])
-    return torch.cat(parts)  # [len(ids), H]
-
-
-def _copy_checked(dst: Tensor, src: Tensor, what: str) -> None:
-    if tuple(src.shape) != tuple(dst.shape):
-        raise ValueError(f"{what}: target tensor has shape {list(src.shape)}, the drafter expects {list(dst.shape)}")
-    dst.copy_(src)
-
-
-def load_target_weights(model: Eagle3Drafter, model_dir: Path | str, t2d: Tensor,
-                        init_lm_head_from_target: bool, chunk_rows: int = 16384) -> None:
-    """Copy the target's embeddings; optionally start lm_head from the target lm_head rows of the draft vocab."""
-    with torch.no_grad():
-        _copy_checked(model.embed_tokens.weight, read_tensor(Path(model_dir), EMBED_TENSOR), EMBED_TENSOR)
-        if init_lm_head_from_target:
-            name = lm_head_name(target_info(Path(model_dir)))
-            used = t2d.nonzero().squeeze(1)  # [Vd] target ids of the draft vocab, ascending = draft order
-            _copy_checked(model.lm_head.weight, read_rows(model_dir, name, used, chunk_rows), name)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -52,7 +51,6 @@ from eagle3.drafter.masks import (positions_from_documents, same_document_ahead,
 from eagle3.drafter.model import (AttnImpl, Eagle3Drafter, TTTCache, attention_inputs, compiled_step_pieces,
                           flex_attention_over, resolve_attn_impl, rope_cos_sin, rope_inv_freq_on, step_outputs,
                           step_weights, ttt_attention, upcast)
-from eagle3.target.load import lm_head_name, read_tensor, target_info
 
 TOKEN_SHIFT = 1
 """Step k at row index t reads token x_{t + TOKEN_SHIFT + k} and is scored against p_{t + TOKEN_SHIFT + k}."""
@@ -119,11 +117,6 @@ class StepAlignment:
 
 
 # ------------------------------------------------------------------------------------------------ supervision
-
-def load_target_lm_head(model_dir: Path | str) -> Tensor:
-    """The target's full output projection [V, Ht] (the embeddings when the target ties them)."""
-    return read_tensor(Path(model_dir), lm_head_name(target_info(Path(model_dir))))
-
 
 @torch.no_grad()
 def supervision_from_final(final_hidden: Tensor, lm_head_weight: Tensor, t2d: Tensor,
@@ -389,8 +382,9 @@ class _FunctionalUnroll:
     """The step as functions over tensors prepared once per micro-batch: weights cast once, RoPE tables of
     every step, and (flex) one block mask layout for all steps; the pieces compiled when asked.
 
-    Same math as Eagle3Drafter.forward (tests compare them). It reads the drafter's parameters directly,
-    which a wrapper that shards the whole objective (DDP, FSDP2 over the root) gathers before the forward.
+    The functions Eagle3Drafter.forward calls too, over once-cast weights (tests compare the paths). It reads
+    the drafter's parameters directly, which a wrapper that shards the whole objective (DDP, FSDP2 over the
+    root) gathers before the forward.
     """
 
     def __init__(self, drafter: Eagle3Drafter, docs: Tensor, positions: Tensor, hidden: Tensor, num_steps: int,

@@ -74,7 +74,7 @@ def open_session(job: EvalJob) -> EvalSession:
     import torch
 
     from eagle3.evaluate.decode_cache import make_runners, resolve_decode
-    from eagle3.export import load_sglang_export
+    from eagle3.export.sglang import load_sglang_export
     from eagle3.target.load import load_model
 
     ecfg = EvaluateConfig.model_validate(job.evaluate)

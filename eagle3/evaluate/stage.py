@@ -17,7 +17,7 @@ steps that accepted >= i-1; speedup = greedy wall time / method wall time over t
 
 Outputs in <run>/eval/: results.json, report.md, per_position.png, prompts.jsonl; manifest last. While it runs,
 every measured prompt is journaled (evaluate.journal.jsonl), so a killed evaluation re-measures only the rest.
-Evaluating the run's own export also writes the measured table into its model cards (eagle3.model_card).
+Evaluating the run's own export also writes the measured table into its model cards (eagle3.export.model_card).
 
 Modules: eagle3.evaluate.session (the methods, one process's loaded models, one prompt measured),
 eagle3.evaluate.pool (many prompts, spawned workers, the journal), eagle3.evaluate.records (the typed records
@@ -67,14 +67,14 @@ def default_export_dir(cfg: RunConfig) -> Path:
 
 def key_for(cfg: RunConfig, model_dir: Path, export_dir: Path | None = None) -> str:
     """Evaluate section + target fingerprint + the export manifest (or, for an explicit folder, its files' hashes)."""
-    from eagle3.export import MANIFEST_FILE
+    from eagle3.export.stage import MANIFEST_FILE
     from eagle3.target.load import fingerprint
     from infra.storage import sha256_file
 
     extra: dict[str, Any] = {"target": fingerprint(model_dir)}
     inputs = [cfg.run_dir / "export" / MANIFEST_FILE]
     if export_dir is not None:
-        from eagle3.model_card import CARD_FILE  # rewritten by this stage: never part of what it measured
+        from eagle3.export.model_card import CARD_FILE  # rewritten by this stage: never part of what it measured
 
         files = sorted(p for p in Path(export_dir).iterdir() if p.is_file() and p.name != CARD_FILE)
         extra["export"] = {p.name: sha256_file(p) for p in files}
@@ -98,7 +98,7 @@ def _settings(cfg: RunConfig, model_dir: Path, export_dir: Path, device: str,
     import torch
     import transformers
 
-    from eagle3.export import read_json
+    from eagle3.export.checks import read_json
     from eagle3.target.load import fingerprint
 
     e = cfg.evaluate
@@ -199,7 +199,7 @@ def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
     outcome = run_stage("evaluate", manifest_path(cfg), key, force=force,
                         compute=lambda: _compute(cfg, model_dir, source, progress, show_bar, key))
     if export_dir is None:  # the run's own export: its model cards get the table just measured (or still current)
-        from eagle3.export import write_cards
+        from eagle3.export.stage import write_cards
 
         write_cards(cfg, json.loads(Path(outcome.outputs["results"]).read_text()), model_dir)
     return outcome

@@ -6,7 +6,8 @@ Three kinds of target all end up as one HF-style directory (config.json, safeten
   tiny  a random tiny Llama, Qwen3 or DeepSeek-V3 with a locally built tokenizer (tests, CI).
 Most stages need only the config and tokenizer; the trainer needs single tensors (embeddings,
 lm_head), which ``read_tensor`` takes from sharded safetensors through the index without
-loading the model. Run ``python -m eagle3.target.load --preset smollm2-demo`` for the tokenizer report.
+loading the model (eagle3.target.tensors hands them to the drafter). Run
+``python -m eagle3.target.load --preset smollm2-demo`` for the tokenizer report.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from infra.storage import sha256_file, sha256_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json")
+EMBED_TENSOR = "model.embed_tokens.weight"
+"""The target's input embeddings (the drafter's frozen table; also the lm_head of a target that ties them)."""
 
 
 class TokenizerMismatchError(ValueError):
@@ -182,11 +185,16 @@ def _head_dim(c: dict[str, Any]) -> int:
     return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
 
 
+def read_model_config(model_dir: Path | str) -> dict[str, Any]:
+    """The target's config.json (the language-model part of a multimodal wrapper, which nests it)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
 def target_info(model_dir: Path, tcfg: TargetConfig | None = None) -> TargetInfo:
     """Shape facts from config.json; aux ids from the config section or the default."""
     model_dir = Path(model_dir)
-    c = json.loads((model_dir / "config.json").read_text())
-    c = c.get("text_config", c)  # multimodal wrappers keep the LM config nested
+    c = read_model_config(model_dir)
     num_layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
     aux = (tcfg.aux_layer_ids if tcfg and tcfg.aux_layer_ids else None) or default_aux_layer_ids(num_layers)
     check_aux_layer_ids(aux, num_layers)
@@ -265,7 +273,7 @@ def read_tensor(model_dir: Path, name: str, rows: Any = None):
 
 def lm_head_name(info: TargetInfo) -> str:
     """Name of the output projection (tied models reuse the input embeddings)."""
-    return "model.embed_tokens.weight" if info.tie_word_embeddings else "lm_head.weight"
+    return EMBED_TENSOR if info.tie_word_embeddings else "lm_head.weight"
 
 
 def load_tokenizer(model_dir: Path):

@@ -24,9 +24,10 @@ from torch import Tensor, nn
 
 from eagle3.config import RunConfig
 from eagle3.features.spec import FeatureSpec
-from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights, load_target_weights
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights
 from eagle3.train.data import EpochPlan, plan_epoch, read_split
-from eagle3.drafter.ttt import StepOptions, TTTObjective, load_target_lm_head
+from eagle3.drafter.ttt import StepOptions, TTTObjective
+from eagle3.target.tensors import drafter_dims, load_target_lm_head, load_target_weights
 
 log = logging.getLogger("eagle3.train")
 
@@ -79,7 +80,7 @@ def read_inputs(cfg: RunConfig, model_dir: Path) -> RunInputs:
                          f"asks for {info.aux_layer_ids} of width {info.hidden_size}")
     if len(t2d) != info.vocab_size:
         raise ValueError(f"vocab map covers {len(t2d)} target ids, the target has {info.vocab_size}")
-    dims = DrafterDims.from_target(info, model_dir, draft_vocab_size=len(d2t))
+    dims = drafter_dims(info, model_dir, draft_vocab_size=len(d2t))
     return RunInputs(run_dir, Path(model_dir), run_dir / "features", run_dir / "data" / "tokenized.parquet",
                      spec, d2t, t2d, dims)
 

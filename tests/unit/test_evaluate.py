@@ -20,9 +20,10 @@ from eagle3.evaluate.records import (EvalSettings, GreedyReference, LosslessChec
 from eagle3.evaluate.report import position_acceptance, report_markdown, summarize, summarize_all
 from eagle3.evaluate.session import EvalJob, method_specs
 from eagle3.evaluate.stage import JOURNAL_NAME, key_for, run_evaluate, write_partial_report
-from eagle3.export import export_sglang
+from eagle3.export.sglang import export_sglang
 from eagle3.run.journal import Journal
-from eagle3.drafter.model import DrafterDims, Eagle3Drafter, export_state_dict, init_weights
+from eagle3.drafter.model import Eagle3Drafter, export_state_dict, init_weights
+from eagle3.target.tensors import drafter_dims
 from eagle3.target.load import prepare_target, target_info
 from eagle3.target.tiny import build_tiny_tokenizer
 from eagle3.data.vocab import maps_from_used
@@ -145,7 +146,7 @@ def tiny_run(tmp_path_factory):
                                "evaluate.datasets=[mtbench,gsm8k]"])
     model_dir = prepare_target(cfg)
     info = target_info(model_dir, cfg.target)
-    dims = DrafterDims.from_target(info, model_dir, draft_vocab_size=info.vocab_size // 2)
+    dims = drafter_dims(info, model_dir, draft_vocab_size=info.vocab_size // 2)
     drafter = Eagle3Drafter(dims)
     init_weights(drafter, std=0.2)
     d2t, t2d = maps_from_used(np.arange(0, info.vocab_size, 2), info.vocab_size)
@@ -278,7 +279,7 @@ def test_drafter_shift_benchmark_reproduces_the_decodes_position1_acceptance(tin
     records = [json.loads(line) for line in (cfg.run_dir / "eval" / "prompts.jsonl").read_text().splitlines()]
     frequent = Counter(t for r in records for t in r["greedy"]["tokens"]).most_common(1)[0][0]
     info = target_info(model_dir, cfg.target)
-    drafter = Eagle3Drafter(DrafterDims.from_target(info, model_dir, draft_vocab_size=info.vocab_size - frequent))
+    drafter = Eagle3Drafter(drafter_dims(info, model_dir, draft_vocab_size=info.vocab_size - frequent))
     init_weights(drafter, std=0.2)
     with torch.no_grad():
         drafter.norm.weight.zero_()  # all draft logits 0: argmax is draft id 0, i.e. target id `frequent`

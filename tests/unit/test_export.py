@@ -7,21 +7,26 @@ speculators tests, which load these exports with those projects' own classes.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.export import (ExportError, aux_id_warnings, check_sglang_export, check_speculators_export,
-                           export_sglang, export_speculators, load_sglang_export, ours_from_speculators,
-                           sglang_aux_ids, sglang_config, speculators_aux_ids)
+from eagle3.export.checks import (ExportError, aux_id_warnings, ours_from_speculators, sglang_aux_ids,
+                                  speculators_aux_ids)
+from eagle3.export.sglang import check_sglang_export, export_sglang, load_sglang_export, sglang_config
+from eagle3.export.speculators import check_speculators_export, export_speculators
 from eagle3.drafter.masks import shift_left, single_document_ids
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, Llama3RopeScaling, TTTCache, export_state_dict, init_weights
 from eagle3.target.load import default_aux_layer_ids
 
 AUX = [1, 3, 4]  # output-of-layer ids of an 8-layer target: [1, N//2-1, N-4]
 NUM_TARGET_LAYERS = 8
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -100,6 +105,22 @@ def sglang_export(tmp_path: Path, dtype: torch.dtype = torch.float32, aux: list[
     d2t, t2d = vocab_maps(dims)
     out = export_sglang(export_state_dict(drafter), dims, d2t, t2d, aux, tmp_path / "sglang", dtype)
     return out, target, drafter, dims
+
+
+def test_python_m_eagle3_export_checks_a_folder(tmp_path):
+    """``python -m eagle3.export --check DIR`` (the package's __main__) checks a folder and exits 2 on a broken one."""
+    out, *_ = sglang_export(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+    def check() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "eagle3.export", "--check", str(out)], capture_output=True,
+                              text=True, env=env, timeout=120)
+
+    good = check()
+    assert good.returncode == 0 and good.stdout.strip() == f"{out}: sglang layout, check passed"
+    rewrite_weights(out, lambda t: t.pop("norm.weight"))
+    bad = check()
+    assert bad.returncode == 2 and "missing keys ['norm.weight']" in bad.stderr
 
 
 def rewrite_weights(export_dir: Path, edit) -> None:
@@ -285,7 +306,7 @@ def trained_run(tmp_path_factory):
 
 def test_run_export_writes_both_layouts_then_skips(trained_run):
     """run_export writes sglang/ and speculators/ from the final checkpoint, then is a no-op until a setting changes."""
-    from eagle3.export import run_export
+    from eagle3.export.stage import run_export
 
     cfg = trained_run
     first = run_export(cfg)
@@ -307,7 +328,7 @@ def test_run_export_writes_both_layouts_then_skips(trained_run):
 
 def test_cli_prints_where_it_wrote_and_the_check(trained_run, capsys):
     """python -m eagle3.export --config ...: one line per layout with its folder, aux ids and 'check passed'."""
-    from eagle3.export import main
+    from eagle3.export.stage import main
 
     main(["--config", str(trained_run.run_dir / "config.json")])
     out = capsys.readouterr().out

@@ -176,7 +176,7 @@ def misname_hidden_norm(export_dir: Path, broken: Path) -> Path:
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     """SGLang's parameters after loading a clean fp32 export and a misnamed copy; our drafter, dims, the dirs."""
-    from eagle3.export import export_sglang
+    from eagle3.export.sglang import export_sglang
     from eagle3.drafter.model import export_state_dict
     from tests.unit.test_export import AUX, random_drafter, tiny_dims, vocab_maps, write_target
 
@@ -229,7 +229,8 @@ def test_hot_token_ids_are_the_draft_vocab(loaded):
 
 def test_sglang_ignores_a_misnamed_key_that_our_check_catches(loaded):
     """hidden_norm misspelt: SGLang loads without a word and leaves the norm unset (NaN); our check names the key."""
-    from eagle3.export import ExportError, check_sglang_export
+    from eagle3.export.checks import ExportError
+    from eagle3.export.sglang import check_sglang_export
 
     params = loaded["broken_params"]
     assert torch.isnan(params["model.layers.0.hidden_norm.weight"]).all()

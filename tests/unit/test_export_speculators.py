@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 
-from eagle3.export import export_speculators
+from eagle3.export.speculators import export_speculators
 from eagle3.drafter.model import export_state_dict
 from tests.unit.test_export import (AUX, random_drafter, tiny_dims, ttt_inputs, ttt_logits, vocab_maps,
                                     write_target)

@@ -14,9 +14,10 @@ from safetensors.torch import save_file
 from eagle3.drafter.masks import positions_from_documents, ttt_block_masks, ttt_dense_mask, ttt_mask_mod
 from eagle3.drafter.model import (FLEX_AVAILABLE, SGLANG_WEIGHT_NAMES, DrafterDims, Eagle3Drafter, TTTCache, apply_rope,
                           attention_inputs, dense_ttt_attention, export_state_dict, flex_ttt_attention, init_weights,
-                          load_target_weights, rope_cos_sin, rope_inv_freq, rope_inv_freq_on, rope_settings,
-                          step_outputs, step_weights, trainable_parameters)
+                          rope_cos_sin, rope_inv_freq, rope_inv_freq_on, step_outputs, step_weights,
+                          trainable_parameters)
 from eagle3.target.load import target_info
+from eagle3.target.tensors import drafter_dims, load_target_weights, rope_settings
 
 SGLANG_KEYS = {
     "fc.weight",
@@ -62,6 +63,21 @@ def test_state_dict_names_are_exactly_sglangs():
     assert set(export_state_dict(model)) == SGLANG_KEYS == set(SGLANG_WEIGHT_NAMES)
 
 
+def test_the_drafter_package_imports_nothing_from_the_target_package():
+    """eagle3/drafter/ never imports eagle3.target: the model reads no files (eagle3.target.tensors feeds it)."""
+    import ast
+
+    imported = set()
+    for path in (Path(__file__).resolve().parents[2] / "eagle3" / "drafter").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+    assert "eagle3.drafter.masks" in imported  # the walk sees the package's own imports
+    assert sorted(m for m in imported if m.split(".")[:2] == ["eagle3", "target"]) == []
+
+
 def test_embeddings_are_frozen_and_out_of_the_optimizer():
     """embed_tokens needs no grad, is not among the trainable parameters and gets no gradient from a step."""
     model = Eagle3Drafter(tiny_dims())
@@ -87,7 +103,7 @@ def test_shapes_follow_the_dims():
 def test_llama31_8b_drafter_has_424_7m_trainable_parameters(tmp_path):
     """Dims read from a Llama-3.1-8B config give 424.7M trainable (formula) and 525.3M frozen, on the meta device."""
     folder = write_config(tmp_path / "llama31", LLAMA31_8B)
-    dims = DrafterDims.from_target(target_info(folder), folder, 32000)
+    dims = drafter_dims(target_info(folder), folder, 32000)
     with torch.device("meta"):
         model = Eagle3Drafter(dims)
     trainable = sum(p.numel() for p in trainable_parameters(model))
@@ -103,7 +119,7 @@ def test_dims_from_target_read_norm_eps_and_rope_in_both_config_styles(tmp_path)
     v4 = write_config(tmp_path / "v4", LLAMA31_8B)
     v5_cfg = {k: v for k, v in LLAMA31_8B.items() if k not in ("rope_theta", "rope_scaling")}
     v5 = write_config(tmp_path / "v5", {**v5_cfg, "rope_parameters": {**LLAMA31_ROPE, "rope_theta": 500000.0}})
-    a, b = (DrafterDims.from_target(target_info(f), f, 64) for f in (v4, v5))
+    a, b = (drafter_dims(target_info(f), f, 64) for f in (v4, v5))
     assert a == b
     assert (a.rms_norm_eps, a.rope_theta, a.rope_scaling.factor, a.num_aux) == (1e-5, 500000.0, 8.0, 3)
     assert a.rope_scaling.original_max_position_embeddings == 8192
@@ -115,7 +131,7 @@ def test_unsupported_rope_types_are_refused():
         rope_settings({"rope_theta": 1e6, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     assert rope_settings({"rope_theta": 1e6}) == (1e6, None)
     yarn = {"rope_theta": 5e4, "rope_scaling": {"type": "yarn", "factor": 64.0}}
-    assert rope_settings(yarn, plain_if_unsupported=True) == (5e4, None)  # the drafter's own RoPE (from_target)
+    assert rope_settings(yarn, plain_if_unsupported=True) == (5e4, None)  # the drafter's own RoPE (drafter_dims)
 
 
 def test_llama3_rope_matches_transformers():

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.config import RunConfig, load_config
-from eagle3.drafter.model import EMBED_TENSOR, DrafterDims
-from eagle3.target.load import lm_head_name, load_model, prepare_target, read_tensor, target_info
+from eagle3.target.load import EMBED_TENSOR, lm_head_name, load_model, prepare_target, read_tensor, target_info
+from eagle3.target.tensors import drafter_dims
 
 ARCHITECTURES = ("qwen3", "deepseek_v3")
 """Families run end to end here (the tiny Llama runs through every other stage test)."""
@@ -67,7 +67,7 @@ def run_training(cfg: RunConfig, mode: str) -> None:
 def family_run(request, tmp_path_factory) -> tuple[str, RunConfig]:
     """(architecture, config) of a tiny run taken through every stage without Prefect."""
     from eagle3.evaluate.stage import run_evaluate
-    from eagle3.export import run_export
+    from eagle3.export.stage import run_export
     from eagle3.run.stages import run_all
 
     architecture, mode = request.param
@@ -130,7 +130,8 @@ def test_captured_states_are_the_models_hidden_states(family_run):
 def test_export_carries_the_targets_dims_and_aux_ids(family_run):
     """The SGLang config: target_hidden_size 64, the drafter's heads/head_dim/MLP from the target, eagle aux ids
     [1, 3, 4]; speculators' capture-before ids [2, 4, 5]; fc reads 3 x 64 and both layouts pass their checks."""
-    from eagle3.export import check_sglang_export, check_speculators_export
+    from eagle3.export.sglang import check_sglang_export
+    from eagle3.export.speculators import check_speculators_export
 
     architecture, cfg = family_run
     sglang, speculators = cfg.run_dir / "export" / "sglang", cfg.run_dir / "export" / "speculators"
@@ -203,7 +204,7 @@ def test_kimi_k25_preset_derives_the_drafter_of_specforges_kimi_config(tmp_path)
     preset = load_config("kimi-k25", [])
     info = target_info(tmp_path, preset.target)
     assert info.aux_layer_ids == target_info(tmp_path).aux_layer_ids == [1, 29, 57]
-    dims = DrafterDims.from_target(info, tmp_path, preset.vocab.draft_vocab_size)
+    dims = drafter_dims(info, tmp_path, preset.vocab.draft_vocab_size)
     assert (dims.hidden_size, dims.target_hidden_size, dims.num_aux, dims.vocab_size) == (7168, 7168, 3, 163840)
     assert (dims.num_attention_heads, dims.num_key_value_heads, dims.head_dim) == (64, 64, 128)
     assert (dims.intermediate_size, dims.draft_vocab_size, dims.rms_norm_eps) == (18432, 32000, 1e-5)

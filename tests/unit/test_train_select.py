@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.model_card import CARD_FILE, select_checkpoint
+from eagle3.export.model_card import CARD_FILE, select_checkpoint
 from eagle3.train.loop import train
 from eagle3.train.metrics import read_metrics
 from tests.unit.test_train_helpers import load_run_config, real_tiny_run
@@ -64,7 +64,7 @@ def test_best_checkpoint_survives_rotation(trained):
 
 def test_export_of_select_best_ships_the_best_weights(trained):
     """Export (select=best) writes the best checkpoint's weights, names the step and why in eagle3_export.json."""
-    from eagle3.export import run_export
+    from eagle3.export.stage import run_export
 
     outcome = run_export(trained)
     best = _manifest(trained)["best_step"]
@@ -79,7 +79,7 @@ def test_export_of_select_best_ships_the_best_weights(trained):
 
 def test_select_last_exports_the_final_weights_without_retraining(trained):
     """train.select=last: training stays up to date (operational knob), the export runs again with step 6."""
-    from eagle3.export import run_export
+    from eagle3.export.stage import run_export
 
     last = trained.model_copy(deep=True)
     last.train.select = "last"
@@ -106,7 +106,7 @@ def test_resumed_run_selects_what_the_uninterrupted_run_selects(trained, tmp_pat
 
 def test_model_card_names_target_step_tokens_and_serve_commands(trained):
     """Each export folder's README.md names the target, the selected step, the token counts and both commands."""
-    from eagle3.export import run_export
+    from eagle3.export.stage import run_export
     from eagle3.run.stages import manifest_path
 
     run_export(trained)
@@ -130,7 +130,7 @@ def test_model_card_names_target_step_tokens_and_serve_commands(trained):
 def test_evaluation_writes_its_table_into_the_cards_and_keeps_the_export_whole(trained):
     """After evaluate: the cards hold the measured table; export and evaluate are still up to date and checked."""
     from eagle3.evaluate.stage import run_evaluate
-    from eagle3.export import check_export, run_export
+    from eagle3.export.stage import check_export, run_export
 
     run_export(trained)
     outcome = run_evaluate(trained)

@@ -1,0 +1,165 @@
+"""The export stage: the selected checkpoint in every configured layout, its key, model cards, and the CLI.
+
+    python -m eagle3.export --config runs/smollm2-demo/config.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from eagle3.config import RunConfig
+from eagle3.drafter.model import DrafterDims
+from eagle3.export.checks import (CONFIG_FILE, FLOAT_DTYPES, INFO_FILE, WEIGHTS_FILE, aux_id_warnings, read_json,
+                                  sglang_aux_ids, speculators_aux_ids)
+from eagle3.export.sglang import check_sglang_export, export_sglang
+from eagle3.export.speculators import SPECULATORS_ARCHITECTURE, check_speculators_export, export_speculators
+from eagle3.run.stage import StageOutcome
+from eagle3.target.tensors import drafter_dims
+
+MANIFEST_FILE, TRAIN_MANIFEST = "export.manifest.json", Path("train") / "train.manifest.json"
+
+
+def check_export(export_dir: Path) -> str:
+    """Check a folder of either layout (chosen by its architectures); returns the layout's name."""
+    architectures = read_json(Path(export_dir) / CONFIG_FILE).get("architectures")
+    if architectures == [SPECULATORS_ARCHITECTURE]:
+        check_speculators_export(export_dir)
+        return "speculators"
+    check_sglang_export(export_dir)
+    return "sglang"
+
+
+def export_dir(cfg: RunConfig) -> Path:
+    """<run>/export."""
+    return cfg.run_dir / "export"
+
+
+def key_for(cfg: RunConfig) -> str:
+    """The export stage key: export section and train.select, train + vocab manifests, target fingerprint."""
+    from eagle3.config import section_dict
+    from eagle3.run.stage import stage_key
+    from eagle3.run.stages import manifest_path
+    from eagle3.target.load import fingerprint, prepare_target
+
+    fp = fingerprint(prepare_target(cfg))
+    conf = section_dict(cfg, "export") | {"train.select": cfg.train.select}  # what to ship: not in train's key
+    return stage_key("export", conf, [cfg.run_dir / TRAIN_MANIFEST, manifest_path(cfg, "vocab")], {"target": fp})
+
+
+def _train_stats(cfg: RunConfig) -> dict[str, Any]:
+    from eagle3.run.stage import read_manifest
+
+    return (read_manifest(cfg.run_dir / TRAIN_MANIFEST) or {}).get("stats", {})
+
+
+def _checkpoint_dir(cfg: RunConfig) -> tuple[Path, Any]:
+    """(checkpoint folder, eagle3.export.model_card.Selection): export.checkpoint, else train.select's."""
+    from eagle3.export.model_card import select_checkpoint
+
+    selection = select_checkpoint(cfg.train.select, cfg.export.checkpoint, _train_stats(cfg))
+    path = cfg.run_dir / "train" / selection.checkpoint
+    if not selection.checkpoint or not (path / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"no checkpoint weights at {path / WEIGHTS_FILE} ({selection.reason})")
+    return path, selection
+
+
+def write_cards(cfg: RunConfig, results: dict[str, Any] | None = None, model_dir: Path | None = None) -> list[Path]:
+    """README.md (eagle3.export.model_card) into every export folder of the run; ``results``: the evaluation of them."""
+    from eagle3.export.model_card import CardInputs, write_card
+    from eagle3.target.load import prepare_target
+
+    model_dir, train = model_dir or prepare_target(cfg), _train_stats(cfg)
+    folders = {f: export_dir(cfg) / f for f in cfg.export.formats if (export_dir(cfg) / f / INFO_FILE).is_file()}
+    return [write_card(CardInputs(cfg, folder, fmt, folders.get("sglang"), model_dir, read_json(folder / INFO_FILE),
+                                  train, results)) for fmt, folder in folders.items()]
+
+
+def _verifier(cfg: RunConfig, model_dir: Path) -> str:
+    hf_path = cfg.target.path if cfg.target.kind == "hf" else None
+    return cfg.export.verifier_name_or_path or hf_path or str(Path(model_dir).resolve())
+
+
+def _drafter_inputs(cfg: RunConfig, model_dir: Path) -> tuple[DrafterDims, list[int], Tensor, Tensor]:
+    """(dims, aux ids in our convention, d2t, t2d), checked against the features the drafter was trained on."""
+    from eagle3.features.spec import FeatureSpec
+    from eagle3.target.load import fingerprint, target_info
+    from eagle3.data.vocab import load_vocab_map
+
+    spec = FeatureSpec.load(cfg.run_dir / "features" / "spec.json")
+    info = target_info(model_dir, cfg.target)
+    if spec.target_fingerprint != fingerprint(model_dir) or spec.aux_layer_ids != info.aux_layer_ids:
+        raise ValueError(f"features/spec.json (target {spec.target_fingerprint}, aux {spec.aux_layer_ids}) does not "
+                         f"match the configured target {model_dir} (aux {info.aux_layer_ids})")
+    d2t, t2d = load_vocab_map(cfg.run_dir / "vocab")
+    return drafter_dims(info, model_dir, draft_vocab_size=len(d2t)), list(spec.aux_layer_ids), d2t, t2d
+
+
+def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
+    from safetensors.torch import load_file
+
+    from eagle3.target.load import EMBED_TENSOR, prepare_target, read_tensor
+
+    model_dir = prepare_target(cfg)
+    dims, aux, d2t, t2d = _drafter_inputs(cfg, model_dir)
+    embed = {"embed_tokens.weight": read_tensor(model_dir, EMBED_TENSOR)}  # [V, H], for the speculators layout
+    ckpt, selection = _checkpoint_dir(cfg)
+    weights, dtype = load_file(str(ckpt / WEIGHTS_FILE)), FLOAT_DTYPES[cfg.export.dtype]
+    common = dict(run_config=cfg.model_dump(mode="json"), source=str(ckpt), selection=selection.to_json())
+    outputs, stats = {}, {"checkpoint": str(ckpt.relative_to(cfg.run_dir)), "selection": selection.to_json(),
+                          "dtype": cfg.export.dtype, "formats": {}}
+    for fmt in dict.fromkeys(cfg.export.formats):
+        out = export_dir(cfg) / fmt
+        if fmt == "sglang":
+            export_sglang(weights, dims, d2t, t2d, aux, out, dtype, **common)
+            ids = sglang_aux_ids(aux)
+        else:
+            export_speculators(weights | embed, dims, d2t, t2d, aux, out, dtype, _verifier(cfg, model_dir),
+                               speculative_tokens=cfg.export.speculative_tokens, **common)
+            ids = speculators_aux_ids(aux)
+        outputs |= {f"{fmt}_config": out / CONFIG_FILE, f"{fmt}_weights": out / WEIGHTS_FILE}
+        stats["formats"][fmt] = {"dir": str(out), "aux_layer_ids": ids,
+                                 "warnings": aux_id_warnings(aux) if fmt == "sglang" else []}
+    stats["aux_layer_ids_output_of_layer"] = aux
+    write_cards(cfg, model_dir=model_dir)  # no measured table: the evaluate stage adds it (not hashed: module doc)
+    return outputs, stats
+
+
+def run_export(cfg: RunConfig, force: bool = False) -> StageOutcome:
+    """Export the selected checkpoint in every configured layout; a no-op when the manifest matches."""
+    from eagle3.run.stage import run_stage
+
+    return run_stage("export", export_dir(cfg) / MANIFEST_FILE, key_for(cfg), lambda: _export_all(cfg), force=force)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m eagle3.export --config <run>/config.json [--set export.dtype=float32] [--force] | --check DIR"""
+    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
+    from infra.storage import run_lock
+
+    parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
+    parser.add_argument("--force", action="store_true", help="export again even if the manifest matches")
+    parser.add_argument("--check", type=Path, metavar="DIR", help="only check an existing export folder")
+
+    @exit_on_user_error
+    def run() -> None:
+        args = parser.parse_args(argv)
+        if args.check:
+            print(f"{args.check}: {check_export(args.check)} layout, check passed")
+            return
+        cfg = config_from_args(args)
+        with run_lock(cfg.run_dir, owner="python -m eagle3.export"):
+            outcome = run_export(cfg, force=args.force)
+        print(f"export {'written' if outcome.computed else 'up to date'} (checkpoint {outcome.stats['checkpoint']})")
+        for fmt, entry in outcome.stats["formats"].items():  # checked again: files may have changed since
+            print(f"  {check_export(Path(entry['dir'])):<12} {entry['dir']}  aux ids {entry['aux_layer_ids']}  "
+                  f"check passed" + "".join(f"\n  warning: {w}" for w in entry["warnings"]))
+
+    run()
+
+
+if __name__ == "__main__":
+    main()
