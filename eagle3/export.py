@@ -30,6 +30,7 @@ from torch import Tensor
 
 from eagle3.config import RunConfig
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, load_target_weights, rope_settings
+from eagle3.run.layout import STAGE_DIRS, manifest_name
 from eagle3.run.stage import StageOutcome
 
 log = logging.getLogger("eagle3.export")
@@ -38,7 +39,7 @@ SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 INFO_FILE, RUN_CONFIG_FILE = "eagle3_export.json", "eagle3_run_config.json"
-MANIFEST_FILE, TRAIN_MANIFEST = "export.manifest.json", Path("train") / "train.manifest.json"
+MANIFEST_FILE, TRAIN_MANIFEST = manifest_name("export"), Path(STAGE_DIRS["train"]) / manifest_name("train")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
