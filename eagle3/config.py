@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, Field, ValidationError, model_validator
 
-from eagle3.config_base import PRESETS_DIR, ConfigError, PlainName, Section, _folder_path
+from eagle3.config_base import PRESETS_DIR, ConfigError, Operational, PlainName, Section, _folder_path, key_fields
 from eagle3.config_stages import (CaptureConfig, DrafterConfig, EvaluateConfig, ExportConfig, ServeConfig,
                                   TrainConfig)
 
@@ -183,7 +183,7 @@ class RegenerateConfig(Section):
     """Regenerate only the first N rows (the rest are counted as skipped); None = all."""
     max_user_turns: int | None = Field(None, ge=1)
     """Keep only the first N user turns of each conversation (with their new answers); None = all."""
-    num_slices: int = Field(1, ge=1)
+    num_slices: int = Operational(1, ge=1)
     """Flow runs the conversations left are split into, each on its own gpu-pool worker (1: regenerate in the flow itself)."""
 
 
@@ -355,5 +355,5 @@ def save_config(cfg: RunConfig, path: Path) -> Path:
 
 
 def section_dict(cfg: RunConfig, *names: str) -> dict[str, Any]:
-    """JSON-able dump of some sections, used in stage keys."""
-    return {name: getattr(cfg, name).model_dump(mode="json") for name in names}
+    """JSON-able dump of some sections without their operational fields (config_base.key_fields): stage keys."""
+    return {name: key_fields(getattr(cfg, name)) for name in names}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PRESETS_DIR = REPO_ROOT / "configs"
@@ -62,3 +62,24 @@ class Section(BaseModel):
     """Base for every config section: unknown keys are errors, docs come from docstrings."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+OPERATIONAL_MARK = "operational"
+"""Key in a field's json_schema_extra (so the UI's form schema shows it too) marking an operational field."""
+
+
+def Operational(default: Any, **constraints: Any) -> Any:  # noqa: N802 (reads as a field declaration, like Field)
+    """A field that changes how fast or where a stage runs, never what it writes (batch sizes, devices, slices,
+    writer threads): stage keys leave it out, so changing it redoes nothing. ``constraints`` go to Field."""
+    return Field(default, json_schema_extra={OPERATIONAL_MARK: True}, **constraints)
+
+
+def operational_fields(section: type[BaseModel]) -> frozenset[str]:
+    """Names of the fields of ``section`` declared with ``Operational``."""
+    return frozenset(name for name, field in section.model_fields.items()
+                     if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get(OPERATIONAL_MARK))
+
+
+def key_fields(section: BaseModel) -> dict[str, Any]:
+    """The section as JSON without its operational fields: what a stage key hashes of it."""
+    return section.model_dump(mode="json", exclude=set(operational_fields(type(section))))

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from eagle3.config_base import Section, _relative_inside
+from eagle3.config_base import Operational, Section, _relative_inside
 
 class SGLangCaptureConfig(Section):
     """The SGLang capture backend: managed server(s) or existing endpoints."""
@@ -55,35 +55,35 @@ class CaptureConfig(Section):
     """Storage dtype of the captured states."""
     aux_dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
     """Storage of the aux states: bf16, or fp8 e4m3 with a per-token scale (half the bytes)."""
-    max_tokens_per_batch: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    max_tokens_per_batch: Annotated[int, Field(ge=1)] | Literal["auto"] = Operational("auto")
     """Token budget of one forward batch (padded tokens, never a sample count); auto: from free GPU memory, 4096 on CPU."""
     tokens_per_shard: int = Field(131_072, ge=1)
     """Target tokens per shard file (balanced by tokens; ~4 GB per shard for an 8B target)."""
-    max_concurrent_shards: int = Field(1, ge=1)
+    max_concurrent_shards: int = Operational(1, ge=1)
     """Shard tasks in flight in one flow run (they share the model or the servers)."""
-    num_slices: int = Field(1, ge=1)
+    num_slices: int = Operational(1, ge=1)
     """Flow runs the capture flow splits the pending shards into, each on its own gpu-pool worker (1: capture in the flow itself)."""
-    device: str = "auto"
+    device: str = Operational("auto")
     """HF backend device: auto (cuda if available), cpu, cuda, cuda:N."""
-    device_map: str | None = None
+    device_map: str | None = Operational(None)
     """HF backend: 'auto' spreads a large model over all visible GPUs (accelerate)."""
-    disk_margin_bytes: int = Field(1 << 30, ge=0)
+    disk_margin_bytes: int = Operational(1 << 30, ge=0)
     """Free space that must remain after the planned bytes are written."""
-    allow_shared_gpus: bool = False
+    allow_shared_gpus: bool = Operational(False)
     """Start even when other processes hold GPU memory (default: stop and name them)."""
-    stream_writes: bool = True
+    stream_writes: bool = Operational(True)
     """Write each sample's rows as soon as it is captured (false: a whole shard after its last forward)."""
-    num_writers: int = Field(2, ge=1)
+    num_writers: int = Operational(2, ge=1)
     """Writer threads: shards whose files are written (hashed, fsynced) at the same time."""
-    write_queue_bytes: int = Field(4 << 30, ge=1)
+    write_queue_bytes: int = Operational(4 << 30, ge=1)
     """Captured bytes waiting for a writer before the forwards pause (host-memory bound, backpressure)."""
-    early_writeback: bool = True
+    early_writeback: bool = Operational(True)
     """Ask the kernel (Linux sync_file_range) to start writing shard pages early, so each fsync has little left."""
-    pinned_handoff: bool = False
+    pinned_handoff: bool = Operational(False)
     """HF on CUDA: writers read the pinned copy buffers directly instead of a pageable clone (pins more memory)."""
-    per_sample_attention: bool | Literal["auto"] = "auto"
+    per_sample_attention: bool | Literal["auto"] = Operational("auto")
     """HF: true = attention per sample (bitwise batch-invariant, for debugging); false = one padded SDPA per layer; auto = false on GPUs, true on CPU."""
-    sglang: SGLangCaptureConfig = SGLangCaptureConfig()
+    sglang: SGLangCaptureConfig = Operational(SGLangCaptureConfig())
     """SGLang backend settings."""
 
 
@@ -133,43 +133,44 @@ class TrainConfig(Section):
     """AdamW epsilon."""
     grad_clip: float = Field(0.5, ge=0)
     """Clip the global gradient norm to this (0 = no clipping; SpecForge 0.5)."""
-    parallel: Literal["ddp", "fsdp"] = "ddp"
+    parallel: Literal["ddp", "fsdp"] = Operational("ddp")
     """Data parallelism under torchrun: DDP (replicated weights) or FSDP2 (fully_shard, sharded state)."""
-    target_sharding: Literal["auto", "replicate", "fsdp"] = "auto"
+    target_sharding: Literal["auto", "replicate", "fsdp"] = Operational("auto")
     """Online target per rank: a full copy, or FSDP2-sharded over the ranks; auto = fsdp on >1 GPU when it fills half their free memory."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Operational("auto")
     """Where to train: auto = cuda:LOCAL_RANK when CUDA is available, else cpu."""
     aux_noise: Literal["none", "uniform", "gaussian"] = "none"
     """Noise added to the aux features of train batches (never to val): U(-s, s) or N(0, s^2)."""
     aux_noise_std: float = Field(0.05, ge=0)
     """The noise scale s: half-width of the uniform noise, std of the gaussian noise."""
-    eval_every_steps: int = Field(200, ge=0)
+    eval_every_steps: int = Operational(200, ge=0)
     """Validate on the val split every N optimizer steps (0 = only at the end)."""
-    checkpoint_every_steps: int = Field(500, ge=0)
+    checkpoint_every_steps: int = Operational(500, ge=0)
     """Write a full checkpoint every N optimizer steps (0 = only at the end and on SIGTERM)."""
-    keep_checkpoints: int = Field(2, ge=1)
+    keep_checkpoints: int = Operational(2, ge=1)
     """Keep this many newest checkpoints (and the best one by validation); older ones are deleted."""
-    select: Literal["best", "last"] = "best"
+    # which checkpoint the export ships, not what training learns: the export's key reads it
+    select: Literal["best", "last"] = Operational("best")
     """Checkpoint the export ships: best = highest validation accept_len_est, last = the final one."""
-    progress_every_s: float = Field(5.0, ge=0)
+    progress_every_s: float = Operational(5.0, ge=0)
     """Rewrite train/progress.json at most this often (seconds)."""
-    prefetch_rows: int = Field(2, ge=0)
+    prefetch_rows: int = Operational(2, ge=0)
     """Rows collated ahead on a background thread (0 = load in the training thread)."""
-    nproc_per_node: int | None = Field(None, ge=1)
+    nproc_per_node: int | None = Operational(None, ge=1)
     """torchrun processes per node; None = one per visible GPU (1 without GPUs)."""
-    nnodes: int = Field(1, ge=1)
+    nnodes: int = Operational(1, ge=1)
     """Nodes in the torchrun job (each node's worker runs the same task)."""
-    node_rank: int = Field(0, ge=0)
+    node_rank: int = Operational(0, ge=0)
     """This node's rank in a multi-node job."""
-    rdzv_endpoint: str | None = None
+    rdzv_endpoint: str | None = Operational(None)
     """host:port of the c10d rendezvous for multi-node jobs."""
-    timeout_s: float = Field(7 * 24 * 3600.0, gt=0)
+    timeout_s: float = Operational(7 * 24 * 3600.0, gt=0)
     """Wall-clock limit of one torchrun launch; the group is killed past it (a retry resumes)."""
-    compile: bool = True
+    compile: bool = Operational(True)
     """torch.compile the TTT step's pieces and the fused loss on CUDA (CPU runs stay eager); false = eager."""
-    loss_chunk_tokens: int = Field(4096, ge=0)
+    loss_chunk_tokens: int = Operational(4096, ge=0)
     """Fused soft cross-entropy over this many tokens at a time (no fp32 [T, Vd] tensors); 0 = plain log_softmax."""
-    reuse_block_mask: bool = False
+    reuse_block_mask: bool = Operational(False)
     """flex: one block mask per micro-batch for all TTT steps; false = one per step (measured faster on the H200)."""
 
 

@@ -26,6 +26,7 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, load_config
+from eagle3.run.layout import run_layout
 from flows.common import PresetName, guard_crash_loop, run_slices
 from tasks.artifacts import artifact_key, publish_table
 from tasks.capture import capture_shard_task, finalize_capture_task, prepare_capture_task
@@ -168,7 +169,7 @@ def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | N
 
     guard_crash_loop()
     cfg = config or load_config(preset, list(overrides or []))
-    get_run_logger().info("capturing into %s", (cfg.run_dir / "features").resolve())
+    get_run_logger().info("capturing into %s", run_layout(cfg).features.resolve())
     with run_lock(cfg.run_dir, owner="prefect flow eagle3-capture"):
         return run_capture_shards(cfg)
 

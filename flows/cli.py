@@ -29,12 +29,13 @@ from eagle3.config import RunConfig, list_presets
 from flows import local_server
 from flows.follow import deploy, deployment_pools, follow, trigger
 from flows.local_worker import LocalWorker, start_worker, stop_worker, worker_pid
-from flows.report import DATA_STAGES, print_summary, results_from_disk
+from eagle3.run.layout import run_layout
+from eagle3.run.registry import DATA_STAGES, STAGES, UNTIL_CHOICES
+from flows.report import print_summary, results_from_disk
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK_POOLS = ("cpu", "gpu")
 PIPELINE_DEPLOYMENT = "eagle3-pipeline"
-LAST_STAGES = ("vocab", "capture", "train", "export", "evaluate", "deploy")  # = flows.pipeline.LAST_STAGES
 
 
 def _server_for(args: argparse.Namespace) -> local_server.LocalServer:
@@ -140,7 +141,7 @@ def run_here(cfg: RunConfig, force: bool, until: str, progress: bool = True) -> 
     if not state.is_completed():
         print_summary(results_from_disk(cfg), time.time() - t0, outcome=f"did not complete ({state.name})")
         APILogHandler().flush()  # the last log lines, the traceback among them, are still in this process's queue
-        print("\n" + "\n".join(explain_flow_run(state.state_details.flow_run_id, cfg.run_dir / "logs")), flush=True)
+        print("\n" + "\n".join(explain_flow_run(state.state_details.flow_run_id, run_layout(cfg).logs)), flush=True)
         return 1
     result = state.result()
     print_summary(results_from_disk(cfg) | {k: v for k, v in result.items() if k in DATA_STAGES}, time.time() - t0)
@@ -247,8 +248,8 @@ examples:
 
 
 def _add_pipeline_args(p: argparse.ArgumentParser, func) -> None:
-    p.add_argument("--until", choices=LAST_STAGES, default=LAST_STAGES[-1],
-                   help=f"last stage to run (default: {LAST_STAGES[-1]})")
+    p.add_argument("--until", choices=UNTIL_CHOICES, default=UNTIL_CHOICES[-1],
+                   help=f"last stage to run (default: {UNTIL_CHOICES[-1]})")
     p.add_argument("--force", action="store_true", help="recompute every stage")
     p.add_argument("--port", type=int, help="local Prefect server port (default 4200)")
     p.set_defaults(func=func)
@@ -304,12 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_core_commands(sub) -> None:
-    """export / eval: core stages without Prefect, forwarded to their `python -m` entry points."""
-    for name, module, text in (("export", "eagle3.export.stage", "export the trained drafter (SGLang, speculators)"),
-                               ("eval", "eagle3.evaluate.stage", "measure acceptance length by speculative decoding")):
-        p = add_config_args(sub.add_parser(name, help=text))
+    """export / eval (the registry's stages with a command): core stages without Prefect, forwarded to their
+    `python -m` entry points."""
+    for stage in (s for s in STAGES if s.command):
+        p = add_config_args(sub.add_parser(stage.command, help=stage.description))
         p.add_argument("--force", action="store_true")
-        p.set_defaults(func=lambda a, m=module: _forward(m, a))
+        p.set_defaults(func=lambda a, m=stage.cli: _forward(m, a))
 
 
 def _forward(module: str, args: argparse.Namespace) -> int:

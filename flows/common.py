@@ -29,6 +29,11 @@ RESUBMIT_STATES = ("CRASHED", "FAILED")
 """Endings after which a slice is submitted again (a lost host, an error); Cancelled stops the fan-out."""
 
 
+def as_json(result: Any) -> Any:
+    """A task's or subflow's result as the JSON a flow returns (typed records through their ``to_json``)."""
+    return result.to_json() if hasattr(result, "to_json") else result
+
+
 def guard_crash_loop() -> None:
     """Refuse to run again after MAX_CRASH_RETRIES automatic restarts (an OOM every time, say)."""
     from prefect.runtime import flow_run

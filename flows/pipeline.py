@@ -10,7 +10,8 @@ re-run after a crash, a schedule or a UI "Retry" recomputes only what is missing
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+import dataclasses
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -18,28 +19,27 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, load_config
+from eagle3.run.registry import UNTIL_CHOICES, get_stage
+from eagle3.run.stage import StageOutcome
 from eagle3.run.stages import synthetic_sources
-from flows.common import PresetName, guard_crash_loop
+from flows.common import PresetName, as_json, guard_crash_loop
 from flows.report import render_run_report
 from tasks.artifacts import artifact_key
 from tasks.data import merge_task, regenerate_task, synthesize_task, target_check_task, tokenize_task, vocab_task
 
 
 
-def _call_stage(task, cfg: RunConfig, stage: str, force: bool) -> dict[str, Any]:
+def _call_stage(task, cfg: RunConfig, stage: str, force: bool) -> StageOutcome:
     """Run a stage task; Prefect's cache is ignored when the manifest on disk no longer matches.
 
     A result served from Prefect's cache is reported as not computed (the stored value is the
     one of the run that did compute it).
     """
-    from eagle3.run.stages import is_complete
-
-    if force or not is_complete(cfg, stage):
+    if force or not get_stage(stage).is_complete(cfg):
         task = task.with_options(refresh_cache=True)
     state = task(cfg, force, return_state=True)
-    result = dict(state.result())
-    result["computed"] = bool(result.get("computed")) and state.name != "Cached"
-    return result
+    outcome: StageOutcome = state.result()
+    return dataclasses.replace(outcome, computed=outcome.computed and state.name != "Cached")
 
 
 def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -61,8 +61,8 @@ def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any]
     return results
 
 
-LastStage = Literal["vocab", "capture", "train", "export", "evaluate", "deploy"]
-LAST_STAGES: tuple[str, ...] = get_args(LastStage)
+LastStage = Literal[UNTIL_CHOICES]  # type: ignore[valid-type]  (eagle3.run.registry: the UI's choices)
+LAST_STAGES: tuple[str, ...] = UNTIL_CHOICES
 ONLINE_SKIP = "skipped: train.features=online computes the target's states inside each training step (no feature disk)"
 DEPLOY_STEPS = {"export": ["export"], "evaluate": ["export", "evaluate"], "deploy": ["export", "evaluate", "benchmark"]}
 
@@ -146,7 +146,7 @@ def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | 
                              description="pipeline summary")
     create_markdown_artifact(markdown=render_run_report(cfg), key=artifact_key(cfg, "run-report"),
                              description="run report: data, capture, training curves, measured acceptance")
-    return {"run_dir": str(cfg.run_dir.resolve()), **{k: v for k, v in results.items() if k != "target"}}
+    return {"run_dir": str(cfg.run_dir.resolve()), **{k: as_json(v) for k, v in results.items() if k != "target"}}
 
 
 def render_summary(cfg: RunConfig, results: dict[str, Any], failure: tuple[str, str] | None = None) -> str:
@@ -158,9 +158,10 @@ def render_summary(cfg: RunConfig, results: dict[str, Any], failure: tuple[str, 
                   "The flow run's Logs tab holds the traceback; stages above it in the table completed.", ""]
     lines += [f"* run directory: `{cfg.run_dir.resolve()}`"]
     if "target" in results:
-        lines.append(f"* target: `{results['target']['model_dir']}` (fingerprint `{results['target']['fingerprint']}`)")
+        lines.append(f"* target: `{results['target'].model_dir}` (fingerprint `{results['target'].fingerprint}`)")
     lines.append("")
     lines += ["| stage | computed | outputs |", "|---|---|---|"]
+    results = {k: as_json(v) for k, v in results.items()}
     for stage in ("merge", "regenerate", "tokenize", "vocab"):
         res = results.get(stage)
         if res:

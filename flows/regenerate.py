@@ -20,6 +20,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from eagle3.config import RunConfig
+from eagle3.run.stage import StageOutcome
 from flows.common import run_slices
 from tasks.artifacts import ProgressArtifact, artifact_key
 from tasks.data import regenerate_slice_task
@@ -27,7 +28,7 @@ from tasks.data import regenerate_slice_task
 SLICE_DEPLOYMENT = "eagle3-regenerate-slice/eagle3-regenerate-slice"
 
 
-def regenerate_in_slices(cfg: RunConfig, force: bool = False, poll_s: float = 5.0) -> dict[str, Any]:
+def regenerate_in_slices(cfg: RunConfig, force: bool = False, poll_s: float = 5.0) -> StageOutcome:
     """The regenerate stage with its conversations answered by regenerate.num_slices slice runs; its outcome."""
     from eagle3.run.stages import run_regenerate
 
@@ -37,8 +38,7 @@ def regenerate_in_slices(cfg: RunConfig, force: bool = False, poll_s: float = 5.
 
     description = f"regenerate ({cfg.run.name}, {cfg.regenerate.num_slices} slices)"
     with ProgressArtifact(artifact_key(cfg, "regenerate"), description) as progress:
-        outcome = run_regenerate(cfg, progress.callback, force, run_slices=run)
-    return outcome.to_json()
+        return run_regenerate(cfg, progress.callback, force, run_slices=run)
 
 
 @flow(name="eagle3-regenerate-slice", log_prints=True)

@@ -10,35 +10,33 @@ from __future__ import annotations
 from typing import Any
 
 from eagle3.config import RunConfig
-from eagle3.run.stages import STAGES
-
-DATA_STAGES = STAGES
+from eagle3.run.layout import run_layout
+from eagle3.run.registry import DATA_STAGES
 
 
 def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
     """{stage: {"computed": None, "stats": ...}} for every stage whose manifest exists."""
     from eagle3.run.stage import read_manifest
-    from eagle3.run.stages import manifest_path
 
-    run = cfg.run_dir
-    results: dict[str, Any] = {"run_dir": str(run.resolve())}
+    layout = run_layout(cfg)
+    results: dict[str, Any] = {"run_dir": str(layout.root.resolve())}
     for stage in DATA_STAGES:
-        doc = read_manifest(manifest_path(cfg, stage))
+        doc = read_manifest(layout.manifest(stage))
         if doc:
             results[stage] = {"computed": None, "stats": doc.get("stats", {}), "outputs": doc.get("outputs", {})}
-    capture = read_manifest(run / "features" / "capture.manifest.json")
+    capture = read_manifest(layout.manifest("capture"))
     if cfg.train.features == "online":
         results["capture"] = {"skipped": "train.features=online (the target runs inside each training step)"}
     elif capture:
         results["capture"] = {"stats": capture.get("stats", {})}
-    train = read_manifest(run / "train" / "train.manifest.json")
+    train = read_manifest(layout.manifest("train"))
     if train:
         stats = train.get("stats", {})
         results["train"] = {"last_train": stats.get("train"), "last_eval": stats.get("eval"), "manifest": stats}
-    export = read_manifest(run / "export" / "export.manifest.json")
+    export = read_manifest(layout.manifest("export"))
     if export:
-        results["export"] = {"stats": export.get("stats", {}), "dir": str((run / "export").resolve())}
-    evaluation = read_manifest(run / "eval" / "results.json")  # any JSON file, or None
+        results["export"] = {"stats": export.get("stats", {}), "dir": str(layout.export.resolve())}
+    evaluation = read_manifest(layout.eval_results)  # any JSON file, or None
     if evaluation:
         results["evaluate"] = evaluation
     return results
@@ -178,8 +176,8 @@ def render_run_report(cfg: RunConfig) -> str:
     """The run report: data stats, capture throughput, training curves, measured acceptance (from the run dir)."""
     from tasks.artifacts import markdown_image
 
-    res, run = results_from_disk(cfg), cfg.run_dir
-    lines = [f"# Run report `{cfg.run.name}`", "", f"run directory `{run.resolve()}`", ""] + data_section(res)
+    res, layout = results_from_disk(cfg), run_layout(cfg)
+    lines = [f"# Run report `{cfg.run.name}`", "", f"run directory `{layout.root.resolve()}`", ""] + data_section(res)
     cap = res.get("capture", {}).get("stats", {})
     if cap:
         lines += ["## Capture", f"{cap.get('num_samples')} samples, {cap.get('num_tokens')} tokens, "
@@ -191,7 +189,7 @@ def render_run_report(cfg: RunConfig) -> str:
                   f"tokens/s; validation acc_0 {last_eval.get('acc_0', float('nan')):.3f}, accept_len_est "
                   f"{last_eval.get('accept_len_est', float('nan')):.3f}", ""]
         lines += selection_lines(train.get("manifest", {}), res.get("export", {}).get("stats", {}))
-        lines += [markdown_image(p) for p in (run / "train" / "loss.png", run / "train" / "acc.png") if p.is_file()]
+        lines += [markdown_image(p) for p in layout.train_plots if p.is_file()]
     if res.get("evaluate"):
         lines += ["", "## Measured acceptance (speculative decoding against the target)", ""]
         rows = eval_rows(res["evaluate"])
@@ -199,10 +197,10 @@ def render_run_report(cfg: RunConfig) -> str:
             "", "Lossless check against the target's own greedy output: identical, near_tie (first difference "
             "where the target's logits hardly differ), mismatch (any other difference)", ""]
         lines += _table(rows, LOSSLESS_COLUMNS)
-        plot = run / "eval" / "per_position.png"
+        plot = layout.eval_plot
         lines += ["", markdown_image(plot)] if plot.is_file() else []
-    if (run / "deploy" / "report.md").is_file():
-        lines += ["", (run / "deploy" / "report.md").read_text()]
+    if layout.deploy_report.is_file():
+        lines += ["", layout.deploy_report.read_text()]
     return "\n".join(lines) + "\n"
 
 

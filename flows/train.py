@@ -13,7 +13,7 @@ from typing import Any
 from prefect import flow
 
 from eagle3.config import RunConfig, load_config
-from flows.common import PresetName, guard_crash_loop
+from flows.common import PresetName, as_json, guard_crash_loop
 from flows.train_nodes import train_nodes
 from tasks.train import train_task
 
@@ -34,4 +34,4 @@ def eagle3_train(preset: PresetName = "smollm2-demo", overrides: list[str] | Non
     guard_crash_loop()
     cfg = config or load_config(preset, list(overrides or []))
     with run_lock(cfg.run_dir, owner="prefect flow eagle3-train"):
-        return train_nodes(cfg) if cfg.train.nnodes > 1 else train_task(cfg)
+        return as_json(train_nodes(cfg) if cfg.train.nnodes > 1 else train_task(cfg))

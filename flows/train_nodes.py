@@ -13,14 +13,13 @@ must hold theirs at the same time (a node queued behind another would leave it w
 
 from __future__ import annotations
 
-from typing import Any
 from uuid import UUID
 
 from prefect import flow, get_run_logger
 
 from eagle3.config import RunConfig
 from flows.common import submit_run, wait_runs
-from tasks.train import train_node_task, train_summary
+from tasks.train import TrainSummary, train_node_task, train_summary
 
 NODE_DEPLOYMENT = "eagle3-train-node/eagle3-train-node"
 MAX_ROUNDS = 2
@@ -44,7 +43,7 @@ def eagle3_train_node(config: RunConfig, node_rank: int = 0, lock_holder: str | 
     train_node_task(config, node_rank)
 
 
-def train_nodes(cfg: RunConfig, poll_s: float = 5.0) -> dict[str, Any]:
+def train_nodes(cfg: RunConfig, poll_s: float = 5.0) -> TrainSummary:
     """Run the node flow runs to completion (all re-submitted together after a failure); the training summary."""
     if not cfg.train.rdzv_endpoint:
         raise ValueError(f"train.nnodes={cfg.train.nnodes} needs train.rdzv_endpoint (host:port every node reaches)")

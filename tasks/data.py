@@ -3,59 +3,74 @@
 Each task's cache key is the stage key (input manifests + config section + format version +
 target fingerprint), never the task's source code. A cached result is only trusted while the
 stage's manifest still matches on disk: the flow passes ``refresh_cache=True`` otherwise.
-Tasks take the RunConfig and return small JSON dicts (paths and stats), never tensors.
+Tasks take the RunConfig and return typed records (eagle3.run.stage.StageOutcome: paths and stats), never
+tensors; the flows turn them into JSON where they return them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import task
 from prefect.context import TaskRunContext
 
 from eagle3.config import RunConfig
+from eagle3.run.registry import get_stage
+from eagle3.run.stage import StageOutcome
 from tasks.artifacts import ProgressArtifact, artifact_key, publish_table
 from tasks.retry import IO_RETRY
 
 STAGE_CACHE = dict(persist_result=True, cache_result_in_memory=False)
+RESULT_VERSION = 2
+"""Part of the stage tasks' cache keys: bumped when what they return changes type (2: StageOutcome, not a dict),
+so a result cached by an older version is not handed to code that expects the new type."""
 
 
 def _stage_cache_key(stage: str):
     def key_fn(ctx: TaskRunContext, params: dict[str, Any]) -> str:
-        from eagle3.run.stages import key_for
-
-        return f"eagle3-{stage}-{key_for(params['cfg'], stage)}"
+        return f"eagle3-{stage}-v{RESULT_VERSION}-{get_stage(stage).key(params['cfg'])}"
 
     return key_fn
 
 
-def _run(stage: str, cfg: RunConfig, force: bool) -> dict[str, Any]:
-    import eagle3.run.stages as stages
-
+def _run(stage: str, cfg: RunConfig, force: bool) -> StageOutcome | None:
     with ProgressArtifact(artifact_key(cfg, stage), f"{stage} ({cfg.run.name})") as progress:
-        outcome = getattr(stages, f"run_{stage}")(cfg, progress=progress.callback, force=force)
-    return outcome.to_json() if outcome else {}
+        return get_stage(stage).run(cfg, progress=progress.callback, force=force)
+
+
+@dataclass(frozen=True)
+class TargetCheck:
+    """The prepared target: its folder, fingerprint and tokenizer report (eagle3.target.load.tokenizer_report)."""
+
+    model_dir: str
+    fingerprint: str
+    report: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """{"model_dir", "fingerprint", **report}."""
+        return {"model_dir": self.model_dir, "fingerprint": self.fingerprint, **self.report}
 
 
 @task(name="synthesize", cache_key_fn=_stage_cache_key("synthesize"), task_run_name="synthesize-{cfg.run.name}",
       tags=["inference"], **STAGE_CACHE, **IO_RETRY)
-def synthesize_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
+def synthesize_task(cfg: RunConfig, force: bool = False) -> StageOutcome | None:
     """Let the target write and answer the records of the synthetic sources (resumable by record)."""
     return _run("synthesize", cfg, force)
 
 
 @task(name="merge", cache_key_fn=_stage_cache_key("merge"), task_run_name="merge-{cfg.run.name}", **STAGE_CACHE,
       **IO_RETRY)
-def merge_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
+def merge_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Merge the chat sources into data/merged.parquet; publish data stats and rejects by reason."""
     result = _run("merge", cfg, force)
-    publish_merge_tables(cfg, result["stats"])
+    publish_merge_tables(cfg, result.stats)
     return result
 
 
 @task(name="regenerate", cache_key_fn=_stage_cache_key("regenerate"), task_run_name="regenerate-{cfg.run.name}",
       tags=["inference"], **STAGE_CACHE, **IO_RETRY)
-def regenerate_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
+def regenerate_task(cfg: RunConfig, force: bool = False) -> StageOutcome | None:
     """Re-answer user turns with the target (resumable by sample id)."""
     return _run("regenerate", cfg, force)
 
@@ -70,24 +85,24 @@ def regenerate_slice_task(cfg: RunConfig, index: int) -> dict[str, Any]:
 
 @task(name="tokenize", cache_key_fn=_stage_cache_key("tokenize"), task_run_name="tokenize-{cfg.run.name}",
       **STAGE_CACHE, **IO_RETRY)
-def tokenize_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
+def tokenize_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Render with the chat template and compute loss masks into data/tokenized.parquet."""
     result = _run("tokenize", cfg, force)
-    publish_table(cfg, "tokenize-stats", [_flat(result["stats"])], "tokenization counts")
+    publish_table(cfg, "tokenize-stats", [_flat(result.stats)], "tokenization counts")
     return result
 
 
 @task(name="vocab", cache_key_fn=_stage_cache_key("vocab"), task_run_name="vocab-{cfg.run.name}",
       **STAGE_CACHE, **IO_RETRY)
-def vocab_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
+def vocab_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Build the draft vocab map; publish its coverage."""
     result = _run("vocab", cfg, force)
-    publish_table(cfg, "vocab-coverage", [_flat(result["stats"])], "draft vocab map")
+    publish_table(cfg, "vocab-coverage", [_flat(result.stats)], "draft vocab map")
     return result
 
 
 @task(name="target-check", task_run_name="target-check-{cfg.run.name}")
-def target_check_task(cfg: RunConfig) -> dict[str, Any]:
+def target_check_task(cfg: RunConfig) -> TargetCheck:
     """Prepare the target and publish the tokenizer sanity report (fails on an end-of-turn mismatch)."""
     from eagle3.target.load import fingerprint, load_tokenizer, prepare_target, target_info, tokenizer_report
 
@@ -97,7 +112,7 @@ def target_check_task(cfg: RunConfig) -> dict[str, Any]:
     rows = [{"token": name, "text": v["token"], "id": v["id"]} for name, v in report["special_tokens"].items()]
     rows.append({"token": "end_of_turn", "text": report["end_of_turn_text"], "id": report["end_of_turn_ids"]})
     publish_table(cfg, "tokenizer-report", rows, f"special tokens; model stops on {report['stop_ids']}")
-    return {"model_dir": str(model_dir), "fingerprint": fingerprint(model_dir), **report}
+    return TargetCheck(str(model_dir), fingerprint(model_dir), report)
 
 
 def _flat(stats: dict[str, Any]) -> dict[str, Any]:

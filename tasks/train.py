@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from eagle3.config import RunConfig
+from eagle3.run.layout import run_layout
 from tasks.artifacts import artifact_key, markdown_image, publish_table
 
 
@@ -35,7 +37,7 @@ def torchrun_log(cfg: RunConfig, node_rank: int) -> Path:
     """The torchrun log of one node: torchrun.log on a single node, torchrun.node<R>.log per node otherwise
     (the nodes share the run directory, and the pid file beside the log must name this node's torchrun only)."""
     name = "torchrun.log" if cfg.train.nnodes == 1 else f"torchrun.node{node_rank}.log"
-    return cfg.run_dir / "train" / name
+    return run_layout(cfg).train / name
 
 
 def _visible_gpus(cfg: RunConfig) -> list:
@@ -52,7 +54,7 @@ class ProgressWatcher:
     """Polls train/progress.json in a thread and mirrors it into a progress artifact."""
 
     def __init__(self, cfg: RunConfig, every_s: float = 5.0):
-        self.path = cfg.run_dir / "train" / "progress.json"
+        self.path = run_layout(cfg).progress
         self.every_s = every_s
         self.stop = threading.Event()
         self.artifact_id = create_progress_artifact(0.0, key=artifact_key(cfg, "train-progress"),
@@ -85,11 +87,25 @@ class ProgressWatcher:
         self.refresh()
 
 
-def publish_train_report(cfg: RunConfig) -> dict[str, Any]:
-    """Table of the last train/eval metrics and a markdown report with the loss/acc PNGs embedded."""
+@dataclass(frozen=True)
+class TrainSummary:
+    """What a finished training reports: its manifest's stats and the last train and validation records."""
+
+    manifest: dict[str, Any]
+    last_train: dict[str, Any] | None
+    last_eval: dict[str, Any] | None
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able dict (what the flows return)."""
+        return {"manifest": self.manifest, "last_train": self.last_train, "last_eval": self.last_eval}
+
+
+def publish_train_report(cfg: RunConfig) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Table of the last train/eval metrics and a markdown report with the loss/acc PNGs embedded; returns
+    (last train record, last validation record)."""
     from eagle3.train.plots import plot_metrics, read_metrics
 
-    metrics = cfg.run_dir / "train" / "metrics.jsonl"
+    metrics = run_layout(cfg).metrics
     train, evals = read_metrics(metrics)
     rows = [{"split": "train", "step": train[-1].get("step"), **_scalars(train[-1])}] if train else []
     rows += [{"split": "val", "step": r.get("step"), **_scalars(r)} for r in evals]
@@ -98,7 +114,7 @@ def publish_train_report(cfg: RunConfig) -> dict[str, Any]:
     images = "\n\n".join(markdown_image(p) for p in plot_metrics(metrics))
     create_markdown_artifact(markdown=f"# Training `{cfg.run.name}`\n\n{images}\n", key=artifact_key(cfg, "train-report"),
                              description="loss and accuracy per TTT step")
-    return {"last_train": train[-1] if train else None, "last_eval": evals[-1] if evals else None}
+    return (train[-1] if train else None), (evals[-1] if evals else None)
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, Any]:
@@ -107,7 +123,7 @@ def _scalars(record: dict[str, Any]) -> dict[str, Any]:
 
 
 @task(name="train", tags=["gpu"], retries=2, retry_delay_seconds=[30, 120], task_run_name="train-{cfg.run.name}")
-def train_task(cfg: RunConfig) -> dict[str, Any]:
+def train_task(cfg: RunConfig) -> TrainSummary:
     """Train the drafter with torchrun (resuming from the latest checkpoint); returns the manifest summary."""
     run_node(cfg, cfg.train.node_rank)
     return train_summary(cfg)
@@ -115,7 +131,7 @@ def train_task(cfg: RunConfig) -> dict[str, Any]:
 
 def run_node(cfg: RunConfig, node_rank: int) -> None:
     """This node's torchrun to completion; node 0 mirrors train/progress.json (written by global rank 0)."""
-    from eagle3.run.stages import write_run_config
+    from eagle3.run.layout import write_run_config
     from infra.torchrun import run_torchrun
 
     logger = get_run_logger()
@@ -125,12 +141,12 @@ def run_node(cfg: RunConfig, node_rank: int) -> None:
         run_torchrun(spec, torchrun_log(cfg, node_rank), timeout_s=cfg.train.timeout_s, on_line=logger.info)
 
 
-def train_summary(cfg: RunConfig) -> dict[str, Any]:
+def train_summary(cfg: RunConfig) -> TrainSummary:
     """The manifest stats and the metrics report of a finished training."""
     from eagle3.run.stage import read_manifest
 
-    manifest = read_manifest(cfg.run_dir / "train" / "train.manifest.json") or {}
-    return {"manifest": manifest.get("stats", {}), **publish_train_report(cfg)}
+    manifest = read_manifest(run_layout(cfg).manifest("train")) or {}
+    return TrainSummary(manifest.get("stats", {}), *publish_train_report(cfg))
 
 
 @task(name="train-node", retries=0, task_run_name="train-{cfg.run.name}-node{node_rank}")

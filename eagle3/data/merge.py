@@ -35,6 +35,7 @@ from eagle3.data.sources import (REJECT_REASONS, Conversation, Reject, SourceErr
                                  read_source)
 from eagle3.data.synthetic import read_synthetic
 from eagle3.data.textcheck import EVAL_NGRAM, EvalOverlap
+from eagle3.run.layout import MERGED_FILE
 from eagle3.run.progress import Progress, ProgressFn
 from infra.storage import atomic_open, atomic_path, atomic_write_json
 
@@ -257,7 +258,7 @@ def merge_sources(sources: list[SourceConfig], cfg: DataConfig, seed: int, out_d
     out_dir = Path(out_dir)
     _check_sources(sources, cfg.max_chars, out_dir)
     evals = _eval_check(cfg)
-    paths = {"merged": out_dir / "merged.parquet", "rejects": out_dir / "rejects.jsonl",
+    paths = {"merged": out_dir / MERGED_FILE, "rejects": out_dir / "rejects.jsonl",
              "stats": out_dir / "stats.json"}
     num_expected = sum(s.max_records for s in sources) if all(s.max_records for s in sources) else 0
     rows: list[dict[str, Any]] = []

@@ -62,11 +62,12 @@ from eagle3.data.chat_backends import (  # noqa: F401 - re-exported: the backend
     make_backend,
     parse_chat_response,
 )
+from eagle3.run.layout import REGENERATED_FILE
 from eagle3.run.journal import Journal
 from eagle3.run.progress import Progress, ProgressFn
 from infra.storage import atomic_path, atomic_write_text, sha256_json
 
-REGENERATED_NAME = "regenerated.parquet"
+REGENERATED_NAME = REGENERATED_FILE
 ERRORS_NAME = "regenerate_errors.jsonl"
 JOURNAL_NAME = "regenerate.journal.jsonl"
 SLICE_JOURNAL_PREFIX = "regenerate.journal.slice-"

@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle3.config import TokenizeConfig
+from eagle3.run.layout import TOKENIZED_FILE
 from eagle3.run.progress import Progress, ProgressFn
 from infra.storage import atomic_path, atomic_write_text
 
@@ -357,7 +358,7 @@ def tokenize_dataset(in_parquet: Path, out_dir: Path, tokenizer: Any, cfg: Token
     if source.metadata.num_rows == 0:
         raise EmptyTokenizeError(f"no rows to tokenize: {in_parquet} holds 0 rows")
     tally, rejects = _Tally(), []
-    out_path = out_dir / "tokenized.parquet"
+    out_path = out_dir / TOKENIZED_FILE
     with Progress(source.metadata.num_rows, "tokenize", progress) as bar, atomic_path(out_path) as tmp:
         with pq.ParquetWriter(tmp, TOKENIZED_SCHEMA) as writer:
             for batch in source.iter_batches(batch_size=CHUNK_ROWS, columns=["id", "split", "messages"]):

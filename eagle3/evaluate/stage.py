@@ -41,6 +41,7 @@ from eagle3.evaluate.records import EvalSettings, PartialInfo, PromptRecord, Sum
 from eagle3.evaluate.report import summarize_all, write_outputs
 from eagle3.evaluate.session import EvalJob, method_specs
 from eagle3.run.journal import Journal
+from eagle3.run.layout import run_layout
 from eagle3.run.progress import ProgressFn
 from eagle3.run.stage import StageOutcome, run_stage, stage_key
 
@@ -52,27 +53,33 @@ JOURNAL_NAME = "evaluate.journal.jsonl"
 
 def eval_dir(cfg: RunConfig) -> Path:
     """<run>/eval."""
-    return cfg.run_dir / "eval"
+    return run_layout(cfg).eval
 
 
 def manifest_path(cfg: RunConfig) -> Path:
     """<run>/eval/evaluate.manifest.json."""
-    return eval_dir(cfg) / "evaluate.manifest.json"
+    return run_layout(cfg).manifest("evaluate")
 
 
 def default_export_dir(cfg: RunConfig) -> Path:
     """<run>/export/sglang: the SGLang layout the export stage writes."""
-    return cfg.run_dir / "export" / "sglang"
+    return run_layout(cfg).sglang_export
+
+
+def stage_key_of(cfg: RunConfig) -> str:
+    """The key of evaluating the run's own export (prepares the target to fingerprint it)."""
+    from eagle3.target.load import prepare_target
+
+    return key_for(cfg, prepare_target(cfg))
 
 
 def key_for(cfg: RunConfig, model_dir: Path, export_dir: Path | None = None) -> str:
     """Evaluate section + target fingerprint + the export manifest (or, for an explicit folder, its files' hashes)."""
-    from eagle3.export.stage import MANIFEST_FILE
     from eagle3.target.load import fingerprint
     from infra.storage import sha256_file
 
     extra: dict[str, Any] = {"target": fingerprint(model_dir)}
-    inputs = [cfg.run_dir / "export" / MANIFEST_FILE]
+    inputs = [run_layout(cfg).manifest("export")]
     if export_dir is not None:
         from eagle3.export.model_card import CARD_FILE  # rewritten by this stage: never part of what it measured
 
@@ -208,8 +215,7 @@ def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
 def main(argv: list[str] | None = None) -> None:
     """python -m eagle3.evaluate.stage --preset X [--set a.b=c] | --config <run>/config.json [--export-dir D] [--force]
     [--partial-report]"""
-    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
-    from infra.storage import run_lock
+    from eagle3.run.cli_args import add_config_args, print_json, stage_main
 
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
     parser.add_argument("--export-dir", type=Path, help="an SGLang export folder (default <run>/export/sglang)")
@@ -217,19 +223,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--partial-report", action="store_true",
                         help="only report the prompts an unfinished evaluation has journaled (<run>/eval/partial/)")
 
-    @exit_on_user_error
-    def run() -> None:
-        args = parser.parse_args(argv)
-        cfg = config_from_args(args)
-        if args.partial_report:  # reads the journal only: no lock, so it works while the evaluation runs
-            print(write_partial_report(cfg, args.export_dir)["report"].read_text())
-            return
-        with run_lock(cfg.run_dir, owner="python -m eagle3.evaluate.stage"):
-            outcome = run_evaluate(cfg, force=args.force, export_dir=args.export_dir, show_bar=True)
-        print(Path(outcome.outputs["report"]).read_text())
-        print(json.dumps(outcome.to_json(), indent=2))
+    def run(cfg: RunConfig, args: argparse.Namespace) -> StageOutcome | Path:
+        if args.partial_report:
+            return write_partial_report(cfg, args.export_dir)["report"]
+        return run_evaluate(cfg, force=args.force, export_dir=args.export_dir, show_bar=True)
 
-    run()
+    def show(result: StageOutcome | Path) -> None:
+        if isinstance(result, Path):  # the partial report
+            print(result.read_text())
+            return
+        print(Path(result.outputs["report"]).read_text())
+        print_json(result)
+
+    # the partial report reads the journal only: no lock, so it works while the evaluation runs
+    stage_main(parser, argv, run, show=show,
+               lock_owner=lambda args: None if args.partial_report else "python -m eagle3.evaluate.stage")
 
 
 if __name__ == "__main__":

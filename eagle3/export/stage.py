@@ -17,10 +17,11 @@ from eagle3.export.checks import (CONFIG_FILE, FLOAT_DTYPES, INFO_FILE, WEIGHTS_
                                   sglang_aux_ids, speculators_aux_ids)
 from eagle3.export.sglang import check_sglang_export, export_sglang
 from eagle3.export.speculators import SPECULATORS_ARCHITECTURE, check_speculators_export, export_speculators
+from eagle3.run.layout import STAGE_DIRS, manifest_name
 from eagle3.run.stage import StageOutcome
 from eagle3.target.tensors import drafter_dims
 
-MANIFEST_FILE, TRAIN_MANIFEST = "export.manifest.json", Path("train") / "train.manifest.json"
+MANIFEST_FILE, TRAIN_MANIFEST = manifest_name("export"), Path(STAGE_DIRS["train"]) / manifest_name("train")
 
 
 def check_export(export_dir: Path) -> str:

@@ -25,24 +25,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3.config import RunConfig
+from eagle3.config import RunConfig, section_dict
 from eagle3.features.plan import PLAN_FILE, CapturePlan, ShardPlan, build_plan, check_disk, preflight_bytes
 from eagle3.features.shards.done import ShardDone, complete_shards, read_done, shard_is_complete
 from eagle3.features.shards.layout import SHARD_RE, done_path_for, shard_path, shard_stem, spec_hash
 from eagle3.features.spec import CaptureBackend, FeatureSpec, SampleTokens
 from eagle3.features.writers import WriteOptions, WriteStats, capture_and_write
+from eagle3.run.layout import SPEC_FILE, manifest_name, run_layout
 from eagle3.run.progress import Progress, ProgressFn
-from eagle3.run.stage import StageOutcome, manifest_matches, read_manifest, stage_key, write_manifest
+from eagle3.run.stage import StageOutcome, manifest_matches, skipped_outcome, stage_key, write_manifest
 
 log = logging.getLogger(__name__)
 
 ST_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
-SPEC_FILE = "spec.json"
-MANIFEST_FILE = "capture.manifest.json"
-OPERATIONAL_KNOBS = ("max_tokens_per_batch", "max_concurrent_shards", "num_slices", "device", "device_map", "disk_margin_bytes",
-                     "allow_shared_gpus", "stream_writes", "num_writers", "write_queue_bytes", "early_writeback",
-                     "pinned_handoff", "per_sample_attention", "sglang")
-"""Capture settings that change how fast or where, never what is stored: left out of the stage key."""
+MANIFEST_FILE = manifest_name("capture")
 
 
 class SpecMismatchError(ValueError):
@@ -51,17 +47,16 @@ class SpecMismatchError(ValueError):
 
 def features_dir(cfg: RunConfig) -> Path:
     """<run>/features."""
-    return cfg.run_dir / "features"
+    return run_layout(cfg).features
 
 
 def _tokenized(cfg: RunConfig) -> tuple[Path, Path]:
     """(tokenized.parquet, its manifest); FileNotFoundError with the command to run when missing."""
-    from eagle3.run.stages import data_dir, manifest_path
-
-    manifest = manifest_path(cfg, "tokenize")
+    layout = run_layout(cfg)
+    manifest = layout.manifest("tokenize")
     if not manifest.is_file():
         raise FileNotFoundError(f"{manifest} not found: tokenize first (python -m eagle3.run.stages all, same config)")
-    return data_dir(cfg) / "tokenized.parquet", manifest
+    return layout.tokenized, manifest
 
 
 def _tokenized_key(manifest: Path) -> str:
@@ -87,10 +82,9 @@ def build_spec(cfg: RunConfig, model_dir: Path) -> FeatureSpec:
 
 
 def capture_key(cfg: RunConfig, spec: FeatureSpec) -> str:
-    """Stage key: capture config minus operational knobs, target dtype, tokenized manifest, target, spec."""
+    """Stage key: capture config minus its operational fields, target dtype, tokenized manifest, target, spec."""
     _, manifest = _tokenized(cfg)
-    conf = {k: v for k, v in cfg.capture.model_dump(mode="json").items() if k not in OPERATIONAL_KNOBS}
-    conf["target_dtype"] = cfg.target.dtype
+    conf = section_dict(cfg, "capture")["capture"] | {"target_dtype": cfg.target.dtype}
     return stage_key("capture", conf, [manifest], {"target": spec.target_fingerprint, "spec": spec_hash(spec)})
 
 
@@ -283,8 +277,25 @@ def is_complete(cfg: RunConfig, key: str) -> bool:
     fdir = features_dir(cfg)
     if not manifest_matches(fdir / MANIFEST_FILE, key):
         return False
-    _, spec, plan = _load_prepared(cfg)
+    return _shards_intact(cfg)
+
+
+def _shards_intact(cfg: RunConfig) -> bool:
+    """Every planned shard is on disk and complete (what a matching manifest vouches for)."""
+    fdir, spec, plan = _load_prepared(cfg)
     return not _incomplete(fdir, spec, plan)[0]
+
+
+def stage_key_of(cfg: RunConfig) -> str:
+    """The capture key of ``cfg`` (prepares the target to build the feature spec)."""
+    from eagle3.target.load import prepare_target
+
+    return capture_key(cfg, build_spec(cfg, prepare_target(cfg)))
+
+
+def is_captured(cfg: RunConfig) -> bool:
+    """The capture of ``cfg`` is complete: manifest matching its key, every shard intact."""
+    return (features_dir(cfg) / MANIFEST_FILE).is_file() and is_complete(cfg, stage_key_of(cfg))
 
 
 def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec,
@@ -330,39 +341,25 @@ def run_capture(cfg: RunConfig, progress: ProgressFn | None = None) -> StageOutc
     """Prepare, capture every missing shard, finalize; a no-op when the manifest matches and shards are intact."""
     from eagle3.target.load import prepare_target
 
-    fdir = features_dir(cfg)
-    manifest = fdir / MANIFEST_FILE
+    manifest = features_dir(cfg) / MANIFEST_FILE
     spec = build_spec(cfg, prepare_target(cfg))
     key = capture_key(cfg, spec)
-    if is_complete(cfg, key):
-        doc = read_manifest(manifest)
-        outputs = {k: str(fdir / v["path"]) for k, v in doc["outputs"].items()}
-        return StageOutcome("capture", key, manifest, False, doc["stats"], outputs)
+    skipped = skipped_outcome("capture", manifest, key, complete=lambda: _shards_intact(cfg))
+    if skipped is not None:
+        return skipped
     plan = prepare_capture(cfg, spec)
     manifest.unlink(missing_ok=True)  # only now: a refused prepare must not cost a valid manifest
     last_run = _capture_all(cfg, plan, spec, progress)  # prepare_capture saved exactly this spec
-    doc = finalize_capture(cfg, last_run)
-    return StageOutcome("capture", key, manifest, True, doc["stats"],
-                        {k: str(fdir / v["path"]) for k, v in doc["outputs"].items()})
+    return StageOutcome.from_manifest("capture", key, manifest, finalize_capture(cfg, last_run), computed=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     """python -m eagle3.features.capture --preset NAME [--set k=v ...]: capture every missing shard."""
-    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
-    from eagle3.run.stages import write_run_config
-    from infra.storage import run_lock
+    from eagle3.run.cli_args import add_config_args, stage_main
 
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
-
-    @exit_on_user_error
-    def run() -> None:
-        cfg = config_from_args(parser.parse_args(argv))
-        with run_lock(cfg.run_dir, owner="python -m eagle3.features.capture"):
-            write_run_config(cfg)
-            outcome = run_capture(cfg)
-        print(json.dumps(outcome.to_json(), indent=2))
-
-    run()
+    stage_main(parser, argv, lambda cfg, args: run_capture(cfg), lock_owner="python -m eagle3.features.capture",
+               write_config=True)
 
 
 if __name__ == "__main__":

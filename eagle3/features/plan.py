@@ -20,10 +20,10 @@ from typing import Any
 
 from eagle3.features.shards.layout import shard_file_bytes
 from eagle3.features.spec import FeatureSpec
+from eagle3.run.layout import PLAN_FILE  # noqa: F401 (the plan's file name; its readers import it from here)
 from eagle3.run.slices import split_balanced
 from infra.storage import atomic_write_json, check_free_space
 
-PLAN_FILE = "plan.json"
 PLAN_FORMAT_VERSION = 1
 DONE_FILE_ALLOWANCE_BYTES = 1024
 """Bytes allowed per shard for its done.json on top of the sample ids it lists."""

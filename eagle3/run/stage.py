@@ -25,13 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3.run.registry import FORMAT_VERSIONS
 from infra.storage import atomic_write_json, remove_stale_temps, sha256_file_cached, sha256_json
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSIONS: dict[str, int] = {"synthesize": 1, "merge": 1, "regenerate": 1, "tokenize": 1, "vocab": 1,
-                                   "capture": 1, "train": 1, "export": 1, "evaluate": 1, "deploy": 1}
-"""Bump a stage's number when its output's meaning changes; every run recomputes it then."""
 
 
 class MissingInputError(ValueError):
@@ -54,9 +51,15 @@ class StageOutcome:
     outputs: dict[str, str]
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-able dict (what Prefect tasks return)."""
+        """JSON-able dict (what the command lines print and the flows return)."""
         return {"stage": self.stage, "key": self.key, "manifest": str(self.manifest), "computed": self.computed,
                 "stats": self.stats, "outputs": self.outputs}
+
+    @classmethod
+    def from_manifest(cls, stage: str, key: str, manifest: Path, doc: dict[str, Any], computed: bool) -> StageOutcome:
+        """The outcome that manifest ``doc`` (read from ``manifest``) records, its outputs as full paths."""
+        outputs = {k: str(Path(manifest).parent / v["path"]) for k, v in doc["outputs"].items()}
+        return cls(stage, key, Path(manifest), computed, doc["stats"], outputs)
 
 
 def stage_key(stage: str, config: dict[str, Any], inputs: list[Path] = (), extra: dict[str, Any] | None = None) -> str:
@@ -134,13 +137,21 @@ def _own_files(manifest: Path, doc: dict[str, Any] | None) -> list[Path]:
 ComputeFn = Callable[[], tuple[dict[str, Path], dict[str, Any]]]
 
 
+def skipped_outcome(stage: str, manifest: Path, key: str,
+                    complete: Callable[[], bool] | None = None) -> StageOutcome | None:
+    """The outcome of a stage that is up to date (its manifest matches ``key``, and ``complete()`` holds when
+    given: what else must be intact), logged as skipped; None when the stage has to run."""
+    if not manifest_matches(manifest, key) or (complete is not None and not complete()):
+        return None
+    log.info("%s: up to date (%s), skipped", stage, manifest)
+    return StageOutcome.from_manifest(stage, key, manifest, read_manifest(manifest), computed=False)
+
+
 def run_stage(stage: str, manifest: Path, key: str, compute: ComputeFn, force: bool = False) -> StageOutcome:
     """Run ``compute`` unless an up-to-date manifest exists; ``compute`` returns (outputs, stats)."""
-    if not force and manifest_matches(manifest, key):
-        doc = read_manifest(manifest)
-        log.info("%s: up to date (%s), skipped", stage, manifest)
-        outputs = {k: str(manifest.parent / v["path"]) for k, v in doc["outputs"].items()}
-        return StageOutcome(stage, key, manifest, False, doc["stats"], outputs)
+    skipped = None if force else skipped_outcome(stage, manifest, key)
+    if skipped is not None:
+        return skipped
     started_ns = time.time_ns()
     remove_stale_temps(_own_files(manifest, read_manifest(manifest)))  # nothing of this run exists yet
     manifest.unlink(missing_ok=True)

@@ -12,44 +12,37 @@ without an orchestrator.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3.config import RunConfig, SourceConfig, save_config, section_dict
+from eagle3.config import RunConfig, SourceConfig, section_dict
+from eagle3.run.layout import run_layout, write_run_config  # noqa: F401 (write_run_config: the name callers know)
 from eagle3.run.progress import ProgressFn
+from eagle3.run.registry import DATA_STAGES, get_stage
 from eagle3.run.stage import StageOutcome, run_stage, stage_key
 
 if TYPE_CHECKING:
     from eagle3.data.regenerate_slices import SliceRunner
 
-STAGES = ("synthesize", "merge", "regenerate", "tokenize", "vocab")
-OPERATIONAL_KNOBS = {"regenerate": ("num_slices",)}
-"""Fields that change how a stage runs, not what it writes: left out of its key, so changing them redoes nothing."""
-
 
 def data_dir(cfg: RunConfig) -> Path:
     """<run>/data."""
-    return cfg.run_dir / "data"
+    return run_layout(cfg).data
 
 
 def manifest_path(cfg: RunConfig, stage: str) -> Path:
-    """Where a stage's manifest lives."""
-    return (cfg.run_dir / "vocab" if stage == "vocab" else data_dir(cfg)) / f"{stage}.manifest.json"
-
-
-def write_run_config(cfg: RunConfig) -> Path:
-    """Save the resolved config as <run>/config.json."""
-    return save_config(cfg, cfg.run_dir / "config.json")
+    """Where a stage's manifest lives (eagle3.run.layout)."""
+    return run_layout(cfg).manifest(stage)
 
 
 def key_for(cfg: RunConfig, stage: str, fp: str | None = None) -> str:
     """The stage key (eagle3.run.stage); Prefect's cache key for the stage's task is this same string.
 
-    ``fp`` is the target fingerprint when the caller has it already (else it is computed here).
+    ``fp`` is the target fingerprint when the caller has it already (else it is computed here). Operational
+    fields (regenerate.num_slices) are not in ``section_dict``: changing them redoes nothing.
     """
     if stage == "merge":
-        conf = {"data": cfg.data.model_dump(mode="json"), "seed": cfg.run.seed}
+        conf = section_dict(cfg, "data") | {"seed": cfg.run.seed}
         upstream = [manifest_path(cfg, "synthesize")] if synthetic_sources(cfg) else []
         return stage_key("merge", conf, upstream, extra={"source_files": _source_stamps(cfg)})
     fp = fp or _target(cfg)[1]
@@ -60,9 +53,7 @@ def key_for(cfg: RunConfig, stage: str, fp: str | None = None) -> str:
         return stage_key(stage, conf, [], {"target": _generating(cfg, fp)})
     upstream = {"regenerate": manifest_path(cfg, "merge"), "tokenize": _conversations_manifest(cfg),
                 "vocab": manifest_path(cfg, "tokenize")}[stage]
-    conf = section_dict(cfg, stage)
-    conf[stage] = {k: v for k, v in conf[stage].items() if k not in OPERATIONAL_KNOBS.get(stage, ())}
-    return stage_key(stage, conf, [upstream], {"target": fp})
+    return stage_key(stage, section_dict(cfg, stage), [upstream], {"target": fp})
 
 
 def _generating(cfg: RunConfig, fp: str) -> str:
@@ -72,10 +63,7 @@ def _generating(cfg: RunConfig, fp: str) -> str:
 
 def is_complete(cfg: RunConfig, stage: str) -> bool:
     """True when the stage's manifest matches its current inputs (a re-run would skip it)."""
-    from eagle3.run.stage import manifest_matches
-
-    path = manifest_path(cfg, stage)
-    return path.is_file() and manifest_matches(path, key_for(cfg, stage))
+    return get_stage(stage).is_complete(cfg)
 
 
 def synthetic_sources(cfg: RunConfig) -> list[SourceConfig]:
@@ -162,7 +150,7 @@ def run_regenerate(cfg: RunConfig, progress: ProgressFn | None = None, force: bo
     model_dir, fp = _target(cfg)
     key = key_for(cfg, "regenerate", fp)
     own = frozenset(src.name for src in synthetic_sources(cfg))  # answered by the target already
-    in_parquet = data_dir(cfg) / "merged.parquet"
+    in_parquet = run_layout(cfg).merged
 
     def compute():
         if run_slices is not None and cfg.regenerate.num_slices > 1:
@@ -178,7 +166,7 @@ def run_regenerate_slice(cfg: RunConfig, index: int, progress: ProgressFn | None
     from eagle3.data.regenerate_slices import regenerate_slice
 
     model_dir, _ = _target(cfg)
-    return regenerate_slice(data_dir(cfg) / "merged.parquet", data_dir(cfg), cfg.regenerate,
+    return regenerate_slice(run_layout(cfg).merged, data_dir(cfg), cfg.regenerate,
                             _chat_backend(cfg, model_dir), index, progress)
 
 
@@ -197,7 +185,8 @@ def run_tokenize(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
 
     model_dir, fp = _target(cfg)
     key = key_for(cfg, "tokenize", fp)
-    in_parquet = data_dir(cfg) / ("regenerated.parquet" if cfg.regenerate.enabled else "merged.parquet")
+    layout = run_layout(cfg)
+    in_parquet = layout.regenerated if cfg.regenerate.enabled else layout.merged
     return run_stage("tokenize", manifest_path(cfg, "tokenize"), key, force=force, compute=lambda: tokenize_dataset(
         in_parquet, data_dir(cfg), load_tokenizer(model_dir), cfg.tokenize, progress))
 
@@ -213,8 +202,8 @@ def run_vocab(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = 
     def compute():
         info = target_info(model_dir, cfg.target)
         forced = stop_token_ids(load_tokenizer(model_dir), info)
-        return build_vocab_map(data_dir(cfg) / "tokenized.parquet", info.vocab_size, cfg.vocab.draft_vocab_size,
-                               forced, cfg.run_dir / "vocab", fp)
+        layout = run_layout(cfg)
+        return build_vocab_map(layout.tokenized, info.vocab_size, cfg.vocab.draft_vocab_size, forced, layout.vocab, fp)
 
     return run_stage("vocab", manifest_path(cfg, "vocab"), key, compute, force=force)
 
@@ -223,38 +212,35 @@ def run_all(cfg: RunConfig, force: bool = False) -> list[StageOutcome]:
     """Every data stage in order (what the pipeline flow does, without Prefect)."""
     from infra.storage import run_lock
 
-    with run_lock(cfg.run_dir, owner="python -m eagle3.run.stages"):
+    with run_lock(cfg.run_dir, owner=CLI):
         write_run_config(cfg)
-        outcomes = [run_synthesize(cfg, force=force), run_merge(cfg, force=force), run_regenerate(cfg, force=force),
-                    run_tokenize(cfg, force=force), run_vocab(cfg, force=force)]
+        return _run_all(cfg, force)
+
+
+def _run_all(cfg: RunConfig, force: bool) -> list[StageOutcome]:
+    outcomes = [get_stage(name).run(cfg, force=force) for name in DATA_STAGES]
     return [o for o in outcomes if o is not None]
+
+
+CLI = "python -m eagle3.run.stages"
 
 
 def main(argv: list[str] | None = None) -> None:
     """python -m eagle3.run.stages {synthesize,merge,regenerate,tokenize,vocab,all} --preset NAME [--set k=v ...]"""
-    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
-    from infra.storage import run_lock
+    from eagle3.run.cli_args import add_config_args, stage_main
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("stage", choices=(*STAGES, "all"))
+    parser.add_argument("stage", choices=(*DATA_STAGES, "all"))
     parser.add_argument("--force", action="store_true", help="recompute even if the manifest matches")
     add_config_args(parser)
 
-    @exit_on_user_error
-    def run() -> None:
-        args = parser.parse_args(argv)
-        cfg = config_from_args(args)
+    def run(cfg: RunConfig, args: argparse.Namespace) -> list[StageOutcome | None]:
         if args.stage == "all":
-            outcomes = run_all(cfg, force=args.force)
-        else:
-            with run_lock(cfg.run_dir, owner=f"python -m eagle3.run.stages {args.stage}"):
-                write_run_config(cfg)
-                outcomes = [globals()[f"run_{args.stage}"](cfg, force=args.force)]
-        for outcome in outcomes:
-            if outcome is not None:
-                print(json.dumps(outcome.to_json(), indent=2))
+            return _run_all(cfg, args.force)
+        return [get_stage(args.stage).run(cfg, force=args.force)]
 
-    run()
+    stage_main(parser, argv, run, write_config=True,
+               lock_owner=lambda args: CLI if args.stage == "all" else f"{CLI} {args.stage}")
 
 
 if __name__ == "__main__":

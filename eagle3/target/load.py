@@ -322,20 +322,15 @@ def stop_token_ids(tokenizer, info: TargetInfo) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     """python -m eagle3.target.load --preset smollm2-demo: prepare the target and print its report."""
-    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
+    from eagle3.run.cli_args import add_config_args, stage_main
 
-    parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
-
-    @exit_on_user_error
-    def run() -> None:
-        cfg = config_from_args(parser.parse_args(argv))
+    def run(cfg: RunConfig, args: argparse.Namespace) -> dict[str, Any]:
         model_dir = prepare_target(cfg)
         info = target_info(model_dir, cfg.target)
-        report = {"info": asdict(info), "fingerprint": fingerprint(model_dir),
-                  "tokenizer": tokenizer_report(load_tokenizer(model_dir), info)}
-        print(json.dumps(report, indent=2))
+        return {"info": asdict(info), "fingerprint": fingerprint(model_dir),
+                "tokenizer": tokenizer_report(load_tokenizer(model_dir), info)}
 
-    run()
+    stage_main(add_config_args(argparse.ArgumentParser(description=main.__doc__)), argv, run)
 
 
 if __name__ == "__main__":

@@ -47,27 +47,27 @@ def _stop_with_launcher() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse the config arguments and run the train stage."""
-    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
+    """Parse the config arguments and run the train stage (rank 0 prints the result as one JSON line)."""
+    from eagle3.run.cli_args import add_config_args, stage_main
 
     parser = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--stop-after-steps", type=int, default=None, metavar="N",
                         help="checkpoint and exit 0 after N optimizer steps of this invocation")
 
-    @exit_on_user_error
-    def run() -> None:
+    def run(cfg, args: argparse.Namespace):
         from eagle3.train.loop import train
 
-        args = parser.parse_args(argv)
-        cfg = config_from_args(args)
         _configure_logging()
         _stop_with_launcher()
-        result = train(cfg, args.stop_after_steps)
+        return train(cfg, args.stop_after_steps)
+
+    def show(result) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps({"status": result.status, "step": result.step,
                               "checkpoint": str(result.checkpoint) if result.checkpoint else None}))
 
-    run()
+    # no lock here: rank 0 of the trainer holds it (every rank must learn that it is taken)
+    stage_main(parser, argv, run, show=show)
 
 
 if __name__ == "__main__":

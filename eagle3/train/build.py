@@ -22,21 +22,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from eagle3.config import RunConfig
+from eagle3.config import RunConfig, section_dict
 from eagle3.features.spec import FeatureSpec
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights
 from eagle3.train.data import EpochPlan, plan_epoch, read_split
 from eagle3.drafter.ttt import StepOptions, TTTObjective
+from eagle3.run.layout import manifest_name, run_layout
 from eagle3.target.tensors import drafter_dims, load_target_lm_head, load_target_weights
 
 log = logging.getLogger("eagle3.train")
-
-OPERATIONAL_KNOBS = ("eval_every_steps", "checkpoint_every_steps", "keep_checkpoints", "progress_every_s",
-                     "prefetch_rows", "parallel", "target_sharding", "device", "nproc_per_node", "nnodes", "node_rank",
-                     "rdzv_endpoint", "timeout_s", "compile", "loss_chunk_tokens", "reuse_block_mask", "select")
-"""Train settings that change how or where a run goes, never what it learns: left out of the stage key
-(select changes only which checkpoint the export ships: the export's key reads it)."""
-
 
 # ----------------------------------------------------------------------------------------------- the inputs
 
@@ -63,17 +57,17 @@ def read_inputs(cfg: RunConfig, model_dir: Path) -> RunInputs:
     from eagle3.target.load import fingerprint, target_info
     from eagle3.data.vocab import load_vocab_map
 
-    run_dir = cfg.run_dir
+    layout = run_layout(cfg)
     if cfg.train.features == "online":
         from eagle3.features.capture import build_spec
 
         spec = build_spec(cfg, model_dir)
     else:
-        spec = FeatureSpec.load(run_dir / "features" / "spec.json")
-    d2t, t2d = load_vocab_map(run_dir / "vocab")
+        spec = FeatureSpec.load(layout.spec)
+    d2t, t2d = load_vocab_map(layout.vocab)
     info = target_info(model_dir, cfg.target)
     if spec.target_fingerprint != fingerprint(model_dir):
-        raise ValueError(f"features in {run_dir / 'features'} come from target {spec.target_fingerprint}, "
+        raise ValueError(f"features in {layout.features} come from target {spec.target_fingerprint}, "
                          f"not from {model_dir} ({fingerprint(model_dir)}); capture again")
     if spec.aux_layer_ids != info.aux_layer_ids or spec.hidden_size != info.hidden_size:
         raise ValueError(f"features hold aux layers {spec.aux_layer_ids} of width {spec.hidden_size}, the config "
@@ -81,29 +75,34 @@ def read_inputs(cfg: RunConfig, model_dir: Path) -> RunInputs:
     if len(t2d) != info.vocab_size:
         raise ValueError(f"vocab map covers {len(t2d)} target ids, the target has {info.vocab_size}")
     dims = drafter_dims(info, model_dir, draft_vocab_size=len(d2t))
-    return RunInputs(run_dir, Path(model_dir), run_dir / "features", run_dir / "data" / "tokenized.parquet",
-                     spec, d2t, t2d, dims)
+    return RunInputs(layout.root, Path(model_dir), layout.features, layout.tokenized, spec, d2t, t2d, dims)
 
 
 def stage_key_for(cfg: RunConfig, inputs: RunInputs) -> str:
-    """The train stage key: drafter + train config (operational knobs excluded), seed, input manifests.
+    """The train stage key: drafter + train config (operational fields excluded), seed, input manifests.
 
     Offline the features' manifest stands for them; online the tokenized data's manifest, the spec (aux ids,
     supervision, storage dtypes) and the target dtype do: the features are computed from exactly those.
     """
     from eagle3.features.shards.layout import spec_hash
     from eagle3.run.stage import stage_key
-    from eagle3.run.stages import manifest_path
 
-    conf = {"drafter": cfg.drafter.model_dump(mode="json"), "seed": cfg.run.seed,
-            "train": {k: v for k, v in cfg.train.model_dump(mode="json").items() if k not in OPERATIONAL_KNOBS}}
+    layout = run_layout(cfg)
+    conf = {"drafter": cfg.drafter.model_dump(mode="json"), "seed": cfg.run.seed, **section_dict(cfg, "train")}
     extra = {"target": inputs.spec.target_fingerprint}
     if cfg.train.features == "online":
-        manifests = [manifest_path(cfg, "tokenize"), manifest_path(cfg, "vocab")]
+        manifests = [layout.manifest("tokenize"), layout.manifest("vocab")]
         extra |= {"spec": spec_hash(inputs.spec), "target_dtype": cfg.target.dtype}
     else:
-        manifests = [inputs.features_dir / "capture.manifest.json", manifest_path(cfg, "vocab")]
+        manifests = [inputs.features_dir / manifest_name("capture"), layout.manifest("vocab")]
     return stage_key("train", conf, manifests, extra)
+
+
+def key_for(cfg: RunConfig) -> str:
+    """The train stage key of ``cfg`` (prepares the target and reads the run's inputs)."""
+    from eagle3.target.load import prepare_target
+
+    return stage_key_for(cfg, read_inputs(cfg, prepare_target(cfg)))
 
 
 # ---------------------------------------------------------------------------------------- model, optimizer

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from eagle3.run.layout import RunLayout
 from eagle3.train.dist import DistInfo, all_gather_objects, barrier
 from infra.storage import publish_dir, seal_dir
 
@@ -62,7 +63,7 @@ class CheckpointMismatchError(ValueError):
 
 def checkpoints_dir(run_dir: Path) -> Path:
     """<run>/train/checkpoints."""
-    return Path(run_dir) / "train" / "checkpoints"
+    return RunLayout(Path(run_dir)).checkpoints
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:

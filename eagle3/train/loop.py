@@ -46,10 +46,10 @@ from eagle3.train.metrics import (MetricsWriter, ProgressWriter, drafter_row_flo
                                   peak_flops)
 from eagle3.drafter.model import trainable_parameters
 from eagle3.drafter.ttt import StepOptions, TTTBatch, TTTObjective, align_step, align_steps, metrics_from_counts
+from eagle3.run.layout import RunLayout
 
 log = logging.getLogger("eagle3.train")
 
-MANIFEST_FILE = "train.manifest.json"
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Trainer:
     @property
     def train_dir(self) -> Path:
         """<run>/train."""
-        return self.inputs.run_dir / "train"
+        return RunLayout(self.inputs.run_dir).train
 
     @property
     def float_dtype(self) -> torch.dtype:
@@ -115,13 +115,13 @@ def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
     model = wrap(objective, cfg.train.parallel, info)
     lr = scaled_lr(cfg.train.lr, cfg.train.lr_scaling, plan.rows_per_step, cfg.train.reference_rows_per_step)
     optimizer = build_optimizer(cfg, model, lr, info.device)
-    train_dir = inputs.run_dir / "train"
+    layout = RunLayout(inputs.run_dir)
     unigram = broadcast_object(unigram_token(inputs) if info.is_main else None, info)
     row_flops = drafter_row_flops(inputs.dims, cfg.train.max_tokens_per_batch, cfg.drafter.ttt_steps,
                                   inputs.spec.supervision == "final_hidden")["total"]
     tr = Trainer(cfg, info, inputs, model, optimizer, build_scheduler(cfg, optimizer, total), plan, total,
-                 stage_key_for(cfg, inputs), unigram, MetricsWriter(train_dir / "metrics.jsonl", info.is_main),
-                 ProgressWriter(train_dir / "progress.json", total, info.is_main, cfg.train.progress_every_s),
+                 stage_key_for(cfg, inputs), unigram, MetricsWriter(layout.metrics, info.is_main),
+                 ProgressWriter(layout.progress, total, info.is_main, cfg.train.progress_every_s),
                  TrainerState(), cfg.train.grad_accum_steps * row_flops, peak_flops(info.device))
     if cfg.train.features == "online":
         tr.tokens = TokenReader(inputs.tokenized)
@@ -424,7 +424,7 @@ def train(cfg: RunConfig, stop_after_steps: int | None = None) -> TrainResult:
 @contextlib.contextmanager
 def _run_locked(cfg: RunConfig, info: DistInfo) -> Iterator[None]:
     """Rank 0 holds the run lock; every rank fails with the holder's name when it is taken."""
-    from eagle3.run.stages import write_run_config
+    from eagle3.run.layout import write_run_config
     from infra.storage import LockHeldError, run_lock
 
     with contextlib.ExitStack() as stack:
@@ -458,7 +458,7 @@ def _train(cfg: RunConfig, info: DistInfo, stop_after_steps: int | None) -> Trai
         from eagle3.features.capture import save_or_check_spec
 
         save_or_check_spec(inputs.features_dir, inputs.spec)  # export and evaluation read what was trained on
-    manifest = inputs.run_dir / "train" / MANIFEST_FILE
+    manifest = RunLayout(inputs.run_dir).manifest("train")
     key = stage_key_for(cfg, inputs)
     if broadcast_object(manifest_matches(manifest, key) if info.is_main else None, info):
         log.info("train: up to date (%s), nothing to do", manifest)
@@ -493,7 +493,7 @@ def _finish(tr: Trainer, result: TrainResult) -> None:
                  **best_stats(tr.state, tr.metrics.path, tr.train_dir)}
         if tr.state.best_step is not None:
             outputs["best_model"] = tr.train_dir / stats["best_checkpoint"] / MODEL_FILE
-        write_manifest(tr.train_dir / MANIFEST_FILE, "train", tr.stage_key, outputs, stats)
+        write_manifest(RunLayout(tr.inputs.run_dir).manifest("train"), "train", tr.stage_key, outputs, stats)
     tr.progress.update(state="done", force=True, step=result.step, checkpoint=str(result.checkpoint), eta_s=0.0)
     log.info("train: done after %d steps; final checkpoint %s", result.step, result.checkpoint)
     barrier(tr.dist)

@@ -1,0 +1,185 @@
+"""The run directory's layout: every folder, manifest name and main output a run writes, named once.
+
+    <workdir>/<run.name>/
+        config.json                     the resolved config (written by every entry point that runs a stage)
+        data/       merged.parquet, regenerated.parquet, tokenized.parquet, <stage>.manifest.json of
+                    synthesize, merge, regenerate and tokenize
+        vocab/      the draft vocab map, vocab.manifest.json
+        features/   spec.json, plan.json, shard-NNNNN.{safetensors,done.json}, capture.manifest.json
+        train/      checkpoints/, metrics.jsonl, progress.json, loss.png, acc.png, torchrun logs, train.manifest.json
+        export/     sglang/, speculators/, export.manifest.json
+        eval/       results.json, report.md, per_position.png, prompts.jsonl, partial/, evaluate.manifest.json
+        deploy/     results.json, report.md, the SGLang server logs of the benchmark
+        logs/       logs of managed servers and of failed flow runs
+
+Modules that write a file take its folder from here and keep naming the files only they read; a file that
+another module reads (a manifest, the tokenized data, the feature spec) is named here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
+
+CONFIG_FILE = "config.json"
+MANIFEST_SUFFIX = ".manifest.json"
+
+STAGE_DIRS: dict[str, str] = {"synthesize": "data", "merge": "data", "regenerate": "data", "tokenize": "data",
+                              "vocab": "vocab", "capture": "features", "train": "train", "export": "export",
+                              "evaluate": "eval"}
+"""The folder of each stage's outputs and manifest (a stage named in eagle3.run.registry has an entry here)."""
+
+MERGED_FILE, REGENERATED_FILE, TOKENIZED_FILE = "merged.parquet", "regenerated.parquet", "tokenized.parquet"
+SPEC_FILE, PLAN_FILE = "spec.json", "plan.json"
+METRICS_FILE, PROGRESS_FILE, CHECKPOINTS_DIR = "metrics.jsonl", "progress.json", "checkpoints"
+TRAIN_PLOTS = ("loss.png", "acc.png")
+SGLANG_EXPORT_DIR = "sglang"
+RESULTS_FILE, REPORT_FILE, EVAL_PLOT, PARTIAL_DIR = "results.json", "report.md", "per_position.png", "partial"
+
+
+def manifest_name(stage: str) -> str:
+    """'<stage>.manifest.json'."""
+    return f"{stage}{MANIFEST_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The paths of one run directory (``root``); nothing is created by asking for a path."""
+
+    root: Path
+
+    def stage_dir(self, stage: str) -> Path:
+        """The folder a stage writes into."""
+        if stage not in STAGE_DIRS:
+            raise KeyError(f"no folder is laid out for stage {stage!r}; stages: {', '.join(STAGE_DIRS)}")
+        return self.root / STAGE_DIRS[stage]
+
+    def manifest(self, stage: str) -> Path:
+        """<folder of the stage>/<stage>.manifest.json: written last, it says the stage is complete."""
+        return self.stage_dir(stage) / manifest_name(stage)
+
+    @property
+    def config(self) -> Path:
+        """<run>/config.json."""
+        return self.root / CONFIG_FILE
+
+    @property
+    def data(self) -> Path:
+        """<run>/data."""
+        return self.root / "data"
+
+    @property
+    def vocab(self) -> Path:
+        """<run>/vocab."""
+        return self.root / "vocab"
+
+    @property
+    def features(self) -> Path:
+        """<run>/features."""
+        return self.root / "features"
+
+    @property
+    def train(self) -> Path:
+        """<run>/train."""
+        return self.root / "train"
+
+    @property
+    def export(self) -> Path:
+        """<run>/export."""
+        return self.root / "export"
+
+    @property
+    def eval(self) -> Path:
+        """<run>/eval."""
+        return self.root / "eval"
+
+    @property
+    def deploy(self) -> Path:
+        """<run>/deploy: the SGLang benchmark's results.json, report.md and server logs."""
+        return self.root / "deploy"
+
+    @property
+    def logs(self) -> Path:
+        """<run>/logs."""
+        return self.root / "logs"
+
+    @property
+    def merged(self) -> Path:
+        """data/merged.parquet (the merge stage's conversations)."""
+        return self.data / MERGED_FILE
+
+    @property
+    def regenerated(self) -> Path:
+        """data/regenerated.parquet (the conversations re-answered by the target)."""
+        return self.data / REGENERATED_FILE
+
+    @property
+    def tokenized(self) -> Path:
+        """data/tokenized.parquet (input ids and loss masks)."""
+        return self.data / TOKENIZED_FILE
+
+    @property
+    def spec(self) -> Path:
+        """features/spec.json (what the features hold; written online too)."""
+        return self.features / SPEC_FILE
+
+    @property
+    def plan(self) -> Path:
+        """features/plan.json (the capture's shards)."""
+        return self.features / PLAN_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        """train/checkpoints."""
+        return self.train / CHECKPOINTS_DIR
+
+    @property
+    def metrics(self) -> Path:
+        """train/metrics.jsonl."""
+        return self.train / METRICS_FILE
+
+    @property
+    def progress(self) -> Path:
+        """train/progress.json."""
+        return self.train / PROGRESS_FILE
+
+    @property
+    def train_plots(self) -> list[Path]:
+        """train/loss.png and train/acc.png."""
+        return [self.train / name for name in TRAIN_PLOTS]
+
+    @property
+    def sglang_export(self) -> Path:
+        """export/sglang: the SGLang drafter the evaluate and deploy stages load."""
+        return self.export / SGLANG_EXPORT_DIR
+
+    @property
+    def eval_results(self) -> Path:
+        """eval/results.json."""
+        return self.eval / RESULTS_FILE
+
+    @property
+    def eval_plot(self) -> Path:
+        """eval/per_position.png."""
+        return self.eval / EVAL_PLOT
+
+    @property
+    def deploy_report(self) -> Path:
+        """deploy/report.md."""
+        return self.deploy / REPORT_FILE
+
+
+def run_layout(cfg: RunConfig) -> RunLayout:
+    """The layout of ``cfg``'s run directory."""
+    return RunLayout(cfg.run_dir)
+
+
+def write_run_config(cfg: RunConfig) -> Path:
+    """Save the resolved config as <run>/config.json."""
+    from eagle3.config import save_config
+
+    return save_config(cfg, run_layout(cfg).config)

@@ -1,0 +1,137 @@
+"""Operational config fields (config_base.Operational) stay out of stage keys; every other field is in them.
+
+Each test walks every field of a stage's config section (no hand-kept list), changes it to another valid value
+and computes the stage's real key over fake input manifests (a manifest naming no outputs is complete).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from eagle3.config import RunConfig, load_config
+from eagle3.config_base import operational_fields
+from eagle3.run.layout import run_layout
+from eagle3.run.registry import get_stage
+
+FAKE_FINGERPRINT = "fake-target-fingerprint"
+
+
+def _choices(annotation: Any) -> list[Any]:
+    """Literal values and one sample per plain type of an annotation (unions and Annotated unpacked)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return list(args)
+    if origin in (typing.Union, types.UnionType, typing.Annotated):
+        return [c for a in (args[:1] if origin is typing.Annotated else args) for c in _choices(a)]
+    samples = {bool: [True, False], int: [1, 2, 3], float: [0.25, 0.5], str: ["cpu", "x"], type(None): [None]}
+    return samples.get(annotation, [])
+
+
+def _other_value(section: BaseModel, name: str) -> Any:
+    """A valid value of ``section.name`` different from the current one (a nested section: one field changed)."""
+    value = getattr(section, name)
+    if isinstance(value, BaseModel):
+        for sub in type(value).model_fields:
+            try:
+                return value.model_copy(update={sub: _other_value(value, sub)})
+            except LookupError:
+                continue
+    candidates = _choices(type(section).model_fields[name].annotation)
+    if isinstance(value, bool):
+        candidates.insert(0, not value)
+    elif isinstance(value, (int, float)):
+        candidates[:0] = [value + 1, value * 2, value / 2]
+    elif isinstance(value, (list, tuple)):
+        candidates[:0] = [type(value)([*value, *value[-1:]]) if value else ["x"], type(value)(reversed(value))]
+    elif isinstance(value, str):
+        candidates.append(value + "-changed")
+    for candidate in candidates:
+        if candidate == value:
+            continue
+        try:
+            type(section).model_validate({**section.model_dump(), name: candidate})
+        except ValidationError:
+            continue
+        return candidate
+    raise LookupError(f"no other valid value found for {type(section).__name__}.{name} = {value!r}")
+
+
+def _fake_manifests(cfg: RunConfig) -> None:
+    """A complete-looking manifest (no outputs) for every stage a data, capture or train key reads."""
+    layout = run_layout(cfg)
+    for stage in ("synthesize", "merge", "regenerate", "tokenize", "vocab", "capture"):
+        path = layout.manifest(stage)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"stage": stage, "key": f"fake-{stage}-key", "outputs": {}}))
+
+
+def _fake_spec(cfg: RunConfig):
+    from eagle3.features.spec import FeatureSpec
+
+    return FeatureSpec(target_name=cfg.target.name, target_fingerprint=FAKE_FINGERPRINT, hidden_size=8,
+                       num_layers=4, vocab_size=64, aux_layer_ids=[1, 2, 3], max_len=64,
+                       chat_template_hash="fake-template-hash", backend="hf")
+
+
+def _key(cfg: RunConfig, stage: str) -> str:
+    """The stage's real key, with a fake target fingerprint and spec (no target is prepared)."""
+    if stage == "capture":
+        from eagle3.features.capture import capture_key
+
+        return capture_key(cfg, _fake_spec(cfg))
+    if stage == "train":
+        from eagle3.train.build import stage_key_for
+
+        fake_inputs = types.SimpleNamespace(spec=_fake_spec(cfg), features_dir=run_layout(cfg).features)
+        return stage_key_for(cfg, fake_inputs)
+    from eagle3.run.stages import key_for
+
+    return key_for(cfg, stage, fp=FAKE_FINGERPRINT)
+
+
+@pytest.mark.parametrize("stage", ["regenerate", "tokenize", "vocab", "capture", "train"])
+def test_operational_fields_leave_the_stage_key_alone_and_the_others_change_it(tmp_path, stage):
+    """For every field of the stage's section: the key changes exactly when the field is not operational."""
+    cfg = load_config("tiny", [f"run.workdir={tmp_path}"])
+    _fake_manifests(cfg)
+    section_name = get_stage(stage).section
+    section = getattr(cfg, section_name)
+    operational = operational_fields(type(section))
+    base = _key(cfg, stage)
+    unchanged, changed = [], []
+    for name in type(section).model_fields:
+        edited = section.model_copy(update={name: _other_value(section, name)})
+        key = _key(cfg.model_copy(update={section_name: edited}), stage)
+        (unchanged if key == base else changed).append(name)
+    assert sorted(unchanged) == sorted(operational), f"{section_name}: fields that left the key alone"
+    assert len(changed) == len(type(section).model_fields) - len(operational)
+
+
+def test_the_sections_with_operational_fields_declare_them():
+    """The mechanism is in use: capture, train and regenerate each declare operational fields (e.g. num_slices)."""
+    from eagle3.config import CaptureConfig, RegenerateConfig, TrainConfig
+
+    assert "num_slices" in operational_fields(CaptureConfig) and "num_slices" in operational_fields(RegenerateConfig)
+    assert {"device", "select", "nnodes"} <= operational_fields(TrainConfig)
+    assert "lr" not in operational_fields(TrainConfig) and "tokens_per_shard" not in operational_fields(CaptureConfig)
+
+
+def test_operational_fields_are_marked_in_the_json_schema():
+    """The UI's form schema carries the mark, so a field's role is visible where it is edited."""
+    schema = RunConfig.model_json_schema()
+    capture = schema["$defs"]["CaptureConfig"]["properties"]
+    assert capture["num_slices"].get("operational") is True and "operational" not in capture["tokens_per_shard"]
+
+
+def test_stage_keys_need_no_hand_list(tmp_path):
+    """No module keeps its own list of operational fields any more (one declaration, in the config)."""
+    root = Path(__file__).resolve().parents[2]
+    hits = [str(p.relative_to(root)) for p in (root / "eagle3").rglob("*.py") if "OPERATIONAL_KNOBS" in p.read_text()]
+    assert hits == []
