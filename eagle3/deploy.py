@@ -250,21 +250,16 @@ def _progress_bar(cfg: RunConfig, role: Role, show_bar: bool | None) -> Progress
 
 def main(argv: list[str] | None = None) -> None:
     """python -m eagle3.deploy --preset X [--set a.b=c] | --config <run>/config.json"""
-    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
-    from infra.storage import run_lock
+    from eagle3.run.cli_args import add_config_args, stage_main
 
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
+    stage_main(parser, argv, lambda cfg, args: run_deploy(cfg, show_bar=True), lock_owner="python -m eagle3.deploy",
+               show=_show_report)
 
-    @exit_on_user_error
-    def run() -> None:
-        args = parser.parse_args(argv)
-        cfg = config_from_args(args)
-        with run_lock(cfg.run_dir, owner="python -m eagle3.deploy"):
-            report = run_deploy(cfg, show_bar=True)
-        print(report.markdown)
-        print(json.dumps(report.to_json(), indent=2))
 
-    run()
+def _show_report(report: DeployReport) -> None:
+    print(report.markdown)
+    print(json.dumps(report.to_json(), indent=2))
 
 
 if __name__ == "__main__":

@@ -138,28 +138,27 @@ def run_export(cfg: RunConfig, force: bool = False) -> StageOutcome:
 
 def main(argv: list[str] | None = None) -> None:
     """python -m eagle3.export --config <run>/config.json [--set export.dtype=float32] [--force] | --check DIR"""
-    from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
-    from infra.storage import run_lock
+    from eagle3.run.cli_args import add_config_args, stage_main
 
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
     parser.add_argument("--force", action="store_true", help="export again even if the manifest matches")
     parser.add_argument("--check", type=Path, metavar="DIR", help="only check an existing export folder")
 
-    @exit_on_user_error
-    def run() -> None:
-        args = parser.parse_args(argv)
+    def check_only(args: argparse.Namespace) -> bool:
         if args.check:
             print(f"{args.check}: {check_export(args.check)} layout, check passed")
-            return
-        cfg = config_from_args(args)
-        with run_lock(cfg.run_dir, owner="python -m eagle3.export"):
-            outcome = run_export(cfg, force=args.force)
-        print(f"export {'written' if outcome.computed else 'up to date'} (checkpoint {outcome.stats['checkpoint']})")
-        for fmt, entry in outcome.stats["formats"].items():  # checked again: files may have changed since
-            print(f"  {check_export(Path(entry['dir'])):<12} {entry['dir']}  aux ids {entry['aux_layer_ids']}  "
-                  f"check passed" + "".join(f"\n  warning: {w}" for w in entry["warnings"]))
+        return bool(args.check)
 
-    run()
+    stage_main(parser, argv, lambda cfg, args: run_export(cfg, force=args.force), lock_owner="python -m eagle3.export",
+               show=_show_export, without_config=check_only)
+
+
+def _show_export(outcome: StageOutcome) -> None:
+    """What the export wrote, each folder checked again (files may have changed since)."""
+    print(f"export {'written' if outcome.computed else 'up to date'} (checkpoint {outcome.stats['checkpoint']})")
+    for entry in outcome.stats["formats"].values():
+        print(f"  {check_export(Path(entry['dir'])):<12} {entry['dir']}  aux ids {entry['aux_layer_ids']}  "
+              f"check passed" + "".join(f"\n  warning: {w}" for w in entry["warnings"]))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from eagle3.run.layout import FORMAT_VERSIONS
+
 if TYPE_CHECKING:
     from eagle3.config import RunConfig
     from eagle3.run.stage import StageOutcome
@@ -40,8 +42,6 @@ class StageSpec:
 
     name: str
     description: str
-    version: int
-    """Format version of the stage's output: bump it when the output's meaning changes (every run redoes it)."""
     section: str | None
     """The RunConfig section whose fields the key hashes (None: the key reads other facts only)."""
     key_fn: Callable[[RunConfig], str]
@@ -57,6 +57,11 @@ class StageSpec:
     """The ``eagle3`` subcommand that forwards to ``cli`` (None: reached through ``eagle3 stage``, or none)."""
     complete_fn: Callable[[RunConfig], bool] | None = None
     """Completeness when it is more than the manifest matching the key (capture also checks its shards)."""
+
+    @property
+    def version(self) -> int:
+        """Format version of the stage's output (eagle3.run.layout.FORMAT_VERSIONS)."""
+        return FORMAT_VERSIONS[self.name]
 
     def key(self, cfg: RunConfig) -> str:
         """The stage key of ``cfg`` (raises MissingInputError while an input stage is incomplete)."""
@@ -79,8 +84,8 @@ class StageSpec:
         return path.is_file() and manifest_matches(path, self.key(cfg))
 
 
-def _data_stage(name: str, description: str, section: str | None, version: int = 1) -> StageSpec:
-    return StageSpec(name, description, version, section, key_fn=_lazy("eagle3.run.stages:key_for", name),
+def _data_stage(name: str, description: str, section: str | None) -> StageSpec:
+    return StageSpec(name, description, section, key_fn=_lazy("eagle3.run.stages:key_for", name),
                      run_fn=_lazy(f"eagle3.run.stages:run_{name}"), cli="eagle3.run.stages", data=True)
 
 
@@ -90,15 +95,15 @@ STAGES: tuple[StageSpec, ...] = (
     _data_stage("regenerate", "re-answer every user turn with the target", "regenerate"),
     _data_stage("tokenize", "render with the target's chat template and compute assistant loss masks", "tokenize"),
     _data_stage("vocab", "build the draft vocab map from the train split's assistant tokens", "vocab"),
-    StageSpec("capture", "capture the target's hidden states of every tokenized sample, in shards", 1, "capture",
+    StageSpec("capture", "capture the target's hidden states of every tokenized sample, in shards", "capture",
               key_fn=_lazy("eagle3.features.capture:stage_key_of"), run_fn=_lazy("eagle3.features.capture:run_capture"),
               cli="eagle3.features.capture", complete_fn=_lazy("eagle3.features.capture:is_captured")),
-    StageSpec("train", "train the drafter (torchrun; resumes from the latest checkpoint)", 1, "train",
+    StageSpec("train", "train the drafter (torchrun; resumes from the latest checkpoint)", "train",
               key_fn=_lazy("eagle3.train.build:key_for"), run_fn=None, cli="eagle3.train"),
-    StageSpec("export", "export the trained drafter (SGLang, speculators)", 1, "export",
+    StageSpec("export", "export the trained drafter (SGLang, speculators)", "export",
               key_fn=_lazy("eagle3.export.stage:key_for"), run_fn=_lazy("eagle3.export.stage:run_export"), cli="eagle3.export",
               command="export"),
-    StageSpec("evaluate", "measure acceptance length by speculative decoding", 1, "evaluate",
+    StageSpec("evaluate", "measure acceptance length by speculative decoding", "evaluate",
               key_fn=_lazy("eagle3.evaluate.stage:stage_key_of"), run_fn=_lazy("eagle3.evaluate.stage:run_evaluate"),
               cli="eagle3.evaluate.stage", command="eval"),
     # The SGLang deploy benchmark (baseline vs EAGLE-3 servers) writes no manifest yet: it is the last `until`
@@ -106,8 +111,6 @@ STAGES: tuple[StageSpec, ...] = (
 )
 BY_NAME: dict[str, StageSpec] = {s.name: s for s in STAGES}
 DATA_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES if s.data)
-FORMAT_VERSIONS: dict[str, int] = {s.name: s.version for s in STAGES}
-"""Each stage's output format version (what eagle3.run.stage hashes and records)."""
 
 DEPLOY = "deploy"
 UNTIL_CHOICES: tuple[str, ...] = (DATA_STAGES[-1], *(s.name for s in STAGES if not s.data), DEPLOY)

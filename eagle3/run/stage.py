@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3.run.registry import FORMAT_VERSIONS
+from eagle3.run.layout import FORMAT_VERSIONS
 from infra.storage import atomic_write_json, remove_stale_temps, sha256_file_cached, sha256_json
 
 log = logging.getLogger(__name__)

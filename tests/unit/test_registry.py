@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from eagle3.run.layout import STAGE_DIRS, RunLayout
-from eagle3.run.registry import DATA_STAGES, FORMAT_VERSIONS, STAGES, UNTIL_CHOICES, get_stage
+from eagle3.run.layout import FORMAT_VERSIONS, STAGE_DIRS, RunLayout
+from eagle3.run.registry import DATA_STAGES, STAGES, UNTIL_CHOICES, get_stage
 
 
 def test_every_stage_has_a_folder_a_version_and_a_manifest_path(tmp_path):
