@@ -16,6 +16,14 @@ want=$(cat pyproject.toml scripts/bootstrap.sh tests/sglang-parser-requirements.
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
+# The demo and the tests started together in one checkout would otherwise run two pips into one .venv: the
+# second waits here for the first, then finds the stamp written and returns.
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.bootstrap.lock"
+flock 9
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
 echo "bootstrap: installing into $VENV (one time, a few minutes)" >&2
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip -q --disable-pip-version-check "$@"; }
