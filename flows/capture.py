@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -27,6 +27,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, load_config
 from eagle3.run.layout import run_layout
+from eagle3.run.stage import StageOutcome, read_manifest
 from flows.common import PresetName, guard_crash_loop, run_slices
 from tasks.artifacts import artifact_key, publish_table
 from tasks.capture import capture_shard_task, finalize_capture_task, prepare_capture_task
@@ -34,14 +35,18 @@ from tasks.capture import capture_shard_task, finalize_capture_task, prepare_cap
 MAX_THREADS = 64
 SLICE_DEPLOYMENT = "eagle3-capture-slice/eagle3-capture-slice"
 
+if TYPE_CHECKING:  # the capture core imports torch; the flow imports it only when it runs
+    from eagle3.features.capture import ShardResult
+    from eagle3.features.plan import CaptureSummary
+
 
 class CaptureProgress:
     """Shards done, tokens/s, ETA and bytes written, as one live progress artifact."""
 
-    def __init__(self, cfg: RunConfig, summary: dict[str, Any]):
-        self.num_shards = summary["num_shards"]
-        self.num_done = self.num_shards - len(summary["pending"])
-        self.tokens_left = summary["num_tokens_pending"]
+    def __init__(self, cfg: RunConfig, summary: CaptureSummary):
+        self.num_shards = summary.num_shards
+        self.num_done = self.num_shards - len(summary.pending)
+        self.tokens_left = summary.num_tokens_pending
         self.num_tokens = self.num_bytes = 0
         self.t0 = time.monotonic()
         self.artifact_id = create_progress_artifact(progress=self._percent(), key=artifact_key(cfg, "capture-progress"),
@@ -57,11 +62,11 @@ class CaptureProgress:
         return (f"{self.num_done}/{self.num_shards} shards, {rate:,.0f} tokens/s, ETA {eta:,.0f} s, "
                 f"{self.num_bytes / 1e9:.2f} GB written")
 
-    def shard_done(self, result: dict[str, Any]) -> None:
-        """Count one finished shard and refresh the artifact."""
+    def shard_done(self, result: ShardResult) -> None:
+        """Count one finished shard (its tokens and bytes when it was computed, not found) and refresh the artifact."""
         self.num_done += 1
-        self.num_tokens += result.get("num_tokens", 0) if result.get("computed", True) else 0
-        self.num_bytes += result.get("num_bytes", 0) if result.get("computed", True) else 0
+        self.num_tokens += result.num_tokens if result.computed else 0
+        self.num_bytes += result.num_bytes if result.computed else 0
         update_progress_artifact(self.artifact_id, progress=self._percent(), description=self._text())
 
 
@@ -91,20 +96,20 @@ def capture_endpoints(cfg: RunConfig) -> Iterator[RunConfig]:
         yield served
 
 
-def run_capture_shards(cfg: RunConfig) -> dict[str, Any]:
+def run_capture_shards(cfg: RunConfig) -> StageOutcome:
     """Prepare, capture every pending shard (here with bounded concurrency, or in slice runs), finalize."""
     summary = prepare_capture_task(cfg)
-    if not summary["pending"]:
+    if not summary.pending:
         return finalize_capture_task(cfg)
     if cfg.capture.num_slices > 1:
         return run_capture_slices(cfg, summary)
     with capture_endpoints(cfg) as served:
         progress = CaptureProgress(cfg, summary)  # after the servers are up: tokens/s counts capture only
-        _capture_list(served, summary["pending"], progress.shard_done)
+        _capture_list(served, summary.pending, progress.shard_done)
     return _finalize(cfg)
 
 
-def _capture_list(cfg: RunConfig, shards: list[int], on_done: Callable[[dict[str, Any]], None]) -> None:
+def _capture_list(cfg: RunConfig, shards: list[int], on_done: Callable[[ShardResult], None]) -> None:
     """Capture ``shards`` with bounded concurrency; RuntimeError naming the first failure after all have ended."""
     failures = []
     for fut in _bounded(cfg, shards, cfg.capture.max_concurrent_shards):
@@ -117,29 +122,29 @@ def _capture_list(cfg: RunConfig, shards: list[int], on_done: Callable[[dict[str
         raise RuntimeError(f"{len(failures)} capture shards failed; first: {failures[0]}")
 
 
-def _finalize(cfg: RunConfig) -> dict[str, Any]:
-    manifest = finalize_capture_task(cfg)
-    publish_table(cfg, "capture-summary", [{k: v for k, v in manifest.get("stats", {}).items()
+def _finalize(cfg: RunConfig) -> StageOutcome:
+    outcome = finalize_capture_task(cfg)
+    publish_table(cfg, "capture-summary", [{k: v for k, v in outcome.stats.items()
                                             if not isinstance(v, (list, dict))}], "captured features")
-    return manifest
+    return outcome
 
 
-def run_capture_slices(cfg: RunConfig, summary: dict[str, Any], poll_s: float = 5.0) -> dict[str, Any]:
+def run_capture_slices(cfg: RunConfig, summary: CaptureSummary, poll_s: float = 5.0) -> StageOutcome:
     """Capture the pending shards as capture.num_slices slice runs on the gpu pool; finalize when all complete."""
     from eagle3.features.capture import features_dir
     from eagle3.features.plan import PLAN_FILE, CapturePlan, split_slices
 
     plan = CapturePlan.load(features_dir(cfg) / PLAN_FILE)
-    slices = split_slices(plan.shards, summary["pending"], cfg.capture.num_slices)
+    slices = split_slices(plan.shards, summary.pending, cfg.capture.num_slices)
     run_slices(SLICE_DEPLOYMENT, {k: {"config": cfg, "shards": shards} for k, shards in enumerate(slices)},
-               f"capture-{cfg.run.name}", on_poll=_watch_disk(cfg, summary["pending"], CaptureProgress(cfg, summary)),
+               f"capture-{cfg.run.name}", on_poll=_watch_disk(cfg, summary.pending, CaptureProgress(cfg, summary)),
                poll_s=poll_s)
     return _finalize(cfg)
 
 
 def _watch_disk(cfg: RunConfig, pending: list[int], progress: CaptureProgress) -> Callable[[], None]:
     """A poll that counts each pending shard into ``progress`` once its done file (written last) appears."""
-    from eagle3.features.capture import features_dir
+    from eagle3.features.capture import ShardResult, features_dir
     from eagle3.features.shards.done import read_done
     from eagle3.features.shards.layout import done_path_for, shard_path
 
@@ -150,7 +155,7 @@ def _watch_disk(cfg: RunConfig, pending: list[int], progress: CaptureProgress) -
             doc = read_done(done_path_for(shard_path(fdir, index)))
             if doc is not None:
                 left.discard(index)
-                progress.shard_done(doc.to_json())
+                progress.shard_done(ShardResult.from_done(index, doc, computed=True))  # by a slice run
     return poll
 
 
@@ -171,7 +176,7 @@ def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | N
     cfg = config or load_config(preset, list(overrides or []))
     get_run_logger().info("capturing into %s", run_layout(cfg).features.resolve())
     with run_lock(cfg.run_dir, owner="prefect flow eagle3-capture"):
-        return run_capture_shards(cfg)
+        return read_manifest(run_capture_shards(cfg).manifest)  # the flow's result: the capture manifest
 
 
 @flow(name="eagle3-capture-slice", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS))

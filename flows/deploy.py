@@ -17,24 +17,24 @@ from typing import Any, Literal, get_args
 from prefect import flow, get_run_logger
 
 from eagle3.config import RunConfig, load_config
-from eagle3.deploy import NOT_ENABLED
-from flows.common import PresetName, guard_crash_loop
+from eagle3.deploy import NOT_ENABLED, DeployReport
+from flows.common import PresetName, as_json, guard_crash_loop
 from tasks.deploy import benchmark_server_task, evaluate_task, export_task, prepare_serving_task, report_task
 
 DeployStep = Literal["export", "evaluate", "benchmark"]
 ALL_STEPS: tuple[str, ...] = get_args(DeployStep)
 
 
-def run_benchmarks(cfg: RunConfig) -> dict[str, Any]:
+def run_benchmarks(cfg: RunConfig) -> DeployReport:
     """Baseline server, then speculative server (each started, benchmarked, stopped), then the comparison."""
     plan = prepare_serving_task(cfg)
-    baseline = benchmark_server_task(cfg, "baseline", plan["model_path"], plan["draft_model_path"])
-    speculative = benchmark_server_task(cfg, "speculative", plan["model_path"], plan["draft_model_path"])
+    baseline = benchmark_server_task(cfg, "baseline", plan)
+    speculative = benchmark_server_task(cfg, "speculative", plan)
     return report_task(cfg, baseline, speculative)
 
 
 def run_deploy_steps(cfg: RunConfig, steps: list[str], force: bool = False) -> dict[str, Any]:
-    """The chosen steps in order; {step: task result}."""
+    """The chosen steps in order; {step: task result} (typed records; a skipped benchmark says why)."""
     unknown = sorted(set(steps) - set(ALL_STEPS))
     if unknown:
         raise ValueError(f"unknown deploy steps {unknown}; choose from {list(ALL_STEPS)}")
@@ -73,4 +73,4 @@ def eagle3_deploy(preset: PresetName = "smollm2-demo", overrides: list[str] | No
     cfg = config or load_config(preset, list(overrides or []))
     with run_lock(cfg.run_dir, owner="prefect flow eagle3-deploy"):
         results = run_deploy_steps(cfg, list(steps or ALL_STEPS), force)
-    return {"run_dir": str(cfg.run_dir.resolve()), **results}
+    return {"run_dir": str(cfg.run_dir.resolve()), **{step: as_json(result) for step, result in results.items()}}

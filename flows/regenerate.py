@@ -21,7 +21,7 @@ from prefect import flow, get_run_logger
 
 from eagle3.config import RunConfig
 from eagle3.run.stage import StageOutcome
-from flows.common import run_slices
+from flows.common import as_json, run_slices
 from tasks.artifacts import ProgressArtifact, artifact_key
 from tasks.data import regenerate_slice_task
 
@@ -50,4 +50,4 @@ def eagle3_regenerate_slice(config: RunConfig, index: int) -> dict[str, Any]:
         index: Which slice of that plan this run answers (conversations already in its journal are skipped).
     """
     get_run_logger().info("regenerating slice %d on host %s (pid %d)", index, socket.gethostname(), os.getpid())
-    return regenerate_slice_task(config, index)
+    return as_json(regenerate_slice_task(config, index))

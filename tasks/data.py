@@ -10,7 +10,7 @@ tensors; the flows turn them into JSON where they return them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import task
 from prefect.context import TaskRunContext
@@ -20,6 +20,9 @@ from eagle3.run.registry import get_stage
 from eagle3.run.stage import StageOutcome
 from tasks.artifacts import ProgressArtifact, artifact_key, publish_table
 from tasks.retry import IO_RETRY
+
+if TYPE_CHECKING:
+    from eagle3.data.regenerate_slices import SliceStats
 
 STAGE_CACHE = dict(persist_result=True, cache_result_in_memory=False)
 RESULT_VERSION = 2
@@ -76,7 +79,7 @@ def regenerate_task(cfg: RunConfig, force: bool = False) -> StageOutcome | None:
 
 
 @task(name="regenerate-slice", task_run_name="regenerate-{cfg.run.name}-slice{index}", tags=["inference"], **IO_RETRY)
-def regenerate_slice_task(cfg: RunConfig, index: int) -> dict[str, Any]:
+def regenerate_slice_task(cfg: RunConfig, index: int) -> SliceStats:
     """Answer one slice of a sliced regeneration into its own journal (resumable by sample id)."""
     from eagle3.run.stages import run_regenerate_slice
 

@@ -5,67 +5,66 @@ Each is a thin wrapper over the core, which runs the same without Prefect: ``eag
 stage: check the export, launch a server, probe its readiness, benchmark it, stop it in ``finally``,
 compare and write the report). What is Prefect's stays here: task runs, progress and report artifacts,
 the run logger. Server tasks are never cached (NO_CACHE: a live server is not a cacheable input) and are
-tagged ``inference``.
+tagged ``inference``. Tasks return the core's typed records (StageOutcome, ServingPlan, ServerRun, DeployReport);
+the flow turns them into JSON where it returns them.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import RunConfig
-from eagle3.deploy import Role
+from eagle3.deploy import DeployReport, Role, ServerRun, ServingPlan
+from eagle3.run.stage import StageOutcome
 from tasks.artifacts import ProgressArtifact, artifact_key, publish_table
 
 
 @task(name="export", task_run_name="export-{cfg.run.name}")
-def export_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
+def export_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Export the trained drafter (no-op when its manifest matches)."""
     from eagle3.export.stage import run_export
 
-    return run_export(cfg, force).to_json()
+    return run_export(cfg, force)
 
 
 @task(name="evaluate", task_run_name="evaluate-{cfg.run.name}", tags=["gpu"])
-def evaluate_task(cfg: RunConfig, force: bool = False) -> dict[str, Any]:
+def evaluate_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Offline speculative decoding with the target in PyTorch: acceptance and lossless check."""
     from eagle3.evaluate.stage import run_evaluate
 
     with ProgressArtifact(artifact_key(cfg, "evaluate"), f"offline evaluation ({cfg.run.name})") as progress:
-        return run_evaluate(cfg, progress=progress.callback, force=force).to_json()
+        return run_evaluate(cfg, progress=progress.callback, force=force)
 
 
 @task(name="serve-prepare", task_run_name="serve-prepare-{cfg.run.name}")
-def prepare_serving_task(cfg: RunConfig) -> dict[str, str]:
-    """Check the exported drafter and resolve the target the servers load: {model_path, draft_model_path}."""
+def prepare_serving_task(cfg: RunConfig) -> ServingPlan:
+    """Check the exported drafter and resolve the target the servers load (model_path, draft_model_path)."""
     from eagle3.deploy import prepare_serving
 
-    return prepare_serving(cfg).to_json()
+    return prepare_serving(cfg)
 
 
 @task(name="serve-benchmark", task_run_name="benchmark-{role}-{cfg.run.name}", tags=["inference"],
       cache_policy=NO_CACHE)
-def benchmark_server_task(cfg: RunConfig, role: Role, model_path: str, draft_model_path: str) -> dict[str, Any]:
+def benchmark_server_task(cfg: RunConfig, role: Role, plan: ServingPlan) -> ServerRun:
     """Launch one server, wait until it passes readiness, benchmark every level, always stop it."""
-    from eagle3.deploy import ServingPlan, benchmark_server
+    from eagle3.deploy import benchmark_server
 
-    plan = ServingPlan(model_path, draft_model_path)
     with ProgressArtifact(artifact_key(cfg, f"benchmark-{role}"), f"benchmark {role} ({cfg.run.name})") as pa:
-        return benchmark_server(cfg, role, plan, progress=pa.callback, logger=get_run_logger()).to_json()
+        return benchmark_server(cfg, role, plan, progress=pa.callback, logger=get_run_logger())
 
 
 @task(name="deploy-report", task_run_name="deploy-report-{cfg.run.name}")
-def report_task(cfg: RunConfig, baseline: dict[str, Any], speculative: dict[str, Any]) -> dict[str, Any]:
+def report_task(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun) -> DeployReport:
     """Compare the runs (MeasurementError if speedup > acceptance length), write results.json + report.md, publish."""
-    from eagle3.deploy import ServerRun, write_report
+    from eagle3.deploy import write_report
 
-    report = write_report(cfg, ServerRun.from_json(baseline), ServerRun.from_json(speculative))
-    doc = report.to_json()
+    report = write_report(cfg, baseline, speculative)
     publish_table(cfg, "deploy-benchmark", [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
-                                            for row in doc["comparison"]], "baseline vs EAGLE-3 per concurrency level")
+                                            for row in report.to_json()["comparison"]],
+                  "baseline vs EAGLE-3 per concurrency level")
     create_markdown_artifact(markdown=report.markdown, key=artifact_key(cfg, "deploy-report"),
                              description="EAGLE-3 deploy benchmark")
-    return doc
+    return report

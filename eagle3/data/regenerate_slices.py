@@ -21,6 +21,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +78,25 @@ def read_slice(out_dir: Path, index: int) -> list[str]:
     return slices[index]
 
 
+@dataclass(frozen=True)
+class SliceStats:
+    """What one slice call did: its conversations, those its journal held already, and this call's answers."""
+
+    slice: int
+    conversations: int
+    skipped_done: int
+    success: int
+    error: int
+    num_turns: int
+    elapsed_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able dict (the field names as keys)."""
+        return asdict(self)
+
+
 def regenerate_slice(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, backend: ChatBackend, index: int,
-                     progress: ProgressFn | None = None) -> dict[str, Any]:
+                     progress: ProgressFn | None = None) -> SliceStats:
     """Answer the conversations of slice ``index`` into its own journal (those it holds already are skipped)."""
     start = time.monotonic()
     ids = read_slice(out_dir, index)
@@ -94,9 +112,8 @@ def regenerate_slice(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, bac
     state = RunState(max_user_turns=cfg.max_user_turns)
     with journal.appender() as append, Progress(len(todo), f"regenerate slice {index}", progress) as bar:
         run_sync(run_rows(todo, backend, key, append, state, bar))
-    return {"slice": index, "conversations": len(ids), "skipped_done": len(ids) - len(todo),
-            "success": state.success, "error": state.error, "num_turns": state.num_turns,
-            "elapsed_s": round(time.monotonic() - start, 3)}
+    return SliceStats(index, len(ids), len(ids) - len(todo), state.success, state.error, state.num_turns,
+                      round(time.monotonic() - start, 3))
 
 
 class AnsweredCounter:

@@ -22,6 +22,7 @@ import json
 import logging
 import re
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -208,15 +209,35 @@ def _load_prepared(cfg: RunConfig) -> tuple[Path, FeatureSpec, CapturePlan]:
     return fdir, FeatureSpec.load(fdir / SPEC_FILE), CapturePlan.load(fdir / PLAN_FILE)
 
 
-def capture_shard(cfg: RunConfig, shard_index: int, backend: CaptureBackend | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ShardResult:
+    """What one shard call did: computed the shard here, or found it complete (then no time was spent)."""
+
+    shard: int
+    computed: bool
+    num_tokens: int
+    num_bytes: int
+    elapsed_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+    @classmethod
+    def from_done(cls, shard: int, doc: ShardDone, computed: bool) -> ShardResult:
+        """The counts a shard's done file records (no timing: it was not measured here)."""
+        return cls(shard, computed, doc.num_tokens, doc.num_bytes)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able dict (the field names as keys)."""
+        return asdict(self)
+
+
+def capture_shard(cfg: RunConfig, shard_index: int, backend: CaptureBackend | None = None) -> ShardResult:
     """Capture one planned shard unless its done file already matches; returns counts and timing."""
     fdir, spec, plan = _load_prepared(cfg)
     shard = plan.shards[shard_index]
     path = shard_path(fdir, shard_index)
     doc = read_done(done_path_for(path))
     if _shard_matches(doc, shard, fdir, spec_hash(spec)):
-        return {"shard": shard_index, "computed": False, "num_tokens": doc.num_tokens,
-                "num_bytes": doc.num_bytes, "elapsed_s": 0.0, "tokens_per_s": 0.0}
+        return ShardResult.from_done(shard_index, doc, computed=False)
     tokenized, manifest = _tokenized(cfg)
     if _tokenized_key(manifest) != plan.tokenized_key:
         raise ValueError(f"tokenized data changed since {fdir / PLAN_FILE} was written; run prepare_capture again")
@@ -233,8 +254,8 @@ def capture_shard(cfg: RunConfig, shard_index: int, backend: CaptureBackend | No
         if own:
             backend.close()
     elapsed_s = time.perf_counter() - start
-    return {"shard": shard_index, "computed": True, "num_tokens": doc.num_tokens, "num_bytes": doc.num_bytes,
-            "elapsed_s": round(elapsed_s, 3), "tokens_per_s": round(doc.num_tokens / max(elapsed_s, 1e-9), 1)}
+    return ShardResult(shard_index, True, doc.num_tokens, doc.num_bytes, round(elapsed_s, 3),
+                       round(doc.num_tokens / max(elapsed_s, 1e-9), 1))
 
 
 def _incomplete(fdir: Path, spec: FeatureSpec, plan: CapturePlan) -> tuple[list[int], dict[int, ShardDone]]:
@@ -270,6 +291,12 @@ def finalize_capture(cfg: RunConfig, last_run: dict[str, Any] | None = None) -> 
     outputs.update({shard_stem(s.index): done_path_for(shard_path(fdir, s.index)) for s in plan.shards})
     stats = _stats(spec, plan, docs) | ({"last_run": last_run} if last_run else {})
     return write_manifest(fdir / MANIFEST_FILE, "capture", capture_key(cfg, spec), outputs, stats)
+
+
+def finalize_outcome(cfg: RunConfig, last_run: dict[str, Any] | None = None) -> StageOutcome:
+    """finalize_capture as the stage's outcome (computed: the manifest was written now)."""
+    doc = finalize_capture(cfg, last_run)
+    return StageOutcome.from_manifest("capture", doc["key"], features_dir(cfg) / MANIFEST_FILE, doc, computed=True)
 
 
 def is_complete(cfg: RunConfig, key: str) -> bool:
@@ -350,7 +377,7 @@ def run_capture(cfg: RunConfig, progress: ProgressFn | None = None) -> StageOutc
     plan = prepare_capture(cfg, spec)
     manifest.unlink(missing_ok=True)  # only now: a refused prepare must not cost a valid manifest
     last_run = _capture_all(cfg, plan, spec, progress)  # prepare_capture saved exactly this spec
-    return StageOutcome.from_manifest("capture", key, manifest, finalize_capture(cfg, last_run), computed=True)
+    return finalize_outcome(cfg, last_run)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,6 +41,26 @@ class ShardPlan:
 
 
 @dataclass(frozen=True)
+class CaptureSummary:
+    """A prepared capture in counts: shards, samples, tokens, and which shards are still to capture."""
+
+    num_shards: int
+    num_samples: int
+    num_tokens: int
+    tokens_per_shard: int
+    num_pending: int
+    pending: list[int]
+    """Indices of the shards not complete on disk."""
+    num_tokens_pending: int
+    num_bytes_pending: int | None
+    """Bytes the pending shards will write (None when not computed)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-able dict (the field names as keys)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class CapturePlan:
     """All shards of a capture, plus what they were planned from."""
 
@@ -69,14 +89,13 @@ class CapturePlan:
         del doc["pending"], doc["num_bytes_pending"]
         return {**doc, "num_samples": self.num_samples, "num_tokens": self.num_tokens}
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> CaptureSummary:
         """Counts for progress displays; ``pending`` lists shard indices still to capture."""
         pending = list(self.pending) if self.pending is not None else [s.index for s in self.shards]
         todo = set(pending)
-        return {"num_shards": len(self.shards), "num_samples": self.num_samples, "num_tokens": self.num_tokens,
-                "tokens_per_shard": self.tokens_per_shard, "num_pending": len(pending), "pending": pending,
-                "num_tokens_pending": sum(s.num_tokens for s in self.shards if s.index in todo),
-                "num_bytes_pending": self.num_bytes_pending}
+        return CaptureSummary(len(self.shards), self.num_samples, self.num_tokens, self.tokens_per_shard,
+                              len(pending), pending, sum(s.num_tokens for s in self.shards if s.index in todo),
+                              self.num_bytes_pending)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> CapturePlan:

@@ -22,7 +22,7 @@ from eagle3.run.registry import DATA_STAGES, get_stage
 from eagle3.run.stage import StageOutcome, run_stage, stage_key
 
 if TYPE_CHECKING:
-    from eagle3.data.regenerate_slices import SliceRunner
+    from eagle3.data.regenerate_slices import SliceRunner, SliceStats
 
 
 def data_dir(cfg: RunConfig) -> Path:
@@ -161,7 +161,7 @@ def run_regenerate(cfg: RunConfig, progress: ProgressFn | None = None, force: bo
     return run_stage("regenerate", manifest_path(cfg, "regenerate"), key, compute, force=force)
 
 
-def run_regenerate_slice(cfg: RunConfig, index: int, progress: ProgressFn | None = None) -> dict:
+def run_regenerate_slice(cfg: RunConfig, index: int, progress: ProgressFn | None = None) -> SliceStats:
     """Answer slice ``index`` of a sliced regeneration planned by ``run_regenerate`` (its stats)."""
     from eagle3.data.regenerate_slices import regenerate_slice
 

@@ -192,11 +192,11 @@ def test_capture_shard_skips_a_matching_shard(tiny_base, tmp_path):
     """A shard whose done file matches the plan is not recomputed; counts come from the done file."""
     cfg = tiny_run(tiny_base, tmp_path, "capture.tokens_per_shard=2000")
     plan = prepare_capture(cfg)
-    assert plan.summary()["pending"] == [s.index for s in plan.shards] and len(plan.shards) > 1
+    assert plan.summary().pending == [s.index for s in plan.shards] and len(plan.shards) > 1
     first = capture_shard(cfg, 1)
     again = capture_shard(cfg, 1)
-    assert first["computed"] and not again["computed"]
-    assert again["num_tokens"] == first["num_tokens"] == plan.shards[1].num_tokens
+    assert first.computed and not again.computed
+    assert again.num_tokens == first.num_tokens == plan.shards[1].num_tokens
     assert prepare_capture(cfg).pending == tuple(s.index for s in plan.shards if s.index != 1)
 
 
