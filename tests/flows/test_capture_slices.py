@@ -4,15 +4,14 @@ of a Crashed slice only, refusal of a Cancelled one, finalizing only when every 
 from __future__ import annotations
 
 import json
-import uuid
 
 import pytest
 
 import flows.capture as capture_flow
-import flows.common as common
 from eagle3.config import load_config
 from eagle3.features.capture import capture_shard
 from eagle3.run.stages import run_all
+from tests.fakes.slice_runs import fake_slice_runs
 
 
 @pytest.fixture
@@ -23,30 +22,13 @@ def cfg(tmp_path):
 
 
 def _fake_slices(monkeypatch, outcome):
-    """Fake submit/wait: a slice run captures its shards in this process and ends ``outcome(name)``
-    (a fake run that ends other than COMPLETED captures nothing); returns the submitted (name, shards)."""
-    submitted, runs = [], {}
+    """Fake slice runs (tests/fakes/slice_runs.py) that capture their shards; returns the submitted (name, shards)."""
 
-    def submit(deployment, parameters, name):
-        assert deployment == capture_flow.SLICE_DEPLOYMENT
-        submitted.append((name, list(parameters["shards"])))
-        runs[run_id := uuid.uuid4()] = (name, parameters)
-        return run_id
+    def work(parameters):
+        for index in parameters["shards"]:
+            capture_shard(parameters["config"], index)
 
-    def wait(ids, poll_s, deadline_s, on_poll=None):
-        states = []
-        for run_id in ids:
-            name, parameters = runs[run_id]
-            states.append(outcome(name))
-            if states[-1] == "COMPLETED":
-                for index in parameters["shards"]:
-                    capture_shard(parameters["config"], index)
-        on_poll()
-        return states
-
-    monkeypatch.setattr(common, "submit_run", submit)
-    monkeypatch.setattr(common, "wait_runs", wait)
-    return submitted
+    return fake_slice_runs(monkeypatch, capture_flow.SLICE_DEPLOYMENT, outcome, work, lambda p: list(p["shards"]))
 
 
 def test_a_crashed_slice_is_submitted_again_and_the_capture_completes(cfg, monkeypatch):

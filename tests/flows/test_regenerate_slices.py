@@ -4,16 +4,15 @@ a Crashed slice only, refusal of a Cancelled one, outputs identical to a one-sli
 from __future__ import annotations
 
 import json
-import uuid
 
 import pytest
 
-import flows.common as common
 import flows.regenerate as regenerate_flow
 from eagle3.config import load_config
 from eagle3.run.stages import is_complete, run_merge, run_regenerate, run_regenerate_slice
 from flows.pipeline import eagle3_pipeline
 from tests.fakes.openai_server import FakeOpenAIServer
+from tests.fakes.slice_runs import fake_slice_runs
 
 
 @pytest.fixture(scope="module")
@@ -28,29 +27,9 @@ def _cfg(workdir, server, num_slices):
 
 
 def _fake_slices(monkeypatch, outcome):
-    """Fake submit/wait: a slice run answers its slice in this process and ends ``outcome(name)`` (a fake run that
-    ends other than COMPLETED answers nothing); returns the submitted (run name, slice index)."""
-    submitted, runs = [], {}
-
-    def submit(deployment, parameters, name):
-        assert deployment == regenerate_flow.SLICE_DEPLOYMENT
-        submitted.append((name, parameters["index"]))
-        runs[run_id := uuid.uuid4()] = (name, parameters)
-        return run_id
-
-    def wait(ids, poll_s, deadline_s, on_poll=None):
-        states = []
-        for run_id in ids:
-            name, parameters = runs[run_id]
-            states.append(outcome(name))
-            if states[-1] == "COMPLETED":
-                run_regenerate_slice(parameters["config"], parameters["index"])
-        on_poll()
-        return states
-
-    monkeypatch.setattr(common, "submit_run", submit)
-    monkeypatch.setattr(common, "wait_runs", wait)
-    return submitted
+    """Fake slice runs (tests/fakes/slice_runs.py) that answer their slice; returns the submitted (name, index)."""
+    return fake_slice_runs(monkeypatch, regenerate_flow.SLICE_DEPLOYMENT, outcome,
+                           lambda p: run_regenerate_slice(p["config"], p["index"]), lambda p: p["index"])
 
 
 def _progress(key: str, flow_run_id) -> list[float]:
