@@ -307,6 +307,17 @@ class FakeSGLangServer:
         return out
 
 
+
+def two_free_ports() -> int:
+    """A free port whose successor is free too: the fake baseline and speculative servers listen on both."""
+    from infra.process import free_port, port_in_use
+
+    for _ in range(20):
+        port = free_port()
+        if port < 65535 and not port_in_use("127.0.0.1", port + 1):
+            return port
+    raise RuntimeError("no two adjacent free ports")
+
 def _partial(out: dict[str, Any], num_tokens: int) -> dict[str, Any]:
     """A streamed chunk before the end: cumulative output, counts so far, no speculative totals yet."""
     meta = {k: v for k, v in out["meta_info"].items() if not k.startswith("spec_") and k != "e2e_latency"}

@@ -19,19 +19,12 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 import infra.sglang_bench
 from eagle3.config import RunConfig
 from flows.deploy import NOT_ENABLED, eagle3_deploy
-from infra.process import free_port, group_alive, pid_alive, port_in_use
+from infra.process import group_alive, pid_alive, port_in_use
 from tests.fakes.clock import FakeClock
+from tests.fakes.sglang_server import two_free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = "tests.fakes.sglang_server"
-
-
-def _two_free_ports() -> int:
-    for _ in range(20):
-        port = free_port()
-        if port < 65535 and not port_in_use("127.0.0.1", port + 1):
-            return port
-    raise RuntimeError("no two adjacent free ports")
 
 
 def _write_tiny_export(export_root):
@@ -52,7 +45,7 @@ def serve_cfg(tmp_path, monkeypatch) -> RunConfig:
     _write_tiny_export(tmp_path / "dep" / "export")  # a real export: deploy runs the export's strict check
     return RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "dep"}, "serve": {
         "enabled": True, "model_path": str(target), "python": sys.executable, "launch_module": FAKE,
-        "port": _two_free_ports(), "api_key_env": None, "concurrency_levels": [1, 4], "num_prompts": 8,
+        "port": two_free_ports(), "api_key_env": None, "concurrency_levels": [1, 4], "num_prompts": 8,
         "max_new_tokens": 16, "num_warmup": 2, "max_running_requests": 8, "cuda_graph_max_bs_decode": 8,
         "startup_timeout_s": 30, "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"]}})
 

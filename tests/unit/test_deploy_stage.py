@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from eagle3.config import RunConfig, save_config
-from infra.process import free_port, group_alive, port_in_use
+from infra.process import group_alive, port_in_use
+from tests.fakes.sglang_server import two_free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = "tests.fakes.sglang_server"
@@ -31,14 +32,6 @@ main(sys.argv[1:])
 """
 
 
-def _two_free_ports() -> int:
-    for _ in range(20):
-        port = free_port()
-        if port < 65535 and not port_in_use("127.0.0.1", port + 1):
-            return port
-    raise RuntimeError("no two adjacent free ports")
-
-
 @pytest.fixture
 def config_file(tmp_path) -> Path:
     """<run>/config.json of a run with a real tiny SGLang export, served by the fake on two free ports."""
@@ -51,7 +44,7 @@ def config_file(tmp_path) -> Path:
     sglang_export(tmp_path / "dep" / "export")  # deploy runs the export's strict check on <run>/export/sglang
     cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "dep"}, "serve": {
         "enabled": True, "model_path": str(target), "python": sys.executable, "launch_module": FAKE,
-        "port": _two_free_ports(), "api_key_env": None, "concurrency_levels": [1, 4], "num_prompts": 8,
+        "port": two_free_ports(), "api_key_env": None, "concurrency_levels": [1, 4], "num_prompts": 8,
         "max_new_tokens": 16, "num_warmup": 2, "max_running_requests": 8, "cuda_graph_max_bs_decode": 8,
         "startup_timeout_s": 30, "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"]}})
     return save_config(cfg, cfg.run_dir / "config.json")
