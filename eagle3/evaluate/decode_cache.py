@@ -279,8 +279,7 @@ class StaticDrafterRunner(DrafterRunner):
                 torch._dynamo.mark_static_address(t)
         self.step_fn = CompiledStep(self._rows_step, compile_settings, self.device)
         self._settings = compile_settings
-        self._chains: dict[int, CompiledStep] = {}  # steps -> the whole chain round as one compiled function
-        self._trees: dict[tuple[int, int, int], CompiledStep] = {}  # (steps, topk, size) -> the tree round
+        self._rounds: dict[tuple, CompiledStep] = {}  # ("chain", steps) | ("tree", steps, topk, size) -> its round
 
     def _allocate(self, capacity: int) -> None:
         dims = self.drafter.dims
@@ -341,13 +340,8 @@ class StaticDrafterRunner(DrafterRunner):
     def chain(self, hidden: Tensor, logits: Tensor, steps: int) -> Tensor:
         """A whole chain round in one call (one CUDA graph when compiled): the ``steps`` draft tokens below the root
         (out [1, H], logits [Vd] at the last committed index), as ``steps - 1`` calls of ``draft`` would give them."""
-        self._reserve(self.num_committed + steps)
-        if steps not in self._chains:
-            self._chains[steps] = CompiledStep(lambda h, lg, c: self._chain_rows(h, lg, c, steps), self._settings,
-                                               self.device)
-        committed = self._key_index[self.num_committed:self.num_committed + 1]  # [1] on the device: no copy
-        (tokens,) = self._chains[steps](hidden, logits, committed)
-        self._num_entries = self.num_committed + steps - 1
+        (tokens,) = self._round(("chain", steps), steps - 1, 1,
+                                lambda h, lg, c: self._chain_rows(h, lg, c, steps), hidden, logits)
         return tokens
 
     @torch.no_grad()
@@ -357,15 +351,20 @@ class StaticDrafterRunner(DrafterRunner):
         from eagle3.evaluate.tree_draft import tree_rows
 
         width = bucket(topk)
-        self._reserve(self.num_committed + (steps - 1) * topk + width)
-        key = (steps, topk, size)
-        if key not in self._trees:
-            self._trees[key] = CompiledStep(
-                lambda h, lg, c: tree_rows(self, h, lg, c, steps, topk, size, width), self._settings, self.device)
+        return self._round(("tree", steps, topk, size), (steps - 1) * topk, width,
+                           lambda h, lg, c: tree_rows(self, h, lg, c, steps, topk, size, width), hidden, logits)
+
+    def _round(self, key: tuple, num_drafts: int, width: int, fn: Callable[..., tuple[Tensor, ...]],
+               hidden: Tensor, logits: Tensor) -> tuple[Tensor, ...]:
+        """Run a whole draft round ``fn(hidden, logits, committed)`` (compiled once per ``key``), which writes
+        ``num_drafts`` draft entries after the committed ones (its last forward ``width`` rows wide)."""
+        self._reserve(self.num_committed + num_drafts + width)
+        if key not in self._rounds:
+            self._rounds[key] = CompiledStep(fn, self._settings, self.device)
         committed = self._key_index[self.num_committed:self.num_committed + 1]  # [1] on the device: no copy
-        tokens, parents = self._trees[key](hidden, logits, committed)
-        self._num_entries = self.num_committed + (steps - 1) * topk
-        return tokens, parents
+        out = self._rounds[key](hidden, logits, committed)
+        self._num_entries = self.num_committed + num_drafts
+        return out
 
     def _call(self, hidden: Tensor, tokens: Tensor, positions: Tensor, at: int, num: int,
               visible: Tensor) -> tuple[Tensor, Tensor]:

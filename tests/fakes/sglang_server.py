@@ -307,7 +307,6 @@ class FakeSGLangServer:
         return out
 
 
-
 def two_free_ports() -> int:
     """A free port whose successor is free too: the fake baseline and speculative servers listen on both."""
     from infra.process import free_port, port_in_use
