@@ -3,15 +3,18 @@
     python benchmarks/eval_speed.py                  # on a GPU host: SmolLM2-135M-shaped random target
     python benchmarks/eval_speed.py --tiny           # CPU smoke run: a tiny random target, uncompiled static path
     python benchmarks/eval_speed.py --capacity 1408 --prompt-len 300 --dtype bfloat16 --profile   # as the evaluation
+    python benchmarks/eval_speed.py --compile on     # Inductor's kernels inside the graphs (minutes of warm-up)
 
 Builds a random Llama with SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, 3 key/value heads, MLP 1536,
 vocab 49152, tied embeddings; nothing is downloaded) and a random EAGLE-3 drafter of matching dims. Random
 weights accept almost no draft, so the chain and tree rounds are also timed with an oracle: the drafter runs
 as usual (its cost is measured) but its tokens are replaced by the greedy reference's next tokens, so verify
 accepts them and the accepted-row paths (drafter extends, tree row moves) run. Prints ``name: value`` lines:
-the compile time of each forward width, greedy tok/s of both paths, ms per verify round per method, and how
-many outputs are token-identical to the eager greedy reference (lossless check). Needs torch, transformers,
-pydantic and pyyaml only.
+the warm-up (compile or capture) time of each forward width, greedy tok/s of the eager path, of the static
+path at ``--decode-rows`` (what the evaluation's reference runs) and at width 1 (the padding's cost), ms per
+target forward, ms per verify round per method, and how many outputs are token-identical to the static greedy
+reference (the evaluation's lossless check) and to the eager one. Needs torch, transformers, pydantic and
+pyyaml only.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.evaluate.decode_cache import CompileSettings, StaticDrafterRunner, StaticTargetRunner  # noqa: E402
+from eagle3.evaluate.decode_cache import WIDTHS, StaticDrafterRunner, StaticTargetRunner  # noqa: E402
+from eagle3.evaluate.graphs import resolve_decode  # noqa: E402
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights  # noqa: E402
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner  # noqa: E402
 from eagle3.evaluate.speculate import (DecodeResult, DraftTree, EagleProposer, NgramProposer, check_lossless,  # noqa: E402
@@ -93,24 +97,42 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return best, out
 
 
-def warm_widths(target: StaticTargetRunner, runner: StaticDrafterRunner, widths: list[int]) -> None:
-    """Compile each width of the target and drafter forwards, printing the first-call seconds of each."""
+def warm_widths(target: StaticTargetRunner, runner: StaticDrafterRunner) -> None:
+    """Compile or capture each width of the target and drafter forwards, printing the first-call seconds of each."""
     dims = runner.drafter.dims
-    for width in widths:
-        for name, call in (("target", lambda: target.step(torch.zeros(width, dtype=torch.long, device=target.device))),
-                           ("drafter", lambda: runner.extend(
-                               torch.zeros(width, dims.num_aux * dims.target_hidden_size, device=runner.device),
-                               torch.zeros(width, dtype=torch.long, device=runner.device), 0))):
-            start = time.perf_counter()
-            for _ in range(2):  # the first call compiles, the second records the CUDA graph
-                target.reset()
-                runner.reset()
-                call()
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            print(f"warmup_{name}_width_{width}_s: {time.perf_counter() - start:.1f}", flush=True)
+    calls = [("target", w, lambda w=w: target.step(torch.zeros(w, dtype=torch.long, device=target.device)))
+             for w in target.widths]
+    calls += [("drafter", w, lambda w=w: runner.extend(
+        torch.zeros(w, dims.num_aux * dims.target_hidden_size, device=runner.device),
+        torch.zeros(w, dtype=torch.long, device=runner.device), 0)) for w in WIDTHS]
+    for name, width, call in calls:
+        start = time.perf_counter()
+        for _ in range(2):  # the first call allocates, compiles or captures
+            target.reset()
+            runner.reset()
+            call()
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+        print(f"warmup_{name}_width_{width}_s: {time.perf_counter() - start:.1f}", flush=True)
     target.reset()
     runner.reset()
+
+
+def forward_ms(target: StaticTargetRunner, position: int, count: int = 100) -> float:
+    """ms per single-token target forward back to back, no host read in between (the device's pace when the
+    host keeps ahead)."""
+    token = torch.zeros(1, dtype=torch.long, device=target.device)
+    target.reset()
+    target.step(torch.zeros(position, dtype=torch.long, device=target.device))
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(count):
+        target.step(token, with_aux=False)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    target.reset()
+    return 1000 * (time.perf_counter() - start) / count
 
 
 def profile_decode(name: str, decode, device: str, rows: int = 15) -> None:
@@ -136,7 +158,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per decode")
     parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens (a repeated 4-token phrase)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per figure (best is printed)")
-    parser.add_argument("--widths", default="1,4,8", help="forward widths compiled before timing (eval adds 64)")
+    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                        help="evaluate.compile: auto = CUDA graphs of the eager kernels, on = Inductor's kernels")
+    parser.add_argument("--decode-rows", type=int, default=16,
+                        help="evaluate.decode_rows: rows of every target decode forward (0 = per-size widths)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="target and drafter dtype (the evaluation's evaluate.dtype; it defaults to float32)")
     parser.add_argument("--capacity", type=int, default=None,
@@ -149,26 +174,36 @@ def main(argv: list[str] | None = None) -> None:
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     model, drafter, d2t, aux_ids = build(TINY if args.tiny else SMOLLM2, device, getattr(torch, args.dtype),
                                          256 if args.tiny else 16384)
-    settings = CompileSettings(enabled=device == "cuda", mode="reduce-overhead", fallback=True)
+    _, settings = resolve_decode("on", args.compile, device)
+    rows = args.decode_rows or None
     prompt = ([11, 12, 13, 14] * args.prompt_len)[: args.prompt_len]
     n = args.new_tokens
     capacity = args.capacity or args.prompt_len + n + 128
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; "
-          f"{args.dtype}; static cache {capacity} entries")
+          f"{args.dtype}; static cache {capacity} entries; compile {args.compile}; decode rows {rows}")
 
     eager = TargetRunner(model, aux_ids)
     greedy_decode(eager, prompt, 4)
     eager_s, reference = timed(lambda: greedy_decode(eager, prompt, n), 1 if device == "cuda" else args.repeats)
     print(f"greedy_eager_tok_s: {n / eager_s:.1f}")
 
-    target = StaticTargetRunner(model, aux_ids, capacity=capacity, compile_settings=settings)
+    target = StaticTargetRunner(model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=rows)
     runner = StaticDrafterRunner(drafter, d2t, capacity=capacity, compile_settings=settings)
     start = time.perf_counter()
-    warm_widths(target, runner, [int(w) for w in args.widths.split(",")])
+    warm_widths(target, runner)
     print(f"warmup_total_s: {time.perf_counter() - start:.1f}")
     static_s, static_ref = timed(lambda: greedy_decode(target, prompt, n), args.repeats)
-    print(f"greedy_static_tok_s: {n / static_s:.1f}")
+    print(f"greedy_static_tok_s: {n / static_s:.1f}  (target forwards {target.widths[0]} rows wide)")
     print(f"greedy_static_speedup: {eager_s / static_s:.2f}")
+    print(f"target_forward_ms: {forward_ms(target, args.prompt_len):.3f}  (one token, back to back)")
+    if rows is not None and rows > 1:
+        narrow = StaticTargetRunner(model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=1)
+        greedy_decode(narrow, prompt, 8)
+        narrow_s, _ = timed(lambda: greedy_decode(narrow, prompt, n), args.repeats)
+        print(f"greedy_width_1_tok_s: {n / narrow_s:.1f}  (the same path one row wide; {rows} rows run at "
+              f"{narrow_s / static_s:.2f} of its rate)")
+        print(f"target_forward_width_1_ms: {forward_ms(narrow, args.prompt_len):.3f}")
+        narrow.close()
 
     full = [*prompt, *reference.tokens]
     methods = {
@@ -193,17 +228,22 @@ def main(argv: list[str] | None = None) -> None:
                                                  prompt, n), 1)
     print(f"chain-3-oracle_eager_round_ms: {1000 * wall / max(len(out.steps), 1):.2f}")
     results.append(("chain-3-oracle-eager", out))
-    kinds = [check_lossless(reference, out.tokens, 1e-3).kind for _, out in results]
+    kinds = [check_lossless(static_ref, out.tokens, 1e-3).kind for _, out in results[1:-1]]
     print(f"lossless_identical: {kinds.count('identical')} of {len(kinds)} (near_tie {kinds.count('near_tie')}, "
-          f"mismatch {kinds.count('mismatch')}; outputs vs the eager greedy reference)")
+          f"mismatch {kinds.count('mismatch')}; static methods vs the static greedy reference)")
+    kinds = [check_lossless(reference, out.tokens, 1e-3).kind for _, out in results]
+    print(f"eager_reference_identical: {kinds.count('identical')} of {len(kinds)} (near_tie "
+          f"{kinds.count('near_tie')}, mismatch {kinds.count('mismatch')}; every output vs the eager greedy)")
     if args.profile:
         for name in ("chain-3-oracle", "tree-5-4-8-oracle"):
             profile_decode(name, lambda: speculative_decode(target, methods[name](), prompt, n), device)
     if device == "cuda":
         from torch._dynamo.utils import counters
 
-        print(f"cudagraph_skips: {dict(counters['inductor'].get('cudagraph_skips', {})) or 0}"
-              f"  (target compiled {target.step_fn.compiled}, drafter compiled {runner.step_fn.compiled})")
+        print(f"graphs: target {target.step_fn.num_graphs} (on {target.step_fn.use_graphs}), drafter "
+              f"{runner.step_fn.num_graphs} (on {runner.step_fn.use_graphs}), rounds "
+              f"{sum(r.num_graphs for r in runner._rounds.values())}; compiled target {target.step_fn.compiled}, "
+              f"drafter {runner.step_fn.compiled}; dynamo graph breaks {sum(counters['graph_break'].values())}")
 
 
 if __name__ == "__main__":

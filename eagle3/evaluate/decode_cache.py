@@ -1,9 +1,9 @@
-"""Static KV caches and fixed-shape (compilable) forwards for the offline evaluation at batch 1.
+"""Static KV caches and fixed-shape forwards for the offline evaluation at batch 1 (on CUDA: CUDA graphs).
 
 The eager runners (eagle3/evaluate/runners.py) grow their caches at every forward and launch every kernel from Python;
 at batch 1 a small target is then bound by kernel launches, not by the GPU. The runners here keep fixed-size
-caches and run every forward at one of a few widths (WIDTHS; fewer rows are padded, more are cut into chunks
-of CHUNK rows), so torch.compile (on CUDA with mode="reduce-overhead": CUDA graphs) replays one graph per width.
+caches and run every forward at one of a few widths (fewer rows are padded, more are cut into chunks of CHUNK
+rows), so each width is one CUDA graph (eagle3/evaluate/graphs.py), replayed.
 
 Why a static cache stays exact without clean-up:
 - Every forward writes its rows at explicit cache indices and attends through an explicit mask over the whole
@@ -15,15 +15,20 @@ Why a static cache stays exact without clean-up:
 - The target's cache is transformers' StaticCache; only the write position is ours (PositionedStaticCache).
   transformers passes a prepared 4D float mask through unchanged, so the model attends exactly as told.
 
+Bit-exact verification in any dtype (``decode_rows``): a verify row and the single-token forward that plain
+greedy runs at the same place compute the same function, but a matrix product of 4 rows and one of 1 row are
+different kernels that round differently, which in bf16 is enough to flip a near-tied argmax now and then.
+With ``decode_rows`` set, every target forward that is not a long input's chunk (greedy tokens and verifies
+alike) runs at that one width, so each row goes through the very same kernels whatever its neighbours are, and
+every method's output is greedy's bit for bit (padding rows only see themselves).
+
 Host reads: the runners never read device values themselves; the decode loops do (one read per verify round,
-one per greedy token, and the tree drafter's per-depth top-k).
+one per few greedy tokens).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,24 +38,31 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from eagle3.drafter.model import Eagle3Drafter, attention_inputs, rope_cos_sin, step_outputs, upcast
+from eagle3.evaluate.graphs import CompiledStep, CompileSettings
 from eagle3.evaluate.runners import REFERENCE_TOPK, DrafterRunner, StepOut, TargetRunner, as_token_tensor
 
 CHUNK = 64
 """Rows per forward of a long input (a prompt): longer inputs run in chunks, the last one padded."""
 WIDTHS = (1, 4, 8, CHUNK)
-"""The forward widths: a greedy token, chain/n-gram verifies and draft levels, deeper verifies, chunks."""
+"""The forward widths: a greedy token, chain/n-gram verifies and draft levels, deeper verifies, chunks (the
+drafter always; the target unless it runs at one ``decode_rows`` width)."""
 CAPACITY_STEP = 256
 """Cache lengths are multiples of this; a longer sequence reallocates (and recompiles) once."""
-RECOMPILE_LIMIT = 64
-"""Dynamo's per-function recompile limit while compiled decoding is on: every (width, cache length) is one
-compile, and past the default limit (8) dynamo silently runs the function uncompiled."""
-
-
-def bucket(num: int) -> int:
-    """The width a forward of ``num`` (1 <= num <= CHUNK) rows runs at: the smallest of WIDTHS that holds it."""
+def bucket(num: int, widths: Sequence[int] | None = None) -> int:
+    """The width a forward of ``num`` (1 <= num <= CHUNK) rows runs at: the smallest of ``widths`` (default WIDTHS)
+    that holds it."""
     if not 1 <= num <= CHUNK:
         raise ValueError(f"a fixed-width forward takes 1..{CHUNK} rows, got {num}")
-    return next(w for w in WIDTHS if w >= num)
+    return next(w for w in (widths or WIDTHS) if w >= num)
+
+
+def target_widths(decode_rows: int | None) -> tuple[int, ...]:
+    """The target's forward widths: WIDTHS, or ``decode_rows`` for everything up to it and CHUNK for chunks."""
+    if decode_rows is None:
+        return WIDTHS
+    if not 1 <= decode_rows <= CHUNK:
+        raise ValueError(f"decode_rows must be 1..{CHUNK}, got {decode_rows}")
+    return (decode_rows, CHUNK) if decode_rows < CHUNK else (CHUNK,)
 
 
 def _pad_rows(x: Tensor, width: int) -> Tensor:
@@ -60,57 +72,6 @@ def _pad_rows(x: Tensor, width: int) -> Tensor:
 
 def _round_up(n: int) -> int:
     return -(-n // CAPACITY_STEP) * CAPACITY_STEP
-
-
-# ------------------------------------------------------------------------------------------------ compiling
-
-@dataclass(frozen=True)
-class CompileSettings:
-    """How the fixed-width forwards run: eagerly, or through torch.compile."""
-
-    enabled: bool = False
-    backend: str = "inductor"
-    mode: str | None = "reduce-overhead"  # inductor on CUDA: CUDA graphs
-    fallback: bool = False  # on an error while compiling, warn and run that function eagerly from then on
-
-
-class CompiledStep:
-    """``fn`` run eagerly or through torch.compile (static shapes); results are copied out of the CUDA-graph pool.
-
-    Each call starts a new CUDA-graph step (torch.compiler.cudagraph_mark_step_begin), so the graphs of the
-    target and the drafter may reuse one memory pool; the copies keep results alive past the next replay.
-    """
-
-    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], settings: CompileSettings, device: torch.device) -> None:
-        self.fn, self.settings, self.cuda = fn, settings, device.type == "cuda"
-        self._compiled: Any = None
-        if settings.enabled:
-            import torch._dynamo
-
-            dynamo_cfg = torch._dynamo.config
-            name = "recompile_limit" if hasattr(dynamo_cfg, "recompile_limit") else "cache_size_limit"
-            setattr(dynamo_cfg, name, max(getattr(dynamo_cfg, name), RECOMPILE_LIMIT))
-            self._compiled = torch.compile(fn, backend=settings.backend, mode=settings.mode, dynamic=False)
-
-    @property
-    def compiled(self) -> bool:
-        """Whether calls go through torch.compile (False after a fallback)."""
-        return self._compiled is not None
-
-    def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
-        if self._compiled is None:
-            return self.fn(*args)
-        try:
-            if self.cuda:
-                torch.compiler.cudagraph_mark_step_begin()
-            out = self._compiled(*args)
-        except Exception as err:  # compile errors surface at the first call of each shape
-            if not self.settings.fallback:
-                raise
-            warnings.warn(f"compiled decode step failed, running it eagerly from now on: {err!r:.500}", stacklevel=2)
-            self._compiled = None
-            return self.fn(*args)
-        return tuple(t.clone() for t in out) if self.cuda else out
 
 
 # ---------------------------------------------------------------------------------------------- the target
@@ -140,20 +101,21 @@ class PositionedStaticCache(StaticCache):
 class StaticTargetRunner(TargetRunner):
     """TargetRunner over a PositionedStaticCache: the same step/keep/length contract, fixed-width forwards.
 
-    The cache is allocated once and grows (copying its contents) when a sequence needs more room; ``reset``
-    only sets the length to 0. The first forward runs eagerly: it allocates the cache outside torch.compile,
-    so the cache keeps a static address for the CUDA graphs.
+    The cache is allocated once and grows (copying its contents, capturing the graphs again) when a sequence
+    needs more room; ``reset`` only sets the length to 0. The first forward runs eagerly: it allocates the cache
+    outside torch.compile and the graphs, so the cache keeps a static address. ``decode_rows``: see the module.
     """
 
     def __init__(self, model: Any, aux_layer_ids: Sequence[int], capacity: int = 1024,
-                 compile_settings: CompileSettings = CompileSettings()) -> None:
+                 compile_settings: CompileSettings = CompileSettings(), decode_rows: int | None = None) -> None:
         self._length = 0
         super().__init__(model, aux_layer_ids)  # hooks, device; calls reset()
         self._dtype = model.get_input_embeddings().weight.dtype
         self._rows = torch.arange(CHUNK, device=self.device)  # [CHUNK]
+        self.widths = target_widths(decode_rows)
         self.cache = self._key_index = None  # type: ignore[assignment]
-        self._allocate(_round_up(capacity))
         self.step_fn = CompiledStep(self._forward_rows, compile_settings, self.device)
+        self._allocate(_round_up(capacity))
 
     def reset(self) -> None:
         """An empty cache (its memory is kept)."""
@@ -174,6 +136,7 @@ class StaticTargetRunner(TargetRunner):
                 new.values[:, :, : previous.values.shape[2]] = previous.values
         self.capacity = capacity
         self._key_index = torch.arange(capacity, device=self.device)  # [L]
+        self.step_fn.clear()
 
     def _reserve(self, end: int) -> None:
         if end > self.capacity:
@@ -209,7 +172,7 @@ class StaticTargetRunner(TargetRunner):
         parts = []
         for first in range(0, num, CHUNK):
             n = min(CHUNK, num - first)
-            width, at = bucket(n), start + first
+            width, at = bucket(n, self.widths), start + first
             self._reserve(at + width)
             write = self._rows[:width] + at  # [w] cache indices (padding rows continue past the real ones)
             pos = write if given is None else torch.cat([given[first:first + n], write[n:]])
@@ -238,8 +201,8 @@ class StaticTargetRunner(TargetRunner):
         return tuple(t[:num] for t in out)
 
     def warm_up_widths(self) -> None:
-        """One forward at every width (compiling each), then an empty cache."""
-        for width in WIDTHS:
+        """One forward at every width (compiling or capturing each), then an empty cache."""
+        for width in self.widths:
             self.reset()
             self.step(torch.zeros(width, dtype=torch.long, device=self.device))
         self.reset()
@@ -273,13 +236,13 @@ class StaticDrafterRunner(DrafterRunner):
         self._num_entries = 0  # committed + the current round's draft entries
         self._rows = torch.arange(CHUNK, device=self.device)
         self.capacity = 0
-        self._allocate(_round_up(capacity))
         if compile_settings.enabled:  # weights are read through a tuple: tell dynamo they never move
             for t in (*self.weights, self.inv_freq):
                 torch._dynamo.mark_static_address(t)
         self.step_fn = CompiledStep(self._rows_step, compile_settings, self.device)
         self._settings = compile_settings
         self._rounds: dict[tuple, CompiledStep] = {}  # ("chain", steps) | ("tree", steps, topk, size) -> its round
+        self._allocate(_round_up(capacity))
 
     def _allocate(self, capacity: int) -> None:
         dims = self.drafter.dims
@@ -292,6 +255,8 @@ class StaticDrafterRunner(DrafterRunner):
         torch._dynamo.mark_static_address(values)
         self.keys, self.values, self.capacity = keys, values, capacity
         self._key_index = torch.arange(capacity, device=self.device)
+        for step in (self.step_fn, *self._rounds.values()):  # graphs read the old caches: capture again
+            step.clear()
 
     def _reserve(self, end: int) -> None:
         if end > self.capacity:
@@ -417,28 +382,14 @@ class StaticDrafterRunner(DrafterRunner):
 
 # ------------------------------------------------------------------------------------------------- factory
 
-def resolve_decode(static_cache: str, compile_mode: str, device: str) -> tuple[bool, CompileSettings]:
-    """(static cache?, compile settings) from the evaluate section's auto|on|off switches on ``device``.
-
-    auto: both on CUDA (compiled with inductor's CUDA graphs, falling back to eager on a compile error),
-    neither on CPU (inductor's warm-up costs more there than it saves).
-    """
-    cuda = device.startswith("cuda")
-    static = static_cache == "on" or (static_cache == "auto" and cuda)
-    enabled = static and (compile_mode == "on" or (compile_mode == "auto" and cuda))
-    if compile_mode == "on" and not static:
-        raise ValueError("compiled decoding needs the static cache")
-    return static, CompileSettings(enabled, mode="reduce-overhead" if cuda else None, fallback=compile_mode == "auto")
-
-
 def make_runners(model: Any, aux_layer_ids: Sequence[int], drafter: Eagle3Drafter | None, d2t: Tensor | None,
-                 static: bool, compile_settings: CompileSettings,
-                 capacity: int = 1024) -> tuple[TargetRunner, DrafterRunner | None]:
+                 static: bool, compile_settings: CompileSettings, capacity: int = 1024,
+                 decode_rows: int | None = None) -> tuple[TargetRunner, DrafterRunner | None]:
     """The target runner and one drafter runner (None without a drafter), static or eager."""
     if not static:
         if compile_settings.enabled:
             raise ValueError("compiled decoding needs the static cache")
         return TargetRunner(model, aux_layer_ids), None if drafter is None else DrafterRunner(drafter, d2t)
-    target = StaticTargetRunner(model, aux_layer_ids, capacity, compile_settings)
+    target = StaticTargetRunner(model, aux_layer_ids, capacity, compile_settings, decode_rows)
     runner = None if drafter is None else StaticDrafterRunner(drafter, d2t, capacity, compile_settings)
     return target, runner

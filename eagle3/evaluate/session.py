@@ -73,7 +73,8 @@ def open_session(job: EvalJob) -> EvalSession:
     """Load the target and the exported drafter on the job's device; one drafter runner serves every method."""
     import torch
 
-    from eagle3.evaluate.decode_cache import make_runners, resolve_decode
+    from eagle3.evaluate.decode_cache import make_runners
+    from eagle3.evaluate.graphs import resolve_decode
     from eagle3.export.sglang import load_sglang_export
     from eagle3.target.load import load_model
 
@@ -82,7 +83,7 @@ def open_session(job: EvalJob) -> EvalSession:
     model = load_model(Path(job.model_dir), ecfg.dtype, job.device)
     static, settings = resolve_decode(ecfg.static_cache, ecfg.compile, job.device)
     target, runner = make_runners(model, loaded.aux_layer_ids, loaded.drafter, loaded.d2t, static, settings,
-                                  job.cache_len)
+                                  job.cache_len, ecfg.decode_rows)
     proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, loaded.d2t, runner) for s in method_specs(ecfg)}
     return EvalSession(target, proposers, runner, ecfg, list(job.stop_ids))
 

@@ -9,8 +9,8 @@ import torch
 
 from eagle3.evaluate import decode_cache
 from eagle3.config import EvaluateConfig
-from eagle3.evaluate.decode_cache import (CompileSettings, StaticDrafterRunner, StaticTargetRunner, bucket, make_runners,
-                                 resolve_decode)
+from eagle3.evaluate.decode_cache import StaticDrafterRunner, StaticTargetRunner, bucket, make_runners, target_widths
+from eagle3.evaluate.graphs import CompileSettings, resolve_decode
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner
 from eagle3.evaluate.speculate import (DraftTree, EagleProposer, NgramProposer, check_lossless, greedy_decode,
                               speculative_decode, teacher_forced_drafts, verify)
@@ -142,12 +142,13 @@ def test_compiled_static_path_is_lossless(setup):
 
 
 def test_resolve_decode_switches():
-    """auto: static + compiled (with fallback) on cuda, eager on cpu; compile=on without the static cache fails."""
-    assert resolve_decode("auto", "auto", "cpu") == (False, CompileSettings(False, mode=None, fallback=True))
-    static, settings = resolve_decode("auto", "auto", "cuda")
-    assert static and settings == CompileSettings(True, "inductor", "reduce-overhead", fallback=True)
+    """auto: static + CUDA graphs of the eager kernels (with fallback) on cuda, eager on cpu; on: Inductor (inside
+    the graphs on cuda); off: neither; compile=on without the static cache fails."""
+    assert resolve_decode("auto", "auto", "cpu") == (False, CompileSettings(False, fallback=True))
+    assert resolve_decode("auto", "auto", "cuda") == (True, CompileSettings(False, graphs=True, fallback=True))
+    assert resolve_decode("auto", "on", "cuda") == (True, CompileSettings(True, graphs=True, fallback=False))
     assert resolve_decode("on", "off", "cuda") == (True, CompileSettings(False, fallback=False))
-    assert resolve_decode("on", "on", "cpu")[1].enabled
+    assert resolve_decode("on", "on", "cpu") == (True, CompileSettings(True, fallback=False))
     with pytest.raises(ValueError, match="static cache"):
         resolve_decode("off", "on", "cuda")
     with pytest.raises(ValueError, match="evaluate.compile=on needs the static cache"):
@@ -155,14 +156,16 @@ def test_resolve_decode_switches():
 
 
 def test_eval_speed_benchmark_tiny_run_is_lossless(capsys):
-    """benchmarks/eval_speed.py --tiny runs end to end on CPU and every decode it times equals the eager greedy."""
+    """benchmarks/eval_speed.py --tiny runs end to end on CPU and every decode it times equals the static and the
+    eager greedy."""
     import runpy
     from pathlib import Path
 
     bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "eval_speed.py"))
     bench["main"](["--tiny", "--new-tokens", "16", "--repeats", "1"])
     printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line)
-    assert printed["lossless_identical"].startswith("7 of 7") and float(printed["greedy_static_tok_s"]) > 0
+    assert printed["lossless_identical"].startswith("5 of 5") and float(printed["greedy_static_tok_s"].split()[0]) > 0
+    assert printed["eager_reference_identical"].startswith("7 of 7")
     assert float(printed["chain-3-oracle_round_ms"].split()[0]) > 0
 
 
@@ -227,3 +230,30 @@ def test_static_tree_round_built_on_the_device_equals_the_host_tree(setup, setti
             end = stop + (steps - 1) * topk
             assert device_runner.num_draft_entries == host_runner.num_draft_entries == end - stop
             torch.testing.assert_close(device_runner.keys[:, :, :end], host_runner.keys[:, :, :end], rtol=0, atol=0)
+
+
+def test_decode_rows_runs_every_decode_forward_at_one_width_so_bf16_methods_equal_greedy_bit_for_bit(setup):
+    """With decode_rows=8 every target forward but a long input's chunks runs 8 rows wide (greedy tokens and
+    verifies alike), and in bfloat16 chain, tree, n-gram and perfect drafts (chain and tree) all give greedy's
+    tokens exactly."""
+    import copy
+
+    model = copy.deepcopy(setup["model"]).to(torch.bfloat16)
+    drafter, d2t = copy.deepcopy(setup["drafter"]).to(torch.bfloat16), setup["d2t"]
+    assert target_widths(8) == (8, 64) and target_widths(None) == (1, 4, 8, 64) and target_widths(64) == (64,)
+    target, runner = make_runners(model, AUX_IDS, drafter, d2t, True, CompileSettings(), 128, decode_rows=8)
+    widths: list[int] = []
+    inner = target.step_fn.fn
+    target.step_fn.fn = lambda ids, *rest: widths.append(len(ids)) or inner(ids, *rest)
+    methods = {**proposers(setup, runner), "chain-7": EagleProposer(drafter, d2t, steps=7, runner=runner)}
+    for prompt in setup["prompts"]:
+        ref = greedy_decode(target, prompt, MAX_NEW)
+        cases = {**methods, "oracle-chain": FakeOracleProposer(prompt, ref.tokens, 4),
+                 "oracle-tree": FakeOracleProposer(prompt, ref.tokens, 4, tree=True)}
+        for name, proposer in cases.items():
+            result = speculative_decode(target, proposer, prompt, MAX_NEW)
+            assert result.tokens == ref.tokens, name
+        assert max(s.accepted for s in result.steps) == 4  # the oracle's drafts were accepted
+    assert set(widths) == {8, 64} and widths.count(8) > 100
+    with pytest.raises(ValueError, match="decode_rows 4 is below the widest verify"):
+        EvaluateConfig(methods=["chain", "tree"], chain_steps=[3], decode_rows=4)

@@ -1,0 +1,147 @@
+"""How the static decode runners' fixed-shape functions run: eagerly, through torch.compile, and on CUDA as one
+CUDA graph per input shape, captured and replayed here.
+
+Why own graphs rather than torch.compile's mode="reduce-overhead": a batch-1 decode of a small target is bound
+by launching kernels, so the forward has to be one graph replay; capturing the eager forward takes well under a
+second per shape, where Inductor spends minutes compiling every width before the first prompt (measured on an
+H200 with SmolLM2-135M: 33-100 s per width). With ``compile`` on, the graph records Inductor's kernels instead
+(fewer, fused kernels: a faster replay for a longer warm-up).
+
+Rules the replayed functions follow (they are the runners' ``_forward_rows``, ``_rows_step`` and draft rounds):
+no host reads, fixed shapes, every tensor they read or write outside their arguments keeps its address
+(caches, weights, index vectors); a runner whose caches move calls ``clear`` so the next call captures again.
+Arguments are copied into the graph's own input buffers and the outputs are cloned after each replay, so results
+stay valid past the next replay and every graph can share one memory pool.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+RECOMPILE_LIMIT = 64
+"""Dynamo's per-function recompile limit while compiled decoding is on: every (width, cache length) is one
+compile, and past the default limit (8) dynamo silently runs the function uncompiled."""
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """How the fixed-shape forwards run: eagerly or through torch.compile, and on CUDA as CUDA graphs or not."""
+
+    enabled: bool = False  # torch.compile the function
+    backend: str = "inductor"
+    mode: str | None = None  # torch.compile's mode (graphs are ours: never "reduce-overhead" with graphs on)
+    fallback: bool = False  # on an error while compiling or capturing, warn and run that function eagerly
+    graphs: bool = False  # on CUDA: capture one CUDA graph per input shape and replay it
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+
+
+_POOL: Any = None
+
+
+def _pool() -> Any:
+    """One memory pool for every graph of the process (outputs are cloned after each replay)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = torch.cuda.graph_pool_handle()
+    return _POOL
+
+
+class CompiledStep:
+    """``fn`` run eagerly or compiled and, with graphs on CUDA, replayed as one CUDA graph per argument shapes."""
+
+    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], settings: CompileSettings, device: torch.device) -> None:
+        self.fn, self.settings, self.cuda = fn, settings, device.type == "cuda"
+        self._compiled: Any = None
+        self._graphs: dict[tuple, _Graph] = {}
+        self.use_graphs = settings.graphs and self.cuda
+        if settings.enabled:
+            import torch._dynamo
+
+            dynamo_cfg = torch._dynamo.config
+            name = "recompile_limit" if hasattr(dynamo_cfg, "recompile_limit") else "cache_size_limit"
+            setattr(dynamo_cfg, name, max(getattr(dynamo_cfg, name), RECOMPILE_LIMIT))
+            self._compiled = torch.compile(fn, backend=settings.backend, mode=settings.mode, dynamic=False)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether calls go through torch.compile (False after a fallback)."""
+        return self._compiled is not None
+
+    @property
+    def num_graphs(self) -> int:
+        """CUDA graphs captured so far (one per argument shapes since the last ``clear``)."""
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        """Forget the captured graphs: the tensors they read moved (a cache grew)."""
+        self._graphs.clear()
+
+    def _run(self, *args: Tensor) -> tuple[Tensor, ...]:
+        return (self._compiled or self.fn)(*args)
+
+    def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
+        try:
+            if self.use_graphs:
+                return self._replay(args)
+            return self._run(*args)
+        except Exception as err:  # compile and capture errors surface at the first call of each shape
+            if not self.settings.fallback or (self._compiled is None and not self.use_graphs):
+                raise
+            warnings.warn(f"compiled or graphed decode step failed, running it eagerly from now on: {err!r:.500}",
+                          stacklevel=2)
+            self._compiled, self.use_graphs = None, False
+            self._graphs.clear()
+            return self.fn(*args)
+
+    def _replay(self, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        key = tuple((a.shape, a.dtype) for a in args)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(args)
+        for buffer, arg in zip(entry.inputs, args):
+            buffer.copy_(arg)
+        entry.graph.replay()
+        return tuple(t.clone() for t in entry.outputs)
+
+    def _capture(self, args: tuple[Tensor, ...]) -> _Graph:
+        """Warm up on a side stream (compiling, lazy initialisations), then record one call into a graph.
+
+        The warm-up calls write what the first replay writes (the same inputs), so caches see no stray entries."""
+        inputs = tuple(a.clone() for a in args)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=_pool()):
+            outputs = self._run(*inputs)
+        return _Graph(graph, inputs, tuple(outputs))
+
+
+def resolve_decode(static_cache: str, compile_mode: str, device: str) -> tuple[bool, CompileSettings]:
+    """(static cache?, settings) from the evaluate section's auto|on|off switches on ``device``.
+
+    static_cache auto: on for CUDA, off for CPU. compile auto: on CUDA, CUDA graphs of the eager kernels (captured
+    in seconds; an error falls back to eager); on: Inductor's kernels (inside the graphs on CUDA); off: neither.
+    """
+    cuda = device.startswith("cuda")
+    static = static_cache == "on" or (static_cache == "auto" and cuda)
+    if compile_mode == "on" and not static:
+        raise ValueError("compiled decoding needs the static cache")
+    graphs = static and cuda and compile_mode != "off"
+    return static, CompileSettings(enabled=static and compile_mode == "on", graphs=graphs,
+                                   fallback=compile_mode == "auto")

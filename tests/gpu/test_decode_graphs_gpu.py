@@ -1,0 +1,55 @@
+"""The evaluation's static runners on CUDA with CUDA graphs (evaluate.compile=auto): every method gives greedy's
+tokens, the graphs are captured (no fallback), and they are captured again when the caches grow."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from eagle3.evaluate import decode_cache
+from eagle3.evaluate.decode_cache import make_runners
+from eagle3.evaluate.graphs import resolve_decode
+from eagle3.evaluate.runners import TargetRunner
+from eagle3.evaluate.speculate import EagleProposer, NgramProposer, greedy_decode, speculative_decode
+from eagle3.target.tiny import build_tiny_tokenizer
+from tests.unit.test_speculate import (AUX_IDS, MAX_NEW, QUESTIONS, FakeOracleProposer, prompt_ids, tiny_drafter,
+                                       tiny_target)
+
+pytestmark = pytest.mark.gpu
+
+
+def _setup(dtype: torch.dtype):
+    model = tiny_target()
+    drafter, d2t = tiny_drafter(model)
+    model, drafter = copy.deepcopy(model).to("cuda", dtype), copy.deepcopy(drafter).to("cuda", dtype)
+    tokenizer = build_tiny_tokenizer()
+    prompts = [prompt_ids(tokenizer, q) for q in QUESTIONS]
+    prompts.append(prompt_ids(tokenizer, "Repeat: the capital of France is Paris. " * 4))
+    return model, drafter, d2t, prompts
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+def test_graphed_static_methods_equal_greedy_and_recapture_after_growth(dtype, monkeypatch):
+    """Graphs on (compile=auto), decode_rows 16, caches that start small and grow: chain, tree, n-gram and a
+    perfect drafter give greedy's tokens; in float64 greedy also equals the eager runner's."""
+    monkeypatch.setattr(decode_cache, "CAPACITY_STEP", 16)
+    model, drafter, d2t, prompts = _setup(dtype)
+    static, settings = resolve_decode("auto", "auto", "cuda")
+    assert static and settings.graphs and not settings.enabled
+    target, runner = make_runners(model, AUX_IDS, drafter, d2t, static, settings, 16, decode_rows=16)
+    eager = TargetRunner(model, AUX_IDS)
+    methods = {"chain": EagleProposer(drafter, d2t, 3, runner=runner),
+               "tree": EagleProposer(drafter, d2t, 3, 3, 7, runner=runner), "ngram": NgramProposer()}
+    for prompt in prompts:
+        ref = greedy_decode(target, prompt, MAX_NEW)
+        if dtype == torch.float64:
+            assert ref.tokens == greedy_decode(eager, prompt, MAX_NEW).tokens
+        cases = {**methods, "oracle": FakeOracleProposer(prompt, ref.tokens, 4, tree=True)}
+        for name, proposer in cases.items():
+            assert speculative_decode(target, proposer, prompt, MAX_NEW).tokens == ref.tokens, name
+    assert target.capacity > 16 and runner.capacity > 16  # both grew, so their graphs were captured again
+    assert target.step_fn.use_graphs and runner.step_fn.use_graphs  # no fallback to eager
+    assert target.step_fn.num_graphs >= 1 and runner.step_fn.num_graphs >= 1
+    assert all(r.use_graphs and r.num_graphs >= 1 for r in runner._rounds.values())
