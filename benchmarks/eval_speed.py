@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{runner.step_fn.num_graphs} (on {runner.step_fn.use_graphs}), rounds "
               f"{sum(r.num_graphs for r in runner._rounds.values())}; compiled target {target.step_fn.compiled}, "
               f"drafter {runner.step_fn.compiled}; dynamo graph breaks {sum(counters['graph_break'].values())}")
+        for step in (target.step_fn, runner.step_fn, *runner._rounds.values()):
+            if step.fallback_reason:
+                print(f"fallback: {step.name} runs eagerly: {step.fallback_reason}")
 
 
 if __name__ == "__main__":

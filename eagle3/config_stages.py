@@ -216,18 +216,32 @@ class EvaluateConfig(Section):
     """Prompt lookup baseline: tokens proposed after a match (the lookup window is the whole context)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where target and drafter run: auto = cuda when available, else cpu."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype of target and drafter (bf16 is ~4x faster on a GPU; decode_rows keeps it bit-exact)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype of target and drafter: auto = bfloat16 on cuda (4x faster there), float32 on cpu."""
     num_workers: int = Field(1, ge=1)
     """Processes evaluating prompt slices in parallel on one device (their wall times then include contention)."""
     static_cache: Literal["auto", "on", "off"] = "auto"
     """Fixed-size KV caches and fixed-width forwards for target and drafter: auto = on for cuda, off for cpu."""
     compile: Literal["auto", "on", "off"] = "auto"
     """Static-path kernels: auto = CUDA graphs of the eager forwards on cuda; on = Inductor's (minutes to compile)."""
-    decode_rows: int | None = Field(16, ge=1, le=64)
-    """Static path: every target decode forward (greedy and verify) runs this many rows, so outputs match bit for bit."""
+    decode_rows: int | Literal["auto"] | None = "auto"
+    """Static path: rows of every target decode forward (bit-exact chains in bf16); auto = 16 in bf16/fp16, none in fp32."""
     near_tie_logit_gap: float = Field(1e-3, ge=0)
     """A differing token within this logit gap of the reference's top-1 is a numerical near-tie, not a bug."""
+
+    def widest_verify(self) -> int:
+        """Rows of the widest verify forward of the measured methods (the root included)."""
+        return max([s + 1 for s in self.chain_steps] * ("chain" in self.methods)
+                   + [self.tree_num_draft_tokens] * ("tree" in self.methods)
+                   + [self.ngram_num_tokens + 1] * ("ngram" in self.methods))
+
+    def resolved(self, device: str) -> EvaluateConfig:
+        """This section with ``dtype`` and ``decode_rows`` decided for ``device`` (cpu | cuda): no "auto" left."""
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+        rows = self.decode_rows
+        if rows == "auto":
+            rows = None if dtype == "float32" else min(64, max(16, self.widest_verify()))
+        return self.model_copy(update={"dtype": dtype, "decode_rows": rows})
 
     def limit_for(self, dataset: str) -> int | None:
         """How many prompts of ``dataset`` are measured (None = all)."""
@@ -245,12 +259,10 @@ class EvaluateConfig(Section):
                              f"and name datasets in evaluate.datasets (not {unused})")
         if self.compile == "on" and self.static_cache == "off":
             raise ValueError("evaluate.compile=on needs the static cache (evaluate.static_cache auto or on)")
-        widest = max([s + 1 for s in self.chain_steps] * ("chain" in self.methods)
-                     + [self.tree_num_draft_tokens] * ("tree" in self.methods)
-                     + [self.ngram_num_tokens + 1] * ("ngram" in self.methods))
-        if self.decode_rows is not None and self.decode_rows < widest:
-            raise ValueError(f"evaluate.decode_rows {self.decode_rows} is below the widest verify ({widest} rows): "
-                             f"raise it, or set it to null for per-size widths")
+        rows, widest = self.decode_rows, self.widest_verify()
+        if isinstance(rows, int) and not widest <= rows <= 64:
+            raise ValueError(f"evaluate.decode_rows {rows} must hold the widest verify ({widest} rows) and be at "
+                             f"most 64: change it, or set it to null for per-size widths")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"evaluate.ngram_min {self.ngram_min} exceeds ngram_max {self.ngram_max}")
         most = 1 + self.tree_topk + (self.tree_steps - 1) * self.tree_topk**2

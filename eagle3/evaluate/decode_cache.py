@@ -114,7 +114,8 @@ class StaticTargetRunner(TargetRunner):
         self._rows = torch.arange(CHUNK, device=self.device)  # [CHUNK]
         self.widths = target_widths(decode_rows)
         self.cache = self._key_index = None  # type: ignore[assignment]
-        self.step_fn = CompiledStep(self._forward_rows, compile_settings, self.device)
+        self.step_fn = CompiledStep(self._forward_rows, compile_settings, self.device, "target forward")
+        self.move_fn = CompiledStep(self._move_rows, compile_settings, self.device, "target cache row move")
         self._allocate(_round_up(capacity))
 
     def reset(self) -> None:
@@ -137,6 +138,7 @@ class StaticTargetRunner(TargetRunner):
         self.capacity = capacity
         self._key_index = torch.arange(capacity, device=self.device)  # [L]
         self.step_fn.clear()
+        self.move_fn.clear()
 
     def _reserve(self, end: int) -> None:
         if end > self.capacity:
@@ -213,12 +215,18 @@ class StaticTargetRunner(TargetRunner):
         rows = list(rows)
         target = list(range(prefix, prefix + len(rows)))
         if rows != target:  # a tree's accepted branch: copy its rows down (a chain's are in place already)
-            src = torch.tensor(rows, device=self.device)
-            dst = torch.tensor(target, device=self.device)
-            for layer in self.cache.layers:
-                layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
-                layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+            # One fixed-width call (a graph) instead of 4 kernels per layer: padding pairs move stale rows past
+            # the kept ones onto themselves (inside the verify's own rows, so inside the cache).
+            pad = list(range(prefix + len(rows), prefix + bucket(len(rows), self.widths)))
+            self.move_fn(torch.tensor(rows + pad, device=self.device), torch.tensor(target + pad, device=self.device))
         self._length = prefix + len(rows)
+
+    def _move_rows(self, src: Tensor, dst: Tensor) -> tuple[Tensor, ...]:
+        """Every layer's entries at ``src`` [w] copied to ``dst`` [w] (read first, so they may overlap)."""
+        for layer in self.cache.layers:
+            layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
+            layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+        return ()
 
 
 # --------------------------------------------------------------------------------------------- the drafter
@@ -239,7 +247,7 @@ class StaticDrafterRunner(DrafterRunner):
         if compile_settings.enabled:  # weights are read through a tuple: tell dynamo they never move
             for t in (*self.weights, self.inv_freq):
                 torch._dynamo.mark_static_address(t)
-        self.step_fn = CompiledStep(self._rows_step, compile_settings, self.device)
+        self.step_fn = CompiledStep(self._rows_step, compile_settings, self.device, "drafter forward")
         self._settings = compile_settings
         self._rounds: dict[tuple, CompiledStep] = {}  # ("chain", steps) | ("tree", steps, topk, size) -> its round
         self._allocate(_round_up(capacity))
@@ -325,7 +333,7 @@ class StaticDrafterRunner(DrafterRunner):
         ``num_drafts`` draft entries after the committed ones (its last forward ``width`` rows wide)."""
         self._reserve(self.num_committed + num_drafts + width)
         if key not in self._rounds:
-            self._rounds[key] = CompiledStep(fn, self._settings, self.device)
+            self._rounds[key] = CompiledStep(fn, self._settings, self.device, f"{key[0]} draft round {key[1:]}")
         committed = self._key_index[self.num_committed:self.num_committed + 1]  # [1] on the device: no copy
         out = self._rounds[key](hidden, logits, committed)
         self._num_entries = self.num_committed + num_drafts

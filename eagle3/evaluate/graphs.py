@@ -61,8 +61,10 @@ def _pool() -> Any:
 class CompiledStep:
     """``fn`` run eagerly or compiled and, with graphs on CUDA, replayed as one CUDA graph per argument shapes."""
 
-    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], settings: CompileSettings, device: torch.device) -> None:
-        self.fn, self.settings, self.cuda = fn, settings, device.type == "cuda"
+    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], settings: CompileSettings, device: torch.device,
+                 name: str = "decode step") -> None:
+        self.fn, self.settings, self.cuda, self.name = fn, settings, device.type == "cuda", name
+        self.fallback_reason: str | None = None  # why compiling or capturing failed, once it fell back to eager
         self._compiled: Any = None
         self._graphs: dict[tuple, _Graph] = {}
         self.use_graphs = settings.graphs and self.cuda
@@ -99,8 +101,9 @@ class CompiledStep:
         except Exception as err:  # compile and capture errors surface at the first call of each shape
             if not self.settings.fallback or (self._compiled is None and not self.use_graphs):
                 raise
-            warnings.warn(f"compiled or graphed decode step failed, running it eagerly from now on: {err!r:.500}",
-                          stacklevel=2)
+            self.fallback_reason = f"{err!r:.500}"
+            warnings.warn(f"{self.name}: compiling or capturing a CUDA graph failed, running it eagerly from now on: "
+                          f"{self.fallback_reason}", stacklevel=2)
             self._compiled, self.use_graphs = None, False
             self._graphs.clear()
             return self.fn(*args)

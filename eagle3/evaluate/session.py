@@ -78,7 +78,7 @@ def open_session(job: EvalJob) -> EvalSession:
     from eagle3.export.sglang import load_sglang_export
     from eagle3.target.load import load_model
 
-    ecfg = EvaluateConfig.model_validate(job.evaluate)
+    ecfg = EvaluateConfig.model_validate(job.evaluate).resolved(job.device)
     loaded = load_sglang_export(Path(job.export_dir), Path(job.model_dir), job.device, getattr(torch, ecfg.dtype))
     model = load_model(Path(job.model_dir), ecfg.dtype, job.device)
     static, settings = resolve_decode(ecfg.static_cache, ecfg.compile, job.device)

@@ -108,7 +108,7 @@ def _settings(cfg: RunConfig, model_dir: Path, export_dir: Path, device: str,
     from eagle3.export.checks import read_json
     from eagle3.target.load import fingerprint
 
-    e = cfg.evaluate
+    e = cfg.evaluate.resolved(device)
     counts = {d: sum(p.dataset == d for p, _ in items) for d in e.datasets}
     export_cfg = read_json(export_dir / "config.json")
     return EvalSettings(
@@ -134,11 +134,11 @@ def _plan(cfg: RunConfig, model_dir: Path, export_dir: Path) -> _Plan:
     from eagle3.evaluate.prompts import load_prompts
     from eagle3.target.load import load_tokenizer, stop_token_ids, target_info
 
-    e = cfg.evaluate
+    device = resolve_device(cfg.evaluate.device)
+    e = cfg.evaluate.resolved(device)
     tokenizer = load_tokenizer(model_dir)
     stop_ids = stop_token_ids(tokenizer, target_info(model_dir, cfg.target))
     items = load_prompts(e.datasets, {name: e.limit_for(name) for name in e.datasets}, tokenizer)
-    device = resolve_device(e.device)
     threads = max(1, (os.cpu_count() or 1) // e.num_workers) if e.num_workers > 1 else None  # split the cores
     cache_len = max((len(ids) for _, ids in items), default=0) + e.max_new_tokens + 128  # + verify and draft rows
     job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), device, stop_ids, threads, cache_len)

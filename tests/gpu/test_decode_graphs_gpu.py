@@ -50,6 +50,7 @@ def test_graphed_static_methods_equal_greedy_and_recapture_after_growth(dtype, m
         for name, proposer in cases.items():
             assert speculative_decode(target, proposer, prompt, MAX_NEW).tokens == ref.tokens, name
     assert target.capacity > 16 and runner.capacity > 16  # both grew, so their graphs were captured again
-    assert target.step_fn.use_graphs and runner.step_fn.use_graphs  # no fallback to eager
+    assert target.step_fn.use_graphs and runner.step_fn.use_graphs and target.move_fn.use_graphs  # no fallback
     assert target.step_fn.num_graphs >= 1 and runner.step_fn.num_graphs >= 1
-    assert all(r.use_graphs and r.num_graphs >= 1 for r in runner._rounds.values())
+    assert all(r.use_graphs and r.num_graphs >= 1 for r in runner._rounds.values())  # chain and tree rounds
+    assert len(runner._rounds) == 2 and target.move_fn.num_graphs >= 1

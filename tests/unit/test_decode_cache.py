@@ -255,5 +255,52 @@ def test_decode_rows_runs_every_decode_forward_at_one_width_so_bf16_methods_equa
             assert result.tokens == ref.tokens, name
         assert max(s.accepted for s in result.steps) == 4  # the oracle's drafts were accepted
     assert set(widths) == {8, 64} and widths.count(8) > 100
-    with pytest.raises(ValueError, match="decode_rows 4 is below the widest verify"):
+    with pytest.raises(ValueError, match="decode_rows 4 must hold the widest verify"):
         EvaluateConfig(methods=["chain", "tree"], chain_steps=[3], decode_rows=4)
+
+
+def test_evaluate_auto_dtype_and_decode_rows_resolve_per_device():
+    """auto: bf16 with one 16-row decode width (or the widest verify) on cuda, fp32 with per-size widths on cpu;
+    explicit settings are kept."""
+    auto = EvaluateConfig(methods=["chain", "tree"], chain_steps=[3, 7])
+    assert (auto.resolved("cuda").dtype, auto.resolved("cuda").decode_rows) == ("bfloat16", 16)
+    assert (auto.resolved("cpu").dtype, auto.resolved("cpu").decode_rows) == ("float32", None)
+    wide = EvaluateConfig(methods=["tree"], tree_steps=5, tree_topk=4, tree_num_draft_tokens=24).resolved("cuda")
+    assert wide.decode_rows == 24
+    fixed = EvaluateConfig(dtype="float32", decode_rows=8).resolved("cuda")
+    assert (fixed.dtype, fixed.decode_rows) == ("float32", 8)
+    assert EvaluateConfig(dtype="float16").resolved("cpu").decode_rows == 16
+
+
+def test_compiled_step_falls_back_to_eager_with_its_reason_and_fails_loudly_without_fallback():
+    """A backend that fails: with fallback the step warns, keeps the reason and returns the eager results; without
+    fallback the error reaches the caller."""
+    from eagle3.evaluate.graphs import CompiledStep
+
+    def failing_backend(graph_module, example_inputs):
+        raise RuntimeError("no kernels for this shape")
+
+    fn = lambda x: (x * 2,)  # noqa: E731
+    step = CompiledStep(fn, CompileSettings(True, backend=failing_backend, fallback=True), torch.device("cpu"),
+                        "test step")
+    with pytest.warns(UserWarning, match="test step: compiling or capturing a CUDA graph failed"):
+        (out,) = step(torch.ones(3))
+    assert out.tolist() == [2.0, 2.0, 2.0] and not step.compiled
+    assert "no kernels for this shape" in step.fallback_reason
+    strict = CompiledStep(fn, CompileSettings(True, backend=failing_backend, fallback=False), torch.device("cpu"))
+    with pytest.raises(Exception, match="no kernels for this shape"):
+        strict(torch.ones(3))
+
+
+def test_tree_orders_by_counting_equal_stable_sorts():
+    """The tree round's sort-free orders equal torch.sort's: descending scores with ties by index (many ties,
+    -inf included), and distinct integers ascending."""
+    from eagle3.evaluate.tree_draft import _ascending, _order
+
+    gen = torch.Generator().manual_seed(11)
+    for n in (1, 4, 16, 68):
+        scores = torch.randint(-3, 3, (n,), generator=gen).double()
+        scores[torch.rand(n, generator=gen) < 0.2] = float("-inf")
+        assert _order(scores).tolist() == torch.sort(-scores, stable=True).indices.tolist()
+        values = torch.randperm(200, generator=gen)[:n]
+        assert _ascending(values).tolist() == torch.sort(values).values.tolist()
