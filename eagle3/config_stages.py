@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from eagle3.config_base import Operational, Section, _relative_inside
 
@@ -228,6 +228,12 @@ class EvaluateConfig(Section):
     """Static path: rows of every target decode forward (bit-exact chains in bf16); auto = 16 in bf16/fp16, none in fp32."""
     near_tie_logit_gap: float = Field(1e-3, ge=0)
     """A differing token within this logit gap of the reference's top-1 is a numerical near-tie, not a bug."""
+
+    @field_validator("static_cache", "compile", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: object) -> object:
+        """YAML reads a bare on/off as true/false: take those as "on"/"off"."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     def widest_verify(self) -> int:
         """Rows of the widest verify forward of the measured methods (the root included)."""

@@ -12,10 +12,11 @@ Draft entries: depth d's frontier writes rows committed + (d-1)*k .. + k - 1 (as
 every committed entry and the entries of its ancestors and itself (``anc``: [k, (steps-1)*k] over the round's
 draft entries). Scores are added exactly as on the host: the parent's score is rounded to float32 first
 (the host rebuilds it with ``torch.tensor`` from Python floats), the log-probs are in the drafter's upcast dtype.
-Orders are computed by counting (``_order``) rather than with torch.sort. On an H200 this round, written with
-stable sorts, could not be captured as a CUDA graph and fell back to launching every kernel from Python (12.7 ms
-per tree round against 5.6 ms for a chain of 7); sorts and top-k are the only kernels it has that the captured
-chain round lacks, and CUB's stable segmented sort is known not to be capturable (NVIDIA/cccl issue 5661).
+Capturable as one CUDA graph: no host reads and no host-to-device copies (writing a Python scalar into a device
+tensor copies a CPU scalar, which a capture refuses: on an H200 the round then fell back to launching every kernel
+from Python, 12.7-17.8 ms per round against 5.6 ms for a chain of 7). Orders are computed by counting (``_order``)
+rather than with torch.sort, whose stable CUDA path may use CUB's segmented sort, known not to be capturable
+(NVIDIA/cccl issue 5661).
 """
 
 from __future__ import annotations
@@ -59,12 +60,13 @@ def tree_rows(runner: Any, hidden: Tensor, logits: Tensor, committed: Tensor, st
     num_draft = (steps - 1) * k
     anc = torch.zeros(k, max(num_draft, 1), dtype=torch.bool, device=device)  # [k, D] ancestors and self
     rows = torch.arange(k, device=device)
+    entries = torch.arange(anc.shape[1], device=device)  # [D]
     offset = runner._key_index - committed  # [L]: index into the round's draft entries
     in_round = (offset >= 0) & (offset < num_draft)
     base = k  # pool size so far
     for depth in range(1, steps):
         first = (depth - 1) * k
-        anc[rows, first + rows] = True
+        anc = anc | (entries[None, :] == (first + rows)[:, None])  # each node sees itself (no scalar write: a CPU copy)
         write = committed + first + torch.arange(width, device=device)  # [w]
         seen = (runner._key_index < committed)[None, :]  # [1, L]: every committed entry
         visible = torch.cat([seen | (in_round[None, :] & anc[:, offset.clamp(0, anc.shape[1] - 1)]),  # [k, L]

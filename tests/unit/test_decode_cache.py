@@ -304,3 +304,14 @@ def test_tree_orders_by_counting_equal_stable_sorts():
         assert _order(scores).tolist() == torch.sort(-scores, stable=True).indices.tolist()
         values = torch.randperm(200, generator=gen)[:n]
         assert _ascending(values).tolist() == torch.sort(values).values.tolist()
+
+
+def test_evaluate_switches_read_yaml_booleans_as_on_and_off():
+    """A bare `compile: on` in YAML arrives as True: it means "on" (and False "off"), not a validation error."""
+    import yaml
+
+    section = EvaluateConfig.model_validate(yaml.safe_load("compile: on\nstatic_cache: on\n"))
+    assert (section.compile, section.static_cache) == ("on", "on")
+    assert EvaluateConfig.model_validate(yaml.safe_load("compile: off\nstatic_cache: off\n")).compile == "off"
+    with pytest.raises(ValueError, match="compile"):
+        EvaluateConfig(compile="fast")
