@@ -24,7 +24,10 @@ replaced the plan made from benchmark rates (they were 3-6x too optimistic for r
   online training, ttt 7, rows of 16,384: ~40K tok/s in the trainer's log (the target's eager forward bounds
       it, docs/train.md); 2.78M tokens, one epoch, 165 steps: 124 s with start-up and compile
   evaluation in one process, float32, a weak drafter (accept 1.26-1.47): ~7.5 s per prompt after a 164 s
-      start, i.e. ~23 minutes for the 160 prompts
+      start, i.e. ~23 minutes for the 160 prompts; since then (2026-12-02) bf16 with CUDA graphs of the eager
+      kernels: 433 s of decoding for 110 prompts after a ~37 s start (~11 minutes for 160), with the tree
+      round then still eager; the presets now ask for Inductor's kernels (a 2.24 ms forward against 4.06),
+      not yet timed over the 160 prompts
 and one epoch was too little: val accept_len_est 1.382 after the one epoch of 2.78M tokens, 1.606 after 400
 steps (~2.4 epochs) of the same data and still rising. So the curve needs data built over several GPU
 stretches (``pack-journals`` carries the generated text back, ~1.5 MB xz per 4,700 records, and

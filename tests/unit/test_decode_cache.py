@@ -149,6 +149,8 @@ def test_resolve_decode_switches():
     assert resolve_decode("auto", "on", "cuda") == (True, CompileSettings(True, graphs=True, fallback=False))
     assert resolve_decode("on", "off", "cuda") == (True, CompileSettings(False, fallback=False))
     assert resolve_decode("on", "on", "cpu") == (True, CompileSettings(True, fallback=False))
+    graphed = StaticTargetRunner(tiny_target(), AUX_IDS, 64, CompileSettings(True, graphs=True))
+    assert graphed.step_fn.compiled and not graphed.chunk_fn.compiled  # with graphs, prompt chunks skip Inductor
     with pytest.raises(ValueError, match="static cache"):
         resolve_decode("off", "on", "cuda")
     with pytest.raises(ValueError, match="evaluate.compile=on needs the static cache"):
@@ -243,8 +245,9 @@ def test_decode_rows_runs_every_decode_forward_at_one_width_so_bf16_methods_equa
     assert target_widths(8) == (8, 64) and target_widths(None) == (1, 4, 8, 64) and target_widths(64) == (64,)
     target, runner = make_runners(model, AUX_IDS, drafter, d2t, True, CompileSettings(), 128, decode_rows=8)
     widths: list[int] = []
-    inner = target.step_fn.fn
-    target.step_fn.fn = lambda ids, *rest: widths.append(len(ids)) or inner(ids, *rest)
+    chunk_widths: list[int] = []
+    for step, seen in ((target.step_fn, widths), (target.chunk_fn, chunk_widths)):
+        step.fn = lambda ids, *rest, inner=step.fn, seen=seen: seen.append(len(ids)) or inner(ids, *rest)
     methods = {**proposers(setup, runner), "chain-7": EagleProposer(drafter, d2t, steps=7, runner=runner)}
     for prompt in setup["prompts"]:
         ref = greedy_decode(target, prompt, MAX_NEW)
@@ -254,7 +257,7 @@ def test_decode_rows_runs_every_decode_forward_at_one_width_so_bf16_methods_equa
             result = speculative_decode(target, proposer, prompt, MAX_NEW)
             assert result.tokens == ref.tokens, name
         assert max(s.accepted for s in result.steps) == 4  # the oracle's drafts were accepted
-    assert set(widths) == {8, 64} and widths.count(8) > 100
+    assert set(widths) == {8} and len(widths) > 100 and set(chunk_widths) == {64}  # prompts: chunks of 64
     with pytest.raises(ValueError, match="decode_rows 4 must hold the widest verify"):
         EvaluateConfig(methods=["chain", "tree"], chain_steps=[3], decode_rows=4)
 
