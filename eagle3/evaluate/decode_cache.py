@@ -20,7 +20,9 @@ greedy runs at the same place compute the same function, but a matrix product of
 different kernels that round differently, which in bf16 is enough to flip a near-tied argmax now and then.
 With ``decode_rows`` set, every target forward that is not a long input's chunk (greedy tokens and verifies
 alike) runs at that one width, so each row goes through the very same kernels whatever its neighbours are, and
-every method's output is greedy's bit for bit (padding rows only see themselves).
+a chain's or n-gram's output is greedy's bit for bit (padding rows only see themselves). A tree verify still
+differs: its accepted rows sit at non-consecutive cache indices while verified, so their attention sums the
+same keys in another order than greedy's forwards (in bf16 a tree's output can part from greedy at a near-tie).
 
 Host reads: the runners never read device values themselves; the decode loops do (one read per verify round,
 one per few greedy tokens).
@@ -48,7 +50,9 @@ WIDTHS = (1, 4, 8, CHUNK)
 """The forward widths: a greedy token, chain/n-gram verifies and draft levels, deeper verifies, chunks (the
 drafter always; the target unless it runs at one ``decode_rows`` width)."""
 CAPACITY_STEP = 256
-"""Cache lengths are multiples of this; a longer sequence reallocates (and recompiles) once."""
+"""Cache lengths are multiples of this; a longer sequence reallocates (and captures or recompiles) once."""
+
+
 def bucket(num: int, widths: Sequence[int] | None = None) -> int:
     """The width a forward of ``num`` (1 <= num <= CHUNK) rows runs at: the smallest of ``widths`` (default WIDTHS)
     that holds it."""
