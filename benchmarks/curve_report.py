@@ -3,7 +3,8 @@
 Reads each size's ``eval/results.json`` (eagle3.evaluate.stage) and writes into one folder:
 curve.json (the rows), curve.md (a table per dataset) and curve.png (acceptance vs training tokens on a log
 axis, one line per drafting method, the n-gram baseline as a flat dashed line: it uses no drafter, so
-every size measures the same thing and the first size that measured it stands for all).
+every size measures the same thing and the first size that measured it stands for all). Recipe variants
+measured at the largest size (quality_curve.py's sweep) get a table of their own beside that size's baseline.
 """
 
 from __future__ import annotations
@@ -111,15 +112,46 @@ def plot_curve(rows: list[CurveRow], out: Path, dataset: str = "all") -> Path:
     return out
 
 
-def write_curve_report(results: Mapping[int, Path], out_dir: Path) -> dict[str, Path]:
-    """curve.json, curve.md and (with any measured size) curve.png in ``out_dir``."""
+def read_sweep(sweep: Mapping[str, Path], tokens: int) -> dict[str, list[CurveRow]]:
+    """Rows of every recipe variant measured so far ('all' prompts; each trained on ``tokens``), by label."""
+    out = {}
+    for label, path in sweep.items():
+        if path.is_file():
+            rows, _ = read_rows({tokens: path})
+            out[label] = [r for r in rows if r.dataset == "all"]
+    return out
+
+
+def sweep_markdown(rows: list[CurveRow], variants: Mapping[str, list[CurveRow]], largest: int) -> str:
+    """The recipe sweep at the largest size: a row per recipe (the baseline first), a column per method."""
+    recipes = {"baseline": [r for r in rows if r.tokens == largest and r.dataset == "all"], **variants}
+    methods = list(dict.fromkeys(r.method for rs in recipes.values() for r in rs if r.method != NGRAM))
+    lines = [f"## Recipe sweep at {token_label(largest)} (all prompts)", "",
+             "| recipe | " + " | ".join(methods) + " | lossless |", "|---|" + "---:|" * len(methods) + "---|"]
+    for label, rs in recipes.items():
+        by = {r.method: r for r in rs}
+        cells = [f"{by[m].accept_len:.3f}" if m in by else "-" for m in methods]
+        ok = sum(r.lossless_identical for r in rs if r.method != NGRAM)
+        total = sum(r.num_prompts for r in rs if r.method != NGRAM)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {ok}/{total} identical |")
+    return "\n".join(lines) + "\n"
+
+
+def write_curve_report(results: Mapping[int, Path], out_dir: Path,
+                       sweep: Mapping[str, Path] | None = None) -> dict[str, Path]:
+    """curve.json, curve.md and (with any measured size) curve.png in ``out_dir``; ``sweep``: each recipe
+    variant's results file (measured at the largest size), tabled when present."""
     from infra.storage import atomic_write_json, atomic_write_text
 
     rows, missing = read_rows(results)
+    largest = max(results, default=0)
+    variants = read_sweep(sweep or {}, largest)
     out_dir.mkdir(parents=True, exist_ok=True)
-    outputs = {"json": atomic_write_json(out_dir / "curve.json", {"rows": [asdict(r) for r in rows],
-                                                                  "not_measured": missing}),
-               "markdown": atomic_write_text(out_dir / "curve.md", curve_markdown(rows, missing))}
+    payload = {"rows": [asdict(r) for r in rows], "not_measured": missing,
+               "sweep": {label: [asdict(r) for r in rs] for label, rs in variants.items()}}
+    markdown = curve_markdown(rows, missing) + ("\n" + sweep_markdown(rows, variants, largest) if variants else "")
+    outputs = {"json": atomic_write_json(out_dir / "curve.json", payload),
+               "markdown": atomic_write_text(out_dir / "curve.md", markdown)}
     if rows:
         outputs["plot"] = plot_curve(rows, out_dir / "curve.png")
     return outputs

@@ -1,7 +1,8 @@
 """The data-scaling curve on one GPU, without Prefect: data once, then train, export and evaluate per size.
 
     python3 benchmarks/quality_curve.py PHASE [--preset smollm2-curve] [--sizes 3M,10M,20M] [--set k=v ...]
-    PHASE: data | train-N | export-N | eval-N | size-N (train, export, eval) | report | all   (N: 3M, 10M, ...)
+    PHASE: data | train-N | export-N | eval-N | size-N (train, export, eval) | sweep[-VARIANT] | report | all
+           (N: 3M, 10M, ...)
 
 ``data`` runs every data stage (synthesize, merge, regenerate, tokenize, vocab) in the preset's run
 (runs/<name>). Each size N is its own run, runs/<name>-N, whose data/ and vocab/ are links to that run's and
@@ -9,6 +10,10 @@ whose config adds ``train.max_train_tokens=N`` (the first rows of the shuffled t
 the sizes are nested). Every size after the first leaves n-gram out of its methods: the baseline uses no
 drafter, so one measurement stands for all (``--ngram-every-size`` measures it each time). ``report`` writes
 runs/<name>/curve/{curve.md,curve.png,curve.json} from the sizes' eval/results.json (benchmarks/curve_report.py).
+``sweep`` trains, exports and measures recipe variants at the largest size (``sweep_variants``: learning rate x2
+and /2, three times the epochs, twice the draft vocab), each in runs/<name>-<largest>-<variant> (the vocab
+variant maps its own vocab/ from the linked data); the report puts them in a table beside the baseline.
+``all`` does not run the sweep.
 
 Every phase skips what its manifests (and the regeneration, synthesis and evaluation journals, and the
 training checkpoints) say is done, and runs under a time budget (``--budget-s phase=seconds``; phases:
@@ -78,6 +83,23 @@ class Size:
         return token_label(self.tokens)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """A recipe change trained, exported and measured at the largest size, beside that size's own run."""
+
+    label: str
+    overrides: tuple[str, ...]
+    own_vocab: bool = False  # the draft vocab changes: the run maps its own vocab/ instead of linking the data run's
+
+
+def sweep_variants(base) -> list[Variant]:
+    """The recipe sweep: learning rate x2 and /2, three times the epochs, twice the draft vocab (16K -> 32K)."""
+    lr, epochs, vocab = base.train.lr, base.train.num_epochs, base.vocab.draft_vocab_size
+    return [Variant("lr-x2", (f"train.lr={2 * lr:g}",)), Variant("lr-half", (f"train.lr={lr / 2:g}",)),
+            Variant(f"epochs-{3 * epochs}", (f"train.num_epochs={3 * epochs}",)),
+            Variant(f"vocab-{2 * vocab}", (f"vocab.draft_vocab_size={2 * vocab}",), own_vocab=True)]
+
+
 def parse_tokens(text: str) -> int:
     """'3M' -> 3_000_000, '500K' -> 500_000, '1.5M', '20000'."""
     text = text.strip().upper()
@@ -100,24 +122,27 @@ def base_config(preset: str, overrides: list[str]):
     return load_config(preset, overrides)
 
 
-def size_config(preset: str, overrides: list[str], size: Size, with_ngram: bool):
-    """The run of one size: same preset, its own name, train.max_train_tokens, n-gram only where asked."""
+def size_config(preset: str, overrides: list[str], size: Size, with_ngram: bool, variant: Variant | None = None):
+    """The run of one size (and recipe variant): same preset, its own name, train.max_train_tokens, the variant's
+    overrides, n-gram only where asked."""
     from eagle3.config import load_config
 
     base = load_config(preset, overrides)
-    extra = [f"run.name={base.run.name}-{size.label}", f"train.max_train_tokens={size.tokens}"]
+    name = f"{base.run.name}-{size.label}" + (f"-{variant.label}" if variant else "")
+    extra = [f"run.name={name}", f"train.max_train_tokens={size.tokens}", *(variant.overrides if variant else ())]
     if not with_ngram:
         methods = [m for m in base.evaluate.methods if m != "ngram"] or base.evaluate.methods
         extra.append(f"evaluate.methods=[{','.join(methods)}]")
     return load_config(preset, [*overrides, *extra])
 
 
-def prepare_size_run(base, cfg) -> Path:
-    """runs/<name>-N with data/ and vocab/ linked to the data run's, and its config.json; returns the config path."""
+def prepare_size_run(base, cfg, parts: tuple[str, ...] = ("data", "vocab")) -> Path:
+    """runs/<name>-N with ``parts`` (data/, vocab/) linked to the data run's, and its config.json; returns the
+    config path."""
     from eagle3.run.stages import write_run_config
 
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    for part in ("data", "vocab"):
+    for part in parts:
         link, target = cfg.run_dir / part, base.run_dir.resolve() / part
         if link.is_symlink() and link.resolve() == target:
             continue
@@ -181,6 +206,7 @@ class Curve:
     runner: Runner
     ngram_every_size: bool = False
     nproc: int = 1
+    variant_labels: tuple[str, ...] = ()
 
     def set_args(self) -> list[str]:
         """The overrides as --set arguments."""
@@ -193,11 +219,21 @@ class Curve:
             raise SystemExit(f"error: size {label} is not in --sizes ({', '.join(s.label for s in self.sizes)})")
         return Size(tokens)
 
-    def size_run(self, size: Size) -> tuple[object, Path]:
-        """(config, config.json path) of one size's run, prepared."""
-        with_ngram = self.ngram_every_size or size == self.sizes[0]
-        cfg = size_config(self.preset, self.overrides, size, with_ngram)
-        return cfg, prepare_size_run(base_config(self.preset, self.overrides), cfg)
+    def size_run(self, size: Size, variant: Variant | None = None) -> tuple[object, Path]:
+        """(config, config.json path) of one size's run (or of a recipe variant of it), prepared."""
+        with_ngram = variant is None and (self.ngram_every_size or size == self.sizes[0])
+        cfg = size_config(self.preset, self.overrides, size, with_ngram, variant)
+        parts = ("data",) if variant and variant.own_vocab else ("data", "vocab")
+        return cfg, prepare_size_run(base_config(self.preset, self.overrides), cfg, parts)
+
+    def variants(self) -> list[Variant]:
+        """The recipe sweep's variants (all, or those named by --variants)."""
+        every = sweep_variants(base_config(self.preset, self.overrides))
+        chosen = [v for v in every if not self.variant_labels or v.label in self.variant_labels]
+        unknown = set(self.variant_labels) - {v.label for v in every}
+        if unknown:
+            raise SystemExit(f"error: unknown variants {sorted(unknown)}; the sweep has {[v.label for v in every]}")
+        return chosen
 
 
 def phase_data(c: Curve) -> bool:
@@ -205,9 +241,13 @@ def phase_data(c: Curve) -> bool:
     return c.runner("eagle3.run.stages", ["all", "--preset", c.preset, *c.set_args()], c.budgets["data"])
 
 
-def phase_train(c: Curve, size: Size) -> bool:
-    """Online training on the first N tokens (torchrun when NPROC > 1)."""
-    _, config = c.size_run(size)
+def phase_train(c: Curve, size: Size, variant: Variant | None = None) -> bool:
+    """Online training on the first N tokens (torchrun when NPROC > 1); a variant with its own draft vocab maps
+    it first."""
+    _, config = c.size_run(size, variant)
+    if variant and variant.own_vocab and not c.runner("eagle3.run.stages", ["vocab", "--config", str(config)],
+                                                      c.budgets["export"]):
+        return False
     budget = c.budgets["train"] + size.tokens / TRAIN_TOKENS_PER_S
     if c.nproc > 1:
         return c.runner("torch.distributed.run", ["--standalone", f"--nproc-per-node={c.nproc}", "-m", "eagle3.train",
@@ -215,14 +255,14 @@ def phase_train(c: Curve, size: Size) -> bool:
     return c.runner("eagle3.train", ["--config", str(config)], budget)
 
 
-def phase_export(c: Curve, size: Size) -> bool:
+def phase_export(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     """Both export layouts of the size's selected checkpoint."""
-    return c.runner("eagle3.export.stage", ["--config", str(c.size_run(size)[1])], c.budgets["export"])
+    return c.runner("eagle3.export.stage", ["--config", str(c.size_run(size, variant)[1])], c.budgets["export"])
 
 
-def phase_eval(c: Curve, size: Size) -> bool:
+def phase_eval(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     """The fixed prompts with every method of the size's config."""
-    return c.runner("eagle3.evaluate.stage", ["--config", str(c.size_run(size)[1])], c.budgets["eval"])
+    return c.runner("eagle3.evaluate.stage", ["--config", str(c.size_run(size, variant)[1])], c.budgets["eval"])
 
 
 def phase_report(c: Curve) -> dict[str, Path]:
@@ -230,7 +270,10 @@ def phase_report(c: Curve) -> dict[str, Path]:
     base = base_config(c.preset, c.overrides)
     results = {s.tokens: base.run_dir.parent / f"{base.run.name}-{s.label}" / "eval" / "results.json"
                for s in c.sizes}
-    outputs = write_curve_report(results, base.run_dir / "curve")
+    largest = c.sizes[-1]
+    sweep = {v.label: base.run_dir.parent / f"{base.run.name}-{largest.label}-{v.label}" / "eval" / "results.json"
+             for v in sweep_variants(base)}
+    outputs = write_curve_report(results, base.run_dir / "curve", sweep)
     print(outputs["markdown"].read_text())
     return outputs
 
@@ -274,6 +317,12 @@ def run_phase(c: Curve, phase: str) -> bool:
         steps = [lambda: phase_data(c)]
     elif phase == "report":
         steps = [lambda: bool(phase_report(c))]
+    elif name == "sweep":  # sweep (every variant) or sweep-<variant>, at the largest size
+        variants = [v for v in c.variants() if not label or v.label == label]
+        if not variants:
+            raise SystemExit(f"error: no variant {label!r}; the sweep has {[v.label for v in c.variants()]}")
+        fns3 = (phase_train, phase_export, phase_eval)
+        steps = [lambda f=f, v=v: f(c, c.sizes[-1], v) for v in variants for f in fns3]
     elif name in ("train", "export", "eval", "size") and label:
         size = c.size(label)
         chosen = ("train", "export", "eval") if name == "size" else (name,)
@@ -292,8 +341,8 @@ def run_phase(c: Curve, phase: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments and run the phases; exit status 3 when one was cut short."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("phase", help="data | train-N | export-N | eval-N | size-N | report | all | "
-                                      "pack-journals DIR | unpack-journals DIR")
+    parser.add_argument("phase", help="data | train-N | export-N | eval-N | size-N | sweep | sweep-VARIANT | report "
+                                      "| all | pack-journals DIR | unpack-journals DIR")
     parser.add_argument("folder", nargs="?", type=Path, help="pack-journals / unpack-journals: the folder")
     parser.add_argument("--preset", default=DEFAULT_PRESET)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="token budgets, ascending (e.g. 3M,10M,20M)")
@@ -301,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", action="append", default=[], metavar="PHASE=SECONDS",
                         help=f"phase budgets (defaults {DEFAULT_BUDGETS_S}; train adds N / {TRAIN_TOKENS_PER_S})")
     parser.add_argument("--ngram-every-size", action="store_true", help="measure n-gram at every size")
+    parser.add_argument("--variants", default="", help="sweep: only these variants (comma-separated labels, e.g. "
+                                                        "lr-x2,vocab-32768); default all")
     parser.add_argument("--in-process", action="store_true", help="run stages in this process, no budgets")
     args = parser.parse_args(argv)
     budgets = dict(DEFAULT_BUDGETS_S)
@@ -314,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --sizes {args.sizes} must be distinct and ascending")
     curve = Curve(args.preset, args.overrides, sizes, budgets,
                   in_process_runner if args.in_process else subprocess_runner,
-                  args.ngram_every_size, int(os.environ.get("NPROC", "1")))
+                  args.ngram_every_size, int(os.environ.get("NPROC", "1")),
+                  tuple(v for v in args.variants.split(",") if v))
     if args.phase in ("pack-journals", "unpack-journals"):
         if args.folder is None:
             raise SystemExit(f"error: {args.phase} needs a folder")

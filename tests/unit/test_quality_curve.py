@@ -52,6 +52,33 @@ def test_curve_report_table_and_flat_ngram(tmp_path):
     assert out["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_curve_report_tables_the_recipe_sweep_beside_the_largest_size(tmp_path):
+    """Variants measured at the largest size get a table: the baseline row first, each variant's acceptance per
+    method and its lossless count; variants not measured yet are left out."""
+    results = {2_000: _fake_results(tmp_path / "s-2K/results.json", {"chain-3-1-4": 1.4, "ngram": 1.7}),
+               4_000: _fake_results(tmp_path / "s-4K/results.json", {"chain-3-1-4": 1.5})}
+    sweep = {"lr-x2": _fake_results(tmp_path / "s-4K-lr-x2/results.json", {"chain-3-1-4": 1.6}),
+             "lr-half": tmp_path / "s-4K-lr-half/results.json"}
+    out = curve_report.write_curve_report(results, tmp_path / "curve", sweep)
+    text = out["markdown"].read_text()
+    assert "## Recipe sweep at 4K (all prompts)" in text
+    assert "| baseline | 1.500 | 2/2 identical |" in text and "| lr-x2 | 1.600 | 2/2 identical |" in text
+    assert "lr-half" not in text
+    assert [r["tokens"] for r in json.loads(out["json"].read_text())["sweep"]["lr-x2"]] == [4_000]
+
+
+def test_sweep_variants_change_one_setting_each():
+    """lr x2 and /2, three times the epochs and twice the draft vocab, each its own run name beside the size's."""
+    base = quality_curve.base_config("tiny", [])
+    variants = quality_curve.sweep_variants(base)
+    assert [v.label for v in variants] == ["lr-x2", "lr-half", "epochs-3", "vocab-256"]
+    assert [v.own_vocab for v in variants] == [False, False, False, True]
+    cfg = quality_curve.size_config("tiny", [], quality_curve.Size(4_000), False, variants[0])
+    assert (cfg.run.name, cfg.train.lr, cfg.train.max_train_tokens) == ("tiny-4K-lr-x2", 2 * base.train.lr, 4_000)
+    assert quality_curve.size_config("tiny", [], quality_curve.Size(4_000), False, variants[3]).vocab.draft_vocab_size \
+        == 256
+
+
 def test_token_labels_round_trip():
     """Size labels name the runs; parsing a label gives the budget back."""
     for tokens in (2_000, 500_000, 1_500_000, 3_000_000, 20_000_000):
@@ -104,3 +131,12 @@ def test_curve_all_phases_on_the_tiny_target(tmp_path, capsys):
     assert quality_curve.main(args) == 0
     assert {p: p.stat().st_mtime_ns for p in manifests} == stamps
     assert '"computed": true' not in capsys.readouterr().out
+    # the recipe sweep's own-vocab variant at the largest size: its own vocab/, the data run's data/
+    sweep = ["sweep", "--variants", "vocab-256", *args[1:]]
+    assert quality_curve.main(sweep) == 0
+    variant = tmp_path / "tiny-4K-vocab-256"
+    assert (variant / "data").resolve() == (tmp_path / "tiny/data").resolve() and not (variant / "vocab").is_symlink()
+    assert json.loads((variant / "config.json").read_text())["vocab"]["draft_vocab_size"] == 256
+    assert {r["method"] for r in json.loads((variant / "eval/results.json").read_text())["results"]} == {"chain-3-1-4"}
+    assert quality_curve.main(["report", *args[1:]]) == 0
+    assert "| vocab-256 |" in (tmp_path / "tiny/curve/curve.md").read_text()
