@@ -84,13 +84,25 @@ def _rates(values: Sequence[float | None]) -> str:
     return " / ".join("-" if v is None else f"{v:.2f}" for v in values) or "-"
 
 
+def _kernels_line(settings: EvalSettings) -> str:
+    """How the target's decode forwards ran, when the static path padded them to one width (greedy too)."""
+    static = settings.evaluate.get("static_cache") == "on" or (
+        settings.evaluate.get("static_cache", "auto") == "auto" and settings.device == "cuda")
+    rows = settings.evaluate.get("decode_rows") if static else None
+    if not isinstance(rows, int):
+        return ""
+    return (f" Static path: every decode forward {rows} rows wide, greedy included, so speedups are against a "
+            f"greedy that pays that padding too (docs/evaluate.md measures its cost).")
+
+
 def report_markdown(rows: Sequence[SummaryRow], settings: EvalSettings) -> str:
     """The results table (and the settings it was measured with) as markdown."""
     lines = ["# Offline speculative decoding", "",
              f"Target `{settings.target}` ({settings.device}, {settings.dtype}); drafter "
              f"`{settings.export_dir}`; {settings.max_new_tokens} new tokens per prompt, greedy; prompts: first "
              f"N in file order ({', '.join(f'{k} {v}' for k, v in settings.num_prompts.items())}); n-gram: "
-             f"{settings.ngram}; workers: {settings.num_workers}.", "", *_partial_lines(settings),
+             f"{settings.ngram}; workers: {settings.num_workers}.{_kernels_line(settings)}", "",
+             *_partial_lines(settings),
              *_contention_lines(settings),
              "| dataset | method | prompts | accept len | per-position acceptance | conditional | tok/s | "
              "greedy tok/s | speedup | vs n-gram | lossless |",
