@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-rows", type=int, default=16,
                         help="evaluate.decode_rows: rows of every target decode forward (0 = per-size widths)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="target and drafter dtype (the evaluation's evaluate.dtype; it defaults to float32)")
+                        help="target and drafter dtype (the evaluation's evaluate.dtype: auto is bfloat16 on cuda)")
     parser.add_argument("--capacity", type=int, default=None,
                         help="static cache entries (default prompt + new tokens + 128; the evaluation sizes it for "
                              "its longest prompt, e.g. ~1,400 for the 160 prompts of smollm2-quality)")
