@@ -321,8 +321,8 @@ def run_phase(c: Curve, phase: str) -> bool:
         variants = [v for v in c.variants() if not label or v.label == label]
         if not variants:
             raise SystemExit(f"error: no variant {label!r}; the sweep has {[v.label for v in c.variants()]}")
-        fns3 = (phase_train, phase_export, phase_eval)
-        steps = [lambda f=f, v=v: f(c, c.sizes[-1], v) for v in variants for f in fns3]
+        per_run = (phase_train, phase_export, phase_eval)
+        steps = [lambda f=f, v=v: f(c, c.sizes[-1], v) for v in variants for f in per_run]
     elif name in ("train", "export", "eval", "size") and label:
         size = c.size(label)
         chosen = ("train", "export", "eval") if name == "size" else (name,)
