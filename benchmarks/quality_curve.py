@@ -122,14 +122,18 @@ def base_config(preset: str, overrides: list[str]):
     return load_config(preset, overrides)
 
 
+def run_name(base_name: str, size: Size, variant: Variant | None = None) -> str:
+    """<name>-N, or <name>-N-<variant> for a recipe variant at size N."""
+    return f"{base_name}-{size.label}" + (f"-{variant.label}" if variant else "")
+
+
 def size_config(preset: str, overrides: list[str], size: Size, with_ngram: bool, variant: Variant | None = None):
     """The run of one size (and recipe variant): same preset, its own name, train.max_train_tokens, the variant's
     overrides, n-gram only where asked."""
     from eagle3.config import load_config
 
     base = load_config(preset, overrides)
-    name = f"{base.run.name}-{size.label}" + (f"-{variant.label}" if variant else "")
-    extra = [f"run.name={name}", f"train.max_train_tokens={size.tokens}", *(variant.overrides if variant else ())]
+    extra = [f"run.name={run_name(base.run.name, size, variant)}", f"train.max_train_tokens={size.tokens}", *(variant.overrides if variant else ())]
     if not with_ngram:
         methods = [m for m in base.evaluate.methods if m != "ngram"] or base.evaluate.methods
         extra.append(f"evaluate.methods=[{','.join(methods)}]")
@@ -246,7 +250,7 @@ def phase_train(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     it first."""
     _, config = c.size_run(size, variant)
     if variant and variant.own_vocab and not c.runner("eagle3.run.stages", ["vocab", "--config", str(config)],
-                                                      c.budgets["export"]):
+                                                      c.budgets["data"]):
         return False
     budget = c.budgets["train"] + size.tokens / TRAIN_TOKENS_PER_S
     if c.nproc > 1:
@@ -268,11 +272,11 @@ def phase_eval(c: Curve, size: Size, variant: Variant | None = None) -> bool:
 def phase_report(c: Curve) -> dict[str, Path]:
     """curve.md, curve.png and curve.json under runs/<name>/curve from every size measured so far."""
     base = base_config(c.preset, c.overrides)
-    results = {s.tokens: base.run_dir.parent / f"{base.run.name}-{s.label}" / "eval" / "results.json"
-               for s in c.sizes}
-    largest = c.sizes[-1]
-    sweep = {v.label: base.run_dir.parent / f"{base.run.name}-{largest.label}-{v.label}" / "eval" / "results.json"
-             for v in sweep_variants(base)}
+    def results_of(size: Size, variant: Variant | None = None) -> Path:
+        return base.run_dir.parent / run_name(base.run.name, size, variant) / "eval" / "results.json"
+
+    results = {s.tokens: results_of(s) for s in c.sizes}
+    sweep = {v.label: results_of(c.sizes[-1], v) for v in sweep_variants(base)}
     outputs = write_curve_report(results, base.run_dir / "curve", sweep)
     print(outputs["markdown"].read_text())
     return outputs

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PRESETS_DIR = REPO_ROOT / "configs"
@@ -56,6 +56,20 @@ def _relative_inside(value: str | None) -> str | None:
     if value is not None and (not value or Path(value).is_absolute() or ".." in Path(value).parts or "\0" in value):
         raise ValueError(f"{value!r} must be a relative path inside its folder (no leading '/', no '..')")
     return value
+
+
+def _switch_from_yaml(value: object) -> object:
+    """YAML reads a bare on/off as true/false: take those as "on"/"off"."""
+    return {True: "on", False: "off"}[value] if isinstance(value, bool) else value
+
+
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_switch_from_yaml)]
+"""An auto | on | off setting (written bare in YAML, on and off arrive as booleans)."""
+
+
+def switch_on(value: str, cuda: bool) -> bool:
+    """Whether a Switch is on: "on", or "auto" on CUDA."""
+    return value == "on" or (value == "auto" and cuda)
 
 
 class Section(BaseModel):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
-from eagle3.config_base import Operational, Section, _relative_inside
+from eagle3.config_base import Operational, Section, Switch, _relative_inside, switch_on
 
 class SGLangCaptureConfig(Section):
     """The SGLang capture backend: managed server(s) or existing endpoints."""
@@ -220,20 +220,14 @@ class EvaluateConfig(Section):
     """Compute dtype of target and drafter: auto = bfloat16 on cuda (4x faster there), float32 on cpu."""
     num_workers: int = Field(1, ge=1)
     """Processes evaluating prompt slices in parallel on one device (their wall times then include contention)."""
-    static_cache: Literal["auto", "on", "off"] = "auto"
+    static_cache: Switch = "auto"
     """Fixed-size KV caches and fixed-width forwards for target and drafter: auto = on for cuda, off for cpu."""
-    compile: Literal["auto", "on", "off"] = "auto"
+    compile: Switch = "auto"
     """Static-path kernels: auto = CUDA graphs of the eager forwards on cuda; on = Inductor's (minutes to compile)."""
     decode_rows: int | Literal["auto"] | None = "auto"
     """Static path: rows of every target decode forward (bit-exact chains in bf16); auto = 16 in bf16/fp16, none in fp32."""
     near_tie_logit_gap: float = Field(1e-3, ge=0)
     """A differing token within this logit gap of the reference's top-1 is a numerical near-tie, not a bug."""
-
-    @field_validator("static_cache", "compile", mode="before")
-    @classmethod
-    def _yaml_switch(cls, value: object) -> object:
-        """YAML reads a bare on/off as true/false: take those as "on"/"off"."""
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     def widest_verify(self) -> int:
         """Rows of the widest verify forward of the measured methods (the root included)."""
@@ -242,12 +236,16 @@ class EvaluateConfig(Section):
                    + [self.ngram_num_tokens + 1] * ("ngram" in self.methods))
 
     def resolved(self, device: str) -> EvaluateConfig:
-        """This section with ``dtype`` and ``decode_rows`` decided for ``device`` (cpu | cuda): no "auto" left."""
-        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+        """This section with ``dtype``, ``static_cache`` and ``decode_rows`` decided for ``device`` (cpu | cuda):
+        no "auto" left in them (decode_rows is None without the static path, where it has no effect)."""
+        cuda = device.startswith("cuda")
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if cuda else "float32")
+        static = switch_on(self.static_cache, cuda)
         rows = self.decode_rows
         if rows == "auto":
             rows = None if dtype == "float32" else min(64, max(16, self.widest_verify()))
-        return self.model_copy(update={"dtype": dtype, "decode_rows": rows})
+        return self.model_copy(update={"dtype": dtype, "static_cache": "on" if static else "off",
+                                       "decode_rows": rows if static else None})
 
     def limit_for(self, dataset: str) -> int | None:
         """How many prompts of ``dataset`` are measured (None = all)."""

@@ -210,7 +210,7 @@ class StaticTargetRunner(TargetRunner):
         if not self.cache.layers[0].is_initialized:  # the first forward allocates the cache: never compiled
             step: Callable[..., tuple[Tensor, ...]] = self._forward_rows
         else:
-            step = self.chunk_fn if len(ids) == CHUNK else self.step_fn
+            step = self.chunk_fn if len(ids) == CHUNK != self.widths[0] else self.step_fn  # chunks, not decodes
         out = step(ids, positions, write, visible)
         return tuple(t[:num] for t in out)
 

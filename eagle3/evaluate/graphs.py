@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from eagle3.config_base import switch_on
+
 RECOMPILE_LIMIT = 64
 """Dynamo's per-function recompile limit while compiled decoding is on: every (width, cache length) is one
 compile, and past the default limit (8) dynamo silently runs the function uncompiled."""
@@ -142,7 +144,7 @@ def resolve_decode(static_cache: str, compile_mode: str, device: str) -> tuple[b
     in seconds; an error falls back to eager); on: Inductor's kernels (inside the graphs on CUDA); off: neither.
     """
     cuda = device.startswith("cuda")
-    static = static_cache == "on" or (static_cache == "auto" and cuda)
+    static = switch_on(static_cache, cuda)
     if compile_mode == "on" and not static:
         raise ValueError("compiled decoding needs the static cache")
     graphs = static and cuda and compile_mode != "off"

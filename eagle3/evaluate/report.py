@@ -85,10 +85,9 @@ def _rates(values: Sequence[float | None]) -> str:
 
 
 def _kernels_line(settings: EvalSettings) -> str:
-    """How the target's decode forwards ran, when the static path padded them to one width (greedy too)."""
-    static = settings.evaluate.get("static_cache") == "on" or (
-        settings.evaluate.get("static_cache", "auto") == "auto" and settings.device == "cuda")
-    rows = settings.evaluate.get("decode_rows") if static else None
+    """How the target's decode forwards ran, when the static path padded them to one width (greedy too).
+    ``settings.evaluate`` is the resolved section: decode_rows is an int only where the static path used it."""
+    rows = settings.evaluate.get("decode_rows")
     if not isinstance(rows, int):
         return ""
     return (f" Static path: every decode forward {rows} rows wide, greedy included, so speedups are against a "

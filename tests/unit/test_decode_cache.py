@@ -272,7 +272,8 @@ def test_evaluate_auto_dtype_and_decode_rows_resolve_per_device():
     assert wide.decode_rows == 24
     fixed = EvaluateConfig(dtype="float32", decode_rows=8).resolved("cuda")
     assert (fixed.dtype, fixed.decode_rows) == ("float32", 8)
-    assert EvaluateConfig(dtype="float16").resolved("cpu").decode_rows == 16
+    assert EvaluateConfig(dtype="float16", static_cache="on").resolved("cpu").decode_rows == 16
+    assert EvaluateConfig(dtype="float16").resolved("cpu").decode_rows is None  # no static path on cpu: unused
 
 
 def test_compiled_step_falls_back_to_eager_with_its_reason_and_fails_loudly_without_fallback():

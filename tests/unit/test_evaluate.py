@@ -123,13 +123,18 @@ def test_report_says_when_speeds_come_from_processes_sharing_a_device():
 def test_report_says_when_greedy_ran_padded_to_the_decode_width():
     """On the static path with decode_rows the report says greedy ran padded like the verifies; not on CPU."""
     rows = summarize_all([_record(0, [3, 3], [3, 1], [4, 2], 1.0)], ["m"])
-    settings = EvalSettings({"decode_rows": 16, "static_cache": "auto"}, target="t", target_dir="t",
+    section = EvaluateConfig()
+    settings = EvalSettings(section.resolved("cuda").model_dump(mode="json"), target="t", target_dir="t",
                             target_fingerprint="f", export_dir="e", aux_layer_ids=None, device="cuda", gpu=None,
                             dtype="bfloat16", max_new_tokens=8, num_prompts={"mtbench": 1}, stop_ids=[], ngram="n",
                             methods=[], num_workers=1, torch="", transformers="")
     assert "every decode forward 16 rows wide, greedy included" in report_markdown(rows, settings)
-    assert "rows wide" not in report_markdown(rows, replace(settings, device="cpu"))
-    assert "rows wide" not in report_markdown(rows, replace(settings, evaluate={"decode_rows": None}))
+    on_cpu = replace(settings, device="cpu", evaluate=section.resolved("cpu").model_dump(mode="json"))
+    assert "rows wide" not in report_markdown(rows, on_cpu)
+    unpadded = EvaluateConfig(decode_rows=None).resolved("cuda").model_dump(mode="json")
+    assert "rows wide" not in report_markdown(rows, replace(settings, evaluate=unpadded))
+    no_static = EvaluateConfig(static_cache="off", compile="off").resolved("cuda").model_dump(mode="json")
+    assert "rows wide" not in report_markdown(rows, replace(settings, evaluate=no_static))
 
 
 def test_config_defaults_and_checks():
