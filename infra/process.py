@@ -140,6 +140,22 @@ def port_in_use(host: str, port: int, timeout_s: float = 1.0) -> bool:
         return False
 
 
+def port_bindable(host: str, port: int) -> bool:
+    """True when a listening server could bind host:port now (as HTTP servers do, with SO_REUSEADDR).
+
+    A port can be taken without anything listening on it: the local end of an outgoing
+    connection holds a port from the same range the kernel hands out, and a server then
+    fails with "Address already in use" however often it is restarted.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 class ProcessDiedError(RuntimeError):
     """A supervised child died more often than its restart policy allows."""
 

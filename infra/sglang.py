@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from infra.process import ProcessDiedError, RestartPolicy, SupervisedProcess, port_in_use
+from infra.process import ProcessDiedError, RestartPolicy, SupervisedProcess, port_bindable, port_in_use
 from infra.storage import private_write_text
 from infra.sglang_spec import (  # noqa: F401 (re-exported: callers import the spec from infra.sglang)
     CAPTURE_MODES,
@@ -348,12 +348,19 @@ class ManagedServer:
         """True only between a passed probe and the next death or stop."""
         return self._ready.is_set() and self._failure is None and not self._stopping.is_set()
 
-    def start(self) -> ReadyReport:
-        """Launch and probe, restarting a child that dies during start-up; ServerStartError if never ready."""
+    def check_port(self) -> None:
+        """ServerStartError unless this server's port is free to listen on (call before a slow launch)."""
         if port_in_use(self.spec.host, self.spec.port):
             # The probe would talk to that server instead of ours, and might even find it healthy.
             raise ServerStartError(f"{self.spec.host}:{self.spec.port} already answers: stop that server "
                                    "(a stale one?) or pick another port")
+        if not port_bindable(self.spec.host, self.spec.port):
+            raise ServerStartError(f"{self.spec.host}:{self.spec.port} is held by another socket (nothing "
+                                   "answers there, but the server could not bind it): pick another port")
+
+    def start(self) -> ReadyReport:
+        """Launch and probe, restarting a child that dies during start-up; ServerStartError if never ready."""
+        self.check_port()
         if self.key_file is not None:
             private_write_text(self.key_file, self.spec.key_file_text())
             _make_private(self.log_path)

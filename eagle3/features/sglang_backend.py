@@ -392,7 +392,9 @@ def _launch_servers(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, api_key:
                                    expect=ProbeExpectations(hidden_size=spec.hidden_size, vocab_size=spec.vocab_size),
                                    startup_timeout_s=sg.startup_timeout_s,
                                    policy=RestartPolicy(max_restarts=sg.max_restarts))
+            server.check_port()  # both ports, before the first launch spends minutes loading weights
             servers.append(server)
+        for server in servers:
             server.start()
     except BaseException:
         for server in servers:

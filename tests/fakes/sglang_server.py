@@ -309,11 +309,11 @@ class FakeSGLangServer:
 
 def two_free_ports() -> int:
     """A free port whose successor is free too: the fake baseline and speculative servers listen on both."""
-    from infra.process import free_port, port_in_use
+    from infra.process import free_port, port_bindable
 
     for _ in range(20):
         port = free_port()
-        if port < 65535 and not port_in_use("127.0.0.1", port + 1):
+        if port < 65535 and port_bindable("127.0.0.1", port + 1):
             return port
     raise RuntimeError("no two adjacent free ports")
 

@@ -29,7 +29,7 @@ from infra.sglang import (
     probe_ready,
 )
 from tests.fakes.sglang_model import Faults, LaunchArgs, fake_hidden_rows, fake_topk
-from tests.fakes.sglang_server import FakeSGLangServer
+from tests.fakes.sglang_server import FakeSGLangServer, two_free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 H, LAYERS, VOCAB = 16, 8, 256
@@ -399,7 +399,7 @@ def _fake_gpu_host(tmp_path, monkeypatch):
 def test_from_config_launches_owns_and_stops_both_servers(tmp_path, monkeypatch):
     """Without endpoints it checks the GPU, launches aux + final servers (fake), captures, and close() kills both."""
     model = _fake_gpu_host(tmp_path, monkeypatch)
-    cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=free_port(), startup_timeout_s=30)
+    cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=two_free_ports(), startup_timeout_s=30)
     b = SGLangCaptureBackend.from_config(cfg, model, feature_spec(), module="tests.fakes.sglang_server")
     try:
         (captured,) = list(b.capture(samples(1)))
@@ -412,6 +412,22 @@ def test_from_config_launches_owns_and_stops_both_servers(tmp_path, monkeypatch)
     assert (tmp_path / "r" / "logs" / "sglang-capture_final.log").exists()
     assert_matches_fake(captured, samples(1)[0])
     np.testing.assert_array_equal(captured.final.numpy(), fake_hidden_rows(samples(1)[0].input_ids, [LAYERS], H))
+
+
+def test_a_held_final_port_is_refused_by_name_before_any_server_launches(tmp_path, monkeypatch):
+    """A socket bound (not listening) on port + 1 stops the launch up front, naming that port; nothing starts."""
+    import socket
+
+    model = _fake_gpu_host(tmp_path, monkeypatch)
+    port = two_free_ports()
+    launched: list[str] = []
+    monkeypatch.setattr(ManagedServer, "start", lambda self: launched.append(self.spec.mode))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port + 1))  # like the local end of an outgoing connection: bound, not listening
+        cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=port, startup_timeout_s=30)
+        with pytest.raises(ServerStartError, match=f"127.0.0.1:{port + 1} is held by another socket"):
+            SGLangCaptureBackend.from_config(cfg, model, feature_spec(), module="tests.fakes.sglang_server")
+    assert launched == []
 
 
 def test_managed_endpoints_hand_the_key_to_shard_backends_in_memory_not_the_environment(tmp_path, monkeypatch):
