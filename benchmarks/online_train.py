@@ -5,7 +5,9 @@ documents) and the same drafter step (eagle3.train.loop: supervise -> backward_r
   offline  the capture stage's writer first stores every document's states as shards (capture_and_write, the
            stage's own code, default settings), then training reads each row back through RowLoader
            (safetensors slices, pinned, prefetched on a thread) -> the step;
-  online   RowLoader over the token ids alone, OnlineFeatures.fill runs the frozen target on the device -> the step.
+  online   RowLoader over the token ids alone, OnlineFeatures.fill runs the frozen target on the device -> the step,
+           once per --online-forward mode: packed (a row in one forward, documents kept apart by a flex mask)
+           and padded (a row's documents as padded batches); each mode also prints the target's rate alone.
 Printed per mode after --warmup untimed steps: training tokens/s, peak GiB; offline also the capture's tokens/s,
 bytes on disk and the tokens/s of capture + one epoch together (what offline costs when the features are
 used once). Documents: real lengths from a --tokens-file (benchmarks/capture.py --save-tokens), or random.
@@ -135,6 +137,46 @@ def train_pass(cfg, objective, loader: RowLoader, fill, info: DistInfo, warmup: 
     return time.perf_counter() - start, tokens, peak
 
 
+def target_rate(online: OnlineFeatures, loader: RowLoader, fdt: torch.dtype, device: torch.device,
+                warmup: int) -> float:
+    """Tokens/s of the online target alone (row_states, no drafter step) over the loader's rows after ``warmup``."""
+    tokens, start = 0, 0.0
+    for k, row in enumerate(loader):
+        if k == warmup:
+            _sync(device)
+            start = time.perf_counter()
+        batch = batch_to(row.batch, device)
+        online.row_states(batch, list(row.lengths), fdt)
+        tokens += row.num_tokens if k >= warmup else 0
+    _sync(device)
+    return tokens / (time.perf_counter() - start)
+
+
+def online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs, fdir, fdt, info,
+                mode: str) -> tuple[float, float]:
+    """Online training over ``rows`` with train.online_forward=``mode``: prints the target's and the step's rates."""
+    device = info.device
+    online = OnlineFeatures(backend, spec, mode)
+
+    def loader() -> RowLoader:
+        return RowLoader(fdir, rows, args.seq_len, fdt, depth=2, pin_memory=device.type == "cuda",
+                         reader=MemoryTokens(docs))
+
+    with torch.no_grad():
+        target_tok_s = target_rate(online, loader(), fdt, device, args.warmup)
+    torch.manual_seed(0)
+    on_obj = build_objective(cfg, model, shape, draft_vocab, device)
+    on_s, on_tokens, on_gib = train_pass(cfg, on_obj, loader(), lambda b, r: online.fill(b, list(r.lengths), fdt),
+                                         info, args.warmup)
+    on_tok_s = on_tokens / on_s
+    print(f"online train ({mode} target forward): {on_tok_s:,.0f} tokens/s, peak {on_gib:.1f} GiB; the target "
+          f"alone {target_tok_s:,.0f} tokens/s", flush=True)
+    del on_obj
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return on_tok_s, on_gib
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", choices=sorted(SHAPES), default="smollm2")
@@ -145,6 +187,8 @@ def main() -> None:
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--tokens-file", type=Path, default=None, help="real documents (benchmarks/capture.py --save-tokens)")
     p.add_argument("--device", default="cuda", help="cuda (figures), or cpu for a smoke run with --num-layers 4")
+    p.add_argument("--online-forward", default="packed,padded",
+                   help="train.online_forward modes to time, comma-separated (packed: one forward per row)")
     p.add_argument("--out-dir", type=Path, default=None, help="where the offline shards go (default: a temp dir)")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -197,22 +241,19 @@ def main() -> None:
         del off_obj
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        # online: token ids only; the frozen target fills each row on the device
-        online = OnlineFeatures(backend, spec)
-        torch.manual_seed(0)
-        on_obj = build_objective(cfg, model, shape, draft_vocab, device)
-        loader = RowLoader(fdir, rows, args.seq_len, fdt, depth=2, pin_memory=device.type == "cuda", reader=MemoryTokens(docs))
-        on_s, on_tokens, on_gib = train_pass(cfg, on_obj, loader,
-                                             lambda b, r: online.fill(b, list(r.lengths), fdt),
-                                             info, args.warmup)
-        on_tok_s = on_tokens / on_s
-        print(f"online train: {on_tok_s:,.0f} tokens/s, peak {on_gib:.1f} GiB (target forward inside the step)",
-              flush=True)
+        # online: token ids only; the frozen target fills each row on the device, per forward mode
+        rates = {}
+        for mode in args.online_forward.split(","):
+            rates[mode] = online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs, fdir, fdt,
+                                      info, mode)
         both = 1 / (1 / (num_tokens / capture_s) + 1 / off_tok_s)
-        print(f"summary: online_tok_s={on_tok_s:,.0f} offline_train_tok_s={off_tok_s:,.0f} "
-              f"offline_capture_plus_one_epoch_tok_s={both:,.0f} online_over_offline_train={on_tok_s / off_tok_s:.3f} "
-              f"online_over_capture_plus_epoch={on_tok_s / both:.3f} disk_bytes_per_token={disk / num_tokens:,.0f} "
-              f"peak_gib_online={on_gib:.1f} peak_gib_offline={off_gib:.1f}", flush=True)
+        for mode, (on_tok_s, on_gib) in rates.items():
+            print(f"summary: online_forward={mode} online_tok_s={on_tok_s:,.0f} offline_train_tok_s={off_tok_s:,.0f} "
+                  f"offline_capture_plus_one_epoch_tok_s={both:,.0f} online_over_offline_train={on_tok_s / off_tok_s:.3f} "
+                  f"online_over_capture_plus_epoch={on_tok_s / both:.3f} disk_bytes_per_token={disk / num_tokens:,.0f} "
+                  f"peak_gib_online={on_gib:.1f} peak_gib_offline={off_gib:.1f}", flush=True)
+        if {"packed", "padded"} <= rates.keys():
+            print(f"packed_over_padded_online={rates['packed'][0] / rates['padded'][0]:.3f}", flush=True)
     finally:
         if args.out_dir is None:
             shutil.rmtree(out, ignore_errors=True)

@@ -137,6 +137,8 @@ class TrainConfig(Section):
     """Data parallelism under torchrun: DDP (replicated weights) or FSDP2 (fully_shard, sharded state)."""
     target_sharding: Literal["auto", "replicate", "fsdp"] = Operational("auto")
     """Online target per rank: a full copy, or FSDP2-sharded over the ranks; auto = fsdp on >1 GPU when it fills half their free memory."""
+    online_forward: Literal["auto", "packed", "padded"] = Operational("auto")
+    """Online target per row: packed = one forward, documents kept apart by a mask; padded = documents as padded batches; auto = packed where the target allows it."""
     device: Literal["auto", "cpu", "cuda"] = Operational("auto")
     """Where to train: auto = cuda:LOCAL_RANK when CUDA is available, else cpu."""
     aux_noise: Literal["none", "uniform", "gaussian"] = "none"

@@ -390,10 +390,13 @@ def compiled_step_pieces(backend: str = "inductor") -> tuple[Any, Any]:
             torch.compile(step_outputs, dynamic=False, backend=backend))
 
 
-def flex_attention_over(q: Tensor, keys: Tensor, values: Tensor, block_mask: Any) -> Tensor:
-    """flex_attention of q [B, nH, T, hd] over a whole key layout [B, nKV, L, hd] that ``block_mask`` covers."""
+def flex_attention_over(q: Tensor, keys: Tensor, values: Tensor, block_mask: Any, scale: float | None = None) -> Tensor:
+    """flex_attention of q [B, nH, T, hd] over a whole key layout [B, nKV, L, hd] that ``block_mask`` covers.
+
+    ``scale``: the score scale (None: 1 / sqrt(hd)).
+    """
     attend = _compiled_flex_attention() if q.is_cuda else flex_attention
-    return attend(q, keys, values, block_mask=block_mask, enable_gqa=True)
+    return attend(q, keys, values, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 # ---------------------------------------------------------------------------------------------- init, export

@@ -36,7 +36,6 @@ between shards.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -45,14 +44,13 @@ from typing import Any
 
 import torch
 
+from eagle3.features.attention import (ATTENTION, PackedDocs, Samples, attention_context, document_block_mask,
+                                      enable, per_sample_for)
 from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens
 
-PER_SAMPLE_ATTENTION = "eagle3_per_sample_sdpa"
-"""Name under which the per-sample SDPA attention is registered with transformers."""
 LOGITS_CHUNK_BYTES = 1 << 28
 """fp32 logits kept at once by the top-K pass (256 MiB)."""
 
-_LENGTHS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("eagle3_sample_lengths", default=None)
 _MODELS: dict[tuple, Any] = {}
 _MODELS_LOCK = threading.Lock()
 _DEVICE_LOCKS: dict[str, threading.Lock] = {}
@@ -86,7 +84,7 @@ def load_model(model_dir: Path, dtype: str, device: str, device_map: str | None 
     if not device_map:
         model = model.to(device)
     model.eval()
-    enable_per_sample_attention(model)
+    enable(model)
     return model
 
 
@@ -108,60 +106,6 @@ def clear_model_cache() -> None:
         _MODELS.clear()
 
 
-# ---- per-sample attention -------------------------------------------------------------------------
-
-
-def _per_sample_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """SDPA on each sample's unpadded prefix; q [B, Hq, L, D], k/v [B, Hkv, L, D] -> [B, L, Hq, D]."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    lengths = _LENGTHS.get()
-    if lengths is None or len(lengths) != query.shape[0] or query.shape[2] != key.shape[2]:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    batch, heads, seq, _ = query.shape
-    out = query.new_zeros(batch, seq, heads, value.shape[-1])  # [B, L, Hq, Dv]; padded rows stay 0
-    for b, n in enumerate(lengths):
-        sample_out, _ = sdpa_attention_forward(module, query[b:b + 1, :, :n], key[b:b + 1, :, :n],
-                                               value[b:b + 1, :, :n], None, **kwargs)  # [1, n, Hq, Dv]
-        out[b, :n] = sample_out[0]
-    return out, None
-
-
-def _per_sample_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """No [B, 1, L, L] mask when lengths are known (the attention slices instead); else the SDPA mask."""
-    from transformers.masking_utils import sdpa_mask
-
-    return None if _LENGTHS.get() is not None else sdpa_mask(*args, **kwargs)
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(PER_SAMPLE_ATTENTION, _per_sample_sdpa)
-    AttentionMaskInterface.register(PER_SAMPLE_ATTENTION, _per_sample_mask)
-
-
-def supports_per_sample_attention(config: Any) -> bool:
-    """Causal full attention through SDPA: dropping the mask loses nothing (no sliding windows)."""
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", PER_SAMPLE_ATTENTION):
-        return False
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return all(t == "full_attention" for t in layer_types)
-    return getattr(config, "sliding_window", None) is None
-
-
-def enable_per_sample_attention(model: Any) -> bool:
-    """Switch a model to the per-sample attention when that is exact for it; returns whether it did."""
-    if not supports_per_sample_attention(model.config):
-        return False
-    _register_attention()
-    model.set_attn_implementation(PER_SAMPLE_ATTENTION)
-    return True
-
-
 # ---- batching --------------------------------------------------------------------------------------
 
 AUTO_CPU_TOKENS = 4096
@@ -170,17 +114,6 @@ AUTO_MAX_TOKENS = 65536
 """Upper bound of the auto budget on a GPU: past ~32K padded tokens a forward no longer gets faster per token."""
 AUTO_MEMORY_SHARE = 0.5
 """Share of the free GPU memory the auto budget may plan for (the rest: allocator slack, host-copy overlap)."""
-
-
-def per_sample_for(setting: bool | str | None, device: torch.device) -> bool:
-    """capture.per_sample_attention resolved: auto (or None) = per-sample on CPU only.
-
-    On a CPU the per-sample calls cost little and buy bitwise batch invariance; on a GPU one attention launch
-    per sample and layer leaves it idle (30 layers x thousands of short samples), so padded batches win.
-    """
-    if setting in ("auto", None):
-        return torch.device(device).type == "cpu"
-    return bool(setting)
 
 
 def activation_bytes_per_token(config: Any, num_outputs: int, dtype: torch.dtype) -> int:
@@ -236,6 +169,8 @@ class _Inputs:
     input_ids: torch.Tensor  # [B, L] int64
     attention_mask: torch.Tensor  # [B, L] int64
     rows: torch.Tensor  # [N] int64 into the flattened [B * L] positions
+    position_ids: torch.Tensor | None = None  # [1, T] packed rows only: positions restart in each document
+    packed: PackedDocs | None = None  # packed rows only: the documents and their attention mask
 
 
 @dataclass
@@ -277,10 +212,10 @@ class HFCaptureBackend:
         self.pinned_handoff = pinned_handoff
         self.input_device = self.decoder.embed_tokens.weight.device
         wants_per_sample = per_sample_for(batch_invariant, self.input_device)
-        if wants_per_sample and model is not None:
-            enable_per_sample_attention(self.model)
-        attention = self.model.config._attn_implementation
-        self.per_sample = wants_per_sample and attention == PER_SAMPLE_ATTENTION
+        if model is not None:
+            enable(self.model)
+        self.sliced = self.model.config._attn_implementation == ATTENTION  # per-sample and packed rows possible
+        self.per_sample = wants_per_sample and self.sliced
         if max_tokens_per_batch == "auto":
             weight_dtype = self.decoder.embed_tokens.weight.dtype
             max_tokens_per_batch = auto_tokens_per_batch(self.model.config, len(self.aux_layer_ids) + 1,
@@ -329,17 +264,18 @@ class HFCaptureBackend:
             handles = [self.decoder.layers[j].register_forward_hook(_keep_rows(store, j, rows_for))
                        for j in sorted(set(self.aux_layer_ids))]
             handles.append(self.decoder.norm.register_forward_hook(_keep_rows(store, "final", rows_for)))
-        token = _LENGTHS.set(inputs.lengths if self.per_sample else None)
+        context = inputs.packed or (Samples(tuple(inputs.lengths)) if self.per_sample else None)
         try:
-            self._forward(inputs)
+            with attention_context(context):
+                self._forward(inputs)
         finally:
-            _LENGTHS.reset(token)
             for handle in handles:
                 handle.remove()
 
     def _forward(self, inputs: _Inputs) -> None:
         """The decoder alone (no lm_head); the hooks keep what is needed."""
-        self.decoder(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, use_cache=False)
+        self.decoder(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                     position_ids=inputs.position_ids, use_cache=False)
 
     def _outputs(self, store: dict) -> dict[str, torch.Tensor]:
         """Hook rows -> aux [N, A*H] (+ final [N, H] or top-K [N, K]) on the input device."""
@@ -420,6 +356,32 @@ class HFCaptureBackend:
     def batch_states(self, batch: list[SampleTokens]) -> dict[str, torch.Tensor]:
         """One forward over ``batch``: its [N, ...] outputs concatenated in order, on the device."""
         inputs = self._inputs(batch)
+        store: dict = {}
+        with self.lock:
+            self._run_decoder(inputs, store)
+        return self._outputs(store)
+
+    def packed_states(self, input_ids: torch.Tensor, document_ids: torch.Tensor, position_ids: torch.Tensor,
+                      num_real: int, flex: bool | None = None) -> dict[str, torch.Tensor]:
+        """One forward over a packed row, documents kept apart by the attention: [num_real, ...] outputs.
+
+        input_ids, document_ids, position_ids: [1, T] on the input device, documents contiguous, positions
+        restarting at 0 in each, the real tokens first (``num_real`` of them; the rest is padding, a document
+        of its own). On CUDA the whole row runs with a flex document mask (one shape, one compile); elsewhere
+        only the real tokens run, with SDPA per document (attention module docstring). ``flex`` overrides that
+        choice (None: flex on CUDA); on a CPU flex_attention runs uncompiled, a reference for the CUDA path.
+        """
+        if not self.sliced:
+            raise ValueError("packed rows need causal full attention through SDPA "
+                             f"(this target uses {self.model.config._attn_implementation!r})")
+        flex = self.input_device.type == "cuda" if flex is None else flex
+        if not flex:
+            input_ids, document_ids, position_ids = (t[:, :num_real] for t in (input_ids, document_ids, position_ids))
+        docs = document_ids[0]
+        lengths = tuple(torch.unique_consecutive(docs, return_counts=True)[1].tolist())  # one sync per row
+        packed = PackedDocs(lengths, document_block_mask(docs) if flex else None)
+        inputs = _Inputs([], [docs.shape[0]], input_ids, None, torch.arange(num_real, device=docs.device),
+                         position_ids=position_ids, packed=packed)
         store: dict = {}
         with self.lock:
             self._run_decoder(inputs, store)

@@ -5,15 +5,17 @@ computes the same tensors on the training device, row by row, and never writes t
 is meant literally:
   * the target is loaded exactly as the capture stage loads it (``target.dtype``, eval mode, the same
     attention choice ``capture.per_sample_attention``) and run through the capture backend's own decoder
-    forward and hooks (``HFCaptureBackend.device_states``), so the aux ids, the output-of-layer convention
-    and the post-norm final state cannot drift between the two modes;
+    forward and hooks (``HFCaptureBackend.packed_states`` or ``device_states``), so the aux ids, the
+    output-of-layer convention and the post-norm final state cannot drift between the two modes;
   * each state is rounded to its storage dtype (``capture.dtype`` / ``capture.aux_dtype``, fp8 included) and
     then to the trainer's compute dtype, as a shard write followed by a shard read would do.
-Each document of a packed row runs as a sample of its own (positions from 0, no attention across
+Each document of a packed row is seen as a sample of its own (positions from 0, no attention across
 documents), cut to the tokens the row takes, which for a causal model equals cutting the captured states.
-On a CPU (per-sample attention) the states are bitwise the captured ones; on a GPU the documents are batched
-differently from the capture's batches (padded SDPA, cuBLAS picks kernels by shape), so they agree to the
-rounding of the compute dtype, not bit for bit.
+``train.online_forward`` says how: ``packed`` runs the whole row in one forward whose attention keeps the
+documents apart (a flex document mask on CUDA, SDPA per document on a CPU); ``padded`` runs its documents as
+padded batches; ``auto`` is packed where the target's attention allows it. On a CPU the states are bitwise the
+captured ones either way; on a GPU the shapes differ from the capture's batches (cuBLAS picks kernels by
+shape), so they agree to the rounding of the compute dtype, not bit for bit.
 
 The trainer reads token ids and loss masks from ``tokenized.parquet`` (``TokenReader``, a drop-in for the
 ShardReader in the row loader) and hands each collated row to ``OnlineFeatures.fill`` on the device.
@@ -25,6 +27,7 @@ equal, as its collectives need); ``auto`` picks fsdp on several GPUs when the ta
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,8 @@ import torch
 from torch import Tensor
 
 from eagle3.features.spec import FeatureSpec, SampleTokens
+
+log = logging.getLogger("eagle3.train")
 
 
 class TokenReader:
@@ -69,6 +74,15 @@ def _storage_round(x: Tensor, dtype_name: str, compute: torch.dtype) -> Tensor:
     return x.to(getattr(torch, dtype_name)).to(compute)
 
 
+def packed_for(forward: str, backend: Any) -> bool:
+    """train.online_forward resolved for a backend: packed rows need its sliced attention (causal, full, SDPA)."""
+    if forward == "packed" and not backend.sliced:
+        raise ValueError("train.online_forward=packed: the target's attention is "
+                         f"{backend.model.config._attn_implementation!r}, not causal full attention through SDPA; "
+                         "use padded (or auto)")
+    return forward == "packed" or (forward == "auto" and backend.sliced)
+
+
 def _pad_rows(x: Tensor, length: int, value: float = 0.0) -> Tensor:
     """[n, ...] -> [1, length, ...] filled with ``value`` after row n (the row's padding document)."""
     out = x.new_full((length, *x.shape[1:]), value)
@@ -79,9 +93,11 @@ def _pad_rows(x: Tensor, length: int, value: float = 0.0) -> Tensor:
 class OnlineFeatures:
     """Fills a collated row's aux and supervision on the device from the frozen target (module docstring)."""
 
-    def __init__(self, backend: Any, spec: FeatureSpec):
+    def __init__(self, backend: Any, spec: FeatureSpec, forward: str = "padded", fallback: bool = False):
         self.spec, self.backend = spec, backend  # backend: an HFCaptureBackend on the training device
         self.backend.model.requires_grad_(False)
+        self.packed = packed_for(forward, backend)
+        self.fallback = fallback and forward == "auto"  # auto: a packed forward that fails falls back to padded
 
     @classmethod
     def from_config(cls, cfg: Any, model_dir: Path, spec: FeatureSpec, device: torch.device,
@@ -90,21 +106,21 @@ class OnlineFeatures:
         with ``info`` (the trainer's DistInfo) sharded over the ranks when train.target_sharding resolves to fsdp."""
         from eagle3.features.hf_backend import HFCaptureBackend
 
+        forward = cfg.train.online_forward
         if info is not None:
             from eagle3.train.target_shard import resolve_sharding, sharded_backend
 
             if resolve_sharding(cfg.train.target_sharding, info, model_dir, cfg.target.dtype) == "fsdp":
-                return cls(sharded_backend(cfg, model_dir, spec, info), spec)
+                # no fallback: every rank must run the same forwards, or the shards' collectives hang
+                return cls(sharded_backend(cfg, model_dir, spec, info), spec, forward)
         cap = cfg.capture
         backend = HFCaptureBackend.from_spec(model_dir, spec, device=str(device), dtype=cfg.target.dtype,
                                              max_tokens_per_batch=cap.max_tokens_per_batch,
                                              batch_invariant=cap.per_sample_attention)
-        return cls(backend, spec)
+        return cls(backend, spec, forward, fallback=True)
 
-    def states(self, documents: list[SampleTokens], compute: torch.dtype) -> dict[str, Tensor]:
-        """Concatenated [N, ...] states of ``documents`` in order, rounded as stored, on the device."""
-        with torch.no_grad():
-            raw = self.backend.device_states(documents)
+    def _rounded(self, raw: dict[str, Tensor], compute: torch.dtype) -> dict[str, Tensor]:
+        """The backend's states rounded as stored, then to the compute dtype."""
         spec = self.spec
         out = {"aux": _storage_round(raw["aux"], spec.aux_dtype, compute)}  # [N, A*H]
         if "final" in raw:
@@ -113,19 +129,40 @@ class OnlineFeatures:
             out["topk_ids"], out["topk_logprobs"] = raw["topk_ids"].long(), raw["topk_logprobs"].float()
         return out
 
-    def fill(self, batch: Any, lengths: list[int], compute: torch.dtype) -> Any:
-        """The TTTBatch with aux/final (or top-K) of its documents; ``lengths``: tokens of each real document."""
-        from eagle3.train.data import TOPK_PAD_LOGPROB
+    def states(self, documents: list[SampleTokens], compute: torch.dtype) -> dict[str, Tensor]:
+        """Concatenated [N, ...] states of ``documents`` in order (padded batches), rounded as stored, on the device."""
+        with torch.no_grad():
+            return self._rounded(self.backend.device_states(documents), compute)
 
-        ids = batch.input_ids[0]  # [T]
-        mask = batch.loss_mask[0]
+    def row_states(self, batch: Any, lengths: list[int], compute: torch.dtype) -> dict[str, Tensor]:
+        """[n, ...] states of a collated row's n real tokens: one packed forward, or its documents as batches."""
+        if self.packed:
+            try:
+                with torch.no_grad():
+                    raw = self.backend.packed_states(batch.input_ids, batch.document_ids, batch.position_ids,
+                                                     sum(lengths))
+                return self._rounded(raw, compute)
+            except Exception as exc:  # noqa: BLE001 (named in the warning; auto only, never sharded)
+                if not self.fallback:
+                    raise
+                log.warning("train: the online target's packed forward failed (%s: %s); running each row's "
+                            "documents as padded batches from now on (train.online_forward=padded skips the try)",
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                self.packed = False
+        ids, mask = batch.input_ids[0], batch.loss_mask[0]  # [T]
         docs, start = [], 0
         host_ids, host_mask = ids.tolist(), mask.tolist()  # one sync per row
         for k, n in enumerate(lengths):
             docs.append(SampleTokens(f"doc{k}", host_ids[start:start + n], host_mask[start:start + n]))
             start += n
-        states = self.states(docs, compute)
-        length = ids.shape[0]
+        return self.states(docs, compute)
+
+    def fill(self, batch: Any, lengths: list[int], compute: torch.dtype) -> Any:
+        """The TTTBatch with aux/final (or top-K) of its documents; ``lengths``: tokens of each real document."""
+        from eagle3.train.data import TOPK_PAD_LOGPROB
+
+        states = self.row_states(batch, lengths, compute)
+        length = batch.input_ids.shape[1]
         fields: dict[str, Tensor] = {"aux": _pad_rows(states["aux"], length)}  # [1, T, A*H]
         if "final" in states:
             fields["final_hidden"] = _pad_rows(states["final"], length)  # [1, T, H]

@@ -93,8 +93,8 @@ class ShardedCaptureBackend(HFCaptureBackend):
 
     def _forward(self, inputs: Any) -> None:
         # the root forward gathers the root's parameters; the decoder hooks see what model.model would give
-        self.model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, use_cache=False,
-                   logits_to_keep=1)
+        self.model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                   position_ids=inputs.position_ids, use_cache=False, logits_to_keep=1)
 
     def _topk(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.model.unshard()  # lm_head is a root parameter: gathered for the chunked head pass, then freed

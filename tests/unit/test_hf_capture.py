@@ -11,6 +11,7 @@ import torch
 
 from eagle3.config import RunConfig, TinyTargetConfig, load_config
 from eagle3.features import hf_backend
+from eagle3.features.attention import ATTENTION
 from eagle3.features.capture import (
     MANIFEST_FILE,
     SpecMismatchError,
@@ -141,7 +142,7 @@ def test_get_model_is_cached_per_target(tmp_path):
     try:
         first = get_model(target, "float32", "cpu")
         assert get_model(target, "float32", "cpu") is first
-        assert first.config._attn_implementation == hf_backend.PER_SAMPLE_ATTENTION
+        assert first.config._attn_implementation == ATTENTION
     finally:
         hf_backend.clear_model_cache()
 

@@ -48,6 +48,15 @@ def _tiny(tied: bool):
     return model
 
 
+def _packed_row(docs) -> tuple:
+    """(input_ids, document_ids, position_ids [1, T], real tokens) of ``docs`` packed into one row, 5 pad tokens."""
+    lengths = [len(d.input_ids) for d in docs] + [5]
+    ids = torch.tensor([t for d in docs for t in d.input_ids] + [0] * 5)
+    doc_ids = torch.cat([torch.full((n,), k) for k, n in enumerate(lengths)])
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    return ids[None], doc_ids[None], pos[None], sum(lengths) - 5
+
+
 def _states_worker(rank: int, port: int, out_dir: str) -> None:
     """One rank: every row's states through the sharded target equal the replicated target's, bitwise."""
     import torch.distributed as dist
@@ -71,6 +80,11 @@ def _states_worker(rank: int, port: int, out_dir: str) -> None:
             assert torch.equal(got[name], want[name]), (supervision, name)
         n_last = len(docs[-1].input_ids)
         assert torch.equal(got_again["aux"][:n_last], want["aux"][-n_last:])
+        row = _packed_row(docs)  # train.online_forward=packed: the row in one forward on both
+        with torch.no_grad():
+            want_packed, got_packed = whole.packed_states(*row), sharded.packed_states(*row)
+        for name in want:
+            assert torch.equal(got_packed[name], want_packed[name]), (supervision, name, "packed")
     with open(os.path.join(out_dir, f"ok{rank}"), "w") as f:
         f.write("checked")
     dist.destroy_process_group()
