@@ -127,6 +127,9 @@ class StaticTargetRunner(TargetRunner):
         self.move_fn = CompiledStep(self._move_rows, compile_settings, self.device, "target cache row move")
         self._allocate(_round_up(capacity))
 
+    def compiled_steps(self) -> list[CompiledStep]:
+        return [self.step_fn, self.chunk_fn, self.move_fn]
+
     def reset(self) -> None:
         """An empty cache (its memory is kept)."""
         self._length = 0
@@ -263,6 +266,9 @@ class StaticDrafterRunner(DrafterRunner):
         self._settings = compile_settings
         self._rounds: dict[tuple, CompiledStep] = {}  # ("chain", steps) | ("tree", steps, topk, size) -> its round
         self._allocate(_round_up(capacity))
+
+    def compiled_steps(self) -> list[CompiledStep]:
+        return [self.step_fn, *self._rounds.values()]
 
     def _allocate(self, capacity: int) -> None:
         dims = self.drafter.dims

@@ -17,7 +17,7 @@ stay valid past the next replay and every graph can share one memory pool.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +135,11 @@ class CompiledStep:
         with torch.cuda.graph(graph, pool=_pool()):
             outputs = self._run(*inputs)
         return _Graph(graph, inputs, tuple(outputs))
+
+
+def fallbacks(steps: Iterable[CompiledStep]) -> dict[str, str]:
+    """{step name: why it fell back} for the steps that run eagerly after a compile or capture failure."""
+    return {step.name: step.fallback_reason for step in steps if step.fallback_reason is not None}
 
 
 def resolve_decode(static_cache: str, compile_mode: str, device: str) -> tuple[bool, CompileSettings]:

@@ -134,6 +134,7 @@ class PromptRecord:
     greedy: GreedyReference
     teacher_forced: TeacherForced | None  # None in journals written before the cross-check existed
     methods: dict[str, MethodRun] = field(default_factory=dict)
+    decode_fallbacks: dict[str, str] = field(default_factory=dict)  # steps of its process that ran eagerly: why
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"index": self.index, "dataset": self.dataset, "id": self.id,
@@ -141,6 +142,8 @@ class PromptRecord:
         if self.teacher_forced is not None:
             doc["teacher_forced"] = self.teacher_forced.to_json()
         doc["methods"] = {name: run.to_json() for name, run in self.methods.items()}
+        if self.decode_fallbacks:
+            doc["decode_fallbacks"] = dict(self.decode_fallbacks)
         return doc
 
     @classmethod
@@ -151,7 +154,8 @@ class PromptRecord:
             int(d["index"]), str(d["dataset"]), str(d["id"]), int(d["prompt_tokens"]),
             GreedyReference.from_json(d["greedy"]),
             TeacherForced.from_json(d["teacher_forced"]) if "teacher_forced" in d else None,
-            {str(name): MethodRun.from_json(run, f"method {name}") for name, run in d["methods"].items()}))
+            {str(name): MethodRun.from_json(run, f"method {name}") for name, run in d["methods"].items()},
+            {str(k): str(v) for k, v in d.get("decode_fallbacks", {}).items()}))
 
 
 # -------------------------------------------------------------------------------------------- summaries
@@ -291,18 +295,23 @@ class EvalSettings:
     torch: str
     transformers: str
     partial: PartialInfo | None = None  # only in a partial report
+    decode_fallbacks: dict[str, str] = field(default_factory=dict)  # compiled steps that ran eagerly, and why
 
     def to_json(self) -> dict[str, Any]:
-        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "partial"}
+        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("partial", "decode_fallbacks")}
         doc["methods"] = [m.to_json() for m in self.methods]
+        if self.decode_fallbacks:
+            doc["decode_fallbacks"] = dict(self.decode_fallbacks)
         return doc | ({"partial": self.partial.to_json()} if self.partial is not None else {})
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> EvalSettings:
         def build(d: Mapping[str, Any]) -> EvalSettings:
-            values = {f.name: d[f.name] for f in fields(cls) if f.name not in ("methods", "partial")}
+            optional = ("methods", "partial", "decode_fallbacks")
+            values = {f.name: d[f.name] for f in fields(cls) if f.name not in optional}
             partial = PartialInfo.from_json(d["partial"]) if d.get("partial") else None
-            return cls(**values, methods=[MethodSpec.from_json(m) for m in d["methods"]], partial=partial)
+            return cls(**values, methods=[MethodSpec.from_json(m) for m in d["methods"]], partial=partial,
+                       decode_fallbacks={str(k): str(v) for k, v in d.get("decode_fallbacks", {}).items()})
 
         return _parse("settings", doc, build)
 

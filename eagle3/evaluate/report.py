@@ -103,6 +103,7 @@ def report_markdown(rows: Sequence[SummaryRow], settings: EvalSettings) -> str:
              f"{settings.ngram}; workers: {settings.num_workers}.{_kernels_line(settings)}", "",
              *_partial_lines(settings),
              *_contention_lines(settings),
+             *_fallback_lines(settings),
              "| dataset | method | prompts | accept len | per-position acceptance | conditional | tok/s | "
              "greedy tok/s | speedup | vs n-gram | lossless |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -141,6 +142,14 @@ def _contention_lines(settings: EvalSettings) -> list[str]:
     return [f"**Speeds measured by {settings.num_workers} processes sharing one {settings.device} device:** "
             "acceptance is unaffected, but tok/s and speedups include their contention. Time an isolated subset "
             "with `evaluate.num_workers=1`.", ""]
+
+
+def _fallback_lines(settings: EvalSettings) -> list[str]:
+    if not settings.decode_fallbacks:
+        return []
+    steps = "; ".join(f"{name}: {why}" for name, why in sorted(settings.decode_fallbacks.items()))
+    return [f"**Ran on eager kernels after a compile or CUDA-graph capture failed** (their tok/s are slower than "
+            f"the compiled path's): {steps}.", ""]
 
 
 def _partial_lines(settings: EvalSettings) -> list[str]:

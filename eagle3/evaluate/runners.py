@@ -63,6 +63,10 @@ class TargetRunner:
             self._outputs[layer] = output[0] if isinstance(output, tuple) else output  # [1, q, H]
         return hook
 
+    def compiled_steps(self) -> list[Any]:
+        """The CompiledStep functions it runs (none here: the static runners have them)."""
+        return []
+
     def reset(self) -> None:
         """An empty cache."""
         from transformers import DynamicCache
@@ -159,6 +163,10 @@ class DrafterRunner:
         self.keys: Tensor | None = None  # [1, nKV, L, hd] post-RoPE
         self.values: Tensor | None = None  # [1, nKV, L, hd]
         self.num_committed = 0
+
+    def compiled_steps(self) -> list[Any]:
+        """The CompiledStep functions it runs (none here: the static runners have them)."""
+        return []
 
     def reset(self) -> None:
         """An empty cache."""

@@ -119,4 +119,12 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
                                   out.tokens if check.kind != "identical" else None)
     return PromptRecord(index, prompt.dataset, prompt.id, len(ids),
                         GreedyReference(len(ref.tokens), ref.wall_s, ref.tokens),
-                        TeacherForced(len(drafts), draft_hits(drafts, ref.tokens)), methods)
+                        TeacherForced(len(drafts), draft_hits(drafts, ref.tokens)), methods,
+                        decode_fallbacks(session))
+
+
+def decode_fallbacks(session: EvalSession) -> dict[str, str]:
+    """{step: why} for the session's compiled or graphed steps that fell back to eager kernels so far."""
+    from eagle3.evaluate.graphs import fallbacks
+
+    return fallbacks([*session.target.compiled_steps(), *session.drafter.compiled_steps()])

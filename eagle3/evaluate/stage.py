@@ -157,6 +157,9 @@ def _report(cfg: RunConfig, model_dir: Path, export_dir: Path, plan: _Plan, reco
     settings = _settings(cfg, model_dir, export_dir, plan.job.device, plan.items, plan.job.stop_ids)
     if partial:
         settings = replace(settings, partial=partial)
+    fell_back = {name: why for r in records for name, why in r.decode_fallbacks.items()}
+    if fell_back:
+        settings = replace(settings, decode_fallbacks=fell_back)
     return write_outputs(out_dir, records, rows, settings), rows
 
 

@@ -319,3 +319,23 @@ def test_evaluate_switches_read_yaml_booleans_as_on_and_off():
     assert EvaluateConfig.model_validate(yaml.safe_load("compile: off\nstatic_cache: off\n")).compile == "off"
     with pytest.raises(ValueError, match="compile"):
         EvaluateConfig(compile="fast")
+
+
+def test_a_session_records_which_compiled_steps_fell_back(setup):
+    """A step whose compile fails is named, with its reason, in every later prompt record of the session."""
+    from eagle3.evaluate.graphs import fallbacks
+    from eagle3.evaluate.session import EvalSession, decode_fallbacks
+
+    def failing_backend(graph_module, example_inputs):
+        raise RuntimeError("no kernels for this shape")
+
+    settings = CompileSettings(True, backend=failing_backend, fallback=True)
+    target, runner = make_runners(setup["model"], AUX_IDS, setup["drafter"], setup["d2t"], True, settings, 128)
+    session = EvalSession(target, proposers(setup, runner), runner, None, [])
+    assert decode_fallbacks(session) == {}
+    prompt, ref = setup["prompts"][0], setup["refs"][0]
+    with pytest.warns(UserWarning, match="compiling or capturing a CUDA graph failed"):
+        assert greedy_decode(target, prompt, MAX_NEW).tokens == ref.tokens  # eager kernels, same tokens
+    fell_back = decode_fallbacks(session)
+    assert "target forward" in fell_back and "no kernels for this shape" in fell_back["target forward"]
+    assert fell_back == fallbacks([*target.compiled_steps(), *runner.compiled_steps()])

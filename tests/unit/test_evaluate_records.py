@@ -84,3 +84,17 @@ def test_bad_record_names_the_prompt_and_field(tmp_path):
     journal.path.write_text(json.dumps(entry) + "\n")
     with pytest.raises(RecordError, match=r"evaluate.journal.jsonl, entry 0: .*lossless: unknown kind 'close'"):
         journaled_records(journal, "golden-key", [(0, EvalPrompt("mtbench", "mtbench:81", ""), [0] * 37)])
+
+
+def test_decode_fallbacks_travel_from_records_to_results_and_report(tmp_path):
+    """A record's fallen-back steps round-trip through the journal line, and results.json and report.md name them."""
+    from dataclasses import replace
+
+    record = replace(_golden_records()[1], decode_fallbacks={"tree draft round (5, 4, 8)": "RuntimeError('capture')"})
+    assert PromptRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+    assert "decode_fallbacks" not in _golden_records()[1].to_json()  # absent when nothing fell back
+    golden = json.loads((GOLDEN / "evaluate_results.json").read_text())
+    settings = replace(EvalSettings.from_json(golden["settings"]), decode_fallbacks=record.decode_fallbacks)
+    assert EvalSettings.from_json(json.loads(json.dumps(settings.to_json()))) == settings
+    report = report_markdown(summarize_all([record], METHODS), settings)
+    assert "Ran on eager kernels" in report and "tree draft round (5, 4, 8): RuntimeError('capture')" in report
