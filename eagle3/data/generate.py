@@ -26,7 +26,8 @@ Imports only torch and transformers, so the benchmark runs on a host that has no
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -48,6 +49,58 @@ class GenerationSettings:
     batch_size: int = 8
     prompt_bucket: int = 64
     kv_head_attention: bool = True
+
+
+@dataclass
+class ShapeStats:
+    """The generate calls of one cache shape (a static cache length, or the dynamic / continuous way)."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    first_call_s: float = 0.0  # the first call of a shape includes its compile (static on CUDA)
+
+
+@dataclass
+class GenerationStats:
+    """Where a TokenGenerator's time went: what its generate calls answered, computed and took.
+
+    ``slot_steps`` counts batch rows x decode steps run (filler copies and rows past their eos included), so
+    ``new_tokens / slot_steps`` is the share of the decode work that produced kept tokens.
+    """
+
+    calls: int = 0
+    rows: int = 0  # real prompts answered
+    slots: int = 0  # batch rows run, filler copies of a short batch included
+    new_tokens: int = 0  # tokens kept: up to and including each row's first eos
+    slot_steps: int = 0  # batch rows x decode steps run (static and dynamic; not known for continuous)
+    seconds: float = 0.0  # wall time of the generate calls, the device synchronised (results read back)
+    shapes: dict[str, ShapeStats] = field(default_factory=dict)
+
+    def add(self, shape: str, rows: int, slots: int, new_tokens: int, slot_steps: int, seconds: float) -> None:
+        """Count one generate call."""
+        self.calls, self.rows, self.slots = self.calls + 1, self.rows + rows, self.slots + slots
+        self.new_tokens, self.slot_steps = self.new_tokens + new_tokens, self.slot_steps + slot_steps
+        self.seconds += seconds
+        entry = self.shapes.setdefault(shape, ShapeStats(first_call_s=seconds))
+        entry.calls, entry.seconds = entry.calls + 1, entry.seconds + seconds
+
+    def to_json(self) -> dict[str, Any]:
+        """The counts, tokens/s, the slot use and each shape's calls, seconds and first call (compile included)."""
+        return {"calls": self.calls, "rows": self.rows, "slots": self.slots, "new_tokens": self.new_tokens,
+                "seconds": round(self.seconds, 3),
+                "new_tokens_per_s": round(self.new_tokens / self.seconds, 1) if self.seconds else None,
+                "slot_use": round(self.new_tokens / self.slot_steps, 4) if self.slot_steps else None,
+                "shapes": {k: {"calls": v.calls, "seconds": round(v.seconds, 3), "first_call_s": round(v.first_call_s, 3)}
+                           for k, v in sorted(self.shapes.items())}}
+
+    def line(self) -> str:
+        """One line for a log: tokens, seconds, rate, slot use and the shapes' first calls."""
+        doc = self.to_json()
+        shapes = ", ".join(f"{k}: {v['calls']} calls, first {v['first_call_s']:.1f} s" for k, v in doc["shapes"].items())
+        use = "-" if doc["slot_use"] is None else f"{doc['slot_use']:.2f}"
+        rate = "-" if doc["new_tokens_per_s"] is None else f"{doc['new_tokens_per_s']:,.0f}"
+        return (f"{self.new_tokens:,} new tokens for {self.rows:,} prompts in {self.seconds:.1f} s of generate "
+                f"({rate} tok/s), slot use {use}; shapes: {shapes or '-'}")
 
 
 def resolve_backend(backend: Backend, device: torch.device | str) -> Backend:
@@ -129,6 +182,7 @@ class TokenGenerator:
             settings = GenerationSettings(**{**settings.__dict__,
                                              "backend": resolve_backend("auto", _device(model))})
         self.model, self.settings = model, settings
+        self.stats = GenerationStats()
         if settings.backend == "static" and settings.kv_head_attention:
             use_kv_head_attention(model)
         elif model.config._attn_implementation == KV_HEAD_ATTENTION:
@@ -139,7 +193,10 @@ class TokenGenerator:
         if any(not p for p in prompts):
             raise ValueError("an empty prompt cannot be answered (no token to start from)")
         if self.settings.backend == "continuous":
-            return self._continuous(prompts)
+            start = time.perf_counter()
+            out = self._continuous(prompts)
+            self.stats.add("continuous", len(prompts), len(prompts), sum(map(len, out)), 0, time.perf_counter() - start)
+            return out
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
         out: list[list[int]] = [[] for _ in prompts]
         size = self.settings.batch_size
@@ -152,19 +209,26 @@ class TokenGenerator:
     def _generate_batch(self, rows: list[list[int]]) -> list[list[int]]:
         """One generate call on at most batch_size rows -> their new tokens (full length, not cut)."""
         s = self.settings
+        start = time.perf_counter()
         width = max(len(r) for r in rows)
         kwargs = self._sampling_kwargs()
-        real = len(rows)
+        real, shape = len(rows), "dynamic"
         if s.backend == "static":
             width = round_up(width, s.prompt_bucket)
             rows = rows + [rows[0]] * (s.batch_size - real)  # a fixed batch size reuses the compiled graph
             kwargs["cache_implementation"] = "static"
-            _size_static_cache(self.model, static_cache_len(width, s.max_new_tokens), kwargs)
+            cache_len = static_cache_len(width, s.max_new_tokens)
+            _size_static_cache(self.model, cache_len, kwargs)
+            shape = f"static {len(rows)} x {cache_len}"
         ids, mask = left_pad(rows, width, s.pad_id)
         device = _device(self.model)
         with torch.no_grad():  # the mode generate itself runs in, not inference_mode
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-        return out[:real, width:].tolist()
+        new = out[:real, width:].tolist()  # reads the device back: the time below is synchronised
+        steps = out.shape[1] - width
+        kept = sum(len(cut_after_eos(r, s.eos_ids)) for r in new)
+        self.stats.add(shape, real, len(rows), kept, len(rows) * steps, time.perf_counter() - start)
+        return new
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         s = self.settings

@@ -286,6 +286,9 @@ def finish(work: Work, out_dir: Path, state: RunState, backend: ChatBackend | No
              "num_turns": state.num_turns, "num_requests": _backend_counter(backend, "num_requests"),
              "num_retries": _backend_counter(backend, "num_retries"),
              "finish_reasons": dict(sorted(state.finish_reasons.items()))}
+    generation = generation_stats(backend)
+    if generation is not None:
+        stats["generation"] = generation
     assert stats["success"] + stats["error"] + stats["skipped_done"] + own + stats["skipped_limit"] == len(rows)
     paths = _write_outputs(rows, work.schema, limit, Journal(out_dir / JOURNAL_NAME).load(), out_dir, keep_sources)
     stats["elapsed_s"] = round(time.monotonic() - start, 3)
@@ -333,6 +336,12 @@ def run_sync(coro: Coroutine[Any, Any, None]) -> None:
         return asyncio.run(coro)
     with ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, coro).result()
+
+
+def generation_stats(backend: Any) -> dict[str, Any] | None:
+    """An in-process backend's generate figures (tokens, seconds, slot use, shapes; data/generate.py), else None."""
+    stats = getattr(getattr(backend, "generator", None), "stats", None)
+    return stats.to_json() if stats is not None else None
 
 
 def _backend_counter(backend: ChatBackend, name: str) -> int | None:

@@ -145,6 +145,9 @@ def synthesize_source(src: SourceConfig, data_dir: Path, regen: RegenerateConfig
     stats = {"count": syn.count, "generated": sum(len(idx) for _, idx in todo),
              "skipped_done": syn.count - sum(len(idx) for _, idx in todo), "finish_reasons": finish,
              "elapsed_s": round(time.monotonic() - start, 3)}
+    if synth is not None:  # the generate figures of the user turns and of their answers
+        stats["generation"] = {"prompts": synth.prompts.stats.to_json(),
+                               "answers": synth.answers.generator.stats.to_json()}
     return path, stats
 
 

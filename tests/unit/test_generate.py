@@ -152,3 +152,26 @@ def test_generation_benchmark_runs_tiny_and_reports_identical_rows(capsys):
     assert {"plain_tok_s", "fast_tok_s", "fast_over_plain"} <= set(out)
     assert out["identical_rows"].startswith("8/8") and out["check_identical"].startswith("8/8")
     assert out["fast_backend"].startswith("static")
+
+
+@pytest.mark.parametrize("backend", ["dynamic", "static", "continuous"])
+def test_generation_stats_count_what_the_calls_did(case, backend):
+    """The stats count every prompt and kept token; static batches count their filler rows and cache shape."""
+    model, prompts, eos, ref = case
+    generator = TokenGenerator(model, _settings(eos, backend=backend))
+    out = generator.generate(prompts)
+    doc = generator.stats.to_json()
+    assert doc["rows"] == len(prompts) and doc["new_tokens"] == sum(map(len, out)) == sum(map(len, ref))
+    assert doc["seconds"] > 0 and doc["new_tokens_per_s"] > 0
+    if backend == "continuous":
+        assert doc["slot_use"] is None and doc["shapes"]["continuous"]["calls"] == 1
+        return
+    batches = -(-len(prompts) // 4)  # batch_size 4 (the last batch short)
+    assert doc["calls"] == batches and 0 < doc["slot_use"] <= 1
+    if backend == "static":
+        assert doc["slots"] == 4 * batches  # the short batch ran filler copies
+        assert all(k.startswith("static 4 x ") for k in doc["shapes"])
+        assert sum(v["calls"] for v in doc["shapes"].values()) == batches
+    else:
+        assert doc["slots"] == len(prompts) and list(doc["shapes"]) == ["dynamic"]
+    assert "new tokens for 10 prompts" in generator.stats.line()

@@ -320,6 +320,7 @@ def test_hf_backend_batched_equals_one_at_a_time(tmp_path, tiny_target):
         paths, stats = regenerate(src, tmp_path / name, cfg, backend)
         outs[name], sizes[name] = pq.read_table(paths["regenerated"]).to_pylist(), backend.batch_sizes
         assert stats["success"] + stats["error"] == 3 and _balanced(stats)
+        assert stats["generation"]["rows"] == 5 and stats["generation"]["calls"] == len(backend.batch_sizes)
     assert sizes["batched"] == [3, 2] and sizes["single"] == [1] * 5
     assert outs["batched"] == outs["single"] == outs["again"]
     assert all("ORIGINAL" not in m["content"] for r in outs["batched"] for m in r["messages"])

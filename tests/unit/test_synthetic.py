@@ -83,6 +83,8 @@ def test_records_keep_seed_settings_and_only_finished_prompts_are_answered(tmp_p
         assert answered == (r["finish_reasons"]["prompt"] == "stop"), r
     prompt_reasons = stats["sources"]["syn"]["finish_reasons"]["prompt"]
     assert sum(prompt_reasons.values()) == 10 and prompt_reasons.get("stop", 0) > 0  # the fixture makes some end
+    generation = stats["sources"]["syn"]["generation"]  # every user turn written, only the finished ones answered
+    assert generation["prompts"]["rows"] == 10 and generation["answers"]["rows"] == prompt_reasons["stop"]
 
 
 class _DiesAfterOneBatch(Synthesizer):
