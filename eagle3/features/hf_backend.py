@@ -12,8 +12,9 @@ mask and each sample's rows are gathered back on the device, so padding is never
 
 Batch invariance: GEMMs and SDPA pick their reduction order by shape, so a padded sample would
 otherwise come out a few ulps different from the same sample run alone. For causal full-attention
-models we therefore register an attention function that runs SDPA per sample on its unpadded
-slice (exactly the call HF makes for a lone sample) and skip building the padding mask. On CPU
+models we therefore register an attention function (eagle3.features.attention) that runs SDPA per
+sample on its unpadded slice (exactly the call HF makes for a lone sample) and skip building the
+padding mask; the same function runs online training's packed rows (``packed_states``). On CPU
 this makes batched == unbatched bitwise (tested; GEMMs with very few rows, under ~12, can still
 differ on MKL); the same inputs in the same batches are bitwise reproducible either way.
 ``torch.use_deterministic_algorithms`` is not needed for that on CPU; on CUDA cuBLAS may still
