@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -141,18 +142,22 @@ def port_in_use(host: str, port: int, timeout_s: float = 1.0) -> bool:
 
 
 def port_bindable(host: str, port: int) -> bool:
-    """True when a listening server could bind host:port now (as HTTP servers do, with SO_REUSEADDR).
+    """True when a listening server could bind host:port now (as HTTP servers do, with SO_REUSEADDR); False
+    when the port is taken, OSError for other reasons (a host that is not an address of this machine).
 
     A port can be taken without anything listening on it: the local end of an outgoing
     connection holds a port from the same range the kernel hands out, and a server then
     fails with "Address already in use" however often it is restarted.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:  # IPv6 hosts (::1) bind an IPv6 socket
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((host, port))
-        except OSError:
-            return False
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise
     return True
 
 

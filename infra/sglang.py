@@ -354,7 +354,11 @@ class ManagedServer:
             # The probe would talk to that server instead of ours, and might even find it healthy.
             raise ServerStartError(f"{self.spec.host}:{self.spec.port} already answers: stop that server "
                                    "(a stale one?) or pick another port")
-        if not port_bindable(self.spec.host, self.spec.port):
+        try:
+            bindable = port_bindable(self.spec.host, self.spec.port)
+        except OSError as exc:
+            raise ServerStartError(f"{self.spec.host}:{self.spec.port} cannot be listened on: {exc}") from exc
+        if not bindable:
             raise ServerStartError(f"{self.spec.host}:{self.spec.port} is held by another socket (nothing "
                                    "answers there, but the server could not bind it): pick another port")
 

@@ -8,9 +8,10 @@ does depends on the context the caller sets around a forward:
   invariance; eagle3.features.hf_backend explains where that holds).
 * ``packed(docs)``: one row [1, T] holding documents back to back, positions restarting at 0 in each; a
   token attends causally within its own document only. With a flex_attention BlockMask (built on CUDA) the
-  whole row is one compiled flex_attention call, which skips the masked blocks, so a row costs its real
-  tokens instead of its documents padded to the longest. Without one (CPU) SDPA runs on each document's
-  slice, the per-sample call again, so a packed row equals its documents run alone.
+  whole row is one compiled flex_attention call, which skips the masked blocks: attention costs each
+  document's own length, and the linear layers run once over the row (its padding included) instead of over
+  its documents padded to the longest. Without one (CPU) SDPA runs on each document's slice, the per-sample
+  call again, so a packed row equals its documents run alone.
 * neither: transformers' own SDPA and mask, unchanged. A cached model switched to this attention behaves
   as an SDPA model wherever no context is set.
 
@@ -60,17 +61,19 @@ def attention_context(context: Samples | PackedDocs | None) -> Iterator[None]:
         _CONTEXT.reset(token)
 
 
-def document_block_mask(document_ids: torch.Tensor) -> Any:
+def document_block_mask(document_ids: torch.Tensor, num_real: int | None = None) -> Any:
     """A flex BlockMask for one row: token q sees token k when k <= q and both are in one document.
 
-    document_ids: [T] int64, non-decreasing (documents are contiguous).
+    document_ids: [T] int64, non-decreasing (documents are contiguous). Tokens from ``num_real`` on (the row's
+    padding, whose states are dropped) see only themselves, so their blocks off the diagonal are skipped.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
     docs = document_ids
+    real = docs.shape[0] if num_real is None else num_real
 
     def mask_mod(batch: Any, head: Any, q: Any, kv: Any) -> Any:
-        return (q >= kv) & (docs[q] == docs[kv])
+        return (q >= kv) & (docs[q] == docs[kv]) & ((kv < real) | (q == kv))
 
     seq = docs.shape[0]
     return create_block_mask(mask_mod, 1, None, seq, seq, device=docs.device, _compile=docs.is_cuda)
@@ -110,11 +113,15 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
     same_length = query.shape[2] == key.shape[2]  # no cache: the contexts describe whole rows
     if isinstance(context, Samples) and len(context.lengths) == query.shape[0] and same_length:
         return _sliced(module, query, key, value, [(b, 0, n) for b, n in enumerate(context.lengths)], **kwargs), None
-    if isinstance(context, PackedDocs) and query.shape[0] == 1 and same_length:
+    if isinstance(context, PackedDocs):
+        if query.shape[0] != 1 or not same_length or sum(context.lengths) != query.shape[2]:
+            # plain SDPA here would attend across documents: never silently
+            raise ValueError(f"a packed row is one row of {sum(context.lengths)} tokens without a cache; the "
+                             f"attention got q {tuple(query.shape)}, k {tuple(key.shape)}")
         if context.block_mask is not None:
             return _flex(query, key, value, context.block_mask, kwargs.get("scaling")), None
         ends = torch.tensor(context.lengths).cumsum(0).tolist()
-        spans = [(0, end - n, end) for n, end in zip(context.lengths, ends) if end <= query.shape[2]]
+        spans = [(0, end - n, end) for n, end in zip(context.lengths, ends)]
         return _sliced(module, query, key, value, spans, **kwargs), None
     return _sdpa(module, query, key, value, attention_mask, **kwargs)
 

@@ -380,7 +380,7 @@ class HFCaptureBackend:
             input_ids, document_ids, position_ids = (t[:, :num_real] for t in (input_ids, document_ids, position_ids))
         docs = document_ids[0]
         lengths = tuple(torch.unique_consecutive(docs, return_counts=True)[1].tolist())  # one sync per row
-        packed = PackedDocs(lengths, document_block_mask(docs) if flex else None)
+        packed = PackedDocs(lengths, document_block_mask(docs, num_real) if flex else None)
         inputs = _Inputs([], [docs.shape[0]], input_ids, None, torch.arange(num_real, device=docs.device),
                          position_ids=position_ids, packed=packed)
         store: dict = {}

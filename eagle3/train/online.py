@@ -74,13 +74,23 @@ def _storage_round(x: Tensor, dtype_name: str, compute: torch.dtype) -> Tensor:
     return x.to(getattr(torch, dtype_name)).to(compute)
 
 
-def packed_for(forward: str, backend: Any) -> bool:
-    """train.online_forward resolved for a backend: packed rows need its sliced attention (causal, full, SDPA)."""
-    if forward == "packed" and not backend.sliced:
-        raise ValueError("train.online_forward=packed: the target's attention is "
-                         f"{backend.model.config._attn_implementation!r}, not causal full attention through SDPA; "
-                         "use padded (or auto)")
-    return forward == "packed" or (forward == "auto" and backend.sliced)
+def packed_for(forward: str, backend: Any, row_tokens: int | None = None, sharded: bool = False) -> bool:
+    """train.online_forward resolved for a backend and rows of ``row_tokens``.
+
+    Packed rows need the backend's sliced attention (causal, full, SDPA) and a row that fits its forward budget
+    (capture.max_tokens_per_batch, which the padded batches keep to). auto picks packed where both hold, except
+    for a sharded target: there a packed forward that fails could not fall back on one rank alone.
+    """
+    problem = None
+    if not backend.sliced:
+        problem = (f"the target's attention is {backend.model.config._attn_implementation!r}, not causal full "
+                   "attention through SDPA")
+    elif row_tokens is not None and row_tokens > backend.max_tokens_per_batch:
+        problem = (f"a row of {row_tokens} tokens (train.max_tokens_per_batch) is more than one forward may take "
+                   f"({backend.max_tokens_per_batch}, capture.max_tokens_per_batch)")
+    if forward == "packed" and problem:
+        raise ValueError(f"train.online_forward=packed: {problem}; use padded (or auto)")
+    return forward == "packed" or (forward == "auto" and problem is None and not sharded)
 
 
 def _pad_rows(x: Tensor, length: int, value: float = 0.0) -> Tensor:
@@ -93,11 +103,13 @@ def _pad_rows(x: Tensor, length: int, value: float = 0.0) -> Tensor:
 class OnlineFeatures:
     """Fills a collated row's aux and supervision on the device from the frozen target (module docstring)."""
 
-    def __init__(self, backend: Any, spec: FeatureSpec, forward: str = "padded", fallback: bool = False):
+    def __init__(self, backend: Any, spec: FeatureSpec, forward: str = "padded", fallback: bool = False,
+                 row_tokens: int | None = None, sharded: bool = False):
         self.spec, self.backend = spec, backend  # backend: an HFCaptureBackend on the training device
         self.backend.model.requires_grad_(False)
-        self.packed = packed_for(forward, backend)
-        self.fallback = fallback and forward == "auto"  # auto: a packed forward that fails falls back to padded
+        self.packed = packed_for(forward, backend, row_tokens, sharded)
+        # auto, one process: a packed forward that fails falls back to padded (never sharded: see packed_for)
+        self.fallback = fallback and forward == "auto" and not sharded
 
     @classmethod
     def from_config(cls, cfg: Any, model_dir: Path, spec: FeatureSpec, device: torch.device,
@@ -106,18 +118,19 @@ class OnlineFeatures:
         with ``info`` (the trainer's DistInfo) sharded over the ranks when train.target_sharding resolves to fsdp."""
         from eagle3.features.hf_backend import HFCaptureBackend
 
-        forward = cfg.train.online_forward
+        forward, row_tokens = cfg.train.online_forward, cfg.train.max_tokens_per_batch
         if info is not None:
             from eagle3.train.target_shard import resolve_sharding, sharded_backend
 
             if resolve_sharding(cfg.train.target_sharding, info, model_dir, cfg.target.dtype) == "fsdp":
-                # no fallback: every rank must run the same forwards, or the shards' collectives hang
-                return cls(sharded_backend(cfg, model_dir, spec, info), spec, forward)
+                # every rank must run the same forwards, or the shards' collectives hang
+                return cls(sharded_backend(cfg, model_dir, spec, info), spec, forward, row_tokens=row_tokens,
+                           sharded=True)
         cap = cfg.capture
         backend = HFCaptureBackend.from_spec(model_dir, spec, device=str(device), dtype=cfg.target.dtype,
                                              max_tokens_per_batch=cap.max_tokens_per_batch,
                                              batch_invariant=cap.per_sample_attention)
-        return cls(backend, spec, forward, fallback=True)
+        return cls(backend, spec, forward, fallback=True, row_tokens=row_tokens)
 
     def _rounded(self, raw: dict[str, Tensor], compute: torch.dtype) -> dict[str, Tensor]:
         """The backend's states rounded as stored, then to the compute dtype."""

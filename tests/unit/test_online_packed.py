@@ -69,9 +69,11 @@ def test_a_packed_row_equals_its_documents_run_as_padded_batches(architecture):
     assert not got.aux[0, sum(LENGTHS):].any()  # the padding's states are zero, as in a collated shard row
 
 
-def test_the_flex_document_mask_gives_the_per_document_states():
-    """The CUDA path's flex_attention over the document BlockMask (uncompiled here) matches SDPA per document."""
-    model = _model()
+@pytest.mark.parametrize("architecture", ["llama", "deepseek_v3"])
+def test_the_flex_document_mask_gives_the_per_document_states(architecture):
+    """The CUDA path's flex_attention over the document BlockMask (uncompiled here) matches SDPA per document
+    (DeepSeek-V3: MLA's query/key heads wider than its value heads, and a score scale other than 1/sqrt(d))."""
+    model = _model(architecture)
     backend = HFCaptureBackend(None, AUX, model=model, device="cpu", max_tokens_per_batch=4096)
     row = _row(seed=1)
     args = (row.input_ids, row.document_ids, row.position_ids, sum(LENGTHS))
@@ -91,6 +93,30 @@ def test_packed_needs_sliced_attention_and_auto_falls_back_to_padded():
     with pytest.raises(ValueError, match="online_forward=packed.*'eager'"):
         _features(model, "packed")
     assert not _features(model, "auto").packed
+
+
+def test_packed_rows_keep_to_the_forward_budget_and_a_sharded_target_packs_only_when_asked():
+    """A row longer than capture.max_tokens_per_batch is refused packed (auto: padded); a sharded target's auto
+    is padded (no per-rank fallback), an explicit packed is honoured."""
+    from eagle3.train.online import packed_for
+
+    backend = HFCaptureBackend(None, AUX, model=_model(), device="cpu", max_tokens_per_batch=512)
+    assert packed_for("auto", backend, 512) and packed_for("packed", backend, 512)
+    assert not packed_for("auto", backend, 1024) and not packed_for("padded", backend, 512)
+    with pytest.raises(ValueError, match="a row of 1024 tokens .* more than one forward may take \\(512"):
+        packed_for("packed", backend, 1024)
+    assert not packed_for("auto", backend, 512, sharded=True) and packed_for("packed", backend, 512, sharded=True)
+
+
+def test_a_packed_context_refuses_a_forward_that_is_not_its_row():
+    """Under a packed context a batch of two rows (or a cached step) raises instead of attending across documents."""
+    from eagle3.features.attention import PackedDocs, attention_context, enable
+
+    model = _model()
+    assert enable(model)
+    ids = torch.randint(3, 300, (2, 16))
+    with attention_context(PackedDocs((8, 8))), torch.no_grad(), pytest.raises(ValueError, match="a packed row"):
+        model.model(input_ids=ids, use_cache=False)
 
 
 def test_a_failing_packed_forward_falls_back_under_auto_only(caplog, monkeypatch):

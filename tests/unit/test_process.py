@@ -140,3 +140,33 @@ def test_pid_file_round_trip_and_bad_contents(tmp_path):
     for text in ("", "\n", "not-a-pid\n"):
         path.write_text(text)
         assert read_pid_file(path) is None
+
+
+def test_port_bindable_tells_a_taken_port_from_a_free_one_on_ipv4_and_ipv6():
+    """A bound (not listening) socket makes its port unbindable; ::1 is checked with an IPv6 socket; a host that
+    is not this machine's raises instead of reading as taken."""
+    import socket
+
+    from infra.process import free_port, port_bindable
+
+    port = free_port()
+    assert port_bindable("127.0.0.1", port)
+    if _has_ipv6_loopback():
+        assert port_bindable("::1", port)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        assert not port_bindable("127.0.0.1", port)
+    with pytest.raises(OSError):
+        port_bindable("192.0.2.1", port)  # TEST-NET-1: never an address of this host
+
+
+def _has_ipv6_loopback() -> bool:
+    """Whether this host can bind ::1 at all (containers may run without IPv6)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
