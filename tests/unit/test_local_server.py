@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,7 +14,7 @@ import pytest
 
 from flows.local_server import (DATABASE_ENV, ForeignServerError, LocalServer, for_workdir, mask_password, owner_problem,
                                  start)
-from infra.process import write_pid_file
+from infra.process import process_cmdline, write_pid_file
 
 
 class _Health(BaseHTTPRequestHandler):
@@ -45,6 +46,11 @@ def _process(*argv: str) -> Iterator[int]:
     """A sleeping process whose command line ends with ``argv`` (what the pid check reads)."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv])
     try:
+        deadline = time.monotonic() + 30
+        # until its exec is done /proc shows the parent's command line, or none at all (a loaded machine)
+        while (process_cmdline(proc.pid) or [])[-len(argv):] != list(argv):
+            assert time.monotonic() < deadline, f"pid {proc.pid} never showed {argv} in /proc"
+            time.sleep(0.01)
         yield proc.pid
     finally:
         proc.kill()
