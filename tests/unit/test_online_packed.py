@@ -46,8 +46,8 @@ def _row(lengths=LENGTHS, seed: int = 0) -> TTTBatch:
                     document_ids=docs[None], position_ids=pos[None], final_hidden=None)
 
 
-def _features(model, forward: str, fallback: bool = False) -> OnlineFeatures:
-    backend = HFCaptureBackend(None, AUX, model=model, device="cpu", max_tokens_per_batch=4096)
+def _features(model, forward: str, fallback: bool = False, device: str = "cpu") -> OnlineFeatures:
+    backend = HFCaptureBackend(None, AUX, model=model, device=device, max_tokens_per_batch=4096)
     return OnlineFeatures(backend, _spec(model), forward, fallback=fallback)
 
 
