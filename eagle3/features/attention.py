@@ -61,22 +61,27 @@ def attention_context(context: Samples | PackedDocs | None) -> Iterator[None]:
         _CONTEXT.reset(token)
 
 
-def document_block_mask(document_ids: torch.Tensor, num_real: int | None = None) -> Any:
+def document_block_mask(document_ids: torch.Tensor, num_real: int | None = None, compile: bool | None = None) -> Any:
     """A flex BlockMask for one row: token q sees token k when k <= q and both are in one document.
 
     document_ids: [T] int64, non-decreasing (documents are contiguous). Tokens from ``num_real`` on (the row's
     padding, whose states are dropped) see only themselves, so their blocks off the diagonal are skipped.
+    ``compile``: build it with torch.compile (None: on CUDA, where the eager build of a long row is slow).
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
     docs = document_ids
     real = docs.shape[0] if num_real is None else num_real
+    # a tensor, not an int: create_block_mask compiles mask_mod, and an int in its closure would be baked into the
+    # graph, one recompile per row length
+    real_key = torch.arange(docs.shape[0], device=docs.device) < real  # [T] bool
 
     def mask_mod(batch: Any, head: Any, q: Any, kv: Any) -> Any:
-        return (q >= kv) & (docs[q] == docs[kv]) & ((kv < real) | (q == kv))
+        return (q >= kv) & (docs[q] == docs[kv]) & (real_key[kv] | (q == kv))
 
     seq = docs.shape[0]
-    return create_block_mask(mask_mod, 1, None, seq, seq, device=docs.device, _compile=docs.is_cuda)
+    return create_block_mask(mask_mod, 1, None, seq, seq, device=docs.device,
+                             _compile=docs.is_cuda if compile is None else compile)
 
 
 def _sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any,

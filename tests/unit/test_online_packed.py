@@ -138,3 +138,20 @@ def test_a_failing_packed_forward_falls_back_under_auto_only(caplog, monkeypatch
     monkeypatch.setattr(explicit.backend, "packed_states", boom)
     with pytest.raises(RuntimeError, match="no kernel"):
         explicit.fill(_row(), LENGTHS, torch.float32)
+
+
+def test_rows_of_one_length_build_their_mask_with_one_compiled_graph():
+    """The compiled block-mask build (the CUDA path's) equals the eager one and compiles once for rows of one
+    length, whatever their documents and real-token counts (nothing row-specific is baked into the graph)."""
+    from torch._dynamo.utils import counters
+
+    from eagle3.features.attention import document_block_mask
+
+    torch._dynamo.reset()
+    counters.clear()
+    for lengths in ([40, 70, 13, 90], [200], [5] * 40):
+        docs = _row(lengths).document_ids[0]
+        compiled = document_block_mask(docs, sum(lengths), compile=True)
+        eager = document_block_mask(docs, sum(lengths), compile=False)
+        assert torch.equal(compiled.to_dense(), eager.to_dense())
+    assert counters["stats"]["unique_graphs"] == 1
