@@ -13,7 +13,8 @@ Each document of a packed row is seen as a sample of its own (positions from 0, 
 documents), cut to the tokens the row takes, which for a causal model equals cutting the captured states.
 ``train.online_forward`` says how: ``packed`` runs the whole row in one forward whose attention keeps the
 documents apart (a flex document mask on CUDA, SDPA per document on a CPU); ``padded`` runs its documents as
-padded batches; ``auto`` is packed where the target's attention allows it. On a CPU the states are bitwise the
+padded batches; ``auto`` is packed where the target's attention allows it and a row fits one forward's budget,
+except on a sharded target (``packed_for``). On a CPU the states are bitwise the
 captured ones either way; on a GPU the shapes differ from the capture's batches (cuBLAS picks kernels by
 shape), so they agree to the rounding of the compute dtype, not bit for bit.
 
