@@ -34,6 +34,7 @@ from eagle3.data.regenerate import (
     conversation_chars,
     finish,
     fold_slice_journals,
+    generation_stats,
     is_reusable,
     pending_work,
     read_rows,
@@ -89,6 +90,7 @@ class SliceStats:
     error: int
     num_turns: int
     elapsed_s: float
+    generation: dict[str, Any] | None = None  # an in-process backend's generate figures (data/generate.py)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict (the field names as keys)."""
@@ -113,7 +115,7 @@ def regenerate_slice(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, bac
     with journal.appender() as append, Progress(len(todo), f"regenerate slice {index}", progress) as bar:
         run_sync(run_rows(todo, backend, key, append, state, bar))
     return SliceStats(index, len(ids), len(ids) - len(todo), state.success, state.error, state.num_turns,
-                      round(time.monotonic() - start, 3))
+                      round(time.monotonic() - start, 3), generation_stats(backend))
 
 
 class AnsweredCounter:

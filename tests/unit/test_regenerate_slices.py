@@ -30,6 +30,7 @@ from eagle3.data.regenerate_slices import (
     read_slice,
     regenerate_slice,
     regenerate_sliced,
+    write_slice_plan,
 )
 from eagle3.run.slices import split_balanced
 from tests.fakes.openai_server import fake_answer
@@ -221,3 +222,30 @@ def test_a_missing_slice_plan_is_an_error_naming_the_file(tmp_path):
     with pytest.raises(ValueError, match="there is no slice 1"):
         read_slice(tmp_path, 1)
     assert JOURNAL_NAME not in {p.name for p in tmp_path.iterdir()}
+
+
+def test_a_slice_result_carries_its_in_process_backends_generation_figures(tmp_path):
+    """A slice answered by a backend that keeps GenerationStats (the in-process one) returns them; others None."""
+    from types import SimpleNamespace
+
+    from eagle3.data.generate import GenerationStats
+
+    class CountingBackend(FakeBackend):
+        def __init__(self):
+            super().__init__()
+            self.generator = SimpleNamespace(stats=GenerationStats())
+
+        async def complete(self, messages, request_id):
+            out = await super().complete(messages, request_id)
+            self.generator.stats.add("dynamic", 1, 1, len(out.content.split()), len(out.content.split()), 0.01)
+            return out
+
+    src = _merged(tmp_path, _rows(12))
+    out = tmp_path / "out"
+    work = pending_work(src, out, CFG)
+    write_slice_plan(out, plan_slices(work, CFG.num_slices))
+    counting = CountingBackend()
+    stats = regenerate_slice(src, out, CFG, counting, 0)
+    assert stats.generation == counting.generator.stats.to_json() and stats.generation["calls"] > 0
+    assert stats.to_json()["generation"]["rows"] == stats.generation["calls"]
+    assert regenerate_slice(src, out, CFG, FakeBackend(), 1).generation is None
