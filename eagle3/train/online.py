@@ -133,6 +133,13 @@ class OnlineFeatures:
                                              batch_invariant=cap.per_sample_attention)
         return cls(backend, spec, forward, fallback=True, row_tokens=row_tokens)
 
+    def describe(self) -> str:
+        """How rows run through the target, in words (for the trainer's log)."""
+        if self.packed:
+            how = "flex document mask" if self.backend.input_device.type == "cuda" else "SDPA per document"
+            return f"packed: one forward per row ({how})"
+        return f"padded: each row's documents as padded batches of <= {self.backend.max_tokens_per_batch} tokens"
+
     def _rounded(self, raw: dict[str, Tensor], compute: torch.dtype) -> dict[str, Tensor]:
         """The backend's states rounded as stored, then to the compute dtype."""
         spec = self.spec

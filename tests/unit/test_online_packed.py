@@ -57,6 +57,7 @@ def test_a_packed_row_equals_its_documents_run_as_padded_batches(architecture):
     model = _model(architecture)
     packed, padded = _features(model, "packed"), _features(model, "padded")
     assert packed.packed and not padded.packed
+    assert packed.describe().startswith("packed: one forward per row") and padded.describe().startswith("padded")
     row = _row()
     got = packed.fill(row, LENGTHS, torch.float32)
     want = padded.fill(row, LENGTHS, torch.float32)
