@@ -126,8 +126,7 @@ def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
     if cfg.train.features == "online":
         tr.tokens = TokenReader(inputs.tokenized)
         tr.online = OnlineFeatures.from_config(cfg, inputs.model_dir, inputs.spec, info.device, info)
-        log.info("train: online target forward %s (train.online_forward=%s)", tr.online.describe(),
-                 cfg.train.online_forward)
+        log.info("train: online target forward %s", tr.online.describe())
     log.info("train: %d steps (%d epochs, %d rows per step, lr %.3e), %d train rows/epoch (fill %.2f, %d truncated), "
              "%d val rows, world %d (%s) on %s", total, len(plan.train), plan.rows_per_step, lr,
              len(plan.train[0].rows), plan.train[0].stats.fill(cfg.train.max_tokens_per_batch),

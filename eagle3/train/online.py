@@ -108,7 +108,7 @@ class OnlineFeatures:
                  row_tokens: int | None = None, sharded: bool = False):
         self.spec, self.backend = spec, backend  # backend: an HFCaptureBackend on the training device
         self.backend.model.requires_grad_(False)
-        self.packed = packed_for(forward, backend, row_tokens, sharded)
+        self.packed, self.forward = packed_for(forward, backend, row_tokens, sharded), forward
         # auto, one process: a packed forward that fails falls back to padded (never sharded: see packed_for)
         self.fallback = fallback and forward == "auto" and not sharded
 
@@ -135,10 +135,12 @@ class OnlineFeatures:
 
     def describe(self) -> str:
         """How rows run through the target, in words (for the trainer's log)."""
+        setting = f"(train.online_forward={self.forward})"
         if self.packed:
             how = "flex document mask" if self.backend.input_device.type == "cuda" else "SDPA per document"
-            return f"packed: one forward per row ({how})"
-        return f"padded: each row's documents as padded batches of <= {self.backend.max_tokens_per_batch} tokens"
+            return f"packed: one forward per row ({how}) {setting}"
+        return (f"padded: each row's documents as padded batches of <= {self.backend.max_tokens_per_batch} tokens "
+                f"{setting}")
 
     def _rounded(self, raw: dict[str, Tensor], compute: torch.dtype) -> dict[str, Tensor]:
         """The backend's states rounded as stored, then to the compute dtype."""
