@@ -146,7 +146,9 @@ def resolve_decode(static_cache: str, compile_mode: str, device: str) -> tuple[b
     """(static cache?, settings) from the evaluate section's auto|on|off switches on ``device``.
 
     static_cache auto: on for CUDA, off for CPU. compile auto: on CUDA, CUDA graphs of the eager kernels (captured
-    in seconds; an error falls back to eager); on: Inductor's kernels (inside the graphs on CUDA); off: neither.
+    in seconds); on: Inductor's kernels (inside the graphs on CUDA); off: neither. With auto and on, a function
+    that fails to compile or capture runs eagerly from then on, named with its reason in the report, rather
+    than ending an evaluation that may have run for minutes.
     """
     cuda = device.startswith("cuda")
     static = switch_on(static_cache, cuda)
@@ -154,4 +156,4 @@ def resolve_decode(static_cache: str, compile_mode: str, device: str) -> tuple[b
         raise ValueError("compiled decoding needs the static cache")
     graphs = static and cuda and compile_mode != "off"
     return static, CompileSettings(enabled=static and compile_mode == "on", graphs=graphs,
-                                   fallback=compile_mode == "auto")
+                                   fallback=compile_mode != "off")

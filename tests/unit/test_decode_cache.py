@@ -142,13 +142,14 @@ def test_compiled_static_path_is_lossless(setup):
 
 
 def test_resolve_decode_switches():
-    """auto: static + CUDA graphs of the eager kernels (with fallback) on cuda, eager on cpu; on: Inductor (inside
-    the graphs on cuda); off: neither; compile=on without the static cache fails."""
+    """auto: static + CUDA graphs of the eager kernels on cuda, eager on cpu; on: Inductor (inside the graphs on
+    cuda); both fall back to eager on an error, off has nothing to fall back from; compile=on without the static
+    cache fails."""
     assert resolve_decode("auto", "auto", "cpu") == (False, CompileSettings(False, fallback=True))
     assert resolve_decode("auto", "auto", "cuda") == (True, CompileSettings(False, graphs=True, fallback=True))
-    assert resolve_decode("auto", "on", "cuda") == (True, CompileSettings(True, graphs=True, fallback=False))
+    assert resolve_decode("auto", "on", "cuda") == (True, CompileSettings(True, graphs=True, fallback=True))
     assert resolve_decode("on", "off", "cuda") == (True, CompileSettings(False, fallback=False))
-    assert resolve_decode("on", "on", "cpu") == (True, CompileSettings(True, fallback=False))
+    assert resolve_decode("on", "on", "cpu") == (True, CompileSettings(True, fallback=True))
     graphed = StaticTargetRunner(tiny_target(), AUX_IDS, 64, CompileSettings(True, graphs=True))
     assert graphed.step_fn.compiled and not graphed.chunk_fn.compiled  # with graphs, prompt chunks skip Inductor
     with pytest.raises(ValueError, match="static cache"):
