@@ -3,10 +3,10 @@
 One attention function (and one mask function) is registered with transformers under ``ATTENTION``; what it
 does depends on the context the caller sets around a forward:
 
-* ``samples(lengths)``: a right-padded batch [B, L]. SDPA runs on each sample's unpadded prefix, exactly
+* ``Samples(lengths)``: a right-padded batch [B, L]. SDPA runs on each sample's unpadded prefix, exactly
   the call transformers makes for a lone sample, so a batched sample equals the sample run alone (batch
   invariance; eagle3.features.hf_backend explains where that holds).
-* ``packed(docs)``: one row [1, T] holding documents back to back, positions restarting at 0 in each; a
+* ``PackedDocs(lengths, block_mask)``: one row [1, T] holding documents back to back, positions restarting at 0 in each; a
   token attends causally within its own document only. With a flex_attention BlockMask (built on CUDA) the
   whole row is one compiled flex_attention call, which skips the masked blocks: attention costs each
   document's own length, and the linear layers run once over the row (its padding included) instead of over
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -125,7 +126,7 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
                              f"attention got q {tuple(query.shape)}, k {tuple(key.shape)}")
         if context.block_mask is not None:
             return _flex(query, key, value, context.block_mask, kwargs.get("scaling")), None
-        ends = torch.tensor(context.lengths).cumsum(0).tolist()
+        ends = itertools.accumulate(context.lengths)
         spans = [(0, end - n, end) for n, end in zip(context.lengths, ends)]
         return _sliced(module, query, key, value, spans, **kwargs), None
     return _sdpa(module, query, key, value, attention_mask, **kwargs)

@@ -363,12 +363,12 @@ class HFCaptureBackend:
         return self._outputs(store)
 
     def packed_states(self, input_ids: torch.Tensor, document_ids: torch.Tensor, position_ids: torch.Tensor,
-                      num_real: int, flex: bool | None = None) -> dict[str, torch.Tensor]:
-        """One forward over a packed row, documents kept apart by the attention: [num_real, ...] outputs.
+                      lengths: Sequence[int], flex: bool | None = None) -> dict[str, torch.Tensor]:
+        """One forward over a packed row, documents kept apart by the attention: [sum(lengths), ...] outputs.
 
         input_ids, document_ids, position_ids: [1, T] on the input device, documents contiguous, positions
-        restarting at 0 in each, the real tokens first (``num_real`` of them; the rest is padding, a document
-        of its own). On CUDA the whole row runs with a flex document mask (one shape, one compile); elsewhere
+        restarting at 0 in each; ``lengths``: the tokens of each real document, in row order (the rest of the
+        row is padding, a document of its own). On CUDA the whole row runs with a flex document mask (one shape, one compile); elsewhere
         only the real tokens run, with SDPA per document (attention module docstring). ``flex`` overrides that
         choice (None: flex on CUDA); on a CPU flex_attention runs uncompiled, a reference for the CUDA path.
         """
@@ -376,12 +376,14 @@ class HFCaptureBackend:
             raise ValueError("packed rows need causal full attention through SDPA "
                              f"(this target uses {self.model.config._attn_implementation!r})")
         flex = self.input_device.type == "cuda" if flex is None else flex
-        if not flex:
-            input_ids, document_ids, position_ids = (t[:, :num_real] for t in (input_ids, document_ids, position_ids))
-        docs = document_ids[0]
-        lengths = tuple(torch.unique_consecutive(docs, return_counts=True)[1].tolist())  # one sync per row
-        packed = PackedDocs(lengths, document_block_mask(docs, num_real) if flex else None)
-        inputs = _Inputs([], [docs.shape[0]], input_ids, None, torch.arange(num_real, device=docs.device),
+        num_real, num_pad = sum(lengths), input_ids.shape[1] - sum(lengths)
+        if flex:  # the whole row, one shape: the padding runs as a document of its own
+            packed = PackedDocs((*lengths, num_pad) if num_pad else tuple(lengths),
+                                document_block_mask(document_ids[0], num_real))
+        else:
+            input_ids, position_ids = input_ids[:, :num_real], position_ids[:, :num_real]
+            packed = PackedDocs(tuple(lengths))
+        inputs = _Inputs([], [input_ids.shape[1]], input_ids, None, torch.arange(num_real, device=input_ids.device),
                          position_ids=position_ids, packed=packed)
         store: dict = {}
         with self.lock:

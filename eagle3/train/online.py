@@ -104,13 +104,13 @@ def _pad_rows(x: Tensor, length: int, value: float = 0.0) -> Tensor:
 class OnlineFeatures:
     """Fills a collated row's aux and supervision on the device from the frozen target (module docstring)."""
 
-    def __init__(self, backend: Any, spec: FeatureSpec, forward: str = "padded", fallback: bool = False,
-                 row_tokens: int | None = None, sharded: bool = False):
+    def __init__(self, backend: Any, spec: FeatureSpec, forward: str = "padded", row_tokens: int | None = None,
+                 sharded: bool = False):
         self.spec, self.backend = spec, backend  # backend: an HFCaptureBackend on the training device
         self.backend.model.requires_grad_(False)
         self.packed, self.forward = packed_for(forward, backend, row_tokens, sharded), forward
         # auto, one process: a packed forward that fails falls back to padded (never sharded: see packed_for)
-        self.fallback = fallback and forward == "auto" and not sharded
+        self.fallback = forward == "auto" and not sharded
 
     @classmethod
     def from_config(cls, cfg: Any, model_dir: Path, spec: FeatureSpec, device: torch.device,
@@ -131,7 +131,7 @@ class OnlineFeatures:
         backend = HFCaptureBackend.from_spec(model_dir, spec, device=str(device), dtype=cfg.target.dtype,
                                              max_tokens_per_batch=cap.max_tokens_per_batch,
                                              batch_invariant=cap.per_sample_attention)
-        return cls(backend, spec, forward, fallback=True, row_tokens=row_tokens)
+        return cls(backend, spec, forward, row_tokens=row_tokens)
 
     def describe(self) -> str:
         """How rows run through the target, in words (for the trainer's log)."""
@@ -163,7 +163,7 @@ class OnlineFeatures:
             try:
                 with torch.no_grad():
                     raw = self.backend.packed_states(batch.input_ids, batch.document_ids, batch.position_ids,
-                                                     sum(lengths))
+                                                     lengths)
                 return self._rounded(raw, compute)
             except Exception as exc:  # noqa: BLE001 (named in the warning; auto only, never sharded)
                 if not self.fallback:

@@ -46,9 +46,9 @@ def _row(lengths=LENGTHS, seed: int = 0) -> TTTBatch:
                     document_ids=docs[None], position_ids=pos[None], final_hidden=None)
 
 
-def _features(model, forward: str, fallback: bool = False, device: str = "cpu") -> OnlineFeatures:
+def _features(model, forward: str, device: str = "cpu") -> OnlineFeatures:
     backend = HFCaptureBackend(None, AUX, model=model, device=device, max_tokens_per_batch=4096)
-    return OnlineFeatures(backend, _spec(model), forward, fallback=fallback)
+    return OnlineFeatures(backend, _spec(model), forward)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3", "deepseek_v3"])
@@ -77,7 +77,7 @@ def test_the_flex_document_mask_gives_the_per_document_states(architecture):
     model = _model(architecture)
     backend = HFCaptureBackend(None, AUX, model=model, device="cpu", max_tokens_per_batch=4096)
     row = _row(seed=1)
-    args = (row.input_ids, row.document_ids, row.position_ids, sum(LENGTHS))
+    args = (row.input_ids, row.document_ids, row.position_ids, LENGTHS)
     with torch.no_grad():
         flex = backend.packed_states(*args, flex=True)
         sliced = backend.packed_states(*args, flex=False)
@@ -129,13 +129,13 @@ def test_a_failing_packed_forward_falls_back_under_auto_only(caplog, monkeypatch
     def boom(*args, **kwargs):
         raise RuntimeError("flex compile failed: no kernel")
 
-    auto = _features(model, "auto", fallback=True)
+    auto = _features(model, "auto")
     monkeypatch.setattr(auto.backend, "packed_states", boom)
     with caplog.at_level(logging.WARNING, logger="eagle3.train"):
         got = auto.fill(_row(), LENGTHS, torch.float32)
     assert "RuntimeError: flex compile failed: no kernel" in caplog.text and not auto.packed
     assert torch.equal(got.final_hidden, want.final_hidden)
-    explicit = _features(model, "packed", fallback=True)
+    explicit = _features(model, "packed")
     monkeypatch.setattr(explicit.backend, "packed_states", boom)
     with pytest.raises(RuntimeError, match="no kernel"):
         explicit.fill(_row(), LENGTHS, torch.float32)

@@ -49,12 +49,12 @@ def _tiny(tied: bool):
 
 
 def _packed_row(docs) -> tuple:
-    """(input_ids, document_ids, position_ids [1, T], real tokens) of ``docs`` packed into one row, 5 pad tokens."""
+    """(input_ids, document_ids, position_ids [1, T], real document lengths) of ``docs`` in one row, 5 pad tokens."""
     lengths = [len(d.input_ids) for d in docs] + [5]
     ids = torch.tensor([t for d in docs for t in d.input_ids] + [0] * 5)
     doc_ids = torch.cat([torch.full((n,), k) for k, n in enumerate(lengths)])
     pos = torch.cat([torch.arange(n) for n in lengths])
-    return ids[None], doc_ids[None], pos[None], sum(lengths) - 5
+    return ids[None], doc_ids[None], pos[None], lengths[:-1]
 
 
 def _states_worker(rank: int, port: int, out_dir: str) -> None:
