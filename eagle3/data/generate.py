@@ -93,15 +93,6 @@ class GenerationStats:
                 "shapes": {k: {"calls": v.calls, "seconds": round(v.seconds, 3), "first_call_s": round(v.first_call_s, 3)}
                            for k, v in sorted(self.shapes.items())}}
 
-    def line(self) -> str:
-        """One line for a log: tokens, seconds, rate, slot use and the shapes' first calls."""
-        doc = self.to_json()
-        shapes = ", ".join(f"{k}: {v['calls']} calls, first {v['first_call_s']:.1f} s" for k, v in doc["shapes"].items())
-        use = "-" if doc["slot_use"] is None else f"{doc['slot_use']:.2f}"
-        rate = "-" if doc["new_tokens_per_s"] is None else f"{doc['new_tokens_per_s']:,.0f}"
-        return (f"{self.new_tokens:,} new tokens for {self.rows:,} prompts in {self.seconds:.1f} s of generate "
-                f"({rate} tok/s), slot use {use}; shapes: {shapes or '-'}")
-
 
 def resolve_backend(backend: Backend, device: torch.device | str) -> Backend:
     """auto -> static (compiled by transformers) on CUDA, dynamic elsewhere (compile on CPU is slow to warm)."""
@@ -203,11 +194,11 @@ class TokenGenerator:
         for start in range(0, len(order), size):
             chunk = order[start:start + size]
             for i, row in zip(chunk, self._generate_batch([prompts[i] for i in chunk]), strict=True):
-                out[i] = cut_after_eos(row, self.settings.eos_ids)
+                out[i] = row
         return out
 
     def _generate_batch(self, rows: list[list[int]]) -> list[list[int]]:
-        """One generate call on at most batch_size rows -> their new tokens (full length, not cut)."""
+        """One generate call on at most batch_size rows -> their new tokens, each cut after its first eos id."""
         s = self.settings
         start = time.perf_counter()
         width = max(len(r) for r in rows)
@@ -224,10 +215,10 @@ class TokenGenerator:
         device = _device(self.model)
         with torch.no_grad():  # the mode generate itself runs in, not inference_mode
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-        new = out[:real, width:].tolist()  # reads the device back: the time below is synchronised
+        # .tolist() reads the device back: the time below is synchronised
+        new = [cut_after_eos(r, s.eos_ids) for r in out[:real, width:].tolist()]
         steps = out.shape[1] - width
-        kept = sum(len(cut_after_eos(r, s.eos_ids)) for r in new)
-        self.stats.add(shape, real, len(rows), kept, len(rows) * steps, time.perf_counter() - start)
+        self.stats.add(shape, real, len(rows), sum(map(len, new)), len(rows) * steps, time.perf_counter() - start)
         return new
 
     def _sampling_kwargs(self) -> dict[str, Any]:
