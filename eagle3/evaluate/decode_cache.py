@@ -124,7 +124,10 @@ class StaticTargetRunner(TargetRunner):
         # than Inductor's ~23 s compile of the CHUNK width (H200, SmolLM2-135M).
         chunk_settings = replace(compile_settings, enabled=False) if compile_settings.graphs else compile_settings
         self.chunk_fn = CompiledStep(self._forward_rows, chunk_settings, self.device, "target chunk forward")
-        self.move_fn = CompiledStep(self._move_rows, compile_settings, self.device, "target cache row move")
+        # Its warm-up moves the destinations onto themselves: moving the real rows again would read sources
+        # that the first move overwrote.
+        self.move_fn = CompiledStep(self._move_rows, compile_settings, self.device, "target cache row move",
+                                    warmup_args=lambda args: (args[1], args[1]))
         self._allocate(_round_up(capacity))
 
     def compiled_steps(self) -> list[CompiledStep]:

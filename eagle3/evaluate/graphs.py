@@ -10,6 +10,9 @@ H200 with SmolLM2-135M: 33-100 s per width). With ``compile`` on, the graph reco
 Rules the replayed functions follow (they are the runners' ``_forward_rows``, ``_rows_step`` and draft rounds):
 no host reads, fixed shapes, every tensor they read or write outside their arguments keeps its address
 (caches, weights, index vectors); a runner whose caches move calls ``clear`` so the next call captures again.
+A capture first runs the function twice untimed (compiling, lazy initialisations): a function whose second call
+does not repeat its first (a cache row move whose sources overlap its destinations) names harmless arguments of
+the same shapes for those calls (``warmup_args``), or the warm-up would apply it three times.
 Arguments are copied into the graph's own input buffers and the outputs are cloned after each replay, so results
 stay valid past the next replay and every graph can share one memory pool.
 """
@@ -64,8 +67,10 @@ class CompiledStep:
     """``fn`` run eagerly or compiled and, with graphs on CUDA, replayed as one CUDA graph per argument shapes."""
 
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]], settings: CompileSettings, device: torch.device,
-                 name: str = "decode step") -> None:
+                 name: str = "decode step",
+                 warmup_args: Callable[[tuple[Tensor, ...]], tuple[Tensor, ...]] | None = None) -> None:
         self.fn, self.settings, self.cuda, self.name = fn, settings, device.type == "cuda", name
+        self.warmup_args = warmup_args or (lambda args: args)  # what the untimed calls before a capture run on
         self.fallback_reason: str | None = None  # why compiling or capturing failed, once it fell back to eager
         self._compiled: Any = None
         self._graphs: dict[tuple, _Graph] = {}
@@ -123,13 +128,15 @@ class CompiledStep:
     def _capture(self, args: tuple[Tensor, ...]) -> _Graph:
         """Warm up on a side stream (compiling, lazy initialisations), then record one call into a graph.
 
-        The warm-up calls write what the first replay writes (the same inputs), so caches see no stray entries."""
+        The warm-up calls write what the first replay writes (the same inputs, or ``warmup_args``' harmless ones),
+        so caches see no stray entries."""
         inputs = tuple(a.clone() for a in args)
+        warm = self.warmup_args(inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._run(*inputs)
+                self._run(*warm)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=_pool()):

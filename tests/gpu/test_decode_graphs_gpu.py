@@ -4,6 +4,7 @@ tokens, the graphs are captured (no fallback), and they are captured again when 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -54,3 +55,18 @@ def test_graphed_static_methods_equal_greedy_and_recapture_after_growth(dtype, m
     assert target.step_fn.num_graphs >= 1 and runner.step_fn.num_graphs >= 1
     assert all(r.use_graphs and r.num_graphs >= 1 for r in runner._rounds.values())  # chain and tree rounds
     assert len(runner._rounds) == 2 and target.move_fn.num_graphs >= 1
+
+
+def test_first_graphed_move_after_a_growth_moves_the_rows_once():
+    """The first keep after the graphs were cleared captures the row move: the cache ends as one eager move leaves
+    it (warming up on the real rows moved an overlapping branch three times)."""
+    model, _, _, prompts = _setup(torch.float32)
+    static, settings = resolve_decode("auto", "auto", "cuda")
+    graphed, _ = make_runners(model, AUX_IDS, None, None, static, settings, 64, decode_rows=16)
+    eager, _ = make_runners(model, AUX_IDS, None, None, static, replace(settings, graphs=False), 64, decode_rows=16)
+    for target in (graphed, eager):
+        target.step(prompts[0][:20])
+        target.keep(8, [9, 12, 13, 15])  # sources 12, 13 are also targets 10, 11 of earlier rows
+    assert graphed.move_fn.num_graphs == 1
+    for a, b in zip(graphed.cache.layers, eager.cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

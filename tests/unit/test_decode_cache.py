@@ -277,6 +277,25 @@ def test_evaluate_auto_dtype_and_decode_rows_resolve_per_device():
     assert EvaluateConfig(dtype="float16").resolved("cpu").decode_rows is None  # no static path on cpu: unused
 
 
+def _cache_rows(target: StaticTargetRunner) -> list[torch.Tensor]:
+    return [t.clone() for layer in target.cache.layers for t in (layer.keys, layer.values)]
+
+
+def test_cache_row_move_warms_up_on_arguments_that_leave_the_cache_unchanged(setup):
+    """A graph capture runs its function twice before recording it: the row move's warm-up arguments leave the
+    cache as it was, while the real move of an accepted branch applied twice differs from applying it once."""
+    target = StaticTargetRunner(setup["model"], AUX_IDS, capacity=32)
+    target.step(setup["prompts"][0][:20])
+    src, dst = torch.tensor([4, 7, 8, 9]), torch.tensor([4, 5, 6, 7])  # a branch whose sources overlap its targets
+    before = _cache_rows(target)
+    target._move_rows(*target.move_fn.warmup_args((src, dst)))
+    assert all(torch.equal(a, b) for a, b in zip(before, _cache_rows(target)))
+    target._move_rows(src, dst)
+    once = _cache_rows(target)
+    target._move_rows(src, dst)
+    assert not all(torch.equal(a, b) for a, b in zip(once, _cache_rows(target)))
+
+
 def test_compiled_step_falls_back_to_eager_with_its_reason_and_fails_loudly_without_fallback():
     """A backend that fails: with fallback the step warns, keeps the reason and returns the eager results; without
     fallback the error reaches the caller."""
