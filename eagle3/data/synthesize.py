@@ -65,8 +65,12 @@ def batch_seed(seed: int, batch: int) -> int:
 
 
 def settings_key(syn: SyntheticConfig, regen: RegenerateConfig, target: str) -> str:
-    """Hash of what changes the records; journal records made under another key are generated again."""
-    gen = syn.model_dump(exclude={"near_duplicate"})  # a merge-time filter, not a generation setting
+    """Hash of what changes the records; journal records made under another key are generated again.
+
+    Not the count: a record depends on its batch (number and members), never on how many batches follow, so a
+    source grown to more records keeps its finished batches (a batch that was the short last one is not finished:
+    its members change, so it runs again, as in a clean run of the larger count)."""
+    gen = syn.model_dump(exclude={"near_duplicate", "count"})  # near_duplicate: a merge-time filter
     return sha256_json({"synthetic": gen, "regenerate": {k: getattr(regen, k) for k in REGENERATE_FIELDS},
                         "target": target})[:16]
 
