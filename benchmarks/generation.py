@@ -10,7 +10,9 @@ Prints ``name: value`` lines:
                      differs between kernels, so a near tie can flip a token of a random model);
   check_identical    the same on --check-rows prompts in float32 with a fresh float32 copy of the model,
                      plain vs fast, so kernel rounding cannot flip ties (the correctness check);
-  sweep B: tok_s     the fast path at other batch sizes (--sweep; each size compiles once more).
+  sweep B: tok_s     the fast path at other batch sizes (--sweep; each size compiles once more);
+  fast_step_ms       the fast path's wall time per decode step (one generate call of --batch rows);
+  --profile          a torch.profiler table of one more fast call (the kernels and host calls a step spends on).
 Tokens per second count generated tokens up to and including each row's first eos (a row that stopped
 early costs steps in static generate but its idle steps are not counted).
 
@@ -60,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", default="", help="comma-separated extra batch sizes for the fast path")
     p.add_argument("--skip-plain", action="store_true", help="time only the fast path")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="profile one more fast call of --batch rows")
     return p
 
 
@@ -160,6 +163,12 @@ def main(argv: list[str] | None = None) -> None:
     fast, fast_s = timed(fast_gen.generate, prompts)
     print(f"fast_warmup_s: {warm_s:.1f}")
     print(f"fast_tok_s: {_tok_s(fast, fast_s):.0f} ({sum(map(len, fast))} tokens in {fast_s:.1f} s)")
+    st = fast_gen.stats  # the warm-up and timed calls: seconds per call over decode steps per call
+    steps_per_call = st.slot_steps / max(st.slots, 1)
+    print(f"fast_step_ms: {1000 * st.seconds / max(st.calls, 1) / max(steps_per_call, 1):.2f} "
+          f"(slot use {st.to_json()['slot_use']}; the first call's compile included)")
+    if args.profile:
+        profile(fast_gen, prompts[:args.batch])
     if plain is not None:
         print(f"fast_over_plain: {_tok_s(fast, fast_s) / _tok_s(plain, plain_s):.2f}")
         print(f"identical_rows: {sum(a == b for a, b in zip(plain, fast))}/{len(fast)} ({args.dtype})")
@@ -172,6 +181,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.check_rows:
         check(model, args, vocab)
     print(f"total_s: {time.perf_counter() - begin:.0f}")
+
+
+def profile(gen: TokenGenerator, prompts: list[list[int]]) -> None:
+    """One more generate call under torch.profiler: the top device kernels and host calls by total time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=activities) as prof:
+        timed(gen.generate, prompts)
+    averages = prof.key_averages()
+    if torch.cuda.is_available():
+        print(averages.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
 
 
 def check(model: Any, args: argparse.Namespace, vocab: int) -> None:

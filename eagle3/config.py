@@ -21,6 +21,10 @@ from eagle3.config_base import PRESETS_DIR, ConfigError, Operational, PlainName,
 from eagle3.config_stages import (CaptureConfig, DrafterConfig, EvaluateConfig, ExportConfig, ServeConfig,
                                   TrainConfig)
 
+
+CharsOf = Literal["all", "user"]
+"""Which turns a conversation's character count covers (data.max_chars_of)."""
+
 class RunSection(Section):
     workdir: Annotated[str, AfterValidator(_folder_path)] = "runs"
     """Directory that holds one sub-directory per run (relative paths are relative to the CWD)."""
@@ -138,6 +142,8 @@ class DataConfig(Section):
     """Drop rows whose normalized content duplicates an earlier row (kept in rejects.jsonl)."""
     max_chars: int = Field(200_000, ge=1)
     """Reject conversations longer than this many characters in total (reason 'too_long')."""
+    max_chars_of: CharsOf = "all"
+    """Which turns max_chars counts: all, or user (when regeneration replaces the answers, their length is moot)."""
     shuffle: bool = True
     """Shuffle the merged rows with run.seed."""
     min_rows: int = Field(1, ge=1)

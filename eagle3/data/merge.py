@@ -115,9 +115,11 @@ class _RejectWriter:
         self.fh.write(reject_line(reject))
 
 
-def _open(src: SourceConfig, max_chars: int, data_dir: Path) -> SourceStream:
+def _open(src: SourceConfig, cfg: DataConfig, data_dir: Path) -> SourceStream:
     """The source's records: its file, or for a synthetic source what the synthesize stage wrote."""
-    return read_synthetic(src, data_dir, max_chars) if src.format == "synthetic" else read_source(src, max_chars)
+    if src.format == "synthetic":
+        return read_synthetic(src, data_dir, cfg.max_chars, cfg.max_chars_of)
+    return read_source(src, cfg.max_chars, cfg.max_chars_of)
 
 
 @dataclass
@@ -155,7 +157,7 @@ def _eval_check(cfg: DataConfig) -> _EvalCheck | None:
     return _EvalCheck(index, {name: len(ps) for name, ps in prompts.items()})
 
 
-def _check_sources(sources: list[SourceConfig], max_chars: int, data_dir: Path) -> None:
+def _check_sources(sources: list[SourceConfig], cfg: DataConfig, data_dir: Path) -> None:
     if not sources:
         raise SourceError("no data sources configured: nothing to merge")
     counts = Counter(src.name for src in sources)
@@ -165,7 +167,7 @@ def _check_sources(sources: list[SourceConfig], max_chars: int, data_dir: Path) 
         raise SourceError(f"source names must be unique; repeated: {repeated}")
     for src in sources:
         # Open (and sniff) each source now, so a bad last source fails before minutes spent on the first.
-        _open(src, max_chars, data_dir).close()
+        _open(src, cfg, data_dir).close()
 
 
 def _dedupe(conv: Conversation, seen_hashes: dict[str, str], dedupe: bool) -> dict[str, Any] | Reject:
@@ -184,7 +186,7 @@ def _take_source(src: SourceConfig, cfg: DataConfig, seen_hashes: dict[str, str]
                  evals: _EvalCheck | None) -> tuple[_Tally, dict[str, Any]]:
     """Read one source until it ends or reaches its cap; returns its tally and facts for stats.json."""
     tally = _Tally()
-    stream = _open(src, cfg.max_chars, data_dir)
+    stream = _open(src, cfg, data_dir)
     stopped_at_cap = False
     with contextlib.closing(stream):
         for item in stream:
@@ -244,6 +246,7 @@ def _stats_doc(tallies: dict[str, _Tally], facts: dict[str, dict], cfg: DataConf
         "total": total.to_json(),
         "seed": seed, "val_fraction": cfg.val_fraction, "dedupe": cfg.dedupe, "shuffle": cfg.shuffle,
         "max_chars": cfg.max_chars,
+        "max_chars_of": cfg.max_chars_of,
         "eval_overlap": evals.to_json(cfg.eval_overlap_min_ngrams) if evals else {"enabled": False},
     }, total
 
@@ -256,7 +259,7 @@ def merge_sources(sources: list[SourceConfig], cfg: DataConfig, seed: int, out_d
     its total is the sum of the caps when every source has one, else 0 (unknown).
     """
     out_dir = Path(out_dir)
-    _check_sources(sources, cfg.max_chars, out_dir)
+    _check_sources(sources, cfg, out_dir)
     evals = _eval_check(cfg)
     paths = {"merged": out_dir / MERGED_FILE, "rejects": out_dir / "rejects.jsonl",
              "stats": out_dir / "stats.json"}

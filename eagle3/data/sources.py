@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3.config import SourceConfig
+from eagle3.config import CharsOf, SourceConfig
 from eagle3.data.containers import TextEncoding, detect_encoding, first_content_char, iter_array, iter_lines
 from eagle3.data.containers import record_format as _record_format
 from eagle3.data.rejects import REJECT_REASONS, Reject, SourceError
@@ -153,7 +153,7 @@ def _pick_reader(src: SourceConfig, path: Path) -> tuple[str, TextEncoding | Non
     return ("array" if first == "[" and path.suffix not in (".jsonl", ".ndjson") else "lines"), enc
 
 
-def read_source(src: SourceConfig, max_chars: int) -> SourceStream:
+def read_source(src: SourceConfig, max_chars: int, chars_of: CharsOf = "all") -> SourceStream:
     """Every record of one source, in file order, as Conversation or Reject (SourceError up front).
 
     Lazy: records are parsed only as the caller asks for them, so stopping after N rows costs N rows.
@@ -165,7 +165,7 @@ def read_source(src: SourceConfig, max_chars: int) -> SourceStream:
     else:
         raw = (iter_array if reader == "array" else iter_lines)(src.name, path, enc)
         fmt, raw = _choose_format(src, path, enc, raw)
-    return SourceStream(fmt, path, normalize_records(src.name, fmt, raw, max_chars), raw)
+    return SourceStream(fmt, path, normalize_records(src.name, fmt, raw, max_chars, chars_of), raw)
 
 
 def _choose_format(src: SourceConfig, path: Path, enc: TextEncoding, raw: Iterator) -> tuple[str, Iterator]:
@@ -309,7 +309,7 @@ def _drop_leading_non_user(messages: list[dict[str, str]]) -> list[dict[str, str
     return keep_system + messages[first_user:] if first_user else messages
 
 
-def _check_conversation(messages: list[dict[str, str]], max_chars: int) -> None:
+def _check_conversation(messages: list[dict[str, str]], max_chars: int, chars_of: CharsOf = "all") -> None:
     if not messages or all(not m["content"].strip() for m in messages):
         raise _BadRecord("empty_conversation", f"{len(messages)} turns, all empty")
     roles = {m["role"] for m in messages}
@@ -317,12 +317,13 @@ def _check_conversation(messages: list[dict[str, str]], max_chars: int) -> None:
         raise _BadRecord("no_user_turn", "no user turn")
     if "assistant" not in roles:
         raise _BadRecord("no_assistant_turn", "no assistant turn (after the first user turn)")
-    num_chars = sum(len(m["content"]) for m in messages)
+    num_chars = sum(len(m["content"]) for m in messages if chars_of == "all" or m["role"] == chars_of)
     if num_chars > max_chars:
-        raise _BadRecord("too_long", f"{num_chars:,} characters > max_chars {max_chars:,}")
+        counted = "" if chars_of == "all" else f" in {chars_of} turns"
+        raise _BadRecord("too_long", f"{num_chars:,} characters{counted} > max_chars {max_chars:,}")
 
 
-def _to_messages(record: Any, fmt: str, max_chars: int) -> tuple[list[dict[str, str]], int]:
+def _to_messages(record: Any, fmt: str, max_chars: int, chars_of: CharsOf = "all") -> tuple[list[dict[str, str]], int]:
     """Validated messages and the number of leading turns dropped (ShareGPT only)."""
     messages = _normalize_turns(_turn_pairs(record, fmt), fmt)
     if fmt == "sharegpt" and any(m["role"] == "user" for m in messages):
@@ -331,11 +332,12 @@ def _to_messages(record: Any, fmt: str, max_chars: int) -> tuple[list[dict[str, 
         dropped = num_before - len(messages)
     else:
         dropped = 0
-    _check_conversation(messages, max_chars)
+    _check_conversation(messages, max_chars, chars_of)
     return messages, dropped
 
 
-def normalize_records(source: str, fmt: str, raw: Iterator, max_chars: int) -> Iterator[Conversation | Reject]:
+def normalize_records(source: str, fmt: str, raw: Iterator, max_chars: int,
+                      chars_of: CharsOf = "all") -> Iterator[Conversation | Reject]:
     """Raw (location, record) items -> Conversation | Reject, with ids unique within the source."""
     first_seen: dict[str, str] = {}  # row id -> location that took it
     try:
@@ -343,18 +345,18 @@ def normalize_records(source: str, fmt: str, raw: Iterator, max_chars: int) -> I
             if isinstance(item, Reject):
                 yield item
                 continue
-            yield _one_record(source, fmt, item[0], item[1], max_chars, first_seen)
+            yield _one_record(source, fmt, item[0], item[1], max_chars, first_seen, chars_of)
     finally:
         raw.close()  # the merge may stop early: close the file now, not at garbage collection
 
 
 def _one_record(source: str, fmt: str, loc: str, record: Any, max_chars: int,
-                first_seen: dict[str, str]) -> Conversation | Reject:
+                first_seen: dict[str, str], chars_of: CharsOf = "all") -> Conversation | Reject:
     row_id = None
     try:
         explicit = _explicit_id(record) if isinstance(record, dict) else None
         row_id = make_row_id(source, explicit) if explicit is not None else None
-        messages, dropped = _to_messages(record, fmt, max_chars)
+        messages, dropped = _to_messages(record, fmt, max_chars, chars_of)
     except _BadRecord as bad:
         return Reject(source, loc, bad.reason, bad.detail, record, row_id)
     if row_id is None:

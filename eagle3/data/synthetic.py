@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eagle3.config import SourceConfig
+from eagle3.config import CharsOf, SourceConfig
 from eagle3.data.containers import detect_encoding, iter_lines
 from eagle3.data.rejects import Reject, SourceError
 from eagle3.data.sources import SOURCE_NAME_RE, Conversation, SourceStream, make_row_id, normalize_records
@@ -41,14 +41,14 @@ def synthetic_path(data_dir: Path, name: str) -> Path:
     return Path(data_dir) / SYNTHETIC_DIR / f"{name}.jsonl"
 
 
-def read_synthetic(src: SourceConfig, data_dir: Path, max_chars: int) -> SourceStream:
+def read_synthetic(src: SourceConfig, data_dir: Path, max_chars: int, chars_of: CharsOf = "all") -> SourceStream:
     """Every generated record of a synthetic source, in index order, as Conversation or Reject."""
     assert src.synthetic is not None, "SourceConfig fills synthetic for format synthetic"
     path = synthetic_path(data_dir, src.name)
     if not path.is_file():
         raise SourceError(f"source {src.name!r}: {path} does not exist; run the synthesize stage first")
     raw = iter_lines(src.name, path, detect_encoding(path))
-    items = normalize_records(src.name, "openai", _check_generation(src.name, raw), max_chars)
+    items = normalize_records(src.name, "openai", _check_generation(src.name, raw), max_chars, chars_of)
     return SourceStream("synthetic", path, _filter(items, src.synthetic.near_duplicate), raw)
 
 
