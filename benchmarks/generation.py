@@ -11,7 +11,9 @@ Prints ``name: value`` lines:
   check_identical    the same on --check-rows prompts in float32 with a fresh float32 copy of the model,
                      plain vs fast, so kernel rounding cannot flip ties (the correctness check);
   sweep B: tok_s     the fast path at other batch sizes (--sweep; each size compiles once more);
-  fast_step_ms       the fast path's wall time per decode step (one generate call of --batch rows);
+  fast_step_ms       the timed pass's wall time per decode step (seconds over the steps of its generate calls);
+  decode_attention K the other --decode-attention ways on the same prompts and model: tok/s, step time, ratio
+                     to the first, and rows identical to it;
   --profile          a torch.profiler table of one more fast call (the kernels and host calls a step spends on).
 Tokens per second count generated tokens up to and including each row's first eos (a row that stopped
 early costs steps in static generate but its idle steps are not counted).
@@ -30,6 +32,7 @@ import argparse
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=None, help="longest prompt (default 512; 40 with --tiny)")
     p.add_argument("--new-tokens", type=int, default=None, help="max new tokens (default 256; 16 with --tiny)")
     p.add_argument("--backend", default="auto", choices=("auto", "static", "dynamic", "continuous"))
-    p.add_argument("--no-kv-head-attention", action="store_true", help="static: transformers' own sdpa decode")
+    p.add_argument("--decode-attention", default="kv_heads",
+                   help="static: sdpa, kv_heads or flex; a comma list times each on the same prompts (first is 'fast')")
     p.add_argument("--check-rows", type=int, default=64, help="float32 identity check rows (0 = skip)")
     p.add_argument("--check-new-tokens", type=int, default=32)
     p.add_argument("--sweep", default="", help="comma-separated extra batch sizes for the fast path")
@@ -137,7 +141,8 @@ def _settings(model: Any, args: argparse.Namespace, batch: int, new_tokens: int)
     eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
     pad = model.generation_config.pad_token_id
     return GenerationSettings(max_new_tokens=new_tokens, eos_ids=eos_ids, pad_id=eos_ids[0] if pad is None else pad,
-                              backend=args.backend, batch_size=batch, kv_head_attention=not args.no_kv_head_attention)
+                              backend=args.backend, batch_size=batch,
+                              decode_attention=args.decode_attention.split(",")[0])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,16 +164,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"plain_tok_s: {_tok_s(plain, plain_s):.0f} ({sum(map(len, plain))} tokens in {plain_s:.1f} s)")
     fast_gen = TokenGenerator(model, s)
     print(f"fast_backend: {fast_gen.settings.backend}, attention {model.config._attn_implementation}")
-    _, warm_s = timed(fast_gen.generate, prompts[:args.batch])
-    fast, fast_s = timed(fast_gen.generate, prompts)
+    fast, fast_s, warm_s, step_ms = warm_and_time(fast_gen, prompts, args.batch)
     print(f"fast_warmup_s: {warm_s:.1f}")
     print(f"fast_tok_s: {_tok_s(fast, fast_s):.0f} ({sum(map(len, fast))} tokens in {fast_s:.1f} s)")
-    st = fast_gen.stats  # the warm-up and timed calls: seconds per call over decode steps per call
-    steps_per_call = st.slot_steps / max(st.slots, 1)
-    print(f"fast_step_ms: {1000 * st.seconds / max(st.calls, 1) / max(steps_per_call, 1):.2f} "
-          f"(slot use {st.to_json()['slot_use']}; the first call's compile included)")
+    print(f"fast_step_ms: {step_ms:.2f} (slot use {fast_gen.stats.to_json()['slot_use']})")
     if args.profile:
         profile(fast_gen, prompts[:args.batch])
+    for kind in args.decode_attention.split(",")[1:]:
+        other = TokenGenerator(model, replace(s, decode_attention=kind))
+        rows, secs, warm, ms = warm_and_time(other, prompts, args.batch)
+        print(f"decode_attention {kind}: {_tok_s(rows, secs):.0f} tok/s, step {ms:.2f} ms (warm-up {warm:.1f} s), "
+              f"over {s.decode_attention} {_tok_s(rows, secs) / _tok_s(fast, fast_s):.2f}, "
+              f"identical rows {sum(a == b for a, b in zip(rows, fast))}/{len(fast)} ({args.dtype})")
     if plain is not None:
         print(f"fast_over_plain: {_tok_s(fast, fast_s) / _tok_s(plain, plain_s):.2f}")
         print(f"identical_rows: {sum(a == b for a, b in zip(plain, fast))}/{len(fast)} ({args.dtype})")
@@ -181,6 +188,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.check_rows:
         check(model, args, vocab)
     print(f"total_s: {time.perf_counter() - begin:.0f}")
+
+
+def warm_and_time(gen: TokenGenerator, prompts: list[list[int]], batch: int) -> tuple[list[list[int]], float, float,
+                                                                                     float]:
+    """(rows, seconds, warm-up seconds, ms per decode step) of a timed pass over ``prompts`` after one untimed
+    call of ``batch`` rows (its compile); the step time is the timed pass's seconds over its decode steps."""
+    _, warm_s = timed(gen.generate, prompts[:batch])
+    calls, slots, slot_steps = gen.stats.calls, gen.stats.slots, gen.stats.slot_steps
+    rows, seconds = timed(gen.generate, prompts)
+    steps = (gen.stats.slot_steps - slot_steps) / max(gen.stats.slots - slots, 1) * (gen.stats.calls - calls)
+    return rows, seconds, warm_s, 1000 * seconds / max(steps, 1)
 
 
 def profile(gen: TokenGenerator, prompts: list[list[int]]) -> None:

@@ -173,8 +173,8 @@ class RegenerateConfig(Section):
     """hf backend: static = static cache (compiled on CUDA), dynamic = plain generate, continuous = generate_batch; auto = static on CUDA, else dynamic."""
     prompt_bucket: int = Field(64, ge=1)
     """hf static: prompts are left padded to a multiple of this many tokens."""
-    kv_head_attention: bool = True
-    """hf static: decode attention on the key/value heads, without copying the cache for each query head."""
+    decode_attention: Literal["sdpa", "kv_heads", "flex"] = "kv_heads"
+    """hf static: decode attention: sdpa (transformers'), kv_heads (no cache copy per query head), flex (also reads only used key blocks)."""
     device: str = "cpu"
     """Device of the in-process model (hf backend): cpu, cuda or cuda:N."""
     max_new_tokens: int = Field(512, ge=1)

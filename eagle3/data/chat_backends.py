@@ -219,7 +219,7 @@ class HFGenerateBackend:
         self.generator = TokenGenerator(model, GenerationSettings(
             max_new_tokens=cfg.max_new_tokens, eos_ids=self._eos, pad_id=int(pad) if pad is not None else self._eos[0],
             temperature=cfg.temperature, backend=cfg.generation_backend, batch_size=cfg.batch_size_conversations,
-            prompt_bucket=cfg.prompt_bucket, kv_head_attention=cfg.kv_head_attention))
+            prompt_bucket=cfg.prompt_bucket, decode_attention=cfg.decode_attention))
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[None]:

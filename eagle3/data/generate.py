@@ -10,9 +10,12 @@ Three ways, all transformers' own generation code (no hand-written decoder):
     cache length rounded up to a power of two (few shapes; transformers also keeps the cache length at
     the largest seen so far, ``_previous_max_cache_length``). Prompts are sorted by length and cut into
     batches, so one batch holds similar lengths; the prompt width is rounded up to ``prompt_bucket``.
-    With ``kv_head_attention`` the decode step's attention runs on the key/value heads (the query heads
-    of one key/value head become query rows), instead of transformers' compiled path, which copies the
-    whole static cache per layer and step to repeat it for every query head (``repeat_kv``).
+    ``decode_attention`` picks the one-token decode step's attention: ``kv_heads`` runs it on the key/value
+    heads (the query heads of one key/value head become query rows), instead of transformers' compiled path
+    (``sdpa``), which copies the whole static cache per layer and step to repeat it for every query head
+    (``repeat_kv``); ``flex`` also reads only the key blocks that hold a row's valid keys (flex_attention
+    with a block mask), where SDPA reads the whole static cache whatever the position: on an H200 the
+    decode attention was 78% of a step at batch 512, cache 2,048 (benchmarks/generation.py --profile).
   * ``continuous``: transformers' continuous batching, ``model.generate_batch`` (finished rows leave
     the batch at once; needs a transformers that ships ``ContinuousBatchingConfig``).
 
@@ -33,8 +36,13 @@ from typing import Any, Literal
 import torch
 
 Backend = Literal["auto", "static", "dynamic", "continuous"]
+DecodeAttention = Literal["sdpa", "kv_heads", "flex"]
 KV_HEAD_ATTENTION = "sdpa_kv_heads"
 """Name under which the kv-head decode attention is registered with transformers."""
+FLEX_DECODE_ATTENTION = "flex_decode_blocks"
+"""Name under which the block-skipping flex decode attention is registered with transformers."""
+FLEX_KV_BLOCK = 128
+"""Keys per block of the flex decode's block mask (at most the cache length)."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,7 @@ class GenerationSettings:
     backend: Backend = "dynamic"
     batch_size: int = 8
     prompt_bucket: int = 64
-    kv_head_attention: bool = True
+    decode_attention: DecodeAttention = "kv_heads"
 
 
 @dataclass
@@ -150,17 +158,68 @@ def sdpa_kv_heads(module: Any, query: torch.Tensor, key: torch.Tensor, value: to
     return out.reshape(batch, 1, heads, dim), None  # [B, 1, H, D], the layout sdpa_attention_forward returns
 
 
-def use_kv_head_attention(model: Any) -> None:
-    """Register ``sdpa_kv_heads`` (with the sdpa mask) and switch an sdpa model to it; others are left alone."""
+def decode_block_mask(valid: torch.Tensor) -> Any:
+    """valid bool [B, L] (True = attend) -> a flex BlockMask for one query row per batch row that lists, per row,
+    only the key blocks holding a valid key (first), so the kernel never reads the others; mask_mod masks inside
+    them. Tensor ops only: it builds inside a compiled decode step, one graph for every position."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, length = valid.shape
+    block = min(FLEX_KV_BLOCK, length)
+    used = valid.view(batch, length // block, block).any(-1)  # [B, NB]
+    order = torch.argsort((~used).to(torch.int8), dim=-1, stable=True)  # [B, NB]: used blocks first, ascending
+    num = used.sum(-1, dtype=torch.int32)  # [B]
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return valid[b, kv]
+
+    return BlockMask.from_kv_blocks(num[:, None, None], order[:, None, None, :].to(torch.int32),
+                                    BLOCK_SIZE=(FLEX_KV_BLOCK, block), mask_mod=mask_mod, seq_lengths=(1, length))
+
+
+def flex_decode(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """One-token decode attention that reads only the key blocks a row's mask uses (flex_attention).
+
+    query [B, H, 1, D], key/value [B, Hkv, L, D] unrepeated (grouped heads go to flex's enable_gqa), mask bool
+    [B, 1, 1, L]. Everything else (prefill, float masks, position bias) goes to transformers' own sdpa."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, q_len, dim = query.shape
+    usable = (q_len == 1 and attention_mask is not None and attention_mask.dtype == torch.bool
+              and attention_mask.shape[1:3] == (1, 1) and kwargs.get("position_bias") is None and dropout == 0.0)
+    if not usable:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    valid = attention_mask[:, 0, 0, :].expand(batch, key.shape[2])  # [B, L]
+    out = flex_attention(query, key, value, block_mask=decode_block_mask(valid), scale=scaling,
+                         enable_gqa=heads != key.shape[1])  # [B, H, 1, D]
+    return out.transpose(1, 2).contiguous(), None  # [B, 1, H, D], the layout sdpa_attention_forward returns
+
+
+_DECODE_ATTENTION_NAMES = {"kv_heads": KV_HEAD_ATTENTION, "flex": FLEX_DECODE_ATTENTION}
+
+
+def use_decode_attention(model: Any, kind: DecodeAttention) -> None:
+    """Register the ``kind`` decode attention (with the sdpa mask) and switch an sdpa model to it (``sdpa``: back
+    to transformers' own); a model on another attention is left alone."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    if model.config._attn_implementation not in ("sdpa", KV_HEAD_ATTENTION):
+    ours = set(_DECODE_ATTENTION_NAMES.values())
+    if model.config._attn_implementation not in ("sdpa", *ours):
         return
-    AttentionInterface.register(KV_HEAD_ATTENTION, sdpa_kv_heads)
-    AttentionMaskInterface.register(KV_HEAD_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    if model.config._attn_implementation != KV_HEAD_ATTENTION:
-        model.set_attn_implementation(KV_HEAD_ATTENTION)
+    if kind == "sdpa":
+        if model.config._attn_implementation != "sdpa":
+            model.set_attn_implementation("sdpa")
+        return
+    name = _DECODE_ATTENTION_NAMES[kind]
+    AttentionInterface.register(name, sdpa_kv_heads if kind == "kv_heads" else flex_decode)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    if model.config._attn_implementation != name:
+        model.set_attn_implementation(name)
 
 
 # --------------------------------------------------------------------------- the generator
@@ -174,10 +233,8 @@ class TokenGenerator:
                                              "backend": resolve_backend("auto", _device(model))})
         self.model, self.settings = model, settings
         self.stats = GenerationStats()
-        if settings.backend == "static" and settings.kv_head_attention:
-            use_kv_head_attention(model)
-        elif model.config._attn_implementation == KV_HEAD_ATTENTION:
-            model.set_attn_implementation("sdpa")  # continuous batching refuses unknown attention names
+        # Only the static cache's decode runs our attention; continuous batching refuses unknown attention names.
+        use_decode_attention(model, settings.decode_attention if settings.backend == "static" else "sdpa")
 
     def generate(self, prompts: list[list[int]]) -> list[list[int]]:
         """New tokens per prompt (input order), each cut after its first eos id."""

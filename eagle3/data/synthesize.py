@@ -38,7 +38,7 @@ from infra.storage import atomic_write_text, sha256_json
 PROBE = "\u2063synthetic-user-turn\u2063"
 """Content put in a user turn to find where the template writes it (invisible separators: never in a template)."""
 REGENERATE_FIELDS = ("temperature", "batch_size_conversations", "generation_backend", "prompt_bucket",
-                     "kv_head_attention", "device")
+                     "decode_attention", "device")
 """regenerate settings that change the records (the answer temperature, the batches and their seeds, the decoder,
 its padding and attention path, and the device: each moves the rounding, so a greedy answer can turn at a tie)."""
 

@@ -54,12 +54,12 @@ def _settings(eos: tuple[int, ...], **kw: Any) -> GenerationSettings:
                                  "prompt_bucket": 16, **kw})
 
 
-@pytest.mark.parametrize("backend,kv_heads", [("dynamic", True), ("static", True), ("static", False),
-                                              ("continuous", True)])
-def test_backends_equal_plain_generate_token_for_token(case, backend, kv_heads):
+@pytest.mark.parametrize("backend,attention", [("dynamic", "kv_heads"), ("static", "kv_heads"), ("static", "sdpa"),
+                                               ("static", "flex"), ("continuous", "kv_heads")])
+def test_backends_equal_plain_generate_token_for_token(case, backend, attention):
     """Greedy answers of each backend (batches of 4 with a short last batch, left padding) equal plain generate's."""
     model, prompts, eos, ref = case
-    got = TokenGenerator(model, _settings(eos, backend=backend, kv_head_attention=kv_heads)).generate(prompts)
+    got = TokenGenerator(model, _settings(eos, backend=backend, decode_attention=attention)).generate(prompts)
     model.set_attn_implementation("sdpa")
     assert got == ref
 
@@ -105,6 +105,29 @@ def test_kv_head_attention_equals_sdpa_with_padding_mask():
     got, _ = gen.sdpa_kv_heads(module, q, k, v, mask, scaling=0.35)
     assert got.shape == want.shape == (2, 1, 6, 8)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_flex_decode_equals_sdpa_with_padding_mask_and_lists_only_used_key_blocks(monkeypatch):
+    """flex_decode on a one-token query equals transformers' sdpa under left padding; its block mask lists exactly
+    the key blocks holding a valid key (so the kernel skips the rest)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    monkeypatch.setattr(gen, "FLEX_KV_BLOCK", 8)
+    torch.manual_seed(1)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    q, k, v = torch.randn(3, 6, 1, 8), torch.randn(3, 2, 32, 8), torch.randn(3, 2, 32, 8)
+    mask = torch.zeros(3, 1, 1, 32, dtype=torch.bool)
+    mask[0, ..., 7:20] = True  # left padded, then the cache past the position
+    mask[1, ..., :32] = True
+    mask[2, ..., 17:18] = True
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.35)
+    got, _ = gen.flex_decode(module, q, k, v, mask, scaling=0.35)
+    assert got.shape == want.shape == (3, 1, 6, 8)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    blocks = gen.decode_block_mask(mask[:, 0, 0, :])
+    num, idx = blocks.kv_num_blocks[:, 0, 0].tolist(), blocks.kv_indices[:, 0, 0].tolist()
+    assert num == [3, 4, 1] and [row[:n] for row, n in zip(idx, num)] == [[0, 1, 2], [0, 1, 2, 3], [2]]
 
 
 def test_compiled_static_equals_plain_generate(case):
