@@ -296,6 +296,21 @@ def test_cache_row_move_warms_up_on_arguments_that_leave_the_cache_unchanged(set
     assert not all(torch.equal(a, b) for a, b in zip(once, _cache_rows(target)))
 
 
+def test_warm_up_runs_the_row_move_at_every_width_and_leaves_an_empty_cache(setup):
+    """The warm-up moves rows at every width (so no timed tree decode compiles the move) onto themselves."""
+    target = StaticTargetRunner(setup["model"], AUX_IDS, capacity=128, decode_rows=16)
+    widths, real_move = [], target.move_fn
+
+    def spy(src, dst):
+        widths.append(len(src))
+        assert torch.equal(src, dst), "a warm-up move must leave the cache as it was"
+        return real_move(src, dst)
+
+    target.move_fn = spy
+    target.warm_up_widths()
+    assert widths == list(target.widths) == [16, decode_cache.CHUNK] and target.length == 0
+
+
 def test_compiled_step_falls_back_to_eager_with_its_reason_and_fails_loudly_without_fallback():
     """A backend that fails: with fallback the step warns, keeps the reason and returns the eager results; without
     fallback the error reaches the caller."""
