@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--capacity", type=int, default=None,
                         help="static cache entries (default prompt + new tokens + 128; the evaluation sizes it for "
                              "its longest prompt, e.g. ~1,400 for the 160 prompts of smollm2-quality)")
+    parser.add_argument("--gathered-keys", action="store_true",
+                        help="evaluate.decode_keys=gathered: each row's keys gathered in sequence order")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, print torch.profiler tables (host and device time per op) of one "
                              "chain-3-oracle and one tree-5-4-8-oracle decode: where a round's time goes")
@@ -187,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     eager_s, reference = timed(lambda: greedy_decode(eager, prompt, n), 1 if device == "cuda" else args.repeats)
     print(f"greedy_eager_tok_s: {n / eager_s:.1f}")
 
-    target = StaticTargetRunner(model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=rows)
+    target = StaticTargetRunner(model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=rows,
+                                gathered_keys=args.gathered_keys)
     runner = StaticDrafterRunner(drafter, d2t, capacity=capacity, compile_settings=settings)
     start = time.perf_counter()
     warm_widths(target, runner)

@@ -227,7 +227,9 @@ class EvaluateConfig(Section):
     compile: Switch = "auto"
     """Static-path kernels: auto = CUDA graphs of the eager forwards on cuda; on = Inductor's (minutes to compile)."""
     decode_rows: int | Literal["auto"] | None = "auto"
-    """Static path: rows of every target decode forward (bit-exact chains in bf16); auto = 16 in bf16/fp16, none in fp32."""
+    """Static path: rows of every target decode forward (bit-exact chains in bf16); auto = 16 in bf16/fp16 or gathered, else none."""
+    decode_keys: Literal["masked", "gathered"] = "masked"
+    """Static path with decode_rows: masked cache, or each row's keys gathered in order (trees equal greedy bit for bit)."""
     near_tie_logit_gap: float = Field(1e-3, ge=0)
     """A differing token within this logit gap of the reference's top-1 is a numerical near-tie, not a bug."""
 
@@ -244,8 +246,9 @@ class EvaluateConfig(Section):
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if cuda else "float32")
         static = switch_on(self.static_cache, cuda)
         rows = self.decode_rows
-        if rows == "auto":
-            rows = None if dtype == "float32" else min(64, max(16, self.widest_verify()))
+        if rows == "auto":  # gathered keys need one width for greedy and verifies, in any dtype
+            one_width = dtype != "float32" or self.decode_keys == "gathered"
+            rows = min(64, max(16, self.widest_verify())) if one_width else None
         return self.model_copy(update={"dtype": dtype, "static_cache": "on" if static else "off",
                                        "decode_rows": rows if static else None})
 
@@ -269,6 +272,8 @@ class EvaluateConfig(Section):
         if isinstance(rows, int) and not widest <= rows <= 64:
             raise ValueError(f"evaluate.decode_rows {rows} must hold the widest verify ({widest} rows) and be at "
                              f"most 64: change it, or set it to null for per-size widths")
+        if self.decode_keys == "gathered" and (self.static_cache == "off" or self.decode_rows is None):
+            raise ValueError("evaluate.decode_keys=gathered needs the static cache and decode_rows (auto or a number)")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"evaluate.ngram_min {self.ngram_min} exceeds ngram_max {self.ngram_max}")
         most = 1 + self.tree_topk + (self.tree_steps - 1) * self.tree_topk**2

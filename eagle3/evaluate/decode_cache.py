@@ -41,6 +41,7 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from eagle3.drafter.model import Eagle3Drafter, attention_inputs, rope_cos_sin, step_outputs, upcast
+from eagle3.evaluate.gathered import key_order, use_gathered_attention
 from eagle3.evaluate.graphs import CompiledStep, CompileSettings
 from eagle3.evaluate.runners import REFERENCE_TOPK, DrafterRunner, StepOut, TargetRunner, as_token_tensor
 
@@ -112,14 +113,21 @@ class StaticTargetRunner(TargetRunner):
     """
 
     def __init__(self, model: Any, aux_layer_ids: Sequence[int], capacity: int = 1024,
-                 compile_settings: CompileSettings = CompileSettings(), decode_rows: int | None = None) -> None:
+                 compile_settings: CompileSettings = CompileSettings(), decode_rows: int | None = None,
+                 gathered_keys: bool = False) -> None:
         self._length = 0
         super().__init__(model, aux_layer_ids)  # hooks, device; calls reset()
         self._dtype = model.get_input_embeddings().weight.dtype
         self._rows = torch.arange(CHUNK, device=self.device)  # [CHUNK]
         self.widths = target_widths(decode_rows)
+        self.gathered_keys = gathered_keys
+        if gathered_keys:  # eagle3/evaluate/gathered.py: trees equal greedy bit for bit at one decode width
+            if decode_rows is None:
+                raise ValueError("gathered decode keys need decode_rows (one width for greedy and verifies)")
+            use_gathered_attention(model)
         self.cache = self._key_index = None  # type: ignore[assignment]
-        self.step_fn = CompiledStep(self._forward_rows, compile_settings, self.device, "target forward")
+        decode = self._forward_gathered if gathered_keys else self._forward_rows
+        self.step_fn = CompiledStep(decode, compile_settings, self.device, "target forward")
         # Chunks (prompts) run once per decode: with graphs, their own graph of the eager kernels is worth more
         # than Inductor's ~23 s compile of the CHUNK width (H200, SmolLM2-135M).
         chunk_settings = replace(compile_settings, enabled=False) if compile_settings.graphs else compile_settings
@@ -163,18 +171,24 @@ class StaticTargetRunner(TargetRunner):
         raise NotImplementedError("StaticTargetRunner runs through step(); forward is the eager runner's API")
 
     def _forward_rows(self, ids: Tensor, positions: Tensor, write_index: Tensor,
-                      visible: Tensor) -> tuple[Tensor, ...]:
+                      visible: Tensor, **attention: Tensor) -> tuple[Tensor, ...]:
         """ids, positions, write_index long [w]; visible bool [w, L] -> greedy [w], top values, top ids [w, K],
         aux [w, A*H]. The function torch.compile sees: fixed shapes per width, no host reads."""
         self.cache.write_index = write_index
         mask = torch.zeros(visible.shape, dtype=self._dtype, device=visible.device)
         mask = mask.masked_fill(~visible, torch.finfo(self._dtype).min)[None, None]  # [1, 1, w, L], 0 = attend
         out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True,
-                         **{self._cache_arg: self.cache})
+                         **{self._cache_arg: self.cache}, **attention)
         logits = out.logits[0].float()  # [w, V]
         top = logits.topk(REFERENCE_TOPK)
         aux = torch.cat([self._outputs[j][0] for j in self.aux_layer_ids], dim=-1)  # [w, A*H]
         return logits.argmax(-1), top.values, top.indices, aux
+
+    def _forward_gathered(self, ids: Tensor, positions: Tensor, write_index: Tensor, valid: Tensor,
+                          order: Tensor) -> tuple[Tensor, ...]:
+        """_forward_rows with each row's keys gathered in sequence order: ``order`` long [w, L] (cache index of
+        each row's j-th key), ``valid`` bool [w, L] over that order (eagle3/evaluate/gathered.py)."""
+        return self._forward_rows(ids, positions, write_index, valid, key_order=order)
 
     @torch.no_grad()
     def step(self, tokens: Sequence[int] | Tensor, positions: Sequence[int] | None = None,
@@ -193,8 +207,7 @@ class StaticTargetRunner(TargetRunner):
             self._reserve(at + width)
             write = self._rows[:width] + at  # [w] cache indices (padding rows continue past the real ones)
             pos = write if given is None else torch.cat([given[first:first + n], write[n:]])
-            parts.append(self._run(_pad_rows(ids[first:first + n], width), pos, write,
-                                   self._visible(at, width, n, visible), n))
+            parts.append(self._run(_pad_rows(ids[first:first + n], width), pos, write, at, n, visible))
         self._length = start + num
         greedy, values, top_ids, aux = parts[0] if len(parts) == 1 else (torch.cat(p) for p in zip(*parts))
         if last_only:
@@ -212,12 +225,18 @@ class StaticTargetRunner(TargetRunner):
         visible[:, at:at + width] = block.to(self.device)
         return visible
 
-    def _run(self, ids: Tensor, positions: Tensor, write: Tensor, visible: Tensor, num: int) -> tuple[Tensor, ...]:
-        if not self.cache.layers[0].is_initialized:  # the first forward allocates the cache: never compiled
-            step: Callable[..., tuple[Tensor, ...]] = self._forward_rows
+    def _run(self, ids: Tensor, positions: Tensor, write: Tensor, at: int, num: int,
+             tree: Tensor | None) -> tuple[Tensor, ...]:
+        chunk = len(ids) == CHUNK != self.widths[0]  # a prompt's chunk, not a decode forward
+        if self.gathered_keys and not chunk:
+            fn, masks = self._forward_gathered, key_order(self._key_index, write, at, num, tree)[::-1]
         else:
-            step = self.chunk_fn if len(ids) == CHUNK != self.widths[0] else self.step_fn  # chunks, not decodes
-        out = step(ids, positions, write, visible)
+            fn, masks = self._forward_rows, (self._visible(at, len(ids), num, tree),)
+        if not self.cache.layers[0].is_initialized:  # the first forward allocates the cache: never compiled
+            step: Callable[..., tuple[Tensor, ...]] = fn
+        else:
+            step = self.chunk_fn if chunk else self.step_fn
+        out = step(ids, positions, write, *masks)
         return tuple(t[:num] for t in out)
 
     def warm_up_widths(self) -> None:
@@ -419,12 +438,12 @@ class StaticDrafterRunner(DrafterRunner):
 
 def make_runners(model: Any, aux_layer_ids: Sequence[int], drafter: Eagle3Drafter | None, d2t: Tensor | None,
                  static: bool, compile_settings: CompileSettings, capacity: int = 1024,
-                 decode_rows: int | None = None) -> tuple[TargetRunner, DrafterRunner | None]:
+                 decode_rows: int | None = None, gathered_keys: bool = False) -> tuple[TargetRunner, DrafterRunner | None]:
     """The target runner and one drafter runner (None without a drafter), static or eager."""
     if not static:
         if compile_settings.enabled:
             raise ValueError("compiled decoding needs the static cache")
         return TargetRunner(model, aux_layer_ids), None if drafter is None else DrafterRunner(drafter, d2t)
-    target = StaticTargetRunner(model, aux_layer_ids, capacity, compile_settings, decode_rows)
+    target = StaticTargetRunner(model, aux_layer_ids, capacity, compile_settings, decode_rows, gathered_keys)
     runner = None if drafter is None else StaticDrafterRunner(drafter, d2t, capacity, compile_settings)
     return target, runner

@@ -83,7 +83,7 @@ def open_session(job: EvalJob) -> EvalSession:
     model = load_model(Path(job.model_dir), ecfg.dtype, job.device)
     static, settings = resolve_decode(ecfg.static_cache, ecfg.compile, job.device)
     target, runner = make_runners(model, loaded.aux_layer_ids, loaded.drafter, loaded.d2t, static, settings,
-                                  job.cache_len, ecfg.decode_rows)
+                                  job.cache_len, ecfg.decode_rows, ecfg.decode_keys == "gathered")
     proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, loaded.d2t, runner) for s in method_specs(ecfg)}
     return EvalSession(target, proposers, runner, ecfg, list(job.stop_ids))
 

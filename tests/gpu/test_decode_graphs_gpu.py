@@ -31,15 +31,18 @@ def _setup(dtype: torch.dtype):
     return model, drafter, d2t, prompts
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
-def test_graphed_static_methods_equal_greedy_and_recapture_after_growth(dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,gathered", [(torch.float64, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["float64", "bfloat16", "bfloat16-gathered"])
+def test_graphed_static_methods_equal_greedy_and_recapture_after_growth(dtype, gathered, monkeypatch):
     """Graphs on (compile=auto), decode_rows 16, caches that start small and grow: chain, tree, n-gram and a
-    perfect drafter give greedy's tokens; in float64 greedy also equals the eager runner's."""
+    perfect drafter give greedy's tokens (keys masked in place or gathered); in float64 greedy also equals the
+    eager runner's."""
     monkeypatch.setattr(decode_cache, "CAPACITY_STEP", 16)
     model, drafter, d2t, prompts = _setup(dtype)
     static, settings = resolve_decode("auto", "auto", "cuda")
     assert static and settings.graphs and not settings.enabled
-    target, runner = make_runners(model, AUX_IDS, drafter, d2t, static, settings, 16, decode_rows=16)
+    target, runner = make_runners(model, AUX_IDS, drafter, d2t, static, settings, 16, decode_rows=16,
+                                  gathered_keys=gathered)
     eager = TargetRunner(model, AUX_IDS)
     methods = {"chain": EagleProposer(drafter, d2t, 3, runner=runner),
                "tree": EagleProposer(drafter, d2t, 3, 3, 7, runner=runner), "ngram": NgramProposer()}
@@ -70,3 +73,30 @@ def test_first_graphed_move_after_a_growth_moves_the_rows_once():
     assert graphed.move_fn.num_graphs == 1
     for a, b in zip(graphed.cache.layers, eager.cache.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_gathered_keys_make_a_cuda_bf16_tree_verify_compute_the_chains_logits_bit_for_bit():
+    """On CUDA in bf16 with graphs: a tree's right branch behind wrong siblings gives the chain's logits to the last
+    bit with gathered keys (the masked count is printed: the near-ties of the 160-prompt evaluation came from it)."""
+    from tests.unit.test_decode_cache import _oracle_tree
+
+    static, settings = resolve_decode("auto", "auto", "cuda")
+    differing = {}
+    for gathered in (False, True):
+        model, _, _, prompts = _setup(torch.bfloat16)
+        target, _ = make_runners(model, AUX_IDS, None, None, static, settings, 256, decode_rows=16,
+                                 gathered_keys=gathered)
+        differing[gathered] = 0
+        for prompt in prompts:
+            greedy = greedy_decode(target, prompt, 4).tokens
+            tokens, depth, tree = _oracle_tree(greedy)
+            target.reset()
+            target.step(prompt[:-1])
+            as_tree = target.step([prompt[-1], *tokens], positions=[len(prompt) - 1 + d for d in depth], visible=tree)
+            target.reset()
+            target.step(prompt[:-1])
+            as_chain = target.step([prompt[-1], *greedy])
+            for k, row in enumerate([0, 3, 6, 9, 12]):
+                differing[gathered] += not torch.equal(as_tree.top_values[row], as_chain.top_values[k])
+    print(f"tree rows whose logits differ from the chain's: masked {differing[False]}, gathered {differing[True]}")
+    assert differing[True] == 0

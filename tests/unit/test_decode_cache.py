@@ -235,16 +235,18 @@ def test_static_tree_round_built_on_the_device_equals_the_host_tree(setup, setti
             torch.testing.assert_close(device_runner.keys[:, :, :end], host_runner.keys[:, :, :end], rtol=0, atol=0)
 
 
-def test_decode_rows_runs_every_decode_forward_at_one_width_so_bf16_methods_equal_greedy_bit_for_bit(setup):
+@pytest.mark.parametrize("gathered", [False, True], ids=["masked", "gathered"])
+def test_decode_rows_runs_every_decode_forward_at_one_width_so_bf16_methods_equal_greedy_bit_for_bit(setup, gathered):
     """With decode_rows=8 every target forward but a long input's chunks runs 8 rows wide (greedy tokens and
     verifies alike), and in bfloat16 chain, tree, n-gram and perfect drafts (chain and tree) all give greedy's
-    tokens exactly."""
+    tokens exactly, with the keys masked in place or gathered in sequence order."""
     import copy
 
     model = copy.deepcopy(setup["model"]).to(torch.bfloat16)
     drafter, d2t = copy.deepcopy(setup["drafter"]).to(torch.bfloat16), setup["d2t"]
     assert target_widths(8) == (8, 64) and target_widths(None) == (1, 4, 8, 64) and target_widths(64) == (64,)
-    target, runner = make_runners(model, AUX_IDS, drafter, d2t, True, CompileSettings(), 128, decode_rows=8)
+    target, runner = make_runners(model, AUX_IDS, drafter, d2t, True, CompileSettings(), 128, decode_rows=8,
+                                  gathered_keys=gathered)
     widths: list[int] = []
     chunk_widths: list[int] = []
     for step, seen in ((target.step_fn, widths), (target.chunk_fn, chunk_widths)):
@@ -261,6 +263,66 @@ def test_decode_rows_runs_every_decode_forward_at_one_width_so_bf16_methods_equa
     assert set(widths) == {8} and len(widths) > 100 and set(chunk_widths) == {64}  # prompts: chunks of 64
     with pytest.raises(ValueError, match="decode_rows 4 must hold the widest verify"):
         EvaluateConfig(methods=["chain", "tree"], chain_steps=[3], decode_rows=4)
+
+
+def _oracle_tree(greedy: list[int]) -> tuple[list[int], list[int], torch.Tensor]:
+    """The greedy tokens as a tree's right branch, each behind a wrong sibling that has a wrong child (so the right
+    nodes sit at verify rows 3, 6, 9, ...): (tokens, positions after the root, ancestor mask with the root)."""
+    tokens, parents, parent = [], [], -1
+    for g in greedy:
+        tokens += [(g + 1) % 384, (g + 2) % 384, g]
+        parents += [parent, len(tokens) - 3, parent]
+        parent = len(tokens) - 1
+    n = len(tokens) + 1
+    tree, depth = torch.eye(n, dtype=torch.bool), [0] * n
+    for i, p in enumerate(parents, start=1):
+        tree[i] |= tree[0 if p < 0 else p + 1]
+        depth[i] = depth[0 if p < 0 else p + 1] + 1
+    return tokens, depth, tree
+
+
+def test_gathered_keys_make_a_tree_verify_compute_the_chains_logits_bit_for_bit(setup):
+    """A tree's right branch verified behind wrong siblings against the same tokens verified as a chain: with keys
+    gathered in sequence order every row's logits are the chain's to the last bit; attending the cache in place
+    they are not (float32 on this CPU: the mask moves the keys to other lanes of the reductions)."""
+    import copy
+
+    differing = {}
+    for gathered in (False, True):
+        model = copy.deepcopy(setup["model"]).to(torch.float32)
+        target = StaticTargetRunner(model, AUX_IDS, 128, CompileSettings(), decode_rows=16, gathered_keys=gathered)
+        differing[gathered] = 0
+        for prompt in setup["prompts"][:3]:
+            greedy = greedy_decode(target, prompt, 4).tokens
+            tokens, depth, tree = _oracle_tree(greedy)
+            target.reset()
+            target.step(prompt[:-1])
+            as_tree = target.step([prompt[-1], *tokens], positions=[len(prompt) - 1 + d for d in depth], visible=tree)
+            target.reset()
+            target.step(prompt[:-1])
+            as_chain = target.step([prompt[-1], *greedy])
+            for k, row in enumerate([0, 3, 6, 9, 12]):
+                differing[gathered] += not torch.equal(as_tree.top_values[row], as_chain.top_values[k])
+    assert differing[True] == 0 and differing[False] > 0, differing
+
+
+def test_compiled_gathered_path_is_lossless(setup):
+    """Gathered keys through torch.compile (Dynamo, eager backend): chain, tree and n-gram equal greedy."""
+    import copy
+
+    model = copy.deepcopy(setup["model"])
+    target, runner = make_runners(model, AUX_IDS, setup["drafter"], setup["d2t"], True, COMPILED, 128,
+                                  decode_rows=16, gathered_keys=True)
+    static = proposers(setup, runner)
+    for prompt, ref in zip(setup["prompts"][2:], setup["refs"][2:]):
+        assert greedy_decode(target, prompt, MAX_NEW).tokens == ref.tokens
+        for name in static:
+            assert speculative_decode(target, static[name], prompt, MAX_NEW).tokens == ref.tokens, name
+    assert target.step_fn.compiled and target.step_fn.fallback_reason is None
+    gathered = EvaluateConfig(methods=["chain", "tree"], dtype="float32", decode_keys="gathered").resolved("cuda")
+    assert gathered.decode_rows == 16  # gathered keys need one decode width, also in float32
+    with pytest.raises(ValueError, match="decode_keys=gathered needs the static cache"):
+        EvaluateConfig(decode_keys="gathered", static_cache="off")
 
 
 def test_evaluate_auto_dtype_and_decode_rows_resolve_per_device():

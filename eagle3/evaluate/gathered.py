@@ -1,0 +1,88 @@
+"""Decode attention over each row's keys in sequence order, so a tree verify equals greedy bit for bit.
+
+A tree verify writes its nodes at consecutive cache indices, so a node's ancestors sit at indices that are not
+its sequence positions (its siblings' entries lie between them). Attending through a mask over the physical
+cache then reduces the same keys in other tiles than greedy's forward of that token did, and in bf16 the
+output can part from greedy at a near-tie. Here every decode forward (greedy tokens and verifies alike, all
+``decode_rows`` wide) gives each row an explicit key order, ``order`` long [w, L]: the cache index of its j-th
+key in sequence order (the committed prefix, then its ancestors and itself), and ``valid`` bool [w, L]
+(j < the row's key count). The row's keys are gathered into that order and attended as one batch element of
+their own; a greedy row's order is the identity. A row's keys, their positions in the gathered sequence and the
+kernel (batch element, one query) are then the same whether the row was a greedy token or a tree node, so are
+its logits. The price is the gather: every decode forward reads w copies of the cache instead of one.
+
+Prompt chunks run the plain masked path (no ``key_order``): greedy and every method prefill the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+GATHERED_ATTENTION = "eagle3_gathered_keys"
+"""Name under which the gathered decode attention is registered with transformers."""
+
+
+def gathered_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                       dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                       **kwargs: Any) -> tuple[Tensor, None]:
+    """query [1, H, w, D]; key/value [1, Hkv, L, D] (the whole static cache layer); kwargs ``key_order`` long
+    [w, L]; attention_mask [1, 1, w, L] in sequence order (0 = attend) -> [1, w, H, D]. Without ``key_order``:
+    transformers' sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    order = kwargs.pop("key_order", None)
+    if order is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    _, heads, width, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    flat = order.reshape(-1)  # [w * L]
+    keys = key[0].index_select(1, flat).view(kv_heads, width, length, dim).transpose(0, 1)  # [w, Hkv, L, D]
+    values = value[0].index_select(1, flat).view(kv_heads, width, length, dim).transpose(0, 1)  # [w, Hkv, L, D]
+    # The query heads sharing a key/value head become query rows of it (no repeated cache).
+    rows = query[0].transpose(0, 1).reshape(width, kv_heads, heads // kv_heads, dim)  # [w, Hkv, G, D]
+    mask = attention_mask[0, 0][:, None, None, :]  # [w, 1, 1, L]
+    out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, dropout_p=dropout,
+                                         scale=scaling)  # [w, Hkv, G, D]
+    return out.reshape(1, width, heads, dim), None  # [1, w, H, D], the layout sdpa_attention_forward returns
+
+
+def use_gathered_attention(model: Any) -> None:
+    """Register the gathered attention (with the sdpa mask) and switch the model to it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if model.config._attn_implementation not in ("sdpa", GATHERED_ATTENTION):
+        raise ValueError(f"gathered decode keys need a target on sdpa attention, not "
+                         f"{model.config._attn_implementation!r}")
+    AttentionInterface.register(GATHERED_ATTENTION, gathered_attention)
+    AttentionMaskInterface.register(GATHERED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    if model.config._attn_implementation != GATHERED_ATTENTION:
+        model.set_attn_implementation(GATHERED_ATTENTION)
+
+
+def key_order(key_index: Tensor, write: Tensor, at: int, num: int, tree: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(order long [w, L], valid bool [w, L]) of the w rows written at ``write`` [w] after ``at`` committed entries.
+
+    No tree: each row's keys are the cache up to its own index (order = identity). A tree (bool [num, num],
+    ancestors and self, parents before children): row r's keys are the committed prefix, then the indices of its
+    ancestors and itself in depth order. Padding rows (r >= num) see only themselves."""
+    width, length = len(write), len(key_index)
+    order = key_index[None, :].repeat(width, 1)  # [w, L]
+    if tree is None:
+        return order, key_index[None, :] <= write[:, None]
+    count = torch.ones(width, dtype=torch.long)
+    order_host = order.cpu()
+    for r in range(width):
+        if r < num:
+            path = at + torch.nonzero(tree[r].cpu(), as_tuple=True)[0]  # ancestors and self, in depth order
+            order_host[r, at:at + len(path)] = path
+            count[r] = at + len(path)
+        else:
+            order_host[r, 0] = at + r
+    valid = torch.arange(length)[None, :] < count[:, None]  # [w, L]
+    return order_host.to(key_index.device), valid.to(key_index.device)
