@@ -22,7 +22,8 @@ With ``decode_rows`` set, every target forward that is not a long input's chunk 
 alike) runs at that one width, so each row goes through the very same kernels whatever its neighbours are, and
 a chain's or n-gram's output is greedy's bit for bit (padding rows only see themselves). A tree verify still
 differs: its accepted rows sit at non-consecutive cache indices while verified, so their attention sums the
-same keys in another order than greedy's forwards (in bf16 a tree's output can part from greedy at a near-tie).
+same keys in another order than greedy's forwards (in bf16 a tree's output can part from greedy at a near-tie),
+unless ``gathered_keys`` gives every decode row its keys in sequence order (eagle3/evaluate/gathered.py).
 
 Host reads: the runners never read device values themselves; the decode loops do (one read per verify round,
 one per few greedy tokens).
