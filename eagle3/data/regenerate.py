@@ -62,6 +62,7 @@ from eagle3.data.chat_backends import (  # noqa: F401 - re-exported: the backend
     make_backend,
     parse_chat_response,
 )
+from eagle3.data.tokenize import TRUNCATED_TURNS
 from eagle3.run.layout import REGENERATED_FILE
 from eagle3.run.journal import Journal
 from eagle3.run.progress import Progress, ProgressFn
@@ -200,25 +201,36 @@ def read_rows(in_parquet: Path) -> tuple[list[dict[str, Any]], pa.Schema]:
     return rows, table.schema
 
 
+def truncated_turns(row: dict[str, Any], record: dict[str, Any], max_user_turns: int | None) -> list[int]:
+    """Indices, in the regenerated messages, of the answers that stopped at the token cap (finish_reason length):
+    the answers sit where plan_turns put None, in the order of the record's finish reasons."""
+    slots = [i for i, item in enumerate(plan_turns(row["messages"], max_user_turns)) if item is None]
+    return [slot for slot, reason in zip(slots, record["finish_reasons"], strict=True) if reason == "length"]
+
+
 def _write_outputs(rows: list[dict[str, Any]], schema: pa.Schema, limit: int, journal: dict[str, dict[str, Any]],
-                   out_dir: Path, keep_sources: frozenset[str] = frozenset()) -> dict[str, Path]:
-    """regenerated.parquet (input order) and the errors file, both atomic, from the journal."""
+                   out_dir: Path, keep_sources: frozenset[str] = frozenset(),
+                   max_user_turns: int | None = None) -> dict[str, Path]:
+    """regenerated.parquet (input order, with TRUNCATED_TURNS) and the errors file, both atomic, from the journal."""
     kept: list[dict[str, Any]] = []
     errors: list[str] = []
     for i, row in enumerate(rows):
         if i >= limit or row.get("source") in keep_sources:
-            kept.append(row)  # beyond max_conversations, or answered by the target already: kept as they are
+            kept.append({**row, TRUNCATED_TURNS: []})  # beyond max_conversations, or answered by the target already
             continue
         record = journal.get(row["id"])
         assert record is not None, f"row {row['id']!r} finished without a journal record"
         if record["status"] == "ok":
-            kept.append({**row, "messages": record["messages"]})
+            kept.append({**row, "messages": record["messages"],
+                         TRUNCATED_TURNS: truncated_turns(row, record, max_user_turns)})
         else:
             errors.append(json.dumps({k: record[k] for k in ("id", "error_type", "message", "attempts")},
                                      ensure_ascii=False))
     assert len(kept) + len(errors) == len(rows), "every input row must be regenerated, kept or an error"
     paths = {"regenerated": out_dir / REGENERATED_NAME, "errors": out_dir / ERRORS_NAME}
     with atomic_path(paths["regenerated"]) as tmp:
+        if TRUNCATED_TURNS not in schema.names:
+            schema = schema.append(pa.field(TRUNCATED_TURNS, pa.list_(pa.int32())))
         pq.write_table(pa.Table.from_pylist(kept, schema=schema), tmp)
     atomic_write_text(paths["errors"], "".join(line + "\n" for line in errors))
     return paths
@@ -290,7 +302,8 @@ def finish(work: Work, out_dir: Path, state: RunState, backend: ChatBackend | No
     if generation is not None:
         stats["generation"] = generation
     assert stats["success"] + stats["error"] + stats["skipped_done"] + own + stats["skipped_limit"] == len(rows)
-    paths = _write_outputs(rows, work.schema, limit, Journal(out_dir / JOURNAL_NAME).load(), out_dir, keep_sources)
+    paths = _write_outputs(rows, work.schema, limit, Journal(out_dir / JOURNAL_NAME).load(), out_dir, keep_sources,
+                           state.max_user_turns)
     stats["elapsed_s"] = round(time.monotonic() - start, 3)
     return paths, stats
 

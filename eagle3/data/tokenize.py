@@ -43,6 +43,10 @@ PROBE_MARKER = "EAGLE3_PROBE_END_OF_TURN_7f3a"
 CHUNK_ROWS = 512
 """Rows rendered, then tokenized in one batch call (the Rust side parallelizes across the batch)."""
 REJECT_REASONS = ("template_error", "overlong", "too_few_loss_tokens")
+TRUNCATED_TURNS = "truncated_turns"
+"""Optional input column (regeneration writes it): list<int32> indices of the assistant messages the target did
+not finish (cut at the token cap). Their content is supervised; their end-of-turn text, which the template wrote
+and the target never produced, is not."""
 
 TOKENIZED_SCHEMA = pa.schema([
     ("id", pa.string()),
@@ -111,20 +115,22 @@ def _check_prefix(shorter: str, longer: str, row_id: str, what: str) -> None:
         )
 
 
-def _turn_span(prompt: str, turn: str, end_of_turn: str, row_id: str, index: int) -> Span:
-    """From the end of the generation prompt to the end of the last end-of-turn text inside the turn's diff."""
+def _turn_span(prompt: str, turn: str, end_of_turn: str, row_id: str, index: int, finished: bool = True) -> Span:
+    """From the end of the generation prompt to the end of the last end-of-turn text inside the turn's diff (to its
+    start for a turn the model did not finish)."""
     diff = turn[len(prompt):]
     # rfind: the template's closing token comes after the content, even if the content quotes it.
     at = diff.rfind(end_of_turn)
     if at < 0:
         raise TemplateError(row_id, f"assistant turn {index}: end-of-turn text {end_of_turn!r} "
                                     "not found in its rendering")
-    return len(prompt), len(prompt) + at + len(end_of_turn)
+    return len(prompt), len(prompt) + at + (len(end_of_turn) if finished else 0)
 
 
 def supervised_spans(tokenizer: Any, messages: Sequence[Message], row_id: str = "?",
-                     end_of_turn: str | None = None) -> tuple[str, list[Span]]:
-    """The rendered conversation and the char spans of each assistant turn's content + end-of-turn text."""
+                     end_of_turn: str | None = None, unfinished: Sequence[int] = ()) -> tuple[str, list[Span]]:
+    """The rendered conversation and the char spans of each assistant turn's content + end-of-turn text (content
+    only for the message indices in ``unfinished``: turns cut at the token cap)."""
     end_of_turn = end_of_turn or end_of_turn_text(tokenizer)
     messages = _trim_trailing_turns(messages)
     full = _render(tokenizer, messages, row_id)
@@ -138,7 +144,7 @@ def supervised_spans(tokenizer: Any, messages: Sequence[Message], row_id: str = 
         turn = full if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1], row_id)
         _check_prefix(prompt, turn, row_id, f"assistant turn {i} vs its generation prompt")
         _check_prefix(turn, full, row_id, f"assistant turn {i} vs the full conversation")
-        spans.append(_turn_span(prompt, turn, end_of_turn, row_id, i))
+        spans.append(_turn_span(prompt, turn, end_of_turn, row_id, i, finished=i not in unfinished))
     return full, spans
 
 
@@ -187,6 +193,7 @@ class _Tally:
     num_tokens: int = 0
     num_loss_tokens: int = 0
     num_tokens_cut: int = 0
+    unfinished_turns: int = 0  # rendered turns cut at the token cap: their end-of-turn text left unsupervised
     render_s: float = 0.0
     tokenize_s: float = 0.0
 
@@ -229,7 +236,9 @@ def _render_rows(rows: list[dict], tokenizer: Any, end_of_turn: str, rejects: li
     kept, texts, spans = [], [], []
     for row in rows:
         try:
-            text, row_spans = supervised_spans(tokenizer, row["messages"], row["id"], end_of_turn)
+            unfinished = row.get(TRUNCATED_TURNS) or ()
+            text, row_spans = supervised_spans(tokenizer, row["messages"], row["id"], end_of_turn, unfinished)
+            tally.unfinished_turns += len(unfinished)
         except TemplateError as exc:
             _reject(rejects, tally, row["id"], "template_error", str(exc))
             continue
@@ -330,6 +339,7 @@ def _stats(tally: _Tally, elapsed_s: float, end_of_turn: str) -> dict[str, Any]:
         "rows_rejected": num_rejected, "rejected_by_reason": {r: tally.rejected[r] for r in REJECT_REASONS},
         "num_tokens": tally.num_tokens, "num_loss_tokens": tally.num_loss_tokens,
         "num_tokens_cut": tally.num_tokens_cut, "end_of_turn_text": end_of_turn,
+        "unfinished_turns": tally.unfinished_turns,
         "elapsed_s": round(elapsed_s, 3), "render_s": round(tally.render_s, 3),
         "tokenize_s": round(tally.tokenize_s, 3), "rows_per_s": round(tally.rows_in / elapsed_s, 1),
         "tokens_per_s": round(tally.num_tokens / elapsed_s, 1),
@@ -361,7 +371,8 @@ def tokenize_dataset(in_parquet: Path, out_dir: Path, tokenizer: Any, cfg: Token
     out_path = out_dir / TOKENIZED_FILE
     with Progress(source.metadata.num_rows, "tokenize", progress) as bar, atomic_path(out_path) as tmp:
         with pq.ParquetWriter(tmp, TOKENIZED_SCHEMA) as writer:
-            for batch in source.iter_batches(batch_size=CHUNK_ROWS, columns=["id", "split", "messages"]):
+            columns = ["id", "split", "messages", *[TRUNCATED_TURNS] * (TRUNCATED_TURNS in source.schema_arrow.names)]
+            for batch in source.iter_batches(batch_size=CHUNK_ROWS, columns=columns):
                 rows = batch.to_pylist()
                 tally.rows_in += len(rows)
                 writer.write_table(_chunk_table(_tokenize_chunk(rows, tokenizer, cfg, end_of_turn, rejects, tally)))

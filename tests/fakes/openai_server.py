@@ -11,6 +11,7 @@ Knobs (all off by default):
   fail_marker     a last user message containing it always gets 503
   bad_marker      ... always gets 400 (not retried)
   empty_marker    ... gets an empty content string
+  length_marker   ... is answered with finish_reason "length" (an answer cut at the token cap)
   stall_marker    ... is held ``stall_s`` seconds before the answer (to exercise timeouts)
 
 It binds 127.0.0.1 on a free port, serves from a daemon thread, records every request it
@@ -63,6 +64,7 @@ class FakeOpenAIServer:
     fail_marker: str | None = None
     bad_marker: str | None = None
     empty_marker: str | None = None
+    length_marker: str | None = None
     stall_marker: str | None = None
     stall_s: float = 5.0
     lifetime_s: float = 60.0
@@ -125,7 +127,8 @@ class FakeOpenAIServer:
         if _has(text, self.stall_marker):
             self._stop.wait(self.stall_s)
         content = "" if _has(text, self.empty_marker) else fake_answer(request.messages)
-        return 200, _completion(seq, request.body.get("model", "fake"), content)
+        finish = "length" if _has(text, self.length_marker) else "stop"
+        return 200, _completion(seq, request.body.get("model", "fake"), content, finish)
 
 
 def _has(text: str, marker: str | None) -> bool:
@@ -136,11 +139,11 @@ def _error(message: str) -> dict[str, Any]:
     return {"object": "error", "message": message, "type": "fake_error"}
 
 
-def _completion(seq: int, model: str, content: str) -> dict[str, Any]:
+def _completion(seq: int, model: str, content: str, finish_reason: str = "stop") -> dict[str, Any]:
     num_tokens = len(content.split())
     return {
         "id": f"chatcmpl-fake-{seq}", "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish_reason}],
         "usage": {"prompt_tokens": 0, "completion_tokens": num_tokens, "total_tokens": num_tokens},
     }
 

@@ -435,6 +435,21 @@ def test_rows_of_kept_sources_are_copied_without_requests(tmp_path):
         paths, stats = regenerate(src, tmp_path / "out", cfg, _backend(cfg), keep_sources=frozenset({"syn"}))
     out, errors = _read_out(paths)
     assert [r["id"] for r in out] == ["src:0", "syn:1", "src:2"] and errors == []
-    assert out[1] == rows[1] and "ORIGINAL" not in out[0]["messages"][2]["content"]
+    assert out[1] == {**rows[1], "truncated_turns": []} and "ORIGINAL" not in out[0]["messages"][2]["content"]
     assert stats["skipped_source"] == 1 and stats["success"] == 2 and _balanced(stats)
     assert not any("q1." in m["content"] for r in server.requests for m in r.messages)
+
+
+def test_answers_cut_at_the_token_cap_are_listed_by_message_index(tmp_path):
+    """An answer the server ends with finish_reason length is named in truncated_turns by its index in the
+    regenerated messages (also for rows rebuilt from the journal); finished answers and kept rows are not."""
+    rows = [_conv(0, marker=""), _conv(1, num_turns=3)]
+    rows[1]["messages"][3]["content"] += " CUT"  # the second user turn of row 1: messages [sys, u, a, u*, a, u, a]
+    src = _write_merged(tmp_path / "merged.parquet", rows)
+    with FakeOpenAIServer(length_marker="CUT") as server:
+        paths, stats = regenerate(src, tmp_path / "out", _cfg(server), _backend(_cfg(server)))
+    out, _ = _read_out(paths)
+    assert [r["truncated_turns"] for r in out] == [[], [4]]
+    assert out[1]["messages"][4]["role"] == "assistant" and stats["finish_reasons"] == {"length": 1, "stop": 4}
+    again, _ = _read_out(regenerate(src, tmp_path / "out", _cfg(server), _backend(_cfg(server)))[0])
+    assert again == out  # from the journal alone: the server is closed

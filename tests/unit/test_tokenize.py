@@ -17,10 +17,12 @@ from eagle3.data.tokenize import (
     TemplateError,
     encode_batch,
     end_of_turn_text,
+    mask_from_offsets,
     mask_view,
     masked_runs,
     read_tokenized,
     render_with_mask,
+    supervised_spans,
     tokenize_dataset,
 )
 from eagle3.target.tiny import build_tiny_tokenizer
@@ -324,3 +326,23 @@ def test_no_rows_or_every_row_rejected_is_an_error(tmp_path: Path, chatml: Any) 
         tokenize_dataset(unanswered, tmp_path / "out", chatml, TokenizeConfig())
     assert not (tmp_path / "out" / "tokenized.parquet").exists()
     assert len((tmp_path / "out" / "tokenize_rejects.jsonl").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("style", ["chatml", "llama3"])
+def test_a_turn_cut_at_the_token_cap_supervises_its_content_but_not_the_end_of_turn(tmp_path: Path, style: str) -> None:
+    """truncated_turns [2]: the first answer's end-of-turn token (written by the template, never by the target)
+    carries no loss, its text and the finished second answer keep theirs, in render and through the stage."""
+    tok = build_tiny_tokenizer(style)
+    end = EXPECTED_MASKED[style][0].removeprefix("Paris.")
+    ids, mask = render_with_mask(tok, CONVERSATION)
+    text, spans = supervised_spans(tok, CONVERSATION, "cut", unfinished=[2])
+    cut = mask_from_offsets(encode_batch(tok, [text])[0][1], spans)
+    assert _masked_texts(tok, ids, mask) == [f"Paris.{end}", f"Lyon.{end}"]
+    assert _masked_texts(tok, ids, cut.tolist()) == ["Paris.", f"Lyon.{end}"]
+    rows = [{"id": "s:cut", "messages": CONVERSATION, "truncated_turns": [2]},
+            {"id": "s:whole", "messages": CONVERSATION, "truncated_turns": []}]
+    paths, stats = tokenize_dataset(_write_merged(tmp_path / "regenerated.parquet", rows), tmp_path / "out", tok,
+                                    TokenizeConfig())
+    cut_row, whole_row = read_tokenized(paths["tokenized"]).to_pylist()
+    assert cut_row["loss_mask"] == cut.tolist() and whole_row["loss_mask"] == mask
+    assert cut_row["num_loss_tokens"] == whole_row["num_loss_tokens"] - 1 and stats["unfinished_turns"] == 1
