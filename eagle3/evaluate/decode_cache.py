@@ -243,14 +243,16 @@ class StaticTargetRunner(TargetRunner):
     def warm_up_widths(self) -> None:
         """One forward and one row move at every width (compiling or capturing each), then an empty cache.
 
-        The move too: a tree's first non-consecutive accept would otherwise compile it inside a timed decode
-        (on an H200 with compile on, 12 s in the first prompt's tree time). Moving rows onto themselves leaves
-        the cache as it was."""
+        The move too, at the decode widths: a tree's first non-consecutive accept would otherwise compile it
+        inside a timed decode (on an H200 with compile on, 12 s in the first prompt's tree time). Moving rows onto
+        themselves leaves the cache as it was. Not at the chunk width, which only an accepted branch of more
+        rows than the widest decode width would need."""
         for width in self.widths:
             self.reset()
             self.step(torch.zeros(width, dtype=torch.long, device=self.device))
-            rows = self._rows[:width]
-            self.move_fn(rows, rows)
+            if width != CHUNK or len(self.widths) == 1:
+                rows = self._rows[:width]
+                self.move_fn(rows, rows)
         self.reset()
 
     @torch.no_grad()
