@@ -294,12 +294,15 @@ class StaticDrafterRunner(DrafterRunner):
             for t in (*self.weights, self.inv_freq):
                 torch._dynamo.mark_static_address(t)
         self.step_fn = CompiledStep(self._rows_step, compile_settings, self.device, "drafter forward")
+        # A prompt's chunks run once per decode, as on the target: with graphs, a graph of the eager kernels.
+        chunk_settings = replace(compile_settings, enabled=False) if compile_settings.graphs else compile_settings
+        self.chunk_fn = CompiledStep(self._rows_step, chunk_settings, self.device, "drafter chunk forward")
         self._settings = compile_settings
         self._rounds: dict[tuple, CompiledStep] = {}  # ("chain", steps) | ("tree", steps, topk, size) -> its round
         self._allocate(_round_up(capacity))
 
     def compiled_steps(self) -> list[CompiledStep]:
-        return [self.step_fn, *self._rounds.values()]
+        return [self.step_fn, self.chunk_fn, *self._rounds.values()]
 
     def _allocate(self, capacity: int) -> None:
         dims = self.drafter.dims
@@ -312,7 +315,7 @@ class StaticDrafterRunner(DrafterRunner):
         torch._dynamo.mark_static_address(values)
         self.keys, self.values, self.capacity = keys, values, capacity
         self._key_index = torch.arange(capacity, device=self.device)
-        for step in (self.step_fn, *self._rounds.values()):  # graphs read the old caches: capture again
+        for step in (self.step_fn, self.chunk_fn, *self._rounds.values()):  # graphs read the old caches: capture again
             step.clear()
 
     def _reserve(self, end: int) -> None:
@@ -392,7 +395,8 @@ class StaticDrafterRunner(DrafterRunner):
               visible: Tensor) -> tuple[Tensor, Tensor]:
         width = len(positions)
         write = self._rows[:width] + at
-        out, logits = self.step_fn(_pad_rows(hidden, width), _pad_rows(tokens, width), positions, write, visible)
+        step = self.chunk_fn if width == CHUNK else self.step_fn
+        out, logits = step(_pad_rows(hidden, width), _pad_rows(tokens, width), positions, write, visible)
         return out[:num], logits[:num]
 
     @torch.no_grad()

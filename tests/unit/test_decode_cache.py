@@ -152,6 +152,9 @@ def test_resolve_decode_switches():
     assert resolve_decode("on", "on", "cpu") == (True, CompileSettings(True, fallback=True))
     graphed = StaticTargetRunner(tiny_target(), AUX_IDS, 64, CompileSettings(True, graphs=True))
     assert graphed.step_fn.compiled and not graphed.chunk_fn.compiled  # with graphs, prompt chunks skip Inductor
+    drafter, d2t = tiny_drafter(tiny_target())
+    graphed_drafter = StaticDrafterRunner(drafter, d2t, 64, CompileSettings(True, graphs=True))
+    assert graphed_drafter.step_fn.compiled and not graphed_drafter.chunk_fn.compiled
     with pytest.raises(ValueError, match="static cache"):
         resolve_decode("off", "on", "cuda")
     with pytest.raises(ValueError, match="evaluate.compile=on needs the static cache"):
