@@ -48,7 +48,8 @@ def gathered_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, a
     mask = attention_mask[0, 0][:, None, None, :]  # [w, 1, 1, L]
     out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, dropout_p=dropout,
                                          scale=scaling)  # [w, Hkv, G, D]
-    return out.reshape(1, width, heads, dim), None  # [1, w, H, D], the layout sdpa_attention_forward returns
+    # [1, w, H, Dv] (the layout sdpa_attention_forward returns; Dv differs from D under MLA)
+    return out.reshape(1, width, heads, out.shape[-1]), None
 
 
 def use_gathered_attention(model: Any) -> None:
