@@ -42,7 +42,7 @@ def gathered_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, a
     kv_heads, length = key.shape[1], key.shape[2]
     flat = order.reshape(-1)  # [w * L]
     keys = key[0].index_select(1, flat).view(kv_heads, width, length, dim).transpose(0, 1)  # [w, Hkv, L, D]
-    values = value[0].index_select(1, flat).view(kv_heads, width, length, dim).transpose(0, 1)  # [w, Hkv, L, D]
+    values = value[0].index_select(1, flat).view(kv_heads, width, length, value.shape[-1]).transpose(0, 1)  # [w, Hkv, L, Dv]
     # The query heads sharing a key/value head become query rows of it (no repeated cache).
     rows = query[0].transpose(0, 1).reshape(width, kv_heads, heads // kv_heads, dim)  # [w, Hkv, G, D]
     mask = attention_mask[0, 0][:, None, None, :]  # [w, 1, 1, L]

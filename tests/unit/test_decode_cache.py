@@ -439,3 +439,20 @@ def test_a_session_records_which_compiled_steps_fell_back(setup):
     fell_back = decode_fallbacks(session)
     assert "target forward" in fell_back and "no kernels for this shape" in fell_back["target forward"]
     assert fell_back == fallbacks([*target.compiled_steps(), *runner.compiled_steps()])
+
+
+@pytest.mark.parametrize("architecture", ["deepseek_v3", "qwen3"])
+def test_gathered_keys_on_mla_and_qwen3_targets_equal_eager_greedy(architecture):
+    """Gathered keys on DeepSeek-V3 (MLA: value heads narrower than query/key heads) and Qwen3 tiny targets: the
+    static greedy and a perfect drafter's trees behind wrong siblings give the eager greedy's tokens."""
+    from eagle3.config import TinyTargetConfig
+    from eagle3.target import tiny
+
+    tok = tiny.build_tiny_tokenizer()
+    model = tiny.build_tiny_model(tok, TinyTargetConfig(architecture=architecture), seed=0).eval()
+    prompt = list(range(5, 30))
+    ref = greedy_decode(TargetRunner(model, [1]), prompt, 24).tokens
+    target = StaticTargetRunner(model, [1], 128, CompileSettings(), decode_rows=16, gathered_keys=True)
+    assert greedy_decode(target, prompt, 24).tokens == ref
+    oracle = FakeOracleProposer(prompt, ref, 4, tree=True, vocab=len(tok))
+    assert speculative_decode(target, oracle, prompt, 24).tokens == ref
