@@ -22,7 +22,7 @@ from eagle3.config_stages import (CaptureConfig, DrafterConfig, EvaluateConfig, 
                                   TrainConfig)
 
 
-CharsOf = Literal["all", "user"]
+CharsOf = Literal["all", "prompts"]
 """Which turns a conversation's character count covers (data.max_chars_of)."""
 
 class RunSection(Section):
@@ -143,7 +143,7 @@ class DataConfig(Section):
     max_chars: int = Field(200_000, ge=1)
     """Reject conversations longer than this many characters in total (reason 'too_long')."""
     max_chars_of: CharsOf = "all"
-    """Which turns max_chars counts: all, or user (when regeneration replaces the answers, their length is moot)."""
+    """Which turns max_chars counts: all, or prompts (system and user: regeneration replaces the answers)."""
     shuffle: bool = True
     """Shuffle the merged rows with run.seed."""
     min_rows: int = Field(1, ge=1)

@@ -229,7 +229,7 @@ class EvaluateConfig(Section):
     decode_rows: int | Literal["auto"] | None = "auto"
     """Static path: rows of every target decode forward (bit-exact chains in bf16); auto = 16 in bf16/fp16 or gathered, else none."""
     decode_keys: Literal["masked", "gathered"] = "masked"
-    """Static path with decode_rows: masked cache, or each row's keys gathered in order (trees equal greedy bit for bit)."""
+    """Static path: masked cache, or each row's keys gathered in order (trees equal greedy bit for bit); masked without it."""
     near_tie_logit_gap: float = Field(1e-3, ge=0)
     """A differing token within this logit gap of the reference's top-1 is a numerical near-tie, not a bug."""
 
@@ -250,7 +250,8 @@ class EvaluateConfig(Section):
             one_width = dtype != "float32" or self.decode_keys == "gathered"
             rows = min(64, max(16, self.widest_verify())) if one_width else None
         return self.model_copy(update={"dtype": dtype, "static_cache": "on" if static else "off",
-                                       "decode_rows": rows if static else None})
+                                       "decode_rows": rows if static else None,
+                                       "decode_keys": self.decode_keys if static else "masked"})
 
     def limit_for(self, dataset: str) -> int | None:
         """How many prompts of ``dataset`` are measured (None = all)."""

@@ -188,12 +188,14 @@ def flex_decode(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     batch, heads, q_len, dim = query.shape
+    length = key.shape[2]
     usable = (q_len == 1 and attention_mask is not None and attention_mask.dtype == torch.bool
-              and attention_mask.shape[1:3] == (1, 1) and kwargs.get("position_bias") is None and dropout == 0.0)
+              and attention_mask.shape[1:3] == (1, 1) and kwargs.get("position_bias") is None and dropout == 0.0
+              and length % min(FLEX_KV_BLOCK, length) == 0)  # whole blocks (static caches are powers of two)
     if not usable:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    valid = attention_mask[:, 0, 0, :].expand(batch, key.shape[2])  # [B, L]
+    valid = attention_mask[:, 0, 0, :].expand(batch, length)  # [B, L]
     out = flex_attention(query, key, value, block_mask=decode_block_mask(valid), scale=scaling,
                          enable_gqa=heads != key.shape[1])  # [B, H, 1, D]
     return out.transpose(1, 2).contiguous(), None  # [B, 1, H, D], the layout sdpa_attention_forward returns

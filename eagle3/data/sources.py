@@ -317,9 +317,9 @@ def _check_conversation(messages: list[dict[str, str]], max_chars: int, chars_of
         raise _BadRecord("no_user_turn", "no user turn")
     if "assistant" not in roles:
         raise _BadRecord("no_assistant_turn", "no assistant turn (after the first user turn)")
-    num_chars = sum(len(m["content"]) for m in messages if chars_of == "all" or m["role"] == chars_of)
+    num_chars = sum(len(m["content"]) for m in messages if chars_of == "all" or m["role"] != "assistant")
     if num_chars > max_chars:
-        counted = "" if chars_of == "all" else f" in {chars_of} turns"
+        counted = "" if chars_of == "all" else " in system and user turns"
         raise _BadRecord("too_long", f"{num_chars:,} characters{counted} > max_chars {max_chars:,}")
 
 

@@ -68,8 +68,9 @@ def settings_key(syn: SyntheticConfig, regen: RegenerateConfig, target: str) -> 
     """Hash of what changes the records; journal records made under another key are generated again.
 
     Not the count: a record depends on its batch (number and members), never on how many batches follow, so a
-    source grown to more records keeps its finished batches (a batch that was the short last one is not finished:
-    its members change, so it runs again, as in a clean run of the larger count)."""
+    source grown to more records keeps its finished batches. The members are checked per record instead
+    (``batch_rows`` in the journal): a short last batch whose count grew, or a batch cut short by a smaller
+    count, runs again, as in a clean run of the new count."""
     gen = syn.model_dump(exclude={"near_duplicate", "count"})  # near_duplicate: a merge-time filter
     return sha256_json({"synthetic": gen, "regenerate": {k: getattr(regen, k) for k in REGENERATE_FIELDS},
                         "target": target})[:16]
@@ -130,15 +131,21 @@ def synthesize_source(src: SourceConfig, data_dir: Path, regen: RegenerateConfig
     assert syn is not None, "SourceConfig fills synthetic for format synthetic"
     start, key = time.monotonic(), settings_key(syn, regen, target)
     journal = Journal(journal_path(data_dir, src.name))
-    done = {i for i, rec in journal.load().items() if rec.get("settings") == key}
     size = regen.batch_size_conversations
     batches = [list(range(b, min(b + size, syn.count))) for b in range(0, syn.count, size)]
-    todo = [(n, idx) for n, idx in enumerate(batches) if not all(str(i) in done for i in idx)]
+    journaled = journal.load()
+
+    def finished(indices: list[int]) -> bool:  # journaled under these settings, in a batch of these members
+        recs = [journaled.get(str(i)) for i in indices]
+        return all(r is not None and r.get("settings") == key and r.get("batch_rows", len(indices)) == len(indices)
+                   for r in recs)
+
+    todo = [(n, idx) for n, idx in enumerate(batches) if not finished(idx)]
     synth = make() if todo else None
     with journal.appender() as append, Progress(sum(len(idx) for _, idx in todo), "synthesize", progress) as bar:
         for number, indices in todo:
             for record in synth.batch(indices, batch_seed(syn.seed, number)):
-                append({"id": record["id"], "settings": key, "record": record})
+                append({"id": record["id"], "settings": key, "batch_rows": len(indices), "record": record})
             bar.update(len(indices), source=src.name)
     records = journal.load()
     ordered = [records[str(i)]["record"] for i in range(syn.count)]

@@ -193,7 +193,7 @@ class _Tally:
     num_tokens: int = 0
     num_loss_tokens: int = 0
     num_tokens_cut: int = 0
-    unfinished_turns: int = 0  # rendered turns cut at the token cap: their end-of-turn text left unsupervised
+    unfinished_turns: int = 0  # turns cut at the token cap in rendered rows (rejected ones too): end-of-turn unsupervised
     render_s: float = 0.0
     tokenize_s: float = 0.0
 

@@ -295,7 +295,8 @@ class StaticDrafterRunner(DrafterRunner):
             for t in (*self.weights, self.inv_freq):
                 torch._dynamo.mark_static_address(t)
         self.step_fn = CompiledStep(self._rows_step, compile_settings, self.device, "drafter forward")
-        # A prompt's chunks run once per decode, as on the target: with graphs, a graph of the eager kernels.
+        # Forwards of CHUNK rows (a prompt's chunks, once per decode) run, as on the target, as a graph of the
+        # eager kernels when graphs are on.
         chunk_settings = replace(compile_settings, enabled=False) if compile_settings.graphs else compile_settings
         self.chunk_fn = CompiledStep(self._rows_step, chunk_settings, self.device, "drafter chunk forward")
         self._settings = compile_settings

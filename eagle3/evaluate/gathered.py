@@ -73,11 +73,10 @@ def key_order(key_index: Tensor, write: Tensor, at: int, num: int, tree: Tensor 
     ancestors and self, parents before children): row r's keys are the committed prefix, then the indices of its
     ancestors and itself in depth order. Padding rows (r >= num) see only themselves."""
     width, length = len(write), len(key_index)
-    order = key_index[None, :].repeat(width, 1)  # [w, L]
     if tree is None:
-        return order, key_index[None, :] <= write[:, None]
+        return key_index[None, :].repeat(width, 1), key_index[None, :] <= write[:, None]  # [w, L] each
     count = torch.ones(width, dtype=torch.long)
-    order_host = order.cpu()
+    order_host = torch.arange(length).repeat(width, 1)  # [w, L], built here: no read from the device
     for r in range(width):
         if r < num:
             path = at + torch.nonzero(tree[r].cpu(), as_tuple=True)[0]  # ancestors and self, in depth order

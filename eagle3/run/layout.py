@@ -32,7 +32,8 @@ STAGE_DIRS: dict[str, str] = {"synthesize": "data", "merge": "data", "regenerate
                               "vocab": "vocab", "capture": "features", "train": "train", "export": "export",
                               "evaluate": "eval"}
 """The folder of each stage's outputs and manifest (a stage named in eagle3.run.registry has an entry here)."""
-FORMAT_VERSIONS: dict[str, int] = {stage: 1 for stage in STAGE_DIRS}
+FORMAT_VERSIONS: dict[str, int] = {stage: 1 for stage in STAGE_DIRS} | {"regenerate": 2, "tokenize": 2}
+# regenerate 2: regenerated.parquet holds truncated_turns; tokenize 2: their end-of-turn text is not supervised.
 """Each stage's output format version, which its key hashes and its manifest records: bump one when the stage's
 output changes meaning (every run then redoes that stage). Here, below the registry, so eagle3.run.stage can read
 it without importing the registry (which imports eagle3.run.stage)."""

@@ -326,6 +326,8 @@ def test_compiled_gathered_path_is_lossless(setup):
     assert gathered.decode_rows == 16  # gathered keys need one decode width, also in float32
     with pytest.raises(ValueError, match="decode_keys=gathered needs the static cache"):
         EvaluateConfig(decode_keys="gathered", static_cache="off")
+    on_cpu = EvaluateConfig(decode_keys="gathered").resolved("cpu")  # static auto is off on cpu: nothing to gather
+    assert on_cpu.decode_keys == "masked" and EvaluateConfig.model_validate(on_cpu.model_dump()) == on_cpu
 
 
 def test_evaluate_auto_dtype_and_decode_rows_resolve_per_device():

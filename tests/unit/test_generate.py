@@ -56,10 +56,14 @@ def _settings(eos: tuple[int, ...], **kw: Any) -> GenerationSettings:
 
 @pytest.mark.parametrize("backend,attention", [("dynamic", "kv_heads"), ("static", "kv_heads"), ("static", "sdpa"),
                                                ("static", "flex"), ("continuous", "kv_heads")])
-def test_backends_equal_plain_generate_token_for_token(case, backend, attention):
-    """Greedy answers of each backend (batches of 4 with a short last batch, left padding) equal plain generate's."""
+def test_backends_equal_plain_generate_token_for_token(case, backend, attention, monkeypatch):
+    """Greedy answers of each backend (batches of 4 with a short last batch, left padding) equal plain generate's;
+    with flex the decode steps really ran through its block mask."""
     model, prompts, eos, ref = case
+    masks, real_mask = [], gen.decode_block_mask
+    monkeypatch.setattr(gen, "decode_block_mask", lambda valid: masks.append(valid.shape) or real_mask(valid))
     got = TokenGenerator(model, _settings(eos, backend=backend, decode_attention=attention)).generate(prompts)
+    assert bool(masks) == (backend == "static" and attention == "flex")
     model.set_attn_implementation("sdpa")
     assert got == ref
 

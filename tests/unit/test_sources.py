@@ -302,19 +302,22 @@ def test_records_without_ids_get_content_hash_ids(tmp_path):
     assert re.fullmatch(r"src:h[0-9a-f]{16}", first.id) and second.id == first.id + ".2"
 
 
-def test_max_chars_of_user_counts_only_user_turns(tmp_path):
-    """max_chars_of=user: a long answer no longer makes a conversation too long; a long user turn still does, and
-    the reject says which turns were counted."""
+def test_max_chars_of_prompts_counts_only_system_and_user_turns(tmp_path):
+    """max_chars_of=prompts: a long answer no longer makes a conversation too long; a long user turn or system
+    prompt still does, and the reject says which turns were counted."""
     rows = [{"id": "long-answer", "messages": [{"role": "user", "content": "Tell me a story."},
                                                {"role": "assistant", "content": "la " * 300}]},
             {"id": "long-question", "messages": [{"role": "user", "content": "why " * 200},
-                                                 {"role": "assistant", "content": "Because."}]}]
+                                                 {"role": "assistant", "content": "Because."}]},
+            {"id": "long-system", "messages": [{"role": "system", "content": "be " * 200},
+                                               {"role": "user", "content": "Hi."},
+                                               {"role": "assistant", "content": "Hello."}]}]
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     src = SourceConfig(name="src", path=str(path), format="openai")
     every = list(read_source(src, 500))
-    assert [r.reason for r in every] == ["too_long", "too_long"]
-    user_only = list(read_source(src, 500, "user"))
-    assert isinstance(user_only[0], Conversation) and user_only[0].messages[1]["content"] == "la " * 300
-    assert isinstance(user_only[1], Reject) and user_only[1].reason == "too_long"
-    assert "800 characters in user turns > max_chars 500" in user_only[1].detail
+    assert [r.reason for r in every] == ["too_long", "too_long", "too_long"]
+    prompts = list(read_source(src, 500, "prompts"))
+    assert isinstance(prompts[0], Conversation) and prompts[0].messages[1]["content"] == "la " * 300
+    assert [getattr(r, "reason", None) for r in prompts[1:]] == ["too_long", "too_long"]
+    assert "800 characters in system and user turns > max_chars 500" in prompts[1].detail

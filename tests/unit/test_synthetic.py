@@ -123,14 +123,16 @@ def test_killed_run_resumes_from_the_journal_and_matches_a_clean_run(tmp_path, t
     assert other["sources"]["syn"]["generated"] == 10  # journal records of another target are not reused
 
 
-def test_a_source_grown_to_more_records_keeps_its_finished_batches_and_matches_a_clean_run(tmp_path, tiny):
+def test_a_source_grown_or_shrunk_keeps_only_batches_with_the_same_members_and_matches_a_clean_run(tmp_path, tiny):
     """count 6 then 10 (batches of 4): the first full batch is reused, the short last one and the new ones run, and
-    the file equals a clean run of 10."""
+    the file equals a clean run of 10; back to 6, the batch [4, 5] cut from [4..7] runs again (other members)."""
     clean, _ = synthesize([_source(count=10)], tmp_path / "clean", REGEN, lambda: tiny, "fp")
     synthesize([_source(count=6)], tmp_path / "grown", REGEN, lambda: tiny, "fp")
     paths, stats = synthesize([_source(count=10)], tmp_path / "grown", REGEN, lambda: tiny, "fp")
     assert paths["syn"].read_text() == clean["syn"].read_text()
     assert stats["sources"]["syn"]["generated"] == 6 and stats["sources"]["syn"]["skipped_done"] == 4
+    _, shrunk = synthesize([_source(count=6)], tmp_path / "grown", REGEN, lambda: tiny, "fp")
+    assert shrunk["sources"]["syn"]["generated"] == 2 and shrunk["sources"]["syn"]["skipped_done"] == 4
 
 
 # ---------------------------------------------------------------- merge-time filters
