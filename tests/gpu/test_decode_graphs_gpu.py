@@ -78,7 +78,7 @@ def test_first_graphed_move_after_a_growth_moves_the_rows_once():
 def test_gathered_keys_make_a_cuda_bf16_tree_verify_compute_the_chains_logits_bit_for_bit():
     """On CUDA in bf16 with graphs: a tree's right branch behind wrong siblings gives the chain's logits to the last
     bit with gathered keys (the masked count is printed: the near-ties of the 160-prompt evaluation came from it)."""
-    from tests.unit.test_decode_cache import _oracle_tree
+    from tests.unit.test_decode_cache import tree_rows_unlike_the_chain
 
     static, settings = resolve_decode("auto", "auto", "cuda")
     differing = {}
@@ -86,17 +86,6 @@ def test_gathered_keys_make_a_cuda_bf16_tree_verify_compute_the_chains_logits_bi
         model, _, _, prompts = _setup(torch.bfloat16)
         target, _ = make_runners(model, AUX_IDS, None, None, static, settings, 256, decode_rows=16,
                                  gathered_keys=gathered)
-        differing[gathered] = 0
-        for prompt in prompts:
-            greedy = greedy_decode(target, prompt, 4).tokens
-            tokens, depth, tree = _oracle_tree(greedy)
-            target.reset()
-            target.step(prompt[:-1])
-            as_tree = target.step([prompt[-1], *tokens], positions=[len(prompt) - 1 + d for d in depth], visible=tree)
-            target.reset()
-            target.step(prompt[:-1])
-            as_chain = target.step([prompt[-1], *greedy])
-            for k, row in enumerate([0, 3, 6, 9, 12]):
-                differing[gathered] += not torch.equal(as_tree.top_values[row], as_chain.top_values[k])
+        differing[gathered] = tree_rows_unlike_the_chain(target, prompts)
     print(f"tree rows whose logits differ from the chain's: masked {differing[False]}, gathered {differing[True]}")
     assert differing[True] == 0

@@ -284,6 +284,24 @@ def _oracle_tree(greedy: list[int]) -> tuple[list[int], list[int], torch.Tensor]
     return tokens, depth, tree
 
 
+def tree_rows_unlike_the_chain(target: StaticTargetRunner, prompts: list[list[int]]) -> int:
+    """Rows of a tree's right branch (4 greedy tokens behind wrong siblings) whose logits differ in any bit from the
+    same tokens verified as a chain, over ``prompts``."""
+    differing = 0
+    for prompt in prompts:
+        greedy = greedy_decode(target, prompt, 4).tokens
+        tokens, depth, tree = _oracle_tree(greedy)
+        target.reset()
+        target.step(prompt[:-1])
+        as_tree = target.step([prompt[-1], *tokens], positions=[len(prompt) - 1 + d for d in depth], visible=tree)
+        target.reset()
+        target.step(prompt[:-1])
+        as_chain = target.step([prompt[-1], *greedy])
+        differing += sum(not torch.equal(as_tree.top_values[row], as_chain.top_values[k])
+                         for k, row in enumerate([0, 3, 6, 9, 12]))
+    return differing
+
+
 def test_gathered_keys_make_a_tree_verify_compute_the_chains_logits_bit_for_bit(setup):
     """A tree's right branch verified behind wrong siblings against the same tokens verified as a chain: with keys
     gathered in sequence order every row's logits are the chain's to the last bit; attending the cache in place
@@ -294,18 +312,7 @@ def test_gathered_keys_make_a_tree_verify_compute_the_chains_logits_bit_for_bit(
     for gathered in (False, True):
         model = copy.deepcopy(setup["model"]).to(torch.float32)
         target = StaticTargetRunner(model, AUX_IDS, 128, CompileSettings(), decode_rows=16, gathered_keys=gathered)
-        differing[gathered] = 0
-        for prompt in setup["prompts"][:3]:
-            greedy = greedy_decode(target, prompt, 4).tokens
-            tokens, depth, tree = _oracle_tree(greedy)
-            target.reset()
-            target.step(prompt[:-1])
-            as_tree = target.step([prompt[-1], *tokens], positions=[len(prompt) - 1 + d for d in depth], visible=tree)
-            target.reset()
-            target.step(prompt[:-1])
-            as_chain = target.step([prompt[-1], *greedy])
-            for k, row in enumerate([0, 3, 6, 9, 12]):
-                differing[gathered] += not torch.equal(as_tree.top_values[row], as_chain.top_values[k])
+        differing[gathered] = tree_rows_unlike_the_chain(target, setup["prompts"][:3])
     assert differing[True] == 0 and differing[False] > 0, differing
 
 
