@@ -12,7 +12,7 @@ from typing import Any
 
 from eagle3.evaluate.prompts import EvalPrompt
 from eagle3.evaluate.records import PromptRecord, RecordError
-from eagle3.evaluate.session import EvalJob, EvalSession, evaluate_prompt, open_session, warm_up
+from eagle3.evaluate.session import EvalJob, EvalSession, evaluate_prompt, ready_session
 from eagle3.run.journal import Journal
 from eagle3.run.progress import Progress, ProgressFn
 
@@ -28,8 +28,7 @@ def _init_worker(job: EvalJob, warmup_ids: list[int]) -> None:
 
     if job.num_threads:
         torch.set_num_threads(job.num_threads)
-    _SESSION = open_session(job)
-    warm_up(_SESSION, warmup_ids)
+    _SESSION = ready_session(job, warmup_ids)
 
 
 def _run_item(item: Item) -> PromptRecord:
@@ -102,8 +101,7 @@ def _measure(job: EvalJob, todo: list[Item], warmup_ids: list[int], num_workers:
     if not todo:
         return
     if num_workers <= 1:
-        session = open_session(job)
-        warm_up(session, warmup_ids)
+        session = ready_session(job, warmup_ids)
         for item in todo:
             yield evaluate_prompt(session, *item)
         return

@@ -90,13 +90,16 @@ class TeacherForced:
 
     num_tokens: int
     num_hits: int
+    wall_s: float = 0.0  # the cross-check's own time (outside every timed decode; 0 in records made before it)
 
     def to_json(self) -> dict[str, Any]:
-        return {"num_tokens": self.num_tokens, "num_hits": self.num_hits}
+        timed = {"wall_s": self.wall_s} if self.wall_s else {}  # a record made before it is written back as it was
+        return {"num_tokens": self.num_tokens, "num_hits": self.num_hits, **timed}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> TeacherForced:
-        return _parse("teacher_forced", doc, lambda d: cls(int(d["num_tokens"]), int(d["num_hits"])))
+        return _parse("teacher_forced", doc,
+                      lambda d: cls(int(d["num_tokens"]), int(d["num_hits"]), float(d.get("wall_s", 0.0))))
 
 
 @dataclass(frozen=True)

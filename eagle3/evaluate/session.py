@@ -4,6 +4,8 @@ runner, a proposer per method) and the measurement of one prompt (greedy referen
 
 from __future__ import annotations
 
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,17 @@ def open_session(job: EvalJob) -> EvalSession:
     return EvalSession(target, proposers, runner, ecfg, list(job.stop_ids))
 
 
+def ready_session(job: EvalJob, warmup_ids: list[int]) -> EvalSession:
+    """open_session then warm_up, each timed on stderr (an evaluation's start, which no decode time includes)."""
+    start = time.perf_counter()
+    session = open_session(job)
+    loaded = time.perf_counter()
+    warm_up(session, warmup_ids)
+    print(f"evaluate: target and drafter loaded in {loaded - start:.1f} s, warm-up (every forward width and "
+          f"method compiled or captured) {time.perf_counter() - loaded:.1f} s", file=sys.stderr, flush=True)
+    return session
+
+
 def warm_up(session: EvalSession, prompt_ids: list[int]) -> None:
     """Run every forward width of the static runners (compiles them), then greedy and every method briefly; untimed."""
     from eagle3.evaluate.speculate import greedy_decode, speculative_decode
@@ -109,7 +122,9 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
 
     ecfg = session.ecfg
     ref = greedy_decode(session.target, ids, ecfg.max_new_tokens, session.stop_ids)
-    drafts = teacher_forced_drafts(session.target, session.drafter, ids, ref.tokens)  # untimed
+    start = time.perf_counter()
+    drafts = teacher_forced_drafts(session.target, session.drafter, ids, ref.tokens)  # host lists: synchronised
+    cross_check_s = time.perf_counter() - start
     methods = {}
     for name, proposer in session.proposers.items():
         out = speculative_decode(session.target, proposer, ids, ecfg.max_new_tokens, session.stop_ids)
@@ -119,7 +134,7 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
                                   out.tokens if check.kind != "identical" else None)
     return PromptRecord(index, prompt.dataset, prompt.id, len(ids),
                         GreedyReference(len(ref.tokens), ref.wall_s, ref.tokens),
-                        TeacherForced(len(drafts), draft_hits(drafts, ref.tokens)), methods,
+                        TeacherForced(len(drafts), draft_hits(drafts, ref.tokens), round(cross_check_s, 4)), methods,
                         decode_fallbacks(session))
 
 

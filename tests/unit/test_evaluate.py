@@ -4,6 +4,7 @@ end on a tiny target with a tiny drafter exported and loaded back."""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -172,11 +173,15 @@ def tiny_run(tmp_path_factory):
     return cfg, model_dir, export_dir
 
 
-def test_stage_measures_every_method_losslessly_and_skips_when_done(tiny_run):
+def test_stage_measures_every_method_losslessly_and_skips_when_done(tiny_run, capsys):
     """Chain, tree and n-gram on 2 prompts x 2 datasets: no mismatch, a row per dataset x method (+ all), the
-    report and plot written; the second call finds the manifest and computes nothing."""
+    report and plot written, the start and each cross-check timed; the second call finds the manifest and
+    computes nothing."""
     cfg, _, export_dir = tiny_run
     outcome = run_evaluate(cfg, export_dir=export_dir)
+    assert re.search(r"evaluate: target and drafter loaded in [0-9.]+ s, warm-up .* [0-9.]+ s", capsys.readouterr().err)
+    prompts = [json.loads(line) for line in (cfg.run_dir / "eval" / "prompts.jsonl").read_text().splitlines()]
+    assert len(prompts) == 4 and all(p["teacher_forced"]["wall_s"] > 0 for p in prompts)
     assert outcome.computed
     doc = json.loads((cfg.run_dir / "eval" / "results.json").read_text())
     rows = {(r["dataset"], r["method"]): r for r in doc["results"]}
