@@ -23,7 +23,8 @@ Rows that end at an eos id keep running in ``generate`` until the whole batch is
 dynamic): their tokens after the eos are dropped. Outputs come back in input order, cut after the
 first eos id (which is kept), so all three ways can be compared token for token.
 
-Imports only torch and transformers, so the benchmark runs on a host that has nothing else.
+Imports torch, transformers and eagle3.features.attention (torch only), so the benchmark runs on a host that has
+nothing else.
 """
 
 from __future__ import annotations
@@ -207,8 +208,7 @@ _DECODE_ATTENTION_NAMES = {"kv_heads": KV_HEAD_ATTENTION, "flex": FLEX_DECODE_AT
 def use_decode_attention(model: Any, kind: DecodeAttention) -> None:
     """Register the ``kind`` decode attention (with the sdpa mask) and switch an sdpa model to it (``sdpa``: back
     to transformers' own); a model on another attention is left alone."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from eagle3.features.attention import use_attention
 
     ours = set(_DECODE_ATTENTION_NAMES.values())
     if model.config._attn_implementation not in ("sdpa", *ours):
@@ -217,11 +217,7 @@ def use_decode_attention(model: Any, kind: DecodeAttention) -> None:
         if model.config._attn_implementation != "sdpa":
             model.set_attn_implementation("sdpa")
         return
-    name = _DECODE_ATTENTION_NAMES[kind]
-    AttentionInterface.register(name, sdpa_kv_heads if kind == "kv_heads" else flex_decode)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    if model.config._attn_implementation != name:
-        model.set_attn_implementation(name)
+    use_attention(model, _DECODE_ATTENTION_NAMES[kind], sdpa_kv_heads if kind == "kv_heads" else flex_decode)
 
 
 # --------------------------------------------------------------------------- the generator

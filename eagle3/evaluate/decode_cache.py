@@ -32,7 +32,6 @@ one per few greedy tokens).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -43,7 +42,7 @@ from transformers.cache_utils import StaticLayer
 
 from eagle3.drafter.model import Eagle3Drafter, attention_inputs, rope_cos_sin, step_outputs, upcast
 from eagle3.evaluate.gathered import key_order, use_gathered_attention
-from eagle3.evaluate.graphs import CompiledStep, CompileSettings
+from eagle3.evaluate.graphs import CompiledStep, CompileSettings, chunk_settings
 from eagle3.evaluate.runners import REFERENCE_TOPK, DrafterRunner, StepOut, TargetRunner, as_token_tensor
 
 CHUNK = 64
@@ -129,10 +128,8 @@ class StaticTargetRunner(TargetRunner):
         self.cache = self._key_index = None  # type: ignore[assignment]
         decode = self._forward_gathered if gathered_keys else self._forward_rows
         self.step_fn = CompiledStep(decode, compile_settings, self.device, "target forward")
-        # Chunks (prompts) run once per decode: with graphs, their own graph of the eager kernels is worth more
-        # than Inductor's ~23 s compile of the CHUNK width (H200, SmolLM2-135M).
-        chunk_settings = replace(compile_settings, enabled=False) if compile_settings.graphs else compile_settings
-        self.chunk_fn = CompiledStep(self._forward_rows, chunk_settings, self.device, "target chunk forward")
+        self.chunk_fn = CompiledStep(self._forward_rows, chunk_settings(compile_settings), self.device,
+                                     "target chunk forward")
         # Its warm-up moves the destinations onto themselves: moving the real rows again would read sources
         # that the first move overwrote.
         self.move_fn = CompiledStep(self._move_rows, compile_settings, self.device, "target cache row move",
@@ -295,10 +292,8 @@ class StaticDrafterRunner(DrafterRunner):
             for t in (*self.weights, self.inv_freq):
                 torch._dynamo.mark_static_address(t)
         self.step_fn = CompiledStep(self._rows_step, compile_settings, self.device, "drafter forward")
-        # Forwards of CHUNK rows (a prompt's chunks, once per decode) run, as on the target, as a graph of the
-        # eager kernels when graphs are on.
-        chunk_settings = replace(compile_settings, enabled=False) if compile_settings.graphs else compile_settings
-        self.chunk_fn = CompiledStep(self._rows_step, chunk_settings, self.device, "drafter chunk forward")
+        self.chunk_fn = CompiledStep(self._rows_step, chunk_settings(compile_settings), self.device,
+                                     "drafter chunk forward")  # every forward of CHUNK rows
         self._settings = compile_settings
         self._rounds: dict[tuple, CompiledStep] = {}  # ("chain", steps) | ("tree", steps, topk, size) -> its round
         self._allocate(_round_up(capacity))

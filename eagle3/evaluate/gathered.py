@@ -54,16 +54,12 @@ def gathered_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, a
 
 def use_gathered_attention(model: Any) -> None:
     """Register the gathered attention (with the sdpa mask) and switch the model to it."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from eagle3.features.attention import use_attention
 
     if model.config._attn_implementation not in ("sdpa", GATHERED_ATTENTION):
         raise ValueError(f"gathered decode keys need a target on sdpa attention, not "
                          f"{model.config._attn_implementation!r}")
-    AttentionInterface.register(GATHERED_ATTENTION, gathered_attention)
-    AttentionMaskInterface.register(GATHERED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    if model.config._attn_implementation != GATHERED_ATTENTION:
-        model.set_attn_implementation(GATHERED_ATTENTION)
+    use_attention(model, GATHERED_ATTENTION, gathered_attention)
 
 
 def key_order(key_index: Tensor, write: Tensor, at: int, num: int, tree: Tensor | None) -> tuple[Tensor, Tensor]:

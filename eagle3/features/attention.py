@@ -139,13 +139,16 @@ def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     return None if _CONTEXT.get() is not None else sdpa_mask(*args, **kwargs)
 
 
-def register() -> None:
-    """Register ``attention`` and ``mask`` with transformers under ATTENTION."""
+def use_attention(model: Any, name: str, function: Any, mask_function: Any = None) -> None:
+    """Register ``function`` with transformers under ``name``, with ``mask_function`` (default: transformers'
+    sdpa mask), and switch ``model`` to it."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION, attention)
-    AttentionMaskInterface.register(ATTENTION, mask)
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, mask_function or ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    if model.config._attn_implementation != name:
+        model.set_attn_implementation(name)
 
 
 def supports_sliced_attention(config: Any) -> bool:
@@ -162,8 +165,7 @@ def enable(model: Any) -> bool:
     """Switch a model to this attention when that is exact for it; returns whether it did."""
     if not supports_sliced_attention(model.config):
         return False
-    register()
-    model.set_attn_implementation(ATTENTION)
+    use_attention(model, ATTENTION, attention, mask)
     return True
 
 
