@@ -134,21 +134,44 @@ def test_flex_decode_equals_sdpa_with_padding_mask_and_lists_only_used_key_block
     assert num == [3, 4, 1] and [row[:n] for row, n in zip(idx, num)] == [[0, 1, 2], [0, 1, 2, 3], [2]]
 
 
-def test_compiled_static_equals_plain_generate(case):
-    """With transformers' compile forced on CPU (Dynamo, eager backend) the static path still equals plain generate."""
+def _compiled_static(case: Any, compile_backend: str, attention: gen.DecodeAttention, monkeypatch: Any) -> None:
+    """Static generation with transformers' compile forced on CPU equals plain generate, in one graph (no break);
+    with flex, the compiled decode steps built its block mask."""
+    from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
     model, prompts, eos, ref = case
-    compile_config = CompileConfig(backend="eager", dynamic=False)
+    masks, real_mask = [], gen.decode_block_mask
+    monkeypatch.setattr(gen, "decode_block_mask", lambda valid: masks.append(valid.shape) or real_mask(valid))
+    compile_config = CompileConfig(backend=compile_backend, dynamic=False)
     compile_config._compile_all_devices = True  # CPU is not compiled by default (transformers' device gate)
     model.generation_config.compile_config = compile_config
+    torch._dynamo.reset()
+    counters.clear()
     try:
-        got = TokenGenerator(model, _settings(eos, backend="static")).generate(prompts)
+        got = TokenGenerator(model, _settings(eos, backend="static", decode_attention=attention)).generate(prompts)
         assert hasattr(model, "_compiled_call"), "the compiled forward was not used"
     finally:
         model.generation_config.compile_config = None
         model.set_attn_implementation("sdpa")
+        for attr in ("_compiled_call", "_last_compile_config"):  # the next test compiles its own
+            model.__dict__.pop(attr, None)
+    assert dict(counters["graph_break"]) == {}
+    assert bool(masks) == (attention == "flex")
     assert got == ref
+
+
+@pytest.mark.parametrize("compile_backend,attention", [("eager", "kv_heads"), ("aot_eager", "flex")])
+def test_compiled_static_equals_plain_generate(case, compile_backend, attention, monkeypatch):
+    """With transformers' compile forced on CPU (Dynamo; AOT tracing for flex) the static path equals plain
+    generate with no graph break, and flex's block mask is built inside the compiled decode step."""
+    _compiled_static(case, compile_backend, attention, monkeypatch)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_flex_decode_equals_plain_generate(case, monkeypatch):
+    """Inductor's CPU kernels for the flex decode (needs a C++ compiler) give plain generate's tokens, one graph."""
+    _compiled_static(case, "inductor", "flex", monkeypatch)
 
 
 def test_auto_backend_is_dynamic_on_cpu_and_static_on_cuda():
