@@ -175,6 +175,8 @@ class RegenerateConfig(Section):
     """hf static: prompts are left padded to a multiple of this many tokens."""
     decode_attention: Literal["sdpa", "kv_heads", "flex"] = "kv_heads"
     """hf static: decode attention: sdpa (transformers'), kv_heads (no cache copy per query head), flex (also reads only used key blocks)."""
+    straggler_rows: int = Field(0, ge=0)
+    """hf static/dynamic: a batch down to this many running rows stops and they go on in a batch this size (0: off)."""
     device: str = "cpu"
     """Device of the in-process model (hf backend): cpu, cuda or cuda:N."""
     max_new_tokens: int = Field(512, ge=1)
@@ -191,6 +193,14 @@ class RegenerateConfig(Section):
     """Keep only the first N user turns of each conversation (with their new answers); None = all."""
     num_slices: int = Operational(1, ge=1)
     """Flow runs the conversations left are split into, each on its own gpu-pool worker (1: regenerate in the flow itself)."""
+
+    @model_validator(mode="after")
+    def _stragglers_below_batch(self) -> RegenerateConfig:
+        if self.straggler_rows >= self.batch_size_conversations:
+            raise ValueError(f"regenerate.straggler_rows ({self.straggler_rows}) must be below "
+                             f"batch_size_conversations ({self.batch_size_conversations}): its batch takes the rows "
+                             "still running when a full batch shrinks to it")
+        return self
 
 
 class TokenizeConfig(Section):

@@ -214,12 +214,12 @@ class HFGenerateBackend:
         self.num_retries = 0
         self._pending: list[tuple[list[Message], asyncio.Future[Completion]]] = []
         self._has_work: asyncio.Event | None = None
-        self._eos = _eos_ids(model, tokenizer)
+        self._eos = generation_eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.generator = TokenGenerator(model, GenerationSettings(
             max_new_tokens=cfg.max_new_tokens, eos_ids=self._eos, pad_id=int(pad) if pad is not None else self._eos[0],
             temperature=cfg.temperature, backend=cfg.generation_backend, batch_size=cfg.batch_size_conversations,
-            prompt_bucket=cfg.prompt_bucket, decode_attention=cfg.decode_attention))
+            prompt_bucket=cfg.prompt_bucket, decode_attention=cfg.decode_attention, straggler_rows=cfg.straggler_rows))
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[None]:
@@ -293,7 +293,7 @@ class HFGenerateBackend:
         return Completion(text, "stop" if stopped else "length")
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+def generation_eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     """End ids from the generation config (e.g. Llama-3's <|eot_id|>) and the tokenizer."""
     ids: set[int] = set()
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

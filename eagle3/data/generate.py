@@ -20,11 +20,13 @@ Three ways, all transformers' own generation code (no hand-written decoder):
     the batch at once; needs a transformers that ships ``ContinuousBatchingConfig``).
 
 Rows that end at an eos id keep running in ``generate`` until the whole batch is done (static and
-dynamic): their tokens after the eos are dropped. Outputs come back in input order, cut after the
+dynamic): their tokens after the eos are dropped. ``straggler_rows`` bounds that waste: once a batch is down to
+that many running rows it stops, and they go on (a prefill of prompt plus tokens so far) in a batch of that size,
+one more compiled shape per cache length. Outputs come back in input order, cut after the
 first eos id (which is kept), so all three ways can be compared token for token.
 
-Imports torch, transformers and eagle3.features.attention (torch only), so the benchmark runs on a host that has
-nothing else.
+Imports torch, transformers, eagle3.compiling and eagle3.features.attention (both torch only), so the benchmark
+runs on a host that has nothing else.
 """
 
 from __future__ import annotations
@@ -36,12 +38,16 @@ from typing import Any, Literal
 
 import torch
 
+from eagle3.compiling import raise_recompile_limit
+
 Backend = Literal["auto", "static", "dynamic", "continuous"]
 DecodeAttention = Literal["sdpa", "kv_heads", "flex"]
 KV_HEAD_ATTENTION = "sdpa_kv_heads"
 """Name under which the kv-head decode attention is registered with transformers."""
 FLEX_DECODE_ATTENTION = "flex_decode_blocks"
 """Name under which the block-skipping flex decode attention is registered with transformers."""
+STATIC_SHAPES_LIMIT = 32
+"""Compiled decode graphs generation may keep: cache lengths (powers of two) x two batch sizes (full, stragglers)."""
 FLEX_KV_BLOCK = 128
 """Keys per block of the flex decode's block mask (at most the cache length)."""
 
@@ -58,6 +64,7 @@ class GenerationSettings:
     batch_size: int = 8
     prompt_bucket: int = 64
     decode_attention: DecodeAttention = "kv_heads"
+    straggler_rows: int = 0  # static/dynamic: a batch down to this many running rows hands them to a batch this size
 
 
 @dataclass
@@ -231,6 +238,8 @@ class TokenGenerator:
                                              "backend": resolve_backend("auto", _device(model))})
         self.model, self.settings = model, settings
         self.stats = GenerationStats()
+        if settings.backend == "static":  # transformers compiles one decode graph per (batch, cache length) on CUDA
+            raise_recompile_limit(STATIC_SHAPES_LIMIT)
         # Only the static cache's decode runs our attention; continuous batching refuses unknown attention names.
         use_decode_attention(model, settings.decode_attention if settings.backend == "static" else "sdpa")
 
@@ -248,37 +257,63 @@ class TokenGenerator:
         size = self.settings.batch_size
         for start in range(0, len(order), size):
             chunk = order[start:start + size]
-            for i, row in zip(chunk, self._generate_batch([prompts[i] for i in chunk]), strict=True):
+            for i, row in zip(chunk, self._answer_batch([prompts[i] for i in chunk]), strict=True):
                 out[i] = row
         return out
 
-    def _generate_batch(self, rows: list[list[int]]) -> list[list[int]]:
-        """One generate call on at most batch_size rows -> their new tokens, each cut after its first eos id."""
+    def _answer_batch(self, rows: list[list[int]]) -> list[list[int]]:
+        """At most batch_size rows -> their new tokens, each cut after its first eos id.
+
+        With ``straggler_rows``, a batch whose running rows drop to that many stops, and those rows go on from
+        their prompt plus the tokens so far (a new prefill) in a batch of ``straggler_rows``: the rows that ended
+        free their slots instead of riding along to the longest row's end. Greedy tokens are those of one call
+        (tested); sampled rows draw their later tokens in the second call, deterministically."""
+        s = self.settings
+        shrink = s.straggler_rows if 0 < s.straggler_rows < len(rows) else 0
+        new = self._generate_batch(rows, s.max_new_tokens, s.batch_size, shrink)
+        going = [i for i, r in enumerate(new) if len(r) < s.max_new_tokens and not (r and r[-1] in s.eos_ids)]
+        if going:
+            budget = s.max_new_tokens - len(new[going[0]])  # every running row has made the same number of steps
+            rest = self._generate_batch([rows[i] + new[i] for i in going], budget, s.straggler_rows, 0, continued=True)
+            for i, more in zip(going, rest, strict=True):
+                new[i] = new[i] + more
+        return new
+
+    def _generate_batch(self, rows: list[list[int]], max_new: int, batch_size: int, stop_at: int,
+                        continued: bool = False) -> list[list[int]]:
+        """One generate call on at most ``batch_size`` rows (static: filled up to it) -> their new tokens, each cut
+        after its first eos id; with ``stop_at`` > 0 the call ends once at most that many real rows are running.
+        ``continued``: the rows go on from an earlier call (the stats count them as answered once)."""
+        from transformers import StoppingCriteriaList
+
         s = self.settings
         start = time.perf_counter()
         width = max(len(r) for r in rows)
-        kwargs = self._sampling_kwargs()
+        kwargs = self._sampling_kwargs(max_new)
         real, shape = len(rows), "dynamic"
         if s.backend == "static":
             width = round_up(width, s.prompt_bucket)
-            rows = rows + [rows[0]] * (s.batch_size - real)  # a fixed batch size reuses the compiled graph
+            rows = rows + [rows[0]] * (batch_size - real)  # a fixed batch size reuses the compiled graph
             kwargs["cache_implementation"] = "static"
-            cache_len = static_cache_len(width, s.max_new_tokens)
+            cache_len = static_cache_len(width, max_new)
             _size_static_cache(self.model, cache_len, kwargs)
             shape = f"static {len(rows)} x {cache_len}"
         ids, mask = left_pad(rows, width, s.pad_id)
         device = _device(self.model)
+        if stop_at:
+            kwargs["stopping_criteria"] = StoppingCriteriaList([StopWhenFewRun(s.eos_ids, real, stop_at, device)])
         with torch.no_grad():  # the mode generate itself runs in, not inference_mode
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
         # .tolist() reads the device back: the time below is synchronised
         new = [cut_after_eos(r, s.eos_ids) for r in out[:real, width:].tolist()]
         steps = out.shape[1] - width
-        self.stats.add(shape, real, len(rows), sum(map(len, new)), len(rows) * steps, time.perf_counter() - start)
+        self.stats.add(shape, 0 if continued else real, len(rows), sum(map(len, new)), len(rows) * steps,
+                       time.perf_counter() - start)
         return new
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
+    def _sampling_kwargs(self, max_new: int | None = None) -> dict[str, Any]:
         s = self.settings
-        kwargs: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "eos_token_id": list(s.eos_ids),
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new or s.max_new_tokens, "eos_token_id": list(s.eos_ids),
                                   "pad_token_id": s.pad_id}
         if s.temperature == 0:
             kwargs["do_sample"] = False
@@ -307,6 +342,24 @@ class TokenGenerator:
                                             progress_bar=False)
         # Results are keyed "req_<input index>"; generated_tokens ends at the eos (kept) or at max_new_tokens.
         return [cut_after_eos(list(res[f"req_{i}"].generated_tokens), s.eos_ids) for i in range(len(prompts))]
+
+
+class StopWhenFewRun:
+    """A transformers stopping criterion that ends the whole call once at most ``rows`` of its first ``real`` rows
+    have not emitted an eos id (filler rows after them are not counted); until then it marks only ended rows.
+
+    Tensor ops only: transformers already reads the finished flags back once per step, so this adds no sync."""
+
+    def __init__(self, eos_ids: tuple[int, ...], real: int, rows: int, device: torch.device):
+        self.eos = torch.tensor(eos_ids, device=device)
+        self.real, self.rows = real, rows
+        self.ended: torch.Tensor | None = None  # [B] bool, sticky: finished rows are fed pad ids afterwards
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        last = torch.isin(input_ids[:, -1], self.eos)  # [B]
+        self.ended = last if self.ended is None else self.ended | last
+        running = (~self.ended[: self.real]).sum()
+        return self.ended | (running <= self.rows)  # [B]: all True ends the call
 
 
 def _size_static_cache(model: Any, cache_len: int, kwargs: dict[str, Any]) -> None:

@@ -186,11 +186,9 @@ def _compiled_flex_attention() -> Any:
     # and the rest falls back to the slow path. One key layout for all steps (masks.ttt_block_masks,
     # flex_attention_over) compiles once for training and once for evaluation. The limit is raised so that
     # per-step masks stay compiled too: the slow path's score matrix does not fit at T = 16k.
-    import torch._dynamo
+    from eagle3.compiling import raise_recompile_limit
 
-    dynamo_cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(dynamo_cfg, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo_cfg, name, max(getattr(dynamo_cfg, name), 32))
+    raise_recompile_limit(32)
     return torch.compile(flex_attention, dynamic=False)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from eagle3.compiling import raise_recompile_limit
 from eagle3.config_base import switch_on
 
 RECOMPILE_LIMIT = 64
@@ -76,11 +77,7 @@ class CompiledStep:
         self._graphs: dict[tuple, _Graph] = {}
         self.use_graphs = settings.graphs and self.cuda
         if settings.enabled:
-            import torch._dynamo
-
-            dynamo_cfg = torch._dynamo.config
-            name = "recompile_limit" if hasattr(dynamo_cfg, "recompile_limit") else "cache_size_limit"
-            setattr(dynamo_cfg, name, max(getattr(dynamo_cfg, name), RECOMPILE_LIMIT))
+            raise_recompile_limit(RECOMPILE_LIMIT)
             self._compiled = torch.compile(fn, backend=settings.backend, mode=settings.mode, dynamic=False)
 
     @property

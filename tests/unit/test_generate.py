@@ -32,8 +32,8 @@ def _prompts(n: int = 10, seed: int = 0) -> list[list[int]]:
 def _plain(model: Any, prompts: list[list[int]], eos: tuple[int, ...]) -> list[list[int]]:
     """Reference: one plain generate call (dynamic cache) on the whole left-padded batch."""
     ids, mask = left_pad(prompts, max(map(len, prompts)), 0)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                         eos_token_id=list(eos), pad_token_id=0)
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=NEW,
+                         do_sample=False, eos_token_id=list(eos), pad_token_id=0)
     return [cut_after_eos(r, eos) for r in out[:, ids.shape[1]:].tolist()]
 
 
@@ -132,6 +132,51 @@ def test_flex_decode_equals_sdpa_with_padding_mask_and_lists_only_used_key_block
     blocks = gen.decode_block_mask(mask[:, 0, 0, :])
     num, idx = blocks.kv_num_blocks[:, 0, 0].tolist(), blocks.kv_indices[:, 0, 0].tolist()
     assert num == [3, 4, 1] and [row[:n] for row, n in zip(idx, num)] == [[0, 1, 2], [0, 1, 2, 3], [2]]
+
+
+@pytest.mark.parametrize("backend,attention", [("static", "kv_heads"), ("static", "flex"), ("dynamic", "kv_heads")])
+def test_stragglers_go_on_in_a_small_batch_with_the_same_greedy_tokens(case, backend, attention):
+    """With straggler_rows 2, batches of 4 that drop to 2 running rows hand them to a batch of 2: every greedy answer
+    still equals plain generate's, each prompt is counted once, and fewer row-steps are run."""
+    model, prompts, eos, ref = case
+    full = TokenGenerator(model, _settings(eos, backend=backend, decode_attention=attention))
+    shrunk = TokenGenerator(model, _settings(eos, backend=backend, decode_attention=attention, straggler_rows=2))
+    got_full, got = full.generate(prompts), shrunk.generate(prompts)
+    model.set_attn_implementation("sdpa")
+    assert got == got_full == ref
+    assert shrunk.stats.calls > full.stats.calls, "no batch handed its stragglers on"
+    assert shrunk.stats.rows == full.stats.rows == len(prompts)
+    assert shrunk.stats.new_tokens == full.stats.new_tokens
+    assert shrunk.stats.slot_steps < full.stats.slot_steps
+    if backend == "static":
+        assert any(shape.startswith("static 2 x ") for shape in shrunk.stats.shapes), shrunk.stats.shapes
+
+
+def test_sampled_stragglers_are_reproducible_and_complete(case):
+    """Sampled rows that go on in a straggler batch come back whole (an eos, or exactly max_new_tokens) and the same
+    seed gives the same rows."""
+    model, prompts, _, _ = case
+    eos = tuple(range(3, 40))  # ~12% of the vocabulary: sampled rows end after a few steps, some run on
+    gen_ = TokenGenerator(model, _settings(eos, backend="static", temperature=1.0, straggler_rows=2))
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        runs.append(gen_.generate(prompts))
+    model.set_attn_implementation("sdpa")
+    assert runs[0] == runs[1]
+    assert all((row and row[-1] in eos) or len(row) == NEW for row in runs[0]), runs[0]
+    assert any(shape.startswith("static 2 x ") for shape in gen_.stats.shapes), gen_.stats.shapes
+
+
+def test_straggler_rows_must_be_below_the_batch():
+    """A straggler batch as large as the batch would never shrink anything: the config refuses it, naming both."""
+    from pydantic import ValidationError
+
+    from eagle3.config import RegenerateConfig
+
+    with pytest.raises(ValidationError, match=r"straggler_rows \(4\) must be below batch_size_conversations \(4\)"):
+        RegenerateConfig(batch_size_conversations=4, straggler_rows=4)
+    assert RegenerateConfig(batch_size_conversations=4, straggler_rows=3).straggler_rows == 3
 
 
 def _compiled_static(case: Any, compile_backend: str, attention: gen.DecodeAttention, monkeypatch: Any) -> None:

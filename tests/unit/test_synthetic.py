@@ -67,6 +67,22 @@ def test_same_seed_gives_the_same_records_and_another_seed_others(tmp_path, tiny
     assert prompts["a"] != prompts["c"] and len(prompts["a"]) == 10
 
 
+def test_straggler_batches_give_reproducible_records_under_their_own_key(tmp_path, tiny):
+    """With straggler_rows the source is byte-identical run to run, its records are journaled under another key
+    than without (so they are never mixed), and a grown count keeps that key (settings_key leaves count out)."""
+    from eagle3.data.synthesize import settings_key
+
+    regen = REGEN.model_copy(update={"straggler_rows": 2})
+    runs = [synthesize([_source(max_prompt_tokens=12)], tmp_path / run, regen, lambda: tiny, "fp") for run in "ab"]
+    texts = [paths["syn"].read_text() for paths, _ in runs]
+    assert texts[0] == texts[1] and len(texts[0].splitlines()) == 10
+    prompts = runs[0][1]["sources"]["syn"]["generation"]["prompts"]
+    assert prompts["calls"] > 3, f"no batch of the 3 handed stragglers on: {prompts}"
+    syn = _source().synthetic
+    assert settings_key(syn, regen, "fp") != settings_key(syn, REGEN, "fp")
+    assert settings_key(syn.model_copy(update={"count": 99}), regen, "fp") == settings_key(syn, regen, "fp")
+
+
 def test_records_keep_seed_settings_and_only_finished_prompts_are_answered(tmp_path, tiny):
     """Each record carries its seed and generation settings; empty or truncated prompts get no answer."""
     paths, stats = synthesize([_source(seed=3)], tmp_path, REGEN, lambda: tiny, "fp")
