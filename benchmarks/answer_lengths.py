@@ -131,7 +131,7 @@ def report(lengths: Lengths, caps: list[int], batch: int, draws: int, seed: int,
     for cap in caps:
         f = cap_figures(lengths, cap, batch, draws, seed, stragglers)
         print(f"{n}.cap[{cap}] (derived, batches of {batch}): mean_kept {f.mean_kept:.1f}, cut_share "
-              f"{f.cut_share:.3f}, slot_use {f.slot_use:.3f}, with straggler_rows {stragglers}: "
+              f"{f.cut_share:.3f}, slot_use {f.slot_use:.3f}, with straggler_rows {stragglers} (its prefill not counted): "
               f"{f.straggler_slot_use:.3f}")
 
 

@@ -270,34 +270,38 @@ class TokenGenerator:
         (tested); sampled rows draw their later tokens in the second call, deterministically."""
         s = self.settings
         shrink = s.straggler_rows if 0 < s.straggler_rows < len(rows) else 0
-        new = self._generate_batch(rows, s.max_new_tokens, s.batch_size, shrink)
+        new, width = self._generate_batch(rows, s.max_new_tokens, s.batch_size, shrink)
         going = [i for i, r in enumerate(new) if len(r) < s.max_new_tokens and not (r and r[-1] in s.eos_ids)]
         if going:
-            budget = s.max_new_tokens - len(new[going[0]])  # every running row has made the same number of steps
-            rest = self._generate_batch([rows[i] + new[i] for i in going], budget, s.straggler_rows, 0, continued=True)
+            done = len(new[going[0]])  # every running row has made the same number of steps
+            # The first call's width plus those steps, unrounded: the same cache length as the first call, which
+            # transformers keeps as the floor of every later static cache (a longer one would stay for the run).
+            rest, _ = self._generate_batch([rows[i] + new[i] for i in going], s.max_new_tokens - done,
+                                           s.straggler_rows, 0, continued=True, at_width=width + done)
             for i, more in zip(going, rest, strict=True):
                 new[i] = new[i] + more
         return new
 
     def _generate_batch(self, rows: list[list[int]], max_new: int, batch_size: int, stop_at: int,
-                        continued: bool = False) -> list[list[int]]:
+                        continued: bool = False, at_width: int | None = None) -> tuple[list[list[int]], int]:
         """One generate call on at most ``batch_size`` rows (static: filled up to it) -> their new tokens, each cut
-        after its first eos id; with ``stop_at`` > 0 the call ends once at most that many real rows are running.
-        ``continued``: the rows go on from an earlier call (the stats count them as answered once)."""
+        after its first eos id, and the padded width; with ``stop_at`` > 0 the call ends once at most that many real
+        rows are running. ``continued``: the rows go on from an earlier call (the stats count them as answered once)
+        at ``at_width`` (static; otherwise the width is the longest row rounded up to ``prompt_bucket``)."""
         from transformers import StoppingCriteriaList
 
         s = self.settings
         start = time.perf_counter()
-        width = max(len(r) for r in rows)
+        longest = max(len(r) for r in rows)
         kwargs = self._sampling_kwargs(max_new)
         real, shape = len(rows), "dynamic"
+        width = longest
         if s.backend == "static":
-            width = round_up(width, s.prompt_bucket)
+            width = at_width if at_width is not None and at_width >= longest else round_up(longest, s.prompt_bucket)
             rows = rows + [rows[0]] * (batch_size - real)  # a fixed batch size reuses the compiled graph
             kwargs["cache_implementation"] = "static"
             cache_len = static_cache_len(width, max_new)
             _size_static_cache(self.model, cache_len, kwargs)
-            shape = f"static {len(rows)} x {cache_len}"
         ids, mask = left_pad(rows, width, s.pad_id)
         device = _device(self.model)
         if stop_at:
@@ -307,9 +311,11 @@ class TokenGenerator:
         # .tolist() reads the device back: the time below is synchronised
         new = [cut_after_eos(r, s.eos_ids) for r in out[:real, width:].tolist()]
         steps = out.shape[1] - width
+        if s.backend == "static":  # the length transformers used: never below the longest of earlier calls
+            shape = f"static {len(rows)} x {max(cache_len, getattr(self.model, '_previous_max_cache_length', -1))}"
         self.stats.add(shape, 0 if continued else real, len(rows), sum(map(len, new)), len(rows) * steps,
                        time.perf_counter() - start)
-        return new
+        return new, width
 
     def _sampling_kwargs(self, max_new: int | None = None) -> dict[str, Any]:
         s = self.settings

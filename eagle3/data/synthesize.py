@@ -38,10 +38,17 @@ from infra.storage import atomic_write_text, sha256_json
 PROBE = "\u2063synthetic-user-turn\u2063"
 """Content put in a user turn to find where the template writes it (invisible separators: never in a template)."""
 REGENERATE_FIELDS = ("temperature", "batch_size_conversations", "generation_backend", "prompt_bucket",
-                     "decode_attention", "straggler_rows", "device")
+                     "decode_attention", "device", "straggler_rows")
 """regenerate settings that change the records (the answer temperature, the batches and their seeds, the decoder,
 its padding, attention path and straggler batches, and the device: each moves the rounding or the sampling
 stream, so a sampled row, or a greedy answer at a tie, can turn)."""
+HASHED_WHEN_SET = frozenset({"straggler_rows"})
+"""Fields added after journals were written: hashed only when not 0, so those journals keep their key."""
+
+
+def regenerate_fields(regen: RegenerateConfig) -> dict[str, Any]:
+    """The REGENERATE_FIELDS values that the synthetic key and the stage key hash."""
+    return {k: getattr(regen, k) for k in REGENERATE_FIELDS if k not in HASHED_WHEN_SET or getattr(regen, k)}
 
 
 def journal_path(data_dir: Path, name: str) -> Path:
@@ -73,8 +80,7 @@ def settings_key(syn: SyntheticConfig, regen: RegenerateConfig, target: str) -> 
     (``batch_rows`` in the journal): a short last batch whose count grew, or a batch cut short by a smaller
     count, runs again, as in a clean run of the new count."""
     gen = syn.model_dump(exclude={"near_duplicate", "count"})  # near_duplicate: a merge-time filter
-    return sha256_json({"synthetic": gen, "regenerate": {k: getattr(regen, k) for k in REGENERATE_FIELDS},
-                        "target": target})[:16]
+    return sha256_json({"synthetic": gen, "regenerate": regenerate_fields(regen), "target": target})[:16]
 
 
 class Synthesizer:
@@ -167,7 +173,7 @@ def stage_config(sources: list[SourceConfig], regen: RegenerateConfig) -> dict[s
     """What the synthesize stage's key hashes: each source's generation settings and the regenerate ones it uses."""
     return {"sources": [{"name": s.name, **(s.synthetic.model_dump(exclude={"near_duplicate"}) if s.synthetic else {})}
                         for s in sources],
-            "regenerate": {k: getattr(regen, k) for k in REGENERATE_FIELDS}}
+            "regenerate": regenerate_fields(regen)}
 
 
 def synthesize(sources: list[SourceConfig], data_dir: Path, regen: RegenerateConfig, load: Any, target: str,

@@ -152,6 +152,31 @@ def test_stragglers_go_on_in_a_small_batch_with_the_same_greedy_tokens(case, bac
         assert any(shape.startswith("static 2 x ") for shape in shrunk.stats.shapes), shrunk.stats.shapes
 
 
+def test_straggler_batches_carry_several_rows_past_fillers_and_keep_the_cache_length():
+    """Prompts of 45-52 tokens (bucket 4: width 52, cache 52 + 12 = 64 exactly) in batches of 4 and 3 (one filler
+    row): each batch hands 2 rows on, the greedy answers equal plain generate's, and no straggler call makes
+    transformers keep a longer static cache (re-rounding the width would have asked for 128)."""
+    model, rng = _tiny_llama(), random.Random(1)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (45, 46, 47, 48, 50, 51, 52)]
+    free = _plain(model, prompts, (2,))
+    eos = (2, free[0][4], free[6][2])
+    ref = _plain(model, prompts, eos)
+    gen_ = TokenGenerator(model, _settings(eos, backend="static", straggler_rows=2, prompt_bucket=4))
+    calls, real = [], gen_._generate_batch
+
+    def spy(rows, max_new, batch_size, stop_at, continued=False, at_width=None):
+        calls.append((len(rows), continued))
+        return real(rows, max_new, batch_size, stop_at, continued, at_width)
+
+    gen_._generate_batch = spy
+    model.__dict__.pop("_previous_max_cache_length", None)
+    got = gen_.generate(prompts)
+    assert calls == [(4, False), (2, True), (3, False), (2, True)]
+    assert got == ref
+    assert model._previous_max_cache_length == 64
+    assert set(gen_.stats.shapes) == {"static 4 x 64", "static 2 x 64"}
+
+
 def test_sampled_stragglers_are_reproducible_and_complete(case):
     """Sampled rows that go on in a straggler batch come back whole (an eos, or exactly max_new_tokens) and the same
     seed gives the same rows."""

@@ -83,6 +83,19 @@ def test_straggler_batches_give_reproducible_records_under_their_own_key(tmp_pat
     assert settings_key(syn.model_copy(update={"count": 99}), regen, "fp") == settings_key(syn, regen, "fp")
 
 
+def test_journals_written_before_straggler_rows_keep_their_key():
+    """With straggler_rows 0 the synthetic key is the hash of exactly the fields it had before that setting."""
+    from eagle3.data.synthesize import settings_key
+    from infra.storage import sha256_json
+
+    syn = _source().synthetic
+    before = ("temperature", "batch_size_conversations", "generation_backend", "prompt_bucket", "decode_attention",
+              "device")
+    old = sha256_json({"synthetic": syn.model_dump(exclude={"near_duplicate", "count"}),
+                       "regenerate": {k: getattr(REGEN, k) for k in before}, "target": "fp"})[:16]
+    assert settings_key(syn, REGEN, "fp") == old
+
+
 def test_records_keep_seed_settings_and_only_finished_prompts_are_answered(tmp_path, tiny):
     """Each record carries its seed and generation settings; empty or truncated prompts get no answer."""
     paths, stats = synthesize([_source(seed=3)], tmp_path, REGEN, lambda: tiny, "fp")
