@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, Field, ValidationError, model_validator
 
-from eagle3.config_base import PRESETS_DIR, ConfigError, Operational, PlainName, Section, _folder_path, key_fields
+from eagle3.config_base import (PRESETS_DIR, Added, ConfigError, Operational, PlainName, Section, _folder_path,
+                                key_fields)
 from eagle3.config_stages import (CaptureConfig, DrafterConfig, EvaluateConfig, ExportConfig, ServeConfig,
                                   TrainConfig)
 
@@ -175,7 +176,7 @@ class RegenerateConfig(Section):
     """hf static: prompts are left padded to a multiple of this many tokens."""
     decode_attention: Literal["sdpa", "kv_heads", "flex"] = "kv_heads"
     """hf static: decode attention: sdpa (transformers'), kv_heads (no cache copy per query head), flex (also reads only used key blocks)."""
-    straggler_rows: int = Field(0, ge=0)
+    straggler_rows: int = Added(0, ge=0)
     """hf static/dynamic: a batch down to this many running rows stops and they go on in a batch this size (0: off)."""
     device: str = "cpu"
     """Device of the in-process model (hf backend): cpu, cuda or cuda:N."""

@@ -94,6 +94,23 @@ def operational_fields(section: type[BaseModel]) -> frozenset[str]:
                      if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get(OPERATIONAL_MARK))
 
 
+ADDED_MARK = "keyed_when_set"
+"""Key in a field's json_schema_extra marking a field that stage keys hash only once it leaves its default."""
+
+
+def Added(default: Any, **constraints: Any) -> Any:  # noqa: N802 (reads as a field declaration, like Field)
+    """A field added after runs were keyed whose default writes what those runs wrote: stage keys (and journal
+    keys built from them) leave it out while it holds its default, so upgrading redoes nothing already done."""
+    return Field(default, json_schema_extra={ADDED_MARK: True}, **constraints)
+
+
+def unset_added_fields(section: BaseModel) -> frozenset[str]:
+    """Names of the ``Added`` fields of ``section`` that hold their default."""
+    return frozenset(name for name, field in type(section).model_fields.items()
+                     if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get(ADDED_MARK)
+                     and getattr(section, name) == field.default)
+
+
 def key_fields(section: BaseModel) -> dict[str, Any]:
-    """The section as JSON without its operational fields: what a stage key hashes of it."""
-    return section.model_dump(mode="json", exclude=set(operational_fields(type(section))))
+    """The section as JSON without its operational fields and unset added ones: what a stage key hashes of it."""
+    return section.model_dump(mode="json", exclude=set(operational_fields(type(section))) | unset_added_fields(section))

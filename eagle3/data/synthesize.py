@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import RegenerateConfig, SourceConfig, SyntheticConfig
+from eagle3.config_base import unset_added_fields
 from eagle3.data.chat_backends import CompletionError, HFGenerateBackend
 from eagle3.data.synthetic import synthetic_path
 from eagle3.run.journal import Journal
@@ -42,13 +43,13 @@ REGENERATE_FIELDS = ("temperature", "batch_size_conversations", "generation_back
 """regenerate settings that change the records (the answer temperature, the batches and their seeds, the decoder,
 its padding, attention path and straggler batches, and the device: each moves the rounding or the sampling
 stream, so a sampled row, or a greedy answer at a tie, can turn)."""
-HASHED_WHEN_SET = frozenset({"straggler_rows"})
-"""Fields added after journals were written: hashed only when not 0, so those journals keep their key."""
 
 
 def regenerate_fields(regen: RegenerateConfig) -> dict[str, Any]:
-    """The REGENERATE_FIELDS values that the synthetic key and the stage key hash."""
-    return {k: getattr(regen, k) for k in REGENERATE_FIELDS if k not in HASHED_WHEN_SET or getattr(regen, k)}
+    """The REGENERATE_FIELDS values that the synthetic key and the stage key hash (an added field only once set,
+    config_base.Added, so journals written before it keep their key)."""
+    unset = unset_added_fields(regen)
+    return {k: getattr(regen, k) for k in REGENERATE_FIELDS if k not in unset}
 
 
 def journal_path(data_dir: Path, name: str) -> Path:

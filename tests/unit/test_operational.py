@@ -135,3 +135,16 @@ def test_stage_keys_need_no_hand_list(tmp_path):
     root = Path(__file__).resolve().parents[2]
     hits = [str(p.relative_to(root)) for p in (root / "eagle3").rglob("*.py") if "OPERATIONAL_KNOBS" in p.read_text()]
     assert hits == []
+
+
+def test_added_fields_at_their_default_leave_keys_as_before_the_field_existed():
+    """A field declared with config_base.Added is hashed only once it leaves its default, so runs keyed before it
+    existed (regenerate.straggler_rows) keep their stage keys after an upgrade."""
+    from eagle3.config import RegenerateConfig
+    from eagle3.config_base import key_fields, unset_added_fields
+
+    regen = RegenerateConfig(batch_size_conversations=8)
+    before = regen.model_dump(mode="json", exclude=set(operational_fields(RegenerateConfig)) | {"straggler_rows"})
+    assert unset_added_fields(regen) == {"straggler_rows"}
+    assert key_fields(regen) == before
+    assert key_fields(regen.model_copy(update={"straggler_rows": 2})) == {**before, "straggler_rows": 2}
