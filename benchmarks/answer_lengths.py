@@ -14,7 +14,8 @@ Derived (printed as such): per cap, the mean kept tokens, the share of rows cut 
 batches of ``--batch`` rows drawn with replacement from the measured lengths (``--draws`` batches, seeded),
 without and with ``regenerate.straggler_rows`` (``--straggler-rows``: the rows still running when a batch is down
 to that many go on in a batch of that size; its extra prefill is not counted).
-Lengths count the end token. On a CPU the model runs in float32 with plain ``generate`` (dynamic cache), so
+``--measure-stragglers K`` also runs the user turns twice in batches of ``--gen-batch``, without and with
+``straggler_rows`` K, and prints the slot use and time each measured. Lengths count the end token. On a CPU the model runs in float32 with plain ``generate`` (dynamic cache), so
 the lengths are the target's, not those of a particular GPU kernel; bf16 on a GPU can turn at near-ties.
 """
 
@@ -145,6 +146,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512, help="rows per batch in the derived slot use")
     parser.add_argument("--draws", type=int, default=200, help="batches drawn per cap")
     parser.add_argument("--straggler-rows", type=int, default=64, help="regenerate.straggler_rows to derive for")
+    parser.add_argument("--measure-stragglers", type=int, default=0,
+                        help="also run the user turns in batches of --gen-batch without and with this straggler_rows")
     parser.add_argument("--gen-batch", type=int, default=16, help="rows per generate call while measuring")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
@@ -160,8 +163,9 @@ def main() -> None:
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     backend = "dynamic" if args.device == "cpu" else "static"
 
-    def generator(limit: int, temperature: float) -> TokenGenerator:
-        return TokenGenerator(model, GenerationSettings(limit, eos, int(pad), temperature, backend, args.gen_batch))
+    def generator(limit: int, temperature: float, stragglers: int = 0) -> TokenGenerator:
+        return TokenGenerator(model, GenerationSettings(limit, eos, int(pad), temperature, backend, args.gen_batch,
+                                                        straggler_rows=stragglers))
 
     if args.num_prompts:
         texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
@@ -177,6 +181,14 @@ def main() -> None:
         turns = measure("user_turns", generator(prompt_caps[-1], temperature), [prefix] * args.synthetic, eos,
                         prompt_caps[-1])
         report(turns, prompt_caps, args.batch, args.draws, args.seed, args.straggler_rows)
+    if args.synthetic and args.measure_stragglers:  # the same user turns run for real, without and with them
+        for rows in (0, args.measure_stragglers):
+            torch.manual_seed(args.seed)
+            gen = generator(prompt_caps[-1], temperature, rows)
+            gen.generate([prefix] * args.synthetic)
+            st = gen.stats.to_json()
+            print(f"user_turns.measured[straggler_rows={rows}, batches of {args.gen_batch}]: slot_use "
+                  f"{st['slot_use']}, generate_s {st['seconds']}, calls {st['calls']}, new_tokens {st['new_tokens']}")
 
 
 if __name__ == "__main__":
