@@ -316,12 +316,12 @@ def test_gathered_keys_make_a_tree_verify_compute_the_chains_logits_bit_for_bit(
     assert differing[True] == 0 and differing[False] > 0, differing
 
 
-def test_compiled_gathered_path_is_lossless(setup):
-    """Gathered keys through torch.compile (Dynamo, eager backend): chain, tree and n-gram equal greedy."""
+def _gathered_lossless(setup, settings: CompileSettings) -> None:
+    """Gathered keys through ``settings``: chain, tree and n-gram equal greedy, with no fallback to eager."""
     import copy
 
     model = copy.deepcopy(setup["model"])
-    target, runner = make_runners(model, AUX_IDS, setup["drafter"], setup["d2t"], True, COMPILED, 128,
+    target, runner = make_runners(model, AUX_IDS, setup["drafter"], setup["d2t"], True, settings, 128,
                                   decode_rows=16, gathered_keys=True)
     static = proposers(setup, runner)
     for prompt, ref in zip(setup["prompts"][2:], setup["refs"][2:]):
@@ -329,6 +329,17 @@ def test_compiled_gathered_path_is_lossless(setup):
         for name in static:
             assert speculative_decode(target, static[name], prompt, MAX_NEW).tokens == ref.tokens, name
     assert target.step_fn.compiled and target.step_fn.fallback_reason is None
+
+
+@pytest.mark.slow
+def test_inductor_compiled_gathered_path_is_lossless(setup):
+    """Gathered keys compiled by Inductor's CPU kernels (needs a C++ compiler) stay lossless."""
+    _gathered_lossless(setup, CompileSettings(enabled=True, backend="inductor", mode=None))
+
+
+def test_compiled_gathered_path_is_lossless(setup):
+    """Gathered keys through torch.compile (Dynamo, eager backend): chain, tree and n-gram equal greedy."""
+    _gathered_lossless(setup, COMPILED)
     gathered = EvaluateConfig(methods=["chain", "tree"], dtype="float32", decode_keys="gathered").resolved("cuda")
     assert gathered.decode_rows == 16  # gathered keys need one decode width, also in float32
     with pytest.raises(ValueError, match="decode_keys=gathered needs the static cache"):
