@@ -39,7 +39,7 @@ from eagle3.target.load import load_model, load_tokenizer, prepare_target
 
 @dataclass(frozen=True)
 class Lengths:
-    """Generated lengths (end token counted) and whether each row ended before ``limit`` tokens."""
+    """Generated lengths (end token counted; a row that did not end has ``limit`` tokens) and whether each ended."""
 
     name: str
     tokens: list[int]
@@ -71,10 +71,10 @@ def batch_row_steps(rows: list[int], stragglers: int) -> int:
 
 
 def cap_figures(lengths: Lengths, cap: int, batch: int, draws: int, seed: int, stragglers: int = 0) -> CapFigures:
-    """Per-cap figures; a row that did not end within ``lengths.limit`` runs to any cap <= limit."""
+    """Per-cap figures; a row that did not end within ``lengths.limit`` runs to any cap <= limit, and is cut by it."""
     if cap > lengths.limit:
         raise ValueError(f"cap {cap} is above the measured limit {lengths.limit}: those lengths are unknown")
-    kept = [min(n if done else lengths.limit, cap) for n, done in zip(lengths.tokens, lengths.ended, strict=True)]
+    kept = [min(n, cap) for n in lengths.tokens]
     cut = [not done or n > cap for n, done in zip(lengths.tokens, lengths.ended, strict=True)]
     rng = random.Random(seed)
     used = steps = shrunk = 0
@@ -113,13 +113,8 @@ def measure(name: str, gen: TokenGenerator, prompts: list[list[int]], eos: tuple
     return Lengths(name, [len(r) for r in rows], ended, limit, [len(p) for p in prompts], seconds)
 
 
-def toks_in_order(lengths: Lengths) -> list[int]:
-    """Each row's kept length in input order; a row that did not end counts as the limit."""
-    return [n if done else lengths.limit for n, done in zip(lengths.tokens, lengths.ended, strict=True)]
-
-
 def report(lengths: Lengths, caps: list[int], batch: int, draws: int, seed: int, stragglers: int) -> None:
-    toks = sorted(toks_in_order(lengths))
+    toks = sorted(lengths.tokens)
     q = statistics.quantiles(toks, n=20)
     n = lengths.name
     print(f"{n}.rows: {len(toks)}")
@@ -128,7 +123,7 @@ def report(lengths: Lengths, caps: list[int], batch: int, draws: int, seed: int,
     print(f"{n}.not_ended_within_{lengths.limit}: {lengths.ended.count(False)}")
     print(f"{n}.length_p10_p50_p90_p95: {q[1]:.0f} {q[9]:.0f} {q[17]:.0f} {q[18]:.0f}")
     print(f"{n}.length_mean: {statistics.fmean(toks):.1f}")
-    print(f"{n}.lengths (input order, {lengths.limit} = did not end): {' '.join(map(str, toks_in_order(lengths)))}")
+    print(f"{n}.lengths (input order, {lengths.limit} = did not end): {' '.join(map(str, lengths.tokens))}")
     for cap in caps:
         f = cap_figures(lengths, cap, batch, draws, seed, stragglers)
         print(f"{n}.cap[{cap}] (derived, batches of {batch}): mean_kept {f.mean_kept:.1f}, cut_share "
@@ -181,8 +176,7 @@ def main() -> None:
         turns = measure("user_turns", generator(prompt_caps[-1], temperature), [prefix] * args.synthetic, eos,
                         prompt_caps[-1])
         report(turns, prompt_caps, args.batch, args.draws, args.seed, args.straggler_rows)
-    if args.synthetic and args.measure_stragglers:  # the same user turns run for real, without and with them
-        for rows in (0, args.measure_stragglers):
+        for rows in (0, args.measure_stragglers) if args.measure_stragglers else ():  # the same turns, run for real
             torch.manual_seed(args.seed)
             gen = generator(prompt_caps[-1], temperature, rows)
             gen.generate([prefix] * args.synthetic)

@@ -317,9 +317,9 @@ class TokenGenerator:
                        time.perf_counter() - start)
         return new, width
 
-    def _sampling_kwargs(self, max_new: int | None = None) -> dict[str, Any]:
+    def _sampling_kwargs(self, max_new: int) -> dict[str, Any]:
         s = self.settings
-        kwargs: dict[str, Any] = {"max_new_tokens": max_new or s.max_new_tokens, "eos_token_id": list(s.eos_ids),
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new, "eos_token_id": list(s.eos_ids),
                                   "pad_token_id": s.pad_id}
         if s.temperature == 0:
             kwargs["do_sample"] = False
@@ -342,7 +342,7 @@ class TokenGenerator:
         in_flight = min(s.batch_size, len(prompts))
         cbc = ContinuousBatchingConfig(page_size=page, num_blocks=in_flight * (longest // page + 2),
                                        max_batch_tokens=max(in_flight, 256), max_requests_per_batch=in_flight)
-        gc = GenerationConfig(**self._sampling_kwargs())
+        gc = GenerationConfig(**self._sampling_kwargs(s.max_new_tokens))
         with torch.no_grad():  # the mode generate itself runs in, not inference_mode
             res = self.model.generate_batch(inputs=prompts, generation_config=gc, continuous_batching_config=cbc,
                                             progress_bar=False)

@@ -49,6 +49,14 @@ def case() -> tuple[Any, list[list[int]], tuple[int, ...], list[list[int]]]:
     return model, prompts, eos, ref
 
 
+@pytest.fixture
+def block_masks(monkeypatch) -> list:
+    """The shapes of every flex decode block mask built while the test runs (empty: flex never ran)."""
+    masks, real_mask = [], gen.decode_block_mask
+    monkeypatch.setattr(gen, "decode_block_mask", lambda valid: masks.append(valid.shape) or real_mask(valid))
+    return masks
+
+
 def _settings(eos: tuple[int, ...], **kw: Any) -> GenerationSettings:
     return GenerationSettings(**{"max_new_tokens": NEW, "eos_ids": eos, "pad_id": 0, "batch_size": 4,
                                  "prompt_bucket": 16, **kw})
@@ -56,14 +64,12 @@ def _settings(eos: tuple[int, ...], **kw: Any) -> GenerationSettings:
 
 @pytest.mark.parametrize("backend,attention", [("dynamic", "kv_heads"), ("static", "kv_heads"), ("static", "sdpa"),
                                                ("static", "flex"), ("continuous", "kv_heads")])
-def test_backends_equal_plain_generate_token_for_token(case, backend, attention, monkeypatch):
+def test_backends_equal_plain_generate_token_for_token(case, backend, attention, block_masks):
     """Greedy answers of each backend (batches of 4 with a short last batch, left padding) equal plain generate's;
     with flex the decode steps really ran through its block mask."""
     model, prompts, eos, ref = case
-    masks, real_mask = [], gen.decode_block_mask
-    monkeypatch.setattr(gen, "decode_block_mask", lambda valid: masks.append(valid.shape) or real_mask(valid))
     got = TokenGenerator(model, _settings(eos, backend=backend, decode_attention=attention)).generate(prompts)
-    assert bool(masks) == (backend == "static" and attention == "flex")
+    assert bool(block_masks) == (backend == "static" and attention == "flex")
     model.set_attn_implementation("sdpa")
     assert got == ref
 
@@ -204,15 +210,13 @@ def test_straggler_rows_must_be_below_the_batch():
     assert RegenerateConfig(batch_size_conversations=4, straggler_rows=3).straggler_rows == 3
 
 
-def _compiled_static(case: Any, compile_backend: str, attention: gen.DecodeAttention, monkeypatch: Any) -> None:
+def _compiled_static(case: Any, compile_backend: str, attention: gen.DecodeAttention, block_masks: list) -> None:
     """Static generation with transformers' compile forced on CPU equals plain generate, in one graph (no break);
     with flex, the compiled decode steps built its block mask."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
     model, prompts, eos, ref = case
-    masks, real_mask = [], gen.decode_block_mask
-    monkeypatch.setattr(gen, "decode_block_mask", lambda valid: masks.append(valid.shape) or real_mask(valid))
     compile_config = CompileConfig(backend=compile_backend, dynamic=False)
     compile_config._compile_all_devices = True  # CPU is not compiled by default (transformers' device gate)
     model.generation_config.compile_config = compile_config
@@ -227,21 +231,21 @@ def _compiled_static(case: Any, compile_backend: str, attention: gen.DecodeAtten
         for attr in ("_compiled_call", "_last_compile_config"):  # the next test compiles its own
             model.__dict__.pop(attr, None)
     assert dict(counters["graph_break"]) == {}
-    assert bool(masks) == (attention == "flex")
+    assert bool(block_masks) == (attention == "flex")
     assert got == ref
 
 
 @pytest.mark.parametrize("compile_backend,attention", [("eager", "kv_heads"), ("aot_eager", "flex")])
-def test_compiled_static_equals_plain_generate(case, compile_backend, attention, monkeypatch):
+def test_compiled_static_equals_plain_generate(case, compile_backend, attention, block_masks):
     """With transformers' compile forced on CPU (Dynamo; AOT tracing for flex) the static path equals plain
     generate with no graph break, and flex's block mask is built inside the compiled decode step."""
-    _compiled_static(case, compile_backend, attention, monkeypatch)
+    _compiled_static(case, compile_backend, attention, block_masks)
 
 
 @pytest.mark.slow
-def test_inductor_compiled_flex_decode_equals_plain_generate(case, monkeypatch):
+def test_inductor_compiled_flex_decode_equals_plain_generate(case, block_masks):
     """Inductor's CPU kernels for the flex decode (needs a C++ compiler) give plain generate's tokens, one graph."""
-    _compiled_static(case, "inductor", "flex", monkeypatch)
+    _compiled_static(case, "inductor", "flex", block_masks)
 
 
 def test_auto_backend_is_dynamic_on_cpu_and_static_on_cuda():
