@@ -15,8 +15,9 @@ batches of ``--batch`` rows drawn with replacement from the measured lengths (``
 without and with ``regenerate.straggler_rows`` (``--straggler-rows``: the rows still running when a batch is down
 to that many go on in a batch of that size; its extra prefill is not counted).
 ``--measure-stragglers K`` also runs the user turns twice in batches of ``--gen-batch``, without and with
-``straggler_rows`` K, and prints the slot use and time each measured. Lengths count the end token. On a CPU the model runs in float32 with plain ``generate`` (dynamic cache), so
-the lengths are the target's, not those of a particular GPU kernel; bf16 on a GPU can turn at near-ties.
+``straggler_rows`` K, and prints the slot use and time each measured. Lengths count the end token. On a CPU the
+model runs in float32 with plain ``generate`` (dynamic cache), so the lengths are the target's, not those of a
+particular GPU kernel; bf16 on a GPU can turn at near-ties.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def cap_figures(lengths: Lengths, cap: int, batch: int, draws: int, seed: int, s
 
 
 def first_turns(cfg, count: int) -> list[list[dict[str, str]]]:
-    """The first user turn (with a leading system turn) of the first ``count`` conversations of the first file source."""
+    """The first user turn (with a leading system turn) of the first ``count`` conversations of the first file
+    source."""
     src = next((s for s in cfg.data.sources if s.path), None)
     if src is None:
         raise SystemExit(f"preset {cfg.run.name} has no file source to take prompts from")
@@ -127,8 +129,8 @@ def report(lengths: Lengths, caps: list[int], batch: int, draws: int, seed: int,
     for cap in caps:
         f = cap_figures(lengths, cap, batch, draws, seed, stragglers)
         print(f"{n}.cap[{cap}] (derived, batches of {batch}): mean_kept {f.mean_kept:.1f}, cut_share "
-              f"{f.cut_share:.3f}, slot_use {f.slot_use:.3f}, with straggler_rows {stragglers} (its prefill not counted): "
-              f"{f.straggler_slot_use:.3f}")
+              f"{f.cut_share:.3f}, slot_use {f.slot_use:.3f}, with straggler_rows {stragglers} "
+              f"(its prefill not counted): {f.straggler_slot_use:.3f}")
 
 
 def main() -> None:
