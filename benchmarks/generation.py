@@ -12,6 +12,8 @@ Prints ``name: value`` lines:
                      plain vs fast, so kernel rounding cannot flip ties (the correctness check);
   sweep B: tok_s     the fast path at other batch sizes (--sweep; each size compiles once more);
   fast_step_ms       the timed pass's wall time per decode step (seconds over the steps of its generate calls);
+  fast_shapes        per cache shape, its first call's seconds (a compile, on CUDA) and its calls; with
+                     --compile-dynamic the decode step is compiled once for every shape (regenerate.compile_dynamic);
   decode_attention K the other --decode-attention ways on the same prompts and model: tok/s, step time, ratio
                      to the first, and rows identical to it;
   --profile          a torch.profiler table of one more fast call (the kernels and host calls a step spends on).
@@ -21,6 +23,8 @@ early costs steps in static generate but its idle steps are not counted).
     python benchmarks/generation.py --tiny                                # CPU smoke run (seconds)
     python benchmarks/generation.py --device cuda                         # SmolLM2-135M shape, random weights
     python benchmarks/generation.py --device cuda --sweep 1024,4096 --check-rows 0
+    python benchmarks/generation.py --device cuda --skip-plain --check-rows 0 --batch 512 --num-prompts 2048 \
+        --min-len 100 --max-len 3000 --new-tokens 512 [--compile-dynamic]    # compiles over three cache lengths
     python benchmarks/generation.py --device cuda --model-dir path/to/SmolLM2-135M-Instruct
 
 Needs only torch and transformers (and the repository root on PYTHONPATH).
@@ -66,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", default="", help="comma-separated extra batch sizes for the fast path")
     p.add_argument("--skip-plain", action="store_true", help="time only the fast path")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile-dynamic", action="store_true",
+                   help="the fast path compiles its decode step once with symbolic sizes (regenerate.compile_dynamic)")
     p.add_argument("--profile", action="store_true", help="profile one more fast call of --batch rows")
     return p
 
@@ -142,7 +148,8 @@ def _settings(model: Any, args: argparse.Namespace, batch: int, new_tokens: int)
     pad = model.generation_config.pad_token_id
     return GenerationSettings(max_new_tokens=new_tokens, eos_ids=eos_ids, pad_id=eos_ids[0] if pad is None else pad,
                               backend=args.backend, batch_size=batch,
-                              decode_attention=args.decode_attention.split(",")[0])
+                              decode_attention=args.decode_attention.split(",")[0],
+                              compile_dynamic=args.compile_dynamic)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -168,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"fast_warmup_s: {warm_s:.1f}")
     print(f"fast_tok_s: {_tok_s(fast, fast_s):.0f} ({sum(map(len, fast))} tokens in {fast_s:.1f} s)")
     print(f"fast_step_ms: {step_ms:.2f} (slot use {fast_gen.stats.to_json()['slot_use']})")
+    print("fast_shapes: " + ", ".join(f"{name} first call {st.first_call_s:.1f} s of {st.calls}"
+                                      for name, st in fast_gen.stats.shapes.items()))
     if args.profile:
         profile(fast_gen, prompts[:args.batch])
     for kind in args.decode_attention.split(",")[1:]:

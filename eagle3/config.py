@@ -178,6 +178,8 @@ class RegenerateConfig(Section):
     """hf static: decode attention: sdpa (transformers'), kv_heads (no cache copy per query head), flex (also reads only used key blocks)."""
     straggler_rows: int = Added(0, ge=0)
     """hf static/dynamic: a batch down to this many running rows stops and they go on in a batch this size (0: off)."""
+    compile_dynamic: bool = Added(False)
+    """hf static on CUDA: compile the decode step once with symbolic batch and cache sizes, not once per shape."""
     device: str = "cpu"
     """Device of the in-process model (hf backend): cpu, cuda or cuda:N."""
     max_new_tokens: int = Field(512, ge=1)

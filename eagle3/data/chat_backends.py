@@ -219,7 +219,8 @@ class HFGenerateBackend:
         self.generator = TokenGenerator(model, GenerationSettings(
             max_new_tokens=cfg.max_new_tokens, eos_ids=self._eos, pad_id=int(pad) if pad is not None else self._eos[0],
             temperature=cfg.temperature, backend=cfg.generation_backend, batch_size=cfg.batch_size_conversations,
-            prompt_bucket=cfg.prompt_bucket, decode_attention=cfg.decode_attention, straggler_rows=cfg.straggler_rows))
+            prompt_bucket=cfg.prompt_bucket, decode_attention=cfg.decode_attention, straggler_rows=cfg.straggler_rows,
+            compile_dynamic=cfg.compile_dynamic))
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[None]:

@@ -5,7 +5,8 @@ Three ways, all transformers' own generation code (no hand-written decoder):
     prompts, left padded to the longest prompt. Works everywhere; slow on a GPU.
   * ``static``: ``generate`` with ``cache_implementation="static"``. On CUDA transformers compiles the
     decode step (``torch.compile``, CUDA graphs under its default ``CompileConfig``); on CPU it runs
-    uncompiled. A compiled graph is specific to (batch size, cache length), so every call gets the same
+    uncompiled. A compiled graph is specific to (batch size, cache length) (``compile_dynamic``: one graph
+    with symbolic sizes, each shape still recording its own CUDA graph), so every call gets the same
     batch size (short batches are filled with copies of a real row, whose answers are dropped) and a
     cache length rounded up to a power of two (few shapes; transformers also keeps the cache length at
     the largest seen so far, ``_previous_max_cache_length``). Prompts are sorted by length and cut into
@@ -65,6 +66,7 @@ class GenerationSettings:
     prompt_bucket: int = 64
     decode_attention: DecodeAttention = "kv_heads"
     straggler_rows: int = 0  # static/dynamic: a batch down to this many running rows hands them to a batch this size
+    compile_dynamic: bool = False  # static: one decode graph with symbolic batch and cache sizes (torch.compile dynamic)
 
 
 @dataclass
@@ -302,6 +304,8 @@ class TokenGenerator:
             kwargs["cache_implementation"] = "static"
             cache_len = static_cache_len(width, max_new)
             _size_static_cache(self.model, cache_len, kwargs)
+            if s.compile_dynamic and (config := dynamic_compile_config(self.model)) is not None:
+                kwargs["compile_config"] = config
         ids, mask = left_pad(rows, width, s.pad_id)
         device = _device(self.model)
         if stop_at:
@@ -381,6 +385,24 @@ def _size_static_cache(model: Any, cache_len: int, kwargs: dict[str, Any]) -> No
         kwargs["max_cache_len"] = cache_len
     else:
         model._previous_max_cache_length = max(getattr(model, "_previous_max_cache_length", -1), cache_len)
+
+
+def dynamic_compile_config(model: Any) -> Any:
+    """The model's generation compile config (transformers' default if unset) with ``dynamic=True``, or None where
+    transformers would not compile (a CPU without its compile forced on): Dynamo then traces the decode step once
+    with symbolic batch and cache sizes, where transformers' default (static, then automatic dynamic shapes after a
+    change) traces it twice or more, each trace a compile of tens of seconds on a fresh GPU host. CUDA graphs
+    still record per shape."""
+    import copy
+
+    from transformers import CompileConfig
+
+    base = getattr(model.generation_config, "compile_config", None) or CompileConfig()
+    if _device(model).type != "cuda" and not getattr(base, "_compile_all_devices", None):
+        return None
+    config = copy.copy(base)  # keeps private flags such as _compile_all_devices
+    config.dynamic = True
+    return config
 
 
 def _device(model: Any) -> torch.device:

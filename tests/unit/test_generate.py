@@ -242,6 +242,39 @@ def test_compiled_static_equals_plain_generate(case, compile_backend, attention,
     _compiled_static(case, compile_backend, attention, block_masks)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_dynamic_traces_the_decode_step_once_for_every_cache_length(case, dynamic):
+    """compile_dynamic: Dynamo traces transformers' decode step once across two cache lengths (32 and 64), where
+    transformers' default (dynamic=None: static first, automatic dynamic after a change) traces it twice; the
+    tokens equal plain generate either way."""
+    from transformers import CompileConfig
+
+    model, prompts, eos, ref = case
+    traced: list[int] = []
+
+    def counting_backend(graph: Any, example_inputs: Any) -> Any:
+        traced.append(len(example_inputs))
+        return graph.forward
+
+    forced = CompileConfig(backend=counting_backend, dynamic=None, mode=None)  # a callable backend takes no mode
+    forced._compile_all_devices = True  # CPU is not compiled by default (transformers' device gate)
+    model.generation_config.compile_config = forced
+    model.__dict__.pop("_previous_max_cache_length", None)  # an earlier test's longer cache would be the floor
+    torch._dynamo.reset()
+    try:
+        generator = TokenGenerator(model, _settings(eos, backend="static", batch_size=2, compile_dynamic=dynamic))
+        got = generator.generate(prompts)
+    finally:
+        model.generation_config.compile_config = None
+        model.set_attn_implementation("sdpa")
+        for attr in ("_compiled_call", "_last_compile_config", "_previous_max_cache_length"):
+            model.__dict__.pop(attr, None)
+    assert got == ref
+    lengths = {shape.rsplit(" x ", 1)[1] for shape in generator.stats.shapes}
+    assert lengths == {"32", "64"}, generator.stats.shapes
+    assert len(traced) == (1 if dynamic else 2), traced
+
+
 @pytest.mark.slow
 def test_inductor_compiled_flex_decode_equals_plain_generate(case, block_masks):
     """Inductor's CPU kernels for the flex decode (needs a C++ compiler) give plain generate's tokens, one graph."""
