@@ -41,7 +41,7 @@ PROBE = "\u2063synthetic-user-turn\u2063"
 REGENERATE_FIELDS = ("temperature", "batch_size_conversations", "generation_backend", "prompt_bucket",
                      "decode_attention", "device", "straggler_rows", "compile_dynamic")
 """regenerate settings that change the records (the answer temperature, the batches and their seeds, the decoder,
-its padding, attention path and straggler batches, and the device: each moves the rounding or the sampling
+its padding, attention path, straggler batches and compile, and the device: each moves the rounding or the sampling
 stream, so a sampled row, or a greedy answer at a tie, can turn)."""
 
 
