@@ -66,7 +66,7 @@ class GenerationSettings:
     prompt_bucket: int = 64
     decode_attention: DecodeAttention = "kv_heads"
     straggler_rows: int = 0  # static/dynamic: a batch down to this many running rows hands them to a batch this size
-    compile_dynamic: bool = False  # static: one decode graph with symbolic batch and cache sizes (torch.compile dynamic)
+    compile_dynamic: bool = False  # static: one decode graph with symbolic batch and cache sizes
 
 
 @dataclass
