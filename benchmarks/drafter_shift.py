@@ -9,7 +9,10 @@ runner the offline decode uses) on three kinds of text, all answers of the targe
     regeneration journal; the split is recomputed from the ids with the run's seed and val_fraction),
   - the greedy outputs of an evaluation (its prompts.jsonl), per dataset: over every token, and at the
     chain's round starts only, next to the chain's measured position-1 acceptance on the same rounds (the
-    last two differ only where the decode's numerics differ from this pass's).
+    last two differ only where the decode's numerics differ from this pass's);
+  - on the same greedy outputs, every chain method's acceptance replayed from one teacher-forced pass of all its
+    steps (eagle3/evaluate/teacher_forced.py) next to the decode's, and how many prompts' replayed rounds equal
+    the decoded rounds exactly: where they agree, a curve can measure chain acceptance from that pass alone.
 Validation close to training but evaluation far below says the drafter does not transfer to the evaluation
 prompts (more or closer training data helps); evaluation teacher-forced far above the decode's position-1
 acceptance would say the decode feeds the drafter differently from training (a bug). Prints `name: value` lines.
@@ -36,6 +39,7 @@ from eagle3.run.journal import Journal
 from eagle3.run.progress import Progress
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner
 from eagle3.evaluate.speculate import draft_hits, teacher_forced_drafts
+from eagle3.evaluate.teacher_forced import chain_match_lengths, simulate_chain
 from eagle3.target.load import load_model, load_tokenizer, prepare_target
 
 
@@ -101,6 +105,43 @@ def measure_eval(runners, tokenizer, prompts_file: Path) -> None:
         print(f"eval_{d}_teacher_forced_acc_0: {h / max(n, 1):.4f} ({n} tokens)")
         print(f"eval_{d}_teacher_forced_at_chain_round_starts: {tf_round_hits / max(rounds, 1):.4f} ({rounds} rounds)")
         print(f"eval_{d}_chain_position1_acceptance: {round_hits / max(rounds, 1):.4f} ({rounds} rounds)")
+    replay_chains(runners, records, ids)
+
+
+def chain_steps(name: str) -> int:
+    """'chain-3-1-4' -> 3 (eagle3.evaluate.session names a chain method chain-<steps>-1-<steps + 1>)."""
+    return int(name.split("-")[1])
+
+
+def replay_chains(runners, records: list[PromptRecord], ids: dict[str, list[int]]) -> None:
+    """Per dataset and chain method: acceptance replayed from one teacher-forced pass against the decoded one."""
+    target, drafter = runners
+    chains = sorted({name for r in records for name in r.methods if name.startswith("chain")}, key=chain_steps)
+    if not chains:
+        return
+    deepest = max(map(chain_steps, chains))
+    tallies: dict[tuple[str, str], list[int]] = {}  # committed (replayed, decoded), rounds (replayed, decoded), same
+    with Progress(len(records), "chain replays") as bar:
+        for r in records:
+            seq = [*ids[r.id], *r.greedy.tokens]
+            target.reset()
+            aux = target.step(seq).aux  # [L, A*H]
+            target.reset()
+            matched = chain_match_lengths(drafter.drafter, drafter.d2t, aux, seq, deepest)
+            for name in chains:
+                run = r.methods.get(name)
+                if run is None:
+                    continue
+                replayed = simulate_chain(matched, len(ids[r.id]), len(r.greedy.tokens), chain_steps(name))
+                counts = (sum(replayed), sum(run.committed), len(replayed), len(run.committed),
+                          int(replayed == run.committed))
+                key = (r.dataset, name)
+                tallies[key] = [t + c for t, c in zip(tallies.get(key, [0] * 5), counts)]
+            bar.update()
+    for (d, name), (tf_tokens, tokens, tf_rounds, rounds, same) in tallies.items():
+        prompts = sum(1 for r in records if r.dataset == d and name in r.methods)
+        print(f"eval_{d}_{name}_replayed_accept_len: {tf_tokens / max(tf_rounds, 1):.4f} "
+              f"(decoded {tokens / max(rounds, 1):.4f}; identical rounds on {same}/{prompts} prompts)")
 
 
 def round_starts(committed: list[int]) -> list[int]:

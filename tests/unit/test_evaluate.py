@@ -328,3 +328,10 @@ def test_drafter_shift_benchmark_reproduces_the_decodes_position1_acceptance(tin
         assert at_starts == printed[f"eval_{dataset}_chain_position1_acceptance"]
         rates.append(float(at_starts.split()[0]))
     assert any(0.0 < rate < 1.0 for rate in rates), rates
+    replays = {k: v for k, v in printed.items() if k.endswith("_replayed_accept_len")}
+    assert {k.split("_")[1] for k in replays} == {"mtbench", "gsm8k"}, replays
+    for line in replays.values():  # e.g. "1.2500 (decoded 1.2500; identical rounds on 2/2 prompts)"
+        replayed, decoded, same, prompts = re.fullmatch(
+            r"([\d.]+) \(decoded ([\d.]+); identical rounds on (\d+)/(\d+) prompts\)", line).groups()
+        assert replayed == decoded and same == prompts and int(prompts) > 0, line
+    assert any(float(line.split()[0]) > 1.0 for line in replays.values()), replays  # some drafts accepted
