@@ -10,23 +10,17 @@ import pytest
 import torch
 
 from eagle3.evaluate.runners import TargetRunner
-from eagle3.evaluate.speculate import EagleProposer, greedy_decode, speculative_decode
+from eagle3.evaluate.speculate import EagleProposer, speculative_decode
 from eagle3.evaluate.teacher_forced import chain_match_lengths, simulate_chain
-from eagle3.target.tiny import build_tiny_tokenizer
-from tests.unit.test_speculate import AUX_IDS, MAX_NEW, QUESTIONS, prompt_ids, tiny_drafter, tiny_target
+from tests.unit.test_speculate import MAX_NEW, setup  # noqa: F401 (setup: the module fixture tiny builds on)
 
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def setup():
-    """The tiny target's runner, a random drafter and the greedy references of the three prompts."""
-    model = tiny_target()
-    tokenizer = build_tiny_tokenizer()
-    target = TargetRunner(model, AUX_IDS)
-    prompts = [prompt_ids(tokenizer, q) for q in QUESTIONS]
-    drafter, d2t = tiny_drafter(model)
-    return target, prompts, [greedy_decode(target, p, MAX_NEW).tokens for p in prompts], drafter, d2t
+def tiny(setup):
+    """test_speculate's tiny target runner, random drafter and greedy references (as token lists)."""
+    return setup["target"], setup["prompts"], [r.tokens for r in setup["refs"]], setup["drafter"], setup["d2t"]
 
 
 def _aux(target: TargetRunner, seq: list[int]):
@@ -36,10 +30,10 @@ def _aux(target: TargetRunner, seq: list[int]):
     return aux
 
 
-def test_the_pass_reproduces_every_draft_of_a_decoded_chain_round(setup):
+def test_the_pass_reproduces_every_draft_of_a_decoded_chain_round(tiny):
     """Fed a round's own drafts as text, the pass's row c - 2 matches all STEPS of them (and one fewer when the
     last is changed): its steps 1.. compute what the decode's drafter forwards computed, not only step 0."""
-    target, prompts, refs, drafter, d2t = setup
+    target, prompts, refs, drafter, d2t = tiny
     proposer = EagleProposer(drafter, d2t, steps=STEPS)
     rounds = 0
     for prompt, ref in zip(prompts, refs):
@@ -58,12 +52,12 @@ def test_the_pass_reproduces_every_draft_of_a_decoded_chain_round(setup):
     assert rounds == 9
 
 
-def test_replayed_rounds_equal_the_decoded_ones(setup):
+def test_replayed_rounds_equal_the_decoded_ones(tiny):
     """The rounds replayed from one pass commit what speculative_decode's rounds commit (the very same list), for
     chains of 1 and STEPS drafts. The drafter always proposes the text's most common token (zero lm_head: every
     draft is draft id 0, mapped to that token), so rounds accept none, one or more drafts (the random drafter
     alone accepts none on these texts)."""
-    target, prompts, refs, drafter, d2t = setup
+    target, prompts, refs, drafter, d2t = tiny
     constant = copy.deepcopy(drafter)
     with torch.no_grad():
         constant.lm_head.weight.zero_()  # all draft logits 0: argmax is draft id 0 everywhere
