@@ -24,7 +24,7 @@ early costs steps in static generate but its idle steps are not counted).
     python benchmarks/generation.py --device cuda                         # SmolLM2-135M shape, random weights
     python benchmarks/generation.py --device cuda --sweep 1024,4096 --check-rows 0
     python benchmarks/generation.py --device cuda --skip-plain --check-rows 0 --batch 512 --num-prompts 2048 \
-        --min-len 100 --max-len 3000 --new-tokens 512 [--compile-dynamic]    # compiles over three cache lengths
+        --min-len 100 --max-len 3000 --new-tokens 512 --cold [--compile-dynamic]   # compiles, three cache lengths
     python benchmarks/generation.py --device cuda --model-dir path/to/SmolLM2-135M-Instruct
 
 Needs only torch and transformers (and the repository root on PYTHONPATH).
@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", default="", help="comma-separated extra batch sizes for the fast path")
     p.add_argument("--skip-plain", action="store_true", help="time only the fast path")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cold", action="store_true",
+                   help="no warm-up call: the timed pass pays each shape's compile (read fast_shapes; one process per run)")
     p.add_argument("--compile-dynamic", action="store_true",
                    help="the fast path compiles its decode step once with symbolic sizes (regenerate.compile_dynamic)")
     p.add_argument("--profile", action="store_true", help="profile one more fast call of --batch rows")
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"plain_tok_s: {_tok_s(plain, plain_s):.0f} ({sum(map(len, plain))} tokens in {plain_s:.1f} s)")
     fast_gen = TokenGenerator(model, s)
     print(f"fast_backend: {fast_gen.settings.backend}, attention {model.config._attn_implementation}")
-    fast, fast_s, warm_s, step_ms = warm_and_time(fast_gen, prompts, args.batch)
+    fast, fast_s, warm_s, step_ms = warm_and_time(fast_gen, prompts, 0 if args.cold else args.batch)
     print(f"fast_warmup_s: {warm_s:.1f}")
     print(f"fast_tok_s: {_tok_s(fast, fast_s):.0f} ({sum(map(len, fast))} tokens in {fast_s:.1f} s)")
     print(f"fast_step_ms: {step_ms:.2f} (slot use {fast_gen.stats.to_json()['slot_use']})")
@@ -202,8 +204,9 @@ def main(argv: list[str] | None = None) -> None:
 def warm_and_time(gen: TokenGenerator, prompts: list[list[int]], batch: int) -> tuple[list[list[int]], float, float,
                                                                                      float]:
     """(rows, seconds, warm-up seconds, ms per decode step) of a timed pass over ``prompts`` after one untimed
-    call of ``batch`` rows (its compile); the step time is the timed pass's seconds over its decode steps."""
-    _, warm_s = timed(gen.generate, prompts[:batch])
+    call of ``batch`` rows (its compile; none when ``batch`` is 0); the step time is the timed pass's seconds over
+    its decode steps. The warm-up's longest row sets transformers' cache-length floor for every later call."""
+    _, warm_s = timed(gen.generate, prompts[:batch]) if batch else (None, 0.0)
     calls, slots, slot_steps = gen.stats.calls, gen.stats.slots, gen.stats.slot_steps
     rows, seconds = timed(gen.generate, prompts)
     steps = (gen.stats.slot_steps - slot_steps) / max(gen.stats.slots - slots, 1) * (gen.stats.calls - calls)
