@@ -26,7 +26,7 @@ replaced the plan made from benchmark rates (they were 3-6x too optimistic for r
   data (synthesize 1,500 + 4,000 ShareGPT records, 3 user turns each, regenerated; merge, tokenize, vocab)
       319 s for 2.78M train tokens, ~115 s per million tokens (the 57K tok/s of benchmarks/generation.py
       was random weights, 256 new tokens, one batch of 2,048; regeneration runs turns one after the other);
-      the preset's 6,000 ShareGPT + 4,000 synthetic records (2026-12-02): ~750 s for ~7M tokens, of which
+      the preset's 6,000 ShareGPT + 4,000 synthetic records (2026-12-02): ~820 s for ~7M tokens, of which
       the synthetic source's first calls alone spent 150 s compiling (35-60 s per new shape on a fresh host)
   online training, ttt 7, rows of 16,384: ~40K tok/s in the trainer's log (the target's eager forward bounds
       it, docs/train.md); 2.78M tokens, one epoch, 165 steps: 124 s with start-up and compile
