@@ -33,11 +33,12 @@ from eagle3.run.cli_args import add_config_args, config_from_args
 from eagle3.config import RunConfig
 from eagle3.data.merge import split_for
 from eagle3.evaluate.prompts import load_prompts, render
-from eagle3.evaluate.records import PromptRecord
+from eagle3.evaluate.records import MethodSpec, PromptRecord
 from eagle3.export.sglang import load_sglang_export
 from eagle3.run.journal import Journal
 from eagle3.run.progress import Progress
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner
+from eagle3.evaluate.session import method_specs
 from eagle3.evaluate.speculate import draft_hits, teacher_forced_drafts
 from eagle3.evaluate.teacher_forced import chain_match_lengths, simulate_chain
 from eagle3.target.load import load_model, load_tokenizer, prepare_target
@@ -85,7 +86,7 @@ def measure_conversations(runners, tokenizer, cfg: RunConfig, journal: Path, spl
     print(f"{split}_teacher_forced_acc_0: {num_hits / max(num_tokens, 1):.4f} ({num_tokens} tokens)")
 
 
-def measure_eval(runners, tokenizer, prompts_file: Path) -> None:
+def measure_eval(runners, tokenizer, prompts_file: Path, chains: list[MethodSpec]) -> None:
     records = [PromptRecord.from_json(json.loads(line)) for line in prompts_file.read_text().splitlines()
                if line.strip()]
     datasets = list(dict.fromkeys(r.dataset for r in records))
@@ -105,21 +106,16 @@ def measure_eval(runners, tokenizer, prompts_file: Path) -> None:
         print(f"eval_{d}_teacher_forced_acc_0: {h / max(n, 1):.4f} ({n} tokens)")
         print(f"eval_{d}_teacher_forced_at_chain_round_starts: {tf_round_hits / max(rounds, 1):.4f} ({rounds} rounds)")
         print(f"eval_{d}_chain_position1_acceptance: {round_hits / max(rounds, 1):.4f} ({rounds} rounds)")
-    replay_chains(runners, records, ids)
+    replay_chains(runners, records, ids, chains)
 
 
-def chain_steps(name: str) -> int:
-    """'chain-3-1-4' -> 3 (eagle3.evaluate.session names a chain method chain-<steps>-1-<steps + 1>)."""
-    return int(name.split("-")[1])
-
-
-def replay_chains(runners, records: list[PromptRecord], ids: dict[str, list[int]]) -> None:
+def replay_chains(runners, records: list[PromptRecord], ids: dict[str, list[int]], chains: list[MethodSpec]) -> None:
     """Per dataset and chain method: acceptance replayed from one teacher-forced pass against the decoded one."""
     target, drafter = runners
-    chains = sorted({name for r in records for name in r.methods if name.startswith("chain")}, key=chain_steps)
+    chains = [m for m in chains if any(m.name in r.methods for r in records)]
     if not chains:
         return
-    deepest = max(map(chain_steps, chains))
+    deepest = max(m.steps for m in chains)
     tallies: dict[tuple[str, str], list[int]] = {}  # committed (replayed, decoded), rounds (replayed, decoded), same
     with Progress(len(records), "chain replays") as bar:
         for r in records:
@@ -128,14 +124,14 @@ def replay_chains(runners, records: list[PromptRecord], ids: dict[str, list[int]
             aux = target.step(seq).aux  # [L, A*H]
             target.reset()
             matched = chain_match_lengths(drafter.drafter, drafter.d2t, aux, seq, deepest)
-            for name in chains:
-                run = r.methods.get(name)
+            for method in chains:
+                run = r.methods.get(method.name)
                 if run is None:
                     continue
-                replayed = simulate_chain(matched, len(ids[r.id]), len(r.greedy.tokens), chain_steps(name))
+                replayed = simulate_chain(matched, len(ids[r.id]), len(r.greedy.tokens), method.steps)
                 counts = (sum(replayed), sum(run.committed), len(replayed), len(run.committed),
                           int(replayed == run.committed))
-                key = (r.dataset, name)
+                key = (r.dataset, method.name)
                 tallies[key] = [t + c for t, c in zip(tallies.get(key, [0] * 5), counts)]
             bar.update()
     for (d, name), (tf_tokens, tokens, tf_rounds, rounds, same) in tallies.items():
@@ -174,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         for split in ("val", "train"):
             measure_conversations(runners, tokenizer, cfg, args.journal, split, args.num_conversations)
     if args.eval_prompts:
-        measure_eval(runners, tokenizer, args.eval_prompts)
+        chains = [m for m in method_specs(cfg.evaluate) if m.kind == "chain"]
+        measure_eval(runners, tokenizer, args.eval_prompts, chains)
 
 
 if __name__ == "__main__":

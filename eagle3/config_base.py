@@ -88,10 +88,15 @@ def Operational(default: Any, **constraints: Any) -> Any:  # noqa: N802 (reads a
     return Field(default, json_schema_extra={OPERATIONAL_MARK: True}, **constraints)
 
 
+def _marked(section: type[BaseModel], mark: str) -> dict[str, Any]:
+    """{name: field} of the fields of ``section`` whose json_schema_extra carries ``mark``."""
+    return {name: field for name, field in section.model_fields.items()
+            if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get(mark)}
+
+
 def operational_fields(section: type[BaseModel]) -> frozenset[str]:
     """Names of the fields of ``section`` declared with ``Operational``."""
-    return frozenset(name for name, field in section.model_fields.items()
-                     if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get(OPERATIONAL_MARK))
+    return frozenset(_marked(section, OPERATIONAL_MARK))
 
 
 ADDED_MARK = "keyed_when_set"
@@ -106,9 +111,8 @@ def Added(default: Any, **constraints: Any) -> Any:  # noqa: N802 (reads as a fi
 
 def unset_added_fields(section: BaseModel) -> frozenset[str]:
     """Names of the ``Added`` fields of ``section`` that hold their default."""
-    return frozenset(name for name, field in type(section).model_fields.items()
-                     if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get(ADDED_MARK)
-                     and getattr(section, name) == field.default)
+    return frozenset(name for name, field in _marked(type(section), ADDED_MARK).items()
+                     if getattr(section, name) == field.default)
 
 
 def key_fields(section: BaseModel) -> dict[str, Any]:

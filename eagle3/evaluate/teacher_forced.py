@@ -23,6 +23,7 @@ from torch import Tensor
 
 from eagle3.drafter.masks import positions_from_documents, shift_left, single_document_ids
 from eagle3.drafter.model import Eagle3Drafter, TTTCache
+from eagle3.drafter.ttt import PAD_TOKEN, PREDICT_SHIFT, TOKEN_SHIFT
 
 
 @torch.no_grad()
@@ -43,9 +44,10 @@ def chain_match_lengths(drafter: Eagle3Drafter, d2t: Tensor, aux: Tensor, seq: S
     matched = torch.zeros_like(ids)  # [1, L]
     d2t = d2t.to(device)
     for k in range(steps):
-        hidden, logits = drafter(hidden, shift_left(ids, 1 + k, 0), positions + k, docs, cache)  # [1, L, H], [1, L, Vd]
+        fed = shift_left(ids, TOKEN_SHIFT + k, PAD_TOKEN)  # [1, L]
+        hidden, logits = drafter(hidden, fed, positions + k, docs, cache)  # [1, L, H], [1, L, Vd]
         draft = logits.argmax(-1)  # [1, L] draft ids
-        going &= (draft + d2t[draft]) == shift_left(ids, 2 + k, -1)
+        going &= (draft + d2t[draft]) == shift_left(ids, PREDICT_SHIFT + k, -1)  # -1: past the text, never a hit
         matched += going
     return matched[0].tolist()
 
