@@ -2,7 +2,7 @@
 
     python3 benchmarks/quality_curve.py PHASE [--preset smollm2-curve] [--sizes 3M,10M,20M] [--set k=v ...]
     PHASE: data | train-N | export-N | eval-N | size-N (train, export, eval) | sweep[-VARIANT] | report | all
-           (N: 3M, 10M, ...)
+           (N: 3M, 10M, ...; train-N-VARIANT etc. run one step of a sweep variant at the largest size N)
 
 ``data`` runs every data stage (synthesize, merge, regenerate, tokenize, vocab) in the preset's run
 (runs/<name>). Each size N is its own run, runs/<name>-N, whose data/ and vocab/ are links to that run's and
@@ -232,6 +232,14 @@ class Curve:
         parts = ("data",) if variant and variant.own_vocab else ("data", "vocab")
         return cfg, prepare_size_run(base_config(self.preset, self.overrides), cfg, parts)
 
+    def variant(self, label: str) -> Variant:
+        """The sweep variant named in a phase ('epochs-3')."""
+        every = sweep_variants(base_config(self.preset, self.overrides))
+        for v in every:
+            if v.label == label:
+                return v
+        raise SystemExit(f"error: no variant {label!r}; the sweep has {[v.label for v in every]}")
+
     def variants(self) -> list[Variant]:
         """The recipe sweep's variants (all, or those named by --variants)."""
         every = sweep_variants(base_config(self.preset, self.overrides))
@@ -330,10 +338,13 @@ def run_phase(c: Curve, phase: str) -> bool:
         per_run = (phase_train, phase_export, phase_eval)
         steps = [lambda f=f, v=v: f(c, c.sizes[-1], v) for v in variants for f in per_run]
     elif name in ("train", "export", "eval", "size") and label:
-        size = c.size(label)
+        size_label, _, variant_label = label.partition("-")  # 6.7M or 6.7M-epochs-3 (a sweep variant's run)
+        size, variant = c.size(size_label), c.variant(variant_label) if variant_label else None
+        if variant is not None and size != c.sizes[-1]:
+            raise SystemExit(f"error: the sweep's variants run at the largest size, {c.sizes[-1].label}")
         chosen = ("train", "export", "eval") if name == "size" else (name,)
         fns = {"train": phase_train, "export": phase_export, "eval": phase_eval}
-        steps = [lambda f=fns[n]: f(c, size) for n in chosen]
+        steps = [lambda f=fns[n]: f(c, size, variant) for n in chosen]
     else:
         raise SystemExit(f"error: unknown phase {phase!r}")
     for step in steps:

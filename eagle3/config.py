@@ -180,6 +180,8 @@ class RegenerateConfig(Section):
     """hf static/dynamic: a batch down to this many running rows stops and they go on in a batch this size (0: off)."""
     compile_dynamic: bool = Added(False)
     """hf static on CUDA: compile the decode step once with symbolic batch and cache sizes, not once per shape."""
+    cut_loops: bool = Added(False)
+    """Cut answers that hit max_new_tokens where they run into a loop (a few repeats kept), and drop later turns."""
     device: str = "cpu"
     """Device of the in-process model (hf backend): cpu, cuda or cuda:N."""
     max_new_tokens: int = Field(512, ge=1)

@@ -111,7 +111,7 @@ def regenerate_slice(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, bac
     done = journal.load()
     todo = sorted((by_id[i] for i in ids if not is_reusable(done.get(i), by_id[i], key, False, cfg.max_user_turns)),
                   key=conversation_chars)
-    state = RunState(max_user_turns=cfg.max_user_turns)
+    state = RunState(max_user_turns=cfg.max_user_turns, cut_loops=cfg.cut_loops)
     with journal.appender() as append, Progress(len(todo), f"regenerate slice {index}", progress) as bar:
         run_sync(run_rows(todo, backend, key, append, state, bar))
     return SliceStats(index, len(ids), len(ids) - len(todo), state.success, state.error, state.num_turns,
@@ -173,7 +173,7 @@ def finish_slices(work: Work, out_dir: Path, cfg: RegenerateConfig, keep_sources
     if missing:
         raise RuntimeError(f"{len(missing)} of {len(work.todo)} conversations planned for slices have no answer or "
                            f"error in the journals of {out_dir}, e.g. {missing[:3]}; run the stage again to redo them")
-    state = RunState(max_user_turns=cfg.max_user_turns)
+    state = RunState(max_user_turns=cfg.max_user_turns, cut_loops=cfg.cut_loops)
     for row in work.todo:
         state.count(records[row["id"]])
     return finish(work, out_dir, state, None, keep_sources, start)

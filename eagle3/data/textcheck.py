@@ -8,6 +8,8 @@ punctuation and whitespace edits do not hide a copy.
   Jaccard >= t must share one of the first ``len - ceil(t * len) + 1`` grams of each (prefix filtering,
   Chaudhuri et al. 2006), so only those grams are indexed and only texts sharing one are compared.
 * ``degenerate_reason`` flags text that is mostly not letters or digits, or loops (most word 3-grams repeat).
+* ``loop_cut`` finds where a runaway loop starts in a text (from some word on, nearly every word 3-gram repeats
+  an earlier one) and the character offset to cut it at, a few repeats later.
 * ``EvalOverlap`` holds the word 8-grams of every evaluation prompt, built once; a record is contaminated
   when it shares ``min_shared`` 8-grams that occur in one evaluation prompt only (boilerplate that many prompts
   share, like HumanEval's instruction line, is no evidence), or every 8-gram of one prompt (it contains it).
@@ -33,6 +35,12 @@ MAX_REPEATED_FRACTION = 0.5
 """Text in which at least this fraction of the word 3-grams repeat an earlier one is a loop (degenerate)."""
 MIN_LOOP_NGRAMS = 8
 """Fewer word 3-grams than this are too few to call a loop."""
+LOOP_TAIL_FRACTION = 0.9
+"""A runaway loop: from its first repeated 3-gram to the end, at least this fraction of the 3-grams repeat."""
+LOOP_TAIL_MIN_WORDS = 32
+"""Shorter repetitive tails (a list's last items, a closing code block) are not called a runaway loop."""
+LOOP_KEEP_WORDS = 24
+"""Words of the loop kept before the cut: the data still shows loops starting (greedy outputs have them)."""
 EVAL_NGRAM = 8
 """Word n-gram size of the evaluation-overlap check."""
 
@@ -109,6 +117,39 @@ def degenerate_reason(text: str) -> str | None:
         if repeated >= MAX_REPEATED_FRACTION:
             return f"{repeated:.0%} of its word {LOOP_NGRAM}-grams repeat earlier ones (a loop)"
     return None
+
+
+_CJK = "\u2e80-\u9fff\uac00-\ud7af\uf900-\ufaff"
+LOOP_WORD_RE = re.compile(f"[{_CJK}]|[^\\W{_CJK}]+")
+"""loop_cut's words: ``\\w+`` runs, but each CJK character on its own (those scripts put no spaces between words)."""
+
+
+def loop_cut(text: str) -> int | None:
+    """The character offset at which to cut a runaway loop off ``text`` (``LOOP_KEEP_WORDS`` words after the
+    loop starts), or None when no tail of at least ``LOOP_TAIL_MIN_WORDS`` words repeats itself that much.
+
+    The loop starts at the first word whose 3-gram repeats an earlier one and from which at least
+    ``LOOP_TAIL_FRACTION`` of the 3-grams to the end repeat; cutting there keeps the clean answer before it.
+    Every number reads as the same word ('1. The Earth is ... 2. The Earth is ...' loops); each CJK character is a word.
+    """
+    spans = [m.span() for m in LOOP_WORD_RE.finditer(text)]
+    ws = ["0" if text[a:b].isdigit() else text[a:b].lower() for a, b in spans]  # numbered lines loop too
+    grams = list(zip(*(ws[i:] for i in range(LOOP_NGRAM))))
+    seen: set[tuple[str, ...]] = set()
+    repeated = []
+    for g in grams:
+        repeated.append(g in seen)
+        seen.add(g)
+    tail_repeats = 0
+    start = None  # the earliest qualifying start, scanning from the end
+    for i in range(len(grams) - 1, -1, -1):
+        tail_repeats += repeated[i]
+        tail = len(grams) - i
+        if repeated[i] and tail + LOOP_NGRAM - 1 >= LOOP_TAIL_MIN_WORDS and tail_repeats >= LOOP_TAIL_FRACTION * tail:
+            start = i
+    if start is None or start + LOOP_KEEP_WORDS >= len(ws):
+        return None
+    return spans[start + LOOP_KEEP_WORDS][0]
 
 
 # --------------------------------------------------------------------------- evaluation overlap

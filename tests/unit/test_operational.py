@@ -144,9 +144,10 @@ def test_added_fields_at_their_default_leave_keys_as_before_the_field_existed():
     from eagle3.config_base import key_fields, unset_added_fields
 
     regen = RegenerateConfig(batch_size_conversations=8)
-    added = {"straggler_rows", "compile_dynamic"}
+    added = {"straggler_rows", "compile_dynamic", "cut_loops"}
     before = regen.model_dump(mode="json", exclude=set(operational_fields(RegenerateConfig)) | added)
     assert unset_added_fields(regen) == added
     assert key_fields(regen) == before
     assert key_fields(regen.model_copy(update={"straggler_rows": 2})) == {**before, "straggler_rows": 2}
     assert key_fields(regen.model_copy(update={"compile_dynamic": True})) == {**before, "compile_dynamic": True}
+    assert key_fields(regen.model_copy(update={"cut_loops": True})) == {**before, "cut_loops": True}

@@ -79,6 +79,23 @@ def test_sweep_variants_change_one_setting_each():
         == 256
 
 
+def test_one_step_of_a_sweep_variant_runs_alone(tmp_path):
+    """train-N-VARIANT runs only the training of that variant's run (N the largest size); other sizes are refused."""
+    calls = []
+    def runner(module, argv, budget_s):
+        calls.append((module, argv[-1]))
+        return True
+    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [quality_curve.Size(2_000), quality_curve.Size(4_000)],
+                            dict(quality_curve.DEFAULT_BUDGETS_S), runner)
+    assert quality_curve.run_phase(c, "train-4K-epochs-3")
+    assert calls == [("eagle3.train", str(tmp_path / "tiny-4K-epochs-3/config.json"))]
+    assert json.loads(Path(calls[0][1]).read_text())["train"]["num_epochs"] == 3
+    with pytest.raises(SystemExit, match="largest size"):
+        quality_curve.run_phase(c, "eval-2K-epochs-3")
+    with pytest.raises(SystemExit, match="no variant"):
+        quality_curve.run_phase(c, "export-4K-lr-x9")
+
+
 def test_token_labels_round_trip():
     """Size labels name the runs; parsing a label gives the budget back."""
     for tokens in (2_000, 500_000, 1_500_000, 3_000_000, 20_000_000):
