@@ -29,12 +29,12 @@ replaced the plan made from benchmark rates (they were 3-6x too optimistic for r
       the preset's 6,000 ShareGPT + 4,000 synthetic records (2026-12-02): ~820 s for ~7M tokens, of which
       the synthetic source's first calls alone spent 150 s compiling (35-60 s per new shape on a fresh host)
   online training, ttt 7, rows of 16,384: ~40K tok/s in the trainer's log (the target's eager forward bounds
-      it, docs/train.md); 2.78M tokens, one epoch, 165 steps: 124 s with start-up and compile
+      it, docs/train.md); 2.78M tokens, one epoch, 165 steps: 124 s with start-up and compile; with the
+      padded forward (2026-12-02): 6.7M tokens x 3 epochs, 1,230 steps, 358 s (median step 90K tok/s)
   evaluation in one process, float32, a weak drafter (accept 1.26-1.47): ~7.5 s per prompt after a 164 s
       start, i.e. ~23 minutes for the 160 prompts; since then (2026-12-02) bf16 with CUDA graphs of the eager
-      kernels: 433 s of decoding for 110 prompts after a ~37 s start (~11 minutes for 160), with the tree
-      round then still eager; the presets now ask for Inductor's kernels (a 2.24 ms forward against 4.06),
-      not yet timed over the 160 prompts
+      kernels (compile auto): ~465 s for the 160 prompts, greedy + chain 3 + chain 7 + tree, accept ~1.6
+      (Inductor's kernels, compile on, failed to capture in that run: docs/evaluate.md)
 and one epoch was too little: val accept_len_est 1.382 after the one epoch of 2.78M tokens, 1.606 after 400
 steps (~2.4 epochs) of the same data and still rising. So the curve needs data built over several GPU
 stretches (``pack-journals`` carries the generated text back, ~1.5 MB xz per 4,700 records, and
