@@ -180,6 +180,8 @@ class RegenerateConfig(Section):
     """hf static/dynamic: a batch down to this many running rows stops and they go on in a batch this size (0: off)."""
     compile_dynamic: bool = Added(False)
     """hf static on CUDA: compile the decode step once with symbolic batch and cache sizes, not once per shape."""
+    loop_stop_tokens: int = Added(0, ge=0)
+    """hf static/dynamic: stop an answer once its last N tokens repeat with a period <= N, as if cut at the cap (0: off)."""
     cut_loops: bool = Added(False)
     """Cut answers that hit max_new_tokens where they run into a loop (a few repeats kept), and drop later turns."""
     device: str = "cpu"
@@ -198,6 +200,13 @@ class RegenerateConfig(Section):
     """Keep only the first N user turns of each conversation (with their new answers); None = all."""
     num_slices: int = Operational(1, ge=1)
     """Flow runs the conversations left are split into, each on its own gpu-pool worker (1: regenerate in the flow itself)."""
+
+    @model_validator(mode="after")
+    def _loop_stop_needs_own_loop(self) -> RegenerateConfig:
+        if self.loop_stop_tokens and self.generation_backend == "continuous":
+            raise ValueError("regenerate.loop_stop_tokens needs generation_backend static, dynamic or auto: "
+                             "transformers' continuous batching takes no per-row stopping criterion here")
+        return self
 
     @model_validator(mode="after")
     def _stragglers_below_batch(self) -> RegenerateConfig:

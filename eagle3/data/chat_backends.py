@@ -220,7 +220,7 @@ class HFGenerateBackend:
             max_new_tokens=cfg.max_new_tokens, eos_ids=self._eos, pad_id=int(pad) if pad is not None else self._eos[0],
             temperature=cfg.temperature, backend=cfg.generation_backend, batch_size=cfg.batch_size_conversations,
             prompt_bucket=cfg.prompt_bucket, decode_attention=cfg.decode_attention, straggler_rows=cfg.straggler_rows,
-            compile_dynamic=cfg.compile_dynamic))
+            compile_dynamic=cfg.compile_dynamic, loop_stop_tokens=cfg.loop_stop_tokens))
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[None]:

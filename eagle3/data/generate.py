@@ -67,6 +67,7 @@ class GenerationSettings:
     decode_attention: DecodeAttention = "kv_heads"
     straggler_rows: int = 0  # static/dynamic: a batch down to this many running rows hands them to a batch this size
     compile_dynamic: bool = False  # static: one decode graph with symbolic batch and cache sizes
+    loop_stop_tokens: int = 0  # static/dynamic: a row stops once its last N new tokens repeat with a period <= N
 
 
 @dataclass
@@ -272,24 +273,27 @@ class TokenGenerator:
         (tested); sampled rows draw their later tokens in the second call, deterministically."""
         s = self.settings
         shrink = s.straggler_rows if 0 < s.straggler_rows < len(rows) else 0
-        new, width = self._generate_batch(rows, s.max_new_tokens, s.batch_size, shrink)
-        going = [i for i, r in enumerate(new) if len(r) < s.max_new_tokens and not (r and r[-1] in s.eos_ids)]
+        new, width, looped = self._generate_batch(rows, s.max_new_tokens, s.batch_size, shrink)
+        going = [i for i, r in enumerate(new)
+                 if len(r) < s.max_new_tokens and not (r and r[-1] in s.eos_ids) and not looped[i]]
         if going:
             done = len(new[going[0]])  # every running row has made the same number of steps
             # The first call's width plus those steps, unrounded: the same cache length as the first call, which
             # transformers keeps as the floor of every later static cache (a longer one would stay for the run).
-            rest, _ = self._generate_batch([rows[i] + new[i] for i in going], s.max_new_tokens - done,
-                                           s.straggler_rows, 0, continued=True, at_width=width + done)
+            rest, _, _ = self._generate_batch([rows[i] + new[i] for i in going], s.max_new_tokens - done,
+                                              s.straggler_rows, 0, continued=True, at_width=width + done)
             for i, more in zip(going, rest, strict=True):
                 new[i] = new[i] + more
         return new
 
     def _generate_batch(self, rows: list[list[int]], max_new: int, batch_size: int, stop_at: int,
-                        continued: bool = False, at_width: int | None = None) -> tuple[list[list[int]], int]:
+                        continued: bool = False, at_width: int | None = None
+                        ) -> tuple[list[list[int]], int, list[bool]]:
         """One generate call on at most ``batch_size`` rows (static: filled up to it) -> their new tokens, each cut
-        after its first eos id, and the padded width; with ``stop_at`` > 0 the call ends once at most that many real
-        rows are running. ``continued``: the rows go on from an earlier call (the stats count them as answered once)
-        at ``at_width`` (static; otherwise the width is the longest row rounded up to ``prompt_bucket``)."""
+        after its first eos id (or where it was found looping), the padded width, and which rows were stopped as
+        loops; with ``stop_at`` > 0 the call ends once at most that many real rows are running. ``continued``: the
+        rows go on from an earlier call (the stats count them as answered once) at ``at_width`` (static; otherwise
+        the width is the longest row rounded up to ``prompt_bucket``)."""
         from transformers import StoppingCriteriaList
 
         s = self.settings
@@ -308,18 +312,22 @@ class TokenGenerator:
                 kwargs["compile_config"] = config
         ids, mask = left_pad(rows, width, s.pad_id)
         device = _device(self.model)
-        if stop_at:
-            kwargs["stopping_criteria"] = StoppingCriteriaList([StopWhenFewRun(s.eos_ids, real, stop_at, device)])
+        stops = None
+        if stop_at or s.loop_stop_tokens:
+            stops = StopWhenFewRun(s.eos_ids, real, stop_at, device, s.loop_stop_tokens, width)
+            kwargs["stopping_criteria"] = StoppingCriteriaList([stops])
         with torch.no_grad():  # the mode generate itself runs in, not inference_mode
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
         # .tolist() reads the device back: the time below is synchronised
-        new = [cut_after_eos(r, s.eos_ids) for r in out[:real, width:].tolist()]
+        rows_new = out[:real, width:].tolist()
+        looped = stops.loop_lengths(real) if stops is not None else [None] * real
+        new = [cut_after_eos(r if n is None else r[:n], s.eos_ids) for r, n in zip(rows_new, looped, strict=True)]
         steps = out.shape[1] - width
         if s.backend == "static":  # the length transformers used: never below the longest of earlier calls
             shape = f"static {len(rows)} x {max(cache_len, getattr(self.model, '_previous_max_cache_length', -1))}"
         self.stats.add(shape, 0 if continued else real, len(rows), sum(map(len, new)), len(rows) * steps,
                        time.perf_counter() - start)
-        return new, width
+        return new, width, [n is not None for n in looped]
 
     def _sampling_kwargs(self, max_new: int) -> dict[str, Any]:
         s = self.settings
@@ -356,20 +364,46 @@ class TokenGenerator:
 
 class StopWhenFewRun:
     """A transformers stopping criterion that ends the whole call once at most ``rows`` of its first ``real`` rows
-    have not emitted an eos id (filler rows after them are not counted); until then it marks only ended rows.
+    are running (filler rows after them are not counted); until then it marks only ended rows. A row ends at an
+    eos id or, with ``loop_tokens`` N > 0, once it loops: its last N new tokens equal the N before them shifted by
+    some period p <= N (``looping``). A looping row's length when it stopped is kept (``loop_lengths``): past it,
+    transformers feeds pad ids, which can equal an eos id.
 
     Tensor ops only: transformers already reads the finished flags back once per step, so this adds no sync."""
 
-    def __init__(self, eos_ids: tuple[int, ...], real: int, rows: int, device: torch.device):
+    def __init__(self, eos_ids: tuple[int, ...], real: int, rows: int, device: torch.device,
+                 loop_tokens: int = 0, width: int = 0):
         self.eos = torch.tensor(eos_ids, device=device)
-        self.real, self.rows = real, rows
+        self.real, self.rows, self.loop_tokens, self.width = real, rows, loop_tokens, width
         self.ended: torch.Tensor | None = None  # [B] bool, sticky: finished rows are fed pad ids afterwards
+        self.loop_len: torch.Tensor | None = None  # [B] int64: new tokens when found looping, 0 = not looping
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        last = torch.isin(input_ids[:, -1], self.eos)  # [B]
-        self.ended = last if self.ended is None else self.ended | last
-        running = (~self.ended[: self.real]).sum()
-        return self.ended | (running <= self.rows)  # [B]: all True ends the call
+        ended = torch.isin(input_ids[:, -1], self.eos)  # [B]
+        if self.ended is not None:
+            ended = ended | self.ended
+        if self.loop_tokens and input_ids.shape[1] - self.width >= 2 * self.loop_tokens:
+            loops = looping(input_ids, self.loop_tokens) & ~ended  # [B]
+            if self.loop_len is None:
+                self.loop_len = torch.zeros_like(loops, dtype=torch.long)
+            self.loop_len = torch.where(loops, input_ids.shape[1] - self.width, self.loop_len)
+            ended = ended | loops
+        self.ended = ended
+        running = (~ended[: self.real]).sum()
+        return ended | (running <= self.rows)  # [B]: all True ends the call
+
+    def loop_lengths(self, real: int) -> list[int | None]:
+        """Per real row: its new tokens when it was stopped as a loop, or None (reads the device)."""
+        if self.loop_len is None:
+            return [None] * real
+        return [n or None for n in self.loop_len[:real].tolist()]
+
+
+def looping(input_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """[B] bool: the last n tokens of each row equal the n before them shifted by some period p in 1..n."""
+    tail = input_ids[:, -2 * n:]  # [B, 2n]
+    windows = tail.unfold(1, n, 1)  # [B, n + 1, n]: window j starts at j; the last one (j = n) is the tail's end
+    return (windows[:, :-1] == windows[:, -1:]).all(-1).any(-1)  # window n - p against the last: period p
 
 
 def _size_static_cache(model: Any, cache_len: int, kwargs: dict[str, Any]) -> None:

@@ -39,10 +39,10 @@ from infra.storage import atomic_write_text, sha256_json
 PROBE = "\u2063synthetic-user-turn\u2063"
 """Content put in a user turn to find where the template writes it (invisible separators: never in a template)."""
 REGENERATE_FIELDS = ("temperature", "batch_size_conversations", "generation_backend", "prompt_bucket",
-                     "decode_attention", "device", "straggler_rows", "compile_dynamic")
+                     "decode_attention", "device", "straggler_rows", "compile_dynamic", "loop_stop_tokens")
 """regenerate settings that change the records (the answer temperature, the batches and their seeds, the decoder,
-its padding, attention path, straggler batches and compile, and the device: each moves the rounding or the sampling
-stream, so a sampled row, or a greedy answer at a tie, can turn)."""
+its padding, attention path, straggler batches and compile, where loops stop, and the device: each moves the
+rounding or the sampling stream or the answers' ends, so a sampled row, or a greedy answer at a tie, can turn)."""
 
 
 def regenerate_fields(regen: RegenerateConfig) -> dict[str, Any]:

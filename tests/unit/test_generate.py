@@ -331,3 +331,36 @@ def test_generation_stats_count_what_the_calls_did(case, backend):
         assert sum(v["calls"] for v in doc["shapes"].values()) == batches
     else:
         assert doc["slots"] == len(prompts) and list(doc["shapes"]) == ["dynamic"]
+
+
+def _loop_stop_reference(row: list[int], n: int) -> list[int]:
+    """``row`` up to the first length whose last n tokens equal the n before them shifted by a period <= n."""
+    for end in range(2 * n, len(row) + 1):
+        tail = row[end - 2 * n:end]
+        if any(tail[j:j + n] == tail[n:] for j in range(n)):
+            return row[:end]
+    return row
+
+
+@pytest.mark.parametrize("backend,stragglers", [("static", 0), ("static", 2), ("dynamic", 2)])
+def test_looping_rows_stop_where_their_tokens_start_repeating(backend, stragglers):
+    """With loop_stop_tokens 3, each greedy answer is plain generate's up to the first point where its last 3 tokens
+    repeat with a period <= 3 (a reference computed here) and rows that never loop are whole; with straggler batches
+    fewer row-steps run, and a stopped row is not handed on (it would come back longer)."""
+    model, new = _tiny_llama(), 40
+    prompts = _prompts(8, seed=3)
+    ids, mask = left_pad(prompts, max(map(len, prompts)), 0)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=[2],
+                         pad_token_id=0)
+    plain = [cut_after_eos(r, (2,)) for r in out[:, ids.shape[1]:].tolist()]
+    want = [_loop_stop_reference(r, 3) for r in plain]
+    assert any(w != p for w, p in zip(want, plain)) and any(w == p for w, p in zip(want, plain)), \
+        "the case needs rows that loop and rows that do not"
+    kw = {"max_new_tokens": new, "backend": backend, "straggler_rows": stragglers}
+    whole = TokenGenerator(model, _settings((2,), **kw))
+    stopped = TokenGenerator(model, _settings((2,), **kw, loop_stop_tokens=3))
+    assert whole.generate(prompts) == plain
+    assert stopped.generate(prompts) == want
+    assert stopped.stats.new_tokens < whole.stats.new_tokens
+    if stragglers:  # without them a batch still runs to its longest row
+        assert stopped.stats.slot_steps < whole.stats.slot_steps

@@ -65,3 +65,15 @@ def test_cut_loops_cuts_capped_answers_drops_later_turns_and_regenerates_nothing
     assert cut[1:] == whole[1:]
     assert stats["loop_cuts"] == {"answers": 1, "chars_removed": len(full) - len(answer), "later_turns_dropped": 1}
     assert "loop_cuts" not in plain_stats
+
+
+def test_loop_stop_changes_the_journal_key_only_once_set(tmp_path):
+    """loop_stop_tokens changes answers, so once set it is in the journal's settings key (those rows are answered
+    again); at 0 the key is the one journals had before the setting existed; continuous batching refuses it."""
+    from eagle3.data.regenerate import settings_key
+
+    base = RegenerateConfig()
+    assert settings_key(base) == settings_key(base.model_copy(update={"cut_loops": True}))  # a post-process only
+    assert settings_key(base) != settings_key(RegenerateConfig(loop_stop_tokens=64))
+    with pytest.raises(ValueError, match="loop_stop_tokens needs generation_backend"):
+        RegenerateConfig(loop_stop_tokens=64, generation_backend="continuous")

@@ -144,7 +144,7 @@ def test_added_fields_at_their_default_leave_keys_as_before_the_field_existed():
     from eagle3.config_base import key_fields, unset_added_fields
 
     regen = RegenerateConfig(batch_size_conversations=8)
-    added = {"straggler_rows", "compile_dynamic", "cut_loops"}
+    added = {"straggler_rows", "compile_dynamic", "cut_loops", "loop_stop_tokens"}
     before = regen.model_dump(mode="json", exclude=set(operational_fields(RegenerateConfig)) | added)
     assert unset_added_fields(regen) == added
     assert key_fields(regen) == before
