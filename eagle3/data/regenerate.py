@@ -122,7 +122,8 @@ async def regenerate_conversation(messages: list[Message], backend: ChatBackend,
 def settings_key(cfg: RegenerateConfig) -> str:
     """Hash of the settings that change the answers; journal records from other settings are redone.
     loop_stop_tokens only once set, so journals written before it existed keep their key."""
-    fields = ("backend", "model", "max_new_tokens", "temperature") + (("loop_stop_tokens",) if cfg.loop_stop_tokens else ())
+    fields = ("backend", "model", "max_new_tokens", "temperature")
+    fields += ("loop_stop_tokens",) if cfg.loop_stop_tokens else ()
     return sha256_json({k: getattr(cfg, k) for k in fields})[:16]
 
 
