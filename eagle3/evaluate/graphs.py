@@ -64,6 +64,13 @@ def _pool() -> Any:
     return _POOL
 
 
+def _drop_pool() -> None:
+    """Later graphs take a new pool: a capture that failed can leave its pool marked as recording, and every later
+    capture into it then fails ('beginAllocateToPool: already recording to mempool_id', seen on an H200)."""
+    global _POOL
+    _POOL = None
+
+
 class CompiledStep:
     """``fn`` run eagerly or compiled and, with graphs on CUDA, replayed as one CUDA graph per argument shapes."""
 
@@ -110,6 +117,8 @@ class CompiledStep:
                           f"{self.fallback_reason}", stacklevel=2)
             self._compiled, self.use_graphs = None, False
             self._graphs.clear()
+            if self.cuda:
+                _drop_pool()
             return self.fn(*args)
 
     def _replay(self, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
