@@ -181,7 +181,7 @@ class RegenerateConfig(Section):
     compile_dynamic: bool = Added(False)
     """hf static on CUDA: compile the decode step once with symbolic batch and cache sizes, not once per shape."""
     loop_stop_tokens: int = Added(0, ge=0)
-    """hf static/dynamic: end an answer once its last N tokens repeat with a period <= N, as if capped (0: off)."""
+    """hf static/dynamic: end an answer once its last N tokens repeat with a period of at most N, as if capped (0: off)."""
     cut_loops: bool = Added(False)
     """Cut answers that hit max_new_tokens where they run into a loop (a few repeats kept), and drop later turns."""
     device: str = "cpu"
