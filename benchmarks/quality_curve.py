@@ -332,9 +332,7 @@ def run_phase(c: Curve, phase: str) -> bool:
     elif phase == "report":
         steps = [lambda: bool(phase_report(c))]
     elif name == "sweep":  # sweep (every variant) or sweep-<variant>, at the largest size
-        variants = [v for v in c.variants() if not label or v.label == label]
-        if not variants:
-            raise SystemExit(f"error: no variant {label!r}; the sweep has {[v.label for v in c.variants()]}")
+        variants = [c.variant(label)] if label else c.variants()
         per_run = (phase_train, phase_export, phase_eval)
         steps = [lambda f=f, v=v: f(c, c.sizes[-1], v) for v in variants for f in per_run]
     elif name in ("train", "export", "eval", "size") and label:
