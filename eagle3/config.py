@@ -120,6 +120,8 @@ class SourceConfig(Section):
     """Keep at most this many valid conversations from this source (cap applied after validation)."""
     synthetic: SyntheticConfig | None = None
     """Generation settings of a synthetic source (format synthetic; defaults when unset)."""
+    keep_answers: bool = Added(False)
+    """With regeneration on, keep this source's own answers (more text at no generation cost; still distilled)."""
 
     @model_validator(mode="after")
     def _path_or_synthetic(self) -> SourceConfig:
@@ -129,6 +131,9 @@ class SourceConfig(Section):
                              "data/synthetic/<name>.jsonl in the run)")
         if not synthetic and (self.path is None or self.synthetic is not None):
             raise ValueError(f"source {self.name!r}: set path (and leave synthetic unset) unless format is synthetic")
+        if synthetic and self.keep_answers:
+            raise ValueError(f"source {self.name!r}: keep_answers is for file sources (a synthetic source's answers "
+                             "are the target's own already)")
         if synthetic and self.synthetic is None:
             self.synthetic = SyntheticConfig()
         return self

@@ -116,5 +116,17 @@ def unset_added_fields(section: BaseModel) -> frozenset[str]:
 
 
 def key_fields(section: BaseModel) -> dict[str, Any]:
-    """The section as JSON without its operational fields and unset added ones: what a stage key hashes of it."""
-    return section.model_dump(mode="json", exclude=set(operational_fields(type(section))) | unset_added_fields(section))
+    """The section as JSON without its operational fields and unset added ones, also in the sections it nests
+    (data.sources): what a stage key hashes of it."""
+    skip = set(operational_fields(type(section))) | unset_added_fields(section)
+    dumped = section.model_dump(mode="json", exclude=skip)
+    return {name: _nested_key(getattr(section, name), value) for name, value in dumped.items()}
+
+
+def _nested_key(value: Any, dumped: Any) -> Any:
+    """``dumped`` (the JSON of ``value``) with every section inside it keyed by key_fields."""
+    if isinstance(value, BaseModel):
+        return key_fields(value)
+    if isinstance(value, list):
+        return [_nested_key(item, d) for item, d in zip(value, dumped)]
+    return dumped

@@ -29,8 +29,10 @@ endpoint that cannot be reached at all raises EndpointUnreachable and stops the 
 Rows beyond ``cfg.max_conversations`` are counted as ``skipped_limit`` and copied to the output
 with their ORIGINAL answers, so downstream stages still see every input row.
 
-Rows of synthetic sources (``keep_sources``) hold the target's own answers already (eagle3.data.synthesize):
-they are copied as they are and counted as ``skipped_source``.
+Rows of ``keep_sources`` are copied as they are and counted as ``skipped_source``: synthetic sources hold the
+target's own answers already (eagle3.data.synthesize), and sources with ``keep_answers`` keep the dataset's
+answers on purpose (text the target reads but did not write: training still takes its soft labels from the
+target, so such text adds data without generation time).
 
 Runaway loops (``regenerate.cut_loops``): a small target's greedy answers often repeat a phrase until the
 token cap, and such tails can be most of the tokens (SmolLM2-135M: 87% of the answer words of 6,000

@@ -71,6 +71,12 @@ def synthetic_sources(cfg: RunConfig) -> list[SourceConfig]:
     return [src for src in cfg.data.sources if src.format == "synthetic"]
 
 
+def kept_answer_sources(cfg: RunConfig) -> frozenset[str]:
+    """Sources whose rows regeneration copies as they are: synthetic ones (the target wrote their answers) and
+    those with keep_answers."""
+    return frozenset(src.name for src in cfg.data.sources if src.format == "synthetic" or src.keep_answers)
+
+
 def run_synthesize(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False) -> StageOutcome | None:
     """Let the target write and answer the records of every synthetic source (None when there is none)."""
     sources = synthetic_sources(cfg)
@@ -149,7 +155,7 @@ def run_regenerate(cfg: RunConfig, progress: ProgressFn | None = None, force: bo
 
     model_dir, fp = _target(cfg)
     key = key_for(cfg, "regenerate", fp)
-    own = frozenset(src.name for src in synthetic_sources(cfg))  # answered by the target already
+    own = kept_answer_sources(cfg)
     in_parquet = run_layout(cfg).merged
 
     def compute():

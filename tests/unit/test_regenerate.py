@@ -440,6 +440,22 @@ def test_rows_of_kept_sources_are_copied_without_requests(tmp_path):
     assert not any("q1." in m["content"] for r in server.requests for m in r.messages)
 
 
+def test_sources_with_keep_answers_are_kept_like_synthetic_ones_and_the_old_keys_stay():
+    """keep_answers puts a file source beside the synthetic ones in the rows regeneration copies; a synthetic
+    source cannot set it; left at its default it does not enter the data section's key."""
+    from eagle3.config import load_config
+    from eagle3.config_base import key_fields
+    from eagle3.run.stages import kept_answer_sources
+
+    two = "[{name: a, path: 'pkg://eagle3/assets/tiny_chats.jsonl'}, {name: s, format: synthetic}"
+    cfg = load_config("tiny", [f"data.sources={two}, {{name: b, path: x.json, keep_answers: true}}]"])
+    assert kept_answer_sources(cfg) == frozenset({"s", "b"})
+    assert kept_answer_sources(load_config("tiny", [f"data.sources={two}]"])) == frozenset({"s"})
+    with pytest.raises(Exception, match="keep_answers is for file sources"):
+        load_config("tiny", ["data.sources=[{name: s, format: synthetic, keep_answers: true}]"])
+    assert "keep_answers" not in str(key_fields(load_config("tiny", [f"data.sources={two}]"]).data))
+
+
 def test_answers_cut_at_the_token_cap_are_listed_by_message_index(tmp_path):
     """An answer the server ends with finish_reason length is named in truncated_turns by its index in the
     regenerated messages (also for rows rebuilt from the journal); finished answers and kept rows are not."""
