@@ -140,6 +140,36 @@ def replay_chains(runners, records: list[PromptRecord], ids: dict[str, list[int]
               f"(decoded {tokens / max(rounds, 1):.4f}; identical rounds on {same}/{prompts} prompts)")
 
 
+def replay_only(runners, tokenizer, prompts_file: Path, chains: list[MethodSpec], out: Path | None) -> None:
+    """Chain acceptance of this drafter replayed on an evaluation's greedy texts, with no decode of its own: the
+    texts depend on the target and prompts only, so one evaluation's prompts.jsonl serves every drafter of a curve.
+    Prints per dataset and overall (committed tokens per round); writes them as JSON to ``out`` if given."""
+    target, drafter = runners
+    records = [PromptRecord.from_json(json.loads(line)) for line in prompts_file.read_text().splitlines()
+               if line.strip()]
+    ids = {p.id: i for p, i in load_prompts(list(dict.fromkeys(r.dataset for r in records)), None, tokenizer)}
+    deepest = max(m.steps for m in chains)
+    tallies: dict[tuple[str, str], list[int]] = {}  # (dataset or "all", method) -> [committed tokens, rounds]
+    with Progress(len(records), "chain replays") as bar:
+        for r in records:
+            seq = [*ids[r.id], *r.greedy.tokens]
+            target.reset()
+            aux = target.step(seq).aux  # [L, A*H]
+            target.reset()
+            matched = chain_match_lengths(drafter.drafter, drafter.d2t, aux, seq, deepest)
+            for method in chains:
+                replayed = simulate_chain(matched, len(ids[r.id]), len(r.greedy.tokens), method.steps)
+                for key in ((r.dataset, method.name), ("all", method.name)):
+                    tallies[key] = [t + c for t, c in zip(tallies.get(key, [0, 0]), (sum(replayed), len(replayed)))]
+            bar.update()
+    result = {f"{d}/{name}": tokens / max(rounds, 1) for (d, name), (tokens, rounds) in tallies.items()}
+    for name, value in result.items():
+        print(f"replayed_accept_len {name}: {value:.4f}")
+    if out is not None:
+        out.write_text(json.dumps({"prompts": len(records), "source": str(prompts_file), "accept_len": result},
+                                  indent=1))
+
+
 def round_starts(committed: list[int]) -> list[int]:
     """Indices into teacher_forced_drafts of each verify round's first draft: the prefill commits generated[0],
     round k then starts after 1 + sum(committed[:k]) generated tokens."""
@@ -157,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-prompts", type=Path, help="an evaluation's prompts.jsonl")
     parser.add_argument("--num-conversations", type=int, default=64, help="per split")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--replay-only", action="store_true",
+                        help="with --eval-prompts: only the chain acceptance replayed on its greedy texts")
+    parser.add_argument("--out", type=Path, help="with --replay-only: write the figures here as JSON")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
     model_dir = prepare_target(cfg)
@@ -171,7 +204,10 @@ def main(argv: list[str] | None = None) -> None:
             measure_conversations(runners, tokenizer, cfg, args.journal, split, args.num_conversations)
     if args.eval_prompts:
         chains = [m for m in method_specs(cfg.evaluate) if m.kind == "chain"]
-        measure_eval(runners, tokenizer, args.eval_prompts, chains)
+        if args.replay_only:
+            replay_only(runners, tokenizer, args.eval_prompts, chains, args.out)
+        else:
+            measure_eval(runners, tokenizer, args.eval_prompts, chains)
 
 
 if __name__ == "__main__":

@@ -335,3 +335,12 @@ def test_drafter_shift_benchmark_reproduces_the_decodes_position1_acceptance(tin
             r"([\d.]+) \(decoded ([\d.]+); identical rounds on (\d+)/(\d+) prompts\)", line).groups()
         assert replayed == decoded and same == prompts and int(prompts) > 0, line
     assert any(float(line.split()[0]) > 1.0 for line in replays.values()), replays  # some drafts accepted
+    # --replay-only on another drafter's evaluation (same target and prompts, so the same greedy texts) gives
+    # this drafter's decoded chain acceptance without decoding it
+    shift["main"](["--config", str(write_run_config(run)), "--export-dir", str(constant), "--replay-only",
+                   "--eval-prompts", str(cfg.run_dir / "eval" / "prompts.jsonl"), "--out", str(tmp_path / "r.json")])
+    replayed = json.loads((tmp_path / "r.json").read_text())["accept_len"]
+    for key, line in replays.items():
+        dataset, method = key.split("_")[1:3]
+        assert f"{replayed[f'{dataset}/{method}']:.4f}" == re.search(r"decoded ([\d.]+)", line).group(1), key
+    assert {k.split("/")[0] for k in replayed} == {"mtbench", "gsm8k", "all"}
