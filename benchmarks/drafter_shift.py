@@ -39,8 +39,8 @@ from eagle3.run.journal import Journal
 from eagle3.run.progress import Progress
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner
 from eagle3.evaluate.session import method_specs
-from eagle3.evaluate.speculate import draft_hits, teacher_forced_drafts
-from eagle3.evaluate.teacher_forced import chain_match_lengths, simulate_chain
+from eagle3.evaluate.speculate import NgramProposer, draft_hits, teacher_forced_drafts
+from eagle3.evaluate.teacher_forced import chain_match_lengths, simulate_chain, simulate_ngram
 from eagle3.target.load import load_model, load_tokenizer, prepare_target
 
 
@@ -140,15 +140,19 @@ def replay_chains(runners, records: list[PromptRecord], ids: dict[str, list[int]
               f"(decoded {tokens / max(rounds, 1):.4f}; identical rounds on {same}/{prompts} prompts)")
 
 
-def replay_only(runners, tokenizer, prompts_file: Path, chains: list[MethodSpec], out: Path | None) -> None:
-    """Chain acceptance of this drafter replayed on an evaluation's greedy texts, with no decode of its own: the
-    texts depend on the target and prompts only, so one evaluation's prompts.jsonl serves every drafter of a curve.
-    Prints per dataset and overall (committed tokens per round); writes them as JSON to ``out`` if given."""
+def replay_only(runners, tokenizer, prompts_file: Path, cfg: RunConfig, out: Path | None) -> None:
+    """Chain acceptance of this drafter (and n-gram's, when the config lists it) replayed on an evaluation's greedy
+    texts, with no decode of its own: the texts depend on the target and prompts only, so one evaluation's
+    prompts.jsonl serves every drafter of a curve. Prints per dataset and overall (committed tokens per round);
+    writes them as JSON to ``out`` if given."""
+    specs = method_specs(cfg.evaluate)
+    chains, ngrams = [m for m in specs if m.kind == "chain"], [m for m in specs if m.kind == "ngram"]
+    ngram = NgramProposer(cfg.evaluate.ngram_max, cfg.evaluate.ngram_min, cfg.evaluate.ngram_num_tokens)
     target, drafter = runners
     records = [PromptRecord.from_json(json.loads(line)) for line in prompts_file.read_text().splitlines()
                if line.strip()]
     ids = {p.id: i for p, i in load_prompts(list(dict.fromkeys(r.dataset for r in records)), None, tokenizer)}
-    deepest = max(m.steps for m in chains)
+    deepest = max((m.steps for m in chains), default=1)
     tallies: dict[tuple[str, str], list[int]] = {}  # (dataset or "all", method) -> [committed tokens, rounds]
     with Progress(len(records), "chain replays") as bar:
         for r in records:
@@ -157,8 +161,9 @@ def replay_only(runners, tokenizer, prompts_file: Path, chains: list[MethodSpec]
             aux = target.step(seq).aux  # [L, A*H]
             target.reset()
             matched = chain_match_lengths(drafter.drafter, drafter.d2t, aux, seq, deepest)
-            for method in chains:
-                replayed = simulate_chain(matched, len(ids[r.id]), len(r.greedy.tokens), method.steps)
+            for method in [*chains, *ngrams]:
+                replayed = (simulate_ngram(ngram, ids[r.id], r.greedy.tokens) if method.kind == "ngram" else
+                            simulate_chain(matched, len(ids[r.id]), len(r.greedy.tokens), method.steps))
                 for key in ((r.dataset, method.name), ("all", method.name)):
                     tallies[key] = [t + c for t, c in zip(tallies.get(key, [0, 0]), (sum(replayed), len(replayed)))]
             bar.update()
@@ -205,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.eval_prompts:
         chains = [m for m in method_specs(cfg.evaluate) if m.kind == "chain"]
         if args.replay_only:
-            replay_only(runners, tokenizer, args.eval_prompts, chains, args.out)
+            replay_only(runners, tokenizer, args.eval_prompts, cfg, args.out)
         else:
             measure_eval(runners, tokenizer, args.eval_prompts, chains)
 

@@ -24,6 +24,7 @@ from torch import Tensor
 from eagle3.drafter.masks import positions_from_documents, shift_left, single_document_ids
 from eagle3.drafter.model import Eagle3Drafter, TTTCache
 from eagle3.drafter.ttt import PAD_TOKEN, PREDICT_SHIFT, TOKEN_SHIFT
+from eagle3.evaluate.speculate import NgramProposer, accept_path
 
 
 @torch.no_grad()
@@ -64,6 +65,23 @@ def simulate_chain(matched: Sequence[int], prompt_len: int, num_generated: int, 
     while done < num_generated:
         row = prompt_len + done - 2  # context c = prompt_len + done
         take = min(min(matched[row], steps) + 1, num_generated - done)
+        committed.append(take)
+        done += take
+    return committed
+
+
+def simulate_ngram(proposer: NgramProposer, prompt: Sequence[int], generated: Sequence[int]) -> list[int]:
+    """The tokens each round of prompt-lookup drafting commits over a greedy text, as ``speculative_decode`` runs it:
+    n-gram drafts read only the context, so the rounds follow from the text alone (no target forward)."""
+    committed: list[int] = []
+    done = 1
+    while done < len(generated):
+        context = [*prompt, *generated[:done]]
+        tree = proposer.propose(context)
+        rows = len(tree.tokens) + 1  # verify rows: the context's last token, then each draft
+        argmax = [*generated[done:done + rows], *[-1] * rows][:rows]  # the text's next tokens; -1 past its end
+        path, _ = accept_path(tree, argmax)
+        take = min(len(path) + 1, len(generated) - done)
         committed.append(take)
         done += take
     return committed

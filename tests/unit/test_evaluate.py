@@ -344,3 +344,6 @@ def test_drafter_shift_benchmark_reproduces_the_decodes_position1_acceptance(tin
         dataset, method = key.split("_")[1:3]
         assert f"{replayed[f'{dataset}/{method}']:.4f}" == re.search(r"decoded ([\d.]+)", line).group(1), key
     assert {k.split("/")[0] for k in replayed} == {"mtbench", "gsm8k", "all"}
+    decoded = {f"{r['dataset']}/{r['method']}": r["accept_len"]
+               for r in json.loads((cfg.run_dir / "eval" / "results.json").read_text())["results"]}
+    assert all(replayed[k] == pytest.approx(decoded[k]) for k in decoded if k.endswith("/ngram")), (replayed, decoded)

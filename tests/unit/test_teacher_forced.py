@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from eagle3.evaluate.runners import TargetRunner
-from eagle3.evaluate.speculate import EagleProposer, speculative_decode
-from eagle3.evaluate.teacher_forced import chain_match_lengths, simulate_chain
+from eagle3.evaluate.speculate import EagleProposer, NgramProposer, speculative_decode
+from eagle3.evaluate.teacher_forced import chain_match_lengths, simulate_chain, simulate_ngram
 from tests.unit.test_speculate import MAX_NEW, setup  # noqa: F401 (setup: the module fixture tiny builds on)
 
 STEPS = 4
@@ -86,3 +86,17 @@ def test_replay_golden_rounds():
     assert simulate_chain(matched, 3, 1, 2) == []
     with pytest.raises(ValueError, match="at least one"):
         simulate_chain(matched, 3, 9, 0)
+
+
+def test_ngram_rounds_replayed_from_the_text_equal_the_decoded_ones(tiny):
+    """Prompt-lookup rounds replayed from the greedy text alone commit what speculative_decode's rounds commit,
+    with some rounds accepting drafts (the tiny target's texts repeat)."""
+    target, prompts, refs, _, _ = tiny
+    committed: set[int] = set()
+    for prompt, ref in zip(prompts, refs):
+        for proposer in (NgramProposer(3, 1, 3), NgramProposer(2, 2, 5)):
+            decoded = speculative_decode(target, proposer, prompt, MAX_NEW)
+            assert decoded.tokens == ref
+            assert simulate_ngram(proposer, prompt, ref) == [s.committed for s in decoded.steps]
+            committed.update(s.committed for s in decoded.steps)
+    assert len(committed) >= 3 and max(committed) > 1, committed
