@@ -62,7 +62,7 @@ from benchmarks.curve_report import token_label, write_curve_report  # noqa: E40
 
 DEFAULT_PRESET, DEFAULT_SIZES = "smollm2-curve", "3M,10M,20M"
 DEFAULT_BUDGETS_S = {"data": 650.0, "train": 240.0, "export": 90.0, "eval": 500.0}
-"""Seconds per phase (train: plus N / TRAIN_TOKENS_PER_S s for size N); see the module docstring."""
+"""Seconds per phase (the default train budget: plus N / TRAIN_TOKENS_PER_S s for size N); see the module docstring."""
 TRAIN_TOKENS_PER_S = 32_000
 """The online training rate the train budget plans with (~40K tok/s in the trainer's log on the H200, less for safety)."""
 GRACE_S = 90.0
@@ -213,6 +213,7 @@ class Curve:
     ngram_every_size: bool = False
     nproc: int = 1
     variant_labels: tuple[str, ...] = ()
+    explicit_budgets: frozenset[str] = frozenset()  # phases given --budget-s: the whole budget, nothing added
 
     def set_args(self) -> list[str]:
         """The overrides as --set arguments."""
@@ -262,7 +263,7 @@ def phase_train(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     if variant and variant.own_vocab and not c.runner("eagle3.run.stages", ["vocab", "--config", str(config)],
                                                       c.budgets["data"]):
         return False
-    budget = c.budgets["train"] + size.tokens / TRAIN_TOKENS_PER_S
+    budget = c.budgets["train"] + (0 if "train" in c.explicit_budgets else size.tokens / TRAIN_TOKENS_PER_S)
     if c.nproc > 1:
         return c.runner("torch.distributed.run", ["--standalone", f"--nproc-per-node={c.nproc}", "-m", "eagle3.train",
                                                   "--config", str(config)], budget)
@@ -363,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="token budgets, ascending (e.g. 3M,10M,20M)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--budget-s", action="append", default=[], metavar="PHASE=SECONDS",
-                        help=f"phase budgets (defaults {DEFAULT_BUDGETS_S}; train adds N / {TRAIN_TOKENS_PER_S})")
+                        help=f"phase budgets (defaults {DEFAULT_BUDGETS_S}; the default train budget adds "
+                             f"N / {TRAIN_TOKENS_PER_S} for size N, a given one is the whole budget)")
     parser.add_argument("--ngram-every-size", action="store_true", help="measure n-gram at every size")
     parser.add_argument("--variants", default="", help="sweep: only these variants (comma-separated labels, e.g. "
                                                         "lr-x2,vocab-32768); default all")
@@ -381,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     curve = Curve(args.preset, args.overrides, sizes, budgets,
                   in_process_runner if args.in_process else subprocess_runner,
                   args.ngram_every_size, int(os.environ.get("NPROC", "1")),
-                  tuple(v for v in args.variants.split(",") if v))
+                  tuple(v for v in args.variants.split(",") if v),
+                  frozenset(item.partition("=")[0] for item in args.budget_s))
     if args.phase in ("pack-journals", "unpack-journals"):
         if args.folder is None:
             raise SystemExit(f"error: {args.phase} needs a folder")
