@@ -46,7 +46,9 @@ def chain_match_lengths(drafter: Eagle3Drafter, d2t: Tensor, aux: Tensor, seq: S
     d2t = d2t.to(device)
     for k in range(steps):
         fed = shift_left(ids, TOKEN_SHIFT + k, PAD_TOKEN)  # [1, L]
-        hidden, logits = drafter(hidden, fed, positions + k, docs, cache)  # [1, L, H], [1, L, Vd]
+        # dense: on CUDA "auto" takes flex, compiled per (length, key length), i.e. once per text (an H200 ran
+        # 0.3 texts/s that way); one short text's dense scores [nH, L, (k + 1) L] are small
+        hidden, logits = drafter(hidden, fed, positions + k, docs, cache, attn_impl="dense")  # [1, L, H], [1, L, Vd]
         draft = logits.argmax(-1)  # [1, L] draft ids
         going &= (draft + d2t[draft]) == shift_left(ids, PREDICT_SHIFT + k, -1)  # -1: past the text, never a hit
         matched += going
