@@ -1,6 +1,9 @@
 """The data-scaling curve's report: acceptance length against training tokens, one line per method.
 
-Reads each size's ``eval/results.json`` (eagle3.evaluate.stage) and writes into one folder:
+Reads each size's ``eval/results.json`` (eagle3.evaluate.stage) and, where a size has no decoded figure for a
+method, its ``eval/replayed.json`` (chain and n-gram acceptance replayed from an evaluation's greedy texts by
+``benchmarks/drafter_shift.py --replay-only``: no decode, so no lossless check; marked † in the tables and
+drawn hollow), and writes into one folder:
 curve.json (the rows), curve.md (a table per dataset) and curve.png (acceptance vs training tokens on a log
 axis, one line per drafting method, the n-gram baseline as a flat dashed line: it uses no drafter, so
 every size measures the same thing and the first size that measured it stands for all). Recipe variants
@@ -26,7 +29,8 @@ class CurveRow:
     method: str
     accept_len: float
     num_prompts: int
-    lossless_identical: int
+    lossless_identical: int  # -1 for a replayed figure (no decode ran)
+    replayed: bool = False
 
 
 def token_label(tokens: int) -> str:
@@ -37,17 +41,38 @@ def token_label(tokens: int) -> str:
     return str(tokens)
 
 
-def read_rows(results: Mapping[int, Path]) -> tuple[list[CurveRow], list[int]]:
-    """Rows of every size whose results file exists, and the sizes without one (not measured yet)."""
+def read_rows(results: Mapping[int, Path], replayed: Mapping[int, Path] | None = None
+              ) -> tuple[list[CurveRow], list[int]]:
+    """Rows of every size with a results file or a replay file (decoded figures win), and the sizes with
+    neither (not measured yet)."""
     rows, missing = [], []
     for tokens, path in sorted(results.items()):
-        if not path.is_file():
+        decoded = []
+        if path.is_file():
+            decoded = [CurveRow(tokens, r["dataset"], r["method"], float(r["accept_len"]), int(r["num_prompts"]),
+                                int(r["lossless"]["identical"])) for r in json.loads(path.read_text())["results"]]
+        replay = (replayed or {}).get(tokens)
+        have = {(r.dataset, r.method) for r in decoded}
+        extra = [r for r in _replayed_rows(tokens, replay) if (r.dataset, r.method) not in have] \
+            if replay is not None and replay.is_file() else []
+        if not decoded and not extra:
             missing.append(tokens)
-            continue
-        for r in json.loads(path.read_text())["results"]:
-            rows.append(CurveRow(tokens, r["dataset"], r["method"], float(r["accept_len"]), int(r["num_prompts"]),
-                                 int(r["lossless"]["identical"])))
+        rows += decoded + extra
     return rows, missing
+
+
+def _replayed_rows(tokens: int, path: Path) -> list[CurveRow]:
+    """The rows of a replay file (drafter_shift.py --replay-only --out)."""
+    doc = json.loads(path.read_text())
+    rows = []
+    for key, value in doc["accept_len"].items():
+        dataset, method = key.split("/", 1)
+        rows.append(CurveRow(tokens, dataset, method, float(value), int(doc["num_prompts"][dataset]), -1, True))
+    return rows
+
+
+def _cell(row: CurveRow) -> str:
+    return f"{row.accept_len:.3f}" + ("†" if row.replayed else "")
 
 
 def ngram_baseline(rows: list[CurveRow]) -> dict[str, CurveRow]:
@@ -69,12 +94,14 @@ def curve_markdown(rows: list[CurveRow], missing: list[int]) -> str:
         sizes = sorted({t for t, _ in by})
         lines += [f"## {dataset}", "", "| training tokens | " + " | ".join(methods) + " | n-gram (no drafter) |",
                   "|---:|" + "---:|" * (len(methods) + 1)]
-        base = f"{baseline[dataset].accept_len:.3f}" if dataset in baseline else "-"
+        base = _cell(baseline[dataset]) if dataset in baseline else "-"
         for tokens in sizes:
-            cells = [f"{by[tokens, m].accept_len:.3f}" if (tokens, m) in by else "-" for m in methods]
+            cells = [_cell(by[tokens, m]) if (tokens, m) in by else "-" for m in methods]
             lines.append(f"| {token_label(tokens)} | " + " | ".join(cells) + f" | {base} |")
         lines.append("")
-    unlossless = [r for r in rows if r.lossless_identical != r.num_prompts]
+    unlossless = [r for r in rows if not r.replayed and r.lossless_identical != r.num_prompts]
+    if any(r.replayed for r in rows):
+        lines.append("† replayed from an evaluation's greedy texts (teacher-forced drafter, no decode of its own).")
     lines.append("Every decode token-identical to greedy." if not unlossless else
                  "Not identical to greedy: " + ", ".join(f"{token_label(r.tokens)} {r.dataset} {r.method} "
                                                          f"({r.lossless_identical}/{r.num_prompts})"
@@ -96,8 +123,12 @@ def plot_curve(rows: list[CurveRow], out: Path, dataset: str = "all") -> Path:
     chosen = [r for r in rows if r.dataset == dataset] or rows
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
     for method in dict.fromkeys(r.method for r in chosen if r.method != NGRAM):
-        points = sorted((r.tokens, r.accept_len) for r in chosen if r.method == method)
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=method)
+        points = sorted((r.tokens, r.accept_len, r.replayed) for r in chosen if r.method == method)
+        line, = ax.plot([p[0] for p in points], [p[1] for p in points], "-", label=method)
+        for filled in (True, False):  # decoded points filled, replayed ones hollow
+            xs = [(t, a) for t, a, replay in points if replay != filled]
+            ax.plot([x[0] for x in xs], [x[1] for x in xs], "o", color=line.get_color(),
+                    fillstyle="full" if filled else "none")
     base = ngram_baseline(chosen).get(chosen[0].dataset if chosen else dataset)
     if base is not None:
         ax.axhline(base.accept_len, color="gray", ls="--", label=f"n-gram ({base.accept_len:.2f})")
@@ -131,19 +162,20 @@ def sweep_markdown(rows: list[CurveRow], variants: Mapping[str, list[CurveRow]],
     for label, rs in recipes.items():
         by = {r.method: r for r in rs}
         cells = [f"{by[m].accept_len:.3f}" if m in by else "-" for m in methods]
-        ok = sum(r.lossless_identical for r in rs if r.method != NGRAM)
-        total = sum(r.num_prompts for r in rs if r.method != NGRAM)
+        ok = sum(r.lossless_identical for r in rs if r.method != NGRAM and not r.replayed)
+        total = sum(r.num_prompts for r in rs if r.method != NGRAM and not r.replayed)
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {ok}/{total} identical |")
     return "\n".join(lines) + "\n"
 
 
-def write_curve_report(results: Mapping[int, Path], out_dir: Path,
-                       sweep: Mapping[str, Path] | None = None) -> dict[str, Path]:
+def write_curve_report(results: Mapping[int, Path], out_dir: Path, sweep: Mapping[str, Path] | None = None,
+                       replayed: Mapping[int, Path] | None = None) -> dict[str, Path]:
     """curve.json, curve.md and (with any measured size) curve.png in ``out_dir``; ``sweep``: each recipe
-    variant's results file (measured at the largest size), tabled when present."""
+    variant's results file (measured at the largest size), tabled when present; ``replayed``: each size's replay
+    file, for the methods its results file lacks."""
     from infra.storage import atomic_write_json, atomic_write_text
 
-    rows, missing = read_rows(results)
+    rows, missing = read_rows(results, replayed)
     largest = max(results, default=0)
     variants = read_sweep(sweep or {}, largest)
     out_dir.mkdir(parents=True, exist_ok=True)

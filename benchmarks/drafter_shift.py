@@ -39,6 +39,7 @@ from eagle3.run.journal import Journal
 from eagle3.run.progress import Progress
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner
 from eagle3.evaluate.session import method_specs
+from eagle3.evaluate.stage import resolve_device
 from eagle3.evaluate.speculate import NgramProposer, draft_hits, teacher_forced_drafts
 from eagle3.evaluate.teacher_forced import chain_match_lengths, simulate_chain, simulate_ngram
 from eagle3.target.load import load_model, load_tokenizer, prepare_target
@@ -154,6 +155,7 @@ def replay_only(runners, tokenizer, prompts_file: Path, cfg: RunConfig, out: Pat
     ids = {p.id: i for p, i in load_prompts(list(dict.fromkeys(r.dataset for r in records)), None, tokenizer)}
     deepest = max((m.steps for m in chains), default=1)
     tallies: dict[tuple[str, str], list[int]] = {}  # (dataset or "all", method) -> [committed tokens, rounds]
+    num_prompts = {d: sum(r.dataset == d for r in records) for d in dict.fromkeys(r.dataset for r in records)}
     with Progress(len(records), "chain replays") as bar:
         for r in records:
             seq = [*ids[r.id], *r.greedy.tokens]
@@ -171,8 +173,9 @@ def replay_only(runners, tokenizer, prompts_file: Path, cfg: RunConfig, out: Pat
     for name, value in result.items():
         print(f"replayed_accept_len {name}: {value:.4f}")
     if out is not None:
-        out.write_text(json.dumps({"prompts": len(records), "source": str(prompts_file), "accept_len": result},
-                                  indent=1))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"prompts": len(records), "source": str(prompts_file), "accept_len": result,
+                                   "num_prompts": {**num_prompts, "all": len(records)}}, indent=1))
 
 
 def round_starts(committed: list[int]) -> list[int]:
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--journal", type=Path, help="the regeneration journal (.jsonl)")
     parser.add_argument("--eval-prompts", type=Path, help="an evaluation's prompts.jsonl")
     parser.add_argument("--num-conversations", type=int, default=64, help="per split")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda when visible)")
     parser.add_argument("--replay-only", action="store_true",
                         help="with --eval-prompts: only the chain acceptance replayed on its greedy texts")
     parser.add_argument("--out", type=Path, help="with --replay-only: write the figures here as JSON")
@@ -200,8 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = prepare_target(cfg)
     tokenizer = load_tokenizer(model_dir)
     export_dir = args.export_dir or cfg.run_dir / "export" / "sglang"
-    loaded = load_sglang_export(export_dir, model_dir, args.device, torch.float32)
-    runners = (TargetRunner(load_model(model_dir, "float32", args.device), loaded.aux_layer_ids),
+    device = resolve_device(args.device)
+    loaded = load_sglang_export(export_dir, model_dir, device, torch.float32)
+    runners = (TargetRunner(load_model(model_dir, "float32", device), loaded.aux_layer_ids),
                DrafterRunner(loaded.drafter, loaded.d2t))
     print(f"export: {export_dir}", file=sys.stderr)
     if args.journal:

@@ -1,8 +1,9 @@
 """The data-scaling curve on one GPU, without Prefect: data once, then train, export and evaluate per size.
 
     python3 benchmarks/quality_curve.py PHASE [--preset smollm2-curve] [--sizes 3M,10M,20M] [--set k=v ...]
-    PHASE: data | train-N | export-N | eval-N | size-N (train, export, eval) | sweep[-VARIANT] | report | all
-           (N: 3M, 10M, ...; train-N-VARIANT etc. run one step of a sweep variant at the largest size N)
+    PHASE: data | train-N | export-N | eval-N | replay-N | size-N (train, export, eval) | sweep[-VARIANT] |
+           report | all  (N: 3M, 10M, ...; train-N-VARIANT etc. run one step of a sweep variant at the largest
+           size N; replay-N: chain and n-gram acceptance replayed on greedy texts, seconds instead of a decode)
 
 ``data`` runs every data stage (synthesize, merge, regenerate, tokenize, vocab) in the preset's run
 (runs/<name>). Each size N is its own run, runs/<name>-N, whose data/ and vocab/ are links to that run's and
@@ -214,6 +215,7 @@ class Curve:
     nproc: int = 1
     variant_labels: tuple[str, ...] = ()
     explicit_budgets: frozenset[str] = frozenset()  # phases given --budget-s: the whole budget, nothing added
+    greedy_texts: Path | None = None  # replay: an evaluation's prompts.jsonl (default: the first size's)
 
     def set_args(self) -> list[str]:
         """The overrides as --set arguments."""
@@ -280,15 +282,40 @@ def phase_eval(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     return c.runner("eagle3.evaluate.stage", ["--config", str(c.size_run(size, variant)[1])], c.budgets["eval"])
 
 
+def eval_file(c: Curve, size: Size, name: str, variant: Variant | None = None) -> Path:
+    """runs/<name>-N[-variant]/eval/<name>: where a size's evaluation files are."""
+    base = base_config(c.preset, c.overrides)
+    return base.run_dir.parent / run_name(base.run.name, size, variant) / "eval" / name
+
+
+def greedy_texts(c: Curve) -> Path:
+    """--greedy-texts, else the first size's evaluation prompts.jsonl that exists (every evaluation of the same
+    target and prompts decodes the same greedy texts)."""
+    if c.greedy_texts is not None:
+        return c.greedy_texts
+    for size in c.sizes:
+        if (path := eval_file(c, size, "prompts.jsonl")).is_file():
+            return path
+    raise SystemExit("error: replay needs greedy texts: evaluate one size first, or pass --greedy-texts")
+
+
+def phase_replay(c: Curve, size: Size, variant: Variant | None = None) -> bool:
+    """Chain and n-gram acceptance of the size's exported drafter replayed on greedy texts (no decode):
+    runs/<name>-N/eval/replayed.json, which the report uses for the methods its decode did not measure."""
+    cfg, config = c.size_run(size, variant)
+    return c.runner("benchmarks.drafter_shift", [
+        "--config", str(config), "--set", "evaluate.methods=[chain,ngram]", "--eval-prompts", str(greedy_texts(c)),
+        "--replay-only", "--device", cfg.evaluate.device, "--out", str(eval_file(c, size, "replayed.json", variant))],
+        c.budgets["eval"])
+
+
 def phase_report(c: Curve) -> dict[str, Path]:
     """curve.md, curve.png and curve.json under runs/<name>/curve from every size measured so far."""
     base = base_config(c.preset, c.overrides)
-    def results_of(size: Size, variant: Variant | None = None) -> Path:
-        return base.run_dir.parent / run_name(base.run.name, size, variant) / "eval" / "results.json"
-
-    results = {s.tokens: results_of(s) for s in c.sizes}
-    sweep = {v.label: results_of(c.sizes[-1], v) for v in sweep_variants(base)}
-    outputs = write_curve_report(results, base.run_dir / "curve", sweep)
+    results = {s.tokens: eval_file(c, s, "results.json") for s in c.sizes}
+    replayed = {s.tokens: eval_file(c, s, "replayed.json") for s in c.sizes}
+    sweep = {v.label: eval_file(c, c.sizes[-1], "results.json", v) for v in sweep_variants(base)}
+    outputs = write_curve_report(results, base.run_dir / "curve", sweep, replayed)
     print(outputs["markdown"].read_text())
     return outputs
 
@@ -336,13 +363,13 @@ def run_phase(c: Curve, phase: str) -> bool:
         variants = [c.variant(label)] if label else c.variants()
         per_run = (phase_train, phase_export, phase_eval)
         steps = [lambda f=f, v=v: f(c, c.sizes[-1], v) for v in variants for f in per_run]
-    elif name in ("train", "export", "eval", "size") and label:
+    elif name in ("train", "export", "eval", "replay", "size") and label:
         size_label, _, variant_label = label.partition("-")  # 6.7M or 6.7M-epochs-3 (a sweep variant's run)
         size, variant = c.size(size_label), c.variant(variant_label) if variant_label else None
         if variant is not None and size != c.sizes[-1]:
             raise SystemExit(f"error: the sweep's variants run at the largest size, {c.sizes[-1].label}")
         chosen = ("train", "export", "eval") if name == "size" else (name,)
-        fns = {"train": phase_train, "export": phase_export, "eval": phase_eval}
+        fns = {"train": phase_train, "export": phase_export, "eval": phase_eval, "replay": phase_replay}
         steps = [lambda f=fns[n]: f(c, size, variant) for n in chosen]
     else:
         raise SystemExit(f"error: unknown phase {phase!r}")
@@ -357,8 +384,8 @@ def run_phase(c: Curve, phase: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments and run the phases; exit status 3 when one was cut short."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("phase", help="data | train-N | export-N | eval-N | size-N | sweep | sweep-VARIANT | report "
-                                      "| all | pack-journals DIR | unpack-journals DIR")
+    parser.add_argument("phase", help="data | train-N | export-N | eval-N | replay-N | size-N | sweep | "
+                                      "sweep-VARIANT | report | all | pack-journals DIR | unpack-journals DIR")
     parser.add_argument("folder", nargs="?", type=Path, help="pack-journals / unpack-journals: the folder")
     parser.add_argument("--preset", default=DEFAULT_PRESET)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="token budgets, ascending (e.g. 3M,10M,20M)")
@@ -370,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="", help="sweep: only these variants (comma-separated labels, e.g. "
                                                         "lr-x2,vocab-32768); default all")
     parser.add_argument("--in-process", action="store_true", help="run stages in this process, no budgets")
+    parser.add_argument("--greedy-texts", type=Path, help="replay-N: an evaluation's prompts.jsonl of the same "
+                                                          "target and prompts (default: the first size's)")
     args = parser.parse_args(argv)
     budgets = dict(DEFAULT_BUDGETS_S)
     for item in args.budget_s:
@@ -384,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                   in_process_runner if args.in_process else subprocess_runner,
                   args.ngram_every_size, int(os.environ.get("NPROC", "1")),
                   tuple(v for v in args.variants.split(",") if v),
-                  frozenset(item.partition("=")[0] for item in args.budget_s))
+                  frozenset(item.partition("=")[0] for item in args.budget_s), args.greedy_texts)
     if args.phase in ("pack-journals", "unpack-journals"):
         if args.folder is None:
             raise SystemExit(f"error: {args.phase} needs a folder")

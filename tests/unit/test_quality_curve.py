@@ -52,6 +52,25 @@ def test_curve_report_table_and_flat_ngram(tmp_path):
     assert out["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_curve_report_fills_undecoded_methods_from_replays_and_marks_them(tmp_path):
+    """A size with only a replay file is measured (its figures marked †, no lossless claim); where a size has both,
+    the decoded figure wins and the replay adds only the methods the decode lacked."""
+    def replay(path: Path, accept: dict[str, float]) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"accept_len": {f"{d}/{m}": a for d in ("mtbench", "gsm8k", "all")
+                                                   for m, a in accept.items()},
+                                    "num_prompts": {"mtbench": 1, "gsm8k": 1, "all": 2}}))
+        return path
+    results = {2_000: _fake_results(tmp_path / "s-2K/results.json", {"chain-3-1-4": 1.4}),
+               4_000: tmp_path / "s-4K/results.json", 8_000: tmp_path / "s-8K/results.json"}
+    replayed = {2_000: replay(tmp_path / "s-2K/replayed.json", {"chain-3-1-4": 9.9, "chain-7-1-8": 1.45, "ngram": 1.7}),
+                4_000: replay(tmp_path / "s-4K/replayed.json", {"chain-3-1-4": 1.6, "chain-7-1-8": 1.65})}
+    text = curve_report.write_curve_report(results, tmp_path / "curve", replayed=replayed)["markdown"].read_text()
+    assert "| 2K | 1.400 | 1.450† | 1.700† |" in text and "| 4K | 1.600† | 1.650† | 1.700† |" in text
+    assert "† replayed from an evaluation's greedy texts" in text and "Every decode token-identical" in text
+    assert "Not measured yet: 8K." in text and "9.9" not in text
+
+
 def test_curve_report_tables_the_recipe_sweep_beside_the_largest_size(tmp_path):
     """Variants measured at the largest size get a table: the baseline row first, each variant's acceptance per
     method and its lossless count; variants not measured yet are left out."""
@@ -142,6 +161,13 @@ def test_curve_all_phases_on_the_tiny_target(tmp_path, capsys):
     assert (tmp_path / "tiny-2K/data").resolve() == (tmp_path / "tiny/data").resolve()
     curve = (tmp_path / "tiny/curve/curve.md").read_text()
     assert "| 2K |" in curve and "| 4K |" in curve
+    # replay-4K on the 2K evaluation's greedy texts: the 4K drafter's decoded chain figures without its decode
+    assert quality_curve.main(["replay-4K", *args[1:]]) == 0
+    replayed = json.loads((tmp_path / "tiny-4K/eval/replayed.json").read_text())["accept_len"]
+    decoded = {f"{r['dataset']}/{r['method']}": r["accept_len"] for r in large["results"]}
+    assert decoded and all(replayed[k] == pytest.approx(v) for k, v in decoded.items()), (replayed, decoded)
+    assert replayed["mtbench/ngram"] == pytest.approx(next(r["accept_len"] for r in small["results"]
+                                                           if r["method"] == "ngram" and r["dataset"] == "mtbench"))
     manifests = sorted(tmp_path.glob("tiny*/**/*.manifest.json"))
     stamps = {p: p.stat().st_mtime_ns for p in manifests}
     capsys.readouterr()
