@@ -36,6 +36,10 @@ replaced the plan made from benchmark rates (they were 3-6x too optimistic for r
       start, i.e. ~23 minutes for the 160 prompts; since then (2026-12-02) bf16 with CUDA graphs of the eager
       kernels (compile auto): ~465 s for the 160 prompts, greedy + chain 3 + chain 7 + tree, accept ~1.6
       (Inductor's kernels, compile on, failed to capture in that run: docs/evaluate.md)
+with the ShareGPT file's own answers added (2026-12-02, fifth stretch, journals carried): data 87 s for 14.3M train
+tokens, train 66 s (3M, 184 steps) and 265 s (14.2M, 868 steps, ~97K tok/s) with start-up, export ~6 s, the
+evaluation of greedy + chain 3 + tree 346 s; so ``all --replay-smaller`` (the largest size decoded, the others
+replayed in seconds) fits one stretch, the sweep does not;
 and one epoch was too little: val accept_len_est 1.382 after the one epoch of 2.78M tokens, 1.606 after 400
 steps (~2.4 epochs) of the same data and still rising. So the curve needs data built over several GPU
 stretches (``pack-journals`` carries the generated text back, ~1.5 MB xz per 4,700 records, and
@@ -216,6 +220,7 @@ class Curve:
     variant_labels: tuple[str, ...] = ()
     explicit_budgets: frozenset[str] = frozenset()  # phases given --budget-s: the whole budget, nothing added
     greedy_texts: Path | None = None  # replay: an evaluation's prompts.jsonl (default: the first size's)
+    replay_smaller: bool = False  # all: decode the largest size only (n-gram with it), replay the others
 
     def set_args(self) -> list[str]:
         """The overrides as --set arguments."""
@@ -230,7 +235,8 @@ class Curve:
 
     def size_run(self, size: Size, variant: Variant | None = None) -> tuple[object, Path]:
         """(config, config.json path) of one size's run (or of a recipe variant of it), prepared."""
-        with_ngram = variant is None and (self.ngram_every_size or size == self.sizes[0])
+        first = self.sizes[-1] if self.replay_smaller else self.sizes[0]  # the size whose decode measures n-gram
+        with_ngram = variant is None and (self.ngram_every_size or size == first)
         cfg = size_config(self.preset, self.overrides, size, with_ngram, variant)
         parts = ("data",) if variant and variant.own_vocab else ("data", "vocab")
         return cfg, prepare_size_run(base_config(self.preset, self.overrides), cfg, parts)
@@ -293,7 +299,7 @@ def greedy_texts(c: Curve) -> Path:
     target and prompts decodes the same greedy texts)."""
     if c.greedy_texts is not None:
         return c.greedy_texts
-    for size in c.sizes:
+    for size in (c.sizes[::-1] if c.replay_smaller else c.sizes):
         if (path := eval_file(c, size, "prompts.jsonl")).is_file():
             return path
     raise SystemExit("error: replay needs greedy texts: evaluate one size first, or pass --greedy-texts")
@@ -381,6 +387,15 @@ def run_phase(c: Curve, phase: str) -> bool:
     return True
 
 
+def all_phases(c: Curve) -> list[str]:
+    """What ``all`` runs: data, every size (train, export, eval), the report; with --replay-smaller the largest
+    size is decoded first and the smaller ones replayed on its greedy texts (minutes less per size)."""
+    if not c.replay_smaller:
+        return ["data", *[f"size-{s.label}" for s in c.sizes], "report"]
+    smaller = [f"{step}-{s.label}" for s in c.sizes[:-1] for step in ("train", "export", "replay")]
+    return ["data", f"size-{c.sizes[-1].label}", *smaller, "report"]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments and run the phases; exit status 3 when one was cut short."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -397,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="", help="sweep: only these variants (comma-separated labels, e.g. "
                                                         "lr-x2,vocab-32768); default all")
     parser.add_argument("--in-process", action="store_true", help="run stages in this process, no budgets")
+    parser.add_argument("--replay-smaller", action="store_true",
+                        help="all: decode the largest size only (with n-gram); replay the smaller sizes on its texts")
     parser.add_argument("--greedy-texts", type=Path, help="replay-N: an evaluation's prompts.jsonl of the same "
                                                           "target and prompts (default: the first size's)")
     args = parser.parse_args(argv)
@@ -413,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                   in_process_runner if args.in_process else subprocess_runner,
                   args.ngram_every_size, int(os.environ.get("NPROC", "1")),
                   tuple(v for v in args.variants.split(",") if v),
-                  frozenset(item.partition("=")[0] for item in args.budget_s), args.greedy_texts)
+                  frozenset(item.partition("=")[0] for item in args.budget_s), args.greedy_texts,
+                  args.replay_smaller)
     if args.phase in ("pack-journals", "unpack-journals"):
         if args.folder is None:
             raise SystemExit(f"error: {args.phase} needs a folder")
@@ -422,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             unpack_journals(curve, args.folder)
         return 0
-    phases = (["data", *[f"size-{s.label}" for s in sizes], "report"] if args.phase == "all" else [args.phase])
+    phases = all_phases(curve) if args.phase == "all" else [args.phase]
     for phase in phases:
         if not run_phase(curve, phase):
             if phase != "report" and args.phase == "all":

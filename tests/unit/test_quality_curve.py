@@ -115,6 +115,22 @@ def test_one_step_of_a_sweep_variant_runs_alone(tmp_path):
         quality_curve.run_phase(c, "export-4K-lr-x9")
 
 
+def test_replay_smaller_decodes_the_largest_size_first_with_ngram_and_replays_the_rest(tmp_path):
+    """all --replay-smaller: data, the largest size's train/export/eval (n-gram in its methods), then the smaller
+    sizes trained, exported and replayed on the largest's greedy texts, then the report."""
+    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [quality_curve.Size(2_000), quality_curve.Size(4_000)],
+                            dict(quality_curve.DEFAULT_BUDGETS_S), lambda *a: True, replay_smaller=True)
+    assert quality_curve.all_phases(c) == ["data", "size-4K", "train-2K", "export-2K", "replay-2K", "report"]
+    assert "ngram" in c.size_run(quality_curve.Size(4_000))[0].evaluate.methods
+    assert "ngram" not in c.size_run(quality_curve.Size(2_000))[0].evaluate.methods
+    texts = tmp_path / "tiny-4K/eval/prompts.jsonl"
+    texts.parent.mkdir(parents=True)
+    texts.write_text("")
+    (tmp_path / "tiny-2K/eval").mkdir(parents=True)
+    (tmp_path / "tiny-2K/eval/prompts.jsonl").write_text("")
+    assert quality_curve.greedy_texts(c) == texts  # the largest size's, decoded first
+
+
 def test_token_labels_round_trip():
     """Size labels name the runs; parsing a label gives the budget back."""
     for tokens in (2_000, 500_000, 1_500_000, 3_000_000, 20_000_000):
