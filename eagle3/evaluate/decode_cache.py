@@ -131,9 +131,10 @@ class StaticTargetRunner(TargetRunner):
         self.chunk_fn = CompiledStep(self._forward_rows, chunk_settings(compile_settings), self.device,
                                      "target chunk forward")
         # Its warm-up moves the destinations onto themselves: moving the real rows again would read sources
-        # that the first move overwrote.
+        # that the first move overwrote. A copy, not the same tensor twice: Dynamo guards on which arguments
+        # alias, so aliased warm-up arguments made the capture call compile again, inside the CUDA graph capture.
         self.move_fn = CompiledStep(self._move_rows, compile_settings, self.device, "target cache row move",
-                                    warmup_args=lambda args: (args[1], args[1]))
+                                    warmup_args=lambda args: (args[1].clone(), args[1]))
         self._allocate(_round_up(capacity))
 
     def compiled_steps(self) -> list[CompiledStep]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -145,7 +146,10 @@ class CompiledStep:
                 self._run(*warm)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=_pool()):
+        # The warm-up compiled every guard this call checks; a compile inside the capture would fail obscurely
+        # ("Offset increment outside graph capture", seen on an H200), so a recompile here is an error that names it.
+        stance = torch.compiler.set_stance("fail_on_recompile") if self._compiled is not None else nullcontext()
+        with torch.cuda.graph(graph, pool=_pool()), stance:
             outputs = self._run(*inputs)
         return _Graph(graph, inputs, tuple(outputs))
 

@@ -381,6 +381,24 @@ def test_cache_row_move_warms_up_on_arguments_that_leave_the_cache_unchanged(set
     assert not all(torch.equal(a, b) for a, b in zip(once, _cache_rows(target)))
 
 
+def test_the_row_moves_capture_call_compiles_nothing_its_warm_up_did_not(setup):
+    """Through torch.compile, the call a capture records after the two warm-up calls (on warmup_args) hits their
+    compiled code: a compile there would run inside the CUDA graph capture (Inductor's compile then fails there).
+    Warm-up arguments that alias each other, as the same tensor twice did, recompile at that call."""
+    from torch._dynamo.utils import counters
+
+    target, _ = make_runners(setup["model"], AUX_IDS, setup["drafter"], setup["d2t"], True, COMPILED, 128)
+    target.warm_up_widths()
+    inputs = (torch.tensor([5, 7, 9, 11]), torch.tensor([4, 5, 6, 7]))
+    for warmup_args, recompiles in ((target.move_fn.warmup_args, 0), (lambda a: (a[1], a[1]), 1)):
+        torch._dynamo.reset()
+        for _ in range(2):
+            target.move_fn._run(*warmup_args(inputs))
+        before = counters["stats"]["unique_graphs"]
+        target.move_fn._run(*inputs)
+        assert counters["stats"]["unique_graphs"] - before == recompiles
+
+
 def test_warm_up_runs_the_row_move_at_every_width_and_leaves_an_empty_cache(setup):
     """The warm-up moves rows at the decode width (so no timed tree decode compiles the move) onto themselves."""
     target = StaticTargetRunner(setup["model"], AUX_IDS, capacity=128, decode_rows=16)
