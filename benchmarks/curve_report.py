@@ -143,12 +143,15 @@ def plot_curve(rows: list[CurveRow], out: Path, dataset: str = "all") -> Path:
     return out
 
 
-def read_sweep(sweep: Mapping[str, Path], tokens: int) -> dict[str, list[CurveRow]]:
-    """Rows of every recipe variant measured so far ('all' prompts; each trained on ``tokens``), by label."""
+def read_sweep(sweep: Mapping[str, Path], tokens: int, replayed: Mapping[str, Path] | None = None
+               ) -> dict[str, list[CurveRow]]:
+    """Rows of every recipe variant measured so far ('all' prompts; each trained on ``tokens``), by label;
+    ``replayed``: each variant's replay file, for the methods its decode lacks (or without a decode)."""
     out = {}
     for label, path in sweep.items():
-        if path.is_file():
-            rows, _ = read_rows({tokens: path})
+        replay = (replayed or {}).get(label)
+        rows, missing = read_rows({tokens: path}, {tokens: replay} if replay is not None else None)
+        if not missing:
             out[label] = [r for r in rows if r.dataset == "all"]
     return out
 
@@ -161,23 +164,25 @@ def sweep_markdown(rows: list[CurveRow], variants: Mapping[str, list[CurveRow]],
              "| recipe | " + " | ".join(methods) + " | lossless |", "|---|" + "---:|" * len(methods) + "---|"]
     for label, rs in recipes.items():
         by = {r.method: r for r in rs}
-        cells = [f"{by[m].accept_len:.3f}" if m in by else "-" for m in methods]
+        cells = [_cell(by[m]) if m in by else "-" for m in methods]
         ok = sum(r.lossless_identical for r in rs if r.method != NGRAM and not r.replayed)
         total = sum(r.num_prompts for r in rs if r.method != NGRAM and not r.replayed)
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {ok}/{total} identical |")
+        lossless = f"{ok}/{total} identical" if total else "replayed, no decode"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {lossless} |")
     return "\n".join(lines) + "\n"
 
 
 def write_curve_report(results: Mapping[int, Path], out_dir: Path, sweep: Mapping[str, Path] | None = None,
-                       replayed: Mapping[int, Path] | None = None) -> dict[str, Path]:
+                       replayed: Mapping[int | str, Path] | None = None) -> dict[str, Path]:
     """curve.json, curve.md and (with any measured size) curve.png in ``out_dir``; ``sweep``: each recipe
-    variant's results file (measured at the largest size), tabled when present; ``replayed``: each size's replay
-    file, for the methods its results file lacks."""
+    variant's results file (measured at the largest size), tabled when present; ``replayed``: the replay file of
+    each size (by tokens) and sweep variant (by label), for the methods its results file lacks."""
     from infra.storage import atomic_write_json, atomic_write_text
 
-    rows, missing = read_rows(results, replayed)
+    by_size = {k: v for k, v in (replayed or {}).items() if isinstance(k, int)}
+    rows, missing = read_rows(results, by_size)
     largest = max(results, default=0)
-    variants = read_sweep(sweep or {}, largest)
+    variants = read_sweep(sweep or {}, largest, {k: v for k, v in (replayed or {}).items() if isinstance(k, str)})
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"rows": [asdict(r) for r in rows], "not_measured": missing,
                "sweep": {label: [asdict(r) for r in rs] for label, rs in variants.items()}}

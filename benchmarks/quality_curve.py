@@ -67,7 +67,7 @@ from benchmarks.curve_report import token_label, write_curve_report  # noqa: E40
 
 DEFAULT_PRESET, DEFAULT_SIZES = "smollm2-curve", "3M,10M,20M"
 DEFAULT_BUDGETS_S = {"data": 650.0, "train": 240.0, "export": 90.0, "eval": 500.0}
-"""Seconds per phase (the default train budget: plus N / TRAIN_TOKENS_PER_S s for size N); see the module docstring."""
+"""Seconds per phase (the default train budget plus N / TRAIN_TOKENS_PER_S s for size N); see the module docstring."""
 TRAIN_TOKENS_PER_S = 32_000
 """The online training rate the train budget plans with (~40K tok/s in the trainer's log on the H200, less for safety)."""
 GRACE_S = 90.0
@@ -319,8 +319,10 @@ def phase_report(c: Curve) -> dict[str, Path]:
     """curve.md, curve.png and curve.json under runs/<name>/curve from every size measured so far."""
     base = base_config(c.preset, c.overrides)
     results = {s.tokens: eval_file(c, s, "results.json") for s in c.sizes}
-    replayed = {s.tokens: eval_file(c, s, "replayed.json") for s in c.sizes}
-    sweep = {v.label: eval_file(c, c.sizes[-1], "results.json", v) for v in sweep_variants(base)}
+    replayed: dict[int | str, Path] = {s.tokens: eval_file(c, s, "replayed.json") for s in c.sizes}
+    variants = sweep_variants(base)
+    sweep = {v.label: eval_file(c, c.sizes[-1], "results.json", v) for v in variants}
+    replayed |= {v.label: eval_file(c, c.sizes[-1], "replayed.json", v) for v in variants}
     outputs = write_curve_report(results, base.run_dir / "curve", sweep, replayed)
     print(outputs["markdown"].read_text())
     return outputs
@@ -367,7 +369,7 @@ def run_phase(c: Curve, phase: str) -> bool:
         steps = [lambda: bool(phase_report(c))]
     elif name == "sweep":  # sweep (every variant) or sweep-<variant>, at the largest size
         variants = [c.variant(label)] if label else c.variants()
-        per_run = (phase_train, phase_export, phase_eval)
+        per_run = (phase_train, phase_export, phase_replay if c.replay_smaller else phase_eval)
         steps = [lambda f=f, v=v: f(c, c.sizes[-1], v) for v in variants for f in per_run]
     elif name in ("train", "export", "eval", "replay", "size") and label:
         size_label, _, variant_label = label.partition("-")  # 6.7M or 6.7M-epochs-3 (a sweep variant's run)
@@ -413,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         "lr-x2,vocab-32768); default all")
     parser.add_argument("--in-process", action="store_true", help="run stages in this process, no budgets")
     parser.add_argument("--replay-smaller", action="store_true",
-                        help="all: decode the largest size only (with n-gram); replay the smaller sizes on its texts")
+                        help="all: decode the largest size only (with n-gram), replay the smaller sizes on its texts; "
+                             "sweep: replay the variants")
     parser.add_argument("--greedy-texts", type=Path, help="replay-N: an evaluation's prompts.jsonl of the same "
                                                           "target and prompts (default: the first size's)")
     args = parser.parse_args(argv)
