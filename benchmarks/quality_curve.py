@@ -72,6 +72,8 @@ TRAIN_TOKENS_PER_S = 32_000
 """The online training rate the train budget plans with (~40K tok/s in the trainer's log on the H200, less for safety)."""
 GRACE_S = 90.0
 """After SIGTERM, how long a phase may take to checkpoint and exit before SIGKILL."""
+MIN_PHASE_S = 30.0
+"""Under --deadline-s, a phase is not started with less budget than this."""
 CUT_SHORT = 3
 """Exit status when a phase ran out of its budget (run the same command again to continue)."""
 JOURNALS = ("data/regenerate.journal.jsonl", "data/synthetic")
@@ -221,6 +223,18 @@ class Curve:
     explicit_budgets: frozenset[str] = frozenset()  # phases given --budget-s: the whole budget, nothing added
     greedy_texts: Path | None = None  # replay: an evaluation's prompts.jsonl (default: the first size's)
     replay_smaller: bool = False  # all: decode the largest size only (n-gram with it), replay the others
+    deadline: float | None = None  # time.monotonic() by which every phase has ended (--deadline-s)
+
+    def run(self, module: str, argv: list[str], budget_s: float) -> bool:
+        """The runner within the phase's budget, cut to what --deadline-s leaves (a phase needs MIN_PHASE_S to start;
+        the budget leaves GRACE_S for the SIGTERM exit); False when it was cut short or could not start."""
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic() - GRACE_S
+            if left < MIN_PHASE_S:
+                print(f"deadline: {left + GRACE_S:.0f} s left, not starting {module}", flush=True)
+                return False
+            budget_s = min(budget_s, left)
+        return self.runner(module, argv, budget_s)
 
     def set_args(self) -> list[str]:
         """The overrides as --set arguments."""
@@ -261,31 +275,31 @@ class Curve:
 
 def phase_data(c: Curve) -> bool:
     """Every data stage of the data run."""
-    return c.runner("eagle3.run.stages", ["all", "--preset", c.preset, *c.set_args()], c.budgets["data"])
+    return c.run("eagle3.run.stages", ["all", "--preset", c.preset, *c.set_args()], c.budgets["data"])
 
 
 def phase_train(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     """Online training on the first N tokens (torchrun when NPROC > 1); a variant with its own draft vocab maps
     it first."""
     _, config = c.size_run(size, variant)
-    if variant and variant.own_vocab and not c.runner("eagle3.run.stages", ["vocab", "--config", str(config)],
+    if variant and variant.own_vocab and not c.run("eagle3.run.stages", ["vocab", "--config", str(config)],
                                                       c.budgets["data"]):
         return False
     budget = c.budgets["train"] + (0 if "train" in c.explicit_budgets else size.tokens / TRAIN_TOKENS_PER_S)
     if c.nproc > 1:
-        return c.runner("torch.distributed.run", ["--standalone", f"--nproc-per-node={c.nproc}", "-m", "eagle3.train",
+        return c.run("torch.distributed.run", ["--standalone", f"--nproc-per-node={c.nproc}", "-m", "eagle3.train",
                                                   "--config", str(config)], budget)
-    return c.runner("eagle3.train", ["--config", str(config)], budget)
+    return c.run("eagle3.train", ["--config", str(config)], budget)
 
 
 def phase_export(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     """Both export layouts of the size's selected checkpoint."""
-    return c.runner("eagle3.export.stage", ["--config", str(c.size_run(size, variant)[1])], c.budgets["export"])
+    return c.run("eagle3.export.stage", ["--config", str(c.size_run(size, variant)[1])], c.budgets["export"])
 
 
 def phase_eval(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     """The fixed prompts with every method of the size's config."""
-    return c.runner("eagle3.evaluate.stage", ["--config", str(c.size_run(size, variant)[1])], c.budgets["eval"])
+    return c.run("eagle3.evaluate.stage", ["--config", str(c.size_run(size, variant)[1])], c.budgets["eval"])
 
 
 def eval_file(c: Curve, size: Size, name: str, variant: Variant | None = None) -> Path:
@@ -309,7 +323,7 @@ def phase_replay(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     """Chain and n-gram acceptance of the size's exported drafter replayed on greedy texts (no decode):
     runs/<name>-N/eval/replayed.json, which the report uses for the methods its decode did not measure."""
     cfg, config = c.size_run(size, variant)
-    return c.runner("benchmarks.drafter_shift", [
+    return c.run("benchmarks.drafter_shift", [
         "--config", str(config), "--set", "evaluate.methods=[chain,ngram]", "--eval-prompts", str(greedy_texts(c)),
         "--replay-only", "--device", cfg.evaluate.device, "--out", str(eval_file(c, size, "replayed.json", variant))],
         c.budgets["eval"])
@@ -414,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="", help="sweep: only these variants (comma-separated labels, e.g. "
                                                         "lr-x2,vocab-32768); default all")
     parser.add_argument("--in-process", action="store_true", help="run stages in this process, no budgets")
+    parser.add_argument("--deadline-s", type=float, help="end every phase within this many seconds from now (a GPU "
+                                                         "command's limit); the same command continues later")
     parser.add_argument("--replay-smaller", action="store_true",
                         help="all: decode the largest size only (with n-gram), replay the smaller sizes on its texts; "
                              "sweep: replay the variants")
@@ -434,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                   args.ngram_every_size, int(os.environ.get("NPROC", "1")),
                   tuple(v for v in args.variants.split(",") if v),
                   frozenset(item.partition("=")[0] for item in args.budget_s), args.greedy_texts,
-                  args.replay_smaller)
+                  args.replay_smaller, None if args.deadline_s is None else time.monotonic() + args.deadline_s)
     if args.phase in ("pack-journals", "unpack-journals"):
         if args.folder is None:
             raise SystemExit(f"error: {args.phase} needs a folder")

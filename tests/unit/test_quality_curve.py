@@ -135,6 +135,20 @@ def test_replay_smaller_decodes_the_largest_size_first_with_ngram_and_replays_th
     assert quality_curve.greedy_texts(c) == texts  # the largest size's, decoded first
 
 
+def test_a_deadline_cuts_each_phase_budget_and_starts_nothing_it_cannot_fit(tmp_path, monkeypatch):
+    """--deadline-s: a phase runs with at most the time left minus the SIGTERM grace; with less than
+    MIN_PHASE_S left it is not started and counts as cut short (the same command continues later)."""
+    budgets = []
+    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [quality_curve.Size(2_000)],
+                            dict(quality_curve.DEFAULT_BUDGETS_S), lambda m, a, b: budgets.append(b) or True,
+                            deadline=1_000.0)
+    monkeypatch.setattr(quality_curve.time, "monotonic", lambda: 1_000.0 - 400)
+    assert c.run("m", [], 650.0) and budgets == [400 - quality_curve.GRACE_S]
+    assert c.run("m", [], 90.0) and budgets[-1] == 90.0
+    monkeypatch.setattr(quality_curve.time, "monotonic", lambda: 1_000.0 - quality_curve.GRACE_S - 10)
+    assert not c.run("m", [], 90.0) and len(budgets) == 2
+
+
 def test_token_labels_round_trip():
     """Size labels name the runs; parsing a label gives the budget back."""
     for tokens in (2_000, 500_000, 1_500_000, 3_000_000, 20_000_000):
