@@ -219,11 +219,18 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.gguf")) + sorted(model_dir.glob("*.bin"))
 
 
+WRITER_VERSION_KEY = "transformers_version"
+"""The config.json key naming the transformers version that wrote the folder; not part of a target's identity."""
+
+
 def fingerprint(model_dir: Path) -> str:
     """Cheap identity of a target: config, tokenizer files, chat template, weight names/sizes/headers.
 
     Never hashes the weights themselves (terabytes for large targets); safetensors headers
     carry every tensor's dtype, shape and byte range, which changes with any re-export.
+    config.json's ``transformers_version`` (the library that wrote the folder, not a property of the model)
+    is left out, so a target converted under another transformers version keeps its identity and data
+    generated on one host rebuilds on another.
     """
     model_dir = Path(model_dir).resolve()
     stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(model_dir.iterdir()) if p.is_file())
@@ -233,7 +240,9 @@ def fingerprint(model_dir: Path) -> str:
 @lru_cache(maxsize=16)
 def _fingerprint_cached(model_dir: str, stamp: tuple) -> str:
     base = Path(model_dir)
-    doc: dict[str, Any] = {"config": json.loads((base / "config.json").read_text())}
+    config = json.loads((base / "config.json").read_text())
+    config.pop(WRITER_VERSION_KEY, None)
+    doc: dict[str, Any] = {"config": config}
     doc["tokenizer"] = {n: sha256_file(base / n) for n in TOKENIZER_FILES if (base / n).is_file()}
     doc["weights"] = [
         {"name": p.name, "bytes": p.stat().st_size,

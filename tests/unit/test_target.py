@@ -55,6 +55,21 @@ def test_fingerprint_is_stable_and_tracks_tokenizer_changes(tiny_dir, tmp_path):
     assert fingerprint(copy) != fingerprint(tiny_dir)
 
 
+def test_fingerprint_ignores_the_writing_transformers_version_only(tiny_dir, tmp_path):
+    """A config.json differing only in transformers_version keeps the fingerprint; any other key changes it."""
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dir, copy)
+    cfg_path = copy / "config.json"
+    doc = json.loads(cfg_path.read_text())
+    assert "transformers_version" in doc
+    doc["transformers_version"] = "0.0.1"
+    cfg_path.write_text(json.dumps(doc))
+    assert fingerprint(copy) == fingerprint(tiny_dir)
+    doc["rms_norm_eps"] = 0.5
+    cfg_path.write_text(json.dumps(doc))
+    assert fingerprint(copy) != fingerprint(tiny_dir)
+
+
 def test_read_tensor_through_a_sharded_index_matches_the_model(tiny_dir, tmp_path):
     """Single tensors (and row slices) read through model.safetensors.index.json equal the loaded weights."""
     model = load_model(tiny_dir)
