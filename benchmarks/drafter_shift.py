@@ -110,9 +110,17 @@ def measure_eval(runners, tokenizer, prompts_file: Path, chains: list[MethodSpec
     replay_chains(runners, records, ids, chains)
 
 
+def matched_runs(runners, seq: list[int], deepest: int) -> list[int]:
+    """Each row's run of right drafts (up to ``deepest``) over prompt + greedy text, from one teacher-forced pass."""
+    target, drafter = runners
+    target.reset()
+    aux = target.step(seq).aux  # [L, A*H]
+    target.reset()
+    return chain_match_lengths(drafter.drafter, drafter.d2t, aux, seq, deepest)
+
+
 def replay_chains(runners, records: list[PromptRecord], ids: dict[str, list[int]], chains: list[MethodSpec]) -> None:
     """Per dataset and chain method: acceptance replayed from one teacher-forced pass against the decoded one."""
-    target, drafter = runners
     chains = [m for m in chains if any(m.name in r.methods for r in records)]
     if not chains:
         return
@@ -120,11 +128,7 @@ def replay_chains(runners, records: list[PromptRecord], ids: dict[str, list[int]
     tallies: dict[tuple[str, str], list[int]] = {}  # committed (replayed, decoded), rounds (replayed, decoded), same
     with Progress(len(records), "chain replays") as bar:
         for r in records:
-            seq = [*ids[r.id], *r.greedy.tokens]
-            target.reset()
-            aux = target.step(seq).aux  # [L, A*H]
-            target.reset()
-            matched = chain_match_lengths(drafter.drafter, drafter.d2t, aux, seq, deepest)
+            matched = matched_runs(runners, [*ids[r.id], *r.greedy.tokens], deepest)
             for method in chains:
                 run = r.methods.get(method.name)
                 if run is None:
@@ -149,7 +153,6 @@ def replay_only(runners, tokenizer, prompts_file: Path, cfg: RunConfig, out: Pat
     specs = method_specs(cfg.evaluate)
     chains, ngrams = [m for m in specs if m.kind == "chain"], [m for m in specs if m.kind == "ngram"]
     ngram = NgramProposer(cfg.evaluate.ngram_max, cfg.evaluate.ngram_min, cfg.evaluate.ngram_num_tokens)
-    target, drafter = runners
     records = [PromptRecord.from_json(json.loads(line)) for line in prompts_file.read_text().splitlines()
                if line.strip()]
     ids = {p.id: i for p, i in load_prompts(list(dict.fromkeys(r.dataset for r in records)), None, tokenizer)}
@@ -158,11 +161,7 @@ def replay_only(runners, tokenizer, prompts_file: Path, cfg: RunConfig, out: Pat
     num_prompts = {d: sum(r.dataset == d for r in records) for d in dict.fromkeys(r.dataset for r in records)}
     with Progress(len(records), "chain replays") as bar:
         for r in records:
-            seq = [*ids[r.id], *r.greedy.tokens]
-            target.reset()
-            aux = target.step(seq).aux  # [L, A*H]
-            target.reset()
-            matched = chain_match_lengths(drafter.drafter, drafter.d2t, aux, seq, deepest)
+            matched = matched_runs(runners, [*ids[r.id], *r.greedy.tokens], deepest)
             for method in [*chains, *ngrams]:
                 replayed = (simulate_ngram(ngram, ids[r.id], r.greedy.tokens) if method.kind == "ngram" else
                             simulate_chain(matched, len(ids[r.id]), len(r.greedy.tokens), method.steps))
