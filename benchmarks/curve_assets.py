@@ -17,6 +17,10 @@ and ``eagle3.evaluate.prompts`` find them unchanged; text files travel xz-compre
 once all its chunks have arrived and checks its sha256 (a mismatch is an error naming the file); it prints
 what is still missing. ``--wheels DIR`` adds wheels (e.g. pydantic and gguf for Python 3.12), which the last
 ``unpack`` installs into the site folder with pip (no index, no dependencies).
+For a host with torch and transformers but Python 3.12 and no pydantic or gguf: ``pip download
+--only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl pydantic gguf``, then keep only
+the pydantic, pydantic_core, annotated_types, typing_inspection and gguf wheels (the resolver also fetches numpy and
+others, which would shadow the host's own).
 
 Carry data back the same way: ``pack --file SRC=DEST`` puts any file (a run's journals) in bundles.
 """
