@@ -173,16 +173,16 @@ def sweep_markdown(rows: list[CurveRow], variants: Mapping[str, list[CurveRow]],
 
 
 def write_curve_report(results: Mapping[int, Path], out_dir: Path, sweep: Mapping[str, Path] | None = None,
-                       replayed: Mapping[int | str, Path] | None = None) -> dict[str, Path]:
+                       replayed: Mapping[int, Path] | None = None,
+                       sweep_replayed: Mapping[str, Path] | None = None) -> dict[str, Path]:
     """curve.json, curve.md and (with any measured size) curve.png in ``out_dir``; ``sweep``: each recipe
-    variant's results file (measured at the largest size), tabled when present; ``replayed``: the replay file of
-    each size (by tokens) and sweep variant (by label), for the methods its results file lacks."""
+    variant's results file (measured at the largest size), tabled when present; ``replayed`` (by tokens) and
+    ``sweep_replayed`` (by label): the replay file of each size and variant, for the methods its results lack."""
     from infra.storage import atomic_write_json, atomic_write_text
 
-    by_size = {k: v for k, v in (replayed or {}).items() if isinstance(k, int)}
-    rows, missing = read_rows(results, by_size)
+    rows, missing = read_rows(results, replayed)
     largest = max(results, default=0)
-    variants = read_sweep(sweep or {}, largest, {k: v for k, v in (replayed or {}).items() if isinstance(k, str)})
+    variants = read_sweep(sweep or {}, largest, sweep_replayed)
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"rows": [asdict(r) for r in rows], "not_measured": missing,
                "sweep": {label: [asdict(r) for r in rs] for label, rs in variants.items()}}

@@ -173,7 +173,7 @@ def replay_only(runners, tokenizer, prompts_file: Path, cfg: RunConfig, out: Pat
         print(f"replayed_accept_len {name}: {value:.4f}")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"prompts": len(records), "source": str(prompts_file), "accept_len": result,
+        out.write_text(json.dumps({"source": str(prompts_file), "accept_len": result,
                                    "num_prompts": {**num_prompts, "all": len(records)}}, indent=1))
 
 

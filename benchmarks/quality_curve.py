@@ -236,6 +236,11 @@ class Curve:
             budget_s = min(budget_s, left)
         return self.runner(module, argv, budget_s)
 
+    def decode_order(self) -> list[Size]:
+        """The order ``all`` decodes the sizes in: the first one measures n-gram and its greedy texts serve the
+        replays (largest first with --replay-smaller)."""
+        return self.sizes[::-1] if self.replay_smaller else list(self.sizes)
+
     def set_args(self) -> list[str]:
         """The overrides as --set arguments."""
         return [a for o in self.overrides for a in ("--set", o)]
@@ -249,8 +254,7 @@ class Curve:
 
     def size_run(self, size: Size, variant: Variant | None = None) -> tuple[object, Path]:
         """(config, config.json path) of one size's run (or of a recipe variant of it), prepared."""
-        first = self.sizes[-1] if self.replay_smaller else self.sizes[0]  # the size whose decode measures n-gram
-        with_ngram = variant is None and (self.ngram_every_size or size == first)
+        with_ngram = variant is None and (self.ngram_every_size or size == self.decode_order()[0])
         cfg = size_config(self.preset, self.overrides, size, with_ngram, variant)
         parts = ("data",) if variant and variant.own_vocab else ("data", "vocab")
         return cfg, prepare_size_run(base_config(self.preset, self.overrides), cfg, parts)
@@ -313,7 +317,7 @@ def greedy_texts(c: Curve) -> Path:
     target and prompts decodes the same greedy texts)."""
     if c.greedy_texts is not None:
         return c.greedy_texts
-    for size in (c.sizes[::-1] if c.replay_smaller else c.sizes):
+    for size in c.decode_order():
         if (path := eval_file(c, size, "prompts.jsonl")).is_file():
             return path
     raise SystemExit("error: replay needs greedy texts: evaluate one size first, or pass --greedy-texts")
@@ -333,11 +337,11 @@ def phase_report(c: Curve) -> dict[str, Path]:
     """curve.md, curve.png and curve.json under runs/<name>/curve from every size measured so far."""
     base = base_config(c.preset, c.overrides)
     results = {s.tokens: eval_file(c, s, "results.json") for s in c.sizes}
-    replayed: dict[int | str, Path] = {s.tokens: eval_file(c, s, "replayed.json") for s in c.sizes}
+    replayed = {s.tokens: eval_file(c, s, "replayed.json") for s in c.sizes}
     variants = sweep_variants(base)
     sweep = {v.label: eval_file(c, c.sizes[-1], "results.json", v) for v in variants}
-    replayed |= {v.label: eval_file(c, c.sizes[-1], "replayed.json", v) for v in variants}
-    outputs = write_curve_report(results, base.run_dir / "curve", sweep, replayed)
+    sweep_replayed = {v.label: eval_file(c, c.sizes[-1], "replayed.json", v) for v in variants}
+    outputs = write_curve_report(results, base.run_dir / "curve", sweep, replayed, sweep_replayed)
     print(outputs["markdown"].read_text())
     return outputs
 

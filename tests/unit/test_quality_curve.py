@@ -70,8 +70,8 @@ def test_curve_report_fills_undecoded_methods_from_replays_and_marks_them(tmp_pa
     assert "† replayed from an evaluation's greedy texts" in text and "Every decode token-identical" in text
     assert "Not measured yet: 8K." in text and "9.9" not in text
     sweep = {"lr-x2": tmp_path / "s-8K-lr-x2/results.json"}
-    out = curve_report.write_curve_report(results, tmp_path / "curve2", sweep,
-                                          {**replayed, "lr-x2": replay(tmp_path / "s-8K-lr-x2/r.json", {"chain-3-1-4": 1.8})})
+    out = curve_report.write_curve_report(results, tmp_path / "curve2", sweep, replayed,
+                                          {"lr-x2": replay(tmp_path / "s-8K-lr-x2/r.json", {"chain-3-1-4": 1.8})})
     assert "| lr-x2 | 1.800† | replayed, no decode |" in out["markdown"].read_text()
 
 
