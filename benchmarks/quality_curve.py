@@ -40,6 +40,10 @@ with the ShareGPT file's own answers added (2026-12-02, fifth stretch, journals 
 tokens, train 66 s (3M, 184 steps) and 265 s (14.2M, 868 steps, ~97K tok/s) with start-up, export ~6 s, the
 evaluation of greedy + chain 3 + tree 346 s; so ``all --replay-smaller`` (the largest size decoded, the others
 replayed in seconds) fits one stretch, the sweep does not;
+a bare host with nothing carried but the files (2026-12-03, sixth stretch): data ~790 s over two commands (synthesis
+152 s, regeneration with loops stopped, ~100 s of it compiling shapes per fresh process), train 281 s (14.2M, 868
+steps, ~71 s of it start-up), export 6 s, the evaluation of greedy + chain 3 + chain 7 + tree with compile on 311 s
+(a 65 s warm-up); so a bare host's stretch holds the data and one size, not a sweep;
 and one epoch was too little: val accept_len_est 1.382 after the one epoch of 2.78M tokens, 1.606 after 400
 steps (~2.4 epochs) of the same data and still rising. So the curve needs data built over several GPU
 stretches (``pack-journals`` carries the generated text back, ~1.5 MB xz per 4,700 records, and
