@@ -14,7 +14,8 @@ runs/<name>/curve/{curve.md,curve.png,curve.json} from the sizes' eval/results.j
 ``sweep`` trains, exports and measures recipe variants at the largest size (``sweep_variants``: learning rate x2
 and /2, three times the epochs, twice the draft vocab), each in runs/<name>-<largest>-<variant> (the vocab
 variant maps its own vocab/ from the linked data); the report puts them in a table beside the baseline.
-``all`` does not run the sweep.
+``all`` does not run the sweep. Phases joined by commas (``data,train-14.2M,export-14.2M,eval-14.2M``) run in order
+under one ``--deadline-s``, every name checked first, and stop at the first one cut short.
 
 Every phase skips what its manifests (and the regeneration, synthesis and evaluation journals, and the
 training checkpoints) say is done, and runs under a time budget (``--budget-s phase=seconds``; phases:
@@ -379,36 +380,47 @@ def unpack_journals(c: Curve, folder: Path) -> None:
         tar.extractall(base.run_dir, filter="data")
 
 
-def run_phase(c: Curve, phase: str) -> bool:
-    """One phase by name; False when it was cut short."""
-    t0 = time.monotonic()
-    print(f"== {phase} ==", flush=True)
+def phase_steps(c: Curve, phase: str) -> list[Callable[[], bool]]:
+    """What one phase runs, as steps (each False when cut short); an unknown phase, size or variant is an error
+    here, before anything runs."""
     name, _, label = phase.partition("-")
-    steps: list[Callable[[], bool]]
     if phase == "data":
-        steps = [lambda: phase_data(c)]
-    elif phase == "report":
-        steps = [lambda: bool(phase_report(c))]
-    elif name == "sweep":  # sweep (every variant) or sweep-<variant>, at the largest size
+        return [lambda: phase_data(c)]
+    if phase == "report":
+        return [lambda: bool(phase_report(c))]
+    if name == "sweep":  # sweep (every variant) or sweep-<variant>, at the largest size
         variants = [c.variant(label)] if label else c.variants()
         per_run = (phase_train, phase_export, phase_replay if c.replay_smaller else phase_eval)
-        steps = [lambda f=f, v=v: f(c, c.sizes[-1], v) for v in variants for f in per_run]
-    elif name in ("train", "export", "eval", "replay", "size") and label:
+        return [lambda f=f, v=v: f(c, c.sizes[-1], v) for v in variants for f in per_run]
+    if name in ("train", "export", "eval", "replay", "size") and label:
         size_label, _, variant_label = label.partition("-")  # 6.7M or 6.7M-epochs-3 (a sweep variant's run)
         size, variant = c.size(size_label), c.variant(variant_label) if variant_label else None
         if variant is not None and size != c.sizes[-1]:
             raise SystemExit(f"error: the sweep's variants run at the largest size, {c.sizes[-1].label}")
         chosen = ("train", "export", "eval") if name == "size" else (name,)
         fns = {"train": phase_train, "export": phase_export, "eval": phase_eval, "replay": phase_replay}
-        steps = [lambda f=fns[n]: f(c, size, variant) for n in chosen]
-    else:
-        raise SystemExit(f"error: unknown phase {phase!r}")
+        return [lambda f=fns[n]: f(c, size, variant) for n in chosen]
+    raise SystemExit(f"error: unknown phase {phase!r}")
+
+
+def run_phase(c: Curve, phase: str, steps: list[Callable[[], bool]] | None = None) -> bool:
+    """One phase by name (or its steps, already built); False when it was cut short."""
+    t0 = time.monotonic()
+    steps = phase_steps(c, phase) if steps is None else steps
+    print(f"== {phase} ==", flush=True)
     for step in steps:
         if not step():
             print(f"== {phase} cut short by its budget after {time.monotonic() - t0:.0f} s: run it again ==")
             return False
     print(f"== {phase} took {time.monotonic() - t0:.0f} s ==", flush=True)
     return True
+
+
+def run_phases(c: Curve, phases: list[str]) -> bool:
+    """Phases in order under the one --deadline-s, every name checked before the first runs; stops at the first
+    cut short (False): the same command continues there, the finished ones skipping what their manifests hold."""
+    steps = [phase_steps(c, phase) for phase in phases]
+    return all(run_phase(c, phase, s) for phase, s in zip(phases, steps))
 
 
 def all_phases(c: Curve) -> list[str]:
@@ -424,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the arguments and run the phases; exit status 3 when one was cut short."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("phase", help="data | train-N | export-N | eval-N | replay-N | size-N | sweep | "
-                                      "sweep-VARIANT | report | all | pack-journals DIR | unpack-journals DIR")
+                                      "sweep-VARIANT | report | all | pack-journals DIR | unpack-journals DIR; "
+                                      "several phases comma-separated (data,train-14.2M,...) run in order")
     parser.add_argument("folder", nargs="?", type=Path, help="pack-journals / unpack-journals: the folder")
     parser.add_argument("--preset", default=DEFAULT_PRESET)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="token budgets, ascending (e.g. 3M,10M,20M)")
@@ -467,10 +480,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             unpack_journals(curve, args.folder)
         return 0
-    phases = all_phases(curve) if args.phase == "all" else [args.phase]
-    for phase in phases:
+    if args.phase != "all":
+        return 0 if run_phases(curve, args.phase.split(",")) else CUT_SHORT
+    for phase in all_phases(curve):
         if not run_phase(curve, phase):
-            if phase != "report" and args.phase == "all":
+            if phase != "report":
                 run_phase(curve, "report")  # what is measured so far
             return CUT_SHORT
     return 0

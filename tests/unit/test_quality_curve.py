@@ -119,6 +119,26 @@ def test_one_step_of_a_sweep_variant_runs_alone(tmp_path):
         quality_curve.run_phase(c, "export-4K-lr-x9")
 
 
+def test_a_phase_list_runs_in_order_stops_at_the_first_cut_and_checks_every_name_first(tmp_path):
+    """data,train-N,export-N: in order under one deadline; the first phase cut short ends the list (exit 3), and a
+    bad name anywhere in the list fails before any phase runs."""
+    calls, cut = [], {"eagle3.export.stage"}
+    def runner(module, argv, budget_s):
+        calls.append(module)
+        return module not in cut
+    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [quality_curve.Size(4_000)],
+                            dict(quality_curve.DEFAULT_BUDGETS_S), runner)
+    assert not quality_curve.run_phases(c, ["data", "train-4K", "export-4K", "eval-4K"])
+    assert calls == ["eagle3.run.stages", "eagle3.train", "eagle3.export.stage"]
+    cut.clear()
+    assert quality_curve.run_phases(c, ["export-4K", "eval-4K"]) and calls[3:] == ["eagle3.export.stage",
+                                                                                    "eagle3.evaluate.stage"]
+    for bad, message in (("train-9K", "not in --sizes"), ("eval-4K-lr-x9", "no variant"), ("capture", "unknown phase")):
+        with pytest.raises(SystemExit, match=message):
+            quality_curve.run_phases(c, ["data", bad])
+    assert len(calls) == 5
+
+
 def test_replay_smaller_decodes_the_largest_size_first_with_ngram_and_replays_the_rest(tmp_path):
     """all --replay-smaller: data, the largest size's train/export/eval (n-gram in its methods), then the smaller
     sizes trained, exported and replayed on the largest's greedy texts, then the report."""
