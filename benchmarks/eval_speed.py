@@ -13,8 +13,9 @@ accepts them and the accepted-row paths (drafter extends, tree row moves) run. P
 the warm-up (compile or capture) time of each forward width, greedy tok/s of the eager path, of the static
 path at ``--decode-rows`` (what the evaluation's reference runs) and at width 1 (the padding's cost), ms per
 target forward, ms per verify round per method, and how many outputs are token-identical to the static greedy
-reference (the evaluation's lossless check) and to the eager one. Needs torch, transformers, pydantic and
-pyyaml only.
+reference (the evaluation's lossless check) and to the eager one. The static path runs the target with its
+q/k/v and gate/up products fused, as the evaluation does (``--unfused``: separate). Needs torch, transformers,
+pydantic and pyyaml only.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle3.evaluate.decode_cache import WIDTHS, StaticDrafterRunner, StaticTargetRunner  # noqa: E402
+from eagle3.evaluate.decode_cache import StaticDrafterRunner, StaticTargetRunner  # noqa: E402
+from eagle3.evaluate.fused_projections import fuse_projections  # noqa: E402
 from eagle3.evaluate.graphs import resolve_decode  # noqa: E402
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights  # noqa: E402
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner  # noqa: E402
@@ -104,7 +106,7 @@ def warm_widths(target: StaticTargetRunner, runner: StaticDrafterRunner) -> None
              for w in target.widths]
     calls += [("drafter", w, lambda w=w: runner.extend(
         torch.zeros(w, dims.num_aux * dims.target_hidden_size, device=runner.device),
-        torch.zeros(w, dtype=torch.long, device=runner.device), 0)) for w in WIDTHS]
+        torch.zeros(w, dtype=torch.long, device=runner.device), 0)) for w in runner.widths]
     for name, width, call in calls:
         start = time.perf_counter()
         for _ in range(2):  # the first call allocates, compiles or captures
@@ -169,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
                              "its longest prompt, e.g. ~1,400 for the 160 prompts of smollm2-quality)")
     parser.add_argument("--gathered-keys", action="store_true",
                         help="evaluate.decode_keys=gathered: each row's keys gathered in sequence order")
+    parser.add_argument("--unfused", action="store_true",
+                        help="keep the target's q/k/v and gate/up products separate (evaluate.fuse_projections=false)")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, print torch.profiler tables (host and device time per op) of one "
                              "chain-3-oracle and one tree-5-4-8-oracle decode: where a round's time goes")
@@ -189,9 +193,11 @@ def main(argv: list[str] | None = None) -> None:
     eager_s, reference = timed(lambda: greedy_decode(eager, prompt, n), 1 if device == "cuda" else args.repeats)
     print(f"greedy_eager_tok_s: {n / eager_s:.1f}")
 
+    if not args.unfused:  # as the evaluation's static path (after the eager reference: that one stays unfused)
+        print(f"fused_projections: {fuse_projections(model)}")
     target = StaticTargetRunner(model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=rows,
                                 gathered_keys=args.gathered_keys)
-    runner = StaticDrafterRunner(drafter, d2t, capacity=capacity, compile_settings=settings)
+    runner = StaticDrafterRunner(drafter, d2t, capacity=capacity, compile_settings=settings, decode_rows=rows)
     start = time.perf_counter()
     warm_widths(target, runner)
     print(f"warmup_total_s: {time.perf_counter() - start:.1f}")

@@ -63,7 +63,7 @@ def bucket(num: int, widths: Sequence[int] | None = None) -> int:
 
 
 def target_widths(decode_rows: int | None) -> tuple[int, ...]:
-    """The target's forward widths: WIDTHS, or ``decode_rows`` for everything up to it and CHUNK for chunks."""
+    """Decode forward widths (target, drafter extends): WIDTHS, or ``decode_rows`` up to it and CHUNK for chunks."""
     if decode_rows is None:
         return WIDTHS
     if not 1 <= decode_rows <= CHUNK:
@@ -284,10 +284,13 @@ class StaticDrafterRunner(DrafterRunner):
     """
 
     def __init__(self, drafter: Eagle3Drafter, d2t: Tensor, capacity: int = 1024,
-                 compile_settings: CompileSettings = CompileSettings()) -> None:
+                 compile_settings: CompileSettings = CompileSettings(), decode_rows: int | None = None) -> None:
         super().__init__(drafter, d2t)
         self._num_entries = 0  # committed + the current round's draft entries
         self._rows = torch.arange(CHUNK, device=self.device)
+        # Extends (a verify's accepted rows) at the target's one decode width: one compile instead of one per
+        # width (Inductor spends seconds on each); a drafter row's rounding never touches losslessness.
+        self.widths = target_widths(decode_rows)
         self.capacity = 0
         if compile_settings.enabled:  # weights are read through a tuple: tell dynamo they never move
             for t in (*self.weights, self.inv_freq):
@@ -407,7 +410,7 @@ class StaticDrafterRunner(DrafterRunner):
         outs = []
         for first in range(0, len(tokens), CHUNK):
             n = min(CHUNK, len(tokens) - first)
-            width, at = bucket(n), start + first
+            width, at = bucket(n, self.widths), start + first
             self._reserve(at + width)
             write = self._rows[:width] + at  # positions = indices; padding rows continue
             visible = self._key_index[None, :] <= write[:, None]  # causal [w, L]
@@ -418,7 +421,7 @@ class StaticDrafterRunner(DrafterRunner):
     def warm_up_widths(self) -> None:
         """One forward at every width (compiling each), then an empty cache."""
         dims = self.drafter.dims
-        for width in WIDTHS:
+        for width in self.widths:
             self.reset()
             aux = torch.zeros(width, dims.num_aux * dims.target_hidden_size, device=self.device)
             self.extend(aux, torch.zeros(width, dtype=torch.long, device=self.device), 0)
@@ -450,5 +453,5 @@ def make_runners(model: Any, aux_layer_ids: Sequence[int], drafter: Eagle3Drafte
             raise ValueError("compiled decoding needs the static cache")
         return TargetRunner(model, aux_layer_ids), None if drafter is None else DrafterRunner(drafter, d2t)
     target = StaticTargetRunner(model, aux_layer_ids, capacity, compile_settings, decode_rows, gathered_keys)
-    runner = None if drafter is None else StaticDrafterRunner(drafter, d2t, capacity, compile_settings)
+    runner = None if drafter is None else StaticDrafterRunner(drafter, d2t, capacity, compile_settings, decode_rows)
     return target, runner

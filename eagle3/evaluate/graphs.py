@@ -19,6 +19,7 @@ stay valid past the next replay and every graph can share one memory pool.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -83,6 +84,8 @@ class CompiledStep:
         self.fallback_reason: str | None = None  # why compiling or capturing failed, once it fell back to eager
         self._compiled: Any = None
         self._graphs: dict[tuple, _Graph] = {}
+        self._seen: set[tuple] = set()  # argument shapes run at least once (compiled, without graphs)
+        self.setup_s: dict[str, float] = {}  # "16x576" (first argument's shape) -> seconds compiling, capturing
         self.use_graphs = settings.graphs and self.cuda
         if settings.enabled:
             raise_recompile_limit(RECOMPILE_LIMIT)
@@ -105,10 +108,22 @@ class CompiledStep:
     def _run(self, *args: Tensor) -> tuple[Tensor, ...]:
         return (self._compiled or self.fn)(*args)
 
+    def _first_call(self, key: tuple, args: tuple[Tensor, ...], call: Callable[[], Any]) -> Any:
+        """call(), its seconds added to setup_s under the shape of ``args`` (a warm-up's cost, per step)."""
+        start = time.perf_counter()
+        out = call()
+        label = shape_label(args)
+        self.setup_s[label] = self.setup_s.get(label, 0.0) + time.perf_counter() - start
+        self._seen.add(key)
+        return out
+
     def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
         try:
             if self.use_graphs:
                 return self._replay(args)
+            key = tuple((a.shape, a.dtype) for a in args)
+            if self._compiled is not None and key not in self._seen:
+                return self._first_call(key, args, lambda: self._run(*args))
             return self._run(*args)
         except Exception as err:  # compile and capture errors surface at the first call of each shape
             if not self.settings.fallback or (self._compiled is None and not self.use_graphs):
@@ -126,7 +141,7 @@ class CompiledStep:
         key = tuple((a.shape, a.dtype) for a in args)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(args)
+            entry = self._graphs[key] = self._first_call(key, args, lambda: self._capture(args))
         for buffer, arg in zip(entry.inputs, args):
             buffer.copy_(arg)
         entry.graph.replay()
@@ -152,6 +167,18 @@ class CompiledStep:
         with torch.cuda.graph(graph, pool=_pool()), stance:
             outputs = self._run(*inputs)
         return _Graph(graph, inputs, tuple(outputs))
+
+
+def shape_label(args: tuple[Tensor, ...]) -> str:
+    """'16x576' when the first argument is [16, 576]: its width names a call in the warm-up timings."""
+    return "x".join(str(d) for d in args[0].shape) if args else "no arguments"
+
+
+def warmup_summary(steps: Iterable[CompiledStep]) -> str:
+    """'target forward (16) 31.2 s; ...': the compile and capture seconds of every step and shape, slowest
+    first (where a warm-up's time goes)."""
+    rows = [(s, step.name, label) for step in steps for label, s in step.setup_s.items()]
+    return "; ".join(f"{name} ({label}) {s:.1f} s" for s, name, label in sorted(rows, key=lambda r: -r[0]))
 
 
 def chunk_settings(settings: CompileSettings) -> CompileSettings:

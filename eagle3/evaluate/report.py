@@ -90,8 +90,10 @@ def _kernels_line(settings: EvalSettings) -> str:
     rows = settings.evaluate.get("decode_rows")
     if not isinstance(rows, int):
         return ""
+    fused = (" Each target layer's q/k/v and gate/up products ran fused (one product each)."
+             if settings.evaluate.get("fuse_projections") else "")
     return (f" Static path: every decode forward {rows} rows wide, greedy included, so speedups are against a "
-            f"greedy that pays that padding too (docs/evaluate.md measures its cost).")
+            f"greedy that pays that padding too (docs/evaluate.md measures its cost).{fused}")
 
 
 def report_markdown(rows: Sequence[SummaryRow], settings: EvalSettings) -> str:

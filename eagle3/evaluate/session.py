@@ -76,6 +76,7 @@ def open_session(job: EvalJob) -> EvalSession:
     import torch
 
     from eagle3.evaluate.decode_cache import make_runners
+    from eagle3.evaluate.fused_projections import fuse_projections
     from eagle3.evaluate.graphs import resolve_decode
     from eagle3.export.sglang import load_sglang_export
     from eagle3.target.load import load_model
@@ -84,6 +85,8 @@ def open_session(job: EvalJob) -> EvalSession:
     loaded = load_sglang_export(Path(job.export_dir), Path(job.model_dir), job.device, getattr(torch, ecfg.dtype))
     model = load_model(Path(job.model_dir), ecfg.dtype, job.device)
     static, settings = resolve_decode(ecfg.static_cache, ecfg.compile, job.device)
+    if static and ecfg.fuse_projections:
+        fuse_projections(model)
     target, runner = make_runners(model, loaded.aux_layer_ids, loaded.drafter, loaded.d2t, static, settings,
                                   job.cache_len, ecfg.decode_rows, ecfg.decode_keys == "gathered")
     proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, loaded.d2t, runner) for s in method_specs(ecfg)}
@@ -91,13 +94,19 @@ def open_session(job: EvalJob) -> EvalSession:
 
 
 def ready_session(job: EvalJob, warmup_ids: list[int]) -> EvalSession:
-    """open_session then warm_up, each timed on stderr (an evaluation's start, which no decode time includes)."""
+    """open_session then warm_up, each timed on stderr (an evaluation's start, which no decode time includes),
+    with the compile and capture seconds of every step."""
+    from eagle3.evaluate.graphs import warmup_summary
+
     start = time.perf_counter()
     session = open_session(job)
     loaded = time.perf_counter()
     warm_up(session, warmup_ids)
     print(f"evaluate: target and drafter loaded in {loaded - start:.1f} s, warm-up (every forward width and "
           f"method compiled or captured) {time.perf_counter() - loaded:.1f} s", file=sys.stderr, flush=True)
+    summary = warmup_summary([*session.target.compiled_steps(), *session.drafter.compiled_steps()])
+    if summary:
+        print(f"evaluate: warm-up by step: {summary}", file=sys.stderr, flush=True)
     return session
 
 

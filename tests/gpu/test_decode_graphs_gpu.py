@@ -89,3 +89,30 @@ def test_gathered_keys_make_a_cuda_bf16_tree_verify_compute_the_chains_logits_bi
         differing[gathered] = tree_rows_unlike_the_chain(target, prompts)
     print(f"tree rows whose logits differ from the chain's: masked {differing[False]}, gathered {differing[True]}")
     assert differing[True] == 0
+
+
+def test_inductor_graphs_with_fused_projections_and_gathered_keys_equal_greedy_in_bf16():
+    """The GPU presets' evaluation path (compile=on: Inductor's kernels in CUDA graphs; q/k/v and gate/up fused;
+    gathered keys; one 8-row decode width): chain, tree, n-gram and a perfect drafter give greedy's tokens in
+    bf16, and no step fell back to eager kernels (the warm-up's seconds per step are printed)."""
+    from eagle3.evaluate.fused_projections import fuse_projections
+    from eagle3.evaluate.graphs import fallbacks, warmup_summary
+
+    model, drafter, d2t, prompts = _setup(torch.bfloat16)
+    assert fuse_projections(model) > 0
+    static, settings = resolve_decode("auto", "on", "cuda")
+    assert settings.enabled and settings.graphs
+    target, runner = make_runners(model, AUX_IDS, drafter, d2t, static, settings, 256, decode_rows=8,
+                                  gathered_keys=True)
+    target.warm_up_widths()
+    runner.warm_up_widths()
+    methods = {"chain": EagleProposer(drafter, d2t, 3, runner=runner),
+               "tree": EagleProposer(drafter, d2t, 3, 3, 7, runner=runner), "ngram": NgramProposer()}
+    for prompt in prompts:
+        ref = greedy_decode(target, prompt, MAX_NEW)
+        cases = {**methods, "oracle": FakeOracleProposer(prompt, ref.tokens, 4, tree=True)}
+        for name, proposer in cases.items():
+            assert speculative_decode(target, proposer, prompt, MAX_NEW).tokens == ref.tokens, name
+    steps = [*target.compiled_steps(), *runner.compiled_steps()]
+    print(f"warm-up by step: {warmup_summary(steps)}")
+    assert fallbacks(steps) == {}

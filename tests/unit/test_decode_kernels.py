@@ -1,0 +1,123 @@
+"""Fewer kernels per decode forward and fewer compiles in the evaluation's warm-up: fused q/k/v and gate/up
+products (eagle3/evaluate/fused_projections.py), the drafter's extends at the target's one decode width, and the
+seconds each compiled step spent per shape (eagle3/evaluate/graphs.py), printed so a slow warm-up says where it went."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from eagle3.evaluate.decode_cache import CHUNK, StaticTargetRunner, make_runners
+from eagle3.evaluate.fused_projections import FusedGateUpMLP, FusedProjection, ProjectionPart, fuse_projections
+from eagle3.evaluate.graphs import CompiledStep, CompileSettings, warmup_summary
+from eagle3.evaluate.runners import TargetRunner
+from eagle3.evaluate.speculate import EagleProposer, greedy_decode, speculative_decode
+from tests.unit.test_decode_cache import COMPILED, setup  # noqa: F401  (the module fixture)
+from tests.unit.test_speculate import AUX_IDS, MAX_NEW, FakeOracleProposer
+
+
+def test_with_decode_rows_the_drafter_extends_at_that_one_width_and_decodes_stay_lossless(setup):  # noqa: F811
+    """decode_rows=8: every drafter extend after a verify (1..5 accepted rows here) runs 8 rows wide, the warm-up
+    runs the drafter at 8 and CHUNK only, and chains (drafted and perfect) still give greedy's tokens."""
+    target, runner = make_runners(setup["model"], AUX_IDS, setup["drafter"], setup["d2t"], True, CompileSettings(),
+                                  128, decode_rows=8)
+    widths: list[int] = []
+    inner = runner.step_fn.fn
+    runner.step_fn.fn = lambda hidden, *rest: widths.append(len(hidden)) or inner(hidden, *rest)
+    runner.warm_up_widths()
+    assert widths == [8] and runner.widths == (8, CHUNK)
+    widths.clear()
+    for prompt in setup["prompts"]:
+        ref = greedy_decode(target, prompt, MAX_NEW)
+        for proposer in (EagleProposer(setup["drafter"], setup["d2t"], steps=3, runner=runner),
+                         FakeOracleProposer(prompt, ref.tokens, 4)):
+            out = speculative_decode(target, proposer, prompt, MAX_NEW)
+            assert out.tokens == ref.tokens
+    assert widths and set(widths) == {8}  # the prompts' extends are CHUNK rows: the chunk step, not this one
+
+
+def test_compiled_steps_time_each_new_shape_once_and_the_summary_lists_them_slowest_first():
+    """A compiled step records seconds for the first call of each argument shape only (later calls add nothing),
+    and the summary names step and shape of every entry, slowest first."""
+    step = CompiledStep(lambda x: (x * 2,), COMPILED, torch.device("cpu"), "test step")
+    for n in (3, 5, 3, 5, 5):
+        step(torch.ones(n))
+    assert sorted(step.setup_s) == ["3", "5"] and all(s > 0 for s in step.setup_s.values())
+    before = dict(step.setup_s)
+    step(torch.ones(3))
+    assert step.setup_s == before
+    other = CompiledStep(lambda x: (x + 1,), COMPILED, torch.device("cpu"), "other step")
+    step.setup_s, other.setup_s = {"3": 1.25, "5": 0.5}, {"2x4": 7.0}
+    assert warmup_summary([step, other]) == "other step (2x4) 7.0 s; test step (3) 1.2 s; test step (5) 0.5 s"
+    eager = CompiledStep(lambda x: (x,), CompileSettings(), torch.device("cpu"), "eager step")
+    eager(torch.ones(2))
+    assert eager.setup_s == {} and warmup_summary([eager]) == ""  # nothing compiled: nothing to report
+
+
+def _params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_fused_projections_compute_the_unfused_logits_and_decode_greedys_tokens(setup):  # noqa: F811
+    """Every Llama layer gets one q/k/v and one gate/up product, the weights are counted once (no parameter added
+    or lost), the logits equal the unfused model's (float64, to rounding), also through Dynamo with no graph break,
+    and the static decodes, fused, give the unfused eager greedy's tokens (drafts and perfect drafts)."""
+    from torch._dynamo.utils import counters
+
+    model = copy.deepcopy(setup["model"])
+    layers = len(model.model.layers)
+    assert fuse_projections(model) == 2 * layers and _params(model) == _params(setup["model"])
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, FusedProjection) and isinstance(attn.v_proj, ProjectionPart)
+    assert isinstance(model.model.layers[0].mlp, FusedGateUpMLP)
+    ids = torch.tensor([setup["prompts"][0]])
+    with torch.no_grad():
+        plain = setup["model"](input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, plain, rtol=1e-12, atol=1e-12)
+        counters.clear()
+        compiled = torch.compile(lambda x: model(input_ids=x).logits, backend="eager")
+        torch.testing.assert_close(compiled(ids), plain, rtol=1e-12, atol=1e-12)
+    assert not counters["graph_break"]
+    target, runner = make_runners(model, AUX_IDS, setup["drafter"], setup["d2t"], True, CompileSettings(), 128,
+                                  decode_rows=8)
+    for prompt, ref in zip(setup["prompts"], setup["refs"]):
+        assert greedy_decode(target, prompt, MAX_NEW).tokens == ref.tokens
+        for proposer in (EagleProposer(setup["drafter"], setup["d2t"], steps=3, runner=runner),
+                         EagleProposer(setup["drafter"], setup["d2t"], steps=3, topk=3, num_draft_tokens=7,
+                                       runner=runner),
+                         FakeOracleProposer(prompt, ref.tokens, 4, tree=True)):
+            assert speculative_decode(target, proposer, prompt, MAX_NEW).tokens == ref.tokens
+
+
+def test_a_later_projection_called_on_another_input_computes_its_own_slice():
+    """k_proj on an input the fused product has not seen (a caller that does not run q first) still gives k(x)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.nn.Linear(8, n, bias=True, dtype=torch.float64) for n in (8, 4, 4))
+    fused = FusedProjection([q, k, v])
+    x, other = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), q(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ProjectionPart(fused, 1)(x), k(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ProjectionPart(fused, 2)(other), v(other), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("architecture", ["deepseek_v3", "qwen3"])
+def test_fusion_leaves_mla_attention_and_moe_experts_alone_and_keeps_greedy(architecture):
+    """DeepSeek-V3 (MLA attention, MoE layers): only its dense MLPs fuse; Qwen3 (q/k norms): q/k/v and gate/up
+    fuse. The static greedy of the fused model equals the unfused eager greedy on both."""
+    from eagle3.config import TinyTargetConfig
+    from eagle3.target import tiny
+
+    tok = tiny.build_tiny_tokenizer()
+    model = tiny.build_tiny_model(tok, TinyTargetConfig(architecture=architecture), seed=0).eval()
+    prompt = list(range(5, 30))
+    ref = greedy_decode(TargetRunner(model, [1]), prompt, 24).tokens
+    fused = copy.deepcopy(model)
+    count = fuse_projections(fused)
+    mlps = [type(layer.mlp).__name__ for layer in model.model.layers]
+    expected = mlps.count("DeepseekV3MLP") if architecture == "deepseek_v3" else 2 * len(mlps)
+    assert count == expected and count > 0 and _params(fused) == _params(model)
+    target = StaticTargetRunner(fused, [1], 128, CompileSettings(), decode_rows=16)
+    assert greedy_decode(target, prompt, 24).tokens == ref
