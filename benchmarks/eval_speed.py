@@ -13,8 +13,8 @@ accepts them and the accepted-row paths (drafter extends, tree row moves) run. P
 the warm-up (compile or capture) time of each forward width, greedy tok/s of the eager path, of the static
 path at ``--decode-rows`` (what the evaluation's reference runs) and at width 1 (the padding's cost), ms per
 target forward, ms per verify round per method, and how many outputs are token-identical to the static greedy
-reference (the evaluation's lossless check) and to the eager one. The static path runs the target with its
-q/k/v and gate/up products fused, as the evaluation does (``--unfused``: separate). Needs torch, transformers,
+reference (the evaluation's lossless check) and to the eager one. ``--fused``: the static path runs the
+target with its MLPs' gate and up products fused (evaluate.fuse_projections). Needs torch, transformers,
 pydantic and pyyaml only.
 """
 
@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> None:
                              "its longest prompt, e.g. ~1,400 for the 160 prompts of smollm2-quality)")
     parser.add_argument("--gathered-keys", action="store_true",
                         help="evaluate.decode_keys=gathered: each row's keys gathered in sequence order")
-    parser.add_argument("--unfused", action="store_true",
-                        help="keep the target's q/k/v and gate/up products separate (evaluate.fuse_projections=false)")
+    parser.add_argument("--fused", action="store_true",
+                        help="static path: the target's MLP gate and up products fused (evaluate.fuse_projections)")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, print torch.profiler tables (host and device time per op) of one "
                              "chain-3-oracle and one tree-5-4-8-oracle decode: where a round's time goes")
@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     eager_s, reference = timed(lambda: greedy_decode(eager, prompt, n), 1 if device == "cuda" else args.repeats)
     print(f"greedy_eager_tok_s: {n / eager_s:.1f}")
 
-    if not args.unfused:  # as the evaluation's static path (after the eager reference: that one stays unfused)
-        print(f"fused_projections: {fuse_projections(model)}")
+    if args.fused:  # after the eager reference, which stays unfused
+        print(f"fused_mlps: {fuse_projections(model)}")
     target = StaticTargetRunner(model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=rows,
                                 gathered_keys=args.gathered_keys)
     runner = StaticDrafterRunner(drafter, d2t, capacity=capacity, compile_settings=settings, decode_rows=rows)

@@ -230,8 +230,8 @@ class EvaluateConfig(Section):
     """Static path: rows of every target decode forward (bit-exact chains in bf16); auto = 16 in bf16/fp16 or gathered, else none."""
     decode_keys: Literal["masked", "gathered"] = "masked"
     """Static path: masked cache, or each row's keys gathered in order (trees equal greedy bit for bit); masked without it."""
-    fuse_projections: bool = True
-    """Static path: each target layer's q/k/v and gate/up as one product each (fewer kernels; rounding differs only)."""
+    fuse_projections: bool = False
+    """Static path: each target MLP's gate and up as one product (one kernel fewer per layer; rounding differs only)."""
     near_tie_logit_gap: float = Field(1e-3, ge=0)
     """A differing token within this logit gap of the reference's top-1 is a numerical near-tie, not a bug."""
 

@@ -42,7 +42,7 @@ from transformers.cache_utils import StaticLayer
 
 from eagle3.drafter.model import Eagle3Drafter, attention_inputs, rope_cos_sin, step_outputs, upcast
 from eagle3.evaluate.gathered import key_order, use_gathered_attention
-from eagle3.evaluate.graphs import CompiledStep, CompileSettings, chunk_settings
+from eagle3.evaluate.graphs import CompiledStep, CompileSettings, eager_graph_settings
 from eagle3.evaluate.runners import REFERENCE_TOPK, DrafterRunner, StepOut, TargetRunner, as_token_tensor
 
 CHUNK = 64
@@ -128,13 +128,15 @@ class StaticTargetRunner(TargetRunner):
         self.cache = self._key_index = None  # type: ignore[assignment]
         decode = self._forward_gathered if gathered_keys else self._forward_rows
         self.step_fn = CompiledStep(decode, compile_settings, self.device, "target forward")
-        self.chunk_fn = CompiledStep(self._forward_rows, chunk_settings(compile_settings), self.device,
+        self.chunk_fn = CompiledStep(self._forward_rows, eager_graph_settings(compile_settings), self.device,
                                      "target chunk forward")
         # Its warm-up moves the destinations onto themselves: moving the real rows again would read sources
         # that the first move overwrote. A copy, not the same tensor twice: Dynamo guards on which arguments
         # alias, so aliased warm-up arguments made the capture call compile again, inside the CUDA graph capture.
-        self.move_fn = CompiledStep(self._move_rows, compile_settings, self.device, "target cache row move",
-                                    warmup_args=lambda args: (args[1].clone(), args[1]))
+        # With graphs, a graph of the eager copies: Inductor took 11.6 s to compile this move on an H200, for a
+        # call that copies a few rows per layer and runs only after a tree accepts a branch behind a sibling.
+        self.move_fn = CompiledStep(self._move_rows, eager_graph_settings(compile_settings), self.device,
+                                    "target cache row move", warmup_args=lambda args: (args[1].clone(), args[1]))
         self._allocate(_round_up(capacity))
 
     def compiled_steps(self) -> list[CompiledStep]:
@@ -296,7 +298,7 @@ class StaticDrafterRunner(DrafterRunner):
             for t in (*self.weights, self.inv_freq):
                 torch._dynamo.mark_static_address(t)
         self.step_fn = CompiledStep(self._rows_step, compile_settings, self.device, "drafter forward")
-        self.chunk_fn = CompiledStep(self._rows_step, chunk_settings(compile_settings), self.device,
+        self.chunk_fn = CompiledStep(self._rows_step, eager_graph_settings(compile_settings), self.device,
                                      "drafter chunk forward")  # every forward of CHUNK rows
         self._settings = compile_settings
         self._rounds: dict[tuple, CompiledStep] = {}  # ("chain", steps) | ("tree", steps, topk, size) -> its round

@@ -181,9 +181,10 @@ def warmup_summary(steps: Iterable[CompiledStep]) -> str:
     return "; ".join(f"{name} ({label}) {s:.1f} s" for s, name, label in sorted(rows, key=lambda r: -r[0]))
 
 
-def chunk_settings(settings: CompileSettings) -> CompileSettings:
-    """Settings for forwards of a prompt's chunks, which run once per decode: with graphs, a graph of the eager
-    kernels is worth more than Inductor's compile of that width (~23 s on an H200 for SmolLM2-135M's target)."""
+def eager_graph_settings(settings: CompileSettings) -> CompileSettings:
+    """Settings for calls that run rarely or do little (a prompt's chunks, once per decode; a tree's row move):
+    with graphs, a graph of the eager kernels is worth more than Inductor's compile of them (on an H200 with
+    SmolLM2-135M: ~23 s for the chunk width, 11.6 s for the row move)."""
     return replace(settings, enabled=False) if settings.graphs else settings
 
 

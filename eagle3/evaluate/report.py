@@ -90,7 +90,7 @@ def _kernels_line(settings: EvalSettings) -> str:
     rows = settings.evaluate.get("decode_rows")
     if not isinstance(rows, int):
         return ""
-    fused = (" Each target layer's q/k/v and gate/up products ran fused (one product each)."
+    fused = (" Each target MLP's gate and up products ran fused (one product)."
              if settings.evaluate.get("fuse_projections") else "")
     return (f" Static path: every decode forward {rows} rows wide, greedy included, so speedups are against a "
             f"greedy that pays that padding too (docs/evaluate.md measures its cost).{fused}")

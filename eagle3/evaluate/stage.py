@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -165,9 +167,16 @@ def _report(cfg: RunConfig, model_dir: Path, export_dir: Path, plan: _Plan, reco
 
 def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: ProgressFn | None,
              show_bar: bool | None, key: str) -> tuple[dict[str, Path], dict[str, Any]]:
+    start = time.perf_counter()
     e, plan, journal = cfg.evaluate, _plan(cfg, model_dir, export_dir), journal_of(cfg)
+    planned = time.perf_counter()
     records = evaluate_prompts(plan.job, plan.items, e.num_workers, progress, show_bar, journal=journal, key=key)
+    measured = time.perf_counter()
     outputs, rows = _report(cfg, model_dir, export_dir, plan, records, eval_dir(cfg))
+    # Where an evaluation's wall time went beyond the decodes (the 5-minute goal counts all of it).
+    print(f"evaluate: prompts rendered in {planned - start:.1f} s, {len(records)} prompts measured in "
+          f"{measured - planned:.1f} s (loading and warm-up included), outputs written in "
+          f"{time.perf_counter() - measured:.1f} s", file=sys.stderr, flush=True)
     journal.path.unlink(missing_ok=True)  # prompts.jsonl now holds every record; a forced re-run measures afresh
     stats = {f"{r.dataset}/{r.method}": {"accept_len": r.accept_len, "speedup": r.speedup,
                                           "tokens_per_s": r.tokens_per_s, "lossless_identical": r.lossless.identical,
