@@ -45,6 +45,8 @@ a bare host with nothing carried but the files (2026-12-03, sixth stretch): data
 152 s, regeneration with loops stopped, ~100 s of it compiling shapes per fresh process), train 281 s (14.2M, 868
 steps, ~71 s of it start-up), export 6 s, the evaluation of greedy + chain 3 + chain 7 + tree with compile on 311 s
 (a 65 s warm-up); so a bare host's stretch holds the data and one size, not a sweep;
+the sixth stretch's text carried back in (2026-12-03, seventh stretch): data 82 s, ``train-14.2M-epochs-3`` (2,604
+steps) ~470 s of steps at ~106K tok/s plus ~70 s of start-up per command, the four methods' evaluation 295-320 s;
 and one epoch was too little: val accept_len_est 1.382 after the one epoch of 2.78M tokens, 1.606 after 400
 steps (~2.4 epochs) of the same data and still rising. So the curve needs data built over several GPU
 stretches (``pack-journals`` carries the generated text back, ~1.5 MB xz per 4,700 records, and
@@ -60,7 +62,6 @@ import os
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import curve_journals  # noqa: E402
 from benchmarks.curve_report import token_label, write_curve_report  # noqa: E402
 
 DEFAULT_PRESET, DEFAULT_SIZES = "smollm2-curve", "3M,10M,20M"
@@ -81,8 +83,6 @@ MIN_PHASE_S = 30.0
 """Under --deadline-s, a phase is not started with less budget than this."""
 CUT_SHORT = 3
 """Exit status when a phase ran out of its budget (run the same command again to continue)."""
-JOURNALS = ("data/regenerate.journal.jsonl", "data/synthetic")
-"""What pack-journals carries back: the generated text, from which a rerun rebuilds the data without generating."""
 
 
 @dataclass(frozen=True)
@@ -351,35 +351,6 @@ def phase_report(c: Curve) -> dict[str, Path]:
     return outputs
 
 
-def pack_journals(c: Curve, out: Path, part_mib: float = 15.0) -> list[Path]:
-    """The data run's journals as an xz tar cut into parts (a GPU call returns files of at most 16 MiB)."""
-    base = base_config(c.preset, c.overrides)
-    out.mkdir(parents=True, exist_ok=True)
-    archive = out / "journals.tar.xz"
-    with tarfile.open(archive, "w:xz") as tar:
-        for rel in JOURNALS:
-            if (base.run_dir / rel).exists():
-                tar.add(base.run_dir / rel, arcname=rel)
-    data, parts, size = archive.read_bytes(), [], int(part_mib * (1 << 20))
-    archive.unlink()
-    for i in range(0, max(len(data), 1), size):
-        parts.append(out / f"journals.tar.xz.{i // size:02d}")
-        parts[-1].write_bytes(data[i:i + size])
-    return parts
-
-
-def unpack_journals(c: Curve, folder: Path) -> None:
-    """Restore pack-journals' parts into the data run (the data phase then skips what they hold)."""
-    import io
-
-    base = base_config(c.preset, c.overrides)
-    parts = sorted(folder.glob("journals.tar.xz.*"))
-    if not parts:
-        raise SystemExit(f"error: no journals.tar.xz.* parts in {folder}")
-    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)), mode="r:xz") as tar:
-        tar.extractall(base.run_dir, filter="data")
-
-
 def phase_steps(c: Curve, phase: str) -> list[Callable[[], bool]]:
     """What one phase runs, as steps (each False when cut short); an unknown phase, size or variant is an error
     here, before anything runs."""
@@ -475,10 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.phase in ("pack-journals", "unpack-journals"):
         if args.folder is None:
             raise SystemExit(f"error: {args.phase} needs a folder")
+        run_dir = base_config(curve.preset, curve.overrides).run_dir
         if args.phase == "pack-journals":
-            print("\n".join(str(p) for p in pack_journals(curve, args.folder)))
+            print("\n".join(str(p) for p in curve_journals.pack(run_dir, args.folder)))
         else:
-            unpack_journals(curve, args.folder)
+            print("\n".join(curve_journals.unpack(run_dir, args.folder)))
         return 0
     if args.phase != "all":
         return 0 if run_phases(curve, args.phase.split(",")) else CUT_SHORT
