@@ -9,7 +9,9 @@
 (runs/<name>). Each size N is its own run, runs/<name>-N, whose data/ and vocab/ are links to that run's and
 whose config adds ``train.max_train_tokens=N`` (the first rows of the shuffled train split up to N tokens, so
 the sizes are nested). Every size after the first leaves n-gram out of its methods: the baseline uses no
-drafter, so one measurement stands for all (``--ngram-every-size`` measures it each time). ``report`` writes
+drafter, so one measurement stands for all (``--ngram-every-size`` measures it each time, sweep variants too:
+the four methods of a full quality run at the best setting, e.g. ``data,train-14.2M-epochs-3,export-14.2M-epochs-3,
+eval-14.2M-epochs-3 --ngram-every-size``). ``report`` writes
 runs/<name>/curve/{curve.md,curve.png,curve.json} from the sizes' eval/results.json (benchmarks/curve_report.py).
 ``sweep`` trains, exports and measures recipe variants at the largest size (``sweep_variants``: learning rate x2
 and /2, three times the epochs, twice the draft vocab), each in runs/<name>-<largest>-<variant> (the vocab
@@ -259,7 +261,7 @@ class Curve:
 
     def size_run(self, size: Size, variant: Variant | None = None) -> tuple[object, Path]:
         """(config, config.json path) of one size's run (or of a recipe variant of it), prepared."""
-        with_ngram = variant is None and (self.ngram_every_size or size == self.decode_order()[0])
+        with_ngram = self.ngram_every_size or (variant is None and size == self.decode_order()[0])
         cfg = size_config(self.preset, self.overrides, size, with_ngram, variant)
         parts = ("data",) if variant and variant.own_vocab else ("data", "vocab")
         return cfg, prepare_size_run(base_config(self.preset, self.overrides), cfg, parts)
@@ -416,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", action="append", default=[], metavar="PHASE=SECONDS",
                         help=f"phase budgets (defaults {DEFAULT_BUDGETS_S}; the default train budget adds "
                              f"N / {TRAIN_TOKENS_PER_S} for size N, a given one is the whole budget)")
-    parser.add_argument("--ngram-every-size", action="store_true", help="measure n-gram at every size")
+    parser.add_argument("--ngram-every-size", action="store_true", help="measure n-gram at every size and sweep variant")
     parser.add_argument("--variants", default="", help="sweep: only these variants (comma-separated labels, e.g. "
                                                         "lr-x2,vocab-32768); default all")
     parser.add_argument("--in-process", action="store_true", help="run stages in this process, no budgets")

@@ -103,7 +103,8 @@ def test_sweep_variants_change_one_setting_each():
 
 
 def test_one_step_of_a_sweep_variant_runs_alone(tmp_path):
-    """train-N-VARIANT runs only the training of that variant's run (N the largest size); other sizes are refused."""
+    """train-N-VARIANT runs only the training of that variant's run (N the largest size); other sizes are refused;
+    its evaluation leaves n-gram out unless --ngram-every-size asks for it."""
     calls = []
     def runner(module, argv, budget_s):
         calls.append((module, argv[-1]))
@@ -113,6 +114,10 @@ def test_one_step_of_a_sweep_variant_runs_alone(tmp_path):
     assert quality_curve.run_phase(c, "train-4K-epochs-3")
     assert calls == [("eagle3.train", str(tmp_path / "tiny-4K-epochs-3/config.json"))]
     assert json.loads(Path(calls[0][1]).read_text())["train"]["num_epochs"] == 3
+    variant = c.variant("epochs-3")
+    assert "ngram" not in c.size_run(quality_curve.Size(4_000), variant)[0].evaluate.methods
+    every = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], c.sizes, c.budgets, runner, ngram_every_size=True)
+    assert "ngram" in every.size_run(quality_curve.Size(4_000), variant)[0].evaluate.methods  # a full quality run
     with pytest.raises(SystemExit, match="largest size"):
         quality_curve.run_phase(c, "eval-2K-epochs-3")
     with pytest.raises(SystemExit, match="no variant"):
