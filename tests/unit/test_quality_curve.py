@@ -91,11 +91,13 @@ def test_curve_report_tables_the_recipe_sweep_beside_the_largest_size(tmp_path):
 
 
 def test_sweep_variants_change_one_setting_each():
-    """lr x2 and /2, three times the epochs and twice the draft vocab, each its own run name beside the size's."""
+    """lr x2 and /2, three and six times the epochs and twice the draft vocab, each its own run name beside the
+    size's."""
     base = quality_curve.base_config("tiny", [])
     variants = quality_curve.sweep_variants(base)
-    assert [v.label for v in variants] == ["lr-x2", "lr-half", "epochs-3", "vocab-256"]
-    assert [v.own_vocab for v in variants] == [False, False, False, True]
+    assert [v.label for v in variants] == ["lr-x2", "lr-half", "epochs-3", "vocab-256", "epochs-6"]
+    assert [v.own_vocab for v in variants] == [False, False, False, True, False]
+    assert variants[4].overrides == ("train.num_epochs=6",)
     cfg = quality_curve.size_config("tiny", [], quality_curve.Size(4_000), False, variants[0])
     assert (cfg.run.name, cfg.train.lr, cfg.train.max_train_tokens) == ("tiny-4K-lr-x2", 2 * base.train.lr, 4_000)
     assert quality_curve.size_config("tiny", [], quality_curve.Size(4_000), False, variants[3]).vocab.draft_vocab_size \
