@@ -49,7 +49,7 @@ CHUNK = 64
 """Rows per forward of a long input (a prompt): longer inputs run in chunks, the last one padded."""
 WIDTHS = (1, 4, 8, CHUNK)
 """The forward widths: a greedy token, chain/n-gram verifies and draft levels, deeper verifies, chunks (the
-drafter always; the target unless it runs at one ``decode_rows`` width)."""
+drafter's draft levels always; the target and the drafter's extends unless they run at one ``decode_rows`` width)."""
 CAPACITY_STEP = 256
 """Cache lengths are multiples of this; a longer sequence reallocates (and captures or recompiles) once."""
 
