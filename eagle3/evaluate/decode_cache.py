@@ -62,7 +62,7 @@ def bucket(num: int, widths: Sequence[int] | None = None) -> int:
     return next(w for w in (widths or WIDTHS) if w >= num)
 
 
-def target_widths(decode_rows: int | None) -> tuple[int, ...]:
+def decode_widths(decode_rows: int | None) -> tuple[int, ...]:
     """Decode forward widths (target, drafter extends): WIDTHS, or ``decode_rows`` up to it and CHUNK for chunks."""
     if decode_rows is None:
         return WIDTHS
@@ -119,7 +119,7 @@ class StaticTargetRunner(TargetRunner):
         super().__init__(model, aux_layer_ids)  # hooks, device; calls reset()
         self._dtype = model.get_input_embeddings().weight.dtype
         self._rows = torch.arange(CHUNK, device=self.device)  # [CHUNK]
-        self.widths = target_widths(decode_rows)
+        self.widths = decode_widths(decode_rows)
         self.gathered_keys = gathered_keys
         if gathered_keys:  # eagle3/evaluate/gathered.py: trees equal greedy bit for bit at one decode width
             if decode_rows is None:
@@ -292,7 +292,7 @@ class StaticDrafterRunner(DrafterRunner):
         self._rows = torch.arange(CHUNK, device=self.device)
         # Extends (a verify's accepted rows) at the target's one decode width: one compile instead of one per
         # width (Inductor spends seconds on each); a drafter row's rounding never touches losslessness.
-        self.widths = target_widths(decode_rows)
+        self.widths = decode_widths(decode_rows)
         self.capacity = 0
         if compile_settings.enabled:  # weights are read through a tuple: tell dynamo they never move
             for t in (*self.weights, self.inv_freq):

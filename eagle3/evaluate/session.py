@@ -104,7 +104,7 @@ def ready_session(job: EvalJob, warmup_ids: list[int]) -> EvalSession:
     warm_up(session, warmup_ids)
     print(f"evaluate: target and drafter loaded in {loaded - start:.1f} s, warm-up (every forward width and "
           f"method compiled or captured) {time.perf_counter() - loaded:.1f} s", file=sys.stderr, flush=True)
-    summary = warmup_summary([*session.target.compiled_steps(), *session.drafter.compiled_steps()])
+    summary = warmup_summary(compiled_steps(session))
     if summary:
         print(f"evaluate: warm-up by step: {summary}", file=sys.stderr, flush=True)
     return session
@@ -151,4 +151,9 @@ def decode_fallbacks(session: EvalSession) -> dict[str, str]:
     """{step: why} for the session's compiled or graphed steps that fell back to eager kernels so far."""
     from eagle3.evaluate.graphs import fallbacks
 
-    return fallbacks([*session.target.compiled_steps(), *session.drafter.compiled_steps()])
+    return fallbacks(compiled_steps(session))
+
+
+def compiled_steps(session: EvalSession) -> list[Any]:
+    """The session's CompiledStep functions: the target runner's, then the drafter runner's."""
+    return [*session.target.compiled_steps(), *session.drafter.compiled_steps()]

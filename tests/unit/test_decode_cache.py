@@ -9,7 +9,7 @@ import torch
 
 from eagle3.evaluate import decode_cache
 from eagle3.config import EvaluateConfig
-from eagle3.evaluate.decode_cache import StaticDrafterRunner, StaticTargetRunner, bucket, make_runners, target_widths
+from eagle3.evaluate.decode_cache import StaticDrafterRunner, StaticTargetRunner, bucket, make_runners, decode_widths
 from eagle3.evaluate.graphs import CompileSettings, resolve_decode
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner
 from eagle3.evaluate.speculate import (DraftTree, EagleProposer, NgramProposer, check_lossless, greedy_decode,
@@ -247,7 +247,7 @@ def test_decode_rows_runs_every_decode_forward_at_one_width_so_bf16_methods_equa
 
     model = copy.deepcopy(setup["model"]).to(torch.bfloat16)
     drafter, d2t = copy.deepcopy(setup["drafter"]).to(torch.bfloat16), setup["d2t"]
-    assert target_widths(8) == (8, 64) and target_widths(None) == (1, 4, 8, 64) and target_widths(64) == (64,)
+    assert decode_widths(8) == (8, 64) and decode_widths(None) == (1, 4, 8, 64) and decode_widths(64) == (64,)
     target, runner = make_runners(model, AUX_IDS, drafter, d2t, True, CompileSettings(), 128, decode_rows=8,
                                   gathered_keys=gathered)
     widths: list[int] = []
