@@ -133,10 +133,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_in_use(host: str, port: int, timeout_s: float = 1.0) -> bool:
-    """True when something accepts TCP connections on host:port."""
+    """True when something accepts TCP connections on host:port.
+
+    A connection to a free local port can land on itself: the kernel may pick that very port as the
+    connection's own end (connect() prefers even ports, so a free_port() + 1 is a candidate) and TCP
+    simultaneous open then connects the socket to itself. Nothing listens there, so that reads as False.
+    """
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            return sock.getsockname() != sock.getpeername()
     except OSError:
         return False
 

@@ -76,7 +76,9 @@ def test_deploy_flow_benchmarks_both_fake_servers_and_reports(serve_cfg, monkeyp
     report = (out / "report.md").read_text()
     assert "not SGLang measurements" in report and report.count("| 1.00x | 2.29") == 2
     assert _artifact_keys("dep-deploy-report", "dep-deploy-benchmark") == {"dep-deploy-report", "dep-deploy-benchmark"}
-    assert not port_in_use("127.0.0.1", serve_cfg.serve.port) and not port_in_use("127.0.0.1", serve_cfg.serve.port + 1)
+    bound = [int(re.search(r"--port (\d+)", doc[role]["argv"])[1]) for role in ("baseline", "speculative")]
+    assert bound == [serve_cfg.serve.port, serve_cfg.serve.port + 1]  # both picked free by two_free_ports
+    assert not any(port_in_use("127.0.0.1", port) for port in bound)  # the servers' own ports, released
 
 
 def test_a_speculative_server_whose_draft_never_runs_fails_the_flow_and_is_stopped(serve_cfg):

@@ -123,6 +123,24 @@ def test_free_port_can_be_bound():
         sock.bind(("127.0.0.1", port))
 
 
+def test_port_in_use_tells_a_listener_from_a_connection_that_landed_on_itself(monkeypatch):
+    """A listening port is in use; a free one is not, even when the probe's connection lands on itself."""
+    import infra.process
+    from infra.process import port_in_use
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert port_in_use("127.0.0.1", server.getsockname()[1])
+    port = free_port()
+    assert not port_in_use("127.0.0.1", port)
+    with socket.socket() as looped:  # what the kernel does when it picks `port` as the connection's own end
+        looped.bind(("127.0.0.1", port))
+        looped.connect(("127.0.0.1", port))  # TCP simultaneous open: connected to itself, nothing listening
+        monkeypatch.setattr(infra.process.socket, "create_connection", lambda *args, **kwargs: looped)
+        assert not port_in_use("127.0.0.1", port)
+
+
 def test_tail_returns_the_last_lines_or_says_the_log_is_missing(tmp_path):
     """tail gives the last N lines, and a readable note when the file does not exist."""
     log = tmp_path / "t.log"
