@@ -14,7 +14,12 @@ A capture first runs the function twice untimed (compiling, lazy initialisations
 does not repeat its first (a cache row move whose sources overlap its destinations) names harmless arguments of
 the same shapes for those calls (``warmup_args``), or the warm-up would apply it three times.
 Arguments are copied into the graph's own input buffers and the outputs are cloned after each replay, so results
-stay valid past the next replay and every graph can share one memory pool.
+stay valid past the next replay and a step's graphs can share one memory pool.
+
+Pools are per step and dropped with its graphs (``clear``, a fallback): PyTorch refuses to capture into a pool
+whose graphs were all destroyed while tensors it allocated are still alive ("it->second->use_count > 0 INTERNAL
+ASSERT FAILED" in CUDACachingAllocator's create_or_incref_pool), which is what a process-wide pool met once an
+earlier runner's graphs were collected (the row move's capture in tests/gpu, on an H200, twice).
 """
 
 from __future__ import annotations
@@ -55,24 +60,6 @@ class _Graph:
     outputs: tuple[Tensor, ...]
 
 
-_POOL: Any = None
-
-
-def _pool() -> Any:
-    """One memory pool for every graph of the process (outputs are cloned after each replay)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = torch.cuda.graph_pool_handle()
-    return _POOL
-
-
-def _drop_pool() -> None:
-    """Later graphs take a new pool: a capture that failed can leave its pool marked as recording, and every later
-    capture into it then fails ('beginAllocateToPool: already recording to mempool_id', seen on an H200)."""
-    global _POOL
-    _POOL = None
-
-
 class CompiledStep:
     """``fn`` run eagerly or compiled and, with graphs on CUDA, replayed as one CUDA graph per argument shapes."""
 
@@ -84,6 +71,7 @@ class CompiledStep:
         self.fallback_reason: str | None = None  # why compiling or capturing failed, once it fell back to eager
         self._compiled: Any = None
         self._graphs: dict[tuple, _Graph] = {}
+        self._pool: Any = None  # this step's graph memory pool; a new one after its graphs are dropped
         self._seen: set[tuple] = set()  # argument shapes run at least once (compiled, without graphs)
         self.setup_s: dict[str, float] = {}  # "16x576" (first argument's shape) -> seconds compiling, capturing
         self.use_graphs = settings.graphs and self.cuda
@@ -104,6 +92,7 @@ class CompiledStep:
     def clear(self) -> None:
         """Forget the captured graphs: the tensors they read moved (a cache grew)."""
         self._graphs.clear()
+        self._pool = None  # never capture again into a pool whose graphs are gone (module docstring)
 
     def _run(self, *args: Tensor) -> tuple[Tensor, ...]:
         return (self._compiled or self.fn)(*args)
@@ -132,9 +121,8 @@ class CompiledStep:
             warnings.warn(f"{self.name}: compiling or capturing a CUDA graph failed, running it eagerly from now on: "
                           f"{self.fallback_reason}", stacklevel=2)
             self._compiled, self.use_graphs = None, False
-            self._graphs.clear()
-            if self.cuda:
-                _drop_pool()
+            self.clear()  # a failed capture can also leave its pool recording ('beginAllocateToPool: already
+            # recording to mempool_id', seen on an H200): nothing captures into it again
             return self.fn(*args)
 
     def _replay(self, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -164,7 +152,9 @@ class CompiledStep:
         # The warm-up compiled every guard this call checks; a compile inside the capture would fail obscurely
         # ("Offset increment outside graph capture", seen on an H200), so a recompile here is an error that names it.
         stance = torch.compiler.set_stance("fail_on_recompile") if self._compiled is not None else nullcontext()
-        with torch.cuda.graph(graph, pool=_pool()), stance:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool), stance:
             outputs = self._run(*inputs)
         return _Graph(graph, inputs, tuple(outputs))
 

@@ -117,3 +117,21 @@ def test_inductor_graphs_with_gathered_keys_equal_greedy_in_bf16(fused):
     steps = [*target.compiled_steps(), *runner.compiled_steps()]
     print(f"warm-up by step: {warmup_summary(steps)}")
     assert fallbacks(steps) == {}
+
+
+def test_a_step_captures_again_after_its_graphs_were_dropped_while_their_tensors_live():
+    """A step whose graphs were dropped (a cache grew) captures again although a tensor its old pool allocated is
+    still alive, and a second step captures beside it: the case that failed PyTorch's pool assert with one
+    process-wide pool."""
+    from eagle3.evaluate.graphs import CompiledStep, CompileSettings
+
+    settings = CompileSettings(graphs=True)  # eager kernels in graphs, no fallback: a capture error fails the test
+    x = torch.arange(8.0, device="cuda")
+    step = CompiledStep(lambda t: (t * 2 + 1,), settings, torch.device("cuda"), "test step")
+    assert torch.equal(step(x)[0], x * 2 + 1) and step.num_graphs == 1
+    alive = next(iter(step._graphs.values())).outputs  # allocated from the step's pool during the capture
+    step.clear()
+    torch.cuda.synchronize()
+    assert torch.equal(step(x + 1)[0], (x + 1) * 2 + 1) and step.num_graphs == 1
+    other = CompiledStep(lambda t: (t - 3,), settings, torch.device("cuda"), "other step")
+    assert torch.equal(other(x)[0], x - 3) and alive[0].is_cuda
