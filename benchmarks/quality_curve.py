@@ -10,11 +10,11 @@
 whose config adds ``train.max_train_tokens=N`` (the first rows of the shuffled train split up to N tokens, so
 the sizes are nested). Every size after the first leaves n-gram out of its methods: the baseline uses no
 drafter, so one measurement stands for all (``--ngram-every-size`` measures it each time, sweep variants too:
-the four methods of a full quality run at the best setting, e.g. ``data,train-14.2M-epochs-3,export-14.2M-epochs-3,
-eval-14.2M-epochs-3 --ngram-every-size``). ``report`` writes
+the four methods of a full quality run, e.g. ``data,train-14.2M,export-14.2M,eval-14.2M --ngram-every-size``).
+``report`` writes
 runs/<name>/curve/{curve.md,curve.png,curve.json} from the sizes' eval/results.json (benchmarks/curve_report.py).
 ``sweep`` trains, exports and measures recipe variants at the largest size (``sweep_variants``: learning rate x2
-and /2, three and six times the epochs, twice the draft vocab), each in runs/<name>-<largest>-<variant> (the vocab
+and /2, half and twice the epochs, twice the draft vocab), each in runs/<name>-<largest>-<variant> (the vocab
 variant maps its own vocab/ from the linked data); the report puts them in a table beside the baseline.
 ``all`` does not run the sweep. Phases joined by commas (``data,train-14.2M,export-14.2M,eval-14.2M``) run in order
 under one ``--deadline-s``, every name checked first, and stop at the first one cut short.
@@ -49,12 +49,16 @@ steps, ~71 s of it start-up), export 6 s, the evaluation of greedy + chain 3 + c
 (a 65 s warm-up); so a bare host's stretch holds the data and one size, not a sweep;
 the sixth stretch's text carried back in (2026-12-03, seventh stretch): data 82 s, ``train-14.2M-epochs-3`` (2,604
 steps) ~470 s of steps at ~106K tok/s plus ~70 s of start-up per command, the four methods' evaluation 295-320 s;
+the same, eighth stretch (2026-12-03): data 86 s, six epochs of 14.2M tokens (5,208 steps) 955 s in one process
+(~67 s of start-up), export 5 s, the four methods' evaluation 263 s: ~1,310 s of the 1,800, so the full quality run
+at today's recipe fits one stretch with the text carried in, and a size's six epochs take ~67 s per million tokens;
 and one epoch was too little: val accept_len_est 1.382 after the one epoch of 2.78M tokens, 1.606 after 400
 steps (~2.4 epochs) of the same data and still rising. So the curve needs data built over several GPU
 stretches (``pack-journals`` carries the generated text back, ~1.5 MB xz per 4,700 records, and
 ``unpack-journals`` restores it, after which the data phase only generates what is missing), more than one
 epoch per size, and an evaluation several times faster (or fewer prompts per size) before all sizes fit.
-The default budgets keep each phase inside one 10-minute device command; a phase cut short resumes.
+A phase cut short by its budget or by ``--deadline-s`` resumes when the same command runs again (training from
+its last checkpoint, ~70 s of start-up each time).
 """
 
 from __future__ import annotations
@@ -76,8 +80,11 @@ from benchmarks.curve_report import token_label, write_curve_report  # noqa: E40
 
 DEFAULT_PRESET, DEFAULT_SIZES = "smollm2-curve", "3M,10M,20M"
 DEFAULT_BUDGETS_S = {"data": 650.0, "train": 240.0, "export": 90.0, "eval": 500.0}
-"""Seconds per phase (the default train budget plus N / TRAIN_TOKENS_PER_S s for size N); see the module docstring."""
-TRAIN_TOKENS_PER_S = 32_000
+"""Seconds per phase (the default train budget plus N x epochs / TRAIN_TOKENS_PER_S s for size N); see the module
+docstring."""
+TRAIN_TOKENS_PER_S = 90_000
+"""Online training's rate for the default budgets: the H200's median step ran at 106-107K tok/s (docs/evaluate.md,
+seventh and eighth stretches), less a margin for validation and checkpoints."""
 """The online training rate the train budget plans with (~40K tok/s in the trainer's log on the H200, less for safety)."""
 GRACE_S = 90.0
 """After SIGTERM, how long a phase may take to checkpoint and exit before SIGKILL."""
@@ -109,13 +116,12 @@ class Variant:
 
 
 def sweep_variants(base) -> list[Variant]:
-    """The recipe sweep: learning rate x2 and /2, three times the epochs, twice the draft vocab (16K -> 32K), and
-    six times the epochs (three still gained: docs/evaluate.md, seventh stretch)."""
+    """The recipe sweep: learning rate x2 and /2, half and twice the epochs, twice the draft vocab (16K -> 32K)."""
     lr, epochs, vocab = base.train.lr, base.train.num_epochs, base.vocab.draft_vocab_size
+    counts = sorted({max(1, epochs // 2), 2 * epochs} - {epochs})
     return [Variant("lr-x2", (f"train.lr={2 * lr:g}",)), Variant("lr-half", (f"train.lr={lr / 2:g}",)),
-            Variant(f"epochs-{3 * epochs}", (f"train.num_epochs={3 * epochs}",)),
-            Variant(f"vocab-{2 * vocab}", (f"vocab.draft_vocab_size={2 * vocab}",), own_vocab=True),
-            Variant(f"epochs-{6 * epochs}", (f"train.num_epochs={6 * epochs}",))]
+            *(Variant(f"epochs-{n}", (f"train.num_epochs={n}",)) for n in counts),
+            Variant(f"vocab-{2 * vocab}", (f"vocab.draft_vocab_size={2 * vocab}",), own_vocab=True)]
 
 
 def parse_tokens(text: str) -> int:
@@ -294,11 +300,12 @@ def phase_data(c: Curve) -> bool:
 def phase_train(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     """Online training on the first N tokens (torchrun when NPROC > 1); a variant with its own draft vocab maps
     it first."""
-    _, config = c.size_run(size, variant)
+    cfg, config = c.size_run(size, variant)
     if variant and variant.own_vocab and not c.run("eagle3.run.stages", ["vocab", "--config", str(config)],
                                                       c.budgets["data"]):
         return False
-    budget = c.budgets["train"] + (0 if "train" in c.explicit_budgets else size.tokens / TRAIN_TOKENS_PER_S)
+    passes = size.tokens * cfg.train.num_epochs
+    budget = c.budgets["train"] + (0 if "train" in c.explicit_budgets else passes / TRAIN_TOKENS_PER_S)
     if c.nproc > 1:
         return c.run("torch.distributed.run", ["--standalone", f"--nproc-per-node={c.nproc}", "-m", "eagle3.train",
                                                   "--config", str(config)], budget)
@@ -419,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--budget-s", action="append", default=[], metavar="PHASE=SECONDS",
                         help=f"phase budgets (defaults {DEFAULT_BUDGETS_S}; the default train budget adds "
-                             f"N / {TRAIN_TOKENS_PER_S} for size N, a given one is the whole budget)")
+                             f"N x epochs / {TRAIN_TOKENS_PER_S} for size N, a given one is the whole budget)")
     parser.add_argument("--ngram-every-size", action="store_true", help="measure n-gram at every size and sweep variant")
     parser.add_argument("--variants", default="", help="sweep: only these variants (comma-separated labels, e.g. "
                                                         "lr-x2,vocab-32768); default all")

@@ -280,11 +280,33 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
 
 
-def _read_preset(preset: str) -> dict[str, Any]:
+BASE_KEY = "base"
+"""A preset's optional key naming the preset it extends: that one's settings, with this file's merged over them
+(sections key by key, any other value, lists included, replaced), so a preset states only what it changes."""
+
+
+def _read_preset(preset: str, extending: tuple[str, ...] = ()) -> dict[str, Any]:
     path = Path(preset) if preset.endswith((".yaml", ".yml", ".json")) else PRESETS_DIR / f"{preset}.yaml"
     if not path.is_file():
         raise ConfigError(f"preset {preset!r} not found (looked for {path}); presets: {', '.join(list_presets())}")
-    return read_config_file(path)
+    data = read_config_file(path)
+    base = data.pop(BASE_KEY, None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: {BASE_KEY} must name a preset, got {base!r}")
+    if base in (*extending, preset):
+        raise ConfigError(f"{path}: presets extend each other in a cycle: {' -> '.join((*extending, preset, base))}")
+    return _merged(_read_preset(base, (*extending, preset)), data)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` merged into a copy of ``base``: dicts key by key, everything else replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        both_dicts = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both_dicts else value
+    return out
 
 
 def _parse_config_text(path: Path, text: str) -> Any:

@@ -25,11 +25,42 @@ def test_every_field_has_a_one_line_doc():
     assert missing == [] and multiline == []
 
 
-@pytest.mark.parametrize("preset", ["tiny", "smollm2-demo", "llama31-8b", "kimi-k25"])
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-demo", "smollm2-curve", "smollm2-quality", "llama31-8b",
+                                    "kimi-k25"])
 def test_presets_validate(preset):
     """Each shipped preset is a valid RunConfig."""
     assert preset in list_presets()
     assert isinstance(load_config(preset), RunConfig)
+
+
+def test_a_preset_extending_another_changes_only_what_it_states(tmp_path):
+    """``base``: the named preset's settings with this file's merged over them, sections key by key, lists replaced."""
+    child = tmp_path / "child.yaml"
+    child.write_text("base: smollm2-demo\nrun:\n  name: child\ntrain:\n  lr: 2.0e-4\n"
+                     "evaluate:\n  datasets: [gsm8k]\n")
+    cfg, base = load_config(str(child), ["train.num_epochs=3"]), load_config("smollm2-demo")
+    assert (cfg.run.name, cfg.train.lr, cfg.train.num_epochs, cfg.evaluate.datasets) == ("child", 2e-4, 3, ["gsm8k"])
+    assert cfg.train.max_tokens_per_batch == base.train.max_tokens_per_batch and cfg.data == base.data
+    assert cfg.run.workdir == base.run.workdir  # a section's unstated keys come from the base
+
+
+def test_presets_extending_each_other_in_a_cycle_are_refused(tmp_path):
+    """A ``base`` cycle is a ConfigError naming the presets in it, not a recursion error."""
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(f"base: {b}\n")
+    b.write_text(f"base: {a}\n")
+    with pytest.raises(ConfigError, match=r"cycle: .*a\.yaml -> .*b\.yaml -> .*a\.yaml"):
+        load_config(str(a))
+    a.write_text("base: [tiny]\n")
+    with pytest.raises(ConfigError, match="base must name a preset"):
+        load_config(str(a))
+
+
+def test_the_quality_preset_is_the_curve_recipe_on_all_of_its_data():
+    """smollm2-quality = smollm2-curve (data, recipe, evaluation) under its own run name, without a token cap."""
+    quality, curve = load_config("smollm2-quality"), load_config("smollm2-curve")
+    assert quality.run.name == "smollm2-quality" and quality.train.max_train_tokens is None
+    assert quality.model_copy(update={"run": curve.run}) == curve
 
 
 def test_dotted_overrides_apply_with_yaml_types():

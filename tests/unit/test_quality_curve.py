@@ -91,17 +91,20 @@ def test_curve_report_tables_the_recipe_sweep_beside_the_largest_size(tmp_path):
 
 
 def test_sweep_variants_change_one_setting_each():
-    """lr x2 and /2, three and six times the epochs and twice the draft vocab, each its own run name beside the
-    size's."""
+    """lr x2 and /2, half and twice the epochs (half only where it is a whole epoch less) and twice the draft vocab,
+    each its own run name beside the size's."""
     base = quality_curve.base_config("tiny", [])
     variants = quality_curve.sweep_variants(base)
-    assert [v.label for v in variants] == ["lr-x2", "lr-half", "epochs-3", "vocab-256", "epochs-6"]
-    assert [v.own_vocab for v in variants] == [False, False, False, True, False]
-    assert variants[4].overrides == ("train.num_epochs=6",)
+    assert base.train.num_epochs == 1
+    assert [v.label for v in variants] == ["lr-x2", "lr-half", "epochs-2", "vocab-256"]
+    assert [v.own_vocab for v in variants] == [False, False, False, True]
+    assert variants[2].overrides == ("train.num_epochs=2",)
     cfg = quality_curve.size_config("tiny", [], quality_curve.Size(4_000), False, variants[0])
     assert (cfg.run.name, cfg.train.lr, cfg.train.max_train_tokens) == ("tiny-4K-lr-x2", 2 * base.train.lr, 4_000)
     assert quality_curve.size_config("tiny", [], quality_curve.Size(4_000), False, variants[3]).vocab.draft_vocab_size \
         == 256
+    curve = quality_curve.sweep_variants(quality_curve.base_config("smollm2-curve", []))
+    assert [v.label for v in curve] == ["lr-x2", "lr-half", "epochs-3", "epochs-12", "vocab-32768"]
 
 
 def test_one_step_of_a_sweep_variant_runs_alone(tmp_path):
@@ -113,15 +116,15 @@ def test_one_step_of_a_sweep_variant_runs_alone(tmp_path):
         return True
     c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [quality_curve.Size(2_000), quality_curve.Size(4_000)],
                             dict(quality_curve.DEFAULT_BUDGETS_S), runner)
-    assert quality_curve.run_phase(c, "train-4K-epochs-3")
-    assert calls == [("eagle3.train", str(tmp_path / "tiny-4K-epochs-3/config.json"))]
-    assert json.loads(Path(calls[0][1]).read_text())["train"]["num_epochs"] == 3
-    variant = c.variant("epochs-3")
+    assert quality_curve.run_phase(c, "train-4K-epochs-2")
+    assert calls == [("eagle3.train", str(tmp_path / "tiny-4K-epochs-2/config.json"))]
+    assert json.loads(Path(calls[0][1]).read_text())["train"]["num_epochs"] == 2
+    variant = c.variant("epochs-2")
     assert "ngram" not in c.size_run(quality_curve.Size(4_000), variant)[0].evaluate.methods
     every = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], c.sizes, c.budgets, runner, ngram_every_size=True)
     assert "ngram" in every.size_run(quality_curve.Size(4_000), variant)[0].evaluate.methods  # a full quality run
     with pytest.raises(SystemExit, match="largest size"):
-        quality_curve.run_phase(c, "eval-2K-epochs-3")
+        quality_curve.run_phase(c, "eval-2K-epochs-2")
     with pytest.raises(SystemExit, match="no variant"):
         quality_curve.run_phase(c, "export-4K-lr-x9")
 
