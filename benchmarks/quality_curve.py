@@ -51,7 +51,7 @@ the sixth stretch's text carried back in (2026-12-03, seventh stretch): data 82 
 steps) ~470 s of steps at ~106K tok/s plus ~70 s of start-up per command, the four methods' evaluation 295-320 s;
 the same, eighth stretch (2026-12-03): data 86 s, six epochs of 14.2M tokens (5,208 steps) 955 s in one process
 (~67 s of start-up), export 5 s, the four methods' evaluation 263 s: ~1,310 s of the 1,800, so the full quality run
-at today's recipe fits one stretch with the text carried in, and a size's six epochs take ~67 s per million tokens;
+at today's recipe fits one stretch with the text carried in, and six epochs take ~63 s per million tokens;
 and one epoch was too little: val accept_len_est 1.382 after the one epoch of 2.78M tokens, 1.606 after 400
 steps (~2.4 epochs) of the same data and still rising. So the curve needs data built over several GPU
 stretches (``pack-journals`` carries the generated text back, ~1.5 MB xz per 4,700 records, and
@@ -85,7 +85,6 @@ docstring."""
 TRAIN_TOKENS_PER_S = 90_000
 """Online training's rate for the default budgets: the H200's median step ran at 106-107K tok/s (docs/evaluate.md,
 seventh and eighth stretches), less a margin for validation and checkpoints."""
-"""The online training rate the train budget plans with (~40K tok/s in the trainer's log on the H200, less for safety)."""
 GRACE_S = 90.0
 """After SIGTERM, how long a phase may take to checkpoint and exit before SIGKILL."""
 MIN_PHASE_S = 30.0

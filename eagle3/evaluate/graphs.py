@@ -18,8 +18,9 @@ stay valid past the next replay and a step's graphs can share one memory pool.
 
 Pools are per step and dropped with its graphs (``clear``, a fallback): PyTorch refuses to capture into a pool
 whose graphs were all destroyed while tensors it allocated are still alive ("it->second->use_count > 0 INTERNAL
-ASSERT FAILED" in CUDACachingAllocator's create_or_incref_pool), which is what a process-wide pool met once an
-earlier runner's graphs were collected (the row move's capture in tests/gpu, on an H200, twice).
+ASSERT FAILED" in CUDACachingAllocator's create_or_incref_pool). With one process-wide pool, that assert stopped
+the row move's capture in tests/gpu on an H200, twice, once earlier runners' graphs had been collected (the likely
+sequence; per-step pools have not run on a GPU yet).
 """
 
 from __future__ import annotations
