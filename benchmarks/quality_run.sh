@@ -4,7 +4,7 @@
 # PHASE: data (merge, regenerate with the target, tokenize, vocab) | capture | train | export | eval | all.
 # Every phase skips what its manifests say is complete, so a phase killed by a time limit is simply
 # run again. PRESET (default smollm2-quality), NPROC (GPUs for training, default all visible) and
-# PYTHON may be set in the environment. With train.features=online (smollm2-quality) capture is skipped.
+# PYTHON may be set in the environment. With train.features=online (smollm2-quality) capture does nothing.
 # On a bare GPU host the target and data files arrive with benchmarks/curve_assets.py, and text generated on an
 # earlier host with `benchmarks/quality_curve.py unpack-journals DIR --preset "$PRESET"` (then the data phase
 # generates only what is missing). Figures and the commands that produced them: docs/evaluate.md.
@@ -15,11 +15,8 @@ PRESET=${PRESET:-smollm2-quality}
 phase=${1:?usage: benchmarks/quality_run.sh data|capture|train|export|eval|all [--set k=v ...]}
 shift
 overrides=("$@")
-resolved=$($PY -c "import sys; from eagle3.config import load_config
-cfg = load_config(sys.argv[1], [a for a in sys.argv[2:] if a != '--set']); print(cfg.train.features); print(cfg.run_dir)" \
-  "$PRESET" "${overrides[@]}")
-features=${resolved%%$'\n'*}
-run_dir=${resolved#*$'\n'}
+run_dir=$($PY -c "import sys; from eagle3.config import load_config
+print(load_config(sys.argv[1], [a for a in sys.argv[2:] if a != '--set']).run_dir)" "$PRESET" "${overrides[@]}")
 config="$run_dir/config.json"
 nproc=${NPROC:-$($PY -c "import torch; print(max(1, torch.cuda.device_count()))")}
 
@@ -28,9 +25,7 @@ run_phase() {
   echo "== $1 =="
   case $1 in
     data) $PY -m eagle3.run.stages all --preset "$PRESET" "${overrides[@]}" ;;
-    capture)
-      if [ "$features" = online ]; then echo "capture skipped: train.features=online (the target runs inside each training step)"
-      else $PY -m eagle3.features.capture --config "$config" "${overrides[@]}"; fi ;;
+    capture) $PY -m eagle3.features.capture --config "$config" "${overrides[@]}" ;;
     train) $PY -m torch.distributed.run --standalone --nproc-per-node="$nproc" -m eagle3.train --config "$config" ;;
     export) $PY -m eagle3.export --config "$config" "${overrides[@]}" ;;
     eval) $PY -m eagle3.evaluate.stage --config "$config" "${overrides[@]}" ;;

@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, load_config
-from eagle3.run.registry import UNTIL_CHOICES, get_stage
+from eagle3.run.registry import ONLINE_SKIP, UNTIL_CHOICES, get_stage
 from eagle3.run.stage import StageOutcome
 from eagle3.run.stages import synthetic_sources
 from flows.common import PresetName, as_json, guard_crash_loop
@@ -63,7 +63,6 @@ def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any]
 
 LastStage = Literal[UNTIL_CHOICES]  # type: ignore[valid-type]  (eagle3.run.registry: the UI's choices)
 LAST_STAGES: tuple[str, ...] = UNTIL_CHOICES
-ONLINE_SKIP = "skipped: train.features=online computes the target's states inside each training step (no feature disk)"
 DEPLOY_STEPS = {"export": ["export"], "evaluate": ["export", "evaluate"], "deploy": ["export", "evaluate", "benchmark"]}
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from eagle3.config import RunConfig
 from eagle3.run.layout import run_layout
-from eagle3.run.registry import DATA_STAGES
+from eagle3.run.registry import DATA_STAGES, ONLINE_SKIP
 
 
 def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
@@ -26,7 +26,7 @@ def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
             results[stage] = {"computed": None, "stats": doc.get("stats", {}), "outputs": doc.get("outputs", {})}
     capture = read_manifest(layout.manifest("capture"))
     if cfg.train.features == "online":
-        results["capture"] = {"skipped": "train.features=online (the target runs inside each training step)"}
+        results["capture"] = {"skipped": ONLINE_SKIP}
     elif capture:
         results["capture"] = {"stats": capture.get("stats", {})}
     train = read_manifest(layout.manifest("train"))

@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 # sets their number (0: no workers); each gets an equal share of the cores for its torch threads.
 cores=$(nproc)
 workers=${EAGLE3_TEST_WORKERS:-$(( cores < 2 ? 1 : (cores < 8 ? cores : 8) ))}
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( workers > 1 ? (cores / workers > 1 ? cores / workers : 1) : cores ))}
+threads=$(( workers > 1 ? cores / workers : cores ))
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
 select=(-m "not slow and not gpu")
 for arg in "$@"; do [ "$arg" = "-m" ] && select=(); done
 parallel=()

@@ -34,6 +34,7 @@ from eagle3.features.spec import CaptureBackend, FeatureSpec, SampleTokens
 from eagle3.features.writers import WriteOptions, WriteStats, capture_and_write
 from eagle3.run.layout import SPEC_FILE, manifest_name, run_layout
 from eagle3.run.progress import Progress, ProgressFn
+from eagle3.run.registry import ONLINE_SKIP
 from eagle3.run.stage import StageOutcome, manifest_matches, skipped_outcome, stage_key, write_manifest
 
 log = logging.getLogger(__name__)
@@ -381,12 +382,15 @@ def run_capture(cfg: RunConfig, progress: ProgressFn | None = None) -> StageOutc
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m eagle3.features.capture --preset NAME [--set k=v ...]: capture every missing shard."""
+    """python -m eagle3.features.capture --preset NAME [--set k=v ...]: capture every missing shard (nothing when
+    the run trains online)."""
     from eagle3.run.cli_args import add_config_args, stage_main
 
+    def run(cfg: RunConfig, args: argparse.Namespace) -> StageOutcome | dict[str, str]:
+        return {"capture": ONLINE_SKIP} if cfg.train.features == "online" else run_capture(cfg)
+
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
-    stage_main(parser, argv, lambda cfg, args: run_capture(cfg), lock_owner="python -m eagle3.features.capture",
-               write_config=True)
+    stage_main(parser, argv, run, lock_owner="python -m eagle3.features.capture", write_config=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from eagle3.config import RunConfig
     from eagle3.run.stage import StageOutcome
 
+ONLINE_SKIP = "skipped: train.features=online computes the target's states inside each training step (no feature disk)"
+"""Why capture does not run for a run that trains online (the capture CLI, the pipeline flow and the run report)."""
+
 
 def _lazy(ref: str, *bound: Any) -> Callable[..., Any]:
     """``module:function``, imported at the first call; ``bound`` is appended to the positional arguments."""

@@ -254,3 +254,14 @@ def test_per_sample_attention_knob_reaches_the_backend_and_keeps_the_key(tiny_ba
     backends = [make_backend(cfg, model_dir, spec) for cfg in (on, off)]
     assert [b.per_sample for b in backends] == [True, False]
     assert capture_key(on, spec) == capture_key(off, spec)
+
+
+def test_capture_cli_does_nothing_for_a_run_that_trains_online(tmp_path, capsys):
+    """`python -m eagle3.features.capture` on a config that trains online says why it skips and writes no feature."""
+    from eagle3.features.capture import main
+    from eagle3.run.registry import ONLINE_SKIP
+
+    overrides = ["train.features=online", f"run.workdir={tmp_path}"]
+    main(["--preset", "tiny", *(a for o in overrides for a in ("--set", o))])
+    assert json.loads(capsys.readouterr().out) == {"capture": ONLINE_SKIP}
+    assert not features_dir(load_config("tiny", overrides)).exists()
