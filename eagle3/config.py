@@ -122,6 +122,8 @@ class SourceConfig(Section):
     """Generation settings of a synthetic source (format synthetic; defaults when unset)."""
     keep_answers: bool = Added(False)
     """With regeneration on, keep this source's own answers (more text at no generation cost; still distilled)."""
+    dedupe_scope: Literal["all", "source"] = Added("all")
+    """Rows a conversation may not repeat: every source's, or this source's only (a repeat shares the first's split)."""
 
     @model_validator(mode="after")
     def _path_or_synthetic(self) -> SourceConfig:

@@ -170,14 +170,21 @@ def _check_sources(sources: list[SourceConfig], cfg: DataConfig, data_dir: Path)
         _open(src, cfg, data_dir).close()
 
 
-def _dedupe(conv: Conversation, seen_hashes: dict[str, str], dedupe: bool) -> dict[str, Any] | Reject:
-    """The row for a conversation, or a duplicate_content Reject naming the row that came first."""
+def _dedupe(conv: Conversation, seen_hashes: dict[str, str], own_hashes: dict[str, str] | None,
+            dedupe: bool) -> dict[str, Any] | Reject:
+    """The row for a conversation, or a duplicate_content Reject naming the row that came first.
+
+    ``own_hashes`` (a source with ``dedupe_scope: source``) holds the source's own rows only: the conversation is
+    checked against those, so a file's own answers can sit beside the same file re-answered by another source."""
     digest = content_hash(conv.messages)
-    if dedupe and digest in seen_hashes:
+    scope = seen_hashes if own_hashes is None else own_hashes
+    if dedupe and digest in scope:
         record = {"id": conv.id, "messages": conv.messages}
-        return Reject(conv.source, conv.location, "duplicate_content", f"same content as {seen_hashes[digest]}",
+        return Reject(conv.source, conv.location, "duplicate_content", f"same content as {scope[digest]}",
                       record, conv.id)
     seen_hashes.setdefault(digest, conv.id)
+    if own_hashes is not None:
+        own_hashes.setdefault(digest, conv.id)
     return {"id": conv.id, "source": conv.source, "split": "", "messages": conv.messages, "content_hash": digest}
 
 
@@ -186,6 +193,7 @@ def _take_source(src: SourceConfig, cfg: DataConfig, seen_hashes: dict[str, str]
                  evals: _EvalCheck | None) -> tuple[_Tally, dict[str, Any]]:
     """Read one source until it ends or reaches its cap; returns its tally and facts for stats.json."""
     tally = _Tally()
+    own_hashes: dict[str, str] | None = {} if src.dedupe_scope == "source" else None
     stream = _open(src, cfg, data_dir)
     stopped_at_cap = False
     with contextlib.closing(stream):
@@ -195,7 +203,7 @@ def _take_source(src: SourceConfig, cfg: DataConfig, seen_hashes: dict[str, str]
                 prog.update(PROGRESS_EVERY, source=src.name, kept=len(rows))
             row = item
             if isinstance(item, Conversation):
-                row = (evals and evals.reject(item)) or _dedupe(item, seen_hashes, cfg.dedupe)
+                row = (evals and evals.reject(item)) or _dedupe(item, seen_hashes, own_hashes, cfg.dedupe)
             if isinstance(row, Reject):
                 rejects.write(row)
                 tally.count_reject(row.reason)
@@ -211,9 +219,12 @@ def _take_source(src: SourceConfig, cfg: DataConfig, seen_hashes: dict[str, str]
     return tally, facts
 
 
-def _assign_splits(rows: list[dict[str, Any]], seed: int, val_fraction: float, tallies: dict[str, _Tally]) -> None:
+def _assign_splits(rows: list[dict[str, Any]], seed: int, val_fraction: float, tallies: dict[str, _Tally],
+                   first_ids: dict[str, str]) -> None:
+    """Each row's split by its id, or by the id of the first row with its content (``first_ids``: content hash ->
+    id), so the same conversation kept by two sources is never in both splits."""
     for row in rows:
-        row["split"] = split_for(row["id"], seed, val_fraction)
+        row["split"] = split_for(first_ids[row["content_hash"]], seed, val_fraction)
         tally = tallies[row["source"]]
         tally.train += row["split"] == "train"
         tally.val += row["split"] == "val"
@@ -274,7 +285,7 @@ def merge_sources(sources: list[SourceConfig], cfg: DataConfig, seed: int, out_d
                                                               out_dir, evals)
     if cfg.shuffle:
         random.Random(seed).shuffle(rows)
-    _assign_splits(rows, seed, cfg.val_fraction, tallies)
+    _assign_splits(rows, seed, cfg.val_fraction, tallies, seen_hashes)
     stats, total = _stats_doc(tallies, facts, cfg, seed, evals)
     _check_invariants(tallies, total, len(rows))
     atomic_write_json(paths["stats"], stats)  # written even when too few rows were kept: it says why

@@ -111,6 +111,27 @@ def test_dedupe_spans_sources_and_can_be_turned_off(tmp_path):
     assert stats_off["total"]["kept"] == 80
 
 
+def test_a_source_deduped_within_itself_keeps_others_content_and_its_split(tmp_path):
+    """dedupe_scope=source: b keeps what a already has, rejects only its own repeats, and a repeat takes the split
+    of the row that came first, so no conversation is in both train and val."""
+    records = json.loads(TINY_SG.read_text(encoding="utf-8"))
+    repeated = [*records, *({**r, "id": f"again-{r['id']}"} for r in records[:5])]
+    doubled = tmp_path / "doubled.json"
+    doubled.write_text(json.dumps(repeated), encoding="utf-8")
+    b = SourceConfig(name="b", path=str(doubled), dedupe_scope="source")
+    paths, stats = run(tmp_path, [src(TINY, "a"), b], max_chars=200_000, val_fraction=0.5)
+    assert stats["sources"]["b"]["kept"] == 20 and stats["sources"]["b"]["rejected_by_reason"]["duplicate_content"] == 5
+    assert rejects_of(paths)[0]["detail"].startswith("same content as b:")
+    rows = read_merged(paths["merged"])
+    by_hash: dict[str, set[str]] = {}
+    for row in rows:
+        by_hash.setdefault(row["content_hash"], set()).add(row["split"])
+    shared = [h for h in by_hash if sum(r["content_hash"] == h for r in rows) == 2]
+    assert len(shared) == 20 and all(len(by_hash[h]) == 1 for h in shared)
+    # Without the shared split, half of those pairs would straddle train and val at val_fraction 0.5.
+    assert sum(split_for(r["id"], 0, 0.5) != r["split"] for r in rows if r["source"] == "b") > 0
+
+
 def test_caps_stop_reading_each_source(tmp_path):
     """A source with max_records=N gives N rows and is not read past its N-th kept record."""
     paths, stats = run(tmp_path, [src(TINY, "a", cap=7), src(MIXED, "m", cap=2)], max_chars=200_000)
