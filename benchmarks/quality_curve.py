@@ -75,7 +75,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import curve_journals  # noqa: E402
+from benchmarks import curve_carry  # noqa: E402
 from benchmarks.curve_report import token_label, write_curve_report  # noqa: E402
 
 DEFAULT_PRESET, DEFAULT_SIZES = "smollm2-curve", "3M,10M,20M"
@@ -413,13 +413,28 @@ def all_phases(c: Curve) -> list[str]:
     return ["data", f"size-{c.sizes[-1].label}", *smaller, "report"]
 
 
+CARRY_PHASES = ("pack-journals", "unpack-journals", "pack-results", "unpack-results")
+
+
+def carry(phase: str, run_dir: Path, folder: Path, weights: bool) -> list[str]:
+    """One of CARRY_PHASES (benchmarks/curve_carry.py); what it wrote."""
+    if phase == "pack-journals":
+        return [str(p) for p in curve_carry.pack_journals(run_dir, folder)]
+    if phase == "unpack-journals":
+        return curve_carry.unpack_journals(run_dir, folder)
+    if phase == "pack-results":
+        return [str(p) for p in curve_carry.pack_results(run_dir, folder, weights)]
+    return curve_carry.unpack_results(run_dir.parent, folder)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments and run the phases; exit status 3 when one was cut short."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("phase", help="data | train-N | export-N | eval-N | replay-N | size-N | sweep | "
-                                      "sweep-VARIANT | report | all | pack-journals DIR | unpack-journals DIR; "
+                                      "sweep-VARIANT | report | all | pack-journals DIR | unpack-journals DIR | "
+                                      "pack-results DIR | unpack-results DIR; "
                                       "several phases comma-separated (data,train-14.2M,...) run in order")
-    parser.add_argument("folder", nargs="?", type=Path, help="pack-journals / unpack-journals: the folder")
+    parser.add_argument("folder", nargs="?", type=Path, help="pack-* / unpack-*: the folder of the parts")
     parser.add_argument("--preset", default=DEFAULT_PRESET)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="token budgets, ascending (e.g. 3M,10M,20M)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -429,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ngram-every-size", action="store_true", help="measure n-gram at every size and sweep variant")
     parser.add_argument("--variants", default="", help="sweep: only these variants (comma-separated labels, e.g. "
                                                         "lr-x2,vocab-32768); default all")
+    parser.add_argument("--with-weights", action="store_true",
+                        help="pack-results: the exported drafters too (to evaluate one again on another host)")
     parser.add_argument("--in-process", action="store_true", help="run stages in this process, no budgets")
     parser.add_argument("--deadline-s", type=float, help="end every phase within this many seconds from now (a GPU "
                                                          "command's limit); the same command continues later")
@@ -453,14 +470,11 @@ def main(argv: list[str] | None = None) -> int:
                   tuple(v for v in args.variants.split(",") if v),
                   frozenset(item.partition("=")[0] for item in args.budget_s), args.greedy_texts,
                   args.replay_smaller, None if args.deadline_s is None else time.monotonic() + args.deadline_s)
-    if args.phase in ("pack-journals", "unpack-journals"):
+    if args.phase in CARRY_PHASES:
         if args.folder is None:
             raise SystemExit(f"error: {args.phase} needs a folder")
-        run_dir = base_config(curve.preset, curve.overrides).run_dir
-        if args.phase == "pack-journals":
-            print("\n".join(str(p) for p in curve_journals.pack(run_dir, args.folder)))
-        else:
-            print("\n".join(curve_journals.unpack(run_dir, args.folder)))
+        print("\n".join(carry(args.phase, base_config(curve.preset, curve.overrides).run_dir, args.folder,
+                               args.with_weights)))
         return 0
     if args.phase != "all":
         return 0 if run_phases(curve, args.phase.split(",")) else CUT_SHORT

@@ -1,0 +1,105 @@
+"""Carry a curve's files between GPU hosts and this machine: xz tars in parts of bounded size.
+
+A lent GPU host starts bare and returns at most 8 files of 16 MiB per call, and everything on it is lost with it.
+Two things have to travel:
+- **journals** (``pack_journals`` / ``unpack_journals``): the generation journals (regeneration and synthesis) of
+  a data run, the text the target took a stretch's minutes to write; restored into a data run elsewhere, its data
+  stages generate only what the journals lack.
+- **results** (``pack_results`` / ``unpack_results``): what every run of a curve measured (its config, training
+  metrics, export metadata and model card, evaluation results and prompt records), and with ``weights`` the
+  exported drafters, so a later host can evaluate one again without training it, and ``quality_curve.py report``
+  can draw the curve here from sizes measured on different hosts.
+``benchmarks/quality_curve.py pack-journals|unpack-journals|pack-results|unpack-results DIR`` call these.
+"""
+
+from __future__ import annotations
+
+import io
+import lzma
+import tarfile
+from pathlib import Path
+
+JOURNALS = ("data/regenerate.journal.jsonl", "data/synthetic")
+"""What is carried of a data run, relative to it: the generated text, from which a rerun rebuilds the data."""
+RESULTS = ("config.json", "data/stats.json", "curve", "train/metrics.jsonl", "train/progress.json",
+           "train/train.manifest.json", "export/export.manifest.json", "export/sglang/README.md",
+           "export/sglang/config.json", "export/sglang/eagle3_export.json", "eval/results.json", "eval/report.md",
+           "eval/prompts.jsonl", "eval/evaluate.manifest.json", "eval/replayed.json")
+"""What is carried of each run of a curve, relative to it (a path through a link, e.g. a size's data/, is not)."""
+WEIGHTS = ("export/sglang/model.safetensors",)
+"""Added by ``weights=True``: the exported drafter (the SGLang layout; the other layout is exported from it)."""
+
+
+def _write_parts(members: list[tuple[Path, str]], out: Path, stem: str, part_mib: float) -> list[Path]:
+    """``members`` ((file or folder, name in the archive)) as ``out``/<stem>.tar.xz.NN of at most part_mib MiB."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob(f"{stem}.tar.xz.*"):
+        old.unlink()  # parts of an earlier, longer archive would join this one
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:xz") as tar:
+        for path, name in members:
+            tar.add(path, arcname=name)
+    data, size, parts = buffer.getvalue(), int(part_mib * (1 << 20)), []
+    for i in range(0, len(data), size):
+        parts.append(out / f"{stem}.tar.xz.{i // size:02d}")
+        parts[-1].write_bytes(data[i:i + size])
+    return parts
+
+
+def _read_parts(root: Path, folder: Path, stem: str) -> list[str]:
+    """Join ``folder``/<stem>.tar.xz.* and extract them under ``root``; returns the member names written."""
+    parts = sorted(folder.glob(f"{stem}.tar.xz.*"))
+    if not parts:
+        raise SystemExit(f"error: no {stem}.tar.xz.* parts in {folder}")
+    try:
+        with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)), mode="r:xz") as tar:
+            names = tar.getnames()
+            tar.extractall(root, filter="data")
+    except (tarfile.TarError, lzma.LZMAError, EOFError, OSError) as err:  # a part missing or cut short
+        raise SystemExit(f"error: the {stem} parts in {folder} ({', '.join(p.name for p in parts)}) do not "
+                         f"form a whole archive: {err}") from None
+    return names
+
+
+def _through_link(run_dir: Path, rel: str) -> bool:
+    """Whether ``rel`` under ``run_dir`` passes through a symbolic link (a size's data/ and vocab/ are links)."""
+    path = run_dir
+    for part in Path(rel).parts:
+        path = path / part
+        if path.is_symlink():
+            return True
+    return False
+
+
+def pack_journals(run_dir: Path, out: Path, part_mib: float = 15.0) -> list[Path]:
+    """The journals under ``run_dir`` as ``out``/journals.tar.xz.NN parts of at most ``part_mib`` MiB each."""
+    present = [rel for rel in JOURNALS if (run_dir / rel).exists()]
+    if not present:
+        raise SystemExit(f"error: no generation journal under {run_dir} ({', '.join(JOURNALS)})")
+    return _write_parts([(run_dir / rel, rel) for rel in present], out, "journals", part_mib)
+
+
+def unpack_journals(run_dir: Path, folder: Path) -> list[str]:
+    """Restore pack_journals' parts from ``folder`` into ``run_dir``; returns the member names written."""
+    return _read_parts(run_dir, folder, "journals")
+
+
+def curve_runs(run_dir: Path) -> list[Path]:
+    """The data run and every run named after it (runs/<name>-<size>[-<variant>]) that exists."""
+    return [run_dir, *sorted(p for p in run_dir.parent.glob(f"{run_dir.name}-*") if p.is_dir())]
+
+
+def pack_results(run_dir: Path, out: Path, weights: bool = False, part_mib: float = 15.0) -> list[Path]:
+    """What every run of the curve of ``run_dir`` measured as ``out``/results.tar.xz.NN, names relative to
+    runs/ (e.g. smollm2-curve-3M/eval/results.json)."""
+    wanted = (*RESULTS, *(WEIGHTS if weights else ()))
+    members = [(run / rel, f"{run.name}/{rel}") for run in curve_runs(run_dir) for rel in wanted
+               if (run / rel).exists() and not _through_link(run, rel)]
+    if not members:
+        raise SystemExit(f"error: nothing measured under {run_dir.parent} for {run_dir.name}")
+    return _write_parts(members, out, "results", part_mib)
+
+
+def unpack_results(runs_root: Path, folder: Path) -> list[str]:
+    """Restore pack_results' parts from ``folder`` under ``runs_root`` (runs/); returns the member names written."""
+    return _read_parts(runs_root, folder, "results")
