@@ -10,9 +10,9 @@
 whose config adds ``train.max_train_tokens=N`` (the first rows of the shuffled train split up to N tokens, so
 the sizes are nested). Every size after the first leaves n-gram out of its methods: the baseline uses no
 drafter, so one measurement stands for all (``--ngram-every-size`` measures it each time, sweep variants too:
-the four methods of a full quality run, e.g. ``data,train-14.2M,export-14.2M,eval-14.2M --ngram-every-size``).
-``report`` writes
-runs/<name>/curve/{curve.md,curve.png,curve.json} from the sizes' eval/results.json (benchmarks/curve_report.py).
+the four methods of a full quality run). ``report`` writes runs/<name>/curve/{curve.md,curve.png,curve.json}
+from the sizes' eval/results.json (benchmarks/curve_report.py); ``--size-run 20M=smollm2-quality`` takes a size
+from another preset's run after checking that it trained exactly that size.
 ``sweep`` trains, exports and measures recipe variants at the largest size (``sweep_variants``: learning rate x2
 and /2, half and twice the epochs, twice the draft vocab), each in runs/<name>-<largest>-<variant> (the vocab
 variant maps its own vocab/ from the linked data); the report puts them in a table beside the baseline.
@@ -22,43 +22,14 @@ under one ``--deadline-s``, every name checked first, and stop at the first one 
 Every phase skips what its manifests (and the regeneration, synthesis and evaluation journals, and the
 training checkpoints) say is done, and runs under a time budget (``--budget-s phase=seconds``; phases:
 data, train, export, eval): past it the phase gets SIGTERM (training checkpoints and exits, the journals are
-fsynced per record), then SIGKILL after a grace period, and the script exits 3. Running the same command
-again continues where it stopped. ``--in-process`` runs the stages in this process with no budgets (tests).
+fsynced per record), then SIGKILL after a grace period, and the script exits 3: the same command continues.
 
-Budget on one H200, as measured by a first run of this script there (2026-12-01; docs/evaluate.md), which
-replaced the plan made from benchmark rates (they were 3-6x too optimistic for real data):
-  data (synthesize 1,500 + 4,000 ShareGPT records, 3 user turns each, regenerated; merge, tokenize, vocab)
-      319 s for 2.78M train tokens, ~115 s per million tokens (the 57K tok/s of benchmarks/generation.py
-      was random weights, 256 new tokens, one batch of 2,048; regeneration runs turns one after the other);
-      the preset's 6,000 ShareGPT + 4,000 synthetic records (2026-12-02): ~820 s for ~7M tokens, of which
-      the synthetic source's first calls alone spent 150 s compiling (35-60 s per new shape on a fresh host)
-  online training, ttt 7, rows of 16,384: ~40K tok/s in the trainer's log (the target's eager forward bounds
-      it, docs/train.md); 2.78M tokens, one epoch, 165 steps: 124 s with start-up and compile; with the
-      padded forward (2026-12-02): 6.7M tokens x 3 epochs, 1,230 steps, 358 s (median step 90K tok/s)
-  evaluation in one process, float32, a weak drafter (accept 1.26-1.47): ~7.5 s per prompt after a 164 s
-      start, i.e. ~23 minutes for the 160 prompts; since then (2026-12-02) bf16 with CUDA graphs of the eager
-      kernels (compile auto): ~465 s for the 160 prompts, greedy + chain 3 + chain 7 + tree, accept ~1.6
-      (Inductor's kernels, compile on, failed to capture in that run: docs/evaluate.md)
-with the ShareGPT file's own answers added (2026-12-02, fifth stretch, journals carried): data 87 s for 14.3M train
-tokens, train 66 s (3M, 184 steps) and 265 s (14.2M, 868 steps, ~97K tok/s) with start-up, export ~6 s, the
-evaluation of greedy + chain 3 + tree 346 s; so ``all --replay-smaller`` (the largest size decoded, the others
-replayed in seconds) fits one stretch, the sweep does not;
-a bare host with nothing carried but the files (2026-12-03, sixth stretch): data ~790 s over two commands (synthesis
-152 s, regeneration with loops stopped, ~100 s of it compiling shapes per fresh process), train 281 s (14.2M, 868
-steps, ~71 s of it start-up), export 6 s, the evaluation of greedy + chain 3 + chain 7 + tree with compile on 311 s
-(a 65 s warm-up); so a bare host's stretch holds the data and one size, not a sweep;
-the sixth stretch's text carried back in (2026-12-03, seventh stretch): data 82 s, ``train-14.2M-epochs-3`` (2,604
-steps) ~470 s of steps at ~106K tok/s plus ~70 s of start-up per command, the four methods' evaluation 295-320 s;
-the same, eighth stretch (2026-12-03): data 86 s, six epochs of 14.2M tokens (5,208 steps) 955 s in one process
-(~67 s of start-up), export 5 s, the four methods' evaluation 263 s: ~1,310 s of the 1,800, so the full quality run
-at today's recipe fits one stretch with the text carried in, and six epochs take ~63 s per million tokens;
-and one epoch was too little: val accept_len_est 1.382 after the one epoch of 2.78M tokens, 1.606 after 400
-steps (~2.4 epochs) of the same data and still rising. So the curve needs data built over several GPU
-stretches (``pack-journals`` carries the generated text back, ~1.5 MB xz per 4,700 records, and
-``unpack-journals`` restores it, after which the data phase only generates what is missing), more than one
-epoch per size, and an evaluation several times faster (or fewer prompts per size) before all sizes fit.
-A phase cut short by its budget or by ``--deadline-s`` resumes when the same command runs again (training from
-its last checkpoint, ~70 s of start-up each time).
+Time on one H200 (every stretch's figures and commands: docs/evaluate.md): data ~90 s with the generated text
+carried in (``pack-journals`` there, ``unpack-journals`` here), ~800 s generating it on a bare host; online
+training ~107K tok/s after ~70 s of start-up, so six epochs take ~56 s per million tokens; export ~5 s; the
+160-prompt evaluation with all four methods ~265 s, alone on the GPU (a decode beside a training runs ~3x slower).
+So a stretch holds the data and the largest size, or the data and a few smaller sizes; ``pack-results`` carries
+what each measured back, ``unpack-results`` restores it here, and ``report`` draws the sizes of every stretch.
 """
 
 from __future__ import annotations
@@ -238,6 +209,7 @@ class Curve:
     greedy_texts: Path | None = None  # replay: an evaluation's prompts.jsonl (default: the first size's)
     replay_smaller: bool = False  # all: decode the largest size only (n-gram with it), replay the others
     deadline: float | None = None  # time.monotonic() by which every phase has ended (--deadline-s)
+    size_runs: tuple[tuple[int, str], ...] = ()  # (tokens, preset): report takes that size from the preset's run
 
     def run(self, module: str, argv: list[str], budget_s: float) -> bool:
         """The runner within the phase's budget, cut to what --deadline-s leaves (a phase needs MIN_PHASE_S to start;
@@ -348,10 +320,36 @@ def phase_replay(c: Curve, size: Size, variant: Variant | None = None) -> bool:
         c.budgets["eval"])
 
 
+def _differences(mine: object, theirs: object, where: str = "") -> list[str]:
+    """The dotted keys at which two config dumps differ."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        return [d for k in sorted(set(mine) | set(theirs))
+                for d in _differences(mine.get(k), theirs.get(k), f"{where}.{k}" if where else k)]
+    return [] if mine == theirs else [f"{where} ({mine!r} here, {theirs!r} there)"]
+
+
+def borrowed_eval(c: Curve, size: Size, preset: str) -> Path:
+    """The eval folder of ``preset``'s run, which must have trained size N exactly as the curve does (every
+    setting but run.name and the evaluated methods): e.g. smollm2-quality is the curve's largest size, so the
+    quality run is that point without training it twice. An error names the settings that differ."""
+    from eagle3.config import load_config
+
+    theirs_cfg = load_config(preset, c.overrides)
+    dumps = [size_config(c.preset, c.overrides, size, True).model_dump(mode="json"), theirs_cfg.model_dump(mode="json")]
+    for doc in dumps:
+        doc["run"].pop("name")
+        doc["evaluate"].pop("methods")
+    if diff := _differences(*dumps):
+        raise SystemExit(f"error: --size-run {size.label}={preset}: its run is not the curve's size {size.label}: "
+                         + "; ".join(diff))
+    return theirs_cfg.run_dir / "eval"
+
+
 def phase_report(c: Curve) -> dict[str, Path]:
     """curve.md, curve.png and curve.json under runs/<name>/curve from every size measured so far."""
     base = base_config(c.preset, c.overrides)
     results = {s.tokens: eval_file(c, s, "results.json") for s in c.sizes}
+    results.update({tokens: borrowed_eval(c, Size(tokens), preset) / "results.json" for tokens, preset in c.size_runs})
     replayed = {s.tokens: eval_file(c, s, "replayed.json") for s in c.sizes}
     variants = sweep_variants(base)
     sweep = {v.label: eval_file(c, c.sizes[-1], "results.json", v) for v in variants}
@@ -413,6 +411,15 @@ def all_phases(c: Curve) -> list[str]:
     return ["data", f"size-{c.sizes[-1].label}", *smaller, "report"]
 
 
+def _size_run(sizes: list[Size], item: str) -> tuple[int, str]:
+    """--size-run N=PRESET as (tokens, preset); N must be one of --sizes."""
+    label, _, preset = item.partition("=")
+    tokens = parse_tokens(label) if label and preset else None
+    if tokens not in [s.tokens for s in sizes]:
+        raise SystemExit(f"error: --size-run {item!r}: want N=PRESET with N one of --sizes")
+    return tokens, preset
+
+
 CARRY_PHASES = ("pack-journals", "unpack-journals", "pack-results", "unpack-results")
 
 
@@ -446,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         "lr-x2,vocab-32768); default all")
     parser.add_argument("--with-weights", action="store_true",
                         help="pack-results: the exported drafters too (to evaluate one again on another host)")
+    parser.add_argument("--size-run", action="append", default=[], metavar="N=PRESET",
+                        help="report: take size N from PRESET's run (checked to be that size's run under another name)")
     parser.add_argument("--in-process", action="store_true", help="run stages in this process, no budgets")
     parser.add_argument("--deadline-s", type=float, help="end every phase within this many seconds from now (a GPU "
                                                          "command's limit); the same command continues later")
@@ -469,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                   args.ngram_every_size, int(os.environ.get("NPROC", "1")),
                   tuple(v for v in args.variants.split(",") if v),
                   frozenset(item.partition("=")[0] for item in args.budget_s), args.greedy_texts,
-                  args.replay_smaller, None if args.deadline_s is None else time.monotonic() + args.deadline_s)
+                  args.replay_smaller, None if args.deadline_s is None else time.monotonic() + args.deadline_s,
+                  tuple(_size_run(sizes, item) for item in args.size_run))
     if args.phase in CARRY_PHASES:
         if args.folder is None:
             raise SystemExit(f"error: {args.phase} needs a folder")

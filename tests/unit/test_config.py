@@ -56,11 +56,13 @@ def test_presets_extending_each_other_in_a_cycle_are_refused(tmp_path):
         load_config(str(a))
 
 
-def test_the_quality_preset_is_the_curve_recipe_on_all_of_its_data():
-    """smollm2-quality = smollm2-curve (data, recipe, evaluation) under its own run name, without a token cap."""
+def test_the_quality_preset_is_the_curve_recipe_capped_at_20m_tokens():
+    """smollm2-quality = smollm2-curve (data, recipe, evaluation) under its own run name, on the first 20M tokens."""
     quality, curve = load_config("smollm2-quality"), load_config("smollm2-curve")
-    assert quality.run.name == "smollm2-quality" and quality.train.max_train_tokens is None
-    assert quality.model_copy(update={"run": curve.run}) == curve
+    assert quality.run.name == "smollm2-quality" and quality.train.max_train_tokens == 20_000_000
+    assert curve.train.max_train_tokens is None
+    capped = curve.model_copy(update={"train": curve.train.model_copy(update={"max_train_tokens": 20_000_000})})
+    assert quality.model_copy(update={"run": curve.run}) == capped
 
 
 def test_dotted_overrides_apply_with_yaml_types():

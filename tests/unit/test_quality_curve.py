@@ -129,6 +129,20 @@ def test_one_step_of_a_sweep_variant_runs_alone(tmp_path):
         quality_curve.run_phase(c, "export-4K-lr-x9")
 
 
+def test_the_quality_preset_is_the_curves_largest_size_and_a_different_run_is_refused(tmp_path):
+    """--size-run 20M=smollm2-quality: the report takes the quality run's results as the 20M point because every
+    setting but its name matches that size's run; as the 10M point it is refused, naming max_train_tokens."""
+    sizes = [quality_curve.Size(t) for t in (3_000_000, 10_000_000, 20_000_000)]
+    c = quality_curve.Curve("smollm2-curve", [f"run.workdir={tmp_path}"], sizes, dict(quality_curve.DEFAULT_BUDGETS_S),
+                            lambda *a: True, size_runs=((20_000_000, "smollm2-quality"),))
+    assert quality_curve.borrowed_eval(c, sizes[2], "smollm2-quality") == tmp_path / "smollm2-quality" / "eval"
+    with pytest.raises(SystemExit, match=r"train\.max_train_tokens \(10000000 here, 20000000 there\)"):
+        quality_curve.borrowed_eval(c, sizes[1], "smollm2-quality")
+    _fake_results(tmp_path / "smollm2-quality/eval/results.json", {"chain-3-1-4": 2.3, "ngram": 1.7})
+    text = quality_curve.phase_report(c)["markdown"].read_text()
+    assert "| 20M | 2.300 | 1.700 |" in text and "Not measured yet: 3M, 10M." in text
+
+
 def test_a_phase_list_runs_in_order_stops_at_the_first_cut_and_checks_every_name_first(tmp_path):
     """data,train-N,export-N: in order under one deadline; the first phase cut short ends the list (exit 3), and a
     bad name anywhere in the list fails before any phase runs."""
