@@ -103,3 +103,18 @@ def pack_results(run_dir: Path, out: Path, weights: bool = False, part_mib: floa
 def unpack_results(runs_root: Path, folder: Path) -> list[str]:
     """Restore pack_results' parts from ``folder`` under ``runs_root`` (runs/); returns the member names written."""
     return _read_parts(runs_root, folder, "results")
+
+
+PHASES = ("pack-journals", "unpack-journals", "pack-results", "unpack-results")
+"""quality_curve.py's phases that carry files; each takes a folder."""
+
+
+def run(phase: str, run_dir: Path, folder: Path, weights: bool) -> list[str]:
+    """One of PHASES for the data run ``run_dir``; what it wrote (parts packed, or member names unpacked)."""
+    if phase == "pack-journals":
+        return [str(p) for p in pack_journals(run_dir, folder)]
+    if phase == "unpack-journals":
+        return unpack_journals(run_dir, folder)
+    if phase == "pack-results":
+        return [str(p) for p in pack_results(run_dir, folder, weights)]
+    return unpack_results(run_dir.parent, folder)

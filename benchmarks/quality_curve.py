@@ -210,6 +210,8 @@ class Curve:
     replay_smaller: bool = False  # all: decode the largest size only (n-gram with it), replay the others
     deadline: float | None = None  # time.monotonic() by which every phase has ended (--deadline-s)
     size_runs: tuple[tuple[int, str], ...] = ()  # (tokens, preset): report takes that size from the preset's run
+    pack_to: Path | None = None  # --pack-results-to: results packed there after every phase (see curve_carry)
+    pack_weights: bool = False  # --with-weights: the drafters too
 
     def run(self, module: str, argv: list[str], budget_s: float) -> bool:
         """The runner within the phase's budget, cut to what --deadline-s leaves (a phase needs MIN_PHASE_S to start;
@@ -387,10 +389,16 @@ def run_phase(c: Curve, phase: str, steps: list[Callable[[], bool]] | None = Non
     t0 = time.monotonic()
     steps = phase_steps(c, phase) if steps is None else steps
     print(f"== {phase} ==", flush=True)
-    for step in steps:
-        if not step():
-            print(f"== {phase} cut short by its budget after {time.monotonic() - t0:.0f} s: run it again ==")
-            return False
+    done = all(step() for step in steps)
+    if c.pack_to is not None:  # so a GPU call can take the results so far, whatever happens to the host later
+        try:
+            parts = curve_carry.pack_results(base_config(c.preset, c.overrides).run_dir, c.pack_to, c.pack_weights)
+            print(f"results packed to {c.pack_to} ({len(parts)} parts)", flush=True)
+        except SystemExit as err:  # nothing measured yet: not a reason to stop the phases
+            print(f"results not packed: {err}", flush=True)
+    if not done:
+        print(f"== {phase} cut short by its budget after {time.monotonic() - t0:.0f} s: run it again ==")
+        return False
     print(f"== {phase} took {time.monotonic() - t0:.0f} s ==", flush=True)
     return True
 
@@ -420,20 +428,6 @@ def _size_run(sizes: list[Size], item: str) -> tuple[int, str]:
     return tokens, preset
 
 
-CARRY_PHASES = ("pack-journals", "unpack-journals", "pack-results", "unpack-results")
-
-
-def carry(phase: str, run_dir: Path, folder: Path, weights: bool) -> list[str]:
-    """One of CARRY_PHASES (benchmarks/curve_carry.py); what it wrote."""
-    if phase == "pack-journals":
-        return [str(p) for p in curve_carry.pack_journals(run_dir, folder)]
-    if phase == "unpack-journals":
-        return curve_carry.unpack_journals(run_dir, folder)
-    if phase == "pack-results":
-        return [str(p) for p in curve_carry.pack_results(run_dir, folder, weights)]
-    return curve_carry.unpack_results(run_dir.parent, folder)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments and run the phases; exit status 3 when one was cut short."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -453,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                                                         "lr-x2,vocab-32768); default all")
     parser.add_argument("--with-weights", action="store_true",
                         help="pack-results: the exported drafters too (to evaluate one again on another host)")
+    parser.add_argument("--pack-results-to", type=Path, help="pack-results into this folder after every phase")
     parser.add_argument("--size-run", action="append", default=[], metavar="N=PRESET",
                         help="report: take size N from PRESET's run (checked to be that size's run under another name)")
     parser.add_argument("--in-process", action="store_true", help="run stages in this process, no budgets")
@@ -479,12 +474,12 @@ def main(argv: list[str] | None = None) -> int:
                   tuple(v for v in args.variants.split(",") if v),
                   frozenset(item.partition("=")[0] for item in args.budget_s), args.greedy_texts,
                   args.replay_smaller, None if args.deadline_s is None else time.monotonic() + args.deadline_s,
-                  tuple(_size_run(sizes, item) for item in args.size_run))
-    if args.phase in CARRY_PHASES:
+                  tuple(_size_run(sizes, item) for item in args.size_run), args.pack_results_to, args.with_weights)
+    if args.phase in curve_carry.PHASES:
         if args.folder is None:
             raise SystemExit(f"error: {args.phase} needs a folder")
-        print("\n".join(carry(args.phase, base_config(curve.preset, curve.overrides).run_dir, args.folder,
-                               args.with_weights)))
+        print("\n".join(curve_carry.run(args.phase, base_config(curve.preset, curve.overrides).run_dir, args.folder,
+                                        args.with_weights)))
         return 0
     if args.phase != "all":
         return 0 if run_phases(curve, args.phase.split(",")) else CUT_SHORT

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import curve_assets, curve_report, quality_curve
+from benchmarks import curve_assets, curve_carry, curve_report, quality_curve
 from eagle3.train.build import first_tokens
 
 
@@ -261,3 +261,10 @@ def test_curve_all_phases_on_the_tiny_target(tmp_path, capsys):
     assert {r["method"] for r in json.loads((variant / "eval/results.json").read_text())["results"]} == {"chain-3-1-4"}
     assert quality_curve.main(["report", *args[1:]]) == 0
     assert "| vocab-256 |" in (tmp_path / "tiny/curve/curve.md").read_text()
+    # --pack-results-to: after a phase, its folder unpacks to every run's results and, with --with-weights, drafters
+    carry = tmp_path / "carry"
+    assert quality_curve.main(["report", *args[1:], "--pack-results-to", str(carry), "--with-weights"]) == 0
+    names = set(curve_carry.unpack_results(tmp_path / "elsewhere", carry))
+    for rel in ("tiny-2K/eval/results.json", "tiny-4K-vocab-256/eval/prompts.jsonl", "tiny/curve/curve.md",
+                "tiny-4K/export/sglang/model.safetensors"):
+        assert rel in names and (tmp_path / "elsewhere" / rel).read_bytes() == (tmp_path / rel).read_bytes()
