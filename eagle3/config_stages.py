@@ -139,6 +139,8 @@ class TrainConfig(Section):
     """Online target per rank: a full copy, or FSDP2-sharded over the ranks; auto = fsdp on >1 GPU when it fills half their free memory."""
     online_forward: Literal["auto", "packed", "padded"] = Operational("auto")
     """Online target per row: packed = one forward, documents kept apart by a mask; padded = documents as padded batches; auto = packed where the target allows it."""
+    feature_cache_gib: float = Operational(0.0, ge=0)
+    """Online: GiB of the training device that keep the target's states of documents seen; later epochs and validations skip their forward (0 = off)."""
     device: Literal["auto", "cpu", "cuda"] = Operational("auto")
     """Where to train: auto = cuda:LOCAL_RANK when CUDA is available, else cpu."""
     aux_noise: Literal["none", "uniform", "gaussian"] = "none"

@@ -107,6 +107,7 @@ class PackedBatch:
     counted: bool
     noise_seed: int  # seeds this row's aux noise (same row -> same noise, on resume too)
     lengths: tuple[int, ...] = ()  # tokens of each real document, in row order (online features need them)
+    ids: tuple[str, ...] = ()  # each real document's sample id, in row order (the online feature cache's keys)
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -270,7 +271,8 @@ class RowLoader:
         if self.pin_memory:  # here, on the loader thread: pinning 100 MB rows costs the training thread nothing
             batch = map_tensors(batch, Tensor.pin_memory)
         return PackedBatch(batch, row.num_tokens, int(batch.loss_mask.sum()), row.counted,
-                           noise_seed(self.seed, self.epoch, index), tuple(s.num_tokens for s in row.samples))
+                           noise_seed(self.seed, self.epoch, index), tuple(s.num_tokens for s in row.samples),
+                           tuple(s.sample_id for s in row.samples))
 
     def _put(self, out: queue.Queue, item: object) -> bool:
         """Put unless the consumer has gone away (then the thread must end instead of blocking forever)."""

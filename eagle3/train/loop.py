@@ -4,15 +4,13 @@ One optimizer step (``train_step``), on every rank:
   1. move its grad_accum_steps rows to the device, add aux noise (seeded per row);
   2. compute the target's supervision of each row (no grad) and each TTT step's supervised-token count,
      summed over the rows of every rank (one all-reduce): N_k;
-  3. per row: loss = sum_k decay^k * loss_sum_k / N_k * world_size, backward (gradient sync on the last
-     row only). DDP/FSDP average gradients over ranks, so the world_size factor makes the update the
-     gradient of ONE masked mean over the whole global batch: 1 process x 2 accumulation steps and
-     2 processes x 1 step take the same step, and a row full of prompt tokens weighs what its
-     supervised tokens weigh, not what its length does;
+  3. per row: loss = sum_k decay^k * loss_sum_k / N_k * world_size, backward (gradient sync on the last row
+     only). DDP/FSDP average gradients over ranks, so the world_size factor makes the update the gradient of
+     ONE masked mean over the whole global batch: 1 process x 2 accumulation steps and 2 processes x 1 step
+     take the same step, and a row full of prompt tokens weighs what its supervised tokens weigh;
   4. clip, AdamW, scheduler; one all-reduce of the metric sums (and of the stop flag, so every rank
      stops after the same step).
-CPU runs are fp32 and deterministic (same seed -> same losses, resumed or not); CUDA runs use bf16
-autocast over fp32 master weights.
+CPU runs are fp32 and deterministic (same seed -> same losses, resumed or not); CUDA: bf16 autocast, fp32 weights.
 """
 
 from __future__ import annotations
@@ -153,7 +151,7 @@ def prepare_row(tr: Trainer, row: PackedBatch, noise: bool) -> TTTBatch:
     """The row on the device, with the configured aux noise when ``noise`` (train rows only)."""
     batch = batch_to(row.batch, tr.dist.device)
     if tr.online is not None:
-        batch = tr.online.fill(batch, list(row.lengths), tr.float_dtype)
+        batch = tr.online.fill(batch, list(row.lengths), tr.float_dtype, row.ids)
     if noise and tr.cfg.train.aux_noise != "none":
         batch = dataclasses.replace(batch, aux=add_aux_noise(batch.aux, tr.cfg.train.aux_noise,
                                                              tr.cfg.train.aux_noise_std, row.noise_seed))
@@ -355,6 +353,8 @@ def _run_eval(tr: Trainer) -> dict[str, Any] | None:
         log.info("eval step %d: loss %.4f acc_0 %.3f (unigram %.3f) accept_len_est %.3f", tr.state.step,
                  rec["loss"], rec.get("acc_0", 0.0), rec["unigram_acc_0"], rec["accept_len_est"])
         tr.progress.update(force=True, last_eval=rec)
+    if tr.online is not None and tr.online.cache is not None:  # what the cache saved so far
+        log.info("train: %s", tr.online.cache.describe())
     return rec
 
 

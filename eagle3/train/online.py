@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from eagle3.features.spec import FeatureSpec, SampleTokens
+from eagle3.train.state_cache import StateCache
 
 log = logging.getLogger("eagle3.train")
 
@@ -101,12 +102,26 @@ def _pad_rows(x: Tensor, length: int, value: float = 0.0) -> Tensor:
     return out[None]
 
 
+def _documents(batch: Any, lengths: list[int]) -> list[SampleTokens]:
+    """A collated row's real documents as SampleTokens (token ids and loss masks), in row order."""
+    host_ids, host_mask = batch.input_ids[0].tolist(), batch.loss_mask[0].tolist()  # [T] each; one sync per row
+    docs, start = [], 0
+    for k, n in enumerate(lengths):
+        docs.append(SampleTokens(f"doc{k}", host_ids[start:start + n], host_mask[start:start + n]))
+        start += n
+    return docs
+
+
 class OnlineFeatures:
     """Fills a collated row's aux and supervision on the device from the frozen target (module docstring)."""
 
     def __init__(self, backend: Any, spec: FeatureSpec, forward: str = "padded", row_tokens: int | None = None,
-                 sharded: bool = False):
-        self.spec, self.backend = spec, backend  # backend: an HFCaptureBackend on the training device
+                 sharded: bool = False, cache: StateCache | None = None):
+        if cache is not None and sharded:
+            # a rank that skips a forward leaves the others waiting in the sharded target's collectives
+            raise ValueError("train.feature_cache_gib needs a whole target per rank: set train.target_sharding="
+                             "replicate, or feature_cache_gib=0 for a sharded target")
+        self.spec, self.backend, self.cache = spec, backend, cache  # backend: an HFCaptureBackend on the device
         self.backend.model.requires_grad_(False)
         self.packed, self.forward = packed_for(forward, backend, row_tokens, sharded), forward
         # auto, one process: a packed forward that fails falls back to padded (never sharded: see packed_for)
@@ -120,18 +135,20 @@ class OnlineFeatures:
         from eagle3.features.hf_backend import HFCaptureBackend
 
         forward, row_tokens = cfg.train.online_forward, cfg.train.max_tokens_per_batch
+        gib = cfg.train.feature_cache_gib
+        cache = StateCache(int(gib * 2**30)) if gib > 0 else None
         if info is not None:
             from eagle3.train.target_shard import resolve_sharding, sharded_backend
 
             if resolve_sharding(cfg.train.target_sharding, info, model_dir, cfg.target.dtype) == "fsdp":
                 # every rank must run the same forwards, or the shards' collectives hang
                 return cls(sharded_backend(cfg, model_dir, spec, info), spec, forward, row_tokens=row_tokens,
-                           sharded=True)
+                           sharded=True, cache=cache)
         cap = cfg.capture
         backend = HFCaptureBackend.from_spec(model_dir, spec, device=str(device), dtype=cfg.target.dtype,
                                              max_tokens_per_batch=cap.max_tokens_per_batch,
                                              batch_invariant=cap.per_sample_attention)
-        return cls(backend, spec, forward, row_tokens=row_tokens)
+        return cls(backend, spec, forward, row_tokens=row_tokens, cache=cache)
 
     def describe(self) -> str:
         """How rows run through the target, in words (for the trainer's log)."""
@@ -172,19 +189,37 @@ class OnlineFeatures:
                             "documents as padded batches from now on (train.online_forward=padded skips the try)",
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
                 self.packed = False
-        ids, mask = batch.input_ids[0], batch.loss_mask[0]  # [T]
-        docs, start = [], 0
-        host_ids, host_mask = ids.tolist(), mask.tolist()  # one sync per row
-        for k, n in enumerate(lengths):
-            docs.append(SampleTokens(f"doc{k}", host_ids[start:start + n], host_mask[start:start + n]))
-            start += n
-        return self.states(docs, compute)
+        return self.states(_documents(batch, lengths), compute)
 
-    def fill(self, batch: Any, lengths: list[int], compute: torch.dtype) -> Any:
-        """The TTTBatch with aux/final (or top-K) of its documents; ``lengths``: tokens of each real document."""
+    def cached_row_states(self, batch: Any, lengths: list[int], compute: torch.dtype,
+                          ids: tuple[str, ...]) -> dict[str, Tensor]:
+        """row_states through the cache (eagle3.train.state_cache): documents it keeps come from it, the others
+        from the target (the row's own forward when none is kept), and are kept if the budget allows."""
+        assert self.cache is not None and len(ids) == len(lengths), (len(ids), len(lengths))
+        pieces = [self.cache.get(sid, n) for sid, n in zip(ids, lengths)]
+        missing = [k for k, piece in enumerate(pieces) if piece is None]
+        if missing:
+            if len(missing) == len(lengths):
+                fresh = self.row_states(batch, lengths, compute)
+            else:
+                docs = _documents(batch, lengths)
+                fresh = self.states([docs[k] for k in missing], compute)
+            sizes = [lengths[k] for k in missing]
+            split = {name: t.split(sizes) for name, t in fresh.items()}
+            for j, k in enumerate(missing):
+                pieces[k] = {name: parts[j] for name, parts in split.items()}
+                self.cache.put(ids[k], pieces[k])
+        return {name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]}  # [n, ...]
+
+    def fill(self, batch: Any, lengths: list[int], compute: torch.dtype, ids: tuple[str, ...] = ()) -> Any:
+        """The TTTBatch with aux/final (or top-K) of its documents; ``lengths``: tokens of each real document,
+        ``ids``: their sample ids (the cache's keys; without them the cache is not used)."""
         from eagle3.train.data import TOPK_PAD_LOGPROB
 
-        states = self.row_states(batch, lengths, compute)
+        if self.cache is not None and ids:
+            states = self.cached_row_states(batch, lengths, compute, ids)
+        else:
+            states = self.row_states(batch, lengths, compute)
         length = batch.input_ids.shape[1]
         fields: dict[str, Tensor] = {"aux": _pad_rows(states["aux"], length)}  # [1, T, A*H]
         if "final" in states:

@@ -140,3 +140,24 @@ def test_online_rows_equal_captured_rows_for_topk_and_fp8(tmp_path, capture):
         filled = online.fill(got.batch, list(got.lengths), torch.float32)
         for name in names:
             assert torch.equal(getattr(filled, name), getattr(want.batch, name)), name
+
+
+@pytest.mark.parametrize("gib", [1.0, 2e-4], ids=["every-document", "a-few-documents"])
+def test_the_feature_cache_changes_no_metric_or_weight(online, tmp_path, caplog, gib):
+    """train.feature_cache_gib: later epochs and validations take kept documents' states from the cache (hits
+    logged), rows mixing kept and new documents included, and every metric and final weight equals the run
+    without it."""
+    cfg_plain, plain = online
+    cfg = _online_run(tmp_path / "runs", [*OVERRIDES, f"train.feature_cache_gib={gib}"])
+    with caplog.at_level("INFO", logger="eagle3.train"):
+        cached = train(cfg)
+    lines = [r.getMessage() for r in caplog.records if "feature cache:" in r.getMessage()]
+    assert lines and " 0.0% of" not in lines[-1], lines
+    assert (" 0 over the budget" in lines[-1]) == (gib == 1.0), lines[-1]
+    for kind in ("train", "eval"):
+        got, want = _records(cfg, kind), _records(cfg_plain, kind)
+        assert [r["step"] for r in got] == [r["step"] for r in want] and got
+        for a, b in zip(got, want):
+            assert all(a[k] == b[k] for k in ("loss", "acc_0", "accept_len_est") if k in b), (kind, a["step"])
+    a, b = load_file(cached.checkpoint / "model.safetensors"), load_file(plain.checkpoint / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in b)
