@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 States = dict[str, Tensor]
@@ -74,8 +75,13 @@ class StateCache:
         if self.stats.bytes - freed + size > self.budget:
             self.stats.full += 1
             return False
-        # a copy: the row's tensor these are views of must not stay alive, and nothing may write into the cache
-        self._states[sample_id] = {name: t.detach().clone() for name, t in states.items()}
+        try:  # a copy: the row's tensor these are views of must not stay alive, and nothing may write into it
+            copy = {name: t.detach().clone() for name, t in states.items()}
+        except torch.OutOfMemoryError:  # the device holds less than the budget said: keep what is kept, add no more
+            self.budget = self.stats.bytes
+            self.stats.full += 1
+            return False
+        self._states[sample_id] = copy
         self.stats.bytes += size - freed
         self.stats.documents += old is None
         return True

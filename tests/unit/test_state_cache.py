@@ -55,3 +55,20 @@ def test_no_cache_without_a_budget_or_with_a_sharded_target():
 
     with pytest.raises(ValueError, match="target_sharding=replicate"):
         OnlineFeatures(Backend(), spec=None, sharded=True, cache=StateCache(1))
+
+
+def test_a_device_out_of_memory_caps_the_budget_at_what_is_kept(monkeypatch):
+    """If the device cannot hold a copy the budget allowed, the document is not kept, the budget shrinks to the
+    bytes already kept (no later put tries again), and what was kept stays."""
+    cache = StateCache(1 << 20)
+    assert cache.put("a", _states(4))
+    kept = cache.stats.bytes
+
+    def no_memory(self):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(torch.Tensor, "clone", no_memory)
+    assert not cache.put("b", _states(2))
+    monkeypatch.undo()
+    assert cache.budget == kept and cache.stats.full == 1 and not cache.put("c", _states(1))
+    assert cache.get("a", 4) is not None and cache.get("b", 2) is None
