@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from eagle3.run.layout import CURVE_DATA, CURVE_PLOT, CURVE_REPORT
+
 NGRAM = "ngram"
 
 
@@ -187,8 +189,8 @@ def write_curve_report(results: Mapping[int, Path], out_dir: Path, sweep: Mappin
     payload = {"rows": [asdict(r) for r in rows], "not_measured": missing,
                "sweep": {label: [asdict(r) for r in rs] for label, rs in variants.items()}}
     markdown = curve_markdown(rows, missing) + ("\n" + sweep_markdown(rows, variants, largest) if variants else "")
-    outputs = {"json": atomic_write_json(out_dir / "curve.json", payload),
-               "markdown": atomic_write_text(out_dir / "curve.md", markdown)}
+    outputs = {"json": atomic_write_json(out_dir / CURVE_DATA, payload),
+               "markdown": atomic_write_text(out_dir / CURVE_REPORT, markdown)}
     if rows:
-        outputs["plot"] = plot_curve(rows, out_dir / "curve.png")
+        outputs["plot"] = plot_curve(rows, out_dir / CURVE_PLOT)
     return outputs

@@ -349,6 +349,8 @@ def borrowed_eval(c: Curve, size: Size, preset: str) -> Path:
 
 def phase_report(c: Curve) -> dict[str, Path]:
     """curve.md, curve.png and curve.json under runs/<name>/curve from every size measured so far."""
+    from eagle3.run.layout import run_layout
+
     base = base_config(c.preset, c.overrides)
     results = {s.tokens: eval_file(c, s, "results.json") for s in c.sizes}
     results.update({tokens: borrowed_eval(c, Size(tokens), preset) / "results.json" for tokens, preset in c.size_runs})
@@ -356,7 +358,7 @@ def phase_report(c: Curve) -> dict[str, Path]:
     variants = sweep_variants(base)
     sweep = {v.label: eval_file(c, c.sizes[-1], "results.json", v) for v in variants}
     sweep_replayed = {v.label: eval_file(c, c.sizes[-1], "replayed.json", v) for v in variants}
-    outputs = write_curve_report(results, base.run_dir / "curve", sweep, replayed, sweep_replayed)
+    outputs = write_curve_report(results, run_layout(base).curve, sweep, replayed, sweep_replayed)
     print(outputs["markdown"].read_text())
     return outputs
 

@@ -44,6 +44,8 @@ METRICS_FILE, PROGRESS_FILE, CHECKPOINTS_DIR = "metrics.jsonl", "progress.json",
 TRAIN_PLOTS = ("loss.png", "acc.png")
 SGLANG_EXPORT_DIR = "sglang"
 RESULTS_FILE, REPORT_FILE, EVAL_PLOT, PARTIAL_DIR = "results.json", "report.md", "per_position.png", "partial"
+CURVE_DIR, CURVE_REPORT, CURVE_PLOT, CURVE_DATA = "curve", "curve.md", "curve.png", "curve.json"
+"""A data-scaling curve drawn over the runs that share this run's data (benchmarks/quality_curve.py report)."""
 
 
 def manifest_name(stage: str) -> str:
@@ -171,6 +173,11 @@ class RunLayout:
     def eval_plot(self) -> Path:
         """eval/per_position.png."""
         return self.eval / EVAL_PLOT
+
+    @property
+    def curve(self) -> Path:
+        """curve/: the data-scaling curve of the runs trained on this run's data, when one was drawn."""
+        return self.root / CURVE_DIR
 
     @property
     def deploy_report(self) -> Path:
