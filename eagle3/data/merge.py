@@ -170,21 +170,20 @@ def _check_sources(sources: list[SourceConfig], cfg: DataConfig, data_dir: Path)
         _open(src, cfg, data_dir).close()
 
 
-def _dedupe(conv: Conversation, seen_hashes: dict[str, str], own_hashes: dict[str, str] | None,
+def _dedupe(conv: Conversation, seen_hashes: dict[str, str], scope: dict[str, str],
             dedupe: bool) -> dict[str, Any] | Reject:
     """The row for a conversation, or a duplicate_content Reject naming the row that came first.
 
-    ``own_hashes`` (a source with ``dedupe_scope: source``) holds the source's own rows only: the conversation is
-    checked against those, so a file's own answers can sit beside the same file re-answered by another source."""
+    ``scope`` is what the conversation must not repeat: ``seen_hashes`` (every source's rows), or, for a source
+    with ``dedupe_scope: source``, its own rows only, so a file's own answers can sit beside the same file
+    re-answered by another source. ``seen_hashes`` always records the first row of each content (its split)."""
     digest = content_hash(conv.messages)
-    scope = seen_hashes if own_hashes is None else own_hashes
     if dedupe and digest in scope:
         record = {"id": conv.id, "messages": conv.messages}
         return Reject(conv.source, conv.location, "duplicate_content", f"same content as {scope[digest]}",
                       record, conv.id)
     seen_hashes.setdefault(digest, conv.id)
-    if own_hashes is not None:
-        own_hashes.setdefault(digest, conv.id)
+    scope.setdefault(digest, conv.id)
     return {"id": conv.id, "source": conv.source, "split": "", "messages": conv.messages, "content_hash": digest}
 
 
@@ -193,7 +192,7 @@ def _take_source(src: SourceConfig, cfg: DataConfig, seen_hashes: dict[str, str]
                  evals: _EvalCheck | None) -> tuple[_Tally, dict[str, Any]]:
     """Read one source until it ends or reaches its cap; returns its tally and facts for stats.json."""
     tally = _Tally()
-    own_hashes: dict[str, str] | None = {} if src.dedupe_scope == "source" else None
+    scope: dict[str, str] = {} if src.dedupe_scope == "source" else seen_hashes
     stream = _open(src, cfg, data_dir)
     stopped_at_cap = False
     with contextlib.closing(stream):
@@ -203,7 +202,7 @@ def _take_source(src: SourceConfig, cfg: DataConfig, seen_hashes: dict[str, str]
                 prog.update(PROGRESS_EVERY, source=src.name, kept=len(rows))
             row = item
             if isinstance(item, Conversation):
-                row = (evals and evals.reject(item)) or _dedupe(item, seen_hashes, own_hashes, cfg.dedupe)
+                row = (evals and evals.reject(item)) or _dedupe(item, seen_hashes, scope, cfg.dedupe)
             if isinstance(row, Reject):
                 rejects.write(row)
                 tally.count_reject(row.reason)

@@ -198,17 +198,19 @@ class OnlineFeatures:
         assert self.cache is not None and len(ids) == len(lengths), (len(ids), len(lengths))
         pieces = [self.cache.get(sid, n) for sid, n in zip(ids, lengths)]
         missing = [k for k, piece in enumerate(pieces) if piece is None]
+        whole_row = len(missing) == len(lengths)
         if missing:
-            if len(missing) == len(lengths):
+            if whole_row:
                 fresh = self.row_states(batch, lengths, compute)
             else:
-                docs = _documents(batch, lengths)
+                docs = _documents(batch, lengths)  # one host sync for the row
                 fresh = self.states([docs[k] for k in missing], compute)
-            sizes = [lengths[k] for k in missing]
-            split = {name: t.split(sizes) for name, t in fresh.items()}
+            split = {name: t.split([lengths[k] for k in missing]) for name, t in fresh.items()}
             for j, k in enumerate(missing):
                 pieces[k] = {name: parts[j] for name, parts in split.items()}
                 self.cache.put(ids[k], pieces[k])
+            if whole_row:
+                return fresh  # already the row in order: no second concatenation
         return {name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]}  # [n, ...]
 
     def fill(self, batch: Any, lengths: list[int], compute: torch.dtype, ids: tuple[str, ...] = ()) -> Any:

@@ -31,7 +31,6 @@ class CacheStats:
 
     hits: int = 0
     misses: int = 0
-    documents: int = 0
     bytes: int = 0
     full: int = 0  # documents not kept because the budget was spent
 
@@ -40,6 +39,10 @@ class CacheStats:
         """Share of lookups the cache answered."""
         looked = self.hits + self.misses
         return self.hits / looked if looked else 0.0
+
+
+def _nbytes(states: States) -> int:
+    return sum(t.numel() * t.element_size() for t in states.values())
 
 
 class StateCache:
@@ -52,10 +55,15 @@ class StateCache:
         self.stats = CacheStats()
         self._states: dict[str, States] = {}
 
+    @property
+    def documents(self) -> int:
+        """Documents kept."""
+        return len(self._states)
+
     def describe(self) -> str:
         """One line for the trainer's log: documents kept, memory used of the budget, the hit rate so far."""
         st = self.stats
-        return (f"feature cache: {st.documents:,} documents, {st.bytes / 2**30:.2f} of {self.budget / 2**30:.2f} "
+        return (f"feature cache: {self.documents:,} documents, {st.bytes / 2**30:.2f} of {self.budget / 2**30:.2f} "
                 f"GiB, {st.hit_rate:.1%} of {st.hits + st.misses:,} lookups hit, {st.full:,} over the budget")
 
     def get(self, sample_id: str, num_tokens: int) -> States | None:
@@ -69,9 +77,9 @@ class StateCache:
 
     def put(self, sample_id: str, states: States) -> bool:
         """Keep a document's states if the budget allows (a longer copy replaces a shorter); True when kept."""
-        size = sum(t.numel() * t.element_size() for t in states.values())
+        size = _nbytes(states)
         old = self._states.get(sample_id)
-        freed = sum(t.numel() * t.element_size() for t in old.values()) if old else 0
+        freed = _nbytes(old) if old else 0
         if self.stats.bytes - freed + size > self.budget:
             self.stats.full += 1
             return False
@@ -83,5 +91,4 @@ class StateCache:
             return False
         self._states[sample_id] = copy
         self.stats.bytes += size - freed
-        self.stats.documents += old is None
         return True

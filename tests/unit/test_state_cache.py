@@ -22,7 +22,7 @@ def test_a_kept_document_comes_back_equal_and_as_a_prefix_for_fewer_tokens():
     whole, prefix = cache.get("a", 10), cache.get("a", 6)
     assert all(torch.equal(whole[k], states[k]) and torch.equal(prefix[k], states[k][:6]) for k in states)
     assert cache.get("a", 11) is None
-    assert (cache.stats.hits, cache.stats.misses, cache.stats.documents) == (2, 2, 1)
+    assert (cache.stats.hits, cache.stats.misses, cache.documents) == (2, 2, 1)
 
 
 def test_the_budget_is_never_exceeded_and_a_longer_copy_replaces_a_shorter():
@@ -32,7 +32,7 @@ def test_the_budget_is_never_exceeded_and_a_longer_copy_replaces_a_shorter():
     assert cache.put("a", _states(6)) and not cache.put("b", _states(5))
     assert cache.stats.bytes == 6 * per_token and cache.stats.full == 1 and cache.get("b", 5) is None
     assert cache.put("a", _states(10, seed=1)) and cache.stats.bytes == 10 * per_token
-    assert cache.stats.documents == 1 and torch.equal(cache.get("a", 10)["aux"], _states(10, seed=1)["aux"])
+    assert cache.documents == 1 and torch.equal(cache.get("a", 10)["aux"], _states(10, seed=1)["aux"])
     assert "1 documents" in cache.describe() and "1 over the budget" in cache.describe()
 
 
