@@ -26,8 +26,8 @@ fsynced per record), then SIGKILL after a grace period, and the script exits 3: 
 
 Time on one H200 (every stretch's figures and commands: docs/evaluate.md): data ~90 s with the generated text
 carried in (``pack-journals`` there, ``unpack-journals`` here), ~800 s generating it on a bare host; online
-training ~107K tok/s after ~70 s of start-up, so six epochs take ~56 s per million tokens; export ~5 s; the
-160-prompt evaluation with all four methods ~265 s, alone on the GPU (a decode beside a training runs ~3x slower).
+training six epochs of 20M tokens in 1,064 s with the feature cache (~53 s per million tokens); export ~5 s; the
+160-prompt evaluation with all four methods 265-350 s, alone on the GPU (a decode beside a training runs ~3x slower).
 So a stretch holds the data and the largest size, or the data and a few smaller sizes; ``pack-results`` carries
 what each measured back, ``unpack-results`` restores it here, and ``report`` draws the sizes of every stretch.
 """
