@@ -7,7 +7,10 @@
 # PYTHON may be set in the environment. With train.features=online (smollm2-quality) capture does nothing.
 # On a bare GPU host the target and data files arrive with benchmarks/curve_assets.py, and text generated on an
 # earlier host with `benchmarks/quality_curve.py unpack-journals DIR --preset "$PRESET"` (then the data phase
-# generates only what is missing). Figures and the commands that produced them: docs/evaluate.md.
+# generates only what is missing). PACK_RESULTS_TO=DIR packs what the run has measured, its exported drafter
+# included, into DIR after every phase (`benchmarks/quality_curve.py pack-results`), so a host lost mid-run still
+# leaves its finished phases to carry off; `quality_curve.py unpack-results DIR` restores them elsewhere.
+# Figures and the commands that produced them: docs/evaluate.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -31,6 +34,9 @@ run_phase() {
     eval) $PY -m eagle3.evaluate.stage --config "$config" "${overrides[@]}" ;;
   esac
   echo "== $1 took $((SECONDS - t0)) s =="
+  if [ -n "${PACK_RESULTS_TO:-}" ]; then
+    $PY benchmarks/quality_curve.py pack-results "$PACK_RESULTS_TO" --preset "$PRESET" --with-weights "${overrides[@]}"
+  fi
 }
 
 if [ "$phase" = all ]; then
