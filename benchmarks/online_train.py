@@ -8,12 +8,17 @@ documents) and the same drafter step (eagle3.train.loop: supervise -> backward_r
   online   RowLoader over the token ids alone, OnlineFeatures.fill runs the frozen target on the device -> the step,
            once per --online-forward mode: packed (a row in one forward, documents kept apart by a flex mask)
            and padded (a row's documents as padded batches); each mode also prints the target's rate alone.
+  cached   (--feature-cache) online with train.feature_cache_gib's cache already holding every document (the
+           later epochs of a run whose cache holds its data): one untimed pass fills it, the timed pass hits for
+           every document, so the step runs no target forward; --profile N then prints the top ops of N such steps.
 Printed per mode after --warmup untimed steps: training tokens/s, peak GiB; offline also the capture's tokens/s,
 bytes on disk and the tokens/s of capture + one epoch together (what offline costs when the features are
 used once). Documents: real lengths from a --tokens-file (benchmarks/capture.py --save-tokens), or random.
 
     python benchmarks/online_train.py --target smollm2 --tokens-file sharegpt_smollm2_tokens.npz
     python benchmarks/online_train.py --target llama8b --seq-len 4096 --rows 24 --ttt-steps 7
+    python benchmarks/online_train.py --target smollm2 --tokens-file sharegpt_smollm2_tokens.npz --ttt-steps 7 \
+        --online-forward padded --feature-cache --profile 4
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from eagle3.train.data import RowLoader, batch_to, pack
 from eagle3.train.dist import DistInfo
 from eagle3.train.loop import backward_rows, optimizer_step, step_options_for, supervise
 from eagle3.train.online import OnlineFeatures
+from eagle3.train.state_cache import StateCache
 from eagle3.drafter.ttt import TTTObjective
 
 SHAPES = {"smollm2": (SMOLLM2_135M, 16384), "llama8b": (LLAMA31_8B, 32000)}  # (target shape, draft vocab)
@@ -177,6 +183,63 @@ def online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs,
     return on_tok_s, on_gib
 
 
+def profile_steps(cfg, objective, loader: RowLoader, fill, info: DistInfo, steps: int) -> None:
+    """Prints the ops that took the most device time (CPU time on a CPU) over ``steps`` training steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    optimizer = build_optimizer(cfg, objective, 1e-4, info.device)
+    scheduler = build_scheduler(cfg, optimizer, 10_000)
+    cuda = info.device.type == "cuda"
+    rows = iter(loader)
+    for _ in range(2):  # untimed: compilation and the optimizer's first step stay out of the profile
+        row = next(rows)
+        batch = fill(batch_to(row.batch, info.device), row)
+        sups, counts = supervise(objective, [batch], info)
+        backward_rows(objective, [batch], sups, counts, info)
+        optimizer_step(objective, optimizer, scheduler, grad_clip=0.5)
+    _sync(info.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _, row in zip(range(steps), rows):
+            batch = fill(batch_to(row.batch, info.device), row)
+            sups, counts = supervise(objective, [batch], info)
+            backward_rows(objective, [batch], sups, counts, info)
+            optimizer_step(objective, optimizer, scheduler, grad_clip=0.5)
+        _sync(info.device)
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(f"profile of {steps} cached steps, top ops by {sort}:", flush=True)
+    print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+
+
+def cached_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs, fdir, fdt,
+                info) -> tuple[float, float]:
+    """Online training with every document's states already in the feature cache (module docstring)."""
+    device = info.device
+    online = OnlineFeatures(backend, spec, "padded", cache=StateCache(1 << 40))  # the rows' states fit: few rows
+
+    def loader() -> RowLoader:
+        return RowLoader(fdir, rows, args.seq_len, fdt, depth=2, pin_memory=device.type == "cuda",
+                         reader=MemoryTokens(docs))
+
+    def fill(batch, row):
+        return online.fill(batch, list(row.lengths), fdt, row.ids)
+
+    with torch.no_grad():
+        for row in loader():  # the pass that fills the cache (the first epoch), untimed
+            fill(batch_to(row.batch, device), row)
+    torch.manual_seed(0)
+    obj = build_objective(cfg, model, shape, draft_vocab, device)
+    seconds, tokens, gib = train_pass(cfg, obj, loader(), fill, info, args.warmup)
+    if args.profile:
+        profile_steps(cfg, obj, loader(), fill, info, args.profile)
+    print(f"online train (cached states, every document a hit): {tokens / seconds:,.0f} tokens/s, peak {gib:.1f} GiB; "
+          f"{online.cache.describe()}", flush=True)
+    del obj
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return tokens / seconds, gib
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", choices=sorted(SHAPES), default="smollm2")
@@ -190,6 +253,9 @@ def main() -> None:
     p.add_argument("--online-forward", default="packed,padded",
                    help="train.online_forward modes to time, comma-separated (packed: one forward per row)")
     p.add_argument("--out-dir", type=Path, default=None, help="where the offline shards go (default: a temp dir)")
+    p.add_argument("--feature-cache", action="store_true", help="also time online training from a full feature cache")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="with --feature-cache: print the top ops of N cached steps")
     args = p.parse_args()
     device = torch.device(args.device)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device, initialized=False)
@@ -254,6 +320,13 @@ def main() -> None:
                   f"peak_gib_online={on_gib:.1f} peak_gib_offline={off_gib:.1f}", flush=True)
         if {"packed", "padded"} <= rates.keys():
             print(f"packed_over_padded_online={rates['packed'][0] / rates['padded'][0]:.3f}", flush=True)
+        if args.feature_cache:
+            cached_tok_s, cached_gib = cached_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs,
+                                                   fdir, fdt, info)
+            best_online = max(r[0] for r in rates.values())
+            print(f"summary: cached_tok_s={cached_tok_s:,.0f} cached_over_online={cached_tok_s / best_online:.3f} "
+                  f"cached_over_offline_train={cached_tok_s / off_tok_s:.3f} peak_gib_cached={cached_gib:.1f}",
+                  flush=True)
     finally:
         if args.out_dir is None:
             shutil.rmtree(out, ignore_errors=True)
