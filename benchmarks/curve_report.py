@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from eagle3.run.layout import CURVE_DATA, CURVE_PLOT, CURVE_REPORT
@@ -53,6 +53,7 @@ def read_rows(results: Mapping[int, Path], replayed: Mapping[int, Path] | None =
         if path.is_file():
             decoded = [CurveRow(tokens, r["dataset"], r["method"], float(r["accept_len"]), int(r["num_prompts"]),
                                 int(r["lossless"]["identical"])) for r in json.loads(path.read_text())["results"]]
+            decoded += _all_of_one(decoded)
         replay = (replayed or {}).get(tokens)
         have = {(r.dataset, r.method) for r in decoded}
         extra = [r for r in _replayed_rows(tokens, replay) if (r.dataset, r.method) not in have] \
@@ -61,6 +62,15 @@ def read_rows(results: Mapping[int, Path], replayed: Mapping[int, Path] | None =
             missing.append(tokens)
         rows += decoded + extra
     return rows, missing
+
+
+def _all_of_one(decoded: list[CurveRow]) -> list[CurveRow]:
+    """An evaluation of one dataset has no 'all' rows (its rows are all of it); a replay always has them, so
+    without these a one-dataset size would leave the 'all' table and the sweep to its replayed figures."""
+    datasets = {r.dataset for r in decoded}
+    if len(datasets) != 1 or "all" in datasets:
+        return []
+    return [replace(r, dataset="all") for r in decoded]
 
 
 def _replayed_rows(tokens: int, path: Path) -> list[CurveRow]:

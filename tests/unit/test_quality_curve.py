@@ -52,6 +52,19 @@ def test_curve_report_table_and_flat_ngram(tmp_path):
     assert out["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_an_evaluation_of_one_dataset_is_its_all_row_in_the_tables_and_the_sweep(tmp_path):
+    """A size evaluated on one dataset (no 'all' rows of its own) fills the 'all' table with its decoded figures."""
+    path = tmp_path / "one/results.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"results": [{"dataset": "mtbench", "method": "chain-3-1-4", "accept_len": 2.5,
+                                             "num_prompts": 4, "lossless": {"identical": 4}}]}))
+    rows, missing = curve_report.read_rows({2_000: path})
+    assert missing == [] and [(r.dataset, r.accept_len, r.replayed) for r in rows] == [("mtbench", 2.5, False),
+                                                                                       ("all", 2.5, False)]
+    three = _fake_results(tmp_path / "three/results.json", {"chain-3-1-4": 1.5})  # has its own 'all' rows
+    assert [r.dataset for r in curve_report.read_rows({2_000: three})[0]] == ["mtbench", "gsm8k", "all"]
+
+
 def test_curve_report_fills_undecoded_methods_from_replays_and_marks_them(tmp_path):
     """A size with only a replay file is measured (its figures marked †, no lossless claim); where a size has both,
     the decoded figure wins and the replay adds only the methods the decode lacked."""
