@@ -14,20 +14,32 @@ Two things have to travel:
 
 from __future__ import annotations
 
+import functools
 import io
 import lzma
 import tarfile
 from pathlib import Path
 
-JOURNALS = ("data/regenerate.journal.jsonl", "data/synthetic")
-"""What is carried of a data run, relative to it: the generated text, from which a rerun rebuilds the data."""
-RESULTS = ("config.json", "data/stats.json", "curve", "train/metrics.jsonl", "train/progress.json",
-           "train/train.manifest.json", "export/export.manifest.json", "export/sglang/README.md",
-           "export/sglang/config.json", "export/sglang/eagle3_export.json", "eval/results.json", "eval/report.md",
-           "eval/prompts.jsonl", "eval/evaluate.manifest.json", "eval/replayed.json")
-"""What is carried of each run of a curve, relative to it (a path through a link, e.g. a size's data/, is not)."""
-WEIGHTS = ("export/sglang/model.safetensors",)
-"""Added by ``weights=True``: the exported drafter (the SGLang layout; the other layout is exported from it)."""
+
+@functools.cache
+def _carried() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """What travels, as paths relative to a run, from the names the stages write (imported when first needed: the
+    export's names come with torch): (journals: the generated text of a data run, from which a rerun rebuilds its
+    data; results: what each run of a curve measured, a path through a link such as a size's data/ excepted;
+    weights: the exported drafter, in the SGLang layout the other layout is exported from)."""
+    from eagle3.data.regenerate import JOURNAL_NAME
+    from eagle3.data.synthetic import SYNTHETIC_DIR
+    from eagle3.export.checks import CONFIG_FILE, INFO_FILE, WEIGHTS_FILE
+    from eagle3.export.model_card import CARD_FILE
+    from eagle3.run.layout import MERGE_STATS_FILE, PROMPTS_FILE, REPLAYED_FILE, REPORT_FILE, RunLayout
+
+    run = RunLayout(Path())
+    export = run.sglang_export
+    journals = (run.data / JOURNAL_NAME, run.data / SYNTHETIC_DIR)
+    results = (run.config, run.data / MERGE_STATS_FILE, run.curve, run.metrics, run.progress, run.manifest("train"),
+               run.manifest("export"), export / CARD_FILE, export / CONFIG_FILE, export / INFO_FILE, run.eval_results,
+               run.eval / REPORT_FILE, run.eval / PROMPTS_FILE, run.manifest("evaluate"), run.eval / REPLAYED_FILE)
+    return tuple(tuple(p.as_posix() for p in group) for group in (journals, results, (export / WEIGHTS_FILE,)))
 
 
 def _write_parts(members: list[tuple[Path, str]], out: Path, stem: str, part_mib: float) -> list[Path]:
@@ -73,9 +85,10 @@ def _through_link(run_dir: Path, rel: str) -> bool:
 
 def pack_journals(run_dir: Path, out: Path, part_mib: float = 15.0) -> list[Path]:
     """The journals under ``run_dir`` as ``out``/journals.tar.xz.NN parts of at most ``part_mib`` MiB each."""
-    present = [rel for rel in JOURNALS if (run_dir / rel).exists()]
+    journals = _carried()[0]
+    present = [rel for rel in journals if (run_dir / rel).exists()]
     if not present:
-        raise SystemExit(f"error: no generation journal under {run_dir} ({', '.join(JOURNALS)})")
+        raise SystemExit(f"error: no generation journal under {run_dir} ({', '.join(journals)})")
     return _write_parts([(run_dir / rel, rel) for rel in present], out, "journals", part_mib)
 
 
@@ -92,7 +105,8 @@ def curve_runs(run_dir: Path) -> list[Path]:
 def pack_results(run_dir: Path, out: Path, weights: bool = False, part_mib: float = 15.0) -> list[Path]:
     """What every run of the curve of ``run_dir`` measured as ``out``/results.tar.xz.NN, names relative to
     runs/ (e.g. smollm2-curve-3M/eval/results.json)."""
-    wanted = (*RESULTS, *(WEIGHTS if weights else ()))
+    _, results, drafter = _carried()
+    wanted = (*results, *(drafter if weights else ()))
     members = [(run / rel, f"{run.name}/{rel}") for run in curve_runs(run_dir) for rel in wanted
                if (run / rel).exists() and not _through_link(run, rel)]
     if not members:

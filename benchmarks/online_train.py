@@ -124,19 +124,28 @@ def _sync(device: torch.device, reset_peak: bool = False) -> None:
             torch.cuda.reset_peak_memory_stats()
 
 
-def train_pass(cfg, objective, loader: RowLoader, fill, info: DistInfo, warmup: int) -> tuple[float, int, float]:
-    """(seconds of the timed steps, their tokens, peak GiB): one row per step, the first ``warmup`` untimed."""
+def stepper(cfg, objective, fill, info: DistInfo):
+    """One training step per row, as the trainer takes it (fill -> supervise -> backward -> optimizer step)."""
     optimizer = build_optimizer(cfg, objective, 1e-4, info.device)
     scheduler = build_scheduler(cfg, optimizer, 10_000)
+
+    def step(row) -> None:
+        batch = fill(batch_to(row.batch, info.device), row)
+        sups, counts = supervise(objective, [batch], info)
+        backward_rows(objective, [batch], sups, counts, info)
+        optimizer_step(objective, optimizer, scheduler, grad_clip=0.5)
+    return step
+
+
+def train_pass(cfg, objective, loader: RowLoader, fill, info: DistInfo, warmup: int) -> tuple[float, int, float]:
+    """(seconds of the timed steps, their tokens, peak GiB): one row per step, the first ``warmup`` untimed."""
+    step = stepper(cfg, objective, fill, info)
     tokens, start = 0, None
     for i, row in enumerate(loader):
         if i == warmup:
             _sync(info.device, reset_peak=True)
             start = time.perf_counter()
-        batch = fill(batch_to(row.batch, info.device), row)
-        sups, counts = supervise(objective, [batch], info)
-        backward_rows(objective, [batch], sups, counts, info)
-        optimizer_step(objective, optimizer, scheduler, grad_clip=0.5)
+        step(row)
         tokens += row.num_tokens if i >= warmup else 0
     _sync(info.device)
     peak = torch.cuda.max_memory_allocated() / 2**30 if info.device.type == "cuda" else float("nan")
@@ -187,24 +196,15 @@ def profile_steps(cfg, objective, loader: RowLoader, fill, info: DistInfo, steps
     """Prints the ops that took the most device time (CPU time on a CPU) over ``steps`` training steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    optimizer = build_optimizer(cfg, objective, 1e-4, info.device)
-    scheduler = build_scheduler(cfg, optimizer, 10_000)
-    cuda = info.device.type == "cuda"
+    step, cuda = stepper(cfg, objective, fill, info), info.device.type == "cuda"
     rows = iter(loader)
-    for _ in range(2):  # untimed: compilation and the optimizer's first step stay out of the profile
-        row = next(rows)
-        batch = fill(batch_to(row.batch, info.device), row)
-        sups, counts = supervise(objective, [batch], info)
-        backward_rows(objective, [batch], sups, counts, info)
-        optimizer_step(objective, optimizer, scheduler, grad_clip=0.5)
+    for _, row in zip(range(2), rows):  # untimed: compilation and the optimizer's first step stay out of the profile
+        step(row)
     _sync(info.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _, row in zip(range(steps), rows):
-            batch = fill(batch_to(row.batch, info.device), row)
-            sups, counts = supervise(objective, [batch], info)
-            backward_rows(objective, [batch], sups, counts, info)
-            optimizer_step(objective, optimizer, scheduler, grad_clip=0.5)
+            step(row)
         _sync(info.device)
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(f"profile of {steps} cached steps, top ops by {sort}:", flush=True)

@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import curve_carry  # noqa: E402
 from benchmarks.curve_report import token_label, write_curve_report  # noqa: E402
+from eagle3.run.layout import PROMPTS_FILE, REPLAYED_FILE  # noqa: E402
 
 DEFAULT_PRESET, DEFAULT_SIZES = "smollm2-curve", "3M,10M,20M"
 DEFAULT_BUDGETS_S = {"data": 650.0, "train": 240.0, "export": 90.0, "eval": 500.0}
@@ -307,7 +308,7 @@ def greedy_texts(c: Curve) -> Path:
     if c.greedy_texts is not None:
         return c.greedy_texts
     for size in c.decode_order():
-        if (path := eval_file(c, size, "prompts.jsonl")).is_file():
+        if (path := eval_file(c, size, PROMPTS_FILE)).is_file():
             return path
     raise SystemExit("error: replay needs greedy texts: evaluate one size first, or pass --greedy-texts")
 
@@ -318,7 +319,7 @@ def phase_replay(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     cfg, config = c.size_run(size, variant)
     return c.run("benchmarks.drafter_shift", [
         "--config", str(config), "--set", "evaluate.methods=[chain,ngram]", "--eval-prompts", str(greedy_texts(c)),
-        "--replay-only", "--device", cfg.evaluate.device, "--out", str(eval_file(c, size, "replayed.json", variant))],
+        "--replay-only", "--device", cfg.evaluate.device, "--out", str(eval_file(c, size, REPLAYED_FILE, variant))],
         c.budgets["eval"])
 
 
@@ -354,10 +355,10 @@ def phase_report(c: Curve) -> dict[str, Path]:
     base = base_config(c.preset, c.overrides)
     results = {s.tokens: eval_file(c, s, "results.json") for s in c.sizes}
     results.update({tokens: borrowed_eval(c, Size(tokens), preset) / "results.json" for tokens, preset in c.size_runs})
-    replayed = {s.tokens: eval_file(c, s, "replayed.json") for s in c.sizes}
+    replayed = {s.tokens: eval_file(c, s, REPLAYED_FILE) for s in c.sizes}
     variants = sweep_variants(base)
     sweep = {v.label: eval_file(c, c.sizes[-1], "results.json", v) for v in variants}
-    sweep_replayed = {v.label: eval_file(c, c.sizes[-1], "replayed.json", v) for v in variants}
+    sweep_replayed = {v.label: eval_file(c, c.sizes[-1], REPLAYED_FILE, v) for v in variants}
     outputs = write_curve_report(results, run_layout(base).curve, sweep, replayed, sweep_replayed)
     print(outputs["markdown"].read_text())
     return outputs

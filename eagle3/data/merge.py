@@ -35,7 +35,7 @@ from eagle3.data.sources import (REJECT_REASONS, Conversation, Reject, SourceErr
                                  read_source)
 from eagle3.data.synthetic import read_synthetic
 from eagle3.data.textcheck import EVAL_NGRAM, EvalOverlap
-from eagle3.run.layout import MERGED_FILE
+from eagle3.run.layout import MERGE_STATS_FILE, MERGED_FILE
 from eagle3.run.progress import Progress, ProgressFn
 from infra.storage import atomic_open, atomic_path, atomic_write_json
 
@@ -272,7 +272,7 @@ def merge_sources(sources: list[SourceConfig], cfg: DataConfig, seed: int, out_d
     _check_sources(sources, cfg, out_dir)
     evals = _eval_check(cfg)
     paths = {"merged": out_dir / MERGED_FILE, "rejects": out_dir / "rejects.jsonl",
-             "stats": out_dir / "stats.json"}
+             "stats": out_dir / MERGE_STATS_FILE}
     num_expected = sum(s.max_records for s in sources) if all(s.max_records for s in sources) else 0
     rows: list[dict[str, Any]] = []
     seen_hashes: dict[str, str] = {}  # content hash -> id of the first row with it (dedupe spans sources)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from eagle3.evaluate.records import (EvalResults, EvalSettings, LosslessCounts, LosslessDifference, PromptRecord,
                                      SummaryRow)
+from eagle3.run.layout import EVAL_PLOT, PROMPTS_FILE, REPORT_FILE, RESULTS_FILE
 
 
 def position_acceptance(depths: Sequence[int], accepted: Sequence[int]) -> tuple[list[float], list[float | None]]:
@@ -198,9 +199,9 @@ def write_outputs(out_dir: Path, records: Sequence[PromptRecord], rows: list[Sum
 
     out_dir.mkdir(parents=True, exist_ok=True)
     results = EvalResults(settings, rows).to_json()
-    outputs = {"results": atomic_write_json(out_dir / "results.json", results),
-               "report": atomic_write_text(out_dir / "report.md", report_markdown(rows, settings)),
-               "prompts": atomic_write_text(out_dir / "prompts.jsonl",
+    outputs = {"results": atomic_write_json(out_dir / RESULTS_FILE, results),
+               "report": atomic_write_text(out_dir / REPORT_FILE, report_markdown(rows, settings)),
+               "prompts": atomic_write_text(out_dir / PROMPTS_FILE,
                                             "".join(json.dumps(r.to_json()) + "\n" for r in records))}
-    outputs["plot"] = plot_per_position(rows, out_dir / "per_position.png")
+    outputs["plot"] = plot_per_position(rows, out_dir / EVAL_PLOT)
     return outputs

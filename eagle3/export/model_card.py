@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import RunConfig
+from eagle3.run.layout import MERGE_STATS_FILE
 from eagle3.run.stage import read_manifest
 
 CARD_FILE = "README.md"
@@ -160,10 +161,9 @@ def _serving(c: CardInputs) -> list[str]:
 
 
 def _data(c: CardInputs) -> list[str]:
-    from eagle3.run.stage import read_manifest
     from eagle3.run.stages import data_dir, manifest_path
 
-    merge = read_manifest(data_dir(c.cfg) / "stats.json") or {}
+    merge = read_manifest(data_dir(c.cfg) / MERGE_STATS_FILE) or {}
     tok = (read_manifest(manifest_path(c.cfg, "tokenize")) or {}).get("stats", {})
     vocab = (read_manifest(manifest_path(c.cfg, "vocab")) or {}).get("stats", {})
     lines = ["## Training data", ""]

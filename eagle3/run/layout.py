@@ -44,6 +44,8 @@ METRICS_FILE, PROGRESS_FILE, CHECKPOINTS_DIR = "metrics.jsonl", "progress.json",
 TRAIN_PLOTS = ("loss.png", "acc.png")
 SGLANG_EXPORT_DIR = "sglang"
 RESULTS_FILE, REPORT_FILE, EVAL_PLOT, PARTIAL_DIR = "results.json", "report.md", "per_position.png", "partial"
+PROMPTS_FILE, REPLAYED_FILE = "prompts.jsonl", "replayed.json"  # eval/: per-prompt records; replays on greedy texts
+MERGE_STATS_FILE = "stats.json"  # data/: what merge kept and rejected, per source
 CURVE_DIR, CURVE_REPORT, CURVE_PLOT, CURVE_DATA = "curve", "curve.md", "curve.png", "curve.json"
 """A data-scaling curve drawn over the runs that share this run's data (benchmarks/quality_curve.py report)."""
 
