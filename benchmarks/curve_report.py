@@ -168,8 +168,10 @@ def read_sweep(sweep: Mapping[str, Path], tokens: int, replayed: Mapping[str, Pa
     return out
 
 
-def sweep_markdown(rows: list[CurveRow], variants: Mapping[str, list[CurveRow]], largest: int) -> str:
-    """The recipe sweep at the largest size: a row per recipe (the baseline first), a column per method."""
+def sweep_markdown(rows: list[CurveRow], variants: Mapping[str, list[CurveRow]], largest: int,
+                   pending: list[str] = ()) -> str:
+    """The recipe sweep at the largest size: a row per recipe (the baseline first), a column per method, and a line
+    naming the ``pending`` variants (not measured yet)."""
     recipes = {"baseline": [r for r in rows if r.tokens == largest and r.dataset == "all"], **variants}
     methods = list(dict.fromkeys(r.method for rs in recipes.values() for r in rs if r.method != NGRAM))
     lines = [f"## Recipe sweep at {token_label(largest)} (all prompts)", "",
@@ -181,6 +183,8 @@ def sweep_markdown(rows: list[CurveRow], variants: Mapping[str, list[CurveRow]],
         total = sum(r.num_prompts for r in rs if r.method != NGRAM and not r.replayed)
         lossless = f"{ok}/{total} identical" if total else "replayed, no decode"
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {lossless} |")
+    if pending:
+        lines += ["", f"Not measured yet: {', '.join(pending)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -195,10 +199,12 @@ def write_curve_report(results: Mapping[int, Path], out_dir: Path, sweep: Mappin
     rows, missing = read_rows(results, replayed)
     largest = max(results, default=0)
     variants = read_sweep(sweep or {}, largest, sweep_replayed)
+    pending = [label for label in sweep or {} if label not in variants]
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"rows": [asdict(r) for r in rows], "not_measured": missing,
-               "sweep": {label: [asdict(r) for r in rs] for label, rs in variants.items()}}
-    markdown = curve_markdown(rows, missing) + ("\n" + sweep_markdown(rows, variants, largest) if variants else "")
+               "sweep": {label: [asdict(r) for r in rs] for label, rs in variants.items()}, "sweep_not_measured": pending}
+    markdown = curve_markdown(rows, missing) + ("\n" + sweep_markdown(rows, variants, largest, pending)
+                                                if variants else "")
     outputs = {"json": atomic_write_json(out_dir / CURVE_DATA, payload),
                "markdown": atomic_write_text(out_dir / CURVE_REPORT, markdown)}
     if rows:

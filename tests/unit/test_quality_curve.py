@@ -90,7 +90,7 @@ def test_curve_report_fills_undecoded_methods_from_replays_and_marks_them(tmp_pa
 
 def test_curve_report_tables_the_recipe_sweep_beside_the_largest_size(tmp_path):
     """Variants measured at the largest size get a table: the baseline row first, each variant's acceptance per
-    method and its lossless count; variants not measured yet are left out."""
+    method and its lossless count; variants not measured yet are named under the table, not tabled."""
     results = {2_000: _fake_results(tmp_path / "s-2K/results.json", {"chain-3-1-4": 1.4, "ngram": 1.7}),
                4_000: _fake_results(tmp_path / "s-4K/results.json", {"chain-3-1-4": 1.5})}
     sweep = {"lr-x2": _fake_results(tmp_path / "s-4K-lr-x2/results.json", {"chain-3-1-4": 1.6}),
@@ -99,7 +99,8 @@ def test_curve_report_tables_the_recipe_sweep_beside_the_largest_size(tmp_path):
     text = out["markdown"].read_text()
     assert "## Recipe sweep at 4K (all prompts)" in text
     assert "| baseline | 1.500 | 2/2 identical |" in text and "| lr-x2 | 1.600 | 2/2 identical |" in text
-    assert "lr-half" not in text
+    assert "| lr-half |" not in text and "Not measured yet: lr-half." in text
+    assert json.loads(out["json"].read_text())["sweep_not_measured"] == ["lr-half"]
     assert [r["tokens"] for r in json.loads(out["json"].read_text())["sweep"]["lr-x2"]] == [4_000]
 
 
