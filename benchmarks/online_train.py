@@ -8,6 +8,9 @@ documents) and the same drafter step (eagle3.train.loop: supervise -> backward_r
   online   RowLoader over the token ids alone, OnlineFeatures.fill runs the frozen target on the device -> the step,
            once per --online-forward mode: packed (a row in one forward, documents kept apart by a flex mask)
            and padded (a row's documents as padded batches); each mode also prints the target's rate alone.
+           The documents' tokens are read from the row the loader made on the host, as the trainer does;
+           --device-tokens also times each mode reading them from the row's device copy, which waits for the
+           kernels queued before it (the trainer before it took the host row), and prints the ratio.
   cached   (--feature-cache) online with train.feature_cache_gib's cache already holding every document (the
            later epochs of a run whose cache holds its data): one untimed pass fills it, the timed pass hits for
            every document, so the step runs no target forward; --profile N then prints the top ops of N such steps.
@@ -153,7 +156,7 @@ def train_pass(cfg, objective, loader: RowLoader, fill, info: DistInfo, warmup: 
 
 
 def target_rate(online: OnlineFeatures, loader: RowLoader, fdt: torch.dtype, device: torch.device,
-                warmup: int) -> float:
+                warmup: int, host_tokens: bool = True) -> float:
     """Tokens/s of the online target alone (row_states, no drafter step) over the loader's rows after ``warmup``."""
     tokens, start = 0, 0.0
     for k, row in enumerate(loader):
@@ -161,15 +164,16 @@ def target_rate(online: OnlineFeatures, loader: RowLoader, fdt: torch.dtype, dev
             _sync(device)
             start = time.perf_counter()
         batch = batch_to(row.batch, device)
-        online.row_states(batch, list(row.lengths), fdt)
+        online.row_states(batch, list(row.lengths), fdt, row.batch if host_tokens else None)
         tokens += row.num_tokens if k >= warmup else 0
     _sync(device)
     return tokens / (time.perf_counter() - start)
 
 
 def online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs, fdir, fdt, info,
-                mode: str) -> tuple[float, float]:
-    """Online training over ``rows`` with train.online_forward=``mode``: prints the target's and the step's rates."""
+                mode: str, host_tokens: bool = True) -> tuple[float, float]:
+    """Online training over ``rows`` with train.online_forward=``mode``: prints the target's and the step's rates;
+    ``host_tokens``: the documents' tokens from the host row (the trainer's way), else from its device copy."""
     device = info.device
     online = OnlineFeatures(backend, spec, mode)
 
@@ -178,13 +182,15 @@ def online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs,
                          reader=MemoryTokens(docs))
 
     with torch.no_grad():
-        target_tok_s = target_rate(online, loader(), fdt, device, args.warmup)
+        target_tok_s = target_rate(online, loader(), fdt, device, args.warmup, host_tokens)
     torch.manual_seed(0)
     on_obj = build_objective(cfg, model, shape, draft_vocab, device)
-    on_s, on_tokens, on_gib = train_pass(cfg, on_obj, loader(), lambda b, r: online.fill(b, list(r.lengths), fdt),
-                                         info, args.warmup)
+    on_s, on_tokens, on_gib = train_pass(
+        cfg, on_obj, loader(), lambda b, r: online.fill(b, list(r.lengths), fdt, host=r.batch if host_tokens else None),
+        info, args.warmup)
     on_tok_s = on_tokens / on_s
-    print(f"online train ({mode} target forward): {on_tok_s:,.0f} tokens/s, peak {on_gib:.1f} GiB; the target "
+    tokens = "" if host_tokens else ", tokens read from the device"
+    print(f"online train ({mode} target forward{tokens}): {on_tok_s:,.0f} tokens/s, peak {on_gib:.1f} GiB; the target "
           f"alone {target_tok_s:,.0f} tokens/s", flush=True)
     del on_obj
     if device.type == "cuda":
@@ -222,7 +228,7 @@ def cached_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs,
                          reader=MemoryTokens(docs))
 
     def fill(batch, row):
-        return online.fill(batch, list(row.lengths), fdt, row.ids)
+        return online.fill(batch, list(row.lengths), fdt, row.ids, host=row.batch)
 
     with torch.no_grad():
         for row in loader():  # the pass that fills the cache (the first epoch), untimed
@@ -253,6 +259,8 @@ def main() -> None:
     p.add_argument("--online-forward", default="packed,padded",
                    help="train.online_forward modes to time, comma-separated (packed: one forward per row)")
     p.add_argument("--out-dir", type=Path, default=None, help="where the offline shards go (default: a temp dir)")
+    p.add_argument("--device-tokens", action="store_true",
+                   help="also time each online mode reading the documents' tokens from the device (the old way)")
     p.add_argument("--feature-cache", action="store_true", help="also time online training from a full feature cache")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="with --feature-cache: print the top ops of N cached steps")
@@ -318,6 +326,11 @@ def main() -> None:
                   f"offline_capture_plus_one_epoch_tok_s={both:,.0f} online_over_offline_train={on_tok_s / off_tok_s:.3f} "
                   f"online_over_capture_plus_epoch={on_tok_s / both:.3f} disk_bytes_per_token={disk / num_tokens:,.0f} "
                   f"peak_gib_online={on_gib:.1f} peak_gib_offline={off_gib:.1f}", flush=True)
+        for mode in args.online_forward.split(",") if args.device_tokens else ():
+            slow, _ = online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs, fdir, fdt, info,
+                                  mode, host_tokens=False)
+            print(f"summary: online_forward={mode} host_tokens_over_device_tokens={rates[mode][0] / slow:.3f}",
+                  flush=True)
         if {"packed", "padded"} <= rates.keys():
             print(f"packed_over_padded_online={rates['packed'][0] / rates['padded'][0]:.3f}", flush=True)
         if args.feature_cache:

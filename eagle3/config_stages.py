@@ -141,6 +141,8 @@ class TrainConfig(Section):
     """Online target per row: packed = one forward, documents kept apart by a mask; padded = documents as padded batches; auto = packed where the target allows it."""
     feature_cache_gib: float = Operational(0.0, ge=0)
     """Online: GiB of the training device that keep the target's states of documents seen; later epochs and validations skip their forward (0 = off)."""
+    feature_cache_host_gib: float = Operational(0.0, ge=0)
+    """Online: GiB of pinned host memory that keep the states the device's feature cache has no room for (copied in per row; 0 = off)."""
     device: Literal["auto", "cpu", "cuda"] = Operational("auto")
     """Where to train: auto = cuda:LOCAL_RANK when CUDA is available, else cpu."""
     aux_noise: Literal["none", "uniform", "gaussian"] = "none"

@@ -151,7 +151,7 @@ def prepare_row(tr: Trainer, row: PackedBatch, noise: bool) -> TTTBatch:
     """The row on the device, with the configured aux noise when ``noise`` (train rows only)."""
     batch = batch_to(row.batch, tr.dist.device)
     if tr.online is not None:
-        batch = tr.online.fill(batch, list(row.lengths), tr.float_dtype, row.ids)
+        batch = tr.online.fill(batch, list(row.lengths), tr.float_dtype, row.ids, host=row.batch)
     if noise and tr.cfg.train.aux_noise != "none":
         batch = dataclasses.replace(batch, aux=add_aux_noise(batch.aux, tr.cfg.train.aux_noise,
                                                              tr.cfg.train.aux_noise_std, row.noise_seed))

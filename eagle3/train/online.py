@@ -103,8 +103,9 @@ def _pad_rows(x: Tensor, length: int, value: float = 0.0) -> Tensor:
 
 
 def _documents(batch: Any, lengths: list[int]) -> list[SampleTokens]:
-    """A collated row's real documents as SampleTokens (token ids and loss masks), in row order."""
-    host_ids, host_mask = batch.input_ids[0].tolist(), batch.loss_mask[0].tolist()  # [T] each; one sync per row
+    """A collated row's real documents as SampleTokens (token ids and loss masks), in row order; ``batch`` on the
+    host where the caller has it (on a GPU, reading the device's copy waits for every kernel queued before it)."""
+    host_ids, host_mask = batch.input_ids[0].tolist(), batch.loss_mask[0].tolist()  # [T] each
     docs, start = [], 0
     for k, n in enumerate(lengths):
         docs.append(SampleTokens(f"doc{k}", host_ids[start:start + n], host_mask[start:start + n]))
@@ -119,8 +120,8 @@ class OnlineFeatures:
                  sharded: bool = False, cache: StateCache | None = None):
         if cache is not None and sharded:
             # a rank that skips a forward leaves the others waiting in the sharded target's collectives
-            raise ValueError("train.feature_cache_gib needs a whole target per rank: set train.target_sharding="
-                             "replicate, or feature_cache_gib=0 for a sharded target")
+            raise ValueError("train.feature_cache_gib (and _host_gib) need a whole target per rank: set "
+                             "train.target_sharding=replicate, or both to 0 for a sharded target")
         self.spec, self.backend, self.cache = spec, backend, cache  # backend: an HFCaptureBackend on the device
         self.backend.model.requires_grad_(False)
         self.packed, self.forward = packed_for(forward, backend, row_tokens, sharded), forward
@@ -135,8 +136,8 @@ class OnlineFeatures:
         from eagle3.features.hf_backend import HFCaptureBackend
 
         forward, row_tokens = cfg.train.online_forward, cfg.train.max_tokens_per_batch
-        gib = cfg.train.feature_cache_gib
-        cache = StateCache(int(gib * 2**30)) if gib > 0 else None
+        gib, host_gib = cfg.train.feature_cache_gib, cfg.train.feature_cache_host_gib
+        cache = StateCache(int(gib * 2**30), int(host_gib * 2**30)) if gib > 0 or host_gib > 0 else None
         if info is not None:
             from eagle3.train.target_shard import resolve_sharding, sharded_backend
 
@@ -174,8 +175,10 @@ class OnlineFeatures:
         with torch.no_grad():
             return self._rounded(self.backend.device_states(documents), compute)
 
-    def row_states(self, batch: Any, lengths: list[int], compute: torch.dtype) -> dict[str, Tensor]:
-        """[n, ...] states of a collated row's n real tokens: one packed forward, or its documents as batches."""
+    def row_states(self, batch: Any, lengths: list[int], compute: torch.dtype, host: Any = None
+                   ) -> dict[str, Tensor]:
+        """[n, ...] states of a collated row's n real tokens: one packed forward, or its documents as batches
+        (``host``: the row as the loader made it, read instead of ``batch`` for the documents' tokens)."""
         if self.packed:
             try:
                 with torch.no_grad():
@@ -189,10 +192,10 @@ class OnlineFeatures:
                             "documents as padded batches from now on (train.online_forward=padded skips the try)",
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
                 self.packed = False
-        return self.states(_documents(batch, lengths), compute)
+        return self.states(_documents(batch if host is None else host, lengths), compute)
 
     def cached_row_states(self, batch: Any, lengths: list[int], compute: torch.dtype,
-                          ids: tuple[str, ...]) -> dict[str, Tensor]:
+                          ids: tuple[str, ...], host: Any = None) -> dict[str, Tensor]:
         """row_states through the cache (eagle3.train.state_cache): documents it keeps come from it, the others
         from the target (the row's own forward when none is kept), and are kept if the budget allows."""
         assert self.cache is not None and len(ids) == len(lengths), (len(ids), len(lengths))
@@ -201,9 +204,9 @@ class OnlineFeatures:
         whole_row = len(missing) == len(lengths)
         if missing:
             if whole_row:
-                fresh = self.row_states(batch, lengths, compute)
+                fresh = self.row_states(batch, lengths, compute, host)
             else:
-                docs = _documents(batch, lengths)  # one host sync for the row
+                docs = _documents(batch if host is None else host, lengths)
                 fresh = self.states([docs[k] for k in missing], compute)
             split = {name: t.split([lengths[k] for k in missing]) for name, t in fresh.items()}
             for j, k in enumerate(missing):
@@ -213,15 +216,17 @@ class OnlineFeatures:
                 return fresh  # already the row in order: no second concatenation
         return {name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]}  # [n, ...]
 
-    def fill(self, batch: Any, lengths: list[int], compute: torch.dtype, ids: tuple[str, ...] = ()) -> Any:
+    def fill(self, batch: Any, lengths: list[int], compute: torch.dtype, ids: tuple[str, ...] = (),
+             host: Any = None) -> Any:
         """The TTTBatch with aux/final (or top-K) of its documents; ``lengths``: tokens of each real document,
-        ``ids``: their sample ids (the cache's keys; without them the cache is not used)."""
+        ``ids``: their sample ids (the cache's keys; without them the cache is not used); ``host``: the same row
+        still on the host, if the caller has it (spares a wait for the device)."""
         from eagle3.train.data import TOPK_PAD_LOGPROB
 
         if self.cache is not None and ids:
-            states = self.cached_row_states(batch, lengths, compute, ids)
+            states = self.cached_row_states(batch, lengths, compute, ids, host)
         else:
-            states = self.row_states(batch, lengths, compute)
+            states = self.row_states(batch, lengths, compute, host)
         length = batch.input_ids.shape[1]
         fields: dict[str, Tensor] = {"aux": _pad_rows(states["aux"], length)}  # [1, T, A*H]
         if "final" in states:

@@ -142,18 +142,21 @@ def test_online_rows_equal_captured_rows_for_topk_and_fp8(tmp_path, capture):
             assert torch.equal(getattr(filled, name), getattr(want.batch, name)), name
 
 
-@pytest.mark.parametrize("gib", [1.0, 2e-4], ids=["every-document", "a-few-documents"])
-def test_the_feature_cache_changes_no_metric_or_weight(online, tmp_path, caplog, gib):
-    """train.feature_cache_gib: later epochs and validations take kept documents' states from the cache (hits
-    logged), rows mixing kept and new documents included, and every metric and final weight equals the run
-    without it."""
+@pytest.mark.parametrize(("gib", "host_gib"), [(1.0, 0.0), (2e-4, 0.0), (2e-4, 1.0)],
+                         ids=["every-document", "a-few-documents", "the-rest-in-host-memory"])
+def test_the_feature_cache_changes_no_metric_or_weight(online, tmp_path, caplog, gib, host_gib):
+    """train.feature_cache_gib (and _host_gib): later epochs and validations take kept documents' states from the
+    cache (hits logged), rows mixing kept and new documents included, and every metric and final weight equals the
+    run without it."""
     cfg_plain, plain = online
-    cfg = _online_run(tmp_path / "runs", [*OVERRIDES, f"train.feature_cache_gib={gib}"])
+    cfg = _online_run(tmp_path / "runs", [*OVERRIDES, f"train.feature_cache_gib={gib}",
+                                          f"train.feature_cache_host_gib={host_gib}"])
     with caplog.at_level("INFO", logger="eagle3.train"):
         cached = train(cfg)
     lines = [r.getMessage() for r in caplog.records if "feature cache:" in r.getMessage()]
     assert lines and " 0.0% of" not in lines[-1], lines
-    assert (" 0 over the budget" in lines[-1]) == (gib == 1.0), lines[-1]
+    assert (" 0 over the budget" in lines[-1]) == (gib == 1.0 or host_gib > 0), lines[-1]
+    assert ("hits from there" in lines[-1]) == (host_gib > 0) and " 0 hits from there" not in lines[-1], lines[-1]
     for kind in ("train", "eval"):
         got, want = _records(cfg, kind), _records(cfg_plain, kind)
         assert [r["step"] for r in got] == [r["step"] for r in want] and got
