@@ -13,7 +13,8 @@ documents) and the same drafter step (eagle3.train.loop: supervise -> backward_r
            kernels queued before it (the trainer before it took the host row), and prints the ratio.
   cached   (--feature-cache) online with train.feature_cache_gib's cache already holding every document (the
            later epochs of a run whose cache holds its data): one untimed pass fills it, the timed pass hits for
-           every document, so the step runs no target forward; --profile N then prints the top ops of N such steps.
+           every document, so the step runs no target forward. --profile N prints the top ops of N steps of each online
+           mode and of the cached pass.
 Printed per mode after --warmup untimed steps: training tokens/s, peak GiB; offline also the capture's tokens/s,
 bytes on disk and the tokens/s of capture + one epoch together (what offline costs when the features are
 used once). Documents: real lengths from a --tokens-file (benchmarks/capture.py --save-tokens), or random.
@@ -185,9 +186,12 @@ def online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs,
         target_tok_s = target_rate(online, loader(), fdt, device, args.warmup, host_tokens)
     torch.manual_seed(0)
     on_obj = build_objective(cfg, model, shape, draft_vocab, device)
-    on_s, on_tokens, on_gib = train_pass(
-        cfg, on_obj, loader(), lambda b, r: online.fill(b, list(r.lengths), fdt, host=r.batch if host_tokens else None),
-        info, args.warmup)
+    def fill(b, r):
+        return online.fill(b, list(r.lengths), fdt, host=r.batch if host_tokens else None)
+
+    on_s, on_tokens, on_gib = train_pass(cfg, on_obj, loader(), fill, info, args.warmup)
+    if args.profile and host_tokens:
+        profile_steps(cfg, on_obj, loader(), fill, info, args.profile, f"online ({mode} target forward)")
     on_tok_s = on_tokens / on_s
     tokens = "" if host_tokens else ", tokens read from the device"
     print(f"online train ({mode} target forward{tokens}): {on_tok_s:,.0f} tokens/s, peak {on_gib:.1f} GiB; the target "
@@ -198,7 +202,7 @@ def online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs,
     return on_tok_s, on_gib
 
 
-def profile_steps(cfg, objective, loader: RowLoader, fill, info: DistInfo, steps: int) -> None:
+def profile_steps(cfg, objective, loader: RowLoader, fill, info: DistInfo, steps: int, what: str) -> None:
     """Prints the ops that took the most device time (CPU time on a CPU) over ``steps`` training steps."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -213,7 +217,7 @@ def profile_steps(cfg, objective, loader: RowLoader, fill, info: DistInfo, steps
             step(row)
         _sync(info.device)
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(f"profile of {steps} cached steps, top ops by {sort}:", flush=True)
+    print(f"profile of {steps} {what} steps, top ops by {sort}:", flush=True)
     print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
 
 
@@ -237,7 +241,7 @@ def cached_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs,
     obj = build_objective(cfg, model, shape, draft_vocab, device)
     seconds, tokens, gib = train_pass(cfg, obj, loader(), fill, info, args.warmup)
     if args.profile:
-        profile_steps(cfg, obj, loader(), fill, info, args.profile)
+        profile_steps(cfg, obj, loader(), fill, info, args.profile, "cached")
     print(f"online train (cached states, every document a hit): {tokens / seconds:,.0f} tokens/s, peak {gib:.1f} GiB; "
           f"{online.cache.describe()}", flush=True)
     del obj
@@ -263,7 +267,7 @@ def main() -> None:
                    help="also time each online mode reading the documents' tokens from the device (the old way)")
     p.add_argument("--feature-cache", action="store_true", help="also time online training from a full feature cache")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="with --feature-cache: print the top ops of N cached steps")
+                   help="print the top ops of N steps of each online mode (and of the cached pass)")
     args = p.parse_args()
     device = torch.device(args.device)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device, initialized=False)
