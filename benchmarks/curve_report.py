@@ -202,7 +202,8 @@ def write_curve_report(results: Mapping[int, Path], out_dir: Path, sweep: Mappin
     pending = [label for label in sweep or {} if label not in variants]
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"rows": [asdict(r) for r in rows], "not_measured": missing,
-               "sweep": {label: [asdict(r) for r in rs] for label, rs in variants.items()}, "sweep_not_measured": pending}
+               "sweep": {label: [asdict(r) for r in rs] for label, rs in variants.items()},
+               "sweep_not_measured": pending}
     markdown = curve_markdown(rows, missing) + ("\n" + sweep_markdown(rows, variants, largest, pending)
                                                 if variants else "")
     outputs = {"json": atomic_write_json(out_dir / CURVE_DATA, payload),

@@ -8,8 +8,9 @@ documents cached; docs/train.md). This cache keeps each document's states (the t
 keyed by sample id, up to a byte budget; a document that does not fit is computed every time, as without a cache.
 Where the device's budget cannot hold every document, ``train.feature_cache_host_gib`` keeps the rest in pinned host
 memory, copied to the device when a row takes them: a row with one document not kept runs the target's forward, and
-on an H200 such a row cost nearly a whole row's forward (at 20M tokens with 80 GiB, a document found no room 5,556 times and
-the later epochs' median step ran at 135-140K tok/s, against 253-265K at 10M where every document was kept; docs/train.md).
+on an H200 such a row cost nearly a whole row's forward (at 20M tokens with 80 GiB, a document found no room 5,556
+times and the later epochs' median step ran at 135-140K tok/s, against 253-265K at 10M where every document was
+kept; docs/train.md).
 
 What comes out of the cache is exactly what the first forward returned, so a run with the cache equals one without
 it wherever the target's forward is deterministic across row layouts (bitwise on a CPU; to the compute dtype's

@@ -96,8 +96,8 @@ def test_documents_the_device_budget_cannot_hold_go_to_host_memory_and_come_back
 
 
 def test_host_slabs_never_pass_their_budget_and_align_every_piece():
-    """Slabs are allocated only within the budget; every piece starts aligned in its slab, so views of any dtype work; a state
-    too big for what is left is refused without touching what was kept."""
+    """Slabs are allocated only within the budget; every piece starts aligned in its slab, so views of any dtype
+    work; a state too big for what is left is refused without touching what was kept."""
     slabs = HostSlabs(budget=4096, slab_bytes=2048)
     one = slabs.keep({"x": torch.arange(10, dtype=torch.float32), "y": torch.ones(3, dtype=torch.int64)})
     assert one is not None and torch.equal(one["x"], torch.arange(10, dtype=torch.float32))
