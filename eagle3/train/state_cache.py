@@ -84,7 +84,8 @@ class HostSlabs:
         return piece
 
     def keep(self, states: States) -> States | None:
-        """Host copies of ``states`` (a blocking copy from the device), or None when the budget cannot hold them."""
+        """Host copies of ``states``, or None when the budget cannot hold them. From a GPU the copy is queued on the
+        current stream without waiting: only that stream ever reads the slab again (``StateCache.get``'s copy back)."""
         pieces = {}
         for name, t in states.items():
             piece = self._piece(t.numel() * t.element_size())
@@ -92,7 +93,7 @@ class HostSlabs:
                 return None  # pieces already taken stay allocated: they count against the budget, as they should
             pieces[name] = piece.view(t.dtype).view(t.shape)
         for name, t in states.items():
-            pieces[name].copy_(t.detach())
+            pieces[name].copy_(t.detach(), non_blocking=True)
         return pieces
 
 
