@@ -26,7 +26,17 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 echo "bootstrap: installing into $VENV (one time, a few minutes)" >&2
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-pip() { "$VENV/bin/python" -m pip -q --disable-pip-version-check "$@"; }
+# A download the network cuts short fails the whole install, and pip's own resumption can stall at the same byte
+# (seen: triton's wheel, 237.5 of 285.8 MB, five resumes): each install gets three fresh tries.
+pip() {
+  local attempt
+  for attempt in 1 2 3; do
+    "$VENV/bin/python" -m pip -q --disable-pip-version-check "$@" && return 0
+    echo "bootstrap: pip $* failed (try $attempt of 3)" >&2
+    [ "$attempt" = 3 ] || sleep 10
+  done
+  return 1
+}
 pip install --upgrade pip
 # torch first and pinned: an unpinned torch pulled in by another package downloads a multi-GB CUDA build.
 pip install "$TORCH"
