@@ -186,6 +186,7 @@ def online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs,
         target_tok_s = target_rate(online, loader(), fdt, device, args.warmup, host_tokens)
     torch.manual_seed(0)
     on_obj = build_objective(cfg, model, shape, draft_vocab, device)
+
     def fill(b, r):
         return online.fill(b, list(r.lengths), fdt, host=r.batch if host_tokens else None)
 

@@ -102,10 +102,12 @@ def _pad_rows(x: Tensor, length: int, value: float = 0.0) -> Tensor:
     return out[None]
 
 
-def _documents(batch: Any, lengths: list[int]) -> list[SampleTokens]:
-    """A collated row's real documents as SampleTokens (token ids and loss masks), in row order; ``batch`` on the
-    host where the caller has it (on a GPU, reading the device's copy waits for every kernel queued before it)."""
-    host_ids, host_mask = batch.input_ids[0].tolist(), batch.loss_mask[0].tolist()  # [T] each
+def _documents(batch: Any, lengths: list[int], host: Any = None) -> list[SampleTokens]:
+    """A collated row's real documents as SampleTokens (token ids and loss masks), in row order, read from ``host``
+    (the same row still on the host) when the caller has it: on a GPU, reading ``batch`` waits for every kernel
+    queued before it."""
+    row = batch if host is None else host
+    host_ids, host_mask = row.input_ids[0].tolist(), row.loss_mask[0].tolist()  # [T] each
     docs, start = [], 0
     for k, n in enumerate(lengths):
         docs.append(SampleTokens(f"doc{k}", host_ids[start:start + n], host_mask[start:start + n]))
@@ -192,7 +194,7 @@ class OnlineFeatures:
                             "documents as padded batches from now on (train.online_forward=padded skips the try)",
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
                 self.packed = False
-        return self.states(_documents(batch if host is None else host, lengths), compute)
+        return self.states(_documents(batch, lengths, host), compute)
 
     def cached_row_states(self, batch: Any, lengths: list[int], compute: torch.dtype,
                           ids: tuple[str, ...], host: Any = None) -> dict[str, Tensor]:
@@ -206,7 +208,7 @@ class OnlineFeatures:
             if whole_row:
                 fresh = self.row_states(batch, lengths, compute, host)
             else:
-                docs = _documents(batch if host is None else host, lengths)
+                docs = _documents(batch, lengths, host)
                 fresh = self.states([docs[k] for k in missing], compute)
             split = {name: t.split([lengths[k] for k in missing]) for name, t in fresh.items()}
             for j, k in enumerate(missing):
