@@ -26,9 +26,12 @@ def _carried() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """What travels, as paths relative to a run, from the names the stages write (imported when first needed: the
     export's names come with torch): (journals: the generated text of a data run, from which a rerun rebuilds its
     data; results: what each run of a curve measured, a path through a link such as a size's data/ excepted;
-    weights: the exported drafter, in the SGLang layout the other layout is exported from)."""
+    weights: the exported drafter, in the SGLang layout the other layout is exported from). The evaluation journal
+    travels too: an evaluation cut short by a stretch's end leaves only it, and ``eagle3.evaluate.stage``'s
+    ``write_partial_report`` reads it here."""
     from eagle3.data.regenerate import JOURNAL_NAME
     from eagle3.data.synthetic import SYNTHETIC_DIR
+    from eagle3.evaluate.stage import JOURNAL_NAME as EVAL_JOURNAL
     from eagle3.export.checks import CONFIG_FILE, INFO_FILE, WEIGHTS_FILE
     from eagle3.export.model_card import CARD_FILE
     from eagle3.run.layout import MERGE_STATS_FILE, PROMPTS_FILE, REPLAYED_FILE, REPORT_FILE, RunLayout
@@ -38,7 +41,8 @@ def _carried() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     journals = (run.data / JOURNAL_NAME, run.data / SYNTHETIC_DIR)
     results = (run.config, run.data / MERGE_STATS_FILE, run.curve, run.metrics, run.progress, run.manifest("train"),
                run.manifest("export"), export / CARD_FILE, export / CONFIG_FILE, export / INFO_FILE, run.eval_results,
-               run.eval / REPORT_FILE, run.eval / PROMPTS_FILE, run.manifest("evaluate"), run.eval / REPLAYED_FILE)
+               run.eval / REPORT_FILE, run.eval / PROMPTS_FILE, run.manifest("evaluate"), run.eval / REPLAYED_FILE,
+               run.eval / EVAL_JOURNAL)
     return tuple(tuple(p.as_posix() for p in group) for group in (journals, results, (export / WEIGHTS_FILE,)))
 
 

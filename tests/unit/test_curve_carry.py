@@ -55,6 +55,7 @@ def _curve(runs):
              "smollm2-curve-3M/config.json": b"{}",
              "smollm2-curve-3M/eval/results.json": b'{"rows": []}',
              "smollm2-curve-3M/eval/prompts.jsonl": os.urandom(200_000),
+             "smollm2-curve-3M/eval/evaluate.journal.jsonl": b'{"index": 0}\n',  # a cut-short evaluation's records
              "smollm2-curve-3M/export/sglang/README.md": b"# card",
              "smollm2-curve-3M/export/sglang/model.safetensors": os.urandom(100_000),
              "smollm2-curve-3M/train/checkpoints/step-1/state.pt": b"optimizer state",
