@@ -8,6 +8,9 @@ curve.json (the rows), curve.md (a table per dataset) and curve.png (acceptance 
 axis, one line per drafting method, the n-gram baseline as a flat dashed line: it uses no drafter, so
 every size measures the same thing and the first size that measured it stands for all). Recipe variants
 measured at the largest size (quality_curve.py's sweep) get a table of their own beside that size's baseline.
+Both tables carry each run's validation accept_len_est (its best step, read from the run's train/metrics.jsonl
+beside the results), so a variant whose training a stretch stopped before its last step is still reported, marked
+as stopped, with no acceptance of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from eagle3.run.layout import CURVE_DATA, CURVE_PLOT, CURVE_REPORT
+from eagle3.run.layout import CURVE_DATA, CURVE_PLOT, CURVE_REPORT, RunLayout
 
 NGRAM = "ngram"
 
@@ -33,6 +36,42 @@ class CurveRow:
     num_prompts: int
     lossless_identical: int  # -1 for a replayed figure (no decode ran)
     replayed: bool = False
+
+
+@dataclass(frozen=True)
+class Validation:
+    """A run's validation accept_len_est at its best step, and how far its training got."""
+
+    best_step: int
+    best: float
+    last_step: int  # the last step the training logged
+    finished: bool  # the train stage wrote its manifest (False: stopped before its last step, e.g. by a deadline)
+
+
+def read_validation(run_dir: Path) -> Validation | None:
+    """The best validation of the run's train/metrics.jsonl (None when it has no validation record)."""
+    layout = RunLayout(Path(run_dir))
+    if not layout.metrics.is_file():
+        return None
+    records = [json.loads(line) for line in layout.metrics.read_text().splitlines() if line.strip()]
+    evals = [r for r in records if r.get("type") == "eval" and "accept_len_est" in r]
+    if not evals:
+        return None
+    best = max(evals, key=lambda r: (r["accept_len_est"], -r["step"]))  # the first step to reach the best value
+    return Validation(int(best["step"]), float(best["accept_len_est"]), max(int(r["step"]) for r in records),
+                      layout.manifest("train").is_file())
+
+
+def validation_cell(v: Validation | None) -> str:
+    """'2.649 (step 7,200)', or for a training stopped early '2.706 (step 5,800; stopped at 5,929)'."""
+    if v is None:
+        return "-"
+    return f"{v.best:.3f} (step {v.best_step:,}" + ("" if v.finished else f"; stopped at {v.last_step:,}") + ")"
+
+
+def run_of(results: Path) -> Path:
+    """The run folder of an evaluation's results file (<run>/eval/results.json)."""
+    return Path(results).parent.parent
 
 
 def token_label(tokens: int) -> str:
@@ -96,20 +135,25 @@ def ngram_baseline(rows: list[CurveRow]) -> dict[str, CurveRow]:
     return out
 
 
-def curve_markdown(rows: list[CurveRow], missing: list[int]) -> str:
-    """One table per dataset: a row per size, a column per drafting method, the n-gram baseline last."""
-    baseline = ngram_baseline(rows)
+def curve_markdown(rows: list[CurveRow], missing: list[int], validation: Mapping[int, Validation] | None = None
+                   ) -> str:
+    """One table per dataset: a row per size, a column per drafting method, the n-gram baseline, and in the table
+    of all prompts each size's validation accept_len_est."""
+    baseline, validation = ngram_baseline(rows), validation or {}
     methods = list(dict.fromkeys(r.method for r in rows if r.method != NGRAM))
     lines = ["# Acceptance length vs training tokens", ""]
     for dataset in dict.fromkeys(r.dataset for r in rows):
         by = {(r.tokens, r.method): r for r in rows if r.dataset == dataset}
         sizes = sorted({t for t, _ in by})
-        lines += [f"## {dataset}", "", "| training tokens | " + " | ".join(methods) + " | n-gram (no drafter) |",
-                  "|---:|" + "---:|" * (len(methods) + 1)]
+        with_val = dataset == "all"
+        lines += [f"## {dataset}", "", "| training tokens | " + " | ".join(methods) + " | n-gram (no drafter) |"
+                  + (" validation accept_len_est |" if with_val else ""),
+                  "|---:|" + "---:|" * (len(methods) + 1 + with_val)]
         base = _cell(baseline[dataset]) if dataset in baseline else "-"
         for tokens in sizes:
             cells = [_cell(by[tokens, m]) if (tokens, m) in by else "-" for m in methods]
-            lines.append(f"| {token_label(tokens)} | " + " | ".join(cells) + f" | {base} |")
+            val = f" {validation_cell(validation.get(tokens))} |" if with_val else ""
+            lines.append(f"| {token_label(tokens)} | " + " | ".join(cells) + f" | {base} |" + val)
         lines.append("")
     unlossless = [r for r in rows if not r.replayed and r.lossless_identical != r.num_prompts]
     if any(r.replayed for r in rows):
@@ -169,20 +213,24 @@ def read_sweep(sweep: Mapping[str, Path], tokens: int, replayed: Mapping[str, Pa
 
 
 def sweep_markdown(rows: list[CurveRow], variants: Mapping[str, list[CurveRow]], largest: int,
-                   pending: list[str] = ()) -> str:
-    """The recipe sweep at the largest size: a row per recipe (the baseline first), a column per method, and a line
-    naming the ``pending`` variants (not measured yet)."""
+                   pending: list[str] = (), validation: Mapping[str, Validation] | None = None) -> str:
+    """The recipe sweep at the largest size: a row per recipe (the baseline first; a variant with a validation but
+    no acceptance too), a column per method and the validation, and a line naming the ``pending`` variants (not
+    measured yet)."""
+    validation = validation or {}
     recipes = {"baseline": [r for r in rows if r.tokens == largest and r.dataset == "all"], **variants}
+    recipes |= {label: [] for label in validation if label not in recipes}
     methods = list(dict.fromkeys(r.method for rs in recipes.values() for r in rs if r.method != NGRAM))
     lines = [f"## Recipe sweep at {token_label(largest)} (all prompts)", "",
-             "| recipe | " + " | ".join(methods) + " | lossless |", "|---|" + "---:|" * len(methods) + "---|"]
+             "| recipe | " + " | ".join(methods) + " | lossless | validation accept_len_est |",
+             "|---|" + "---:|" * len(methods) + "---|---:|"]
     for label, rs in recipes.items():
         by = {r.method: r for r in rs}
         cells = [_cell(by[m]) if m in by else "-" for m in methods]
         ok = sum(r.lossless_identical for r in rs if r.method != NGRAM and not r.replayed)
         total = sum(r.num_prompts for r in rs if r.method != NGRAM and not r.replayed)
-        lossless = f"{ok}/{total} identical" if total else "replayed, no decode"
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {lossless} |")
+        lossless = f"{ok}/{total} identical" if total else "replayed, no decode" if rs else "not decoded"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {lossless} | {validation_cell(validation.get(label))} |")
     if pending:
         lines += ["", f"Not measured yet: {', '.join(pending)}."]
     return "\n".join(lines) + "\n"
@@ -199,13 +247,19 @@ def write_curve_report(results: Mapping[int, Path], out_dir: Path, sweep: Mappin
     rows, missing = read_rows(results, replayed)
     largest = max(results, default=0)
     variants = read_sweep(sweep or {}, largest, sweep_replayed)
-    pending = [label for label in sweep or {} if label not in variants]
+    size_val = {t: v for t, path in results.items() if (v := read_validation(run_of(path))) is not None}
+    sweep_val = {label: v for label, path in {"baseline": results.get(largest), **(sweep or {})}.items()
+                 if path is not None and (v := read_validation(run_of(path))) is not None}
+    pending = [label for label in sweep or {} if label not in variants and label not in sweep_val]
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {"rows": [asdict(r) for r in rows], "not_measured": missing,
+               "validation": {str(t): asdict(v) for t, v in size_val.items()},
                "sweep": {label: [asdict(r) for r in rs] for label, rs in variants.items()},
+               "sweep_validation": {label: asdict(v) for label, v in sweep_val.items()},
                "sweep_not_measured": pending}
-    markdown = curve_markdown(rows, missing) + ("\n" + sweep_markdown(rows, variants, largest, pending)
-                                                if variants else "")
+    has_sweep = variants or set(sweep_val) - {"baseline"}
+    markdown = curve_markdown(rows, missing, size_val) + (
+        "\n" + sweep_markdown(rows, variants, largest, pending, sweep_val) if has_sweep else "")
     outputs = {"json": atomic_write_json(out_dir / CURVE_DATA, payload),
                "markdown": atomic_write_text(out_dir / CURVE_REPORT, markdown)}
     if rows:

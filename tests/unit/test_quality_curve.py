@@ -104,6 +104,38 @@ def test_curve_report_tables_the_recipe_sweep_beside_the_largest_size(tmp_path):
     assert [r["tokens"] for r in json.loads(out["json"].read_text())["sweep"]["lr-x2"]] == [4_000]
 
 
+def _train_log(run: Path, evals: list[tuple[int, float]], last_step: int, finished: bool) -> None:
+    """A run's train/metrics.jsonl with these validations (and train records up to ``last_step``), and its train
+    manifest when ``finished``."""
+    from eagle3.run.layout import RunLayout
+
+    layout = RunLayout(run)
+    layout.metrics.parent.mkdir(parents=True, exist_ok=True)
+    records = [{"type": "train", "step": s, "loss": 1.0} for s in range(1, last_step + 1)]
+    records += [{"type": "eval", "step": s, "accept_len_est": a} for s, a in evals]
+    layout.metrics.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    if finished:
+        layout.manifest("train").write_text("{}")
+
+
+def test_a_variant_stopped_before_its_last_step_is_reported_by_its_validation_and_marked(tmp_path):
+    """Each run's best validation (the first step to reach it) is in the curve and sweep tables and curve.json; a
+    variant whose training stopped early, with no results, is tabled by it and marked stopped, not 'not measured'."""
+    results = {4_000: _fake_results(tmp_path / "s-4K/eval/results.json", {"chain-3-1-4": 1.5})}
+    _train_log(tmp_path / "s-4K", [(2, 1.9), (4, 2.1), (6, 2.1)], 6, finished=True)
+    sweep = {"lr-x2": tmp_path / "s-4K-lr-x2/eval/results.json", "lr-half": tmp_path / "s-4K-lr-half/eval/results.json"}
+    _train_log(tmp_path / "s-4K-lr-x2", [(2, 2.0), (4, 2.3)], 5, finished=False)
+    out = curve_report.write_curve_report(results, tmp_path / "curve", sweep)
+    text = out["markdown"].read_text()
+    assert "| 4K | 1.500 | - | 2.100 (step 4) |" in text  # the 'all' table; the method columns: chain 3, n-gram
+    assert "| baseline | 1.500 | 2/2 identical | 2.100 (step 4) |" in text
+    assert "| lr-x2 | - | not decoded | 2.300 (step 4; stopped at 5) |" in text
+    assert "Not measured yet: lr-half." in text
+    data = json.loads(out["json"].read_text())
+    assert data["sweep_not_measured"] == ["lr-half"] and data["validation"]["4000"]["best"] == 2.1
+    assert data["sweep_validation"]["lr-x2"] == {"best_step": 4, "best": 2.3, "last_step": 5, "finished": False}
+
+
 def test_sweep_variants_change_one_setting_each():
     """lr x2 and /2, half and twice the epochs (half only where it is a whole epoch less) and twice the draft vocab,
     each its own run name beside the size's."""
