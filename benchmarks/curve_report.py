@@ -50,16 +50,15 @@ class Validation:
 
 def read_validation(run_dir: Path) -> Validation | None:
     """The best validation of the run's train/metrics.jsonl (None when it has no validation record)."""
+    from eagle3.train.metrics import read_metrics
+
     layout = RunLayout(Path(run_dir))
-    if not layout.metrics.is_file():
-        return None
-    records = [json.loads(line) for line in layout.metrics.read_text().splitlines() if line.strip()]
-    evals = [r for r in records if r.get("type") == "eval" and "accept_len_est" in r]
+    evals = [r for r in read_metrics(layout.metrics, "eval") if "accept_len_est" in r]
     if not evals:
         return None
     best = max(evals, key=lambda r: (r["accept_len_est"], -r["step"]))  # the first step to reach the best value
-    return Validation(int(best["step"]), float(best["accept_len_est"]), max(int(r["step"]) for r in records),
-                      layout.manifest("train").is_file())
+    last = max(int(r["step"]) for r in [*evals, *read_metrics(layout.metrics, "train")])
+    return Validation(int(best["step"]), float(best["accept_len_est"]), last, layout.manifest("train").is_file())
 
 
 def validation_cell(v: Validation | None) -> str:
