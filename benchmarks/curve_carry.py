@@ -131,6 +131,18 @@ def unpack_results(runs_root: Path, folder: Path) -> list[str]:
     return _read_parts(runs_root, folder, "results")
 
 
+def sglang_only_exports(runs_root: Path, names: list[str]) -> list[str]:
+    """The runs among unpacked ``names`` whose exported drafter came in the SGLang layout alone (the speculators layout
+    is exported from it and is too large to carry), each with the evaluation command that reads it: the stage's own
+    input check wants the export manifest's every output, so a plain ``eagle3.evaluate.stage --config`` refuses it."""
+    weights = _carried()[2][0]
+    runs = sorted({name.split("/", 1)[0] for name in names if name.split("/", 1)[-1] == weights})
+    speculators = Path(weights).parent.parent / "speculators"
+    return [f"{run}: the drafter came in the SGLang layout only; evaluate it with python3 -m eagle3.evaluate.stage "
+            f"--config {runs_root / run / 'config.json'} --export-dir {runs_root / run / Path(weights).parent}"
+            for run in runs if not (runs_root / run / speculators).exists()]
+
+
 PHASES = ("pack-journals", "unpack-journals", "pack-results", "unpack-results")
 """quality_curve.py's phases that carry files; each takes a folder."""
 
@@ -143,4 +155,5 @@ def run(phase: str, run_dir: Path, folder: Path, weights: bool) -> list[str]:
         return unpack_journals(run_dir, folder)
     if phase == "pack-results":
         return [str(p) for p in pack_results(run_dir, folder, weights)]
-    return unpack_results(run_dir.parent, folder)
+    names = unpack_results(run_dir.parent, folder)
+    return names + [f"note: {hint}" for hint in sglang_only_exports(run_dir.parent, names)]

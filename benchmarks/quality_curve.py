@@ -13,8 +13,8 @@ drafter, so one measurement stands for all (``--ngram-every-size`` measures it e
 the four methods of a full quality run). ``report`` writes runs/<name>/curve/{curve.md,curve.png,curve.json}
 from the sizes' eval/results.json (benchmarks/curve_report.py); ``--size-run 20M=smollm2-quality`` takes a size
 from another preset's run after checking that it trained exactly that size.
-``sweep`` trains, exports and measures recipe variants at the largest size (``sweep_variants``: learning rate x2
-and /2, half and twice the epochs, twice the draft vocab), each in runs/<name>-<largest>-<variant> (the vocab
+``sweep`` trains, exports and measures recipe variants at the largest size (``sweep_variants``: learning rate x2,
+x4 and /2, half and twice the epochs, twice the draft vocab), each in runs/<name>-<largest>-<variant> (the vocab
 variant maps its own vocab/ from the linked data); the report puts them in a table beside the baseline.
 ``all`` does not run the sweep. Phases joined by commas (``data,train-14.2M,export-14.2M,eval-14.2M``) run in order
 under one ``--deadline-s``, every name checked first, and stop at the first one cut short.
@@ -89,10 +89,12 @@ class Variant:
 
 
 def sweep_variants(base) -> list[Variant]:
-    """The recipe sweep: learning rate x2 and /2, half and twice the epochs, twice the draft vocab (16K -> 32K)."""
+    """The recipe sweep: learning rate x2, x4 and /2 (x4 because x2 beat the base), half and twice the epochs, twice
+    the draft vocab (16K -> 32K)."""
     lr, epochs, vocab = base.train.lr, base.train.num_epochs, base.vocab.draft_vocab_size
     counts = sorted({max(1, epochs // 2), 2 * epochs} - {epochs})
-    return [Variant("lr-x2", (f"train.lr={2 * lr:g}",)), Variant("lr-half", (f"train.lr={lr / 2:g}",)),
+    return [Variant("lr-x2", (f"train.lr={2 * lr:g}",)), Variant("lr-x4", (f"train.lr={4 * lr:g}",)),
+            Variant("lr-half", (f"train.lr={lr / 2:g}",)),
             *(Variant(f"epochs-{n}", (f"train.num_epochs={n}",)) for n in counts),
             Variant(f"vocab-{2 * vocab}", (f"vocab.draft_vocab_size={2 * vocab}",), own_vocab=True)]
 

@@ -56,12 +56,15 @@ def test_presets_extending_each_other_in_a_cycle_are_refused(tmp_path):
         load_config(str(a))
 
 
-def test_the_quality_preset_is_the_curve_recipe_capped_at_20m_tokens():
-    """smollm2-quality = smollm2-curve (data, recipe, evaluation) under its own run name, on the first 20M tokens."""
+def test_the_quality_preset_is_the_curve_recipe_capped_at_20m_tokens_at_the_sweeps_best_lr():
+    """smollm2-quality = smollm2-curve (data, recipe, evaluation) under its own run name, on the first 20M tokens, at
+    twice the curve's learning rate (the sweep's lr-x2) and with the feature cache that holds those tokens on the GPU."""
     quality, curve = load_config("smollm2-quality"), load_config("smollm2-curve")
     assert quality.run.name == "smollm2-quality" and quality.train.max_train_tokens == 20_000_000
     assert curve.train.max_train_tokens is None
-    capped = curve.model_copy(update={"train": curve.train.model_copy(update={"max_train_tokens": 20_000_000})})
+    assert quality.train.lr == pytest.approx(2 * curve.train.lr)
+    capped = curve.model_copy(update={"train": curve.train.model_copy(update={
+        "max_train_tokens": 20_000_000, "lr": quality.train.lr, "feature_cache_gib": 96})})
     assert quality.model_copy(update={"run": curve.run}) == capped
 
 

@@ -84,6 +84,23 @@ def test_a_curves_results_come_back_byte_for_byte_without_checkpoints_links_or_o
     assert "smollm2-curve-3M/data/stats.json" not in names
 
 
+def test_unpacking_a_drafter_names_the_evaluation_that_reads_its_sglang_layout(tmp_path):
+    """unpack-results of a run with weights notes the --export-dir evaluation command (the speculators layout does not
+    travel), and says nothing once that layout is there or when no weights came."""
+    _curve(tmp_path / "here")
+    run = tmp_path / "here" / "smollm2-curve"
+    curve_carry.pack_results(run, tmp_path / "carry", weights=True)
+    out = curve_carry.run("unpack-results", tmp_path / "there" / "smollm2-curve", tmp_path / "carry", False)
+    there = tmp_path / "there" / "smollm2-curve-3M"
+    assert out[-1] == (f"note: smollm2-curve-3M: the drafter came in the SGLang layout only; evaluate it with python3 "
+                       f"-m eagle3.evaluate.stage --config {there / 'config.json'} --export-dir {there / 'export/sglang'}")
+    (there / "export" / "speculators").mkdir()
+    assert curve_carry.sglang_only_exports(tmp_path / "there", out[:-1]) == []
+    curve_carry.pack_results(run, tmp_path / "carry", weights=False)
+    assert not [n for n in curve_carry.run("unpack-results", tmp_path / "else" / "smollm2-curve", tmp_path / "carry",
+                                            False) if n.startswith("note")]
+
+
 def test_repacking_into_the_same_folder_leaves_no_stale_part(tmp_path):
     """A second, smaller pack into the folder of a larger one unpacks to the second's files alone."""
     _curve(tmp_path / "here")

@@ -137,20 +137,22 @@ def test_a_variant_stopped_before_its_last_step_is_reported_by_its_validation_an
 
 
 def test_sweep_variants_change_one_setting_each():
-    """lr x2 and /2, half and twice the epochs (half only where it is a whole epoch less) and twice the draft vocab,
-    each its own run name beside the size's."""
+    """lr x2, x4 and /2, half and twice the epochs (half only where it is a whole epoch less) and twice the draft
+    vocab, each its own run name beside the size's."""
     base = quality_curve.base_config("tiny", [])
     variants = quality_curve.sweep_variants(base)
     assert base.train.num_epochs == 1
-    assert [v.label for v in variants] == ["lr-x2", "lr-half", "epochs-2", "vocab-256"]
-    assert [v.own_vocab for v in variants] == [False, False, False, True]
-    assert variants[2].overrides == ("train.num_epochs=2",)
+    assert [v.label for v in variants] == ["lr-x2", "lr-x4", "lr-half", "epochs-2", "vocab-256"]
+    assert [v.own_vocab for v in variants] == [False, False, False, False, True]
+    assert variants[3].overrides == ("train.num_epochs=2",)
     cfg = quality_curve.size_config("tiny", [], quality_curve.Size(4_000), False, variants[0])
     assert (cfg.run.name, cfg.train.lr, cfg.train.max_train_tokens) == ("tiny-4K-lr-x2", 2 * base.train.lr, 4_000)
-    assert quality_curve.size_config("tiny", [], quality_curve.Size(4_000), False, variants[3]).vocab.draft_vocab_size \
+    x4 = quality_curve.size_config("tiny", [], quality_curve.Size(4_000), False, variants[1])
+    assert (x4.run.name, x4.train.lr) == ("tiny-4K-lr-x4", pytest.approx(4 * base.train.lr))
+    assert quality_curve.size_config("tiny", [], quality_curve.Size(4_000), False, variants[4]).vocab.draft_vocab_size \
         == 256
     curve = quality_curve.sweep_variants(quality_curve.base_config("smollm2-curve", []))
-    assert [v.label for v in curve] == ["lr-x2", "lr-half", "epochs-3", "epochs-12", "vocab-32768"]
+    assert [v.label for v in curve] == ["lr-x2", "lr-x4", "lr-half", "epochs-3", "epochs-12", "vocab-32768"]
 
 
 def test_one_step_of_a_sweep_variant_runs_alone(tmp_path):
@@ -175,16 +177,21 @@ def test_one_step_of_a_sweep_variant_runs_alone(tmp_path):
         quality_curve.run_phase(c, "export-4K-lr-x9")
 
 
-def test_the_quality_preset_is_the_curves_largest_size_and_a_different_run_is_refused(tmp_path):
-    """--size-run 20M=smollm2-quality: the report takes the quality run's results as the 20M point because every
-    setting but its name matches that size's run; as the 10M point it is refused, naming max_train_tokens."""
+def test_a_run_of_the_curves_largest_size_is_borrowed_and_a_different_run_is_refused(tmp_path):
+    """--size-run 20M=P: the report takes P's results as the 20M point because every setting but its name matches that
+    size's run; as the 10M point it is refused, naming max_train_tokens; smollm2-quality (the sweep's best lr) is
+    refused as the 20M point, naming the learning rate."""
+    preset = tmp_path / "q20.yaml"
+    preset.write_text("base: smollm2-curve\nrun:\n  name: q20\ntrain:\n  max_train_tokens: 20000000\n")
     sizes = [quality_curve.Size(t) for t in (3_000_000, 10_000_000, 20_000_000)]
     c = quality_curve.Curve("smollm2-curve", [f"run.workdir={tmp_path}"], sizes, dict(quality_curve.DEFAULT_BUDGETS_S),
-                            lambda *a: True, size_runs=((20_000_000, "smollm2-quality"),))
-    assert quality_curve.borrowed_eval(c, sizes[2], "smollm2-quality") == tmp_path / "smollm2-quality" / "eval"
+                            lambda *a: True, size_runs=((20_000_000, str(preset)),))
+    assert quality_curve.borrowed_eval(c, sizes[2], str(preset)) == tmp_path / "q20" / "eval"
     with pytest.raises(SystemExit, match=r"train\.max_train_tokens \(10000000 here, 20000000 there\)"):
-        quality_curve.borrowed_eval(c, sizes[1], "smollm2-quality")
-    _fake_results(tmp_path / "smollm2-quality/eval/results.json", {"chain-3-1-4": 2.3, "ngram": 1.7})
+        quality_curve.borrowed_eval(c, sizes[1], str(preset))
+    with pytest.raises(SystemExit, match=r"train\.lr \(0\.001 here, 0\.002 there\)"):
+        quality_curve.borrowed_eval(c, sizes[2], "smollm2-quality")
+    _fake_results(tmp_path / "q20/eval/results.json", {"chain-3-1-4": 2.3, "ngram": 1.7})
     text = quality_curve.phase_report(c)["markdown"].read_text()
     assert "| 20M | 2.300 | 1.700 |" in text and "Not measured yet: 3M, 10M." in text
 
