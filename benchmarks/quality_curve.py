@@ -27,7 +27,8 @@ fsynced per record), then SIGKILL after a grace period, and the script exits 3: 
 Time on one H200 (every stretch's figures and commands: docs/evaluate.md): data ~90 s with the generated text
 carried in (``pack-journals`` there, ``unpack-journals`` here), 743-790 s generating it on a bare host; online
 training six epochs of 20M tokens in 1,064 s with 80 GiB of feature cache on the GPU, ~840 s with the rest of the
-states in host memory too (~75 s of start-up, a first epoch of ~208 s, later ones of ~106-119 s); export ~5 s; the
+states in host memory too, 795 s with 96 GiB on the GPU holding them all (``--set train.feature_cache_gib=96``; ~87 s
+of start-up, a first epoch of ~195 s, later ones of 93-105 s); export ~5 s; the
 160-prompt evaluation with all four methods 265-350 s, alone on the GPU (a decode beside a training runs ~3x slower).
 So a stretch holds the data (generated text carried in) and the largest size, or the data and a few smaller sizes,
 but not the data generated afresh and six epochs of the largest size; ``pack-results`` carries
