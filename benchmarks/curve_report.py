@@ -16,11 +16,14 @@ as stopped, with no acceptance of its own.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from eagle3.run.layout import CURVE_DATA, CURVE_PLOT, CURVE_REPORT, RunLayout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from any directory
+
+from eagle3.run.layout import CURVE_DATA, CURVE_PLOT, CURVE_REPORT, RunLayout  # noqa: E402
 
 NGRAM = "ngram"
 
@@ -264,3 +267,30 @@ def write_curve_report(results: Mapping[int, Path], out_dir: Path, sweep: Mappin
     if rows:
         outputs["plot"] = plot_curve(rows, out_dir / CURVE_PLOT)
     return outputs
+
+
+def rows_of(curve_json: Path) -> list[CurveRow]:
+    """The rows of a curve.json (write_curve_report's, or one kept with the docs), each checked."""
+    try:
+        doc = json.loads(Path(curve_json).read_text())
+        return [CurveRow(**row) for row in doc["rows"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SystemExit(f"error: {curve_json}: not a curve.json with rows of {', '.join(CurveRow.__annotations__)} "
+                         f"({err!r})") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python3 benchmarks/curve_report.py CURVE_JSON OUT_PNG [--dataset all]: draw curve.png again from a curve.json
+    (one carried back from a GPU host, or docs/curve.json), without the runs it was read from."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("curve_json", type=Path)
+    parser.add_argument("out_png", type=Path)
+    parser.add_argument("--dataset", default="all", help="which dataset's rows to draw")
+    args = parser.parse_args(argv)
+    print(plot_curve(rows_of(args.curve_json), args.out_png, args.dataset))
+
+
+if __name__ == "__main__":
+    main()

@@ -52,6 +52,20 @@ def test_curve_report_table_and_flat_ngram(tmp_path):
     assert out["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_plot_is_drawn_again_from_a_curve_json_alone_and_a_bad_one_is_named(tmp_path):
+    """curve_report.py CURVE_JSON OUT_PNG redraws curve.png from the rows of a curve.json, with no run beside it; a file
+    that is not one fails naming the file."""
+    results = {3_000_000: _fake_results(tmp_path / "fake-3M/results.json", {"chain-3-1-4": 1.5, "ngram": 1.7})}
+    curve_json = curve_report.write_curve_report(results, tmp_path / "curve")["json"]
+    rows = curve_report.rows_of(curve_json)
+    assert {(r.tokens, r.method) for r in rows if r.dataset == "all"} == {(3_000_000, "chain-3-1-4"), (3_000_000, "ngram")}
+    curve_report.main([str(curve_json), str(tmp_path / "again.png")])
+    assert (tmp_path / "again.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "bad.json").write_text('{"rows": [{"tokens": 1}]}')
+    with pytest.raises(SystemExit, match="bad.json: not a curve.json"):
+        curve_report.main([str(tmp_path / "bad.json"), str(tmp_path / "x.png")])
+
+
 def test_an_evaluation_of_one_dataset_is_its_all_row_in_the_tables_and_the_sweep(tmp_path):
     """A size evaluated on one dataset (no 'all' rows of its own) fills the 'all' table with its decoded figures."""
     path = tmp_path / "one/results.json"
