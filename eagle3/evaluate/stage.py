@@ -17,7 +17,8 @@ steps that accepted >= i-1; speedup = greedy wall time / method wall time over t
 
 Outputs in <run>/eval/: results.json, report.md, per_position.png, prompts.jsonl; manifest last. While it runs,
 every measured prompt is journaled (evaluate.journal.jsonl), so a killed evaluation re-measures only the rest.
-Evaluating the run's own export also writes the measured table into its model cards (eagle3.export.model_card).
+Evaluating the run's own export also writes the measured table into its model cards (eagle3.export.model_card);
+named with --export-dir (e.g. carried to a host without the run's data), only the table of its card is rewritten.
 
 Modules: eagle3.evaluate.session (the methods, one process's loaded models, one prompt measured),
 eagle3.evaluate.pool (many prompts, spawned workers, the journal), eagle3.evaluate.records (the typed records
@@ -217,10 +218,15 @@ def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
         journal_of(cfg).path.unlink(missing_ok=True)
     outcome = run_stage("evaluate", manifest_path(cfg), key, force=force,
                         compute=lambda: _compute(cfg, model_dir, source, progress, show_bar, key))
+    results = json.loads(Path(outcome.outputs["results"]).read_text())
     if export_dir is None:  # the run's own export: its model cards get the table just measured (or still current)
         from eagle3.export.stage import write_cards
 
-        write_cards(cfg, json.loads(Path(outcome.outputs["results"]).read_text()), model_dir)
+        write_cards(cfg, results, model_dir)
+    elif source.resolve() == default_export_dir(cfg).resolve():  # the same, named (e.g. carried without its data)
+        from eagle3.export.model_card import write_measured
+
+        write_measured(source, results)
     return outcome
 
 

@@ -220,18 +220,41 @@ def _selected(c: CardInputs) -> list[str]:
     return lines
 
 
+MEASURED_HEADING = "## Measured acceptance"
+"""The card's last section: write_measured replaces it alone."""
+
+
+def write_measured(folder: Path, results: dict[str, Any]) -> Path | None:
+    """Replace the measured table of ``folder``'s card with ``results``', the rest of the card as the export wrote it
+    (for an evaluation of the run's export on a host without its data, where the whole card cannot be rendered);
+    None when the folder has no card, or a card without that section."""
+    from infra.storage import atomic_write_text
+
+    card = Path(folder) / CARD_FILE
+    text = card.read_text() if card.is_file() else ""
+    head, found, _ = text.partition(MEASURED_HEADING)
+    if not found:
+        return None
+    return atomic_write_text(card, head + "\n".join(measured_lines(results)) + "\n")
+
+
 def _measured(c: CardInputs) -> list[str]:
-    if not c.results:
-        return ["## Measured acceptance", "", "Not measured yet: the evaluate stage writes its table here."]
-    settings = c.results.get("settings", {})
-    lines = ["## Measured acceptance", "",
+    return measured_lines(c.results)
+
+
+def measured_lines(results: dict[str, Any] | None) -> list[str]:
+    """The card's measured section: the evaluation's table, or a note that it has not run."""
+    if not results:
+        return [MEASURED_HEADING, "", "Not measured yet: the evaluate stage writes its table here."]
+    settings = results.get("settings", {})
+    lines = [MEASURED_HEADING, "",
              f"Speculative decoding against the target, greedy, {settings.get('max_new_tokens')} new tokens per "
              f"prompt, on {settings.get('device')} ({settings.get('dtype')}); accept len = tokens per target verify forward, "
              "bonus token included; lossless = outputs token-identical to plain greedy decoding."
              + (f" Speeds measured by {settings['num_workers']} processes sharing the device (contention included)."
                 if (settings.get("num_workers") or 1) > 1 else ""), "",
              "| dataset | method | prompts | accept len | speedup | lossless |", "|---|---|---|---|---|---|"]
-    for r in c.results.get("results", []):
+    for r in results.get("results", []):
         lossless = r.get("lossless", {})
         lines.append(f"| {r.get('dataset')} | {r.get('method')} | {r.get('num_prompts')} | "
                      f"{r.get('accept_len', float('nan')):.3f} | {r.get('speedup', float('nan')):.2f}x | "

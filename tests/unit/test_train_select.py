@@ -144,6 +144,31 @@ def test_evaluation_writes_its_table_into_the_cards_and_keeps_the_export_whole(t
     assert outcome.computed and not run_export(trained).computed and not run_evaluate(trained).computed
 
 
+def test_an_evaluation_of_the_runs_export_named_explicitly_updates_only_its_measured_table(trained, tmp_path):
+    """--export-dir <run>/export/sglang (a drafter carried without its data): the card's measured table is rewritten
+    from the results and the rest of the card kept byte for byte; another folder's card is left alone."""
+    import shutil
+
+    from eagle3.evaluate.stage import run_evaluate
+    from eagle3.export.model_card import MEASURED_HEADING, write_measured
+    from eagle3.export.stage import run_export
+
+    run_export(trained)
+    card = trained.run_dir / "export" / "sglang" / CARD_FILE
+    head = card.read_text().partition(MEASURED_HEADING)[0]
+    card.write_text(head + MEASURED_HEADING + "\n\nNot measured yet: the evaluate stage writes its table here.\n")
+    other = tmp_path / "other"
+    shutil.copytree(card.parent, other)
+    run_evaluate(trained, export_dir=other, force=True)
+    assert "Not measured yet" in (other / CARD_FILE).read_text() and "Not measured yet" in card.read_text()
+    run_evaluate(trained, export_dir=card.parent, force=True)
+    rows = json.loads((trained.run_dir / "eval" / "results.json").read_text())["results"]
+    text = card.read_text()
+    assert text.startswith(head) and "Not measured yet" not in text
+    assert all(f"| {r['dataset']} | {r['method']} | 1 | {r['accept_len']:.3f} |" in text for r in rows)
+    assert write_measured(tmp_path, {"results": []}) is None  # no card there
+
+
 def test_selection_rules_without_a_training_run():
     """export.checkpoint overrides; select=best without validations falls back to the final checkpoint."""
     stats = {"final_checkpoint": "checkpoints/step-9", "step": 9, "best_checkpoint": "checkpoints/step-4",
