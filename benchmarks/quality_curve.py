@@ -11,11 +11,10 @@ whose config adds ``train.max_train_tokens=N`` (the first rows of the shuffled t
 the sizes are nested). Every size after the first leaves n-gram out of its methods: the baseline uses no
 drafter, so one measurement stands for all (``--ngram-every-size`` measures it each time, sweep variants too:
 the four methods of a full quality run). ``report`` writes runs/<name>/curve/{curve.md,curve.png,curve.json}
-from the sizes' eval/results.json (benchmarks/curve_report.py); ``--size-run 20M=smollm2-quality`` takes a size
-from another preset's run after checking that it trained exactly that size.
-``sweep`` trains, exports and measures recipe variants at the largest size (``sweep_variants``: learning rate x2,
-x4 and /2, half and twice the epochs, twice the draft vocab), each in runs/<name>-<largest>-<variant> (the vocab
-variant maps its own vocab/ from the linked data); the report puts them in a table beside the baseline.
+from the sizes' eval/results.json (benchmarks/curve_report.py); ``--size-run 20M=PRESET`` takes a size from another
+preset's run after checking that it trained exactly that size. ``sweep`` trains, exports and measures recipe variants
+at the largest size (``sweep_variants``), each in runs/<name>-<largest>-<variant> (the vocab variant maps its own
+vocab/ from the linked data); the report puts them in a table beside the baseline.
 ``all`` does not run the sweep. Phases joined by commas (``data,train-14.2M,export-14.2M,eval-14.2M``) run in order
 under one ``--deadline-s``, every name checked first, and stop at the first one cut short.
 
@@ -25,14 +24,13 @@ data, train, export, eval): past it the phase gets SIGTERM (training checkpoints
 fsynced per record), then SIGKILL after a grace period, and the script exits 3: the same command continues.
 
 Time on one H200 (every stretch's figures and commands: docs/evaluate.md): data ~90 s with the generated text
-carried in (``pack-journals`` there, ``unpack-journals`` here), 743-790 s generating it on a bare host; online
-training six epochs of 20M tokens in 1,064 s with 80 GiB of feature cache on the GPU, ~840 s with the rest of the
-states in host memory too, 795 s with 96 GiB on the GPU holding them all (``--set train.feature_cache_gib=96``; ~87 s
-of start-up, a first epoch of ~195 s, later ones of 93-105 s); export ~5 s; the
-160-prompt evaluation with all four methods 265-350 s, alone on the GPU (a decode beside a training runs ~3x slower).
-So a stretch holds the data (generated text carried in) and the largest size, or the data and a few smaller sizes,
-but not the data generated afresh and six epochs of the largest size; ``pack-results`` carries
-what each measured back, ``unpack-results`` restores it here, and ``report`` draws the sizes of every stretch.
+carried in (``pack-journals`` there, ``unpack-journals`` here), 743-790 s generating it on a bare host; six epochs
+of 20M tokens trained online in 795 s with 96 GiB of feature cache holding all their states on the GPU (``--set
+train.feature_cache_gib=96``; 1,064 s with 80 GiB); export ~5 s; the 160-prompt evaluation with all four methods
+265-350 s, alone on the GPU (a decode beside a training runs ~3x slower). So a stretch holds the data (generated
+text carried in) and the largest size, or the data and a few smaller sizes, but not the data generated afresh and
+six epochs of the largest size; ``pack-results`` carries what each measured back, ``unpack-results`` restores it
+here, and ``report`` draws the sizes of every stretch.
 """
 
 from __future__ import annotations
@@ -90,12 +88,10 @@ class Variant:
 
 
 def sweep_variants(base) -> list[Variant]:
-    """The recipe sweep: learning rate x2, x4 and /2 (x4 because x2 beat the base), half and twice the epochs, twice
-    the draft vocab (16K -> 32K)."""
+    """The recipe sweep: lr x2, x4 (x2 beat the base) and /2, half and twice the epochs, twice the draft vocab."""
     lr, epochs, vocab = base.train.lr, base.train.num_epochs, base.vocab.draft_vocab_size
     counts = sorted({max(1, epochs // 2), 2 * epochs} - {epochs})
-    return [Variant("lr-x2", (f"train.lr={2 * lr:g}",)), Variant("lr-x4", (f"train.lr={4 * lr:g}",)),
-            Variant("lr-half", (f"train.lr={lr / 2:g}",)),
+    return [*(Variant(label, (f"train.lr={k * lr:g}",)) for label, k in (("lr-x2", 2), ("lr-x4", 4), ("lr-half", 0.5))),
             *(Variant(f"epochs-{n}", (f"train.num_epochs={n}",)) for n in counts),
             Variant(f"vocab-{2 * vocab}", (f"vocab.draft_vocab_size={2 * vocab}",), own_vocab=True)]
 
@@ -338,8 +334,8 @@ def _differences(mine: object, theirs: object, where: str = "") -> list[str]:
 
 def borrowed_eval(c: Curve, size: Size, preset: str) -> Path:
     """The eval folder of ``preset``'s run, which must have trained size N exactly as the curve does (every
-    setting but run.name and the evaluated methods): e.g. smollm2-quality is the curve's largest size, so the
-    quality run is that point without training it twice. An error names the settings that differ."""
+    setting but run.name and the evaluated methods), so that run is the point without training it twice. An error names
+    the settings that differ."""
     from eagle3.config import load_config
 
     theirs_cfg = load_config(preset, c.overrides)
