@@ -18,9 +18,13 @@ from pathlib import Path
 
 def emit(line: str) -> None:
     """One write per line: under PYTHONUNBUFFERED print() writes the text and its newline separately, and the
-    two ranks' lines then interleave in the shared pipe."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    two ranks' lines then interleave in the shared pipe. A pipe whose reader died (the supervisor SIGKILLed) is
+    ignored, as the real trainer's logging handler does, so the rank lives on to get its SIGTERM."""
+    try:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except OSError:
+        pass
 
 
 def main() -> None:
