@@ -212,19 +212,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_target(args: argparse.Namespace) -> int:
     """Prepare the target and print its tokenizer report."""
-    from eagle3.target import load as target
-
     argv = (["--config", str(args.config)] if args.config else ["--preset", args.preset])
-    target.main(argv + [f"--set={o}" for o in args.overrides])
+    entry_point(args.entry)(argv + [f"--set={o}" for o in args.overrides])
     return 0
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
     """One core stage without Prefect."""
-    from eagle3.run import stages
-
     argv = [args.stage] + (["--config", str(args.config)] if args.config else ["--preset", args.preset])
-    stages.main(argv + [f"--set={o}" for o in args.overrides] + (["--force"] if args.force else []))
+    entry_point(args.entry)(argv + [f"--set={o}" for o in args.overrides] + (["--force"] if args.force else []))
     return 0
 
 
@@ -290,11 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="register the deployments but start no local worker (print how to start one)")
     setup.set_defaults(func=cmd_setup)
     target = add_config_args(sub.add_parser("target", help="tokenizer sanity report for the target"))
-    target.set_defaults(func=cmd_target)
+    target.set_defaults(func=cmd_target, entry="eagle3.target.load")
     stage = add_config_args(sub.add_parser("stage", help="run one data stage without Prefect"))
     stage.add_argument("stage", choices=(*DATA_STAGES, "all"))
     stage.add_argument("--force", action="store_true")
-    stage.set_defaults(func=cmd_stage)
+    stage.set_defaults(func=cmd_stage, entry="eagle3.run.stages")
     _add_core_commands(sub)
     doctor = sub.add_parser("doctor", help="versions, optional pieces, Prefect API, disk, presets; exit 1 if the "
                                            "chosen preset lacks something")
@@ -310,17 +306,26 @@ def _add_core_commands(sub) -> None:
     for stage in (s for s in STAGES if s.command):
         p = add_config_args(sub.add_parser(stage.command, help=stage.description))
         p.add_argument("--force", action="store_true")
-        p.set_defaults(func=lambda a, m=stage.cli: _forward(m, a))
+        p.set_defaults(func=_forward, entry=stage.cli)
 
 
-def _forward(module: str, args: argparse.Namespace) -> int:
-    """Call ``module.main`` with the config arguments of this command."""
-    import importlib
-
+def _forward(args: argparse.Namespace) -> int:
+    """Call the ``main`` of ``python -m <args.entry>`` with the config arguments of this command."""
     argv = (["--config", str(args.config)] if args.config else ["--preset", args.preset])
     argv += [f"--set={o}" for o in args.overrides] + (["--force"] if args.force else [])
-    importlib.import_module(module).main(argv)
+    entry_point(args.entry)(argv)
     return 0
+
+
+def entry_point(module: str):
+    """The ``main(argv)`` that ``python -m <module>`` runs: the module's own, or for a package (eagle3.export)
+    its ``__main__``'s. Each command that hands over to a stage's command line names that module as ``entry``."""
+    import importlib
+
+    found = importlib.import_module(module)
+    if not hasattr(found, "main") and hasattr(found, "__path__"):
+        found = importlib.import_module(f"{module}.__main__")
+    return found.main
 
 
 def main(argv: list[str] | None = None) -> None:
