@@ -12,8 +12,12 @@ from eagle3.config_base import Operational, Section, Switch, _relative_inside, s
 class SGLangCaptureConfig(Section):
     """The SGLang capture backend: managed server(s) or existing endpoints."""
 
+    server_mode: Literal["capture_packed", "capture_aux"] = "capture_packed"
+    """capture_packed: one prefill per sample returns the aux and the final states, through this project's SGLang
+    model package (any SGLang >= 0.5.14, the GPU host's 0.5.16 included); capture_aux: SGLang 0.5.23's own
+    --enable-return-aux-hidden-states, plus capture_final servers for final_hidden (two passes)."""
     endpoints: list[str] = []
-    """Existing aux-capture servers (http://host:port); empty = launch managed servers."""
+    """Existing capture servers (http://host:port) of server_mode; empty = launch managed servers."""
     final_endpoints: list[str] = []
     """Existing final-hidden servers (--enable-return-hidden-states) for final_hidden supervision."""
     python: str = "python"

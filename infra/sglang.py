@@ -298,6 +298,14 @@ def _make_private(path: Path) -> None:
         os.close(fd)
 
 
+def launch_env(spec: ServerSpec, env: Mapping[str, str] | None) -> dict[str, str]:
+    """The caller's environment (default ours) plus what the spec's mode needs; PYTHONPATH is prepended to."""
+    merged = dict(os.environ if env is None else env)
+    for key, value in spec.launch_env().items():
+        merged[key] = value + os.pathsep + merged[key] if key == "PYTHONPATH" and merged.get(key) else value
+    return merged
+
+
 class ManagedServer:
     """An SGLang server we launch, probe, restart when it dies, and kill as a group (context manager).
 
@@ -316,7 +324,7 @@ class ManagedServer:
         self.poll_s, self.watch_s = poll_s, watch_s
         self.key_file = key_file_for(Path(log_path)) if spec.api_key else None
         self.process = SupervisedProcess(spec.argv(str(self.key_file) if self.key_file else None), log_path,
-                                         env=env_without_secret(os.environ if env is None else env, spec.api_key),
+                                         env=env_without_secret(launch_env(spec, env), spec.api_key),
                                          cwd=cwd, policy=policy, secret_flags=("--api-key",))
         self.report: ReadyReport | None = None
         self._ready, self._stopping = threading.Event(), threading.Event()

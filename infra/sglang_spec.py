@@ -17,13 +17,18 @@ from __future__ import annotations
 import ipaddress
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 SGLANG_VERSION = "0.5.23"
 LAUNCH_MODULE = "sglang.launch_server"
-Mode = Literal["capture_aux", "capture_final", "serve", "speculative"]
-MODES: tuple[str, ...] = ("capture_aux", "capture_final", "serve", "speculative")
-CAPTURE_MODES = ("capture_aux", "capture_final")
+Mode = Literal["capture_packed", "capture_aux", "capture_final", "serve", "speculative"]
+MODES: tuple[str, ...] = ("capture_packed", "capture_aux", "capture_final", "serve", "speculative")
+CAPTURE_MODES = ("capture_packed", "capture_aux", "capture_final")
+# capture_packed: aux + final rows in one prefill from any SGLang >= 0.5.14 through our model package
+# (infra/sglang_plugin/capture_models.py says how); capture_aux / capture_final: 0.5.23's own flags, two passes.
+PLUGIN_PACKAGE = "infra.sglang_plugin"
+PLUGIN_LAYERS_ENV = "EAGLE3_SGLANG_CAPTURE_LAYERS"
 # Without explicit ids SGLang captures its default EAGLE-3 layers: three of them.
 DEFAULT_NUM_AUX = 3
 # Full prefill, one forward, rows == tokens: chunked prefill and the radix cache both truncate the block.
@@ -107,13 +112,26 @@ class ServerSpec:
             args += ["--dtype", self.dtype]
         return args + _serving_args(self)
 
+    def launch_env(self) -> dict[str, str]:
+        """Environment the server process needs beyond the caller's: the model package for capture_packed."""
+        if self.mode != "capture_packed":
+            return {}
+        import infra
+
+        root = str(Path(infra.__file__).resolve().parent.parent)
+        return {"SGLANG_EXTERNAL_MODEL_PACKAGE": PLUGIN_PACKAGE,
+                PLUGIN_LAYERS_ENV: ",".join(map(str, self.aux_layer_ids or ())), "PYTHONPATH": root}
+
     @property
     def num_aux(self) -> int:
-        """Aux layers a capture_aux server concatenates per row."""
+        """Aux layers a capture_aux or capture_packed server concatenates per row."""
         return len(self.aux_layer_ids) if self.aux_layer_ids else DEFAULT_NUM_AUX
 
     def row_width(self, hidden_size: int) -> int:
-        """Values per hidden-state row: num_aux * H (capture_aux) or H (capture_final)."""
+        """Values per hidden-state row: (num_aux + 1) * H (capture_packed: aux, then final), num_aux * H
+        (capture_aux) or H (capture_final)."""
+        if self.mode == "capture_packed":
+            return (self.num_aux + 1) * hidden_size
         if self.mode == "capture_aux":
             return self.num_aux * hidden_size
         if self.mode == "capture_final":
@@ -142,6 +160,9 @@ def _serving_args(spec: ServerSpec) -> list[str]:
 
 
 def _mode_args(spec: ServerSpec) -> list[str]:
+    if spec.mode == "capture_packed":
+        # Prefill-only requests: CUDA graphs (decode) would only cost start-up time.
+        return ["--enable-return-hidden-states", *CAPTURE_COMMON_ARGS, "--disable-cuda-graph"]
     if spec.mode == "capture_aux":
         ids = ["--return-aux-hidden-state-layer-ids", *map(str, spec.aux_layer_ids)] if spec.aux_layer_ids else []
         return ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3", *ids, *CAPTURE_COMMON_ARGS]
@@ -157,8 +178,10 @@ def _mode_args(spec: ServerSpec) -> list[str]:
 
 
 def _mode_expectations(spec: ServerSpec) -> dict[str, Any]:
-    capture = {"chunked_prefill_size": -1, "disable_radix_cache": True, "skip_tokenizer_init": True,
-               "return_hidden_states_mode": "full"}
+    capture = {"chunked_prefill_size": -1, "disable_radix_cache": True, "skip_tokenizer_init": True}
+    if spec.mode == "capture_packed":  # 0.5.16 has no return_hidden_states_mode field; 0.5.23 derives it
+        return capture | {"enable_return_hidden_states": True, "disable_cuda_graph": True}
+    capture["return_hidden_states_mode"] = "full"  # capture_aux and capture_final are 0.5.23 modes
     if spec.mode == "capture_aux":
         want = capture | {"enable_return_aux_hidden_states": True, "aux_hidden_state_capture": "eagle3",
                           "speculative_algorithm": None}
@@ -217,9 +240,9 @@ def is_loopback(host: str) -> bool:
 def _aux_problems(spec: ServerSpec) -> list[str]:
     ids = spec.aux_layer_ids
     if ids is None:
-        return []
-    if spec.mode != "capture_aux":
-        return [f"aux_layer_ids only apply to mode capture_aux, not {spec.mode!r} (a speculative server "
+        return ["mode capture_packed needs explicit aux_layer_ids"] if spec.mode == "capture_packed" else []
+    if spec.mode not in ("capture_aux", "capture_packed"):
+        return [f"aux_layer_ids only apply to modes capture_aux and capture_packed, not {spec.mode!r} (a speculative server "
                 "takes its capture layers from the draft's config.json eagle_config)"]
     if not ids:
         return ["aux_layer_ids is empty: give at least one id, or None for SGLang's default three layers"]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import httpx
+import numpy as np
 
 from eagle3.config import RunConfig
 from eagle3.features.sglang_response import ResponsePart, parse_response, to_captured_sample
@@ -151,10 +153,12 @@ class SGLangCaptureBackend:
                  final_endpoints: Sequence[str | ServerHandle] = (), *, api_key: str | None = None,
                  max_concurrency: int = 4, request_timeout_s: float = 600.0, max_retries: int = 2,
                  retry_backoff_s: float = 0.5, ready_timeout_s: float = 1800.0, check_servers: bool = True,
-                 owned_servers: Sequence[ManagedServer] = ()):
+                 owned_servers: Sequence[ManagedServer] = (), packed: bool = False):
         if not aux_endpoints:
             raise ValueError("SGLangCaptureBackend needs at least one aux endpoint")
-        if spec.supervision == "final_hidden" and not final_endpoints:
+        if packed and final_endpoints:
+            raise ValueError("capture_packed servers return the final state themselves: give no final_endpoints")
+        if spec.supervision == "final_hidden" and not final_endpoints and not packed:
             raise ValueError("supervision final_hidden needs final_endpoints: servers in mode capture_final "
                              "(SGLang returns no final hidden state from an aux-capture server)")
         if spec.supervision == "topk_logprobs" and not spec.topk:
@@ -164,6 +168,7 @@ class SGLangCaptureBackend:
         self.max_concurrency, self.request_timeout_s = max_concurrency, request_timeout_s
         self.max_retries, self.retry_backoff_s, self.ready_timeout_s = max_retries, retry_backoff_s, ready_timeout_s
         self.check_servers, self.owned_servers = check_servers, list(owned_servers)
+        self.packed = packed
         self.num_retries = 0
 
     @classmethod
@@ -178,7 +183,7 @@ class SGLangCaptureBackend:
         api_key = _MANAGED_KEYS.get(sg.endpoints[0]) if sg.endpoints else None
         api_key = api_key or (os.environ.get(sg.api_key_env) if sg.api_key_env else None)
         kwargs: dict[str, Any] = dict(max_concurrency=sg.max_concurrency, request_timeout_s=sg.request_timeout_s,
-                                      ready_timeout_s=sg.startup_timeout_s)
+                                      ready_timeout_s=sg.startup_timeout_s, packed=sg.server_mode == "capture_packed")
         if sg.endpoints:
             return cls(spec, sg.endpoints, list(sg.final_endpoints), api_key=api_key, **kwargs)
         api_key = api_key or secrets.token_hex(16)
@@ -234,9 +239,11 @@ class _Session:
     async def open(self) -> None:
         b, spec = self.b, self.b.spec
         k = spec.topk if spec.supervision == "topk_logprobs" else None
-        self.aux = _Pass("aux", _EndpointPool(b.aux_targets, b.max_concurrency), spec.num_aux * spec.hidden_size, k)
+        # A packed row is the aux states, then the final one: (num_aux + 1) * H values.
+        width = (spec.num_aux + int(b.packed)) * spec.hidden_size
+        self.aux = _Pass("aux", _EndpointPool(b.aux_targets, b.max_concurrency), width, k)
         self.final = (_Pass("final", _EndpointPool(b.final_targets, b.max_concurrency), spec.hidden_size)
-                      if spec.supervision == "final_hidden" else None)
+                      if spec.supervision == "final_hidden" and not b.packed else None)
         num_slots = self.aux.pool.num_slots + (self.final.pool.num_slots if self.final else 0)
         self.window = 2 * num_slots  # keeps every slot busy without buffering the whole list
         self.client = httpx.AsyncClient(headers=auth_headers(b.api_key),
@@ -265,7 +272,10 @@ class _Session:
         """The width check cannot see WHICH layers a server captures: compare /server_info with the spec."""
         for endpoint in self.aux.pool.endpoints:
             info = await self._server_info(endpoint.url)
-            _check_aux_server(info, self.b.spec, endpoint.url)
+            if self.b.packed:
+                _check_packed_server(info, endpoint.url)
+            else:
+                _check_aux_server(info, self.b.spec, endpoint.url)
         for endpoint in self.final.pool.endpoints if self.final else []:
             info = await self._server_info(endpoint.url)
             if info.get("return_hidden_states_mode") != "full" or info.get("enable_return_aux_hidden_states"):
@@ -292,6 +302,8 @@ class _Session:
             for task in tasks:
                 task.cancel()
             raise
+        if self.b.packed:
+            return _split_packed(parts[0], self.b.spec)
         final = parts[1] if len(parts) > 1 else None
         _check_join(sample, parts[0], final)
         return parts[0], final
@@ -363,6 +375,30 @@ def _check_aux_server(info: dict[str, Any], spec: FeatureSpec, url: str) -> None
                            f"{list(spec.aux_layer_ids)}", 1, url)
 
 
+def _check_packed_server(info: dict[str, Any], url: str) -> None:
+    """A capture_packed server returns full hidden states and no 0.5.23 aux capture of its own.
+
+    Which layers it captures is in its process environment (EAGLE3_SGLANG_CAPTURE_LAYERS), which /server_info
+    does not show: a managed server gets the spec's layers; for an existing endpoint that is the caller's word.
+    """
+    if not (info.get("enable_return_hidden_states") or info.get("return_hidden_states_mode") == "full"):
+        raise CaptureError("-", "server_info", f"{url} does not return hidden states "
+                           "(launch it in mode capture_packed: --enable-return-hidden-states)", 1, url)
+    if info.get("enable_return_aux_hidden_states"):
+        raise CaptureError("-", "server_info", f"{url} runs SGLang's own aux capture (capture_aux); "
+                           "capture.sglang.server_mode says capture_packed", 1, url)
+
+
+def _split_packed(part: ResponsePart, spec: FeatureSpec) -> tuple[ResponsePart, ResponsePart | None]:
+    """[T, (K + 1) * H] packed rows -> (aux part [T, K * H], final part [T, H] for final_hidden supervision)."""
+    cut = spec.num_aux * spec.hidden_size
+    aux = dataclasses.replace(part, rows=np.ascontiguousarray(part.rows[:, :cut]))
+    if spec.supervision != "final_hidden":
+        return aux, None
+    return aux, dataclasses.replace(part, rows=np.ascontiguousarray(part.rows[:, cut:]), topk_ids=None,
+                                    topk_logprobs=None)
+
+
 def _check_join(sample: SampleTokens, aux: ResponsePart, final: ResponsePart | None) -> None:
     """Both halves belong to this sample and saw the same prompt (already checked per pass; cheap to repeat)."""
     if final is None:
@@ -377,7 +413,10 @@ def _launch_servers(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, api_key:
                     module: str) -> list[ManagedServer]:
     """Start the capture_aux (and for final_hidden the capture_final) server; stop both if either fails."""
     sg = cfg.capture.sglang
-    modes = ["capture_aux"] + (["capture_final"] if spec.supervision == "final_hidden" else [])
+    if sg.server_mode == "capture_packed":
+        modes = ["capture_packed"]
+    else:
+        modes = ["capture_aux"] + (["capture_final"] if spec.supervision == "final_hidden" else [])
     mem = sg.mem_fraction_static or (0.8 / len(modes) if len(modes) > 1 else None)
     check_gpus_free(_gpu_indices(sg.tp_size * sg.dp_size), allow_shared=cfg.capture.allow_shared_gpus)
     servers: list[ManagedServer] = []
@@ -386,7 +425,7 @@ def _launch_servers(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, api_key:
             server_spec = ServerSpec(str(model_dir), mode, port=sg.port + offset, host=sg.host,
                                      allow_remote=sg.allow_remote_host, tp_size=sg.tp_size,
                                      dp_size=sg.dp_size, api_key=api_key, mem_fraction_static=mem,
-                                     aux_layer_ids=tuple(spec.aux_layer_ids) if mode == "capture_aux" else None,
+                                     aux_layer_ids=tuple(spec.aux_layer_ids) if mode != "capture_final" else None,
                                      extra_args=tuple(sg.extra_args), python=sg.python, module=module)
             server = ManagedServer(server_spec, cfg.run_dir / "logs" / f"sglang-{mode}.log",
                                    expect=ProbeExpectations(hidden_size=spec.hidden_size, vocab_size=spec.vocab_size),

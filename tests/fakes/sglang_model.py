@@ -119,6 +119,7 @@ class LaunchArgs:
     chunked_prefill_size: int | None = None
     disable_radix_cache: bool = False
     skip_tokenizer_init: bool = False
+    disable_cuda_graph: bool = False
 
     def resolved(self, model: FakeModel) -> dict[str, Any]:
         """What SGLang's resolution would report in /server_info (as far as the fake models it)."""

@@ -180,6 +180,9 @@ class FakeSGLangServer:
         assert self.model is not None
         if self.args.enable_return_aux_hidden_states:
             return list(self.args.return_aux_hidden_state_layer_ids or self.model.default_aux_layers())
+        packed = packed_capture_layers()
+        if packed is not None and self.settings["return_hidden_states_mode"] == "full":
+            return packed + [self.model.num_layers]  # as infra/sglang_plugin does: aux blocks, then the final
         if self.settings["return_hidden_states_mode"] == "full":
             return [self.model.num_layers]
         return None
@@ -305,6 +308,16 @@ class FakeSGLangServer:
             out["input_top_logprobs"] = [None] + [top(t) for t in range(len(ids) - 1)]
             out["output_top_logprobs"] = [top(len(ids) - 1 + j) for j in range(len(output_ids))]
         return out
+
+
+def packed_capture_layers() -> list[int] | None:
+    """The layers infra/sglang_plugin would capture in this process (its package and layers env), else None."""
+    from infra.sglang_spec import PLUGIN_LAYERS_ENV, PLUGIN_PACKAGE
+
+    text = os.environ.get(PLUGIN_LAYERS_ENV, "")
+    if os.environ.get("SGLANG_EXTERNAL_MODEL_PACKAGE") != PLUGIN_PACKAGE or not text:
+        return None
+    return [int(part) for part in text.split(",")]
 
 
 def two_free_ports() -> int:

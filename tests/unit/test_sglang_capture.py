@@ -372,7 +372,8 @@ def run_config(tmp_path: Path, supervision: str, **sglang) -> RunConfig:
 def test_from_config_uses_existing_endpoints(tmp_path):
     """capture.sglang.endpoints are used as they are: no launch, and the capture returns the server's states."""
     with aux_server() as a:
-        b = SGLangCaptureBackend.from_config(run_config(tmp_path, "topk_logprobs", endpoints=[a.base_url]),
+        b = SGLangCaptureBackend.from_config(run_config(tmp_path, "topk_logprobs", endpoints=[a.base_url],
+                                                        server_mode="capture_aux"),
                                              tmp_path, feature_spec("topk_logprobs", topk=2))
         (captured,) = list(b.capture(samples(1)))
         b.close()
@@ -399,7 +400,8 @@ def _fake_gpu_host(tmp_path, monkeypatch):
 def test_from_config_launches_owns_and_stops_both_servers(tmp_path, monkeypatch):
     """Without endpoints it checks the GPU, launches aux + final servers (fake), captures, and close() kills both."""
     model = _fake_gpu_host(tmp_path, monkeypatch)
-    cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=two_free_ports(), startup_timeout_s=30)
+    cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=two_free_ports(), startup_timeout_s=30,
+                     server_mode="capture_aux")
     b = SGLangCaptureBackend.from_config(cfg, model, feature_spec(), module="tests.fakes.sglang_server")
     try:
         (captured,) = list(b.capture(samples(1)))
@@ -424,7 +426,8 @@ def test_a_held_final_port_is_refused_by_name_before_any_server_launches(tmp_pat
     monkeypatch.setattr(ManagedServer, "start", lambda self: launched.append(self.spec.mode))
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", port + 1))  # like the local end of an outgoing connection: bound, not listening
-        cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=port, startup_timeout_s=30)
+        cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=port, startup_timeout_s=30,
+                         server_mode="capture_aux")
         with pytest.raises(ServerStartError, match=f"127.0.0.1:{port + 1} is held by another socket"):
             SGLangCaptureBackend.from_config(cfg, model, feature_spec(), module="tests.fakes.sglang_server")
     assert launched == []
@@ -448,3 +451,70 @@ def test_managed_endpoints_hand_the_key_to_shard_backends_in_memory_not_the_envi
         b.close()
     assert _MANAGED_KEYS == {} and key not in os.environ.values()
     assert_matches_fake(captured, samples(1)[0])
+
+
+# ---------------------------------------------------------------- capture_packed (one pass, our model package)
+
+
+def test_a_managed_capture_packed_server_returns_aux_and_final_in_one_pass(tmp_path, monkeypatch):
+    """server_mode capture_packed launches ONE server with the model package's env; aux and final equal the fake's."""
+    model = _fake_gpu_host(tmp_path, monkeypatch)
+    cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=two_free_ports(), startup_timeout_s=30)
+    assert cfg.capture.sglang.server_mode == "capture_packed"  # the default: it runs on SGLang 0.5.16 too
+    b = SGLangCaptureBackend.from_config(cfg, model, feature_spec(), module="tests.fakes.sglang_server")
+    try:
+        captured = list(b.capture(samples(3)))
+        (server,) = b.owned_servers
+        assert server.spec.mode == "capture_packed" and server.spec.aux_layer_ids == tuple(AUX_IDS)
+        argv = server.spec.argv("key.yaml")
+        assert "--disable-cuda-graph" in argv and "--enable-return-hidden-states" in argv
+    finally:
+        b.close()
+    for got, sample in zip(captured, samples(3)):
+        assert_matches_fake(got, sample)
+        np.testing.assert_array_equal(got.final.numpy(), fake_hidden_rows(sample.input_ids, [LAYERS], H))
+
+
+def test_a_packed_server_without_the_model_package_fails_the_width_check(tmp_path):
+    """A server that fell back to SGLang's own class returns H-wide rows: the capture fails, naming the check."""
+    with final_server() as plain:  # --enable-return-hidden-states, no model package: rows are H wide
+        b = SGLangCaptureBackend(feature_spec(), [plain.base_url], packed=True, max_retries=0)
+        with pytest.raises(CaptureError, match="src:0"):
+            list(b.capture(samples(1)))
+
+
+def test_the_model_package_packs_aux_states_then_the_final_state():
+    """PackAuxLogits hands cat(aux..., final) to SGLang's processor as the state to return, the logits' input unchanged."""
+    import torch
+
+    from infra.sglang_plugin.capture_models import PackAuxLogits, with_packed_capture
+
+    seen = {}
+
+    class Inner(torch.nn.Module):
+        def forward(self, input_ids, hidden, lm_head, meta, aux=None, before_norm=None):
+            seen.update(hidden=hidden, aux=aux, before_norm=before_norm)
+            return "out"
+
+    hidden, aux = torch.randn(5, 4), [torch.randn(5, 4) for _ in range(3)]
+    assert PackAuxLogits(Inner())(None, hidden, None, None, aux) == "out"
+    assert seen["aux"] is None and seen["hidden"] is hidden
+    assert torch.equal(seen["before_norm"], torch.cat([*aux, hidden], dim=-1))
+
+    class Base(torch.nn.Module):  # stands in for SGLang's LlamaForCausalLM
+        def __init__(self):
+            super().__init__()
+            self.logits_processor, self.layers = Inner(), None
+
+        def set_eagle3_layers_to_capture(self, ids):
+            self.layers = ids
+
+    cls = with_packed_capture(Base)
+    assert cls.__name__ == "Base" and issubclass(cls, Base)  # SGLang registers classes by name
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("EAGLE3_SGLANG_CAPTURE_LAYERS", raising=False)
+        plain = cls()
+        mp.setenv("EAGLE3_SGLANG_CAPTURE_LAYERS", "1,14,26")
+        packed = cls()
+    assert plain.layers is None and isinstance(plain.logits_processor, Inner)
+    assert packed.layers == [1, 14, 26] and isinstance(packed.logits_processor, PackAuxLogits)
