@@ -73,9 +73,11 @@ def switch_on(value: str, cuda: bool) -> bool:
 
 
 class Section(BaseModel):
-    """Base for every config section: unknown keys are errors, docs come from docstrings."""
+    """Base for every config section: unknown keys are errors, docs come from docstrings, and a float setting must be
+    finite (inf or nan in a learning rate or a scale trains or samples garbage instead of failing)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
 
 
 OPERATIONAL_MARK = "operational"

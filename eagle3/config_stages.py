@@ -137,6 +137,8 @@ class TrainConfig(Section):
     """AdamW epsilon."""
     grad_clip: float = Field(0.5, ge=0)
     """Clip the global gradient norm to this (0 = no clipping; SpecForge 0.5)."""
+    nonfinite_loss_patience: int = Operational(0, ge=0)
+    """Optimizer steps in a row whose loss or gradient norm is NaN/inf that are skipped (no update) before training stops with an error; 0 = stop at the first."""
     parallel: Literal["ddp", "fsdp"] = Operational("ddp")
     """Data parallelism under torchrun: DDP (replicated weights) or FSDP2 (fully_shard, sharded state)."""
     target_sharding: Literal["auto", "replicate", "fsdp"] = Operational("auto")

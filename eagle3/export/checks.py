@@ -80,6 +80,33 @@ def compare_tensors(found: dict[str, TensorSpec], expected: dict[str, TensorSpec
         raise ExportError(f"{where}: " + "; ".join(problems))
 
 
+def is_finite(tensor: torch.Tensor) -> bool:
+    """False for a floating-point tensor holding a NaN or an infinity."""
+    return not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
+
+
+def refuse_non_finite(names: list[str], where: str) -> None:
+    """Raise ExportError naming the tensors (NaN or inf: a diverged training, a damaged checkpoint, or a weight
+    beyond the export dtype's range) that an engine would load and draft garbage with; nothing when empty."""
+    if names:
+        shown = ", ".join(sorted(names)[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+        raise ExportError(f"{where}: {len(names)} non-finite tensors (NaN or inf): {shown}; the training diverged "
+                          f"(see train/metrics.jsonl), the checkpoint is damaged, or a weight exceeds the export dtype")
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """refuse_non_finite over tensors in memory."""
+    refuse_non_finite([name for name, t in tensors.items() if not is_finite(t)], where)
+
+
+def check_finite_file(weights: Path) -> None:
+    """refuse_non_finite over a safetensors file, one tensor in memory at a time."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as fh:
+        refuse_non_finite([name for name in fh.keys() if not is_finite(fh.get_tensor(name))], str(weights))
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

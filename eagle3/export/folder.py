@@ -11,18 +11,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eagle3.export.checks import (CONFIG_FILE, INFO_FILE, RUN_CONFIG_FILE, WEIGHTS_FILE, TensorSpec, compare_tensors,
-                                  dtype_name, sglang_aux_ids, speculators_aux_ids)
+from eagle3.export.checks import (CONFIG_FILE, INFO_FILE, RUN_CONFIG_FILE, WEIGHTS_FILE, TensorSpec, check_finite,
+                                  compare_tensors, dtype_name, sglang_aux_ids, speculators_aux_ids)
 
 
 def cast_weights(weights: dict[str, Tensor], specs: dict[str, TensorSpec], d2t: Tensor, t2d: Tensor,
                   where: str) -> dict[str, Tensor]:
-    """The tensors to write, in the spec's dtypes; the input set is checked first (a typo is not written)."""
+    """The tensors to write, in the spec's dtypes; the input set is checked first (a typo is not written), the cast
+    values after (a NaN, an inf, or a weight the dtype cannot hold is not written either)."""
     given = {**weights, "d2t": d2t, "t2d": t2d}
     cast = {k for k, v in given.items() if v.is_floating_point() and k in specs and specs[k][1].is_floating_point}
     found = {k: (tuple(v.shape), specs[k][1] if k in cast else v.dtype) for k, v in given.items()}  # d2t/t2d as given
     compare_tensors(found, specs, where)
-    return {k: given[k].detach().to("cpu", specs[k][1]).contiguous() for k in specs}
+    out = {k: given[k].detach().to("cpu", specs[k][1]).contiguous() for k in specs}
+    check_finite(out, f"{where} (as {', '.join(sorted({dtype_name(v.dtype) for v in out.values()}))})")
+    return out
 
 
 def write_folder(out_dir: Path, config: dict[str, Any], tensors: dict[str, Tensor], info: dict[str, Any],

@@ -12,8 +12,8 @@ from torch import Tensor
 
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter
 from eagle3.export.checks import (CONFIG_FILE, WEIGHTS_FILE, ExportError, TensorSpec, aux_id_warnings, aux_problems,
-                                  check_vocab_maps, compare_tensors, dims_from_llama_fields, dtype_from_config,
-                                  header_specs, llama_fields, read_json, sglang_aux_ids)
+                                  check_finite_file, check_vocab_maps, compare_tensors, dims_from_llama_fields,
+                                  dtype_from_config, header_specs, llama_fields, read_json, sglang_aux_ids)
 from eagle3.export.folder import cast_weights, export_info, write_folder
 from eagle3.target.tensors import load_target_weights
 
@@ -86,6 +86,7 @@ def check_sglang_export(export_dir: Path) -> None:
     weights = config.with_name(WEIGHTS_FILE)
     compare_tensors(header_specs(weights), sglang_tensor_specs(dims, dtype), str(weights))
     check_vocab_maps(weights)
+    check_finite_file(weights)
 
 
 def export_sglang(weights: dict[str, Tensor], dims: DrafterDims, d2t: Tensor, t2d: Tensor,

@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from eagle3.drafter.model import DrafterDims
-from eagle3.export.checks import (CONFIG_FILE, WEIGHTS_FILE, ExportError, TensorSpec, aux_problems, check_vocab_maps,
-                                  compare_tensors, dims_from_llama_fields, dtype_from_config, dtype_name, header_specs,
-                                  llama_fields, ours_from_speculators, read_json, speculators_aux_ids)
+from eagle3.export.checks import (CONFIG_FILE, WEIGHTS_FILE, ExportError, TensorSpec, aux_problems, check_finite_file,
+                                  check_vocab_maps, compare_tensors, dims_from_llama_fields, dtype_from_config,
+                                  dtype_name, header_specs, llama_fields, ours_from_speculators, read_json,
+                                  speculators_aux_ids)
 from eagle3.export.folder import cast_weights, export_info, write_folder
 from eagle3.export.sglang import sglang_tensor_specs
 
@@ -84,6 +85,7 @@ def check_speculators_export(export_dir: Path) -> None:
     compare_tensors(header_specs(weights), specs, str(weights))
     if "d2t" in specs:
         check_vocab_maps(weights)
+    check_finite_file(weights)
 
 
 def export_speculators(weights: dict[str, Tensor], dims: DrafterDims, d2t: Tensor, t2d: Tensor,

@@ -9,7 +9,9 @@ One optimizer step (``train_step``), on every rank:
      ONE masked mean over the whole global batch: 1 process x 2 accumulation steps and 2 processes x 1 step
      take the same step, and a row full of prompt tokens weighs what its supervised tokens weigh;
   4. clip, AdamW, scheduler; one all-reduce of the metric sums (and of the stop flag, so every rank
-     stops after the same step).
+     stops after the same step). A step whose gradient norm is NaN/inf updates nothing (the schedule advances);
+     a loss or gradient norm that stays non-finite for more than train.nonfinite_loss_patience steps in a row
+     stops training with NonFiniteLossError before that step is validated or checkpointed.
 CPU runs are fp32 and deterministic (same seed -> same losses, resumed or not); CUDA: bf16 autocast, fp32 weights.
 """
 
@@ -19,6 +21,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import signal
 import time
 from collections.abc import Iterator
@@ -48,6 +51,9 @@ from eagle3.run.layout import RunLayout
 
 log = logging.getLogger("eagle3.train")
 
+
+class NonFiniteLossError(ValueError):
+    """Training diverged: the loss (or gradient norm) was NaN or infinite for more steps than the patience allows."""
 
 
 @dataclass
@@ -198,11 +204,13 @@ def backward_rows(model: nn.Module, batches: list[TTTBatch], sups: list, counts:
 
 def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, grad_clip: float
                    ) -> tuple[float, float]:
-    """Clip, step, advance the schedule; returns (grad norm before clipping, lr used)."""
+    """Clip, step, advance the schedule; returns (grad norm before clipping, lr used). A non-finite norm (the same
+    on every rank) skips the update: AdamW would turn the weights and its moments into NaN for good."""
     params = trainable_parameters(model)
     grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")))
     lr = scheduler.get_last_lr()[0]
-    optimizer.step()
+    if math.isfinite(float(grad_norm)):
+        optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(grad_norm), lr
@@ -363,6 +371,7 @@ def run(tr: Trainer, stop_after_steps: int | None = None) -> TrainResult:
     t, clock = tr.cfg.train, LoopClock()
     last_train = last_eval = None
     saved_at, evaluated_at, checkpoint = -1, -1, latest_checkpoint(checkpoints_dir(tr.inputs.run_dir))
+    non_finite = 0  # steps in a row with a NaN/inf loss or gradient norm
     tr.progress.update(force=True, step=tr.state.step, epoch=tr.state.epoch)
     with StopSignal() as stop:
         windows = micro_batch_windows(tr)
@@ -378,6 +387,7 @@ def run(tr: Trainer, stop_after_steps: int | None = None) -> TrainResult:
             now = time.perf_counter()
             last_train = _record(tr, epoch, metrics, now - step_start)
             _report(tr, last_train, clock)
+            non_finite = check_finite_step(tr, last_train, non_finite)
             improved = False
             if (t.eval_every_steps and tr.state.step % t.eval_every_steps == 0) or tr.state.step >= tr.total_steps:
                 last_eval, evaluated_at = _run_eval(tr), tr.state.step
@@ -396,6 +406,24 @@ def run(tr: Trainer, stop_after_steps: int | None = None) -> TrainResult:
     if saved_at != tr.state.step or improved:
         checkpoint = save(tr, last_train)
     return TrainResult("done", tr.state.step, checkpoint, last_train, last_eval)
+
+
+def check_finite_step(tr: Trainer, rec: dict[str, Any], streak: int) -> int:
+    """The count of non-finite steps in a row after the step ``rec`` records; NonFiniteLossError past the patience.
+
+    Every rank sees the same reduced loss and global gradient norm, so every rank stops at the same step."""
+    if math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"]):
+        return 0
+    patience = tr.cfg.train.nonfinite_loss_patience
+    if streak + 1 > patience:
+        raise NonFiniteLossError(
+            f"training diverged: step {tr.state.step} has loss {rec['loss']} and gradient norm {rec['grad_norm']}, "
+            f"{streak + 1} non-finite step(s) in a row (train.nonfinite_loss_patience={patience}); nothing of it was "
+            f"checkpointed: lower train.lr, check the data, or raise the patience, then rerun to resume from the last "
+            f"checkpoint")
+    log.warning("train: step %d has a non-finite loss or gradient norm (loss %s, grad norm %s): update skipped "
+                "(%d of %d in a row allowed)", tr.state.step, rec["loss"], rec["grad_norm"], streak + 1, patience)
+    return streak + 1
 
 
 def _stopped(tr: Trainer, signum: int | None, checkpoint: Path, last_train: dict | None,

@@ -129,3 +129,42 @@ def test_tiny_layer_minimum_applies_only_to_tiny_targets():
         load_config("tiny", ["target.tiny.num_hidden_layers=4"])
     cfg = load_config("smollm2-demo", ["target.tiny.num_hidden_layers=4"])
     assert cfg.target.kind == "gguf" and cfg.target.tiny.num_hidden_layers == 4
+
+
+def _float_settings(model: BaseModel, path: tuple = ()):
+    """(path, value) of every float-typed setting in a config instance, nested sections and lists of them too."""
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            yield from _float_settings(value, (*path, name))
+        elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
+            yield from _float_settings(value[0], (*path, name, 0))
+        elif "float" in str(field.annotation) and "Literal" not in str(field.annotation):
+            yield (*path, name), value
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_float_settings_are_config_errors_naming_the_field(bad):
+    """inf, -inf and nan in any float setting of the tree (train.lr, adam_betas, ...) are refused, naming the field."""
+    from eagle3.config import validate_config
+
+    data = load_config("tiny").model_dump(mode="json")
+    data["data"]["sources"] = [{"name": "gen", "format": "synthetic"}]  # its synthetic section holds floats too
+    cfg = validate_config(data, "test")
+    settings = list(_float_settings(cfg))
+    assert len(settings) > 20 and ("train", "lr") in [p for p, _ in settings]
+    for path, value in settings:
+        data = cfg.model_dump(mode="json")
+        parent = data
+        for part in path[:-1]:
+            parent = parent[part]
+        parent[path[-1]] = [bad] * len(value) if isinstance(value, (tuple, list)) and value else bad
+        with pytest.raises(ConfigError) as err:
+            validate_config(data, "test")
+        assert ".".join(map(str, path)) in str(err.value), path
+
+
+def test_lr_inf_override_is_refused():
+    """`--set train.lr=.inf` (YAML's infinity) is a config error naming train.lr."""
+    with pytest.raises(ConfigError, match=r"train\.lr"):
+        load_config("tiny", ["train.lr=.inf"])
