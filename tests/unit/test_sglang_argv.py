@@ -11,6 +11,7 @@ config through modules that need torchvision's CUDA build), and anything that st
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,10 @@ from infra.sglang import (
     generation_smoke_body,
     serving_pair,
 )
+from infra.sglang_argv_check import mismatches, parse_many
 from infra.sglang_bench import SHARED_SETTINGS, SPEC_SETTINGS, bench_request_body
+from infra.sglang_spec import MODE_GAPS, SGLANG_VERSIONS
+from tests import sglang_side
 from tests.fakes.sglang_model import LaunchArgs, build_parser
 from tests.fakes.sglang_server import fake_authorized
 
@@ -91,7 +95,7 @@ def test_bad_aux_layer_ids_are_refused_with_a_reason(ids, fragment):
 
 def test_aux_layer_ids_only_belong_to_capture_aux():
     """A serve or speculative server does not take aux ids (the draft's config chooses them)."""
-    with pytest.raises(ServerSpecError, match="only apply to mode capture_aux"):
+    with pytest.raises(ServerSpecError, match="only apply to modes capture_aux"):
         ServerSpec("M", "serve", aux_layer_ids=(1, 2))
 
 
@@ -360,3 +364,84 @@ def test_fake_server_flags_are_sglang_flags(sglang_parser):
     real_flags = {s for a in parser._actions for s in a.option_strings}
     assert fake_flags - real_flags == set()
     assert len(fake_flags) == len(LaunchArgs.__dataclass_fields__)
+
+
+# ---------------------------------------------------------------- every SGLang release we run: 0.5.16 and 0.5.23
+
+# Argv checked under every release in SGLANG_VERSIONS: SPECS plus the mode any release can run.
+VERSIONED_SPECS = SPECS | {"capture_packed": ServerSpec("/models/target", "capture_packed", port=30104,
+                                                        aux_layer_ids=(1, 15, 28), api_key="k3y")}
+# Flags whose existence differs between the releases (found by diffing both parsers' option strings), limited to
+# those this project builds or has built: {flag: releases that have it}. The test below keeps this table true.
+FLAG_RELEASES = {
+    "--enable-return-aux-hidden-states": ("0.5.23",),
+    "--return-aux-hidden-state-layer-ids": ("0.5.23",),
+    "--return-hidden-states-mode": ("0.5.23",),
+    "--cuda-graph-max-bs": ("0.5.16",),  # 0.5.23: an ambiguous prefix of --cuda-graph-max-bs-decode/-prefill...
+    "--cuda-graph-max-bs-decode": ("0.5.16", "0.5.23"),
+    "--enable-return-hidden-states": ("0.5.16", "0.5.23"),
+    "--disable-cuda-graph": ("0.5.16", "0.5.23"),
+    "--config": ("0.5.16", "0.5.23"),
+}
+
+
+@pytest.fixture(scope="module")
+def parsed_by_version(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """{version: parse_many(...) of every VERSIONED_SPECS argv}: the venv's own release in-process, the other one
+    in a subprocess whose ``import sglang`` is that release (tests/sglang_side.py)."""
+    folder = tmp_path_factory.mktemp("keys")
+    named = {name: _args_of(spec, folder) for name, spec in VERSIONED_SPECS.items()}
+    out = {}
+    for version in SGLANG_VERSIONS:
+        if sglang_side.side_folder(version) is None:
+            pytest.importorskip("sglang.srt.server_args", reason=SKIP_REASON)
+            out[version] = parse_many(named)
+        elif sglang_side.available(version):
+            proc = sglang_side.run_under(version, "import json, sys; from infra.sglang_argv_check import parse_many; "
+                                                  f"print(json.dumps(parse_many({named!r})))")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            out[version] = json.loads(proc.stdout.splitlines()[-1])
+    return out
+
+
+def _under(parsed_by_version: dict[str, dict[str, Any]], version: str) -> dict[str, Any]:
+    if version not in parsed_by_version:
+        pytest.skip(f"SGLang {version} is not installed beside the venv's: ./scripts/bootstrap.sh puts it in "
+                    f"{sglang_side.side_folder(version)}")
+    return parsed_by_version[version]
+
+
+@pytest.mark.parametrize("version", SGLANG_VERSIONS)
+def test_each_release_is_the_version_it_claims(parsed_by_version, version):
+    """The parser checked as 0.5.16 really is 0.5.16 (the side folder shadows the venv's sglang), and so on."""
+    assert _under(parsed_by_version, version)["version"] == version
+
+
+@pytest.mark.parametrize("name", sorted(VERSIONED_SPECS))
+@pytest.mark.parametrize("version", SGLANG_VERSIONS)
+def test_every_argv_parses_under_each_release_or_is_a_known_gap(parsed_by_version, version, name):
+    """Each release's own parser reads each argv to the values we meant; a mode MODE_GAPS lists for a release
+    (0.5.16 cannot run capture_aux) must be REJECTED by that parser, so this fails when that stops being true."""
+    spec = VERSIONED_SPECS[name]
+    result = _under(parsed_by_version, version)["parsed"][name]
+    gap = MODE_GAPS.get(version, {}).get(spec.mode)
+    if gap:
+        assert result["error"] and "unrecognized arguments: --enable-return-aux-hidden-states" in result["error"], (
+            f"SGLang {version} now parses {name}: MODE_GAPS says {gap!r}; drop the entry if it runs")
+        return
+    assert result["error"] is None, result["error"]
+    assert mismatches(spec, argparse.Namespace(**result["values"])) == []
+
+
+@pytest.mark.parametrize("flag", sorted(FLAG_RELEASES))
+def test_flag_differences_between_releases_are_the_known_ones(parsed_by_version, flag):
+    """FLAG_RELEASES says which releases' parsers know each flag whose existence differs, or that we rely on."""
+    for version in SGLANG_VERSIONS:
+        flags = set(_under(parsed_by_version, version)["flags"])
+        assert (flag in flags) == (version in FLAG_RELEASES[flag]), (flag, version)
+
+
+def test_only_capture_aux_needs_the_newer_release():
+    """The version-to-modes table: 0.5.16 lacks exactly capture_aux; 0.5.23 runs every mode; only known releases."""
+    assert set(MODE_GAPS) <= set(SGLANG_VERSIONS)
+    assert {v: set(g) for v, g in MODE_GAPS.items()} == {"0.5.16": {"capture_aux"}}
