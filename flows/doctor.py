@@ -1,7 +1,8 @@
 """`eagle3 doctor [--preset NAME]`: one screen that says whether this machine can run a preset, and how to fix it.
 
 Versions (Python, torch and its device, transformers, prefect), whether each optional piece imports,
-the Prefect API and whether it answers, free disk, and for every preset whether its target and data
+the installed SGLang's version and whether every launch argv we build parses with that version's own
+parser (infra/sglang_argv_check.py), the Prefect API and whether it answers, free disk, and for every preset whether its target and data
 resolve (files and packages exist; no model is loaded). Exit 1 when something the chosen preset needs
 is missing; each such line carries its fix.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.config import RunConfig, list_presets, load_config
+from infra.sglang_spec import MODES, SGLANG_VERSIONS
 
 PIP = f"{sys.executable} -m pip install"
 
@@ -95,6 +97,36 @@ def optional_checks() -> dict[str, Check]:
     }
 
 
+def sglang_mode_checks() -> tuple[str | None, list[Check]]:
+    """(installed sglang version or None, one Check per ServerSpec mode: its argv through that version's parser)."""
+    from infra.sglang_argv_check import check_modes, installed_version
+
+    version = installed_version()
+    if version is None:
+        return None, []
+    try:
+        results = check_modes(version)
+    except Exception as exc:  # the parser itself does not import or build
+        return version, [Check("argv of every mode", False, f"{type(exc).__name__}: {exc}",
+                               f"{PIP} -r tests/sglang-parser-requirements.txt")]
+    return version, [Check(f"argv {r.mode}", r.ok,
+                           r.detail if r.ok or not r.known_gap else f"{r.mode}: {r.known_gap} ({r.detail})",
+                           "" if r.ok else f"run this mode with an SGLang whose parser takes it ({SGLANG_VERSIONS})")
+                     for r in results]
+
+
+def sglang_modes_used(cfg: RunConfig) -> set[str]:
+    """ServerSpec modes a run of ``cfg`` launches (sglang capture: its server_mode and capture_final for
+    final_hidden with capture_aux; serve: the baseline and speculative pair)."""
+    modes = {"serve", "speculative"} if cfg.serve.enabled else set()
+    if cfg.capture.backend == "sglang":
+        server_mode = getattr(cfg.capture.sglang, "server_mode", "capture_aux")
+        modes.add(server_mode)
+        if server_mode == "capture_aux" and getattr(cfg.capture, "supervision", None) == "final_hidden":
+            modes.add("capture_final")
+    return modes & set(MODES)
+
+
 def needed_pieces(cfg: RunConfig) -> set[str]:
     """The optional pieces a run of ``cfg`` imports in this interpreter."""
     needs = {"gguf"} if cfg.target.kind == "gguf" else set()
@@ -166,10 +198,20 @@ def run_doctor(preset: str) -> int:
                                      f"accelerate {_version('accelerate')}", f"{PIP} accelerate")
     print("optional pieces (MISSING = the chosen preset needs it):")
     print("\n".join(c.line(k in needs) for k, c in pieces.items()))
+    version, mode_checks = sglang_mode_checks()
+    used = sglang_modes_used(cfg)
+    print(f"SGLang {version}: every launch argv through its own parser (MISSING = the chosen preset launches it):"
+          if version else "SGLang: not importable here, so no launch argv was parsed (the preset's serve.python /"
+          " capture.sglang.python interpreter may still have it)")
+    needed_mode = {c.name: c.name.removeprefix("argv ") in used or c.name == "argv of every mode"
+                   for c in mode_checks} if used else {}
+    for c in mode_checks:
+        print(c.line(needed_mode.get(c.name, False)))
+    failed_modes = [c for c in mode_checks if not c.ok and needed_mode.get(c.name)]
     api = prefect_check(cfg.run.workdir)
     print(api.line(False))
     print(disk_line("workdir", Path(cfg.run.workdir)) + "\n" + disk_line("target cache", cfg.target_cache_dir))
-    failed = [c for k, c in pieces.items() if k in needs and not c.ok]
+    failed = [c for k, c in pieces.items() if k in needs and not c.ok] + failed_modes
     for name in list_presets() + ([] if preset in list_presets() else [preset]):
         checks = preset_checks(load_config(name))
         chosen = name == preset

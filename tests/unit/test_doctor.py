@@ -49,3 +49,56 @@ def test_missing_target_file_is_named_with_its_setting(tmp_path, capsys):
     assert run_doctor(str(preset)) == 1
     verdict = capsys.readouterr().out.strip().splitlines()[-1]
     assert "NOT ready" in verdict and "target.path" in verdict
+
+
+SGLANG_MODE_LINES = ("import json; from flows.doctor import sglang_mode_checks; v, cs = sglang_mode_checks(); "
+                     "print(json.dumps([v, [[c.name, c.ok, c.detail] for c in cs]]))")
+
+
+@pytest.mark.parametrize("version", ["0.5.16", "0.5.23"])
+def test_doctor_parses_every_mode_with_the_installed_sglang(version):
+    """Under each release (0.5.16 from its folder beside the venv's 0.5.23) doctor names the version, passes
+    every mode's argv through that version's parser, and says capture_aux needs 0.5.23's flag under 0.5.16."""
+    import json
+
+    from infra.sglang_spec import MODE_GAPS, MODES
+    from tests import sglang_side
+
+    if not sglang_side.available(version):
+        pytest.skip(f"SGLang {version} is not in {sglang_side.side_folder(version)}: run ./scripts/bootstrap.sh")
+    pytest.importorskip("sglang.srt.server_args")
+    proc = sglang_side.run_under(version, SGLANG_MODE_LINES)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found, checks = json.loads(proc.stdout.splitlines()[-1])
+    assert found == version
+    assert [name for name, _, _ in checks] == [f"argv {m}" for m in MODES]
+    gaps = MODE_GAPS.get(version, {})
+    for name, ok, detail in checks:
+        mode = name.removeprefix("argv ")
+        assert ok == (mode not in gaps), (name, detail)
+        if mode in gaps:
+            assert detail.startswith("capture_aux: needs SGLang >= 0.5.23's --enable-return-aux-hidden-states")
+            assert "unrecognized arguments" in detail
+
+
+def test_doctor_without_sglang_says_so_and_a_preset_without_it_stays_ready(no_accelerate, monkeypatch, capsys):
+    """No importable sglang: doctor says no argv was parsed, and the tiny preset (no SGLang server) is ready."""
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    assert run_doctor("tiny") == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "SGLang: not importable here, so no launch argv was parsed" in out and "tiny: ready" in out
+
+
+def test_a_mode_the_preset_launches_fails_the_verdict_when_sglang_rejects_it(no_accelerate, monkeypatch, capsys):
+    """A mode the chosen preset launches whose argv the installed parser refuses makes the preset NOT ready."""
+    pytest.importorskip("sglang.srt.server_args")
+    import flows.doctor as doctor
+
+    from infra.sglang_argv_check import ModeCheck
+
+    monkeypatch.setattr("infra.sglang_argv_check.check_modes", lambda version=None: [
+        ModeCheck("serve", False, "SGLangParseError: unrecognized arguments: --x")])
+    monkeypatch.setattr(doctor, "sglang_modes_used", lambda cfg: {"serve"})
+    assert run_doctor("tiny") == 1
+    out = capsys.readouterr().out
+    assert "MISSING argv serve" in " ".join(out.split()) and "NOT ready: argv serve" in out.strip().splitlines()[-1]
