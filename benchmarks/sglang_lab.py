@@ -1,0 +1,95 @@
+"""Helpers shared by the SGLang lab benchmarks (benchmarks/sglang_capture.py, benchmarks/sglang_regenerate.py).
+
+Lab code: it imports the core, the core never imports it. What is here:
+
+  say                   a progress line, flushed (PYTHONUNBUFFERED may be unset on the GPU host)
+  write_results         results JSON written atomically (temp file + rename)
+  installed_sglang      the sglang version the server interpreter has (``<python> -c importlib.metadata``)
+  probe_version         which version the readiness probe must accept, and whether that differs from the core's
+  relax_probe_version   make eagle3.features.sglang_backend's managed servers accept that version
+
+Why the version matters: infra.sglang.ProbeExpectations defaults to ``version=SGLANG_VERSION`` ("0.5.23"), and
+the readiness probe refuses a server whose /server_info version does not start with it. The GPU host runs
+SGLang 0.5.16 (capture_packed exists for it), so a managed capture server there would fail its probe with
+"version: server runs '0.5.16', this code speaks SGLang 0.5.23". Until the core accepts it, the benchmarks
+point the probe at the installed version (detected, or ``--expect-version``) and say so in their output.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/ first, not the repository
+    sys.path.insert(0, str(REPO))
+
+from infra.sglang import SGLANG_VERSION  # noqa: E402
+from infra.storage import atomic_write_text  # noqa: E402
+
+_T0 = time.monotonic()
+VERSION_PROBE = "import importlib.metadata as m; print(m.version('sglang'))"
+
+
+def say(text: str) -> None:
+    """One progress line with the seconds since start, flushed at once."""
+    print(f"[{time.monotonic() - _T0:7.1f}s] {text}", flush=True)
+
+
+def write_results(path: Path, results: dict[str, Any]) -> Path:
+    """Write ``results`` as indented JSON atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(path, json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def installed_sglang(python: str, timeout_s: float = 120.0) -> str:
+    """The sglang distribution version ``python`` sees; RuntimeError naming the interpreter when it has none."""
+    try:
+        done = subprocess.run([python, "-c", VERSION_PROBE], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"cannot ask {python!r} for its sglang version: {type(exc).__name__}: {exc}") from exc
+    if done.returncode != 0:
+        raise RuntimeError(f"{python!r} has no sglang distribution (exit {done.returncode}): "
+                           f"{done.stderr.strip()[-400:]}")
+    return done.stdout.strip()
+
+
+def probe_version(expect: str, python: str) -> tuple[str | None, bool]:
+    """(version the probe must accept, whether it differs from the core's default).
+
+    ``expect``: "auto" (the server interpreter's installed sglang), "none" (no version check) or a version
+    prefix such as "0.5.16".
+    """
+    if expect == "none":
+        return None, True
+    version = installed_sglang(python) if expect == "auto" else expect
+    return version, not version.startswith(SGLANG_VERSION)
+
+
+def relax_probe_version(version: str | None) -> None:
+    """Managed capture servers launched by eagle3.features.sglang_backend accept ``version`` (None: any).
+
+    Replaces that module's name ``ProbeExpectations`` by the same class with another default version; every
+    other expectation (model path, hidden size, launch flags, the smoke forward) is checked as before.
+    """
+    import eagle3.features.sglang_backend as backend_module
+    from infra.sglang import ProbeExpectations
+
+    backend_module.ProbeExpectations = functools.partial(ProbeExpectations, version=version)  # type: ignore[misc]
+    say(f"readiness probe: accepting SGLang version {version or 'any'} (the core expects {SGLANG_VERSION})")
+
+
+def device_name(device: str) -> str:
+    """The accelerator's name for a cuda device, else a plain description (imports torch)."""
+    import platform
+
+    import torch
+
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        return torch.cuda.get_device_name(torch.device("cuda" if device == "auto" else device))
+    return f"cpu ({platform.processor() or platform.machine()})"
