@@ -13,9 +13,7 @@ class SGLangCaptureConfig(Section):
     """The SGLang capture backend: managed server(s) or existing endpoints."""
 
     server_mode: Literal["capture_packed", "capture_aux"] = "capture_packed"
-    """capture_packed: one prefill per sample returns the aux and the final states, through this project's SGLang
-    model package (any SGLang >= 0.5.14, the GPU host's 0.5.16 included); capture_aux: SGLang 0.5.23's own
-    --enable-return-aux-hidden-states, plus capture_final servers for final_hidden (two passes)."""
+    """capture_packed: aux and final states from one prefill via this project's SGLang model package (SGLang >= 0.5.14); capture_aux: 0.5.23's aux flags (+ capture_final servers for final_hidden)."""
     endpoints: list[str] = []
     """Existing capture servers (http://host:port) of server_mode; empty = launch managed servers."""
     final_endpoints: list[str] = []
@@ -296,6 +294,20 @@ class EvaluateConfig(Section):
         return self
 
 
+def parse_trio(text: str) -> tuple[int, int, int]:
+    """'steps-topk-draft_tokens' -> (steps, topk, draft_tokens); ValueError naming the rule it breaks."""
+    parts = text.split("-")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"serve.extra_speculative entry {text!r} is not 'steps-topk-draft_tokens' (three integers >= 1)")
+    steps, topk, tokens = map(int, parts)
+    if topk == 1 and tokens != steps + 1:
+        raise ValueError(f"serve.extra_speculative entry {text!r}: with topk 1 draft_tokens must be steps + 1 = "
+                         f"{steps + 1} (SGLang forces it)")
+    if tokens < 2:
+        raise ValueError(f"serve.extra_speculative entry {text!r}: draft_tokens must be >= 2")
+    return steps, topk, tokens
+
+
 class ServeConfig(Section):
     """Deploy + benchmark: a baseline and an EAGLE-3 SGLang server, identical but for the --speculative-* flags."""
 
@@ -335,10 +347,16 @@ class ServeConfig(Section):
     """--speculative-eagle-topk: branches per draft step (1 = a chain)."""
     num_draft_tokens: int = Field(4, ge=2)
     """--speculative-num-draft-tokens: tokens verified per step (must be num_steps + 1 when eagle_topk is 1)."""
+    extra_speculative: list[str] = []
+    """More EAGLE-3 settings benchmarked against the same baseline, each 'steps-topk-draft_tokens' (e.g. '7-1-8', '5-4-8')."""
+    prompts: Literal["fixed", "evaluation"] = "fixed"
+    """fixed: English prompts as text, exactly max_new_tokens each; evaluation: the evaluate stage's prompts as ids, stopping at end of turn, per dataset and checked against eagle3 eval."""
+    accept_tolerance: float = Field(0.03, gt=0, lt=1)
+    """Largest relative gap of SGLang's accept length from eagle3 eval's (same method, per dataset and overall); beyond it the stage fails after its report."""
     concurrency_levels: list[int] = [1, 4, 16]
     """Requests in flight per measured level (1 = latency, more = throughput)."""
     num_prompts: int = Field(32, ge=1)
-    """Measured requests per level: fixed prompts, the same for both servers."""
+    """Measured requests per level: fixed prompts, the same for every server (prompts: evaluation uses all of them)."""
     max_new_tokens: int = Field(256, ge=2)
     """Tokens generated per request (ignore_eos, so every request produces exactly this many)."""
     num_warmup: int = Field(4, ge=0)
@@ -355,6 +373,8 @@ class ServeConfig(Section):
         if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
             raise ValueError(f"serve.num_draft_tokens must be num_steps + 1 = {self.num_steps + 1} with eagle_topk 1 "
                              f"(SGLang forces it), not {self.num_draft_tokens}")
+        for trio in self.extra_speculative:
+            parse_trio(trio)
         levels = self.concurrency_levels
         if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
             raise ValueError(f"serve.concurrency_levels {levels} must be distinct values >= 1")

@@ -22,8 +22,9 @@ import json
 import logging
 import os
 import secrets
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from eagle3.config import RunConfig
@@ -31,7 +32,7 @@ from eagle3.run.progress import Progress, ProgressFn
 
 if TYPE_CHECKING:
     from infra.sglang import ProbeExpectations
-    from infra.sglang_bench import BenchResult, BenchSettings, LevelComparison
+    from infra.sglang_bench import BenchResult, BenchSettings
     from infra.sglang_spec import ServerSpec
 
 log = logging.getLogger(__name__)
@@ -52,14 +53,23 @@ def draft_dir(cfg: RunConfig) -> Path:
     return default_export_dir(cfg)
 
 
+def trios(cfg: RunConfig) -> list[str]:
+    """The EAGLE-3 settings to benchmark, 'steps-topk-draft_tokens': serve's own trio, then extra_speculative."""
+    sv = cfg.serve
+    main = f"{sv.num_steps}-{sv.eagle_topk}-{sv.num_draft_tokens}"
+    return [main, *(t for t in sv.extra_speculative if t != main)]
+
+
 def server_specs(cfg: RunConfig, model_path: str, draft_path: str,
-                 api_key: str | None) -> tuple[ServerSpec, ServerSpec]:
+                 api_key: str | None, trio: str | None = None) -> tuple[ServerSpec, ServerSpec]:
     """(baseline, speculative) ServerSpecs from cfg.serve: equal flags except --speculative-* and the port."""
+    from eagle3.config_stages import parse_trio
     from infra.sglang import serving_pair
 
     sv = cfg.serve
-    return serving_pair(model_path, draft_path, port=sv.port, num_steps=sv.num_steps, topk=sv.eagle_topk,
-                        num_draft_tokens=sv.num_draft_tokens, host=sv.host, allow_remote=sv.allow_remote_host,
+    steps, topk, tokens = parse_trio(trio or trios(cfg)[0])
+    return serving_pair(model_path, draft_path, port=sv.port, num_steps=steps, topk=topk,
+                        num_draft_tokens=tokens, host=sv.host, allow_remote=sv.allow_remote_host,
                         tp_size=sv.tp_size, dtype=sv.dtype,
                         mem_fraction_static=sv.mem_fraction_static, max_running_requests=sv.max_running_requests,
                         cuda_graph_max_bs_decode=sv.cuda_graph_max_bs_decode, attention_backend=sv.attention_backend,
@@ -67,12 +77,38 @@ def server_specs(cfg: RunConfig, model_path: str, draft_path: str,
 
 
 def bench_settings(cfg: RunConfig) -> BenchSettings:
-    """cfg.serve -> infra.sglang_bench.BenchSettings."""
+    """cfg.serve -> infra.sglang_bench.BenchSettings (evaluation prompts stop at end of turn, as eagle3 eval does)."""
     from infra.sglang_bench import BenchSettings
 
     sv = cfg.serve
     return BenchSettings(tuple(sv.concurrency_levels), sv.num_prompts, sv.max_new_tokens, sv.num_warmup,
-                         sv.request_timeout_s)
+                         sv.request_timeout_s, ignore_eos=sv.prompts == "fixed")
+
+
+@dataclass(frozen=True)
+class DeployPrompts:
+    """What every server is sent: text or token ids, and each prompt's group (its dataset, or 'fixed')."""
+
+    prompts: list[str] | list[list[int]]
+    groups: list[str]
+
+
+def deploy_prompts(cfg: RunConfig, model_path: str) -> DeployPrompts:
+    """serve.prompts: the fixed English set, or the evaluation's rendered prompts (count must equal num_prompts)."""
+    from infra.sglang_bench import fixed_prompts
+
+    sv = cfg.serve
+    if sv.prompts == "fixed":
+        return DeployPrompts(fixed_prompts(sv.num_prompts), ["fixed"] * sv.num_prompts)
+    from eagle3.evaluate.prompts import load_prompts
+    from eagle3.target.load import load_tokenizer
+
+    e = cfg.evaluate
+    items = load_prompts(e.datasets, {name: e.limit_for(name) for name in e.datasets}, load_tokenizer(Path(model_path)))
+    if len(items) != sv.num_prompts:
+        raise ValueError(f"serve.prompts is evaluation: evaluate.datasets give {len(items)} prompts, so set "
+                         f"serve.num_prompts={len(items)} (it is {sv.num_prompts})")
+    return DeployPrompts([ids for _, ids in items], [p.dataset for p, _ in items])
 
 
 def probe_expectations(model_path: str) -> ProbeExpectations:
@@ -144,50 +180,58 @@ class ServerRun:
     pid: int | None
     ready: dict[str, Any]  # {smoke, elapsed_s, version} of infra.sglang.ReadyReport
     result: BenchResult
+    trio: str | None = None  # 'steps-topk-draft_tokens' of a speculative server
+    groups: tuple[str, ...] = ()  # each prompt's dataset, in prompt order
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict (round-trips through ``from_json``; results.json holds it per role)."""
         return {"role": self.role, "argv": self.argv, "log": self.log, "pid": self.pid, "ready": dict(self.ready),
-                "result": self.result.to_json()}
+                "result": self.result.to_json(), "trio": self.trio, "groups": list(self.groups)}
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> ServerRun:
         from infra.sglang_bench import BenchResult
 
         return cls(doc["role"], doc["argv"], doc["log"], doc["pid"], dict(doc["ready"]),
-                   BenchResult.from_json(doc["result"]))
+                   BenchResult.from_json(doc["result"]), doc.get("trio"), tuple(doc.get("groups") or ()))
 
 
 def benchmark_server(cfg: RunConfig, role: Role, plan: ServingPlan, progress: ProgressFn | None = None,
-                     logger: logging.Logger | logging.LoggerAdapter = log) -> ServerRun:
-    """Launch one server, wait until it passes readiness, benchmark every level, always stop it."""
+                     logger: logging.Logger | logging.LoggerAdapter = log, trio: str | None = None) -> ServerRun:
+    """Launch one server (a speculative one with ``trio``, default serve's own), wait until it passes readiness,
+    benchmark every level, always stop it."""
     from infra.process import RestartPolicy
     from infra.sglang import ManagedServer
-    from infra.sglang_bench import fixed_prompts, run_benchmark
+    from infra.sglang_bench import run_benchmark
 
     api_key = api_key_for(cfg)
-    spec = server_specs(cfg, plan.model_path, plan.draft_model_path, api_key)[role == "speculative"]
+    trio = (trio or trios(cfg)[0]) if role == "speculative" else None
+    spec = server_specs(cfg, plan.model_path, plan.draft_model_path, api_key, trio)[role == "speculative"]
     settings = bench_settings(cfg)
-    check_gpus(cfg)  # the other server of the pair must be gone, and nobody else on the GPUs
+    sent = deploy_prompts(cfg, plan.model_path)
+    check_gpus(cfg)  # the other servers must be gone, and nobody else on the GPUs
+    name = role if trio is None else f"{role}-{trio}"
     # No restart: a server that died once has not been measured under the same conditions.
-    server = ManagedServer(spec, deploy_dir(cfg) / f"sglang-{role}.log", expect=probe_expectations(plan.model_path),
+    server = ManagedServer(spec, deploy_dir(cfg) / f"sglang-{name}.log", expect=probe_expectations(plan.model_path),
                            startup_timeout_s=cfg.serve.startup_timeout_s, policy=RestartPolicy(max_restarts=0))
-    logger.info("starting %s server: %s", role, server.process.printable_argv)
+    logger.info("starting %s server: %s", name, server.process.printable_argv)
     try:
         ready = server.start()
-        result = run_benchmark(spec.base_url, fixed_prompts(settings.num_prompts), settings,
-                               speculative=role == "speculative", api_key=api_key, progress=progress)
+        result = run_benchmark(spec.base_url, sent.prompts, settings, speculative=role == "speculative",
+                               api_key=api_key, progress=progress)
     finally:
         server.stop()
     return ServerRun(role, server.process.printable_argv, str(server.log_path), server.pid,
-                     {"smoke": ready.smoke, "elapsed_s": ready.elapsed_s, "version": ready.version}, result)
+                     {"smoke": ready.smoke, "elapsed_s": ready.elapsed_s, "version": ready.version}, result,
+                     trio, tuple(sent.groups))
 
 
-def report_context(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun) -> dict[str, str]:
-    """The report's header lines: run, both command lines, and a NOTE when the servers were not SGLang."""
+def report_context(cfg: RunConfig, baseline: ServerRun, speculative: Sequence[ServerRun]) -> dict[str, str]:
+    """The report's header lines: run, every command line, and a NOTE when the servers were not SGLang."""
     from infra.sglang import LAUNCH_MODULE
 
-    context = {"run": cfg.run.name, "baseline server": baseline.argv, "speculative server": speculative.argv}
+    context = {"run": cfg.run.name, "baseline server": baseline.argv}
+    context |= {f"EAGLE-3 server {run.trio}": run.argv for run in speculative}
     if cfg.serve.launch_module != LAUNCH_MODULE:
         context["NOTE"] = (f"servers launched by {cfg.serve.launch_module}, not {LAUNCH_MODULE}: "
                            "these figures are not SGLang measurements")
@@ -195,53 +239,146 @@ def report_context(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun) 
 
 
 @dataclass(frozen=True)
+class AcceptCheck:
+    """SGLang's accept length against eagle3 eval's for one method and dataset, on the same prompts and export."""
+
+    trio: str
+    dataset: str
+    sglang: float
+    evaluate: float
+    rel_diff: float
+    ok: bool
+
+
+def eval_method_name(trio: str) -> str:
+    """The evaluate stage's name for the same drafting: chain-S-1-N, or tree-S-K-N."""
+    from eagle3.config_stages import parse_trio
+
+    steps, topk, tokens = parse_trio(trio)
+    return f"{'chain' if topk == 1 else 'tree'}-{steps}-{topk}-{tokens}"
+
+
+def accept_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[AcceptCheck], str | None]:
+    """Per dataset and overall, at the lowest concurrency: (checks, why none were made)."""
+    from eagle3.evaluate.stage import eval_dir
+
+    if cfg.serve.prompts != "evaluation":
+        return [], "serve.prompts is fixed: eagle3 eval measured other prompts"
+    path = eval_dir(cfg) / "results.json"
+    if not path.is_file():
+        return [], f"no {path}: run the evaluate step first"
+    doc = json.loads(path.read_text())
+    if doc.get("settings", {}).get("max_new_tokens") != cfg.serve.max_new_tokens:
+        return [], (f"eagle3 eval generated {doc.get('settings', {}).get('max_new_tokens')} tokens per prompt, "
+                    f"the servers {cfg.serve.max_new_tokens}: set evaluate.max_new_tokens equal")
+    assert run.trio is not None
+    method = eval_method_name(run.trio)
+    rows = {r["dataset"]: r for r in doc.get("results", []) if r.get("method") == method}
+    if not rows:
+        return [], f"eagle3 eval did not measure {method} (evaluate.chain_steps / tree_* settings)"
+    level = min(run.result.levels, key=lambda lv: lv.concurrency)
+    checks = []
+    for dataset in [*dict.fromkeys(run.groups), "all"]:
+        idx = [i for i, g in enumerate(run.groups) if dataset in ("all", g)]
+        verify = sum(level.verify_by_prompt[i] for i in idx)
+        if dataset not in rows or not verify:
+            continue
+        ours = sum(level.completion_by_prompt[i] for i in idx) / verify
+        theirs = rows[dataset]["num_tokens"] / rows[dataset]["num_verify"]
+        gap = abs(ours - theirs) / theirs
+        checks.append(AcceptCheck(run.trio, dataset, ours, theirs, gap, gap <= cfg.serve.accept_tolerance))
+    return checks, None
+
+
+@dataclass(frozen=True)
 class DeployReport:
-    """The written comparison: results.json, report.md, one row per concurrency level and the report's text."""
+    """The written comparison: results.json, report.md, one row per EAGLE-3 setting and level, the report's text."""
 
     results: Path
     report: Path
-    comparison: list[LevelComparison]
+    comparison: list[dict[str, Any]]
     markdown: str
+    accept_checks: list[AcceptCheck] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict (what the Prefect task and the CLI return)."""
-        return {"results": str(self.results), "report": str(self.report),
-                "comparison": [asdict(row) for row in self.comparison]}
+        return {"results": str(self.results), "report": str(self.report), "comparison": self.comparison,
+                "accept_checks": [asdict(c) for c in self.accept_checks]}
 
 
-def write_report(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun) -> DeployReport:
-    """Compare the runs and write results.json + report.md; MeasurementError (after an invalid results.json)
-    when the figures cannot be right (a speedup above the acceptance length, runs that differ in settings)."""
-    from infra.sglang_bench import MeasurementError, compare, render_report
+def _section(cfg: RunConfig, baseline: ServerRun, run: ServerRun) -> tuple[list[dict[str, Any]], str, list[AcceptCheck],
+                                                                              list[str]]:
+    """One EAGLE-3 setting: level rows, its markdown, its accept checks and what is wrong with its figures."""
+    from infra.sglang_bench import MeasurementError, compare, compare_groups, render_group_table, render_report
+
+    errors: list[str] = []
+    try:
+        rows = compare(baseline.result, run.result)
+    except MeasurementError as exc:
+        return [], f"## EAGLE-3 {run.trio}\n\nnot comparable: {exc}\n", [], [f"{run.trio}: {exc}"]
+    markdown = render_report(rows, baseline.result, run.result, {"EAGLE-3 setting": str(run.trio)})
+    markdown = markdown.replace("# EAGLE-3 deploy benchmark", f"## EAGLE-3 {run.trio}", 1)
+    if len(set(run.groups)) > 1 or cfg.serve.prompts == "evaluation":
+        markdown += "\n" + render_group_table(compare_groups(baseline.result, run.result, list(run.groups)))
+    checks, skipped = accept_checks(cfg, run)
+    if checks:
+        markdown += "\n| dataset | SGLang accept length | eagle3 eval | gap |\n|---|---:|---:|---:|\n" + "".join(
+            f"| {c.dataset} | {c.sglang:.3f} | {c.evaluate:.3f} | {100 * c.rel_diff:.1f}%{'' if c.ok else ' FAIL'} |\n"
+            for c in checks)
+    else:
+        markdown += f"\nAccept length not compared with eagle3 eval: {skipped}\n"
+    errors += [f"{c.trio} {c.dataset}: SGLang accept length {c.sglang:.3f} vs eagle3 eval {c.evaluate:.3f} "
+               f"({100 * c.rel_diff:.1f}% > {100 * cfg.serve.accept_tolerance:.0f}%): a train/serve mismatch (aux layer "
+               "ids, norms, d2t/t2d, RoPE, chat template or dtype)" for c in checks if not c.ok]
+    return [{"trio": run.trio} | asdict(r) for r in rows], markdown, checks, errors
+
+
+def write_report(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun | Sequence[ServerRun]) -> DeployReport:
+    """Compare each EAGLE-3 run with the baseline and write results.json + report.md; MeasurementError (after
+    results.json marked invalid) when figures cannot be right (speedup above the acceptance length, runs that
+    differ in settings) or SGLang's accept length is further than serve.accept_tolerance from eagle3 eval's."""
+    from infra.sglang_bench import MeasurementError
     from infra.storage import atomic_write_json, atomic_write_text
 
+    runs = [speculative] if isinstance(speculative, ServerRun) else list(speculative)
     out = deploy_dir(cfg)
-    context = report_context(cfg, baseline, speculative)
-    doc: dict[str, Any] = {"context": context, "baseline": baseline.to_json(), "speculative": speculative.to_json()}
-    try:
-        rows = compare(baseline.result, speculative.result)
-    except MeasurementError as exc:
-        atomic_write_json(out / "results.json", doc | {"valid": False, "error": str(exc)})
-        raise
-    markdown = render_report(rows, baseline.result, speculative.result, context)
-    results = atomic_write_json(out / "results.json", doc | {"valid": True, "comparison": [asdict(r) for r in rows]})
-    return DeployReport(results, atomic_write_text(out / "report.md", markdown), rows, markdown)
+    context = report_context(cfg, baseline, runs)
+    sections = [_section(cfg, baseline, run) for run in runs]
+    rows = [row for section in sections for row in section[0]]
+    checks = [check for section in sections for check in section[2]]
+    errors = [error for section in sections for error in section[3]]
+    head = ["# EAGLE-3 deploy benchmark", ""] + [f"* {k}: `{v}`" for k, v in context.items()] + [""]
+    markdown = "\n".join(head) + "\n" + "\n".join(section[1] for section in sections)
+    doc: dict[str, Any] = {"context": context, "baseline": baseline.to_json(),
+                           "speculative": [run.to_json() for run in runs], "comparison": rows,
+                           "accept_checks": [asdict(c) for c in checks], "valid": not errors, "errors": errors}
+    results = atomic_write_json(out / "results.json", doc)
+    report = DeployReport(results, atomic_write_text(out / "report.md", markdown), rows, markdown, checks)
+    if errors:
+        raise MeasurementError("deploy figures failed their checks (report written to "
+                               f"{report.report}):\n  " + "\n  ".join(errors))
+    return report
 
 
 def run_deploy(cfg: RunConfig, show_bar: bool | None = None) -> DeployReport:
-    """The whole stage without an orchestrator: prepare, baseline server, speculative server, report."""
+    """The whole stage without an orchestrator: prepare, baseline server, each EAGLE-3 server, report."""
     if not cfg.serve.enabled:
         raise ValueError(f"{NOT_ENABLED}; set serve.enabled=true on a GPU host with SGLang")
     plan = prepare_serving(cfg)
-    runs = {}
-    for role in ("baseline", "speculative"):
-        with _progress_bar(cfg, role, show_bar) as bar:
-            runs[role] = benchmark_server(cfg, role, plan, progress=lambda done, total, info: bar.update(
-                done - bar.done, **info))
-    return write_report(cfg, runs["baseline"], runs["speculative"])
+    with _progress_bar(cfg, "baseline", show_bar) as bar:
+        baseline = benchmark_server(cfg, "baseline", plan, progress=_advance(bar))
+    runs = []
+    for trio in trios(cfg):
+        with _progress_bar(cfg, f"EAGLE-3 {trio}", show_bar) as bar:
+            runs.append(benchmark_server(cfg, "speculative", plan, progress=_advance(bar), trio=trio))
+    return write_report(cfg, baseline, runs)
 
 
-def _progress_bar(cfg: RunConfig, role: Role, show_bar: bool | None) -> Progress:
+def _advance(bar: Progress) -> ProgressFn:
+    return lambda done, total, info: bar.update(done - bar.done, **info)
+
+
+def _progress_bar(cfg: RunConfig, role: str, show_bar: bool | None) -> Progress:
     """A bar over every request of one server's benchmark (warmups included), as infra.sglang_bench counts them."""
     sv = cfg.serve
     return Progress(len(sv.concurrency_levels) * (sv.num_prompts + sv.num_warmup), f"benchmark {role}",

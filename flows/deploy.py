@@ -26,10 +26,12 @@ ALL_STEPS: tuple[str, ...] = get_args(DeployStep)
 
 
 def run_benchmarks(cfg: RunConfig) -> DeployReport:
-    """Baseline server, then speculative server (each started, benchmarked, stopped), then the comparison."""
+    """Baseline server, then one server per EAGLE-3 setting (each started, benchmarked, stopped), then the report."""
+    from eagle3.deploy import trios
+
     plan = prepare_serving_task(cfg)
     baseline = benchmark_server_task(cfg, "baseline", plan)
-    speculative = benchmark_server_task(cfg, "speculative", plan)
+    speculative = [benchmark_server_task(cfg, "speculative", plan, trio) for trio in trios(cfg)]
     return report_task(cfg, baseline, speculative)
 
 

@@ -86,6 +86,7 @@ class BenchSettings:
     max_new_tokens: int = 256
     num_warmup: int = 4
     request_timeout_s: float = 600.0
+    ignore_eos: bool = True  # False: a request may stop at end of turn (1..max_new_tokens tokens)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "concurrency_levels", tuple(self.concurrency_levels))
@@ -131,6 +132,10 @@ class LevelResult:
     accept_length: float | None = None
     server_accept_length: float | None = None
     output_digests: tuple[str, ...] = field(default=(), repr=False)
+    # Per prompt, in prompt order: tokens, verify steps (0 on a baseline) and latency; datasets are summed from these.
+    completion_by_prompt: tuple[int, ...] = field(default=(), repr=False)
+    verify_by_prompt: tuple[int, ...] = field(default=(), repr=False)
+    latency_by_prompt: tuple[float, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True)
@@ -150,7 +155,8 @@ class BenchResult:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> BenchResult:
-        levels = tuple(LevelResult(**(lvl | {"output_digests": tuple(lvl["output_digests"])})) for lvl in doc["levels"])
+        per_prompt = ("output_digests", "completion_by_prompt", "verify_by_prompt", "latency_by_prompt")
+        levels = tuple(LevelResult(**(lvl | {k: tuple(lvl.get(k, ())) for k in per_prompt})) for lvl in doc["levels"])
         return cls(doc["base_url"], doc["speculative"], BenchSettings(**doc["settings"]), doc["prompts_digest"],
                    dict(doc["server_settings"]), levels)
 
@@ -178,26 +184,32 @@ def summarize_level(concurrency: int, samples: Sequence[RequestSample], duration
         median_tpot_ms=1000 * nearest_rank([s.tpot_s for s in samples], 0.5),
         cached_tokens=sum(s.cached_tokens for s in samples), spec_verify_ct=verify_ct,
         accept_length=completion / verify_ct if verify_ct else None, server_accept_length=server_accept_length,
-        output_digests=tuple(s.output_digest for s in ordered))
+        output_digests=tuple(s.output_digest for s in ordered),
+        completion_by_prompt=tuple(s.completion_tokens for s in ordered),
+        verify_by_prompt=tuple(s.spec_verify_ct or 0 for s in ordered),
+        latency_by_prompt=tuple(s.latency_s for s in ordered))
 
 
 # ---------------------------------------------------------------- one request
 
 
-def bench_request_body(prompt: Prompt, rid: str, max_new_tokens: int) -> dict[str, Any]:
-    """A streamed greedy /generate body producing exactly ``max_new_tokens`` tokens."""
+def bench_request_body(prompt: Prompt, rid: str, max_new_tokens: int, ignore_eos: bool = True) -> dict[str, Any]:
+    """A streamed greedy /generate body: exactly ``max_new_tokens`` tokens, or up to them with ``ignore_eos`` off."""
     body: dict[str, Any] = {"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
     return body | {"rid": rid, "stream": True,
-                   "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+                   "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": ignore_eos}}
 
 
-def check_bench_answer(final: Any, *, rid: str, max_new_tokens: int, speculative: bool) -> dict[str, Any]:
+def check_bench_answer(final: Any, *, rid: str, max_new_tokens: int, speculative: bool,
+                       ignore_eos: bool = True) -> dict[str, Any]:
     """The last streamed chunk's checked meta_info; ResponseCheckError names the failed check."""
     if final is None:
         raise ResponseCheckError("stream", "the stream ended without a data chunk")
     meta = response_meta(final, rid)
     got = meta.get("completion_tokens")
-    if got != max_new_tokens:
+    if not ignore_eos and isinstance(got, int) and 1 <= got <= max_new_tokens:
+        pass  # stopped at end of turn, or at the cap
+    elif got != max_new_tokens:
         raise ResponseCheckError("completion_tokens", f"{got} tokens for max_new_tokens {max_new_tokens} with "
                                  "ignore_eos: the server stopped early or ignored the sampling params")
     ids = final.get("output_ids")
@@ -234,13 +246,14 @@ async def _stream_generate(client: httpx.AsyncClient, body: dict[str, Any]) -> t
 
 
 async def measure_request(client: httpx.AsyncClient, prompt: Prompt, index: int, *, max_new_tokens: int,
-                          speculative: bool, label: str) -> RequestSample:
+                          speculative: bool, label: str, ignore_eos: bool = True) -> RequestSample:
     """Send one prompt, check the answer, time it; BenchmarkError names the request and the check."""
     rid = f"bench-{label}-{index}-{uuid.uuid4().hex[:8]}"
     t0 = clock()
     try:
-        final, first_at = await _stream_generate(client, bench_request_body(prompt, rid, max_new_tokens))
-        meta = check_bench_answer(final, rid=rid, max_new_tokens=max_new_tokens, speculative=speculative)
+        final, first_at = await _stream_generate(client, bench_request_body(prompt, rid, max_new_tokens, ignore_eos))
+        meta = check_bench_answer(final, rid=rid, max_new_tokens=max_new_tokens, speculative=speculative,
+                                  ignore_eos=ignore_eos)
     except ResponseCheckError as exc:
         raise BenchmarkError(f"{client.base_url} request {rid} (prompt {index}): {exc}") from exc
     except (httpx.HTTPError, ValueError) as exc:
@@ -321,7 +334,7 @@ async def run_level(client: httpx.AsyncClient, prompts: Sequence[Prompt], warmup
     def measure(label: str) -> Callable[..., Any]:
         async def one(client: httpx.AsyncClient, prompt: Prompt, index: int) -> RequestSample:
             sample = await measure_request(client, prompt, index, max_new_tokens=settings.max_new_tokens,
-                                           speculative=speculative, label=label)
+                                           speculative=speculative, label=label, ignore_eos=settings.ignore_eos)
             counter.tick(concurrency)
             return sample
         return one
@@ -444,4 +457,56 @@ def render_report(rows: Sequence[LevelComparison], baseline: BenchResult, specul
               "sum spec_verify_ct (bonus token included; in brackets SGLang's avg_spec_accept_length since the "
               "flush); checked: speedup <= accept length at every level. Identical outputs: greedy outputs equal "
               "to the baseline's (numerics of batched kernels may legitimately differ)."]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class GroupComparison:
+    """Baseline vs speculative over one group of prompts (a dataset) at one concurrency.
+
+    Requests of all groups share each level's wall time, so a group's rate is per request: sum of its tokens
+    over the sum of its requests' latencies (at concurrency 1 that is the throughput of those prompts)."""
+
+    concurrency: int
+    group: str
+    num_requests: int
+    baseline_tok_per_s: float
+    speculative_tok_per_s: float
+    speedup: float
+    accept_length: float
+    identical_outputs: int
+
+
+def compare_groups(baseline: BenchResult, speculative: BenchResult, groups: Sequence[str]) -> list[GroupComparison]:
+    """Per level and group (``groups[i]`` names prompt i's group), then "all"; same checks as ``compare``."""
+    rows = []
+    names = [*dict.fromkeys(groups), "all"]
+    for b, s in zip(baseline.levels, speculative.levels, strict=True):
+        if len(b.completion_by_prompt) != len(groups) or len(s.completion_by_prompt) != len(groups):
+            raise MeasurementError(f"concurrency {b.concurrency}: per-prompt figures for "
+                                   f"{len(b.completion_by_prompt)}/{len(s.completion_by_prompt)} prompts, "
+                                   f"{len(groups)} prompt groups")
+        for name in names:
+            idx = [i for i, g in enumerate(groups) if name in ("all", g)]
+            rows.append(_group_row(b, s, name, idx))
+    return rows
+
+
+def _group_row(b: LevelResult, s: LevelResult, name: str, idx: Sequence[int]) -> GroupComparison:
+    def rate(level: LevelResult) -> float:
+        return sum(level.completion_by_prompt[i] for i in idx) / sum(level.latency_by_prompt[i] for i in idx)
+
+    verify = sum(s.verify_by_prompt[i] for i in idx)
+    identical = sum(b.output_digests[i] == s.output_digests[i] for i in idx)
+    return GroupComparison(b.concurrency, name, len(idx), rate(b), rate(s), rate(s) / rate(b),
+                           sum(s.completion_by_prompt[i] for i in idx) / verify if verify else float("nan"), identical)
+
+
+def render_group_table(rows: Sequence[GroupComparison]) -> str:
+    """Markdown table: per concurrency and dataset, accept length, per-request tok/s, speedup, identical outputs."""
+    lines = ["| concurrency | dataset | prompts | accept length | baseline tok/s per request | EAGLE-3 tok/s per "
+             "request | speedup | identical to baseline |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r.concurrency} | {r.group} | {r.num_requests} | {r.accept_length:.3f} | {r.baseline_tok_per_s:,.1f} "
+              f"| {r.speculative_tok_per_s:,.1f} | {r.speedup:.2f}x | {r.identical_outputs}/{r.num_requests} |"
+              for r in rows]
     return "\n".join(lines) + "\n"

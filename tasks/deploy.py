@@ -48,23 +48,24 @@ def prepare_serving_task(cfg: RunConfig) -> ServingPlan:
 
 @task(name="serve-benchmark", task_run_name="benchmark-{role}-{cfg.run.name}", tags=["inference"],
       cache_policy=NO_CACHE)
-def benchmark_server_task(cfg: RunConfig, role: Role, plan: ServingPlan) -> ServerRun:
-    """Launch one server, wait until it passes readiness, benchmark every level, always stop it."""
+def benchmark_server_task(cfg: RunConfig, role: Role, plan: ServingPlan, trio: str | None = None) -> ServerRun:
+    """Launch one server (speculative: the EAGLE-3 setting ``trio``), wait for readiness, benchmark, always stop it."""
     from eagle3.deploy import benchmark_server
 
-    with ProgressArtifact(artifact_key(cfg, f"benchmark-{role}"), f"benchmark {role} ({cfg.run.name})") as pa:
-        return benchmark_server(cfg, role, plan, progress=pa.callback, logger=get_run_logger())
+    name = role if trio is None else f"{role}-{trio}"
+    with ProgressArtifact(artifact_key(cfg, f"benchmark-{name}"), f"benchmark {name} ({cfg.run.name})") as pa:
+        return benchmark_server(cfg, role, plan, progress=pa.callback, logger=get_run_logger(), trio=trio)
 
 
 @task(name="deploy-report", task_run_name="deploy-report-{cfg.run.name}")
-def report_task(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun) -> DeployReport:
+def report_task(cfg: RunConfig, baseline: ServerRun, speculative: list[ServerRun]) -> DeployReport:
     """Compare the runs (MeasurementError if speedup > acceptance length), write results.json + report.md, publish."""
     from eagle3.deploy import write_report
 
     report = write_report(cfg, baseline, speculative)
     publish_table(cfg, "deploy-benchmark", [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
                                             for row in report.to_json()["comparison"]],
-                  "baseline vs EAGLE-3 per concurrency level")
+                  "baseline vs each EAGLE-3 setting per concurrency level")
     create_markdown_artifact(markdown=report.markdown, key=artifact_key(cfg, "deploy-report"),
                              description="EAGLE-3 deploy benchmark")
     return report

@@ -68,15 +68,16 @@ def test_deploy_flow_benchmarks_both_fake_servers_and_reports(serve_cfg, monkeyp
         assert row["accept_length"] == pytest.approx(16 / 7)  # ceil(16 / 2.5) = 7 verify steps per request
         assert [row["baseline_tok_per_s"], row["speculative_tok_per_s"]] == pytest.approx([8 * 16 / 0.25] * 2)
         assert row["speedup"] == pytest.approx(1.0)  # the same ticks for both servers
-    for role in ("baseline", "speculative"):
-        assert not group_alive(doc[role]["pid"])
-        assert "a test double, not SGLang" in Path(doc[role]["log"]).read_text()
-    assert "--speculative-num-draft-tokens 4" in doc["speculative"]["argv"]
+    (speculative,) = doc["speculative"]
+    for run in (doc["baseline"], speculative):
+        assert not group_alive(run["pid"])
+        assert "a test double, not SGLang" in Path(run["log"]).read_text()
+    assert "--speculative-num-draft-tokens 4" in speculative["argv"]
     assert "--api-key" not in doc["baseline"]["argv"] and "--config " in doc["baseline"]["argv"]  # key in a file
     report = (out / "report.md").read_text()
     assert "not SGLang measurements" in report and report.count("| 1.00x | 2.29") == 2
     assert _artifact_keys("dep-deploy-report", "dep-deploy-benchmark") == {"dep-deploy-report", "dep-deploy-benchmark"}
-    bound = [int(re.search(r"--port (\d+)", doc[role]["argv"])[1]) for role in ("baseline", "speculative")]
+    bound = [int(re.search(r"--port (\d+)", run["argv"])[1]) for run in (doc["baseline"], speculative)]
     assert bound == [serve_cfg.serve.port, serve_cfg.serve.port + 1]  # both picked free by two_free_ports
     assert not any(port_in_use("127.0.0.1", port) for port in bound)  # the servers' own ports, released
 
@@ -88,7 +89,7 @@ def test_a_speculative_server_whose_draft_never_runs_fails_the_flow_and_is_stopp
     cfg.serve.extra_args = [*cfg.serve.extra_args, "--fake-spec-verify-ct-zero"]
     state = eagle3_deploy(config=cfg, steps=["benchmark"], return_state=True)
     assert state.is_failed()
-    log = (cfg.run_dir / "deploy" / "sglang-speculative.log").read_text()
+    log = (cfg.run_dir / "deploy" / "sglang-speculative-3-1-4.log").read_text()
     pids = [int(m) for m in re.findall(r"a test double, not SGLang\) pid (\d+)", log)]
     assert len(pids) == 1 and not pid_alive(pids[0])  # launched once (no restart), then killed
     assert not (cfg.run_dir / "deploy" / "results.json").exists()

@@ -70,9 +70,9 @@ def test_deploy_stage_runs_without_prefect_against_the_fake_server(config_file):
         assert row["accept_length"] == pytest.approx(16 / 7)  # ceil(16 / 2.5) = 7 verify steps per request
         assert [row["baseline_tok_per_s"], row["speculative_tok_per_s"]] == pytest.approx([8 * 16 / 0.25] * 2)
         assert row["speedup"] == pytest.approx(1.0)
-    for role in ("baseline", "speculative"):
-        assert doc[role]["role"] == role and not group_alive(doc[role]["pid"])
-        assert "a test double, not SGLang" in Path(doc[role]["log"]).read_text()
+    for role, run in [("baseline", doc["baseline"]), *[("speculative", r) for r in doc["speculative"]]]:
+        assert run["role"] == role and not group_alive(run["pid"])
+        assert "a test double, not SGLang" in Path(run["log"]).read_text()
     report = (out / "report.md").read_text()
     assert "not SGLang measurements" in report and report in proc.stdout
     port = json.loads(config_file.read_text())["serve"]["port"]
@@ -85,3 +85,46 @@ def test_deploy_stage_refuses_a_run_without_a_serving_host(tmp_path):
     proc = _run_stage("--config", str(save_config(cfg, cfg.run_dir / "config.json")))
     assert proc.returncode == 2 and "serve.enabled is false" in proc.stderr
     assert not (cfg.run_dir / "deploy").exists()
+
+
+def test_every_extra_eagle3_setting_gets_its_own_server_against_one_baseline(config_file):
+    """serve.extra_speculative adds one speculative server per setting; one baseline; rows name their setting."""
+    proc = _run_stage("--config", str(config_file), "--set", 'serve.extra_speculative=["5-4-8"]')
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((config_file.parent / "deploy" / "results.json").read_text())
+    assert [run["trio"] for run in doc["speculative"]] == ["3-1-4", "5-4-8"]
+    assert [(row["trio"], row["concurrency"]) for row in doc["comparison"]] == [
+        ("3-1-4", 1), ("3-1-4", 4), ("5-4-8", 1), ("5-4-8", 4)]
+    assert "--speculative-eagle-topk 4" in doc["speculative"][1]["argv"]
+    assert (config_file.parent / "deploy" / "sglang-speculative-5-4-8.log").exists()
+
+
+def _run(trio: str, groups: list[str], completion: list[int], verify: list[int]):
+    from eagle3.deploy import ServerRun
+    from infra.sglang_bench import BenchResult, BenchSettings, RequestSample, summarize_level
+
+    samples = [RequestSample(i, 1.0, 0.1, c, 0, v, str(i)) for i, (c, v) in enumerate(zip(completion, verify))]
+    level = summarize_level(1, samples, 1.0, True)
+    result = BenchResult("u", True, BenchSettings((1,), len(samples), 256, 0), "d", {}, (level,))
+    return ServerRun("speculative", "argv", "log", None, {}, result, trio, tuple(groups))
+
+
+def test_sglang_accept_length_is_checked_against_eagle3_eval_per_dataset(tmp_path):
+    """Sums of tokens / verify steps per dataset and overall vs eval/results.json; a gap over the tolerance fails."""
+    from eagle3.deploy import accept_checks
+
+    cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "r"},
+                                    "serve": {"prompts": "evaluation", "max_new_tokens": 256}})
+    results = [{"method": "chain-3-1-4", "dataset": "mtbench", "num_tokens": 200, "num_verify": 100},
+               {"method": "chain-3-1-4", "dataset": "gsm8k", "num_tokens": 300, "num_verify": 100},
+               {"method": "chain-3-1-4", "dataset": "all", "num_tokens": 500, "num_verify": 200}]
+    (cfg.run_dir / "eval").mkdir(parents=True)
+    (cfg.run_dir / "eval" / "results.json").write_text(json.dumps({"settings": {"max_new_tokens": 256},
+                                                                   "results": results}))
+    # mtbench 2.0 vs 2.0; gsm8k 2.7 vs 3.0 (10% off); all 4.7/2 = 2.35... vs 2.5 (6% off)
+    checks, skipped = accept_checks(cfg, _run("3-1-4", ["mtbench", "gsm8k"], [100, 270], [50, 100]))
+    assert skipped is None
+    got = {c.dataset: (round(c.sglang, 4), c.evaluate, c.ok) for c in checks}
+    assert got == {"mtbench": (2.0, 2.0, True), "gsm8k": (2.7, 3.0, False), "all": (round(370 / 150, 4), 2.5, True)}
+    checks, skipped = accept_checks(cfg, _run("7-1-8", ["mtbench", "gsm8k"], [100, 270], [50, 100]))
+    assert checks == [] and "did not measure chain-7-1-8" in skipped
