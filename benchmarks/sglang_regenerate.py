@@ -214,7 +214,8 @@ def hf_run(cfg: RunConfig, args: argparse.Namespace, model_dir: Path, merged: Pa
     from eagle3.data.chat_backends import make_backend
     from eagle3.target.load import load_model, load_tokenizer
 
-    rcfg = regen_config(cfg, args, backend="hf", generation_backend="static", device=args.device)
+    rcfg = regen_config(cfg, args, backend="hf", generation_backend="static", device=args.device,
+                        batch_size_conversations=args.hf_batch_size or cfg.regenerate.batch_size_conversations)
     say(f"hf: loading the target on {args.device} ({cfg.target.dtype})")
     t0 = time.perf_counter()
     model, tok = load_model(model_dir, cfg.target.dtype, args.device), load_tokenizer(model_dir)
@@ -260,6 +261,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--endpoint", help="an existing OpenAI-compatible endpoint (.../v1) instead of a server")
     parser.add_argument("--concurrency", type=int, default=64, help="openai conversations in flight (default 64)")
     parser.add_argument("--device", help="hf device (default cfg's regenerate.device)")
+    parser.add_argument("--hf-batch-size", type=int, help="hf conversations per batch (default cfg's)")
     parser.add_argument("--max-new-tokens", type=int, help="default cfg's regenerate.max_new_tokens")
     parser.add_argument("--startup-timeout-s", type=float, default=900.0)
     parser.add_argument("--skip-hf", action="store_true", help="only the openai side (no identity figures)")
