@@ -58,13 +58,16 @@ def _train_stats(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _checkpoint_dir(cfg: RunConfig) -> tuple[Path, Any]:
-    """(checkpoint folder, eagle3.export.model_card.Selection): export.checkpoint, else train.select's."""
+    """(checkpoint folder, eagle3.export.model_card.Selection): export.checkpoint, else train.select's; its weights
+    checked against the sha256 its checkpoint.json recorded (CorruptCheckpointError naming the file)."""
     from eagle3.export.model_card import select_checkpoint
+    from eagle3.train.checkpoint import MODEL_FILE, verify_checkpoint
 
     selection = select_checkpoint(cfg.train.select, cfg.export.checkpoint, _train_stats(cfg))
     path = cfg.run_dir / "train" / selection.checkpoint
     if not selection.checkpoint or not (path / WEIGHTS_FILE).is_file():
         raise FileNotFoundError(f"no checkpoint weights at {path / WEIGHTS_FILE} ({selection.reason})")
+    verify_checkpoint(path, (MODEL_FILE,))
     return path, selection
 
 

@@ -6,17 +6,23 @@ A checkpoint directory holds
     optimizer.pt        AdamW state keyed by parameter name (loads into DDP, FSDP2 or a plain module)
     trainer.pt          LR scheduler state, every rank's RNG states (python, torch, cuda)
     config.json         the resolved run config it was trained with
-    checkpoint.json     step, sampler position, tokens seen, world layout, stage key, metrics, and the best
-                        validation so far (best_step, best_accept_len_est); written last
+    checkpoint.json     step, sampler position, tokens seen, world layout, stage key, metrics, the best
+                        validation so far (best_step, best_accept_len_est), and the size and sha256 of every
+                        other file (hashed as it is written); written last
 Rank 0 writes everything into ``.step-N.tmp-<pid>/``, fsyncs each file and the directory, then renames it
 to ``step-N``: a directory named step-N is complete by construction (a crash leaves only a temp dir,
-removed at the next save). Only the newest ``keep`` checkpoints are kept, and the best one (``best_step`` of
+removed at the next save). It is intact while every file has its recorded size and sha256 (``verify_checkpoint``):
+resuming, selecting the best checkpoint and exporting check that first, so a bit flipped on disk is refused
+(``CorruptCheckpointError`` naming the file), never trained on or shipped; resuming falls back to the newest
+intact checkpoint and moves the damaged one aside as ``step-N.corrupt``. Only the newest ``keep`` checkpoints are kept, and the best one (``best_step`` of
 the state being saved), which the export ships when train.select is best.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -27,12 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from eagle3.run.layout import RunLayout
 from eagle3.train.dist import DistInfo, all_gather_objects, barrier
 from infra.storage import publish_dir, seal_dir
+
+log = logging.getLogger("eagle3.train")
 
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
 MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE = "model.safetensors", "optimizer.pt", "trainer.pt"
@@ -59,6 +67,10 @@ class TrainerState:
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint was written by a run that this one cannot continue (other config or batch layout)."""
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file no longer has the size or sha256 that checkpoint.json recorded when it was written."""
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -132,14 +144,38 @@ def from_export_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 # ------------------------------------------------------------------------------------------------- writing
 
+class _HashingWriter:
+    """A binary file that hashes what is written to it (torch.save writes through it: no second read)."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh, self.sha256 = fh, hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _write_hashed(path: Path, write: Any) -> str:
+    """Call ``write(file)`` on a new file at ``path``; the sha256 of what it wrote."""
+    with open(path, "wb") as fh:
+        writer = _HashingWriter(fh)
+        write(writer)
+    return writer.sha256.hexdigest()
+
+
 def _write_files(tmp: Path, model_sd: dict, optim_sd: dict, trainer: dict, config_json: str,
                  info: dict[str, Any]) -> None:
-    """Every file of a checkpoint into ``tmp``, fsynced; checkpoint.json last."""
-    save_file(to_export_names(model_sd), str(tmp / MODEL_FILE))
-    torch.save(optim_sd, tmp / OPTIMIZER_FILE)
-    torch.save(trainer, tmp / TRAINER_FILE)
-    (tmp / CONFIG_FILE).write_text(config_json)
-    info = {**info, "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())},
+    """Every file of a checkpoint into ``tmp``, fsynced, each hashed as written; checkpoint.json last."""
+    hashes = {
+        MODEL_FILE: _write_hashed(tmp / MODEL_FILE, lambda f: f.write(save(to_export_names(model_sd)))),
+        OPTIMIZER_FILE: _write_hashed(tmp / OPTIMIZER_FILE, lambda f: torch.save(optim_sd, f)),
+        TRAINER_FILE: _write_hashed(tmp / TRAINER_FILE, lambda f: torch.save(trainer, f)),
+        CONFIG_FILE: _write_hashed(tmp / CONFIG_FILE, lambda f: f.write(config_json.encode())),
+    }
+    info = {**info, "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}, "sha256": hashes,
             "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     seal_dir(tmp)
@@ -183,6 +219,66 @@ def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
 def read_info(path: Path) -> dict[str, Any]:
     """checkpoint.json of a checkpoint directory."""
     return json.loads((Path(path) / INFO_FILE).read_text())
+
+
+def checkpoint_problem(path: Path, names: tuple[str, ...] | None = None) -> str | None:
+    """Why checkpoint ``path`` is not intact (its files, or only ``names``, against the sizes and sha256 that
+    checkpoint.json recorded as they were written), or None. A checkpoint written before hashes were recorded
+    is checked by size only (logged)."""
+    from infra.storage import sha256_file_cached
+
+    path = Path(path)
+    try:
+        info = read_info(path)
+        sizes, hashes = dict(info["files"]), info.get("sha256")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{path / INFO_FILE} cannot be read ({type(exc).__name__}: {exc})"
+    if hashes is None:
+        log.warning("train: %s records no sha256 of its files (written by an older version): checked by size only",
+                    path)
+    for name in names if names is not None else [n for n in sorted(sizes) if n != INFO_FILE]:
+        file = path / name
+        if name not in sizes or (hashes is not None and name not in hashes):
+            return f"{path / INFO_FILE} records no {name}"
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != sizes[name]:
+            return f"{file} has {file.stat().st_size} bytes where {INFO_FILE} recorded {sizes[name]}"
+        if hashes is not None and (digest := sha256_file_cached(file)) != hashes[name]:
+            return (f"{file} has sha256 {digest[:16]}..., not the {hashes[name][:16]}... recorded in {INFO_FILE} "
+                    f"when it was written (changed or corrupted on disk)")
+    return None
+
+
+def verify_checkpoint(path: Path, names: tuple[str, ...] | None = None) -> None:
+    """CorruptCheckpointError naming the file unless checkpoint ``path`` is intact (``checkpoint_problem``)."""
+    problem = checkpoint_problem(path, names)
+    if problem:
+        raise CorruptCheckpointError(f"checkpoint {Path(path).name} is damaged: {problem}")
+
+
+def latest_intact_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest checkpoint that passes verify_checkpoint (None when there is none at all). Damaged newer ones
+    are renamed to ``step-N.corrupt`` (kept to inspect, never listed); when every checkpoint is damaged,
+    CorruptCheckpointError names the newest one's problem and nothing is moved (training from scratch over
+    them is the user's call)."""
+    found = list_checkpoints(ckpt_dir)
+    damaged = []
+    for _, path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            for bad, _ in damaged:
+                aside = bad.with_name(f"{bad.name}.corrupt")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.rename(bad, aside)
+            return path
+        log.warning("train: checkpoint %s is damaged (%s); trying the one before it", path.name, problem)
+        damaged.append((path, problem))
+    if damaged:
+        newest, problem = damaged[0]
+        raise CorruptCheckpointError(f"no intact checkpoint in {ckpt_dir}: checkpoint {newest.name} is damaged: "
+                                     f"{problem}; delete {ckpt_dir} to train from scratch")
+    return None
 
 
 def check_compatible(info: dict[str, Any], stage_key: str, rows_per_step: int) -> None:

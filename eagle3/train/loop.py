@@ -37,8 +37,9 @@ from eagle3.train.best import best_stats, note_best
 from eagle3.train.build import (DataPlan, RunInputs, build_objective, build_optimizer,
                                 build_scheduler, plan_data, read_inputs, scaled_lr, stage_key_for,
                                 total_steps_for, unigram_token)
-from eagle3.train.checkpoint import (TrainerState, check_compatible, checkpoints_dir, latest_checkpoint,
-                                     load_checkpoint, read_info, save_checkpoint)
+from eagle3.train.checkpoint import (CONFIG_FILE, INFO_FILE, MODEL_FILE, CorruptCheckpointError, TrainerState,
+                                     check_compatible, checkpoints_dir, latest_checkpoint, latest_intact_checkpoint,
+                                     load_checkpoint, read_info, save_checkpoint, step_dir, verify_checkpoint)
 from eagle3.train.data import PackedBatch, RowLoader, add_aux_noise, batch_to
 from eagle3.train.dist import (DistInfo, all_reduce_sum, autocast, barrier, broadcast_object, full_tensor,
                                gradient_sync, unwrap, wrap)
@@ -140,15 +141,37 @@ def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
 
 
 def resume(tr: Trainer) -> None:
-    """Continue from the latest complete checkpoint, if any (its config and batch layout must match)."""
-    path = latest_checkpoint(checkpoints_dir(tr.inputs.run_dir))
-    if path is None:
+    """Continue from the latest intact checkpoint, if any (its config and batch layout must match; rank 0 verifies
+    its files' sha256, and those of the best checkpoint it names, for every rank)."""
+    chosen = None
+    if tr.dist.is_main:
+        try:
+            chosen = _verified_resume_point(checkpoints_dir(tr.inputs.run_dir))
+        except CorruptCheckpointError as exc:
+            chosen = exc
+    chosen = broadcast_object(chosen, tr.dist)
+    if isinstance(chosen, CorruptCheckpointError):
+        raise CorruptCheckpointError(str(chosen))
+    if chosen is None:
         return
+    path = Path(chosen)
     check_compatible(read_info(path), tr.stage_key, tr.plan.rows_per_step)
     tr.state = load_checkpoint(path, tr.model, tr.optimizer, tr.scheduler, tr.dist)
     tr.metrics.keep_until(tr.state.step)
     log.info("train: resuming from %s (step %d, epoch %d, row %d of the epoch)", path, tr.state.step,
              tr.state.epoch, tr.state.epoch_rows_done)
+
+
+def _verified_resume_point(ckpt_dir: Path) -> str | None:
+    """The newest intact checkpoint (damaged newer ones moved aside), after checking the best checkpoint it names:
+    train.select=best would ship that one, so a damaged best fails now rather than after training."""
+    path = latest_intact_checkpoint(ckpt_dir)
+    if path is None:
+        return None
+    best = read_info(path).get("best_step")
+    if best is not None and step_dir(ckpt_dir, best) != path:
+        verify_checkpoint(step_dir(ckpt_dir, best), (MODEL_FILE, CONFIG_FILE))
+    return str(path)
 
 
 # -------------------------------------------------------------------------------------------------- steps
@@ -510,10 +533,12 @@ def _train(cfg: RunConfig, info: DistInfo, stop_after_steps: int | None) -> Trai
 def _finish(tr: Trainer, result: TrainResult) -> None:
     """train.manifest.json (rank 0) naming the final and the best checkpoint and their metrics; progress 'done'."""
     from eagle3.run.stage import write_manifest
-    from eagle3.train.checkpoint import CONFIG_FILE, INFO_FILE, MODEL_FILE
 
     if tr.dist.is_main:
         final = result.checkpoint
+        verify_checkpoint(final, (MODEL_FILE, CONFIG_FILE))  # the manifest hashes what is on disk: bless only
+        if tr.state.best_step is not None:  # what was written (the best may be a checkpoint of an earlier call)
+            verify_checkpoint(step_dir(checkpoints_dir(tr.inputs.run_dir), tr.state.best_step), (MODEL_FILE,))
         outputs = {"model": final / MODEL_FILE, "checkpoint": final / INFO_FILE, "config": final / CONFIG_FILE}
         packing = [dataclasses.asdict(p.stats) for p in tr.plan.train]  # per epoch: rows, truncations, repeats
         stats = {"final_checkpoint": str(final.relative_to(tr.train_dir)), "step": result.step,
