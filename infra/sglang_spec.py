@@ -293,15 +293,22 @@ def _trio_value_problems(spec: ServerSpec) -> list[str]:
 
 
 def _extra_arg_problems(spec: ServerSpec) -> list[str]:
+    """Managed or forbidden flags in extra_args, spelled as SGLang's parser reads them: argparse's allow_abbrev is on
+    there, so ``--flag=value`` and a prefix of a long flag (``--api-k``, ``--por``) are the full flag. A prefix of
+    several of these flags is refused for each (argparse calls it ambiguous, or reads it as one of them)."""
     managed = {arg for arg in [*spec._core_args(), *_mode_args(spec)] if arg.startswith("--")}
+    known = managed | set(FORBIDDEN_EXTRA)
     problems = []
     for arg in spec.extra_args:
-        flag = arg.split("=", 1)[0]
-        if flag in managed:
-            problems.append(f"extra_args repeats {flag}, which the spec sets itself (argparse would silently "
-                            "keep the last one): set the field instead")
-        elif flag in FORBIDDEN_EXTRA:
-            problems.append(f"extra_args has {flag}: {FORBIDDEN_EXTRA[flag]}")
+        given = arg.split("=", 1)[0]
+        exact = given in known or not given.startswith("--") or len(given) <= 2
+        for flag in [given] if exact else sorted(k for k in known if k.startswith(given)):
+            named = flag if flag == given else f"{given} (argparse reads it as {flag})"
+            if flag in managed:
+                problems.append(f"extra_args repeats {named}, which the spec sets itself (argparse would silently "
+                                "keep the last one): set the field instead")
+            elif flag in FORBIDDEN_EXTRA:
+                problems.append(f"extra_args has {named}: {FORBIDDEN_EXTRA[flag]}")
     return problems
 
 
