@@ -14,8 +14,8 @@ to ``step-N``: a directory named step-N is complete by construction (a crash lea
 removed at the next save). It is intact while every file has its recorded size and sha256 (``verify_checkpoint``):
 resuming, selecting the best checkpoint and exporting check that first, so a bit flipped on disk is refused
 (``CorruptCheckpointError`` naming the file), never trained on or shipped; resuming falls back to the newest
-intact checkpoint and moves the damaged one aside as ``step-N.corrupt``. Only the newest ``keep`` checkpoints are kept, and the best one (``best_step`` of
-the state being saved), which the export ships when train.select is best.
+intact checkpoint and moves the damaged one aside as ``step-N.corrupt``. Only the newest ``keep`` checkpoints are
+kept, and the best one (``best_step`` of the state being saved), which the export ships when train.select is best.
 """
 
 from __future__ import annotations
