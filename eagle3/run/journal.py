@@ -21,15 +21,17 @@ class Journal:
         self.path = path
 
     def load(self) -> dict[str, dict[str, Any]]:
-        """Latest record per id; a torn last line (killed mid-write) is ignored."""
+        """Latest record per id; a torn last line (killed mid-write, at any byte) is ignored."""
         records: dict[str, dict[str, Any]] = {}
         if not self.path.exists():
             return records
-        # Split on "\n" only: json.dumps(ensure_ascii=False) leaves U+2028, U+0085 and the like unescaped
-        # inside strings, and str.splitlines() would cut those records in two and drop them.
-        for line in self.path.read_text(encoding="utf-8").split("\n"):
+        # Split the bytes on b"\n" only, then decode each line: a line torn inside a multi-byte character fails
+        # to decode (a ValueError, skipped) instead of failing the whole file. b"\n" never occurs inside a UTF-8
+        # character, and json.dumps(ensure_ascii=False) leaves U+2028, U+0085 and the like unescaped inside
+        # strings, which str.splitlines() would cut in two.
+        for line in self.path.read_bytes().split(b"\n"):
             with contextlib.suppress(ValueError):
-                record = json.loads(line)
+                record = json.loads(line.decode("utf-8"))
                 if isinstance(record, dict) and "id" in record:
                     records[record["id"]] = record
         return records
