@@ -449,7 +449,8 @@ def prepare_kill_run(cfg: RunConfig, args: argparse.Namespace) -> tuple[RunConfi
         "supervision": cfg.capture.supervision, "tokens_per_shard": tokens_per_shard,
         "sglang": bench_config(kcfg, args, "sglang").capture.sglang.model_copy(
             update={"python": stage_python(kdir, args)})})
-    kcfg = kcfg.model_copy(update={"capture": capture})
+    # The stage captures nothing for a run that trains online: this run is offline whatever RUN does.
+    kcfg = kcfg.model_copy(update={"capture": capture, "train": kcfg.train.model_copy(update={"features": "offline"})})
     path = save_config(kcfg, kdir / "bench-config.json")
     return validate_config(read_config_file(path), str(path)), path
 

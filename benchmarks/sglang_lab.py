@@ -8,11 +8,9 @@ Lab code: it imports the core, the core never imports it. What is here:
   probe_version         which version the readiness probe must accept, and whether that differs from the core's
   relax_probe_version   make eagle3.features.sglang_backend's managed servers accept that version
 
-Why the version matters: infra.sglang.ProbeExpectations defaults to ``version=SGLANG_VERSION`` ("0.5.23"), and
-the readiness probe refuses a server whose /server_info version does not start with it. The GPU host runs
-SGLang 0.5.16 (capture_packed exists for it), so a managed capture server there would fail its probe with
-"version: server runs '0.5.16', this code speaks SGLang 0.5.23". Until the core accepts it, the benchmarks
-point the probe at the installed version (detected, or ``--expect-version``) and say so in their output.
+Why the version matters: infra.sglang.ProbeExpectations accepts the releases in SGLANG_VERSIONS (0.5.16, 0.5.23)
+and the readiness probe refuses a server that reports another. The benchmarks narrow it to the release the server
+interpreter actually has (detected, or ``--expect-version``) and say so in their output.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/ first, not the repository
     sys.path.insert(0, str(REPO))
 
-from infra.sglang import SGLANG_VERSION  # noqa: E402
+from infra.sglang import SGLANG_VERSIONS  # noqa: E402
 from infra.storage import atomic_write_text  # noqa: E402
 
 _T0 = time.monotonic()
@@ -68,7 +66,7 @@ def probe_version(expect: str, python: str) -> tuple[str | None, bool]:
     if expect == "none":
         return None, True
     version = installed_sglang(python) if expect == "auto" else expect
-    return version, not version.startswith(SGLANG_VERSION)
+    return version, not any(version.startswith(v) for v in SGLANG_VERSIONS)
 
 
 def relax_probe_version(version: str | None) -> None:
@@ -80,8 +78,8 @@ def relax_probe_version(version: str | None) -> None:
     import eagle3.features.sglang_backend as backend_module
     from infra.sglang import ProbeExpectations
 
-    backend_module.ProbeExpectations = functools.partial(ProbeExpectations, version=version)  # type: ignore[misc]
-    say(f"readiness probe: accepting SGLang version {version or 'any'} (the core expects {SGLANG_VERSION})")
+    backend_module.ProbeExpectations = functools.partial(ProbeExpectations, versions=(version,) if version else None)  # type: ignore[misc]
+    say(f"readiness probe: accepting SGLang version {version or 'any'} (the core accepts {', '.join(SGLANG_VERSIONS)})")
 
 
 def device_name(device: str) -> str:

@@ -193,7 +193,8 @@ def start_server(cfg: RunConfig, args: argparse.Namespace, model_dir: Path, benc
                       dtype=dtype, mem_fraction_static=cfg.serve.mem_fraction_static,
                       attention_backend=cfg.serve.attention_backend, extra_args=tuple(args.server_args),
                       python=args.python, module=args.module)
-    expect = ProbeExpectations(vocab_size=target_info(model_dir, cfg.target).vocab_size, version=version)
+    expect = ProbeExpectations(vocab_size=target_info(model_dir, cfg.target).vocab_size,
+                               versions=(version,) if version else None)
     server = ManagedServer(spec, bench / "logs" / "sglang-serve.log", expect=expect, cwd=REPO,
                            startup_timeout_s=args.startup_timeout_s)
     say(f"openai: starting SGLang ({args.python} -m {args.module}, port {spec.port}, accepting version {version})")

@@ -39,6 +39,7 @@ from infra.sglang_spec import (  # noqa: F401 (re-exported: callers import the s
     LAUNCH_MODULE,
     MODES,
     SGLANG_VERSION,
+    SGLANG_VERSIONS,
     Mode,
     ServerSpec,
     ServerSpecError,
@@ -167,7 +168,7 @@ class ProbeExpectations:
     hidden_size: int | None = None
     architectures: tuple[str, ...] | None = None
     vocab_size: int | None = None
-    version: str | None = SGLANG_VERSION
+    versions: tuple[str, ...] | None = SGLANG_VERSIONS  # releases this code's flags and JSON are checked against
 
 
 def probe_ready(spec: ServerSpec, expect: ProbeExpectations, *, timeout_s: float,
@@ -223,8 +224,8 @@ def _check_server_info(server_info: dict[str, Any], spec: ServerSpec, expect: Pr
     wrong = [f"{key}: server has {server_info.get(key, 'nothing')!r}, expected {value!r}"
              for key, value in spec.expected_server_info().items() if server_info.get(key, missing) != value]
     version = str(server_info.get("version"))
-    if expect.version and not version.startswith(expect.version):
-        wrong.append(f"version: server runs {version!r}, this code speaks SGLang {expect.version}")
+    if expect.versions and not any(version == v or version.startswith(v + ".") for v in expect.versions):
+        wrong.append(f"version: server runs {version!r}, this code speaks SGLang {', '.join(expect.versions)}")
     if wrong:
         raise ServerCheckError("/server_info does not match the launch spec:\n  " + "\n  ".join(wrong))
 

