@@ -32,6 +32,7 @@ SETS=(--set run.name=lease --set regenerate.enabled=false --set data.sources.0.m
       --set "serve.python=$W/python-sglang" --set serve.attention_backend=triton
       --set 'serve.extra_args=["--sampling-backend","pytorch","--grammar-backend","none"]'
       --set evaluate.num_workers=4 --set evaluate.compile=auto --set 'evaluate.methods=["chain","tree"]'
+      --set serve.startup_timeout_s=400 --set capture.sglang.startup_timeout_s=400
       --set "serve.launch_module=$MODULE" "${EXTRA[@]}")
 LAB=(--module "$MODULE" --server-args="$SERVER_ARGS")
 # Regeneration's server takes serve.attention_backend from the config: the rest of the flags only.
