@@ -27,12 +27,12 @@ SERVER_ARGS=${LEASE_SERVER_ARGS-"--attention-backend triton --sampling-backend p
 printf '#!/bin/sh\nPYTHONPATH=/tmp/sglang-site${PYTHONPATH:+:$PYTHONPATH} exec %s "$@"\n' "$PY" > "$W/python-sglang"
 chmod +x "$W/python-sglang"
 SETS=(--set run.name=lease --set regenerate.enabled=false --set data.sources.0.max_records=8000
-      --set train.features=online --set train.max_train_tokens=4000000 --set train.num_epochs=3 --set train.lr=2e-3
-      --set train.feature_cache_gib=40 --set "capture.sglang.python=$W/python-sglang"
+      --set train.features=online --set train.max_train_tokens=3000000 --set train.num_epochs=3 --set train.lr=2e-3
+      --set train.feature_cache_gib=16 --set capture.sglang.mem_fraction_static=0.15 --set "capture.sglang.python=$W/python-sglang"
       --set "serve.python=$W/python-sglang" --set serve.attention_backend=triton
       --set 'serve.extra_args=["--sampling-backend","pytorch","--grammar-backend","none"]'
       --set evaluate.num_workers=4 --set evaluate.compile=auto --set 'evaluate.methods=["chain","tree"]'
-      --set serve.startup_timeout_s=400 --set capture.sglang.startup_timeout_s=400
+      --set serve.startup_timeout_s=400 --set capture.sglang.startup_timeout_s=400 --set capture.allow_shared_gpus=true
       --set "serve.launch_module=$MODULE" "${EXTRA[@]}")
 LAB=(--module "$MODULE" --server-args="$SERVER_ARGS")
 # Regeneration's server takes serve.attention_backend from the config: the rest of the flags only.
@@ -52,15 +52,21 @@ train_chain() {
   touch "$W/trained"
 }
 
-measure_chain() {
-  while [ ! -f "$W/trained" ]; do sleep 2; done
+side_chain() {  # next to training: parity and regeneration need no drafter (timings shared with training: noted)
   step doctor "$W/python-sglang" -m flows.doctor --preset "$PRESET"   # SGLang's version, every argv through its parser
-  step eval "$PY" -m eagle3.evaluate.stage --config "$CFG"
-  step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true
+  while [ ! -f "$RUN/data/tokenized.parquet" ]; do sleep 2; done
   step capture "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" \
     --out "$RUN/bench-capture.json" "${LAB[@]}"
   step regenerate "$PY" benchmarks/sglang_regenerate.py --config "$CFG" --rows "${LEASE_SAMPLES:-200}" \
-    --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" "${REGEN[@]}"
+    --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" --mem-fraction-static 0.25 "${REGEN[@]}"
+  touch "$W/side-done"
+}
+
+measure_chain() {  # the drafter's figures; deploy alone on the GPU
+  while [ ! -f "$W/trained" ]; do sleep 2; done
+  step eval "$PY" -m eagle3.evaluate.stage --config "$CFG"
+  while [ ! -f "$W/side-done" ]; do sleep 2; done
+  step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true
   step capture-kill "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" --no-compare \
     --kill-test --out "$RUN/bench-capture-kill.json" "${LAB[@]}"
   touch "$W/measured"
@@ -74,7 +80,7 @@ detach() {  # detach NAME FUNCTION: survives the call (own session), logs to $W/
 collect() {  # the figures and reports so far, into $OUT (at most 8 files come back)
   [ -n "${OUT:-}" ] || return 0
   tail -c 2000000 "$W/train.log" > "$OUT/train.log" 2>/dev/null
-  tail -c 4000000 "$W/measure.log" > "$OUT/measure.log" 2>/dev/null
+  cat "$W/measure.log" "$W/side.log" 2>/dev/null | tail -c 4000000 > "$OUT/measure.log"
   cp "$RUN/eval/results.json" "$OUT/eval-results.json" 2>/dev/null
   cp "$RUN/deploy/results.json" "$OUT/deploy-results.json" 2>/dev/null
   cp "$RUN/deploy/report.md" "$OUT/deploy-report.md" 2>/dev/null
@@ -92,16 +98,21 @@ case ${1:?usage: benchmarks/sglang_lease.sh curve K | sglang K | poll [S]} in
   sglang)
     "$PY" benchmarks/sglang_assets.py install ".sglang/bundle-$2" --stage /tmp/sglang-stage --site /tmp/sglang-site \
       | tail -4
-    [ -f /tmp/sglang-site/sglang/__init__.py ] && [ ! -f "$W/measure.log" ] && detach measure measure_chain
+    if [ -f /tmp/sglang-site/sglang/__init__.py ] && [ ! -f "$W/measure.log" ]; then
+      detach side side_chain
+      detach measure measure_chain
+    fi
     ;;
   poll)
     deadline=$((SECONDS + ${2:-0}))
     while [ $SECONDS -lt $deadline ] && [ ! -f "$W/measured" ]; do sleep 5; done
     collect
-    grep -h "^== " "$W"/train.log "$W"/measure.log 2>/dev/null
+    grep -h "^== " "$W"/train.log "$W"/side.log "$W"/measure.log 2>/dev/null
+    tail -n 8 "$W/side.log" 2>/dev/null
     tail -n 25 "$W/measure.log" 2>/dev/null || tail -n 25 "$W/train.log"
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
     ;;
   _train_chain) train_chain ;;
   _measure_chain) measure_chain ;;
+  _side_chain) side_chain ;;
 esac

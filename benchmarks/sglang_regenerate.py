@@ -190,7 +190,7 @@ def start_server(cfg: RunConfig, args: argparse.Namespace, model_dir: Path, benc
     version, _ = probe_version(args.expect_version, args.python)
     dtype = cfg.target.dtype if cfg.target.dtype in ("bfloat16", "float16", "float32") else None
     spec = ServerSpec(str(model_dir), "serve", port=cfg.serve.port, host="127.0.0.1", api_key=secrets.token_hex(16),
-                      dtype=dtype, mem_fraction_static=cfg.serve.mem_fraction_static,
+                      dtype=dtype, mem_fraction_static=args.mem_fraction_static or cfg.serve.mem_fraction_static,
                       attention_backend=cfg.serve.attention_backend, extra_args=tuple(args.server_args),
                       python=args.python, module=args.module)
     expect = ProbeExpectations(vocab_size=target_info(model_dir, cfg.target).vocab_size,
@@ -265,6 +265,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-batch-size", type=int, help="hf conversations per batch (default cfg's)")
     parser.add_argument("--max-new-tokens", type=int, help="default cfg's regenerate.max_new_tokens")
     parser.add_argument("--startup-timeout-s", type=float, default=900.0)
+    parser.add_argument("--mem-fraction-static", type=float,
+                        help="the server's share of GPU memory (default cfg's serve.mem_fraction_static)")
     parser.add_argument("--skip-hf", action="store_true", help="only the openai side (no identity figures)")
     args = parser.parse_args(argv)
     args.server_args = shlex.split(args.server_args)
