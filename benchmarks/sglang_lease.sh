@@ -27,8 +27,8 @@ SERVER_ARGS=${LEASE_SERVER_ARGS-"--attention-backend triton --sampling-backend p
 printf '#!/bin/sh\nPYTHONPATH=/tmp/sglang-site${PYTHONPATH:+:$PYTHONPATH} exec %s "$@"\n' "$PY" > "$W/python-sglang"
 chmod +x "$W/python-sglang"
 SETS=(--set run.name=lease --set regenerate.enabled=false --set data.sources.0.max_records=8000
-      --set train.features=online --set train.max_train_tokens=3000000 --set train.num_epochs=3 --set train.lr=2e-3
-      --set train.feature_cache_gib=16 --set capture.sglang.mem_fraction_static=0.15 --set "capture.sglang.python=$W/python-sglang"
+      --set train.features=online --set train.max_train_tokens=2000000 --set train.num_epochs=2 --set train.lr=2e-3
+      --set train.feature_cache_gib=12 --set capture.sglang.mem_fraction_static=0.15 --set "capture.sglang.python=$W/python-sglang"
       --set "serve.python=$W/python-sglang" --set serve.attention_backend=triton
       --set 'serve.extra_args=["--sampling-backend","pytorch","--grammar-backend","none"]'
       --set evaluate.num_workers=4 --set evaluate.compile=auto --set 'evaluate.methods=["chain","tree"]'
