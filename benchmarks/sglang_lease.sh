@@ -52,21 +52,21 @@ train_chain() {
   touch "$W/trained"
 }
 
-side_chain() {  # next to training: parity and regeneration need no drafter (timings shared with training: noted)
+side_chain() {  # next to training: capture parity needs no drafter (its timings share the GPU with training: noted)
   step doctor "$W/python-sglang" -m flows.doctor --preset "$PRESET"   # SGLang's version, every argv through its parser
   while [ ! -f "$RUN/data/tokenized.parquet" ]; do sleep 2; done
   step capture "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" \
     --out "$RUN/bench-capture.json" "${LAB[@]}"
-  step regenerate "$PY" benchmarks/sglang_regenerate.py --config "$CFG" --rows "${LEASE_SAMPLES:-200}" \
-    --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" --mem-fraction-static 0.25 "${REGEN[@]}"
   touch "$W/side-done"
 }
 
-measure_chain() {  # the drafter's figures; deploy alone on the GPU
+measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what is left of the lease
   while [ ! -f "$W/trained" ]; do sleep 2; done
   step eval "$PY" -m eagle3.evaluate.stage --config "$CFG"
   while [ ! -f "$W/side-done" ]; do sleep 2; done
   step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true
+  step regenerate "$PY" benchmarks/sglang_regenerate.py --config "$CFG" --rows "${LEASE_SAMPLES:-200}" \
+    --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" --mem-fraction-static 0.25 "${REGEN[@]}"
   step capture-kill "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" --no-compare \
     --kill-test --out "$RUN/bench-capture-kill.json" "${LAB[@]}"
   touch "$W/measured"
