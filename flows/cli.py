@@ -27,7 +27,7 @@ from pathlib import Path
 from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
 from eagle3.config import RunConfig, list_presets
 from flows import local_server
-from flows.follow import deploy, deployment_pools, follow, trigger
+from flows.follow import deployment_pools, follow, trigger
 from flows.local_worker import LocalWorker, start_worker, stop_worker, worker_pid
 from eagle3.run.layout import run_layout
 from eagle3.run.registry import DATA_STAGES, STAGES, UNTIL_CHOICES
@@ -182,15 +182,18 @@ def cmd_setup(args: argparse.Namespace) -> int:
 
 def setup_local(server: local_server.LocalServer, start_workers: bool, gpu_slots: int = 1,
                 inference_slots: int = 4) -> dict[str, list[str]]:
-    """deployments.setup, then `prefect deploy` of every deployment in prefect.yaml, then a local worker per
-    work pool they use (started, or the command that starts it printed). Returns {pool: deployment names}."""
-    from deployments.setup import setup
+    """deployments.setup, then every deployment in prefect.yaml (created, or kept with its schedules and upcoming
+    runs as they are: deployments.setup.apply_deployments), then a local worker per work pool they use (started,
+    or the command that starts it printed). Returns {pool: deployment names}."""
+    from deployments.setup import apply_deployments, setup
 
     print(json.dumps(setup(gpu_slots, inference_slots), indent=2), flush=True)
     pools: dict[str, list[str]] = {}
     for name, pool in deployment_pools(ROOT).items():
         pools.setdefault(pool, []).append(name)
-    deploy(server, [n for names in pools.values() for n in names], ROOT)
+    for line in apply_deployments([n for names in pools.values() for n in names], ROOT,
+                                  {**os.environ, **server.client_env()}):
+        print(line, flush=True)
     for pool, names in pools.items():
         worker = LocalWorker(server, pool)
         if start_workers:

@@ -58,3 +58,82 @@ def test_retry_automation_reruns_top_level_runs_but_not_fanout_runs():
     fanout = {"eagle3-capture-slice", "eagle3-train-node"}
     assert {n for n, c in covered.items() if not c} == fanout
     assert len(covered) >= 7 and all(covered[n] for n in covered if n not in fanout)
+
+
+def _pipeline_schedule_on():
+    """Switch eagle3-pipeline's nightly schedule on and give it per-schedule parameters, as a user does in the UI;
+    the scheduler's upcoming runs are made at once (POST /deployments/{id}/schedule, what the scheduler calls).
+    Returns (deployment id, schedule id, ids of the upcoming runs)."""
+    from deployments.setup import _upcoming_runs
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("eagle3-pipeline/eagle3-pipeline")
+        [schedule] = client.read_deployment_schedules(deployment.id)
+        client.update_deployment_schedule(deployment.id, schedule.id, active=True,
+                                          parameters={"preset": "tiny", "overrides": []})
+        client.request("POST", "/deployments/{id}/schedule", path_params={"id": deployment.id},
+                       json={"min_runs": 3})
+        runs = {r.id for r in _upcoming_runs(client, deployment.id)}
+    assert len(runs) >= 3
+    return deployment.id, schedule.id, runs
+
+
+def _schedule_and_runs(deployment_id, schedule_id):
+    from deployments.setup import _upcoming_runs
+
+    with get_client(sync_client=True) as client:
+        schedules = {s.id: s for s in client.read_deployment_schedules(deployment_id)}
+        return schedules.get(schedule_id), {r.id for r in _upcoming_runs(client, deployment_id)}
+
+
+def test_setup_again_keeps_a_schedule_switched_on_and_its_upcoming_runs(tmp_path, capsys):
+    """`eagle3 setup` run again after a schedule was switched on in the UI (with per-schedule parameters) leaves
+    it on with its parameters, deletes none of its upcoming runs, and says what it kept."""
+    from pathlib import Path
+    from urllib.parse import urlparse
+
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.cli import setup_local
+    from flows.local_server import LocalServer
+
+    server = LocalServer(tmp_path / ".prefect", urlparse(PREFECT_API_URL.value()).port)
+    setup_local(server, start_workers=False)
+    deployment_id, schedule_id, runs = _pipeline_schedule_on()
+    capsys.readouterr()
+    setup_local(server, start_workers=False)
+    printed = capsys.readouterr().out
+    schedule, after = _schedule_and_runs(deployment_id, schedule_id)
+    assert schedule is not None and schedule.active and schedule.parameters == {"preset": "tiny", "overrides": []}
+    assert runs <= after
+    assert "kept deployment eagle3-pipeline as it is" in printed and "0 3 * * * UTC as it is (on" in printed
+    with get_client(sync_client=True) as client:  # registered from a copy of prefect.yaml, run in the checkout
+        steps = client.read_deployment(deployment_id).pull_steps
+    assert steps == [{"prefect.deployments.steps.set_working_directory": {
+        "directory": str(Path(__file__).resolve().parents[2])}}], steps
+
+
+def test_setup_after_a_definition_change_keeps_the_schedule_switched_on():
+    """When the deployment must be re-applied (its definition changed since setup applied it), setup updates it
+    without its schedules: the switch and the per-schedule parameters stay, and upcoming runs exist again."""
+    from pathlib import Path
+
+    from prefect.client.schemas.actions import DeploymentUpdate
+
+    from deployments.setup import apply_deployments
+
+    root = Path(__file__).resolve().parents[2]
+    setup()
+    apply_deployments(["eagle3-pipeline"], root)
+    deployment_id, schedule_id, runs = _pipeline_schedule_on()
+    with get_client(sync_client=True) as client:  # as if prefect.yaml had changed since
+        client.update_deployment(deployment_id, DeploymentUpdate(version="eagle3-setup:older"))
+    deployment_id, schedule_id, runs = _pipeline_schedule_on()  # (the update above removed the upcoming runs)
+    lines = apply_deployments(["eagle3-pipeline"], root)
+    schedule, after = _schedule_and_runs(deployment_id, schedule_id)
+    assert schedule is not None and schedule.active and schedule.parameters == {"preset": "tiny", "overrides": []}
+    assert len(after) >= len(runs), lines
+    with get_client(sync_client=True) as client:
+        assert client.read_deployment(deployment_id).version.startswith("eagle3-setup:")
+        assert client.read_deployment(deployment_id).version != "eagle3-setup:older"
+    assert any("updated deployment eagle3-pipeline" in line and "as it is (on" in line for line in lines), lines
