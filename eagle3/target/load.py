@@ -1,4 +1,4 @@
-"""The target model handle: where its files are, what shape it has, and a cheap fingerprint.
+"""The target model handle: where its files are, what shape it has, and its fingerprint (identity by content).
 
 Three kinds of target all end up as one HF-style directory (config.json, safetensors, tokenizer):
   hf    a transformers directory, used as is;
@@ -19,17 +19,18 @@ import re
 import shutil
 import struct
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from eagle3.config import RunConfig, TargetConfig
 from eagle3.run.paths import resolve_path
 from infra.locks import file_lock
-from infra.storage import sha256_file, sha256_json
+from infra.storage import atomic_write_json, sha256_file_cached, sha256_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "generation_config.json")
+CONVERTED_MARKER = ".complete"
+"""Written last into a folder converted from a GGUF: JSON naming the GGUF and its sha256 (the folder's identity)."""
 EMBED_TENSOR = "model.embed_tokens.weight"
 """The target's input embeddings (the drafter's frozen table; also the lm_head of a target that ties them)."""
 
@@ -105,18 +106,22 @@ def convert_gguf(gguf_file: Path, cache_dir: Path, name: str) -> Path:
     """
     if not gguf_file.is_file():
         raise FileNotFoundError(f"GGUF file {gguf_file} not found")
-    stat = gguf_file.stat()
-    out = cache_dir / f"{name}-{_gguf_digest(str(gguf_file.resolve()), stat.st_size, stat.st_mtime_ns)[:12]}"
-    if (out / ".complete").is_file():
+    digest = sha256_file_cached(gguf_file)  # once per process and version of the file (infra.storage)
+    out = cache_dir / f"{name}-{digest[:12]}"
+    marker = {"gguf": gguf_file.name, "sha256": digest}
+    if converted_from(out) == digest:
         return out
     cache_dir.mkdir(parents=True, exist_ok=True)
     with file_lock(cache_dir / f".{out.name}.lock"):
-        if (out / ".complete").is_file():  # converted by the process we waited for
+        if converted_from(out) == digest:  # converted by the process we waited for
+            return out
+        if (out / CONVERTED_MARKER).is_file():  # converted before the marker named the GGUF's sha256
+            atomic_write_json(out / CONVERTED_MARKER, marker)
             return out
         remove_conversion_temps(out)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         _write_gguf_as_hf(gguf_file, tmp)
-        (tmp / ".complete").write_text(gguf_file.name + "\n")
+        atomic_write_json(tmp / CONVERTED_MARKER, marker)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     return out
@@ -131,10 +136,14 @@ def remove_conversion_temps(out: Path) -> list[Path]:
     return stale
 
 
-@lru_cache(maxsize=8)
-def _gguf_digest(path: str, size: int, mtime_ns: int) -> str:
-    """sha256 of the GGUF file, once per process per (path, size, mtime): stage keys ask for it often."""
-    return sha256_file(path)
+def converted_from(folder: Path) -> str | None:
+    """The sha256 of the GGUF file ``folder`` was converted from (its marker), or None for any other folder."""
+    try:
+        doc = json.loads((Path(folder) / CONVERTED_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    digest = doc.get("sha256") if isinstance(doc, dict) else None
+    return digest if isinstance(digest, str) else None
 
 
 def _write_gguf_as_hf(gguf_file: Path, out: Path) -> None:
@@ -224,31 +233,26 @@ WRITER_VERSION_KEY = "transformers_version"
 
 
 def fingerprint(model_dir: Path) -> str:
-    """Cheap identity of a target: config, tokenizer files, chat template, weight names/sizes/headers.
+    """Identity of a target by content: config, tokenizer files, chat template and the weights' sha256.
 
-    Never hashes the weights themselves (terabytes for large targets); safetensors headers
-    carry every tensor's dtype, shape and byte range, which changes with any re-export.
-    config.json's ``transformers_version`` (the library that wrote the folder, not a property of the model)
-    is left out, so a target converted under another transformers version keeps its identity and data
-    generated on one host rebuilds on another.
+    Two targets with the same config, tokenizer and tensor shapes but other weights differ, and so do the keys
+    of every stage that uses the target. The weights are hashed through infra.storage's cache (once per process
+    and version of a file, keyed by device, inode, size, mtime and ctime), so a file replaced in place keeping
+    its size and mtime is hashed again, and an unchanged one is not. A folder converted from a GGUF
+    (``convert_gguf``) stands for the GGUF file, whose sha256 its marker records: the GGUF is what a user
+    changes, and its fp32 conversion is many times larger. A tiny target is hashed like any folder (its
+    weights are a few megabytes). config.json's ``transformers_version`` (the library that wrote the folder,
+    not a property of the model) is left out, so a target converted under another transformers version keeps
+    its identity and data generated on one host rebuilds on another.
     """
-    model_dir = Path(model_dir).resolve()
-    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(model_dir.iterdir()) if p.is_file())
-    return _fingerprint_cached(str(model_dir), stamp)
-
-
-@lru_cache(maxsize=16)
-def _fingerprint_cached(model_dir: str, stamp: tuple) -> str:
-    base = Path(model_dir)
+    base = Path(model_dir).resolve()
     config = json.loads((base / "config.json").read_text())
     config.pop(WRITER_VERSION_KEY, None)
     doc: dict[str, Any] = {"config": config}
-    doc["tokenizer"] = {n: sha256_file(base / n) for n in TOKENIZER_FILES if (base / n).is_file()}
-    doc["weights"] = [
-        {"name": p.name, "bytes": p.stat().st_size,
-         "header": sha256_json(safetensors_header(p)) if p.suffix == ".safetensors" else None}
-        for p in _weight_files(base)
-    ]
+    doc["tokenizer"] = {n: sha256_file_cached(base / n) for n in TOKENIZER_FILES if (base / n).is_file()}
+    gguf = converted_from(base)
+    doc["weights"] = ({"gguf_sha256": gguf} if gguf is not None
+                      else [{"name": p.name, "sha256": sha256_file_cached(p)} for p in _weight_files(base)])
     return sha256_json(doc)[:16]
 
 

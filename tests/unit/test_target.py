@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from eagle3.config import load_config
 from eagle3.target.load import (TokenizerMismatchError, default_aux_layer_ids, fingerprint, lm_head_name,
-                           load_model, load_tokenizer, prepare_target, read_tensor, stop_token_ids, target_info,
-                           tokenizer_report)
+                           load_model, load_tokenizer, prepare_target, read_tensor, safetensors_header, stop_token_ids,
+                           target_info, tokenizer_report)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,75 @@ def test_fingerprint_ignores_the_writing_transformers_version_only(tiny_dir, tmp
     doc["rms_norm_eps"] = 0.5
     cfg_path.write_text(json.dumps(doc))
     assert fingerprint(copy) != fingerprint(tiny_dir)
+
+
+def _same_shapes_other_weights(src, dst):
+    """A copy of target ``src`` whose model.safetensors has the same header (names, dtypes, shapes, offsets) but one
+    changed weight, its size and mtime kept (what ``cp -p`` of another model with the same shapes leaves)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as fh:
+        tensors, metadata = {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
+    stat = weights.stat()
+    save_file(tensors, str(weights), metadata=metadata)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert safetensors_header(weights) == safetensors_header(src / "model.safetensors")
+    assert weights.stat().st_size == stat.st_size
+    return dst
+
+
+def test_fingerprint_covers_the_weights_by_content(tiny_dir, tmp_path):
+    """Another target with the same config, tokenizer and tensor shapes but other weights has another fingerprint,
+    also when its weights were replaced in place keeping size and mtime (the spec, hence every key, follows it)."""
+    from eagle3.features.capture import build_spec
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dir, copy)
+    before = fingerprint(copy)
+    other = _same_shapes_other_weights(tiny_dir, tmp_path / "other")
+    assert fingerprint(other) != fingerprint(tiny_dir)
+    cfg = load_config("tiny", ["target.kind=hf", f"target.path={other}"])
+    assert build_spec(cfg, prepare_target(cfg)).target_fingerprint == fingerprint(other)
+    weights = copy / "model.safetensors"
+    stat = weights.stat()
+    weights.write_bytes((other / "model.safetensors").read_bytes())  # in place: same inode, size and mtime
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert fingerprint(copy) != before
+
+
+def test_fingerprint_hashes_each_weight_file_once_per_version(tiny_dir, tmp_path, monkeypatch):
+    """Weights are hashed through infra.storage's file-stamp cache: a second fingerprint reads no weight file."""
+    import infra.storage as storage
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_dir, copy)
+    monkeypatch.setattr(storage, "RACY_NS", 0)  # the copy is fresh; a real target settled long ago
+    hashed = []
+    real = storage.sha256_file
+    monkeypatch.setattr(storage, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+    first = fingerprint(copy)
+    assert "model.safetensors" in hashed
+    hashed.clear()
+    assert fingerprint(copy) == first and hashed == []
+
+
+def test_gguf_target_fingerprint_follows_the_gguf_file(tiny_dir, tmp_path, monkeypatch):
+    """A folder converted from a GGUF is identified by the GGUF's sha256 (not by re-hashing its fp32 weights):
+    two GGUF files that convert to the same bytes still give two fingerprints."""
+    import eagle3.target.load as target
+
+    monkeypatch.setattr(target, "_write_gguf_as_hf", lambda src, out: shutil.copytree(tiny_dir, out))
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    first.write_bytes(b"GGUF one")
+    second.write_bytes(b"GGUF two")
+    one, two = (target.convert_gguf(p, tmp_path / "cache", "m") for p in (first, second))
+    assert (one / "model.safetensors").read_bytes() == (two / "model.safetensors").read_bytes()
+    assert fingerprint(one) != fingerprint(two)
+    assert fingerprint(one) == fingerprint(target.convert_gguf(first, tmp_path / "cache", "m"))
 
 
 def test_read_tensor_through_a_sharded_index_matches_the_model(tiny_dir, tmp_path):
