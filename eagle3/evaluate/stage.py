@@ -44,7 +44,7 @@ from eagle3.evaluate.records import EvalSettings, PartialInfo, PromptRecord, Sum
 from eagle3.evaluate.report import summarize_all, write_outputs
 from eagle3.evaluate.session import EvalJob, method_specs
 from eagle3.run.journal import Journal
-from eagle3.run.layout import run_layout
+from eagle3.run.layout import run_layout, run_relative
 from eagle3.run.progress import ProgressFn
 from eagle3.run.stage import StageOutcome, run_stage, stage_key
 
@@ -116,7 +116,7 @@ def _settings(cfg: RunConfig, model_dir: Path, export_dir: Path, device: str,
     export_cfg = read_json(export_dir / "config.json")
     return EvalSettings(
         evaluate=e.model_dump(mode="json"), target=cfg.target.name, target_dir=str(model_dir),
-        target_fingerprint=fingerprint(model_dir), export_dir=str(export_dir),
+        target_fingerprint=fingerprint(model_dir), export_dir=run_relative(cfg.run_dir, export_dir),  # relocatable
         aux_layer_ids=export_cfg.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"),
         device=device, gpu=torch.cuda.get_device_name() if device == "cuda" else None,
         dtype=e.dtype, max_new_tokens=e.max_new_tokens, num_prompts=counts, stop_ids=stop_ids,

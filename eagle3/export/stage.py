@@ -17,7 +17,7 @@ from eagle3.export.checks import (CONFIG_FILE, FLOAT_DTYPES, INFO_FILE, WEIGHTS_
                                   sglang_aux_ids, speculators_aux_ids)
 from eagle3.export.sglang import check_sglang_export, export_sglang
 from eagle3.export.speculators import SPECULATORS_ARCHITECTURE, check_speculators_export, export_speculators
-from eagle3.run.layout import STAGE_DIRS, manifest_name
+from eagle3.run.layout import STAGE_DIRS, manifest_name, resolve_in_run, run_relative
 from eagle3.run.stage import StageOutcome
 from eagle3.target.tensors import drafter_dims
 
@@ -112,7 +112,9 @@ def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
     embed = {"embed_tokens.weight": read_tensor(model_dir, EMBED_TENSOR)}  # [V, H], for the speculators layout
     ckpt, selection = _checkpoint_dir(cfg)
     weights, dtype = load_file(str(ckpt / WEIGHTS_FILE)), FLOAT_DTYPES[cfg.export.dtype]
-    common = dict(run_config=cfg.model_dump(mode="json"), source=str(ckpt), selection=selection.to_json())
+    # Paths inside the run are recorded relative to the run dir, so a moved or copied run stays valid.
+    common = dict(run_config=cfg.model_dump(mode="json"), source=run_relative(cfg.run_dir, ckpt),
+                  selection=selection.to_json())
     outputs, stats = {}, {"checkpoint": str(ckpt.relative_to(cfg.run_dir)), "selection": selection.to_json(),
                           "dtype": cfg.export.dtype, "formats": {}}
     for fmt in dict.fromkeys(cfg.export.formats):
@@ -125,7 +127,7 @@ def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
                                speculative_tokens=cfg.export.speculative_tokens, **common)
             ids = speculators_aux_ids(aux)
         outputs |= {f"{fmt}_config": out / CONFIG_FILE, f"{fmt}_weights": out / WEIGHTS_FILE}
-        stats["formats"][fmt] = {"dir": str(out), "aux_layer_ids": ids,
+        stats["formats"][fmt] = {"dir": run_relative(cfg.run_dir, out), "aux_layer_ids": ids,
                                  "warnings": aux_id_warnings(aux) if fmt == "sglang" else []}
     stats["aux_layer_ids_output_of_layer"] = aux
     write_cards(cfg, model_dir=model_dir)  # no measured table: the evaluate stage adds it (not hashed: module doc)
@@ -159,8 +161,10 @@ def main(argv: list[str] | None = None) -> None:
 def _show_export(outcome: StageOutcome) -> None:
     """What the export wrote, each folder checked again (files may have changed since)."""
     print(f"export {'written' if outcome.computed else 'up to date'} (checkpoint {outcome.stats['checkpoint']})")
+    run_dir = Path(outcome.manifest).parent.parent  # <run>/export/export.manifest.json
     for entry in outcome.stats["formats"].values():
-        print(f"  {check_export(Path(entry['dir'])):<12} {entry['dir']}  aux ids {entry['aux_layer_ids']}  "
+        folder = resolve_in_run(run_dir, entry["dir"])  # relative; absolute in manifests of older runs
+        print(f"  {check_export(folder):<12} {folder}  aux ids {entry['aux_layer_ids']}  "
               f"check passed" + "".join(f"\n  warning: {w}" for w in entry["warnings"]))
 
 

@@ -187,6 +187,34 @@ class RunLayout:
         return self.deploy / REPORT_FILE
 
 
+def run_relative(root: Path, path: Path | str) -> str:
+    """How a file of the run records ``path``: relative to the run dir ``root`` when inside it (so the run stays
+    valid when moved or copied elsewhere), else absolute as given. ``resolve_in_run`` reads it back."""
+    path = Path(path)
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def resolve_in_run(root: Path, stored: str | Path) -> Path:
+    """A path that a file of the run dir ``root`` records (``run_relative``) as a path now.
+
+    Relative: under ``root``. Absolute: a run written before paths were stored relative records paths inside it
+    as absolute ones of where it was; one that runs through a folder named as the run (``<old>/<name>/<rest>``)
+    is ``root/<rest>``, the run's own file where it is now (the innermost such folder whose ``rest`` exists; else
+    the path itself if it exists, else the innermost one). Other absolute paths are returned as they are."""
+    path = Path(stored)
+    if not path.is_absolute():
+        return root / path
+    parts = path.parts
+    at = [i for i, part in enumerate(parts) if part == root.name and i + 1 < len(parts)]
+    if not at or path.is_relative_to(root):
+        return path
+    rebased = [root.joinpath(*parts[i + 1:]) for i in reversed(at)]
+    return next((p for p in rebased if p.exists()), path if path.exists() else rebased[0])
+
+
 def run_layout(cfg: RunConfig) -> RunLayout:
     """The layout of ``cfg``'s run directory."""
     return RunLayout(cfg.run_dir)

@@ -48,7 +48,7 @@ from eagle3.train.metrics import (MetricsWriter, ProgressWriter, drafter_row_flo
                                   peak_flops)
 from eagle3.drafter.model import trainable_parameters
 from eagle3.drafter.ttt import StepOptions, TTTBatch, TTTObjective, align_step, align_steps, metrics_from_counts
-from eagle3.run.layout import RunLayout
+from eagle3.run.layout import RunLayout, run_relative
 
 log = logging.getLogger("eagle3.train")
 
@@ -454,7 +454,8 @@ def _stopped(tr: Trainer, signum: int | None, checkpoint: Path, last_train: dict
     why = f"received {signal.Signals(signum).name}" if signum is not None else "stop_after_steps reached"
     log.warning("train: %s: finished step %d, checkpoint %s written, exiting cleanly (rerun the same command to "
                 "resume)", why, tr.state.step, checkpoint)
-    tr.progress.update(state="stopped", force=True, step=tr.state.step, checkpoint=str(checkpoint))
+    tr.progress.update(state="stopped", force=True, step=tr.state.step,
+                       checkpoint=run_relative(tr.inputs.run_dir, checkpoint))
     return TrainResult("stopped", tr.state.step, checkpoint, last_train, last_eval)
 
 
@@ -548,6 +549,8 @@ def _finish(tr: Trainer, result: TrainResult) -> None:
         if tr.state.best_step is not None:
             outputs["best_model"] = tr.train_dir / stats["best_checkpoint"] / MODEL_FILE
         write_manifest(RunLayout(tr.inputs.run_dir).manifest("train"), "train", tr.stage_key, outputs, stats)
-    tr.progress.update(state="done", force=True, step=result.step, checkpoint=str(result.checkpoint), eta_s=0.0)
+    tr.progress.update(state="done", force=True, step=result.step,
+                       checkpoint=run_relative(tr.inputs.run_dir, result.checkpoint) if result.checkpoint else None,
+                       eta_s=0.0)
     log.info("train: done after %d steps; final checkpoint %s", result.step, result.checkpoint)
     barrier(tr.dist)
