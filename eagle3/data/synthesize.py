@@ -31,7 +31,7 @@ from typing import Any
 from eagle3.config import RegenerateConfig, SourceConfig, SyntheticConfig
 from eagle3.config_base import unset_added_fields
 from eagle3.data.chat_backends import CompletionError, HFGenerateBackend
-from eagle3.data.synthetic import synthetic_path
+from eagle3.data.synthetic import check_file_names, synthetic_journal_path, synthetic_path
 from eagle3.run.journal import Journal
 from eagle3.run.progress import Progress, ProgressFn
 from infra.storage import atomic_write_text, sha256_json
@@ -54,7 +54,7 @@ def regenerate_fields(regen: RegenerateConfig) -> dict[str, Any]:
 
 def journal_path(data_dir: Path, name: str) -> Path:
     """The journal of one synthetic source (beside its records file)."""
-    return synthetic_path(data_dir, name).with_suffix(".journal.jsonl")
+    return synthetic_journal_path(data_dir, name)
 
 
 def user_turn_prefix(tokenizer: Any) -> str:
@@ -171,7 +171,9 @@ def synthesize_source(src: SourceConfig, data_dir: Path, regen: RegenerateConfig
 
 
 def stage_config(sources: list[SourceConfig], regen: RegenerateConfig) -> dict[str, Any]:
-    """What the synthesize stage's key hashes: each source's generation settings and the regenerate ones it uses."""
+    """What the synthesize stage's key hashes: each source's generation settings and the regenerate ones it uses
+    (ConfigError when two sources would write one file: the key is asked for before the stage runs)."""
+    check_file_names(sources)
     return {"sources": [{"name": s.name, **(s.synthetic.model_dump(exclude={"near_duplicate"}) if s.synthetic else {})}
                         for s in sources],
             "regenerate": regenerate_fields(regen)}
@@ -181,6 +183,7 @@ def synthesize(sources: list[SourceConfig], data_dir: Path, regen: RegenerateCon
                progress: ProgressFn | None = None) -> tuple[dict[str, Path], dict[str, Any]]:
     """Every synthetic source -> data/synthetic/<name>.jsonl; ``load()`` returns (model, tokenizer), called once
     and only when something is left to generate. Returns ({name: path}, {"sources": {name: stats}})."""
+    check_file_names(sources)
     loaded: list[Any] = []
 
     def make_for(syn: SyntheticConfig):

@@ -26,19 +26,41 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.config import CharsOf, SourceConfig
+from eagle3.config_base import ConfigError
 from eagle3.data.containers import detect_encoding, iter_lines
 from eagle3.data.rejects import Reject, SourceError
 from eagle3.data.sources import SOURCE_NAME_RE, Conversation, SourceStream, make_row_id, normalize_records
 from eagle3.data.textcheck import NearDuplicates, degenerate_reason, words
 
 SYNTHETIC_DIR = "synthetic"
+RECORDS_SUFFIX, JOURNAL_SUFFIX = ".jsonl", ".journal.jsonl"
+"""data/synthetic/<name>.jsonl holds a source's records, <name>.journal.jsonl the synthesize stage's journal."""
 
 
 def synthetic_path(data_dir: Path, name: str) -> Path:
     """The file the synthesize stage writes for a synthetic source (the merge reads it)."""
     if not SOURCE_NAME_RE.fullmatch(name):
         raise SourceError(f"source name {name!r}: use only letters, digits, '-', '_' and '.'")
-    return Path(data_dir) / SYNTHETIC_DIR / f"{name}.jsonl"
+    return Path(data_dir) / SYNTHETIC_DIR / f"{name}{RECORDS_SUFFIX}"
+
+
+def synthetic_journal_path(data_dir: Path, name: str) -> Path:
+    """The synthesize stage's journal of a synthetic source, beside its records file."""
+    return synthetic_path(data_dir, name).with_name(f"{name}{JOURNAL_SUFFIX}")
+
+
+def check_file_names(sources: list[SourceConfig]) -> None:
+    """ConfigError naming both sources when two synthetic sources would write one file: 'x' journals into
+    x.journal.jsonl, the records file of a source 'x.journal' (and two sources of one name share everything)."""
+    owner: dict[str, tuple[int, str]] = {}  # file name -> (index, name) of the source that writes it
+    for index, src in enumerate(sources):
+        if src.format != "synthetic":
+            continue
+        for path in (synthetic_path(Path(), src.name), synthetic_journal_path(Path(), src.name)):
+            first = owner.setdefault(path.name, (index, src.name))
+            if first[0] != index:
+                raise ConfigError(f"data.sources: synthetic sources {first[1]!r} and {src.name!r} would both write "
+                                  f"data/{SYNTHETIC_DIR}/{path.name}; rename one of them")
 
 
 def read_synthetic(src: SourceConfig, data_dir: Path, max_chars: int, chars_of: CharsOf = "all") -> SourceStream:

@@ -164,6 +164,39 @@ def test_a_source_grown_or_shrunk_keeps_only_batches_with_the_same_members_and_m
     assert shrunk["sources"]["syn"]["generated"] == 2 and shrunk["sources"]["syn"]["skipped_done"] == 4
 
 
+@pytest.mark.parametrize("names", [("x", "x.journal"), ("x.journal", "x"), ("x", "x")])
+def test_sources_whose_files_would_collide_are_a_config_error_naming_both(tmp_path, names):
+    """'x' writes x.jsonl and its journal x.journal.jsonl, the records file of 'x.journal': refused before anything
+    is generated (by the stage key too), naming both sources; no file is written."""
+    from eagle3.config_base import ConfigError
+    from eagle3.data.synthesize import stage_config
+
+    sources = [_source(name) for name in names]
+
+    def no_model():
+        raise AssertionError("a refused config must not load the model")
+
+    with pytest.raises(ConfigError, match="synthetic sources") as err:
+        synthesize(sources, tmp_path, REGEN, no_model, "fp")
+    assert all(repr(n) in str(err.value) for n in names)
+    assert not (tmp_path / "synthetic").exists()
+    with pytest.raises(ConfigError):
+        stage_config(sources, REGEN)
+
+
+def test_sources_named_by_suffixes_of_each_other_write_their_own_files(tmp_path, tiny):
+    """Names that share a prefix but cannot collide ('x', 'x.jsonl', 'x.j', 'journal') each get their own records and
+    journal, identical to a run of the source alone."""
+    names = ["x", "x.jsonl", "x.j", "journal"]
+    paths, _ = synthesize([_source(n, count=4) for n in names], tmp_path / "all", REGEN, lambda: tiny, "fp")
+    alone, _ = synthesize([_source("x", count=4)], tmp_path / "alone", REGEN, lambda: tiny, "fp")
+    assert len({paths[n] for n in names}) == len(names)
+    files = {journal_path(tmp_path / "all", n) for n in names} | set(paths.values())
+    assert len(files) == 2 * len(names)
+    assert all(json.loads(line)["id"] for n in names for line in paths[n].read_text().splitlines())
+    assert paths["x"].read_text() == alone["x"].read_text()
+
+
 # ---------------------------------------------------------------- merge-time filters
 
 
