@@ -10,12 +10,14 @@ Every field has a one-line doc (the attribute docstring below it); a test enforc
 
 from __future__ import annotations
 
+import difflib
 import json
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
 
 from eagle3.config_base import (PRESETS_DIR, Added, ConfigError, Operational, PlainName, Section, _folder_path,
                                 key_fields)
@@ -382,11 +384,73 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """(the section class a field holds, whether it holds a list of them): Optional, Annotated and list unwrapped."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    origin = typing.get_origin(annotation)
+    for arg in typing.get_args(annotation):
+        model, listed = _nested_model(arg)
+        if model is not None:
+            return model, listed or origin in (list, tuple)
+    return None, False
+
+
+def config_field_paths(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every dotted field path of the config tree, sections included, in declaration order; a list of sections
+    is stepped into by ``*`` (``data.sources.*.max_records``)."""
+    paths = []
+    for name, field in (model or RunConfig).model_fields.items():
+        paths.append(prefix + name)
+        nested, listed = _nested_model(field.annotation)
+        if nested is not None:
+            paths += config_field_paths(nested, f"{prefix}{name}.{'*.' if listed else ''}")
+    return paths
+
+
+def _abbreviates(short: str, long: str) -> bool:
+    """'lr' abbreviates 'learning_rate': the initials of the words of ``long``."""
+    return "_" in long and "".join(word[:1] for word in long.split("_")) == short
+
+
+def _closeness(bad: str, known: str) -> float:
+    """How alike two dotted paths are (difflib ratio of the paths; of the last names between siblings, where an
+    abbreviation counts as a match; a known name in another section counts as close)."""
+    bad_parent, _, bad_leaf = bad.rpartition(".")
+    parent, _, leaf = known.rpartition(".")
+    score = difflib.SequenceMatcher(None, bad, known).ratio()
+    if bad_parent == parent:
+        if _abbreviates(bad_leaf, leaf) or _abbreviates(leaf, bad_leaf):
+            return 1.0
+        score = max(score, difflib.SequenceMatcher(None, bad_leaf, leaf).ratio())
+    elif bad_leaf == leaf:
+        score = max(score, 0.9)
+    return score
+
+
+def did_you_mean(loc: tuple[Any, ...] | list[Any] | str, cutoff: float = 0.6) -> str | None:
+    """The config field path closest to the unknown key at ``loc`` ('train.learning_rate' -> 'train.lr';
+    list indices kept: 'data.sources.0.max_record' -> 'data.sources.0.max_records'), or None when none is close."""
+    parts = [str(p) for p in (loc.split(".") if isinstance(loc, str) else loc)]
+    indices = [p for p in parts if p.isdigit()]
+    bad = ".".join("*" if p.isdigit() else p for p in parts)
+    scored = [(_closeness(bad, known), known) for known in config_field_paths() if known != bad]
+    score, best = max(scored, key=lambda pair: pair[0], default=(0.0, ""))
+    if score < cutoff:
+        return None
+    fill = iter(indices)
+    return ".".join(next(fill, "0") if p == "*" else p for p in best.split("."))
+
+
 def _format_validation_error(exc: ValidationError, origin: str) -> str:
     lines = [f"invalid config ({origin}):"]
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "<root>"
-        lines.append(f"  {field}: {err['msg']}")
+        if err["type"] == "extra_forbidden":
+            guess = did_you_mean(err["loc"])
+            lines.append(f"  {field}: unknown key" + (f"; did you mean {guess}?" if guess else ""))
+        else:
+            lines.append(f"  {field}: {err['msg']}")
     return "\n".join(lines)
 
 
@@ -404,6 +468,25 @@ def load_config(preset: str = "tiny", overrides: list[str] | None = None) -> Run
     data = apply_overrides(_read_preset(preset), overrides)
     origin = f"preset {preset}" + (f" with overrides {overrides}" if overrides else "")
     return validate_config(data, origin)
+
+
+def intended_run_name(preset: str, overrides: list[str] | None = None) -> str:
+    """The run name a preset with overrides asks for, read without validating anything else, so that a run whose
+    config is invalid can still be reported under its name; the default name when none can be read."""
+    default: str = RunSection.model_fields["name"].default
+    try:
+        data = _read_preset(preset)
+    except (ConfigError, RecursionError):
+        data = {}
+    for item in overrides or []:
+        try:
+            apply_overrides(data, [item])
+        except ConfigError:
+            pass
+    try:
+        return RunSection.model_validate({"name": data["run"]["name"]}).name
+    except (KeyError, TypeError, ValidationError):
+        return default
 
 
 def save_config(cfg: RunConfig, path: Path) -> Path:

@@ -18,13 +18,13 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from eagle3.config import RunConfig, load_config
+from eagle3.config import ConfigError, RunConfig, intended_run_name, load_config
 from eagle3.run.registry import ONLINE_SKIP, UNTIL_CHOICES, get_stage
 from eagle3.run.stage import StageOutcome
 from eagle3.run.stages import synthetic_sources
 from flows.common import PresetName, as_json, guard_crash_loop
 from flows.report import render_run_report
-from tasks.artifacts import artifact_key
+from tasks.artifacts import artifact_key, run_artifact_key
 from tasks.data import merge_task, regenerate_task, synthesize_task, target_check_task, tokenize_task, vocab_task
 
 
@@ -128,7 +128,14 @@ def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | 
     from infra.storage import run_lock
 
     guard_crash_loop()
-    cfg = config or load_config(preset, list(overrides or []))
+    try:
+        cfg = config or load_config(preset, list(overrides or []))
+    except ConfigError as exc:  # the run page still gets its summary, with the message (and any "did you mean")
+        name = intended_run_name(preset, list(overrides or []))
+        create_markdown_artifact(markdown=render_config_error(name, preset, list(overrides or []), str(exc)),
+                                 key=run_artifact_key(name, "run-summary"),
+                                 description="pipeline summary (failed: invalid config)")
+        raise
     get_run_logger().info("run directory %s", cfg.run_dir.resolve())
     results: dict[str, Any] = {}
     try:
@@ -146,6 +153,16 @@ def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | 
     create_markdown_artifact(markdown=render_run_report(cfg), key=artifact_key(cfg, "run-report"),
                              description="run report: data, capture, training curves, measured acceptance")
     return {"run_dir": str(cfg.run_dir.resolve()), **{k: as_json(v) for k, v in results.items() if k != "target"}}
+
+
+def render_config_error(run_name: str, preset: str, overrides: list[str], message: str) -> str:
+    """Markdown run summary of a run that stopped before any stage because its config is invalid."""
+    given = "\n".join(f"* `{o}`" for o in overrides) or "* (none)"
+    return "\n".join([f"# Run `{run_name}` failed: invalid config", "",
+                      "**Failed before any stage**: the preset and overrides do not make a valid config.", "",
+                      "```", message[:4000], "```", "", f"preset: `{preset}`; overrides:", "", given, "",
+                      "Fix the named keys (a `did you mean` names the closest known one) and run again; "
+                      "nothing was computed or changed on disk."]) + "\n"
 
 
 def render_summary(cfg: RunConfig, results: dict[str, Any], failure: tuple[str, str] | None = None) -> str:

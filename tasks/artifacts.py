@@ -20,7 +20,12 @@ def markdown_image(path: Path) -> str:
 
 def artifact_key(cfg: RunConfig, name: str) -> str:
     """'<run>-<name>' reduced to the lowercase letters, digits and dashes Prefect accepts."""
-    return re.sub(r"[^a-z0-9-]+", "-", f"{cfg.run.name}-{name}".lower()).strip("-")
+    return run_artifact_key(cfg.run.name, name)
+
+
+def run_artifact_key(run_name: str, name: str) -> str:
+    """artifact_key for a run known only by name (a run whose config is invalid has no RunConfig)."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{run_name}-{name}".lower()).strip("-")
 
 
 MAX_TABLE_COLUMNS = 8

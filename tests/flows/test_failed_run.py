@@ -40,6 +40,23 @@ def test_failed_pipeline_writes_a_run_summary_naming_stage_and_error(failed_stat
     assert "target:" in summary.data  # the stage before merge completed and is still reported
 
 
+def test_bad_override_fails_with_a_run_summary_saying_did_you_mean(tmp_path):
+    """A pipeline run with an unknown override key fails, and still publishes its run-summary artifact with the
+    error naming the key and the closest known field."""
+    from eagle3.config import ConfigError
+
+    state = eagle3_pipeline(preset="tiny", overrides=[f"run.workdir={tmp_path}", "run.name=bad-override",
+                                                      "train.learning_rate=1e-4"], until="vocab", return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ConfigError):
+        state.result()
+    (summary,) = _artifacts(state.state_details.flow_run_id, "bad-override-run-summary")
+    assert "failed" in summary.description
+    assert "train.learning_rate: unknown key; did you mean train.lr?" in summary.data
+    assert "`train.learning_rate=1e-4`" in summary.data
+    assert not (tmp_path / "bad-override").exists()  # nothing was started
+
+
 def test_follow_explains_a_failed_run(failed_state, capsys):
     """follow() on a failed run prints the failed task, the exception and the last log lines, and the full log path."""
     from prefect.logging.handlers import APILogHandler

@@ -80,8 +80,30 @@ def test_unknown_field_is_named_in_the_error(tmp_path):
     """A preset with an unknown field fails with a message naming the field path."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  learning_rate: 0.1\n")
-    with pytest.raises(ConfigError, match=r"train\.learning_rate: Extra inputs are not permitted"):
+    with pytest.raises(ConfigError, match=r"train\.learning_rate: unknown key; did you mean train\.lr\?"):
         load_config(str(bad))
+
+
+@pytest.mark.parametrize("override, guess", [
+    ("train.learning_rate=1e-4", "train.lr"),  # an abbreviation: the initials of the words
+    ("train.weight_decy=0.1", "train.weight_decay"),
+    ("data.sources.0.max_record=5", "data.sources.0.max_records"),  # list index kept
+    ("trian.lr=1e-4", "train"),  # an unknown section
+    ("data.lr=1e-4", "train.lr"),  # a known key in the wrong section
+])
+def test_unknown_key_says_did_you_mean_the_closest_field(override, guess):
+    """An unknown key from an override names the key and the closest dotted field path of the config tree."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", [override])
+    bad = override.split("=")[0] if not override.startswith("trian") else "trian"
+    assert f"{bad}: unknown key; did you mean {guess}?" in str(err.value)
+
+
+def test_unknown_key_far_from_every_field_has_no_guess():
+    """A key like no field gets no "did you mean" (a wrong guess misleads)."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["zzzz.qqqq=1"])
+    assert "zzzz: unknown key" in str(err.value) and "did you mean" not in str(err.value)
 
 
 def test_wrong_type_is_named_in_the_error():
