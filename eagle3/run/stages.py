@@ -44,7 +44,7 @@ def key_for(cfg: RunConfig, stage: str, fp: str | None = None) -> str:
     if stage == "merge":
         conf = section_dict(cfg, "data") | {"seed": cfg.run.seed}
         upstream = [manifest_path(cfg, "synthesize")] if synthetic_sources(cfg) else []
-        return stage_key("merge", conf, upstream, extra={"source_files": _source_stamps(cfg)})
+        return stage_key("merge", conf, upstream, extra={"source_files": _source_hashes(cfg)})
     fp = fp or _target(cfg)[1]
     if stage == "synthesize":
         from eagle3.data.synthesize import stage_config
@@ -114,19 +114,21 @@ def run_merge(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = 
                      compute=lambda: merge_sources(cfg.data.sources, cfg.data, cfg.run.seed, data_dir(cfg), progress))
 
 
-def _source_stamps(cfg: RunConfig) -> list[dict]:
-    """Name, size and mtime of each source file: a changed file changes the merge key."""
+def _source_hashes(cfg: RunConfig) -> list[dict]:
+    """Name, path and sha256 of each source file: changed content changes the merge key, also when an in-place
+    copy (``cp -p``, ``rsync -a``, ``tar x``) kept the size and mtime. Hashed through infra.storage's cache, once
+    per process and version of the file (device, inode, size, mtime, ctime)."""
     from eagle3.run.paths import resolve_path
+    from infra.storage import sha256_file_cached
 
-    stamps = []
+    hashes = []
     for src in cfg.data.sources:
         if src.path is None:
             continue  # a synthetic source: the synthesize manifest is the merge's input
         path = resolve_path(src.path)
-        stat = path.stat() if path.is_file() else None
-        stamps.append({"name": src.name, "path": str(path), "bytes": stat.st_size if stat else None,
-                       "mtime_ns": stat.st_mtime_ns if stat else None})
-    return stamps
+        hashes.append({"name": src.name, "path": str(path),
+                       "sha256": sha256_file_cached(path) if path.is_file() else None})
+    return hashes
 
 
 def _conversations_manifest(cfg: RunConfig) -> Path:

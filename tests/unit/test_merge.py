@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -195,3 +196,41 @@ def test_cli_merges_a_preset_and_skips_when_up_to_date(tmp_path, capsys):
     stages.main(["merge", "--preset", str(preset), "--set", "data.val_fraction=0.5"])
     assert json.loads(capsys.readouterr().out)["computed"] is False
     assert (tmp_path / "r" / "data" / "merged.parquet").is_file()
+
+
+def test_a_source_edited_in_place_with_the_same_size_and_mtime_is_merged_again(tmp_path, capsys):
+    """``cp -p``, ``rsync -a`` or ``tar x`` can replace a source keeping its size and mtime: the merge key follows
+    the source's content, so the edit is merged again."""
+    source = tmp_path / "chats.jsonl"
+    source.write_bytes(TINY.read_bytes())
+    preset = tmp_path / "p.yaml"
+    preset.write_text(f"run: {{workdir: {tmp_path}, name: r}}\ndata: {{sources: [{{name: s, path: '{source}'}}]}}\n")
+    stages.main(["merge", "--preset", str(preset)])
+    assert json.loads(capsys.readouterr().out)["computed"]
+    stat = source.stat()
+    with open(source, "r+b") as fh:  # in place, as cp -p over the file does: same inode, same size
+        fh.write(TINY.read_bytes().replace(b"58 + 16 = 74.", b"58 + 16 = 75.", 1))
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert source.stat().st_size == stat.st_size and source.stat().st_mtime_ns == stat.st_mtime_ns
+    assert source.read_bytes() != TINY.read_bytes()
+    stages.main(["merge", "--preset", str(preset)])
+    assert json.loads(capsys.readouterr().out)["computed"]
+    stages.main(["merge", "--preset", str(preset)])
+    assert json.loads(capsys.readouterr().out)["computed"] is False
+
+
+def test_merge_key_hashes_each_source_once_per_version(tmp_path, monkeypatch):
+    """Sources are hashed through infra.storage's file-stamp cache: asking for the key again reads no source."""
+    import infra.storage as storage
+    from eagle3.config import load_config
+
+    source = tmp_path / "chats.jsonl"
+    source.write_bytes(TINY.read_bytes())
+    cfg = load_config("tiny", [f"run.workdir={tmp_path}", f"data.sources=[{{name: s, path: '{source}'}}]"])
+    monkeypatch.setattr(storage, "RACY_NS", 0)  # the file is fresh; a real source settled long ago
+    hashed = []
+    real = storage.sha256_file
+    monkeypatch.setattr(storage, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+    first = stages.key_for(cfg, "merge")
+    assert hashed == ["chats.jsonl"]
+    assert stages.key_for(cfg, "merge") == first and hashed == ["chats.jsonl"]
