@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -27,6 +28,7 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, GenerationCon
                           PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM)
 
 from eagle3.config import TinyTargetConfig
+from infra.locks import file_lock
 from infra.storage import atomic_write_json
 
 ChatStyle = Literal["chatml", "llama3"]
@@ -252,13 +254,17 @@ def _write_folder(folder: Path, cfg: TinyTargetConfig, seed: int) -> None:
 
 
 def _clear_stale(out_dir: Path) -> None:
-    """Remove a folder that an earlier build of ours left (manifest mismatch or interrupted); refuse foreign ones."""
+    """Remove a folder that an earlier build of ours left (manifest mismatch or interrupted); refuse foreign ones.
+
+    Call only under the folder's lock: the folder is renamed aside first, so no reader sees it half deleted."""
     if not out_dir.exists():
         return
     ours = _read_manifest(out_dir) is not None or not any(out_dir.iterdir())
     if not ours:
         raise FileExistsError(f"{out_dir} exists, is not empty and is not a tiny target folder; refusing to replace it")
-    shutil.rmtree(out_dir)
+    aside = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".stale", dir=out_dir.parent))
+    os.replace(out_dir, aside / out_dir.name)
+    shutil.rmtree(aside)
 
 
 def _make_readable(folder: Path) -> None:
@@ -268,23 +274,35 @@ def _make_readable(folder: Path) -> None:
         os.chmod(path, 0o644)
 
 
+def _remove_killed_builds(out_dir: Path) -> None:
+    """Delete the temp folders (``.<name>.XXXXXXXX.tmp`` / ``.stale``) that killed builds left; only under the lock."""
+    pattern = re.compile(re.escape(f".{out_dir.name}.") + r"[A-Za-z0-9_]{8}\.(tmp|stale)")
+    for path in out_dir.parent.iterdir():
+        if pattern.fullmatch(path.name) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def save_tiny_target(out_dir: Path, cfg: TinyTargetConfig, seed: int) -> Path:
-    """Write (or reuse) an HF folder with the tiny target; built in a temp sibling and renamed into place."""
+    """Write (or reuse) an HF folder with the tiny target; built in a temp sibling and renamed into place.
+
+    Processes sharing a cache may prepare the same target at once: the build and the rename happen under a flock on
+    ``.<name>.lock`` beside the folder, so one builds and the others, once they get the lock, find its complete
+    folder and use it. A complete folder of these settings is never removed (only a stale or interrupted one)."""
     out_dir = Path(out_dir)
     if _read_manifest(out_dir) == _manifest(cfg, seed):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
-        _write_folder(tmp, cfg, seed)
-        _make_readable(tmp)
-        _clear_stale(out_dir)
-        os.rename(tmp, out_dir)
-    except OSError:
-        # Another process may have finished the same build first; its folder is as good as ours.
-        if _read_manifest(out_dir) != _manifest(cfg, seed):
-            raise
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(tmp)
+    with file_lock(out_dir.parent / f".{out_dir.name}.lock"):
+        if _read_manifest(out_dir) == _manifest(cfg, seed):  # built by the process we waited for
+            return out_dir
+        _remove_killed_builds(out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+        try:
+            _write_folder(tmp, cfg, seed)
+            _make_readable(tmp)
+            _clear_stale(out_dir)
+            os.rename(tmp, out_dir)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(tmp)
     return out_dir

@@ -175,6 +175,65 @@ def test_save_refuses_to_replace_a_foreign_folder(tmp_path: Path) -> None:
     assert not (foreign / MANIFEST_NAME).exists()
 
 
+RACERS, RACE_TIMEOUT_S = 6, 60.0
+
+
+def _race_to_save(out_dir: str, start, returned, results) -> None:
+    """One of RACERS processes released at once to prepare the same target; once every racer has returned, it checks
+    that the folder it was given is still whole (a later builder must never have cleared it)."""
+    from eagle3.target.tiny import _manifest, _read_manifest
+
+    cfg, outcome = TinyTargetConfig(num_hidden_layers=2), "ok"
+    try:
+        start.wait(RACE_TIMEOUT_S)
+        folder = save_tiny_target(Path(out_dir), cfg, seed=0)
+    except Exception as exc:  # noqa: BLE001 - the failure is the result
+        folder, outcome = None, f"{type(exc).__name__}: {exc}"
+    returned.wait(RACE_TIMEOUT_S)
+    if folder is not None and (_read_manifest(folder) != _manifest(cfg, 0)
+                               or not (folder / "model.safetensors").is_file()):
+        outcome = f"the folder returned is no longer complete: {sorted(p.name for p in folder.glob('*'))}"
+    results.put(outcome)
+
+
+@pytest.mark.parametrize("start_from", ["nothing", "stale"])
+def test_concurrent_preparation_of_one_target_gives_every_process_a_complete_folder(tmp_path, start_from) -> None:
+    """3 rounds of 6 processes released at once on a shared cache (empty, or holding a stale build of an older
+    format): every one returns the folder, which stays whole after all have returned; no temp folder is left."""
+    import json
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")  # fork-safe (no torch threads in the server) and cheap per process
+    ctx.set_forkserver_preload(["tests.unit.test_tiny"])
+    for round_ in range(3):
+        cache = tmp_path / f"round-{round_}"
+        out_dir = cache / "tiny-target"
+        out_dir.mkdir(parents=True)
+        if start_from == "stale":
+            (out_dir / "model.safetensors").write_bytes(b"old")
+            (out_dir / MANIFEST_NAME).write_text(json.dumps({"format_version": 0}))
+        start, returned, results = ctx.Barrier(RACERS), ctx.Barrier(RACERS), ctx.Queue()
+        racers = [ctx.Process(target=_race_to_save, args=(str(out_dir), start, returned, results))
+                  for _ in range(RACERS)]
+        for racer in racers:
+            racer.start()
+        outcomes = [results.get(timeout=RACE_TIMEOUT_S) for _ in racers]
+        for racer in racers:
+            racer.join(RACE_TIMEOUT_S)
+        assert outcomes == ["ok"] * RACERS, (round_, outcomes)
+        assert [p.name for p in cache.iterdir() if not p.name.startswith(".") or p.is_dir()] == [out_dir.name]
+
+
+def test_a_build_removes_the_temp_folders_of_killed_builds_of_its_target_only(tmp_path) -> None:
+    """Temp folders a killed build left beside the target go with the next build; another target's stay."""
+    killed, other = tmp_path / ".t.abcd1234.tmp", tmp_path / ".t2.abcd1234.tmp"
+    for folder in (killed, other):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    save_tiny_target(tmp_path / "t", TinyTargetConfig(num_hidden_layers=2), seed=0)
+    assert not killed.exists() and other.exists()
+
+
 def test_saved_folder_reloads_with_auto_classes(saved: Path, style: str) -> None:
     """AutoTokenizer/AutoModelForCausalLM reload the folder with the same template, tokenization and weights."""
     original_tok = build_tiny_tokenizer(style)
