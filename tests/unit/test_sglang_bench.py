@@ -22,6 +22,7 @@ from infra.sglang_bench import (
     RequestSample,
     check_bench_answer,
     compare,
+    compare_groups,
     fixed_prompts,
     nearest_rank,
     render_report,
@@ -142,6 +143,33 @@ def test_bad_answers_are_refused_with_the_failed_check(answer, speculative, chec
     with pytest.raises(ResponseCheckError) as exc:
         check_bench_answer(answer, rid="r", max_new_tokens=16, speculative=speculative)
     assert exc.value.check == check
+
+
+def test_without_ignore_eos_an_answer_may_stop_at_end_of_turn_but_not_past_the_cap():
+    """ignore_eos off (evaluation prompts): 1..max_new_tokens tokens pass; more, or none, are refused."""
+    from infra.sglang import ResponseCheckError
+
+    assert check_bench_answer(_answer("r", 5), rid="r", max_new_tokens=16, speculative=False, ignore_eos=False)
+    for tokens in (0, 17):
+        with pytest.raises(ResponseCheckError) as exc:
+            check_bench_answer(_answer("r", tokens), rid="r", max_new_tokens=16, speculative=False, ignore_eos=False)
+        assert exc.value.check == "completion_tokens"
+
+
+def test_per_dataset_rows_sum_each_group_and_count_identical_outputs():
+    """A group's accept length is its tokens over its verify steps, its rate tokens over summed latencies."""
+    base = summarize_level(1, [sample(0, 10, None, 1.0, 0.1), sample(1, 20, None, 2.0, 0.1),
+                               sample(2, 30, None, 1.0, 0.1)], 4.0, False)
+    spec_samples = [sample(0, 10, 5, 0.5, 0.1), sample(1, 20, 5, 4.0, 0.1),
+                    RequestSample(2, 1.0, 0.1, 30, 0, 10, "other")]
+    spec = summarize_level(1, spec_samples, 5.5, True)
+    b = BenchResult("b", False, BenchSettings((1,), 3, 32, 0), "d", {}, (base,))
+    s = BenchResult("s", True, BenchSettings((1,), 3, 32, 0), "d", {}, (spec,))
+    rows = {r.group: r for r in compare_groups(b, s, ["x", "x", "y"])}
+    assert rows["x"].accept_length == 3.0 and rows["y"].accept_length == 3.0 and rows["all"].accept_length == 3.0
+    assert rows["x"].baseline_tok_per_s == 10.0 and rows["x"].speculative_tok_per_s == pytest.approx(30 / 4.5)
+    assert (rows["x"].identical_outputs, rows["y"].identical_outputs, rows["all"].identical_outputs) == (2, 0, 2)
+    assert rows["all"].num_requests == 3
 
 
 # ---------------------------------------------------------------- against the fake server
