@@ -69,8 +69,8 @@ from benchmarks.sglang_lab import (  # noqa: E402
     device_name,
     probe_version,
     relax_probe_version,
+    run_and_record,
     say,
-    write_results,
 )
 from eagle3.config import RunConfig, read_config_file, save_config, validate_config  # noqa: E402
 from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens  # noqa: E402
@@ -709,28 +709,16 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or cfg.run_dir / "bench-capture" / "results.json"
     results: dict[str, Any] = {"config": str(args.config), "module": args.module, "python": args.python,
                                "server_args": args.server_args, "samples_asked": args.samples}
-    try:
+    def body() -> list[str]:
         args.version_relax = (None, False)
         if args.kill_test or not args.compare_with_self:  # SGLang runs: which version must its probe accept?
             version, relax = probe_version(args.expect_version, args.python)
             results["installed_sglang"], args.version_relax = version, (version, relax)
             if relax:
                 relax_probe_version(version)
-        if args.no_compare:
-            failures = run_kill_test(cfg, args, results)
-        else:
-            failures = run_compare(cfg, args, results)
-    except Exception as exc:  # every error ends in the JSON too, naming what failed
-        results["error"] = f"{type(exc).__name__}: {exc}"
-        write_results(out, results)
-        say(f"FAILED: {results['error']} (results: {out})")
-        raise
-    results["failures"] = failures
-    write_results(out, results)
-    for failure in failures:
-        say(f"FAIL: {failure}")
-    say(f"results: {out}")
-    return 1 if failures else 0
+        return run_kill_test(cfg, args, results) if args.no_compare else run_compare(cfg, args, results)
+
+    return run_and_record(out, results, body)
 
 
 def run_stage_shim(argv: list[str]) -> int:

@@ -20,6 +20,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +92,22 @@ def device_name(device: str) -> str:
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
         return torch.cuda.get_device_name(torch.device("cuda" if device == "auto" else device))
     return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def run_and_record(out: Path, results: dict[str, Any], body: Callable[[], list[str]]) -> int:
+    """Run a benchmark's body; its failures (or the error that ended it) go into ``out`` and on the console.
+
+    Exit status: 0 when the body found no failure, 1 otherwise; an exception is re-raised after it is recorded."""
+    try:
+        failures = body()
+    except Exception as exc:  # every error ends in the JSON too, naming what failed
+        results["error"] = f"{type(exc).__name__}: {exc}"
+        write_results(out, results)
+        say(f"FAILED: {results['error']} (results: {out})")
+        raise
+    results["failures"] = failures
+    write_results(out, results)
+    for failure in failures:
+        say(f"FAIL: {failure}")
+    say(f"results: {out}")
+    return 1 if failures else 0

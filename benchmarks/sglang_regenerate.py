@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.sglang_lab import device_name, probe_version, say, write_results  # noqa: E402
+from benchmarks.sglang_lab import device_name, probe_version, run_and_record, say  # noqa: E402
 from eagle3.config import RegenerateConfig, RunConfig, read_config_file, validate_config  # noqa: E402
 from infra.sglang import LAUNCH_MODULE  # noqa: E402
 
@@ -283,19 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or bench / "results.json"
     results: dict[str, Any] = {"config": str(args.config), "module": args.module, "python": args.python,
                                "rows_asked": args.rows, "server_args": args.server_args}
-    try:
-        failures = compare(cfg, args, bench, results)
-    except Exception as exc:
-        results["error"] = f"{type(exc).__name__}: {exc}"
-        write_results(out, results)
-        say(f"FAILED: {results['error']} (results: {out})")
-        raise
-    results["failures"] = failures
-    write_results(out, results)
-    for failure in failures:
-        say(f"FAIL: {failure}")
-    say(f"results: {out}")
-    return 1 if failures else 0
+    return run_and_record(out, results, lambda: compare(cfg, args, bench, results))
 
 
 def compare(cfg: RunConfig, args: argparse.Namespace, bench: Path, results: dict[str, Any]) -> list[str]:
