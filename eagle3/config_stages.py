@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from eagle3.config_base import Operational, Section, Switch, _relative_inside, switch_on
+from eagle3.config_base import Added, Operational, Section, Switch, _relative_inside, switch_on
 
 class SGLangCaptureConfig(Section):
     """The SGLang capture backend: managed server(s) or existing endpoints."""
@@ -153,8 +153,10 @@ class TrainConfig(Section):
     """Noise added to the aux features of train batches (never to val): U(-s, s) or N(0, s^2)."""
     aux_noise_std: float = Field(0.05, ge=0)
     """The noise scale s: half-width of the uniform noise, std of the gaussian noise."""
-    eval_every_steps: int = Operational(200, ge=0)
-    """Validate on the val split every N optimizer steps (0 = only at the end)."""
+    # which steps are validated decides the best checkpoint the stage keeps and names: keyed (Added: keys made
+    # before it was keyed, at the default, stay valid)
+    eval_every_steps: int = Added(200, ge=0)
+    """Validate on the val split every N optimizer steps (0 = only at the end); the best checkpoint is chosen among them."""
     checkpoint_every_steps: int = Operational(500, ge=0)
     """Write a full checkpoint every N optimizer steps (0 = only at the end and on SIGTERM)."""
     keep_checkpoints: int = Operational(2, ge=1)
@@ -178,7 +180,8 @@ class TrainConfig(Section):
     """Wall-clock limit of one torchrun launch; the group is killed past it (a retry resumes)."""
     compile: bool = Operational(True)
     """torch.compile the TTT step's pieces and the fused loss on CUDA (CPU runs stay eager); false = eager."""
-    loss_chunk_tokens: int = Operational(4096, ge=0)
+    # 0 (log_softmax) and the fused loss round differently, and compiled kernels per chunk shape may too: keyed
+    loss_chunk_tokens: int = Added(4096, ge=0)
     """Fused soft cross-entropy over this many tokens at a time (no fp32 [T, Vd] tensors); 0 = plain log_softmax."""
     reuse_block_mask: bool = Operational(False)
     """flex: one block mask per micro-batch for all TTT steps; false = one per step (measured faster on the H200)."""

@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from eagle3.config import RunConfig, load_config
-from eagle3.config_base import operational_fields
+from eagle3.config_base import operational_fields, unset_added_fields
 from eagle3.run.layout import run_layout
 from eagle3.run.registry import get_stage
 
@@ -151,3 +151,84 @@ def test_added_fields_at_their_default_leave_keys_as_before_the_field_existed():
     assert key_fields(regen.model_copy(update={"straggler_rows": 2})) == {**before, "straggler_rows": 2}
     assert key_fields(regen.model_copy(update={"compile_dynamic": True})) == {**before, "compile_dynamic": True}
     assert key_fields(regen.model_copy(update={"cut_loops": True})) == {**before, "cut_loops": True}
+
+
+# ------------------------------------------------- train: an operational field changes no byte training writes
+
+TRAIN_OVERRIDES = ["train.max_tokens_per_batch=96", "train.lr=1e-3", "train.max_steps=4", "train.warmup_steps=0",
+                   "train.eval_every_steps=1", "train.checkpoint_every_steps=2", "train.keep_checkpoints=2",
+                   "train.progress_every_s=0", "train.device=cpu", "drafter.ttt_steps=2"]
+
+
+def _train_values(section: BaseModel, name: str) -> list[Any]:
+    """Other valid values of a train field to train with: _other_value's, plus 0 / False where valid (0 switches
+    some features off, e.g. loss_chunk_tokens=0 is the plain log_softmax loss)."""
+    value, values = getattr(section, name), [_other_value(section, name)]
+    for extra in (0, False):
+        if type(extra) is type(value) and extra != value and extra not in values:
+            try:
+                type(section).model_validate({**section.model_dump(), name: extra})
+            except ValidationError:
+                continue
+            values.append(extra)
+    return values
+
+
+def _sha(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _train_outcome(src: Path, dst: Path, update: dict[str, Any]) -> dict[str, Any]:
+    """Train a copy of the synthetic run ``src`` in ``dst`` with train fields ``update``: what an export can ship
+    (the final and the best checkpoint's weight bytes, the best step)."""
+    from eagle3.train.loop import train
+    from tests.unit.test_train_helpers import copy_run, load_run_config
+
+    cfg = load_run_config(copy_run(src, dst, "syn", []))
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update=update)})
+    assert train(cfg).status == "done"
+    manifest = json.loads((cfg.run_dir / "train" / "train.manifest.json").read_text())
+    train_dir, stats = cfg.run_dir / "train", manifest["stats"]
+    return {"final": _sha(train_dir / manifest["outputs"]["model"]["path"]), "best_step": stats["best_step"],
+            "best": _sha(train_dir / stats["best_checkpoint"] / "model.safetensors")}
+
+
+@pytest.fixture(scope="module")
+def synthetic_inputs(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
+    """A 4-step synthetic run's inputs (tiny preset, validated every step) and the outcome of training it as is."""
+    from tests.unit.test_train_helpers import synthetic_run
+
+    src = synthetic_run(tmp_path_factory.mktemp("op-src") / "runs", TRAIN_OVERRIDES).parents[1]
+    return src, _train_outcome(src, tmp_path_factory.mktemp("op-base") / "runs", {})
+
+
+def _train_operational() -> list[str]:
+    from eagle3.config import TrainConfig
+
+    return sorted(operational_fields(TrainConfig))
+
+
+@pytest.mark.parametrize("name", _train_operational())
+def test_each_operational_train_field_changes_no_trained_byte(tmp_path, synthetic_inputs, name):
+    """Train twice (the synthetic tiny run, on the CPU) with the field at another value: the final and the best
+    checkpoint's weights are the same bytes and the best step the same, so leaving the field out of the train key
+    mixes nothing on a resume or rerun. (Fields that act only on CUDA or online are inert here by construction.)"""
+    src, base = synthetic_inputs
+    section = load_config("tiny", TRAIN_OVERRIDES).train
+    for i, value in enumerate(_train_values(section, name)):
+        assert _train_outcome(src, tmp_path / f"v{i}" / "runs", {name: value}) == base, f"train.{name}={value!r}"
+
+
+def test_train_fields_that_change_what_training_writes_are_keyed_only_once_set():
+    """eval_every_steps (which step is best) and loss_chunk_tokens (the loss's rounding) change the trained bytes
+    (test above): they enter the train key once off their default, so keys of runs at the default stay valid."""
+    from eagle3.config import TrainConfig
+    from eagle3.config_base import key_fields
+
+    train = TrainConfig()
+    base = key_fields(train)
+    assert {"eval_every_steps", "loss_chunk_tokens"} <= unset_added_fields(train) and "eval_every_steps" not in base
+    assert key_fields(train.model_copy(update={"eval_every_steps": 5})) == {**base, "eval_every_steps": 5}
+    assert key_fields(train.model_copy(update={"loss_chunk_tokens": 0})) == {**base, "loss_chunk_tokens": 0}
