@@ -13,12 +13,14 @@ must hold theirs at the same time (a node queued behind another would leave it w
 
 from __future__ import annotations
 
+from pathlib import Path
 from uuid import UUID
 
 from prefect import flow, get_run_logger
 
 from eagle3.config import RunConfig
 from flows.common import submit_run, wait_runs
+from infra.locks import hand_down_file
 from tasks.train import TrainSummary, train_node_task, train_summary
 
 NODE_DEPLOYMENT = "eagle3-train-node/eagle3-train-node"
@@ -26,20 +28,22 @@ MAX_ROUNDS = 2
 
 
 @flow(name="eagle3-train-node", log_prints=True)
-def eagle3_train_node(config: RunConfig, node_rank: int = 0, lock_holder: str | None = None) -> None:
+def eagle3_train_node(config: RunConfig, node_rank: int = 0, lock_token_file: str | None = None) -> None:
     """One node of a multi-node training; eagle3-train starts one run of it per node.
 
     Args:
         config: The run's full configuration (train.nnodes above 1 and train.rdzv_endpoint set).
         node_rank: This node's rank, 0 to train.nnodes - 1.
-        lock_holder: Id of the run lock's holder, handed down by the parent flow that holds the run directory.
+        lock_token_file: Path of the private file (0600, in the run directory) through which the parent flow that
+            holds the run directory hands its lock down to this round of nodes; the secret is never a parameter.
     """
-    import os
+    from infra.locks import adopt_token_file
 
-    from infra.storage import LOCK_HOLDER_ENV
-
-    if lock_holder:  # the trainer's rank 0 (on any node) then counts as the holder, as under a single-node flow
-        os.environ[LOCK_HOLDER_ENV] = lock_holder
+    if lock_token_file:  # the trainer's rank 0 (on any node) then counts as the holder's, as under a single-node flow
+        try:
+            adopt_token_file(lock_token_file)
+        except FileNotFoundError:  # that round is over: its token is revoked, and rank 0 is refused the run lock
+            get_run_logger().warning("lock token file %s is gone (its round ended)", lock_token_file)
     train_node_task(config, node_rank)
 
 
@@ -49,9 +53,10 @@ def train_nodes(cfg: RunConfig, poll_s: float = 5.0) -> TrainSummary:
         raise ValueError(f"train.nnodes={cfg.train.nnodes} needs train.rdzv_endpoint (host:port every node reaches)")
     logger = get_run_logger()
     for attempt in range(1, MAX_ROUNDS + 1):
-        ids = [_submit(cfg, rank, attempt) for rank in range(cfg.train.nnodes)]
-        logger.info("attempt %d: %d node runs submitted to %s", attempt, len(ids), NODE_DEPLOYMENT)
-        states = wait_runs(ids, poll_s, deadline_s=cfg.train.timeout_s + 3600.0)
+        with hand_down_file(cfg.run_dir) as token_file:  # revoked when the round ends: a late node is refused
+            ids = [_submit(cfg, rank, attempt, token_file) for rank in range(cfg.train.nnodes)]
+            logger.info("attempt %d: %d node runs submitted to %s", attempt, len(ids), NODE_DEPLOYMENT)
+            states = wait_runs(ids, poll_s, deadline_s=cfg.train.timeout_s + 3600.0)
         failed = {rank: name for rank, name in enumerate(states) if name != "COMPLETED"}
         if "TIMEOUT" in failed.values():  # still running: a new attempt would train beside it in the same run
             raise RuntimeError(f"node runs {[str(ids[r]) for r, n in failed.items() if n == 'TIMEOUT']} still run "
@@ -62,10 +67,6 @@ def train_nodes(cfg: RunConfig, poll_s: float = 5.0) -> TrainSummary:
     raise RuntimeError(f"multi-node training failed {MAX_ROUNDS} times; last node states: {failed}")
 
 
-def _submit(cfg: RunConfig, rank: int, attempt: int) -> UUID:
-    import os
-
-    from infra.storage import LOCK_HOLDER_ENV
-
-    params = {"config": cfg, "node_rank": rank, "lock_holder": os.environ.get(LOCK_HOLDER_ENV)}
+def _submit(cfg: RunConfig, rank: int, attempt: int, token_file: Path | None) -> UUID:
+    params = {"config": cfg, "node_rank": rank, "lock_token_file": str(token_file) if token_file else None}
     return submit_run(NODE_DEPLOYMENT, params, f"train-{cfg.run.name}-node{rank}-try{attempt}")
