@@ -294,6 +294,10 @@ def _read_preset(preset: str, extending: tuple[str, ...] = ()) -> dict[str, Any]
     if not path.is_file():
         raise ConfigError(f"preset {preset!r} not found (looked for {path}); presets: {', '.join(list_presets())}")
     data = read_config_file(path)
+    cycle = _self_reference(data)
+    if cycle is not None:
+        raise ConfigError(f"{path}: a YAML anchor refers to itself at {cycle or 'the top level'}; "
+                          "write the value out instead of aliasing its own anchor")
     base = data.pop(BASE_KEY, None)
     if base is None:
         return data
@@ -302,6 +306,20 @@ def _read_preset(preset: str, extending: tuple[str, ...] = ()) -> dict[str, Any]
     if base in (*extending, preset):
         raise ConfigError(f"{path}: presets extend each other in a cycle: {' -> '.join((*extending, preset, base))}")
     return _merged(_read_preset(base, (*extending, preset)), data)
+
+
+def _self_reference(node: Any, path: tuple[str, ...] = (), inside: frozenset[int] = frozenset()) -> str | None:
+    """The dotted key path where a YAML alias repeats a container it sits in (``&r {self: *r}``), else None."""
+    if not isinstance(node, (dict, list)):
+        return None
+    if id(node) in inside:
+        return ".".join(path)
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    for key, value in items:
+        found = _self_reference(value, (*path, str(key)), inside | {id(node)})
+        if found is not None:
+            return found
+    return None
 
 
 def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,17 +42,88 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return load_config(args.preset, list(args.overrides))
 
 
+_OS_ERROR_HINTS = {
+    errno.ENOSPC: "free space (or set run.workdir on a larger disk) and run the command again: finished work is kept "
+                  "and the interrupted output is redone",
+    errno.EDQUOT: "raise the quota or free space, and run the command again: finished work is kept",
+    errno.EROFS: "the run directory must be on a writable file system: remount it or set run.workdir",
+    errno.EACCES: "the run directory must be writable by this user: fix its owner or permissions, or set run.workdir",
+    errno.EPERM: "the run directory must be writable by this user: fix its owner or permissions, or set run.workdir",
+    errno.ENAMETOOLONG: "a path component may be at most 255 bytes, and a non-ASCII character counts 2 to 4: "
+                        "choose a shorter name",
+}
+"""OS errors that are the user's to fix (full disk, read-only or foreign folder, too long a name): one line each."""
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    """The first OSError with a user-fixable errno in ``exc`` or its causes (a shard writer wraps its OSError)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _OS_ERROR_HINTS:
+            return exc
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return None
+
+
+def _owner_note(path: str) -> str:
+    """', <path> is owned by uid N (name); this process runs as uid M' when the nearest existing folder is not ours."""
+    probe = Path(path)
+    for candidate in (probe, *probe.parents):
+        try:
+            st = candidate.stat()
+        except OSError:
+            continue
+        if st.st_uid == os.geteuid():
+            return ""
+        try:
+            import pwd
+
+            name = f" ({pwd.getpwuid(st.st_uid).pw_name})"
+        except (ImportError, KeyError):
+            name = ""
+        return f"; {candidate} is owned by uid {st.st_uid}{name}, this process runs as uid {os.geteuid()}"
+    return ""
+
+
+def os_error_message(exc: BaseException, run_dir: Path | None = None) -> str | None:
+    """One line for a user-fixable OS error in ``exc`` (naming the path, else the run directory), else None."""
+    err = _os_error_in(exc)
+    if err is None:
+        return None
+    reason = err.strerror or os.strerror(err.errno)
+    if err.filename:
+        where = str(err.filename) + (f" -> {err.filename2}" if err.filename2 else "")
+    else:  # a write through a descriptor names no file
+        where = f"a file under {run_dir}" if run_dir is not None else "a file it was writing"
+    context = f" ({exc})" if exc is not err else ""
+    owner = _owner_note(str(err.filename)) if err.filename and err.errno in (errno.EACCES, errno.EPERM) else ""
+    return f"{reason}: {where}{context}{owner}; {_OS_ERROR_HINTS[err.errno]}"
+
+
+class RunDirError(RuntimeError):
+    """A user-fixable OS error while a stage wrote its run directory (the message names the path)."""
+
+
 def exit_on_user_error(fn):
-    """Decorator for main(): user errors (bad config, bad input) print one clear message, no traceback."""
+    """Decorator for main(): user errors (bad config, bad input, a full disk, a folder it may not write, too long
+    a name) print one clear message, no traceback."""
     from infra.storage import DiskSpaceError, LockHeldError
 
-    user_errors = (ConfigError, FileNotFoundError, IsADirectoryError, DiskSpaceError, LockHeldError, ValueError)
+    user_errors = (ConfigError, FileNotFoundError, IsADirectoryError, DiskSpaceError, LockHeldError, ValueError,
+                   RunDirError)
 
     def wrapper(*a, **kw):
         try:
             return fn(*a, **kw)
         except user_errors as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {os_error_message(exc) or exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        except Exception as exc:
+            message = os_error_message(exc)
+            if message is None:
+                raise
+            print(f"error: {message}", file=sys.stderr)
             raise SystemExit(2) from None
 
     wrapper.__doc__, wrapper.__name__ = fn.__doc__, fn.__name__
@@ -86,12 +159,18 @@ def stage_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
             return
         cfg = config_from_args(args)
         owner = lock_owner(args) if callable(lock_owner) else lock_owner
-        with run_lock(cfg.run_dir, owner=owner) if owner else contextlib.nullcontext():
-            if write_config:
-                from eagle3.run.layout import write_run_config
+        try:
+            with run_lock(cfg.run_dir, owner=owner) if owner else contextlib.nullcontext():
+                if write_config:
+                    from eagle3.run.layout import write_run_config
 
-                write_run_config(cfg)
-            result = run(cfg, args)
+                    write_run_config(cfg)
+                result = run(cfg, args)
+        except Exception as exc:
+            message = os_error_message(exc, cfg.run_dir)
+            if message is None:
+                raise
+            raise RunDirError(message) from None
         show(result)
 
     main()
