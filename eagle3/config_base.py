@@ -10,8 +10,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PRESETS_DIR = REPO_ROOT / "configs"
-MAX_NAME_CHARS = 100
-"""Longest name that becomes one path component (file systems allow 255 bytes; suffixes are added to names)."""
+MAX_NAME_BYTES = 100
+"""Longest name (UTF-8 bytes) that becomes one path component (file systems allow 255 bytes; suffixes are added)."""
 MAX_PATH_COMPONENT_BYTES = 255
 
 
@@ -21,8 +21,9 @@ class ConfigError(ValueError):
 
 def _plain_name(value: str) -> str:
     """A name that becomes one path component: no separators, '..', leading '.', control characters; bounded."""
-    if not value or len(value) > MAX_NAME_CHARS:
-        raise ValueError(f"must be 1 to {MAX_NAME_CHARS} characters (got {len(value)})")
+    size = len(value.encode("utf-8"))  # file systems limit a name's bytes, and one character may take four
+    if not value or size > MAX_NAME_BYTES:
+        raise ValueError(f"must be 1 to {MAX_NAME_BYTES} bytes in UTF-8 (got {size})")
     if any(c in value for c in "/\\") or value.startswith(".") or any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise ValueError(f"{value[:40]!r} must be a plain name: no '/', '\\', control characters or leading '.'")
     return value

@@ -190,3 +190,10 @@ def test_lr_inf_override_is_refused():
     """`--set train.lr=.inf` (YAML's infinity) is a config error naming train.lr."""
     with pytest.raises(ConfigError, match=r"train\.lr"):
         load_config("tiny", ["train.lr=.inf"])
+
+
+def test_a_name_is_capped_in_utf8_bytes_not_characters():
+    """Run names become path components: 30 four-byte characters (120 bytes) exceed the 100-byte cap."""
+    with pytest.raises(ConfigError, match="1 to 100 bytes in UTF-8 \\(got 120\\)"):
+        load_config("tiny", ["run.name=" + "\U0001f600" * 30])
+    assert load_config("tiny", ["run.name=" + "\u00e9" * 50]).run.name == "\u00e9" * 50  # 100 bytes: allowed
