@@ -24,6 +24,7 @@ Bytes not valid in it become lone surrogates, which the record checks reject as 
 from __future__ import annotations
 
 import codecs
+import hashlib
 import io
 import json
 import re
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from eagle3.data.rejects import Reject
+from eagle3.data.rejects import RECORD_CAP_CHARS, Reject, excerpt_of
 
 READ_CHUNK_CHARS = 4 << 20
 TAIL_HEAD_CHARS = 2000
@@ -146,7 +147,69 @@ def record_format(value: Any) -> str | None:
 
 
 def iter_lines(source: str, path: Path, enc: TextEncoding) -> Iterator[tuple[str, Any] | Reject]:
-    """JSONL: (location, parsed value) per non-blank line; bad text or bad JSON rejects only that line."""
+    """JSONL: (location, parsed value) per non-blank line; bad text or bad JSON rejects only that line.
+
+    UTF-8 (nearly every file) is read as bytes line by line: a line that is not UTF-8 is never decoded whole,
+    and a reject of a line longer than RECORD_CAP_CHARS keeps an excerpt, the line's byte offset, size and
+    sha256 (eagle3.data.rejects), so one huge line costs a small multiple of its size, not an escaped copy."""
+    if enc.name != "utf-8":
+        yield from _iter_text_lines(source, path, enc)
+        return
+    bom = codecs.BOM_UTF8
+    with open(path, "rb") as fh:
+        fh.seek(enc.bom_bytes)
+        offset = enc.bom_bytes
+        for num, raw in enumerate(fh, 1):
+            start, offset = offset, offset + len(raw)
+            skip = 0
+            while raw.startswith(bom, skip):  # a BOM at the start of any part of a concatenated file
+                skip += len(bom)
+            loc = f"{path.name}:{num}"
+            try:
+                line = raw.decode("utf-8", "strict")[skip // len(bom):]
+            except UnicodeDecodeError as exc:
+                yield _invalid_utf8_line(source, loc, raw, start, exc.start, skip)
+                continue
+            if not line.strip():
+                continue  # a blank line is not a record
+            try:
+                value = _decode(line, 0, whole=True)[0]
+            except Malformed as exc:
+                yield _line_reject(source, loc, "unparsable", str(exc), line.rstrip("\r\n"), _line_body(raw, skip),
+                                   start)
+                continue
+            raw = line = None  # hold only the parsed record while the caller has it (one huge line: ~1x less)
+            yield loc, value
+
+
+def _line_body(raw: bytes, skip: int) -> memoryview:
+    """The line's bytes past ``skip`` BOM bytes and without its line end (no copy)."""
+    end = len(raw)
+    while end > skip and raw[end - 1] in b"\r\n":
+        end -= 1
+    return memoryview(raw)[skip:end]
+
+
+def _line_reject(source: str, loc: str, reason: str, detail: str, shown: str, body: memoryview,
+                 start: int, whole: bool = True) -> Reject:
+    """A reject of one line: the whole line (``shown``, when ``whole``) if it is at most RECORD_CAP_CHARS long,
+    else an excerpt and the sha256 and size of the line's bytes; the line's byte offset either way."""
+    if whole and len(shown) <= RECORD_CAP_CHARS:
+        return Reject(source, loc, reason, detail, shown, offset=start)
+    return Reject(source, loc, reason, detail, excerpt_of(shown, len(body)), offset=start,
+                  sha256=hashlib.sha256(body).hexdigest(), size=len(body))
+
+
+def _invalid_utf8_line(source: str, loc: str, raw: bytes, start: int, bad: int, skip: int) -> Reject:
+    """The invalid_utf8 reject of a UTF-8 line whose byte ``bad`` does not decode: only its head is decoded."""
+    body = _line_body(raw, skip)
+    detail = f"not valid utf-8 at character {len(raw[skip:bad].decode('utf-8'))} of the line"
+    shown = show_text(bytes(body[:RECORD_CAP_CHARS]).decode("utf-8", LONE_SURROGATES))
+    return _line_reject(source, loc, "invalid_utf8", detail, shown, body, start, len(body) <= RECORD_CAP_CHARS)
+
+
+def _iter_text_lines(source: str, path: Path, enc: TextEncoding) -> Iterator[tuple[str, Any] | Reject]:
+    """JSONL in UTF-16 or UTF-32: decoded by a text reader (a huge reject is bounded when written)."""
     with open_text(path, enc) as fh:
         for num, line in enumerate(fh, 1):
             line = line.lstrip("\ufeff")  # a BOM at the start of any part of a concatenated file

@@ -3,7 +3,8 @@
 Outputs under ``out_dir`` (each written atomically):
 
 - ``merged.parquet``: one row per kept conversation (schema ``MERGED_SCHEMA``);
-- ``rejects.jsonl``: one line per record that did not become a row, with reason and the whole record;
+- ``rejects.jsonl``: one line per record that did not become a row, with reason and the whole record (a record
+  longer than 16 KiB: an excerpt, its sha256 and size, eagle3.data.rejects.RECORD_CAP_CHARS);
 - ``stats.json``: per source and in total: read, kept, rejected (by reason), train/val, turns, chars.
 
 For every source and in total ``kept + rejected == read``; the stage checks it before writing stats.

@@ -180,3 +180,46 @@ def test_workdir_that_is_a_file_is_a_config_error(tmp_path):
     for workdir in (afile, afile / "sub"):
         with pytest.raises(ConfigError, match="run.workdir.*is a file, not a folder"):
             load_config("tiny", [f"run.workdir={workdir}"])
+
+
+# ---------------------------------------------------------------- one huge line of binary bytes
+
+_MERGE_PEAK = """
+import json, resource, sys
+from pathlib import Path
+from eagle3.config import DataConfig, SourceConfig
+from eagle3.data.merge import merge_sources
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+paths, stats = merge_sources([SourceConfig(name="s", path=sys.argv[1])], DataConfig(max_chars=10_000), 0,
+                             Path(sys.argv[2]))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"grew": (peak - before) * 1024, "rejects": str(paths["rejects"]), "total": stats["total"]}))
+"""
+
+
+def test_a_huge_binary_line_costs_a_small_multiple_of_its_size_and_a_bounded_reject(tmp_path):
+    """A 24 MB line of random bytes in a JSONL source: the merge's peak memory grows by < 5x the line (it was
+    ~57x), and its reject holds a bounded excerpt (< 64 KB) with the line's location, byte offset, size and the
+    sha256 of its bytes instead of an escaped copy (it was ~3x the line)."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    size = 24 << 20
+    line = os.urandom(size).replace(b"\n", b"x")
+    first = json.dumps(record(0, "messages")).encode() + b"\n"
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(first + line + b"\n" + json.dumps(record(2, "messages")).encode() + b"\n")
+    out = subprocess.run([sys.executable, "-c", _MERGE_PEAK, str(path), str(tmp_path / "out")], check=True,
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2]).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert (result["total"]["read"], result["total"]["kept"]) == (3, 2)
+    assert result["grew"] < 5 * size, f"peak grew by {result['grew'] / size:.1f}x the line"
+    rejects = Path(result["rejects"])
+    assert rejects.stat().st_size < 64 << 10
+    (reject,) = [json.loads(text) for text in rejects.read_text(encoding="utf-8").splitlines()]
+    assert (reject["location"], reject["reason"]) == ("bin.jsonl:2", "invalid_utf8")
+    assert reject["offset"] == len(first) and reject["size"] == size
+    assert reject["sha256"] == hashlib.sha256(line).hexdigest()
+    assert reject["record_truncated"] is True and len(reject["record"]) <= 20_000
