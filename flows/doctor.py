@@ -175,7 +175,8 @@ def preset_checks(cfg: RunConfig) -> list[Check]:
     t = cfg.target
     checks = [Check("target (tiny)", True, "built on first use")] if t.kind == "tiny" else \
         [_resolves(f"target ({t.kind})", "target.path", t.path, need_config=t.kind == "hf")]
-    checks += [_resolves(f"data source {s.name}", f"data.sources.{i}.path", s.path)
+    checks += [Check(f"data source {s.name}", True, "written by the synthesize stage") if s.format == "synthetic"
+               else _resolves(f"data source {s.name}", f"data.sources.{i}.path", s.path)
                for i, s in enumerate(cfg.data.sources)]
     sglang_users = ((cfg.capture.sglang.python, "capture.backend sglang", cfg.capture.backend == "sglang"),
                     (cfg.serve.python, "serve.enabled", cfg.serve.enabled))

@@ -102,3 +102,12 @@ def test_a_mode_the_preset_launches_fails_the_verdict_when_sglang_rejects_it(no_
     assert run_doctor("tiny") == 1
     out = capsys.readouterr().out
     assert "MISSING argv serve" in " ".join(out.split()) and "NOT ready: argv serve" in out.strip().splitlines()[-1]
+
+
+def test_a_synthetic_source_is_not_reported_as_a_missing_file():
+    """smollm2-curve's magpie source is written by the synthesize stage: doctor checks no path for it."""
+    from eagle3.config import load_config
+    from flows.doctor import preset_checks
+
+    magpie = [c for c in preset_checks(load_config("smollm2-curve")) if c.name == "data source magpie"]
+    assert len(magpie) == 1 and magpie[0].ok and "synthesize" in magpie[0].detail
