@@ -17,10 +17,93 @@ from uuid import UUID
 
 from pydantic import BaseModel
 
-from eagle3.config import list_presets
+from eagle3.config import RunConfig, list_presets
 
 PresetName = Literal[tuple(list_presets())]  # type: ignore[valid-type]
 """A flow's ``preset`` parameter: one of the presets in configs/ (the UI shows them as a drop-down)."""
+
+
+def gpu_needs(cfg: RunConfig) -> list[str]:
+    """The settings of ``cfg`` that need a CUDA device (empty: the run can go on a CPU-only host): a stage whose
+    device is cuda, or SGLang (capture or serving), which runs on GPUs only."""
+    needs = [f"{name}.device={device}" for name, device in (("train", cfg.train.device), ("capture", cfg.capture.device),
+                                                             ("evaluate", cfg.evaluate.device))
+             if str(device).startswith("cuda")]
+    return needs + (["capture.backend=sglang"] if cfg.capture.backend == "sglang" else [])
+
+
+def gpu_presets() -> list[str]:
+    """The presets in configs/ that need a GPU host (gpu_needs of their config, as written)."""
+    from eagle3.config import ConfigError, load_config
+
+    found = []
+    for preset in list_presets():
+        try:
+            if gpu_needs(load_config(preset)):
+                found.append(preset)
+        except ConfigError:  # a broken preset fails where it is run, with its own message
+            continue
+    return found
+
+
+def preset_gpu_note(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator (under @flow): append to the ``preset:`` line of the docstring's Args the presets that need a GPU
+    host, so the run form's description of the drop-down says which ones cannot run on a CPU-only machine."""
+    note = (f" Needs a CUDA GPU host (refused at once without one): {', '.join(gpu_presets())}."
+            if gpu_presets() else "")
+    lines = (fn.__doc__ or "").split("\n")
+    for i, line in enumerate(lines):
+        if line.strip().startswith("preset:"):
+            j = i + 1  # the description may wrap onto deeper-indented lines
+            indent = len(line) - len(line.lstrip())
+            while j < len(lines) and lines[j].strip() and len(lines[j]) - len(lines[j].lstrip()) > indent:
+                j += 1
+            lines[j - 1] = lines[j - 1].rstrip() + note
+            break
+    fn.__doc__ = "\n".join(lines)
+    return fn
+
+
+class NeedsGpuError(RuntimeError):
+    """A run whose config needs a CUDA device was started on a host without one."""
+
+
+def refuse_without_gpu(cfg: RunConfig, what: str, cuda_available: Callable[[], bool] | None = None) -> None:
+    """NeedsGpuError naming the settings when ``cfg`` needs a GPU and this host has no CUDA device (before any
+    download, model load or process start)."""
+    needs = gpu_needs(cfg)
+    if not needs:
+        return
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available
+    if not cuda_available():
+        raise NeedsGpuError(f"{what} needs a CUDA GPU host ({', '.join(needs)}) and this host has no CUDA device; "
+                            "run it on a GPU worker, or pick a CPU preset (tiny, smollm2-demo) or override those "
+                            "settings")
+
+
+def _flow_config() -> tuple[RunConfig, str] | None:
+    """The run config the current flow run's parameters describe (config, else preset + overrides) and how to name
+    it; None when they name none or an invalid one (the flow reports a config error itself)."""
+    from prefect.runtime import flow_run
+
+    from eagle3.config import ConfigError, load_config
+
+    params = flow_run.parameters or {}
+    config = params.get("config")
+    try:
+        if isinstance(config, RunConfig):
+            return config, f"run {config.run.name!r}"
+        if isinstance(config, dict):
+            cfg = RunConfig.model_validate(config)
+            return cfg, f"run {cfg.run.name!r}"
+        if isinstance(params.get("preset"), str):
+            return load_config(params["preset"], list(params.get("overrides") or [])), f"preset {params['preset']!r}"
+    except (ConfigError, ValueError, RecursionError, OSError):
+        return None
+    return None
 MAX_CRASH_RETRIES = 3
 
 MAX_SLICE_ROUNDS = 3
@@ -35,11 +118,15 @@ def as_json(result: Any) -> Any:
 
 
 def guard_crash_loop() -> None:
-    """Refuse to run again after MAX_CRASH_RETRIES automatic restarts (an OOM every time, say)."""
+    """What every flow starts with: refuse to run again after MAX_CRASH_RETRIES automatic restarts (an OOM every
+    time, say), and refuse at once a run that needs a GPU on a host without CUDA (refuse_without_gpu)."""
     from prefect.runtime import flow_run
 
     if flow_run.run_count > MAX_CRASH_RETRIES:
         raise RuntimeError(f"flow run restarted {flow_run.run_count} times; refusing to loop (see its logs)")
+    found = _flow_config()
+    if found is not None:
+        refuse_without_gpu(*found)
 
 
 def submit_run(deployment: str, parameters: dict[str, Any], name: str) -> UUID:

@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 
 from eagle3.config import RunConfig, load_config
 from eagle3.deploy import NOT_ENABLED, DeployReport
-from flows.common import PresetName, as_json, guard_crash_loop
+from flows.common import PresetName, as_json, guard_crash_loop, preset_gpu_note
 from tasks.deploy import benchmark_server_task, evaluate_task, export_task, prepare_serving_task, report_task
 
 DeployStep = Literal["export", "evaluate", "benchmark"]
@@ -55,6 +55,7 @@ def run_deploy_steps(cfg: RunConfig, steps: list[str], force: bool = False) -> d
 
 
 @flow(name="eagle3-deploy", log_prints=True)
+@preset_gpu_note
 def eagle3_deploy(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
                   config: RunConfig | None = None, force: bool = False,
                   steps: list[DeployStep] | None = None) -> dict[str, Any]:
