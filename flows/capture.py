@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.futures import PrefectFuture, as_completed
+from prefect.states import Completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, load_config
@@ -31,6 +32,7 @@ from eagle3.run.stage import StageOutcome, read_manifest
 from flows.common import PresetName, guard_crash_loop, run_slices
 from tasks.artifacts import artifact_key, publish_table
 from tasks.capture import capture_shard_task, finalize_capture_task, prepare_capture_task
+from tasks.stage_cache import UP_TO_DATE, up_to_date_key
 
 MAX_THREADS = 64
 SLICE_DEPLOYMENT = "eagle3-capture-slice/eagle3-capture-slice"
@@ -97,7 +99,10 @@ def capture_endpoints(cfg: RunConfig) -> Iterator[RunConfig]:
 
 
 def run_capture_shards(cfg: RunConfig) -> StageOutcome:
-    """Prepare, capture every pending shard (here with bounded concurrency, or in slice runs), finalize."""
+    """Prepare, capture every pending shard (here with bounded concurrency, or in slice runs), finalize; a capture
+    that is up to date only calls the finalize task, which Prefect answers ``Cached`` (tasks.stage_cache)."""
+    if up_to_date_key("capture", cfg) is not None:
+        return finalize_capture_task(cfg)
     summary = prepare_capture_task(cfg)
     if not summary.pending:
         return finalize_capture_task(cfg)
@@ -169,6 +174,8 @@ def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | N
         overrides: Dotted `section.field=value` changes to the preset, one per item, e.g.
             `["data.sources.0.max_records=1000", "train.num_epochs=1"]`.
         config: A full run configuration; when given, `preset` and `overrides` are ignored.
+
+    Returns the capture manifest; a capture already complete ends in state ``Cached`` (its result: the manifest).
     """
     from infra.storage import run_lock
 
@@ -176,7 +183,11 @@ def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | N
     cfg = config or load_config(preset, list(overrides or []))
     get_run_logger().info("capturing into %s", run_layout(cfg).features.resolve())
     with run_lock(cfg.run_dir, owner="prefect flow eagle3-capture"):
-        return read_manifest(run_capture_shards(cfg).manifest)  # the flow's result: the capture manifest
+        outcome = run_capture_shards(cfg)
+    doc = read_manifest(outcome.manifest)  # the flow's result: the capture manifest
+    if not outcome.computed:  # shown like every skipped stage; the caller still gets the manifest
+        return Completed(name=UP_TO_DATE, message=f"capture up to date ({outcome.manifest})", data=doc)
+    return doc
 
 
 @flow(name="eagle3-capture-slice", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS))

@@ -19,27 +19,27 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import ConfigError, RunConfig, intended_run_name, load_config
-from eagle3.run.registry import ONLINE_SKIP, UNTIL_CHOICES, get_stage
-from eagle3.run.stage import StageOutcome
+from eagle3.run.registry import ONLINE_SKIP, UNTIL_CHOICES
 from eagle3.run.stages import synthetic_sources
 from flows.common import PresetName, as_json, guard_crash_loop
 from flows.report import render_run_report
 from tasks.artifacts import artifact_key, run_artifact_key
 from tasks.data import merge_task, regenerate_task, synthesize_task, target_check_task, tokenize_task, vocab_task
+from tasks.stage_cache import UP_TO_DATE
 
 
 
-def _call_stage(task, cfg: RunConfig, stage: str, force: bool) -> StageOutcome:
-    """Run a stage task; Prefect's cache is ignored when the manifest on disk no longer matches.
-
-    A result served from Prefect's cache is reported as not computed (the stored value is the
-    one of the run that did compute it).
-    """
-    if force or not get_stage(stage).is_complete(cfg):
+def _call_stage(task, cfg: RunConfig, *args: Any, force: bool = False) -> Any:
+    """Run a stage task (its cache key is the stage key while the stage is up to date: tasks.stage_cache; ``force``
+    skips Prefect's cache). A result served from Prefect's cache is reported as not computed (a record stored by
+    an older version may hold the value of the run that did compute it)."""
+    if force:
         task = task.with_options(refresh_cache=True)
-    state = task(cfg, force, return_state=True)
-    outcome: StageOutcome = state.result()
-    return dataclasses.replace(outcome, computed=outcome.computed and state.name != "Cached")
+    state = task(cfg, *args, return_state=True)
+    outcome = state.result()
+    if outcome is None:
+        return None
+    return dataclasses.replace(outcome, computed=outcome.computed and state.name != UP_TO_DATE)
 
 
 def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -48,16 +48,16 @@ def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any]
     results = {} if results is None else results
     results["target"] = target_check_task(cfg)
     if synthetic_sources(cfg):
-        results["synthesize"] = _call_stage(synthesize_task, cfg, "synthesize", force)
-    results["merge"] = _call_stage(merge_task, cfg, "merge", force)
+        results["synthesize"] = _call_stage(synthesize_task, cfg, force, force=force)
+    results["merge"] = _call_stage(merge_task, cfg, force, force=force)
     if cfg.regenerate.enabled and cfg.regenerate.num_slices > 1:
         from flows.regenerate import regenerate_in_slices
 
         results["regenerate"] = regenerate_in_slices(cfg, force)
     elif cfg.regenerate.enabled:
-        results["regenerate"] = _call_stage(regenerate_task, cfg, "regenerate", force)
-    results["tokenize"] = _call_stage(tokenize_task, cfg, "tokenize", force)
-    results["vocab"] = _call_stage(vocab_task, cfg, "vocab", force)
+        results["regenerate"] = _call_stage(regenerate_task, cfg, force, force=force)
+    results["tokenize"] = _call_stage(tokenize_task, cfg, force, force=force)
+    results["vocab"] = _call_stage(vocab_task, cfg, force, force=force)
     return results
 
 
@@ -82,9 +82,10 @@ def run_model_stages(cfg: RunConfig, until: str, force: bool = False,
             get_run_logger().info("capture: %s", ONLINE_SKIP)
             results["capture"] = {"skipped": ONLINE_SKIP}
         else:
-            results["capture"] = eagle3_capture(config=cfg)
+            state = eagle3_capture(config=cfg, return_state=True)
+            results["capture"] = {**state.result(), "computed": state.name != UP_TO_DATE}
     if reached >= LAST_STAGES.index("train"):
-        results["train"] = train_nodes(cfg) if cfg.train.nnodes > 1 else train_task(cfg)
+        results["train"] = train_nodes(cfg) if cfg.train.nnodes > 1 else _call_stage(train_task, cfg)
     if until in DEPLOY_STEPS:
         deployed = eagle3_deploy(config=cfg, force=force, steps=DEPLOY_STEPS[until])
         results.update({k: v for k, v in deployed.items() if k != "run_dir"})
@@ -178,25 +179,29 @@ def render_summary(cfg: RunConfig, results: dict[str, Any], failure: tuple[str, 
     lines.append("")
     lines += ["| stage | computed | outputs |", "|---|---|---|"]
     results = {k: as_json(v) for k, v in results.items()}
-    for stage in ("merge", "regenerate", "tokenize", "vocab"):
+    for stage in ("synthesize", "merge", "regenerate", "tokenize", "vocab"):
         res = results.get(stage)
         if res:
             outs = ", ".join(f"`{k}`" for k in res.get("outputs", {}))
-            lines.append(f"| {stage} | {'yes' if res.get('computed') else 'no (up to date)'} | {outs} |")
+            lines.append(f"| {stage} | {_computed(res)} | {outs} |")
     if results.get("capture", {}).get("skipped"):
         lines.append(f"| capture | no | {results['capture']['skipped']} |")
     elif "capture" in results:
         cap = results["capture"].get("stats", {})
-        lines.append(f"| capture | see capture flow | {cap.get('num_shards')} shards, {cap.get('num_tokens')} tokens, "
-                     f"{cap.get('num_bytes', 0) / 1e6:.1f} MB |")
+        lines.append(f"| capture | {_computed(results['capture'])} | {cap.get('num_shards')} shards, "
+                     f"{cap.get('num_tokens')} tokens, {cap.get('num_bytes', 0) / 1e6:.1f} MB |")
     if results.get("train"):
         last = results["train"].get("last_eval") or {}
-        lines.append(f"| train | see train task | val acc_0 {last.get('acc_0')}, "
+        lines.append(f"| train | {_computed(results['train'])} | val acc_0 {last.get('acc_0')}, "
                      f"accept_len_est {last.get('accept_len_est')} |")
     if results.get("export"):
-        lines.append(f"| export | {'yes' if results['export'].get('computed') else 'no (up to date)'} | "
+        lines.append(f"| export | {_computed(results['export'])} | "
                      f"{', '.join(f'`{k}`' for k in results['export'].get('outputs', {}))} |")
     if results.get("evaluate"):
-        lines.append(f"| evaluate | {'yes' if results['evaluate'].get('computed') else 'no (up to date)'} | "
-                     "see the run report |")
+        lines.append(f"| evaluate | {_computed(results['evaluate'])} | see the run report |")
     return "\n".join(lines) + "\n"
+
+
+def _computed(res: dict[str, Any]) -> str:
+    """The summary's 'computed' cell: yes, no (up to date: the task shows Cached), or unknown (multi-node train)."""
+    return {True: "yes", False: "no (up to date)"}.get(res.get("computed"), "see its run")

@@ -17,6 +17,7 @@ from eagle3.config import RunConfig
 from eagle3.run.stage import StageOutcome
 from tasks.artifacts import publish_table
 from tasks.retry import IO_RETRY
+from tasks.stage_cache import STAGE_CACHE, stage_cache_key
 
 if TYPE_CHECKING:  # the core imports torch; the tasks import it only when they run
     from eagle3.features.capture import ShardResult
@@ -43,9 +44,11 @@ def capture_shard_task(cfg: RunConfig, shard_index: int) -> ShardResult:
     return capture_shard(cfg, shard_index)
 
 
-@task(name="capture-finalize", task_run_name="capture-finalize-{cfg.run.name}")
+@task(name="capture-finalize", task_run_name="capture-finalize-{cfg.run.name}", cache_key_fn=stage_cache_key("capture"),
+      **STAGE_CACHE)
 def finalize_capture_task(cfg: RunConfig) -> StageOutcome:
-    """Check every shard is complete and write the capture manifest; the capture stage's outcome."""
+    """Check every shard is complete and write the capture manifest; the capture stage's outcome (a capture that is
+    up to date: ``Cached``, with the manifest on disk, tasks.stage_cache)."""
     from eagle3.features.capture import finalize_outcome
 
     return finalize_outcome(cfg)

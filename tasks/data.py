@@ -1,8 +1,8 @@
 """Prefect tasks for the data stages: thin wrappers over eagle3.run.stages.
 
 Each task's cache key is the stage key (input manifests + config section + format version +
-target fingerprint), never the task's source code. A cached result is only trusted while the
-stage's manifest still matches on disk: the flow passes ``refresh_cache=True`` otherwise.
+target fingerprint), never the task's source code, and only while the stage's manifest matches it on disk
+(tasks.stage_cache): an up-to-date stage shows ``Cached``, any other runs.
 Tasks take the RunConfig and return typed records (eagle3.run.stage.StageOutcome: paths and stats), never
 tensors; the flows turn them into JSON where they return them.
 """
@@ -13,29 +13,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prefect import task
-from prefect.context import TaskRunContext
 
 from eagle3.config import RunConfig
 from eagle3.run.registry import get_stage
 from eagle3.run.stage import StageOutcome
 from tasks.artifacts import ProgressArtifact, artifact_key, publish_table
 from tasks.retry import IO_RETRY
+from tasks.stage_cache import STAGE_CACHE, stage_cache_key
 
 if TYPE_CHECKING:
     from eagle3.data.regenerate_slices import SliceStats
-
-STAGE_CACHE = dict(persist_result=True, cache_result_in_memory=False)
-RESULT_VERSION = 2
-"""Part of the stage tasks' cache keys: bumped when what they return changes type (2: StageOutcome, not a dict),
-so a result cached by an older version is not handed to code that expects the new type."""
-
-
-def _stage_cache_key(stage: str):
-    def key_fn(ctx: TaskRunContext, params: dict[str, Any]) -> str:
-        return f"eagle3-{stage}-v{RESULT_VERSION}-{get_stage(stage).key(params['cfg'])}"
-
-    return key_fn
-
 
 def _run(stage: str, cfg: RunConfig, force: bool) -> StageOutcome | None:
     with ProgressArtifact(artifact_key(cfg, stage), f"{stage} ({cfg.run.name})") as progress:
@@ -55,14 +42,14 @@ class TargetCheck:
         return {"model_dir": self.model_dir, "fingerprint": self.fingerprint, **self.report}
 
 
-@task(name="synthesize", cache_key_fn=_stage_cache_key("synthesize"), task_run_name="synthesize-{cfg.run.name}",
+@task(name="synthesize", cache_key_fn=stage_cache_key("synthesize"), task_run_name="synthesize-{cfg.run.name}",
       tags=["inference"], **STAGE_CACHE, **IO_RETRY)
 def synthesize_task(cfg: RunConfig, force: bool = False) -> StageOutcome | None:
     """Let the target write and answer the records of the synthetic sources (resumable by record)."""
     return _run("synthesize", cfg, force)
 
 
-@task(name="merge", cache_key_fn=_stage_cache_key("merge"), task_run_name="merge-{cfg.run.name}", **STAGE_CACHE,
+@task(name="merge", cache_key_fn=stage_cache_key("merge"), task_run_name="merge-{cfg.run.name}", **STAGE_CACHE,
       **IO_RETRY)
 def merge_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Merge the chat sources into data/merged.parquet; publish data stats and rejects by reason."""
@@ -71,7 +58,7 @@ def merge_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     return result
 
 
-@task(name="regenerate", cache_key_fn=_stage_cache_key("regenerate"), task_run_name="regenerate-{cfg.run.name}",
+@task(name="regenerate", cache_key_fn=stage_cache_key("regenerate"), task_run_name="regenerate-{cfg.run.name}",
       tags=["inference"], **STAGE_CACHE, **IO_RETRY)
 def regenerate_task(cfg: RunConfig, force: bool = False) -> StageOutcome | None:
     """Re-answer user turns with the target (resumable by sample id)."""
@@ -86,7 +73,7 @@ def regenerate_slice_task(cfg: RunConfig, index: int) -> SliceStats:
     return run_regenerate_slice(cfg, index)
 
 
-@task(name="tokenize", cache_key_fn=_stage_cache_key("tokenize"), task_run_name="tokenize-{cfg.run.name}",
+@task(name="tokenize", cache_key_fn=stage_cache_key("tokenize"), task_run_name="tokenize-{cfg.run.name}",
       **STAGE_CACHE, **IO_RETRY)
 def tokenize_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Render with the chat template and compute loss masks into data/tokenized.parquet."""
@@ -95,7 +82,7 @@ def tokenize_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     return result
 
 
-@task(name="vocab", cache_key_fn=_stage_cache_key("vocab"), task_run_name="vocab-{cfg.run.name}",
+@task(name="vocab", cache_key_fn=stage_cache_key("vocab"), task_run_name="vocab-{cfg.run.name}",
       **STAGE_CACHE, **IO_RETRY)
 def vocab_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Build the draft vocab map; publish its coverage."""

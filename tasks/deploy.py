@@ -1,9 +1,9 @@
 """Prefect tasks of the deploy flow: export, offline evaluation, one benchmark per SGLang server, the report.
 
 Each is a thin wrapper over the core, which runs the same without Prefect: ``eagle3.export.stage``,
-``eagle3.evaluate.stage`` (their stage manifests make a re-run a no-op) and ``eagle3.deploy`` (the deploy
-stage: check the export, launch a server, probe its readiness, benchmark it, stop it in ``finally``,
-compare and write the report). What is Prefect's stays here: task runs, progress and report artifacts,
+``eagle3.evaluate.stage`` (an up-to-date manifest makes their task ``Cached``: tasks.stage_cache) and
+``eagle3.deploy`` (the deploy stage: check the export, launch a server, probe its readiness, benchmark it, stop
+it in ``finally``, compare and write the report). What is Prefect's stays here: task runs, progress and report artifacts,
 the run logger. Server tasks are never cached (NO_CACHE: a live server is not a cacheable input) and are
 tagged ``inference``. Tasks return the core's typed records (StageOutcome, ServingPlan, ServerRun, DeployReport);
 the flow turns them into JSON where it returns them.
@@ -19,19 +19,22 @@ from eagle3.config import RunConfig
 from eagle3.deploy import DeployReport, Role, ServerRun, ServingPlan
 from eagle3.run.stage import StageOutcome
 from tasks.artifacts import ProgressArtifact, artifact_key, publish_table
+from tasks.stage_cache import STAGE_CACHE, stage_cache_key
 
 
-@task(name="export", task_run_name="export-{cfg.run.name}")
+@task(name="export", task_run_name="export-{cfg.run.name}", cache_key_fn=stage_cache_key("export"), **STAGE_CACHE)
 def export_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
-    """Export the trained drafter (no-op when its manifest matches)."""
+    """Export the trained drafter (up to date: ``Cached``, tasks.stage_cache)."""
     from eagle3.export.stage import run_export
 
     return run_export(cfg, force)
 
 
-@task(name="evaluate", task_run_name="evaluate-{cfg.run.name}", tags=["gpu"])
+@task(name="evaluate", task_run_name="evaluate-{cfg.run.name}", tags=["gpu"], cache_key_fn=stage_cache_key("evaluate"),
+      **STAGE_CACHE)
 def evaluate_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
-    """Offline speculative decoding with the target in PyTorch: acceptance and lossless check."""
+    """Offline speculative decoding with the target in PyTorch: acceptance and lossless check (up to date:
+    ``Cached``, tasks.stage_cache)."""
     from eagle3.evaluate.stage import run_evaluate
 
     with ProgressArtifact(artifact_key(cfg, "evaluate"), f"offline evaluation ({cfg.run.name})") as progress:

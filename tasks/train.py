@@ -1,12 +1,14 @@
 """The GPU-tagged training task: torchrun under supervision, live progress, metrics and plots at the end.
 
-Retries are safe because the trainer resumes from its latest checkpoint; a finished run whose
-manifest matches its inputs is a no-op inside the trainer, so a re-run costs one process start.
+Retries are safe because the trainer resumes from its latest checkpoint. A training whose manifest matches its
+inputs is up to date: the task's cache key (tasks.stage_cache) answers ``Cached`` before the task starts, so no
+torchrun is launched and no progress is published (the task also checks again itself before launching one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from eagle3.config import RunConfig
 from eagle3.run.layout import run_layout
 from tasks.artifacts import artifact_key, markdown_image, publish_table
+from tasks.stage_cache import STAGE_CACHE, stage_cache_key, up_to_date_key
 
 
 def torchrun_spec(cfg: RunConfig, config_path: Path, num_gpus: int, node_rank: int | None = None):
@@ -94,10 +97,13 @@ class TrainSummary:
     manifest: dict[str, Any]
     last_train: dict[str, Any] | None
     last_eval: dict[str, Any] | None
+    computed: bool | None = None
+    """False: the training was up to date and nothing ran; True: torchrun ran; None: not known."""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict (what the flows return)."""
-        return {"manifest": self.manifest, "last_train": self.last_train, "last_eval": self.last_eval}
+        return {"manifest": self.manifest, "last_train": self.last_train, "last_eval": self.last_eval,
+                "computed": self.computed}
 
 
 def publish_train_report(cfg: RunConfig) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -122,11 +128,30 @@ def _scalars(record: dict[str, Any]) -> dict[str, Any]:
             if isinstance(v, (int, float, str)) and not k.startswith("num_supervised")}
 
 
-@task(name="train", tags=["gpu"], retries=2, retry_delay_seconds=[30, 120], task_run_name="train-{cfg.run.name}")
+def skipped_train(cfg: RunConfig, key: str) -> TrainSummary:
+    """The summary of an up-to-date training, read from its manifest and metrics (nothing published)."""
+    from eagle3.run.stage import read_manifest
+    from eagle3.train.plots import read_metrics
+
+    manifest = read_manifest(run_layout(cfg).manifest("train")) or {}
+    train, evals = read_metrics(run_layout(cfg).metrics)
+    return TrainSummary(manifest.get("stats", {}), train[-1] if train else None, evals[-1] if evals else None,
+                        computed=False)
+
+
+@task(name="train", tags=["gpu"], retries=2, retry_delay_seconds=[30, 120], task_run_name="train-{cfg.run.name}",
+      cache_key_fn=stage_cache_key("train", skipped_train), **STAGE_CACHE)
 def train_task(cfg: RunConfig) -> TrainSummary:
-    """Train the drafter with torchrun (resuming from the latest checkpoint); returns the manifest summary."""
+    """Train the drafter with torchrun (resuming from the latest checkpoint); returns the manifest summary.
+
+    Up to date (the manifest matches the train key): Prefect answers ``Cached`` from the cache key; should the task
+    run all the same, it checks first and returns the summary without starting torchrun."""
+    key = up_to_date_key("train", cfg)
+    if key is not None:
+        get_run_logger().info("train: up to date (%s), no process started", run_layout(cfg).manifest("train"))
+        return skipped_train(cfg, key)
     run_node(cfg, cfg.train.node_rank)
-    return train_summary(cfg)
+    return dataclasses.replace(train_summary(cfg), computed=True)
 
 
 def run_node(cfg: RunConfig, node_rank: int) -> None:

@@ -1,0 +1,86 @@
+"""One way for every stage task to show that its stage was up to date: Prefect's ``Cached`` state.
+
+Every stage task (synthesize, merge, regenerate, tokenize, vocab, capture-finalize, train, export, evaluate)
+takes its cache key from ``stage_cache_key``: the stage key (eagle3.run.stage) when the stage's manifest matches
+it on disk, else no key at all (the task runs; nothing stale can come from Prefect's cache, whoever calls the
+task, and ``force=True`` does the same). When the stage is up to date and Prefect holds no record under the key
+yet (a stage completed by the command line, or a record written elsewhere), the key function writes one, the
+stage's own outcome marked not computed, so Prefect answers ``Cached`` and never runs the task's body: an up-to-date
+train starts no torchrun and publishes no progress. The capture subflow ends in a state of the same name
+(``UP_TO_DATE``) when it finds its stage complete.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from prefect.context import TaskRunContext
+
+from eagle3.config import RunConfig
+from eagle3.run.registry import get_stage
+
+log = logging.getLogger(__name__)
+
+STAGE_CACHE = dict(persist_result=True, cache_result_in_memory=False)
+RESULT_VERSION = 2
+"""Part of the stage tasks' cache keys: bumped when what they return changes type (2: StageOutcome, not a dict),
+so a result cached by an older version is not handed to code that expects the new type."""
+UP_TO_DATE = "Cached"
+"""The state name of a stage task (or the capture subflow) whose stage was up to date: Prefect's own name for a
+task answered from its cache, so every skipped stage reads the same in the UI."""
+
+SkippedFn = Callable[[RunConfig, str], Any]
+"""What a skipped stage's task returns, built from the run's config and the stage key."""
+
+
+def stage_outcome(stage: str) -> SkippedFn:
+    """The outcome an up-to-date stage's run would return: its manifest's, marked not computed."""
+
+    def skipped(cfg: RunConfig, key: str) -> Any:
+        from eagle3.run.layout import run_layout
+        from eagle3.run.stage import StageOutcome, read_manifest
+
+        manifest = run_layout(cfg).manifest(stage)
+        return StageOutcome.from_manifest(stage, key, manifest, read_manifest(manifest), computed=False)
+
+    return skipped
+
+
+def up_to_date_key(stage: str, cfg: RunConfig) -> str | None:
+    """The stage key of ``cfg`` when the stage is complete on disk (its manifest matches, and whatever else the
+    stage checks), else None; None too when the key cannot be computed (the task then runs and says why)."""
+    from eagle3.run.layout import run_layout
+    from eagle3.run.stage import manifest_matches
+
+    spec = get_stage(stage)
+    try:
+        key = spec.key(cfg)
+        complete = spec.complete_fn(cfg) if spec.complete_fn is not None else manifest_matches(
+            run_layout(cfg).manifest(stage), key)
+    except Exception as exc:  # an input stage missing or corrupt, a target not prepared: the task reports it
+        log.info("%s: not checked for being up to date (%s: %s); the task runs", stage, type(exc).__name__, exc)
+        return None
+    return key if complete else None
+
+
+def stage_cache_key(stage: str, skipped: SkippedFn | None = None) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
+    """A ``cache_key_fn`` for the task of ``stage`` (see module doc); ``skipped(cfg, key)`` is the value a skipped
+    run returns (default: the stage's outcome from its manifest)."""
+    skipped = skipped or stage_outcome(stage)
+
+    def key_fn(ctx: TaskRunContext, params: dict[str, Any]) -> str | None:
+        cfg = params["cfg"]
+        if params.get("force"):
+            return None
+        key = up_to_date_key(stage, cfg)
+        if key is None:
+            return None
+        cache_key = f"eagle3-{stage}-v{RESULT_VERSION}-{key}"
+        store = ctx.result_store
+        if not store.exists(cache_key):
+            store.write(skipped(cfg, key), key=cache_key)
+        return cache_key
+
+    return key_fn
