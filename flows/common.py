@@ -119,14 +119,55 @@ def as_json(result: Any) -> Any:
 
 def guard_crash_loop() -> None:
     """What every flow starts with: refuse to run again after MAX_CRASH_RETRIES automatic restarts (an OOM every
-    time, say), and refuse at once a run that needs a GPU on a host without CUDA (refuse_without_gpu)."""
+    time, say); on a retried attempt, mark Crashed the task runs the killed attempt left Running
+    (crash_stale_task_runs); and refuse at once a run that needs a GPU on a host without CUDA (refuse_without_gpu)."""
     from prefect.runtime import flow_run
 
     if flow_run.run_count > MAX_CRASH_RETRIES:
         raise RuntimeError(f"flow run restarted {flow_run.run_count} times; refusing to loop (see its logs)")
+    if flow_run.run_count > 1:
+        crash_stale_task_runs(flow_run.id, flow_run.run_count)
     found = _flow_config()
     if found is not None:
         refuse_without_gpu(*found)
+
+
+def crash_stale_task_runs(flow_run_id: Any, attempt: int) -> list[UUID]:
+    """Mark Crashed every task run of ``flow_run_id`` that an earlier attempt left Running (or Pending) when attempt
+    ``attempt`` starts: that attempt's process was killed, and nobody else would ever end them, so the run page and
+    the dashboard would count them as running forever. Subflow stand-ins are left to their subflow. Returns their
+    ids."""
+    from prefect import get_run_logger
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentTaskRunId,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    stale_types = [StateType.RUNNING, StateType.PENDING]
+    with get_client(sync_client=True) as client:
+        open_runs = client.read_task_runs(task_run_filter=TaskRunFilter(
+            flow_run_id=TaskRunFilterFlowRunId(any_=[UUID(str(flow_run_id))]),
+            state=TaskRunFilterState(type=TaskRunFilterStateType(any_=stale_types))))
+        open_runs = [r for r in open_runs if r.flow_run_run_count < attempt]
+        # A subflow's stand-in task run stays open: the engine re-attaches the subflow run to it (its own first
+        # step then does this for its tasks), and a run_deployment child may still run on another worker.
+        parents = {f.parent_task_run_id for f in client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_task_run_id=FlowRunFilterParentTaskRunId(any_=[r.id for r in open_runs])))} if open_runs else set()
+        stale = [r for r in open_runs if r.id not in parents]
+        for run in stale:
+            client.set_task_run_state(run.id, Crashed(message=f"its flow run's attempt {attempt - 1} was killed; "
+                                                              f"attempt {attempt} started without it"), force=True)
+    if stale:
+        get_run_logger().warning("attempt %d: marked %d task run(s) of the killed attempt Crashed: %s", attempt,
+                                 len(stale), ", ".join(sorted(r.name for r in stale)))
+    return [r.id for r in stale]
 
 
 def submit_run(deployment: str, parameters: dict[str, Any], name: str) -> UUID:
