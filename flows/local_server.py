@@ -11,6 +11,10 @@ fresh home on a slow machine. A healthy listener on the port is reused only when
 file names a live ``prefect server start`` on that port: anything else answering there (another
 user's server, another workdir's) would receive this workdir's flow runs, so start() refuses it.
 It binds 127.0.0.1 only; a server for other machines is set up as docs/operations.md describes.
+
+On SQLite the server runs through flows.prefect_server with SQLITE_ENV: every transaction takes the write lock at
+BEGIN, so concurrent submissions while a pipeline runs wait for it instead of failing with 503 `database is
+locked` (issue 39, list 1, item 1; measured with scripts/submit_load.py, docs/operations.md).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ DEFAULT_PORT = 4200
 STARTUP_TIMEOUT_S = 240.0
 DATABASE_ENV = "PREFECT_SERVER_DATABASE_CONNECTION_URL"  # Prefect's setting (older alias: PREFECT_API_DATABASE_...)
 DATABASE_SCHEMES = ("postgresql+asyncpg", "sqlite+aiosqlite")  # the async drivers Prefect's server runs on
+# SQLite only: BEGIN IMMEDIATE for every transaction (flows/prefect_server.py says why; no Prefect setting does it)
+SQLITE_ENV = {"EAGLE3_SQLITE_BEGIN_IMMEDIATE": "1"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class LocalServer:
     home: Path
     port: int = DEFAULT_PORT
     database_url: str | None = None  # None: SQLite under home (or PREFECT_SERVER_DATABASE_CONNECTION_URL if set)
+    sqlite_settings: bool = True  # SQLITE_ENV on SQLite (False: Prefect's defaults, for scripts/submit_load.py)
 
     @property
     def api_url(self) -> str:
@@ -67,9 +74,11 @@ class LocalServer:
 
     def server_env(self) -> dict[str, str]:
         """Environment of the `prefect server start` process: the client's, the bind address (so the UI's API URL
-        names this port, which `--port` alone does not set) and the database URL when one is given."""
+        names this port, which `--port` alone does not set), the database URL when one is given, and SQLITE_ENV
+        when the database is SQLite."""
         env = {**self.client_env(), "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(self.port)}
-        return env | ({DATABASE_ENV: self.database_url} if self.database_url else {})
+        env |= {DATABASE_ENV: self.database_url} if self.database_url else {}
+        return env | (SQLITE_ENV if self.sqlite_settings and self.database().startswith("sqlite") else {})
 
     def client_env(self) -> dict[str, str]:
         """Environment for processes that talk to this server (flows, workers, the prefect CLI)."""
@@ -142,8 +151,9 @@ def start(server: LocalServer, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
                                      "stop it first (eagle3 server stop)")
         return "reused"
     server.home.mkdir(parents=True, exist_ok=True)
-    prefect = str(Path(sys.executable).with_name("prefect"))
-    argv = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(server.port)]
+    # `prefect server start` through flows.prefect_server (the prefect CLI, plus SQLITE_ENV's effect when set)
+    argv = [sys.executable, "-m", "flows.prefect_server", "server", "start", "--host", "127.0.0.1",
+            "--port", str(server.port)]
     pid = spawn_detached(argv, server.log_file, env={**os.environ, **server.server_env()})
     write_pid_file(server.pid_file, pid)
     server.database_file.write_text(server.database() + "\n")

@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from flows.local_server import (DATABASE_ENV, ForeignServerError, LocalServer, for_workdir, mask_password, owner_problem,
-                                 start)
+from flows.local_server import (DATABASE_ENV, SQLITE_ENV, ForeignServerError, LocalServer, for_workdir, mask_password,
+                                 owner_problem, start)
 from infra.process import process_cmdline, write_pid_file
 
 
@@ -115,3 +115,53 @@ def test_our_server_on_another_database_is_not_reused_for_a_database_request(tmp
                 start(server, timeout_s=1)
             server.database_file.write_text(server.database() + "\n")
             assert start(server, timeout_s=1) == "reused"
+
+
+def test_the_sqlite_server_takes_the_write_lock_at_begin_and_postgres_is_left_as_it_is(tmp_path):
+    """Issue 39 list 1 item 1: concurrent Run submissions while a pipeline ran got 503 `database is locked` (a
+    DEFERRED transaction that read, then wrote). On SQLite the server's environment carries SQLITE_ENV, which
+    flows.prefect_server turns into BEGIN IMMEDIATE; never in the clients' environment, not on PostgreSQL."""
+    assert SQLITE_ENV == {"EAGLE3_SQLITE_BEGIN_IMMEDIATE": "1"}
+    sqlite = for_workdir(tmp_path, 4311)
+    assert sqlite.server_env().items() >= SQLITE_ENV.items()
+    assert not set(SQLITE_ENV) & set(sqlite.client_env())
+    assert not set(SQLITE_ENV) & set(for_workdir(tmp_path, 4311, PG_URL).server_env())
+    assert not set(SQLITE_ENV) & set(LocalServer(tmp_path, 4311, sqlite_settings=False).server_env())
+
+
+def test_prefect_server_begins_every_sqlite_transaction_immediate(monkeypatch):
+    """flows.prefect_server.begin_immediate: what Prefect's SQLite configuration BEGINs, with or without a row lock."""
+    import asyncio
+
+    from prefect.server.database.configurations import SQLITE_BEGIN_MODE, AioSqliteConfiguration
+
+    from flows.prefect_server import begin_immediate
+
+    modes: list[str | None] = []
+
+    class _Transaction:
+        async def __aenter__(self):
+            modes.append(SQLITE_BEGIN_MODE.get())
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+    class _Session:
+        def begin(self) -> _Transaction:
+            return _Transaction()
+
+    async def begin_twice() -> None:
+        config = AioSqliteConfiguration("sqlite+aiosqlite:///unused.db")
+        for with_for_update in (False, True):
+            async with config.begin_transaction(_Session(), with_for_update=with_for_update):
+                pass
+
+    monkeypatch.setattr(AioSqliteConfiguration, "begin_transaction", AioSqliteConfiguration.begin_transaction)
+    asyncio.run(begin_twice())
+    assert modes == ["DEFERRED", "IMMEDIATE"]  # Prefect's own choice: what the fix changes
+    begin_immediate()
+    begin_immediate()  # idempotent
+    modes.clear()
+    asyncio.run(begin_twice())
+    assert modes == ["IMMEDIATE", "IMMEDIATE"]
