@@ -28,8 +28,10 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, load_config
 from eagle3.run.layout import run_layout
+from eagle3.run.progress import eta_text
 from eagle3.run.stage import StageOutcome, read_manifest
 from flows.common import PresetName, guard_crash_loop, run_slices
+from flows.run_names import stage_run_name
 from tasks.artifacts import artifact_key, publish_table
 from tasks.capture import capture_shard_task, finalize_capture_task, prepare_capture_task
 from tasks.stage_cache import UP_TO_DATE, up_to_date_key
@@ -60,8 +62,8 @@ class CaptureProgress:
     def _text(self) -> str:
         elapsed = max(time.monotonic() - self.t0, 1e-9)
         rate = self.num_tokens / elapsed
-        eta = (self.tokens_left - self.num_tokens) / rate if rate > 0 else float("nan")
-        return (f"{self.num_done}/{self.num_shards} shards, {rate:,.0f} tokens/s, ETA {eta:,.0f} s, "
+        eta = (self.tokens_left - self.num_tokens) / rate if rate > 0 else None  # no rate yet: 'ETA —'
+        return (f"{self.num_done}/{self.num_shards} shards, {rate:,.0f} tokens/s, {eta_text(eta)}, "
                 f"{self.num_bytes / 1e9:.2f} GB written")
 
     def shard_done(self, result: ShardResult) -> None:
@@ -164,7 +166,8 @@ def _watch_disk(cfg: RunConfig, pending: list[int], progress: CaptureProgress) -
     return poll
 
 
-@flow(name="eagle3-capture", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS))
+@flow(name="eagle3-capture", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS),
+      flow_run_name=stage_run_name("capture"))
 def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
                    config: RunConfig | None = None) -> dict[str, Any]:
     """Capture hidden states for a run whose tokenized data exists.

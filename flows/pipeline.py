@@ -23,6 +23,7 @@ from eagle3.run.registry import ONLINE_SKIP, UNTIL_CHOICES
 from eagle3.run.stages import synthetic_sources
 from flows.common import PresetName, as_json, guard_crash_loop
 from flows.report import render_run_report
+from flows.run_names import stage_run_name
 from tasks.artifacts import artifact_key, run_artifact_key
 from tasks.data import merge_task, regenerate_task, synthesize_task, target_check_task, tokenize_task, vocab_task
 from tasks.stage_cache import UP_TO_DATE
@@ -87,7 +88,8 @@ def run_model_stages(cfg: RunConfig, until: str, force: bool = False,
     if reached >= LAST_STAGES.index("train"):
         results["train"] = train_nodes(cfg) if cfg.train.nnodes > 1 else _call_stage(train_task, cfg)
     if until in DEPLOY_STEPS:
-        deployed = eagle3_deploy(config=cfg, force=force, steps=DEPLOY_STEPS[until])
+        deploy = eagle3_deploy.with_options(flow_run_name=stage_run_name("deploy"))  # "deploy-<run>"
+        deployed = deploy(config=cfg, force=force, steps=DEPLOY_STEPS[until])
         results.update({k: v for k, v in deployed.items() if k != "run_dir"})
     return results
 

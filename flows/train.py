@@ -14,11 +14,12 @@ from prefect import flow
 
 from eagle3.config import RunConfig, load_config
 from flows.common import PresetName, as_json, guard_crash_loop, preset_gpu_note
+from flows.run_names import stage_run_name
 from flows.train_nodes import train_nodes
 from tasks.train import train_task
 
 
-@flow(name="eagle3-train", log_prints=True)
+@flow(name="eagle3-train", log_prints=True, flow_run_name=stage_run_name("train"))
 @preset_gpu_note
 def eagle3_train(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
                  config: RunConfig | None = None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from eagle3.config import RunConfig
+from eagle3.run.progress import eta_text, fmt
 
 
 def markdown_image(path: Path) -> str:
@@ -80,8 +81,10 @@ class ProgressArtifact:
             return
         self._last = now
         percent = 100.0 * done / total if total else 100.0
-        rate = info.get("rate_per_s")
-        text = f"{self.description}: {done:,}/{total:,}" + (f" at {rate:,.1f}/s" if rate else "")
+        rate = fmt(info.get("rate_per_s"), ",.1f")  # unknown (None, NaN): left out, never "nan"
+        text = f"{self.description}: {done:,}/{total:,}" + (f" at {rate}/s" if rate and info["rate_per_s"] > 0 else "")
+        if "eta_s" in info:
+            text += f", {eta_text(info['eta_s'])}"
         update_progress_artifact(self.artifact_id, progress=min(percent, 100.0), description=text)
 
     def __exit__(self, *exc: object) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from eagle3.config import RunConfig
 from eagle3.run.layout import run_layout
+from eagle3.run.progress import eta_text, fmt
 from tasks.artifacts import artifact_key, markdown_image, publish_table
 from tasks.stage_cache import STAGE_CACHE, stage_cache_key, up_to_date_key
 
@@ -53,12 +55,32 @@ def _visible_gpus(cfg: RunConfig) -> list:
     return gpus
 
 
+STALE_SLACK_S = 2.0
+"""How far a progress.json's modification time may lie before the watcher's start and still count as this run's
+(the run directory may sit on a file server whose clock is a little behind)."""
+
+
+def progress_text(doc: dict[str, Any]) -> str:
+    """One line of train/progress.json: 'running: step 3/10, loss 4.1234, acc_0 0.125, 1,234 tok/s, ETA 12 s'; a
+    value not known yet (before the first step, NaN) is left out and an unknown ETA reads 'ETA \u2014', never nan."""
+    total, step = doc.get("total_steps") or 0, doc.get("step") or 0
+    parts = [f"{doc.get('state') or 'starting'}: step {step}/{total}"]
+    for label, key, spec in (("loss", "loss", ".4f"), ("acc_0", "acc_0", ".3f")):
+        if (value := fmt(doc.get(key), spec)) is not None:
+            parts.append(f"{label} {value}")
+    if (rate := fmt(doc.get("tokens_per_s"), ",.0f")) is not None and doc["tokens_per_s"] > 0:
+        parts.append(f"{rate} tok/s")
+    parts.append(eta_text(doc.get("eta_s")))
+    return ", ".join(parts)
+
+
 class ProgressWatcher:
     """Polls train/progress.json in a thread and mirrors it into a progress artifact."""
 
     def __init__(self, cfg: RunConfig, every_s: float = 5.0):
         self.path = run_layout(cfg).progress
         self.every_s = every_s
+        self.started = time.time() - STALE_SLACK_S  # a progress.json older than this is an earlier run's
         self.stop = threading.Event()
         self.artifact_id = create_progress_artifact(0.0, key=artifact_key(cfg, "train-progress"),
                                                     description="training: starting")
@@ -70,15 +92,14 @@ class ProgressWatcher:
 
     def refresh(self) -> None:
         try:
+            if self.path.stat().st_mtime < self.started:
+                return  # left by an earlier training: not this run's progress
             doc = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return
         total, step = doc.get("total_steps") or 0, doc.get("step") or 0
-        nan = float("nan")
-        text = (f"{doc.get('state')}: step {step}/{total}, loss {doc.get('loss') or nan:.4f}, "
-                f"acc_0 {doc.get('acc_0') or nan:.3f}, {doc.get('tokens_per_s') or 0:,.0f} tok/s, "
-                f"ETA {doc.get('eta_s') or 0:,.0f} s")
-        update_progress_artifact(self.artifact_id, progress=100.0 * step / total if total else 0.0, description=text)
+        update_progress_artifact(self.artifact_id, progress=100.0 * step / total if total else 0.0,
+                                 description=progress_text(doc))
 
     def __enter__(self) -> ProgressWatcher:
         self.thread.start()

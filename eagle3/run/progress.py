@@ -6,6 +6,7 @@ The CLI shows a tqdm bar; a Prefect task passes a callback that updates a progre
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -16,6 +17,37 @@ LOG_EVERY_S = 30.0
 
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 """Called as fn(done, total, info) with info holding rates and counters."""
+
+UNKNOWN = "\u2014"
+"""What progress text shows for a value not known yet (an ETA before the first unit of work): an em dash, never
+'nan'."""
+
+
+def known(value: Any) -> bool:
+    """True for a finite number (None, NaN, infinities, booleans and non-numbers are not known values)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def fmt(value: Any, spec: str = "") -> str | None:
+    """``value`` formatted with ``spec`` when it is a known number (see ``known``), else None (omit it)."""
+    return format(value, spec) if known(value) else None
+
+
+def eta_text(seconds: Any) -> str:
+    """'ETA 42 s', or 'ETA \u2014' while the time left is unknown (no rate yet: None, NaN, infinite, negative)."""
+    return f"ETA {seconds:,.0f} s" if known(seconds) and seconds >= 0 else f"ETA {UNKNOWN}"
+
+
+def finite_or_none(value: Any) -> Any:
+    """A non-finite float as None (JSON null: 'NaN' is not JSON and reads as 'nan' on a page), inside dicts and
+    lists too; anything else as is."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
 
 
 class Progress:
@@ -67,7 +99,8 @@ class Progress:
         self._last_line = now
         elapsed = max(now - self._start, 1e-9)
         pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
-        extra = "".join(f", {k}={v}" for k, v in self._info.items())
+        extra = "".join(f", {k}={v}" for k, v in self._info.items()
+                        if v is not None and (known(v) or not isinstance(v, (int, float))))  # unknown: omitted
         print(f"{self.desc}: {self.done}/{self.total}{pct} {elapsed:.0f} s, {self.done / elapsed:.3g}/s{extra}",
               file=sys.stderr, flush=True)
 

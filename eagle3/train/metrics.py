@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from eagle3.drafter.model import DrafterDims
+from eagle3.run.progress import finite_or_none
 from infra.storage import atomic_write_json
 
 log = logging.getLogger("eagle3.train")
@@ -141,6 +142,7 @@ class ProgressWriter:
         if not self.enabled or (not force and now - self._last_s < self.every_s):
             return
         self._last_s = now
-        doc = {"state": state, "total_steps": self.total_steps, **self.fields,
+        doc = {"state": state, "total_steps": self.total_steps,
+               **{k: finite_or_none(v) for k, v in self.fields.items()},  # NaN is no JSON: null = not known
                "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         atomic_write_json(self.path, doc)

@@ -3,7 +3,8 @@
 The first run computes every stage; the second finds every manifest matching its key. Every stage task of the
 second run (data stages, capture's finalize, train, export, evaluate) and the capture subflow end in Prefect's
 ``Cached`` state, no torchrun starts, no train progress is published again, and the run summary says each stage was
-up to date.
+up to date. The subflow runs are named after their stage and the run (``capture-<run>``, ``deploy-<run>``), and so
+is a run of the train flow (``train-<run>``).
 """
 
 from __future__ import annotations
@@ -78,3 +79,24 @@ def test_identical_rerun_shows_every_stage_cached_and_starts_no_trainer(cfg, mon
     assert "see capture flow" not in text and "see train task" not in text
     for stage in ("capture", "train", "export", "evaluate"):
         assert f"| {stage} | no (up to date) |" in text, text
+
+
+def test_subflow_runs_are_named_after_their_stage_and_run(cfg):
+    """A pipeline run's subflow runs are 'capture-<run>' and 'deploy-<run>', not two random words; a train flow
+    run is 'train-<run>', also when the run is named by preset and overrides only."""
+    from prefect.client.orchestration import get_client
+
+    from flows.capture import eagle3_capture
+    from flows.run_names import run_name_of
+    from flows.train import eagle3_train
+
+    state = eagle3_pipeline(config=cfg, until="evaluate", return_state=True)
+    flows, _, _ = _runs_of(state)
+    assert sorted(f.name for f in flows[1:]) == [f"capture-{cfg.run.name}", f"deploy-{cfg.run.name}"]
+    train = eagle3_train(config=cfg, return_state=True)
+    by_preset = eagle3_capture(preset="tiny", overrides=[f"run.workdir={cfg.run.workdir}"], return_state=True)
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(train.state_details.flow_run_id).name == f"train-{cfg.run.name}"
+        assert client.read_flow_run(by_preset.state_details.flow_run_id).name == f"capture-{cfg.run.name}"
+    assert run_name_of({"config": {"run": {"name": "x"}}}) == "x"
+    assert run_name_of({"preset": "tiny", "overrides": ["run.name=y"]}) == "y"
