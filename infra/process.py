@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -108,6 +109,62 @@ def kill_group(pid: int, grace_s: float = 10.0, reap: Callable[[int], object] | 
                 return True
             time.sleep(0.05)
     return not group_alive(pid, reap)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, grandchildren, ...), whatever session or group they moved to
+    (Linux /proc; empty elsewhere or when ``pid`` is gone)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        if child not in found:
+            found.append(child)
+            todo.extend(children.get(child, []))
+    return found
+
+
+def kill_tree(pid: int, grace_s: float = 5.0, reap: Callable[[int], object] | None = None) -> bool:
+    """Stop the process group led by ``pid`` and every descendant with its own group (torch's launcher starts each
+    rank in a session of its own, so a group kill misses them): SIGTERM to all, SIGKILL to what is left after
+    ``grace_s``; True once all are gone. The caller's own group is never signalled."""
+    own = os.getpgrp()
+    members: set[int] = {pid}
+    groups: set[int] = {pid}
+
+    def gather() -> None:
+        for member in [pid, *descendants(pid)]:
+            members.add(member)
+            try:
+                groups.add(os.getpgid(member))
+            except ProcessLookupError:
+                pass
+        groups.discard(own)
+
+    def alive() -> bool:  # zombies count as gone: a container's init may never collect re-parented ranks
+        (reap or _reap)(pid)
+        return any(pid_alive(m) for m in members)
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        gather()  # before signalling: a dead launcher's ranks are re-parented and no longer found below it
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, sig)
+        for member in members:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(member, sig)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not alive():
+                return True
+            time.sleep(0.05)
+    return not alive()
 
 
 def _reap(pid: int) -> None:

@@ -2,7 +2,8 @@
 
 The trainer is launched as ``python -m torch.distributed.run ... -m eagle3.train --config <run>/config.json``.
 The supervisor streams selected lines to a callback (the Prefect task logs them), keeps the whole
-log in a file, kills the whole process group on timeout or on any exception in the caller, and
+log in a file, kills the whole process group on timeout, and the launcher with every rank within seconds on any
+exception in the caller (a cancelled flow run's SIGTERM arrives as one: infra.process.kill_tree), and
 asks the kernel to SIGKILL the group leader when the supervising process dies (PR_SET_PDEATHSIG),
 so a crashed orchestrator never leaves a trainer racing the next attempt. A pid file beside the
 log lets the next attempt kill a leftover group from a previous host process as well.
@@ -27,9 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.process import group_alive, kill_group, pid_file_host, read_pid_file, tail, write_pid_file
+from infra.process import group_alive, kill_group, kill_tree, pid_file_host, read_pid_file, tail, write_pid_file
 
 PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 5.0
+"""When the caller stops (a cancelled flow run's SIGTERM, Ctrl-C, an error): seconds torchrun and its ranks get to
+exit on SIGTERM before SIGKILL. Short on purpose: a cancel must not leave a trainer running for minutes while it
+finishes its step and checkpoints (the trainer resumes from its last periodic checkpoint)."""
 DEFAULT_KEEP = re.compile(r"step|loss|acc|epoch|error|warn|traceback|exception|checkpoint|resum", re.I)
 
 
@@ -104,8 +109,8 @@ def run_torchrun(spec: TorchrunSpec, log_path: Path, timeout_s: float, on_line: 
         try:
             _pump(proc, log, on_line, keep, every_n)
             rc = proc.wait()
-        except BaseException:
-            kill_group(proc.pid, grace_s=10.0)
+        except BaseException:  # cancelled (SIGTERM from the runner), interrupted, or the caller failed
+            kill_tree(proc.pid, grace_s=STOP_GRACE_S, reap=lambda _pid: proc.poll())
             raise
         finally:
             timer.cancel()

@@ -23,6 +23,7 @@ from eagle3.config import RunConfig
 from eagle3.run.layout import run_layout
 from eagle3.run.progress import eta_text, fmt
 from tasks.artifacts import artifact_key, markdown_image, publish_table
+from tasks.cancel import cancellable
 from tasks.stage_cache import STAGE_CACHE, stage_cache_key, up_to_date_key
 
 
@@ -203,3 +204,9 @@ def train_node_task(cfg: RunConfig, node_rank: int) -> None:
     parent flow re-submits all nodes together, and the trainer resumes from the newest checkpoint. No `gpu`
     tag either (flows/train_nodes.py says why)."""
     run_node(cfg, node_rank)
+
+
+# A cancelled flow run ends these task runs Cancelled, not Crashed, once infra.torchrun has stopped torchrun and
+# every rank (seconds: STOP_GRACE_S); the flow run still ends Cancelled (tasks.cancel).
+train_task = cancellable(train_task)
+train_node_task = cancellable(train_node_task)

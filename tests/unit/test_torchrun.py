@@ -105,3 +105,26 @@ def test_ranks_stop_when_the_supervising_process_is_sigkilled(tmp_path):
         time.sleep(0.2)
     assert not any(pid_alive(p) for p in pids)
     assert sorted(p.name for p in (tmp_path / "pids").glob("*.stopped")) == ["rank0.stopped", "rank1.stopped"]
+
+
+def test_an_interrupted_caller_stops_the_launcher_and_every_rank_within_seconds(tmp_path):
+    """A SIGTERM (a cancelled flow run) or Ctrl-C in the supervising thread stops torchrun and both ranks in
+    seconds, even though each rank takes 120 s to stop on SIGTERM (a trainer finishing its step): what is left
+    after the grace is SIGKILLed, ranks in their own sessions included."""
+
+    class Stop(BaseException):
+        pass
+
+    def interrupt(line: str) -> None:
+        if len(_rank_pids(tmp_path)) == 2:
+            raise Stop
+
+    spec = _spec(tmp_path, "--hang", "--launcher-guard", "--stop-delay-s", "120")
+    with pytest.raises(Stop):
+        run_torchrun(spec, tmp_path / "train.log", timeout_s=300, on_line=interrupt, every_n=1)
+    t0 = time.monotonic()
+    pids = _rank_pids(tmp_path)
+    while any(pid_alive(p) for p in pids) and time.monotonic() - t0 < 60:
+        time.sleep(0.1)
+    assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
+    assert time.monotonic() - t0 < 5  # run_torchrun returned only once they were gone
