@@ -30,7 +30,7 @@ from eagle3.config import RunConfig, load_config
 from eagle3.run.layout import run_layout
 from eagle3.run.progress import eta_text
 from eagle3.run.stage import StageOutcome, read_manifest
-from flows.common import PresetName, guard_crash_loop, run_slices
+from flows.common import PresetName, guard_crash_loop, preset_gpu_note, run_slices
 from flows.run_names import stage_run_name
 from tasks.artifacts import artifact_key, publish_table
 from tasks.capture import capture_shard_task, finalize_capture_task, prepare_capture_task
@@ -168,6 +168,7 @@ def _watch_disk(cfg: RunConfig, pending: list[int], progress: CaptureProgress) -
 
 @flow(name="eagle3-capture", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS),
       flow_run_name=stage_run_name("capture"))
+@preset_gpu_note
 def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
                    config: RunConfig | None = None) -> dict[str, Any]:
     """Capture hidden states for a run whose tokenized data exists.

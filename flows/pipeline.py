@@ -21,7 +21,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from eagle3.config import ConfigError, RunConfig, intended_run_name, load_config
 from eagle3.run.registry import ONLINE_SKIP, UNTIL_CHOICES
 from eagle3.run.stages import synthetic_sources
-from flows.common import PresetName, as_json, guard_crash_loop
+from flows.common import PresetName, as_json, guard_crash_loop, preset_gpu_note
 from flows.report import render_run_report
 from flows.run_names import stage_run_name
 from tasks.artifacts import artifact_key, run_artifact_key
@@ -114,6 +114,7 @@ def failed_stage(cfg: RunConfig, until: str, results: dict[str, Any]) -> str:
 
 
 @flow(name="eagle3-pipeline", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=4))
+@preset_gpu_note
 def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
                     config: RunConfig | None = None, force: bool = False,
                     until: LastStage = "deploy") -> dict[str, Any]:

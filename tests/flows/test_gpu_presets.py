@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 from prefect.utilities.callables import parameter_schema
 
+from flows.capture import eagle3_capture
 from flows.common import gpu_presets
 from flows.deploy import eagle3_deploy
+from flows.pipeline import eagle3_pipeline
 from flows.train import eagle3_train
 
 GPU_ONLY = ["kimi-k25", "llama31-8b", "smollm2-curve", "smollm2-quality", "smollm2-sglang"]
@@ -18,7 +20,7 @@ def test_gpu_presets_are_computed_from_their_configs():
     assert gpu_presets() == GPU_ONLY
 
 
-@pytest.mark.parametrize("flow", [eagle3_train, eagle3_deploy], ids=lambda f: f.name)
+@pytest.mark.parametrize("flow", [eagle3_pipeline, eagle3_capture, eagle3_train, eagle3_deploy], ids=lambda f: f.name)
 def test_the_form_names_the_presets_that_need_a_gpu(flow):
     """The `preset` description of the registered schema (what `prefect deploy` computes) lists them."""
     text = parameter_schema(flow).model_dump()["properties"]["preset"]["description"]
