@@ -66,6 +66,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.sglang_lab import (  # noqa: E402
+    add_server_args,
     device_name,
     probe_version,
     relax_probe_version,
@@ -673,11 +674,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=200, help="first N train rows (default 200)")
     parser.add_argument("--warmup", type=int, default=3, help="samples captured untimed first (default 3)")
     parser.add_argument("--out", type=Path, help="results JSON (default RUN/bench-capture/results.json)")
-    parser.add_argument("--module", default=LAUNCH_MODULE, help=f"server module (default {LAUNCH_MODULE})")
-    parser.add_argument("--python", help="interpreter with sglang (default cfg's capture.sglang.python)")
-    parser.add_argument("--server-args", default="", help='extra server flags, one string: --server-args="--a b"')
-    parser.add_argument("--expect-version", default="auto",
-                        help="SGLang version the readiness probe accepts: auto (installed), none, or a prefix")
+    add_server_args(parser, "cfg's capture.sglang.python")
     parser.add_argument("--tol", type=float, default=DEFAULT_TOL, help="rel RMS goal (default 1e-2)")
     parser.add_argument("--compare-with-self", action="store_true", help="compare HF against HF (no SGLang)")
     parser.add_argument("--kill-test", action="store_true", help="also run the kill-and-resume test")

@@ -15,6 +15,7 @@ interpreter actually has (detected, or ``--expect-version``) and say so in their
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import subprocess
@@ -111,3 +112,14 @@ def run_and_record(out: Path, results: dict[str, Any], body: Callable[[], list[s
         say(f"FAIL: {failure}")
     say(f"results: {out}")
     return 1 if failures else 0
+
+
+def add_server_args(parser: argparse.ArgumentParser, python_default: str) -> None:
+    """The flags every SGLang lab benchmark takes to start its server (module, interpreter, flags, version)."""
+    from infra.sglang import LAUNCH_MODULE
+
+    parser.add_argument("--module", default=LAUNCH_MODULE, help=f"server module (default {LAUNCH_MODULE})")
+    parser.add_argument("--python", help=f"interpreter with sglang (default {python_default})")
+    parser.add_argument("--server-args", default="", help='extra server flags, one string: --server-args="--a b"')
+    parser.add_argument("--expect-version", default="auto",
+                        help="SGLang version the readiness probe accepts: auto (installed), none, or a prefix")

@@ -45,9 +45,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.sglang_lab import device_name, probe_version, run_and_record, say  # noqa: E402
+from benchmarks.sglang_lab import (  # noqa: E402
+    add_server_args,
+    device_name,
+    probe_version,
+    run_and_record,
+    say,
+)
 from eagle3.config import RegenerateConfig, RunConfig, read_config_file, validate_config  # noqa: E402
-from infra.sglang import LAUNCH_MODULE  # noqa: E402
 
 OUT_MARKER = ".sglang-bench-regen"
 FIRST_TOKENS = 32
@@ -254,11 +259,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, required=True, help="RUN/config.json (merge done)")
     parser.add_argument("--rows", type=int, default=200, help="first N merged rows (default 200)")
     parser.add_argument("--out", type=Path, help="results JSON (default RUN/bench-regen/results.json)")
-    parser.add_argument("--module", default=LAUNCH_MODULE, help=f"server module (default {LAUNCH_MODULE})")
-    parser.add_argument("--python", help="interpreter with sglang (default cfg's serve.python)")
-    parser.add_argument("--server-args", default="", help='extra server flags, one string: --server-args="--a b"')
-    parser.add_argument("--expect-version", default="auto",
-                        help="SGLang version the readiness probe accepts: auto (installed), none, or a prefix")
+    add_server_args(parser, "cfg's serve.python")
     parser.add_argument("--endpoint", help="an existing OpenAI-compatible endpoint (.../v1) instead of a server")
     parser.add_argument("--concurrency", type=int, default=64, help="openai conversations in flight (default 64)")
     parser.add_argument("--device", help="hf device (default cfg's regenerate.device)")
