@@ -5,35 +5,30 @@ Lab code: it imports the core, the core never imports it. What is here:
   say                   a progress line, flushed (PYTHONUNBUFFERED may be unset on the GPU host)
   write_results         results JSON written atomically (temp file + rename)
   installed_sglang      the sglang version the server interpreter has (``<python> -c importlib.metadata``)
-  probe_version         which version the readiness probe must accept, and whether that differs from the core's
-  relax_probe_version   make eagle3.features.sglang_backend's managed servers accept that version
-
-Why the version matters: infra.sglang.ProbeExpectations accepts the releases in SGLANG_VERSIONS (0.5.16, 0.5.23)
-and the readiness probe refuses a server that reports another. The benchmarks narrow it to the release the server
-interpreter actually has (detected, or ``--expect-version``) and say so in their output.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/ first, not the repository
     sys.path.insert(0, str(REPO))
 
-from infra.sglang import SGLANG_VERSIONS  # noqa: E402
 from infra.storage import atomic_write_text  # noqa: E402
 
 _T0 = time.monotonic()
 VERSION_PROBE = "import importlib.metadata as m; print(m.version('sglang'))"
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
 
 
 def say(text: str) -> None:
@@ -57,31 +52,6 @@ def installed_sglang(python: str, timeout_s: float = 120.0) -> str:
         raise RuntimeError(f"{python!r} has no sglang distribution (exit {done.returncode}): "
                            f"{done.stderr.strip()[-400:]}")
     return done.stdout.strip()
-
-
-def probe_version(expect: str, python: str) -> tuple[str | None, bool]:
-    """(version the probe must accept, whether it differs from the core's default).
-
-    ``expect``: "auto" (the server interpreter's installed sglang), "none" (no version check) or a version
-    prefix such as "0.5.16".
-    """
-    if expect == "none":
-        return None, True
-    version = installed_sglang(python) if expect == "auto" else expect
-    return version, not any(version.startswith(v) for v in SGLANG_VERSIONS)
-
-
-def relax_probe_version(version: str | None) -> None:
-    """Managed capture servers launched by eagle3.features.sglang_backend accept ``version`` (None: any).
-
-    Replaces that module's name ``ProbeExpectations`` by the same class with another default version; every
-    other expectation (model path, hidden size, launch flags, the smoke forward) is checked as before.
-    """
-    import eagle3.features.sglang_backend as backend_module
-    from infra.sglang import ProbeExpectations
-
-    backend_module.ProbeExpectations = functools.partial(ProbeExpectations, versions=(version,) if version else None)  # type: ignore[misc]
-    say(f"readiness probe: accepting SGLang version {version or 'any'} (the core accepts {', '.join(SGLANG_VERSIONS)})")
 
 
 def device_name(device: str) -> str:
@@ -121,5 +91,12 @@ def add_server_args(parser: argparse.ArgumentParser, python_default: str) -> Non
     parser.add_argument("--module", default=LAUNCH_MODULE, help=f"server module (default {LAUNCH_MODULE})")
     parser.add_argument("--python", help=f"interpreter with sglang (default {python_default})")
     parser.add_argument("--server-args", default="", help='extra server flags, one string: --server-args="--a b"')
-    parser.add_argument("--expect-version", default="auto",
-                        help="SGLang version the readiness probe accepts: auto (installed), none, or a prefix")
+
+
+def bench_config(cfg: RunConfig, args: argparse.Namespace, backend: str) -> RunConfig:
+    """cfg for one capture backend: final_hidden supervision; for sglang a managed capture_packed server."""
+    sg = cfg.capture.sglang.model_copy(update={
+        "server_mode": "capture_packed", "endpoints": [], "final_endpoints": [], "python": args.python,
+        "extra_args": [*cfg.capture.sglang.extra_args, *args.server_args]})
+    capture = cfg.capture.model_copy(update={"backend": backend, "supervision": "final_hidden", "sglang": sg})
+    return cfg.model_copy(update={"capture": capture})

@@ -48,7 +48,6 @@ if str(REPO) not in sys.path:
 from benchmarks.sglang_lab import (  # noqa: E402
     add_server_args,
     device_name,
-    probe_version,
     run_and_record,
     say,
 )
@@ -192,17 +191,15 @@ def start_server(cfg: RunConfig, args: argparse.Namespace, model_dir: Path, benc
     from infra.sglang import ManagedServer, ProbeExpectations, ServerSpec
 
     check_gpus_free([0], allow_shared=cfg.capture.allow_shared_gpus)
-    version, _ = probe_version(args.expect_version, args.python)
     dtype = cfg.target.dtype if cfg.target.dtype in ("bfloat16", "float16", "float32") else None
     spec = ServerSpec(str(model_dir), "serve", port=cfg.serve.port, host="127.0.0.1", api_key=secrets.token_hex(16),
                       dtype=dtype, mem_fraction_static=args.mem_fraction_static or cfg.serve.mem_fraction_static,
                       attention_backend=cfg.serve.attention_backend, extra_args=tuple(args.server_args),
                       python=args.python, module=args.module)
-    expect = ProbeExpectations(vocab_size=target_info(model_dir, cfg.target).vocab_size,
-                               versions=(version,) if version else None)
+    expect = ProbeExpectations(vocab_size=target_info(model_dir, cfg.target).vocab_size)
     server = ManagedServer(spec, bench / "logs" / "sglang-serve.log", expect=expect, cwd=REPO,
                            startup_timeout_s=args.startup_timeout_s)
-    say(f"openai: starting SGLang ({args.python} -m {args.module}, port {spec.port}, accepting version {version})")
+    say(f"openai: starting SGLang ({args.python} -m {args.module}, port {spec.port})")
     t0 = time.perf_counter()
     try:
         server.start()
