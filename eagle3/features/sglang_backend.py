@@ -180,12 +180,14 @@ class SGLangCaptureBackend:
         ``port + 1``, on the same GPUs (each gets half the memory unless mem_fraction_static is set).
         """
         sg = cfg.capture.sglang
-        api_key = _MANAGED_KEYS.get(sg.endpoints[0]) if sg.endpoints else None
+        managed = _MANAGED.get(sg.endpoints[0]) if sg.endpoints else None
+        api_key = managed.api_key if managed is not None else None
         api_key = api_key or (os.environ.get(sg.api_key_env) if sg.api_key_env else None)
         kwargs: dict[str, Any] = dict(max_concurrency=sg.max_concurrency, request_timeout_s=sg.request_timeout_s,
                                       ready_timeout_s=sg.startup_timeout_s, packed=sg.server_mode == "capture_packed")
-        if sg.endpoints:
-            return cls(spec, sg.endpoints, list(sg.final_endpoints), api_key=api_key, **kwargs)
+        if sg.endpoints:  # this process's managed servers come as handles: a restart is waited for, not failed on
+            return cls(spec, [_MANAGED.get(u, u) for u in sg.endpoints],
+                       [_MANAGED.get(u, u) for u in sg.final_endpoints], api_key=api_key, **kwargs)
         api_key = api_key or secrets.token_hex(16)
         servers = _launch_servers(cfg, model_dir, spec, api_key, module)
         return cls(spec, servers[:1], servers[1:], api_key=api_key, owned_servers=servers, **kwargs)
@@ -271,21 +273,29 @@ class _Session:
     async def _check_servers(self) -> None:
         """The width check cannot see WHICH layers a server captures: compare /server_info with the spec."""
         for endpoint in self.aux.pool.endpoints:
-            info = await self._server_info(endpoint.url)
+            info = await self._server_info(endpoint)
             if self.b.packed:
                 _check_packed_server(info, endpoint.url)
             else:
                 _check_aux_server(info, self.b.spec, endpoint.url)
         for endpoint in self.final.pool.endpoints if self.final else []:
-            info = await self._server_info(endpoint.url)
+            info = await self._server_info(endpoint)
             if info.get("return_hidden_states_mode") != "full" or info.get("enable_return_aux_hidden_states"):
                 raise CaptureError("-", "server_info", f"{endpoint.url} is not a capture_final server "
                                    "(needs --enable-return-hidden-states without aux capture)", 1, endpoint.url)
 
-    async def _server_info(self, url: str) -> dict[str, Any]:
+    async def _server_info(self, endpoint: _Endpoint) -> dict[str, Any]:
+        """GET /server_info; a managed server that is restarting is waited for once, then asked again."""
         assert self.client is not None
+        url = endpoint.url
         try:
             resp = await self.client.get(f"{url}/server_info", timeout=30.0)
+        except httpx.TransportError as exc:
+            if endpoint.handle is None:
+                raise CaptureError("-", "server_info", f"GET /server_info failed: {type(exc).__name__}: {exc}", 1,
+                                   url) from exc
+            await self._wait_ready(endpoint, "-")
+            return await self._server_info(_Endpoint(url, None))
         except httpx.HTTPError as exc:
             raise CaptureError("-", "server_info", f"GET /server_info failed: {type(exc).__name__}: {exc}", 1,
                                url) from exc
@@ -327,16 +337,16 @@ class _Session:
             if not last.retryable:
                 break
             if last.server_died and endpoint.handle is not None:
-                await self._wait_ready(endpoint, sample)
+                await self._wait_ready(endpoint, sample.id)
             avoid = endpoint
         raise CaptureError(sample.id, last.check, f"{p.name} pass: {last.detail}", attempt + 1, endpoint.url)
 
-    async def _wait_ready(self, endpoint: _Endpoint, sample: SampleTokens) -> None:
+    async def _wait_ready(self, endpoint: _Endpoint, sample_id: str) -> None:
         assert endpoint.handle is not None
         try:
             await asyncio.to_thread(endpoint.handle.wait_ready, self.b.ready_timeout_s)
         except Exception as exc:  # the supervisor gave up: nothing left to retry on
-            raise CaptureError(sample.id, "server", str(exc), 1, endpoint.url) from exc
+            raise CaptureError(sample_id, "server", str(exc), 1, endpoint.url) from exc
 
     async def _attempt(self, p: _Pass, endpoint: _Endpoint, sample: SampleTokens) -> ResponsePart:
         assert self.client is not None
@@ -448,8 +458,8 @@ def _gpu_indices(num_gpus: int) -> list[int]:
     return [int(d) for d in visible[:num_gpus]] if visible else list(range(num_gpus))
 
 
-_MANAGED_KEYS: dict[str, str] = {}
-"""Base URL -> API key of the servers ``managed_endpoints`` runs in this process."""
+_MANAGED: dict[str, ManagedServer] = {}
+"""Base URL -> the server ``managed_endpoints`` runs in this process (its API key, and its restarts to wait for)."""
 
 
 @contextlib.contextmanager
@@ -458,7 +468,7 @@ def managed_endpoints(cfg: RunConfig, model_dir: Path, spec: FeatureSpec,
     """Launch the capture servers once for a whole capture and yield a config that points at them.
 
     Shard tasks (threads of this process) then build backends on existing endpoints (no launch per
-    shard); the API key is handed over in this process's memory (``_MANAGED_KEYS``), never through
+    shard); the API key is handed over in this process's memory (``_MANAGED``), never through
     ``os.environ``, which every child process would inherit. Servers stop on exit.
     """
     sg = cfg.capture.sglang
@@ -468,7 +478,7 @@ def managed_endpoints(cfg: RunConfig, model_dir: Path, spec: FeatureSpec,
     api_key = (os.environ.get(sg.api_key_env) if sg.api_key_env else None) or secrets.token_hex(16)
     servers = _launch_servers(cfg, model_dir, spec, api_key, module)
     urls = [server.spec.base_url for server in servers]
-    _MANAGED_KEYS.update(dict.fromkeys(urls, api_key))
+    _MANAGED.update({server.spec.base_url: server for server in servers})
     try:
         sglang = sg.model_copy(update={"endpoints": urls[:1], "final_endpoints": urls[1:]})
         yield cfg.model_copy(update={"capture": cfg.capture.model_copy(update={"sglang": sglang})})
@@ -476,4 +486,4 @@ def managed_endpoints(cfg: RunConfig, model_dir: Path, spec: FeatureSpec,
         for server in servers:
             server.stop()
         for url in urls:
-            _MANAGED_KEYS.pop(url, None)
+            _MANAGED.pop(url, None)

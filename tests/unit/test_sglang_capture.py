@@ -435,7 +435,7 @@ def test_a_held_final_port_is_refused_by_name_before_any_server_launches(tmp_pat
 
 def test_managed_endpoints_hand_the_key_to_shard_backends_in_memory_not_the_environment(tmp_path, monkeypatch):
     """Backends built inside managed_endpoints get the servers' generated key; os.environ never holds it."""
-    from eagle3.features.sglang_backend import _MANAGED_KEYS, managed_endpoints
+    from eagle3.features.sglang_backend import _MANAGED, managed_endpoints
 
     model = _fake_gpu_host(tmp_path, monkeypatch)
     cfg = run_config(tmp_path, "topk_logprobs", python=sys.executable, port=free_port(), startup_timeout_s=30,
@@ -443,15 +443,31 @@ def test_managed_endpoints_hand_the_key_to_shard_backends_in_memory_not_the_envi
     monkeypatch.delenv("EAGLE3_TEST_SGLANG_KEY", raising=False)
     spec = feature_spec("topk_logprobs", topk=2)
     with managed_endpoints(cfg, model, spec, module="tests.fakes.sglang_server") as served:
-        key = _MANAGED_KEYS[served.capture.sglang.endpoints[0]]
+        key = _MANAGED[served.capture.sglang.endpoints[0]].api_key
         assert key not in os.environ.values()
         b = SGLangCaptureBackend.from_config(served, model, spec)
         assert b.api_key == key and b.owned_servers == []
         (captured,) = list(b.capture(samples(1)))
         b.close()
-    assert _MANAGED_KEYS == {} and key not in os.environ.values()
+    assert _MANAGED == {} and key not in os.environ.values()
     assert_matches_fake(captured, samples(1)[0])
 
+
+
+def test_a_shard_backend_waits_for_a_managed_server_killed_between_shards(tmp_path, monkeypatch):
+    """A managed server SIGKILLed before the next shard's backend opens: the backend waits for the restart."""
+    from eagle3.features.sglang_backend import _MANAGED, managed_endpoints
+
+    model = _fake_gpu_host(tmp_path, monkeypatch)
+    cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=free_port(), startup_timeout_s=30)
+    spec = feature_spec()
+    with managed_endpoints(cfg, model, spec, module="tests.fakes.sglang_server") as served:
+        server = _MANAGED[served.capture.sglang.endpoints[0]]
+        os.killpg(server.pid, signal.SIGKILL)
+        b = SGLangCaptureBackend.from_config(served, model, spec)
+        (captured,) = list(b.capture(samples(1)))
+        assert server.num_restarts == 1
+    assert_matches_fake(captured, samples(1)[0])
 
 # ---------------------------------------------------------------- capture_packed (one pass, our model package)
 
