@@ -309,7 +309,8 @@ class DeployReport:
 def _section(cfg: RunConfig, baseline: ServerRun, run: ServerRun) -> tuple[list[dict[str, Any]], str, list[AcceptCheck],
                                                                               list[str]]:
     """One EAGLE-3 setting: level rows, its markdown, its accept checks and what is wrong with its figures."""
-    from infra.sglang_bench import MeasurementError, compare, compare_groups, render_group_table, render_report
+    from infra.sglang_bench import MeasurementError
+    from infra.sglang_compare import compare, compare_groups, render_group_table, render_report
 
     errors: list[str] = []
     try:

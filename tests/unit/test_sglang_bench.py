@@ -21,14 +21,12 @@ from infra.sglang_bench import (
     MeasurementError,
     RequestSample,
     check_bench_answer,
-    compare,
-    compare_groups,
     fixed_prompts,
     nearest_rank,
-    render_report,
     run_benchmark,
     summarize_level,
 )
+from infra.sglang_compare import compare, compare_groups, render_report
 from infra.sglang_spec import ServerSpecError
 from tests.fakes.clock import FakeClock
 from tests.fakes.sglang_model import FakeServing, Faults, LaunchArgs
