@@ -7,8 +7,10 @@
 #   benchmarks/sglang_lease.sh sglang K     install .sglang/bundle-K (K = 1..3); after the last, `measure` starts detached
 #   benchmarks/sglang_lease.sh poll [S]     wait up to S seconds for the chain, print its log's tail, copy results to $OUT
 # train:   data stages (ShareGPT's own answers), online training, export
-# measure: eagle3 eval (chain 3, chain 7, tree), deploy (baseline + 3 EAGLE-3 settings x 4 concurrencies on the 160
-#          evaluation prompts, accept length checked against eagle3 eval), capture parity and kill test, regeneration
+# side:    doctor, then the capture kill test next to training
+# measure: eagle3 eval (chain 3), deploy (baseline + EAGLE-3 3-1-4 at concurrency 1 and 32 on the 160 evaluation
+#          prompts, accept length checked against eagle3 eval), SGLang's levers and profiler (benchmarks/sglang_levers.py),
+#          regeneration through the server's OpenAI endpoint
 # Figures and the commands that produced them: docs/deploy.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +33,8 @@ SETS=(--set run.name=lease --set regenerate.enabled=false --set data.sources.0.m
       --set train.feature_cache_gib=12 --set capture.sglang.mem_fraction_static=0.15 --set "capture.sglang.python=$W/python-sglang"
       --set "serve.python=$W/python-sglang" --set serve.attention_backend=triton
       --set 'serve.extra_args=["--sampling-backend","pytorch","--grammar-backend","none"]'
-      --set evaluate.num_workers=4 --set evaluate.compile=auto --set 'evaluate.methods=["chain","tree"]'
+      --set evaluate.num_workers=1 --set 'evaluate.methods=["chain"]' --set 'evaluate.chain_steps=[3]'
+      --set 'serve.concurrency_levels=[1,32]' --set 'serve.extra_speculative=[]'
       --set serve.startup_timeout_s=400 --set capture.sglang.startup_timeout_s=400 --set capture.allow_shared_gpus=true
       --set "serve.launch_module=$MODULE" "${EXTRA[@]}")
 LAB=(--module "$MODULE" --server-args="$SERVER_ARGS")
@@ -52,23 +55,23 @@ train_chain() {
   touch "$W/trained"
 }
 
-side_chain() {  # next to training: capture parity needs no drafter (its timings share the GPU with training: noted)
+side_chain() {  # next to training: the kill test needs no drafter and no timing (it shares the GPU with training)
   step doctor "$W/python-sglang" -m flows.doctor --preset "$PRESET"   # SGLang's version, every argv through its parser
   while [ ! -f "$RUN/data/tokenized.parquet" ]; do sleep 2; done
-  step capture "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" \
-    --out "$RUN/bench-capture.json" "${LAB[@]}"
+  step capture-kill "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" --no-compare \
+    --kill-test --out "$RUN/bench-capture-kill.json" "${LAB[@]}"
   touch "$W/side-done"
 }
 
 measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what is left of the lease
-  while [ ! -f "$W/trained" ]; do sleep 2; done
+  while [ ! -f "$W/trained" ] || [ ! -f "$W/side-done" ]; do sleep 2; done   # the GPU to itself from here on
   step eval "$PY" -m eagle3.evaluate.stage --config "$CFG"
-  while [ ! -f "$W/side-done" ]; do sleep 2; done
   step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true
+  step levers "$PY" benchmarks/sglang_levers.py --config "$CFG" --out "$RUN/levers/bench-levers.json" \
+    --variants "${LEASE_LEVERS:-baseline,3-1-4,vocab-4096,7-1-8,attn-decode}" --profile 3-1-4 --profile-steps 30 \
+    "${LAB[@]}"
   step regenerate "$PY" benchmarks/sglang_regenerate.py --config "$CFG" --rows "${LEASE_SAMPLES:-200}" \
     --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" --mem-fraction-static 0.25 "${REGEN[@]}"
-  step capture-kill "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" --no-compare \
-    --kill-test --out "$RUN/bench-capture-kill.json" "${LAB[@]}"
   touch "$W/measured"
 }
 
@@ -79,14 +82,15 @@ detach() {  # detach NAME FUNCTION: survives the call (own session), logs to $W/
 
 collect() {  # the figures and reports so far, into $OUT (at most 8 files come back)
   [ -n "${OUT:-}" ] || return 0
-  tail -c 2000000 "$W/train.log" > "$OUT/train.log" 2>/dev/null
-  cat "$W/measure.log" "$W/side.log" 2>/dev/null | tail -c 4000000 > "$OUT/measure.log"
+  cat "$W/train.log" "$W/side.log" "$W/measure.log" 2>/dev/null | tail -c 12000000 > "$OUT/lease.log"
   cp "$RUN/eval/results.json" "$OUT/eval-results.json" 2>/dev/null
   cp "$RUN/deploy/results.json" "$OUT/deploy-results.json" 2>/dev/null
   cp "$RUN/deploy/report.md" "$OUT/deploy-report.md" 2>/dev/null
-  cp "$RUN/bench-capture.json" "$OUT/bench-capture.json" 2>/dev/null
+  cp "$RUN/levers/bench-levers.json" "$OUT/bench-levers.json" 2>/dev/null
   cp "$RUN/bench-regen.json" "$OUT/bench-regen.json" 2>/dev/null
   cp "$RUN/bench-capture-kill.json" "$OUT/bench-capture-kill.json" 2>/dev/null
+  local trace; trace=$(ls "$RUN"/levers/profile/*.trace.json.gz 2>/dev/null | head -1)  # SGLang's profiler trace
+  [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt 16000000 ] && cp "$trace" "$OUT/levers-trace.json.gz"
 }
 
 case ${1:?usage: benchmarks/sglang_lease.sh curve K | sglang K | poll [S]} in
