@@ -64,6 +64,7 @@ from infra.sglang import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+HEALTH_POLL_S = 0.5  # between /health checks of a managed server that dropped a request
 # Client errors that no retry can fix (bad request, auth, wrong path): fail at once.
 PERMANENT_STATUS = (400, 401, 403, 404, 422)
 
@@ -342,11 +343,35 @@ class _Session:
         raise CaptureError(sample.id, last.check, f"{p.name} pass: {last.detail}", attempt + 1, endpoint.url)
 
     async def _wait_ready(self, endpoint: _Endpoint, sample_id: str) -> None:
+        """Wait until a managed server that dropped a request answers again.
+
+        The supervisor's word alone is not enough: a server whose listener is gone can still be alive for a moment
+        (SGLang's main process takes a while to exit after a fatal error, and a killed leader's group is reaped
+        later), so wait_ready() may return at once while every connection is refused. Until /health answers, ask
+        the supervisor again (it notices the death and restarts) rather than spend the sample's retries."""
         assert endpoint.handle is not None
+        deadline = time.monotonic() + self.b.ready_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.to_thread(endpoint.handle.wait_ready, max(left, 0.0))
+            except Exception as exc:  # the supervisor gave up: nothing left to retry on
+                raise CaptureError(sample_id, "server", str(exc), 1, endpoint.url) from exc
+            if await self._answers(endpoint.url):
+                return
+            if time.monotonic() >= deadline:
+                raise CaptureError(sample_id, "server", f"{endpoint.url} reported ready but did not answer /health "
+                                   f"within {self.b.ready_timeout_s:.0f} s", 1, endpoint.url)
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    async def _answers(self, url: str) -> bool:
+        """True when GET /health answers 200 (a refused or dropped connection is False)."""
+        assert self.client is not None
         try:
-            await asyncio.to_thread(endpoint.handle.wait_ready, self.b.ready_timeout_s)
-        except Exception as exc:  # the supervisor gave up: nothing left to retry on
-            raise CaptureError(sample_id, "server", str(exc), 1, endpoint.url) from exc
+            resp = await self.client.get(f"{url}/health", timeout=HEALTH_POLL_S * 10)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
 
     async def _attempt(self, p: _Pass, endpoint: _Endpoint, sample: SampleTokens) -> ResponsePart:
         assert self.client is not None

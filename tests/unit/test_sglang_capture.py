@@ -534,3 +534,38 @@ def test_the_model_package_packs_aux_states_then_the_final_state():
         packed = cls()
     assert plain.layers is None and isinstance(plain.logits_processor, Inner)
     assert packed.layers == [1, 14, 26] and isinstance(packed.logits_processor, PackAuxLogits)
+
+
+class _AlwaysReady:
+    """A supervisor that still calls a server ready after its listener went away (its process not yet reaped)."""
+
+    def __init__(self, base_url: str):
+        self.base_url = base_url
+        self.waits = 0
+
+    def wait_ready(self, timeout_s: float) -> None:
+        self.waits += 1
+
+
+def test_a_server_that_refuses_connections_while_called_ready_is_waited_for_not_retried_away():
+    """Connections refused by a server its supervisor still calls ready: capture waits for /health, then goes on."""
+    import threading
+
+    first = aux_server().start()
+    handle = _AlwaysReady(first.base_url)
+    b = backend(feature_spec("topk_logprobs", topk=2), [handle], max_retries=1, ready_timeout_s=20)
+    assert len(list(b.capture(samples(3)))) == 3
+    first.stop()  # the listener goes away; the same port answers again 1.5 s later
+    second: list[FakeSGLangServer] = []
+    timer = threading.Timer(1.5, lambda: second.append(aux_server(port=first.args.port).start()))
+    timer.start()
+    try:
+        batch = samples(4, start=3)
+        out = list(b.capture(batch))
+    finally:
+        timer.join()
+        for server in second:
+            server.stop()
+    assert handle.waits >= 1
+    for captured, sample in zip(out, batch, strict=True):
+        assert_matches_fake(captured, sample)
