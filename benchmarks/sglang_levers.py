@@ -18,14 +18,14 @@ variant after its benchmark, over ``--profile-steps`` scheduler steps of one req
 beside ``--out``; ``benchmarks/sglang_trace.py`` reads it (GPU busy share, kernels by time, graph launches).
 
     python benchmarks/sglang_levers.py --config runs/<run>/config.json --out runs/<run>/bench-levers.json \\
-        --variants baseline,3-1-4,vocab-4096,7-1-8,attn-decode --profile 3-1-4 --server-args="--attention-backend triton"
+        --variants baseline,3-1-4,vocab-4096,7-1-8,attn-decode --profile 3-1-4
+(server flags come from the run's serve section; --server-args adds flags it does not set)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field

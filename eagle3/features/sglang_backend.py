@@ -10,9 +10,10 @@ by sample id, and both echoes of the prompt must equal the ids we sent.
 
 Every response is checked before it is accepted (``sglang_response.parse_response``, over
 ``infra.sglang.check_capture_response``): echoed id, prompt_tokens, cached_tokens == 0, echoed prompt
-ids, exactly one prefill block with one row per token, row width, all values finite. A failed check, a timeout or a dropped connection retries the sample
-(bounded, with backoff, preferably on another endpoint; a managed server that died is waited for
-while its supervisor restarts it); when the retries are spent the capture raises ``CaptureError``
+ids, exactly one prefill block with one row per token, row width, all values finite. A failed check, a
+timeout or a dropped connection retries the sample (bounded, with backoff, preferably on another endpoint;
+a managed server that dropped a request is waited for until it answers /health again, through its
+supervisor's restarts); when the retries are spent the capture raises ``CaptureError``
 naming the sample and the check. A bad sample is never yielded.
 
 Cost of the JSON path: a row is sent as decimal text, about 10-12 bytes per value, and SGLang builds
