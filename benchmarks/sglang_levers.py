@@ -133,6 +133,22 @@ def profile_once(base_url: str, api_key: str, prompt: list[int], out_dir: Path, 
     raise RuntimeError(f"SGLang wrote no trace into {out_dir} within 120 s of the profiled requests")
 
 
+def new_flags(cfg: RunConfig, server_args: list[str]) -> list[str]:
+    """``server_args`` minus flags (with their values) the run's serve section already sets: the spec refuses
+    repeats, and the lease passes the same flags to every lab script."""
+    have = {a for a in cfg.serve.extra_args if a.startswith("--")}
+    if cfg.serve.attention_backend:
+        have.add("--attention-backend")
+    out: list[str] = []
+    skip = False
+    for arg in server_args:
+        if arg.startswith("--"):
+            skip = arg in have
+        if not skip:
+            out.append(arg)
+    return out
+
+
 def measure_variant(cfg: RunConfig, variant: Variant, plan: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Start the variant's server, benchmark it at concurrency 1, profile it when asked, always stop it."""
     from eagle3.deploy import api_key_for, bench_settings, deploy_prompts, probe_expectations, server_specs
@@ -140,8 +156,8 @@ def measure_variant(cfg: RunConfig, variant: Variant, plan: Any, args: argparse.
     from infra.sglang import ManagedServer
     from infra.sglang_bench import run_benchmark
 
-    vcfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(
-        update={"extra_args": [*cfg.serve.extra_args, *args.server_args, *variant.extra_args]})})
+    extra = [*cfg.serve.extra_args, *new_flags(cfg, args.server_args), *variant.extra_args]
+    vcfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"extra_args": extra})})
     draft = plan.draft_model_path
     record: dict[str, Any] = {"variant": variant.name, "trio": variant.trio}
     if variant.draft_vocab:

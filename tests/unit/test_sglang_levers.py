@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.sglang_levers import parse_variant, shrink_export, summarize
+from benchmarks.sglang_levers import new_flags, parse_variant, shrink_export, summarize
 from benchmarks.sglang_trace import busy_us, summarize_trace
 from eagle3.export.sglang import check_sglang_export
 from tests.unit.test_export import sglang_export
@@ -88,3 +88,12 @@ def test_trace_summary_counts_overlapping_kernels_once_and_rounds_by_verify_step
     assert s["rounds"] == 2 and s["gpu_busy_share"] == pytest.approx(25 / 100)
     assert s["cpu_ms_per_round"]["step[TARGET_VERIFY"] == pytest.approx(0.030)
     assert s["top_kernels_ms"]["k1"] == pytest.approx(0.020) and s["launches_per_round"]["cudaGraphLaunch"] == 0.5
+
+
+def test_lab_flags_the_run_already_sets_are_dropped_with_their_values():
+    """--attention-backend (a serve field) and --grammar-backend (in extra_args) are not repeated; others stay."""
+    from eagle3.config import load_config
+
+    cfg = load_config("tiny", ["serve.attention_backend=triton", 'serve.extra_args=["--grammar-backend","none"]'])
+    given = ["--attention-backend", "triton", "--grammar-backend", "none", "--sampling-backend", "pytorch"]
+    assert new_flags(cfg, given) == ["--sampling-backend", "pytorch"]
