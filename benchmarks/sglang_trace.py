@@ -58,8 +58,10 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
     by_kernel: dict[str, float] = defaultdict(float)
     for e in kernels:
         by_kernel[e["name"][:80]] += e["dur"]
-    launches = Counter(e["name"] for e in events if e.get("cat") == "cuda_runtime"
-                       and e["name"] in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch"))
+    launch_events = [e for e in events if e.get("cat") == "cuda_runtime"
+                     and e["name"] in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")]
+    launches = Counter(e["name"] for e in launch_events)
+    phases_of_launches = Counter(f"{enclosing_phase(e, events)}: {e['name']}" for e in launch_events)
     per_round = max(rounds, 1)
     return {
         "rounds": rounds, "kernel_span_ms": span / 1000, "gpu_busy_ms": busy / 1000, "gpu_busy_share": busy / span,
@@ -67,7 +69,15 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
         "cpu_ms_per_round": {k: v / 1000 / per_round for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": {k: v / 1000 for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]},
         "launches_per_round": {k: v / per_round for k, v in launches.items()},
+        "launches_per_round_by_phase": {k: v / per_round for k, v in phases_of_launches.most_common()},
     }
+
+
+def enclosing_phase(event: dict[str, Any], events: list[dict[str, Any]]) -> str:
+    """The innermost SGLang phase annotation (not scheduler.run_batch) on the event's thread around it."""
+    inner = [a for a in events if a.get("cat") == "user_annotation" and a["name"] != "scheduler.run_batch"
+             and a.get("tid") == event.get("tid") and a["ts"] <= event["ts"] <= a["ts"] + a["dur"]]
+    return min(inner, key=lambda a: a["dur"])["name"].split(" ")[0] if inner else "(no phase)"
 
 
 def render(summary: dict[str, Any]) -> str:
@@ -81,6 +91,8 @@ def render(summary: dict[str, Any]) -> str:
     lines += [f"  {v:8.2f} ms  {k}" for k, v in summary["top_kernels_ms"].items()]
     lines.append("launch calls per round: " + ", ".join(f"{k} {v:.1f}"
                                                        for k, v in summary["launches_per_round"].items()))
+    lines.append("launch calls per round, by the phase around them:")
+    lines += [f"  {v:6.1f}  {k}" for k, v in summary["launches_per_round_by_phase"].items()]
     return "\n".join(lines)
 
 

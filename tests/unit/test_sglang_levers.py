@@ -88,6 +88,7 @@ def test_trace_summary_counts_overlapping_kernels_once_and_rounds_by_verify_step
     assert s["rounds"] == 2 and s["gpu_busy_share"] == pytest.approx(25 / 100)
     assert s["cpu_ms_per_round"]["step[TARGET_VERIFY"] == pytest.approx(0.030)
     assert s["top_kernels_ms"]["k1"] == pytest.approx(0.020) and s["launches_per_round"]["cudaGraphLaunch"] == 0.5
+    assert s["launches_per_round_by_phase"] == {"step[TARGET_VERIFY: cudaGraphLaunch": 0.5}
 
 
 def test_lab_flags_the_run_already_sets_are_dropped_with_their_values():
