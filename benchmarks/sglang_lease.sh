@@ -85,7 +85,7 @@ collect() {  # the figures and reports so far, into $OUT (at most 8 files come b
   cat "$W/train.log" "$W/side.log" "$W/measure.log" 2>/dev/null | tail -c 12000000 > "$OUT/lease.log"
   cp "$RUN/eval/results.json" "$OUT/eval-results.json" 2>/dev/null
   cp "$RUN/deploy/results.json" "$OUT/deploy-results.json" 2>/dev/null
-  cp "$RUN/deploy/report.md" "$OUT/deploy-report.md" 2>/dev/null
+  cp "$RUN/eval/prompts.jsonl" "$OUT/eval-prompts.jsonl" 2>/dev/null   # per prompt: greedy tokens, verify steps
   cp "$RUN/levers/bench-levers.json" "$OUT/bench-levers.json" 2>/dev/null
   cp "$RUN/bench-regen.json" "$OUT/bench-regen.json" 2>/dev/null
   cp "$RUN/bench-capture-kill.json" "$OUT/bench-capture-kill.json" 2>/dev/null

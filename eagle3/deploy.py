@@ -22,12 +22,20 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from eagle3.config import RunConfig
+from eagle3.deploy_checks import (
+    AcceptCheck,
+    SameTextCheck,
+    accept_checks,
+    check_errors,
+    render_checks,
+    same_text_checks,
+)
 from eagle3.run.progress import Progress, ProgressFn
 
 if TYPE_CHECKING:
@@ -239,58 +247,6 @@ def report_context(cfg: RunConfig, baseline: ServerRun, speculative: Sequence[Se
 
 
 @dataclass(frozen=True)
-class AcceptCheck:
-    """SGLang's accept length against eagle3 eval's for one method and dataset, on the same prompts and export."""
-
-    trio: str
-    dataset: str
-    sglang: float
-    evaluate: float
-    rel_diff: float
-    ok: bool
-
-
-def eval_method_name(trio: str) -> str:
-    """The evaluate stage's name for the same drafting: chain-S-1-N, or tree-S-K-N."""
-    from eagle3.config_stages import parse_trio
-
-    steps, topk, tokens = parse_trio(trio)
-    return f"{'chain' if topk == 1 else 'tree'}-{steps}-{topk}-{tokens}"
-
-
-def accept_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[AcceptCheck], str | None]:
-    """Per dataset and overall, at the lowest concurrency: (checks, why none were made)."""
-    from eagle3.evaluate.stage import eval_dir
-
-    if cfg.serve.prompts != "evaluation":
-        return [], "serve.prompts is fixed: eagle3 eval measured other prompts"
-    path = eval_dir(cfg) / "results.json"
-    if not path.is_file():
-        return [], f"no {path}: run the evaluate step first"
-    doc = json.loads(path.read_text())
-    if doc.get("settings", {}).get("max_new_tokens") != cfg.serve.max_new_tokens:
-        return [], (f"eagle3 eval generated {doc.get('settings', {}).get('max_new_tokens')} tokens per prompt, "
-                    f"the servers {cfg.serve.max_new_tokens}: set evaluate.max_new_tokens equal")
-    assert run.trio is not None
-    method = eval_method_name(run.trio)
-    rows = {r["dataset"]: r for r in doc.get("results", []) if r.get("method") == method}
-    if not rows:
-        return [], f"eagle3 eval did not measure {method} (evaluate.chain_steps / tree_* settings)"
-    level = min(run.result.levels, key=lambda lv: lv.concurrency)
-    checks = []
-    for dataset in [*dict.fromkeys(run.groups), "all"]:
-        idx = [i for i, g in enumerate(run.groups) if dataset in ("all", g)]
-        verify = sum(level.verify_by_prompt[i] for i in idx)
-        if dataset not in rows or not verify:
-            continue
-        ours = sum(level.completion_by_prompt[i] for i in idx) / verify
-        theirs = rows[dataset]["num_tokens"] / rows[dataset]["num_verify"]
-        gap = abs(ours - theirs) / theirs
-        checks.append(AcceptCheck(run.trio, dataset, ours, theirs, gap, gap <= cfg.serve.accept_tolerance))
-    return checks, None
-
-
-@dataclass(frozen=True)
 class DeployReport:
     """The written comparison: results.json, report.md, one row per EAGLE-3 setting and level, the report's text."""
 
@@ -298,7 +254,7 @@ class DeployReport:
     report: Path
     comparison: list[dict[str, Any]]
     markdown: str
-    accept_checks: list[AcceptCheck] = field(default_factory=list)
+    accept_checks: list[AcceptCheck | SameTextCheck] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict (what the Prefect task and the CLI return)."""
@@ -306,7 +262,8 @@ class DeployReport:
                 "accept_checks": [asdict(c) for c in self.accept_checks]}
 
 
-def _section(cfg: RunConfig, baseline: ServerRun, run: ServerRun) -> tuple[list[dict[str, Any]], str, list[AcceptCheck],
+def _section(cfg: RunConfig, baseline: ServerRun, run: ServerRun) -> tuple[list[dict[str, Any]], str,
+                                                                              list[AcceptCheck | SameTextCheck],
                                                                               list[str]]:
     """One EAGLE-3 setting: level rows, its markdown, its accept checks and what is wrong with its figures."""
     from infra.sglang_bench import MeasurementError
@@ -322,16 +279,13 @@ def _section(cfg: RunConfig, baseline: ServerRun, run: ServerRun) -> tuple[list[
     if len(set(run.groups)) > 1 or cfg.serve.prompts == "evaluation":
         markdown += "\n" + render_group_table(compare_groups(baseline.result, run.result, list(run.groups)))
     checks, skipped = accept_checks(cfg, run)
+    same, same_skipped = same_text_checks(cfg, run) if checks else ([], None)
     if checks:
-        markdown += "\n| dataset | SGLang accept length | eagle3 eval | gap |\n|---|---:|---:|---:|\n" + "".join(
-            f"| {c.dataset} | {c.sglang:.3f} | {c.evaluate:.3f} | {100 * c.rel_diff:.1f}%{'' if c.ok else ' FAIL'} |\n"
-            for c in checks)
+        markdown += render_checks(checks, same, same_skipped)
     else:
         markdown += f"\nAccept length not compared with eagle3 eval: {skipped}\n"
-    errors += [f"{c.trio} {c.dataset}: SGLang accept length {c.sglang:.3f} vs eagle3 eval {c.evaluate:.3f} "
-               f"({100 * c.rel_diff:.1f}% > {100 * cfg.serve.accept_tolerance:.0f}%): a train/serve mismatch (aux layer "
-               "ids, norms, d2t/t2d, RoPE, chat template or dtype)" for c in checks if not c.ok]
-    return [{"trio": run.trio} | asdict(r) for r in rows], markdown, checks, errors
+    errors += check_errors(checks, same, cfg.serve.accept_tolerance)
+    return [{"trio": run.trio} | asdict(r) for r in rows], markdown, checks + same, errors
 
 
 def write_report(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun | Sequence[ServerRun]) -> DeployReport:
@@ -352,7 +306,9 @@ def write_report(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun | S
     markdown = "\n".join(head) + "\n" + "\n".join(section[1] for section in sections)
     doc: dict[str, Any] = {"context": context, "baseline": baseline.to_json(),
                            "speculative": [run.to_json() for run in runs], "comparison": rows,
-                           "accept_checks": [asdict(c) for c in checks], "valid": not errors, "errors": errors}
+                           "accept_checks": [asdict(c) for c in checks if isinstance(c, AcceptCheck)],
+                           "same_text_checks": [asdict(c) for c in checks if isinstance(c, SameTextCheck)],
+                           "valid": not errors, "errors": errors}
     results = atomic_write_json(out / "results.json", doc)
     report = DeployReport(results, atomic_write_text(out / "report.md", markdown), rows, markdown, checks)
     if errors:

@@ -65,6 +65,11 @@ def prompts_digest(prompts: Sequence[Prompt]) -> str:
     return hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest()[:16]
 
 
+def output_digest(output_ids: Sequence[int]) -> str:
+    """What identifies a greedy output across runs and engines: sha256 of its token ids as JSON, 16 hex digits."""
+    return hashlib.sha256(json.dumps([int(i) for i in output_ids]).encode()).hexdigest()[:16]
+
+
 class BenchmarkError(RuntimeError):
     """A request or answer the benchmark cannot count; the message names the server, request and check."""
 
@@ -255,7 +260,7 @@ async def measure_request(client: httpx.AsyncClient, prompt: Prompt, index: int,
     except (httpx.HTTPError, ValueError) as exc:
         raise BenchmarkError(f"{client.base_url} request {rid} (prompt {index}): {type(exc).__name__}: {exc}") from exc
     end = clock()
-    digest = hashlib.sha256(json.dumps(final["output_ids"]).encode()).hexdigest()[:16]
+    digest = output_digest(final["output_ids"])
     return RequestSample(index, end - t0, (first_at or end) - t0, meta["completion_tokens"],
                          int(meta.get("cached_tokens") or 0), meta.get("spec_verify_ct"), digest)
 

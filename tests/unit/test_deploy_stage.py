@@ -103,7 +103,7 @@ def _run(trio: str, groups: list[str], completion: list[int], verify: list[int])
     from eagle3.deploy import ServerRun
     from infra.sglang_bench import BenchResult, BenchSettings, RequestSample, summarize_level
 
-    samples = [RequestSample(i, 1.0, 0.1, c, 0, v, str(i)) for i, (c, v) in enumerate(zip(completion, verify))]
+    samples = [RequestSample(i, 1.0, 0.1, c, 0, v, str(i)) for i, (c, v) in enumerate(zip(completion, verify, strict=True))]
     level = summarize_level(1, samples, 1.0, True)
     result = BenchResult("u", True, BenchSettings((1,), len(samples), 256, 0), "d", {}, (level,))
     return ServerRun("speculative", "argv", "log", None, {}, result, trio, tuple(groups))
@@ -128,3 +128,63 @@ def test_sglang_accept_length_is_checked_against_eagle3_eval_per_dataset(tmp_pat
     assert got == {"mtbench": (2.0, 2.0, True), "gsm8k": (2.7, 3.0, False), "all": (round(370 / 150, 4), 2.5, True)}
     checks, skipped = accept_checks(cfg, _run("7-1-8", ["mtbench", "gsm8k"], [100, 270], [50, 100]))
     assert checks == [] and "did not measure chain-7-1-8" in skipped
+
+
+def _digest_run(trio: str, groups: list[str], outputs: list[list[int]], verify: list[int]):
+    """A speculative ServerRun whose per-prompt output digests are those of ``outputs``."""
+    from eagle3.deploy import ServerRun
+    from infra.sglang_bench import BenchResult, BenchSettings, RequestSample, output_digest, summarize_level
+
+    samples = [RequestSample(i, 1.0, 0.1, len(o), 0, v, output_digest(o))
+               for i, (o, v) in enumerate(zip(outputs, verify, strict=True))]
+    level = summarize_level(1, samples, 1.0, True)
+    result = BenchResult("u", True, BenchSettings((1,), len(samples), 256, 0), "d", {}, (level,))
+    return ServerRun("speculative", "argv", "log", None, {}, result, trio, tuple(groups))
+
+
+def _eval_record(index: int, dataset: str, tokens: list[int], verify: int) -> dict:
+    from eagle3.evaluate.records import GreedyReference, LosslessCheck, MethodRun, PromptRecord
+
+    committed = [1] * verify
+    run = MethodRun(len(tokens), 0.1, LosslessCheck("identical"), [3] * verify, [0] * verify, committed)
+    return PromptRecord(index, dataset, f"{dataset}:{index}", 5, GreedyReference(len(tokens), 0.1, tokens), None,
+                        {"chain-3-1-4": run}).to_json()
+
+
+def test_accept_lengths_are_compared_on_the_prompts_whose_outputs_are_identical(tmp_path):
+    """Only token-identical outputs (end-of-turn token kept or dropped by SGLang) count; verify steps compared there."""
+    from eagle3.deploy_checks import same_text_checks
+
+    cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "r"},
+                                    "serve": {"prompts": "evaluation", "max_new_tokens": 256}})
+    ours = [[5, 6, 7, 2], [8, 9, 2], [4, 4, 4, 4, 2], [1, 2]]
+    (cfg.run_dir / "eval").mkdir(parents=True)
+    (cfg.run_dir / "eval" / "prompts.jsonl").write_text("".join(
+        json.dumps(_eval_record(i, g, t, v)) + "\n"
+        for i, (g, t, v) in enumerate(zip(["mtbench", "mtbench", "gsm8k", "gsm8k"], ours, [2, 2, 2, 1], strict=True))))
+    served = [[5, 6, 7, 2], [8, 9], [4, 4, 3, 3, 2], [1, 2]]  # 0 same, 1 same without end of turn, 2 diverged, 3 same
+    checks, skipped = same_text_checks(cfg, _digest_run("3-1-4", ["mtbench", "mtbench", "gsm8k", "gsm8k"], served,
+                                                        [2, 1, 3, 1]))
+    assert skipped is None
+    got = {c.dataset: (c.num_same, c.num_prompts, round(c.sglang, 4), round(c.evaluate, 4), c.ok) for c in checks}
+    # mtbench: 7 tokens in 3 SGLang verify steps vs 4 of ours; gsm8k: prompt 3 only, 2 tokens in 1 step each
+    assert got == {"mtbench": (2, 2, round(7 / 3, 4), 1.75, False), "gsm8k": (1, 2, 2.0, 2.0, True),
+                   "all": (3, 4, 2.25, 1.8, False)}
+
+
+def test_a_whole_set_gap_names_the_same_text_gap_and_where_it_comes_from():
+    """A failed dataset whose identical outputs agree says the gap comes from diverged outputs; both kinds fail."""
+    from eagle3.deploy_checks import AcceptCheck, SameTextCheck, check_errors, render_checks
+
+    checks = [AcceptCheck("3-1-4", "humaneval", 1.410, 1.463, 0.036, False), AcceptCheck("3-1-4", "all", 1.43, 1.44,
+                                                                                        0.007, True)]
+    same = [SameTextCheck("3-1-4", "humaneval", 19, 40, 1.45, 1.452, 0.001, True),
+            SameTextCheck("3-1-4", "all", 70, 160, 1.50, 1.40, 0.071, False)]
+    errors = check_errors(checks, same, 0.03)
+    assert len(errors) == 2
+    assert "3.6% > 3%" in errors[0] and "19 prompts with identical outputs the gap is 0.1%" in errors[0]
+    assert "not from the drafter" in errors[0]
+    assert errors[1].startswith("3-1-4 all: on 70 prompts with identical outputs") and "7.1% > 3%" in errors[1]
+    table = render_checks(checks, same, None)
+    assert "| humaneval | 1.410 | 1.463 | 3.6% FAIL | 19/40 | 1.450 / 1.452 | 0.1% |" in table
+    assert "| all | 1.430 | 1.440 | 0.7% | 70/160 | 1.500 / 1.400 | 7.1% FAIL |" in table

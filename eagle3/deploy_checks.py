@@ -1,0 +1,178 @@
+"""The deploy stage's train/serve parity checks: SGLang's accept length against ``eagle3 eval``'s for the same
+export, prompts and drafting.
+
+Two comparisons, both at the lowest concurrency measured:
+
+* ``accept_checks``: per dataset and overall, every prompt (sum of tokens / sum of verify steps on each side). A
+  gap above ``serve.accept_tolerance`` fails the deploy stage. It also moves when greedy texts diverge (bf16
+  near-ties in other kernels): a prompt drafted on other text has another accept length.
+* ``same_text_checks``: only the prompts whose output is token-identical on both sides, verify steps compared on
+  that same text. Divergence cannot move it, so a gap here points at the drafter as served (aux-layer ids, norms,
+  d2t/t2d, RoPE, dtype), not at the text; it is reported beside the first and fails the stage the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
+    from eagle3.deploy import ServerRun
+    from eagle3.evaluate.records import PromptRecord
+    from infra.sglang_bench import LevelResult
+
+MISMATCH_HINT = "a train/serve mismatch (aux layer ids, norms, d2t/t2d, RoPE, chat template or dtype)"
+
+
+@dataclass(frozen=True)
+class AcceptCheck:
+    """SGLang's accept length against eagle3 eval's for one method and dataset, on the same prompts and export."""
+
+    trio: str
+    dataset: str
+    sglang: float
+    evaluate: float
+    rel_diff: float
+    ok: bool
+
+
+def eval_method_name(trio: str) -> str:
+    """The evaluate stage's name for the same drafting: chain-S-1-N, or tree-S-K-N."""
+    from eagle3.config_stages import parse_trio
+
+    steps, topk, tokens = parse_trio(trio)
+    return f"{'chain' if topk == 1 else 'tree'}-{steps}-{topk}-{tokens}"
+
+
+def accept_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[AcceptCheck], str | None]:
+    """Per dataset and overall, at the lowest concurrency: (checks, why none were made)."""
+    from eagle3.evaluate.stage import eval_dir
+
+    if cfg.serve.prompts != "evaluation":
+        return [], "serve.prompts is fixed: eagle3 eval measured other prompts"
+    path = eval_dir(cfg) / "results.json"
+    if not path.is_file():
+        return [], f"no {path}: run the evaluate step first"
+    doc = json.loads(path.read_text())
+    if doc.get("settings", {}).get("max_new_tokens") != cfg.serve.max_new_tokens:
+        return [], (f"eagle3 eval generated {doc.get('settings', {}).get('max_new_tokens')} tokens per prompt, "
+                    f"the servers {cfg.serve.max_new_tokens}: set evaluate.max_new_tokens equal")
+    assert run.trio is not None
+    method = eval_method_name(run.trio)
+    rows = {r["dataset"]: r for r in doc.get("results", []) if r.get("method") == method}
+    if not rows:
+        return [], f"eagle3 eval did not measure {method} (evaluate.chain_steps / tree_* settings)"
+    level = min(run.result.levels, key=lambda lv: lv.concurrency)
+    checks = []
+    for dataset in [*dict.fromkeys(run.groups), "all"]:
+        idx = [i for i, g in enumerate(run.groups) if dataset in ("all", g)]
+        verify = sum(level.verify_by_prompt[i] for i in idx)
+        if dataset not in rows or not verify:
+            continue
+        ours = sum(level.completion_by_prompt[i] for i in idx) / verify
+        theirs = rows[dataset]["num_tokens"] / rows[dataset]["num_verify"]
+        gap = abs(ours - theirs) / theirs
+        checks.append(AcceptCheck(run.trio, dataset, ours, theirs, gap, gap <= cfg.serve.accept_tolerance))
+    return checks, None
+
+
+@dataclass(frozen=True)
+class SameTextCheck:
+    """Accept lengths on the prompts whose greedy output is identical in SGLang and eagle3 eval, for one dataset."""
+
+    trio: str
+    dataset: str
+    num_same: int  # prompts whose outputs are token-identical
+    num_prompts: int
+    sglang: float  # tokens / SGLang's verify steps on those prompts (the same tokens on both sides)
+    evaluate: float  # tokens / eagle3 eval's verify steps on those prompts
+    rel_diff: float
+    ok: bool
+
+
+def eval_records(cfg: RunConfig) -> dict[int, PromptRecord] | None:
+    """eval/prompts.jsonl by prompt index (None when the evaluation wrote none)."""
+    from eagle3.evaluate.records import PromptRecord
+    from eagle3.evaluate.stage import eval_dir
+
+    path = eval_dir(cfg) / "prompts.jsonl"
+    if not path.is_file():
+        return None
+    records = (PromptRecord.from_json(json.loads(line)) for line in path.read_text().splitlines() if line.strip())
+    return {r.index: r for r in records}
+
+
+def same_output(sglang_digest: str, ours: list[int]) -> bool:
+    """SGLang's output (by digest) is ours, with or without the end-of-turn token (engines differ on keeping it)."""
+    from infra.sglang_bench import output_digest
+
+    return sglang_digest in (output_digest(ours), output_digest(ours[:-1]) if ours else "")
+
+
+def same_text_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[SameTextCheck], str | None]:
+    """Per dataset and overall: verify steps on token-identical outputs; (checks, why none were made)."""
+    records = eval_records(cfg)
+    if records is None or cfg.serve.prompts != "evaluation" or run.trio is None:
+        return [], "no eval/prompts.jsonl with this drafting to compare per prompt"
+    method = eval_method_name(run.trio)
+    level: LevelResult = min(run.result.levels, key=lambda lv: lv.concurrency)
+    same: dict[int, tuple[int, int, int]] = {}  # prompt -> (tokens, SGLang verify steps, eval verify steps)
+    for i in range(len(run.groups)):
+        rec = records.get(i)
+        m = rec.methods.get(method) if rec else None
+        if rec is None or m is None or i >= len(level.output_digests):
+            continue
+        ours = m.tokens if m.tokens is not None else rec.greedy.tokens
+        if same_output(level.output_digests[i], ours):
+            same[i] = (m.num_tokens, level.verify_by_prompt[i], len(m.committed))
+    if not same:
+        return [], f"no prompt's output is identical in SGLang and eagle3 eval ({method})"
+    checks = []
+    for dataset in [*dict.fromkeys(run.groups), "all"]:
+        idx = [i for i, g in enumerate(run.groups) if dataset in ("all", g)]
+        hits = [same[i] for i in idx if i in same]
+        tokens, theirs, ours = (sum(h[k] for h in hits) for k in range(3))
+        if not hits or not theirs or not ours:
+            continue
+        a, b = tokens / theirs, tokens / ours
+        gap = abs(a - b) / b
+        checks.append(SameTextCheck(run.trio, dataset, len(hits), len(idx), a, b, gap,
+                                    gap <= cfg.serve.accept_tolerance))
+    return checks, None
+
+
+def render_checks(checks: list[AcceptCheck], same: list[SameTextCheck], same_skipped: str | None) -> str:
+    """The report's parity table: every prompt, and the prompts with identical outputs."""
+    by_dataset = {c.dataset: c for c in same}
+    lines = ["", "| dataset | SGLang accept length | eagle3 eval | gap | identical outputs | SGLang / eval on them "
+             "| gap |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for c in checks:
+        s = by_dataset.get(c.dataset)
+        on_same = (f"{s.num_same}/{s.num_prompts} | {s.sglang:.3f} / {s.evaluate:.3f} | "
+                   f"{100 * s.rel_diff:.1f}%{'' if s.ok else ' FAIL'}") if s else "0 | - | -"
+        lines.append(f"| {c.dataset} | {c.sglang:.3f} | {c.evaluate:.3f} | {100 * c.rel_diff:.1f}%"
+                     f"{'' if c.ok else ' FAIL'} | {on_same} |")
+    if same_skipped:
+        lines.append(f"\nIdentical outputs not compared: {same_skipped}")
+    return "\n".join(lines) + "\n"
+
+
+def check_errors(checks: list[AcceptCheck], same: list[SameTextCheck], tolerance: float) -> list[str]:
+    """One line per failed check, the same-text figure beside a whole-set failure (it says where the gap is)."""
+    by_dataset = {c.dataset: c for c in same}
+    errors = []
+    for c in checks:
+        if c.ok:
+            continue
+        s = by_dataset.get(c.dataset)
+        where = (f"; on the {s.num_same} prompts with identical outputs the gap is {100 * s.rel_diff:.1f}%"
+                 + (", so it comes from outputs that diverged, not from the drafter" if s.ok else "")
+                 if s else "")
+        errors.append(f"{c.trio} {c.dataset}: SGLang accept length {c.sglang:.3f} vs eagle3 eval {c.evaluate:.3f} "
+                      f"({100 * c.rel_diff:.1f}% > {100 * tolerance:.0f}%): {MISMATCH_HINT}{where}")
+    errors += [f"{s.trio} {s.dataset}: on {s.num_same} prompts with identical outputs SGLang's accept length "
+               f"{s.sglang:.3f} vs eagle3 eval {s.evaluate:.3f} ({100 * s.rel_diff:.1f}% > {100 * tolerance:.0f}%): "
+               f"{MISMATCH_HINT}" for s in same if not s.ok]
+    return errors
