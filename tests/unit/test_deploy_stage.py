@@ -103,7 +103,8 @@ def _run(trio: str, groups: list[str], completion: list[int], verify: list[int])
     from eagle3.deploy import ServerRun
     from infra.sglang_bench import BenchResult, BenchSettings, RequestSample, summarize_level
 
-    samples = [RequestSample(i, 1.0, 0.1, c, 0, v, str(i)) for i, (c, v) in enumerate(zip(completion, verify, strict=True))]
+    samples = [RequestSample(i, 1.0, 0.1, c, 0, v, str(i))
+               for i, (c, v) in enumerate(zip(completion, verify, strict=True))]
     level = summarize_level(1, samples, 1.0, True)
     result = BenchResult("u", True, BenchSettings((1,), len(samples), 256, 0), "d", {}, (level,))
     return ServerRun("speculative", "argv", "log", None, {}, result, trio, tuple(groups))
