@@ -7,7 +7,7 @@
 #   benchmarks/sglang_lease.sh sglang K     install .sglang/bundle-K (K = 1..3); after the last, `measure` starts detached
 #   benchmarks/sglang_lease.sh poll [S]     wait up to S seconds for the chain, print its log's tail, copy results to $OUT
 # train:   data stages (ShareGPT's own answers), online training, export
-# side:    doctor, then the capture kill test next to training
+# side:    doctor, tests/gpu/test_sglang_gpu.py, then the capture kill test next to training
 # measure: eagle3 eval (chain 3), deploy (baseline + EAGLE-3 3-1-4 at concurrency 1 and 32 on the 160 evaluation
 #          prompts, accept length checked against eagle3 eval), SGLang's levers and profiler (benchmarks/sglang_levers.py),
 #          regeneration through the server's OpenAI endpoint
@@ -57,6 +57,8 @@ train_chain() {
 
 side_chain() {  # next to training: the kill test needs no drafter and no timing (it shares the GPU with training)
   step doctor "$W/python-sglang" -m flows.doctor --preset "$PRESET"   # SGLang's version, every argv through its parser
+  EAGLE3_SGLANG_PYTHON="$W/python-sglang" step gpu-test "$PY" -m pytest tests/gpu/test_sglang_gpu.py -q \
+    -p no:cacheprovider -o addopts=""   # the marked GPU test against the real server (tiny target, bf16)
   while [ ! -f "$RUN/data/tokenized.parquet" ]; do sleep 2; done
   step capture-kill "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" --no-compare \
     --kill-test --out "$RUN/bench-capture-kill.json" "${LAB[@]}"
@@ -68,7 +70,7 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
   step eval "$PY" -m eagle3.evaluate.stage --config "$CFG"
   step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true
   step levers "$PY" benchmarks/sglang_levers.py --config "$CFG" --out "$RUN/levers/bench-levers.json" \
-    --variants "${LEASE_LEVERS:-baseline,3-1-4,vocab-4096,7-1-8,attn-decode}" --profile 3-1-4 --profile-steps 30 \
+    --variants "${LEASE_LEVERS:-baseline,3-1-4,vocab-4096,attn-decode,compile,3-1-4#2}" --profile 3-1-4 --profile-steps 30 \
     "${LAB[@]}"
   step regenerate "$PY" benchmarks/sglang_regenerate.py --config "$CFG" --rows "${LEASE_SAMPLES:-200}" \
     --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" --mem-fraction-static 0.25 "${REGEN[@]}"

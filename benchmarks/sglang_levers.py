@@ -6,7 +6,7 @@ the level / verify steps). A baseline variant gives ms per target step, so a rou
 the speed-up a setting can reach is accept length / (round ms / step ms). Variants (``--variants``):
 
   baseline        no speculation (ms per target step)
-  3-1-4           the run's export, chain 3 (the control every lever is compared with)
+  3-1-4           the run's export, chain 3 (the control every lever is compared with; 3-1-4#2 repeats it)
   7-1-8           chain 7: what draft depth costs
   vocab-K         chain 3 with the export cut to its K most frequent draft tokens (train split's counts): the
                   draft lm_head and SGLang's per-step top-k work shrink K/V_draft (e.g. vocab-4096)
@@ -28,7 +28,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,12 @@ class Variant:
 
 
 def parse_variant(name: str) -> Variant:
-    """A variant by name (see the module doc); ValueError naming the known ones otherwise."""
+    """A variant by name (see the module doc); ``NAME#2`` measures NAME again under its own name (a second
+    server of the same setting, later in the lease: the spread between them says which differences are real).
+    ValueError naming the known ones otherwise."""
+    if "#" in name:
+        base, _, tag = name.partition("#")
+        return replace(parse_variant(base), name=f"{base}-{tag}")
     fixed = {
         "baseline": Variant("baseline", trio=None),
         "3-1-4": Variant("3-1-4"),
@@ -204,7 +209,7 @@ def summarize(records: list[dict[str, Any]]) -> list[str]:
     """Per variant: round cost in target steps and the speed-up it gives, against baseline and control."""
     by = {r["variant"]: r for r in records if "ms_per_round" in r}
     step = by.get("baseline", {}).get("ms_per_round")
-    control = by.get("3-1-4", {}).get("ms_per_round")
+    control = by.get("3-1-4", {}).get("ms_per_round")  # the first 3-1-4 server; a repeat shows the spread
     lines = []
     for r in records:
         if "ms_per_round" not in r:

@@ -54,6 +54,8 @@ def test_variants_parse_by_name_and_unknown_ones_are_named():
     """vocab-K carries K, 7-1-8 its trio, baseline no trio; an unknown name lists the known ones."""
     assert parse_variant("vocab-4096").draft_vocab == 4096 and parse_variant("7-1-8").trio == "7-1-8"
     assert parse_variant("baseline").trio is None
+    again = parse_variant("vocab-4096#2")
+    assert again.name == "vocab-4096-2" and again.draft_vocab == 4096
     with pytest.raises(ValueError, match="attn-decode"):
         parse_variant("fast")
 
