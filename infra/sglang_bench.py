@@ -108,6 +108,7 @@ class RequestSample:
     cached_tokens: int
     spec_verify_ct: int | None
     output_digest: str
+    output_ids: tuple[int, ...] = ()  # the greedy output itself (where two servers diverge, and on what margin)
 
     @property
     def tpot_s(self) -> float:
@@ -137,6 +138,7 @@ class LevelResult:
     completion_by_prompt: tuple[int, ...] = field(default=(), repr=False)
     verify_by_prompt: tuple[int, ...] = field(default=(), repr=False)
     latency_by_prompt: tuple[float, ...] = field(default=(), repr=False)
+    output_ids_by_prompt: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,10 @@ class BenchResult:
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> BenchResult:
         per_prompt = ("output_digests", "completion_by_prompt", "verify_by_prompt", "latency_by_prompt")
-        levels = tuple(LevelResult(**(lvl | {k: tuple(lvl.get(k, ())) for k in per_prompt})) for lvl in doc["levels"])
+        levels = tuple(LevelResult(**(lvl | {k: tuple(lvl.get(k, ())) for k in per_prompt}
+                                      | {"output_ids_by_prompt": tuple(tuple(ids) for ids in
+                                                                       lvl.get("output_ids_by_prompt", ()))}))
+                       for lvl in doc["levels"])
         return cls(doc["base_url"], doc["speculative"], BenchSettings(**doc["settings"]), doc["prompts_digest"],
                    dict(doc["server_settings"]), levels)
 
@@ -188,7 +193,8 @@ def summarize_level(concurrency: int, samples: Sequence[RequestSample], duration
         output_digests=tuple(s.output_digest for s in ordered),
         completion_by_prompt=tuple(s.completion_tokens for s in ordered),
         verify_by_prompt=tuple(s.spec_verify_ct or 0 for s in ordered),
-        latency_by_prompt=tuple(s.latency_s for s in ordered))
+        latency_by_prompt=tuple(s.latency_s for s in ordered),
+        output_ids_by_prompt=tuple(s.output_ids for s in ordered))
 
 
 # ---------------------------------------------------------------- one request
@@ -262,7 +268,8 @@ async def measure_request(client: httpx.AsyncClient, prompt: Prompt, index: int,
     end = clock()
     digest = output_digest(final["output_ids"])
     return RequestSample(index, end - t0, (first_at or end) - t0, meta["completion_tokens"],
-                         int(meta.get("cached_tokens") or 0), meta.get("spec_verify_ct"), digest)
+                         int(meta.get("cached_tokens") or 0), meta.get("spec_verify_ct"), digest,
+                         tuple(int(i) for i in final["output_ids"]))
 
 
 # ---------------------------------------------------------------- levels and runs
