@@ -9,7 +9,8 @@
 # train:   data stages (ShareGPT's own answers), online training, export
 # side:    doctor, tests/gpu/test_sglang_gpu.py, then the capture kill test next to training
 # measure: eagle3 eval (chain 3), deploy (baseline + EAGLE-3 3-1-4 at concurrency 1 and 32 on the 160 evaluation
-#          prompts, accept length checked against eagle3 eval), SGLang's levers and profiler (benchmarks/sglang_levers.py),
+#          prompts, accept length checked against eagle3 eval), where outputs split (benchmarks/sglang_identity.py),
+#          SGLang's levers and profiler (benchmarks/sglang_levers.py),
 #          regeneration through the server's OpenAI endpoint
 # Figures and the commands that produced them: docs/deploy.md.
 set -uo pipefail
@@ -69,6 +70,10 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
   while [ ! -f "$W/trained" ] || [ ! -f "$W/side-done" ]; do sleep 2; done   # the GPU to itself from here on
   step eval "$PY" -m eagle3.evaluate.stage --config "$CFG"
   step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true
+  for against in baseline eval; do   # where outputs split, and float32's margin there
+    step "identity-$against" "$PY" benchmarks/sglang_identity.py --config "$CFG" --deploy "$RUN/deploy/results.json" \
+      --against "$against" --device "${LEASE_DEVICE:-cuda}" --out "$RUN/deploy/identity-$against.json"
+  done
   step levers "$PY" benchmarks/sglang_levers.py --config "$CFG" --out "$RUN/levers/bench-levers.json" \
     --variants "${LEASE_LEVERS:-baseline,3-1-4,vocab-4096,attn-decode,compile,3-1-4#2}" --profile 3-1-4 --profile-steps 30 \
     "${LAB[@]}"
@@ -82,15 +87,18 @@ detach() {  # detach NAME FUNCTION: survives the call (own session), logs to $W/
   echo "started $1 (pid $!), log $W/$1.log"
 }
 
-collect() {  # the figures and reports so far, into $OUT (at most 8 files come back)
+collect() {  # the figures and reports so far, into $OUT (at most 8 files come back, 16 MiB each)
   [ -n "${OUT:-}" ] || return 0
   cat "$W/train.log" "$W/side.log" "$W/measure.log" 2>/dev/null | tail -c 12000000 > "$OUT/lease.log"
-  cp "$RUN/eval/results.json" "$OUT/eval-results.json" 2>/dev/null
-  cp "$RUN/deploy/results.json" "$OUT/deploy-results.json" 2>/dev/null
-  cp "$RUN/eval/prompts.jsonl" "$OUT/eval-prompts.jsonl" 2>/dev/null   # per prompt: greedy tokens, verify steps
-  cp "$RUN/levers/bench-levers.json" "$OUT/bench-levers.json" 2>/dev/null
-  cp "$RUN/bench-regen.json" "$OUT/bench-regen.json" 2>/dev/null
-  cp "$RUN/bench-capture-kill.json" "$OUT/bench-capture-kill.json" 2>/dev/null
+  local files=() f
+  for f in eval/results.json eval/prompts.jsonl deploy/results.json deploy/report.md deploy/identity-baseline.json \
+           deploy/identity-eval.json levers/bench-levers.json bench-regen.json bench-capture-kill.json; do
+    [ -f "$RUN/$f" ] && files+=("$f")
+  done
+  mkdir -p "$RUN/killtest"   # the kill test's stage output and server log (why a failed one failed)
+  cp runs/lease-sglang-killtest/capture-stage-*.out runs/lease-sglang-killtest/logs/*.log "$RUN/killtest/" 2>/dev/null \
+    && files+=(killtest)
+  [ ${#files[@]} -gt 0 ] && tar -C "$RUN" -czf "$OUT/lease-results.tar.gz" "${files[@]}"
   local trace; trace=$(ls "$RUN"/levers/profile/*.trace.json.gz 2>/dev/null | head -1)  # SGLang's profiler trace
   [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt 16000000 ] && cp "$trace" "$OUT/levers-trace.json.gz"
 }
