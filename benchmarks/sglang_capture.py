@@ -14,6 +14,8 @@ What it does (the run's merge/tokenize/vocab stages must be done in RUN):
      and exits 1 when any rel RMS exceeds ``--tol`` (default 1e-2; the goal), naming each offender.
 Supervision is forced to final_hidden in the benchmark's copy of the config, so the final state is compared.
 ``--compare-with-self`` replaces step 2 by a second HF capture (parity of the comparison code: all errors 0).
+``--reference-dtype float32`` runs the HF reference of step 3 in float32: against SGLang, each state's error from
+the (nearly) exact value; with ``--compare-with-self``, HF's own bf16 error, the floor two bf16 engines share.
 
 ``--kill-test`` (after step 2, before step 3; ``--no-compare`` runs it alone): the kill-and-resume test of the
 capture stage against a real managed server, in benchmarks/sglang_capture_kill.py.
@@ -313,7 +315,11 @@ def run_compare(cfg: RunConfig, args: argparse.Namespace, results: dict[str, Any
         results["sglang"] = timing.to_json()
         results["sglang_version"] = timing.extra.get("version")
     failures = run_kill_test(cfg, args, results) if args.kill_test else []
-    ref, hf_timing = hf_capture(hcfg, model_dir, spec, samples, args.warmup)
+    rcfg = hcfg  # the reference: HF in the run's dtype, or in --reference-dtype (float32: the truth, nearly)
+    if args.reference_dtype:
+        rcfg = hcfg.model_copy(update={"target": hcfg.target.model_copy(update={"dtype": args.reference_dtype})})
+        results["reference_dtype"] = args.reference_dtype
+    ref, hf_timing = hf_capture(rcfg, model_dir, spec, samples, args.warmup)
     results["hf"] = hf_timing.to_json()
     results["device"] = device_name(hcfg.capture.device)
     per_sample, overall = compare_all(ref, got, spec.num_aux)
@@ -335,6 +341,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_server_args(parser, "cfg's capture.sglang.python")
     parser.add_argument("--tol", type=float, default=DEFAULT_TOL, help="rel RMS goal (default 1e-2)")
     parser.add_argument("--compare-with-self", action="store_true", help="compare HF against HF (no SGLang)")
+    parser.add_argument("--reference-dtype", choices=["float32"],
+                        help="run the HF reference in this dtype: with --compare-with-self, HF's own bf16 error")
     parser.add_argument("--kill-test", action="store_true", help="also run the kill-and-resume test")
     parser.add_argument("--no-compare", action="store_true", help="only the kill test")
     parser.add_argument("--min-shards", type=int, default=6, help="kill test: shards at least (default 6)")

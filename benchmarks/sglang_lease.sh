@@ -63,6 +63,10 @@ side_chain() {  # next to training: the kill test needs no drafter and no timing
   while [ ! -f "$RUN/data/tokenized.parquet" ]; do sleep 2; done
   step capture-kill "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" --no-compare \
     --kill-test --out "$RUN/bench-capture-kill.json" "${LAB[@]}"
+  if [ -n "${LEASE_CAPTURE_PARITY:-}" ]; then   # SGLang's states against HF in float32 (each engine's bf16 error)
+    step capture-fp32 "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" \
+      --reference-dtype float32 --out "$RUN/bench-capture-fp32.json" "${LAB[@]}"
+  fi
   touch "$W/side-done"
 }
 
@@ -92,7 +96,7 @@ collect() {  # the figures and reports so far, into $OUT (at most 8 files come b
   cat "$W/train.log" "$W/side.log" "$W/measure.log" 2>/dev/null | tail -c 12000000 > "$OUT/lease.log"
   local files=() f
   for f in eval/results.json eval/prompts.jsonl deploy/results.json deploy/report.md deploy/identity-baseline.json \
-           deploy/identity-eval.json levers/bench-levers.json bench-regen.json bench-capture-kill.json; do
+           deploy/identity-eval.json levers/bench-levers.json bench-regen.json bench-capture-kill.json bench-capture-fp32.json; do
     [ -f "$RUN/$f" ] && files+=("$f")
   done
   mkdir -p "$RUN/killtest"   # the kill test's stage output and server log (why a failed one failed)
