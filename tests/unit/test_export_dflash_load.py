@@ -30,7 +30,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,25 +62,13 @@ def install_dflash_stand_ins() -> list[str]:
 
 def build_sglang_dflash(export_dir: Path, target_dir: Path):
     """SGLang's DFlashDraftModel for the export's config.json, every parameter filled with NaN."""
-    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
     from sglang.srt.models.dflash import DFlashDraftModel
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import ServerArgs
     from sglang.srt.utils.hf_transformers_utils import get_config
 
-    from tests.unit.test_export_sglang_load import _free_port
+    from tests.unit.test_export_sglang_load import init_sglang_cpu_runtime, nan_filled
 
-    if not torch.distributed.is_initialized():  # once per process
-        args = ServerArgs(model_path=str(target_dir), device="cpu", skip_tokenizer_init=True)
-        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0))
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
-        initialize_model_parallel(backend="gloo")
-    model = DFlashDraftModel(get_config(str(export_dir), trust_remote_code=False))
-    with torch.no_grad():
-        for param in model.parameters():
-            param.fill_(float("nan"))  # a parameter the loader never writes stays NaN
-    return model
+    init_sglang_cpu_runtime(target_dir)
+    return nan_filled(DFlashDraftModel(get_config(str(export_dir), trust_remote_code=False)))
 
 
 def sglang_block_forward(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -237,17 +224,6 @@ def our_block_forward(drafter, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return hidden.reshape(-1, d.hidden_size)
 
 
-def misname_k_norm(export_dir: Path, broken: Path) -> Path:
-    """A copy of the export with layers.1.self_attn.k_norm.weight misspelt (the kind of key SGLang ignores)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(export_dir, broken)
-    tensors = load_file(str(broken / "model.safetensors"))
-    tensors["layers.1.self_attn.k_nrom.weight"] = tensors.pop("layers.1.self_attn.k_norm.weight")
-    save_file(tensors, str(broken / "model.safetensors"))
-    return broken
-
-
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     """SGLang's view of three exports: 2 layers plain RoPE (with a forward), 1 layer llama3 RoPE (with a forward),
@@ -256,6 +232,7 @@ def loaded(tmp_path_factory):
     from eagle3.drafter.model import Llama3RopeScaling
     from eagle3.export.dflash import export_dflash
     from tests.unit.test_dflash_model import random_dflash, tiny_dflash_dims
+    from tests.unit.test_export_sglang_load import misname
 
     tmp = tmp_path_factory.mktemp("dflash_sglang")
     plain = random_dflash(tiny_dflash_dims(layers=2), seed=1)
@@ -267,7 +244,8 @@ def loaded(tmp_path_factory):
         outs.append(export_dflash(export_state_dict(drafter), drafter.dims, TARGET_LAYER_IDS, NUM_TARGET_LAYERS,
                                   tmp / name, torch.float32))
         inputs.append(forward_inputs(drafter, tmp / f"{name}.inputs.safetensors"))
-    broken = misname_k_norm(outs[0], tmp / "broken")
+    broken = misname(outs[0], tmp / "broken", "layers.1.self_attn.k_norm.weight",
+                     "layers.1.self_attn.k_nrom.weight")
     results = load_in_sglang(target, [(outs[0], tmp / "plain.inputs.safetensors"),
                                       (outs[1], tmp / "scaled.inputs.safetensors"), (broken, None)])
     return {"drafters": [plain, scaled], "results": results[:2], "inputs": inputs, "broken": broken,

@@ -88,25 +88,35 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def build_sglang_draft(export_dir: Path, target_dir: Path):
-    """SGLang's LlamaForCausalLMEagle3 for the export's config.json, every parameter filled with NaN."""
+def init_sglang_cpu_runtime(target_dir: Path) -> None:
+    """SGLang's runtime context and a one-rank gloo group, as a scheduler process has them (once per process)."""
     from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
-    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
-    from sglang.srt.utils.hf_transformers_utils import get_config
 
-    if not torch.distributed.is_initialized():  # once per process
+    if not torch.distributed.is_initialized():
         args = ServerArgs(model_path=str(target_dir), device="cpu", skip_tokenizer_init=True)
         publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0))
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
         initialize_model_parallel(backend="gloo")
-    model = LlamaForCausalLMEagle3(get_config(str(export_dir), trust_remote_code=False))
+
+
+def nan_filled(model):
+    """``model`` with every parameter NaN: a parameter the loader never writes stays NaN."""
     with torch.no_grad():
         for param in model.parameters():
-            param.fill_(float("nan"))  # a parameter the loader never writes stays NaN
+            param.fill_(float("nan"))
     return model
+
+
+def build_sglang_draft(export_dir: Path, target_dir: Path):
+    """SGLang's LlamaForCausalLMEagle3 for the export's config.json, every parameter filled with NaN."""
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    init_sglang_cpu_runtime(target_dir)
+    return nan_filled(LlamaForCausalLMEagle3(get_config(str(export_dir), trust_remote_code=False)))
 
 
 def child_main(target_dir: str, *jobs: str) -> None:
@@ -117,7 +127,7 @@ def child_main(target_dir: str, *jobs: str) -> None:
     faked = install_stand_ins()
     from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
 
-    for export_dir, out_file in zip(jobs[::2], jobs[1::2]):
+    for export_dir, out_file in zip(jobs[::2], jobs[1::2], strict=True):
         model = build_sglang_draft(Path(export_dir), Path(target_dir))
         model.load_weights(safetensors_weights_iterator([str(Path(export_dir) / "model.safetensors")]))
         tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
@@ -149,26 +159,26 @@ def load_in_sglang(target_dir: Path, export_dirs: list[Path]) -> list[dict[str, 
     outs = [d.with_name(d.name + ".sglang.safetensors") for d in export_dirs]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, str(Path(__file__).resolve()), str(target_dir)]
-    cmd += [str(p) for pair in zip(export_dirs, outs) for p in pair]
+    cmd += [str(p) for pair in zip(export_dirs, outs, strict=True) for p in pair]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=str(REPO))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = []
     for out in outs:
         with safe_open(str(out), framework="pt") as fh:
-            results.append({**{k: fh.get_tensor(k) for k in fh.keys()},
+            results.append({**{k: fh.get_tensor(k) for k in fh.keys()},  # noqa: SIM118 (safetensors' safe_open has keys() but is not iterable: `in fh` raises)
                             "__view__": json.loads(fh.metadata()["sglang_view"])})
     return results
 
 
-def misname_hidden_norm(export_dir: Path, broken: Path) -> Path:
-    """A copy of the export with midlayer.hidden_norm.weight misspelt (the kind of key SGLang skips)."""
+def misname(export_dir: Path, broken: Path, name: str, wrong: str) -> Path:
+    """A copy of the export with tensor ``name`` stored as ``wrong`` (the kind of key SGLang's loader skips)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(export_dir, broken)
     tensors = load_file(str(broken / "model.safetensors"))
-    tensors["midlayer.hiden_norm.weight"] = tensors.pop("midlayer.hidden_norm.weight")
+    tensors[wrong] = tensors.pop(name)
     save_file(tensors, str(broken / "model.safetensors"))
     return broken
 
@@ -176,8 +186,8 @@ def misname_hidden_norm(export_dir: Path, broken: Path) -> Path:
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     """SGLang's parameters after loading a clean fp32 export and a misnamed copy; our drafter, dims, the dirs."""
-    from eagle3.export.sglang import export_sglang
     from eagle3.drafter.model import export_state_dict
+    from eagle3.export.sglang import export_sglang
     from tests.unit.test_export import AUX, random_drafter, tiny_dims, vocab_maps, write_target
 
     tmp = tmp_path_factory.mktemp("sglang")
@@ -185,7 +195,7 @@ def loaded(tmp_path_factory):
     target = write_target(tmp / "target", dims)
     drafter = random_drafter(dims, target)
     out = export_sglang(export_state_dict(drafter), dims, *vocab_maps(dims), AUX, tmp / "export", torch.float32)
-    broken = misname_hidden_norm(out, tmp / "broken")
+    broken = misname(out, tmp / "broken", "midlayer.hidden_norm.weight", "midlayer.hiden_norm.weight")
     clean_params, broken_params = load_in_sglang(target, [out, broken])
     return {"params": clean_params, "broken_params": broken_params, "drafter": drafter, "dims": dims, "out": out,
             "broken": broken}
