@@ -15,10 +15,12 @@ from __future__ import annotations
 from typing import Any, Literal, get_args
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
 from eagle3.config import RunConfig, load_config
 from eagle3.deploy import NOT_ENABLED, DeployReport
 from flows.common import PresetName, as_json, guard_crash_loop, preset_gpu_note
+from flows.stage_runs import StageClock, ui_url
 from tasks.deploy import benchmark_server_task, evaluate_task, export_task, prepare_serving_task, report_task
 
 DeployStep = Literal["export", "evaluate", "benchmark"]
@@ -35,21 +37,28 @@ def run_benchmarks(cfg: RunConfig) -> DeployReport:
     return report_task(cfg, baseline, speculative)
 
 
-def run_deploy_steps(cfg: RunConfig, steps: list[str], force: bool = False) -> dict[str, Any]:
-    """The chosen steps in order; {step: task result} (typed records; a skipped benchmark says why)."""
+def run_deploy_steps(cfg: RunConfig, steps: list[str], force: bool = False,
+                     clock: StageClock | None = None) -> dict[str, Any]:
+    """The chosen steps in order; {step: task result} (typed records; a skipped benchmark says why). ``clock``
+    records each step's run (export and evaluate: their task runs; the benchmark's tasks: this flow run)."""
     unknown = sorted(set(steps) - set(ALL_STEPS))
     if unknown:
         raise ValueError(f"unknown deploy steps {unknown}; choose from {list(ALL_STEPS)}")
+    clock = clock or StageClock(cfg.run_dir)
     results: dict[str, Any] = {}
     if "export" in steps:
-        results["export"] = export_task(cfg, force)
+        results["export"] = clock.call("export", "task-run",
+                                       lambda: export_task(cfg, force, return_state=True)).result()
     if "evaluate" in steps:
-        results["evaluate"] = evaluate_task(cfg, force)
+        results["evaluate"] = clock.call("evaluate", "task-run",
+                                         lambda: evaluate_task(cfg, force, return_state=True)).result()
     if "benchmark" in steps:
         if cfg.serve.enabled:
-            results["benchmark"] = run_benchmarks(cfg)
+            results["benchmark"] = clock.plain("benchmark", lambda: run_benchmarks(cfg), lambda _: True,
+                                               url=ui_url("flow-run", flow_run.id))
         else:
             get_run_logger().warning(NOT_ENABLED)
+            clock.skipped("benchmark", NOT_ENABLED)
             results["benchmark"] = {"skipped": NOT_ENABLED}
     return results
 
@@ -74,6 +83,8 @@ def eagle3_deploy(preset: PresetName = "smollm2-demo", overrides: list[str] | No
 
     guard_crash_loop()
     cfg = config or load_config(preset, list(overrides or []))
+    clock = StageClock(cfg.run_dir)
     with run_lock(cfg.run_dir, owner="prefect flow eagle3-deploy"):
-        results = run_deploy_steps(cfg, list(steps or ALL_STEPS), force)
-    return {"run_dir": str(cfg.run_dir.resolve()), **{step: as_json(result) for step, result in results.items()}}
+        results = run_deploy_steps(cfg, list(steps or ALL_STEPS), force, clock)
+    return {"run_dir": str(cfg.run_dir.resolve()), **{step: as_json(result) for step, result in results.items()},
+            "stage_runs": clock.to_json()}  # per step: state, seconds, outputs, link (the pipeline's run summary)

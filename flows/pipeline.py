@@ -11,66 +11,78 @@ re-run after a crash, a schedule or a UI "Retry" recomputes only what is missing
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+import json
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import ConfigError, RunConfig, intended_run_name, load_config
+from eagle3.run.history import AcceptanceRecord, acceptance_record, append_acceptance, read_acceptance, trend_rows
+from eagle3.run.layout import run_layout
 from eagle3.run.registry import ONLINE_SKIP, UNTIL_CHOICES
 from eagle3.run.stages import synthetic_sources
-from flows.common import PresetName, as_json, guard_crash_loop, preset_gpu_note
+from eagle3.run.summary import StageRun, headline, render_early_failure
+from eagle3.run.summary import render_summary as summary_markdown
+from flows.common import NeedsGpuError, PresetName, as_json, guard_crash_loop, preset_gpu_note
 from flows.report import render_run_report
 from flows.run_names import stage_run_name
+from flows.stage_runs import StageClock
 from tasks.artifacts import artifact_key, run_artifact_key
 from tasks.data import merge_task, regenerate_task, synthesize_task, target_check_task, tokenize_task, vocab_task
 from tasks.stage_cache import UP_TO_DATE
 
 
-
-def _call_stage(task, cfg: RunConfig, *args: Any, force: bool = False) -> Any:
-    """Run a stage task (its cache key is the stage key while the stage is up to date: tasks.stage_cache; ``force``
-    skips Prefect's cache). A result served from Prefect's cache is reported as not computed (a record stored by
-    an older version may hold the value of the run that did compute it)."""
+def _call_stage(clock: StageClock, stage: str, task, cfg: RunConfig, *args: Any, force: bool = False) -> Any:
+    """Run a stage task, recorded by ``clock`` (its cache key is the stage key while the stage is up to date:
+    tasks.stage_cache; ``force`` skips Prefect's cache). A result served from Prefect's cache is reported as not
+    computed (a record stored by an older version may hold the value of the run that did compute it)."""
     if force:
         task = task.with_options(refresh_cache=True)
-    state = task(cfg, *args, return_state=True)
+    state = clock.call(stage, "task-run", lambda: task(cfg, *args, return_state=True))
     outcome = state.result()
     if outcome is None:
         return None
     return dataclasses.replace(outcome, computed=outcome.computed and state.name != UP_TO_DATE)
 
 
-def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any] | None = None,
+                    clock: StageClock | None = None) -> dict[str, Any]:
     """Call the data-stage tasks in order; returns {stage: task result} (filled in place when ``results`` is given,
-    so a caller that catches a failure knows which stages finished)."""
+    so a caller that catches a failure knows which stages finished; ``clock`` records each stage's run)."""
     results = {} if results is None else results
-    results["target"] = target_check_task(cfg)
+    clock = clock or StageClock(cfg.run_dir)
+    results["target"] = clock.call("target", "task-run", lambda: target_check_task(cfg, return_state=True)).result()
     if synthetic_sources(cfg):
-        results["synthesize"] = _call_stage(synthesize_task, cfg, force, force=force)
-    results["merge"] = _call_stage(merge_task, cfg, force, force=force)
+        results["synthesize"] = _call_stage(clock, "synthesize", synthesize_task, cfg, force, force=force)
+    results["merge"] = _call_stage(clock, "merge", merge_task, cfg, force, force=force)
     if cfg.regenerate.enabled and cfg.regenerate.num_slices > 1:
         from flows.regenerate import regenerate_in_slices
 
-        results["regenerate"] = regenerate_in_slices(cfg, force)
+        results["regenerate"] = clock.plain("regenerate", lambda: regenerate_in_slices(cfg, force),
+                                            lambda outcome: outcome.computed)  # slice runs: no one run to link
     elif cfg.regenerate.enabled:
-        results["regenerate"] = _call_stage(regenerate_task, cfg, force, force=force)
-    results["tokenize"] = _call_stage(tokenize_task, cfg, force, force=force)
-    results["vocab"] = _call_stage(vocab_task, cfg, force, force=force)
+        results["regenerate"] = _call_stage(clock, "regenerate", regenerate_task, cfg, force, force=force)
+    results["tokenize"] = _call_stage(clock, "tokenize", tokenize_task, cfg, force, force=force)
+    results["vocab"] = _call_stage(clock, "vocab", vocab_task, cfg, force, force=force)
     return results
 
 
-LastStage = Literal[UNTIL_CHOICES]  # type: ignore[valid-type]  (eagle3.run.registry: the UI's choices)
+if TYPE_CHECKING:  # a Literal built at run time is no type to a type checker: it checks a str
+    LastStage = str
+else:
+    LastStage = Literal[UNTIL_CHOICES]  # eagle3.run.registry: the UI's choices
 LAST_STAGES: tuple[str, ...] = UNTIL_CHOICES
 DEPLOY_STEPS = {"export": ["export"], "evaluate": ["export", "evaluate"], "deploy": ["export", "evaluate", "benchmark"]}
 
 
 def run_model_stages(cfg: RunConfig, until: str, force: bool = False,
-                     results: dict[str, Any] | None = None) -> dict[str, Any]:
+                     results: dict[str, Any] | None = None, clock: StageClock | None = None) -> dict[str, Any]:
     """Capture (a subflow, one task per shard), training (torchrun), then the deploy subflow, as far as ``until``
-    (``results`` is filled in place when given)."""
+    (``results`` is filled in place when given; ``clock`` records each stage's run)."""
     from flows.capture import eagle3_capture
     from flows.deploy import eagle3_deploy
     from flows.train_nodes import train_nodes
@@ -78,20 +90,36 @@ def run_model_stages(cfg: RunConfig, until: str, force: bool = False,
 
     reached = LAST_STAGES.index(until)
     results = {} if results is None else results
+    clock = clock or StageClock(cfg.run_dir)
     if reached >= LAST_STAGES.index("capture"):
         if cfg.train.features == "online":
             get_run_logger().info("capture: %s", ONLINE_SKIP)
+            clock.skipped("capture", ONLINE_SKIP)
             results["capture"] = {"skipped": ONLINE_SKIP}
         else:
-            state = eagle3_capture(config=cfg, return_state=True)
+            state = clock.call("capture", "flow-run", lambda: eagle3_capture(config=cfg, return_state=True))
             results["capture"] = {**state.result(), "computed": state.name != UP_TO_DATE}
     if reached >= LAST_STAGES.index("train"):
-        results["train"] = train_nodes(cfg) if cfg.train.nnodes > 1 else _call_stage(train_task, cfg)
+        if cfg.train.nnodes > 1:
+            results["train"] = clock.plain("train", lambda: train_nodes(cfg),
+                                           lambda summary: summary.computed)  # node runs: no one run to link
+        else:
+            results["train"] = _call_stage(clock, "train", train_task, cfg)
     if until in DEPLOY_STEPS:
+        steps = DEPLOY_STEPS[until]
         deploy = eagle3_deploy.with_options(flow_run_name=stage_run_name("deploy"))  # "deploy-<run>"
-        deployed = deploy(config=cfg, force=force, steps=DEPLOY_STEPS[until])
-        results.update({k: v for k, v in deployed.items() if k != "run_dir"})
+        state = clock.call(deploy_label(steps), "flow-run",
+                           lambda: deploy(config=cfg, force=force, steps=steps, return_state=True))
+        deployed = state.result()
+        if deployed.get("stage_runs"):  # the subflow's own row gives way to one row per step, linked to its run
+            clock.replace_last([StageRun.from_json(r) for r in deployed["stage_runs"]])
+        results.update({k: v for k, v in deployed.items() if k not in ("run_dir", "stage_runs")})
     return results
+
+
+def deploy_label(steps: list[str]) -> str:
+    """How the summary names the deploy subflow while it stands for its steps (when it failed)."""
+    return "deploy subflow (" + ", ".join(steps) + ")"
 
 
 def planned_stages(cfg: RunConfig, until: str) -> list[str]:
@@ -113,7 +141,16 @@ def failed_stage(cfg: RunConfig, until: str, results: dict[str, Any]) -> str:
     return pending[0] if pending[0] not in DEPLOY_STEPS["deploy"] else "deploy subflow (" + ", ".join(pending) + ")"
 
 
-@flow(name="eagle3-pipeline", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=4))
+def unstarted_stages(cfg: RunConfig, until: str, results: dict[str, Any], runs: list[StageRun]) -> list[str]:
+    """The planned stages a failure left without a result or a row of their own (a failed deploy subflow's row
+    stands for all its steps)."""
+    recorded = {r.stage for r in runs}
+    if any(r.stage.startswith("deploy subflow") for r in runs):
+        recorded |= set(DEPLOY_STEPS["deploy"])
+    return [s for s in planned_stages(cfg, until) if s not in results and s not in recorded]
+
+
+@flow(name="eagle3-pipeline", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=4))  # type: ignore[arg-type]  # Prefect types task_runner invariantly in its future type
 @preset_gpu_note
 def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
                     config: RunConfig | None = None, force: bool = False,
@@ -131,80 +168,98 @@ def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | 
     from eagle3.run.stages import write_run_config
     from infra.storage import run_lock
 
-    guard_crash_loop()
-    try:
-        cfg = config or load_config(preset, list(overrides or []))
-    except ConfigError as exc:  # the run page still gets its summary, with the message (and any "did you mean")
-        name = intended_run_name(preset, list(overrides or []))
-        create_markdown_artifact(markdown=render_config_error(name, preset, list(overrides or []), str(exc)),
-                                 key=run_artifact_key(name, "run-summary"),
-                                 description="pipeline summary (failed: invalid config)")
-        raise
+    cfg = start_or_explain(preset, list(overrides or []), config)
     get_run_logger().info("run directory %s", cfg.run_dir.resolve())
     results: dict[str, Any] = {}
+    clock = StageClock(cfg.run_dir)
     try:
         with run_lock(cfg.run_dir, owner=f"prefect flow run {flow_run.id}"):
             write_run_config(cfg)
-            run_data_stages(cfg, force, results)
-            run_model_stages(cfg, until, force, results)
+            run_data_stages(cfg, force, results, clock)
+            run_model_stages(cfg, until, force, results, clock)
+            record = record_acceptance(cfg, results)
     except Exception as exc:
-        failure = f"{type(exc).__name__}: {exc}"
-        create_markdown_artifact(markdown=render_summary(cfg, results, (failed_stage(cfg, until, results), failure)),
+        clock.not_started(unstarted_stages(cfg, until, results, clock.runs))
+        failure = (failed_stage(cfg, until, results), f"{type(exc).__name__}: {exc}")
+        create_markdown_artifact(markdown=render_summary(cfg, results, clock.runs, failure),
                                  key=artifact_key(cfg, "run-summary"), description="pipeline summary (failed)")
         raise
-    create_markdown_artifact(markdown=render_summary(cfg, results), key=artifact_key(cfg, "run-summary"),
-                             description="pipeline summary")
+    create_markdown_artifact(markdown=render_summary(cfg, results, clock.runs), key=artifact_key(cfg, "run-summary"),
+                             description="pipeline summary: per stage its state, seconds, outputs and run")
     create_markdown_artifact(markdown=render_run_report(cfg), key=artifact_key(cfg, "run-report"),
                              description="run report: data, capture, training curves, measured acceptance")
+    if record is not None:
+        publish_acceptance_trend(cfg)
     return {"run_dir": str(cfg.run_dir.resolve()), **{k: as_json(v) for k, v in results.items() if k != "target"}}
 
 
-def render_config_error(run_name: str, preset: str, overrides: list[str], message: str) -> str:
-    """Markdown run summary of a run that stopped before any stage because its config is invalid."""
-    given = "\n".join(f"* `{o}`" for o in overrides) or "* (none)"
-    return "\n".join([f"# Run `{run_name}` failed: invalid config", "",
-                      "**Failed before any stage**: the preset and overrides do not make a valid config.", "",
-                      "```", message[:4000], "```", "", f"preset: `{preset}`; overrides:", "", given, "",
-                      "Fix the named keys (a `did you mean` names the closest known one) and run again; "
-                      "nothing was computed or changed on disk."]) + "\n"
+def start_or_explain(preset: str, overrides: list[str], config: RunConfig | None) -> RunConfig:
+    """The run's config, after the checks every flow starts with (guard_crash_loop); a run refused before any stage
+    (an invalid config, a preset that needs a GPU host on a host without CUDA, a crash loop) still gets its
+    run-summary artifact saying why, then raises."""
+    try:
+        guard_crash_loop()
+        return config or load_config(preset, overrides)
+    except Exception as exc:
+        name = config.run.name if config is not None else intended_run_name(preset, overrides)
+        title, why, advice = early_failure_text(exc)
+        create_markdown_artifact(
+            markdown=render_early_failure(name, title, why, str(exc), preset, overrides, advice),
+            key=run_artifact_key(name, "run-summary"), description=f"pipeline summary (failed: {title})")
+        raise
 
 
-def render_summary(cfg: RunConfig, results: dict[str, Any], failure: tuple[str, str] | None = None) -> str:
-    """Markdown: one line per stage with whether it ran and its main counts; first, for a failed run,
-    ``failure`` = (stage, "ExceptionType: message")."""
-    lines = [f"# Run `{cfg.run.name}`" + (" failed" if failure else ""), ""]
-    if failure:
-        lines += [f"**Failed at stage `{failure[0]}`**:", "", "```", failure[1][:4000], "```", "",
-                  "The flow run's Logs tab holds the traceback; stages above it in the table completed.", ""]
-    lines += [f"* run directory: `{cfg.run_dir.resolve()}`"]
-    if "target" in results:
-        lines.append(f"* target: `{results['target'].model_dir}` (fingerprint `{results['target'].fingerprint}`)")
-    lines.append("")
-    lines += ["| stage | computed | outputs |", "|---|---|---|"]
-    results = {k: as_json(v) for k, v in results.items()}
-    for stage in ("synthesize", "merge", "regenerate", "tokenize", "vocab"):
-        res = results.get(stage)
-        if res:
-            outs = ", ".join(f"`{k}`" for k in res.get("outputs", {}))
-            lines.append(f"| {stage} | {_computed(res)} | {outs} |")
-    if results.get("capture", {}).get("skipped"):
-        lines.append(f"| capture | no | {results['capture']['skipped']} |")
-    elif "capture" in results:
-        cap = results["capture"].get("stats", {})
-        lines.append(f"| capture | {_computed(results['capture'])} | {cap.get('num_shards')} shards, "
-                     f"{cap.get('num_tokens')} tokens, {cap.get('num_bytes', 0) / 1e6:.1f} MB |")
-    if results.get("train"):
-        last = results["train"].get("last_eval") or {}
-        lines.append(f"| train | {_computed(results['train'])} | val acc_0 {last.get('acc_0')}, "
-                     f"accept_len_est {last.get('accept_len_est')} |")
-    if results.get("export"):
-        lines.append(f"| export | {_computed(results['export'])} | "
-                     f"{', '.join(f'`{k}`' for k in results['export'].get('outputs', {}))} |")
-    if results.get("evaluate"):
-        lines.append(f"| evaluate | {_computed(results['evaluate'])} | see the run report |")
-    return "\n".join(lines) + "\n"
+def early_failure_text(exc: Exception) -> tuple[str, str, str]:
+    """(title, why, advice) of the run summary of a run refused before any stage by ``exc``."""
+    if isinstance(exc, ConfigError):
+        return ("invalid config", "the preset and overrides do not make a valid config.",
+                "Fix the named keys (a `did you mean` names the closest known one) and run again; nothing was "
+                "computed or changed on disk.")
+    if isinstance(exc, NeedsGpuError):
+        return ("needs a GPU host", "the run's settings need a CUDA device and this host has none.",
+                "Run it on a GPU worker (work pool `gpu` on a host with CUDA), pick a CPU preset (`tiny`, "
+                "`smollm2-demo`) or override the settings named above; nothing was downloaded, computed or changed "
+                "on disk.")
+    return ("refused before any stage", f"{type(exc).__name__}.",
+            "The flow run's Logs tab holds the traceback; nothing was computed or changed on disk.")
 
 
-def _computed(res: dict[str, Any]) -> str:
-    """The summary's 'computed' cell: yes, no (up to date: the task shows Cached), or unknown (multi-node train)."""
-    return {True: "yes", False: "no (up to date)"}.get(res.get("computed"), "see its run")
+def record_acceptance(cfg: RunConfig, results: dict[str, Any]) -> AcceptanceRecord | None:
+    """Append what this run's evaluation measured to the run's acceptance history (eagle3.run.history), when the
+    run evaluated (computed or up to date); the record, or None. The history is bookkeeping beside the stages'
+    outputs: a results.json it cannot read or a history it cannot write is logged as a warning, not a failed run."""
+    layout = run_layout(cfg)
+    if "evaluate" not in results or not layout.eval_results.is_file():
+        return None
+    try:
+        record = acceptance_record(json.loads(layout.eval_results.read_text()), str(flow_run.id),
+                                   str(flow_run.name), datetime.now(timezone.utc),
+                                   computed=bool(as_json(results["evaluate"]).get("computed")))
+        if record is not None:
+            append_acceptance(layout.acceptance_history, record)
+    except (OSError, ValueError) as exc:
+        get_run_logger().warning("acceptance history not updated (%s): %s: %s", layout.acceptance_history,
+                                 type(exc).__name__, exc)
+        return None
+    return record
+
+
+def publish_acceptance_trend(cfg: RunConfig) -> None:
+    """Table artifact `<run>-acceptance-trend`: one row per pipeline run of this run name that evaluated."""
+    from tasks.artifacts import MAX_TABLE_COLUMNS
+
+    rows = trend_rows(read_acceptance(run_layout(cfg).acceptance_history), MAX_TABLE_COLUMNS)
+    create_table_artifact(table=rows, key=artifact_key(cfg, "acceptance-trend"),
+                          description=f"acceptance length per run of `{cfg.run.name}` (newest last; eval/results.json "
+                                      "of each, from history/acceptance.jsonl)")
+
+
+def render_summary(cfg: RunConfig, results: dict[str, Any], runs: list[StageRun],
+                   failure: tuple[str, str] | None = None) -> str:
+    """The run-summary markdown (eagle3.run.summary.render_summary), each stage's 'result' cell filled with its main
+    counts (eagle3.run.summary.headline of its task's result)."""
+    target = results.get("target")
+    target_text = f"`{target.model_dir}` (fingerprint `{target.fingerprint}`)" if target is not None else ""
+    rows = [r if r.note else dataclasses.replace(r, note=headline(r.stage, as_json(results.get(r.stage))))
+            for r in runs]
+    return summary_markdown(cfg.run.name, cfg.run_dir.resolve(), rows, target_text, failure)

@@ -11,6 +11,7 @@
         eval/       results.json, report.md, per_position.png, prompts.jsonl, partial/, evaluate.manifest.json
         deploy/     results.json, report.md, the SGLang server logs of the benchmark
         logs/       logs of managed servers and of failed flow runs
+        history/    acceptance.jsonl: what each pipeline run that evaluated measured (eagle3.run.history)
 
 Modules that write a file take its folder from here and keep naming the files only they read; a file that
 another module reads (a manifest, the tokenized data, the feature spec) is named here.
@@ -46,6 +47,7 @@ SGLANG_EXPORT_DIR = "sglang"
 RESULTS_FILE, REPORT_FILE, EVAL_PLOT, PARTIAL_DIR = "results.json", "report.md", "per_position.png", "partial"
 PROMPTS_FILE, REPLAYED_FILE = "prompts.jsonl", "replayed.json"  # eval/: per-prompt records; replays on greedy texts
 MERGE_STATS_FILE = "stats.json"  # data/: what merge kept and rejected, per source
+HISTORY_DIR, ACCEPTANCE_HISTORY = "history", "acceptance.jsonl"  # one line per pipeline run that evaluated
 CURVE_DIR, CURVE_REPORT, CURVE_PLOT, CURVE_DATA = "curve", "curve.md", "curve.png", "curve.json"
 """A data-scaling curve drawn over the runs that share this run's data (benchmarks/quality_curve.py report)."""
 
@@ -115,6 +117,11 @@ class RunLayout:
     def logs(self) -> Path:
         """<run>/logs."""
         return self.root / "logs"
+
+    @property
+    def acceptance_history(self) -> Path:
+        """history/acceptance.jsonl: the acceptance each pipeline run measured, for the trend across runs."""
+        return self.root / HISTORY_DIR / ACCEPTANCE_HISTORY
 
     @property
     def merged(self) -> Path:

@@ -38,6 +38,12 @@ def test_failed_pipeline_writes_a_run_summary_naming_stage_and_error(failed_stat
     assert "Failed at stage `merge`" in summary.data
     assert "SourceError" in summary.data and MISSING in summary.data
     assert "target:" in summary.data  # the stage before merge completed and is still reported
+    table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+             for line in summary.data.splitlines() if line.startswith("| ") and not line.startswith("| stage ")}
+    assert list(table) == ["target", "merge", "tokenize", "vocab"]  # state, seconds, outputs, result, run
+    assert table["target"][0] == "Completed" and table["merge"][0] == "Failed"
+    assert float(table["merge"][1]) >= 0 and "/runs/task-run/" in table["merge"][4]
+    assert table["tokenize"][:2] == ["Not started", ""] and table["vocab"][0] == "Not started"
 
 
 def test_bad_override_fails_with_a_run_summary_saying_did_you_mean(tmp_path):

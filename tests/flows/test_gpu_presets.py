@@ -48,3 +48,18 @@ def test_a_gpu_preset_on_a_host_without_cuda_fails_at_once(flow, tmp_path, monke
     with pytest.raises(RuntimeError, match="needs a CUDA GPU host.*capture.backend=sglang.*no CUDA device"):
         state.result()
     assert list(tmp_path.iterdir()) == []
+    if flow == "eagle3_pipeline":  # the run page says why too: a run-summary artifact, as for a config error
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+        from eagle3.config import intended_run_name
+        from tasks.artifacts import run_artifact_key
+
+        with get_client(sync_client=True) as client:
+            artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+        name = intended_run_name("llama31-8b", [f"run.workdir={tmp_path}"])
+        (summary,) = [a for a in artifacts if a.key == run_artifact_key(name, "run-summary")]
+        assert summary.description == "pipeline summary (failed: needs a GPU host)"
+        assert f"# Run `{name}` failed: needs a GPU host" in summary.data
+        assert "capture.backend=sglang" in summary.data and "Run it on a GPU worker" in summary.data

@@ -3,11 +3,14 @@
 The first run computes every stage; the second finds every manifest matching its key. Every stage task of the
 second run (data stages, capture's finalize, train, export, evaluate) and the capture subflow end in Prefect's
 ``Cached`` state, no torchrun starts, no train progress is published again, and the run summary says each stage was
-up to date. The subflow runs are named after their stage and the run (``capture-<run>``, ``deploy-<run>``), and so
-is a run of the train flow (``train-<run>``).
+up to date, in one table with each stage's seconds, outputs and a link to its task or subflow run. Both runs
+evaluated, so the acceptance trend of the run name has a row for each. The subflow runs are named after their stage
+and the run (``capture-<run>``, ``deploy-<run>``), and so is a run of the train flow (``train-<run>``).
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -77,8 +80,53 @@ def test_identical_rerun_shows_every_stage_cached_and_starts_no_trainer(cfg, mon
     assert len(summary) == 1
     text = summary[0].data
     assert "see capture flow" not in text and "see train task" not in text
-    for stage in ("capture", "train", "export", "evaluate"):
-        assert f"| {stage} | no (up to date) |" in text, text
+    _check_summary_table(text, flows)
+    _check_acceptance_trend(cfg, artifacts, flows[0], runs=2)
+
+
+SUMMARY_STAGES = ("target", "merge", "tokenize", "vocab", "capture", "train", "export", "evaluate")
+OUTPUTS = {"merge": "data/merged.parquet", "tokenize": "data/tokenized.parquet", "vocab": "vocab/",
+           "capture": "features/", "train": "train/", "export": "export/", "evaluate": "eval/"}
+
+
+def _check_summary_table(text: str, flows) -> None:
+    """One row per stage, in order: target Completed, every other stage Cached (up to date); each with its seconds,
+    its outputs under the run dir and a link to its task run (capture: to the capture subflow's page)."""
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(head, (c.strip() for c in line.strip("|").split("|")), strict=True)) for line in lines[1:]]
+    assert [r["stage"] for r in rows] == list(SUMMARY_STAGES), text
+    assert {r["stage"]: r["state"] for r in rows} == {"target": "Completed"} | dict.fromkeys(SUMMARY_STAGES[1:],
+                                                                                           "Cached (up to date)")
+    assert all(float(r["seconds"]) >= 0 for r in rows), text
+    assert {r["stage"]: r["outputs"].strip("`") for r in rows if r["outputs"]} == OUTPUTS
+    capture_run = next(f for f in flows if f.name.startswith("capture-"))
+    for r in rows:
+        kind = "flow-run" if r["stage"] == "capture" else "task-run"
+        assert f"/runs/{kind}/" in r["run"], r
+    assert f"/runs/flow-run/{capture_run.id})" in next(r["run"] for r in rows if r["stage"] == "capture")
+
+
+def _check_acceptance_trend(cfg, artifacts, pipeline_run, runs: int) -> None:
+    """The trend artifact of this run holds one row per pipeline run of the run name that evaluated (the first
+    measured, the identical re-runs reuse its figures: eval/results.json's, n-gram baseline included), read from
+    <run>/history/acceptance.jsonl, whose last line is this run's."""
+    from datetime import datetime
+
+    from eagle3.run.history import acceptance_record
+
+    (trend,) = [a for a in artifacts if a.key == f"{cfg.run.name}-acceptance-trend"]
+    rows = json.loads(trend.data) if isinstance(trend.data, str) else trend.data
+    assert len(rows) == runs, rows
+    assert [r["evaluation"] for r in rows] == ["measured"] + ["up to date (earlier figures)"] * (runs - 1)
+    assert rows[-1]["flow run"] == pipeline_run.name
+    measured = acceptance_record(json.loads((cfg.run_dir / "eval" / "results.json").read_text()), "", "",
+                                 datetime.now(), True)
+    assert "ngram" in measured.accept_len and any(m.startswith("chain-") for m in measured.accept_len)
+    for method, accept in measured.accept_len.items():
+        assert all(r[method] == f"{accept:.3f}" for r in rows), (method, rows)
+    history = (cfg.run_dir / "history" / "acceptance.jsonl").read_text().splitlines()
+    assert len(history) == runs and json.loads(history[-1])["id"] == str(pipeline_run.id)
 
 
 def test_subflow_runs_are_named_after_their_stage_and_run(cfg):
