@@ -15,13 +15,25 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from eagle3.config import RunConfig
-    from eagle3.deploy import ServerRun
     from eagle3.evaluate.records import PromptRecord
-    from infra.sglang_bench import LevelResult
+    from infra.sglang_bench import BenchResult, LevelResult
+
+
+class ServerRun(Protocol):
+    """What the checks read of a speculative server's benchmark (eagle3.deploy.ServerRun is one)."""
+
+    @property
+    def trio(self) -> str | None: ...
+
+    @property
+    def result(self) -> BenchResult: ...
+
+    @property
+    def groups(self) -> tuple[str, ...]: ...
 
 MISMATCH_HINT = "a train/serve mismatch (aux layer ids, norms, d2t/t2d, RoPE, chat template or dtype)"
 
@@ -133,10 +145,10 @@ def same_text_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[SameTextCheck
     for dataset in [*dict.fromkeys(run.groups), "all"]:
         idx = [i for i, g in enumerate(run.groups) if dataset in ("all", g)]
         hits = [same[i] for i in idx if i in same]
-        tokens, theirs, ours = (sum(h[k] for h in hits) for k in range(3))
-        if not hits or not theirs or not ours:
+        tokens, sglang_verify, eval_verify = (sum(h[k] for h in hits) for k in range(3))
+        if not hits or not sglang_verify or not eval_verify:
             continue
-        a, b = tokens / theirs, tokens / ours
+        a, b = tokens / sglang_verify, tokens / eval_verify
         gap = abs(a - b) / b
         checks.append(SameTextCheck(run.trio, dataset, len(hits), len(idx), a, b, gap,
                                     gap <= cfg.serve.accept_tolerance))

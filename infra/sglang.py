@@ -33,7 +33,6 @@ import httpx
 import numpy as np
 
 from infra.process import ProcessDiedError, RestartPolicy, SupervisedProcess, port_bindable, port_in_use
-from infra.storage import private_write_text
 from infra.sglang_spec import (  # noqa: F401 (re-exported: callers import the spec from infra.sglang)
     CAPTURE_MODES,
     LAUNCH_MODULE,
@@ -45,6 +44,7 @@ from infra.sglang_spec import (  # noqa: F401 (re-exported: callers import the s
     ServerSpecError,
     serving_pair,
 )
+from infra.storage import private_write_text
 
 # Fixed smoke prompt: small ids exist in every vocabulary, including the tiny test targets.
 SMOKE_INPUT_IDS = (1, 17, 42, 99, 7, 3, 200, 11)
@@ -119,9 +119,10 @@ def check_capture_response(body: Any, *, rid: str, input_ids: Sequence[int], wid
 
 def _prefill_block(meta: dict[str, Any], num_tokens: int, width: int) -> np.ndarray:
     hidden = meta.get("hidden_states")
-    _expect(isinstance(hidden, list) and len(hidden) == 1, "hidden_states",
-            "expected exactly [prefill block] for max_new_tokens 1, got "
-            + (f"{len(hidden)} chunks" if isinstance(hidden, list) else repr(type(hidden).__name__)))
+    if not (isinstance(hidden, list) and len(hidden) == 1):
+        raise ResponseCheckError("hidden_states", "expected exactly [prefill block] for max_new_tokens 1, got "
+                                 + (f"{len(hidden)} chunks" if isinstance(hidden, list)
+                                    else repr(type(hidden).__name__)))
     block = hidden[0]
     _expect(isinstance(block, list) and len(block) == num_tokens, "rows",
             f"prefill block has {len(block) if isinstance(block, list) else 'no'} rows for {num_tokens} tokens")
