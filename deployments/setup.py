@@ -31,7 +31,7 @@ import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from prefect.automations import Automation
 from prefect.client.orchestration import get_client
@@ -101,7 +101,7 @@ def ensure_automations(heartbeat_frequency_s: int = HEARTBEAT_FREQUENCY_S) -> li
     wanted = [_heartbeat_automation(3 * heartbeat_frequency_s), _retry_automation()]
     for automation in wanted:
         try:
-            Automation.read(name=automation.name).delete()
+            cast(Automation, Automation.read(name=automation.name)).delete()  # (sync_compatible: sync here)
         except (ValueError, ObjectNotFound):
             pass
         automation.create()
@@ -114,7 +114,7 @@ def _flow_and_schema(entrypoint: str, cwd: Path) -> tuple[str, dict[str, Any]]:
     from prefect.utilities.callables import parameter_schema
 
     path, _, func = entrypoint.partition(":")
-    flow = load_flow_from_entrypoint(f"{(cwd / path).resolve()}:{func}")
+    flow: Any = load_flow_from_entrypoint(f"{(cwd / path).resolve()}:{func}")
     return flow.name, parameter_schema(flow).model_dump(mode="json")
 
 
@@ -145,7 +145,8 @@ def _wanted_schedules(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
     if not spec.get("schedules"):
         return []
-    return _construct_schedules(spec, {}, console=None, is_interactive=lambda: False) or []
+    return _construct_schedules(spec, {}, console=None,  # type: ignore[arg-type]  # not interactive: prints nothing
+                                is_interactive=lambda: False) or []
 
 
 def _upcoming_runs(client, deployment_id) -> list[Any]:

@@ -10,6 +10,7 @@ Every field has a one-line doc (the attribute docstring below it); a test enforc
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import typing
@@ -19,11 +20,17 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, model_validator
 
-from eagle3.config_base import (PRESETS_DIR, Added, ConfigError, Operational, PlainName, Section, _folder_path,
-                                key_fields)
-from eagle3.config_stages import (CaptureConfig, DrafterConfig, EvaluateConfig, ExportConfig, ServeConfig,
-                                  TrainConfig)
-
+from eagle3.config_base import (
+    PRESETS_DIR,
+    Added,
+    ConfigError,
+    Operational,
+    PlainName,
+    Section,
+    _folder_path,
+    key_fields,
+)
+from eagle3.config_stages import CaptureConfig, DrafterConfig, EvaluateConfig, ExportConfig, ServeConfig, TrainConfig
 
 CharsOf = Literal["all", "prompts"]
 """Which turns a conversation's character count covers (data.max_chars_of)."""
@@ -497,10 +504,8 @@ def intended_run_name(preset: str, overrides: list[str] | None = None) -> str:
     except (ConfigError, RecursionError):
         data = {}
     for item in overrides or []:
-        try:
+        with contextlib.suppress(ConfigError):
             apply_overrides(data, [item])
-        except ConfigError:
-            pass
     try:
         return RunSection.model_validate({"name": data["run"]["name"]}).name
     except (KeyError, TypeError, ValidationError):

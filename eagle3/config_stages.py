@@ -9,6 +9,7 @@ from pydantic import AfterValidator, Field, model_validator
 
 from eagle3.config_base import Added, Operational, Section, Switch, _relative_inside, switch_on
 
+
 class SGLangCaptureConfig(Section):
     """The SGLang capture backend: managed server(s) or existing endpoints."""
 

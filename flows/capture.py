@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -53,8 +54,10 @@ class CaptureProgress:
         self.tokens_left = summary.num_tokens_pending
         self.num_tokens = self.num_bytes = 0
         self.t0 = time.monotonic()
-        self.artifact_id = create_progress_artifact(progress=self._percent(), key=artifact_key(cfg, "capture-progress"),
-                                                    description=self._text())
+        # Called from sync code, Prefect's async_dispatch returns the id itself (its type also names a coroutine).
+        self.artifact_id = cast(UUID, create_progress_artifact(progress=self._percent(),
+                                                               key=artifact_key(cfg, "capture-progress"),
+                                                               description=self._text()))
 
     def _percent(self) -> float:
         return 100.0 * self.num_done / self.num_shards if self.num_shards else 100.0
@@ -76,7 +79,8 @@ class CaptureProgress:
 
 def _bounded(cfg: RunConfig, pending: list[int], max_in_flight: int) -> Iterator[PrefectFuture]:
     """Submit shard tasks keeping at most ``max_in_flight`` running; yield each as it finishes."""
-    queue, running = list(pending), []
+    queue = list(pending)
+    running: list[PrefectFuture] = []
     while queue or running:
         while queue and len(running) < max_in_flight:
             running.append(capture_shard_task.submit(cfg, queue.pop(0)))
@@ -166,7 +170,8 @@ def _watch_disk(cfg: RunConfig, pending: list[int], progress: CaptureProgress) -
     return poll
 
 
-@flow(name="eagle3-capture", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS),
+@flow(name="eagle3-capture", log_prints=True,
+      task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS),  # type: ignore[arg-type]  # Prefect types task_runner invariantly in its future type
       flow_run_name=stage_run_name("capture"))
 @preset_gpu_note
 def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
@@ -189,12 +194,15 @@ def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | N
     with run_lock(cfg.run_dir, owner="prefect flow eagle3-capture"):
         outcome = run_capture_shards(cfg)
     doc = read_manifest(outcome.manifest)  # the flow's result: the capture manifest
+    assert doc is not None  # (the capture stage just wrote or matched it)
     if not outcome.computed:  # shown like every skipped stage; the caller still gets the manifest
-        return Completed(name=UP_TO_DATE, message=f"capture up to date ({outcome.manifest})", data=doc)
+        return Completed(name=UP_TO_DATE, data=doc,  # type: ignore[return-value]  # a flow returning a State ends in it
+                         message=f"capture up to date ({outcome.manifest})")
     return doc
 
 
-@flow(name="eagle3-capture-slice", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS))
+@flow(name="eagle3-capture-slice", log_prints=True,
+      task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS))  # type: ignore[arg-type]  # Prefect types task_runner invariantly in its future type
 def eagle3_capture_slice(config: RunConfig, shards: list[int]) -> None:
     """One slice of a capture (capture.num_slices > 1); eagle3-capture starts one run of it per slice.
 

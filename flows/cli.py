@@ -24,13 +24,13 @@ import threading
 import time
 from pathlib import Path
 
-from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
 from eagle3.config import RunConfig, list_presets
+from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
+from eagle3.run.layout import run_layout
+from eagle3.run.registry import DATA_STAGES, STAGES, UNTIL_CHOICES
 from flows import local_server
 from flows.follow import deployment_pools, follow, trigger
 from flows.local_worker import LocalWorker, start_worker, stop_worker, worker_pid
-from eagle3.run.layout import run_layout
-from eagle3.run.registry import DATA_STAGES, STAGES, UNTIL_CHOICES
 from flows.report import print_summary, results_from_disk
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +141,9 @@ def run_here(cfg: RunConfig, force: bool, until: str, progress: bool = True) -> 
     if not state.is_completed():
         print_summary(results_from_disk(cfg), time.time() - t0, outcome=f"did not complete ({state.name})")
         APILogHandler().flush()  # the last log lines, the traceback among them, are still in this process's queue
-        print("\n" + "\n".join(explain_flow_run(state.state_details.flow_run_id, run_layout(cfg).logs)), flush=True)
+        flow_run_id = state.state_details.flow_run_id
+        assert flow_run_id is not None  # (the state of a flow run names it)
+        print("\n" + "\n".join(explain_flow_run(flow_run_id, run_layout(cfg).logs)), flush=True)
         return 1
     result = state.result()
     print_summary(results_from_disk(cfg) | {k: v for k, v in result.items() if k in DATA_STAGES}, time.time() - t0)

@@ -12,21 +12,27 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 from uuid import UUID
 
 from pydantic import BaseModel
 
 from eagle3.config import RunConfig, list_presets
 
-PresetName = Literal[tuple(list_presets())]  # type: ignore[valid-type]
+if TYPE_CHECKING:  # a Literal built at run time is no type to a type checker: it checks a str
+    from prefect.client.schemas.objects import FlowRun
+
+    PresetName = str
+else:
+    PresetName = Literal[tuple(list_presets())]
 """A flow's ``preset`` parameter: one of the presets in configs/ (the UI shows them as a drop-down)."""
 
 
 def gpu_needs(cfg: RunConfig) -> list[str]:
     """The settings of ``cfg`` that need a CUDA device (empty: the run can go on a CPU-only host): a stage whose
     device is cuda, or SGLang (capture or serving), which runs on GPUs only."""
-    needs = [f"{name}.device={device}" for name, device in (("train", cfg.train.device), ("capture", cfg.capture.device),
+    needs = [f"{name}.device={device}" for name, device in (("train", cfg.train.device),
+                                                             ("capture", cfg.capture.device),
                                                              ("evaluate", cfg.evaluate.device))
              if str(device).startswith("cuda")]
     return needs + (["capture.backend=sglang"] if cfg.capture.backend == "sglang" else [])
@@ -46,7 +52,10 @@ def gpu_presets() -> list[str]:
     return found
 
 
-def preset_gpu_note(fn: Callable[..., Any]) -> Callable[..., Any]:
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def preset_gpu_note(fn: _Fn) -> _Fn:
     """Decorator (under @flow): append to the ``preset:`` line of the docstring's Args the presets that need a GPU
     host, so the run form's description of the drop-down says which ones cannot run on a CPU-only machine."""
     note = (f" Needs a CUDA GPU host (refused at once without one): {', '.join(gpu_presets())}."
@@ -176,7 +185,7 @@ def submit_run(deployment: str, parameters: dict[str, Any], name: str) -> UUID:
 
     params = {k: json.loads(v.model_dump_json()) if isinstance(v, BaseModel) else v for k, v in parameters.items()}
     run = run_deployment(deployment, parameters=params, timeout=0, as_subflow=True, flow_run_name=name)
-    return run.id
+    return cast("FlowRun", run).id  # (a sync call: Prefect's sync_compatible returns the run itself)
 
 
 def wait_runs(ids: list[UUID], poll_s: float, deadline_s: float,

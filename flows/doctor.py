@@ -3,8 +3,8 @@
 Versions (Python, torch and its device, transformers, prefect), whether each optional piece imports,
 the installed SGLang's version and whether every launch argv we build parses with that version's own
 parser (infra/sglang_argv_check.py), the Prefect API and whether it answers, free disk, and for every
-preset whether its target and data resolve (files and packages exist; no model is loaded). Exit 1 when something the chosen preset needs
-is missing; each such line carries its fix.
+preset whether its target and data resolve (files and packages exist; no model is loaded). Exit 1 when something
+the chosen preset needs is missing; each such line carries its fix.
 """
 
 from __future__ import annotations

@@ -48,8 +48,12 @@ def state_error(message: str | None) -> str:
 
 def _failed_tasks(client: Any, run_ids: list[UUID]) -> list[Any]:
     """Failed or crashed task runs of these flow runs, earliest end first (the first is the root cause)."""
-    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId, TaskRunFilterState, \
-        TaskRunFilterStateType
+    from prefect.client.schemas.filters import (
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
     from prefect.client.schemas.objects import StateType
 
     runs = client.read_task_runs(task_run_filter=TaskRunFilter(

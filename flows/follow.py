@@ -16,11 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
 from flows.failure import explain_run, write_full_log
 from flows.local_server import LocalServer
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
 
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -47,7 +50,8 @@ def trigger(deployment: str, parameters: dict[str, Any]) -> UUID:
     """Create a run of ``deployment`` ('flow-name/deployment-name') for a worker to pick up; its id."""
     from prefect.deployments import run_deployment
 
-    return run_deployment(deployment, parameters=parameters, timeout=0, as_subflow=False).id
+    run = run_deployment(deployment, parameters=parameters, timeout=0, as_subflow=False)
+    return cast("FlowRun", run).id  # (a sync call: Prefect's sync_compatible returns the run itself)
 
 
 @dataclass

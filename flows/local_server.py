@@ -23,8 +23,8 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -167,7 +167,8 @@ def _wait_healthy(server: LocalServer, pid: int, timeout_s: float) -> None:
         if healthy(server):
             return
         if not pid_alive(pid):
-            raise RuntimeError(f"prefect server exited during start-up; log {server.log_file}:\n{tail(server.log_file)}")
+            raise RuntimeError(f"prefect server exited during start-up; log {server.log_file}:\n"
+                               f"{tail(server.log_file)}")
         time.sleep(1.0)
     raise TimeoutError(f"prefect server not healthy after {timeout_s:.0f} s; log {server.log_file}:\n"
                        f"{tail(server.log_file)}")
@@ -196,4 +197,5 @@ def status(server: LocalServer) -> dict[str, object]:
     """pid, health and URLs."""
     pid = read_pid_file(server.pid_file)
     return {"healthy": healthy(server), "pid": pid if pid and pid_alive(pid) else None,
-            "database": running_database(server), "ui": server.ui_url, "api": server.api_url, "home": str(server.home), "log": str(server.log_file)}
+            "database": running_database(server), "ui": server.ui_url, "api": server.api_url, "home": str(server.home),
+            "log": str(server.log_file)}

@@ -47,7 +47,8 @@ def main() -> None:
     from prefect.cli import app
 
     sys.argv[0] = "prefect"
-    sys.exit(app())
+    app()  # (exits itself, or returns None: exit code 0)
+    sys.exit()
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ def regenerate_in_slices(cfg: RunConfig, force: bool = False, poll_s: float = 5.
 
     description = f"regenerate ({cfg.run.name}, {cfg.regenerate.num_slices} slices)"
     with ProgressArtifact(artifact_key(cfg, "regenerate"), description) as progress:
-        return run_regenerate(cfg, progress.callback, force, run_slices=run)
+        outcome = run_regenerate(cfg, progress.callback, force, run_slices=run)
+        assert outcome is not None  # (called with regeneration on)
+        return outcome
 
 
 @flow(name="eagle3-regenerate-slice", log_prints=True)

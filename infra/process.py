@@ -141,10 +141,8 @@ def kill_tree(pid: int, grace_s: float = 5.0, reap: Callable[[int], object] | No
     def gather() -> None:
         for member in [pid, *descendants(pid)]:
             members.add(member)
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 groups.add(os.getpgid(member))
-            except ProcessLookupError:
-                pass
         groups.discard(own)
 
     def alive() -> bool:  # zombies count as gone: a container's init may never collect re-parented ranks
@@ -168,10 +166,8 @@ def kill_tree(pid: int, grace_s: float = 5.0, reap: Callable[[int], object] | No
 
 
 def _reap(pid: int) -> None:
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
 
 
 def tail(path: Path, num_lines: int = 40) -> str:

@@ -35,7 +35,7 @@ class SGLangParseError(ValueError):
 class _RaisingParser(argparse.ArgumentParser):
     """argparse that raises instead of printing usage and exiting."""
 
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> Any:
         raise SGLangParseError(message)
 
 

@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -361,9 +361,9 @@ async def run_benchmark_async(base_url: str, prompts: Sequence[Prompt], settings
     """Every level in order against one server (already ready); see the module doc."""
     if len(prompts) != settings.num_prompts:
         raise ValueError(f"{len(prompts)} prompts given, settings say num_prompts {settings.num_prompts}")
-    warmup = fixed_prompts(settings.num_prompts + settings.num_warmup)[settings.num_prompts:]
-    if prompts and not isinstance(prompts[0], str):
-        warmup = [list(prompts[i % len(prompts)])[::-1] for i in range(settings.num_warmup)]
+    warmup: Sequence[Prompt] = fixed_prompts(settings.num_prompts + settings.num_warmup)[settings.num_prompts:]
+    if prompts and not isinstance(prompts[0], str):  # token ids: every prompt is a list
+        warmup = [list(cast("list[int]", prompts[i % len(prompts)]))[::-1] for i in range(settings.num_warmup)]
     counter = _Counter(len(settings.concurrency_levels) * (settings.num_prompts + settings.num_warmup), progress)
     limits = httpx.Limits(max_connections=max(settings.concurrency_levels) + 2)
     async with httpx.AsyncClient(base_url=base_url, headers=auth_headers(api_key), limits=limits,

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from infra.sglang_bench import SHARED_SETTINGS, BenchResult, LevelResult, MeasurementError
 
 
-
 @dataclass(frozen=True)
 class LevelComparison:
     """Baseline vs speculative at one concurrency."""

@@ -188,13 +188,13 @@ def _mode_args(spec: ServerSpec) -> list[str]:
 
 
 def _mode_expectations(spec: ServerSpec) -> dict[str, Any]:
-    capture = {"chunked_prefill_size": -1, "disable_radix_cache": True, "skip_tokenizer_init": True}
+    capture: dict[str, Any] = {"chunked_prefill_size": -1, "disable_radix_cache": True, "skip_tokenizer_init": True}
     if spec.mode == "capture_packed":  # 0.5.16 has no return_hidden_states_mode field; 0.5.23 derives it
         return capture | {"enable_return_hidden_states": True, "disable_cuda_graph": True}
     capture["return_hidden_states_mode"] = "full"  # capture_aux and capture_final are 0.5.23 modes
     if spec.mode == "capture_aux":
-        want = capture | {"enable_return_aux_hidden_states": True, "aux_hidden_state_capture": "eagle3",
-                          "speculative_algorithm": None}
+        want: dict[str, Any] = capture | {"enable_return_aux_hidden_states": True, "aux_hidden_state_capture": "eagle3",
+                                          "speculative_algorithm": None}
         if spec.aux_layer_ids:
             want["return_aux_hidden_state_layer_ids"] = list(spec.aux_layer_ids)
         return want
@@ -252,8 +252,8 @@ def _aux_problems(spec: ServerSpec) -> list[str]:
     if ids is None:
         return ["mode capture_packed needs explicit aux_layer_ids"] if spec.mode == "capture_packed" else []
     if spec.mode not in ("capture_aux", "capture_packed"):
-        return [f"aux_layer_ids only apply to modes capture_aux and capture_packed, not {spec.mode!r} (a speculative server "
-                "takes its capture layers from the draft's config.json eagle_config)"]
+        return [f"aux_layer_ids only apply to modes capture_aux and capture_packed, not {spec.mode!r} "
+                "(a speculative server takes its capture layers from the draft's config.json eagle_config)"]
     if not ids:
         return ["aux_layer_ids is empty: give at least one id, or None for SGLang's default three layers"]
     problems = []

@@ -13,14 +13,14 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import re
+import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 from infra.locks import LOCK_HOLDER_ENV, LockHeldError, read_holder, run_lock  # noqa: F401 (re-exported)
 
@@ -49,7 +49,7 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_open(path: Path | str, mode: str = "wb") -> Iterator[BinaryIO]:
+def atomic_open(path: Path | str, mode: str = "wb") -> Iterator[IO[Any]]:
     """Open a temp file beside ``path``; on clean exit fsync and rename it over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

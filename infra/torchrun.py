@@ -86,7 +86,8 @@ def kill_leftover(pid_file: Path) -> int | None:
     """
     pid = read_pid_file(pid_file)
     host = pid_file_host(pid_file)
-    if pid is None or (host is not None and host != socket.gethostname()) or not group_alive(pid):  # the leader may be gone while others of its group still run
+    # group_alive: the leader may be gone while others of its group still run
+    if pid is None or (host is not None and host != socket.gethostname()) or not group_alive(pid):
         return None
     kill_group(pid, grace_s=30.0)
     return pid
@@ -104,7 +105,12 @@ def run_torchrun(spec: TorchrunSpec, log_path: Path, timeout_s: float, on_line: 
                                 env=env, start_new_session=True, preexec_fn=_die_with_parent)
         write_pid_file(pid_file, proc.pid)
         timed_out = threading.Event()
-        timer = threading.Timer(timeout_s, lambda: (timed_out.set(), kill_group(proc.pid, grace_s=30.0)))
+
+        def on_timeout() -> None:
+            timed_out.set()
+            kill_group(proc.pid, grace_s=30.0)
+
+        timer = threading.Timer(timeout_s, on_timeout)
         timer.start()
         try:
             _pump(proc, log, on_line, keep, every_n)
@@ -136,6 +142,7 @@ def first_error(log_path: Path) -> str:
 def _pump(proc: subprocess.Popen, log, on_line, keep: re.Pattern[str], every_n: int) -> None:
     """Copy every line to the log file; pass selected ones (and every n-th) to the callback."""
     last_flush = time.monotonic()
+    assert proc.stdout is not None  # (started with stdout=PIPE)
     for i, line in enumerate(proc.stdout):
         log.write(line)
         if time.monotonic() - last_flush > 1.0:

@@ -6,7 +6,8 @@ import base64
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
@@ -66,12 +67,13 @@ class ProgressArtifact:
 
     def __init__(self, key: str, description: str, min_interval_s: float = 2.0):
         self.key, self.description, self.min_interval_s = key, description, min_interval_s
-        self.artifact_id = None
+        self.artifact_id: UUID | None = None
         self._last = 0.0
 
     def __enter__(self) -> ProgressArtifact:
-        self.artifact_id = create_progress_artifact(progress=0.0, key=f"{self.key}-progress",
-                                                    description=self.description)
+        # Called from sync code, Prefect's async_dispatch returns the id itself (its type also names a coroutine).
+        self.artifact_id = cast(UUID, create_progress_artifact(progress=0.0, key=f"{self.key}-progress",
+                                                               description=self.description))
         return self
 
     def callback(self, done: int, total: int, info: dict[str, Any]) -> None:
@@ -85,7 +87,8 @@ class ProgressArtifact:
         text = f"{self.description}: {done:,}/{total:,}" + (f" at {rate}/s" if rate and info["rate_per_s"] > 0 else "")
         if "eta_s" in info:
             text += f", {eta_text(info['eta_s'])}"
-        update_progress_artifact(self.artifact_id, progress=min(percent, 100.0), description=text)
+        update_progress_artifact(self.artifact_id,  # type: ignore[arg-type]  # set by __enter__: called inside the with
+                                 progress=min(percent, 100.0), description=text)
 
     def __exit__(self, *exc: object) -> None:
         if exc[0] is None and self.artifact_id is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import signal
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 from prefect import Task, get_run_logger
@@ -47,7 +47,7 @@ class CancellableTask(Task):
     def with_options(self, *args: Any, **kwargs: Any) -> CancellableTask:
         new = super().with_options(*args, **kwargs)
         new.__class__ = CancellableTask
-        return new
+        return cast(CancellableTask, new)  # (its class, just set)
 
 
 def cancellable(task: Task) -> CancellableTask:
@@ -74,4 +74,4 @@ def cancellable(task: Task) -> CancellableTask:
     new = task.with_options()
     new.__class__ = CancellableTask
     new.fn = run
-    return new
+    return cast(CancellableTask, new)  # (its class, just set)

@@ -54,6 +54,7 @@ def synthesize_task(cfg: RunConfig, force: bool = False) -> StageOutcome | None:
 def merge_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Merge the chat sources into data/merged.parquet; publish data stats and rejects by reason."""
     result = _run("merge", cfg, force)
+    assert result is not None  # (only synthesize and regenerate may have nothing to do)
     publish_merge_tables(cfg, result.stats)
     return result
 
@@ -78,6 +79,7 @@ def regenerate_slice_task(cfg: RunConfig, index: int) -> SliceStats:
 def tokenize_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Render with the chat template and compute loss masks into data/tokenized.parquet."""
     result = _run("tokenize", cfg, force)
+    assert result is not None  # (only synthesize and regenerate may have nothing to do)
     publish_table(cfg, "tokenize-stats", [_flat(result.stats)], "tokenization counts")
     return result
 
@@ -87,6 +89,7 @@ def tokenize_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
 def vocab_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Build the draft vocab map; publish its coverage."""
     result = _run("vocab", cfg, force)
+    assert result is not None  # (only synthesize and regenerate may have nothing to do)
     publish_table(cfg, "vocab-coverage", [_flat(result.stats)], "draft vocab map")
     return result
 

@@ -3,8 +3,8 @@
 Each is a thin wrapper over the core, which runs the same without Prefect: ``eagle3.export.stage``,
 ``eagle3.evaluate.stage`` (an up-to-date manifest makes their task ``Cached``: tasks.stage_cache) and
 ``eagle3.deploy`` (the deploy stage: check the export, launch a server, probe its readiness, benchmark it, stop
-it in ``finally``, compare and write the report). What is Prefect's stays here: task runs, progress and report artifacts,
-the run logger. Server tasks are never cached (NO_CACHE: a live server is not a cacheable input) and are
+it in ``finally``, compare and write the report). What is Prefect's stays here: task runs, progress and report
+artifacts, the run logger. Server tasks are never cached (NO_CACHE: a live server is not a cacheable input) and are
 tagged ``inference``. Tasks return the core's typed records (StageOutcome, ServingPlan, ServerRun, DeployReport);
 the flow turns them into JSON where it returns them.
 """

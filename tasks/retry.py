@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypedDict
+
 from prefect.tasks import exponential_backoff
 
 TRANSIENT = (ConnectionError, TimeoutError, BlockingIOError, InterruptedError)
@@ -18,5 +21,14 @@ def only_transient(task, task_run, state) -> bool:
     return True
 
 
-IO_RETRY = dict(retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.2,
-                retry_condition_fn=only_transient)
+class RetryOptions(TypedDict):
+    """The @task keywords of IO_RETRY (typed, so that ``@task(**IO_RETRY)`` type-checks)."""
+
+    retries: int
+    retry_delay_seconds: Callable[[int], list[float]]
+    retry_jitter_factor: float
+    retry_condition_fn: Callable[[Any, Any, Any], bool]
+
+
+IO_RETRY: RetryOptions = {"retries": 2, "retry_delay_seconds": exponential_backoff(backoff_factor=2),
+                          "retry_jitter_factor": 0.2, "retry_condition_fn": only_transient}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 from prefect.context import TaskRunContext
 
@@ -23,7 +23,15 @@ from eagle3.run.registry import get_stage
 
 log = logging.getLogger(__name__)
 
-STAGE_CACHE = dict(persist_result=True, cache_result_in_memory=False)
+
+class CacheOptions(TypedDict):
+    """The @task keywords of STAGE_CACHE (typed, so that ``@task(**STAGE_CACHE)`` type-checks)."""
+
+    persist_result: bool
+    cache_result_in_memory: bool
+
+
+STAGE_CACHE: CacheOptions = {"persist_result": True, "cache_result_in_memory": False}
 RESULT_VERSION = 2
 """Part of the stage tasks' cache keys: bumped when what they return changes type (2: StageOutcome, not a dict),
 so a result cached by an older version is not handed to code that expects the new type."""
@@ -43,7 +51,9 @@ def stage_outcome(stage: str) -> SkippedFn:
         from eagle3.run.stage import StageOutcome, read_manifest
 
         manifest = run_layout(cfg).manifest(stage)
-        return StageOutcome.from_manifest(stage, key, manifest, read_manifest(manifest), computed=False)
+        doc = read_manifest(manifest)
+        assert doc is not None  # (called for a stage whose manifest matches its key)
+        return StageOutcome.from_manifest(stage, key, manifest, doc, computed=False)
 
     return skipped
 
@@ -65,7 +75,8 @@ def up_to_date_key(stage: str, cfg: RunConfig) -> str | None:
     return key if complete else None
 
 
-def stage_cache_key(stage: str, skipped: SkippedFn | None = None) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
+def stage_cache_key(stage: str,
+                    skipped: SkippedFn | None = None) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
     """A ``cache_key_fn`` for the task of ``stage`` (see module doc); ``skipped(cfg, key)`` is the value a skipped
     run returns (default: the stage's outcome from its manifest)."""
     skipped = skipped or stage_outcome(stage)

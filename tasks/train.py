@@ -14,7 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
@@ -83,8 +84,9 @@ class ProgressWatcher:
         self.every_s = every_s
         self.started = time.time() - STALE_SLACK_S  # a progress.json older than this is an earlier run's
         self.stop = threading.Event()
-        self.artifact_id = create_progress_artifact(0.0, key=artifact_key(cfg, "train-progress"),
-                                                    description="training: starting")
+        # Called from sync code, Prefect's async_dispatch returns the id itself (its type also names a coroutine).
+        self.artifact_id = cast(UUID, create_progress_artifact(0.0, key=artifact_key(cfg, "train-progress"),
+                                                               description="training: starting"))
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
@@ -140,8 +142,8 @@ def publish_train_report(cfg: RunConfig) -> tuple[dict[str, Any] | None, dict[st
     publish_table(cfg, "train-metrics", rows or [{"split": "(none)"}], "last train step and every validation",
                   index=2)  # split, step
     images = "\n\n".join(markdown_image(p) for p in plot_metrics(metrics))
-    create_markdown_artifact(markdown=f"# Training `{cfg.run.name}`\n\n{images}\n", key=artifact_key(cfg, "train-report"),
-                             description="loss and accuracy per TTT step")
+    create_markdown_artifact(markdown=f"# Training `{cfg.run.name}`\n\n{images}\n",
+                             key=artifact_key(cfg, "train-report"), description="loss and accuracy per TTT step")
     return (train[-1] if train else None), (evals[-1] if evals else None)
 
 

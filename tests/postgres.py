@@ -107,9 +107,9 @@ def _api_url(url: str) -> Iterator[None]:
     import prefect.context
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: url}):
-        with prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
-            yield
+    with (temporary_settings(updates={PREFECT_API_URL: url}),
+          prefect.context._temporary_global_settings_context(prefect.context.get_settings_context())):
+        yield
 
 
 def _drain_prefect_workers() -> None:

@@ -28,7 +28,7 @@ import hashlib
 import io
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -39,17 +39,20 @@ READ_CHUNK_CHARS = 4 << 20
 TAIL_HEAD_CHARS = 2000
 LONE_SURROGATES = "eagle3.lone_surrogates"
 SEPARATORS = " \t\r\n,\ufeff"
+# UTF-32-LE's BOM starts with UTF-16-LE's, so it is tried first
 _BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"), (codecs.BOM_UTF8, "utf-8"),
-         (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))  # UTF-32-LE's BOM starts with UTF-16-LE's
-_ZERO_PATTERNS = {(True, True, True, False): "utf-32-be", (False, True, True, True): "utf-32-le",
-                  (True, False, True, False): "utf-16-be", (False, True, False, True): "utf-16-le"}
+         (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))
+_ZERO_PATTERNS: dict[tuple[bool, ...], str] = {  # which of the first 4 bytes are zero -> BOM-less encoding
+    (True, True, True, False): "utf-32-be", (False, True, True, True): "utf-32-le",
+    (True, False, True, False): "utf-16-be", (False, True, False, True): "utf-16-le"}
 _RECORD_START = re.compile(r",[\s\ufeff]*\{")
 _LONE_SURROGATE = re.compile("[\udc00-\udcff]")
 _NON_SPACE = re.compile(r"[^\s\ufeff]")
 
 
-def _to_lone_surrogates(exc: UnicodeDecodeError) -> tuple[str, int]:
+def _to_lone_surrogates(exc: UnicodeError) -> tuple[str, int]:
     """Each undecodable byte b -> U+DC00+b (for bytes >= 0x80 this is Python's surrogateescape)."""
+    assert isinstance(exc, UnicodeDecodeError), "a decoding error handler"
     return "".join(chr(0xDC00 + b) for b in exc.object[exc.start:exc.end]), exc.end
 
 
@@ -86,7 +89,7 @@ def detect_encoding(path: Path) -> TextEncoding:
 
 def open_text(path: Path, enc: TextEncoding) -> TextIO:
     """The file as text past its BOM; lines end at '\\n' only, as in the bytes."""
-    fh = open(path, "rb")
+    fh = open(path, "rb")  # noqa: SIM115 (returned inside the wrapper: the caller closes it)
     fh.seek(enc.bom_bytes)
     return io.TextIOWrapper(fh, encoding=enc.name, errors=LONE_SURROGATES, newline="\n")
 
@@ -146,7 +149,7 @@ def record_format(value: Any) -> str | None:
 # ---------------------------------------------------------------- JSON Lines
 
 
-def iter_lines(source: str, path: Path, enc: TextEncoding) -> Iterator[tuple[str, Any] | Reject]:
+def iter_lines(source: str, path: Path, enc: TextEncoding) -> Generator[tuple[str, Any] | Reject, None, None]:
     """JSONL: (location, parsed value) per non-blank line; bad text or bad JSON rejects only that line.
 
     UTF-8 (nearly every file) is read as bytes line by line: a line that is not UTF-8 is never decoded whole,
@@ -178,7 +181,7 @@ def iter_lines(source: str, path: Path, enc: TextEncoding) -> Iterator[tuple[str
                 yield _line_reject(source, loc, "unparsable", str(exc), line.rstrip("\r\n"), _line_body(raw, skip),
                                    start)
                 continue
-            raw = line = None  # hold only the parsed record while the caller has it (one huge line: ~1x less)
+            del raw, line  # hold only the parsed record while the caller has it (one huge line: ~1x less)
             yield loc, value
 
 
@@ -256,9 +259,10 @@ def _skip_separators(window: _TextWindow, pos: int) -> int | None:
             pos += 1
         if pos < len(window.text):
             return pos
-        pos = window.extend(pos)
-        if pos is None:
+        extended = window.extend(pos)
+        if extended is None:
             return None
+        pos = extended
 
 
 def _next_record(window: _TextWindow, pos: int, keys: set[str] | None) -> tuple[int, str] | None:
@@ -316,7 +320,7 @@ def _piece(source: str, location: str, text: str) -> tuple[str, Any] | Reject:
                       show_text(text))
 
 
-def iter_array(source: str, path: Path, enc: TextEncoding) -> Iterator[tuple[str, Any] | Reject]:
+def iter_array(source: str, path: Path, enc: TextEncoding) -> Generator[tuple[str, Any] | Reject, None, None]:
     """One JSON array, record by record (see the module doc for how a broken record is skipped)."""
     with open_text(path, enc) as fh:
         window = _TextWindow(fh)
@@ -338,7 +342,9 @@ def iter_array(source: str, path: Path, enc: TextEncoding) -> Iterator[tuple[str
             try:
                 value, end = _decode(window.text, pos, whole=False)
                 if end == len(window.text) and not window.eof:
-                    pos = window.extend(pos)  # a number or literal may continue in the next chunk
+                    extended = window.extend(pos)  # a number or literal may continue in the next chunk
+                    assert extended is not None  # (not at EOF)
+                    pos = extended
                     continue
                 _check_record_end(window.text, end, value)
             except Malformed as exc:

@@ -109,7 +109,8 @@ class GenerationStats:
                 "seconds": round(self.seconds, 3),
                 "new_tokens_per_s": round(self.new_tokens / self.seconds, 1) if self.seconds else None,
                 "slot_use": round(self.new_tokens / self.slot_steps, 4) if self.slot_steps else None,
-                "shapes": {k: {"calls": v.calls, "seconds": round(v.seconds, 3), "first_call_s": round(v.first_call_s, 3)}
+                "shapes": {k: {"calls": v.calls, "seconds": round(v.seconds, 3),
+                               "first_call_s": round(v.first_call_s, 3)}
                            for k, v in sorted(self.shapes.items())}}
 
 
@@ -203,7 +204,7 @@ def flex_decode(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
     usable = (q_len == 1 and attention_mask is not None and attention_mask.dtype == torch.bool
               and attention_mask.shape[1:3] == (1, 1) and kwargs.get("position_bias") is None and dropout == 0.0
               and length % min(FLEX_KV_BLOCK, length) == 0)  # whole blocks (static caches are powers of two)
-    if not usable:
+    if not usable or attention_mask is None:  # (usable implies a mask; the test narrows its type)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     valid = attention_mask[:, 0, 0, :].expand(batch, length)  # [B, L]
@@ -252,9 +253,10 @@ class TokenGenerator:
             raise ValueError("an empty prompt cannot be answered (no token to start from)")
         if self.settings.backend == "continuous":
             start = time.perf_counter()
-            out = self._continuous(prompts)
-            self.stats.add("continuous", len(prompts), len(prompts), sum(map(len, out)), 0, time.perf_counter() - start)
-            return out
+            answers = self._continuous(prompts)
+            self.stats.add("continuous", len(prompts), len(prompts), sum(map(len, answers)), 0,
+                           time.perf_counter() - start)
+            return answers
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
         out: list[list[int]] = [[] for _ in prompts]
         size = self.settings.batch_size

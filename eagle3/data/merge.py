@@ -25,22 +25,29 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3.config import DataConfig, SourceConfig
 from eagle3.data.rejects import reject_line
-from eagle3.data.sources import (REJECT_REASONS, Conversation, Reject, SourceError, SourceStream, content_hash,
-                                 read_source)
+from eagle3.data.sources import (
+    REJECT_REASONS,
+    Conversation,
+    Reject,
+    SourceError,
+    SourceStream,
+    content_hash,
+    read_source,
+)
 from eagle3.data.synthetic import read_synthetic
 from eagle3.data.textcheck import EVAL_NGRAM, EvalOverlap
 from eagle3.run.layout import MERGE_STATS_FILE, MERGED_FILE
 from eagle3.run.progress import Progress, ProgressFn
 from infra.storage import atomic_open, atomic_path, atomic_write_json
 
-__all__ = ["MERGED_SCHEMA", "MergeError", "content_hash", "merge_sources", "read_merged", "split_for", "main"]
+__all__ = ["MERGED_SCHEMA", "MergeError", "content_hash", "merge_sources", "read_merged", "split_for"]
 
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 MERGED_SCHEMA = pa.schema([
@@ -60,7 +67,7 @@ class MergeError(ValueError):
 
 def split_for(row_id: str, seed: int, val_fraction: float) -> str:
     """'train' or 'val' from a seeded hash of the id: stable across runs, machines and input order."""
-    digest = hashlib.sha256(f"{seed}\0{row_id}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}\0{row_id}".encode()).digest()
     unit = int.from_bytes(digest[:8], "big") / 2**64
     return "val" if unit < val_fraction else "train"
 
@@ -108,7 +115,7 @@ class _Tally:
 class _RejectWriter:
     """Appends Reject lines to rejects.jsonl (an atomic temp file until the merge succeeds)."""
 
-    def __init__(self, fh: BinaryIO):
+    def __init__(self, fh: IO[bytes]):
         self.fh = fh
 
     def write(self, reject: Reject) -> None:
@@ -201,14 +208,14 @@ def _take_source(src: SourceConfig, cfg: DataConfig, seen_hashes: dict[str, str]
             tally.read += 1
             if tally.read % PROGRESS_EVERY == 0:
                 prog.update(PROGRESS_EVERY, source=src.name, kept=len(rows))
-            row = item
-            if isinstance(item, Conversation):
-                row = (evals and evals.reject(item)) or _dedupe(item, seen_hashes, scope, cfg.dedupe)
+            row: dict[str, Any] | Reject = item if isinstance(item, Reject) else (
+                (evals and evals.reject(item)) or _dedupe(item, seen_hashes, scope, cfg.dedupe))
             if isinstance(row, Reject):
                 rejects.write(row)
                 tally.count_reject(row.reason)
                 continue
             rows.append(row)
+            assert isinstance(item, Conversation)  # (a Reject item is its own row, written above)
             tally.count_row(item)
             if src.max_records is not None and tally.kept >= src.max_records:
                 stopped_at_cap = True
@@ -274,7 +281,8 @@ def merge_sources(sources: list[SourceConfig], cfg: DataConfig, seed: int, out_d
     evals = _eval_check(cfg)
     paths = {"merged": out_dir / MERGED_FILE, "rejects": out_dir / "rejects.jsonl",
              "stats": out_dir / MERGE_STATS_FILE}
-    num_expected = sum(s.max_records for s in sources) if all(s.max_records for s in sources) else 0
+    caps = [s.max_records for s in sources if s.max_records is not None]
+    num_expected = sum(caps) if len(caps) == len(sources) else 0
     rows: list[dict[str, Any]] = []
     seen_hashes: dict[str, str] = {}  # content hash -> id of the first row with it (dedupe spans sources)
     tallies: dict[str, _Tally] = {}

@@ -72,8 +72,8 @@ from eagle3.data.chat_backends import (  # noqa: F401 - re-exported: the backend
 )
 from eagle3.data.textcheck import loop_cut
 from eagle3.data.tokenize import TRUNCATED_TURNS
-from eagle3.run.layout import REGENERATED_FILE
 from eagle3.run.journal import Journal
+from eagle3.run.layout import REGENERATED_FILE
 from eagle3.run.progress import Progress, ProgressFn
 from infra.storage import atomic_path, atomic_write_text, sha256_json
 
@@ -124,7 +124,7 @@ async def regenerate_conversation(messages: list[Message], backend: ChatBackend,
 def settings_key(cfg: RegenerateConfig) -> str:
     """Hash of the settings that change the answers; journal records from other settings are redone.
     loop_stop_tokens only once set, so journals written before it existed keep their key."""
-    fields = ("backend", "model", "max_new_tokens", "temperature")
+    fields: tuple[str, ...] = ("backend", "model", "max_new_tokens", "temperature")
     fields += ("loop_stop_tokens",) if cfg.loop_stop_tokens else ()
     return sha256_json({k: getattr(cfg, k) for k in fields})[:16]
 
@@ -332,6 +332,7 @@ def finish(work: Work, out_dir: Path, state: RunState, backend: ChatBackend | No
            keep_sources: frozenset[str], start: float) -> tuple[dict[str, Path], dict]:
     """Write the outputs from the journal and return (paths, stats) with the invariant checked."""
     rows, limit, own = work.rows, work.limit, work.own
+    stats: dict[str, Any]
     stats = {"input": len(rows), "success": state.success, "error": state.error,
              "skipped_done": limit - own - len(work.todo), "skipped_source": own, "skipped_limit": len(rows) - limit,
              "num_turns": state.num_turns, "num_requests": _backend_counter(backend, "num_requests"),
@@ -399,7 +400,7 @@ def generation_stats(backend: Any) -> dict[str, Any] | None:
     return stats.to_json() if stats is not None else None
 
 
-def _backend_counter(backend: ChatBackend, name: str) -> int | None:
+def _backend_counter(backend: ChatBackend | None, name: str) -> int | None:
     """A backend's optional counter (requests, retries), None when it keeps none."""
     value = getattr(backend, name, None)
     return int(value) if isinstance(value, int) else None

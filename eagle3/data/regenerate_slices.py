@@ -73,7 +73,8 @@ def read_slice(out_dir: Path, index: int) -> list[str]:
     try:
         slices = json.loads(path.read_text())["slices"]
     except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"{path}: no readable slice plan ({exc}); the parent writes it before starting slices")
+        raise ValueError(f"{path}: no readable slice plan ({exc}); "
+                         "the parent writes it before starting slices") from exc
     if not 0 <= index < len(slices):
         raise ValueError(f"{path} plans {len(slices)} slices; there is no slice {index}")
     return slices[index]

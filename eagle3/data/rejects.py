@@ -81,7 +81,7 @@ def _bounded(doc: dict[str, Any]) -> dict[str, Any]:
             digest.update(piece[at:at + (1 << 20)].encode("utf-8", "surrogatepass"))
     if length <= RECORD_CAP_CHARS:
         return doc
-    extra = {"record_truncated": True, "record_chars": length}
+    extra: dict[str, Any] = {"record_truncated": True, "record_chars": length}
     if doc.get("sha256") is None:
         extra["sha256"] = digest.hexdigest()
     return {**doc, "record": excerpt_of("".join(head), length, "characters of JSON"), **extra}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,8 @@ class Conversation:
 class SourceStream:
     """The iterator ``read_source`` returns; also says which format it picked."""
 
-    def __init__(self, fmt: str, path: Path, items: Iterator[Conversation | Reject], raw: Iterator):
+    def __init__(self, fmt: str, path: Path, items: Generator[Conversation | Reject, None, None],
+                 raw: Generator[Any, None, None]):
         self.format, self.path, self._items, self._raw = fmt, path, items, raw
 
     def __iter__(self) -> SourceStream:
@@ -124,6 +125,7 @@ def source_path(src: SourceConfig) -> Path:
     """The source's file, or SourceError naming the source, the path and what is wrong with it."""
     if not SOURCE_NAME_RE.fullmatch(src.name):
         raise SourceError(f"source name {src.name!r} (path {src.path}): use only letters, digits, '-', '_' and '.'")
+    assert src.path is not None, "SourceConfig requires a path unless the format is synthetic"
     try:
         path = resolve_path(src.path)
     except FileNotFoundError as exc:
@@ -168,7 +170,8 @@ def read_source(src: SourceConfig, max_chars: int, chars_of: CharsOf = "all") ->
     return SourceStream(fmt, path, normalize_records(src.name, fmt, raw, max_chars, chars_of), raw)
 
 
-def _choose_format(src: SourceConfig, path: Path, enc: TextEncoding, raw: Iterator) -> tuple[str, Iterator]:
+def _choose_format(src: SourceConfig, path: Path, enc: TextEncoding,
+                   raw: Generator[Any, None, None]) -> tuple[str, Generator[Any, None, None]]:
     """The configured format, or (auto) the first record's: 'messages' -> openai, 'conversations' -> sharegpt."""
     if src.format in ("sharegpt", "openai"):
         return src.format, raw
@@ -187,7 +190,7 @@ def _choose_format(src: SourceConfig, path: Path, enc: TextEncoding, raw: Iterat
     return fmt, _prepend(peeked, raw)
 
 
-def _prepend(peeked: list, raw: Iterator) -> Iterator:
+def _prepend(peeked: list, raw: Generator[Any, None, None]) -> Generator[Any, None, None]:
     """The looked-ahead items, then the rest; closing it closes the file."""
     try:
         yield from peeked
@@ -199,7 +202,7 @@ def _prepend(peeked: list, raw: Iterator) -> Iterator:
 # ---------------------------------------------------------------- raw records per container
 
 
-def _open_parquet(src: SourceConfig, path: Path) -> tuple[str, Iterator[tuple[str, Any]]]:
+def _open_parquet(src: SourceConfig, path: Path) -> tuple[str, Generator[tuple[str, Any] | Reject, None, None]]:
     """Format from the columns ('messages' or 'conversations', optional 'id') and a lazy row iterator."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -217,7 +220,8 @@ def _open_parquet(src: SourceConfig, path: Path) -> tuple[str, Iterator[tuple[st
     return fmt, _iter_parquet_rows(src.name, pfile, columns, path)
 
 
-def _iter_parquet_rows(source: str, pfile: Any, columns: list[str], path: Path) -> Iterator[tuple[str, Any]]:
+def _iter_parquet_rows(source: str, pfile: Any, columns: list[str],
+                       path: Path) -> Generator[tuple[str, Any] | Reject, None, None]:
     """(location, row dict) per row; a row group that cannot be decoded stops the source with its row number."""
     import pyarrow as pa
 
@@ -336,8 +340,8 @@ def _to_messages(record: Any, fmt: str, max_chars: int, chars_of: CharsOf = "all
     return messages, dropped
 
 
-def normalize_records(source: str, fmt: str, raw: Iterator, max_chars: int,
-                      chars_of: CharsOf = "all") -> Iterator[Conversation | Reject]:
+def normalize_records(source: str, fmt: str, raw: Generator[Any, None, None], max_chars: int,
+                      chars_of: CharsOf = "all") -> Generator[Conversation | Reject, None, None]:
     """Raw (location, record) items -> Conversation | Reject, with ids unique within the source."""
     first_seen: dict[str, str] = {}  # row id -> location that took it
     try:

@@ -106,10 +106,10 @@ class Synthesizer:
         """One record per index; prompts that are empty or truncated are not answered."""
         self.torch.manual_seed(seed)
         prompts = [self.answers.decode(row) for row in self.prompts.generate([self.prefix] * len(indices))]
-        usable = [k for k, p in enumerate(prompts) if not isinstance(p, CompletionError) and p.finish_reason == "stop"]
+        usable = {k: p.content.strip() for k, p in enumerate(prompts)
+                  if not isinstance(p, CompletionError) and p.finish_reason == "stop"}  # index -> prompt text
         self.torch.manual_seed(seed + 1)  # answers sampled at temperature > 0 get their own stream
-        replies = self.answers.generate_batch([[{"role": "user", "content": prompts[k].content.strip()}]
-                                               for k in usable])
+        replies = self.answers.generate_batch([[{"role": "user", "content": text}] for text in usable.values()])
         answers: dict[int, Any] = dict(zip(usable, replies, strict=True))
         return [self._record(i, seed, prompts[k], answers.get(k)) for k, i in enumerate(indices)]
 
@@ -152,6 +152,7 @@ def synthesize_source(src: SourceConfig, data_dir: Path, regen: RegenerateConfig
     synth = make() if todo else None
     with journal.appender() as append, Progress(sum(len(idx) for _, idx in todo), "synthesize", progress) as bar:
         for number, indices in todo:
+            assert synth is not None  # (made whenever a batch is to do)
             for record in synth.batch(indices, batch_seed(syn.seed, number)):
                 append({"id": record["id"], "settings": key, "batch_rows": len(indices), "record": record})
             bar.update(len(indices), source=src.name)

@@ -21,7 +21,7 @@ so every generated record is either a row or a reject, counted in stats.json lik
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -82,15 +82,15 @@ def _generation_problem(record: Any) -> tuple[str, str] | None:
     turns = {m.get("role"): m.get("content") for m in record["messages"] if isinstance(m, dict)}
     for role, part in (("user", "prompt"), ("assistant", "answer")):
         content = turns.get(role)
-        if content is None or (isinstance(content, str) and not content.strip()):
-            if role == "user" or finish.get("prompt") == "stop":  # an unanswered prompt is rejected by its own reason
-                return "empty_turn", f"the generated {part} is empty"
+        empty = content is None or (isinstance(content, str) and not content.strip())
+        if empty and (role == "user" or finish.get("prompt") == "stop"):  # an unanswered prompt: its own reason
+            return "empty_turn", f"the generated {part} is empty"
         if finish.get(part) == "length":
             return "truncated", f"the generated {part} hit its token cap without an end-of-turn token"
     return None
 
 
-def _check_generation(source: str, raw: Iterator) -> Iterator:
+def _check_generation(source: str, raw: Generator[Any, None, None]) -> Generator[Any, None, None]:
     """The raw (location, record) items, with empty or truncated generations turned into Rejects."""
     try:
         for item in raw:
@@ -104,7 +104,8 @@ def _check_generation(source: str, raw: Iterator) -> Iterator:
         raw.close()
 
 
-def _filter(items: Iterator[Conversation | Reject], near_threshold: float) -> Iterator[Conversation | Reject]:
+def _filter(items: Generator[Conversation | Reject, None, None],
+            near_threshold: float) -> Generator[Conversation | Reject, None, None]:
     """Degenerate, repeated and near-duplicate conversations become Rejects; kept prompts are remembered."""
     seen: dict[tuple[str, ...], str] = {}  # normalized prompt words -> id of the kept record
     near = NearDuplicates(near_threshold)

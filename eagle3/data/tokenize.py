@@ -193,7 +193,8 @@ class _Tally:
     num_tokens: int = 0
     num_loss_tokens: int = 0
     num_tokens_cut: int = 0
-    unfinished_turns: int = 0  # turns cut at the token cap in rendered rows (rejected ones too): end-of-turn unsupervised
+    # turns cut at the token cap in rendered rows (rejected ones too): end-of-turn unsupervised
+    unfinished_turns: int = 0
     render_s: float = 0.0
     tokenize_s: float = 0.0
 
@@ -367,7 +368,8 @@ def tokenize_dataset(in_parquet: Path, out_dir: Path, tokenizer: Any, cfg: Token
     source = pq.ParquetFile(in_parquet)
     if source.metadata.num_rows == 0:
         raise EmptyTokenizeError(f"no rows to tokenize: {in_parquet} holds 0 rows")
-    tally, rejects = _Tally(), []
+    tally = _Tally()
+    rejects: list[dict] = []
     out_path = out_dir / TOKENIZED_FILE
     with Progress(source.metadata.num_rows, "tokenize", progress) as bar, atomic_path(out_path) as tmp:
         with pq.ParquetWriter(tmp, TOKENIZED_SCHEMA) as writer:

@@ -11,7 +11,8 @@ Shape letters: B rows, T tokens per row, S TTT steps whose keys are cached (the 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -111,8 +112,8 @@ def ttt_block_masks(document_ids: Tensor, num_steps: int, block_size: int = 128)
     for k in range(num_steps):
         limit = (k + 1) * seq_len // block_size
         kv_num, kv_idx = keep_blocks_below(whole.kv_num_blocks, whole.kv_indices, limit)
-        full_num, full_idx = (None, None) if whole.full_kv_num_blocks is None else keep_blocks_below(
-            whole.full_kv_num_blocks, whole.full_kv_indices, limit)
+        full_num, full_idx = (None, None) if whole.full_kv_num_blocks is None or whole.full_kv_indices is None else (
+            keep_blocks_below(whole.full_kv_num_blocks, whole.full_kv_indices, limit))
         masks.append(BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=whole.BLOCK_SIZE,
                                               mask_mod=ttt_mask_mod(document_ids, seq_len, counts[k].clone()),
                                               seq_lengths=(seq_len, num_steps * seq_len)))

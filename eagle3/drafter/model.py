@@ -38,7 +38,7 @@ from eagle3.drafter.masks import causal_document_mask, ttt_mask_mod
 try:  # flex_attention is the CUDA path only; CPU runs (and older torch builds) use the dense path
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:  # pragma: no cover - depends on the torch build
-    create_block_mask = flex_attention = None
+    create_block_mask = flex_attention = None  # type: ignore[assignment]  # FLEX_AVAILABLE tells the callers
 
 FLEX_AVAILABLE = flex_attention is not None
 AttnImpl = Literal["auto", "dense", "flex"]

@@ -38,19 +38,37 @@ Shape letters: B rows, T tokens, H hidden, A*Ht aux width, K top-K, V target voc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eagle3.drafter.masks import (positions_from_documents, same_document_ahead, shift_left, single_document_ids,
-                          ttt_block_masks)
-from eagle3.drafter.model import (AttnImpl, Eagle3Drafter, TTTCache, attention_inputs, compiled_step_pieces,
-                          flex_attention_over, resolve_attn_impl, rope_cos_sin, rope_inv_freq_on, step_outputs,
-                          step_weights, ttt_attention, upcast)
+from eagle3.drafter.masks import (
+    positions_from_documents,
+    same_document_ahead,
+    shift_left,
+    single_document_ids,
+    ttt_block_masks,
+)
+from eagle3.drafter.model import (
+    AttnImpl,
+    Eagle3Drafter,
+    TTTCache,
+    attention_inputs,
+    compiled_step_pieces,
+    flex_attention_over,
+    resolve_attn_impl,
+    rope_cos_sin,
+    rope_inv_freq_on,
+    step_outputs,
+    step_weights,
+    ttt_attention,
+    upcast,
+)
 
 TOKEN_SHIFT = 1
 """Step k at row index t reads token x_{t + TOKEN_SHIFT + k} and is scored against p_{t + TOKEN_SHIFT + k}."""
@@ -88,7 +106,7 @@ class StepOptions:
 class TTTBatch:
     """One micro-batch of captured features; documents may be packed along T."""
 
-    aux: Tensor  # [B, T, A*Ht] concatenated aux states
+    aux: Tensor | None  # [B, T, A*Ht] concatenated aux states; None until online features fill them
     input_ids: Tensor  # [B, T] target-vocab ids
     loss_mask: Tensor  # [B, T] 1 = a token the drafter should learn to produce
     document_ids: Tensor | None = None  # [B, T]; None = one document per row
@@ -351,6 +369,7 @@ def ttt_loss(drafter: Eagle3Drafter, batch: TTTBatch, supervision: Supervision, 
     """Unroll ``ttt_steps`` steps of the drafter over one micro-batch and score every step (module docstring)."""
     options = options or StepOptions()
     docs, positions = _documents_and_positions(batch)
+    assert batch.aux is not None, "online features fill aux first"
     hidden = drafter.project_aux(batch.aux)  # [B, T, H]
     step = (_FunctionalUnroll(drafter, docs, positions, hidden, ttt_steps, attn_impl, options).step
             if options.functional_step else _module_step(drafter, docs, positions, attn_impl))
@@ -365,7 +384,8 @@ def ttt_loss(drafter: Eagle3Drafter, batch: TTTBatch, supervision: Supervision, 
         correct, full_correct, chain = _step_hits(draft_top, d2t, aligned, chain)
         counts.append(torch.stack([aligned.position_mask.sum(), aligned.predicts_marked.sum(), correct, full_correct]))
     loss_sum, count = torch.stack(sums), torch.stack(counts).T  # [S], [4, S]
-    return TTTOutput(weighted_loss(loss_sum, count[0], step_decay), loss_sum, *count, step_decay=step_decay)
+    return TTTOutput(weighted_loss(loss_sum, count[0], step_decay), loss_sum, count[0], count[1], count[2], count[3],
+                     step_decay=step_decay)
 
 
 def _module_step(drafter: Eagle3Drafter, docs: Tensor, positions: Tensor, attn_impl: AttnImpl) -> StepFn:
@@ -386,6 +406,9 @@ class _FunctionalUnroll:
     the drafter's parameters directly, which a wrapper that shards the whole objective (DDP, FSDP2 over the
     root) gathers before the forward.
     """
+
+    pre: Callable[..., Any]  # attention_inputs, compiled when asked
+    post: Callable[..., Any]  # step_outputs, compiled when asked
 
     def __init__(self, drafter: Eagle3Drafter, docs: Tensor, positions: Tensor, hidden: Tensor, num_steps: int,
                  attn_impl: AttnImpl, options: StepOptions) -> None:
@@ -450,6 +473,11 @@ class TTTObjective(nn.Module):
     The target lm_head, t2d and d2t are non-persistent buffers: they follow ``.to(device)`` but never enter
     the optimizer, the checkpoint or the export.
     """
+
+    t2d: Tensor  # [V] bool (buffers, registered in __init__)
+    d2t: Tensor  # [Vd] long
+    draft_ids: Tensor  # [Vd] long
+    target_lm_head: Tensor | None  # [V, Ht]
 
     def __init__(self, drafter: Eagle3Drafter, t2d: Tensor, d2t: Tensor, target_lm_head: Tensor | None,
                  ttt_steps: int, step_decay: float = STEP_DECAY, attn_impl: AttnImpl = "auto",

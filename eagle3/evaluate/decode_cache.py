@@ -80,11 +80,19 @@ def _round_up(n: int) -> int:
     return -(-n // CAPACITY_STEP) * CAPACITY_STEP
 
 
+def _kv(layer: StaticLayer) -> tuple[Tensor, Tensor]:
+    """An allocated layer's keys and values [1, nKV, L, hd] (transformers types both as optional)."""
+    assert layer.keys is not None and layer.values is not None, "the layer is allocated"
+    return layer.keys, layer.values
+
+
 # ---------------------------------------------------------------------------------------------- the target
 
 class PositionedStaticCache(StaticCache):
     """transformers' StaticCache writing each forward's rows at ``write_index`` (long [q], set before the forward)
     rather than appending at the layer's running length, so a verify can overwrite rejected rows in place."""
+
+    layers: list[StaticLayer]  # type: ignore[assignment]  # narrower than Cache's: __init__ refuses other layers
 
     def __init__(self, config: Any, max_cache_len: int) -> None:
         super().__init__(config=config, max_cache_len=max_cache_len)
@@ -99,9 +107,11 @@ class PositionedStaticCache(StaticCache):
         layer = self.layers[layer_idx]
         if not layer.is_initialized:  # allocates [1, nKV, max_cache_len, hd] (static address, outside compile)
             layer.lazy_initialization(key_states, value_states)
-        layer.keys.index_copy_(2, self.write_index, key_states)
-        layer.values.index_copy_(2, self.write_index, value_states)
-        return layer.keys, layer.values
+        assert self.write_index is not None, "set before the forward"
+        keys, values = _kv(layer)
+        keys.index_copy_(2, self.write_index, key_states)
+        values.index_copy_(2, self.write_index, value_states)
+        return keys, values
 
 
 class StaticTargetRunner(TargetRunner):
@@ -111,6 +121,9 @@ class StaticTargetRunner(TargetRunner):
     needs more room; ``reset`` only sets the length to 0. The first forward runs eagerly: it allocates the cache
     outside torch.compile and the graphs, so the cache keeps a static address. ``decode_rows``: see the module.
     """
+
+    cache: PositionedStaticCache
+    _key_index: Tensor  # [L] 0..capacity-1
 
     def __init__(self, model: Any, aux_layer_ids: Sequence[int], capacity: int = 1024,
                  compile_settings: CompileSettings = CompileSettings(), decode_rows: int | None = None,
@@ -125,7 +138,7 @@ class StaticTargetRunner(TargetRunner):
             if decode_rows is None:
                 raise ValueError("gathered decode keys need decode_rows (one width for greedy and verifies)")
             use_gathered_attention(model)
-        self.cache = self._key_index = None  # type: ignore[assignment]
+        self.cache = self._key_index = None  # type: ignore[assignment]  # both set by _allocate below
         decode = self._forward_gathered if gathered_keys else self._forward_rows
         self.step_fn = CompiledStep(decode, compile_settings, self.device, "target forward")
         self.chunk_fn = CompiledStep(self._forward_rows, eager_graph_settings(compile_settings), self.device,
@@ -156,9 +169,11 @@ class StaticTargetRunner(TargetRunner):
         self.cache = PositionedStaticCache(self.model.config, capacity)
         if old is not None and old.layers[0].is_initialized:
             for new, previous in zip(self.cache.layers, old.layers):
-                new.lazy_initialization(previous.keys, previous.values)
-                new.keys[:, :, : previous.keys.shape[2]] = previous.keys
-                new.values[:, :, : previous.values.shape[2]] = previous.values
+                old_keys, old_values = _kv(previous)
+                new.lazy_initialization(old_keys, old_values)
+                keys, values = _kv(new)
+                keys[:, :, : old_keys.shape[2]] = old_keys
+                values[:, :, : old_values.shape[2]] = old_values
         self.capacity = capacity
         self._key_index = torch.arange(capacity, device=self.device)  # [L]
         for step in (self.step_fn, self.chunk_fn, self.move_fn):  # graphs read the old cache: capture again
@@ -229,6 +244,8 @@ class StaticTargetRunner(TargetRunner):
     def _run(self, ids: Tensor, positions: Tensor, write: Tensor, at: int, num: int,
              tree: Tensor | None) -> tuple[Tensor, ...]:
         chunk = len(ids) == CHUNK != self.widths[0]  # a prompt's chunk, not a decode forward
+        fn: Callable[..., tuple[Tensor, ...]]
+        masks: tuple[Tensor, ...]
         if self.gathered_keys and not chunk:
             fn, masks = self._forward_gathered, key_order(self._key_index, write, at, num, tree)[::-1]
         else:
@@ -271,8 +288,9 @@ class StaticTargetRunner(TargetRunner):
     def _move_rows(self, src: Tensor, dst: Tensor) -> tuple[Tensor, ...]:
         """Every layer's entries at ``src`` [w] copied to ``dst`` [w] (read first, so they may overlap)."""
         for layer in self.cache.layers:
-            layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
-            layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+            keys, values = _kv(layer)
+            keys.index_copy_(2, dst, keys.index_select(2, src))
+            values.index_copy_(2, dst, values.index_select(2, src))
         return ()
 
 
@@ -284,6 +302,9 @@ class StaticDrafterRunner(DrafterRunner):
     Same extend/draft contract; a draft level of q nodes writes q entries after the previous levels' ones,
     and ``extend`` starts again right after the committed entries (dropping the drafts is setting a count).
     """
+
+    keys: Tensor  # [1, nKV, L, hd] post-RoPE, allocated by _allocate (fixed size, written in place)
+    values: Tensor  # [1, nKV, L, hd]
 
     def __init__(self, drafter: Eagle3Drafter, d2t: Tensor, capacity: int = 1024,
                  compile_settings: CompileSettings = CompileSettings(), decode_rows: int | None = None) -> None:
@@ -379,8 +400,10 @@ class StaticDrafterRunner(DrafterRunner):
         from eagle3.evaluate.tree_draft import tree_rows
 
         width = bucket(topk)
-        return self._round(("tree", steps, topk, size), (steps - 1) * topk, width,
-                           lambda h, lg, c: tree_rows(self, h, lg, c, steps, topk, size, width), hidden, logits)
+        tokens, parents = self._round(("tree", steps, topk, size), (steps - 1) * topk, width,
+                                      lambda h, lg, c: tree_rows(self, h, lg, c, steps, topk, size, width), hidden,
+                                      logits)
+        return tokens, parents
 
     def _round(self, key: tuple, num_drafts: int, width: int, fn: Callable[..., tuple[Tensor, ...]],
                hidden: Tensor, logits: Tensor) -> tuple[Tensor, ...]:
@@ -448,12 +471,17 @@ class StaticDrafterRunner(DrafterRunner):
 
 def make_runners(model: Any, aux_layer_ids: Sequence[int], drafter: Eagle3Drafter | None, d2t: Tensor | None,
                  static: bool, compile_settings: CompileSettings, capacity: int = 1024,
-                 decode_rows: int | None = None, gathered_keys: bool = False) -> tuple[TargetRunner, DrafterRunner | None]:
+                 decode_rows: int | None = None,
+                 gathered_keys: bool = False) -> tuple[TargetRunner, DrafterRunner | None]:
     """The target runner and one drafter runner (None without a drafter), static or eager."""
+    if drafter is not None and d2t is None:
+        raise ValueError("a drafter runs with its d2t map (draft-to-target id offsets)")
     if not static:
         if compile_settings.enabled:
             raise ValueError("compiled decoding needs the static cache")
-        return TargetRunner(model, aux_layer_ids), None if drafter is None else DrafterRunner(drafter, d2t)
+        eager = TargetRunner(model, aux_layer_ids)
+        return eager, None if drafter is None or d2t is None else DrafterRunner(drafter, d2t)
     target = StaticTargetRunner(model, aux_layer_ids, capacity, compile_settings, decode_rows, gathered_keys)
-    runner = None if drafter is None else StaticDrafterRunner(drafter, d2t, capacity, compile_settings, decode_rows)
+    runner = (None if drafter is None or d2t is None
+              else StaticDrafterRunner(drafter, d2t, capacity, compile_settings, decode_rows))
     return target, runner

@@ -38,11 +38,13 @@ def gathered_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, a
     if order is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    assert attention_mask is not None, "key_order comes with its mask"
     _, heads, width, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     flat = order.reshape(-1)  # [w * L]
     keys = key[0].index_select(1, flat).view(kv_heads, width, length, dim).transpose(0, 1)  # [w, Hkv, L, D]
-    values = value[0].index_select(1, flat).view(kv_heads, width, length, value.shape[-1]).transpose(0, 1)  # [w, Hkv, L, Dv]
+    # [w, Hkv, L, Dv]
+    values = value[0].index_select(1, flat).view(kv_heads, width, length, value.shape[-1]).transpose(0, 1)
     # The query heads sharing a key/value head become query rows of it (no repeated cache).
     rows = query[0].transpose(0, 1).reshape(width, kv_heads, heads // kv_heads, dim)  # [w, Hkv, G, D]
     mask = attention_mask[0, 0][:, None, None, :]  # [w, 1, 1, L]

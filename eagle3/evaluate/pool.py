@@ -32,6 +32,7 @@ def _init_worker(job: EvalJob, warmup_ids: list[int]) -> None:
 
 
 def _run_item(item: Item) -> PromptRecord:
+    assert _SESSION is not None, "_init_worker runs first in each worker"
     return evaluate_prompt(_SESSION, *item)
 
 

@@ -76,7 +76,7 @@ def _prompt(name: str, index: int, record: dict[str, Any], path: Path) -> EvalPr
 def read_prompts(name: str, limit: int | None = None) -> list[EvalPrompt]:
     """The first ``limit`` prompts of a dataset in file order (all when None)."""
     path = dataset_file(name)
-    prompts = []
+    prompts: list[EvalPrompt] = []
     for index, record in enumerate(_records(path)):
         if limit is not None and len(prompts) >= limit:
             break

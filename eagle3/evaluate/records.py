@@ -232,7 +232,8 @@ class SummaryRow:
         optional = {"teacher_forced_acc_0", "speedup_vs_ngram"}
 
         def build(d: Mapping[str, Any]) -> SummaryRow:
-            values = {f.name: d[f.name] if f.name not in optional else d.get(f.name) for f in fields(cls)}
+            values: dict[str, Any] = {f.name: d[f.name] if f.name not in optional else d.get(f.name)
+                                      for f in fields(cls)}
             return cls(**values | {"lossless": LosslessCounts.from_json(d["lossless"])})
 
         return _parse(what, doc, build)

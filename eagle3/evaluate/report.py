@@ -8,8 +8,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from eagle3.evaluate.records import (EvalResults, EvalSettings, LosslessCounts, LosslessDifference, PromptRecord,
-                                     SummaryRow)
+from eagle3.evaluate.records import (
+    EvalResults,
+    EvalSettings,
+    LosslessCounts,
+    LosslessDifference,
+    PromptRecord,
+    SummaryRow,
+)
 from eagle3.run.layout import EVAL_PLOT, PROMPTS_FILE, REPORT_FILE, RESULTS_FILE
 
 

@@ -14,7 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.drafter.model import Eagle3Drafter, attention_inputs, rope_cos_sin, rope_inv_freq_on, step_outputs, step_weights, upcast
+from eagle3.drafter.model import (
+    Eagle3Drafter,
+    attention_inputs,
+    rope_cos_sin,
+    rope_inv_freq_on,
+    step_outputs,
+    step_weights,
+    upcast,
+)
 
 REFERENCE_TOPK = 5
 """Top logits the greedy reference keeps per token, to tell a numerical near-tie from a real mismatch."""
@@ -225,6 +233,6 @@ class DrafterRunner:
         return self._run(hidden, tokens, positions, visible)
 
     def _drop_drafts(self) -> None:
-        if self.keys is not None and self.num_draft_entries:
+        if self.keys is not None and self.values is not None and self.num_draft_entries:  # (set together)
             self.keys = self.keys[:, :, : self.num_committed]
             self.values = self.values[:, :, : self.num_committed]

@@ -87,6 +87,7 @@ def open_session(job: EvalJob) -> EvalSession:
     static, settings = resolve_decode(ecfg.static_cache, ecfg.compile, job.device)
     if static and ecfg.fuse_projections:
         fuse_projections(model)
+    assert not isinstance(ecfg.decode_rows, str), "resolved() decides decode_rows"
     target, runner = make_runners(model, loaded.aux_layer_ids, loaded.drafter, loaded.d2t, static, settings,
                                   job.cache_len, ecfg.decode_rows, ecfg.decode_keys == "gathered")
     proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, loaded.d2t, runner) for s in method_specs(ecfg)}
@@ -126,8 +127,13 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
     """The greedy reference and every method on one prompt: tokens, steps, wall times, lossless checks."""
     import torch
 
-    from eagle3.evaluate.speculate import (check_lossless, draft_hits, greedy_decode, speculative_decode,
-                                           teacher_forced_drafts)
+    from eagle3.evaluate.speculate import (
+        check_lossless,
+        draft_hits,
+        greedy_decode,
+        speculative_decode,
+        teacher_forced_drafts,
+    )
 
     ecfg = session.ecfg
     ref = greedy_decode(session.target, ids, ecfg.max_new_tokens, session.stop_ids)

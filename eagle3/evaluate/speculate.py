@@ -41,8 +41,7 @@ from torch import Tensor
 
 from eagle3.drafter.model import Eagle3Drafter, upcast
 from eagle3.evaluate.records import LosslessCheck
-from eagle3.evaluate.runners import REFERENCE_TOPK, DrafterRunner, TargetRunner
-
+from eagle3.evaluate.runners import DrafterRunner, TargetRunner
 
 # ------------------------------------------------------------------------------------------ drafts, records
 
@@ -175,6 +174,7 @@ class EagleProposer:
         return self._chain() if self.topk == 1 else self._tree()
 
     def _chain(self) -> DraftTree:
+        assert self._root is not None, "observe() first"
         hidden, logits = self._root
         if hasattr(self.runner, "chain"):  # the static runner drafts the whole chain in one (compiled) call
             return DraftTree.chain(self.runner.chain(hidden, logits, self.steps).tolist())  # one device sync
@@ -194,13 +194,14 @@ class EagleProposer:
         """Add the top-k children of each parent (logits [P, Vd]); returns the new pool indices."""
         scores, ids = F.log_softmax(upcast(logits), dim=-1).topk(self.topk, dim=-1)  # [P, k]
         base = torch.tensor([nodes[p].score if p >= 0 else 0.0 for p in parents], device=scores.device)
-        scores, ids = (scores + base[:, None]).tolist(), self.runner.to_target_ids(ids).tolist()
+        score_rows, id_rows = (scores + base[:, None]).tolist(), self.runner.to_target_ids(ids).tolist()
         start = len(nodes)
         for row, p in enumerate(parents):
-            nodes.extend(_Node(t, p, depth, s) for t, s in zip(ids[row], scores[row]))
+            nodes.extend(_Node(t, p, depth, s) for t, s in zip(id_rows[row], score_rows[row]))
         return list(range(start, len(nodes)))
 
     def _tree(self) -> DraftTree:
+        assert self._root is not None, "observe() first"
         root_hidden, root_logits = self._root
         if hasattr(self.runner, "tree"):  # the static runner builds the tree on the device in one call
             tokens, parents = self.runner.tree(root_hidden, root_logits, self.steps, self.topk,
@@ -337,6 +338,7 @@ def verify(target: TargetRunner, tree: DraftTree, context: list[int]) -> tuple[l
     path, bonus = accept_path(tree, out.greedy.tolist())  # the round's host sync
     rows = [0, *(i + 1 for i in path)]
     target.keep(m, [m + r for r in rows])
+    assert out.aux is not None  # (step returns aux unless asked not to)
     kept = out.aux[: len(rows)] if rows == list(range(len(rows))) else out.aux[rows]  # a slice needs no copy
     return [tree.tokens[i] for i in path] + [bonus], path, kept
 
@@ -351,6 +353,7 @@ def speculative_decode(target: TargetRunner, proposer: Proposer, prompt: Sequenc
     proposer.reset()
     first = target.step(prompt, last_only=True)  # aux of every prompt row, logits of the last
     aux = first.aux
+    assert aux is not None  # (step returns aux unless asked not to)
     tokens = [int(first.greedy[-1])]
     context = [*prompt, tokens[0]]
     proposer.observe(aux, context[1:], 0)
@@ -388,6 +391,7 @@ def teacher_forced_drafts(target: TargetRunner, runner: DrafterRunner, prompt: S
     target.reset()
     runner.reset()
     aux = target.step(seq[:-2]).aux  # [L-2, A*H]: index t's feature with token t+1 predicts token t+2
+    assert aux is not None  # (step returns aux unless asked not to)
     _, logits = runner.extend(aux, seq[1:-1], 0)  # [L-2, Vd]
     drafts = runner.to_target_ids(logits[len(prompt) - 1:].argmax(-1))  # predicts seq[len(prompt)+1:]
     target.reset()
@@ -413,10 +417,12 @@ def check_lossless(reference: DecodeResult, tokens: Sequence[int], near_tie_gap:
     pos = next((i for i, (a, b) in enumerate(zip(ref, tokens)) if a != b), min(len(ref), len(tokens)))
     if pos >= len(ref):
         return LosslessCheck("mismatch", pos, None, int(tokens[pos]))
+    assert reference.top_ids is not None and reference.top_logits is not None, "a greedy reference keeps its top-k"
     ids, values = reference.top_ids[pos], reference.top_logits[pos]
     method_token = int(tokens[pos]) if pos < len(tokens) else None
     top2_gap = values[0] - values[1] if len(values) > 1 else None
-    token_gap = values[0] - values[ids.index(method_token)] if method_token in ids else None
+    token_gap = (values[0] - values[ids.index(method_token)]
+                 if method_token is not None and method_token in ids else None)
     near = token_gap is not None and token_gap <= max(near_tie_gap, 2 * rounding_step(values[0], dtype))
     return LosslessCheck("near_tie" if near else "mismatch", pos, ref[pos], method_token, top2_gap, token_gap)
 

@@ -112,7 +112,7 @@ def _settings(cfg: RunConfig, model_dir: Path, export_dir: Path, device: str,
     from eagle3.target.load import fingerprint
 
     e = cfg.evaluate.resolved(device)
-    counts = {d: sum(p.dataset == d for p, _ in items) for d in e.datasets}
+    counts: dict[str, int] = {d: sum(p.dataset == d for p, _ in items) for d in e.datasets}
     export_cfg = read_json(export_dir / "config.json")
     return EvalSettings(
         evaluate=e.model_dump(mode="json"), target=cfg.target.name, target_dir=str(model_dir),

@@ -34,7 +34,8 @@ def _order(scores: Tensor) -> Tensor:
     """Indices of ``scores`` [n] by descending score, ties by index: torch.sort(-scores, stable=True).indices, from an
     [n, n] comparison (n is at most a few hundred here) instead of a sort kernel."""
     index = torch.arange(scores.shape[0], device=scores.device)
-    ahead = (scores[None, :] > scores[:, None]) | ((scores[None, :] == scores[:, None]) & (index[None, :] < index[:, None]))
+    ahead = ((scores[None, :] > scores[:, None])
+             | ((scores[None, :] == scores[:, None]) & (index[None, :] < index[:, None])))
     return torch.empty_like(index).scatter_(0, ahead.sum(-1), index)  # [n]: the element of each rank
 
 

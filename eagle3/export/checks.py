@@ -104,7 +104,7 @@ def check_finite_file(weights: Path) -> None:
     from safetensors import safe_open
 
     with safe_open(str(weights), framework="pt") as fh:
-        refuse_non_finite([name for name in fh.keys() if not is_finite(fh.get_tensor(name))], str(weights))
+        refuse_non_finite([name for name in fh.keys() if not is_finite(fh.get_tensor(name))], str(weights))  # noqa: SIM118 (safetensors' safe_open has keys() but is not iterable: `in fh` raises)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -11,8 +11,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eagle3.export.checks import (CONFIG_FILE, INFO_FILE, RUN_CONFIG_FILE, WEIGHTS_FILE, TensorSpec, check_finite,
-                                  compare_tensors, dtype_name, sglang_aux_ids, speculators_aux_ids)
+from eagle3.export.checks import (
+    CONFIG_FILE,
+    INFO_FILE,
+    RUN_CONFIG_FILE,
+    WEIGHTS_FILE,
+    TensorSpec,
+    check_finite,
+    compare_tensors,
+    dtype_name,
+    sglang_aux_ids,
+    speculators_aux_ids,
+)
 
 
 def cast_weights(weights: dict[str, Tensor], specs: dict[str, TensorSpec], d2t: Tensor, t2d: Tensor,

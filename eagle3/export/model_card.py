@@ -57,7 +57,7 @@ def select_checkpoint(select: str, override: str | None, train_stats: dict[str, 
         match = CHECKPOINT_RE.match(Path(override).name)
         step = int(match.group(1)) if match else None
         return Selection(override, step, "export.checkpoint", f"export.checkpoint is set to {override}",
-                         history.get(step))
+                         history.get(step) if step is not None else None)
     best, final = train_stats.get("best_checkpoint"), train_stats.get("final_checkpoint") or ""
     if select == "best" and best:
         value = train_stats["best_accept_len_est"]
@@ -66,7 +66,7 @@ def select_checkpoint(select: str, override: str | None, train_stats: dict[str, 
     step = train_stats.get("step")
     why = ("train.select=last: the final checkpoint" if select == "last" else
            "train.select=best, but the run recorded no validation (empty val split?): the final checkpoint")
-    return Selection(final, step, "last", why, history.get(step))
+    return Selection(final, step, "last", why, history.get(step) if step is not None else None)
 
 
 # --------------------------------------------------------------------------------------------------- card
@@ -249,7 +249,8 @@ def measured_lines(results: dict[str, Any] | None) -> list[str]:
     settings = results.get("settings", {})
     lines = [MEASURED_HEADING, "",
              f"Speculative decoding against the target, greedy, {settings.get('max_new_tokens')} new tokens per "
-             f"prompt, on {settings.get('device')} ({settings.get('dtype')}); accept len = tokens per target verify forward, "
+             f"prompt, on {settings.get('device')} ({settings.get('dtype')}); "
+             "accept len = tokens per target verify forward, "
              "bonus token included; lossless = outputs token-identical to plain greedy decoding."
              + (f" Speeds measured by {settings['num_workers']} processes sharing the device (contention included)."
                 if (settings.get("num_workers") or 1) > 1 else ""), "",

@@ -11,9 +11,23 @@ import torch
 from torch import Tensor
 
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter
-from eagle3.export.checks import (CONFIG_FILE, WEIGHTS_FILE, ExportError, TensorSpec, aux_id_warnings, aux_problems,
-                                  check_finite_file, check_vocab_maps, compare_tensors, dims_from_llama_fields,
-                                  dtype_from_config, header_specs, llama_fields, read_json, sglang_aux_ids)
+from eagle3.export.checks import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    ExportError,
+    TensorSpec,
+    aux_id_warnings,
+    aux_problems,
+    check_finite_file,
+    check_vocab_maps,
+    compare_tensors,
+    dims_from_llama_fields,
+    dtype_from_config,
+    header_specs,
+    llama_fields,
+    read_json,
+    sglang_aux_ids,
+)
 from eagle3.export.folder import cast_weights, export_info, write_folder
 from eagle3.target.tensors import load_target_weights
 

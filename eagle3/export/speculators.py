@@ -9,10 +9,24 @@ import torch
 from torch import Tensor
 
 from eagle3.drafter.model import DrafterDims
-from eagle3.export.checks import (CONFIG_FILE, WEIGHTS_FILE, ExportError, TensorSpec, aux_problems, check_finite_file,
-                                  check_vocab_maps, compare_tensors, dims_from_llama_fields, dtype_from_config,
-                                  dtype_name, header_specs, llama_fields, ours_from_speculators, read_json,
-                                  speculators_aux_ids)
+from eagle3.export.checks import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    ExportError,
+    TensorSpec,
+    aux_problems,
+    check_finite_file,
+    check_vocab_maps,
+    compare_tensors,
+    dims_from_llama_fields,
+    dtype_from_config,
+    dtype_name,
+    header_specs,
+    llama_fields,
+    ours_from_speculators,
+    read_json,
+    speculators_aux_ids,
+)
 from eagle3.export.folder import cast_weights, export_info, write_folder
 from eagle3.export.sglang import sglang_tensor_specs
 
@@ -70,6 +84,7 @@ def speculators_dims(cfg: dict[str, Any], where: Path) -> tuple[DrafterDims, lis
     problems += aux_problems(ids, "eagle_aux_hidden_state_layer_ids")
     if problems:
         raise ExportError(f"{where}: " + "; ".join(problems))
+    assert isinstance(ids, list)  # (aux_problems accepts only a list)
     dims = dims_from_llama_fields(layer, cfg.get("draft_vocab_size", 0), len(ids),
                                   cfg.get("target_hidden_size") or layer.get("hidden_size", 0), where)
     return dims, ours_from_speculators(ids), dtype_from_config(cfg, where)

@@ -13,8 +13,16 @@ from torch import Tensor
 
 from eagle3.config import RunConfig
 from eagle3.drafter.model import DrafterDims
-from eagle3.export.checks import (CONFIG_FILE, FLOAT_DTYPES, INFO_FILE, WEIGHTS_FILE, aux_id_warnings, read_json,
-                                  sglang_aux_ids, speculators_aux_ids)
+from eagle3.export.checks import (
+    CONFIG_FILE,
+    FLOAT_DTYPES,
+    INFO_FILE,
+    WEIGHTS_FILE,
+    aux_id_warnings,
+    read_json,
+    sglang_aux_ids,
+    speculators_aux_ids,
+)
 from eagle3.export.sglang import check_sglang_export, export_sglang
 from eagle3.export.speculators import SPECULATORS_ARCHITECTURE, check_speculators_export, export_speculators
 from eagle3.run.layout import STAGE_DIRS, manifest_name, resolve_in_run, run_relative
@@ -89,9 +97,9 @@ def _verifier(cfg: RunConfig, model_dir: Path) -> str:
 
 def _drafter_inputs(cfg: RunConfig, model_dir: Path) -> tuple[DrafterDims, list[int], Tensor, Tensor]:
     """(dims, aux ids in our convention, d2t, t2d), checked against the features the drafter was trained on."""
+    from eagle3.data.vocab import load_vocab_map
     from eagle3.features.spec import FeatureSpec
     from eagle3.target.load import fingerprint, target_info
-    from eagle3.data.vocab import load_vocab_map
 
     spec = FeatureSpec.load(cfg.run_dir / "features" / "spec.json")
     info = target_info(model_dir, cfg.target)
@@ -115,8 +123,9 @@ def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
     # Paths inside the run are recorded relative to the run dir, so a moved or copied run stays valid.
     common = dict(run_config=cfg.model_dump(mode="json"), source=run_relative(cfg.run_dir, ckpt),
                   selection=selection.to_json())
-    outputs, stats = {}, {"checkpoint": str(ckpt.relative_to(cfg.run_dir)), "selection": selection.to_json(),
-                          "dtype": cfg.export.dtype, "formats": {}}
+    outputs: dict[str, Path] = {}
+    stats: dict[str, Any] = {"checkpoint": str(ckpt.relative_to(cfg.run_dir)), "selection": selection.to_json(),
+                             "dtype": cfg.export.dtype, "formats": {}}
     for fmt in dict.fromkeys(cfg.export.formats):
         out = export_dir(cfg) / fmt
         if fmt == "sglang":

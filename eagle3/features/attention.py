@@ -6,8 +6,8 @@ does depends on the context the caller sets around a forward:
 * ``Samples(lengths)``: a right-padded batch [B, L]. SDPA runs on each sample's unpadded prefix, exactly
   the call transformers makes for a lone sample, so a batched sample equals the sample run alone (batch
   invariance; eagle3.features.hf_backend explains where that holds).
-* ``PackedDocs(lengths, block_mask)``: one row [1, T] holding documents back to back, positions restarting at 0 in each; a
-  token attends causally within its own document only. With a flex_attention BlockMask (built on CUDA) the
+* ``PackedDocs(lengths, block_mask)``: one row [1, T] holding documents back to back, positions restarting at 0 in
+  each; a token attends causally within its own document only. With a flex_attention BlockMask (built on CUDA) the
   whole row is one compiled flex_attention call, which skips the masked blocks: attention costs each
   document's own length, and the linear layers run once over the row (its padding included) instead of over
   its documents padded to the longest. Without one (CPU) SDPA runs on each document's slice, the per-sample

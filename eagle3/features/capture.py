@@ -24,7 +24,7 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from eagle3.config import RunConfig, section_dict
 from eagle3.features.plan import PLAN_FILE, CapturePlan, ShardPlan, build_plan, check_disk, preflight_bytes
@@ -112,7 +112,7 @@ def save_or_check_spec(fdir: Path, spec: FeatureSpec) -> None:
     spec.save(path)
 
 
-def _shard_matches(doc: ShardDone | None, shard: ShardPlan, fdir: Path, expected_hash: str) -> bool:
+def _shard_matches(doc: ShardDone | None, shard: ShardPlan, fdir: Path, expected_hash: str) -> TypeGuard[ShardDone]:
     """The shard on disk is complete and holds exactly the planned samples."""
     return (doc is not None and shard_is_complete(shard_path(fdir, shard.index), doc, expected_hash)
             and doc.sample_ids == shard.sample_ids and doc.num_tokens == shard.num_tokens)
@@ -186,7 +186,8 @@ def load_shard_samples(tokenized: Path, shard: ShardPlan) -> list[SampleTokens]:
     import pyarrow.parquet as pq
 
     source = pq.ParquetFile(tokenized)
-    groups, first_row, row = [], 0, 0
+    groups: list[int] = []
+    first_row, row = 0, 0
     for g in range(source.metadata.num_row_groups):
         num = source.metadata.row_group(g).num_rows
         if row + num > shard.row_start and row < shard.row_end:
@@ -245,7 +246,7 @@ def capture_shard(cfg: RunConfig, shard_index: int, backend: CaptureBackend | No
     samples = load_shard_samples(tokenized, shard)
     start = time.perf_counter()
     own = backend is None
-    if own:
+    if backend is None:
         from eagle3.target.load import prepare_target
 
         backend = make_backend(cfg, prepare_target(cfg), spec)

@@ -45,8 +45,15 @@ from typing import Any
 
 import torch
 
-from eagle3.features.attention import (ATTENTION, PackedDocs, Samples, attention_context, document_block_mask,
-                                      enable, per_sample_for)
+from eagle3.features.attention import (
+    ATTENTION,
+    PackedDocs,
+    Samples,
+    attention_context,
+    document_block_mask,
+    enable,
+    per_sample_for,
+)
 from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens
 
 LOGITS_CHUNK_BYTES = 1 << 28
@@ -83,7 +90,7 @@ def load_model(model_dir: Path, dtype: str, device: str, device_map: str | None 
         kwargs["device_map"] = device_map
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     if not device_map:
-        model = model.to(device)
+        model = model.to(device)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to in functools.wraps: mypy sees no bound self
     model.eval()
     enable(model)
     return model
@@ -168,7 +175,7 @@ class _Inputs:
     samples: list[SampleTokens]
     lengths: list[int]
     input_ids: torch.Tensor  # [B, L] int64
-    attention_mask: torch.Tensor  # [B, L] int64
+    attention_mask: torch.Tensor | None  # [B, L] int64; None for a packed row (its documents are in ``packed``)
     rows: torch.Tensor  # [N] int64 into the flattened [B * L] positions
     position_ids: torch.Tensor | None = None  # [1, T] packed rows only: positions restart in each document
     packed: PackedDocs | None = None  # packed rows only: the documents and their attention mask
@@ -204,7 +211,10 @@ class HFCaptureBackend:
                  batch_invariant: bool | str | None = None, pinned_handoff: bool = False):
         if supervision == "topk_logprobs" and not topk:
             raise ValueError("topk_logprobs supervision needs topk >= 1")
-        self.model = model if model is not None else get_model(Path(model_dir), dtype, device, device_map)
+        if model is None:
+            assert model_dir is not None, "either model_dir or model"
+            model = get_model(Path(model_dir), dtype, device, device_map)
+        self.model = model
         self.decoder = self.model.model
         num_layers = len(self.decoder.layers)
         if any(not 0 <= j < num_layers for j in aux_layer_ids):
@@ -290,6 +300,7 @@ class HFCaptureBackend:
 
     def _topk(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-norm rows [N, H] -> top-K ids [N, K] int32 and log-probs [N, K] fp32 (full-vocab log_softmax)."""
+        assert self.topk is not None  # (topk_logprobs supervision checks it is set)
         head = self.model.get_output_embeddings()
         vocab = head.weight.shape[0]
         chunk = max(1, LOGITS_CHUNK_BYTES // (4 * vocab))
@@ -368,9 +379,10 @@ class HFCaptureBackend:
 
         input_ids, document_ids, position_ids: [1, T] on the input device, documents contiguous, positions
         restarting at 0 in each; ``lengths``: the tokens of each real document, in row order (the rest of the
-        row is padding, a document of its own). On CUDA the whole row runs with a flex document mask (one shape, one compile); elsewhere
-        only the real tokens run, with SDPA per document (attention module docstring). ``flex`` overrides that
-        choice (None: flex on CUDA); on a CPU flex_attention runs uncompiled, a reference for the CUDA path.
+        row is padding, a document of its own). On CUDA the whole row runs with a flex document mask (one shape, one
+        compile); elsewhere only the real tokens run, with SDPA per document (attention module docstring). ``flex``
+        overrides that choice (None: flex on CUDA); on a CPU flex_attention runs uncompiled, a reference for the CUDA
+        path.
         """
         if not self.sliced:
             raise ValueError("packed rows need causal full attention through SDPA "

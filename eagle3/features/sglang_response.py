@@ -8,6 +8,7 @@ retry. Nothing here does I/O.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from eagle3.features.spec import CapturedSample, SampleTokens
 from infra.sglang import ResponseCheckError, check_capture_response
 
+_loads: Callable[[bytes | str], Any]
 try:  # orjson parses the huge float arrays several times faster; plain json is the fallback
     import orjson
 
@@ -64,6 +66,7 @@ def check_topk(meta: dict[str, Any], *, num_tokens: int, k: int,
     _require(isinstance(inputs, list) and len(inputs) == num_tokens,
              f"input_top_logprobs has {got} entries for {num_tokens} tokens")
     _require(isinstance(outputs, list) and len(outputs) >= 1, "output_top_logprobs is missing or empty")
+    assert isinstance(inputs, list) and isinstance(outputs, list)  # (_require checked both)
     rows = [*inputs[1:], outputs[0]]
     bad = next((t for t, row in enumerate(rows) if not isinstance(row, list) or len(row) != k), None)
     _require(bad is None, f"position {bad} has no list of {k} (logprob, token id) entries")

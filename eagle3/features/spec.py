@@ -18,16 +18,16 @@ A shard holds, for all its samples concatenated along tokens (T = total tokens o
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal, Protocol
-
-from pydantic import BaseModel, ConfigDict
+from typing import Final, Literal, Protocol
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 FEATURE_FORMAT_VERSION = 1
-AUX_CONVENTION = "output_of_layer"
+AUX_CONVENTION: Final = "output_of_layer"
 AUX_CONVENTION_TEXT = ("aux_layer_ids[i] = j: output of decoder layer j (0-based) = HF hidden_states[j+1] "
                        "= residual stream entering layer j+1")
 

@@ -173,18 +173,24 @@ class ShardWriters:
         if failure is not None:
             raise failure
         self.report()
-        return [lane.doc for lane in self.lanes]
+        docs = [lane.doc for lane in self.lanes if lane.doc is not None]
+        assert len(docs) == len(self.lanes)  # (a lane without a done document failed, raised above)
+        return docs
 
     def report(self) -> None:
         """Hand the done documents of newly committed lanes to ``on_written``, in job order (never blocks)."""
-        while self._num_reported < len(self.lanes) and self.lanes[self._num_reported].doc is not None:
+        while self._num_reported < len(self.lanes):
+            doc = self.lanes[self._num_reported].doc
+            if doc is None:
+                break
             self._num_reported += 1
             if self._on_written is not None:
-                self._on_written(self.lanes[self._num_reported - 1].doc)
+                self._on_written(doc)
 
     def first_error(self) -> BaseException | None:
         """The earliest lane's failure once the pool is shut down (cancelled lanes are not failures)."""
         for lane in self.lanes:
+            assert lane.future is not None  # (set by open)
             error = lane.future.exception()
             if error is not None:
                 return error
@@ -204,6 +210,7 @@ class ShardWriters:
             lane.doc = stream.commit()
             return lane.doc
         except _Cancelled:
+            assert stream is not None  # (raised only once the stream is open)
             stream.abort()
             return None
         except BaseException as err:

@@ -55,7 +55,7 @@ _OS_ERROR_HINTS = {
 """OS errors that are the user's to fix (full disk, read-only or foreign folder, too long a name): one line each."""
 
 
-def _os_error_in(exc: BaseException) -> OSError | None:
+def _os_error_in(exc: BaseException | None) -> OSError | None:
     """The first OSError with a user-fixable errno in ``exc`` or its causes (a shard writer wraps its OSError)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
@@ -91,6 +91,7 @@ def os_error_message(exc: BaseException, run_dir: Path | None = None) -> str | N
     err = _os_error_in(exc)
     if err is None:
         return None
+    assert err.errno is not None  # (_os_error_in finds only errors whose errno has a hint)
     reason = err.strerror or os.strerror(err.errno)
     if err.filename:
         where = str(err.filename) + (f" -> {err.filename2}" if err.filename2 else "")

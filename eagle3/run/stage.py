@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +62,8 @@ class StageOutcome:
         return cls(stage, key, Path(manifest), computed, doc["stats"], outputs)
 
 
-def stage_key(stage: str, config: dict[str, Any], inputs: list[Path] = (), extra: dict[str, Any] | None = None) -> str:
+def stage_key(stage: str, config: dict[str, Any], inputs: Sequence[Path] = (),
+              extra: dict[str, Any] | None = None) -> str:
     """Hash of everything a stage's output depends on (see module doc)."""
     input_docs = []
     for path in inputs:
@@ -144,7 +145,9 @@ def skipped_outcome(stage: str, manifest: Path, key: str,
     if not manifest_matches(manifest, key) or (complete is not None and not complete()):
         return None
     log.info("%s: up to date (%s), skipped", stage, manifest)
-    return StageOutcome.from_manifest(stage, key, manifest, read_manifest(manifest), computed=False)
+    doc = read_manifest(manifest)
+    assert doc is not None  # (manifest_matches read it)
+    return StageOutcome.from_manifest(stage, key, manifest, doc, computed=False)
 
 
 def run_stage(stage: str, manifest: Path, key: str, compute: ComputeFn, force: bool = False) -> StageOutcome:

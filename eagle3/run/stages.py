@@ -12,6 +12,7 @@ without an orchestrator.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,8 +44,8 @@ def key_for(cfg: RunConfig, stage: str, fp: str | None = None) -> str:
     """
     if stage == "merge":
         conf = section_dict(cfg, "data") | {"seed": cfg.run.seed}
-        upstream = [manifest_path(cfg, "synthesize")] if synthetic_sources(cfg) else []
-        return stage_key("merge", conf, upstream, extra={"source_files": _source_hashes(cfg)})
+        inputs = [manifest_path(cfg, "synthesize")] if synthetic_sources(cfg) else []
+        return stage_key("merge", conf, inputs, extra={"source_files": _source_hashes(cfg)})
     fp = fp or _target(cfg)[1]
     if stage == "synthesize":
         from eagle3.data.synthesize import stage_config
@@ -201,8 +202,8 @@ def run_tokenize(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
 
 def run_vocab(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False) -> StageOutcome:
     """Build the draft vocab map from train-split assistant tokens."""
-    from eagle3.target.load import load_tokenizer, stop_token_ids, target_info
     from eagle3.data.vocab import build_vocab_map
+    from eagle3.target.load import load_tokenizer, stop_token_ids, target_info
 
     model_dir, fp = _target(cfg)
     key = key_for(cfg, "vocab", fp)
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="recompute even if the manifest matches")
     add_config_args(parser)
 
-    def run(cfg: RunConfig, args: argparse.Namespace) -> list[StageOutcome | None]:
+    def run(cfg: RunConfig, args: argparse.Namespace) -> Sequence[StageOutcome | None]:
         if args.stage == "all":
             return _run_all(cfg, args.force)
         return [get_stage(args.stage).run(cfg, force=args.force)]

@@ -103,7 +103,11 @@ def headline(stage: str, result: Mapping[str, Any] | None) -> str:
 def acceptance_by_method(stats: Mapping[str, Any]) -> dict[str, float]:
     """{method: accept_len} of the evaluate manifest's stats ({"<dataset>/<method>": {"accept_len": ...}}): the
     'all' rows when there are several datasets, else the one dataset's."""
-    rows = [(*k.split("/", 1), v.get("accept_len")) for k, v in stats.items() if "/" in k and isinstance(v, Mapping)]
+    rows: list[tuple[str, str, Any]] = []  # (dataset, method, accept_len)
+    for key, value in stats.items():
+        dataset, slash, method = key.partition("/")
+        if slash and isinstance(value, Mapping):
+            rows.append((dataset, method, value.get("accept_len")))
     pooled = [row for row in rows if row[0] == "all"]
     return {method: float(accept) for _, method, accept in pooled or rows if isinstance(accept, (int, float))}
 

@@ -85,11 +85,13 @@ def prepare_target(cfg: RunConfig) -> Path:
     """Return the HF directory of the target, converting or building it into the cache once."""
     tcfg = cfg.target
     if tcfg.kind == "hf":
+        assert tcfg.path is not None, "TargetConfig requires a path for kinds hf and gguf"
         path = resolve_path(tcfg.path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"target.path {tcfg.path}: no config.json in {path}")
         return path
     if tcfg.kind == "gguf":
+        assert tcfg.path is not None, "TargetConfig requires a path for kinds hf and gguf"
         return convert_gguf(resolve_path(tcfg.path), cfg.target_cache_dir, tcfg.name)
     from eagle3.target.tiny import save_tiny_target
 
@@ -154,7 +156,7 @@ def _write_gguf_as_hf(gguf_file: Path, out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The weights are plain fp32 after dequantization; the GGUF quantizer marker only blocks saving.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # undeclared on the model class: typed as a submodule
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.architectures = [type(model).__name__]
@@ -275,7 +277,7 @@ def read_tensor(model_dir: Path, name: str, rows: Any = None):
 
     path = _tensor_file(Path(model_dir), name)
     with safe_open(str(path), framework="pt") as fh:
-        if name not in fh.keys():
+        if name not in fh.keys():  # noqa: SIM118 (safetensors' safe_open has keys() but is not iterable: `in fh` raises)
             raise KeyError(f"tensor {name!r} not in {path}")
         if rows is None:
             return fh.get_tensor(name)
@@ -302,7 +304,7 @@ def load_model(model_dir: Path, dtype: str = "float32", device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to in functools.wraps: mypy sees no bound self
 
 
 def tokenizer_report(tokenizer, info: TargetInfo) -> dict[str, Any]:
@@ -313,7 +315,8 @@ def tokenizer_report(tokenizer, info: TargetInfo) -> dict[str, Any]:
     special_ids = {name: (tok, tokenizer.convert_tokens_to_ids(tok)) for name, tok in specials.items() if tok}
     eot_text = end_of_turn_text(tokenizer)
     eot_ids = tokenizer.encode(eot_text, add_special_tokens=False)
-    stop_ids = sorted(set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
+    stop_ids = sorted(set(info.eos_token_ids)
+                      | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
     report = {"special_tokens": {k: {"token": t, "id": i} for k, (t, i) in special_ids.items()},
               "end_of_turn_text": eot_text, "end_of_turn_ids": eot_ids, "stop_ids": stop_ids,
               "vocab_size_tokenizer": len(tokenizer), "vocab_size_model": info.vocab_size}

@@ -20,8 +20,8 @@ from eagle3.target.load import EMBED_TENSOR, TargetInfo, lm_head_name, read_mode
 def rope_settings(cfg: dict[str, Any], plain_if_unsupported: bool = False) -> tuple[float, Llama3RopeScaling | None]:
     """(theta, llama3 scaling or None) from a transformers 4 (rope_scaling) or 5 (rope_parameters) config; a
     RoPE type other than default/llama3 raises, or with ``plain_if_unsupported`` gives (theta, None)."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or params
+    params: dict[str, Any] = cfg.get("rope_parameters") or {}
+    scaling: dict[str, Any] = cfg.get("rope_scaling") or params
     theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
@@ -31,6 +31,8 @@ def rope_settings(cfg: dict[str, Any], plain_if_unsupported: bool = False) -> tu
             return theta, None
         raise ValueError(f"RoPE type {rope_type!r} is not supported by the drafter (only default and llama3)")
     original = scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    if original is None:  # a missing field, as for the other keys (dims_from_llama_fields names it)
+        raise KeyError("original_max_position_embeddings")
     return theta, Llama3RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
                                     float(scaling["high_freq_factor"]), int(original))
 

@@ -24,8 +24,17 @@ from typing import Literal
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from eagle3.config import TinyTargetConfig
 from infra.locks import file_lock
@@ -182,7 +191,9 @@ def build_tiny_tokenizer(chat_template: ChatStyle = "chatml") -> PreTrainedToken
 
 
 def _special_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
-    return tokenizer.convert_tokens_to_ids(token)
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    assert isinstance(token_id, int)  # (one token in, one id out)
+    return token_id
 
 
 def _llama(cfg: TinyTargetConfig, common: dict) -> PreTrainedModel:

@@ -23,12 +23,12 @@ import torch
 from torch import Tensor, nn
 
 from eagle3.config import RunConfig, section_dict
-from eagle3.features.spec import FeatureSpec
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights
-from eagle3.train.data import EpochPlan, plan_epoch, read_split
 from eagle3.drafter.ttt import StepOptions, TTTObjective
+from eagle3.features.spec import FeatureSpec
 from eagle3.run.layout import manifest_name, run_layout
 from eagle3.target.tensors import drafter_dims, load_target_lm_head, load_target_weights
+from eagle3.train.data import EpochPlan, plan_epoch, read_split
 
 log = logging.getLogger("eagle3.train")
 
@@ -54,8 +54,8 @@ def read_inputs(cfg: RunConfig, model_dir: Path) -> RunInputs:
     Online (``train.features: online``) the spec is the one capture would write for this config; it is saved
     as features/spec.json (no shards) so export and evaluation know what the drafter was trained on.
     """
-    from eagle3.target.load import fingerprint, target_info
     from eagle3.data.vocab import load_vocab_map
+    from eagle3.target.load import fingerprint, target_info
 
     layout = run_layout(cfg)
     if cfg.train.features == "online":
@@ -141,7 +141,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 def build_optimizer(cfg: RunConfig, model: nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
     """AdamW over the trainable parameters (fused kernel on CUDA)."""
     t = cfg.train
-    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=lr, betas=tuple(t.adam_betas), eps=t.adam_eps,
+    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=lr, betas=t.adam_betas, eps=t.adam_eps,
                              fused=device.type == "cuda")
 
 

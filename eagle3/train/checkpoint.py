@@ -263,7 +263,7 @@ def latest_intact_checkpoint(ckpt_dir: Path) -> Path | None:
     CorruptCheckpointError names the newest one's problem and nothing is moved (training from scratch over
     them is the user's call)."""
     found = list_checkpoints(ckpt_dir)
-    damaged = []
+    damaged: list[tuple[Path, str]] = []
     for _, path in reversed(found):
         problem = checkpoint_problem(path)
         if problem is None:
@@ -299,7 +299,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
-    weights = from_export_names(load_file(str(path / MODEL_FILE)))
+    weights: dict[str, Any] = from_export_names(load_file(str(path / MODEL_FILE)))  # (what set_state_dict takes)
     expected = {k for k, p in _named_trainable(model)}
     if set(weights) != expected:
         raise CheckpointMismatchError(f"{path / MODEL_FILE} holds {sorted(set(weights) ^ expected)[:5]} "

@@ -27,17 +27,17 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from eagle3.features.shards.reader import ShardReader
 from eagle3.drafter.ttt import PAD_TOKEN, TTTBatch
+from eagle3.features.shards.reader import ShardReader
 
 OPEN_ROWS = 16
 """Rows kept open for first-fit packing; older rows are closed (bounded work per sample)."""
@@ -189,7 +189,13 @@ def _pad_to(x: Tensor, length: int, value: float) -> Tensor:
     return out
 
 
-def collate_row(reader: ShardReader, row: PackedRow, max_tokens: int, float_dtype: torch.dtype) -> TTTBatch:
+class SampleSource(Protocol):
+    """Where collate_row reads a sample's tensors: a ShardReader, or online training's token reader."""
+
+    def get(self, sample_id: str) -> dict[str, Tensor]: ...
+
+
+def collate_row(reader: SampleSource, row: PackedRow, max_tokens: int, float_dtype: torch.dtype) -> TTTBatch:
     """One packed row as a TTTBatch with B = 1 (module docstring: document ids, positions, padding)."""
     parts: dict[str, list[Tensor]] = {}
     docs, positions = [], []
@@ -210,7 +216,7 @@ def collate_row(reader: ShardReader, row: PackedRow, max_tokens: int, float_dtyp
         document_ids=torch.cat(docs)[None], position_ids=torch.cat(positions)[None],
         final_hidden=full["final"].to(float_dtype) if "final" in full else None,
         topk_ids=full["topk_ids"].long() if "topk_ids" in full else None,
-        topk_logprobs=full["topk_logprobs"] if "topk_logprobs" in full else None,
+        topk_logprobs=full.get("topk_logprobs"),
     )
 
 
@@ -257,9 +263,9 @@ class RowLoader:
 
     def __init__(self, features_dir: Path, rows: list[PackedRow], max_tokens: int, float_dtype: torch.dtype,
                  start: int = 0, depth: int = 2, epoch: int = 0, seed: int = 0, pin_memory: bool = False,
-                 reader: object | None = None) -> None:
+                 reader: SampleSource | None = None) -> None:
         # ``reader``: a shared read-only source of the samples' tensors instead of the shards (online training)
-        self.reader = reader if reader is not None else ShardReader(features_dir)
+        self.reader: SampleSource = reader if reader is not None else ShardReader(features_dir)
         self.rows, self.max_tokens, self.float_dtype = rows, max_tokens, float_dtype
         self.start, self.depth, self.epoch, self.seed = start, depth, epoch, seed
         self.pin_memory = pin_memory
@@ -293,7 +299,7 @@ class RowLoader:
         except BaseException as exc:  # re-raised in the consuming thread, with its traceback
             self._put(out, exc)
 
-    def __iter__(self) -> Iterator[PackedBatch]:
+    def __iter__(self) -> Generator[PackedBatch, None, None]:
         if self.depth <= 0:
             yield from (self._item(i) for i in range(self.start, len(self.rows)))
             return

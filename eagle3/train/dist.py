@@ -86,17 +86,18 @@ def unwrap(module: nn.Module) -> nn.Module:
 @contextlib.contextmanager
 def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
     """Skip the gradient all-reduce on every micro-batch but the last of an accumulation window."""
+    wrapper: Any = module  # duck-typed: DDP and FSDP2 name the switch differently
     if enabled:
         yield
-    elif hasattr(module, "no_sync"):  # DDP
-        with module.no_sync():
+    elif hasattr(wrapper, "no_sync"):  # DDP
+        with wrapper.no_sync():
             yield
-    elif hasattr(module, "set_requires_gradient_sync"):  # FSDP2
-        module.set_requires_gradient_sync(False)
+    elif hasattr(wrapper, "set_requires_gradient_sync"):  # FSDP2
+        wrapper.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            module.set_requires_gradient_sync(True)
+            wrapper.set_requires_gradient_sync(True)
     else:
         yield
 

@@ -24,31 +24,62 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from eagle3.config import RunConfig, TrainConfig
-from eagle3.train.best import best_stats, note_best
-from eagle3.train.build import (DataPlan, RunInputs, build_objective, build_optimizer,
-                                build_scheduler, plan_data, read_inputs, scaled_lr, stage_key_for,
-                                total_steps_for, unigram_token)
-from eagle3.train.checkpoint import (CONFIG_FILE, INFO_FILE, MODEL_FILE, CorruptCheckpointError, TrainerState,
-                                     check_compatible, checkpoints_dir, latest_checkpoint, latest_intact_checkpoint,
-                                     load_checkpoint, read_info, save_checkpoint, step_dir, verify_checkpoint)
-from eagle3.train.data import PackedBatch, RowLoader, add_aux_noise, batch_to
-from eagle3.train.dist import (DistInfo, all_reduce_sum, autocast, barrier, broadcast_object, full_tensor,
-                               gradient_sync, unwrap, wrap)
-from eagle3.train.online import OnlineFeatures, TokenReader
-from eagle3.train.metrics import (MetricsWriter, ProgressWriter, drafter_row_flops, format_step_line, mfu,
-                                  peak_flops)
 from eagle3.drafter.model import trainable_parameters
 from eagle3.drafter.ttt import StepOptions, TTTBatch, TTTObjective, align_step, align_steps, metrics_from_counts
 from eagle3.run.layout import RunLayout, run_relative
+from eagle3.train.best import best_stats, note_best
+from eagle3.train.build import (
+    DataPlan,
+    RunInputs,
+    build_objective,
+    build_optimizer,
+    build_scheduler,
+    plan_data,
+    read_inputs,
+    scaled_lr,
+    stage_key_for,
+    total_steps_for,
+    unigram_token,
+)
+from eagle3.train.checkpoint import (
+    CONFIG_FILE,
+    INFO_FILE,
+    MODEL_FILE,
+    CorruptCheckpointError,
+    TrainerState,
+    check_compatible,
+    checkpoints_dir,
+    latest_checkpoint,
+    latest_intact_checkpoint,
+    load_checkpoint,
+    read_info,
+    save_checkpoint,
+    step_dir,
+    verify_checkpoint,
+)
+from eagle3.train.data import PackedBatch, RowLoader, add_aux_noise, batch_to
+from eagle3.train.dist import (
+    DistInfo,
+    all_reduce_sum,
+    autocast,
+    barrier,
+    broadcast_object,
+    full_tensor,
+    gradient_sync,
+    unwrap,
+    wrap,
+)
+from eagle3.train.metrics import MetricsWriter, ProgressWriter, drafter_row_flops, format_step_line, mfu, peak_flops
+from eagle3.train.online import OnlineFeatures, TokenReader
 
 log = logging.getLogger("eagle3.train")
 
@@ -82,7 +113,7 @@ class Trainer:
     @property
     def objective(self) -> TTTObjective:
         """The unwrapped objective (supervision, buffers)."""
-        return unwrap(self.model)
+        return cast(TTTObjective, unwrap(self.model))
 
     @property
     def train_dir(self) -> Path:
@@ -143,7 +174,7 @@ def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
 def resume(tr: Trainer) -> None:
     """Continue from the latest intact checkpoint, if any (its config and batch layout must match; rank 0 verifies
     its files' sha256, and those of the best checkpoint it names, for every rank)."""
-    chosen = None
+    chosen: str | CorruptCheckpointError | None = None
     if tr.dist.is_main:
         try:
             chosen = _verified_resume_point(checkpoints_dir(tr.inputs.run_dir))
@@ -182,6 +213,7 @@ def prepare_row(tr: Trainer, row: PackedBatch, noise: bool) -> TTTBatch:
     if tr.online is not None:
         batch = tr.online.fill(batch, list(row.lengths), tr.float_dtype, row.ids, host=row.batch)
     if noise and tr.cfg.train.aux_noise != "none":
+        assert batch.aux is not None  # (filled above when online)
         batch = dataclasses.replace(batch, aux=add_aux_noise(batch.aux, tr.cfg.train.aux_noise,
                                                              tr.cfg.train.aux_noise_std, row.noise_seed))
     return batch
@@ -195,6 +227,7 @@ def step_options_for(train: TrainConfig, device: torch.device) -> StepOptions:
 
 def supervised_counts(objective: TTTObjective, batch: TTTBatch, argmax: Tensor) -> Tensor:
     """[S] positions in each TTT step's loss (the same position masks ttt_loss builds)."""
+    assert batch.document_ids is not None  # (collate_row sets it)
     steps = align_steps(batch.input_ids, batch.loss_mask, batch.document_ids, argmax, objective.t2d,
                         objective.ttt_steps)
     return torch.stack([aligned.position_mask.sum() for aligned in steps])
@@ -204,13 +237,13 @@ def supervise(objective: TTTObjective, batches: list[TTTBatch], info: DistInfo) 
     """(supervision of each row, [S] supervised-token counts summed over the rows of every rank)."""
     with torch.no_grad(), autocast(info):
         sups = [objective.supervision(b) for b in batches]
-    counts = sum(supervised_counts(objective, b, s.argmax) for b, s in zip(batches, sups))
+    counts = cast(Tensor, sum(supervised_counts(objective, b, s.argmax) for b, s in zip(batches, sups)))  # (rows: >= 1)
     return sups, all_reduce_sum(counts.double(), info)
 
 
 def backward_rows(model: nn.Module, batches: list[TTTBatch], sups: list, counts: Tensor, info: DistInfo) -> Tensor:
     """Forward + backward of every row against the global counts; returns summed metric counts [4, S]."""
-    obj = unwrap(model)
+    obj = cast(TTTObjective, unwrap(model))
     weights = obj.step_decay ** torch.arange(obj.ttt_steps, device=counts.device, dtype=torch.float32)
     norm = counts.float().clamp_min(1)
     sums = torch.zeros(4, obj.ttt_steps, device=counts.device, dtype=torch.float64)
@@ -279,6 +312,7 @@ def evaluate(tr: Trainer) -> dict[str, Any] | None:
 
 def _eval_counts(tr: Trainer, batch: TTTBatch, argmax: Tensor, out: Any) -> Tensor:
     """[5 * S + 1] sums of one val row; the last entry counts step-0 hits of the unigram guess."""
+    assert batch.document_ids is not None  # (collate_row sets it)
     step0 = align_step(batch.input_ids, batch.loss_mask, batch.document_ids, argmax, tr.objective.t2d, 0)
     unigram_hits = ((step0.target_argmax == tr.unigram[0]) & step0.predicts_marked).sum()
     parts = [out.loss_sum.float(), out.num_supervised, out.num_predicted, out.num_correct, out.num_full_correct]
@@ -315,7 +349,7 @@ def row_loader(tr: Trainer, rows: list, **position: int) -> RowLoader:
                      **position)
 
 
-def micro_batch_windows(tr: Trainer) -> Iterator[list[PackedBatch]]:
+def micro_batch_windows(tr: Trainer) -> Generator[list[PackedBatch], None, None]:
     """This rank's rows in groups of grad_accum_steps, from the sampler position on, epoch after epoch."""
     accum, world = tr.cfg.train.grad_accum_steps, tr.dist.world_size
     while tr.state.epoch < len(tr.plan.train):
@@ -418,6 +452,7 @@ def run(tr: Trainer, stop_after_steps: int | None = None) -> TrainResult:
             if (t.checkpoint_every_steps and tr.state.step % t.checkpoint_every_steps == 0) or stopping or improved:
                 checkpoint, saved_at = save(tr, last_train), tr.state.step
             if stopping and tr.state.step < tr.total_steps:
+                assert checkpoint is not None  # (saved above: stopping saves one)
                 windows.close()
                 return _stopped(tr, stop.signum, checkpoint, last_train, last_eval)
             step_start = time.perf_counter()
@@ -537,6 +572,7 @@ def _finish(tr: Trainer, result: TrainResult) -> None:
 
     if tr.dist.is_main:
         final = result.checkpoint
+        assert final is not None  # (a done run has its final checkpoint)
         verify_checkpoint(final, (MODEL_FILE, CONFIG_FILE))  # the manifest hashes what is on disk: bless only
         if tr.state.best_step is not None:  # what was written (the best may be a checkpoint of an earlier call)
             verify_checkpoint(step_dir(checkpoints_dir(tr.inputs.run_dir), tr.state.best_step), (MODEL_FILE,))

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -212,11 +212,13 @@ class OnlineFeatures:
                 fresh = self.states([docs[k] for k in missing], compute)
             split = {name: t.split([lengths[k] for k in missing]) for name, t in fresh.items()}
             for j, k in enumerate(missing):
-                pieces[k] = {name: parts[j] for name, parts in split.items()}
-                self.cache.put(ids[k], pieces[k])
+                piece = {name: parts[j] for name, parts in split.items()}
+                pieces[k] = piece
+                self.cache.put(ids[k], piece)
             if whole_row:
                 return fresh  # already the row in order: no second concatenation
-        return {name: torch.cat([piece[name] for piece in pieces]) for name in pieces[0]}  # [n, ...]
+        filled = cast(list[dict[str, Tensor]], pieces)  # every missing piece was filled above
+        return {name: torch.cat([piece[name] for piece in filled]) for name in filled[0]}  # [n, ...]
 
     def fill(self, batch: Any, lengths: list[int], compute: torch.dtype, ids: tuple[str, ...] = (),
              host: Any = None) -> Any:

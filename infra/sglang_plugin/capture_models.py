@@ -54,7 +54,7 @@ class PackAuxLogits(nn.Module):
 def with_packed_capture(base: type[nn.Module]) -> type[nn.Module]:
     """A subclass of SGLang's ``base`` with the same name, capturing the env's layers when set."""
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 (the class type() makes below)
         base.__init__(self, *args, **kwargs)
         layers = capture_layers()
         if layers is not None:

@@ -24,7 +24,8 @@ def test_demo_preset_turns_2000_sharegpt_conversations_into_data_outputs(tmp_pat
     assert stats["total"]["kept"] == 2000
     assert stats["total"]["kept"] + stats["total"]["rejected"] == stats["total"]["read"]
     tokenized = pq.read_table(run_dir / "data" / "tokenized.parquet")
-    rejected = sum(1 for _ in open(run_dir / "data" / "tokenize_rejects.jsonl"))
+    with open(run_dir / "data" / "tokenize_rejects.jsonl") as fh:
+        rejected = sum(1 for _ in fh)
     assert tokenized.num_rows + rejected == 2000
     assert max(tokenized.column("num_tokens").to_pylist()) <= 2048
     vocab = json.loads((run_dir / "vocab" / "vocab_map.json").read_text())

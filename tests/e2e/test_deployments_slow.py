@@ -20,9 +20,9 @@ from tests.e2e.test_main_path import ROOT, _eagle3, _free_port
 
 pytestmark = pytest.mark.slow
 
-ORDER = (("eagle3-pipeline/eagle3-data", {"until": "vocab"}), ("eagle3-pipeline/eagle3-pipeline", {"until": "evaluate"}),
-         ("eagle3-capture/eagle3-capture", {}), ("eagle3-train/eagle3-train", {}),
-         ("eagle3-deploy/eagle3-deploy", {}))
+ORDER = (("eagle3-pipeline/eagle3-data", {"until": "vocab"}),
+         ("eagle3-pipeline/eagle3-pipeline", {"until": "evaluate"}), ("eagle3-capture/eagle3-capture", {}),
+         ("eagle3-train/eagle3-train", {}), ("eagle3-deploy/eagle3-deploy", {}))
 
 
 def test_each_deployment_reaches_a_worker_and_completes(tmp_path):

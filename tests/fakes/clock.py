@@ -1,4 +1,5 @@
-"""FakeClock: a TEST DOUBLE for a timing source, so tests check arithmetic on known timings, not this machine's speed."""
+"""FakeClock: a TEST DOUBLE for a timing source, so tests check arithmetic on known timings, not this machine's
+speed."""
 
 from __future__ import annotations
 

@@ -48,8 +48,8 @@ def _picked_by(tmp_path: Path) -> dict[str, str]:
     for host in HOSTS:
         text = (tmp_path / host / "worker.log").read_text()
         aborted = set(re.findall(r"Aborted submission of flow run '([0-9a-f-]+)'", text))
-        found.update({run_id: name for name, run_id in
-                      re.findall(r"Worker '([^']+)' submitting flow run '([0-9a-f-]+)'", text) if run_id not in aborted})
+        submitted = re.findall(r"Worker '([^']+)' submitting flow run '([0-9a-f-]+)'", text)
+        found.update({run_id: name for name, run_id in submitted if run_id not in aborted})
     return found
 
 

@@ -11,9 +11,12 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 
 from tests.flows.test_failed_run import failed_state, test_failed_pipeline_writes_a_run_summary_naming_stage_and_error
-from tests.flows.test_pipeline_flow import (test_flow_completes_and_writes_every_output,
-                                            test_merge_keeping_no_rows_fails_its_task_with_the_reason,
-                                            test_second_run_with_same_inputs_recomputes_nothing, workdir)
+from tests.flows.test_pipeline_flow import (
+    test_flow_completes_and_writes_every_output,
+    test_merge_keeping_no_rows_fails_its_task_with_the_reason,
+    test_second_run_with_same_inputs_recomputes_nothing,
+    workdir,
+)
 from tests.flows.test_setup import test_setup_twice_gives_one_of_each
 from tests.postgres import prefect_on_postgres
 
@@ -21,7 +24,8 @@ pytestmark = pytest.mark.postgres
 
 RERUN = (failed_state, workdir, test_failed_pipeline_writes_a_run_summary_naming_stage_and_error,
          test_flow_completes_and_writes_every_output, test_merge_keeping_no_rows_fails_its_task_with_the_reason,
-         test_second_run_with_same_inputs_recomputes_nothing, test_setup_twice_gives_one_of_each)  # collected here again
+         test_second_run_with_same_inputs_recomputes_nothing,
+         test_setup_twice_gives_one_of_each)  # collected here again
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -15,8 +15,15 @@ from eagle3.evaluate.graphs import resolve_decode
 from eagle3.evaluate.runners import TargetRunner
 from eagle3.evaluate.speculate import EagleProposer, NgramProposer, greedy_decode, speculative_decode
 from eagle3.target.tiny import build_tiny_tokenizer
-from tests.unit.test_speculate import (AUX_IDS, MAX_NEW, QUESTIONS, FakeOracleProposer, prompt_ids, tiny_drafter,
-                                       tiny_target)
+from tests.unit.test_speculate import (
+    AUX_IDS,
+    MAX_NEW,
+    QUESTIONS,
+    FakeOracleProposer,
+    prompt_ids,
+    tiny_drafter,
+    tiny_target,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights, resolve_attn_impl, trainable_parameters
+from eagle3.drafter.ttt import StepOptions, TTTBatch, TTTObjective
 from eagle3.train.loop import train
 from eagle3.train.metrics import read_metrics
-from eagle3.drafter.ttt import StepOptions, TTTBatch, TTTObjective
 from tests.unit.test_train_helpers import SyntheticShape, load_run_config, synthetic_run
 
 pytestmark = pytest.mark.gpu

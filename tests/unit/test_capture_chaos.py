@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3.config import RunConfig
-from eagle3.features.shards import writer
 from eagle3.features.capture import features_dir, run_capture
+from eagle3.features.shards import writer
 from eagle3.features.shards.reader import ShardReader
 from eagle3.features.shards.writer import ShardWriteError
 from infra.storage import sha256_file

@@ -58,7 +58,8 @@ def test_presets_extending_each_other_in_a_cycle_are_refused(tmp_path):
 
 def test_the_quality_preset_is_the_curve_recipe_capped_at_20m_tokens_at_the_sweeps_best_lr():
     """smollm2-quality = smollm2-curve (data, recipe, evaluation) under its own run name, on the first 20M tokens, at
-    twice the curve's learning rate (the sweep's lr-x2) and with the feature cache that holds those tokens on the GPU."""
+    twice the curve's learning rate (the sweep's lr-x2) and with the feature cache that holds those tokens on the
+    GPU."""
     quality, curve = load_config("smollm2-quality"), load_config("smollm2-curve")
     assert quality.run.name == "smollm2-quality" and quality.train.max_train_tokens == 20_000_000
     assert curve.train.max_train_tokens is None

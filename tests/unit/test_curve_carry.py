@@ -93,7 +93,8 @@ def test_unpacking_a_drafter_names_the_evaluation_that_reads_its_sglang_layout(t
     out = curve_carry.run("unpack-results", tmp_path / "there" / "smollm2-curve", tmp_path / "carry", False)
     there = tmp_path / "there" / "smollm2-curve-3M"
     assert out[-1] == (f"note: smollm2-curve-3M: the drafter came in the SGLang layout only; evaluate it with python3 "
-                       f"-m eagle3.evaluate.stage --config {there / 'config.json'} --export-dir {there / 'export/sglang'}")
+                       f"-m eagle3.evaluate.stage --config {there / 'config.json'} "
+                       f"--export-dir {there / 'export/sglang'}")
     (there / "export" / "speculators").mkdir()
     assert curve_carry.sglang_only_exports(tmp_path / "there", out[:-1]) == []
     curve_carry.pack_results(run, tmp_path / "carry", weights=False)

@@ -1,22 +1,37 @@
-"""Static-cache decoding (eagle3/evaluate/decode_cache.py) on the tiny random target and drafter: token-identical to plain
-greedy for chain, tree and n-gram (drafts rejected and accepted, small chunks, cache growth), the same logits as the
-eager runners, and the same results through torch.compile (Dynamo with the eager backend on CPU)."""
+"""Static-cache decoding (eagle3/evaluate/decode_cache.py) on the tiny random target and drafter: token-identical to
+plain greedy for chain, tree and n-gram (drafts rejected and accepted, small chunks, cache growth), the same logits as
+the eager runners, and the same results through torch.compile (Dynamo with the eager backend on CPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eagle3.evaluate import decode_cache
 from eagle3.config import EvaluateConfig
-from eagle3.evaluate.decode_cache import StaticDrafterRunner, StaticTargetRunner, bucket, make_runners, decode_widths
+from eagle3.evaluate import decode_cache
+from eagle3.evaluate.decode_cache import StaticDrafterRunner, StaticTargetRunner, bucket, decode_widths, make_runners
 from eagle3.evaluate.graphs import CompileSettings, resolve_decode
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner
-from eagle3.evaluate.speculate import (DraftTree, EagleProposer, NgramProposer, check_lossless, greedy_decode,
-                              speculative_decode, teacher_forced_drafts, verify)
+from eagle3.evaluate.speculate import (
+    DraftTree,
+    EagleProposer,
+    NgramProposer,
+    check_lossless,
+    greedy_decode,
+    speculative_decode,
+    teacher_forced_drafts,
+    verify,
+)
 from eagle3.target.tiny import build_tiny_tokenizer
-from tests.unit.test_speculate import (AUX_IDS, MAX_NEW, QUESTIONS, FakeOracleProposer, prompt_ids, tiny_drafter,
-                                       tiny_target)
+from tests.unit.test_speculate import (
+    AUX_IDS,
+    MAX_NEW,
+    QUESTIONS,
+    FakeOracleProposer,
+    prompt_ids,
+    tiny_drafter,
+    tiny_target,
+)
 
 COMPILED = CompileSettings(enabled=True, backend="eager", mode=None)  # Dynamo traces, graphs run eagerly
 

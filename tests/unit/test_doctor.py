@@ -93,7 +93,6 @@ def test_a_mode_the_preset_launches_fails_the_verdict_when_sglang_rejects_it(no_
     """A mode the chosen preset launches whose argv the installed parser refuses makes the preset NOT ready."""
     pytest.importorskip("sglang.srt.server_args")
     import flows.doctor as doctor
-
     from infra.sglang_argv_check import ModeCheck
 
     monkeypatch.setattr("infra.sglang_argv_check.check_modes", lambda version=None: [

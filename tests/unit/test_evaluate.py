@@ -14,20 +14,27 @@ import pytest
 import torch
 
 from eagle3.config import ConfigError, EvaluateConfig, load_config
-from eagle3.evaluate.prompts import EvalPrompt, load_prompts, read_prompts, render
+from eagle3.data.vocab import maps_from_used
+from eagle3.drafter.model import Eagle3Drafter, export_state_dict, init_weights
 from eagle3.evaluate.pool import evaluate_prompts, interleaved
-from eagle3.evaluate.records import (EvalSettings, GreedyReference, LosslessCheck, LosslessDifference, MethodRun,
-                                     PromptRecord, TeacherForced)
+from eagle3.evaluate.prompts import EvalPrompt, load_prompts, read_prompts, render
+from eagle3.evaluate.records import (
+    EvalSettings,
+    GreedyReference,
+    LosslessCheck,
+    LosslessDifference,
+    MethodRun,
+    PromptRecord,
+    TeacherForced,
+)
 from eagle3.evaluate.report import position_acceptance, report_markdown, summarize, summarize_all
 from eagle3.evaluate.session import EvalJob, method_specs
 from eagle3.evaluate.stage import JOURNAL_NAME, key_for, run_evaluate, write_partial_report
 from eagle3.export.sglang import export_sglang
 from eagle3.run.journal import Journal
-from eagle3.drafter.model import Eagle3Drafter, export_state_dict, init_weights
-from eagle3.target.tensors import drafter_dims
 from eagle3.target.load import prepare_target, target_info
+from eagle3.target.tensors import drafter_dims
 from eagle3.target.tiny import build_tiny_tokenizer
-from eagle3.data.vocab import maps_from_used
 
 # ------------------------------------------------------------------------------------------------ datasets
 

@@ -16,12 +16,24 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.export.checks import (ExportError, aux_id_warnings, ours_from_speculators, sglang_aux_ids,
-                                  speculators_aux_ids)
+from eagle3.drafter.masks import shift_left, single_document_ids
+from eagle3.drafter.model import (
+    DrafterDims,
+    Eagle3Drafter,
+    Llama3RopeScaling,
+    TTTCache,
+    export_state_dict,
+    init_weights,
+)
+from eagle3.export.checks import (
+    ExportError,
+    aux_id_warnings,
+    ours_from_speculators,
+    sglang_aux_ids,
+    speculators_aux_ids,
+)
 from eagle3.export.sglang import check_sglang_export, export_sglang, load_sglang_export, sglang_config
 from eagle3.export.speculators import check_speculators_export, export_speculators
-from eagle3.drafter.masks import shift_left, single_document_ids
-from eagle3.drafter.model import DrafterDims, Eagle3Drafter, Llama3RopeScaling, TTTCache, export_state_dict, init_weights
 from eagle3.target.load import default_aux_layer_ids
 
 AUX = [1, 3, 4]  # output-of-layer ids of an 8-layer target: [1, N//2-1, N-4]
@@ -175,7 +187,8 @@ def test_export_folder_has_config_weights_and_provenance_only(tmp_path):
     (lambda t: t.update({"midlayer.self_attn.qk_norm.weight": torch.ones(8)}),
      "unexpected keys ['midlayer.self_attn.qk_norm.weight']"),
     (lambda t: t.update({"draft_model.fc.weight": t.pop("fc.weight")}), "prefix ['draft_model.fc.weight']"),
-    (lambda t: t.update({"lm_head.weight": t["lm_head.weight"][:-1]}), "lm_head.weight: shape [23, 32], expected [24, 32]"),
+    (lambda t: t.update({"lm_head.weight": t["lm_head.weight"][:-1]}),
+     "lm_head.weight: shape [23, 32], expected [24, 32]"),
     (lambda t: t.update({"fc.weight": t["fc.weight"].double()}), "fc.weight: dtype float64, expected float32"),
     (lambda t: t.update({"norm.weight": t["norm.weight"].half()}), "norm.weight: dtype float16, expected float32"),
     (lambda t: t.update({"d2t": t["d2t"].int()}), "d2t: dtype int32, expected int64"),

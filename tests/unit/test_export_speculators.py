@@ -12,10 +12,9 @@ import importlib.util
 import pytest
 import torch
 
-from eagle3.export.speculators import export_speculators
 from eagle3.drafter.model import export_state_dict
-from tests.unit.test_export import (AUX, random_drafter, tiny_dims, ttt_inputs, ttt_logits, vocab_maps,
-                                    write_target)
+from eagle3.export.speculators import export_speculators
+from tests.unit.test_export import AUX, random_drafter, tiny_dims, ttt_inputs, ttt_logits, vocab_maps, write_target
 
 NEEDED = ("speculators", "datasets", "pandas", "multiprocess", "xxhash", "hs_connectors", "loguru")
 MISSING = [m for m in NEEDED if importlib.util.find_spec(m) is None]

@@ -12,7 +12,7 @@ import pytest
 
 from eagle3.config import ConfigError, DataConfig, SourceConfig, load_config
 from eagle3.data.merge import merge_sources
-from eagle3.data.sources import Conversation, Reject, SourceError, read_source
+from eagle3.data.sources import Conversation, SourceError, read_source
 
 DEEP = 200_000
 """Nesting depth far past Python's recursion limit (the hostile file in the report was 50 MB of it)."""

@@ -12,8 +12,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from flows.local_server import (DATABASE_ENV, SQLITE_ENV, ForeignServerError, LocalServer, for_workdir, mask_password,
-                                 owner_problem, start)
+from flows.local_server import (
+    DATABASE_ENV,
+    SQLITE_ENV,
+    ForeignServerError,
+    LocalServer,
+    for_workdir,
+    mask_password,
+    owner_problem,
+    start,
+)
 from infra.process import process_cmdline, write_pid_file
 
 

@@ -95,10 +95,8 @@ def test_a_stranger_without_a_token_is_refused_in_process(tmp_path, monkeypatch)
                               text=True, env=_env())
     try:
         assert holder.stdout.readline().strip() == "held"
-        with run_lock(other):
-            with pytest.raises(LockHeldError, match="locked by pid"):
-                with run_lock(tmp_path / "run"):
-                    pass
+        with run_lock(other), pytest.raises(LockHeldError, match="locked by pid"), run_lock(tmp_path / "run"):
+            pass
     finally:
         holder.kill()
         holder.wait()

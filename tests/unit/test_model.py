@@ -12,10 +12,25 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from eagle3.drafter.masks import positions_from_documents, ttt_block_masks, ttt_dense_mask, ttt_mask_mod
-from eagle3.drafter.model import (FLEX_AVAILABLE, SGLANG_WEIGHT_NAMES, DrafterDims, Eagle3Drafter, TTTCache, apply_rope,
-                          attention_inputs, dense_ttt_attention, export_state_dict, flex_ttt_attention, init_weights,
-                          rope_cos_sin, rope_inv_freq, rope_inv_freq_on, step_outputs, step_weights,
-                          trainable_parameters)
+from eagle3.drafter.model import (
+    FLEX_AVAILABLE,
+    SGLANG_WEIGHT_NAMES,
+    DrafterDims,
+    Eagle3Drafter,
+    TTTCache,
+    apply_rope,
+    attention_inputs,
+    dense_ttt_attention,
+    export_state_dict,
+    flex_ttt_attention,
+    init_weights,
+    rope_cos_sin,
+    rope_inv_freq,
+    rope_inv_freq_on,
+    step_outputs,
+    step_weights,
+    trainable_parameters,
+)
 from eagle3.target.load import target_info
 from eagle3.target.tensors import drafter_dims, load_target_weights, rope_settings
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.drafter.model import export_state_dict
 from eagle3.export.checks import ExportError
 from eagle3.export.sglang import check_sglang_export, export_sglang
 from eagle3.export.speculators import check_speculators_export, export_speculators
-from eagle3.drafter.model import export_state_dict
 from eagle3.train import loop
 from eagle3.train.checkpoint import checkpoints_dir, list_checkpoints
 from eagle3.train.metrics import read_metrics

@@ -58,7 +58,8 @@ def test_the_plot_is_drawn_again_from_a_curve_json_alone_and_a_bad_one_is_named(
     results = {3_000_000: _fake_results(tmp_path / "fake-3M/results.json", {"chain-3-1-4": 1.5, "ngram": 1.7})}
     curve_json = curve_report.write_curve_report(results, tmp_path / "curve")["json"]
     rows = curve_report.rows_of(curve_json)
-    assert {(r.tokens, r.method) for r in rows if r.dataset == "all"} == {(3_000_000, "chain-3-1-4"), (3_000_000, "ngram")}
+    assert {(r.tokens, r.method) for r in rows if r.dataset == "all"} == {(3_000_000, "chain-3-1-4"),
+                                                                          (3_000_000, "ngram")}
     curve_report.main([str(curve_json), str(tmp_path / "again.png")])
     assert (tmp_path / "again.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "bad.json").write_text('{"rows": [{"tokens": 1}]}')

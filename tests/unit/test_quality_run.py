@@ -23,7 +23,8 @@ def _quality_run(phase: str, workdir: Path, pack: Path) -> subprocess.CompletedP
 
 
 def test_the_script_runs_every_phase_skips_what_is_done_and_packs_the_measured_drafter(tmp_path):
-    """`all` runs the five phases; `train` again trains nothing; the parts restore the drafter and its card byte for byte."""
+    """`all` runs the five phases; `train` again trains nothing; the parts restore the drafter and its card byte for
+    byte."""
     runs, pack, restored = tmp_path / "runs", tmp_path / "pack", tmp_path / "restored"
     first = _quality_run("all", runs, pack)
     assert [p for p in PHASES if f"== {p} took" in first.stdout] == list(PHASES), first.stdout[-3000:]
@@ -38,4 +39,5 @@ def test_the_script_runs_every_phase_skips_what_is_done_and_packs_the_measured_d
         assert f"tiny/{rel}" in names
         assert (restored / "tiny" / rel).read_bytes() == (run / rel).read_bytes(), rel
     card = (restored / "tiny" / "export" / "sglang" / "README.md").read_text()
-    assert "| chain-3-1-4 | 10 |" in card and "Not measured yet" not in card  # packed after the evaluation wrote its table
+    # packed after the evaluation wrote its table
+    assert "| chain-3-1-4 | 10 |" in card and "Not measured yet" not in card

@@ -382,7 +382,8 @@ def test_journal_answers_for_fewer_user_turns_are_redone(tmp_path):
 
 
 def test_hf_static_backend_regenerates_like_dynamic_and_resumes(tmp_path, tiny_target):
-    """generation_backend=static (fixed batch, bucketed padding) writes the dynamic run's parquet; a re-run skips all rows."""
+    """generation_backend=static (fixed batch, bucketed padding) writes the dynamic run's parquet; a re-run skips all
+    rows."""
     model, tokenizer = tiny_target
     rows = [_conv(0, num_turns=2), _conv(1, num_turns=1), _conv(2, num_turns=2)]
     rows[1]["messages"][1]["content"] = "a much longer first question to force left padding"

@@ -211,9 +211,9 @@ def test_a_short_completion_fails_the_benchmark():
 
 def test_a_refused_flush_fails_the_benchmark():
     """/flush_cache answering 400 (server busy) stops the run: the level would start with a warm cache."""
-    with baseline_fake(Faults(flush_fails=True)) as fake:
-        with pytest.raises(BenchmarkError, match="flush_cache answered 400"):
-            bench(fake)
+    with (baseline_fake(Faults(flush_fails=True)) as fake,
+          pytest.raises(BenchmarkError, match="flush_cache answered 400")):
+        bench(fake)
 
 
 def _bench_timed(fake: FakeSGLangServer, tick: float, settings: BenchSettings, monkeypatch) -> BenchResult:

@@ -19,7 +19,6 @@ from eagle3.features.spec import CapturedSample, SampleTokens
 from infra.storage import sha256_file
 from tests.unit.shard_samples import VOCAB, make_features_dir, make_samples, make_spec, patterned_samples, request_of
 
-
 # ---- round trips ----------------------------------------------------------------------------------
 
 

@@ -28,16 +28,15 @@ from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens
 from eagle3.features.writers import WriteOptions, WriteStats, capture_and_write
 from infra.storage import DiskSpaceError
 from tests.unit.shard_samples import (
+    VOCAB,
     H,
     K,
-    VOCAB,
     make_features_dir,
     make_samples,
     make_spec,
     patterned_samples,
     request_of,
 )
-
 
 # ---- plan ---------------------------------------------------------------------------------------------
 

@@ -14,8 +14,15 @@ import pytest
 from eagle3.config import SourceConfig
 from eagle3.data import containers, sources
 from eagle3.data.rejects import FILTER_REASONS
-from eagle3.data.sources import (MAX_ID_CHARS, REJECT_REASONS, Conversation, Reject, SourceError, make_row_id,
-                                 read_source)
+from eagle3.data.sources import (
+    MAX_ID_CHARS,
+    REJECT_REASONS,
+    Conversation,
+    Reject,
+    SourceError,
+    make_row_id,
+    read_source,
+)
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 BAD = ASSETS / "bad"

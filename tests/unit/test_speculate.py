@@ -10,8 +10,19 @@ from eagle3.config import TinyTargetConfig
 from eagle3.drafter.masks import shift_left
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, TTTCache, init_weights
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner
-from eagle3.evaluate.speculate import (DecodeResult, DraftTree, EagleProposer, NgramProposer, accept_path, check_lossless,
-                              greedy_decode, rounding_step, speculative_decode, teacher_forced_drafts, verify)
+from eagle3.evaluate.speculate import (
+    DecodeResult,
+    DraftTree,
+    EagleProposer,
+    NgramProposer,
+    accept_path,
+    check_lossless,
+    greedy_decode,
+    rounding_step,
+    speculative_decode,
+    teacher_forced_drafts,
+    verify,
+)
 from eagle3.target.tiny import build_tiny_model, build_tiny_tokenizer
 
 AUX_IDS = [1, 3, 4]  # the default [1, N//2-1, N-4] of the 8-layer tiny target
@@ -264,11 +275,12 @@ def test_tree_with_topk_one_equals_the_chain(setup):
 def test_teacher_forced_drafts_are_the_chain_rounds_first_drafts(setup):
     """Every chain round's first draft token is the teacher-forced draft at that round's start, and the
     list covers every generated token after the first."""
-    for prompt, ref in zip(setup["prompts"], setup["refs"]):
+    for prompt, _ref in zip(setup["prompts"], setup["refs"]):
         proposer = EagleProposer(setup["drafter"], setup["d2t"], steps=3)
         firsts: list[tuple[int, int]] = []  # (context length, first draft token)
         propose = proposer.propose
-        proposer.propose = lambda context: (tree := propose(context), firsts.append((len(context), tree.tokens[0])))[0]
+        proposer.propose = lambda context, propose=propose, firsts=firsts: (
+            tree := propose(context), firsts.append((len(context), tree.tokens[0])))[0]
         result = speculative_decode(setup["target"], proposer, prompt, MAX_NEW)
         drafts = teacher_forced_drafts(setup["target"], DrafterRunner(setup["drafter"], setup["d2t"]), prompt,
                                        result.tokens)

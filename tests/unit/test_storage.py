@@ -12,19 +12,29 @@ import time
 import pytest
 
 import infra.storage as storage
-from infra.storage import (DiskSpaceError, LockHeldError, atomic_open, atomic_write_json, check_free_space,
-                           publish_dir, read_holder, remove_stale_temps, run_lock, sha256_file, sha256_file_cached,
-                           temp_path_for)
+from infra.storage import (
+    DiskSpaceError,
+    LockHeldError,
+    atomic_open,
+    atomic_write_json,
+    check_free_space,
+    publish_dir,
+    read_holder,
+    remove_stale_temps,
+    run_lock,
+    sha256_file,
+    sha256_file_cached,
+    temp_path_for,
+)
 
 
 def test_atomic_write_leaves_old_content_when_the_writer_fails(tmp_path):
     """An exception inside the write keeps the previous file and leaves no temp file behind."""
     target = tmp_path / "out.bin"
     target.write_bytes(b"old")
-    with pytest.raises(RuntimeError):
-        with atomic_open(target) as fh:
-            fh.write(b"partial")
-            raise RuntimeError("crash mid-write")
+    with pytest.raises(RuntimeError), atomic_open(target) as fh:
+        fh.write(b"partial")
+        raise RuntimeError("crash mid-write")
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
 
@@ -61,9 +71,8 @@ def test_second_writer_is_refused_with_the_holder_named(tmp_path):
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(LockHeldError, match=rf"pid {holder.pid} .*other"):
-            with run_lock(tmp_path):
-                pass
+        with pytest.raises(LockHeldError, match=rf"pid {holder.pid} .*other"), run_lock(tmp_path):
+            pass
     finally:
         holder.kill()
         holder.wait()

@@ -41,9 +41,8 @@ def test_a_held_lock_with_an_unreadable_record_still_refuses(tmp_path, monkeypat
     fd = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # the open file of another writer that has not written its record
-        with pytest.raises(LockHeldError, match="record .* is empty or unreadable"):
-            with run_lock(tmp_path):
-                pass
+        with pytest.raises(LockHeldError, match="record .* is empty or unreadable"), run_lock(tmp_path):
+            pass
     finally:
         os.close(fd)
     with run_lock(tmp_path):

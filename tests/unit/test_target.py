@@ -11,9 +11,20 @@ import pytest
 import torch
 
 from eagle3.config import load_config
-from eagle3.target.load import (TokenizerMismatchError, default_aux_layer_ids, fingerprint, lm_head_name,
-                           load_model, load_tokenizer, prepare_target, read_tensor, safetensors_header, stop_token_ids,
-                           target_info, tokenizer_report)
+from eagle3.target.load import (
+    TokenizerMismatchError,
+    default_aux_layer_ids,
+    fingerprint,
+    lm_head_name,
+    load_model,
+    load_tokenizer,
+    prepare_target,
+    read_tensor,
+    safetensors_header,
+    stop_token_ids,
+    target_info,
+    tokenizer_report,
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +92,7 @@ def _same_shapes_other_weights(src, dst):
     shutil.copytree(src, dst)
     weights = dst / "model.safetensors"
     with safe_open(str(weights), framework="pt") as fh:
-        tensors, metadata = {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()
+        tensors, metadata = {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()  # noqa: SIM118 (safetensors' safe_open has keys() but is not iterable: `in fh` raises)
     tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
     stat = weights.stat()
     save_file(tensors, str(weights), metadata=metadata)

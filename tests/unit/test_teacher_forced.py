@@ -18,7 +18,7 @@ STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def tiny(setup):
+def tiny(setup):  # noqa: F811 (the fixture imported above, requested by name)
     """test_speculate's tiny target runner, random drafter and greedy references (as token lists)."""
     return setup["target"], setup["prompts"], [r.tokens for r in setup["refs"]], setup["drafter"], setup["d2t"]
 

@@ -9,8 +9,7 @@ import torch
 
 from eagle3.target.load import prepare_target
 from eagle3.train.build import read_inputs
-from eagle3.train.checkpoint import (CheckpointMismatchError, checkpoints_dir, latest_checkpoint, list_checkpoints,
-                                     prune)
+from eagle3.train.checkpoint import CheckpointMismatchError, checkpoints_dir, latest_checkpoint, list_checkpoints, prune
 from eagle3.train.dist import init_distributed
 from eagle3.train.loop import micro_batch_windows, run, save, setup, train
 from eagle3.train.metrics import read_metrics

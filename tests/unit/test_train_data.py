@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from eagle3.features.shards.reader import ShardReader
-from eagle3.train.data import (PackedRow, RowLoader, SampleRef, add_aux_noise, collate_row, pack, plan_epoch,
-                               read_split)
+from eagle3.train.data import PackedRow, RowLoader, SampleRef, add_aux_noise, collate_row, pack, plan_epoch, read_split
 from tests.unit.test_train_helpers import load_run_config, synthetic_run
 
 MAX_TOKENS = 128
@@ -41,7 +40,7 @@ def test_rows_never_mix_documents(run):
         batch = collate_row(reader, row, MAX_TOKENS, torch.float32)
         runs = _runs(batch.document_ids[0].tolist())
         assert len(runs) == len(row.samples) + (row.num_tokens < MAX_TOKENS)
-        for (doc, start, stop), ref in zip(runs, row.samples):
+        for (_doc, start, stop), ref in zip(runs, row.samples):
             sample = reader.get(ref.sample_id)
             assert torch.equal(batch.input_ids[0, start:stop], sample["input_ids"][: ref.num_tokens].long())
             assert torch.equal(batch.aux[0, start:stop], sample["aux"][: ref.num_tokens].float())

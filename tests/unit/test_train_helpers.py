@@ -119,8 +119,8 @@ def _write_features(run_dir: Path, model_dir: Path, shape: SyntheticShape, rows:
 
     fdir = run_dir / "features"
     fdir.mkdir(parents=True)
-    spec = FeatureSpec(target_name="synthetic", target_fingerprint=fingerprint(model_dir), hidden_size=shape.hidden_size,
-                       num_layers=shape.num_layers, vocab_size=shape.vocab_size,
+    spec = FeatureSpec(target_name="synthetic", target_fingerprint=fingerprint(model_dir),
+                       hidden_size=shape.hidden_size, num_layers=shape.num_layers, vocab_size=shape.vocab_size,
                        aux_layer_ids=default_aux_layer_ids(shape.num_layers), dtype="float32", aux_dtype="float32",
                        max_len=4096, chat_template_hash="none", backend="hf",
                        supervision="topk_logprobs" if shape.topk else "final_hidden", topk=shape.topk)
@@ -143,8 +143,8 @@ def _write_features(run_dir: Path, model_dir: Path, shape: SyntheticShape, rows:
 
 
 def _write_vocab(run_dir: Path, shape: SyntheticShape) -> None:
-    from eagle3.run.stage import write_manifest
     from eagle3.data.vocab import build_vocab_map
+    from eagle3.run.stage import write_manifest
 
     paths, _ = build_vocab_map(run_dir / "data" / "tokenized.parquet", shape.vocab_size, shape.draft_vocab_size,
                                [2], run_dir / "vocab", "synthetic")

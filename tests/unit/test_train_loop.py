@@ -48,7 +48,8 @@ def test_resume_matches_uninterrupted_run(uninterrupted, tmp_path):
     got, want = _losses(cfg), _losses(full_cfg)
     assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, 7))
     assert all(abs(a - b) <= 1e-6 for (_, a), (_, b) in zip(got, want))
-    resumed, straight = load_file(second.checkpoint / "model.safetensors"), load_file(full.checkpoint / "model.safetensors")
+    resumed = load_file(second.checkpoint / "model.safetensors")
+    straight = load_file(full.checkpoint / "model.safetensors")
     assert resumed.keys() == straight.keys()
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
@@ -64,7 +65,8 @@ def test_run_writes_metrics_progress_and_manifest(uninterrupted):
     progress = json.loads((train_dir / "progress.json").read_text())
     assert (progress["state"], progress["step"], progress["total_steps"]) == ("done", 6, 6)
     manifest = json.loads((train_dir / "train.manifest.json").read_text())
-    assert manifest["stats"]["final_checkpoint"] == "checkpoints/step-6" == str(result.checkpoint.relative_to(train_dir))
+    final_checkpoint = str(result.checkpoint.relative_to(train_dir))
+    assert manifest["stats"]["final_checkpoint"] == "checkpoints/step-6" == final_checkpoint
 
 
 def test_eval_reports_metrics_and_the_unigram_baseline(uninterrupted):

@@ -43,11 +43,10 @@ def online(tmp_path_factory):
 
 def test_online_rows_hold_the_captured_features(tmp_path):
     """A packed row filled online equals the same row collated from the capture shards, value for value."""
+    from eagle3.target.load import prepare_target
     from eagle3.train.build import plan_data, read_inputs
     from eagle3.train.data import RowLoader
     from eagle3.train.online import OnlineFeatures, TokenReader
-
-    from eagle3.target.load import prepare_target
 
     cfg = load_run_config(real_tiny_run(tmp_path / "runs", OVERRIDES))
     inputs = read_inputs(cfg, prepare_target(cfg))
@@ -83,7 +82,7 @@ def test_online_step_one_loss_and_update_equal_offline(tmp_path):
 
 def test_online_metrics_match_offline_after_n_steps(offline, online):
     """Every train and validation metric of a 4-step run is the same online as offline."""
-    (cfg_off, res_off), (cfg_on, res_on) = offline, online
+    (cfg_off, _), (cfg_on, res_on) = offline, online
     assert (res_on.status, res_on.step) == ("done", 4)
     for kind in ("train", "eval"):
         off, on = _records(cfg_off, kind), _records(cfg_on, kind)

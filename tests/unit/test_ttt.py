@@ -7,9 +7,23 @@ import torch
 
 from eagle3.drafter.masks import positions_from_documents
 from eagle3.drafter.model import FLEX_AVAILABLE, DrafterDims, Eagle3Drafter, init_weights, trainable_parameters
-from eagle3.drafter.ttt import (PAD_TOKEN, ChunkedSoftCE, StepOptions, Supervision, TTTBatch, align_step, align_steps,
-                        metrics_from_counts, pad_probs, soft_ce_chunk, soft_ce_chunk_grad, step_soft_ce,
-                        supervision_from_final, supervision_from_topk, ttt_loss)
+from eagle3.drafter.ttt import (
+    PAD_TOKEN,
+    ChunkedSoftCE,
+    StepOptions,
+    Supervision,
+    TTTBatch,
+    align_step,
+    align_steps,
+    metrics_from_counts,
+    pad_probs,
+    soft_ce_chunk,
+    soft_ce_chunk_grad,
+    step_soft_ce,
+    supervision_from_final,
+    supervision_from_topk,
+    ttt_loss,
+)
 from tests.unit.ttt_reference import combined_loss, reference_ttt
 
 V, VD, HT, A, STEPS = 97, 40, 32, 3, 3
@@ -73,7 +87,7 @@ def run_reference(model, x: dict, row: int, start: int, stop: int, steps: int = 
 
 def assert_same_grads(model, loss_a: torch.Tensor, loss_b: torch.Tensor) -> None:
     params = trainable_parameters(model)
-    for p, ga, gb in zip(params, torch.autograd.grad(loss_a, params, retain_graph=True),
+    for _p, ga, gb in zip(params, torch.autograd.grad(loss_a, params, retain_graph=True),
                          torch.autograd.grad(loss_b, params)):
         torch.testing.assert_close(ga, gb, rtol=1e-10, atol=1e-13)
 

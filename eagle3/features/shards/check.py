@@ -23,11 +23,13 @@ class ShardValidationError(ValueError):
         self.sample_id, self.problem = sample_id, problem
 
 
-def _check_shape(sample_id: str, name: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+def _check_shape(sample_id: str, name: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """``tensor``, checked to be there and of ``shape``."""
     if tensor is None:
         raise ShardValidationError(sample_id, f"{name} is missing")
     if tuple(tensor.shape) != shape:
         raise ShardValidationError(sample_id, f"{name} has shape {list(tensor.shape)}, expected {list(shape)}")
+    return tensor
 
 
 def check_finite(sample_id: str, name: str, tensor: torch.Tensor) -> None:
@@ -61,13 +63,13 @@ def check_sample(spec: FeatureSpec, sample: CapturedSample) -> None:
     _check_shape(sid, "aux", sample.aux, (t, spec.num_aux * spec.hidden_size))
     check_finite(sid, "aux", sample.aux)
     if spec.supervision == "final_hidden":
-        _check_shape(sid, "final", sample.final, (t, spec.hidden_size))
-        check_finite(sid, "final", sample.final)
+        final = _check_shape(sid, "final", sample.final, (t, spec.hidden_size))
+        check_finite(sid, "final", final)
     else:
-        _check_shape(sid, "topk_ids", sample.topk_ids, (t, spec.topk or 0))
-        _check_shape(sid, "topk_logprobs", sample.topk_logprobs, (t, spec.topk or 0))
-        _check_ids(sid, "topk_ids", sample.topk_ids, spec.vocab_size)
-        check_finite(sid, "topk_logprobs", sample.topk_logprobs)
+        topk_ids = _check_shape(sid, "topk_ids", sample.topk_ids, (t, spec.topk or 0))
+        topk_logprobs = _check_shape(sid, "topk_logprobs", sample.topk_logprobs, (t, spec.topk or 0))
+        _check_ids(sid, "topk_ids", topk_ids, spec.vocab_size)
+        check_finite(sid, "topk_logprobs", topk_logprobs)
 
 
 def _check_tokens(sample: CapturedSample, req: SampleTokens) -> None:

@@ -77,9 +77,9 @@ class ShardReader:
         index, position = self._where[sample_id]
         handle = self._handle(index)
         begin, end = self._offsets[index][position], self._offsets[index][position + 1]
-        names = [name for name in handle.keys() if name not in ("offsets", "aux_scale")]
+        names = [name for name in handle.keys() if name not in ("offsets", "aux_scale")]  # noqa: SIM118 (safetensors' safe_open has keys() but is not iterable: `in fh` raises)
         out = {name: handle.get_slice(name)[begin:end] for name in names}
-        if "aux_scale" in handle.keys():
+        if "aux_scale" in handle.keys():  # noqa: SIM118 (safetensors' safe_open has keys() but is not iterable: `in fh` raises)
             out["aux"] = dequantize_fp8(out["aux"], handle.get_slice("aux_scale")[begin:end], torch.bfloat16)
         return out
 

@@ -70,8 +70,10 @@ def _cast_states(spec: FeatureSpec, sample: CapturedSample) -> dict[str, torch.T
     else:
         out["aux"] = aux.to(storage_dtype(spec.aux_dtype))
     if spec.supervision == "final_hidden":
+        assert sample.final is not None  # (check_sample ran first)
         out["final"] = sample.final.detach().to("cpu", storage_dtype(spec.dtype))
     else:
+        assert sample.topk_ids is not None and sample.topk_logprobs is not None  # (check_sample ran first)
         out["topk_ids"] = sample.topk_ids.detach().to("cpu", torch.int32)
         out["topk_logprobs"] = sample.topk_logprobs.detach().to("cpu", torch.float32)
     for name in ("aux", "final"):  # a cast to fp16 can overflow values that were finite in fp32
@@ -97,7 +99,7 @@ def _request_tensors(requested: Sequence[SampleTokens]) -> tuple[torch.Tensor, t
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
     """Zero-copy byte view of a contiguous CPU tensor (works for bf16 and fp8, which numpy lacks)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -238,7 +240,7 @@ class ShardStream:
 
     def _put(self, offset: int, piece: torch.Tensor | memoryview) -> None:
         view = _as_bytes(piece) if isinstance(piece, torch.Tensor) else piece
-        _pwrite_all(self._fd, view, offset)
+        _pwrite_all(self._open_fd(), view, offset)
         self._hasher.add(offset, piece)
         self._unflushed += view.nbytes
         if self._writeback is not None and self._unflushed >= WRITEBACK_BYTES:
@@ -254,10 +256,16 @@ class ShardStream:
                                                    f"requested samples (missing {missing[:5]})")
         if self._hasher.num_hashed != self.num_bytes:
             raise AssertionError(f"{self.path.name}: {self._hasher.num_hashed} of {self.num_bytes} bytes arrived")
-        os.fsync(self._fd)  # while the hashing thread finishes the rows that were held for file order
+        fd = self._open_fd()
+        os.fsync(fd)  # while the hashing thread finishes the rows that were held for file order
         self._sha256 = self._hasher.hexdigest()
-        os.close(self._fd)
+        os.close(fd)
         self._fd = None
+
+    def _open_fd(self) -> int:
+        if self._fd is None:
+            raise RuntimeError(f"{self.path.name}: written or sealed after seal() or abort()")
+        return self._fd
 
     def commit(self) -> ShardDone:
         """Rename the sealed temp file into place, then write the done file (last); returns the done document."""
@@ -290,7 +298,7 @@ def write_shard(path: Path, spec: FeatureSpec, samples: Sequence[CapturedSample]
     """
     validate_samples(spec, samples, requested)
     if requested is None:
-        requested = [SampleTokens(s.id, s.input_ids, s.loss_mask) for s in samples]
+        requested = [SampleTokens(s.id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in samples]
     stream = ShardStream(path, spec, requested)
     try:
         stream.append(samples, validated=True)
