@@ -62,6 +62,7 @@ from infra.sglang import (
     auth_headers,
     capture_request_body,
 )
+from infra.sglang_spec import Mode
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -449,10 +450,13 @@ def _launch_servers(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, api_key:
                     module: str) -> list[ManagedServer]:
     """Start the capture_aux (and for final_hidden the capture_final) server; stop both if either fails."""
     sg = cfg.capture.sglang
+    modes: list[Mode]
     if sg.server_mode == "capture_packed":
         modes = ["capture_packed"]
     else:
-        modes = ["capture_aux"] + (["capture_final"] if spec.supervision == "final_hidden" else [])
+        modes = ["capture_aux"]
+        if spec.supervision == "final_hidden":
+            modes.append("capture_final")
     mem = sg.mem_fraction_static or (0.8 / len(modes) if len(modes) > 1 else None)
     check_gpus_free(_gpu_indices(sg.tp_size * sg.dp_size), allow_shared=cfg.capture.allow_shared_gpus)
     servers: list[ManagedServer] = []

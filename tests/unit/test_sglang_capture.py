@@ -500,7 +500,8 @@ def test_a_packed_server_without_the_model_package_fails_the_width_check(tmp_pat
 
 
 def test_the_model_package_packs_aux_states_then_the_final_state():
-    """PackAuxLogits hands cat(aux..., final) to SGLang's processor as the state to return, the logits' input unchanged."""
+    """PackAuxLogits hands cat(aux..., final) to SGLang's processor as the state to return; the logits' input
+    is unchanged."""
     import torch
 
     from infra.sglang_plugin.capture_models import PackAuxLogits, with_packed_capture
