@@ -112,7 +112,7 @@ def eval_records(cfg: RunConfig) -> dict[int, PromptRecord] | None:
     path = eval_dir(cfg) / "prompts.jsonl"
     if not path.is_file():
         return None
-    records = (PromptRecord.from_json(json.loads(line)) for line in path.read_text().splitlines() if line.strip())
+    records = (PromptRecord.from_json(json.loads(line)) for line in path.read_text().split("\n") if line.strip())
     return {r.index: r for r in records}
 
 
