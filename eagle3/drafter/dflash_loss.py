@@ -1,0 +1,176 @@
+"""The DFlash training objective: sample anchors in a row, draft a block at each, score it against the row.
+
+For an anchor at position p (a real token of the row), the block is [x_p, mask, ..., mask] at positions
+p .. p+K-1; it sees the target's context features of its own document strictly before p (as at decoding time,
+where the anchor's own target states do not exist yet) and its own K tokens, no other block. The output at slot
+k >= 1, read through the target's lm_head, is scored against the token AT position p+k (same-position
+prediction, no shift: docs/dflash.md, "The block"). Slot 0 is never scored.
+
+    supervised(b, n, k) = valid[b, n] and p+k < T and x_{p+k} in p's document and loss_mask[p+k] = 1
+    w_k                 = exp(-(k-1) / gamma)            (gamma None: w_k = 1)
+    loss                = sum w_k * CE(b, n, k) / sum w_k      over the supervised (b, n, k)
+
+This is SpecForge's objective (specforge/core/dflash.py ``OnlineDFlashModel.forward``: same-position labels,
+the anchor slot excluded, the loss mask and the row end applied, ``loss_decay_gamma`` weights normalised by
+their sum) with packed documents added. All N blocks of a row run in ONE drafter forward: the row's features
+are the context of every block and ``block_visibility`` cuts each block's view at its own anchor and document
+start, so the result equals one decode call per block (tests/unit/test_dflash_loss.py checks it).
+
+Shape letters used in the comments:
+    B   rows          T   tokens per row (the context: every token's target features)     N   anchors per row
+    K   block size    H   hidden size     F*H  concatenated context features              V   target vocab
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from eagle3.drafter.dflash import DFlashDrafter, block_input_ids, block_positions, block_visibility
+from eagle3.drafter.masks import positions_from_documents, same_document_ahead, shift_left, single_document_ids
+from eagle3.drafter.model import upcast
+
+# ------------------------------------------------------------------------------------------------ anchors
+
+
+def anchor_candidates(loss_mask: Tensor, block_size: int, document_ids: Tensor | None = None) -> Tensor:
+    """bool [B, T]: p may anchor a block, i.e. p .. p+K-1 lie inside the row and inside p's document, and at
+    least one of the block's targets p+1 .. p+K-1 is supervised (loss_mask = 1)."""
+    batch, seq_len = loss_mask.shape
+    docs = single_document_ids(batch, seq_len, loss_mask.device) if document_ids is None else document_ids
+    # Documents are contiguous runs, so "p+K-1 exists and shares p's document" keeps the whole block in it.
+    inside = same_document_ahead(docs, block_size - 1)  # [B, T]
+    marked = (loss_mask > 0).long().cumsum(dim=1)  # [B, T] supervised tokens in 0 .. t
+    # marked[p+K-1] - marked[p] counts the supervised targets p+1 .. p+K-1; past the row `inside` is False, so
+    # the shift's fill never matters.
+    has_target = (shift_left(marked, block_size - 1, 0) - marked) > 0
+    return inside & has_target
+
+
+def sample_anchors(loss_mask: Tensor, block_size: int, num_blocks: int, generator: torch.Generator,
+                   document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Up to ``num_blocks`` distinct anchors per row, uniformly without replacement among anchor_candidates.
+
+    Returns (anchors int64 [B, N], valid bool [B, N]): each row's chosen anchors in ascending order, then
+    padding (anchor 0, valid False) when the row has fewer than N candidates. N is always ``num_blocks`` (a
+    fixed shape, so a compiled step or a cached block mask sees one shape per row length). Deterministic given
+    the generator's state: the random keys are drawn on the generator's device, then moved.
+
+    Follows SpecForge's ``OnlineDFlashModel._sample_anchor_positions`` (specforge/core/dflash.py): a uniform
+    random key per candidate, the smallest N keys taken, sorted by position, a keep mask for the padding, and
+    only anchors whose full block fits in the row. Two deliberate differences: SpecForge asks for
+    loss_mask[p] = 1 at the anchor itself, we ask for a supervised TARGET among p+1 .. p+K-1 (our convention,
+    as eagle3.drafter.ttt's: a prediction counts iff the token it predicts is marked; so the block anchored at
+    the last prompt token, which drafts the answer's first tokens, is trained, and a block whose targets are
+    all unmarked is never drawn to score nothing); and the block must stay inside one packed document
+    (SpecForge's rows are single documents). SpecForge also trims N to the largest row's count; we keep it fixed.
+    """
+    batch, seq_len = loss_mask.shape
+    candidates = anchor_candidates(loss_mask, block_size, document_ids)  # [B, T]
+    keys = torch.rand(batch, seq_len, generator=generator, device=generator.device).to(loss_mask.device)
+    keys = torch.where(candidates, keys, 2.0)  # non-candidates sort after every candidate
+    take = min(num_blocks, seq_len)
+    chosen = keys.argsort(dim=1, stable=True)[:, :take]  # [B, take] positions, candidates first
+    chosen_ok = candidates.gather(1, chosen)
+    # Ascending positions, the padding last: give the padding a position past the row before sorting.
+    ordered = torch.where(chosen_ok, chosen, seq_len).sort(dim=1).values
+    valid = ordered < seq_len
+    anchors = torch.where(valid, ordered, 0)
+    pad = num_blocks - take
+    if pad:
+        anchors = F.pad(anchors, (0, pad), value=0)
+        valid = F.pad(valid, (0, pad), value=False)
+    return anchors, valid
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+
+
+@dataclass
+class DFlashLossOutput:
+    """The weighted loss plus per-slot sums and counts for slots k = 1 .. K-1 (index k-1); sum the sums and
+    counts across micro-batches before dividing, as eagle3.drafter.ttt.TTTOutput."""
+
+    loss: Tensor  # [] sum_k w_k * loss_sum[k] / max(sum_k w_k * num_supervised[k], tiny); differentiable
+    loss_sum: Tensor  # [K-1] unweighted CE summed over each slot's supervised targets; differentiable
+    num_supervised: Tensor  # [K-1] supervised targets per slot
+    num_correct: Tensor  # [K-1] of those, argmax of the draft logits == the token
+
+    def slot_accuracy(self) -> Tensor:
+        """[K-1] per-slot accuracy (0 where a slot has no supervised target)."""
+        return self.num_correct.double() / self.num_supervised.clamp_min(1)
+
+
+def slot_weights(block_size: int, gamma: float | None, device: torch.device | str = "cpu") -> Tensor:
+    """float32 [K-1]: w_k = exp(-(k-1)/gamma) for slots k = 1 .. K-1 (slot 1 weighs 1); ones when gamma is None.
+
+    SpecForge's ``loss_decay_gamma``: the first drafts decide the accepted length (a draft counts only when every
+    earlier one was accepted), so later slots may weigh less.
+    """
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    if gamma is None:
+        return torch.ones_like(k)
+    if not gamma > 0 or math.isinf(gamma):
+        raise ValueError(f"gamma must be a positive finite number or None, got {gamma}")
+    return torch.exp(-(k - 1) / gamma)
+
+
+def block_targets(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, anchors: Tensor, valid: Tensor,
+                  block_size: int) -> tuple[Tensor, Tensor]:
+    """(targets int64 [B, N, K-1], supervised bool [B, N, K-1]): the token at p+k for slot k = 1 .. K-1, and
+    whether it is scored (the anchor valid, p+k inside the row and p's document, loss_mask[p+k] = 1).
+
+    Checked here rather than trusted from sample_anchors, so that any anchors (hand-made ones too) are safe."""
+    seq_len = input_ids.shape[1]
+    index = anchors[..., None] + torch.arange(1, block_size, device=anchors.device)  # [B, N, K-1]
+    inside = index < seq_len
+    safe = index.clamp(max=seq_len - 1).flatten(1)  # [B, N*(K-1)]: gathers need in-row indices
+
+    def at(x: Tensor) -> Tensor:
+        return x.gather(1, safe).view_as(index)
+
+    same_doc = at(document_ids) == document_ids.gather(1, anchors)[..., None]
+    supervised = valid[..., None] & inside & same_doc & (at(loss_mask) > 0)
+    return at(input_ids), supervised
+
+
+def dflash_loss(drafter: DFlashDrafter, features: Tensor, input_ids: Tensor, loss_mask: Tensor, anchors: Tensor,
+                valid: Tensor, document_ids: Tensor | None = None, gamma: float | None = None) -> DFlashLossOutput:
+    """The DFlash loss of N blocks per row in one drafter forward.
+
+    features [B, T, F*H] (the target's states for every token of the row, ascending layer order), input_ids and
+    loss_mask [B, T], anchors int64 and valid bool [B, N] (sample_anchors), document_ids [B, T] for packed rows
+    (None: one document per row). Positions restart at 0 in every document, as each document is served alone
+    (RoPE makes only differences matter, but this keeps them within max_position_embeddings as served).
+    Invalid anchors still run (a fixed shape) but score nothing.
+    """
+    d = drafter.dims
+    batch, seq_len = input_ids.shape
+    k_size = d.block_size
+    docs = single_document_ids(batch, seq_len, input_ids.device) if document_ids is None else document_ids
+    positions = positions_from_documents(docs)  # [B, T]
+    doc_start = torch.arange(seq_len, device=docs.device) - positions  # [B, T] first index of t's document
+
+    # Each block sees its document's context strictly before its anchor, and its own K tokens.
+    visible = block_visibility(anchors, seq_len, k_size, context_start=doc_start.gather(1, anchors))
+    ids = block_input_ids(input_ids.gather(1, anchors), k_size, d.mask_token_id)  # [B, N*K]
+    hidden = drafter(features, positions, ids, block_positions(positions.gather(1, anchors), k_size), visible)
+    hidden = hidden.view(batch, anchors.shape[1], k_size, -1)[:, :, 1:]  # [B, N, K-1, H]: slot 0 is never scored
+    logits = upcast(drafter.logits(hidden))  # [B, N, K-1, V], CE in at least fp32
+
+    targets, supervised = block_targets(input_ids, loss_mask, docs, anchors, valid, k_size)
+    ce = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view_as(targets)
+    mask = supervised.to(ce.dtype)
+    loss_sum = (ce * mask).sum(dim=(0, 1))  # [K-1]
+    num_supervised = supervised.sum(dim=(0, 1))  # [K-1]
+    w = slot_weights(k_size, gamma, ce.device).to(ce.dtype)
+    # A weighted mean (SpecForge divides by the weights' sum too): uniform weights give the plain mean, and a
+    # batch with nothing supervised gives 0 (still attached to the graph) instead of NaN.
+    loss = (w * loss_sum).sum() / (w * num_supervised).sum().clamp_min(torch.finfo(ce.dtype).tiny)
+    with torch.no_grad():
+        num_correct = ((logits.argmax(dim=-1) == targets) & supervised).sum(dim=(0, 1))
+    return DFlashLossOutput(loss, loss_sum, num_supervised, num_correct)
