@@ -31,6 +31,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from eagle3.config import RunConfig, read_config_file, validate_config  # noqa: E402
+from infra.sglang_compare import group_indices  # noqa: E402
 
 NEAR_TIE = 0.25  # float32 logits: bf16 rounding of logits around 20 is ~0.06-0.12, kernels differ by a few of those
 
@@ -91,8 +92,8 @@ def analyse(model: Any, prompts: list[list[int]], groups: list[str], a: list[lis
 def summarize(splits: list[Split], groups: list[str], names: tuple[str, str]) -> dict[str, Any]:
     """Per dataset: identical outputs, near-tie splits, and splits where float32 prefers one side clearly."""
     out: dict[str, Any] = {}
-    for dataset in [*dict.fromkeys(groups), "all"]:
-        total = sum(1 for g in groups if dataset in ("all", g))
+    for dataset, idx in group_indices(groups):
+        total = len(idx)
         mine = [s for s in splits if dataset in ("all", s.dataset)]
         wide = [s for s in mine if s.gap_fp32 is not None and not s.near_tie]
         out[dataset] = {"prompts": total, "identical": total - len(mine), "near_tie": sum(s.near_tie for s in mine),

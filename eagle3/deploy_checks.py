@@ -60,11 +60,12 @@ def eval_method_name(trio: str) -> str:
 
 def accept_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[AcceptCheck], str | None]:
     """Per dataset and overall, at the lowest concurrency: (checks, why none were made)."""
-    from eagle3.evaluate.stage import eval_dir
+    from eagle3.run.layout import run_layout
+    from infra.sglang_compare import group_indices
 
     if cfg.serve.prompts != "evaluation":
         return [], "serve.prompts is fixed: eagle3 eval measured other prompts"
-    path = eval_dir(cfg) / "results.json"
+    path = run_layout(cfg).eval_results
     if not path.is_file():
         return [], f"no {path}: run the evaluate step first"
     doc = json.loads(path.read_text())
@@ -78,8 +79,7 @@ def accept_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[AcceptCheck], st
         return [], f"eagle3 eval did not measure {method} (evaluate.chain_steps / tree_* settings)"
     level = min(run.result.levels, key=lambda lv: lv.concurrency)
     checks = []
-    for dataset in [*dict.fromkeys(run.groups), "all"]:
-        idx = [i for i, g in enumerate(run.groups) if dataset in ("all", g)]
+    for dataset, idx in group_indices(run.groups):
         verify = sum(level.verify_by_prompt[i] for i in idx)
         if dataset not in rows or not verify:
             continue
@@ -107,9 +107,9 @@ class SameTextCheck:
 def eval_records(cfg: RunConfig) -> dict[int, PromptRecord] | None:
     """eval/prompts.jsonl by prompt index (None when the evaluation wrote none)."""
     from eagle3.evaluate.records import PromptRecord
-    from eagle3.evaluate.stage import eval_dir
+    from eagle3.run.layout import PROMPTS_FILE, run_layout
 
-    path = eval_dir(cfg) / "prompts.jsonl"
+    path = run_layout(cfg).eval / PROMPTS_FILE
     if not path.is_file():
         return None
     records = (PromptRecord.from_json(json.loads(line)) for line in path.read_text().split("\n") if line.strip())
@@ -125,6 +125,8 @@ def same_output(sglang_digest: str, ours: list[int]) -> bool:
 
 def same_text_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[SameTextCheck], str | None]:
     """Per dataset and overall: verify steps on token-identical outputs; (checks, why none were made)."""
+    from infra.sglang_compare import group_indices
+
     records = eval_records(cfg)
     if records is None or cfg.serve.prompts != "evaluation" or run.trio is None:
         return [], "no eval/prompts.jsonl with this drafting to compare per prompt"
@@ -142,8 +144,7 @@ def same_text_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[SameTextCheck
     if not same:
         return [], f"no prompt's output is identical in SGLang and eagle3 eval ({method})"
     checks = []
-    for dataset in [*dict.fromkeys(run.groups), "all"]:
-        idx = [i for i, g in enumerate(run.groups) if dataset in ("all", g)]
+    for dataset, idx in group_indices(run.groups):
         hits = [same[i] for i in idx if i in same]
         tokens, sglang_verify, eval_verify = (sum(h[k] for h in hits) for k in range(3))
         if not hits or not sglang_verify or not eval_verify:

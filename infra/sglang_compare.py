@@ -114,18 +114,20 @@ class GroupComparison:
     identical_outputs: int
 
 
+def group_indices(groups: Sequence[str]) -> list[tuple[str, list[int]]]:
+    """(group, its prompts' indices) per group in first-seen order, then ("all", every index)."""
+    return [(name, [i for i, g in enumerate(groups) if name in ("all", g)]) for name in [*dict.fromkeys(groups), "all"]]
+
+
 def compare_groups(baseline: BenchResult, speculative: BenchResult, groups: Sequence[str]) -> list[GroupComparison]:
     """Per level and group (``groups[i]`` names prompt i's group), then "all"; same checks as ``compare``."""
     rows = []
-    names = [*dict.fromkeys(groups), "all"]
     for b, s in zip(baseline.levels, speculative.levels, strict=True):
         if len(b.completion_by_prompt) != len(groups) or len(s.completion_by_prompt) != len(groups):
             raise MeasurementError(f"concurrency {b.concurrency}: per-prompt figures for "
                                    f"{len(b.completion_by_prompt)}/{len(s.completion_by_prompt)} prompts, "
                                    f"{len(groups)} prompt groups")
-        for name in names:
-            idx = [i for i, g in enumerate(groups) if name in ("all", g)]
-            rows.append(_group_row(b, s, name, idx))
+        rows += [_group_row(b, s, name, idx) for name, idx in group_indices(groups)]
     return rows
 
 
