@@ -81,11 +81,12 @@ def shrink_export(src: Path, dst: Path, tokenized: Path, keep: int) -> dict[str,
     from safetensors.torch import load_file
 
     from eagle3.data.vocab import count_train_tokens, maps_from_used
+    from eagle3.export.checks import CONFIG_FILE, INFO_FILE, WEIGHTS_FILE
     from eagle3.export.folder import write_folder
     from eagle3.export.sglang import check_sglang_export
 
-    config = json.loads((src / "config.json").read_text())
-    tensors = load_file(str(src / "model.safetensors"))
+    config = json.loads((src / CONFIG_FILE).read_text())
+    tensors = load_file(str(src / WEIGHTS_FILE))
     d2t = tensors["d2t"]
     used = d2t + torch.arange(len(d2t))  # int64 [Vd]: target ids, ascending
     if keep >= len(used):
@@ -95,7 +96,7 @@ def shrink_export(src: Path, dst: Path, tokenized: Path, keep: int) -> dict[str,
     rows = torch.tensor(sorted(order[:keep]))  # draft ids kept, ascending (so target ids stay ascending)
     new_d2t, new_t2d = maps_from_used(used[rows].numpy(), int(config["vocab_size"]))
     tensors |= {"lm_head.weight": tensors["lm_head.weight"][rows].contiguous(), "d2t": new_d2t, "t2d": new_t2d}
-    info = json.loads((src / "eagle3_export.json").read_text()) if (src / "eagle3_export.json").is_file() else {}
+    info = json.loads((src / INFO_FILE).read_text()) if (src / INFO_FILE).is_file() else {}
     total = int(counts.sum())
     kept_share = float(counts[used[rows].numpy()].sum()) / total if total else 0.0
     all_share = float(counts[used.numpy()].sum()) / total if total else 0.0
@@ -157,6 +158,7 @@ def new_flags(cfg: RunConfig, server_args: list[str]) -> list[str]:
 def measure_variant(cfg: RunConfig, variant: Variant, plan: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Start the variant's server, benchmark it at concurrency 1, profile it when asked, always stop it."""
     from eagle3.deploy import api_key_for, bench_settings, deploy_prompts, probe_expectations, server_specs
+    from eagle3.run.layout import run_layout
     from infra.process import RestartPolicy
     from infra.sglang import ManagedServer
     from infra.sglang_bench import run_benchmark
@@ -167,8 +169,7 @@ def measure_variant(cfg: RunConfig, variant: Variant, plan: Any, args: argparse.
     record: dict[str, Any] = {"variant": variant.name, "trio": variant.trio}
     if variant.draft_vocab:
         dst = Path(args.out).parent / f"export-{variant.name}"
-        record["shrink"] = shrink_export(Path(draft), dst, cfg.run_dir / "data" / "tokenized.parquet",
-                                         variant.draft_vocab)
+        record["shrink"] = shrink_export(Path(draft), dst, run_layout(cfg).tokenized, variant.draft_vocab)
         draft = str(dst.resolve())
     key = api_key_for(vcfg)
     spec = server_specs(vcfg, plan.model_path, draft, key, variant.trio or "3-1-4")[variant.trio is not None]

@@ -61,7 +61,12 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
     launch_events = [e for e in events if e.get("cat") == "cuda_runtime"
                      and e["name"] in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")]
     launches = Counter(e["name"] for e in launch_events)
-    phases_of_launches = Counter(f"{enclosing_phase(e, events)}: {e['name']}" for e in launch_events)
+    annotations = defaultdict(list)  # thread -> its phase annotations (scheduler.run_batch encloses them all)
+    for e in events:
+        if e.get("cat") == "user_annotation" and e["name"] != "scheduler.run_batch":
+            annotations[e.get("tid")].append(e)
+    phases_of_launches = Counter(f"{enclosing_phase(e, annotations[e.get('tid')])}: {e['name']}"
+                                 for e in launch_events)
     per_round = max(rounds, 1)
     return {
         "rounds": rounds, "kernel_span_ms": span / 1000, "gpu_busy_ms": busy / 1000, "gpu_busy_share": busy / span,
@@ -73,10 +78,9 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
     }
 
 
-def enclosing_phase(event: dict[str, Any], events: list[dict[str, Any]]) -> str:
-    """The innermost SGLang phase annotation (not scheduler.run_batch) on the event's thread around it."""
-    inner = [a for a in events if a.get("cat") == "user_annotation" and a["name"] != "scheduler.run_batch"
-             and a.get("tid") == event.get("tid") and a["ts"] <= event["ts"] <= a["ts"] + a["dur"]]
+def enclosing_phase(event: dict[str, Any], annotations: list[dict[str, Any]]) -> str:
+    """The innermost of ``annotations`` (the phases on the event's thread) around the event."""
+    inner = [a for a in annotations if a["ts"] <= event["ts"] <= a["ts"] + a["dur"]]
     return min(inner, key=lambda a: a["dur"])["name"].split(" ")[0] if inner else "(no phase)"
 
 
