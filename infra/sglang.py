@@ -46,6 +46,8 @@ from infra.sglang_spec import (  # noqa: F401 (re-exported: callers import the s
 )
 from infra.storage import private_write_text
 
+HEALTH_POLL_S = 0.5  # between /health checks of a server its supervisor calls ready
+
 # Fixed smoke prompt: small ids exist in every vocabulary, including the tiny test targets.
 SMOKE_INPUT_IDS = (1, 17, 42, 99, 7, 3, 200, 11)
 SMOKE_NEW_TOKENS = 16
@@ -429,7 +431,22 @@ class ManagedServer:
                 return
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Block until the server is ready again; raise if the supervisor gave up or time runs out."""
+        """Block until the server is ready again and answers /health; raise if the supervisor gave up or time runs
+        out. The supervisor's word alone is not enough: a server whose listener is gone can still be alive for a
+        moment (SGLang's main process takes a while to exit after a fatal error), so until /health answers the
+        supervisor is asked again, and it notices the death and restarts."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._wait_supervised(max(deadline - time.monotonic(), 0.0))
+            if self._answers_health():
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(self.process.failure_message(f"SGLang server at {self.base_url} is called ready "
+                                                                f"but did not answer /health within {timeout_s:.0f} s"))
+            time.sleep(HEALTH_POLL_S)
+
+    def _wait_supervised(self, timeout_s: float) -> None:
+        """Block until the supervisor calls the server ready (after a restart if it died)."""
         if self._ready.is_set() and self._failure is None and not self.process.alive():
             self._ready.clear()  # the client saw the death before the watchdog did
         if not self._ready.wait(timeout_s):
@@ -439,6 +456,13 @@ class ManagedServer:
             raise ServerGoneError(f"SGLang server at {self.base_url} was stopped")
         if self._failure is not None:
             raise ServerStartError(str(self._failure)) from self._failure
+
+    def _answers_health(self) -> bool:
+        """GET /health answers 200 (no key needed: SGLang serves it to anyone); a refused connection is False."""
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=HEALTH_POLL_S * 10).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def stop(self) -> None:
         """Stop watching, then kill the whole process group (idempotent); wakes wait_ready() callers."""

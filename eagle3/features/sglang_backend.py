@@ -12,8 +12,8 @@ Every response is checked before it is accepted (``sglang_response.parse_respons
 ``infra.sglang.check_capture_response``): echoed id, prompt_tokens, cached_tokens == 0, echoed prompt
 ids, exactly one prefill block with one row per token, row width, all values finite. A failed check, a
 timeout or a dropped connection retries the sample (bounded, with backoff, preferably on another endpoint;
-a managed server that dropped a request is waited for until it answers /health again, through its
-supervisor's restarts); when the retries are spent the capture raises ``CaptureError``
+a managed server that dropped a request is waited for until its supervisor calls it ready and it answers
+/health again); when the retries are spent the capture raises ``CaptureError``
 naming the sample and the check. A bad sample is never yielded.
 
 Cost of the JSON path: a row is sent as decimal text, about 10-12 bytes per value, and SGLang builds
@@ -66,7 +66,6 @@ from infra.sglang_spec import Mode
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-HEALTH_POLL_S = 0.5  # between /health checks of a managed server that dropped a request
 # Client errors that no retry can fix (bad request, auth, wrong path): fail at once.
 PERMANENT_STATUS = (400, 401, 403, 404, 422)
 
@@ -76,7 +75,7 @@ class ServerHandle(Protocol):
     @property
     def base_url(self) -> str: ...
 
-    def wait_ready(self, timeout_s: float) -> None: ...
+    def wait_ready(self, timeout_s: float) -> None: ...  # returns once the server answers again
 
 
 class CaptureError(RuntimeError):
@@ -345,35 +344,12 @@ class _Session:
         raise CaptureError(sample.id, last.check, f"{p.name} pass: {last.detail}", attempt + 1, endpoint.url)
 
     async def _wait_ready(self, endpoint: _Endpoint, sample_id: str) -> None:
-        """Wait until a managed server that dropped a request answers again.
-
-        The supervisor's word alone is not enough: a server whose listener is gone can still be alive for a moment
-        (SGLang's main process takes a while to exit after a fatal error, and a killed leader's group is reaped
-        later), so wait_ready() may return at once while every connection is refused. Until /health answers, ask
-        the supervisor again (it notices the death and restarts) rather than spend the sample's retries."""
+        """Wait until a managed server that dropped a request is ready and answers again (its supervisor's call)."""
         assert endpoint.handle is not None
-        deadline = time.monotonic() + self.b.ready_timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                await asyncio.to_thread(endpoint.handle.wait_ready, max(left, 0.0))
-            except Exception as exc:  # the supervisor gave up: nothing left to retry on
-                raise CaptureError(sample_id, "server", str(exc), 1, endpoint.url) from exc
-            if await self._answers(endpoint.url):
-                return
-            if time.monotonic() >= deadline:
-                raise CaptureError(sample_id, "server", f"{endpoint.url} reported ready but did not answer /health "
-                                   f"within {self.b.ready_timeout_s:.0f} s", 1, endpoint.url)
-            await asyncio.sleep(HEALTH_POLL_S)
-
-    async def _answers(self, url: str) -> bool:
-        """True when GET /health answers 200 (a refused or dropped connection is False)."""
-        assert self.client is not None
         try:
-            resp = await self.client.get(f"{url}/health", timeout=HEALTH_POLL_S * 10)
-        except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
+            await asyncio.to_thread(endpoint.handle.wait_ready, self.b.ready_timeout_s)
+        except Exception as exc:  # the supervisor gave up: nothing left to retry on
+            raise CaptureError(sample_id, "server", str(exc), 1, endpoint.url) from exc
 
     async def _attempt(self, p: _Pass, endpoint: _Endpoint, sample: SampleTokens) -> ResponsePart:
         assert self.client is not None

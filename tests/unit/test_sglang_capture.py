@@ -537,36 +537,25 @@ def test_the_model_package_packs_aux_states_then_the_final_state():
     assert packed.layers == [1, 14, 26] and isinstance(packed.logits_processor, PackAuxLogits)
 
 
-class _AlwaysReady:
-    """A supervisor that still calls a server ready after its listener went away (its process not yet reaped)."""
-
-    def __init__(self, base_url: str):
-        self.base_url = base_url
-        self.waits = 0
-
-    def wait_ready(self, timeout_s: float) -> None:
-        self.waits += 1
-
-
-def test_a_server_that_refuses_connections_while_called_ready_is_waited_for_not_retried_away():
-    """Connections refused by a server its supervisor still calls ready: capture waits for /health, then goes on."""
+def test_wait_ready_returns_only_once_a_server_called_ready_answers_health(tmp_path):
+    """A server its supervisor calls ready while nothing listens (its process not yet seen dead): wait_ready waits
+    until /health answers, so a capture retry does not hit a refused connection."""
     import threading
+    import time
 
-    first = aux_server().start()
-    handle = _AlwaysReady(first.base_url)
-    b = backend(feature_spec("topk_logprobs", topk=2), [handle], max_retries=1, ready_timeout_s=20)
-    assert len(list(b.capture(samples(3)))) == 3
-    first.stop()  # the listener goes away; the same port answers again 1.5 s later
-    second: list[FakeSGLangServer] = []
-    timer = threading.Timer(1.5, lambda: second.append(aux_server(port=first.args.port).start()))
+    port = free_port()
+    server = managed(tmp_path, port=port)  # never started: only its readiness bookkeeping is used
+    server._ready.set()
+    server.process.alive = lambda: True
+    started: list[FakeSGLangServer] = []
+    timer = threading.Timer(1.5, lambda: started.append(aux_server(port=port).start()))
+    t0 = time.monotonic()
     timer.start()
     try:
-        batch = samples(4, start=3)
-        out = list(b.capture(batch))
+        server.wait_ready(20)
+        elapsed = time.monotonic() - t0
     finally:
         timer.join()
-        for server in second:
-            server.stop()
-    assert handle.waits >= 1
-    for captured, sample in zip(out, batch, strict=True):
-        assert_matches_fake(captured, sample)
+        for fake in started:
+            fake.stop()
+    assert started and elapsed >= 1.4
