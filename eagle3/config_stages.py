@@ -90,7 +90,37 @@ class CaptureConfig(Section):
     """SGLang backend settings."""
 
 
+class DFlashConfig(Section):
+    """A block-parallel DFlash drafter (drafter.family=dflash): SGLang's DFlashDraftModel, docs/dflash.md."""
+
+    block_size: int = Field(16, ge=2)
+    """Block size K: the last committed token plus K-1 mask tokens drafted in one forward; K tokens verified per round."""
+    num_layers: int = Field(1, ge=1)
+    """Draft decoder layers (each as wide as the target: its hidden size, heads and MLP width)."""
+    target_layer_ids: list[int] | None = None
+    """Target layers the drafter reads (output-of-layer ids, ascending); None = the aux layers capture stores."""
+    mask_token_id: int | None = Field(None, ge=0)
+    """Target vocab id whose frozen embedding fills the mask slots; None = the tokenizer's pad token, else its eos."""
+    num_blocks: int = Field(16, ge=1)
+    """Training: blocks (anchors) drawn per packed row, uniformly among the positions whose block has a target."""
+    loss_decay_gamma: float | None = Field(None, gt=0)
+    """Training: slot k's loss weight exp(-(k-1)/gamma), favouring the first drafts; None = every slot alike."""
+
+    @model_validator(mode="after")
+    def _ascending(self) -> DFlashConfig:
+        ids = self.target_layer_ids
+        if ids is not None and (not ids or ids != sorted(set(ids)) or ids[0] < 0):
+            raise ValueError(f"drafter.dflash.target_layer_ids {ids} must be distinct, ascending ids >= 0 (SGLang's "
+                             "target concatenates the layers it captures in layer order)")
+        return self
+
+
 class DrafterConfig(Section):
+    # Added: runs keyed before the DFlash family existed (EAGLE-3, default DFlash section) keep their train keys
+    family: Literal["eagle3", "dflash"] = Added("eagle3")
+    """Drafter family: eagle3 (one layer, a chain or tree of steps) or dflash (a block of tokens per forward)."""
+    dflash: DFlashConfig = Added(DFlashConfig())
+    """DFlash settings (family dflash only)."""
     ttt_steps: int = Field(7, ge=1)
     """Training-time-test unroll length."""
     step_decay: float = Field(0.8, gt=0)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from eagle3.config import RunConfig, section_dict
+from eagle3.config_base import key_fields
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights
 from eagle3.drafter.ttt import StepOptions, TTTObjective
 from eagle3.features.spec import FeatureSpec
@@ -88,7 +89,8 @@ def stage_key_for(cfg: RunConfig, inputs: RunInputs) -> str:
     from eagle3.run.stage import stage_key
 
     layout = run_layout(cfg)
-    conf = {"drafter": cfg.drafter.model_dump(mode="json"), "seed": cfg.run.seed, **section_dict(cfg, "train")}
+    # key_fields: the family and the DFlash section are hashed once set (eagle3 runs keep their keys)
+    conf = {"drafter": key_fields(cfg.drafter), "seed": cfg.run.seed, **section_dict(cfg, "train")}
     extra = {"target": inputs.spec.target_fingerprint}
     if cfg.train.features == "online":
         manifests = [layout.manifest("tokenize"), layout.manifest("vocab")]
