@@ -89,14 +89,14 @@ def test_unknown_field_is_named_in_the_error(tmp_path):
     ("train.learning_rate=1e-4", "train.lr"),  # an abbreviation: the initials of the words
     ("train.weight_decy=0.1", "train.weight_decay"),
     ("data.sources.0.max_record=5", "data.sources.0.max_records"),  # list index kept
-    ("trian.lr=1e-4", "train"),  # an unknown section
+    ("trian.lr=1e-4", "train"),  # an unknown section (codespell:ignore trian)
     ("data.lr=1e-4", "train.lr"),  # a known key in the wrong section
 ])
 def test_unknown_key_says_did_you_mean_the_closest_field(override, guess):
     """An unknown key from an override names the key and the closest dotted field path of the config tree."""
     with pytest.raises(ConfigError) as err:
         load_config("tiny", [override])
-    bad = override.split("=")[0] if not override.startswith("trian") else "trian"
+    bad = override.split("=")[0] if not override.startswith("trian") else "trian"  # codespell:ignore trian
     assert f"{bad}: unknown key; did you mean {guess}?" in str(err.value)
 
 

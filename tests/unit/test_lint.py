@@ -1,6 +1,7 @@
-"""The linter and the type checker keep the rules (pyproject.toml [tool.ruff] and [tool.mypy]): ruff finds nothing in
-the core and the tests, mypy nothing in the core. Each runs as its own process in the repository root, so its cache
-(.ruff_cache, .mypy_cache) makes a run after a small change take seconds."""
+"""The linter, the type checker and the spelling checker keep the rules (pyproject.toml [tool.ruff], [tool.mypy],
+[tool.codespell]): ruff finds nothing in the core and the tests, mypy nothing in the core, codespell nothing in the
+repository's text files. Each runs as its own process in the repository root, so its cache (.ruff_cache,
+.mypy_cache) makes a run after a small change take seconds."""
 
 from __future__ import annotations
 
@@ -37,3 +38,9 @@ def test_mypy_finds_nothing():
     """mypy on the core packages (the files and settings of pyproject.toml [tool.mypy])."""
     proc = _run("mypy", timeout_s=900)
     assert proc.returncode == 0, f"mypy (pyproject.toml [tool.mypy]):\n{proc.stdout}{proc.stderr}"
+
+
+def test_codespell_finds_nothing():
+    """codespell on the repository (what it skips and the words it accepts: pyproject.toml [tool.codespell])."""
+    proc = _run("codespell_lib", timeout_s=300)
+    assert proc.returncode == 0, f"codespell (pyproject.toml [tool.codespell]):\n{proc.stdout}{proc.stderr}"
