@@ -17,10 +17,14 @@ No Prefect: each stage is its plain command (``python -m eagle3.run.stages merge
    every manifest's outputs as recorded; every rejected record accounted for; data, shards, final
    drafter, exported weights and evaluation figures equal to the reference run's; no temp files; no
    stale lock.
-A kill that finds the stage already exited counts as a miss (not a kill); its quota moves on to the
-next stage. The JSON summary (``<workdir>/kill_summary.json``) has kills per stage, misses, recoveries,
-what each kill interrupted, the checks and wall times. Exit code 0 when every check of every trial
-passed and at least ``--kills`` kills landed in each trial.
+A kill that finds the stage already exited counts as a miss (not a kill). Every stage gets at least one
+landed kill at any ``--kills``: a stage whose kills all missed so far (or the last stage, whose quota has
+nowhere to go) is reset (its manifest and resumable state removed, so its next run starts from nothing) and
+run again, killed earlier than the run that outran the kill (``retry_window``); a missed kill of a stage that
+already had one moves its quota on to the next stage. The JSON summary (``<workdir>/kill_summary.json``) has
+kills, misses and resets per stage, recoveries, what each kill interrupted, the checks and wall times. Exit
+code 0 when every check of every trial passed, every stage got a landed kill and at least ``--kills`` kills
+landed in each trial.
 """
 
 from __future__ import annotations
@@ -43,8 +47,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from infra.process import group_alive, popen_detached, tail  # noqa: E402
 from kill_checks import Check, all_checks, stray_temps  # noqa: E402
+
+from eagle3.data.regenerate import JOURNAL_NAME  # noqa: E402
+from eagle3.run.layout import STAGE_DIRS, RunLayout  # noqa: E402
+from infra.process import group_alive, popen_detached, tail  # noqa: E402
 
 TINY = "pkg://eagle3/assets/tiny_chats.jsonl"
 SHAREGPT = "pkg://eagle3/assets/tiny_chats_sharegpt.json"
@@ -59,6 +66,9 @@ RESUMABLE = {"regenerate", "capture", "train", "evaluate"}
 """Stages that keep finished work across a kill (journal, complete shards, checkpoints); a rerun has less to do."""
 STAGE_TIMEOUT_S = 900.0
 STEP_RE = re.compile(rb"\bstep (\d+)/(\d+)")
+MAX_RESETS = 30
+"""Resets of one stage after misses; each retry's window shrinks (retry_window), so this is never reached on a
+working stage: reaching it means the stage keeps exiting at once."""
 
 
 @dataclass(frozen=True)
@@ -214,39 +224,88 @@ class StageLog:
 
     kills: int = 0
     misses: int = 0
+    resets: int = 0
     attempts: int = 0
     events: list[dict] = field(default_factory=list)
 
 
+Runner = Callable[[list[str], Path, "float | None", "Callable[[int], bool] | None"], tuple[str, float]]
+"""run_until's signature: (argv, log, kill_after_s, kill_when) -> ("killed" | "exited", seconds)."""
+
+
+def reset_stage(stage: str, run_dir: Path) -> None:
+    """Remove what makes a rerun of ``stage`` skip or resume: its manifest and, for a stage with a folder of its
+    own, that whole folder (shards, checkpoints, journals); regeneration's journals in data/. Its next run starts
+    from nothing, as in a fresh run (the later stages have not run yet)."""
+    layout = RunLayout(run_dir)
+    if STAGE_DIRS[stage] != "data":
+        shutil.rmtree(layout.stage_dir(stage), ignore_errors=True)
+        return
+    layout.manifest(stage).unlink(missing_ok=True)
+    if stage == "regenerate":
+        for journal in layout.data.glob(JOURNAL_NAME.replace(".jsonl", "*.jsonl")):
+            journal.unlink()
+
+
+def retry_window(timing: Timing, outran_s: float | None) -> tuple[float, float]:
+    """(low, high) seconds for the kill of a reset stage's rerun: below the wall time of the run that outran the
+    last kill (``outran_s``: it finished before the kill, so the machine does the whole stage in about that time),
+    or, for the first reset, below the reference run's. Each miss shrinks ``high`` to 0.9 of a run that was itself
+    shorter than the last kill, so the window reaches the stage's own start-up after a few misses at most."""
+    high = 0.9 * (timing.full_s if outran_s is None else outran_s)
+    return min(0.8 * timing.noop_s, 0.5 * high), high
+
+
 def kill_stage(rng: random.Random, stage: Stage, quota: int, timing: Timing, argv: list[str], run_dir: Path,
-               logs: Path) -> StageLog:
-    """Start the stage, SIGKILL it at random moments up to ``quota`` times, then let it finish (the recovery)."""
+               logs: Path, last: bool = False, run: Runner = run_until,
+               reset: Callable[[str, Path], None] = reset_stage) -> StageLog:
+    """Start the stage, SIGKILL it at random moments up to ``quota`` times, then let it finish (the recovery).
+
+    A kill that misses (the stage exited first) while the stage has no landed kill yet, or on the ``last``
+    stage, resets the stage and runs it again with a kill inside ``retry_window``; any other miss returns
+    early, and the caller moves the rest of the quota to the next stage."""
     out, done_s, log, last_step = StageLog(), 0.0, logs / f"{stage.name}.log", 0
     work = max(timing.full_s - timing.noop_s, 0.2)
+    outran_s: float | None = None
+    retrying = False
     while out.kills < quota:
         out.attempts += 1
         if stage.name == "train" and timing.steps:  # by step, not time: the step rate follows the machine's load
             span = (timing.steps - last_step) / (quota - out.kills)
             target = min(last_step + max(1, round(rng.uniform(0.05, 1.0) * span)), timing.steps - 1)
             when, kill_when = f"step {target}", lambda offset, t=target: (logged_step(log, offset) or 0) >= t
-            outcome, elapsed = run_until(argv, log, None, kill_when)
+            outcome, elapsed = run(argv, log, None, kill_when)
             last_step = max(last_step, logged_step(log) or 0)
         else:
-            remaining = max(work - done_s, 0.2) if stage.name in RESUMABLE else work
-            # Half the kills anywhere in the stage's life (imports, target load included), half in its work phase.
-            low = timing.noop_s * 0.8 if rng.random() < 0.5 else 0.0
-            delay = rng.uniform(low, timing.noop_s + 0.9 * remaining)
-            when = f"{delay:.2f} s of an expected {timing.noop_s + remaining:.1f} s"
-            outcome, elapsed = run_until(argv, log, delay)
+            if retrying:
+                low, high = retry_window(timing, outran_s)
+                delay = rng.uniform(low, high)
+                when = f"{delay:.2f} s of a reset stage (window {low:.2f}-{high:.2f} s)"
+            else:
+                remaining = max(work - done_s, 0.2) if stage.name in RESUMABLE else work
+                # Half the kills anywhere in the stage's life (imports, target load included), half in its work.
+                low = timing.noop_s * 0.8 if rng.random() < 0.5 else 0.0
+                delay = rng.uniform(low, timing.noop_s + 0.9 * remaining)
+                when = f"{delay:.2f} s of an expected {timing.noop_s + remaining:.1f} s"
+            outcome, elapsed = run(argv, log, delay, None)
             done_s += max(delay - timing.noop_s, 0.0)
         if outcome == "exited":
             out.misses += 1
-            out.events.append({"kill_at": when, "result": "stage had already finished"})
-            return out
+            out.events.append({"kill_at": when, "result": f"stage had already finished ({elapsed:.2f} s)"})
+            if out.kills and not last:
+                return out
+            if out.resets >= MAX_RESETS:
+                raise StageFailed(f"{stage.name}: {out.resets} resets, every kill missed (the stage exits at once)")
+            reset(stage.name, run_dir)
+            out.resets += 1
+            outran_s = elapsed if retrying else None
+            retrying, done_s, last_step = True, 0.0, 0
+            out.events.append({"reset": "manifest and resumable state removed; the stage runs again from nothing"})
+            continue
         out.kills += 1
         out.events.append({"kill_at": when, "after_s": round(elapsed, 2), **snapshot(stage.name, run_dir)})
     out.attempts += 1
-    _, elapsed = run_until(argv, logs / f"{stage.name}.log", None)
+    _, elapsed = run(argv, logs / f"{stage.name}.log", None, None)
     out.events.append({"recovered_in_s": round(elapsed, 2)})
     return out
 
@@ -266,19 +325,26 @@ def run_trial(index: int, seed: int, kills: int, preset: str, overrides: list[st
     try:
         for stage in STAGES:
             want = quota[stage.name] + carry
-            log = kill_stage(rng, stage, want, timings[stage.name], stage.argv(preset, over, run_dir), run_dir, logs)
+            log = kill_stage(rng, stage, want, timings[stage.name], stage.argv(preset, over, run_dir), run_dir, logs,
+                             last=stage is STAGES[-1])
             carry = want - log.kills
             per_stage[stage.name] = log
-            print(f"trial {index} {stage.name}: {log.kills} kills, {log.misses} misses, recovered", flush=True)
+            print(f"trial {index} {stage.name}: {log.kills} kills, {log.misses} misses, {log.resets} resets, "
+                  "recovered", flush=True)
     except StageFailed as exc:
         error = str(exc)
         print(f"trial {index}: RECOVERY FAILED: {error}", flush=True)
     checks = all_checks(run_dir, ref_dir, trial_dir / "w") if error is None else []
     total = sum(s.kills for s in per_stage.values())
     checks.append(Check("enough_kills", total >= kills, f"{total} kills landed (asked for {kills})"))
+    unkilled = [s.name for s in STAGES if s.name in per_stage and per_stage[s.name].kills == 0]
+    checks.append(Check("every_stage_killed", error is None and not unkilled,
+                        f"stages without a landed kill: {', '.join(unkilled)}" if unkilled
+                        else "every stage got at least one landed kill"))
     return {"trial": index, "wall_s": round(time.monotonic() - t0, 1), "kills": total,
             "kills_per_stage": {n: s.kills for n, s in per_stage.items()},
             "misses": sum(s.misses for s in per_stage.values()),
+            "resets_per_stage": {n: s.resets for n, s in per_stage.items()},
             "recoveries": total if error is None else None, "error": error,
             "checks": [c.to_json() for c in checks], "passed": error is None and all(c.passed for c in checks),
             "stages": {n: {"attempts": s.attempts, "events": s.events} for n, s in per_stage.items()}}
