@@ -215,7 +215,7 @@ class TrainConfig(Section):
     loss_chunk_tokens: int = Added(4096, ge=0)
     """Fused soft cross-entropy over this many tokens at a time (no fp32 [T, Vd] tensors); 0 = plain log_softmax."""
     reuse_block_mask: bool = Operational(False)
-    """flex: one block mask per micro-batch for all TTT steps; false = one per step (measured faster on the H200)."""
+    """flex: one block mask per micro-batch for all TTT steps; false = one per step (faster: docs/train.md)."""
 
 
 class ExportConfig(Section):

@@ -3,8 +3,7 @@ CUDA graph per input shape, captured and replayed here.
 
 Why own graphs rather than torch.compile's mode="reduce-overhead": a batch-1 decode of a small target is bound
 by launching kernels, so the forward has to be one graph replay; capturing the eager forward takes well under a
-second per shape, where Inductor spends minutes compiling every width before the first prompt (measured on an
-H200 with SmolLM2-135M: 33-100 s per width). With ``compile`` on, the graph records Inductor's kernels instead
+second per shape, where Inductor spends minutes compiling every width before the first prompt. With ``compile`` on, the graph records Inductor's kernels instead
 (fewer, fused kernels: a faster replay for a longer warm-up).
 
 Rules the replayed functions follow (they are the runners' ``_forward_rows``, ``_rows_step`` and draft rounds):

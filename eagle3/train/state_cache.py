@@ -2,15 +2,12 @@
 
 Online training runs the frozen target on every row of every epoch, and a row's documents come back in later
 epochs (repacked with others) and in every validation pass, so with several epochs the target recomputes states it
-computed once (on an H200, SmolLM2-135M, 20M tokens: epochs 2-6 ran 1.2-1.4x as fast as the first with ~92% of
-documents cached; docs/train.md). This cache keeps each document's states (the tensors
+computed once (what the cache saves: docs/train.md). This cache keeps each document's states (the tensors
 ``OnlineFeatures`` fills a row with: aux [n, A*H] and final [n, H], or top-K) as they were computed the first time,
 keyed by sample id, up to a byte budget; a document that does not fit is computed every time, as without a cache.
 Where the device's budget cannot hold every document, ``train.feature_cache_host_gib`` keeps the rest in pinned host
-memory, copied to the device when a row takes them: a row with one document not kept runs the target's forward, and
-on an H200 such a row cost nearly a whole row's forward (at 20M tokens with 80 GiB, a document found no room 5,556
-times and the later epochs' median step ran at 135-140K tok/s, against 253-265K at 10M where every document was
-kept; docs/train.md).
+memory, copied to the device when a row takes them: a row with one document not kept runs the target's forward,
+which costs nearly a whole row's (docs/train.md).
 
 What comes out of the cache is exactly what the first forward returned, so a run with the cache equals one without
 it wherever the target's forward is deterministic across row layouts (bitwise on a CPU; to the compute dtype's
