@@ -3,8 +3,8 @@ CUDA graph per input shape, captured and replayed here.
 
 Why own graphs rather than torch.compile's mode="reduce-overhead": a batch-1 decode of a small target is bound
 by launching kernels, so the forward has to be one graph replay; capturing the eager forward takes well under a
-second per shape, where Inductor spends minutes compiling every width before the first prompt. With ``compile`` on, the graph records Inductor's kernels instead
-(fewer, fused kernels: a faster replay for a longer warm-up).
+second per shape, where Inductor spends minutes compiling every width before the first prompt. With ``compile``
+on, the graph records Inductor's kernels instead (fewer, fused kernels: a faster replay for a longer warm-up).
 
 Rules the replayed functions follow (they are the runners' ``_forward_rows``, ``_rows_step`` and draft rounds):
 no host reads, fixed shapes, every tensor they read or write outside their arguments keeps its address
