@@ -3,8 +3,8 @@
 What `eagle3 demo` and the chaos script do on the client side: `prefect deploy` from prefect.yaml,
 `run_deployment` without waiting, then poll the server: task runs that finish are printed as lines
 and every progress artifact of the run (and of its subflows) is drawn as a progress bar. A run that
-waits on a work pool without an online worker is flagged (terminal and an artifact on the run), and a
-run that ends Failed or Crashed is explained: failed task, exception, last log lines (flows/failure.py).
+has not started is explained (what it waits for: flows/waiting.py), and a run that ends Failed or
+Crashed is explained: failed task, exception, last log lines (flows/failure.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
@@ -64,7 +65,7 @@ class RunView:
     bars: dict[str, Any] = field(default_factory=dict)
     crashed_at: float | None = None
     waiting_since: float | None = None
-    warned_no_worker: bool = False
+    wait_reason: str = ""
 
 
 def flow_run_tree(client: Any, view: RunView) -> list[Any]:
@@ -121,58 +122,45 @@ def _finished(run: Any, crash_grace_s: float, view: RunView, say: Callable[[str]
     return time.monotonic() - view.crashed_at >= crash_grace_s
 
 
-def pool_has_online_worker(client: Any, pool: str) -> bool:
-    """True when some worker of work pool ``pool`` is online (sent a heartbeat recently)."""
-    from prefect.client.schemas.objects import WorkerStatus
-    from prefect.exceptions import ObjectNotFound
+def _explain_waiting(client: Any, root: Any, view: RunView, after_s: float, late_after_s: float,
+                     say: Callable[[str], None]) -> None:
+    """Once the run has waited ``after_s`` in a Scheduled-type state: print why (flows/waiting.py) whenever the
+    reason changes, and once it is ``late_after_s`` past its scheduled start, propose Late with that reason as
+    its message (accepted only while it is still Scheduled; the local server's watcher does the same)."""
+    from flows.waiting import mark_late, wait_reason
 
-    try:
-        return any(w.status == WorkerStatus.ONLINE for w in client.read_workers_for_work_pool(pool))
-    except ObjectNotFound:
-        return False
-
-
-def no_worker_message(run_name: str, pool: str) -> str:
-    """The warning for a run that no worker will pick up, with the command that fixes it."""
-    return (f"flow run {run_name} waits on work pool '{pool}', which has no online worker; it will not start "
-            f"until one runs: `eagle3 worker start --pool {pool}` here, or `prefect worker start --pool {pool}` "
-            "on a host of that pool")
-
-
-def _warn_if_no_worker(client: Any, root: Any, view: RunView, after_s: float, say: Callable[[str], None]) -> None:
-    """Once a run has waited ``after_s`` in Scheduled/Pending on a pool with no online worker: say so, and
-    attach the same words to the run as a markdown artifact (the flow cannot write its own before it starts)."""
-    from prefect.client.schemas.actions import ArtifactCreate
-
-    waiting = root.state and root.state.type.value in ("SCHEDULED", "PENDING") and root.work_pool_name
-    if not waiting or view.warned_no_worker:
-        view.waiting_since = None if not waiting else view.waiting_since
+    waiting = bool(root.state and root.state.type.value == "SCHEDULED" and root.work_pool_name)
+    view.waiting_since = (view.waiting_since or time.monotonic()) if waiting else None
+    if not waiting or time.monotonic() - (view.waiting_since or 0.0) < after_s:
         return
-    view.waiting_since = view.waiting_since or time.monotonic()
-    if time.monotonic() - view.waiting_since < after_s or pool_has_online_worker(client, root.work_pool_name):
-        return
-    view.warned_no_worker = True
-    text = no_worker_message(root.name, root.work_pool_name)
-    say(f"  {time.strftime('%H:%M:%S')}  WARNING: {text}")
-    client.create_artifact(ArtifactCreate(type="markdown", flow_run_id=root.id,
-                                          data=f"# Waiting for a worker\n\n{text}\n",
-                                          description="run summary: no worker for this run's work pool"))
+    reason = wait_reason(client, root)
+    if reason and reason != view.wait_reason:
+        say(f"  {time.strftime('%H:%M:%S')}  flow run {root.name} waits ({root.state.name}): {reason}")
+        view.wait_reason = reason
+    due = root.next_scheduled_start_time
+    overdue = due is not None and (datetime.now(timezone.utc) - due).total_seconds() >= late_after_s
+    if reason and overdue and root.state.name == "Scheduled":
+        mark_late(client, root, reason)
 
 
 def follow(flow_run_id: UUID, poll_s: float = 3.0, timeout_s: float | None = None,
            crash_grace_s: float = 0.0, full_log: str | None = None, explain: bool = True,
-           no_worker_after_s: float = 10.0) -> Any:
+           waiting_after_s: float = 10.0, late_after_s: float | None = None) -> Any:
     """Show a run's task states and progress bars until it reaches a terminal state; returns the flow run.
 
     A Crashed run is followed for ``crash_grace_s`` more seconds, because the crash-recovery
     automation puts it back to AwaitingRetry and a worker runs it again. A run that ends other than
     Completed is explained (``explain``): failed task, exception, last log lines and ``full_log``
-    (where the complete log is). A run still waiting after ``no_worker_after_s`` on a pool with no
-    online worker is flagged.
+    (where the complete log is). A run still not started after ``waiting_after_s`` is explained (what
+    it waits for, flows/waiting.py) and, ``late_after_s`` past its schedule (default: Prefect's
+    late-runs setting), marked Late with that reason.
     """
     from prefect.client.orchestration import get_client
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 
+    from flows.waiting import late_settings
+
+    late_after_s = late_settings()[0] if late_after_s is None else late_after_s
     view = RunView(flow_run_id)
     deadline = time.monotonic() + timeout_s if timeout_s else None
     columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn())
@@ -185,7 +173,7 @@ def follow(flow_run_id: UUID, poll_s: float = 3.0, timeout_s: float | None = Non
             _print_task_changes(client, view, say)
             _update_bars(client, view, progress)
             root = next(r for r in runs if r.id == flow_run_id)
-            _warn_if_no_worker(client, root, view, no_worker_after_s, say)
+            _explain_waiting(client, root, view, waiting_after_s, late_after_s, say)
             if _finished(root, crash_grace_s, view, say):
                 if explain and root.state.type.value != "COMPLETED":
                     for line in explain_run(client, root, list(view.flow_runs)).lines(full_log):

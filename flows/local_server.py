@@ -36,6 +36,9 @@ DATABASE_ENV = "PREFECT_SERVER_DATABASE_CONNECTION_URL"  # Prefect's setting (ol
 DATABASE_SCHEMES = ("postgresql+asyncpg", "sqlite+aiosqlite")  # the async drivers Prefect's server runs on
 # SQLite only: BEGIN IMMEDIATE for every transaction (flows/prefect_server.py says why; no Prefect setting does it)
 SQLITE_ENV = {"EAGLE3_SQLITE_BEGIN_IMMEDIATE": "1"}
+# The server process marks overdue runs Late with the reason they wait (flows/waiting.py), instead of Prefect's
+# late-runs service, which writes no reason (one writer of Late; same PREFECT_SERVER_SERVICES_LATE_RUNS_* settings)
+LATE_RUNS_ENV = {"EAGLE3_LATE_RUNS_WATCHER": "1", "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": "false"}
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,10 @@ class LocalServer:
 
     def server_env(self) -> dict[str, str]:
         """Environment of the `prefect server start` process: the client's, the bind address (so the UI's API URL
-        names this port, which `--port` alone does not set), the database URL when one is given, and SQLITE_ENV
-        when the database is SQLite."""
-        env = {**self.client_env(), "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(self.port)}
+        names this port, which `--port` alone does not set), LATE_RUNS_ENV, the database URL when one is given, and
+        SQLITE_ENV when the database is SQLite."""
+        env = {**self.client_env(), "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(self.port),
+               **LATE_RUNS_ENV}
         env |= {DATABASE_ENV: self.database_url} if self.database_url else {}
         return env | (SQLITE_ENV if self.sqlite_settings and self.database().startswith("sqlite") else {})
 

@@ -1,5 +1,6 @@
 """`python -m flows.prefect_server server start ...`: the `prefect` CLI, with SQLite write transactions that take the
-write lock when they begin (flows.local_server starts the local server this way).
+write lock when they begin, and with flows.waiting's late-runs watcher in the server process when
+EAGLE3_LATE_RUNS_WATCHER=1 (flows.local_server starts the local server this way).
 
 Why (issue 39, list 1, item 1): Prefect's server opens its SQLite transactions with `BEGIN DEFERRED` unless the
 code asks for a row lock, so `POST /deployments/{id}/create_flow_run` (the UI's Run form) reads the deployment
@@ -22,6 +23,8 @@ from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 
 BEGIN_IMMEDIATE_ENV = "EAGLE3_SQLITE_BEGIN_IMMEDIATE"
+LATE_RUNS_ENV = "EAGLE3_LATE_RUNS_WATCHER"
+"""=1: the server process also runs flows.waiting's late-runs watcher (Late with its reason as the message)."""
 
 
 def begin_immediate() -> None:
@@ -44,6 +47,10 @@ def begin_immediate() -> None:
 def main() -> None:
     if os.environ.get(BEGIN_IMMEDIATE_ENV) == "1":
         begin_immediate()
+    if os.environ.get(LATE_RUNS_ENV) == "1" and sys.argv[1:3] == ["server", "start"]:
+        from flows.waiting import start_watcher_thread
+
+        start_watcher_thread()  # a daemon thread: it asks this server's API once it answers, and ends with it
     from prefect.cli import app
 
     sys.argv[0] = "prefect"

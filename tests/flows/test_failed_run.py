@@ -95,8 +95,9 @@ def test_run_command_explains_a_failed_run_and_exits_non_zero(tmp_path, capsys):
         assert MISSING in fh.read()
 
 
-def test_follow_warns_when_no_worker_serves_the_runs_pool(capsys):
-    """A run waiting on a work pool with no online worker is flagged on the terminal and as an artifact on the run."""
+def test_follow_says_why_a_run_waits_and_marks_it_late_with_that_reason(capsys):
+    """A run waiting on a work pool with no online worker: the follow view prints why, with the command that starts
+    a worker, and once overdue the run is Late with that reason as its state's message."""
     from prefect.client.schemas.actions import WorkPoolCreate
 
     from flows.follow import follow
@@ -109,11 +110,13 @@ def test_follow_warns_when_no_worker_serves_the_runs_pool(capsys):
         run = client.create_flow_run_from_deployment(deployment_id)
     try:
         with pytest.raises(TimeoutError):
-            follow(run.id, poll_s=0.2, timeout_s=3, no_worker_after_s=0.0)
+            follow(run.id, poll_s=0.2, timeout_s=3, waiting_after_s=0.0, late_after_s=0.0)
         out = capsys.readouterr().out
-        assert "no online worker" in out and "eagle3 worker start --pool no-worker-test" in out
-        (note,) = _artifacts(run.id)
-        assert "no online worker" in note.data and "no-worker-test" in note.data
+        assert "no worker polling work pool 'no-worker-test'" in out
+        assert "eagle3 worker start --pool no-worker-test" in out
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(run.id).state
+        assert state.name == "Late" and "no worker polling work pool 'no-worker-test'" in state.message
     finally:
         with get_client(sync_client=True) as client:
             client.delete_flow_run(run.id)
