@@ -28,11 +28,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from eagle3.drafter.dflash import DFlashDrafter, block_input_ids, block_positions, block_visibility
 from eagle3.drafter.masks import positions_from_documents, same_document_ahead, shift_left, single_document_ids
 from eagle3.drafter.model import upcast
+from eagle3.drafter.ttt import TTTBatch
 
 # ------------------------------------------------------------------------------------------------ anchors
 
@@ -99,6 +100,7 @@ class DFlashLossOutput:
     loss_sum: Tensor  # [K-1] unweighted CE summed over each slot's supervised targets; differentiable
     num_supervised: Tensor  # [K-1] supervised targets per slot
     num_correct: Tensor  # [K-1] of those, argmax of the draft logits == the token
+    num_full_correct: Tensor  # [K-1] of those, slots 1 .. k of the block all right (a verify would accept k)
 
     def slot_accuracy(self) -> Tensor:
         """[K-1] per-slot accuracy (0 where a slot has no supervised target)."""
@@ -172,5 +174,65 @@ def dflash_loss(drafter: DFlashDrafter, features: Tensor, input_ids: Tensor, los
     # batch with nothing supervised gives 0 (still attached to the graph) instead of NaN.
     loss = (w * loss_sum).sum() / (w * num_supervised).sum().clamp_min(torch.finfo(ce.dtype).tiny)
     with torch.no_grad():
-        num_correct = ((logits.argmax(dim=-1) == targets) & supervised).sum(dim=(0, 1))
-    return DFlashLossOutput(loss, loss_sum, num_supervised, num_correct)
+        hits = logits.argmax(dim=-1) == targets  # [B, N, K-1]
+        num_correct = (hits & supervised).sum(dim=(0, 1))
+        # Slot k is accepted only after slots 1 .. k-1 were: the run of hits from the block's start.
+        num_full_correct = (hits.int().cumprod(dim=-1).bool() & supervised).sum(dim=(0, 1))
+    return DFlashLossOutput(loss, loss_sum, num_supervised, num_correct, num_full_correct)
+
+
+# ---------------------------------------------------------------------------------------------- the objective
+
+
+class DFlashObjective(nn.Module):
+    """The drafter and how a trainer feeds it (what DDP/FSDP wrap): its context features out of the captured aux
+    states, the anchors of each row, the loss.
+
+    ``feature_index``: for each of the drafter's target layers (ascending, fc's order), its place in the captured
+    aux concatenation of ``num_aux`` layers; so one capture serves an EAGLE-3 and a DFlash drafter, and a DFlash
+    drafter may read a subset of the captured layers.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, feature_index: list[int], num_aux: int, num_blocks: int,
+                 gamma: float | None = None) -> None:
+        super().__init__()
+        if sorted(feature_index) != feature_index or not all(0 <= i < num_aux for i in feature_index):
+            raise ValueError(f"feature_index {feature_index} must be ascending places among {num_aux} aux layers")
+        if len(feature_index) != drafter.dims.num_context_features:
+            raise ValueError(f"{len(feature_index)} feature layers for a drafter whose fc reads "
+                             f"{drafter.dims.num_context_features}")
+        self.drafter, self.feature_index, self.num_aux = drafter, list(feature_index), num_aux
+        self.num_blocks, self.gamma = num_blocks, gamma
+
+    @property
+    def num_slots(self) -> int:
+        """Scored slots per block: K-1."""
+        return self.drafter.dims.block_size - 1
+
+    def features(self, aux: Tensor) -> Tensor:
+        """[B, T, A*H] captured aux states -> [B, T, F*H] the drafter's context features (its layers, in order)."""
+        if self.feature_index == list(range(self.num_aux)):
+            return aux
+        batch, seq_len, _ = aux.shape
+        return aux.view(batch, seq_len, self.num_aux, -1)[:, :, self.feature_index].flatten(2)
+
+    def anchors(self, batch: TTTBatch, seed: int) -> tuple[Tensor, Tensor]:
+        """(anchors, valid) [B, N] of a row: sample_anchors from a CPU generator seeded by ``seed`` (the same row
+        gets the same anchors on every device and after a resume)."""
+        generator = torch.Generator().manual_seed(seed)
+        return sample_anchors(batch.loss_mask, self.drafter.dims.block_size, self.num_blocks, generator,
+                              batch.document_ids)
+
+    def supervised_counts(self, batch: TTTBatch, anchors: tuple[Tensor, Tensor]) -> Tensor:
+        """[K-1] targets each slot is scored on (block_targets' mask; no drafter forward)."""
+        docs = batch.document_ids
+        if docs is None:
+            docs = single_document_ids(batch.input_ids.shape[0], batch.input_ids.shape[1], batch.input_ids.device)
+        _, supervised = block_targets(batch.input_ids, batch.loss_mask, docs, *anchors, self.drafter.dims.block_size)
+        return supervised.sum(dim=(0, 1))
+
+    def forward(self, batch: TTTBatch, anchors: tuple[Tensor, Tensor]) -> DFlashLossOutput:
+        """dflash_loss of the row's blocks (``anchors``: this objective's ``anchors`` of the batch)."""
+        assert batch.aux is not None, "online features fill aux first"
+        return dflash_loss(self.drafter, self.features(batch.aux), batch.input_ids, batch.loss_mask, *anchors,
+                           batch.document_ids, self.gamma)

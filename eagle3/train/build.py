@@ -24,12 +24,14 @@ from torch import Tensor, nn
 
 from eagle3.config import RunConfig, section_dict
 from eagle3.config_base import key_fields
+from eagle3.drafter.dflash_loss import DFlashObjective
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights
 from eagle3.drafter.ttt import StepOptions, TTTObjective
 from eagle3.features.spec import FeatureSpec
 from eagle3.run.layout import manifest_name, run_layout
 from eagle3.target.tensors import drafter_dims, load_target_lm_head, load_target_weights
 from eagle3.train.data import EpochPlan, plan_epoch, read_split
+from eagle3.train.dflash import DFlashSetup, build_dflash_objective, dflash_setup
 
 log = logging.getLogger("eagle3.train")
 
@@ -47,6 +49,7 @@ class RunInputs:
     d2t: Tensor  # [Vd] int64
     t2d: Tensor  # [V] bool
     dims: DrafterDims
+    dflash: DFlashSetup | None = None  # drafter.family=dflash: the drafter it trains (dims above unused)
 
 
 def read_inputs(cfg: RunConfig, model_dir: Path) -> RunInputs:
@@ -76,7 +79,8 @@ def read_inputs(cfg: RunConfig, model_dir: Path) -> RunInputs:
     if len(t2d) != info.vocab_size:
         raise ValueError(f"vocab map covers {len(t2d)} target ids, the target has {info.vocab_size}")
     dims = drafter_dims(info, model_dir, draft_vocab_size=len(d2t))
-    return RunInputs(layout.root, Path(model_dir), layout.features, layout.tokenized, spec, d2t, t2d, dims)
+    dflash = dflash_setup(cfg, model_dir, spec.aux_layer_ids) if cfg.drafter.family == "dflash" else None
+    return RunInputs(layout.root, Path(model_dir), layout.features, layout.tokenized, spec, d2t, t2d, dims, dflash)
 
 
 def stage_key_for(cfg: RunConfig, inputs: RunInputs) -> str:
@@ -110,12 +114,15 @@ def key_for(cfg: RunConfig) -> str:
 # ---------------------------------------------------------------------------------------- model, optimizer
 
 def build_objective(cfg: RunConfig, inputs: RunInputs, device: torch.device,
-                    options: StepOptions | None = None) -> TTTObjective:
-    """Seeded drafter with the target's frozen embeddings (and lm_head rows if asked), on ``device``.
+                    options: StepOptions | None = None) -> TTTObjective | DFlashObjective:
+    """The family's seeded drafter with the target's frozen embeddings (and lm_head rows if asked) inside its
+    objective, on ``device``: EAGLE-3's TTT unroll, or DFlash's blocks (eagle3.train.dflash).
 
-    The trainer passes the supervision to forward precomputed: it needs each step's supervised-token
-    count of the whole accumulation window (all ranks) before the first backward.
+    The trainer passes the supervision (DFlash: the anchors) to forward precomputed: it needs each step's
+    supervised-token count of the whole accumulation window (all ranks) before the first backward.
     """
+    if inputs.dflash is not None:
+        return build_dflash_objective(cfg, inputs.dflash, inputs.model_dir, device)
     drafter = Eagle3Drafter(inputs.dims)
     init_weights(drafter, std=cfg.drafter.init_std, seed=cfg.run.seed)
     load_target_weights(drafter, inputs.model_dir, inputs.t2d, cfg.drafter.init_lm_head_from_target)

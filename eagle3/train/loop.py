@@ -33,9 +33,11 @@ import torch
 from torch import Tensor, nn
 
 from eagle3.config import RunConfig, TrainConfig
+from eagle3.drafter.dflash_loss import DFlashObjective
 from eagle3.drafter.model import trainable_parameters
 from eagle3.drafter.ttt import StepOptions, TTTBatch, TTTObjective, align_step, align_steps, metrics_from_counts
 from eagle3.run.layout import RunLayout, run_relative
+from eagle3.train import dflash as dflash_step
 from eagle3.train.best import best_stats, note_best
 from eagle3.train.build import (
     DataPlan,
@@ -112,8 +114,13 @@ class Trainer:
 
     @property
     def objective(self) -> TTTObjective:
-        """The unwrapped objective (supervision, buffers)."""
+        """The unwrapped EAGLE-3 objective (supervision, buffers); a DFlash run's is ``dflash``."""
         return cast(TTTObjective, unwrap(self.model))
+
+    @property
+    def dflash(self) -> DFlashObjective | None:
+        """The unwrapped DFlash objective (drafter.family=dflash), else None."""
+        return dflash_step.dflash_of(self.model)
 
     @property
     def train_dir(self) -> Path:
@@ -153,8 +160,12 @@ def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
     optimizer = build_optimizer(cfg, model, lr, info.device)
     layout = RunLayout(inputs.run_dir)
     unigram = broadcast_object(unigram_token(inputs) if info.is_main else None, info)
-    row_flops = drafter_row_flops(inputs.dims, cfg.train.max_tokens_per_batch, cfg.drafter.ttt_steps,
-                                  inputs.spec.supervision == "final_hidden")["total"]
+    if inputs.dflash is not None:
+        row_flops = dflash_step.row_flops(inputs.dflash.dims, cfg.train.max_tokens_per_batch,
+                                          cfg.drafter.dflash.num_blocks)
+    else:
+        row_flops = drafter_row_flops(inputs.dims, cfg.train.max_tokens_per_batch, cfg.drafter.ttt_steps,
+                                      inputs.spec.supervision == "final_hidden")["total"]
     tr = Trainer(cfg, info, inputs, model, optimizer, build_scheduler(cfg, optimizer, total), plan, total,
                  stage_key_for(cfg, inputs), unigram, MetricsWriter(layout.metrics, info.is_main),
                  ProgressWriter(layout.progress, total, info.is_main, cfg.train.progress_every_s),
@@ -275,14 +286,22 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler
 def train_step(tr: Trainer, rows: list[PackedBatch], stop_requested: bool) -> tuple[dict[str, Any], bool]:
     """One optimizer step over this rank's rows (module docstring); returns (metrics, any rank asked to stop)."""
     batches = [prepare_row(tr, row, noise=True) for row in rows]
-    sups, counts = supervise(tr.objective, batches, tr.dist)
-    sums = backward_rows(tr.model, batches, sups, counts, tr.dist)
+    dflash = tr.dflash
+    if dflash is not None:  # blocks of the row instead of TTT steps (eagle3.train.dflash)
+        anchors, counts = dflash_step.supervise(dflash, batches, [row.noise_seed for row in rows], tr.dist)
+        sums = dflash_step.backward_rows(tr.model, batches, anchors, counts, tr.dist)
+    else:
+        sups, counts = supervise(tr.objective, batches, tr.dist)
+        sums = backward_rows(tr.model, batches, sups, counts, tr.dist)
     grad_norm, lr = optimizer_step(tr.model, tr.optimizer, tr.scheduler, tr.cfg.train.grad_clip)
     extra = torch.tensor([sum(r.num_tokens for r in rows), float(stop_requested)], dtype=torch.float64,
                          device=sums.device)
     reduced = all_reduce_sum(torch.cat([sums.flatten(), extra]), tr.dist)
     loss_sum, predicted, correct, full = reduced[:-2].view(4, -1)
-    record = metrics_from_counts(loss_sum, counts, predicted, correct, full, tr.objective.step_decay)
+    if dflash is not None:
+        record = dflash_step.metrics(dflash, loss_sum, counts, correct, full)
+    else:
+        record = metrics_from_counts(loss_sum, counts, predicted, correct, full, tr.objective.step_decay)
     return {**record, "lr": lr, "grad_norm": grad_norm, "num_tokens": int(reduced[-2])}, bool(reduced[-1] > 0)
 
 
@@ -292,11 +311,15 @@ def evaluate(tr: Trainer) -> dict[str, Any] | None:
     rows = tr.plan.val.rows_for(tr.dist.rank, tr.dist.world_size)
     if not tr.plan.val.rows:
         return None
-    steps = tr.objective.ttt_steps
+    dflash = tr.dflash
+    steps = dflash.num_slots if dflash is not None else tr.objective.ttt_steps
     sums = torch.zeros(5 * steps + 1, dtype=torch.float64, device=tr.dist.device)
     loader = row_loader(tr, rows)
     for row in loader:
         batch = prepare_row(tr, row, noise=False)
+        if dflash is not None:
+            sums += _dflash_eval_row(tr, dflash, batch, row)
+            continue
         with autocast(tr.dist):
             sup = tr.objective.supervision(batch)
             out = tr.model(batch, sup)  # through the wrapper: FSDP2 must gather on every rank
@@ -304,10 +327,22 @@ def evaluate(tr: Trainer) -> dict[str, Any] | None:
             sums += _eval_counts(tr, batch, sup.argmax, out)
     all_reduce_sum(sums, tr.dist)
     loss_sum, supervised, predicted, correct, full = sums[:-1].view(5, steps)
-    record = metrics_from_counts(loss_sum, supervised, predicted, correct, full, tr.objective.step_decay)
+    if dflash is not None:
+        record = dflash_step.metrics(dflash, loss_sum, supervised, correct, full)
+    else:
+        record = metrics_from_counts(loss_sum, supervised, predicted, correct, full, tr.objective.step_decay)
     token, share = tr.unigram
     return {**record, "unigram_acc_0": float(sums[-1] / predicted[0].clamp_min(1)), "unigram_token": token,
             "unigram_train_share": share, "num_rows": len(tr.plan.val.rows)}
+
+
+def _dflash_eval_row(tr: Trainer, dflash: DFlashObjective, batch: TTTBatch, row: PackedBatch) -> Tensor:
+    """The DFlash val sums of one row (eagle3.train.dflash.eval_counts; zeros for a repeat that is not counted)."""
+    with autocast(tr.dist):
+        anchors = dflash.anchors(batch, row.noise_seed)
+        out = tr.model(batch, anchors)  # through the wrapper: FSDP2 must gather on every rank
+    counts = dflash_step.eval_counts(dflash, batch, anchors, out, tr.unigram[0])
+    return counts if row.counted else torch.zeros_like(counts)
 
 
 def _eval_counts(tr: Trainer, batch: TTTBatch, argmax: Tensor, out: Any) -> Tensor:
