@@ -22,13 +22,14 @@ Why each config field (SGLang python/sglang/srt/speculative/dflash_utils.py pars
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from eagle3.drafter.dflash import DFlashDims
+from eagle3.drafter.dflash import DFlashDims, DFlashDrafter
 from eagle3.export.checks import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -230,3 +231,35 @@ def export_dflash(weights: dict[str, Tensor], dims: DFlashDims, target_layer_ids
     out = write_folder(Path(out_dir), config, tensors, info, run_config)
     check_dflash_export(out)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+@dataclass
+class LoadedDFlash:
+    """A DFlash drafter read back from its export, ready to draft blocks."""
+
+    drafter: DFlashDrafter  # eval mode, the target's embeddings and lm_head loaded
+    target_layer_ids: list[int]  # ascending output-of-layer ids: the target states it reads, in fc's order
+    config: dict[str, Any]  # the export's config.json
+
+
+def load_dflash_export(export_dir: Path, target_dir: Path, device: str | torch.device = "cpu",
+                       dtype: torch.dtype = torch.float32) -> LoadedDFlash:
+    """Check a DFlash export, then build our drafter from it with the target's embeddings and lm_head (SGLang
+    shares the target's at serving time)."""
+    from safetensors.torch import load_file
+
+    from eagle3.target.load import EMBED_TENSOR, read_tensor
+    from eagle3.target.tensors import load_target_lm_head
+
+    export_dir = Path(export_dir)
+    check_dflash_export(export_dir)
+    config = read_json(export_dir / CONFIG_FILE)
+    dims, ids, _, _ = dflash_dims(config, export_dir / CONFIG_FILE)
+    tensors = {k: v.float() for k, v in load_file(str(export_dir / WEIGHTS_FILE)).items()}
+    tensors["embed_tokens.weight"] = read_tensor(Path(target_dir), EMBED_TENSOR).float()  # [V, H]
+    tensors["lm_head.weight"] = load_target_lm_head(target_dir).float()  # [V, H]
+    drafter = DFlashDrafter(dims)
+    drafter.load_state_dict(tensors, strict=True)  # the check above pinned the names and shapes
+    return LoadedDFlash(drafter.to(device=device, dtype=dtype).eval(), ids, config)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +24,32 @@ from eagle3.export.checks import (
     sglang_aux_ids,
     speculators_aux_ids,
 )
+from eagle3.export.dflash import DFLASH_ARCHITECTURE, check_dflash_export
 from eagle3.export.sglang import check_sglang_export, export_sglang
 from eagle3.export.speculators import SPECULATORS_ARCHITECTURE, check_speculators_export, export_speculators
 from eagle3.run.layout import STAGE_DIRS, manifest_name, resolve_in_run, run_relative
 from eagle3.run.stage import StageOutcome
 from eagle3.target.tensors import drafter_dims
 
+log = logging.getLogger("eagle3.export")
+
 MANIFEST_FILE, TRAIN_MANIFEST = manifest_name("export"), Path(STAGE_DIRS["train"]) / manifest_name("train")
 
 
+DFLASH_SKIPS = {"speculators": "the speculators format has no DFlash drafter (SGLang's DFlashDraftModel layout is "
+                               "written to export/sglang)"}
+"""Formats a DFlash drafter is not written in, and why (recorded in the export manifest)."""
+
+
 def check_export(export_dir: Path) -> str:
-    """Check a folder of either layout (chosen by its architectures); returns the layout's name."""
+    """Check a folder of any layout (chosen by its architectures); returns the layout's name."""
     architectures = read_json(Path(export_dir) / CONFIG_FILE).get("architectures")
     if architectures == [SPECULATORS_ARCHITECTURE]:
         check_speculators_export(export_dir)
         return "speculators"
+    if architectures == [DFLASH_ARCHITECTURE]:
+        check_dflash_export(export_dir)
+        return "dflash"
     check_sglang_export(export_dir)
     return "sglang"
 
@@ -56,6 +68,8 @@ def key_for(cfg: RunConfig) -> str:
 
     fp = fingerprint(prepare_target(cfg))
     conf = section_dict(cfg, "export") | {"train.select": cfg.train.select}  # what to ship: not in train's key
+    if cfg.drafter.family != "eagle3":  # another layout is written (eagle3 runs keep their keys)
+        conf["drafter.family"] = cfg.drafter.family
     return stage_key("export", conf, [cfg.run_dir / TRAIN_MANIFEST, manifest_path(cfg, "vocab")], {"target": fp})
 
 
@@ -84,6 +98,8 @@ def write_cards(cfg: RunConfig, results: dict[str, Any] | None = None, model_dir
     from eagle3.export.model_card import CardInputs, write_card
     from eagle3.target.load import prepare_target
 
+    if cfg.drafter.family == "dflash":  # the card describes an EAGLE-3 drafter and its serving commands
+        return []
     model_dir, train = model_dir or prepare_target(cfg), _train_stats(cfg)
     folders = {f: export_dir(cfg) / f for f in cfg.export.formats if (export_dir(cfg) / f / INFO_FILE).is_file()}
     return [write_card(CardInputs(cfg, folder, fmt, folders.get("sglang"), model_dir, read_json(folder / INFO_FILE),
@@ -126,6 +142,8 @@ def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
     outputs: dict[str, Path] = {}
     stats: dict[str, Any] = {"checkpoint": str(ckpt.relative_to(cfg.run_dir)), "selection": selection.to_json(),
                              "dtype": cfg.export.dtype, "formats": {}}
+    if cfg.drafter.family == "dflash":
+        return _export_dflash(cfg, model_dir, weights, dtype, common, stats)
     for fmt in dict.fromkeys(cfg.export.formats):
         out = export_dir(cfg) / fmt
         if fmt == "sglang":
@@ -141,6 +159,30 @@ def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
     stats["aux_layer_ids_output_of_layer"] = aux
     write_cards(cfg, model_dir=model_dir)  # no measured table: the evaluate stage adds it (not hashed: module doc)
     return outputs, stats
+
+
+def _export_dflash(cfg: RunConfig, model_dir: Path, weights: dict[str, Tensor], dtype: Any, common: dict[str, Any],
+                   stats: dict[str, Any]) -> tuple[dict[str, Path], dict[str, Any]]:
+    """drafter.family=dflash: SGLang's DFlashDraftModel layout in export/sglang (eagle3.export.dflash, checked there:
+    names, shapes, dtypes, finite values); the formats without a DFlash layout are recorded as skipped."""
+    from eagle3.export.dflash import export_dflash
+    from eagle3.features.spec import FeatureSpec
+    from eagle3.train.dflash import dflash_setup
+
+    formats = list(dict.fromkeys(cfg.export.formats))
+    if "sglang" not in formats:
+        raise ValueError(f"export.formats {formats} holds no layout of a DFlash drafter: add sglang")
+    setup = dflash_setup(cfg, model_dir, FeatureSpec.load(cfg.run_dir / "features" / "spec.json").aux_layer_ids)
+    out = export_dir(cfg) / "sglang"
+    export_dflash(weights, setup.dims, setup.target_layer_ids, setup.num_target_layers, out, dtype, **common)
+    stats["formats"]["sglang"] = {"dir": run_relative(cfg.run_dir, out), "aux_layer_ids": setup.target_layer_ids,
+                                  "warnings": []}
+    for fmt in formats:
+        if fmt != "sglang":
+            log.warning("export: %s not written: %s", fmt, DFLASH_SKIPS[fmt])
+            stats["formats"][fmt] = {"skipped": DFLASH_SKIPS[fmt]}
+    stats["aux_layer_ids_output_of_layer"] = setup.target_layer_ids
+    return {"sglang_config": out / CONFIG_FILE, "sglang_weights": out / WEIGHTS_FILE}, stats
 
 
 def run_export(cfg: RunConfig, force: bool = False) -> StageOutcome:
@@ -171,7 +213,10 @@ def _show_export(outcome: StageOutcome) -> None:
     """What the export wrote, each folder checked again (files may have changed since)."""
     print(f"export {'written' if outcome.computed else 'up to date'} (checkpoint {outcome.stats['checkpoint']})")
     run_dir = Path(outcome.manifest).parent.parent  # <run>/export/export.manifest.json
-    for entry in outcome.stats["formats"].values():
+    for fmt, entry in outcome.stats["formats"].items():
+        if "skipped" in entry:
+            print(f"  {fmt:<12} skipped: {entry['skipped']}")
+            continue
         folder = resolve_in_run(run_dir, entry["dir"])  # relative; absolute in manifests of older runs
         print(f"  {check_export(folder):<12} {folder}  aux ids {entry['aux_layer_ids']}  "
               f"check passed" + "".join(f"\n  warning: {w}" for w in entry["warnings"]))
