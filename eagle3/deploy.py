@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from eagle3.config import RunConfig
+from eagle3.config import ConfigError, RunConfig
 from eagle3.deploy_checks import (
     AcceptCheck,
     SameTextCheck,
@@ -320,7 +320,7 @@ def write_report(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun | S
 def run_deploy(cfg: RunConfig, show_bar: bool | None = None) -> DeployReport:
     """The whole stage without an orchestrator: prepare, baseline server, each EAGLE-3 server, report."""
     if not cfg.serve.enabled:
-        raise ValueError(f"{NOT_ENABLED}; set serve.enabled=true on a GPU host with SGLang")
+        raise ConfigError(f"{NOT_ENABLED}; set serve.enabled=true on a GPU host with SGLang")
     plan = prepare_serving(cfg)
     with _progress_bar(cfg, "baseline", show_bar) as bar:
         baseline = benchmark_server(cfg, "baseline", plan, progress=_advance(bar))

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from eagle3.config import RunConfig, section_dict
+from eagle3.config import ConfigError, RunConfig, section_dict
 from eagle3.evaluate.pool import evaluate_prompts, journaled_records
 from eagle3.evaluate.prompts import EvalPrompt
 from eagle3.evaluate.records import EvalSettings, PartialInfo, PromptRecord, SummaryRow
@@ -99,7 +99,7 @@ def resolve_device(device: str) -> str:
     from eagle3.features.hf_backend import resolve_device as resolve_auto
 
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("evaluate.device is cuda but no CUDA device is visible")
+        raise ConfigError("evaluate.device is cuda but no CUDA device is visible")
     return resolve_auto(device)
 
 

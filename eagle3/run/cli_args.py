@@ -1,7 +1,8 @@
 """Shared command-line handling for `python -m eagle3.<stage>` entry points and the `eagle3` CLI.
 
 Every stage's ``main()`` is ``stage_main``: parse, build the config, hold the run lock, save config.json, run,
-print the result (as JSON when it has ``to_json``); a user error is one line on stderr and exit status 2.
+print the result (as JSON when it has ``to_json``); a user error (``is_user_error``) is one line on stderr and exit
+status 2, any other exception keeps its traceback.
 """
 
 from __future__ import annotations
@@ -106,25 +107,47 @@ class RunDirError(RuntimeError):
     """A user-fixable OS error while a stage wrote its run directory (the message names the path)."""
 
 
-def exit_on_user_error(fn):
-    """Decorator for main(): user errors (bad config, bad input, a full disk, a folder it may not write, too long
-    a name) print one clear message, no traceback."""
+PROJECT_PACKAGES = frozenset({"eagle3", "infra", "flows", "tasks", "deployments"})
+"""The packages whose ValueError subclasses are user errors (is_user_error)."""
+
+_MISSING_PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the user's to fix, so that one line says it all (else it is a bug or an unexpected failure
+    of a library, and its traceback is what a user must be able to report):
+
+    * a ValueError subclass the project defines (ConfigError, SourceError, ExportError, MissingInputError, ...:
+      bad input, each naming the record and the reason), or the project's RunDirError, DiskSpaceError and
+      LockHeldError;
+    * a missing or misplaced path the project reports itself (``raise FileNotFoundError("... run export first")``:
+      no errno, which the OS always sets);
+    * an OS error, here or among its causes, that a user fixes (full disk, read-only or foreign folder, too long a
+      name: _OS_ERROR_HINTS).
+
+    A plain ValueError, a KeyError or an OS error the OS raised for any other reason is none of these."""
     from infra.storage import DiskSpaceError, LockHeldError
 
-    user_errors = (ConfigError, FileNotFoundError, IsADirectoryError, DiskSpaceError, LockHeldError, ValueError,
-                   RunDirError)
+    if isinstance(exc, (RunDirError, DiskSpaceError, LockHeldError)):
+        return True
+    if isinstance(exc, ValueError) and type(exc).__module__.split(".")[0] in PROJECT_PACKAGES:
+        return True
+    if isinstance(exc, _MISSING_PATH_ERRORS) and exc.errno is None:
+        return True
+    return _os_error_in(exc) is not None
+
+
+def exit_on_user_error(fn):
+    """Decorator for main(): a user error (is_user_error) prints one line, ``error: <message>``, and exits 2; any
+    other exception propagates with its traceback (Python exits 1)."""
 
     def wrapper(*a, **kw):
         try:
             return fn(*a, **kw)
-        except user_errors as exc:
-            print(f"error: {os_error_message(exc) or exc}", file=sys.stderr)
-            raise SystemExit(2) from None
         except Exception as exc:
-            message = os_error_message(exc)
-            if message is None:
+            if not is_user_error(exc):
                 raise
-            print(f"error: {message}", file=sys.stderr)
+            print(f"error: {os_error_message(exc) or exc}", file=sys.stderr)
             raise SystemExit(2) from None
 
     wrapper.__doc__, wrapper.__name__ = fn.__doc__, fn.__name__

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3.config import RunConfig, SourceConfig, section_dict
+from eagle3.config import ConfigError, RunConfig, SourceConfig, section_dict
 from eagle3.run.layout import run_layout, write_run_config  # noqa: F401 (write_run_config: the name callers know)
 from eagle3.run.progress import ProgressFn
 from eagle3.run.registry import DATA_STAGES, get_stage
@@ -110,7 +110,7 @@ def run_merge(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = 
     from eagle3.data.merge import merge_sources
 
     if not cfg.data.sources:
-        raise ValueError("data.sources is empty: nothing to merge (add a source in the preset or with --set)")
+        raise ConfigError("data.sources is empty: nothing to merge (add a source in the preset or with --set)")
     return run_stage("merge", manifest_path(cfg, "merge"), key_for(cfg, "merge"), force=force,
                      compute=lambda: merge_sources(cfg.data.sources, cfg.data, cfg.run.seed, data_dir(cfg), progress))
 
