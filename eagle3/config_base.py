@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-PRESETS_DIR = REPO_ROOT / "configs"
+PRESETS_DIR = (Path(__file__).parent / "presets").resolve()
+"""configs/ of the checkout (eagle3/presets links to it), or the copy a non-editable install ships in the package."""
 MAX_NAME_BYTES = 100
 """Longest name (UTF-8 bytes) that becomes one path component (file systems allow 255 bytes; suffixes are added)."""
 MAX_PATH_COMPONENT_BYTES = 255
