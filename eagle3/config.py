@@ -30,6 +30,7 @@ from eagle3.config_base import (
     _folder_path,
     key_fields,
 )
+from eagle3.config_refresh import RefreshConfig
 from eagle3.config_stages import CaptureConfig, DrafterConfig, EvaluateConfig, ExportConfig, ServeConfig, TrainConfig
 
 CharsOf = Literal["all", "prompts"]
@@ -274,6 +275,8 @@ class RunConfig(Section):
     """Offline acceptance evaluation."""
     serve: ServeConfig = ServeConfig()
     """SGLang serving."""
+    refresh: RefreshConfig = Added(RefreshConfig())
+    """Scheduled refresh: new prompts, a warm-started candidate, the promotion gate (eagle3.refresh)."""
 
     @property
     def run_dir(self) -> Path:
