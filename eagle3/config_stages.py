@@ -243,7 +243,7 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(64, ge=1)
     """Tokens generated per prompt by every method (fewer when the target emits a stop token)."""
     methods: list[Literal["chain", "tree", "ngram"]] = ["chain", "ngram"]
-    """Drafting methods, each checked against one shared plain-greedy reference per prompt."""
+    """Drafting methods, each checked against one shared plain-greedy reference per prompt (a DFlash drafter: chain/tree = its block)."""
     chain_steps: list[int] = [3]
     """Chain lengths to measure (topk 1; steps + 1 tokens verified per step)."""
     tree_steps: int = Field(5, ge=1)

@@ -20,12 +20,17 @@ WARMUP_TOKENS = 8
 
 # ------------------------------------------------------------------------------------------------- methods
 
-def method_specs(ecfg: EvaluateConfig) -> list[MethodSpec]:
-    """The methods the config asks for, in a fixed order: chains (by steps), tree, n-gram."""
+def method_specs(ecfg: EvaluateConfig, dflash_block: int | None = None) -> list[MethodSpec]:
+    """The methods the config asks for, in a fixed order: chains (by steps), tree, n-gram. With a DFlash drafter
+    (``dflash_block``: its block size K) chain and tree are its one way of drafting: a block of K-1 drafts, K tokens
+    verified (SGLang's DFlash runs steps 1, topk 1, K draft tokens), named dflash-{K-1}-1-{K}."""
     specs = []
-    if "chain" in ecfg.methods:
+    if dflash_block is not None and {"chain", "tree"} & set(ecfg.methods):
+        k = dflash_block
+        specs.append(MethodSpec(f"dflash-{k - 1}-1-{k}", "dflash", k - 1, 1, k))
+    if dflash_block is None and "chain" in ecfg.methods:
         specs += [MethodSpec(f"chain-{s}-1-{s + 1}", "chain", s, 1, s + 1) for s in sorted(set(ecfg.chain_steps))]
-    if "tree" in ecfg.methods:
+    if dflash_block is None and "tree" in ecfg.methods:
         s, k, n = ecfg.tree_steps, ecfg.tree_topk, ecfg.tree_num_draft_tokens
         specs.append(MethodSpec(f"tree-{s}-{k}-{n}", "tree", s, k, n))
     if "ngram" in ecfg.methods:
@@ -42,6 +47,10 @@ def make_proposer(spec: MethodSpec, ecfg: EvaluateConfig, drafter: Any = None, d
         return NgramProposer(ecfg.ngram_max, ecfg.ngram_min, ecfg.ngram_num_tokens)
     if drafter is None:
         raise ValueError(f"method {spec.name} needs a drafter")
+    if spec.kind == "dflash":
+        from eagle3.evaluate.dflash_decode import DFlashProposer
+
+        return DFlashProposer(drafter)
     return EagleProposer(drafter, d2t, spec.steps, spec.topk, spec.num_draft_tokens, runner=runner)
 
 
@@ -66,7 +75,7 @@ class EvalSession:
 
     target: Any  # TargetRunner
     proposers: dict[str, Any]
-    drafter: Any  # DrafterRunner of its own, for the teacher-forced cross-check
+    drafter: Any  # DrafterRunner of its own, for the teacher-forced cross-check (None for a DFlash drafter)
     ecfg: EvaluateConfig
     stop_ids: list[int]
 
@@ -82,6 +91,8 @@ def open_session(job: EvalJob) -> EvalSession:
     from eagle3.target.load import load_model
 
     ecfg = EvaluateConfig.model_validate(job.evaluate).resolved(job.device)
+    if dflash_block_size(Path(job.export_dir)) is not None:
+        return _open_dflash_session(job, ecfg)
     loaded = load_sglang_export(Path(job.export_dir), Path(job.model_dir), job.device, getattr(torch, ecfg.dtype))
     model = load_model(Path(job.model_dir), ecfg.dtype, job.device)
     static, settings = resolve_decode(ecfg.static_cache, ecfg.compile, job.device)
@@ -92,6 +103,45 @@ def open_session(job: EvalJob) -> EvalSession:
                                   job.cache_len, ecfg.decode_rows, ecfg.decode_keys == "gathered")
     proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, loaded.d2t, runner) for s in method_specs(ecfg)}
     return EvalSession(target, proposers, runner, ecfg, list(job.stop_ids))
+
+
+def dflash_block_size(export_dir: Path) -> int | None:
+    """The block size of a DFlash export (SGLang's DFlashDraftModel layout), None for an EAGLE-3 one."""
+    from eagle3.export.checks import CONFIG_FILE, read_json
+    from eagle3.export.dflash import DFLASH_ARCHITECTURE, dflash_dims
+
+    path = Path(export_dir) / CONFIG_FILE
+    config = read_json(path)
+    if config.get("architectures") != [DFLASH_ARCHITECTURE]:
+        return None
+    return dflash_dims(config, path)[0].block_size  # its fields checked (ExportError naming the file)
+
+
+def _open_dflash_session(job: EvalJob, ecfg: EvaluateConfig) -> EvalSession:
+    """A DFlash export: the target runner reads the drafter's target layers, one DFlash proposer per method (no
+    EAGLE-3 drafter runner, so no teacher-forced cross-check)."""
+    import torch
+
+    from eagle3.evaluate.decode_cache import make_runners
+    from eagle3.evaluate.fused_projections import fuse_projections
+    from eagle3.evaluate.graphs import resolve_decode
+    from eagle3.export.dflash import load_dflash_export
+    from eagle3.target.load import load_model
+
+    loaded = load_dflash_export(Path(job.export_dir), Path(job.model_dir), job.device, getattr(torch, ecfg.dtype))
+    block, rows = loaded.drafter.dims.block_size, ecfg.decode_rows
+    static, settings = resolve_decode(ecfg.static_cache, ecfg.compile, job.device)
+    if static and isinstance(rows, int) and block > rows:
+        raise ValueError(f"evaluate.decode_rows {rows} is narrower than the DFlash block ({block} tokens verified "
+                         f"per round): set evaluate.decode_rows to at least {block}")
+    model = load_model(Path(job.model_dir), ecfg.dtype, job.device)
+    if static and ecfg.fuse_projections:
+        fuse_projections(model)
+    assert not isinstance(rows, str), "resolved() decides decode_rows"
+    target, _ = make_runners(model, loaded.target_layer_ids, None, None, static, settings, job.cache_len, rows,
+                             ecfg.decode_keys == "gathered")
+    proposers = {s.name: make_proposer(s, ecfg, loaded.drafter) for s in method_specs(ecfg, block)}
+    return EvalSession(target, proposers, None, ecfg, list(job.stop_ids))
 
 
 def ready_session(job: EvalJob, warmup_ids: list[int]) -> EvalSession:
@@ -137,9 +187,12 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
 
     ecfg = session.ecfg
     ref = greedy_decode(session.target, ids, ecfg.max_new_tokens, session.stop_ids)
-    start = time.perf_counter()
-    drafts = teacher_forced_drafts(session.target, session.drafter, ids, ref.tokens)  # host lists: synchronised
-    cross_check_s = time.perf_counter() - start
+    teacher_forced = None
+    if session.drafter is not None:  # an EAGLE-3 drafter: its first draft at every greedy position
+        start = time.perf_counter()
+        drafts = teacher_forced_drafts(session.target, session.drafter, ids, ref.tokens)  # host lists: synchronised
+        teacher_forced = TeacherForced(len(drafts), draft_hits(drafts, ref.tokens),
+                                       round(time.perf_counter() - start, 4))
     methods = {}
     for name, proposer in session.proposers.items():
         out = speculative_decode(session.target, proposer, ids, ecfg.max_new_tokens, session.stop_ids)
@@ -148,8 +201,7 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
                                   [s.accepted for s in out.steps], [s.committed for s in out.steps],
                                   out.tokens if check.kind != "identical" else None)
     return PromptRecord(index, prompt.dataset, prompt.id, len(ids),
-                        GreedyReference(len(ref.tokens), ref.wall_s, ref.tokens),
-                        TeacherForced(len(drafts), draft_hits(drafts, ref.tokens), round(cross_check_s, 4)), methods,
+                        GreedyReference(len(ref.tokens), ref.wall_s, ref.tokens), teacher_forced, methods,
                         decode_fallbacks(session))
 
 
@@ -162,4 +214,5 @@ def decode_fallbacks(session: EvalSession) -> dict[str, str]:
 
 def compiled_steps(session: EvalSession) -> list[Any]:
     """The session's CompiledStep functions: the target runner's, then the drafter runner's."""
-    return [*session.target.compiled_steps(), *session.drafter.compiled_steps()]
+    drafter = session.drafter.compiled_steps() if session.drafter is not None else []
+    return [*session.target.compiled_steps(), *drafter]

@@ -42,7 +42,7 @@ from eagle3.evaluate.pool import evaluate_prompts, journaled_records
 from eagle3.evaluate.prompts import EvalPrompt
 from eagle3.evaluate.records import EvalSettings, PartialInfo, PromptRecord, SummaryRow
 from eagle3.evaluate.report import summarize_all, write_outputs
-from eagle3.evaluate.session import EvalJob, method_specs
+from eagle3.evaluate.session import EvalJob, dflash_block_size, method_specs
 from eagle3.run.journal import Journal
 from eagle3.run.layout import run_layout, run_relative
 from eagle3.run.progress import ProgressFn
@@ -117,11 +117,12 @@ def _settings(cfg: RunConfig, model_dir: Path, export_dir: Path, device: str,
     return EvalSettings(
         evaluate=e.model_dump(mode="json"), target=cfg.target.name, target_dir=str(model_dir),
         target_fingerprint=fingerprint(model_dir), export_dir=run_relative(cfg.run_dir, export_dir),  # relocatable
-        aux_layer_ids=export_cfg.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"),
+        aux_layer_ids=export_cfg.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+        or export_cfg.get("dflash_config", {}).get("target_layer_ids"),
         device=device, gpu=torch.cuda.get_device_name() if device == "cuda" else None,
         dtype=e.dtype, max_new_tokens=e.max_new_tokens, num_prompts=counts, stop_ids=stop_ids,
         ngram=f"n-gram {e.ngram_max} down to {e.ngram_min}, up to {e.ngram_num_tokens} tokens, whole context",
-        methods=method_specs(e), num_workers=e.num_workers,
+        methods=method_specs(e, dflash_block_size(export_dir)), num_workers=e.num_workers,
         torch=torch.__version__, transformers=transformers.__version__)
 
 
@@ -156,7 +157,7 @@ def journal_of(cfg: RunConfig) -> Journal:
 def _report(cfg: RunConfig, model_dir: Path, export_dir: Path, plan: _Plan, records: list[PromptRecord],
             out_dir: Path, partial: PartialInfo | None = None) -> tuple[dict[str, Path], list[SummaryRow]]:
     """Summarize the records and write results, report, plot and prompts into ``out_dir``; (outputs, rows)."""
-    rows = summarize_all(records, [s.name for s in method_specs(cfg.evaluate)])
+    rows = summarize_all(records, [s.name for s in method_specs(cfg.evaluate, dflash_block_size(export_dir))])
     settings = _settings(cfg, model_dir, export_dir, plan.job.device, plan.items, plan.job.stop_ids)
     if partial:
         settings = replace(settings, partial=partial)
