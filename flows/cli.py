@@ -31,7 +31,7 @@ from eagle3.run.registry import DATA_STAGES, STAGES, UNTIL_CHOICES
 from flows import local_server
 from flows.follow import deployment_pools, follow, trigger
 from flows.local_worker import LocalWorker, start_worker, stop_worker, worker_pid
-from flows.report import print_summary, results_from_disk
+from flows.report import print_stage_seconds, print_summary, results_from_disk
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK_POOLS = ("cpu", "gpu")
@@ -147,6 +147,7 @@ def run_here(cfg: RunConfig, force: bool, until: str, progress: bool = True) -> 
         return 1
     result = state.result()
     print_summary(results_from_disk(cfg) | {k: v for k, v in result.items() if k in DATA_STAGES}, time.time() - t0)
+    print_stage_seconds(cfg, str(state.state_details.flow_run_id))
     return 0
 
 
@@ -167,6 +168,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     completed = final.state.type.value == "COMPLETED"
     print_summary(results_from_disk(cfg), time.monotonic() - t0,
                   outcome="finished" if completed else f"did not complete ({final.state.name}; why: above)")
+    print_stage_seconds(cfg, str(run_id))
     print(f"\nflow run {final.name}: {final.state.name}\nPrefect UI: {server.ui_url}/runs/flow-run/{run_id}"
           f"\nrun directory: {cfg.run_dir.resolve()}\nworker log: {worker.log_file}"
           "\n(the server and the workers keep running; `eagle3 server stop` stops them all)")

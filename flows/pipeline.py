@@ -10,6 +10,7 @@ re-run after a crash, a schedule or a UI "Retry" recomputes only what is missing
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from datetime import datetime, timezone
@@ -25,7 +26,7 @@ from eagle3.run.history import AcceptanceRecord, acceptance_record, append_accep
 from eagle3.run.layout import run_layout
 from eagle3.run.registry import ONLINE_SKIP, UNTIL_CHOICES
 from eagle3.run.stages import synthetic_sources
-from eagle3.run.summary import StageRun, headline, render_early_failure
+from eagle3.run.summary import StageRun, headline, render_early_failure, write_stage_runs
 from eagle3.run.summary import render_summary as summary_markdown
 from flows.common import NeedsGpuError, PresetName, as_json, guard_crash_loop, preset_gpu_note
 from flows.report import render_run_report
@@ -183,14 +184,24 @@ def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | 
         failure = (failed_stage(cfg, until, results), f"{type(exc).__name__}: {exc}")
         create_markdown_artifact(markdown=render_summary(cfg, results, clock.runs, failure),
                                  key=artifact_key(cfg, "run-summary"), description="pipeline summary (failed)")
+        save_stage_runs(cfg, clock.runs)
         raise
     create_markdown_artifact(markdown=render_summary(cfg, results, clock.runs), key=artifact_key(cfg, "run-summary"),
                              description="pipeline summary: per stage its state, seconds, outputs and run")
+    save_stage_runs(cfg, clock.runs)
     create_markdown_artifact(markdown=render_run_report(cfg), key=artifact_key(cfg, "run-report"),
                              description="run report: data, capture, training curves, measured acceptance")
     if record is not None:
         publish_acceptance_trend(cfg)
     return {"run_dir": str(cfg.run_dir.resolve()), **{k: as_json(v) for k, v in results.items() if k != "target"}}
+
+
+def save_stage_runs(cfg: RunConfig, runs: list[StageRun]) -> None:
+    """<run>/summary.json: the stage rows for the client that follows this run from another process (`eagle3 demo`
+    prints each stage's seconds at the end). Best effort: a run dir that cannot be written must not hide the
+    failure being reported."""
+    with contextlib.suppress(OSError):
+        write_stage_runs(run_layout(cfg).summary, str(flow_run.id), runs)
 
 
 def start_or_explain(preset: str, overrides: list[str], config: RunConfig | None) -> RunConfig:

@@ -69,6 +69,17 @@ def print_summary(result: dict[str, Any], wall_s: float | None = None, outcome: 
         _print_eval(result["evaluate"])
 
 
+def print_stage_seconds(cfg: RunConfig, flow_run_id: str) -> None:
+    """The seconds each stage of flow run ``flow_run_id`` took (the run summary's rows, which the pipeline saved in
+    the run directory); nothing when that run saved none."""
+    from eagle3.run.summary import duration_lines, read_stage_runs
+
+    runs = read_stage_runs(run_layout(cfg).summary, flow_run_id)
+    if runs:
+        print("\n== seconds per stage ==")
+        print("\n".join(duration_lines(runs)), flush=True)
+
+
 def _print_train(train: dict[str, Any]) -> None:
     """Train and validation accuracy per TTT step, and the acceptance-length estimate."""
     print("\n[train]")

@@ -2,6 +2,7 @@
 
     <workdir>/<run.name>/
         config.json                     the resolved config (written by every entry point that runs a stage)
+        summary.json                    the latest pipeline run's stages: state and seconds (eagle3.run.summary)
         data/       merged.parquet, regenerated.parquet, tokenized.parquet, <stage>.manifest.json of
                     synthesize, merge, regenerate and tokenize
         vocab/      the draft vocab map, vocab.manifest.json
@@ -112,6 +113,11 @@ class RunLayout:
     def deploy(self) -> Path:
         """<run>/deploy: the SGLang benchmark's results.json, report.md and server logs."""
         return self.root / "deploy"
+
+    @property
+    def summary(self) -> Path:
+        """summary.json: the latest pipeline run's StageRun rows, read back by the command that followed it."""
+        return self.root / "summary.json"
 
     @property
     def logs(self) -> Path:

@@ -144,6 +144,38 @@ def render_summary(run_name: str, run_dir: Path, runs: Sequence[StageRun], targe
     return "\n".join(lines) + "\n"
 
 
+def write_stage_runs(path: Path, flow_run_id: str, runs: Sequence[StageRun]) -> None:
+    """Save the rows of flow run ``flow_run_id`` (atomically) for the command that follows the run from another
+    process (the demo's client): it prints them at the end."""
+    from infra.storage import atomic_write_json
+
+    atomic_write_json(path, {"flow_run_id": flow_run_id, "stages": [r.to_json() for r in runs]})
+
+
+def read_stage_runs(path: Path, flow_run_id: str) -> list[StageRun] | None:
+    """The rows ``write_stage_runs`` saved for flow run ``flow_run_id``; None when the file is missing, unreadable
+    or another run's (a run that crashed before writing must not show an earlier run's seconds)."""
+    import json
+
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("flow_run_id") != flow_run_id:
+        return None
+    return [StageRun.from_json(row) for row in doc.get("stages", [])]
+
+
+def duration_lines(runs: Sequence[StageRun]) -> list[str]:
+    """Plain-text lines of the seconds each stage took (the summary table's stage, state and seconds columns), and
+    their total: what a terminal shows at the end of a run."""
+    rows = summary_rows(runs)
+    width = max([len(r["stage"]) for r in rows] + [5])
+    lines = [f"  {r['stage']:<{width}}  {r['state']:<20} {r['seconds'] or '-':>9}" for r in rows]
+    total = sum(r.duration_s or 0.0 for r in runs)
+    return lines + [f"  {'total':<{width}}  {'':<20} {total:>9.2f}"]
+
+
 def _fmt(value: Any) -> str:
     """A figure to 3 decimals (floats), as given otherwise (None: "-")."""
     return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
