@@ -35,6 +35,10 @@ def torchrun_spec(cfg: RunConfig, config_path: Path, num_gpus: int, node_rank: i
 
     nproc = cfg.train.nproc_per_node or max(1, num_gpus)
     rank = cfg.train.node_rank if node_rank is None else node_rank
+    # Without a GPU, one intra-op thread. Measured on the 2-core machine with other processes busy on it (load
+    # average 4-7, as beside the demo's Prefect server and worker): the first 10 steps of smollm2-demo's training
+    # (`OMP_NUM_THREADS=N python -m eagle3.train --config <run>/config.json --stop-after-steps 10`) took 134 s at
+    # 1 thread and 227 s at 2. A second thread competes for cores that are already in use instead of adding speed.
     return TorchrunSpec(module="eagle3.train", args=("--config", str(config_path.resolve())), nproc_per_node=nproc,
                         nnodes=cfg.train.nnodes, node_rank=rank, rdzv_endpoint=cfg.train.rdzv_endpoint,
                         rdzv_id=f"eagle3-{cfg.run.name}", env={"OMP_NUM_THREADS": "1"} if num_gpus == 0 else {})
