@@ -28,6 +28,7 @@ from eagle3.drafter.dflash_loss import DFlashObjective
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights
 from eagle3.drafter.ttt import StepOptions, TTTObjective
 from eagle3.features.spec import FeatureSpec
+from eagle3.refresh import warm_start
 from eagle3.run.layout import manifest_name, run_layout
 from eagle3.target.tensors import drafter_dims, load_target_lm_head, load_target_weights
 from eagle3.train.data import EpochPlan, plan_epoch, read_split
@@ -95,7 +96,7 @@ def stage_key_for(cfg: RunConfig, inputs: RunInputs) -> str:
     layout = run_layout(cfg)
     # key_fields: the family and the DFlash section are hashed once set (eagle3 runs keep their keys)
     conf = {"drafter": key_fields(cfg.drafter), "seed": cfg.run.seed, **section_dict(cfg, "train")}
-    extra = {"target": inputs.spec.target_fingerprint}
+    extra = {"target": inputs.spec.target_fingerprint, **warm_start.key_extra(cfg)}  # {} without refresh.init_from
     if cfg.train.features == "online":
         manifests = [layout.manifest("tokenize"), layout.manifest("vocab")]
         extra |= {"spec": spec_hash(inputs.spec), "target_dtype": cfg.target.dtype}
@@ -126,6 +127,9 @@ def build_objective(cfg: RunConfig, inputs: RunInputs, device: torch.device,
     drafter = Eagle3Drafter(inputs.dims)
     init_weights(drafter, std=cfg.drafter.init_std, seed=cfg.run.seed)
     load_target_weights(drafter, inputs.model_dir, inputs.t2d, cfg.drafter.init_lm_head_from_target)
+    init_from = warm_start.init_dir(cfg)
+    if init_from is not None:  # a refresh fine-tunes the promoted drafter (eagle3.refresh.warm_start)
+        warm_start.load_init(drafter, init_from, inputs.t2d)
     lm_head = load_target_lm_head(inputs.model_dir) if inputs.spec.supervision == "final_hidden" else None
     if lm_head is not None and device.type == "cuda":
         lm_head = lm_head.to(torch.bfloat16)  # frozen and only read under autocast: bf16 halves its memory
