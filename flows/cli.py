@@ -224,6 +224,24 @@ def cmd_target(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_promote(args: argparse.Namespace) -> int:
+    """Promote the run's export, roll back, or show the current drafter (eagle3.refresh.promote)."""
+    flags = ["--rollback"] * args.rollback + ["--status"] * args.status
+    entry_point("eagle3.refresh.promote")(_config_argv(args) + flags)
+    return 0
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    """One refresh of the run without Prefect (python -m eagle3.refresh)."""
+    entry_point("eagle3.refresh")(_config_argv(args))
+    return 0
+
+
+def _config_argv(args: argparse.Namespace) -> list[str]:
+    return (["--config", str(args.config)] if args.config else ["--preset", args.preset]) + [
+        f"--set={o}" for o in args.overrides]
+
+
 def cmd_stage(args: argparse.Namespace) -> int:
     """One core stage without Prefect."""
     argv = [args.stage] + (["--config", str(args.config)] if args.config else ["--preset", args.preset])
@@ -245,6 +263,8 @@ examples:
   eagle3 stage tokenize --preset tiny          one data stage without Prefect (= python -m eagle3.run.stages)
   eagle3 export --config runs/smollm2-demo/config.json      SGLang + speculators export of a trained run
   eagle3 eval --config runs/smollm2-demo/config.json        measured acceptance length (speculative decoding)
+  eagle3 refresh --preset tiny --set refresh.prompts=new/   one refresh: new prompts, candidate, gate, promotion
+  eagle3 promote --preset tiny --rollback      point the run's `current` drafter back at the one it replaced
   eagle3 doctor                                what the demo preset needs and is missing, with the fixes
   eagle3 presets                               list the presets in configs/
 """
@@ -299,12 +319,24 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--force", action="store_true")
     stage.set_defaults(func=cmd_stage, entry="eagle3.run.stages")
     _add_core_commands(sub)
+    _add_refresh_commands(sub)
     doctor = sub.add_parser("doctor", help="versions, optional pieces, Prefect API, disk, presets; exit 1 if the "
                                            "chosen preset lacks something")
     doctor.add_argument("--preset", default="smollm2-demo", help="preset to check for (default smollm2-demo)")
     doctor.set_defaults(func=cmd_doctor)
     sub.add_parser("presets", help="list presets").set_defaults(func=lambda a: print("\n".join(list_presets())) or 0)
     return parser
+
+
+def _add_refresh_commands(sub) -> None:
+    """refresh (one round without Prefect) and promote (which drafter of the run is current: docs/refresh.md)."""
+    refresh = add_config_args(sub.add_parser("refresh", help="new prompts, warm-started candidate, gate, promotion"))
+    refresh.set_defaults(func=cmd_refresh)
+    promote = add_config_args(sub.add_parser("promote", help="promote the run's export; --rollback; --status"))
+    action = promote.add_mutually_exclusive_group()
+    action.add_argument("--rollback", action="store_true", help="return to the drafter the current one replaced")
+    action.add_argument("--status", action="store_true", help="show the current drafter and the events only")
+    promote.set_defaults(func=cmd_promote)
 
 
 def _add_core_commands(sub) -> None:
