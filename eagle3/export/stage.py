@@ -133,7 +133,6 @@ def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
 
     model_dir = prepare_target(cfg)
     dims, aux, d2t, t2d = _drafter_inputs(cfg, model_dir)
-    embed = {"embed_tokens.weight": read_tensor(model_dir, EMBED_TENSOR)}  # [V, H], for the speculators layout
     ckpt, selection = _checkpoint_dir(cfg)
     weights, dtype = load_file(str(ckpt / WEIGHTS_FILE)), FLOAT_DTYPES[cfg.export.dtype]
     # Paths inside the run are recorded relative to the run dir, so a moved or copied run stays valid.
@@ -144,6 +143,7 @@ def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
                              "dtype": cfg.export.dtype, "formats": {}}
     if cfg.drafter.family == "dflash":
         return _export_dflash(cfg, model_dir, weights, dtype, common, stats)
+    embed = {"embed_tokens.weight": read_tensor(model_dir, EMBED_TENSOR)}  # [V, H], for the speculators layout
     for fmt in dict.fromkeys(cfg.export.formats):
         out = export_dir(cfg) / fmt
         if fmt == "sglang":

@@ -153,7 +153,8 @@ def metrics(objective: DFlashObjective, loss_sum: Tensor, num_supervised: Tensor
     """Per-slot metrics under EAGLE-3's names (module docstring); ``loss`` is the weighted mean trained on."""
     record = metrics_from_counts(loss_sum, num_supervised, num_supervised, num_correct, num_full_correct)
     weights = slot_weights(objective.drafter.dims.block_size, objective.gamma, loss_sum.device).double()
-    mean = (weights * loss_sum.double()).sum() / (weights * num_supervised.double()).sum().clamp_min(1e-300)
+    weighted_count = (weights * num_supervised.double()).sum().clamp_min(torch.finfo(torch.float64).tiny)
+    mean = (weights * loss_sum.double()).sum() / weighted_count
     return {**record, "loss": float(mean)}
 
 
