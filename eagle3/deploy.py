@@ -55,10 +55,13 @@ def deploy_dir(cfg: RunConfig) -> Path:
 
 
 def draft_dir(cfg: RunConfig) -> Path:
-    """The exported SGLang drafter (the folder the evaluate stage reads too)."""
+    """The drafter the servers load: the run's promoted one (the folder <run>/promoted/current points at, once a
+    refresh or `eagle3 promote` promoted one: eagle3.refresh.line), else the exported SGLang drafter (the folder
+    the evaluate stage reads too)."""
     from eagle3.evaluate.stage import default_export_dir
+    from eagle3.refresh.line import Line
 
-    return default_export_dir(cfg)
+    return Line(cfg.run_dir).current_dir() or default_export_dir(cfg)
 
 
 def trios(cfg: RunConfig) -> list[str]:

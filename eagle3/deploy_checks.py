@@ -58,6 +58,17 @@ def eval_method_name(trio: str) -> str:
     return f"{'chain' if topk == 1 else 'tree'}-{steps}-{topk}-{tokens}"
 
 
+def serves_own_export(cfg: RunConfig) -> bool:
+    """Whether the drafter the servers load (eagle3.deploy.draft_dir) has the weights of the run's own export."""
+    from eagle3.deploy import draft_dir
+    from eagle3.export.checks import WEIGHTS_FILE
+    from eagle3.run.layout import run_layout
+    from infra.storage import sha256_file_cached
+
+    served, own = draft_dir(cfg) / WEIGHTS_FILE, run_layout(cfg).sglang_export / WEIGHTS_FILE
+    return served == own or (own.is_file() and sha256_file_cached(served) == sha256_file_cached(own))
+
+
 def accept_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[AcceptCheck], str | None]:
     """Per dataset and overall, at the lowest concurrency: (checks, why none were made)."""
     from eagle3.run.layout import run_layout
@@ -65,6 +76,9 @@ def accept_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[AcceptCheck], st
 
     if cfg.serve.prompts != "evaluation":
         return [], "serve.prompts is fixed: eagle3 eval measured other prompts"
+    if not serves_own_export(cfg):
+        return [], ("the servers load a promoted drafter whose weights differ from the run's export (what eagle3 eval "
+                    "measured): its gate table is in promoted/README.md")
     path = run_layout(cfg).eval_results
     if not path.is_file():
         return [], f"no {path}: run the evaluate step first"
