@@ -231,14 +231,26 @@ class ExportConfig(Section):
     """Draft tokens per step that the speculators config proposes to vLLM (greedy chain)."""
 
 
+def _check_datasets(datasets: list[str]) -> None:
+    """Every entry a named set or a .jsonl path, none twice."""
+    from eagle3.evaluate.prompts import DATASET_FILES, is_prompt_file
+
+    bad = [d for d in datasets if d not in DATASET_FILES and not is_prompt_file(d)]
+    if bad:
+        raise ValueError(f"evaluate.datasets {bad}: each entry is one of {sorted(DATASET_FILES)} or a path to a "
+                         ".jsonl file of chat prompts")
+    if len(set(datasets)) != len(datasets):
+        raise ValueError(f"evaluate.datasets {datasets} names a dataset twice")
+
+
 class EvaluateConfig(Section):
     """Offline speculative decoding with the exported drafter: a fixed prompt set, fixed baseline settings."""
 
-    datasets: list[Literal["mtbench", "humaneval", "gsm8k"]] = ["mtbench"]
-    """Prompt sets (installed packages): MT-Bench first turns, HumanEval, GSM8K; rendered with the chat template."""
+    datasets: list[str] = ["mtbench"]
+    """Prompt sets: mtbench, humaneval, gsm8k (installed packages) or a path to a .jsonl of chat prompts (docs/evaluate.md)."""
     num_prompts: int | None = Field(10, ge=1)
     """Prompts per dataset: the first N in file order (None = all: 80 / 164 / 1319)."""
-    num_prompts_by_dataset: dict[Literal["mtbench", "humaneval", "gsm8k"], int] = {}
+    num_prompts_by_dataset: dict[str, int] = {}
     """Prompts of the named datasets (first N in file order), replacing num_prompts for them."""
     max_new_tokens: int = Field(64, ge=1)
     """Tokens generated per prompt by every method (fewer when the target emits a stop token)."""
@@ -276,6 +288,14 @@ class EvaluateConfig(Section):
     """Static path: each target MLP's gate and up as one product (one kernel fewer per layer; rounding differs only)."""
     near_tie_logit_gap: float = Field(1e-3, ge=0)
     """A differing token within this logit gap of the reference's top-1 is a numerical near-tie, not a bug."""
+    temperature: float = Added(0.0, ge=0)
+    """0 = greedy (outputs checked token for token); > 0 = speculative sampling, checked in distribution (docs/evaluate.md)."""
+    top_p: float = Added(1.0, gt=0, le=1)
+    """Sampling: keep the most likely tokens whose mass reaches top_p, in target and drafter alike (1 = all)."""
+    top_k: int = Added(0, ge=0)
+    """Sampling: keep the top_k most likely tokens, in target and drafter alike (0 = all)."""
+    seed: int = Added(0, ge=0)
+    """Sampling: seed of the random streams, one per prompt and method (the same whatever the workers)."""
 
     def widest_verify(self) -> int:
         """Rows of the widest verify forward of the measured methods (the root included)."""
@@ -299,12 +319,15 @@ class EvaluateConfig(Section):
 
     def limit_for(self, dataset: str) -> int | None:
         """How many prompts of ``dataset`` are measured (None = all)."""
-        return self.num_prompts_by_dataset.get(dataset, self.num_prompts)  # type: ignore[call-overload]
+        return self.num_prompts_by_dataset.get(dataset, self.num_prompts)
 
     @model_validator(mode="after")
     def _consistent(self) -> EvaluateConfig:
         if not self.datasets or not self.methods:
             raise ValueError("evaluate.datasets and evaluate.methods must not be empty")
+        _check_datasets(self.datasets)
+        if self.temperature == 0 and (self.top_p < 1 or self.top_k > 0):
+            raise ValueError("evaluate.top_p and evaluate.top_k apply only when sampling: set evaluate.temperature > 0")
         if "chain" in self.methods and (not self.chain_steps or min(self.chain_steps) < 1):
             raise ValueError(f"evaluate.chain_steps {self.chain_steps} must hold steps >= 1 when chain is measured")
         unused = sorted(set(self.num_prompts_by_dataset) - set(self.datasets))

@@ -189,7 +189,7 @@ class StaticTargetRunner(TargetRunner):
     def _forward_rows(self, ids: Tensor, positions: Tensor, write_index: Tensor,
                       visible: Tensor, **attention: Tensor) -> tuple[Tensor, ...]:
         """ids, positions, write_index long [w]; visible bool [w, L] -> greedy [w], top values, top ids [w, K],
-        aux [w, A*H]. The function torch.compile sees: fixed shapes per width, no host reads."""
+        aux [w, A*H], logits [w, V] fp32. The function torch.compile sees: fixed shapes per width, no host reads."""
         self.cache.write_index = write_index
         mask = torch.zeros(visible.shape, dtype=self._dtype, device=visible.device)
         mask = mask.masked_fill(~visible, torch.finfo(self._dtype).min)[None, None]  # [1, 1, w, L], 0 = attend
@@ -198,7 +198,7 @@ class StaticTargetRunner(TargetRunner):
         logits = out.logits[0].float()  # [w, V]
         top = logits.topk(REFERENCE_TOPK)
         aux = torch.cat([self._outputs[j][0] for j in self.aux_layer_ids], dim=-1)  # [w, A*H]
-        return logits.argmax(-1), top.values, top.indices, aux
+        return logits.argmax(-1), top.values, top.indices, aux, logits  # logits: for sampling (an output buffer)
 
     def _forward_gathered(self, ids: Tensor, positions: Tensor, write_index: Tensor, valid: Tensor,
                           order: Tensor) -> tuple[Tensor, ...]:
@@ -208,7 +208,8 @@ class StaticTargetRunner(TargetRunner):
 
     @torch.no_grad()
     def step(self, tokens: Sequence[int] | Tensor, positions: Sequence[int] | None = None,
-             visible: Tensor | None = None, last_only: bool = False, with_aux: bool = True) -> StepOut:
+             visible: Tensor | None = None, last_only: bool = False, with_aux: bool = True,
+             with_logits: bool = False) -> StepOut:
         """Run tokens after the committed entries (TargetRunner.step's contract); they become committed
         (``keep`` rolls back). positions default to the cache indices; ``visible`` bool [q, q] is a tree mask."""
         ids = as_token_tensor(tokens, self.device)
@@ -225,10 +226,14 @@ class StaticTargetRunner(TargetRunner):
             pos = write if given is None else torch.cat([given[first:first + n], write[n:]])
             parts.append(self._run(_pad_rows(ids[first:first + n], width), pos, write, at, n, visible))
         self._length = start + num
-        greedy, values, top_ids, aux = parts[0] if len(parts) == 1 else (torch.cat(p) for p in zip(*parts))
+        # logits [q, V] are joined only when asked for (a long prompt's would be large), and then for the last row only
+        logits = (None if not with_logits else parts[-1][4][-1:] if last_only
+                  else torch.cat([part[4] for part in parts]))
+        greedy, values, top_ids, aux = (parts[0][:4] if len(parts) == 1
+                                        else (torch.cat(p) for p in zip(*(part[:4] for part in parts))))
         if last_only:
             greedy, values, top_ids = greedy[-1:], values[-1:], top_ids[-1:]
-        return StepOut(greedy, values, top_ids, aux if with_aux else None)
+        return StepOut(greedy, values, top_ids, aux if with_aux else None, logits)
 
     def _visible(self, at: int, width: int, num: int, tree: Tensor | None) -> Tensor:
         """bool [w, L]: causal over cache indices, or the prefix plus the tree block (padding rows see themselves)."""

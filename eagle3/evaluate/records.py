@@ -41,7 +41,9 @@ def _ints(values: Any) -> list[int]:
 class LosslessCheck:
     """How a method's output compares with the greedy reference, at the first differing token."""
 
-    kind: Literal["identical", "near_tie", "mismatch"]
+    # sampled: at temperature > 0, where token identity cannot hold; every committed token lay inside the target's
+    # sampling support (mismatch: one did not, at ``position``)
+    kind: Literal["identical", "near_tie", "mismatch", "sampled"]
     position: int | None = None  # index into the generated tokens (0 = first generated token)
     reference_token: int | None = None
     method_token: int | None = None  # None: the method's output ended there
@@ -56,7 +58,7 @@ class LosslessCheck:
     def from_json(cls, doc: Mapping[str, Any]) -> LosslessCheck:
         """The check ``to_json`` wrote (fields left out read as None)."""
         def build(d: Mapping[str, Any]) -> LosslessCheck:
-            if d["kind"] not in ("identical", "near_tie", "mismatch"):
+            if d["kind"] not in ("identical", "near_tie", "mismatch", "sampled"):
                 raise RecordError(f"unknown kind {d['kind']!r}")
             unknown = set(d) - {f.name for f in fields(cls)}
             if unknown:
@@ -70,18 +72,22 @@ class LosslessCheck:
 
 @dataclass(frozen=True)
 class GreedyReference:
-    """Plain greedy decoding of one prompt: the reference every method must reproduce, and its wall time."""
+    """Plain greedy decoding of one prompt (at temperature > 0 the target's own sampling): the reference, and its
+    wall time."""
 
     num_tokens: int
     wall_s: float
     tokens: list[int]
+    logprob: float | None = None  # sampling: the target's log-prob of its tokens, summed (None when greedy)
 
     def to_json(self) -> dict[str, Any]:
-        return {"num_tokens": self.num_tokens, "wall_s": self.wall_s, "tokens": self.tokens}
+        doc = {"num_tokens": self.num_tokens, "wall_s": self.wall_s, "tokens": self.tokens}
+        return doc | ({"logprob": self.logprob} if self.logprob is not None else {})
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> GreedyReference:
-        return _parse("greedy", doc, lambda d: cls(int(d["num_tokens"]), d["wall_s"], _ints(d["tokens"])))
+        return _parse("greedy", doc, lambda d: cls(int(d["num_tokens"]), d["wall_s"], _ints(d["tokens"]),
+                                                   d.get("logprob")))
 
 
 @dataclass(frozen=True)
@@ -113,17 +119,20 @@ class MethodRun:
     accepted: list[int]  # draft tokens accepted at each verify step
     committed: list[int]  # tokens committed at each verify step (accepted + bonus, fewer where the output ends)
     tokens: list[int] | None = None  # the output, kept only when it is not identical to the greedy reference
+    logprob: float | None = None  # sampling: the target's log-prob of the committed tokens, summed
 
     def to_json(self) -> dict[str, Any]:
         doc = {"num_tokens": self.num_tokens, "wall_s": self.wall_s, "lossless": self.lossless.to_json(),
                "depth": self.depth, "accepted": self.accepted, "committed": self.committed}
-        return doc | ({"tokens": self.tokens} if self.tokens is not None else {})
+        doc |= {"tokens": self.tokens} if self.tokens is not None else {}
+        return doc | ({"logprob": self.logprob} if self.logprob is not None else {})
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any], what: str = "method") -> MethodRun:
         return _parse(what, doc, lambda d: cls(
             int(d["num_tokens"]), d["wall_s"], LosslessCheck.from_json(d["lossless"]), _ints(d["depth"]),
-            _ints(d["accepted"]), _ints(d["committed"]), _ints(d["tokens"]) if "tokens" in d else None))
+            _ints(d["accepted"]), _ints(d["committed"]), _ints(d["tokens"]) if "tokens" in d else None,
+            d.get("logprob")))
 
 
 @dataclass(frozen=True)
@@ -138,10 +147,13 @@ class PromptRecord:
     teacher_forced: TeacherForced | None  # None in journals written before the cross-check existed
     methods: dict[str, MethodRun] = field(default_factory=dict)
     decode_fallbacks: dict[str, str] = field(default_factory=dict)  # steps of its process that ran eagerly: why
+    category: str | None = None  # a prompt file's category of this prompt
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"index": self.index, "dataset": self.dataset, "id": self.id,
-                               "prompt_tokens": self.prompt_tokens, "greedy": self.greedy.to_json()}
+        doc: dict[str, Any] = {"index": self.index, "dataset": self.dataset, "id": self.id}
+        if self.category is not None:
+            doc["category"] = self.category
+        doc |= {"prompt_tokens": self.prompt_tokens, "greedy": self.greedy.to_json()}
         if self.teacher_forced is not None:
             doc["teacher_forced"] = self.teacher_forced.to_json()
         doc["methods"] = {name: run.to_json() for name, run in self.methods.items()}
@@ -158,7 +170,8 @@ class PromptRecord:
             GreedyReference.from_json(d["greedy"]),
             TeacherForced.from_json(d["teacher_forced"]) if "teacher_forced" in d else None,
             {str(name): MethodRun.from_json(run, f"method {name}") for name, run in d["methods"].items()},
-            {str(k): str(v) for k, v in d.get("decode_fallbacks", {}).items()}))
+            {str(k): str(v) for k, v in d.get("decode_fallbacks", {}).items()},
+            str(d["category"]) if d.get("category") is not None else None))
 
 
 # -------------------------------------------------------------------------------------------- summaries
@@ -187,16 +200,18 @@ class LosslessCounts:
     near_tie: int
     mismatch: int
     differences: list[LosslessDifference]
+    sampled: int = 0  # temperature > 0: outputs with every token inside the target's sampling support
 
     def to_json(self) -> dict[str, Any]:
-        return {"identical": self.identical, "near_tie": self.near_tie, "mismatch": self.mismatch,
-                "differences": [d.to_json() for d in self.differences]}
+        doc = {"identical": self.identical, "near_tie": self.near_tie, "mismatch": self.mismatch}
+        doc |= {"sampled": self.sampled} if self.sampled else {}
+        return doc | {"differences": [d.to_json() for d in self.differences]}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> LosslessCounts:
         return _parse("lossless", doc, lambda d: cls(
             int(d["identical"]), int(d["near_tie"]), int(d["mismatch"]),
-            [LosslessDifference.from_json(x) for x in d["differences"]]))
+            [LosslessDifference.from_json(x) for x in d["differences"]], int(d.get("sampled", 0))))
 
 
 @dataclass(frozen=True)
@@ -219,17 +234,22 @@ class SummaryRow:
     teacher_forced_acc_0: float | None
     lossless: LosslessCounts
     speedup_vs_ngram: float | None = None  # None when no n-gram row was measured on the same prompts
+    category: str | None = None  # a row of one category of a prompt file (results.json's by_category)
+    logprob_per_token: float | None = None  # sampling: the target's mean log-prob of the method's tokens
+    reference_logprob_per_token: float | None = None  # ... and of the target's own sampling on the same prompts
 
     def to_json(self) -> dict[str, Any]:
-        """results.json's row: every field in declaration order."""
-        return {f.name: getattr(self, f.name) for f in fields(self)} | {"lossless": self.lossless.to_json()}
+        """results.json's row: every field in declaration order (the last three only when set)."""
+        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _ROW_IF_SET}
+        return doc | {"lossless": self.lossless.to_json()} | {
+            name: getattr(self, name) for name in _ROW_IF_SET if getattr(self, name) is not None}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> SummaryRow:
         """A results.json row (one written before the teacher-forced cross-check reads it as None)."""
         what = (f"results row {doc.get('dataset', '?')}/{doc.get('method', '?')}" if isinstance(doc, Mapping)
                 else "results row")
-        optional = {"teacher_forced_acc_0", "speedup_vs_ngram"}
+        optional = {"teacher_forced_acc_0", "speedup_vs_ngram", *_ROW_IF_SET}
 
         def build(d: Mapping[str, Any]) -> SummaryRow:
             values: dict[str, Any] = {f.name: d[f.name] if f.name not in optional else d.get(f.name)
@@ -237,6 +257,10 @@ class SummaryRow:
             return cls(**values | {"lossless": LosslessCounts.from_json(d["lossless"])})
 
         return _parse(what, doc, build)
+
+
+_ROW_IF_SET = ("category", "logprob_per_token", "reference_logprob_per_token")
+"""SummaryRow fields results.json holds only where set (files written before them stay byte for byte)."""
 
 
 # --------------------------------------------------------------------------------------------- settings
@@ -300,37 +324,46 @@ class EvalSettings:
     transformers: str
     partial: PartialInfo | None = None  # only in a partial report
     decode_fallbacks: dict[str, str] = field(default_factory=dict)  # compiled steps that ran eagerly, and why
+    prompt_rejects: dict[str, int] = field(default_factory=dict)  # prompt file -> lines rejected (eval/rejects.jsonl)
 
     def to_json(self) -> dict[str, Any]:
-        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("partial", "decode_fallbacks")}
+        optional = ("partial", "decode_fallbacks", "prompt_rejects")
+        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in optional}
         doc["methods"] = [m.to_json() for m in self.methods]
         if self.decode_fallbacks:
             doc["decode_fallbacks"] = dict(self.decode_fallbacks)
+        if self.prompt_rejects:
+            doc["prompt_rejects"] = dict(self.prompt_rejects)
         return doc | ({"partial": self.partial.to_json()} if self.partial is not None else {})
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> EvalSettings:
         def build(d: Mapping[str, Any]) -> EvalSettings:
-            optional = ("methods", "partial", "decode_fallbacks")
+            optional = ("methods", "partial", "decode_fallbacks", "prompt_rejects")
             values = {f.name: d[f.name] for f in fields(cls) if f.name not in optional}
             partial = PartialInfo.from_json(d["partial"]) if d.get("partial") else None
             return cls(**values, methods=[MethodSpec.from_json(m) for m in d["methods"]], partial=partial,
-                       decode_fallbacks={str(k): str(v) for k, v in d.get("decode_fallbacks", {}).items()})
+                       decode_fallbacks={str(k): str(v) for k, v in d.get("decode_fallbacks", {}).items()},
+                       prompt_rejects={str(k): int(v) for k, v in d.get("prompt_rejects", {}).items()})
 
         return _parse("settings", doc, build)
 
 
 @dataclass(frozen=True)
 class EvalResults:
-    """results.json: the settings and one row per dataset x method."""
+    """results.json: the settings, one row per dataset x method and, for prompt files with categories, one per
+    dataset x category x method (kept apart, so readers of ``results`` see each dataset once)."""
 
     settings: EvalSettings
     results: list[SummaryRow]
+    by_category: list[SummaryRow] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"settings": self.settings.to_json(), "results": [r.to_json() for r in self.results]}
+        doc = {"settings": self.settings.to_json(), "results": [r.to_json() for r in self.results]}
+        return doc | ({"by_category": [r.to_json() for r in self.by_category]} if self.by_category else {})
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> EvalResults:
-        return _parse("results.json", doc, lambda d: cls(EvalSettings.from_json(d["settings"]),
-                                                          [SummaryRow.from_json(r) for r in d["results"]]))
+        return _parse("results.json", doc, lambda d: cls(
+            EvalSettings.from_json(d["settings"]), [SummaryRow.from_json(r) for r in d["results"]],
+            [SummaryRow.from_json(r) for r in d.get("by_category", [])]))

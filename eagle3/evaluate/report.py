@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from eagle3.evaluate.records import (
     EvalResults,
@@ -17,6 +18,9 @@ from eagle3.evaluate.records import (
     SummaryRow,
 )
 from eagle3.run.layout import EVAL_PLOT, PROMPTS_FILE, REPORT_FILE, RESULTS_FILE
+
+REJECTS_FILE = "rejects.jsonl"
+"""<run>/eval/: the prompt-file lines an evaluation rejected, one JSON line each (eagle3.data.rejects)."""
 
 
 def position_acceptance(depths: Sequence[int], accepted: Sequence[int]) -> tuple[list[float], list[float | None]]:
@@ -32,9 +36,11 @@ def position_acceptance(depths: Sequence[int], accepted: Sequence[int]) -> tuple
     return rates, conditional
 
 
-def summarize(records: Sequence[PromptRecord], method: str, dataset: str | None = None) -> SummaryRow:
-    """One method over some prompts: acceptance, per-position acceptance, speed, lossless counts. ``dataset``: the
-    row's name (default: the records' one dataset, or "all")."""
+def summarize(records: Sequence[PromptRecord], method: str, dataset: str | None = None,
+              category: str | None = None) -> SummaryRow:
+    """One method over some prompts: acceptance, per-position acceptance, speed, lossless counts (and, when sampled,
+    the target's mean log-prob of the method's and the reference's tokens). ``dataset``: the row's name (default: the
+    records' one dataset, or "all"); ``category``: the prompt-file category the records share."""
     runs = [r.methods[method] for r in records]
     depths = [d for run in runs for d in run.depth]
     accepted = [a for run in runs for a in run.accepted]
@@ -46,14 +52,23 @@ def summarize(records: Sequence[PromptRecord], method: str, dataset: str | None 
     names = set(r.dataset for r in records)
     lossless = LosslessCounts(kinds.count("identical"), kinds.count("near_tie"), kinds.count("mismatch"),
                               [LosslessDifference(r.id, run.lossless) for r, run in zip(records, runs)
-                               if run.lossless.kind != "identical"])
+                               if run.lossless.kind not in ("identical", "sampled")], kinds.count("sampled"))
     return SummaryRow(
         dataset=dataset or (names.pop() if len(names) == 1 else "all"), method=method, num_prompts=len(runs),
         num_tokens=num_tokens, num_verify=num_verify, accept_len=committed / max(num_verify, 1),
         per_position=rates, per_position_conditional=conditional, wall_s=wall_s,
         tokens_per_s=num_tokens / max(wall_s, 1e-9), greedy_wall_s=greedy_s,
         greedy_tokens_per_s=sum(r.greedy.num_tokens for r in records) / max(greedy_s, 1e-9),
-        speedup=greedy_s / max(wall_s, 1e-9), teacher_forced_acc_0=teacher_forced_acc_0(records), lossless=lossless)
+        speedup=greedy_s / max(wall_s, 1e-9), teacher_forced_acc_0=teacher_forced_acc_0(records), lossless=lossless,
+        category=category, logprob_per_token=_per_token([(run.logprob, run.num_tokens) for run in runs]),
+        reference_logprob_per_token=_per_token([(r.greedy.logprob, r.greedy.num_tokens) for r in records]))
+
+
+def _per_token(pairs: Sequence[tuple[float | None, int]]) -> float | None:
+    """Summed log-probs over summed tokens; None unless every decode sampled (greedy records carry none)."""
+    if not pairs or any(logprob is None for logprob, _ in pairs):
+        return None
+    return sum(logprob or 0.0 for logprob, _ in pairs) / max(sum(n for _, n in pairs), 1)
 
 
 def teacher_forced_acc_0(records: Sequence[PromptRecord]) -> float | None:
@@ -63,6 +78,13 @@ def teacher_forced_acc_0(records: Sequence[PromptRecord]) -> float | None:
         return None
     num_tokens = sum(r.teacher_forced.num_tokens for r in records if r.teacher_forced)
     return sum(r.teacher_forced.num_hits for r in records if r.teacher_forced) / max(num_tokens, 1)
+
+
+def summarize_categories(records: Sequence[PromptRecord], methods: Sequence[str]) -> list[SummaryRow]:
+    """One row per dataset x category x method, for the prompts of prompt files that name a category."""
+    keys = list(dict.fromkeys((r.dataset, r.category) for r in records if r.category is not None))
+    return [summarize([r for r in records if (r.dataset, r.category) == key], m, key[0], key[1])
+            for key in keys for m in methods]
 
 
 def summarize_all(records: Sequence[PromptRecord], methods: Sequence[str]) -> list[SummaryRow]:
@@ -81,6 +103,11 @@ def summarize_all(records: Sequence[PromptRecord], methods: Sequence[str]) -> li
 # ----------------------------------------------------------------------------------------------- outputs
 
 def _lossless_text(row: SummaryRow) -> str:
+    if row.logprob_per_token is not None:  # sampled: support check and log-prob beside the target's own sampling
+        text = f"{row.lossless.sampled}/{row.num_prompts} in support; log-prob/token {row.logprob_per_token:.3f}"
+        if row.reference_logprob_per_token is not None:
+            text += f" (target sampling {row.reference_logprob_per_token:.3f})"
+        return text + "".join(f"; {d.check.kind} {d.prompt} @ {d.check.position}" for d in row.lossless.differences)
     text = f"{row.lossless.identical}/{row.num_prompts} identical"
     for diff in row.lossless.differences:
         text += f"; {diff.check.kind} {diff.prompt} @ {diff.check.position}"
@@ -103,14 +130,58 @@ def _kernels_line(settings: EvalSettings) -> str:
             f"greedy that pays that padding too (docs/evaluate.md measures its cost).{fused}")
 
 
-def report_markdown(rows: Sequence[SummaryRow], settings: EvalSettings) -> str:
+def _decoding_words(settings: EvalSettings) -> str:
+    """'greedy', or the sampling settings (the evaluate section of results.json)."""
+    e = settings.evaluate
+    if not e.get("temperature"):
+        return "greedy"
+    return (f"sampling at temperature {e['temperature']} (top-p {e.get('top_p', 1.0)}, top-k {e.get('top_k', 0)}, "
+            f"seed {e.get('seed', 0)})")
+
+
+def _sampling_lines(settings: EvalSettings) -> list[str]:
+    """At temperature > 0: which check ran instead of token identity."""
+    if not settings.evaluate.get("temperature"):
+        return []
+    return ["**Sampled: outputs cannot be token-identical to a reference, so the lossless column shows another "
+            "check.** Every committed token must have nonzero probability under the target's distribution (after "
+            "temperature, top-k, top-p) at its position (a token outside it is a `mismatch`), and the target's mean "
+            "log-prob per token of each method's output sits beside that of the target's own sampling on the same "
+            "prompts (equal in expectation when lossless; the gap is sampling noise). The distribution itself is "
+            "tested offline by a chi-square test on a tiny target (tests/unit/test_sampling.py). The greedy columns "
+            "time the target's own sampling.", ""]
+
+
+def _reject_lines(settings: EvalSettings) -> list[str]:
+    if not settings.prompt_rejects:
+        return []
+    counts = ", ".join(f"{name}: {num}" for name, num in settings.prompt_rejects.items())
+    return [f"**Prompt-file lines rejected** (each with its file:line and reason in `rejects.jsonl`): {counts}.", ""]
+
+
+def _category_lines(by_category: Sequence[SummaryRow]) -> list[str]:
+    if not by_category:
+        return []
+    lines = ["", "By category (prompt files):", "", "| dataset | category | method | prompts | accept len | "
+             "per-position acceptance | tok/s | speedup | lossless |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in by_category:
+        lines.append(f"| {r.dataset} | {r.category} | {r.method} | {r.num_prompts} | {r.accept_len:.3f} | "
+                     f"{_rates(r.per_position)} | {r.tokens_per_s:.1f} | {r.speedup:.2f}x | {_lossless_text(r)} |")
+    return lines
+
+
+def report_markdown(rows: Sequence[SummaryRow], settings: EvalSettings,
+                    by_category: Sequence[SummaryRow] = ()) -> str:
     """The results table (and the settings it was measured with) as markdown."""
     lines = ["# Offline speculative decoding", "",
              f"Target `{settings.target}` ({settings.device}, {settings.dtype}); drafter "
-             f"`{settings.export_dir}`; {settings.max_new_tokens} new tokens per prompt, greedy; prompts: first "
+             f"`{settings.export_dir}`; {settings.max_new_tokens} new tokens per prompt, {_decoding_words(settings)}; "
+             "prompts: first "
              f"N in file order ({', '.join(f'{k} {v}' for k, v in settings.num_prompts.items())}); n-gram: "
              f"{settings.ngram}; workers: {settings.num_workers}.{_kernels_line(settings)}", "",
              *_partial_lines(settings),
+             *_sampling_lines(settings),
+             *_reject_lines(settings),
              *_contention_lines(settings),
              *_fallback_lines(settings),
              "| dataset | method | prompts | accept len | per-position acceptance | conditional | tok/s | "
@@ -122,6 +193,7 @@ def report_markdown(rows: Sequence[SummaryRow], settings: EvalSettings) -> str:
         lines.append(f"| {r.dataset} | {r.method} | {r.num_prompts} | {r.accept_len:.3f} | "
                      f"{_rates(r.per_position)} | {_rates(r.per_position_conditional)} | {r.tokens_per_s:.1f} | "
                      f"{r.greedy_tokens_per_s:.1f} | {r.speedup:.2f}x{flag} | {vs_ngram} | {_lossless_text(r)} |")
+    lines += _category_lines(by_category)
     lines += _teacher_forced_lines(rows)
     lines += ["", "accept len: tokens per verify forward, bonus token included. per-position: draft position i "
               "accepted / proposed; conditional: given positions < i were accepted. speedup: greedy wall time / "
@@ -199,15 +271,21 @@ def plot_per_position(rows: Sequence[SummaryRow], out: Path) -> Path:
 
 
 def write_outputs(out_dir: Path, records: Sequence[PromptRecord], rows: list[SummaryRow],
-                  settings: EvalSettings) -> dict[str, Path]:
-    """results.json, report.md, per_position.png and prompts.jsonl (atomic writes)."""
-    from infra.storage import atomic_write_json, atomic_write_text
+                  settings: EvalSettings, by_category: Sequence[SummaryRow] = (),
+                  rejects: Sequence[Any] = ()) -> dict[str, Path]:
+    """results.json, report.md, per_position.png, prompts.jsonl and, when prompt-file lines were rejected,
+    rejects.jsonl (eagle3.data.rejects' lines) (atomic writes)."""
+    from infra.storage import atomic_write_bytes, atomic_write_json, atomic_write_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = EvalResults(settings, rows).to_json()
+    results = EvalResults(settings, rows, list(by_category)).to_json()
     outputs = {"results": atomic_write_json(out_dir / RESULTS_FILE, results),
-               "report": atomic_write_text(out_dir / REPORT_FILE, report_markdown(rows, settings)),
+               "report": atomic_write_text(out_dir / REPORT_FILE, report_markdown(rows, settings, by_category)),
                "prompts": atomic_write_text(out_dir / PROMPTS_FILE,
                                             "".join(json.dumps(r.to_json()) + "\n" for r in records))}
+    if rejects:
+        from eagle3.data.rejects import reject_line
+
+        outputs["rejects"] = atomic_write_bytes(out_dir / REJECTS_FILE, b"".join(reject_line(r) for r in rejects))
     outputs["plot"] = plot_per_position(rows, out_dir / EVAL_PLOT)
     return outputs

@@ -36,6 +36,7 @@ class StepOut:
     top_values: Tensor  # [q, REFERENCE_TOPK] fp32 logits
     top_ids: Tensor  # [q, REFERENCE_TOPK]
     aux: Tensor | None  # [q, A*H]; None without with_aux
+    logits: Tensor | None = None  # [q, V] fp32; only with with_logits (sampling reads the whole distribution)
 
 
 def as_token_tensor(tokens: Sequence[int] | Tensor, device: torch.device) -> Tensor:
@@ -118,11 +119,13 @@ class TargetRunner:
         return out.logits[0].float(), aux
 
     def step(self, tokens: Sequence[int] | Tensor, positions: Sequence[int] | None = None,
-             visible: Tensor | None = None, last_only: bool = False, with_aux: bool = True) -> StepOut:
-        """forward, reduced to what the decode loops read (greedy tokens, top logits, aux); same arguments."""
+             visible: Tensor | None = None, last_only: bool = False, with_aux: bool = True,
+             with_logits: bool = False) -> StepOut:
+        """forward, reduced to what the decode loops read (greedy tokens, top logits, aux, with_logits: the logits);
+        same arguments."""
         logits, aux = self.forward(tokens, positions, visible, last_only, with_aux)
         top = logits.topk(REFERENCE_TOPK)
-        return StepOut(logits.argmax(-1), top.values, top.indices, aux)
+        return StepOut(logits.argmax(-1), top.values, top.indices, aux, logits if with_logits else None)
 
     def _additive_mask(self, start: int, visible: Tensor) -> Tensor:
         """[1, 1, q, start + q] float mask (0 = attend): transformers passes a 4D mask through as it is."""

@@ -162,31 +162,33 @@ def ready_session(job: EvalJob, warmup_ids: list[int]) -> EvalSession:
 
 
 def warm_up(session: EvalSession, prompt_ids: list[int]) -> None:
-    """Run every forward width of the static runners (compiles them), then greedy and every method briefly; untimed."""
-    from eagle3.evaluate.speculate import greedy_decode, speculative_decode
+    """Run every forward width of the static runners (compiles them), then the reference and every method briefly
+    (sampling at temperature > 0); untimed."""
+    from eagle3.evaluate.sampled_decode import decode_method, decode_reference
+    from eagle3.evaluate.sampling import sampling_params
 
     for runner in (session.target, session.drafter):
         getattr(runner, "warm_up_widths", lambda: None)()
-    num = min(WARMUP_TOKENS, session.ecfg.max_new_tokens)
-    greedy_decode(session.target, prompt_ids, num, session.stop_ids)
+    ecfg = session.ecfg
+    num, params = min(WARMUP_TOKENS, ecfg.max_new_tokens), sampling_params(ecfg.temperature, ecfg.top_p, ecfg.top_k)
+    decode_reference(session.target, prompt_ids, num, session.stop_ids, params, ecfg.seed, "warm-up")
     for proposer in session.proposers.values():
-        speculative_decode(session.target, proposer, prompt_ids, num, session.stop_ids)
+        decode_method(session.target, proposer, prompt_ids, num, session.stop_ids, params, ecfg.seed, "warm-up")
 
 
 def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: list[int]) -> PromptRecord:
-    """The greedy reference and every method on one prompt: tokens, steps, wall times, lossless checks."""
+    """The reference (greedy, or the target's own sampling at temperature > 0) and every method on one prompt: tokens,
+    steps, wall times, lossless checks (token identity; at temperature > 0 eagle3.evaluate.sampled_decode's)."""
     import torch
 
-    from eagle3.evaluate.speculate import (
-        check_lossless,
-        draft_hits,
-        greedy_decode,
-        speculative_decode,
-        teacher_forced_drafts,
-    )
+    from eagle3.evaluate.sampled_decode import decode_method, decode_reference, sampled_check
+    from eagle3.evaluate.sampling import sampling_params
+    from eagle3.evaluate.speculate import check_lossless, draft_hits, teacher_forced_drafts
 
     ecfg = session.ecfg
-    ref = greedy_decode(session.target, ids, ecfg.max_new_tokens, session.stop_ids)
+    params = sampling_params(ecfg.temperature, ecfg.top_p, ecfg.top_k)  # None: greedy
+    ref = decode_reference(session.target, ids, ecfg.max_new_tokens, session.stop_ids, params, ecfg.seed,
+                           f"{prompt.id}/reference")
     teacher_forced = None
     if session.drafter is not None:  # an EAGLE-3 drafter: its first draft at every greedy position
         start = time.perf_counter()
@@ -195,14 +197,16 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
                                        round(time.perf_counter() - start, 4))
     methods = {}
     for name, proposer in session.proposers.items():
-        out = speculative_decode(session.target, proposer, ids, ecfg.max_new_tokens, session.stop_ids)
-        check = check_lossless(ref, out.tokens, ecfg.near_tie_logit_gap, getattr(torch, ecfg.dtype))
+        out = decode_method(session.target, proposer, ids, ecfg.max_new_tokens, session.stop_ids, params, ecfg.seed,
+                            f"{prompt.id}/{name}")
+        check = (check_lossless(ref, out.tokens, ecfg.near_tie_logit_gap, getattr(torch, ecfg.dtype))
+                 if params is None else sampled_check(out))
         methods[name] = MethodRun(len(out.tokens), out.wall_s, check, [s.draft_depth for s in out.steps],
                                   [s.accepted for s in out.steps], [s.committed for s in out.steps],
-                                  out.tokens if check.kind != "identical" else None)
+                                  out.tokens if check.kind != "identical" else None, out.logprob)
     return PromptRecord(index, prompt.dataset, prompt.id, len(ids),
-                        GreedyReference(len(ref.tokens), ref.wall_s, ref.tokens), teacher_forced, methods,
-                        decode_fallbacks(session))
+                        GreedyReference(len(ref.tokens), ref.wall_s, ref.tokens, ref.logprob), teacher_forced, methods,
+                        decode_fallbacks(session), prompt.category)
 
 
 def decode_fallbacks(session: EvalSession) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """Offline speculative decoding with a transformers target: EAGLE-3 chain and tree drafting, prompt lookup.
 
-Everything runs at batch size 1 with greedy verification, so the output must equal plain greedy decoding
-of the target token for token; ``check_lossless`` reports the first difference and whether it is a
-numerical near-tie.
+Everything runs at batch size 1. With greedy verification the output must equal plain greedy decoding of the
+target token for token; ``check_lossless`` reports the first difference and whether it is a numerical near-tie.
+At temperature > 0 (a Sampler given) verification is speculative sampling (eagle3.evaluate.sampling, the loop's
+sampled parts in eagle3.evaluate.sampled_decode): the output is distributed as the target's own sampling.
 
 Loop state. ``context`` = x_0..x_m, the prompt and every committed token. The target's KV cache holds
 x_0..x_{m-1}: the last committed token x_m is decided but not yet run. A verify forward runs
@@ -41,7 +42,7 @@ from torch import Tensor
 
 from eagle3.drafter.model import Eagle3Drafter, upcast
 from eagle3.evaluate.records import LosslessCheck
-from eagle3.evaluate.runners import DrafterRunner, TargetRunner
+from eagle3.evaluate.runners import DrafterRunner, StepOut, TargetRunner
 
 # ------------------------------------------------------------------------------------------ drafts, records
 
@@ -51,17 +52,22 @@ class DraftTree:
 
     tokens: list[int]
     parents: list[int]
+    # Sampled chain drafts: row i is the distribution (target vocab [N, V]) token i was drawn from; None = every
+    # node chosen deterministically (greedy drafting, top-k trees, prompt lookup).
+    draft_probs: Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError(f"draft tree: {len(self.tokens)} tokens but {len(self.parents)} parents")
         if any(not -1 <= p < i for i, p in enumerate(self.parents)):
             raise ValueError(f"draft tree parents {self.parents} must satisfy -1 <= parents[i] < i")
+        if self.draft_probs is not None and (not self.is_chain() or len(self.draft_probs) != len(self.tokens)):
+            raise ValueError("draft probabilities are for a chain: one row per draft token")
 
     @classmethod
-    def chain(cls, tokens: Sequence[int]) -> DraftTree:
-        """A chain: token i's parent is token i-1."""
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+    def chain(cls, tokens: Sequence[int], draft_probs: Tensor | None = None) -> DraftTree:
+        """A chain: token i's parent is token i-1 (``draft_probs``: the rows sampled drafts were drawn from)."""
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs)
 
     def depths(self) -> list[int]:
         """Depth of every node (a child of the root has depth 1)."""
@@ -102,6 +108,9 @@ class DecodeResult:
     steps: list[VerifyStep] = field(default_factory=list)
     top_ids: list[list[int]] | None = None  # greedy reference: REFERENCE_TOPK ids per generated token
     top_logits: list[list[float]] | None = None  # ... and their logits
+    logprob: float | None = None  # sampling: the target's log-prob of the tokens, summed
+    outside: tuple[int, int] | None = None  # sampling: (position, token) of the first token the target could not
+    # have sampled (probability 0 after top-k/top-p): a broken rule, never a correct decode
 
     @property
     def accept_len(self) -> float:
@@ -172,6 +181,13 @@ class EagleProposer:
         if self._root is None:
             raise RuntimeError("EagleProposer.propose before observe: the drafter has no state")
         return self._chain() if self.topk == 1 else self._tree()
+
+    @property
+    def root(self) -> tuple[Tensor, Tensor]:
+        """(drafter out [1, H], logits [Vd]) at the last committed index: where a round's drafting starts."""
+        if self._root is None:
+            raise RuntimeError("EagleProposer drafting before observe: the drafter has no state")
+        return self._root
 
     def _chain(self) -> DraftTree:
         assert self._root is not None, "observe() first"
@@ -328,40 +344,50 @@ def accept_path(tree: DraftTree, greedy: Sequence[int]) -> tuple[list[int], int]
 
 def verify(target: TargetRunner, tree: DraftTree, context: list[int]) -> tuple[list[int], list[int], Tensor]:
     """Run [last token, draft] through the target; returns (new tokens, accepted nodes, aux [a+1, A*H])."""
+    out = verify_forward(target, tree, context)
+    path, bonus = accept_path(tree, out.greedy.tolist())  # the round's host sync
+    return [tree.tokens[i] for i in path] + [bonus], path, keep_accepted(target, len(context) - 1, path, out)
+
+
+def verify_forward(target: TargetRunner, tree: DraftTree, context: list[int], with_logits: bool = False) -> StepOut:
+    """The verify forward: [last committed token, draft nodes] after the cache (tree mask and depth positions)."""
     m = len(context) - 1
     if target.length != m:
         raise RuntimeError(f"target cache holds {target.length} entries, expected {m}")
     chain = tree.is_chain()
     visible = None if chain else tree.ancestor_mask()
     positions = None if chain else [m, *(m + d for d in tree.depths())]  # None: consecutive after the cache
-    out = target.step([context[-1], *tree.tokens], positions, visible)
-    path, bonus = accept_path(tree, out.greedy.tolist())  # the round's host sync
+    return target.step([context[-1], *tree.tokens], positions, visible, with_logits=with_logits)
+
+
+def keep_accepted(target: TargetRunner, m: int, path: list[int], out: StepOut) -> Tensor:
+    """Keep the root and the accepted nodes in the target's cache; their aux [a+1, A*H]."""
     rows = [0, *(i + 1 for i in path)]
     target.keep(m, [m + r for r in rows])
     assert out.aux is not None  # (step returns aux unless asked not to)
-    kept = out.aux[: len(rows)] if rows == list(range(len(rows))) else out.aux[rows]  # a slice needs no copy
-    return [tree.tokens[i] for i in path] + [bonus], path, kept
+    return out.aux[: len(rows)] if rows == list(range(len(rows))) else out.aux[rows]  # a slice needs no copy
 
 
 @torch.no_grad()
 def speculative_decode(target: TargetRunner, proposer: Proposer, prompt: Sequence[int], max_new_tokens: int,
-                       stop_ids: Sequence[int] = ()) -> DecodeResult:
-    """Draft, verify greedily, commit; timed from the prefill to the last token, like greedy_decode."""
+                       stop_ids: Sequence[int] = (), sampled: Any = None) -> DecodeResult:
+    """Draft, verify, commit; timed from the prefill to the last token, like greedy_decode. Verification is greedy,
+    or speculative sampling through ``sampled`` (a fresh eagle3.evaluate.sampled_decode.SampledRounds)."""
     stops = set(stop_ids)
     start_s = _clock(target.device)
     target.reset()
     proposer.reset()
-    first = target.step(prompt, last_only=True)  # aux of every prompt row, logits of the last
+    first = target.step(prompt, last_only=True, with_logits=sampled is not None)  # aux of every prompt row
     aux = first.aux
     assert aux is not None  # (step returns aux unless asked not to)
-    tokens = [int(first.greedy[-1])]
+    tokens = [int(first.greedy[-1]) if sampled is None else sampled.first_token(first)]
     context = [*prompt, tokens[0]]
     proposer.observe(aux, context[1:], 0)
     steps: list[VerifyStep] = []
     while not _finished(tokens, max_new_tokens, stops):
-        tree = proposer.propose(context)
+        tree = proposer.propose(context) if sampled is None else sampled.propose(proposer, context)
         start = len(context) - 1
-        new, path, aux = verify(target, tree, context)
+        new, path, aux = verify(target, tree, context) if sampled is None else sampled.verify(target, tree, context)
         committed = 0
         for token in new:
             if _finished(tokens, max_new_tokens, stops):
@@ -370,9 +396,12 @@ def speculative_decode(target: TargetRunner, proposer: Proposer, prompt: Sequenc
             committed += 1
         context.extend(new[:committed])
         steps.append(VerifyStep(max(tree.depths(), default=0), len(tree.tokens), len(path), committed))
+        if sampled is not None:
+            sampled.commit(len(tokens) - committed, committed)
         if not _finished(tokens, max_new_tokens, stops):
             proposer.observe(aux, new, start)
-    return DecodeResult(tokens, _clock(target.device) - start_s, steps)
+    result = DecodeResult(tokens, _clock(target.device) - start_s, steps)
+    return result if sampled is None else sampled.finish(result)
 
 
 @torch.no_grad()

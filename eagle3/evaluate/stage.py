@@ -39,9 +39,9 @@ from typing import Any
 
 from eagle3.config import ConfigError, RunConfig, section_dict
 from eagle3.evaluate.pool import evaluate_prompts, journaled_records
-from eagle3.evaluate.prompts import EvalPrompt
+from eagle3.evaluate.prompts import EvalPrompt, rejects_by_dataset
 from eagle3.evaluate.records import EvalSettings, PartialInfo, PromptRecord, SummaryRow
-from eagle3.evaluate.report import summarize_all, write_outputs
+from eagle3.evaluate.report import summarize_all, summarize_categories, write_outputs
 from eagle3.evaluate.session import EvalJob, dflash_block_size, method_specs
 from eagle3.run.journal import Journal
 from eagle3.run.layout import run_layout, run_relative
@@ -77,11 +77,16 @@ def stage_key_of(cfg: RunConfig) -> str:
 
 
 def key_for(cfg: RunConfig, model_dir: Path, export_dir: Path | None = None) -> str:
-    """Evaluate section + target fingerprint + the export manifest (or, for an explicit folder, its files' hashes)."""
+    """Evaluate section + target fingerprint + the export manifest (or, for an explicit folder, its files' hashes) +
+    the content of every prompt file among evaluate.datasets."""
+    from eagle3.evaluate.prompts import prompt_file_hashes
     from eagle3.target.load import fingerprint
     from infra.storage import sha256_file
 
     extra: dict[str, Any] = {"target": fingerprint(model_dir)}
+    prompt_files = prompt_file_hashes(cfg.evaluate.datasets)
+    if prompt_files:  # (left out without one: the keys of evaluations of the named sets stay as they were)
+        extra["prompt_files"] = prompt_files
     inputs = [run_layout(cfg).manifest("export")]
     if export_dir is not None:
         from eagle3.export.model_card import CARD_FILE  # rewritten by this stage: never part of what it measured
@@ -132,21 +137,23 @@ class _Plan:
 
     items: list[tuple[EvalPrompt, list[int]]]
     job: EvalJob
+    rejects: list[Any]  # eagle3.data.rejects.Reject: the prompt-file lines left out
 
 
 def _plan(cfg: RunConfig, model_dir: Path, export_dir: Path) -> _Plan:
-    from eagle3.evaluate.prompts import load_prompts
+    from eagle3.evaluate.prompts import load_prompt_set
     from eagle3.target.load import load_tokenizer, stop_token_ids, target_info
 
     device = resolve_device(cfg.evaluate.device)
     e = cfg.evaluate.resolved(device)
     tokenizer = load_tokenizer(model_dir)
     stop_ids = stop_token_ids(tokenizer, target_info(model_dir, cfg.target))
-    items = load_prompts(e.datasets, {name: e.limit_for(name) for name in e.datasets}, tokenizer)
+    prompt_set = load_prompt_set(e.datasets, {name: e.limit_for(name) for name in e.datasets}, tokenizer)
+    items = prompt_set.items
     threads = max(1, (os.cpu_count() or 1) // e.num_workers) if e.num_workers > 1 else None  # split the cores
     cache_len = max((len(ids) for _, ids in items), default=0) + e.max_new_tokens + 128  # + verify and draft rows
     job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), device, stop_ids, threads, cache_len)
-    return _Plan(items, job)
+    return _Plan(items, job, prompt_set.rejects)
 
 
 def journal_of(cfg: RunConfig) -> Journal:
@@ -157,14 +164,16 @@ def journal_of(cfg: RunConfig) -> Journal:
 def _report(cfg: RunConfig, model_dir: Path, export_dir: Path, plan: _Plan, records: list[PromptRecord],
             out_dir: Path, partial: PartialInfo | None = None) -> tuple[dict[str, Path], list[SummaryRow]]:
     """Summarize the records and write results, report, plot and prompts into ``out_dir``; (outputs, rows)."""
-    rows = summarize_all(records, [s.name for s in method_specs(cfg.evaluate, dflash_block_size(export_dir))])
+    methods = [s.name for s in method_specs(cfg.evaluate, dflash_block_size(export_dir))]
+    rows = summarize_all(records, methods)
     settings = _settings(cfg, model_dir, export_dir, plan.job.device, plan.items, plan.job.stop_ids)
+    settings = replace(settings, prompt_rejects=rejects_by_dataset(plan.rejects))
     if partial:
         settings = replace(settings, partial=partial)
     fell_back = {name: why for r in records for name, why in r.decode_fallbacks.items()}
     if fell_back:
         settings = replace(settings, decode_fallbacks=fell_back)
-    return write_outputs(out_dir, records, rows, settings), rows
+    return write_outputs(out_dir, records, rows, settings, summarize_categories(records, methods), plan.rejects), rows
 
 
 def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: ProgressFn | None,
