@@ -6,6 +6,7 @@ trained on it from the promoted one's weights.
         ingest/           a run directory: the merge of prompts.jsonl, then (refresh.regenerate) the target's answers
                           through the regenerate stage (journaled per conversation, so a killed round redoes none)
         candidate/        a run directory: the pool merged, tokenized, vocab, capture, train, export/sglang
+        start.json        the promoted drafter the candidate trains from (fixed when the round first trains)
         gate/             eagle3.refresh.gate
         report.md         what the round did and why (eagle3.refresh.report)
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 REFRESH_DIR, ROUNDS_DIR = "refresh", "rounds"
 WATERMARK_FILE, DECISIONS_FILE, REPORT_FILE = "watermark.jsonl", "decisions.jsonl", "report.md"
+START_FILE = "start.json"  # rounds/<N>/: the drafter the candidate trains from
 NO_NEW = "no new prompts"
 
 
@@ -149,12 +150,12 @@ def open_round(source: PromptSource, decisions: Journal) -> str | None:
 def take_round(cfg: RunConfig, source: PromptSource) -> str | None:
     """Write the lines past the watermark as the next round's prompts.jsonl, then record the watermark; its id, or
     None when there is no new line."""
+    from eagle3.refresh.candidate import PROMPTS
+
     new = source.read_new(cfg.refresh.max_prompts)
     if not new.spans:
         return None
     round_id = f"{len(source.records()) + 1:04d}"
-    from eagle3.refresh.candidate import PROMPTS
-
     lines = [to_record(line, cfg.refresh.regenerate) for line in new.lines]
     batch = atomic_write_bytes(round_dir(cfg, round_id) / PROMPTS, b"".join(x + b"\n" for x in lines))
     source.commit(round_id, new, sha256_file(batch))
@@ -177,18 +178,30 @@ def finish_round(cfg: RunConfig, line: Line, source: PromptSource, decisions: Jo
                           f"{where / 'ingest' / 'data' / 'rejects.jsonl'})")
         return close_round(cfg, line, decisions, outcome, None)
     pool = [*earlier_answers(cfg, decisions), (round_id, answered)]
-    current_id, current_dir = line.current_id(), line.current_dir()
-    assert current_id is not None and current_dir is not None  # (ensure_current promoted one)
-    current = (current_id, current_dir)
-    cand = candidate_config(cfg, where, pool_sources(cfg, pool), current[1])
+    cand = candidate_config(cfg, where, pool_sources(cfg, pool), start_drafter(line, where))
     export_dir = build_candidate(cand)
     outcome.train = train_summary(cand)
-    gate = judge(cfg, line, where, current, export_dir)
+    current_id, current_dir = line.current_id(), line.current_dir()
+    assert current_id is not None and current_dir is not None  # (ensure_current promoted one)
+    gate = judge(cfg, line, where, (current_id, current_dir), export_dir)
     outcome.gate, outcome.gate_table, outcome.gate_prompts = gate.to_json(), gate.table(), str(gate_prompts_path(cfg))
     outcome.status, outcome.reason = ("promoted" if gate.promote else "kept"), gate.reason
     if gate.promote:
         promote_candidate(cfg, line, round_id, export_dir, gate, pool)
     return close_round(cfg, line, decisions, outcome, answered)
+
+
+def start_drafter(line: Line, where: Path) -> Path:
+    """The drafter the round's candidate trains from: the one current when the round first got here, kept in
+    start.json (a resumed round must not start from another, its own promoted candidate included)."""
+    import json
+
+    from infra.storage import atomic_write_json
+
+    path = where / START_FILE
+    if not path.is_file():
+        atomic_write_json(path, {"drafter": line.current_id()})
+    return line.drafter_dir(json.loads(path.read_text())["drafter"])
 
 
 def judge(cfg: RunConfig, line: Line, where: Path, current: tuple[str, Path], export_dir: Path) -> GateResult:

@@ -67,5 +67,5 @@ def refresh_markdown(o: RefreshOutcome) -> str:
     if o.gate is not None:
         lines += ["## Gate", "", f"Method `{o.gate['method']}` on `{o.gate_prompts}` (sha256 "
                   f"`{o.gate['prompts_sha256']}`); acceptance length = tokens per target verify forward.", "",
-                  *table_lines([r | {} for r in o.gate_table]), ""]
+                  *table_lines(o.gate_table), ""]
     return "\n".join(lines).rstrip() + "\n"
