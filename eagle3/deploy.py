@@ -33,6 +33,7 @@ from eagle3.deploy_checks import (
     SameTextCheck,
     accept_checks,
     check_errors,
+    draft_dir,
     render_checks,
     same_text_checks,
 )
@@ -52,16 +53,6 @@ NOT_ENABLED = "serve.enabled is false: no GPU host with SGLang configured, so no
 def deploy_dir(cfg: RunConfig) -> Path:
     """<run>/deploy: results.json, report.md and the server logs."""
     return cfg.run_dir / "deploy"
-
-
-def draft_dir(cfg: RunConfig) -> Path:
-    """The drafter the servers load: the run's promoted one (the folder <run>/promoted/current points at, once a
-    refresh or `eagle3 promote` promoted one: eagle3.refresh.line), else the exported SGLang drafter (the folder
-    the evaluate stage reads too)."""
-    from eagle3.evaluate.stage import default_export_dir
-    from eagle3.refresh.line import Line
-
-    return Line(cfg.run_dir).current_dir() or default_export_dir(cfg)
 
 
 def trios(cfg: RunConfig) -> list[str]:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from eagle3.config import RunConfig
     from eagle3.evaluate.records import PromptRecord
     from infra.sglang_bench import BenchResult, LevelResult
@@ -58,9 +60,18 @@ def eval_method_name(trio: str) -> str:
     return f"{'chain' if topk == 1 else 'tree'}-{steps}-{topk}-{tokens}"
 
 
+def draft_dir(cfg: RunConfig) -> Path:
+    """The drafter the servers load: the run's promoted one (the folder <run>/promoted/current points at, once a
+    refresh or `eagle3 promote` promoted one: eagle3.refresh.line), else the exported SGLang drafter (the folder
+    the evaluate stage reads too)."""
+    from eagle3.evaluate.stage import default_export_dir
+    from eagle3.refresh.line import Line
+
+    return Line(cfg.run_dir).current_dir() or default_export_dir(cfg)
+
+
 def serves_own_export(cfg: RunConfig) -> bool:
-    """Whether the drafter the servers load (eagle3.deploy.draft_dir) has the weights of the run's own export."""
-    from eagle3.deploy import draft_dir
+    """Whether the drafter the servers load (draft_dir) has the weights of the run's own export."""
     from eagle3.export.checks import WEIGHTS_FILE
     from eagle3.run.layout import run_layout
     from infra.storage import sha256_file_cached

@@ -35,10 +35,11 @@ def eagle3_refresh(preset: PresetName = "smollm2-demo", overrides: list[str] | N
         config: A full run configuration; when given, `preset` and `overrides` are ignored.
     """
     from eagle3.refresh.core import run_refresh
+    from eagle3.refresh.report import refresh_markdown
 
     guard_crash_loop()
     cfg = config or load_config(preset, list(overrides or []))
     outcome = run_refresh(cfg, owner=f"prefect flow run {flow_run.id}")
-    create_markdown_artifact(markdown=outcome.markdown, key=artifact_key(cfg, "refresh-report"),
+    create_markdown_artifact(markdown=refresh_markdown(outcome), key=artifact_key(cfg, "refresh-report"),
                              description=f"refresh: {outcome.status} ({outcome.reason})"[:500])
     return outcome.to_json()

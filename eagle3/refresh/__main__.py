@@ -12,13 +12,15 @@ import argparse
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the config arguments and run one refresh (it takes the run lock itself)."""
-    from eagle3.refresh.core import RefreshOutcome, run_refresh
+    from eagle3.refresh.core import run_refresh
+    from eagle3.refresh.records import RefreshOutcome
+    from eagle3.refresh.report import refresh_markdown
     from eagle3.run.cli_args import add_config_args, print_json, stage_main
 
     parser = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
 
     def show(outcome: RefreshOutcome) -> None:
-        print(outcome.markdown)
+        print(refresh_markdown(outcome))
         print_json(outcome)
 
     stage_main(parser, argv, lambda cfg, args: run_refresh(cfg), show=show)

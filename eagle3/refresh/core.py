@@ -17,11 +17,12 @@ Order, and what a kill at any point leaves (every step skips what it finds compl
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eagle3.refresh.line import PROMOTION_FILE, Line, Promotion, PromotionError, utc_now
+from eagle3.refresh.line import PROMOTION_FILE, Line, PromotionError, utc_now
+from eagle3.refresh.records import Promotion, RefreshOutcome
+from eagle3.refresh.report import refresh_markdown
 from eagle3.refresh.source import PromptSource, to_record
 from eagle3.run.journal import Journal
 from infra.storage import atomic_write_bytes, atomic_write_text, run_lock, sha256_file, sha256_file_cached
@@ -38,37 +39,6 @@ NO_NEW = "no new prompts"
 
 class RefreshConfigError(ValueError):
     """A run that cannot be refreshed as configured."""
-
-
-@dataclass
-class RefreshOutcome:
-    """What one refresh did: the flow's artifact and the command's output are rendered from it."""
-
-    run_name: str
-    status: str  # promoted | kept | no new prompts
-    reason: str
-    current: str | None  # the current drafter afterwards
-    source: str
-    round_id: str | None = None
-    new_lines: int | None = None
-    spans: list[dict[str, Any]] = field(default_factory=list)
-    ingest: dict[str, Any] = field(default_factory=dict)
-    train: dict[str, Any] = field(default_factory=dict)
-    gate: dict[str, Any] | None = None
-    gate_table: list[dict[str, Any]] = field(default_factory=list)
-    gate_prompts: str | None = None
-    report: str | None = None  # report.md of the round
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-able dict."""
-        return asdict(self)
-
-    @property
-    def markdown(self) -> str:
-        """The report (eagle3.refresh.report)."""
-        from eagle3.refresh.report import refresh_markdown
-
-        return refresh_markdown(self)
 
 
 def refresh_dir(cfg: RunConfig) -> Path:
@@ -258,7 +228,7 @@ def close_round(cfg: RunConfig, line: Line, decisions: Journal, outcome: Refresh
     outcome.current = line.current_id()
     report = round_dir(cfg, outcome.round_id) / REPORT_FILE
     outcome.report = str(report)
-    atomic_write_text(report, outcome.markdown)
+    atomic_write_text(report, refresh_markdown(outcome))
     with decisions.appender() as append:
         append({"id": outcome.round_id, "status": outcome.status, "reason": outcome.reason,
                 "current": outcome.current, "at": utc_now(),

@@ -24,10 +24,10 @@ import os
 import secrets
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
+from eagle3.refresh.records import Promotion
+from eagle3.refresh.report import promotion_lines
 from eagle3.run.journal import Journal
 from infra.storage import atomic_write_json, atomic_write_text, fsync_dir, seal_dir
 
@@ -37,29 +37,6 @@ EVENTS_FILE, PROMOTION_FILE, CARD_FILE = "events.jsonl", "promotion.json", "READ
 
 class PromotionError(ValueError):
     """A promotion or rollback that cannot be done (nothing to roll back to, no export to promote)."""
-
-
-@dataclass(frozen=True)
-class Promotion:
-    """promotion.json: one drafter's promotion."""
-
-    id: str
-    kind: str  # refresh (passed the gate) | manual (eagle3 promote) | initial (the run's export, first refresh)
-    replaces: str | None  # the drafter that was current before (rollback returns to it)
-    reason: str
-    at: str  # UTC time
-    source: str  # the export folder copied
-    table: list[dict[str, Any]] = field(default_factory=list)  # gate rows (group, prompts, current, candidate)
-    digests: dict[str, Any] = field(default_factory=dict)  # sha256 of the data and prompts it was judged on
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-able dict."""
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> Promotion:
-        """The record ``to_json`` wrote."""
-        return cls(**{k: doc[k] for k in cls.__dataclass_fields__ if k in doc})
 
 
 def utc_now() -> str:
@@ -151,15 +128,11 @@ class Line:
         self.write_card()
 
     def write_card(self) -> Path:
-        """promoted/README.md (eagle3.refresh.report.line_card)."""
-        from eagle3.refresh.report import line_card
-
+        """promoted/README.md (line_card)."""
         return atomic_write_text(self.root / CARD_FILE, line_card(self))
 
     def _publish(self, export_dir: Path, promotion: Promotion, card_head: str) -> None:
         """The export's files, promotion.json and the card into a temp folder, fsynced, renamed to drafters/<id>."""
-        from eagle3.refresh.report import promotion_lines
-
         final = self.drafter_dir(promotion.id)
         final.parent.mkdir(parents=True, exist_ok=True)
         for stale in final.parent.glob(f".{promotion.id}.tmp-*"):  # left by a killed promotion
@@ -191,3 +164,18 @@ class Line:
         os.symlink(Path(DRAFTERS_DIR) / drafter_id, tmp)
         os.replace(tmp, self.pointer)
         fsync_dir(self.root)
+
+
+def line_card(line: Line) -> str:
+    """promoted/README.md: the current drafter, the serving path, its lineage's promotions, every event."""
+    current = line.current_id()
+    lines = ["# Promoted drafters", "",
+             f"Current: `{current}` (`{line.pointer}` -> `{line.current_dir()}`)." if current else "Nothing promoted.",
+             "", "SGLang loads the current drafter through the pointer: `--speculative-draft-model-path "
+             f"{line.pointer.parent.resolve() / line.pointer.name}`; `eagle3 promote --rollback` returns to the one it "
+             "replaced.", "", "## Events (newest first)", ""]
+    events = sorted(line.events.load().values(), key=lambda e: e["at"], reverse=True)
+    lines += [f"- {e['at']}: {e['event']} `{e.get('from')}` -> `{e['to']}`" for e in events] or ["- none"]
+    for promotion in line.lineage():
+        lines += ["", *promotion_lines(promotion)]
+    return "\n".join(lines) + "\n"

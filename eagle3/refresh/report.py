@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from eagle3.refresh.core import RefreshOutcome
-    from eagle3.refresh.line import Line, Promotion
+    from eagle3.refresh.records import Promotion, RefreshOutcome
 
 
 def table_lines(table: list[dict[str, Any]]) -> list[str]:
@@ -35,21 +34,6 @@ def promotion_lines(p: Promotion) -> list[str]:
             f"Replaces `{p.replaces}`. {p.reason}" if p.replaces else f"First promoted drafter. {p.reason}", "",
             f"Exported from `{p.source}`.", "", "Acceptance length on the gate prompts:", "",
             *table_lines(p.table), "", "Data and prompt digests (sha256):", "", *digest_lines(p.digests)]
-
-
-def line_card(line: Line) -> str:
-    """promoted/README.md: the current drafter, the serving path, its lineage's promotions, every event."""
-    current = line.current_id()
-    lines = ["# Promoted drafters", "",
-             f"Current: `{current}` (`{line.pointer}` -> `{line.current_dir()}`)." if current else "Nothing promoted.",
-             "", "SGLang loads the current drafter through the pointer: `--speculative-draft-model-path "
-             f"{line.pointer.parent.resolve() / line.pointer.name}`; `eagle3 promote --rollback` returns to the one it "
-             "replaced.", "", "## Events (newest first)", ""]
-    events = sorted(line.events.load().values(), key=lambda e: e["at"], reverse=True)
-    lines += [f"- {e['at']}: {e['event']} `{e.get('from')}` -> `{e['to']}`" for e in events] or ["- none"]
-    for promotion in line.lineage():
-        lines += ["", *promotion_lines(promotion)]
-    return "\n".join(lines) + "\n"
 
 
 def refresh_markdown(o: RefreshOutcome) -> str:

@@ -68,7 +68,8 @@ def kill_on_entry(point: str) -> None:
 
 def main(argv: list[str]) -> None:
     if argv[0] == "promote":
-        from eagle3.refresh.line import Line, Promotion, utc_now
+        from eagle3.refresh.line import Line, utc_now
+        from eagle3.refresh.records import Promotion
 
         run_dir, export, drafter, n = Path(argv[1]), Path(argv[2]), argv[3], int(argv[4])
         line = Line(run_dir)

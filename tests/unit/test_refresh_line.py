@@ -14,7 +14,8 @@ import torch
 
 from eagle3.config_refresh import GateConfig
 from eagle3.refresh.gate import GateRow, decide
-from eagle3.refresh.line import PROMOTION_FILE, Line, Promotion, PromotionError, utc_now
+from eagle3.refresh.line import PROMOTION_FILE, Line, PromotionError, utc_now
+from eagle3.refresh.records import Promotion
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -135,8 +136,7 @@ def test_the_deploy_stage_serves_the_current_drafter_once_one_is_promoted(tmp_pa
     """deploy.draft_dir is the run's export until a drafter is promoted, then the folder `current` points at (and
     the accept check against eagle3 eval, which measured the export, is skipped for other weights)."""
     from eagle3.config import load_config
-    from eagle3.deploy import draft_dir
-    from eagle3.deploy_checks import serves_own_export
+    from eagle3.deploy_checks import draft_dir, serves_own_export
 
     cfg = load_config("tiny", [f"run.workdir={tmp_path}"])
     own = _export(cfg.run_dir / "export" / "sglang", 1)
