@@ -10,6 +10,7 @@ target (tests/unit/test_sampling.py).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -103,7 +104,7 @@ class SampledRounds:
             if prob <= 0:
                 self.outside = self.outside or (position + offset, token)
             else:
-                self.logprob += float(torch.tensor(prob).log())
+                self.logprob += math.log(prob)
 
     def finish(self, result: DecodeResult) -> DecodeResult:
         """``result`` with the decode's log-prob and first out-of-support token."""

@@ -15,10 +15,11 @@ Definitions (docs/evaluate.md): acceptance length = tokens committed by verify f
 verify steps that accepted >= i tokens / steps that proposed position i, and conditional = the same over
 steps that accepted >= i-1; speedup = greedy wall time / method wall time over the same prompts.
 
-Outputs in <run>/eval/: results.json, report.md, per_position.png, prompts.jsonl; manifest last. While it runs,
-every measured prompt is journaled (evaluate.journal.jsonl), so a killed evaluation re-measures only the rest.
-Evaluating the run's own export also writes the measured table into its model cards (eagle3.export.model_card);
-named with --export-dir (e.g. carried to a host without the run's data), only the table of its card is rewritten.
+Outputs in <run>/eval/: results.json, report.md, per_position.png, prompts.jsonl (and rejects.jsonl for rejected
+prompt-file lines); manifest last. While it runs, every measured prompt is journaled (evaluate.journal.jsonl), so a
+killed evaluation re-measures only the rest. A greedy evaluation of the run's own export also writes the measured
+table into its model cards (eagle3.export.model_card); named with --export-dir (e.g. carried to a host without the
+run's data), only the table of its card is rewritten. At temperature > 0 (speculative sampling) the cards are left.
 
 Modules: eagle3.evaluate.session (the methods, one process's loaded models, one prompt measured),
 eagle3.evaluate.pool (many prompts, spawned workers, the journal), eagle3.evaluate.records (the typed records
@@ -228,6 +229,8 @@ def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
         journal_of(cfg).path.unlink(missing_ok=True)
     outcome = run_stage("evaluate", manifest_path(cfg), key, force=force,
                         compute=lambda: _compute(cfg, model_dir, source, progress, show_bar, key))
+    if cfg.evaluate.temperature > 0:  # the cards' table is the greedy, token-identical one: a sampled run leaves it
+        return outcome
     results = json.loads(Path(outcome.outputs["results"]).read_text())
     if export_dir is None:  # the run's own export: its model cards get the table just measured (or still current)
         from eagle3.export.stage import write_cards

@@ -161,3 +161,16 @@ def test_prompt_file_content_enters_the_stage_key(sampled_run, tmp_path):
     finally:
         path.write_text(original)
     assert key_for(cfg, model_dir, export_dir) == before
+
+
+def test_deploy_benchmark_sends_the_file_prompts(sampled_run):
+    """serve.prompts: evaluation sends the prompt file's rendered prompts (bad line left out) to the SGLang benchmark,
+    grouped by the file's entry."""
+    from eagle3.deploy import deploy_prompts
+    from eagle3.target.load import load_tokenizer
+
+    cfg, model_dir, _, path = sampled_run
+    cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"prompts": "evaluation", "num_prompts": 3})})
+    sent = deploy_prompts(cfg, str(model_dir))
+    assert sent.groups == [str(path)] * 3
+    assert sent.prompts[1] == render_messages(load_tokenizer(model_dir), GOOD_MESSAGES)

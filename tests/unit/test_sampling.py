@@ -325,3 +325,22 @@ def test_sampled_check_names_a_token_outside_the_support():
     bad = DecodeResult([5, 6], 1.0, outside=(1, 6))
     assert sampled_check(bad).kind == "mismatch" and sampled_check(bad).position == 1
     assert sampled_check(DecodeResult([5, 6], 1.0)).kind == "sampled"
+
+
+def test_static_runners_sample_what_the_eager_ones_sample(decode_world):
+    """The static-cache runners (fixed-width forwards, the logits as an extra output) give the eager runners' sampled
+    tokens from the same seed, for chain, tree and the target's own sampling (float64: the same distributions)."""
+    from eagle3.evaluate.decode_cache import make_runners
+    from eagle3.evaluate.graphs import CompileSettings
+
+    eager, prompt = decode_world["target"], decode_world["prompt"]
+    drafter, d2t = decode_world["drafter"], decode_world["d2t"]
+    target, runner = make_runners(eager.model, AUX_IDS, drafter, d2t, True, CompileSettings(), capacity=64)
+    params = SamplingParams(1.0)
+    for name, (steps, topk, size) in {"chain": (3, 1, 4), "tree": (3, 4, 8)}.items():
+        outs = [sampled_speculative_decode(t, EagleProposer(drafter, d2t, steps, topk, size, runner=r), prompt, MAX_NEW,
+                                           [], sampler_for(params, 3, name, "cpu"))
+                for t, r in ((eager, None), (target, runner))]
+        assert outs[0].tokens == outs[1].tokens and outs[0].steps == outs[1].steps, name
+    own = [sample_decode(t, prompt, MAX_NEW, [], sampler_for(params, 3, "ref", "cpu")) for t in (eager, target)]
+    assert own[0].tokens == own[1].tokens
