@@ -16,7 +16,7 @@ Three ways, all transformers' own generation code (no hand-written decoder):
     (``sdpa``), which copies the whole static cache per layer and step to repeat it for every query head
     (``repeat_kv``); ``flex`` also reads only the key blocks that hold a row's valid keys (flex_attention
     with a block mask), where SDPA reads the whole static cache whatever the position: on an H200 the
-    decode attention was 78% of a step at batch 512, cache 2,048 (benchmarks/generation.py --profile).
+    decode attention was 78% of a step at batch 512, cache 2,048 (lab/generation.py --profile).
   * ``continuous``: transformers' continuous batching, ``model.generate_batch`` (finished rows leave
     the batch at once; needs a transformers that ships ``ContinuousBatchingConfig``).
 

@@ -1,10 +1,10 @@
-"""benchmarks/answer_lengths.py: the per-cap figures derived from measured lengths."""
+"""lab/answer_lengths.py: the per-cap figures derived from measured lengths."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.answer_lengths import Lengths, batch_row_steps, cap_figures
+from lab.answer_lengths import Lengths, batch_row_steps, cap_figures
 
 
 def _lengths(tokens: list[int], ended: list[bool], limit: int = 40) -> Lengths:

@@ -1,4 +1,4 @@
-"""benchmarks/curve_carry.py: a data run's generation journals and a curve's results survive the trip to another
+"""lab/curve_carry.py: a data run's generation journals and a curve's results survive the trip to another
 host byte for byte, in parts of bounded size; a missing part or an empty run is an error that names the folder."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from benchmarks import curve_carry
+from lab import curve_carry
 
 
 def _journals(run_dir):

@@ -177,12 +177,12 @@ def test_resolve_decode_switches():
 
 
 def test_eval_speed_benchmark_tiny_run_is_lossless(capsys):
-    """benchmarks/eval_speed.py --tiny runs end to end on CPU and every decode it times equals the static and the
+    """lab/eval_speed.py --tiny runs end to end on CPU and every decode it times equals the static and the
     eager greedy."""
     import runpy
     from pathlib import Path
 
-    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "eval_speed.py"))
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[2] / "lab" / "eval_speed.py"))
     bench["main"](["--tiny", "--new-tokens", "16", "--repeats", "1"])
     printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line)
     assert printed["lossless_identical"].startswith("5 of 5") and float(printed["greedy_static_tok_s"].split()[0]) > 0

@@ -296,7 +296,7 @@ def test_partial_report_covers_the_journaled_prompts_only(tiny_run):
 
 
 def test_drafter_shift_benchmark_reproduces_the_decodes_position1_acceptance(tiny_run, tmp_path, capsys):
-    """benchmarks/drafter_shift.py: teacher-forced agreement at the chain's round starts equals the position-1
+    """lab/drafter_shift.py: teacher-forced agreement at the chain's round starts equals the position-1
     acceptance the evaluation measured, per dataset, with a drafter that hits on some rounds and misses on
     others (it always proposes the tiny target's most frequent greedy token)."""
     import runpy
@@ -323,7 +323,7 @@ def test_drafter_shift_benchmark_reproduces_the_decodes_position1_acceptance(tin
             append({"id": f"sharegpt:c{i}", "status": "ok", "messages": [
                 {"role": "user", "content": f"Question {i}: what is the capital of France?"},
                 {"role": "assistant", "content": "The capital of France is Paris. " * (i + 1)}]})
-    shift = runpy.run_path(str(Path(__file__).resolve().parents[2] / "benchmarks" / "drafter_shift.py"))
+    shift = runpy.run_path(str(Path(__file__).resolve().parents[2] / "lab" / "drafter_shift.py"))
     shift["main"](["--config", str(write_run_config(run)), "--export-dir", str(constant), "--journal",
                    str(journal.path), "--eval-prompts", str(run.run_dir / "eval" / "prompts.jsonl"),
                    "--num-conversations", "4"])

@@ -297,11 +297,11 @@ def test_empty_prompt_is_refused(case):
 
 
 def test_generation_benchmark_runs_tiny_and_reports_identical_rows(capsys):
-    """benchmarks/generation.py --tiny (static path on CPU) prints its figures and all rows identical to plain."""
+    """lab/generation.py --tiny (static path on CPU) prints its figures and all rows identical to plain."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "generation.py"
+    path = Path(__file__).resolve().parents[2] / "lab" / "generation.py"
     spec = importlib.util.spec_from_file_location("generation_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

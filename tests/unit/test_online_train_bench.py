@@ -1,4 +1,4 @@
-"""benchmarks/online_train.py on a CPU: every pass it offers runs and prints its figures (a smoke run; the figures
+"""lab/online_train.py on a CPU: every pass it offers runs and prints its figures (a smoke run; the figures
 themselves are measured on a GPU, docs/train.md)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_online_train_benchmark_runs_every_pass_and_prints_positive_rates():
     """Offline, online (tokens from the host row and from the device), cached and the profiles all run; every
     summary rate is a positive number."""
-    cmd = [sys.executable, "benchmarks/online_train.py", "--device", "cpu", "--num-layers", "4", "--rows", "4",
+    cmd = [sys.executable, "lab/online_train.py", "--device", "cpu", "--num-layers", "4", "--rows", "4",
            "--warmup", "1", "--seq-len", "1024", "--ttt-steps", "1", "--online-forward", "padded", "--device-tokens",
            "--feature-cache", "--profile", "1"]
     out = subprocess.run(cmd, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import curve_assets, curve_carry, curve_report, quality_curve
 from eagle3.train.build import first_tokens
+from lab import curve_assets, curve_carry, curve_report, quality_curve
 
 
 def test_first_tokens_is_a_nested_prefix():

@@ -1,4 +1,4 @@
-"""benchmarks/quality_run.sh end to end on the tiny preset (CPU): every phase runs, a repeat trains nothing, and
+"""lab/quality_run.sh end to end on the tiny preset (CPU): every phase runs, a repeat trains nothing, and
 PACK_RESULTS_TO carries off what the run measured, its exported drafter included, byte for byte."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks import curve_carry
+from lab import curve_carry
 
 REPO = Path(__file__).resolve().parents[2]
 PHASES = ("data", "capture", "train", "export", "eval")
@@ -16,7 +16,7 @@ PHASES = ("data", "capture", "train", "export", "eval")
 
 def _quality_run(phase: str, workdir: Path, pack: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PRESET": "tiny", "PYTHON": sys.executable, "PACK_RESULTS_TO": str(pack)}
-    done = subprocess.run([str(REPO / "benchmarks" / "quality_run.sh"), phase, "--set", f"run.workdir={workdir}"],
+    done = subprocess.run([str(REPO / "lab" / "quality_run.sh"), phase, "--set", f"run.workdir={workdir}"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done

@@ -76,7 +76,7 @@ def test_a_wide_table_is_split_into_narrow_parts_that_keep_every_cell():
 def test_a_drawn_data_scaling_curve_is_in_the_run_report(data_only_run, tmp_path):
     """With runs/<name>/curve written by the curve's report, the run report holds its tables (sections nested
     under one heading) and its plot; without it, no such section."""
-    from benchmarks.curve_report import write_curve_report
+    from lab.curve_report import write_curve_report
 
     cfg = data_only_run
     plain = render_run_report(cfg)

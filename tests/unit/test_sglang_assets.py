@@ -1,4 +1,4 @@
-"""benchmarks/sglang_assets.py: the lock parses, the kernel trim drops exactly its table's paths (and fails loudly
+"""lab/sglang_assets.py: the lock parses, the kernel trim drops exactly its table's paths (and fails loudly
 when one is gone), and packed bundles install on the host side only after every file arrives sha256-intact."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 
-from benchmarks import sglang_assets as sa
+from lab import sglang_assets as sa
 
 KERNEL_MEMBERS = {
     "sgl_kernel/__init__.py": b"from sgl_kernel.version import __version__\n",

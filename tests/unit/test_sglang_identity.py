@@ -1,4 +1,4 @@
-"""Lab: benchmarks/sglang_identity.py finds where two greedy outputs split and reads float32's margin there."""
+"""Lab: lab/sglang_identity.py finds where two greedy outputs split and reads float32's margin there."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from benchmarks.sglang_identity import analyse, first_split, summarize
 from eagle3.config import load_config
 from eagle3.target.load import prepare_target
 from infra.sglang_bench import BenchResult, BenchSettings, RequestSample, summarize_level
+from lab.sglang_identity import analyse, first_split, summarize
 
 
 def test_first_split_is_the_first_difference_or_the_shorter_end():

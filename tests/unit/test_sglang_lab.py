@@ -1,4 +1,4 @@
-"""Pure functions of the SGLang lab benchmarks (benchmarks/sglang_capture.py, benchmarks/sglang_regenerate.py).
+"""Pure functions of the SGLang lab benchmarks (lab/sglang_capture.py, lab/sglang_regenerate.py).
 
 No server and no model: the comparison arithmetic the GPU-host runs rely on.
 """
@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.sglang_capture import BlockSums, block_sums, compare_states, offenders, split_blocks
-from benchmarks.sglang_regenerate import answers, identity_shares
+from lab.sglang_capture import BlockSums, block_sums, compare_states, offenders, split_blocks
+from lab.sglang_regenerate import answers, identity_shares
 
 
 def test_identical_states_have_zero_error_in_every_block():

@@ -1,4 +1,4 @@
-"""Lab: benchmarks/sglang_levers.py (a draft vocab cut to its most frequent tokens) and benchmarks/sglang_trace.py."""
+"""Lab: lab/sglang_levers.py (a draft vocab cut to its most frequent tokens) and lab/sglang_trace.py."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.sglang_levers import new_flags, parse_variant, shrink_export, summarize
-from benchmarks.sglang_trace import busy_us, summarize_trace
 from eagle3.export.sglang import check_sglang_export
+from lab.sglang_levers import new_flags, parse_variant, shrink_export, summarize
+from lab.sglang_trace import busy_us, summarize_trace
 from tests.unit.test_export import sglang_export
 
 
@@ -84,7 +84,7 @@ def test_trace_summary_counts_overlapping_kernels_once_and_rounds_by_verify_step
     path = tmp_path / "t.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    from benchmarks.sglang_trace import load_events
+    from lab.sglang_trace import load_events
 
     s = summarize_trace(load_events(path))
     assert s["rounds"] == 2 and s["gpu_busy_share"] == pytest.approx(25 / 100)

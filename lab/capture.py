@@ -16,12 +16,12 @@ early_writeback, pinned_handoff); ``--case`` repeats, and all cases share one mo
 raw passes (interleaved ABBA so drift hits all alike). fp8 figures: e4m3 + per-token scale error of the
 captured aux states.
 
-    python benchmarks/capture.py --preset smollm2-demo --num-samples 50 --device cpu
-    python benchmarks/capture.py --random-llama8b --device cuda --num-samples 256 --max-sample-tokens 2048 \\
+    python lab/capture.py --preset smollm2-demo --num-samples 50 --device cpu
+    python lab/capture.py --random-llama8b --device cuda --num-samples 256 --max-sample-tokens 2048 \\
         --max-tokens-per-batch 16384 --tokens-per-shard 65536 \\
         --case stream_writes=false,num_writers=1 --case num_writers=1 --case num_writers=2
-    python benchmarks/capture.py --random-smollm2 --device cuda --num-samples 2000 --max-sample-tokens 2048
-    python benchmarks/capture.py --random-smollm2 --device cuda --num-samples 2000 --max-sample-tokens 2048 \
+    python lab/capture.py --random-smollm2 --device cuda --num-samples 2000 --max-sample-tokens 2048
+    python lab/capture.py --random-smollm2 --device cuda --num-samples 2000 --max-sample-tokens 2048 \
         --per-sample-attention  # the bitwise per-sample path instead of the default (padded batches on a GPU)
 
 The preset mode needs the run's tokenized data (`eagle3 stage all --preset smollm2-demo`), or
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.shapes import LLAMA31_8B, SMOLLM2_135M
+from lab.shapes import LLAMA31_8B, SMOLLM2_135M
 from eagle3.config import CaptureConfig
 from eagle3.features.fp8 import fp8_error
 from eagle3.features.hf_backend import HFCaptureBackend, resolve_device

@@ -1,6 +1,6 @@
 """The data-scaling curve on one GPU, without Prefect: data once, then train, export and evaluate per size.
 
-    python3 benchmarks/quality_curve.py PHASE [--preset smollm2-curve] [--sizes 3M,10M,20M] [--set k=v ...]
+    python3 lab/quality_curve.py PHASE [--preset smollm2-curve] [--sizes 3M,10M,20M] [--set k=v ...]
     PHASE: data | train-N | export-N | eval-N | replay-N | size-N (train, export, eval) | sweep[-VARIANT] |
            report | all  (N: 3M, 10M, ...; train-N-VARIANT etc. run one step of a sweep variant at the largest
            size N; replay-N: chain and n-gram acceptance replayed on greedy texts, seconds instead of a decode)
@@ -11,7 +11,7 @@ whose config adds ``train.max_train_tokens=N`` (the first rows of the shuffled t
 the sizes are nested). Every size after the first leaves n-gram out of its methods: the baseline uses no
 drafter, so one measurement stands for all (``--ngram-every-size`` measures it each time, sweep variants too:
 the four methods of a full quality run). ``report`` writes runs/<name>/curve/{curve.md,curve.png,curve.json}
-from the sizes' eval/results.json (benchmarks/curve_report.py); ``--size-run 20M=PRESET`` takes a size from another
+from the sizes' eval/results.json (lab/curve_report.py); ``--size-run 20M=PRESET`` takes a size from another
 preset's run after checking that it trained exactly that size. ``sweep`` trains, exports and measures recipe variants
 at the largest size (``sweep_variants``), each in runs/<name>-<largest>-<variant> (the vocab variant maps its own
 vocab/ from the linked data); the report puts them in a table beside the baseline.
@@ -47,8 +47,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import curve_carry  # noqa: E402
-from benchmarks.curve_report import token_label, write_curve_report  # noqa: E402
+from lab import curve_carry  # noqa: E402
+from lab.curve_report import token_label, write_curve_report  # noqa: E402
 from eagle3.run.layout import PROMPTS_FILE, REPLAYED_FILE  # noqa: E402
 
 DEFAULT_PRESET, DEFAULT_SIZES = "smollm2-curve", "3M,10M,20M"
@@ -318,7 +318,7 @@ def phase_replay(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     """Chain and n-gram acceptance of the size's exported drafter replayed on greedy texts (no decode):
     runs/<name>-N/eval/replayed.json, which the report uses for the methods its decode did not measure."""
     cfg, config = c.size_run(size, variant)
-    return c.run("benchmarks.drafter_shift", [
+    return c.run("lab.drafter_shift", [
         "--config", str(config), "--set", "evaluate.methods=[chain,ngram]", "--eval-prompts", str(greedy_texts(c)),
         "--replay-only", "--device", cfg.evaluate.device, "--out", str(eval_file(c, size, REPLAYED_FILE, variant))],
         c.budgets["eval"])

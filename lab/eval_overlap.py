@@ -1,6 +1,6 @@
 """Speed of the merge's evaluation-overlap check on real ShareGPT conversations, and what it flags.
 
-    .venv/bin/python benchmarks/eval_overlap.py --num-conversations 5000
+    .venv/bin/python lab/eval_overlap.py --num-conversations 5000
 
 Builds the word 8-gram index of every MT-Bench, HumanEval and GSM8K prompt once, then checks the first N
 valid conversations of the packaged ShareGPT file. Prints one `name: value` line per figure.

@@ -14,13 +14,13 @@ errors by kind; between them: the share of rows whose answers are identical text
 in the first 32 tokens. JSON (atomic) + a printed table; exit 1 when either backend recorded errors.
 
 GPU host (sglang 0.5.16 behind the wrapper serve.python names; RUN's config with regenerate.device cuda):
-    python benchmarks/sglang_regenerate.py --config RUN/config.json --rows 200 --device cuda \\
+    python lab/sglang_regenerate.py --config RUN/config.json --rows 200 --device cuda \\
         --out RUN/bench-regen.json --server-args="--attention-backend triton --sampling-backend pytorch"
 
 CPU dry runs (tiny preset; tests/fakes/ are TEST DOUBLES, not SGLang):
   1. the managed server path with the fake SGLang server, which has no /v1/chat/completions: the server
      starts and passes its probe, every openai row fails with http_404, reported as errors (exit 1):
-    python benchmarks/sglang_regenerate.py --config /tmp/sglab/tiny/config.json --rows 20 \\
+    python lab/sglang_regenerate.py --config /tmp/sglab/tiny/config.json --rows 20 \\
         --module tests.fakes.sglang_server --python .venv/bin/python --max-new-tokens 16
   2. the openai path end to end against the fake OpenAI endpoint (tests/fakes/openai_server.py) with --endpoint.
 
@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.sglang_lab import (  # noqa: E402
+from lab.sglang_lab import (  # noqa: E402
     add_server_args,
     device_name,
     run_and_record,
@@ -118,7 +118,7 @@ def fresh_dir(path: Path) -> Path:
             raise RuntimeError(f"{path} exists and was not made by this benchmark (no {OUT_MARKER}): move it away")
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    (path / OUT_MARKER).write_text("made by benchmarks/sglang_regenerate.py; safe to delete\n")
+    (path / OUT_MARKER).write_text("made by lab/sglang_regenerate.py; safe to delete\n")
     return path
 
 

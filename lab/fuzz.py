@@ -11,7 +11,7 @@ UTF-16/32 encodings, byte flips, truncation. For every input it checks:
   kept record; where the mutations keep record boundaries, read = the number of records written;
 - nothing is written outside the run directory: a fresh folder holds only the input and run folders after.
 
-    python -m benchmarks.fuzz --inputs 10000 --seed 0      # prints one `name: value` line per figure
+    python -m lab.fuzz --inputs 10000 --seed 0      # prints one `name: value` line per figure
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How well an exported drafter predicts on its training distribution versus the evaluation's texts.
 
-    .venv/bin/python benchmarks/drafter_shift.py --config runs/<run>/config.json [--set k=v ...] \
+    .venv/bin/python lab/drafter_shift.py --config runs/<run>/config.json [--set k=v ...] \
         --journal runs/<run>/data/regenerate.journal.jsonl --eval-prompts runs/<run>/eval/prompts.jsonl
 
 The drafter's first draft token is teacher-forced (TTT step 0 as training computes it, through the same

@@ -5,7 +5,7 @@ cache's racy window, then times (a) a plain sha256 of the file, (b) the first ``
 new process (one hash), (c) the next one (a stat: the per-process cache). The file is in the page cache
 throughout, so (a) and (b) measure hashing, not the disk; a cold read adds the disk's read time.
 
-    python benchmarks/integrity.py --mb 512
+    python lab/integrity.py --mb 512
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.sglang_lab import bench_config, say  # noqa: E402
+from lab.sglang_lab import bench_config, say  # noqa: E402
 from eagle3.config import RunConfig, read_config_file, save_config, validate_config  # noqa: E402
 from infra.process import descendants  # noqa: E402
 from infra.sglang import LAUNCH_MODULE  # noqa: E402
@@ -103,7 +103,7 @@ def prepare_kill_run(cfg: RunConfig, args: argparse.Namespace) -> tuple[RunConfi
         shutil.rmtree(kdir)
     src, dst = run_layout(cfg), run_layout(kcfg)
     dst.tokenized.parent.mkdir(parents=True)
-    (kdir / KILL_MARKER).write_text("made by benchmarks/sglang_capture.py --kill-test; safe to delete\n")
+    (kdir / KILL_MARKER).write_text("made by lab/sglang_capture.py --kill-test; safe to delete\n")
     num_tokens = write_first_rows(src.tokenized, dst.tokenized, args.samples)
     copy_tokenize_manifest(src.manifest("tokenize"), dst.manifest("tokenize"), dst.tokenized, args.samples)
     tokens_per_shard = shard_budget(dst.tokenized, num_tokens, args.min_shards)
@@ -162,7 +162,7 @@ def stage_python(kdir: Path, args: argparse.Namespace) -> str:
     if args.module == LAUNCH_MODULE:
         return args.python
     shim = kdir / "python-shim"
-    shim.write_text(f'#!/bin/sh\n# -m {LAUNCH_MODULE} -> -m {args.module} (benchmarks/sglang_capture.py dry run)\n'
+    shim.write_text(f'#!/bin/sh\n# -m {LAUNCH_MODULE} -> -m {args.module} (lab/sglang_capture.py dry run)\n'
                     f'if [ "$1" = "-m" ] && [ "$2" = "{LAUNCH_MODULE}" ]; then shift 2; '
                     f'exec "{os.path.abspath(args.python)}" -m {args.module} "$@"; fi\n'
                     f'exec "{os.path.abspath(args.python)}" "$@"\n')

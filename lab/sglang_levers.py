@@ -15,9 +15,9 @@ the speed-up a setting can reach is accept length / (round ms / step ms). Varian
 
 ``--profile VARIANT`` runs SGLang's own profiler (``/start_profile``, torch profiler, CPU and GPU) on that
 variant after its benchmark, over ``--profile-steps`` scheduler steps of one request, and copies the chrome trace
-beside ``--out``; ``benchmarks/sglang_trace.py`` reads it (GPU busy share, kernels by time, graph launches).
+beside ``--out``; ``lab/sglang_trace.py`` reads it (GPU busy share, kernels by time, graph launches).
 
-    python benchmarks/sglang_levers.py --config runs/<run>/config.json --out runs/<run>/bench-levers.json \\
+    python lab/sglang_levers.py --config runs/<run>/config.json --out runs/<run>/bench-levers.json \\
         --variants baseline,3-1-4,vocab-4096,7-1-8,attn-decode --profile 3-1-4
 (server flags come from the run's serve section; --server-args adds flags it does not set)
 """
@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.sglang_lab import add_server_args, run_and_record, say, write_results  # noqa: E402
+from lab.sglang_lab import add_server_args, run_and_record, say, write_results  # noqa: E402
 from eagle3.config import RunConfig, read_config_file, validate_config  # noqa: E402
 
 SUBSET = {"mtbench": 20, "humaneval": 10, "gsm8k": 10}  # 40 of the 160 evaluation prompts, all three datasets

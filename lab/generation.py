@@ -20,12 +20,12 @@ Prints ``name: value`` lines:
 Tokens per second count generated tokens up to and including each row's first eos (a row that stopped
 early costs steps in static generate but its idle steps are not counted).
 
-    python benchmarks/generation.py --tiny                                # CPU smoke run (seconds)
-    python benchmarks/generation.py --device cuda                         # SmolLM2-135M shape, random weights
-    python benchmarks/generation.py --device cuda --sweep 1024,4096 --check-rows 0
-    python benchmarks/generation.py --device cuda --skip-plain --check-rows 0 --batch 512 --num-prompts 2048 \
+    python lab/generation.py --tiny                                # CPU smoke run (seconds)
+    python lab/generation.py --device cuda                         # SmolLM2-135M shape, random weights
+    python lab/generation.py --device cuda --sweep 1024,4096 --check-rows 0
+    python lab/generation.py --device cuda --skip-plain --check-rows 0 --batch 512 --num-prompts 2048 \
         --min-len 100 --max-len 3000 --new-tokens 512 --cold [--compile-dynamic]   # compiles, three cache lengths
-    python benchmarks/generation.py --device cuda --model-dir path/to/SmolLM2-135M-Instruct
+    python lab/generation.py --device cuda --model-dir path/to/SmolLM2-135M-Instruct
 
 Needs only torch and transformers (and the repository root on PYTHONPATH).
 """
@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for a plain `python benchmarks/...`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for a plain `python lab/...`
 
-from benchmarks.shapes import SMOLLM2_135M  # noqa: E402
+from lab.shapes import SMOLLM2_135M  # noqa: E402
 from eagle3.data.generate import GenerationSettings, TokenGenerator, cut_after_eos, left_pad  # noqa: E402
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,

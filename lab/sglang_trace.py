@@ -7,7 +7,7 @@ CPU-side time of SGLang's phase annotations per round (``draft``, ``step[TARGET_
 A round = one ``step[TARGET_VERIFY ...]`` annotation. The profiler's Python tracing slows the CPU side, so CPU
 times here are upper bounds; GPU kernel times are not affected.
 
-    python benchmarks/sglang_trace.py runs/<run>/levers/profile/levers-TP-0.trace.json.gz [--json OUT]
+    python lab/sglang_trace.py runs/<run>/levers/profile/levers-TP-0.trace.json.gz [--json OUT]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Two things have to travel:
   metrics, export metadata and model card, evaluation results and prompt records), and with ``weights`` the
   exported drafters, so a later host can evaluate one again without training it, and ``quality_curve.py report``
   can draw the curve here from sizes measured on different hosts.
-``benchmarks/quality_curve.py pack-journals|unpack-journals|pack-results|unpack-results DIR`` call these.
+``lab/quality_curve.py pack-journals|unpack-journals|pack-results|unpack-results DIR`` call these.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ resolve either way; a split where float32 clearly prefers one side's token, with
 on the other side (the drafter cannot change a verified token: a speculative server whose outputs split from its
 baseline on a wide margin verifies wrongly).
 
-    python benchmarks/sglang_identity.py --config runs/<run>/config.json --deploy runs/<run>/deploy/results.json \\
+    python lab/sglang_identity.py --config runs/<run>/config.json --deploy runs/<run>/deploy/results.json \\
         [--trio 3-1-4] [--against baseline|eval] [--device cuda] [--out runs/<run>/deploy/identity.json]
 
 ``--against baseline`` (default) compares the speculative server with the baseline server; ``--against eval``

@@ -2,7 +2,7 @@
 
 Reads each size's ``eval/results.json`` (eagle3.evaluate.stage) and, where a size has no decoded figure for a
 method, its ``eval/replayed.json`` (chain and n-gram acceptance replayed from an evaluation's greedy texts by
-``benchmarks/drafter_shift.py --replay-only``: no decode, so no lossless check; marked † in the tables and
+``lab/drafter_shift.py --replay-only``: no decode, so no lossless check; marked † in the tables and
 drawn hollow), and writes into one folder:
 curve.json (the rows), curve.md (a table per dataset) and curve.png (acceptance vs training tokens on a log
 axis, one line per drafting method, the n-gram baseline as a flat dashed line: it uses no drafter, so
@@ -280,7 +280,7 @@ def rows_of(curve_json: Path) -> list[CurveRow]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python3 benchmarks/curve_report.py CURVE_JSON OUT_PNG [--dataset all]: draw curve.png again from a curve.json
+    """python3 lab/curve_report.py CURVE_JSON OUT_PNG [--dataset all]: draw curve.png again from a curve.json
     (one carried back from a GPU host, or docs/curve.json), without the runs it was read from."""
     import argparse
 

@@ -2,15 +2,15 @@
 
 The lent GPU host has no network and takes at most 64 MiB of working tree per call; files outside the repository
 survive between consecutive calls while it stays warm. The 94 wheels SGLang needs there and a trimmed
-sglang-kernel are pinned, with sha256 and size, in ``benchmarks/sglang-0.5.16-host.lock``; this tool downloads them
+sglang-kernel are pinned, with sha256 and size, in ``lab/sglang-0.5.16-host.lock``; this tool downloads them
 here, trims the kernel, cuts everything into bundles with ``curve_assets.pack`` and installs them there:
 
     # here, once (network to PyPI; ~550 MB downloaded into .whl/sglang-0.5.16, bundles in .sglang/, both ignored):
-    python benchmarks/sglang_assets.py all
-    #   = download --lock benchmarks/sglang-0.5.16-host.lock --dest .whl/sglang-0.5.16
+    python lab/sglang_assets.py all
+    #   = download --lock lab/sglang-0.5.16-host.lock --dest .whl/sglang-0.5.16
     #     + trim + pack --dest .whl/sglang-0.5.16 --out .sglang --limit-mib 58
     # there, one call per bundle, back to back (carry: [".sglang/bundle-K"]):
-    python3 benchmarks/sglang_assets.py install .sglang/bundle-K --stage /tmp/sglang-stage --site /tmp/sglang-site
+    python3 lab/sglang_assets.py install .sglang/bundle-K --stage /tmp/sglang-stage --site /tmp/sglang-site
     # the call that completes the set installs it and prints: export PYTHONPATH=/tmp/sglang-site
 
 ``install`` assembles each file once all its chunks have arrived (sha256-checked by ``curve_assets.unpack``; a
@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 try:
-    from benchmarks import curve_assets
-except ImportError:  # run as a script: benchmarks/ is sys.path[0]
+    from lab import curve_assets
+except ImportError:  # run as a script: lab/ is sys.path[0]
     import curve_assets  # type: ignore[no-redef]
 
 DEFAULT_LOCK = Path(__file__).with_name("sglang-0.5.16-host.lock")

@@ -7,9 +7,9 @@ file travels as it is, cut into chunks over consecutive calls (files outside the
 between calls while the host stays warm):
 
     # here, once (writes .curve/bundle-1 ..., each under --limit-mib; .curve/ is git-ignored):
-    python benchmarks/curve_assets.py pack --out .curve [--wheels .whl]
+    python lab/curve_assets.py pack --out .curve [--wheels .whl]
     # there, one call per bundle, back to back (carry: [".curve/bundle-K"]):
-    python3 benchmarks/curve_assets.py unpack .curve/bundle-K --stage /tmp/curve-stage --site /tmp/curve-site
+    python3 lab/curve_assets.py unpack .curve/bundle-K --stage /tmp/curve-stage --site /tmp/curve-site
     # then PYTHONPATH=/tmp/curve-site: every 'pkg://' path and evaluation dataset resolves as it does here.
 
 Each file is stored under the path an installed package would give it (``<package>/<file>``), so presets

@@ -15,10 +15,10 @@ norm (same seed and batch in every case: equal up to bf16 noise when the paths a
 seconds (compilation) and the graph breaks torch.compile reported. A failing case prints its error
 and the next case runs.
 
-    python benchmarks/train_throughput.py --ab                  # the A/B table of the step's switches
-    python benchmarks/train_throughput.py --ttt-steps 7 3 --set train.compile=false
-    python benchmarks/train_throughput.py --case "eager train.compile=false" --case default --profile default
-    python -m torch.distributed.run --standalone --nproc-per-node=8 benchmarks/train_throughput.py --parallel fsdp
+    python lab/train_throughput.py --ab                  # the A/B table of the step's switches
+    python lab/train_throughput.py --ttt-steps 7 3 --set train.compile=false
+    python lab/train_throughput.py --case "eager train.compile=false" --case default --profile default
+    python -m torch.distributed.run --standalone --nproc-per-node=8 lab/train_throughput.py --parallel fsdp
 
 Peer figure (speculators 0.9.0's Eagle3DraftModel, vllm-project/speculators src/speculators/models/eagle3/core.py,
 with its own compiled step on Llama-3.1-8B drafter shapes and random inputs, one H200, torch 2.11, T=4096, full

@@ -1,6 +1,6 @@
 """The deploy benchmark client (infra/sglang_bench.py) timed for real against a pair of FAKE SGLang servers.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/fake_serving_pair.py --step-s 0.01 --spec-step-cost 1.5 --accept-length 2.5
+    PYTHONPATH=. .venv/bin/python lab/fake_serving_pair.py --step-s 0.01 --spec-step-cost 1.5 --accept-length 2.5
 
 The fakes (tests/fakes/sglang_server.py) sleep ``step-s`` per target forward, a verify step costing
 ``spec-step-cost`` forwards, so the speedup is near accept length / spec_step_cost. This prints,

@@ -1,9 +1,9 @@
 """Decode speed of the offline evaluation at batch 1: the eager runners against the static-cache, compiled ones.
 
-    python benchmarks/eval_speed.py                  # on a GPU host: SmolLM2-135M-shaped random target
-    python benchmarks/eval_speed.py --tiny           # CPU smoke run: a tiny random target, uncompiled static path
-    python benchmarks/eval_speed.py --capacity 1408 --prompt-len 300 --dtype bfloat16 --profile   # as the evaluation
-    python benchmarks/eval_speed.py --compile on     # Inductor's kernels inside the graphs (minutes of warm-up)
+    python lab/eval_speed.py                  # on a GPU host: SmolLM2-135M-shaped random target
+    python lab/eval_speed.py --tiny           # CPU smoke run: a tiny random target, uncompiled static path
+    python lab/eval_speed.py --capacity 1408 --prompt-len 300 --dtype bfloat16 --profile   # as the evaluation
+    python lab/eval_speed.py --compile on     # Inductor's kernels inside the graphs (minutes of warm-up)
 
 Builds a random Llama with SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, 3 key/value heads, MLP 1536,
 vocab 49152, tied embeddings; nothing is downloaded) and a random EAGLE-3 drafter of matching dims. Random

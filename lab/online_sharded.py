@@ -8,9 +8,9 @@ Rows of --seq-len tokens are packed from random documents (64..1023 tokens), dea
 deals them. Printed by rank 0 after --warmup untimed rows: target tokens/s over all ranks, the largest peak GPU
 memory of any rank, and the forward batches run (real and dummy, summed over the ranks).
 
-    torchrun --nproc-per-node 8 benchmarks/online_sharded.py --target llama8b --sharding fsdp
-    torchrun --nproc-per-node 8 benchmarks/online_sharded.py --target llama8b --sharding replicate
-    torchrun --nproc-per-node 2 benchmarks/online_sharded.py --device cpu --num-layers 2 --seq-len 512 --rows 4
+    torchrun --nproc-per-node 8 lab/online_sharded.py --target llama8b --sharding fsdp
+    torchrun --nproc-per-node 8 lab/online_sharded.py --target llama8b --sharding replicate
+    torchrun --nproc-per-node 2 lab/online_sharded.py --device cpu --num-layers 2 --seq-len 512 --rows 4
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from benchmarks.shapes import LLAMA31_8B, SMOLLM2_135M
+from lab.shapes import LLAMA31_8B, SMOLLM2_135M
 from eagle3.features.hf_backend import HFCaptureBackend
 from eagle3.features.spec import SampleTokens
 from eagle3.train.data import pack

@@ -1,4 +1,4 @@
-"""Helpers shared by the SGLang lab benchmarks (benchmarks/sglang_capture.py, benchmarks/sglang_regenerate.py).
+"""Helpers shared by the SGLang lab benchmarks (lab/sglang_capture.py, lab/sglang_regenerate.py).
 
 Lab code: it imports the core, the core never imports it. What is here:
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python benchmarks/x.py` puts benchmarks/ first, not the repository
+if str(REPO) not in sys.path:  # `python lab/x.py` puts lab/ first, not the repository
     sys.path.insert(0, str(REPO))
 
 from infra.storage import atomic_write_text  # noqa: E402
