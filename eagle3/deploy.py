@@ -4,7 +4,8 @@
     python -m eagle3.deploy --preset llama31-8b --set serve.enabled=true --set 'serve.concurrency_levels=[1,8,32]'
 
 First the export's own strict check (SGLang skips unknown keys silently) and the target the servers load. Then
-the baseline server and after it the speculative one, never both at once (they would share the GPUs): check that
+the baseline server and after it the speculative one (EAGLE-3; with drafter.family=dflash a DFLASH server of the
+export's block size, docs/dflash.md), never both at once (they would share the GPUs): check that
 no other process holds GPU memory, launch it (infra.sglang.ManagedServer: readiness = model_info,
 health_generate, server_info, then a checked greedy smoke generation; a speculative server must also report
 verify steps), benchmark every concurrency level (infra.sglang_bench) and stop it, also when the benchmark
@@ -33,7 +34,9 @@ from eagle3.deploy_checks import (
     SameTextCheck,
     accept_checks,
     check_errors,
+    dflash_trio,
     draft_dir,
+    drafter_label,
     render_checks,
     same_text_checks,
 )
@@ -56,7 +59,10 @@ def deploy_dir(cfg: RunConfig) -> Path:
 
 
 def trios(cfg: RunConfig) -> list[str]:
-    """The EAGLE-3 settings to benchmark, 'steps-topk-draft_tokens': serve's own trio, then extra_speculative."""
+    """The EAGLE-3 settings to benchmark, 'steps-topk-draft_tokens': serve's own trio, then extra_speculative; a
+    DFlash drafter's one (its export's block size: eagle3.deploy_checks.dflash_trio)."""
+    if cfg.drafter.family == "dflash":
+        return [dflash_trio(cfg)]
     sv = cfg.serve
     main = f"{sv.num_steps}-{sv.eagle_topk}-{sv.num_draft_tokens}"
     return [main, *(t for t in sv.extra_speculative if t != main)]
@@ -64,18 +70,21 @@ def trios(cfg: RunConfig) -> list[str]:
 
 def server_specs(cfg: RunConfig, model_path: str, draft_path: str,
                  api_key: str | None, trio: str | None = None) -> tuple[ServerSpec, ServerSpec]:
-    """(baseline, speculative) ServerSpecs from cfg.serve: equal flags except --speculative-* and the port."""
+    """(baseline, speculative) ServerSpecs from cfg.serve: equal flags except --speculative-* and the port (a DFlash
+    drafter: a DFLASH server verifying ``trio``'s draft tokens, its block size)."""
     from eagle3.config_stages import parse_trio
-    from infra.sglang import serving_pair
+    from infra.sglang import dflash_serving_pair, serving_pair
 
     sv = cfg.serve
     steps, topk, tokens = parse_trio(trio or trios(cfg)[0])
-    return serving_pair(model_path, draft_path, port=sv.port, num_steps=steps, topk=topk,
-                        num_draft_tokens=tokens, host=sv.host, allow_remote=sv.allow_remote_host,
-                        tp_size=sv.tp_size, dtype=sv.dtype,
-                        mem_fraction_static=sv.mem_fraction_static, max_running_requests=sv.max_running_requests,
-                        cuda_graph_max_bs_decode=sv.cuda_graph_max_bs_decode, attention_backend=sv.attention_backend,
-                        extra_args=tuple(sv.extra_args), api_key=api_key, python=sv.python, module=sv.launch_module)
+    shared: dict[str, Any] = dict(
+        port=sv.port, host=sv.host, allow_remote=sv.allow_remote_host, tp_size=sv.tp_size, dtype=sv.dtype,
+        mem_fraction_static=sv.mem_fraction_static, max_running_requests=sv.max_running_requests,
+        cuda_graph_max_bs_decode=sv.cuda_graph_max_bs_decode, attention_backend=sv.attention_backend,
+        extra_args=tuple(sv.extra_args), api_key=api_key, python=sv.python, module=sv.launch_module)
+    if cfg.drafter.family == "dflash":
+        return dflash_serving_pair(model_path, draft_path, block_size=tokens, **shared)
+    return serving_pair(model_path, draft_path, num_steps=steps, topk=topk, num_draft_tokens=tokens, **shared)
 
 
 def bench_settings(cfg: RunConfig) -> BenchSettings:
@@ -125,13 +134,15 @@ def probe_expectations(model_path: str) -> ProbeExpectations:
                              vocab_size=doc.get("vocab_size"))
 
 
-def check_draft(path: Path) -> None:
-    """The export's own strict check (SGLang skips unknown keys silently); say which step is missing first."""
+def check_draft(path: Path, family: str = "eagle3") -> None:
+    """The export's own strict check for the drafter family (SGLang skips unknown keys silently); say which step is
+    missing first."""
+    from eagle3.export.dflash import check_dflash_export
     from eagle3.export.sglang import check_sglang_export
 
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no exported drafter at {path} (no config.json): run the export step first")
-    check_sglang_export(path)
+    (check_dflash_export if family == "dflash" else check_sglang_export)(path)
 
 
 @dataclass(frozen=True)
@@ -148,7 +159,7 @@ class ServingPlan:
 
 def prepare_serving(cfg: RunConfig) -> ServingPlan:
     """Check the exported drafter and resolve the target the servers load (serve.model_path, else the run's)."""
-    check_draft(draft_dir(cfg))
+    check_draft(draft_dir(cfg), cfg.drafter.family)
     model_path = cfg.serve.model_path
     if model_path is None:
         from eagle3.target.load import prepare_target
@@ -233,7 +244,7 @@ def report_context(cfg: RunConfig, baseline: ServerRun, speculative: Sequence[Se
     from infra.sglang import LAUNCH_MODULE
 
     context = {"run": cfg.run.name, "baseline server": baseline.argv}
-    context |= {f"EAGLE-3 server {run.trio}": run.argv for run in speculative}
+    context |= {f"{drafter_label(cfg)} server {run.trio}": run.argv for run in speculative}
     if cfg.serve.launch_module != LAUNCH_MODULE:
         context["NOTE"] = (f"servers launched by {cfg.serve.launch_module}, not {LAUNCH_MODULE}: "
                            "these figures are not SGLang measurements")
@@ -264,12 +275,13 @@ def _section(cfg: RunConfig, baseline: ServerRun, run: ServerRun) -> tuple[list[
     from infra.sglang_compare import compare, compare_groups, render_group_table, render_report
 
     errors: list[str] = []
+    label = drafter_label(cfg)
     try:
         rows = compare(baseline.result, run.result)
     except MeasurementError as exc:
-        return [], f"## EAGLE-3 {run.trio}\n\nnot comparable: {exc}\n", [], [f"{run.trio}: {exc}"]
-    markdown = render_report(rows, baseline.result, run.result, {"EAGLE-3 setting": str(run.trio)})
-    markdown = markdown.replace("# EAGLE-3 deploy benchmark", f"## EAGLE-3 {run.trio}", 1)
+        return [], f"## {label} {run.trio}\n\nnot comparable: {exc}\n", [], [f"{run.trio}: {exc}"]
+    markdown = render_report(rows, baseline.result, run.result, {f"{label} setting": str(run.trio)})
+    markdown = markdown.replace("# EAGLE-3 deploy benchmark", f"## {label} {run.trio}", 1)
     if len(set(run.groups)) > 1 or cfg.serve.prompts == "evaluation":
         markdown += "\n" + render_group_table(compare_groups(baseline.result, run.result, list(run.groups)))
     checks, skipped = accept_checks(cfg, run)
@@ -296,7 +308,7 @@ def write_report(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun | S
     rows = [row for section in sections for row in section[0]]
     checks = [check for section in sections for check in section[2]]
     errors = [error for section in sections for error in section[3]]
-    head = ["# EAGLE-3 deploy benchmark", ""] + [f"* {k}: `{v}`" for k, v in context.items()] + [""]
+    head = [f"# {drafter_label(cfg)} deploy benchmark", ""] + [f"* {k}: `{v}`" for k, v in context.items()] + [""]
     markdown = "\n".join(head) + "\n" + "\n".join(section[1] for section in sections)
     doc: dict[str, Any] = {"context": context, "baseline": baseline.to_json(),
                            "speculative": [run.to_json() for run in runs], "comparison": rows,

@@ -1,5 +1,5 @@
 """The deploy stage's train/serve parity checks: SGLang's accept length against ``eagle3 eval``'s for the same
-export, prompts and drafting.
+export, prompts and drafting (an EAGLE-3 trio's chain or tree; a DFlash drafter's ``dflash-{K-1}-1-{K}``).
 
 Two comparisons, both at the lowest concurrency measured:
 
@@ -52,12 +52,34 @@ class AcceptCheck:
     ok: bool
 
 
-def eval_method_name(trio: str) -> str:
-    """The evaluate stage's name for the same drafting: chain-S-1-N, or tree-S-K-N."""
+def eval_method_name(trio: str, family: str = "eagle3") -> str:
+    """The evaluate stage's name for the same drafting: chain-S-1-N, or tree-S-K-N; a DFlash drafter's dflash-S-1-N
+    (eagle3.evaluate.session.method_specs names it so)."""
     from eagle3.config_stages import parse_trio
 
     steps, topk, tokens = parse_trio(trio)
-    return f"{'chain' if topk == 1 else 'tree'}-{steps}-{topk}-{tokens}"
+    kind = "dflash" if family == "dflash" else "chain" if topk == 1 else "tree"
+    return f"{kind}-{steps}-{topk}-{tokens}"
+
+
+def drafter_label(cfg: RunConfig) -> str:
+    """The served drafter family as the report names it."""
+    return "DFlash" if cfg.drafter.family == "dflash" else "EAGLE-3"
+
+
+def dflash_trio(cfg: RunConfig) -> str:
+    """A DFlash drafter's one way of drafting, as a trio: K-1 drafts in one block, top-1, K tokens verified per round
+    (SGLang's DFLASH runs steps 1, topk 1, K draft tokens), K the served export's block size."""
+    from eagle3.config_base import ConfigError
+    from eagle3.export.checks import CONFIG_FILE, read_json
+    from eagle3.export.dflash import dflash_dims
+
+    if cfg.serve.extra_speculative:
+        raise ConfigError(f"serve.extra_speculative {cfg.serve.extra_speculative} lists EAGLE-3 settings; a DFlash "
+                          "drafter (drafter.family=dflash) is served one way, its export's block size: leave it empty")
+    path = draft_dir(cfg) / CONFIG_FILE
+    block = dflash_dims(read_json(path), path)[0].block_size  # ExportError naming the file when not a DFlash export
+    return f"{block - 1}-1-{block}"
 
 
 def draft_dir(cfg: RunConfig) -> Path:
@@ -98,7 +120,7 @@ def accept_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[AcceptCheck], st
         return [], (f"eagle3 eval generated {doc.get('settings', {}).get('max_new_tokens')} tokens per prompt, "
                     f"the servers {cfg.serve.max_new_tokens}: set evaluate.max_new_tokens equal")
     assert run.trio is not None
-    method = eval_method_name(run.trio)
+    method = eval_method_name(run.trio, cfg.drafter.family)
     rows = {r["dataset"]: r for r in doc.get("results", []) if r.get("method") == method}
     if not rows:
         return [], f"eagle3 eval did not measure {method} (evaluate.chain_steps / tree_* settings)"
@@ -155,7 +177,7 @@ def same_text_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[SameTextCheck
     records = eval_records(cfg)
     if records is None or cfg.serve.prompts != "evaluation" or run.trio is None:
         return [], "no eval/prompts.jsonl with this drafting to compare per prompt"
-    method = eval_method_name(run.trio)
+    method = eval_method_name(run.trio, cfg.drafter.family)
     level: LevelResult = min(run.result.levels, key=lambda lv: lv.concurrency)
     same: dict[int, tuple[int, int, int]] = {}  # prompt -> (tokens, SGLang verify steps, eval verify steps)
     for i in range(len(run.groups)):

@@ -42,6 +42,7 @@ from infra.sglang_spec import (  # noqa: F401 (re-exported: callers import the s
     Mode,
     ServerSpec,
     ServerSpecError,
+    dflash_serving_pair,
     serving_pair,
 )
 from infra.storage import private_write_text
@@ -268,7 +269,7 @@ def _check_generation(body: Any, rid: str, spec: ServerSpec, expect: ProbeExpect
     _expect(all(isinstance(i, int) and 0 <= i < upper for i in ids), "output_ids", f"ids outside [0, {upper})")
     # One token repeated 16 times from a greedy real model means broken weights or a broken kernel.
     _expect(len(set(ids)) > 1, "output_ids", f"all {len(ids)} generated ids are {ids[0]}")
-    if spec.mode == "speculative":
+    if spec.speculative:
         _expect((meta.get("spec_verify_ct") or 0) > 0 and (meta.get("spec_accept_length") or 0) >= 1,
                 "speculative", f"spec_verify_ct {meta.get('spec_verify_ct')}, "
                 f"spec_accept_length {meta.get('spec_accept_length')}: the draft did not run")

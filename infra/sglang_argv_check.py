@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.sglang_spec import MODE_GAPS, MODES, ServerSpec, serving_pair
+from infra.sglang_spec import DFLASH_RESOLVED, MODE_GAPS, MODES, ServerSpec, dflash_serving_pair, serving_pair
 
 # Settings SGLang derives in its resolution hooks, not straight from a flag: not on the parsed namespace.
 RESOLVED_FIELDS = {"aux_hidden_state_capture", "return_hidden_states_mode"}
@@ -76,21 +76,23 @@ def parse_launch_args(args: Sequence[str], parser: argparse.ArgumentParser | Non
 
 def placeholder_specs() -> dict[str, ServerSpec]:
     """One spec per mode with placeholder paths; serve/speculative are a serving_pair with every field set
-    and an API key (so the --config merge is exercised too)."""
+    and an API key (so the --config merge is exercised too), dflash the DFlash twin of that baseline."""
+    shared: dict[str, Any] = dict(api_key=PLACEHOLDER_KEY, tp_size=1, dtype="bfloat16", mem_fraction_static=0.8,
+                                  max_running_requests=32, cuda_graph_max_bs_decode=32, attention_backend="triton")
     baseline, speculative = serving_pair("/placeholder/target", "/placeholder/draft", port=30000, num_steps=3,
-                                         topk=1, num_draft_tokens=4, api_key=PLACEHOLDER_KEY, tp_size=1,
-                                         dtype="bfloat16", mem_fraction_static=0.8, max_running_requests=32,
-                                         cuda_graph_max_bs_decode=32, attention_backend="triton")
+                                         topk=1, num_draft_tokens=4, **shared)
+    dflash = dflash_serving_pair("/placeholder/target", "/placeholder/draft", port=30000, block_size=16, **shared)[1]
     return {"capture_packed": ServerSpec("/placeholder/target", "capture_packed", port=30104,
                                          aux_layer_ids=(1, 15, 28)),
             "capture_aux": ServerSpec("/placeholder/target", "capture_aux", port=30100, aux_layer_ids=(1, 15, 28)),
             "capture_final": ServerSpec("/placeholder/target", "capture_final", port=30102),
-            "serve": baseline, "speculative": speculative}
+            "serve": baseline, "speculative": speculative, "dflash": dflash}
 
 
 def mismatches(spec: ServerSpec, parsed: argparse.Namespace) -> list[str]:
     """Fields whose parsed value differs from what ``spec`` meant (empty when SGLang read what we wrote)."""
-    want = {k: v for k, v in spec.expected_server_info().items() if k not in RESOLVED_FIELDS}
+    resolved = RESOLVED_FIELDS | (set(DFLASH_RESOLVED) if spec.mode == "dflash" else set())
+    want = {k: v for k, v in spec.expected_server_info().items() if k not in resolved}
     if spec.mode == "capture_aux":  # SGLang's aux hook clears the EAGLE3 algorithm the flag set
         want["speculative_algorithm"] = "EAGLE3"
     want |= {"host": spec.host, "api_key": spec.api_key}

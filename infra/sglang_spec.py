@@ -1,8 +1,16 @@
 """An SGLang 0.5.23 server as data: ``ServerSpec`` builds the launch argv and says what /server_info must report.
 
 Every argv built here is checked in tests against SGLang's own argument parser. ``serving_pair``
-builds the baseline and the EAGLE-3 server of a benchmark: identical flags except the
-``--speculative-*`` ones (SGLang's python/sglang/srt/arg_groups/fields/spec.py defines those).
+builds the baseline and the EAGLE-3 server of a benchmark, ``dflash_serving_pair`` the baseline and the
+DFlash one: identical flags except the ``--speculative-*`` ones (SGLang's
+python/sglang/srt/arg_groups/fields/spec.py defines those).
+
+Mode ``dflash`` serves a DFlash drafter (SGLang's ``DFlashDraftModel``): ``--speculative-algorithm DFLASH``, the
+draft folder and ``--speculative-dflash-block-size K`` (0.5.16 and 0.5.23 both have it: an alias of
+``--speculative-num-draft-tokens`` for DFLASH). SGLang's ``_handle_dflash`` (arg_groups/speculative_hook.py, the
+same rules in both releases) then forces ``speculative_num_steps`` and ``speculative_eagle_topk`` to 1 and sets
+``speculative_num_draft_tokens`` to K, so those three are never passed: /server_info reports them resolved. It
+also refuses any device but CUDA, pipeline parallelism and (0.5.16) dp attention, which no flag here sets.
 
 The API key never goes on the command line, where ``ps`` and ``/proc/<pid>/cmdline`` show it to every
 local user. SGLang 0.5.23 reads no environment variable for it, but its ``--config FILE.yaml`` flag
@@ -32,8 +40,12 @@ MODE_GAPS: dict[str, dict[str, str]] = {
                               "(0.5.16's parser has no such flag)"},
 }
 LAUNCH_MODULE = "sglang.launch_server"
-Mode = Literal["capture_packed", "capture_aux", "capture_final", "serve", "speculative"]
-MODES: tuple[str, ...] = ("capture_packed", "capture_aux", "capture_final", "serve", "speculative")
+Mode = Literal["capture_packed", "capture_aux", "capture_final", "serve", "speculative", "dflash"]
+MODES: tuple[str, ...] = ("capture_packed", "capture_aux", "capture_final", "serve", "speculative", "dflash")
+# Modes that load a drafter: the server verifies drafts, and its /generate answers report verify steps.
+SPECULATIVE_MODES = ("speculative", "dflash")
+# What SGLang's _handle_dflash resolves for a DFLASH server: not flags of ours, so not on the parsed namespace.
+DFLASH_RESOLVED = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 CAPTURE_MODES = ("capture_packed", "capture_aux", "capture_final")
 # capture_packed: aux + final rows in one prefill from any SGLang >= 0.5.14 through our model package
 # (infra/sglang_plugin/capture_models.py says how); capture_aux / capture_final: 0.5.23's own flags, two passes.
@@ -78,6 +90,7 @@ class ServerSpec:
     num_steps: int | None = None
     topk: int | None = None
     num_draft_tokens: int | None = None
+    block_size: int | None = None  # dflash: tokens verified per round (SGLang reads the draft's config when None)
     extra_args: tuple[str, ...] = ()
     python: str = "python"
     module: str = LAUNCH_MODULE
@@ -121,6 +134,11 @@ class ServerSpec:
         if self.dtype:
             args += ["--dtype", self.dtype]
         return args + _serving_args(self)
+
+    @property
+    def speculative(self) -> bool:
+        """Whether this server loads a drafter (its answers then report verify steps)."""
+        return self.mode in SPECULATIVE_MODES
 
     def launch_env(self) -> dict[str, str]:
         """Environment the server process needs beyond the caller's: the model package for capture_packed."""
@@ -184,6 +202,10 @@ def _mode_args(spec: ServerSpec) -> list[str]:
             args += ["--speculative-num-steps", str(spec.num_steps), "--speculative-eagle-topk", str(spec.topk),
                      "--speculative-num-draft-tokens", str(spec.num_draft_tokens)]
         return args
+    if spec.mode == "dflash":
+        block = ["--speculative-dflash-block-size", str(spec.block_size)] if spec.block_size is not None else []
+        return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(spec.draft_model_path),
+                *block]
     return []
 
 
@@ -205,6 +227,12 @@ def _mode_expectations(spec: ServerSpec) -> dict[str, Any]:
         if spec.num_steps is not None:
             want |= {"speculative_num_steps": spec.num_steps, "speculative_eagle_topk": spec.topk,
                      "speculative_num_draft_tokens": spec.num_draft_tokens}
+        return want
+    if spec.mode == "dflash":  # _handle_dflash: one step, top-1, K tokens verified
+        want = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": spec.draft_model_path,
+                "speculative_num_steps": 1, "speculative_eagle_topk": 1}
+        if spec.block_size is not None:
+            want |= {"speculative_dflash_block_size": spec.block_size, "speculative_num_draft_tokens": spec.block_size}
         return want
     return {"speculative_algorithm": None}
 
@@ -269,9 +297,14 @@ def _aux_problems(spec: ServerSpec) -> list[str]:
 def _speculative_problems(spec: ServerSpec) -> list[str]:
     trio = {"num_steps": spec.num_steps, "topk": spec.topk, "num_draft_tokens": spec.num_draft_tokens}
     given = [name for name, value in trio.items() if value is not None]
+    if spec.mode == "dflash":
+        return _dflash_problems(spec, given)
+    if spec.block_size is not None:
+        return [f"block_size only applies to mode dflash, not {spec.mode!r}"]
     if spec.mode != "speculative":
         extra = given + (["draft_model_path"] if spec.draft_model_path else [])
-        return [f"{', '.join(extra)} only apply to mode speculative, not {spec.mode!r}"] if extra else []
+        return [f"{', '.join(extra)} only apply to mode speculative (draft_model_path also to dflash), "
+                f"not {spec.mode!r}"] if extra else []
     problems = [] if spec.draft_model_path else ["mode speculative needs draft_model_path"]
     if given and len(given) != 3:
         missing = sorted(set(trio) - set(given))
@@ -279,6 +312,16 @@ def _speculative_problems(spec: ServerSpec) -> list[str]:
                         f"missing {', '.join(missing)}")
     elif given:
         problems += _trio_value_problems(spec)
+    return problems
+
+
+def _dflash_problems(spec: ServerSpec, trio_given: list[str]) -> list[str]:
+    problems = [] if spec.draft_model_path else ["mode dflash needs draft_model_path"]
+    if trio_given:
+        problems.append(f"{', '.join(trio_given)} do not apply to mode dflash: SGLang runs DFLASH with one step, "
+                        "top-1 and block_size tokens verified (set block_size)")
+    if spec.block_size is not None and spec.block_size < 2:
+        problems.append(f"block_size {spec.block_size} must be >= 2 (the anchor and at least one draft)")
     return problems
 
 
@@ -323,3 +366,13 @@ def serving_pair(model_path: str, draft_model_path: str, *, port: int, num_steps
     speculative = ServerSpec(model_path, "speculative", port=port + 1, draft_model_path=draft_model_path,
                              num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens, **shared)
     return baseline, speculative
+
+
+def dflash_serving_pair(model_path: str, draft_model_path: str, *, port: int, block_size: int,
+                        **shared: Any) -> tuple[ServerSpec, ServerSpec]:
+    """(baseline, DFlash) specs for a benchmark, as ``serving_pair``: the same ``shared`` fields, ports ``port`` and
+    ``port + 1``; the block size is always explicit (it must equal the draft's config.json block_size)."""
+    baseline = ServerSpec(model_path, "serve", port=port, **shared)
+    dflash = ServerSpec(model_path, "dflash", port=port + 1, draft_model_path=draft_model_path, block_size=block_size,
+                        **shared)
+    return baseline, dflash

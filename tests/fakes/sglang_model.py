@@ -116,6 +116,7 @@ class LaunchArgs:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    speculative_dflash_block_size: int | None = None
     chunked_prefill_size: int | None = None
     disable_radix_cache: bool = False
     skip_tokenizer_init: bool = False
@@ -134,9 +135,43 @@ class LaunchArgs:
             out["return_hidden_states_mode"] = "full"
         if out["speculative_algorithm"] == "EAGLE3":
             out |= _speculative_defaults(self, model)
-            if self.max_running_requests is None:
-                out["max_running_requests"] = 48  # SGLang's reset for speculative decoding
+        if out["speculative_algorithm"] == "DFLASH":
+            out |= _dflash_resolution(self)
+        if out["speculative_algorithm"] in SPECULATIVE_ALGORITHMS and self.max_running_requests is None:
+            out["max_running_requests"] = 48  # SGLang's reset for speculative decoding
         return out
+
+
+SPECULATIVE_ALGORITHMS = ("EAGLE3", "DFLASH")
+"""The algorithms the fake pretends to run (both verify drafts the same made-up way)."""
+DFLASH_DEFAULT_BLOCK = 16
+
+
+def _dflash_resolution(args: LaunchArgs) -> dict[str, Any]:
+    """SGLang's _handle_dflash (arg_groups/speculative_hook.py, 0.5.16 and 0.5.23): a draft folder is required; one
+    step, top-1; the block size flag sets the verified tokens (equal to --speculative-num-draft-tokens when both are
+    given), else the draft's config.json (dflash_config.block_size, then block_size), else 16."""
+    if args.speculative_draft_model_path is None:
+        raise ValueError("DFLASH speculative decoding requires setting --speculative-draft-model-path.")
+    block, tokens = args.speculative_dflash_block_size, args.speculative_num_draft_tokens
+    if block is not None:
+        if block <= 0:
+            raise ValueError(f"DFLASH requires --speculative-dflash-block-size to be positive, got {block}.")
+        if tokens is not None and tokens != block:
+            raise ValueError("Both --speculative-num-draft-tokens and --speculative-dflash-block-size are set "
+                             "but they differ. For DFLASH they must match.")
+        tokens = block
+    if tokens is None:
+        tokens = _draft_block_size(args.speculative_draft_model_path) or DFLASH_DEFAULT_BLOCK
+    return {"speculative_num_steps": 1, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": tokens}
+
+
+def _draft_block_size(draft: str) -> int | None:
+    config = Path(draft) / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    return (data.get("dflash_config") or {}).get("block_size") or data.get("block_size")
 
 
 def _speculative_defaults(args: LaunchArgs, model: FakeModel) -> dict[str, Any]:

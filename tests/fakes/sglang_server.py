@@ -7,7 +7,8 @@ It answers:
   GET  /model_info        model_path, served_model_name, tokenizer_path, is_generation, model_type, architectures...
   GET  /server_info       resolved launch settings (mimicking SGLang: aux capture resets speculative_algorithm,
                           sets return_hidden_states_mode "full"; speculative without --max-running-requests gets
-                          48...), internal_states [{avg_spec_accept_length}] since the last flush, version
+                          48; DFLASH runs one step, top-1, its block size verified...), internal_states
+                          [{avg_spec_accept_length}] since the last flush, version
   GET  /health, /health_generate, /ready   503 while "warming up", then 200 (no auth, like SGLang)
   POST /generate          input_ids or text (a made-up byte tokenizer) -> {output_ids, text, meta_info{id,
                           finish_reason, prompt_tokens, completion_tokens, cached_tokens, hidden_states: [prefill
@@ -17,7 +18,8 @@ It answers:
   GET/POST /flush_cache   200 "Cache flushed..." (text); resets the acceptance totals of /server_info
 
 Serving (``FakeServing``, ``--fake-accept-length/-step-s/-spec-step-cost``): both servers output the greedy chain
-of ``fake_next_token``; a speculative one reports ceil(completion / accept_length) verify steps; a target forward
+of ``fake_next_token``; a speculative one (EAGLE3 or DFLASH: no drafter is loaded, both pretend alike) reports
+ceil(completion / accept_length) verify steps; a target forward
 (a token, or a verify step costing ``spec_step_cost``) sleeps ``step_s``. Invented: no figure from it means anything.
 
 Hidden states are deterministic (``fake_hidden_rows``: a function of token id, position and layer),
@@ -58,6 +60,7 @@ from typing import Any
 
 from tests.fakes.sglang_model import (
     FAKE_VERSION,
+    SPECULATIVE_ALGORITHMS,
     FakeModel,
     FakeServing,
     Faults,
@@ -89,7 +92,7 @@ class FakeSGLangServer:
     def __post_init__(self) -> None:
         self.model = self.model or FakeModel.from_path(self.args.model_path)
         self.settings = self.args.resolved(self.model)  # raises like SGLang does on a bad flag combination
-        self.speculative = self.settings["speculative_algorithm"] == "EAGLE3"
+        self.speculative = self.settings["speculative_algorithm"] in SPECULATIVE_ALGORITHMS
         self.counts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._num_generate = 0

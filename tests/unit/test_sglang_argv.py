@@ -370,7 +370,11 @@ def test_fake_server_flags_are_sglang_flags(sglang_parser):
 
 # Argv checked under every release in SGLANG_VERSIONS: SPECS plus the mode any release can run.
 VERSIONED_SPECS = SPECS | {"capture_packed": ServerSpec("/models/target", "capture_packed", port=30104,
-                                                        aux_layer_ids=(1, 15, 28), api_key="k3y")}
+                                                        aux_layer_ids=(1, 15, 28), api_key="k3y"),
+                           "dflash": ServerSpec("/models/target", "dflash", draft_model_path="/runs/x/export/sglang"),
+                           "dflash_block": ServerSpec("/models/target", "dflash", draft_model_path="/d", block_size=16,
+                                                      api_key="k3y", max_running_requests=32,
+                                                      attention_backend="triton")}
 # Flags whose existence differs between the releases (found by diffing both parsers' option strings), limited to
 # those this project builds or has built: {flag: releases that have it}. The test below keeps this table true.
 FLAG_RELEASES = {
@@ -382,6 +386,7 @@ FLAG_RELEASES = {
     "--enable-return-hidden-states": ("0.5.16", "0.5.23"),
     "--disable-cuda-graph": ("0.5.16", "0.5.23"),
     "--config": ("0.5.16", "0.5.23"),
+    "--speculative-dflash-block-size": ("0.5.16", "0.5.23"),
 }
 
 
