@@ -280,10 +280,10 @@ def _section(cfg: RunConfig, baseline: ServerRun, run: ServerRun) -> tuple[list[
         rows = compare(baseline.result, run.result)
     except MeasurementError as exc:
         return [], f"## {label} {run.trio}\n\nnot comparable: {exc}\n", [], [f"{run.trio}: {exc}"]
-    markdown = render_report(rows, baseline.result, run.result, {f"{label} setting": str(run.trio)})
-    markdown = markdown.replace("# EAGLE-3 deploy benchmark", f"## {label} {run.trio}", 1)
+    markdown = render_report(rows, baseline.result, run.result, {f"{label} setting": str(run.trio)}, label)
+    markdown = markdown.replace(f"# {label} deploy benchmark", f"## {label} {run.trio}", 1)
     if len(set(run.groups)) > 1 or cfg.serve.prompts == "evaluation":
-        markdown += "\n" + render_group_table(compare_groups(baseline.result, run.result, list(run.groups)))
+        markdown += "\n" + render_group_table(compare_groups(baseline.result, run.result, list(run.groups)), label)
     checks, skipped = accept_checks(cfg, run)
     same, same_skipped = same_text_checks(cfg, run) if checks else ([], None)
     if checks:

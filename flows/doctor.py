@@ -117,8 +117,9 @@ def sglang_mode_checks() -> tuple[str | None, list[Check]]:
 
 def sglang_modes_used(cfg: RunConfig) -> set[str]:
     """ServerSpec modes a run of ``cfg`` launches (sglang capture: its server_mode and capture_final for
-    final_hidden with capture_aux; serve: the baseline and speculative pair)."""
-    modes = {"serve", "speculative"} if cfg.serve.enabled else set()
+    final_hidden with capture_aux; serve: the baseline and its EAGLE-3 or, drafter.family=dflash, DFlash twin)."""
+    drafter = "dflash" if cfg.drafter.family == "dflash" else "speculative"
+    modes = {"serve", drafter} if cfg.serve.enabled else set()
     if cfg.capture.backend == "sglang":
         server_mode = getattr(cfg.capture.sglang, "server_mode", "capture_aux")
         modes.add(server_mode)

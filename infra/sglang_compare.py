@@ -73,15 +73,15 @@ def _compare_level(b: LevelResult, s: LevelResult) -> LevelComparison:
 
 
 def render_report(rows: Sequence[LevelComparison], baseline: BenchResult, speculative: BenchResult,
-                  context: dict[str, str]) -> str:
-    """Markdown: setup lines, one table row per level, and the metric definitions."""
+                  context: dict[str, str], drafter: str = "EAGLE-3") -> str:
+    """Markdown: setup lines, one table row per level, and the metric definitions (``drafter``: the family served)."""
     st = baseline.settings
-    lines = ["# EAGLE-3 deploy benchmark", ""] + [f"* {k}: `{v}`" for k, v in context.items()]
+    lines = [f"# {drafter} deploy benchmark", ""] + [f"* {k}: `{v}`" for k, v in context.items()]
     lines += [f"* SGLang version (server): `{speculative.server_settings.get('version')}`",
               f"* prompts: {st.num_prompts} (digest `{baseline.prompts_digest}`), temperature 0, "
               f"max_new_tokens {st.max_new_tokens} " + ("with ignore_eos" if st.ignore_eos else "or end of turn") +
               f", {st.num_warmup} warmup requests then /flush_cache before each level", "",
-              "| concurrency | baseline tok/s | EAGLE-3 tok/s | speedup | accept length (server) | "
+              f"| concurrency | baseline tok/s | {drafter} tok/s | speedup | accept length (server) | "
               "TPOT ms base / spec | p90 latency s base / spec | identical outputs |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -90,7 +90,7 @@ def render_report(rows: Sequence[LevelComparison], baseline: BenchResult, specul
                      f"{r.speedup:.2f}x | {r.accept_length:.2f}{server} | {r.baseline_tpot_ms:.2f} / "
                      f"{r.speculative_tpot_ms:.2f} | {r.baseline_p90_latency_s:.3f} / "
                      f"{r.speculative_p90_latency_s:.3f} | {r.identical_outputs}/{r.num_requests} |")
-    lines += ["", "speedup = EAGLE-3 output tok/s / baseline output tok/s; accept length = sum completion_tokens / "
+    lines += ["", f"speedup = {drafter} output tok/s / baseline output tok/s; accept length = sum completion_tokens / "
               "sum spec_verify_ct (bonus token included; in brackets SGLang's avg_spec_accept_length since the "
               "flush); checked: speedup <= accept length at every level. Identical outputs: greedy outputs equal "
               "to the baseline's (numerics of batched kernels may legitimately differ)."]
@@ -141,9 +141,9 @@ def _group_row(b: LevelResult, s: LevelResult, name: str, idx: Sequence[int]) ->
                            sum(s.completion_by_prompt[i] for i in idx) / verify if verify else float("nan"), identical)
 
 
-def render_group_table(rows: Sequence[GroupComparison]) -> str:
+def render_group_table(rows: Sequence[GroupComparison], drafter: str = "EAGLE-3") -> str:
     """Markdown table: per concurrency and dataset, accept length, per-request tok/s, speedup, identical outputs."""
-    lines = ["| concurrency | dataset | prompts | accept length | baseline tok/s per request | EAGLE-3 tok/s per "
+    lines = [f"| concurrency | dataset | prompts | accept length | baseline tok/s per request | {drafter} tok/s per "
              "request | speedup | identical to baseline |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r.concurrency} | {r.group} | {r.num_requests} | {r.accept_length:.3f} | {r.baseline_tok_per_s:,.1f} "
               f"| {r.speculative_tok_per_s:,.1f} | {r.speedup:.2f}x | {r.identical_outputs}/{r.num_requests} |"

@@ -1,14 +1,15 @@
 """What an export ships and why: the checkpoint selection and the model card (README.md in each export folder).
 
 Selection (``select_checkpoint``): ``export.checkpoint`` when set; else ``train.select`` -- best = the checkpoint
-of the highest validation accept_len_est the train manifest records, measured = the checkpoint of the highest
-acceptance measured during training (train.measured), last = the final checkpoint (also what best and measured fall
-back to when no validation or measurement ran). The export writes the selection into eagle3_export.json.
+of the highest validation accept_len_est the train manifest records, last = the final checkpoint (also what
+best falls back to when no validation ran). The export writes the selection into eagle3_export.json.
 
 The card names the target, the data mix and token counts, the recipe, the selected step with its validation
 metrics, the measured acceptance table when the evaluation of this export has run, and the commands that
 serve the drafter with SGLang (argv built by infra.sglang_spec, checked against SGLang's parser in tests) and
-vLLM. It is rendered from the run directory by ``render_card``; the export stage writes it without the table
+vLLM. A DFlash export (eagle3_export.json format "dflash", written to the sglang folder) gets the same card with
+its own header, recipe and SGLang command (``--speculative-algorithm DFLASH`` with its block size); no vLLM line.
+It is rendered from the run directory by ``render_card``; the export stage writes it without the table
 and the evaluate stage writes it again with it. It is not one of the export manifest's hashed outputs (config
 and weights are), so a rewritten card never makes the export look changed; engines ignore it.
 """
@@ -64,16 +65,9 @@ def select_checkpoint(select: str, override: str | None, train_stats: dict[str, 
         value = train_stats["best_accept_len_est"]
         return Selection(best, train_stats["best_step"], "best", f"train.select=best: the highest validation "
                          f"accept_len_est ({value:.4f}) of {len(history)} validations", value)
-    measured = train_stats.get("best_measured_checkpoint")
-    if select == "measured" and measured:
-        step, value = train_stats["best_measured_step"], train_stats["best_measured_accept_len"]
-        return Selection(measured, step, "measured", f"train.select=measured: the highest measured acceptance length "
-                         f"({value:.4f}) of {len(train_stats.get('measured_history') or [])} measurements during "
-                         "training", history.get(step))
     step = train_stats.get("step")
-    missing = "validation (empty val split?)" if select == "best" else "measurement"
     why = ("train.select=last: the final checkpoint" if select == "last" else
-           f"train.select={select}, but the run recorded no {missing}: the final checkpoint")
+           "train.select=best, but the run recorded no validation (empty val split?): the final checkpoint")
     return Selection(final, step, "last", why, history.get(step) if step is not None else None)
 
 
@@ -107,7 +101,19 @@ def render_card(c: CardInputs) -> str:
     return "\n".join(line for section in sections for line in section(c) + [""]).rstrip() + "\n"
 
 
+def is_dflash(c: CardInputs) -> bool:
+    """A DFlash drafter's folder (SGLang's DFlashDraftModel layout), by what its export recorded."""
+    return c.info.get("format") == "dflash"
+
+
 def _header(c: CardInputs) -> list[str]:
+    if is_dflash(c):
+        d = c.cfg.drafter.dflash
+        return [f"# DFlash drafter for `{c.cfg.target.name}`", "",
+                f"A block-parallel DFlash draft model ({d.num_layers} layer(s), block of {c.info.get('block_size')} "
+                f"tokens) trained on hidden states of `{c.cfg.target.name}` (run `{c.cfg.run.name}`), in SGLang's "
+                f"`DFlashDraftModel` layout; weights in {c.info.get('dtype')}. Each round it drafts a whole block in "
+                "one forward; the target verifies every drafted token, so the target's output never changes."]
     layout = {"sglang": "the official EAGLE-3 layout (`LlamaForCausalLMEagle3`, read by SGLang and vLLM)",
               "speculators": "the speculators layout (`Eagle3Speculator`, read by vLLM)"}[c.fmt]
     return [f"# EAGLE-3 drafter for `{c.cfg.target.name}`", "",
@@ -120,7 +126,7 @@ def _target(c: CardInputs) -> list[str]:
     from eagle3.target.load import fingerprint
 
     config = read_manifest(c.model_dir / "config.json") or {}
-    aux = (c.info.get("aux_layer_ids") or {}).get("output_of_layer")
+    aux = (c.info.get("aux_layer_ids") or {}).get("output_of_layer") or c.info.get("target_layer_ids")
     return ["## Target", "", f"- name: `{c.cfg.target.name}` ({c.cfg.target.kind})",
             f"- path: `{target_path(c.cfg, c.model_dir)}`", f"- fingerprint: `{fingerprint(c.model_dir)}`",
             f"- architecture: `{', '.join(config.get('architectures') or ['?'])}`, "
@@ -145,6 +151,15 @@ def sglang_command(cfg: RunConfig, model_dir: Path, draft: Path) -> str:
     return shlex.join(spec.argv())
 
 
+def dflash_command(cfg: RunConfig, model_dir: Path, draft: Path, block_size: int) -> str:
+    """The SGLang launch command of the target with a DFlash drafter of ``block_size`` (infra.sglang_spec)."""
+    from infra.sglang_spec import ServerSpec
+
+    spec = ServerSpec(model_path=target_path(cfg, model_dir), mode="dflash", draft_model_path=str(draft.resolve()),
+                      block_size=block_size)
+    return shlex.join(spec.argv())
+
+
 def vllm_command(cfg: RunConfig, model_dir: Path, draft: Path) -> str:
     """vLLM's serve command with an EAGLE-3 drafter (its --speculative-config keys: method, model,
     num_speculative_tokens; export.speculative_tokens draft tokens)."""
@@ -154,6 +169,12 @@ def vllm_command(cfg: RunConfig, model_dir: Path, draft: Path) -> str:
 
 
 def _serving(c: CardInputs) -> list[str]:
+    if is_dflash(c):
+        block = int(c.info["block_size"])
+        command = dflash_command(c.cfg, c.model_dir, c.folder, block)
+        return ["## Serving", "", f"SGLang (DFLASH: a block of {block - 1} drafts and {block} tokens verified per "
+                "round; SGLang runs one step, top-1):", "", "```bash", command, "```", "",
+                "No vLLM command: this pipeline writes no vLLM configuration for a DFlash drafter."]
     lines = ["## Serving", ""]
     if c.sglang_folder is not None:
         lines += [f"SGLang ({c.cfg.serve.num_steps} draft steps, top-k {c.cfg.serve.eagle_topk}, "
@@ -188,7 +209,7 @@ def _data(c: CardInputs) -> list[str]:
     if tok:
         lines.append(f"- tokenized: {_n(tok.get('rows_written'))} conversations, {_n(tok.get('num_tokens'))} tokens, "
                      f"{_n(tok.get('num_loss_tokens'))} of them answer tokens trained on")
-    if vocab:
+    if vocab and not is_dflash(c):  # a DFlash drafter reads the target's lm_head: no draft vocabulary
         lines.append(f"- draft vocabulary: {_n(vocab.get('draft_vocab_size'))} of {_n(vocab.get('target_vocab_size'))}"
                      f" target tokens, covering {vocab.get('coverage', float('nan')):.4f} of the "
                      f"{_n(vocab.get('num_train_loss_tokens'))} trained-on tokens of the train split")
@@ -199,11 +220,17 @@ def _data(c: CardInputs) -> list[str]:
 
 def _recipe(c: CardInputs) -> list[str]:
     d, t, s = c.cfg.drafter, c.cfg.train, c.train_stats
-    rows = [("TTT steps (draft positions trained)", d.ttt_steps), ("step loss decay", d.step_decay),
-            ("peak learning rate", f"{t.lr:g} ({t.lr_scaling} scaling)"), ("epochs", t.num_epochs),
+    family: list[tuple[str, Any]] = [
+        ("block size (tokens verified per round)", d.dflash.block_size), ("draft layers", d.dflash.num_layers),
+        ("blocks drawn per packed row", d.dflash.num_blocks),
+        ("slot loss decay gamma", d.dflash.loss_decay_gamma or "none (every slot alike)")] if is_dflash(c) else [
+        ("TTT steps (draft positions trained)", d.ttt_steps), ("step loss decay", d.step_decay)]
+    vocab = [] if is_dflash(c) else [("draft vocabulary (configured; clipped to the target's)",
+                                      c.cfg.vocab.draft_vocab_size)]
+    rows = [*family, ("peak learning rate", f"{t.lr:g} ({t.lr_scaling} scaling)"), ("epochs", t.num_epochs),
             ("optimizer steps", f"{s.get('step')} of {s.get('total_steps')}"),
             ("packed rows per step x tokens per row", f"{s.get('rows_per_step')} x {t.max_tokens_per_batch}"),
-            ("draft vocabulary (configured; clipped to the target's)", c.cfg.vocab.draft_vocab_size),
+            *vocab,
             ("features", f"{t.features} (online: the target runs in each training step; offline: captured once)"),
             ("aux noise", t.aux_noise),
             ("seed", c.cfg.run.seed)]

@@ -98,8 +98,6 @@ def write_cards(cfg: RunConfig, results: dict[str, Any] | None = None, model_dir
     from eagle3.export.model_card import CardInputs, write_card
     from eagle3.target.load import prepare_target
 
-    if cfg.drafter.family == "dflash":  # the card describes an EAGLE-3 drafter and its serving commands
-        return []
     model_dir, train = model_dir or prepare_target(cfg), _train_stats(cfg)
     folders = {f: export_dir(cfg) / f for f in cfg.export.formats if (export_dir(cfg) / f / INFO_FILE).is_file()}
     return [write_card(CardInputs(cfg, folder, fmt, folders.get("sglang"), model_dir, read_json(folder / INFO_FILE),
@@ -182,6 +180,7 @@ def _export_dflash(cfg: RunConfig, model_dir: Path, weights: dict[str, Tensor], 
             log.warning("export: %s not written: %s", fmt, DFLASH_SKIPS[fmt])
             stats["formats"][fmt] = {"skipped": DFLASH_SKIPS[fmt]}
     stats["aux_layer_ids_output_of_layer"] = setup.target_layer_ids
+    write_cards(cfg, model_dir=model_dir)  # no measured table: the evaluate stage adds it
     return {"sglang_config": out / CONFIG_FILE, "sglang_weights": out / WEIGHTS_FILE}, stats
 
 
