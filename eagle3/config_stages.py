@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, model_validator
 
 from eagle3.config_base import Added, Operational, Section, Switch, _relative_inside, switch_on
+from eagle3.config_measured import MeasuredConfig
 
 
 class SGLangCaptureConfig(Section):
@@ -193,8 +194,8 @@ class TrainConfig(Section):
     keep_checkpoints: int = Operational(2, ge=1)
     """Keep this many newest checkpoints (and the best one by validation); older ones are deleted."""
     # which checkpoint the export ships, not what training learns: the export's key reads it
-    select: Literal["best", "last"] = Operational("best")
-    """Checkpoint the export ships: best = highest validation accept_len_est, last = the final one."""
+    select: Literal["best", "last", "measured"] = Operational("best")
+    """Checkpoint the export ships: best = highest validation accept_len_est, last = the final one, measured = highest train.measured acceptance."""
     progress_every_s: float = Operational(5.0, ge=0)
     """Rewrite train/progress.json at most this often (seconds)."""
     prefetch_rows: int = Operational(2, ge=0)
@@ -216,6 +217,16 @@ class TrainConfig(Section):
     """Fused soft cross-entropy over this many tokens at a time (no fp32 [T, Vd] tensors); 0 = plain log_softmax."""
     reuse_block_mask: bool = Operational(False)
     """flex: one block mask per micro-batch for all TTT steps; false = one per step (faster: docs/train.md)."""
+    # which steps are measured decides the checkpoint select=measured ships and where patience stops: keyed once set
+    measured: MeasuredConfig = Added(MeasuredConfig())
+    """Measured acceptance during training: a short real chain decode every N steps (docs/train.md)."""
+
+    @model_validator(mode="after")
+    def _measured_selectable(self) -> TrainConfig:
+        if self.select == "measured" and not self.measured.every_steps:
+            raise ValueError("train.select=measured needs train.measured.every_steps > 0 (no measurement, nothing to "
+                             "select by)")
+        return self
 
 
 class ExportConfig(Section):

@@ -12,6 +12,7 @@ from typing import Any
 from eagle3.config import RunConfig
 from eagle3.run.layout import CURVE_PLOT, CURVE_REPORT, run_layout
 from eagle3.run.registry import DATA_STAGES, ONLINE_SKIP
+from eagle3.train.plots import ACCEPTANCE_PLOT
 
 
 def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
@@ -171,12 +172,17 @@ def data_section(res: dict[str, Any]) -> list[str]:
 
 
 def selection_lines(train_stats: dict[str, Any], export_stats: dict[str, Any]) -> list[str]:
-    """The best validation of the run and the checkpoint the export shipped, with the reason."""
+    """The best validation (and measurement) of the run and the checkpoint the export shipped, with the reason."""
     lines = []
     if train_stats.get("best_step") is not None:
         lines.append(f"best validation: step {train_stats['best_step']}, accept_len_est "
                      f"{train_stats['best_accept_len_est']:.3f} (of {len(train_stats.get('eval_history') or [])} "
                      "validations)")
+    if train_stats.get("best_measured_step") is not None:  # train.measured
+        early = ", then stopped early by train.measured.patience" if train_stats["stopped_early"] else ""
+        lines.append(f"best measured acceptance: step {train_stats['best_measured_step']}, accept_len "
+                     f"{train_stats['best_measured_accept_len']:.3f} (of {len(train_stats['measured_history'])} "
+                     f"measurements{early})")
     if export_stats.get("selection"):
         sel = export_stats["selection"]
         lines.append(f"exported: `{sel['checkpoint']}` (step {sel['step']}): {sel['reason']}")
@@ -200,7 +206,8 @@ def render_run_report(cfg: RunConfig) -> str:
                   f"tokens/s; validation acc_0 {last_eval.get('acc_0', float('nan')):.3f}, accept_len_est "
                   f"{last_eval.get('accept_len_est', float('nan')):.3f}", ""]
         lines += selection_lines(train.get("manifest", {}), res.get("export", {}).get("stats", {}))
-        lines += [markdown_image(p) for p in layout.train_plots if p.is_file()]
+        plots = [*layout.train_plots, layout.train / ACCEPTANCE_PLOT]  # (the last only where train.measured ran)
+        lines += [markdown_image(p) for p in plots if p.is_file()]
     if res.get("evaluate"):
         lines += ["", "## Measured acceptance (speculative decoding against the target)", ""]
         rows = eval_rows(res["evaluate"])

@@ -1,8 +1,9 @@
 """What an export ships and why: the checkpoint selection and the model card (README.md in each export folder).
 
 Selection (``select_checkpoint``): ``export.checkpoint`` when set; else ``train.select`` -- best = the checkpoint
-of the highest validation accept_len_est the train manifest records, last = the final checkpoint (also what
-best falls back to when no validation ran). The export writes the selection into eagle3_export.json.
+of the highest validation accept_len_est the train manifest records, measured = the checkpoint of the highest
+acceptance measured during training (train.measured), last = the final checkpoint (also what best and measured fall
+back to when no validation or measurement ran). The export writes the selection into eagle3_export.json.
 
 The card names the target, the data mix and token counts, the recipe, the selected step with its validation
 metrics, the measured acceptance table when the evaluation of this export has run, and the commands that
@@ -65,9 +66,16 @@ def select_checkpoint(select: str, override: str | None, train_stats: dict[str, 
         value = train_stats["best_accept_len_est"]
         return Selection(best, train_stats["best_step"], "best", f"train.select=best: the highest validation "
                          f"accept_len_est ({value:.4f}) of {len(history)} validations", value)
+    measured = train_stats.get("best_measured_checkpoint")
+    if select == "measured" and measured:
+        step, value = train_stats["best_measured_step"], train_stats["best_measured_accept_len"]
+        return Selection(measured, step, "measured", f"train.select=measured: the highest measured acceptance length "
+                         f"({value:.4f}) of {len(train_stats.get('measured_history') or [])} measurements during "
+                         "training", history.get(step))
     step = train_stats.get("step")
+    missing = "validation (empty val split?)" if select == "best" else "measurement"
     why = ("train.select=last: the final checkpoint" if select == "last" else
-           "train.select=best, but the run recorded no validation (empty val split?): the final checkpoint")
+           f"train.select={select}, but the run recorded no {missing}: the final checkpoint")
     return Selection(final, step, "last", why, history.get(step) if step is not None else None)
 
 

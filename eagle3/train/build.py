@@ -92,11 +92,13 @@ def stage_key_for(cfg: RunConfig, inputs: RunInputs) -> str:
     """
     from eagle3.features.shards.layout import spec_hash
     from eagle3.run.stage import stage_key
+    from eagle3.train import measured
 
     layout = run_layout(cfg)
     # key_fields: the family and the DFlash section are hashed once set (eagle3 runs keep their keys)
     conf = {"drafter": key_fields(cfg.drafter), "seed": cfg.run.seed, **section_dict(cfg, "train")}
-    extra = {"target": inputs.spec.target_fingerprint, **warm_start.key_extra(cfg)}  # {} without refresh.init_from
+    extra = {"target": inputs.spec.target_fingerprint, **warm_start.key_extra(cfg),  # {} without refresh.init_from
+             **measured.key_extra(cfg)}  # {} while train.measured is off
     if cfg.train.features == "online":
         manifests = [layout.manifest("tokenize"), layout.manifest("vocab")]
         extra |= {"spec": spec_hash(inputs.spec), "target_dtype": cfg.target.dtype}

@@ -15,7 +15,8 @@ removed at the next save). It is intact while every file has its recorded size a
 resuming, selecting the best checkpoint and exporting check that first, so a bit flipped on disk is refused
 (``CorruptCheckpointError`` naming the file), never trained on or shipped; resuming falls back to the newest
 intact checkpoint and moves the damaged one aside as ``step-N.corrupt``. Only the newest ``keep`` checkpoints are
-kept, and the best one (``best_step`` of the state being saved), which the export ships when train.select is best.
+kept, and the best ones (``best_step`` and ``best_measured_step`` of the state being saved), which the export ships
+when train.select is best or measured.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,12 @@ class TrainerState:
     tokens_seen: int = 0  # real tokens, all ranks
     best_step: int | None = None  # the step of the highest validation accept_len_est so far (it has a checkpoint)
     best_accept_len_est: float | None = None
+    # train.measured (eagle3.train.measured): the last measured step, the best measured one (it has a checkpoint),
+    # and measurements since that best (train.measured.patience stops training at this many)
+    measured_step: int | None = None
+    best_measured_step: int | None = None
+    best_measured_accept_len: float | None = None
+    measured_since_best: int = 0
 
     def rank_index(self, world_size: int) -> int:
         """Index of the next row in a rank's list (rank r takes plan rows r, r + W, ...)."""
@@ -181,11 +189,12 @@ def _write_files(tmp: Path, model_sd: dict, optim_sd: dict, trainer: dict, confi
     seal_dir(tmp)
 
 
-def prune(ckpt_dir: Path, keep: int, protect: int | None = None) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints (and step ``protect``) and any temp dir left by a crash;
-    returns what went."""
+def prune(ckpt_dir: Path, keep: int, protect: int | Iterable[int | None] | None = None) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (and the step or steps ``protect``) and any temp dir left by a
+    crash; returns what went."""
+    kept = {protect} if protect is None or isinstance(protect, int) else set(protect)
     old = list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []
-    removed = [p for step, p in old if step != protect]
+    removed = [p for step, p in old if step not in kept]
     removed += [p for p in Path(ckpt_dir).glob(".step-*") if p.is_dir()]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
@@ -209,7 +218,7 @@ def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
         _write_files(tmp, model_sd, optim_sd, trainer, config_json,
                      {**info, **asdict(state), "world_size": dist_info.world_size})
         publish_dir(tmp, final)
-        prune(ckpt_dir, keep, protect=state.best_step)
+        prune(ckpt_dir, keep, protect=(state.best_step, state.best_measured_step))
     barrier(dist_info)
     return final
 

@@ -38,6 +38,7 @@ from eagle3.drafter.model import trainable_parameters
 from eagle3.drafter.ttt import StepOptions, TTTBatch, TTTObjective, align_step, align_steps, metrics_from_counts
 from eagle3.run.layout import RunLayout, run_relative
 from eagle3.train import dflash as dflash_step
+from eagle3.train import measured
 from eagle3.train.best import best_stats, note_best
 from eagle3.train.build import (
     DataPlan,
@@ -111,6 +112,7 @@ class Trainer:
     peak_flops: float | None
     online: OnlineFeatures | None = None  # train.features=online: the frozen target that fills each row
     tokens: TokenReader | None = None  # online: the rows' token ids and masks, in place of the shards
+    measurer: measured.Measurer | None = None  # train.measured, rank 0: the target and prompts it decodes
 
     @property
     def objective(self) -> TTTObjective:
@@ -178,6 +180,7 @@ def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
              "%d val rows, world %d (%s) on %s", total, len(plan.train), plan.rows_per_step, lr,
              len(plan.train[0].rows), plan.train[0].stats.fill(cfg.train.max_tokens_per_batch),
              plan.train[0].stats.num_truncated, len(plan.val.rows), info.world_size, cfg.train.parallel, info.device)
+    tr.measurer = measured.open_measurer(cfg, inputs, info)
     resume(tr)
     return tr
 
@@ -210,9 +213,10 @@ def _verified_resume_point(ckpt_dir: Path) -> str | None:
     path = latest_intact_checkpoint(ckpt_dir)
     if path is None:
         return None
-    best = read_info(path).get("best_step")
-    if best is not None and step_dir(ckpt_dir, best) != path:
-        verify_checkpoint(step_dir(ckpt_dir, best), (MODEL_FILE, CONFIG_FILE))
+    info = read_info(path)
+    for best in {info.get("best_step"), info.get("best_measured_step")}:  # (by validation, by measurement)
+        if best is not None and step_dir(ckpt_dir, best) != path:
+            verify_checkpoint(step_dir(ckpt_dir, best), (MODEL_FILE, CONFIG_FILE))
     return str(path)
 
 
@@ -469,7 +473,7 @@ def run(tr: Trainer, stop_after_steps: int | None = None) -> TrainResult:
         windows = micro_batch_windows(tr)
         step_start = time.perf_counter()
         for window in windows:
-            if tr.state.step >= tr.total_steps:
+            if tr.state.step >= tr.total_steps or measured.patience_spent(tr):
                 break
             limit_hit = stop_after_steps is not None and clock.num_steps + 1 >= stop_after_steps
             epoch = tr.state.epoch
@@ -484,6 +488,7 @@ def run(tr: Trainer, stop_after_steps: int | None = None) -> TrainResult:
             if (t.eval_every_steps and tr.state.step % t.eval_every_steps == 0) or tr.state.step >= tr.total_steps:
                 last_eval, evaluated_at = _run_eval(tr), tr.state.step
                 improved = note_best(tr.state, last_eval)
+            improved |= measured.measure_if_due(tr)
             if (t.checkpoint_every_steps and tr.state.step % t.checkpoint_every_steps == 0) or stopping or improved:
                 checkpoint, saved_at = save(tr, last_train), tr.state.step
             if stopping and tr.state.step < tr.total_steps:
@@ -496,6 +501,7 @@ def run(tr: Trainer, stop_after_steps: int | None = None) -> TrainResult:
     if evaluated_at != tr.state.step:  # e.g. resumed from the final step's checkpoint before the manifest
         rec = _run_eval(tr)
         improved, last_eval = note_best(tr.state, rec), rec or last_eval
+    improved |= measured.measure_if_due(tr, final=True)
     if saved_at != tr.state.step or improved:
         checkpoint = save(tr, last_train)
     return TrainResult("done", tr.state.step, checkpoint, last_train, last_eval)
@@ -619,6 +625,8 @@ def _finish(tr: Trainer, result: TrainResult) -> None:
                  **best_stats(tr.state, tr.metrics.path, tr.train_dir)}
         if tr.state.best_step is not None:
             outputs["best_model"] = tr.train_dir / stats["best_checkpoint"] / MODEL_FILE
+        measured_stats, measured_outputs = measured.manifest_part(tr)  # ({}, {}) while train.measured is off
+        stats, outputs = stats | measured_stats, outputs | measured_outputs
         write_manifest(RunLayout(tr.inputs.run_dir).manifest("train"), "train", tr.stage_key, outputs, stats)
     tr.progress.update(state="done", force=True, step=result.step,
                        checkpoint=run_relative(tr.inputs.run_dir, result.checkpoint) if result.checkpoint else None,

@@ -1,6 +1,7 @@
-"""PNG plots of train/metrics.jsonl: loss and accuracy per TTT step, train and val.
+"""PNG plots of train/metrics.jsonl: loss and accuracy per TTT step, train and val; with train.measured, the measured
+and the estimated acceptance length against tokens seen.
 
-    python -m eagle3.train.plots runs/<run>/train/metrics.jsonl   # writes loss.png, acc.png beside it
+    python -m eagle3.train.plots runs/<run>/train/metrics.jsonl   # writes loss.png, acc.png (acceptance.png) beside it
 """
 
 from __future__ import annotations
@@ -8,6 +9,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from typing import Any
+
+ACCEPTANCE_PLOT = "acceptance.png"
+"""train/: measured and estimated acceptance against tokens seen (written only by a run with train.measured)."""
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -49,12 +53,49 @@ def _plot(train: list[dict], evals: list[dict], prefix: str, ylabel: str, out: P
     return out
 
 
+def plot_acceptance(train: list[dict], evals: list[dict], measured: list[dict], out: Path) -> Path:
+    """Measured acceptance length (real chain decodes) and the validations' teacher-forced accept_len_est against
+    tokens seen (a validation's from the train record of its step); the best measurement marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seen = {r["step"]: r["tokens_seen"] for r in train if "tokens_seen" in r}
+    estimated = [(seen[r["step"]], r["accept_len_est"]) for r in evals if r["step"] in seen and "accept_len_est" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if estimated:
+        ax.plot(*zip(*estimated), "s--", ms=3, lw=1, label="estimated (val, teacher-forced accept_len_est)")
+    chain = measured[-1].get("chain_steps")
+    ax.plot([r["tokens_seen"] for r in measured], [r["accept_len"] for r in measured], "o-", ms=4,
+            label=f"measured (chain {chain}, greedy decode)")
+    best = max(measured, key=lambda r: (r["accept_len"], -r["step"]))  # ties: the earlier step, as training keeps
+    ax.plot([best["tokens_seen"]], [best["accept_len"]], "*", ms=12, color="black",
+            label=f"best measured: step {best['step']}")
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("acceptance length (bonus included)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
 def plot_metrics(metrics_path: Path, out_dir: Path | None = None) -> list[Path]:
-    """Write loss.png and acc.png (per TTT step k, train lines and val points); returns their paths."""
+    """Write loss.png and acc.png (per TTT step k, train lines and val points), and acceptance.png when the run
+    measured acceptance (train.measured); returns their paths."""
+    from eagle3.train.measured import RECORD_TYPE
+    from eagle3.train.metrics import read_metrics as read_kind
+
     train, evals = read_metrics(metrics_path)
+    measured = read_kind(metrics_path, RECORD_TYPE)
     out_dir = Path(out_dir or Path(metrics_path).parent)
-    return [_plot(train, evals, "loss", "soft cross-entropy", out_dir / "loss.png"),
-            _plot(train, evals, "acc", "top-1 accuracy (supervised positions)", out_dir / "acc.png")]
+    written = [_plot(train, evals, "loss", "soft cross-entropy", out_dir / "loss.png"),
+               _plot(train, evals, "acc", "top-1 accuracy (supervised positions)", out_dir / "acc.png")]
+    if measured:
+        written.append(plot_acceptance(train, evals, measured, out_dir / ACCEPTANCE_PLOT))
+    return written
 
 
 if __name__ == "__main__":
