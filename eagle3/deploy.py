@@ -12,7 +12,9 @@ verify steps), benchmark every concurrency level (infra.sglang_bench) and stop i
 fails. Last, compare the two runs (MeasurementError when a speedup exceeds the acceptance length) and write
 <run>/deploy/results.json and report.md; server logs are <run>/deploy/sglang-{baseline,speculative}.log.
 
-Nothing here is skipped on a re-run: a live server is not a cacheable input, so every call measures again.
+A benchmark that passed its checks writes deploy/deploy.manifest.json last (key: the serve section, the export
+manifest, the target), so a re-run with the same export and settings is skipped like any stage's; ``--force``
+measures again.
 The export and the offline evaluation are stages of their own (eagle3.export, eagle3.evaluate.stage).
 """
 
@@ -40,7 +42,10 @@ from eagle3.deploy_checks import (
     render_checks,
     same_text_checks,
 )
+from eagle3.export import stage as export
+from eagle3.run.layout import DEPLOY_DIR
 from eagle3.run.progress import Progress, ProgressFn
+from eagle3.run.stage import StageId, StageOutcome
 
 if TYPE_CHECKING:
     from infra.sglang import ProbeExpectations
@@ -49,13 +54,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+STAGE = StageId("deploy", DEPLOY_DIR)
+SECTION = "serve"
+DESCRIPTION = "benchmark the target served by SGLang with and without the drafter (serve.enabled)"
 Role = Literal["baseline", "speculative"]
 NOT_ENABLED = "serve.enabled is false: no GPU host with SGLang configured, so no server was started"
 
 
 def deploy_dir(cfg: RunConfig) -> Path:
     """<run>/deploy: results.json, report.md and the server logs."""
-    return cfg.run_dir / "deploy"
+    return cfg.run_dir / STAGE.folder
 
 
 def trios(cfg: RunConfig) -> list[str]:
@@ -320,6 +328,15 @@ def write_report(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun | S
     if errors:
         raise MeasurementError("deploy figures failed their checks (report written to "
                                f"{report.report}):\n  " + "\n  ".join(errors))
+    from eagle3.run.stage import MissingInputError, write_manifest
+
+    try:
+        stage_key = key(cfg)
+    except MissingInputError as exc:  # a drafter carried in without its run's export manifest: nothing to key
+        log.info("deploy: no manifest written (%s)", exc)
+        return report
+    write_manifest(STAGE.manifest(cfg.run_dir), STAGE, stage_key, {"results": results, "report": report.report},
+                   {"valid": True, "trios": [run.trio for run in runs]})
     return report
 
 
@@ -348,16 +365,73 @@ def _progress_bar(cfg: RunConfig, role: str, show_bar: bool | None) -> Progress:
                     bar=show_bar)
 
 
+# ------------------------------------------------------------------------------- the stage (eagle3.run.registry)
+
+def skip_reason(cfg: RunConfig) -> str | None:
+    """Why the stage has nothing to do for ``cfg`` (None: it runs): no SGLang host is configured."""
+    return None if cfg.serve.enabled else NOT_ENABLED
+
+
+def key(cfg: RunConfig) -> str:
+    """The serve section (operational fields left out), the export manifest and the target."""
+    from eagle3.config import section_dict
+    from eagle3.run.stage import stage_key
+    from eagle3.target.load import fingerprint, prepare_target
+
+    fp = fingerprint(prepare_target(cfg))
+    return stage_key(STAGE, section_dict(cfg, SECTION), [export.STAGE.manifest(cfg.run_dir)], {"target": fp})
+
+
+def skipped(cfg: RunConfig, known_key: str | None = None) -> StageOutcome | None:
+    """The outcome recorded by a benchmark of these settings and this export, or None (it has to run)."""
+    from eagle3.run.stage import MissingInputError, skipped_outcome
+
+    try:
+        known_key = known_key or key(cfg)
+    except MissingInputError:  # a drafter carried in without its run's export manifest: nothing to match
+        return None
+    return skipped_outcome(STAGE, STAGE.manifest(cfg.run_dir), known_key)
+
+
+def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
+        known_key: str | None = None, show_bar: bool | None = None) -> StageOutcome | None:
+    """The benchmark in this process (None without serve.enabled; skipped when its manifest matches)."""
+    from eagle3.run.stage import read_manifest
+
+    if skip_reason(cfg):
+        return None
+    done = None if force else skipped(cfg, known_key)
+    if done is not None:
+        return done
+    run_deploy(cfg, show_bar=show_bar)
+    manifest = STAGE.manifest(cfg.run_dir)
+    doc = read_manifest(manifest)
+    if doc is None:  # measured, but with no export manifest to key it (write_report)
+        return None
+    return StageOutcome.from_manifest(STAGE.name, doc["key"], manifest, doc, computed=True)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """python -m eagle3.deploy --preset X [--set a.b=c] | --config <run>/config.json"""
+    """python -m eagle3.deploy --preset X [--set a.b=c] | --config <run>/config.json [--force]"""
     from eagle3.run.cli_args import add_config_args, stage_main
 
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
-    stage_main(parser, argv, lambda cfg, args: run_deploy(cfg, show_bar=True), lock_owner="python -m eagle3.deploy",
-               show=_show_report)
+    parser.add_argument("--force", action="store_true", help="measure again even if the manifest matches")
+
+    def run_cli(cfg: RunConfig, args: argparse.Namespace) -> DeployReport | StageOutcome:
+        if not cfg.serve.enabled:
+            raise ConfigError(f"{NOT_ENABLED}; set serve.enabled=true on a GPU host with SGLang")
+        done = None if args.force else skipped(cfg)
+        return done if done is not None else run_deploy(cfg, show_bar=True)
+
+    stage_main(parser, argv, run_cli, lock_owner="python -m eagle3.deploy", show=_show_report)
 
 
-def _show_report(report: DeployReport) -> None:
+def _show_report(report: DeployReport | StageOutcome) -> None:
+    if isinstance(report, StageOutcome):  # up to date: nothing measured
+        print(f"deploy up to date ({report.manifest}); --force measures again")
+        print(json.dumps(report.to_json(), indent=2))
+        return
     print(report.markdown)
     print(json.dumps(report.to_json(), indent=2))
 

@@ -6,7 +6,7 @@
     eagle3 server start|stop|status  the embedded Prefect server (SQLite under <workdir>/.prefect, or --database URL)
     eagle3 setup                     work pools, limits, automations, every deployment, a worker per pool
     eagle3 target --preset smollm2-demo   tokenizer sanity report
-    eagle3 stage tokenize --preset tiny   one core stage without Prefect (= python -m eagle3.run.stages)
+    eagle3 stage tokenize --preset tiny   one stage without Prefect (any stage of eagle3.run.registry, or all)
     eagle3 doctor --preset tiny      can this machine run the preset? versions, optional pieces, fixes
     eagle3 presets
 
@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 
 from eagle3.config import RunConfig, list_presets
+from eagle3.run import registry
 from eagle3.run.cli_args import add_config_args, config_from_args, exit_on_user_error
 from eagle3.run.layout import run_layout
-from eagle3.run.registry import DATA_STAGES, STAGES, UNTIL_CHOICES
+from eagle3.run.registry import DATA_BLOCK, DATA_STAGES, UNTIL_CHOICES, data_block_main, get_stage
 from flows import local_server
 from flows.follow import deployment_pools, follow, trigger
 from flows.local_worker import LocalWorker, start_worker, stop_worker, worker_pid
@@ -243,10 +244,17 @@ def _config_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    """One core stage without Prefect."""
-    argv = [args.stage] + (["--config", str(args.config)] if args.config else ["--preset", args.preset])
-    entry_point(args.entry)(argv + [f"--set={o}" for o in args.overrides] + (["--force"] if args.force else []))
+    """One stage of the registry without Prefect (its module's ``main``), or every data stage (``all``)."""
+    argv = (["--config", str(args.config)] if args.config else ["--preset", args.preset])
+    argv += [f"--set={o}" for o in args.overrides] + (["--force"] if args.force else [])
+    stage_entry(args.stage)(argv)
     return 0
+
+
+def stage_entry(name: str):
+    """The ``main(argv)`` of ``eagle3 stage NAME``: the stage module's own (eagle3.run.registry), or the data
+    block's for ``all``."""
+    return data_block_main if name == DATA_BLOCK else get_stage(name).main
 
 
 EXAMPLES = """\
@@ -260,7 +268,7 @@ examples:
   eagle3 worker start --pool gpu               a background process worker for a work pool
   eagle3 setup                                 pools, limits, automations, all deployments, a worker per pool
   eagle3 target --preset smollm2-demo          tokenizer sanity report for the target
-  eagle3 stage tokenize --preset tiny          one data stage without Prefect (= python -m eagle3.run.stages)
+  eagle3 stage tokenize --preset tiny          one stage without Prefect (every stage; `all`: the data stages)
   eagle3 export --config runs/smollm2-demo/config.json      SGLang + speculators export of a trained run
   eagle3 eval --config runs/smollm2-demo/config.json        measured acceptance length (speculative decoding)
   eagle3 refresh --preset tiny --set refresh.prompts=new/   one refresh: new prompts, candidate, gate, promotion
@@ -314,10 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     setup.set_defaults(func=cmd_setup)
     target = add_config_args(sub.add_parser("target", help="tokenizer sanity report for the target"))
     target.set_defaults(func=cmd_target, entry="eagle3.target.load")
-    stage = add_config_args(sub.add_parser("stage", help="run one data stage without Prefect"))
-    stage.add_argument("stage", choices=(*DATA_STAGES, "all"))
-    stage.add_argument("--force", action="store_true")
-    stage.set_defaults(func=cmd_stage, entry="eagle3.run.stages")
+    stage = add_config_args(sub.add_parser("stage", help="run one stage without Prefect (all: the data stages)"))
+    stage.add_argument("stage", choices=(*(s.name for s in registry.STAGES), DATA_BLOCK))
+    stage.add_argument("--force", action="store_true", help="recompute even if the manifest matches")
+    stage.set_defaults(func=cmd_stage)
     _add_core_commands(sub)
     _add_refresh_commands(sub)
     doctor = sub.add_parser("doctor", help="versions, optional pieces, Prefect API, disk, presets; exit 1 if the "
@@ -342,7 +350,7 @@ def _add_refresh_commands(sub) -> None:
 def _add_core_commands(sub) -> None:
     """export / eval (the registry's stages with a command): core stages without Prefect, forwarded to their
     `python -m` entry points."""
-    for stage in (s for s in STAGES if s.command):
+    for stage in (s for s in registry.STAGES if s.command):
         p = add_config_args(sub.add_parser(stage.command, help=stage.description))
         p.add_argument("--force", action="store_true")
         p.set_defaults(func=_forward, entry=stage.cli)

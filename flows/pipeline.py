@@ -22,10 +22,11 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import ConfigError, RunConfig, intended_run_name, load_config
+from eagle3.data.stages import regenerate
+from eagle3.features import stage as capture
 from eagle3.run.history import AcceptanceRecord, acceptance_record, append_acceptance, read_acceptance, trend_rows
 from eagle3.run.layout import run_layout
-from eagle3.run.registry import ONLINE_SKIP, UNTIL_CHOICES
-from eagle3.run.stages import synthetic_sources
+from eagle3.run.registry import UNTIL_CHOICES, StageSpec, stages_until
 from eagle3.run.summary import StageRun, headline, render_early_failure, write_stage_runs
 from eagle3.run.summary import render_summary as summary_markdown
 from flows.common import NeedsGpuError, PresetName, as_json, guard_crash_loop, preset_gpu_note
@@ -33,7 +34,7 @@ from flows.report import render_run_report
 from flows.run_names import stage_run_name
 from flows.stage_runs import StageClock
 from tasks.artifacts import artifact_key, run_artifact_key
-from tasks.data import merge_task, regenerate_task, synthesize_task, target_check_task, tokenize_task, vocab_task
+from tasks.data import DATA_TASKS, target_check_task
 from tasks.stage_cache import UP_TO_DATE
 
 
@@ -57,19 +58,21 @@ def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any]
     results = {} if results is None else results
     clock = clock or StageClock(cfg.run_dir)
     results["target"] = clock.call("target", "task-run", lambda: target_check_task(cfg, return_state=True)).result()
-    if synthetic_sources(cfg):
-        results["synthesize"] = _call_stage(clock, "synthesize", synthesize_task, cfg, force, force=force)
-    results["merge"] = _call_stage(clock, "merge", merge_task, cfg, force, force=force)
-    if cfg.regenerate.enabled and cfg.regenerate.num_slices > 1:
-        from flows.regenerate import regenerate_in_slices
+    for spec in _data_stages(cfg):
+        if spec.module is regenerate and cfg.regenerate.num_slices > 1:
+            from flows.regenerate import regenerate_in_slices
 
-        results["regenerate"] = clock.plain("regenerate", lambda: regenerate_in_slices(cfg, force),
-                                            lambda outcome: outcome.computed)  # slice runs: no one run to link
-    elif cfg.regenerate.enabled:
-        results["regenerate"] = _call_stage(clock, "regenerate", regenerate_task, cfg, force, force=force)
-    results["tokenize"] = _call_stage(clock, "tokenize", tokenize_task, cfg, force, force=force)
-    results["vocab"] = _call_stage(clock, "vocab", vocab_task, cfg, force, force=force)
+            results[spec.name] = clock.plain(spec.name, lambda: regenerate_in_slices(cfg, force),
+                                             lambda outcome: outcome.computed)  # slice runs: no one run to link
+        else:
+            results[spec.name] = _call_stage(clock, spec.name, DATA_TASKS[spec.module], cfg, force, force=force)
     return results
+
+
+def _data_stages(cfg: RunConfig) -> list[StageSpec]:
+    """The registry's data stages that have something to do for ``cfg``, in order (no synthetic source: no
+    synthesize; regeneration off: no regenerate)."""
+    return [s for s in stages_until(LAST_STAGES[0]) if s.data and s.skip_reason(cfg) is None]
 
 
 if TYPE_CHECKING:  # a Literal built at run time is no type to a type checker: it checks a str
@@ -92,11 +95,12 @@ def run_model_stages(cfg: RunConfig, until: str, force: bool = False,
     reached = LAST_STAGES.index(until)
     results = {} if results is None else results
     clock = clock or StageClock(cfg.run_dir)
-    if reached >= LAST_STAGES.index("capture"):
-        if cfg.train.features == "online":
-            get_run_logger().info("capture: %s", ONLINE_SKIP)
-            clock.skipped("capture", ONLINE_SKIP)
-            results["capture"] = {"skipped": ONLINE_SKIP}
+    if reached >= LAST_STAGES.index(capture.STAGE.name):
+        skipped = capture.skip_reason(cfg)
+        if skipped:
+            get_run_logger().info("capture: %s", skipped)
+            clock.skipped(capture.STAGE.name, skipped)
+            results[capture.STAGE.name] = {"skipped": skipped}
         else:
             state = clock.call("capture", "flow-run", lambda: eagle3_capture(config=cfg, return_state=True))
             results["capture"] = {**state.result(), "computed": state.name != UP_TO_DATE}
@@ -125,8 +129,7 @@ def deploy_label(steps: list[str]) -> str:
 
 def planned_stages(cfg: RunConfig, until: str) -> list[str]:
     """The stages a run up to ``until`` calls, in order (the keys of its results)."""
-    data = (["target"] + (["synthesize"] if synthetic_sources(cfg) else []) + ["merge"]
-            + (["regenerate"] if cfg.regenerate.enabled else []) + ["tokenize", "vocab"])
+    data = ["target"] + [s.name for s in _data_stages(cfg)]
     model = [s for s in ("capture", "train") if LAST_STAGES.index(until) >= LAST_STAGES.index(s)]
     return data + model + DEPLOY_STEPS.get(until, [])
 
@@ -166,7 +169,7 @@ def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | 
         force: Recompute every stage even when its outputs on disk are up to date.
         until: Last stage to run (`vocab` = the data stages only; `deploy` = everything).
     """
-    from eagle3.run.stages import write_run_config
+    from eagle3.run.layout import write_run_config
     from infra.storage import run_lock
 
     cfg = start_or_explain(preset, list(overrides or []), config)

@@ -30,7 +30,7 @@ SLICE_DEPLOYMENT = "eagle3-regenerate-slice/eagle3-regenerate-slice"
 
 def regenerate_in_slices(cfg: RunConfig, force: bool = False, poll_s: float = 5.0) -> StageOutcome:
     """The regenerate stage with its conversations answered by regenerate.num_slices slice runs; its outcome."""
-    from eagle3.run.stages import run_regenerate
+    from eagle3.data.stages.regenerate import run as run_regenerate
 
     def run(num_slices: int, poll: Callable[[], None]) -> None:
         run_slices(SLICE_DEPLOYMENT, {k: {"config": cfg, "index": k} for k in range(num_slices)},

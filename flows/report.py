@@ -11,7 +11,7 @@ from typing import Any
 
 from eagle3.config import RunConfig
 from eagle3.run.layout import CURVE_PLOT, CURVE_REPORT, run_layout
-from eagle3.run.registry import DATA_STAGES, ONLINE_SKIP
+from eagle3.run.registry import DATA_STAGES, ONLINE_SKIP, get_stage
 from eagle3.train.plots import ACCEPTANCE_PLOT
 
 
@@ -22,19 +22,19 @@ def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
     layout = run_layout(cfg)
     results: dict[str, Any] = {"run_dir": str(layout.root.resolve())}
     for stage in DATA_STAGES:
-        doc = read_manifest(layout.manifest(stage))
+        doc = read_manifest(get_stage(stage).manifest(layout.root))
         if doc:
             results[stage] = {"computed": None, "stats": doc.get("stats", {}), "outputs": doc.get("outputs", {})}
-    capture = read_manifest(layout.manifest("capture"))
+    capture = read_manifest(get_stage("capture").manifest(layout.root))
     if cfg.train.features == "online":
         results["capture"] = {"skipped": ONLINE_SKIP}
     elif capture:
         results["capture"] = {"stats": capture.get("stats", {})}
-    train = read_manifest(layout.manifest("train"))
+    train = read_manifest(get_stage("train").manifest(layout.root))
     if train:
         stats = train.get("stats", {})
         results["train"] = {"last_train": stats.get("train"), "last_eval": stats.get("eval"), "manifest": stats}
-    export = read_manifest(layout.manifest("export"))
+    export = read_manifest(get_stage("export").manifest(layout.root))
     if export:
         results["export"] = {"stats": export.get("stats", {}), "dir": str(layout.export.resolve())}
     evaluation = read_manifest(layout.eval_results)  # any JSON file, or None

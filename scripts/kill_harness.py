@@ -3,7 +3,8 @@
     .venv/bin/python scripts/kill_harness.py                          # 1 trial, 21 kills, seed 0 (~8 min, 2 cores)
     .venv/bin/python scripts/kill_harness.py --trials 3 --kills 24 --seed 7 --workdir runs/kill
 
-No Prefect: each stage is its plain command (``python -m eagle3.run.stages merge|regenerate|tokenize|vocab``,
+No Prefect: each stage of eagle3.run.registry that this config runs is its module's plain command (``python -m
+eagle3.data.stages.merge`` ...,
 ``python -m eagle3.features.capture``, ``python -m eagle3.train``, ``python -m eagle3.export``,
 ``python -m eagle3.evaluate.stage``), a child in its own process group. What it does:
 1. an uninterrupted reference run of the tiny preset (enlarged: more conversations, regeneration on the
@@ -50,7 +51,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from kill_checks import Check, all_checks, stray_temps  # noqa: E402
 
 from eagle3.data.regenerate import JOURNAL_NAME  # noqa: E402
-from eagle3.run.layout import STAGE_DIRS, RunLayout  # noqa: E402
+from eagle3.run.layout import DATA_DIR, RunLayout  # noqa: E402
+from eagle3.run.registry import STAGES as REGISTRY  # noqa: E402
+from eagle3.run.registry import get_stage  # noqa: E402
 from infra.process import group_alive, popen_detached, tail  # noqa: E402
 
 TINY = "pkg://eagle3/assets/tiny_chats.jsonl"
@@ -81,16 +84,23 @@ class Stage:
 
     def argv(self, preset: str, overrides: list[str], run_dir: Path) -> list[str]:
         """The command that runs (or resumes, or skips) this stage."""
-        head = [sys.executable, "-m", self.module] + ([self.name] if self.module == "eagle3.run.stages" else [])
+        head = [sys.executable, "-m", self.module]
         if self.by_preset:
             return head + ["--preset", preset] + [a for o in overrides for a in ("--set", o)]
         return head + ["--config", str(run_dir / "config.json")]
 
 
-STAGES = [Stage("merge", "eagle3.run.stages", True), Stage("regenerate", "eagle3.run.stages", True),
-          Stage("tokenize", "eagle3.run.stages", True), Stage("vocab", "eagle3.run.stages", True),
-          Stage("capture", "eagle3.features.capture", True), Stage("train", "eagle3.train", False),
-          Stage("export", "eagle3.export", False), Stage("evaluate", "eagle3.evaluate.stage", False)]
+def harness_stages(preset: str = "tiny", overrides: list[str] = OVERRIDES) -> list[Stage]:
+    """The registry's stages that do something for this config, in order; those before training run by preset
+    (they save config.json), the rest read <run>/config.json."""
+    from eagle3.config import load_config
+
+    cfg = load_config(preset, overrides)
+    first_by_config = next(i for i, s in enumerate(REGISTRY) if s.torchrun)
+    return [Stage(s.name, s.cli, i < first_by_config) for i, s in enumerate(REGISTRY) if s.skip_reason(cfg) is None]
+
+
+STAGES = harness_stages()
 
 
 class StageFailed(RuntimeError):
@@ -238,10 +248,11 @@ def reset_stage(stage: str, run_dir: Path) -> None:
     own, that whole folder (shards, checkpoints, journals); regeneration's journals in data/. Its next run starts
     from nothing, as in a fresh run (the later stages have not run yet)."""
     layout = RunLayout(run_dir)
-    if STAGE_DIRS[stage] != "data":
-        shutil.rmtree(layout.stage_dir(stage), ignore_errors=True)
+    spec = get_stage(stage)
+    if spec.folder != DATA_DIR:
+        shutil.rmtree(layout.root / spec.folder, ignore_errors=True)
         return
-    layout.manifest(stage).unlink(missing_ok=True)
+    spec.manifest(layout.root).unlink(missing_ok=True)
     if stage == "regenerate":
         for journal in layout.data.glob(JOURNAL_NAME.replace(".jsonl", "*.jsonl")):
             journal.unlink()

@@ -1,4 +1,4 @@
-"""Prefect tasks for the data stages: thin wrappers over eagle3.run.stages.
+"""Prefect tasks for the data stages: thin wrappers over the data stage modules (eagle3.run.registry).
 
 Each task's cache key is the stage key (input manifests + config section + format version +
 target fingerprint), never the task's source code, and only while the stage's manifest matches it on disk
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from prefect import task
 
 from eagle3.config import RunConfig
+from eagle3.data.stages import merge, regenerate, synthesize, tokenize, vocab
 from eagle3.run.registry import get_stage
 from eagle3.run.stage import StageOutcome
 from tasks.artifacts import ProgressArtifact, artifact_key, publish_table
@@ -42,56 +43,63 @@ class TargetCheck:
         return {"model_dir": self.model_dir, "fingerprint": self.fingerprint, **self.report}
 
 
-@task(name="synthesize", cache_key_fn=stage_cache_key("synthesize"), task_run_name="synthesize-{cfg.run.name}",
+@task(name=synthesize.STAGE.name, cache_key_fn=stage_cache_key(synthesize.STAGE.name),
+      task_run_name="synthesize-{cfg.run.name}",
       tags=["inference"], **STAGE_CACHE, **IO_RETRY)
 def synthesize_task(cfg: RunConfig, force: bool = False) -> StageOutcome | None:
     """Let the target write and answer the records of the synthetic sources (resumable by record)."""
-    return _run("synthesize", cfg, force)
+    return _run(synthesize.STAGE.name, cfg, force)
 
 
-@task(name="merge", cache_key_fn=stage_cache_key("merge"), task_run_name="merge-{cfg.run.name}", **STAGE_CACHE,
-      **IO_RETRY)
+@task(name=merge.STAGE.name, cache_key_fn=stage_cache_key(merge.STAGE.name), task_run_name="merge-{cfg.run.name}",
+      **STAGE_CACHE, **IO_RETRY)
 def merge_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Merge the chat sources into data/merged.parquet; publish data stats and rejects by reason."""
-    result = _run("merge", cfg, force)
+    result = _run(merge.STAGE.name, cfg, force)
     assert result is not None  # (only synthesize and regenerate may have nothing to do)
     publish_merge_tables(cfg, result.stats)
     return result
 
 
-@task(name="regenerate", cache_key_fn=stage_cache_key("regenerate"), task_run_name="regenerate-{cfg.run.name}",
+@task(name=regenerate.STAGE.name, cache_key_fn=stage_cache_key(regenerate.STAGE.name),
+      task_run_name="regenerate-{cfg.run.name}",
       tags=["inference"], **STAGE_CACHE, **IO_RETRY)
 def regenerate_task(cfg: RunConfig, force: bool = False) -> StageOutcome | None:
     """Re-answer user turns with the target (resumable by sample id)."""
-    return _run("regenerate", cfg, force)
+    return _run(regenerate.STAGE.name, cfg, force)
 
 
 @task(name="regenerate-slice", task_run_name="regenerate-{cfg.run.name}-slice{index}", tags=["inference"], **IO_RETRY)
 def regenerate_slice_task(cfg: RunConfig, index: int) -> SliceStats:
     """Answer one slice of a sliced regeneration into its own journal (resumable by sample id)."""
-    from eagle3.run.stages import run_regenerate_slice
+    from eagle3.data.stages.regenerate import run_slice
 
-    return run_regenerate_slice(cfg, index)
+    return run_slice(cfg, index)
 
 
-@task(name="tokenize", cache_key_fn=stage_cache_key("tokenize"), task_run_name="tokenize-{cfg.run.name}",
-      **STAGE_CACHE, **IO_RETRY)
+@task(name=tokenize.STAGE.name, cache_key_fn=stage_cache_key(tokenize.STAGE.name),
+      task_run_name="tokenize-{cfg.run.name}", **STAGE_CACHE, **IO_RETRY)
 def tokenize_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Render with the chat template and compute loss masks into data/tokenized.parquet."""
-    result = _run("tokenize", cfg, force)
+    result = _run(tokenize.STAGE.name, cfg, force)
     assert result is not None  # (only synthesize and regenerate may have nothing to do)
     publish_table(cfg, "tokenize-stats", [_flat(result.stats)], "tokenization counts")
     return result
 
 
-@task(name="vocab", cache_key_fn=stage_cache_key("vocab"), task_run_name="vocab-{cfg.run.name}",
+@task(name=vocab.STAGE.name, cache_key_fn=stage_cache_key(vocab.STAGE.name), task_run_name="vocab-{cfg.run.name}",
       **STAGE_CACHE, **IO_RETRY)
 def vocab_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Build the draft vocab map; publish its coverage."""
-    result = _run("vocab", cfg, force)
+    result = _run(vocab.STAGE.name, cfg, force)
     assert result is not None  # (only synthesize and regenerate may have nothing to do)
     publish_table(cfg, "vocab-coverage", [_flat(result.stats)], "draft vocab map")
     return result
+
+
+DATA_TASKS = {synthesize: synthesize_task, merge: merge_task, regenerate: regenerate_task, tokenize: tokenize_task,
+              vocab: vocab_task}
+"""The task of each data stage module (the pipeline iterates the registry and calls these)."""
 
 
 @task(name="target-check", task_run_name="target-check-{cfg.run.name}")

@@ -47,10 +47,9 @@ def stage_outcome(stage: str) -> SkippedFn:
     """The outcome an up-to-date stage's run would return: its manifest's, marked not computed."""
 
     def skipped(cfg: RunConfig, key: str) -> Any:
-        from eagle3.run.layout import run_layout
         from eagle3.run.stage import StageOutcome, read_manifest
 
-        manifest = run_layout(cfg).manifest(stage)
+        manifest = get_stage(stage).manifest(cfg.run_dir)
         doc = read_manifest(manifest)
         assert doc is not None  # (called for a stage whose manifest matches its key)
         return StageOutcome.from_manifest(stage, key, manifest, doc, computed=False)
@@ -61,14 +60,10 @@ def stage_outcome(stage: str) -> SkippedFn:
 def up_to_date_key(stage: str, cfg: RunConfig) -> str | None:
     """The stage key of ``cfg`` when the stage is complete on disk (its manifest matches, and whatever else the
     stage checks), else None; None too when the key cannot be computed (the task then runs and says why)."""
-    from eagle3.run.layout import run_layout
-    from eagle3.run.stage import manifest_matches
-
     spec = get_stage(stage)
     try:
         key = spec.key(cfg)
-        complete = spec.complete_fn(cfg) if spec.complete_fn is not None else manifest_matches(
-            run_layout(cfg).manifest(stage), key)
+        complete = spec.is_complete(cfg, key)
     except Exception as exc:  # an input stage missing or corrupt, a target not prepared: the task reports it
         log.info("%s: not checked for being up to date (%s: %s); the task runs", stage, type(exc).__name__, exc)
         return None

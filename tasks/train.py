@@ -23,6 +23,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from eagle3.config import RunConfig
 from eagle3.run.layout import run_layout
 from eagle3.run.progress import eta_text, fmt
+from eagle3.train import STAGE
 from tasks.artifacts import artifact_key, markdown_image, publish_table
 from tasks.cancel import cancellable
 from tasks.stage_cache import STAGE_CACHE, stage_cache_key, up_to_date_key
@@ -161,22 +162,22 @@ def skipped_train(cfg: RunConfig, key: str) -> TrainSummary:
     from eagle3.run.stage import read_manifest
     from eagle3.train.plots import read_metrics
 
-    manifest = read_manifest(run_layout(cfg).manifest("train")) or {}
+    manifest = read_manifest(STAGE.manifest(cfg.run_dir)) or {}
     train, evals = read_metrics(run_layout(cfg).metrics)
     return TrainSummary(manifest.get("stats", {}), train[-1] if train else None, evals[-1] if evals else None,
                         computed=False)
 
 
 @task(name="train", tags=["gpu"], retries=2, retry_delay_seconds=[30, 120], task_run_name="train-{cfg.run.name}",
-      cache_key_fn=stage_cache_key("train", skipped_train), **STAGE_CACHE)
+      cache_key_fn=stage_cache_key(STAGE.name, skipped_train), **STAGE_CACHE)
 def train_task(cfg: RunConfig) -> TrainSummary:
     """Train the drafter with torchrun (resuming from the latest checkpoint); returns the manifest summary.
 
     Up to date (the manifest matches the train key): Prefect answers ``Cached`` from the cache key; should the task
     run all the same, it checks first and returns the summary without starting torchrun."""
-    key = up_to_date_key("train", cfg)
+    key = up_to_date_key(STAGE.name, cfg)
     if key is not None:
-        get_run_logger().info("train: up to date (%s), no process started", run_layout(cfg).manifest("train"))
+        get_run_logger().info("train: up to date (%s), no process started", STAGE.manifest(cfg.run_dir))
         return skipped_train(cfg, key)
     run_node(cfg, cfg.train.node_rank)
     return dataclasses.replace(train_summary(cfg), computed=True)
@@ -198,7 +199,7 @@ def train_summary(cfg: RunConfig) -> TrainSummary:
     """The manifest stats and the metrics report of a finished training."""
     from eagle3.run.stage import read_manifest
 
-    manifest = read_manifest(run_layout(cfg).manifest("train")) or {}
+    manifest = read_manifest(STAGE.manifest(cfg.run_dir)) or {}
     return TrainSummary(manifest.get("stats", {}), *publish_train_report(cfg))
 
 

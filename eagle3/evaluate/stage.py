@@ -44,10 +44,17 @@ from eagle3.evaluate.prompts import EvalPrompt, rejects_by_dataset
 from eagle3.evaluate.records import EvalSettings, PartialInfo, PromptRecord, SummaryRow
 from eagle3.evaluate.report import summarize_all, summarize_categories, write_outputs
 from eagle3.evaluate.session import EvalJob, dflash_block_size, method_specs
+from eagle3.export import stage as export
 from eagle3.run.journal import Journal
-from eagle3.run.layout import run_layout, run_relative
+from eagle3.run.layout import EVAL_DIR, run_layout, run_relative
 from eagle3.run.progress import ProgressFn
-from eagle3.run.stage import StageOutcome, run_stage, stage_key
+from eagle3.run.stage import StageId, StageOutcome, run_stage, stage_key
+
+STAGE = StageId("evaluate", EVAL_DIR)
+SECTION = "evaluate"
+DESCRIPTION = "measure acceptance length by speculative decoding"
+COMMAND = "eval"
+"""``eagle3 eval`` runs this stage too (as ``eagle3 stage evaluate`` does)."""
 
 JOURNAL_NAME = "evaluate.journal.jsonl"
 """<run>/eval/: one fsynced line per measured prompt while the stage runs; removed once the outputs exist."""
@@ -62,7 +69,7 @@ def eval_dir(cfg: RunConfig) -> Path:
 
 def manifest_path(cfg: RunConfig) -> Path:
     """<run>/eval/evaluate.manifest.json."""
-    return run_layout(cfg).manifest("evaluate")
+    return STAGE.manifest(cfg.run_dir)
 
 
 def default_export_dir(cfg: RunConfig) -> Path:
@@ -88,14 +95,14 @@ def key_for(cfg: RunConfig, model_dir: Path, export_dir: Path | None = None) -> 
     prompt_files = prompt_file_hashes(cfg.evaluate.datasets)
     if prompt_files:  # (left out without one: the keys of evaluations of the named sets stay as they were)
         extra["prompt_files"] = prompt_files
-    inputs = [run_layout(cfg).manifest("export")]
+    inputs = [export.STAGE.manifest(cfg.run_dir)]
     if export_dir is not None:
         from eagle3.export.model_card import CARD_FILE  # rewritten by this stage: never part of what it measured
 
         files = sorted(p for p in Path(export_dir).iterdir() if p.is_file() and p.name != CARD_FILE)
         extra["export"] = {p.name: sha256_file(p) for p in files}
         inputs = []
-    return stage_key("evaluate", section_dict(cfg, "evaluate"), inputs, extra)
+    return stage_key(STAGE, section_dict(cfg, SECTION), inputs, extra)
 
 
 def resolve_device(device: str) -> str:
@@ -216,7 +223,8 @@ def write_partial_report(cfg: RunConfig, export_dir: Path | None = None) -> dict
 
 
 def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
-                 export_dir: Path | None = None, show_bar: bool | None = None) -> StageOutcome:
+                 export_dir: Path | None = None, show_bar: bool | None = None,
+                 known_key: str | None = None) -> StageOutcome:
     """Evaluate <run>/export/sglang (or ``export_dir``) on the run's target; skipped when the manifest matches."""
     from eagle3.target.load import prepare_target
 
@@ -224,23 +232,35 @@ def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
     source = Path(export_dir) if export_dir is not None else default_export_dir(cfg)
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"no SGLang export at {source} (run the export stage first, or pass --export-dir)")
-    key = key_for(cfg, model_dir, export_dir)
+    key = known_key or key_for(cfg, model_dir, export_dir)
     if force:
         journal_of(cfg).path.unlink(missing_ok=True)
-    outcome = run_stage("evaluate", manifest_path(cfg), key, force=force,
+    outcome = run_stage(STAGE, manifest_path(cfg), key, force=force,
                         compute=lambda: _compute(cfg, model_dir, source, progress, show_bar, key))
     if cfg.evaluate.temperature > 0:  # the cards' table is the greedy, token-identical one: a sampled run leaves it
         return outcome
     results = json.loads(Path(outcome.outputs["results"]).read_text())
     if export_dir is None:  # the run's own export: its model cards get the table just measured (or still current)
-        from eagle3.export.stage import write_cards
-
-        write_cards(cfg, results, model_dir)
+        export.write_cards(cfg, results, model_dir)
     elif source.resolve() == default_export_dir(cfg).resolve():  # the same, named (e.g. carried without its data)
         from eagle3.export.model_card import write_measured
 
         write_measured(source, results)
     return outcome
+
+
+def skip_reason(cfg: RunConfig) -> str | None:
+    """None: evaluate always runs."""
+    return None
+
+
+key = stage_key_of
+
+
+def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
+        known_key: str | None = None) -> StageOutcome:
+    """Evaluate the run's own export (<run>/export/sglang) in this process."""
+    return run_evaluate(cfg, progress=progress, force=force, known_key=known_key)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -198,11 +198,13 @@ def _serving(c: CardInputs) -> list[str]:
 
 
 def _data(c: CardInputs) -> list[str]:
-    from eagle3.run.stages import data_dir, manifest_path
+    from eagle3.data.stages import tokenize
+    from eagle3.data.stages import vocab as vocab_stage
+    from eagle3.run.layout import run_layout
 
-    merge = read_manifest(data_dir(c.cfg) / MERGE_STATS_FILE) or {}
-    tok = (read_manifest(manifest_path(c.cfg, "tokenize")) or {}).get("stats", {})
-    vocab = (read_manifest(manifest_path(c.cfg, "vocab")) or {}).get("stats", {})
+    merge = read_manifest(run_layout(c.cfg).data / MERGE_STATS_FILE) or {}
+    tok = (read_manifest(tokenize.STAGE.manifest(c.cfg.run_dir)) or {}).get("stats", {})
+    vocab = (read_manifest(vocab_stage.STAGE.manifest(c.cfg.run_dir)) or {}).get("stats", {})
     lines = ["## Training data", ""]
     sources = merge.get("sources") or {}
     if sources:

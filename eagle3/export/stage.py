@@ -8,32 +8,28 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-from typing import Any
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from eagle3.config import RunConfig
-from eagle3.drafter.model import DrafterDims
-from eagle3.export.checks import (
-    CONFIG_FILE,
-    FLOAT_DTYPES,
-    INFO_FILE,
-    WEIGHTS_FILE,
-    aux_id_warnings,
-    read_json,
-    sglang_aux_ids,
-    speculators_aux_ids,
-)
-from eagle3.export.dflash import DFLASH_ARCHITECTURE, check_dflash_export
-from eagle3.export.sglang import check_sglang_export, export_sglang
-from eagle3.export.speculators import SPECULATORS_ARCHITECTURE, check_speculators_export, export_speculators
-from eagle3.run.layout import STAGE_DIRS, manifest_name, resolve_in_run, run_relative
-from eagle3.run.stage import StageOutcome
-from eagle3.target.tensors import drafter_dims
+from eagle3.data.stages import vocab
+from eagle3.run.layout import EXPORT_DIR, manifest_name, resolve_in_run, run_relative
+from eagle3.run.progress import ProgressFn
+from eagle3.run.stage import StageId, StageOutcome
+from eagle3.train import STAGE as TRAIN
+
+if TYPE_CHECKING:  # the stage module loads without torch (eagle3.run.registry imports it); the work imports it
+    from torch import Tensor
+
+    from eagle3.drafter.model import DrafterDims
 
 log = logging.getLogger("eagle3.export")
 
-MANIFEST_FILE, TRAIN_MANIFEST = manifest_name("export"), Path(STAGE_DIRS["train"]) / manifest_name("train")
+STAGE = StageId("export", EXPORT_DIR)
+SECTION = "export"
+DESCRIPTION = "export the trained drafter (SGLang, speculators)"
+COMMAND = "export"
+"""``eagle3 export`` runs this stage too (as ``eagle3 stage export`` does)."""
+MANIFEST_FILE, TRAIN_MANIFEST = manifest_name(STAGE.name), Path(TRAIN.folder) / manifest_name(TRAIN.name)
 
 
 DFLASH_SKIPS = {"speculators": "the speculators format has no DFlash drafter (SGLang's DFlashDraftModel layout is "
@@ -43,6 +39,11 @@ DFLASH_SKIPS = {"speculators": "the speculators format has no DFlash drafter (SG
 
 def check_export(export_dir: Path) -> str:
     """Check a folder of any layout (chosen by its architectures); returns the layout's name."""
+    from eagle3.export.checks import CONFIG_FILE, read_json
+    from eagle3.export.dflash import DFLASH_ARCHITECTURE, check_dflash_export
+    from eagle3.export.sglang import check_sglang_export
+    from eagle3.export.speculators import SPECULATORS_ARCHITECTURE, check_speculators_export
+
     architectures = read_json(Path(export_dir) / CONFIG_FILE).get("architectures")
     if architectures == [SPECULATORS_ARCHITECTURE]:
         check_speculators_export(export_dir)
@@ -63,14 +64,13 @@ def key_for(cfg: RunConfig) -> str:
     """The export stage key: export section and train.select, train + vocab manifests, target fingerprint."""
     from eagle3.config import section_dict
     from eagle3.run.stage import stage_key
-    from eagle3.run.stages import manifest_path
     from eagle3.target.load import fingerprint, prepare_target
 
     fp = fingerprint(prepare_target(cfg))
-    conf = section_dict(cfg, "export") | {"train.select": cfg.train.select}  # what to ship: not in train's key
+    conf = section_dict(cfg, SECTION) | {"train.select": cfg.train.select}  # what to ship: not in train's key
     if cfg.drafter.family != "eagle3":  # another layout is written (eagle3 runs keep their keys)
         conf["drafter.family"] = cfg.drafter.family
-    return stage_key("export", conf, [cfg.run_dir / TRAIN_MANIFEST, manifest_path(cfg, "vocab")], {"target": fp})
+    return stage_key(STAGE, conf, [TRAIN.manifest(cfg.run_dir), vocab.STAGE.manifest(cfg.run_dir)], {"target": fp})
 
 
 def _train_stats(cfg: RunConfig) -> dict[str, Any]:
@@ -82,6 +82,7 @@ def _train_stats(cfg: RunConfig) -> dict[str, Any]:
 def _checkpoint_dir(cfg: RunConfig) -> tuple[Path, Any]:
     """(checkpoint folder, eagle3.export.model_card.Selection): export.checkpoint, else train.select's; its weights
     checked against the sha256 its checkpoint.json recorded (CorruptCheckpointError naming the file)."""
+    from eagle3.export.checks import WEIGHTS_FILE
     from eagle3.export.model_card import select_checkpoint
     from eagle3.train.checkpoint import MODEL_FILE, verify_checkpoint
 
@@ -95,6 +96,7 @@ def _checkpoint_dir(cfg: RunConfig) -> tuple[Path, Any]:
 
 def write_cards(cfg: RunConfig, results: dict[str, Any] | None = None, model_dir: Path | None = None) -> list[Path]:
     """README.md (eagle3.export.model_card) into every export folder of the run; ``results``: the evaluation of them."""
+    from eagle3.export.checks import INFO_FILE, read_json
     from eagle3.export.model_card import CardInputs, write_card
     from eagle3.target.load import prepare_target
 
@@ -114,6 +116,7 @@ def _drafter_inputs(cfg: RunConfig, model_dir: Path) -> tuple[DrafterDims, list[
     from eagle3.data.vocab import load_vocab_map
     from eagle3.features.spec import FeatureSpec
     from eagle3.target.load import fingerprint, target_info
+    from eagle3.target.tensors import drafter_dims
 
     spec = FeatureSpec.load(cfg.run_dir / "features" / "spec.json")
     info = target_info(model_dir, cfg.target)
@@ -127,6 +130,16 @@ def _drafter_inputs(cfg: RunConfig, model_dir: Path) -> tuple[DrafterDims, list[
 def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
     from safetensors.torch import load_file
 
+    from eagle3.export.checks import (
+        CONFIG_FILE,
+        FLOAT_DTYPES,
+        WEIGHTS_FILE,
+        aux_id_warnings,
+        sglang_aux_ids,
+        speculators_aux_ids,
+    )
+    from eagle3.export.sglang import export_sglang
+    from eagle3.export.speculators import export_speculators
     from eagle3.target.load import EMBED_TENSOR, prepare_target, read_tensor
 
     model_dir = prepare_target(cfg)
@@ -163,6 +176,7 @@ def _export_dflash(cfg: RunConfig, model_dir: Path, weights: dict[str, Tensor], 
                    stats: dict[str, Any]) -> tuple[dict[str, Path], dict[str, Any]]:
     """drafter.family=dflash: SGLang's DFlashDraftModel layout in export/sglang (eagle3.export.dflash, checked there:
     names, shapes, dtypes, finite values); the formats without a DFlash layout are recorded as skipped."""
+    from eagle3.export.checks import CONFIG_FILE, WEIGHTS_FILE
     from eagle3.export.dflash import export_dflash
     from eagle3.features.spec import FeatureSpec
     from eagle3.train.dflash import dflash_setup
@@ -184,11 +198,28 @@ def _export_dflash(cfg: RunConfig, model_dir: Path, weights: dict[str, Tensor], 
     return {"sglang_config": out / CONFIG_FILE, "sglang_weights": out / WEIGHTS_FILE}, stats
 
 
-def run_export(cfg: RunConfig, force: bool = False) -> StageOutcome:
+def run_export(cfg: RunConfig, force: bool = False, known_key: str | None = None) -> StageOutcome:
     """Export the selected checkpoint in every configured layout; a no-op when the manifest matches."""
     from eagle3.run.stage import run_stage
 
-    return run_stage("export", export_dir(cfg) / MANIFEST_FILE, key_for(cfg), lambda: _export_all(cfg), force=force)
+    return run_stage(STAGE, export_dir(cfg) / MANIFEST_FILE, known_key or key_for(cfg), lambda: _export_all(cfg),
+                     force=force)
+
+
+# ------------------------------------------------------------------------------- the stage (eagle3.run.registry)
+
+def skip_reason(cfg: RunConfig) -> str | None:
+    """None: export always runs."""
+    return None
+
+
+key = key_for
+
+
+def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
+        known_key: str | None = None) -> StageOutcome:
+    """The export stage in this process (``progress`` unused: an export takes seconds)."""
+    return run_export(cfg, force, known_key)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from eagle3.config import RunConfig, section_dict
+from eagle3.data.stages import tokenize
+from eagle3.features import ONLINE_SKIP, STAGE
 from eagle3.features.plan import PLAN_FILE, CapturePlan, ShardPlan, build_plan, check_disk, preflight_bytes
 from eagle3.features.shards.done import ShardDone, complete_shards, read_done, shard_is_complete
 from eagle3.features.shards.layout import SHARD_RE, done_path_for, shard_path, shard_stem, spec_hash
@@ -34,13 +36,14 @@ from eagle3.features.spec import CaptureBackend, FeatureSpec, SampleTokens
 from eagle3.features.writers import WriteOptions, WriteStats, capture_and_write
 from eagle3.run.layout import SPEC_FILE, manifest_name, run_layout
 from eagle3.run.progress import Progress, ProgressFn
-from eagle3.run.registry import ONLINE_SKIP
 from eagle3.run.stage import StageOutcome, manifest_matches, skipped_outcome, stage_key, write_manifest
 
 log = logging.getLogger(__name__)
 
+SECTION = "capture"
+
 ST_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
-MANIFEST_FILE = manifest_name("capture")
+MANIFEST_FILE = manifest_name(STAGE.name)
 
 
 class SpecMismatchError(ValueError):
@@ -55,9 +58,10 @@ def features_dir(cfg: RunConfig) -> Path:
 def _tokenized(cfg: RunConfig) -> tuple[Path, Path]:
     """(tokenized.parquet, its manifest); FileNotFoundError with the command to run when missing."""
     layout = run_layout(cfg)
-    manifest = layout.manifest("tokenize")
+    manifest = layout.manifest(tokenize.STAGE)
     if not manifest.is_file():
-        raise FileNotFoundError(f"{manifest} not found: tokenize first (python -m eagle3.run.stages all, same config)")
+        raise FileNotFoundError(f"{manifest} not found: tokenize first (eagle3 stage {tokenize.STAGE.name}, "
+                                "same config)")
     return layout.tokenized, manifest
 
 
@@ -86,8 +90,8 @@ def build_spec(cfg: RunConfig, model_dir: Path) -> FeatureSpec:
 def capture_key(cfg: RunConfig, spec: FeatureSpec) -> str:
     """Stage key: capture config minus its operational fields, target dtype, tokenized manifest, target, spec."""
     _, manifest = _tokenized(cfg)
-    conf = section_dict(cfg, "capture")["capture"] | {"target_dtype": cfg.target.dtype}
-    return stage_key("capture", conf, [manifest], {"target": spec.target_fingerprint, "spec": spec_hash(spec)})
+    conf = section_dict(cfg, SECTION)[SECTION] | {"target_dtype": cfg.target.dtype}
+    return stage_key(STAGE, conf, [manifest], {"target": spec.target_fingerprint, "spec": spec_hash(spec)})
 
 
 def spec_differences(old: dict[str, Any], new: FeatureSpec) -> list[str]:
@@ -292,13 +296,13 @@ def finalize_capture(cfg: RunConfig, last_run: dict[str, Any] | None = None) -> 
     # Done files carry each shard's size and sha256; hashing them (not terabytes of shards) is enough.
     outputs.update({shard_stem(s.index): done_path_for(shard_path(fdir, s.index)) for s in plan.shards})
     stats = _stats(spec, plan, docs) | ({"last_run": last_run} if last_run else {})
-    return write_manifest(fdir / MANIFEST_FILE, "capture", capture_key(cfg, spec), outputs, stats)
+    return write_manifest(fdir / MANIFEST_FILE, STAGE, capture_key(cfg, spec), outputs, stats)
 
 
 def finalize_outcome(cfg: RunConfig, last_run: dict[str, Any] | None = None) -> StageOutcome:
     """finalize_capture as the stage's outcome (computed: the manifest was written now)."""
     doc = finalize_capture(cfg, last_run)
-    return StageOutcome.from_manifest("capture", doc["key"], features_dir(cfg) / MANIFEST_FILE, doc, computed=True)
+    return StageOutcome.from_manifest(STAGE.name, doc["key"], features_dir(cfg) / MANIFEST_FILE, doc, computed=True)
 
 
 def is_complete(cfg: RunConfig, key: str) -> bool:
@@ -366,14 +370,16 @@ def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec,
             "writer_wait_s": round(waits.wait_s, 3), "peak_queued_bytes": waits.peak_queued_bytes}
 
 
-def run_capture(cfg: RunConfig, progress: ProgressFn | None = None) -> StageOutcome:
-    """Prepare, capture every missing shard, finalize; a no-op when the manifest matches and shards are intact."""
+def run_capture(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
+                known_key: str | None = None) -> StageOutcome:
+    """Prepare, capture every missing shard, finalize; a no-op when the manifest matches and shards are intact
+    (``force``: check every shard and write the manifest again; a shard whose done file matches is kept)."""
     from eagle3.target.load import prepare_target
 
     manifest = features_dir(cfg) / MANIFEST_FILE
     spec = build_spec(cfg, prepare_target(cfg))
-    key = capture_key(cfg, spec)
-    skipped = skipped_outcome("capture", manifest, key, complete=lambda: _shards_intact(cfg))
+    key = known_key or capture_key(cfg, spec)
+    skipped = None if force else skipped_outcome(STAGE, manifest, key, complete=lambda: _shards_intact(cfg))
     if skipped is not None:
         return skipped
     plan = prepare_capture(cfg, spec)
@@ -383,15 +389,16 @@ def run_capture(cfg: RunConfig, progress: ProgressFn | None = None) -> StageOutc
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m eagle3.features.capture --preset NAME [--set k=v ...]: capture every missing shard (nothing when
-    the run trains online)."""
+    """python -m eagle3.features.capture --preset NAME [--set k=v ...] [--force]: capture every missing shard
+    (nothing when the run trains online)."""
     from eagle3.run.cli_args import add_config_args, stage_main
 
-    def run(cfg: RunConfig, args: argparse.Namespace) -> StageOutcome | dict[str, str]:
-        return {"capture": ONLINE_SKIP} if cfg.train.features == "online" else run_capture(cfg)
+    def run_cli(cfg: RunConfig, args: argparse.Namespace) -> StageOutcome | dict[str, str]:
+        return {STAGE.name: ONLINE_SKIP} if cfg.train.features == "online" else run_capture(cfg, force=args.force)
 
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
-    stage_main(parser, argv, run, lock_owner="python -m eagle3.features.capture", write_config=True)
+    parser.add_argument("--force", action="store_true", help="check every shard and write the manifest again")
+    stage_main(parser, argv, run_cli, lock_owner="python -m eagle3.features.capture", write_config=True)
 
 
 if __name__ == "__main__":

@@ -57,11 +57,20 @@ def ingest_config(cfg: RunConfig, round_dir: Path) -> RunConfig:
                                              "regenerate": {"enabled": cfg.refresh.regenerate}})
 
 
+def run_all(cfg: RunConfig) -> None:
+    """Every data stage of ``cfg`` under its run lock, config.json saved first (eagle3.run.registry)."""
+    from eagle3.run.layout import write_run_config
+    from eagle3.run.registry import run_data_block
+
+    with run_lock(cfg.run_dir, owner="eagle3 refresh (data stages)"):
+        write_run_config(cfg)
+        run_data_block(cfg)
+
+
 def ingest(cfg: RunConfig, round_dir: Path) -> Path | None:
     """Merge (and answer) the round's prompts; their conversations' Parquet file, or None when the merge kept none
     (every record rejected: the reasons are in ingest/data/rejects.jsonl)."""
     from eagle3.data.merge import MergeError
-    from eagle3.run.stages import run_all
 
     sub = ingest_config(cfg, round_dir)
     try:
@@ -74,10 +83,11 @@ def ingest(cfg: RunConfig, round_dir: Path) -> Path | None:
 def pool_sources(cfg: RunConfig, answered: list[tuple[str, Path]]) -> list[SourceConfig]:
     """The run's conversations, then each round's (round id, Parquet file), as sources of the candidate's merge."""
     from eagle3.config import SourceConfig
-    from eagle3.run.stages import is_complete
+    from eagle3.data.stages import merge, regenerate
+    from eagle3.run.registry import get_stage
 
     base = answered_file(cfg)
-    if not is_complete(cfg, "regenerate" if cfg.regenerate.enabled else "merge"):
+    if not get_stage((regenerate if cfg.regenerate.enabled else merge).STAGE.name).is_complete(cfg):
         raise FileNotFoundError(f"{base} is not complete: run the pipeline's data stages on {cfg.run_dir} first")
     return [SourceConfig(name="run", path=str(base.resolve()), format="parquet"),
             *(SourceConfig(name=f"refresh-{rid}", path=str(path.resolve()), format="parquet")
@@ -100,7 +110,6 @@ def build_candidate(cand: RunConfig) -> Path:
     from eagle3.export.stage import run_export
     from eagle3.features.capture import run_capture
     from eagle3.run.layout import run_layout
-    from eagle3.run.stages import run_all
 
     run_all(cand)
     if cand.train.features == "offline":

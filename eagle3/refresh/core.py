@@ -87,6 +87,7 @@ def ensure_current(cfg: RunConfig, line: Line) -> None:
 
 def promote_export(cfg: RunConfig, line: Line, kind: str, reason: str) -> Promotion:
     """Promote <run>/export/sglang without a gate (the first refresh, ``eagle3 promote``); its promotion."""
+    from eagle3.export import stage as export_stage
     from eagle3.export.checks import WEIGHTS_FILE
     from eagle3.export.model_card import CARD_FILE
     from eagle3.refresh.candidate import answered_file
@@ -94,7 +95,7 @@ def promote_export(cfg: RunConfig, line: Line, kind: str, reason: str) -> Promot
 
     layout = run_layout(cfg)
     export = layout.sglang_export
-    if not layout.manifest("export").is_file() or not (export / WEIGHTS_FILE).is_file():
+    if not export_stage.STAGE.manifest(layout.root).is_file() or not (export / WEIGHTS_FILE).is_file():
         raise PromotionError(f"{cfg.run_dir} has no complete export to promote: run the pipeline up to export first "
                              f"(eagle3 run --preset ... --until export)")
     weights = sha256_file(export / WEIGHTS_FILE)
@@ -261,9 +262,9 @@ def ingest_summary(cfg: RunConfig, where: Path) -> dict[str, Any]:
 
 def train_summary(cand: RunConfig) -> dict[str, Any]:
     """Where the candidate started and how far it trained, for the report."""
-    from eagle3.run.layout import run_layout
     from eagle3.run.stage import read_manifest
+    from eagle3.train import STAGE as TRAIN
 
-    stats = (read_manifest(run_layout(cand).manifest("train")) or {}).get("stats") or {}
+    stats = (read_manifest(TRAIN.manifest(cand.run_dir)) or {}).get("stats") or {}
     return {"warm start": cand.refresh.init_from, "optimizer steps": stats.get("step"),
             "budget (refresh.max_steps)": cand.train.max_steps, "run directory": str(cand.run_dir)}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from eagle3.config import RunConfig
@@ -30,15 +30,9 @@ if TYPE_CHECKING:
 CONFIG_FILE = "config.json"
 MANIFEST_SUFFIX = ".manifest.json"
 
-STAGE_DIRS: dict[str, str] = {"synthesize": "data", "merge": "data", "regenerate": "data", "tokenize": "data",
-                              "vocab": "vocab", "capture": "features", "train": "train", "export": "export",
-                              "evaluate": "eval"}
-"""The folder of each stage's outputs and manifest (a stage named in eagle3.run.registry has an entry here)."""
-FORMAT_VERSIONS: dict[str, int] = {stage: 1 for stage in STAGE_DIRS} | {"regenerate": 2, "tokenize": 2}
-# regenerate 2: regenerated.parquet holds truncated_turns; tokenize 2: their end-of-turn text is not supervised.
-"""Each stage's output format version, which its key hashes and its manifest records: bump one when the stage's
-output changes meaning (every run then redoes that stage). Here, below the registry, so eagle3.run.stage can read
-it without importing the registry (which imports eagle3.run.stage)."""
+DATA_DIR, VOCAB_DIR, FEATURES_DIR, TRAIN_DIR = "data", "vocab", "features", "train"
+EXPORT_DIR, EVAL_DIR, DEPLOY_DIR, LOGS_DIR = "export", "eval", "deploy", "logs"
+"""The run's folders. Which stage writes into which one is the stage's own fact (its StageId, eagle3.run.stage)."""
 
 MERGED_FILE, REGENERATED_FILE, TOKENIZED_FILE = "merged.parquet", "regenerated.parquet", "tokenized.parquet"
 SPEC_FILE, PLAN_FILE = "spec.json", "plan.json"
@@ -53,6 +47,16 @@ CURVE_DIR, CURVE_REPORT, CURVE_PLOT, CURVE_DATA = "curve", "curve.md", "curve.pn
 """A data-scaling curve drawn over the runs that share this run's data (benchmarks/quality_curve.py report)."""
 
 
+class StagePlace(Protocol):
+    """What the layout needs of a stage (eagle3.run.stage.StageId): its name and the folder it writes into."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def folder(self) -> str: ...
+
+
 def manifest_name(stage: str) -> str:
     """'<stage>.manifest.json'."""
     return f"{stage}{MANIFEST_SUFFIX}"
@@ -64,15 +68,13 @@ class RunLayout:
 
     root: Path
 
-    def stage_dir(self, stage: str) -> Path:
+    def stage_dir(self, stage: StagePlace) -> Path:
         """The folder a stage writes into."""
-        if stage not in STAGE_DIRS:
-            raise KeyError(f"no folder is laid out for stage {stage!r}; stages: {', '.join(STAGE_DIRS)}")
-        return self.root / STAGE_DIRS[stage]
+        return self.root / stage.folder
 
-    def manifest(self, stage: str) -> Path:
+    def manifest(self, stage: StagePlace) -> Path:
         """<folder of the stage>/<stage>.manifest.json: written last, it says the stage is complete."""
-        return self.stage_dir(stage) / manifest_name(stage)
+        return self.root / stage.folder / manifest_name(stage.name)
 
     @property
     def config(self) -> Path:
@@ -82,37 +84,37 @@ class RunLayout:
     @property
     def data(self) -> Path:
         """<run>/data."""
-        return self.root / "data"
+        return self.root / DATA_DIR
 
     @property
     def vocab(self) -> Path:
         """<run>/vocab."""
-        return self.root / "vocab"
+        return self.root / VOCAB_DIR
 
     @property
     def features(self) -> Path:
         """<run>/features."""
-        return self.root / "features"
+        return self.root / FEATURES_DIR
 
     @property
     def train(self) -> Path:
         """<run>/train."""
-        return self.root / "train"
+        return self.root / TRAIN_DIR
 
     @property
     def export(self) -> Path:
         """<run>/export."""
-        return self.root / "export"
+        return self.root / EXPORT_DIR
 
     @property
     def eval(self) -> Path:
         """<run>/eval."""
-        return self.root / "eval"
+        return self.root / EVAL_DIR
 
     @property
     def deploy(self) -> Path:
         """<run>/deploy: the SGLang benchmark's results.json, report.md and server logs."""
-        return self.root / "deploy"
+        return self.root / DEPLOY_DIR
 
     @property
     def summary(self) -> Path:
@@ -122,7 +124,7 @@ class RunLayout:
     @property
     def logs(self) -> Path:
         """<run>/logs."""
-        return self.root / "logs"
+        return self.root / LOGS_DIR
 
     @property
     def acceptance_history(self) -> Path:

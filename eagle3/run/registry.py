@@ -1,124 +1,157 @@
-"""The stage registry: one entry per stage, from which everything that lists stages reads.
+"""The stage registry: the one list of stages, in pipeline order, built from the stage modules themselves.
 
-Each entry names the stage, the format version of its output (part of its key), the config section whose
-fields its key hashes (operational fields left out, eagle3.config_base), how to compute its key, whether it
-is complete, how to run it in this process, and its command line. The data-stage CLI
-(``python -m eagle3.run.stages``), the ``eagle3`` console script (its ``stage``, ``export`` and ``eval``
-commands and ``--until``), the Prefect tasks (cache keys, runs), the pipeline flow's ``until`` choices and
-the run report all iterate over ``STAGES`` here; the run directory's folders are eagle3.run.layout's.
+Every stage is one module with the same names (``StageModule``): ``STAGE`` (its name, folder and output format
+version: eagle3.run.stage.StageId), ``SECTION`` (the config section its key hashes), ``DESCRIPTION``,
+``skip_reason(cfg)``, ``key(cfg)``, ``run(cfg, progress=None, force=False, known_key=None)`` and
+``main(argv)`` (what ``python -m <module>`` runs). Everything that lists stages iterates ``STAGES``: the
+``eagle3`` console script (``eagle3 stage NAME`` for every stage, ``--until``), the Prefect tasks and the pipeline
+flow, the run report, the kill harness. Adding a stage is its module, one line below and its test.
 
-Nothing here imports a stage's module until that stage is asked for (the registry loads without torch).
+The stage modules load without torch (their work imports it when it runs), so this registry does too.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from eagle3.run.layout import FORMAT_VERSIONS
+from eagle3 import deploy
+from eagle3.data.stages import merge, regenerate, synthesize, tokenize, vocab
+from eagle3.evaluate import stage as evaluate
+from eagle3.export import stage as export
+from eagle3.features import stage as capture
+from eagle3.train import stage as train
 
 if TYPE_CHECKING:
     from eagle3.config import RunConfig
-    from eagle3.run.stage import StageOutcome
+    from eagle3.run.progress import ProgressFn
+    from eagle3.run.stage import StageId, StageOutcome
 
-ONLINE_SKIP = "skipped: train.features=online computes the target's states inside each training step (no feature disk)"
-"""Why capture does not run for a run that trains online (the capture CLI, the pipeline flow and the run report)."""
+ONLINE_SKIP = capture.ONLINE_SKIP
+"""Why capture does not run for a run that trains online (eagle3.features)."""
 
 
-def _lazy(ref: str, *bound: Any) -> Callable[..., Any]:
-    """``module:function``, imported at the first call; ``bound`` is appended to the positional arguments."""
-    module, _, name = ref.partition(":")
+class StageModule(Protocol):
+    """The names every stage module defines (the registry reads nothing else)."""
 
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return getattr(importlib.import_module(module), name)(*args, *bound, **kwargs)
+    STAGE: StageId
+    SECTION: str | None
+    DESCRIPTION: str
 
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = f"{ref} (imported when called)"
-    return call
+    def skip_reason(self, cfg: RunConfig) -> str | None: ...
+    def key(self, cfg: RunConfig) -> str: ...
+    def run(self, cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
+            known_key: str | None = None) -> StageOutcome | None: ...
+    def main(self, argv: list[str] | None = None) -> Any: ...
 
 
 @dataclass(frozen=True)
 class StageSpec:
-    """One stage of the pipeline."""
+    """One stage of the pipeline: its module, and whether it is one of the data stages run as one block."""
 
-    name: str
-    description: str
-    section: str | None
-    """The RunConfig section whose fields the key hashes (None: the key reads other facts only)."""
-    key_fn: Callable[[RunConfig], str]
-    """The stage key (eagle3.run.stage); Prefect's cache key for the stage's task is built from it."""
-    run_fn: Callable[..., StageOutcome | None] | None
-    """``run(cfg, progress=None, force=False)`` in this process; None where the stage runs as its own process
-    group (training: ``cli`` under torchrun)."""
-    cli: str
-    """``python -m <cli>`` runs the stage without Prefect."""
+    module: ModuleType
     data: bool = False
-    """A data stage: run by ``python -m eagle3.run.stages <name>`` and the pipeline's data tasks."""
-    command: str | None = None
-    """The ``eagle3`` subcommand that forwards to ``cli`` (None: reached through ``eagle3 stage``, or none)."""
-    complete_fn: Callable[[RunConfig], bool] | None = None
-    """Completeness when it is more than the manifest matching the key (capture also checks its shards)."""
+    """A data stage: the pipeline runs the data block first, and ``--until`` stops after all of it or none."""
+
+    @property
+    def stage(self) -> StageModule:
+        """The module, typed by what every stage module defines."""
+        return cast(StageModule, self.module)
+
+    @property
+    def name(self) -> str:
+        """The stage's name (its manifest is <folder>/<name>.manifest.json)."""
+        return self.stage.STAGE.name
+
+    @property
+    def description(self) -> str:
+        """One line: what the stage does."""
+        return self.stage.DESCRIPTION
+
+    @property
+    def section(self) -> str | None:
+        """The RunConfig section whose fields the key hashes (None: the key reads other facts only)."""
+        return self.stage.SECTION
 
     @property
     def version(self) -> int:
-        """Format version of the stage's output (eagle3.run.layout.FORMAT_VERSIONS)."""
-        return FORMAT_VERSIONS[self.name]
+        """Format version of the stage's output (part of its key)."""
+        return self.stage.STAGE.version
+
+    @property
+    def folder(self) -> str:
+        """The run directory's folder the stage writes into."""
+        return self.stage.STAGE.folder
+
+    @property
+    def cli(self) -> str:
+        """``python -m <cli>`` runs the stage without Prefect."""
+        return self.module.__name__
+
+    @property
+    def command(self) -> str | None:
+        """A second ``eagle3`` subcommand for the stage (``eagle3 export``, ``eagle3 eval``), or None."""
+        return getattr(self.module, "COMMAND", None)
+
+    @property
+    def torchrun(self) -> bool:
+        """The pipeline runs the stage as its own process group (training), not in the flow's process."""
+        return bool(getattr(self.module, "TORCHRUN", False))
+
+    def manifest(self, run_dir: Path) -> Path:
+        """<run_dir>/<folder>/<name>.manifest.json."""
+        return self.stage.STAGE.manifest(run_dir)
+
+    def skip_reason(self, cfg: RunConfig) -> str | None:
+        """Why the stage does nothing for ``cfg`` (no synthetic source, regeneration off, ...), or None."""
+        return self.stage.skip_reason(cfg)
 
     def key(self, cfg: RunConfig) -> str:
         """The stage key of ``cfg`` (raises MissingInputError while an input stage is incomplete)."""
-        return self.key_fn(cfg)
+        return self.stage.key(cfg)
 
     def run(self, cfg: RunConfig, **options: Any) -> StageOutcome | None:
-        """Run the stage in this process (skipped when complete); ``options``: progress, force."""
-        if self.run_fn is None:
-            raise ValueError(f"stage {self.name} runs as its own process: python -m {self.cli}")
-        return self.run_fn(cfg, **options)
+        """Run the stage in this process (skipped when complete); ``options``: progress, force, known_key."""
+        return self.stage.run(cfg, **options)
 
-    def is_complete(self, cfg: RunConfig) -> bool:
-        """True when the stage's manifest matches its current inputs (a re-run would skip it)."""
-        if self.complete_fn is not None:
-            return self.complete_fn(cfg)
-        from eagle3.run.layout import run_layout
+    def main(self, argv: list[str] | None = None) -> Any:
+        """The stage's command line (``python -m <cli>``) with ``argv``."""
+        return self.stage.main(argv)
+
+    def is_complete(self, cfg: RunConfig, key: str | None = None) -> bool:
+        """True when the stage's manifest matches its current inputs (a re-run would skip it); ``key``: the stage
+        key when the caller has it. A stage that checks more than its manifest (capture: its shards) says so with
+        ``up_to_date(cfg, key)``."""
         from eagle3.run.stage import manifest_matches
 
-        path = run_layout(cfg).manifest(self.name)
-        return path.is_file() and manifest_matches(path, self.key(cfg))
-
-
-def _data_stage(name: str, description: str, section: str | None) -> StageSpec:
-    return StageSpec(name, description, section, key_fn=_lazy("eagle3.run.stages:key_for", name),
-                     run_fn=_lazy(f"eagle3.run.stages:run_{name}"), cli="eagle3.run.stages", data=True)
+        key = key or self.key(cfg)
+        check: Callable[[RunConfig, str], bool] | None = getattr(self.module, "up_to_date", None)
+        if check is not None:
+            return check(cfg, key)
+        path = self.manifest(cfg.run_dir)
+        return path.is_file() and manifest_matches(path, key)
 
 
 STAGES: tuple[StageSpec, ...] = (
-    _data_stage("synthesize", "let the target write and answer the records of the synthetic sources", None),
-    _data_stage("merge", "read, validate, dedupe, shuffle and split every source into data/merged.parquet", "data"),
-    _data_stage("regenerate", "re-answer every user turn with the target", "regenerate"),
-    _data_stage("tokenize", "render with the target's chat template and compute assistant loss masks", "tokenize"),
-    _data_stage("vocab", "build the draft vocab map from the train split's assistant tokens", "vocab"),
-    StageSpec("capture", "capture the target's hidden states of every tokenized sample, in shards", "capture",
-              key_fn=_lazy("eagle3.features.capture:stage_key_of"), run_fn=_lazy("eagle3.features.capture:run_capture"),
-              cli="eagle3.features.capture", complete_fn=_lazy("eagle3.features.capture:is_captured")),
-    StageSpec("train", "train the drafter (torchrun; resumes from the latest checkpoint)", "train",
-              key_fn=_lazy("eagle3.train.build:key_for"), run_fn=None, cli="eagle3.train"),
-    StageSpec("export", "export the trained drafter (SGLang, speculators)", "export",
-              key_fn=_lazy("eagle3.export.stage:key_for"), run_fn=_lazy("eagle3.export.stage:run_export"),
-              cli="eagle3.export", command="export"),
-    StageSpec("evaluate", "measure acceptance length by speculative decoding", "evaluate",
-              key_fn=_lazy("eagle3.evaluate.stage:stage_key_of"), run_fn=_lazy("eagle3.evaluate.stage:run_evaluate"),
-              cli="eagle3.evaluate.stage", command="eval"),
-    # The SGLang deploy benchmark (baseline vs EAGLE-3 servers) writes no manifest yet: it is the last `until`
-    # choice below. Its entry goes here once it is a core stage with a key; its folder is RunLayout.deploy.
+    StageSpec(synthesize, data=True),
+    StageSpec(merge, data=True),
+    StageSpec(regenerate, data=True),
+    StageSpec(tokenize, data=True),
+    StageSpec(vocab, data=True),
+    StageSpec(capture),
+    StageSpec(train),
+    StageSpec(export),
+    StageSpec(evaluate),
+    StageSpec(deploy),
 )
 BY_NAME: dict[str, StageSpec] = {s.name: s for s in STAGES}
 DATA_STAGES: tuple[str, ...] = tuple(s.name for s in STAGES if s.data)
 
-DEPLOY = "deploy"
-UNTIL_CHOICES: tuple[str, ...] = (DATA_STAGES[-1], *(s.name for s in STAGES if not s.data), DEPLOY)
-"""Where a pipeline run may stop: after the data stages (all or none), after any later stage, or after the
-SGLang benchmark (the last)."""
+UNTIL_CHOICES: tuple[str, ...] = (DATA_STAGES[-1], *(s.name for s in STAGES if not s.data))
+"""Where a pipeline run may stop: after the data stages (all or none), or after any later stage."""
 
 
 def get_stage(name: str) -> StageSpec:
@@ -127,3 +160,33 @@ def get_stage(name: str) -> StageSpec:
         return BY_NAME[name]
     except KeyError:
         raise KeyError(f"unknown stage {name!r}; stages: {', '.join(BY_NAME)}") from None
+
+
+def stages_until(until: str) -> tuple[StageSpec, ...]:
+    """The stages a run up to ``until`` reaches, in order (every data stage first)."""
+    last = [s.name for s in STAGES].index(until)
+    return tuple(s for i, s in enumerate(STAGES) if i <= last or s.data)
+
+
+def run_data_block(cfg: RunConfig, force: bool = False) -> list[StageOutcome]:
+    """Every data stage in order in this process (what the pipeline's data block does, without Prefect); the
+    outcomes of those that ran or were up to date (a stage with nothing to do returns none)."""
+    outcomes = [s.run(cfg, force=force) for s in STAGES if s.data]
+    return [o for o in outcomes if o is not None]
+
+
+DATA_BLOCK = "all"
+"""``eagle3 stage all``: every data stage in order."""
+
+
+def data_block_main(argv: list[str] | None = None) -> None:
+    """``eagle3 stage all --preset NAME [--set k=v ...] [--force]``: the data block under the run lock."""
+    import argparse
+
+    from eagle3.run.cli_args import add_config_args, stage_main
+
+    parser = argparse.ArgumentParser(description="every data stage in order: " + ", ".join(DATA_STAGES))
+    parser.add_argument("--force", action="store_true", help="recompute even if the manifests match")
+    add_config_args(parser)
+    stage_main(parser, argv, lambda cfg, args: run_data_block(cfg, args.force), write_config=True,
+               lock_owner=f"eagle3 stage {DATA_BLOCK}")

@@ -25,10 +25,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3.run.layout import FORMAT_VERSIONS
+from eagle3.run.layout import manifest_name
 from infra.storage import atomic_write_json, remove_stale_temps, sha256_file_cached, sha256_json
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageId:
+    """A stage as the run directory knows it: its name, the folder its outputs and manifest go to, and the format
+    version of its output (part of its key; bump it when the output changes meaning, and every run redoes the
+    stage). Each stage module declares its own (eagle3.run.registry lists the modules)."""
+
+    name: str
+    folder: str
+    version: int = 1
+
+    def manifest(self, run_dir: Path) -> Path:
+        """<run_dir>/<folder>/<name>.manifest.json: written last, it says the stage is complete."""
+        return Path(run_dir) / self.folder / manifest_name(self.name)
+
+
+StageRef = StageId | str
+"""A stage as the primitives below take it; a bare name stands for format version 1 (tests, tools)."""
+
+
+def _id(stage: StageRef) -> StageId:
+    return stage if isinstance(stage, StageId) else StageId(stage, "", 1)
 
 
 class MissingInputError(ValueError):
@@ -62,21 +85,22 @@ class StageOutcome:
         return cls(stage, key, Path(manifest), computed, doc["stats"], outputs)
 
 
-def stage_key(stage: str, config: dict[str, Any], inputs: Sequence[Path] = (),
+def stage_key(stage: StageRef, config: dict[str, Any], inputs: Sequence[Path] = (),
               extra: dict[str, Any] | None = None) -> str:
     """Hash of everything a stage's output depends on (see module doc)."""
+    stage = _id(stage)
     input_docs = []
     for path in inputs:
         doc = read_manifest(Path(path))
         if doc is None:
-            raise MissingInputError(f"stage {stage} needs {Path(path).name.split('.')[0]} to be complete first "
+            raise MissingInputError(f"stage {stage.name} needs {Path(path).name.split('.')[0]} to be complete first "
                                     f"(no manifest at {path})")
         problem = output_problem(doc, Path(path))
         if problem:
-            raise CorruptOutputError(f"stage {stage} reads the output of stage {doc.get('stage')}, but {problem}; "
+            raise CorruptOutputError(f"stage {stage.name} reads the output of stage {doc.get('stage')}, but {problem}; "
                                      f"run stage {doc.get('stage')} again (it recomputes on its next run)")
         input_docs.append({"stage": doc["stage"], "key": doc["key"], "outputs": doc["outputs"]})
-    return sha256_json({"stage": stage, "version": FORMAT_VERSIONS[stage], "config": config,
+    return sha256_json({"stage": stage.name, "version": stage.version, "config": config,
                         "inputs": input_docs, "extra": extra or {}})
 
 
@@ -116,14 +140,15 @@ def manifest_matches(path: Path, key: str) -> bool:
     return problem is None
 
 
-def write_manifest(path: Path, stage: str, key: str, outputs: dict[str, Path], stats: dict[str, Any]) -> dict:
+def write_manifest(path: Path, stage: StageRef, key: str, outputs: dict[str, Path], stats: dict[str, Any]) -> dict:
     """Record outputs (relative path, bytes, sha256) and stats; written last, atomically."""
+    stage = _id(stage)
     base = Path(path).parent
     entries = {
         name: {"path": str(Path(p).relative_to(base)), "bytes": Path(p).stat().st_size, "sha256": sha256_file_cached(p)}
         for name, p in outputs.items()
     }
-    doc = {"stage": stage, "key": key, "format_version": FORMAT_VERSIONS[stage], "outputs": entries,
+    doc = {"stage": stage.name, "key": key, "format_version": stage.version, "outputs": entries,
            "stats": stats, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     atomic_write_json(path, doc)
     return doc
@@ -138,19 +163,20 @@ def _own_files(manifest: Path, doc: dict[str, Any] | None) -> list[Path]:
 ComputeFn = Callable[[], tuple[dict[str, Path], dict[str, Any]]]
 
 
-def skipped_outcome(stage: str, manifest: Path, key: str,
+def skipped_outcome(stage: StageRef, manifest: Path, key: str,
                     complete: Callable[[], bool] | None = None) -> StageOutcome | None:
     """The outcome of a stage that is up to date (its manifest matches ``key``, and ``complete()`` holds when
     given: what else must be intact), logged as skipped; None when the stage has to run."""
     if not manifest_matches(manifest, key) or (complete is not None and not complete()):
         return None
-    log.info("%s: up to date (%s), skipped", stage, manifest)
+    name = _id(stage).name
+    log.info("%s: up to date (%s), skipped", name, manifest)
     doc = read_manifest(manifest)
     assert doc is not None  # (manifest_matches read it)
-    return StageOutcome.from_manifest(stage, key, manifest, doc, computed=False)
+    return StageOutcome.from_manifest(name, key, manifest, doc, computed=False)
 
 
-def run_stage(stage: str, manifest: Path, key: str, compute: ComputeFn, force: bool = False) -> StageOutcome:
+def run_stage(stage: StageRef, manifest: Path, key: str, compute: ComputeFn, force: bool = False) -> StageOutcome:
     """Run ``compute`` unless an up-to-date manifest exists; ``compute`` returns (outputs, stats)."""
     skipped = None if force else skipped_outcome(stage, manifest, key)
     if skipped is not None:
@@ -162,4 +188,4 @@ def run_stage(stage: str, manifest: Path, key: str, compute: ComputeFn, force: b
     # A first run killed mid-write had no manifest to name its files; now the outputs do.
     remove_stale_temps([manifest, *outputs.values()], older_than_ns=started_ns)
     write_manifest(manifest, stage, key, outputs, stats)
-    return StageOutcome(stage, key, manifest, True, stats, {k: str(v) for k, v in outputs.items()})
+    return StageOutcome(_id(stage).name, key, manifest, True, stats, {k: str(v) for k, v in outputs.items()})

@@ -7,3 +7,9 @@ Modules: data (plan, pack, collate, noise, prefetch), build (inputs, model, opti
 loop (steps, validation, signals, the stage), checkpoint (atomic full state, resume), dist (process group,
 wrappers, collectives), metrics (FLOPs/MFU, metrics.jsonl, progress.json).
 """
+
+from eagle3.run.layout import TRAIN_DIR
+from eagle3.run.stage import StageId
+
+STAGE = StageId("train", TRAIN_DIR)
+"""The train stage in the run directory: train/train.manifest.json (the stage module is eagle3.train.stage)."""

@@ -24,13 +24,16 @@ from torch import Tensor, nn
 
 from eagle3.config import RunConfig, section_dict
 from eagle3.config_base import key_fields
+from eagle3.data.stages import tokenize, vocab
 from eagle3.drafter.dflash_loss import DFlashObjective
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights
 from eagle3.drafter.ttt import StepOptions, TTTObjective
+from eagle3.features import STAGE as CAPTURE
 from eagle3.features.spec import FeatureSpec
 from eagle3.refresh import warm_start
-from eagle3.run.layout import manifest_name, run_layout
+from eagle3.run.layout import run_layout
 from eagle3.target.tensors import drafter_dims, load_target_lm_head, load_target_weights
+from eagle3.train import STAGE
 from eagle3.train.data import EpochPlan, plan_epoch, read_split
 from eagle3.train.dflash import DFlashSetup, build_dflash_objective, dflash_setup
 
@@ -96,15 +99,15 @@ def stage_key_for(cfg: RunConfig, inputs: RunInputs) -> str:
 
     layout = run_layout(cfg)
     # key_fields: the family and the DFlash section are hashed once set (eagle3 runs keep their keys)
-    conf = {"drafter": key_fields(cfg.drafter), "seed": cfg.run.seed, **section_dict(cfg, "train")}
+    conf = {"drafter": key_fields(cfg.drafter), "seed": cfg.run.seed, **section_dict(cfg, STAGE.name)}
     extra = {"target": inputs.spec.target_fingerprint, **warm_start.key_extra(cfg),  # {} without refresh.init_from
              **measured.key_extra(cfg)}  # {} while train.measured is off
     if cfg.train.features == "online":
-        manifests = [layout.manifest("tokenize"), layout.manifest("vocab")]
+        manifests = [layout.manifest(tokenize.STAGE), layout.manifest(vocab.STAGE)]
         extra |= {"spec": spec_hash(inputs.spec), "target_dtype": cfg.target.dtype}
     else:
-        manifests = [inputs.features_dir / manifest_name("capture"), layout.manifest("vocab")]
-    return stage_key("train", conf, manifests, extra)
+        manifests = [CAPTURE.manifest(inputs.run_dir), layout.manifest(vocab.STAGE)]
+    return stage_key(STAGE, conf, manifests, extra)
 
 
 def key_for(cfg: RunConfig) -> str:

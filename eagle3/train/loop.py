@@ -37,8 +37,8 @@ from eagle3.drafter.dflash_loss import DFlashObjective
 from eagle3.drafter.model import trainable_parameters
 from eagle3.drafter.ttt import StepOptions, TTTBatch, TTTObjective, align_step, align_steps, metrics_from_counts
 from eagle3.run.layout import RunLayout, run_relative
+from eagle3.train import STAGE, measured
 from eagle3.train import dflash as dflash_step
-from eagle3.train import measured
 from eagle3.train.best import best_stats, note_best
 from eagle3.train.build import (
     DataPlan,
@@ -587,7 +587,7 @@ def _train(cfg: RunConfig, info: DistInfo, stop_after_steps: int | None) -> Trai
         from eagle3.features.capture import save_or_check_spec
 
         save_or_check_spec(inputs.features_dir, inputs.spec)  # export and evaluation read what was trained on
-    manifest = RunLayout(inputs.run_dir).manifest("train")
+    manifest = RunLayout(inputs.run_dir).manifest(STAGE)
     key = stage_key_for(cfg, inputs)
     if broadcast_object(manifest_matches(manifest, key) if info.is_main else None, info):
         log.info("train: up to date (%s), nothing to do", manifest)
@@ -627,7 +627,7 @@ def _finish(tr: Trainer, result: TrainResult) -> None:
             outputs["best_model"] = tr.train_dir / stats["best_checkpoint"] / MODEL_FILE
         measured_stats, measured_outputs = measured.manifest_part(tr)  # ({}, {}) while train.measured is off
         stats, outputs = stats | measured_stats, outputs | measured_outputs
-        write_manifest(RunLayout(tr.inputs.run_dir).manifest("train"), "train", tr.stage_key, outputs, stats)
+        write_manifest(RunLayout(tr.inputs.run_dir).manifest(STAGE), STAGE, tr.stage_key, outputs, stats)
     tr.progress.update(state="done", force=True, step=result.step,
                        checkpoint=run_relative(tr.inputs.run_dir, result.checkpoint) if result.checkpoint else None,
                        eta_s=0.0)

@@ -142,13 +142,13 @@ def test_every_readme_console_command_reaches_the_help_of_what_it_runs(command, 
     answers --help (`eagle3 export` named a module without `main`: AttributeError on every call)."""
     import shlex
 
-    from flows.cli import build_parser, entry_point
+    from flows.cli import build_parser, entry_point, stage_entry
 
     argv = [tmp_path.as_posix() + "/config.json" if a == "runs/<run>/config.json" else "tiny" if a == "X" else a
             for a in shlex.split(command)[1:]]
     args = build_parser().parse_args(argv)
     with pytest.raises(SystemExit) as exit_info:
-        entry_point(args.entry)(["--help"])
+        (stage_entry(args.stage) if args.command == "stage" else entry_point(args.entry))(["--help"])
     assert exit_info.value.code == 0 and "usage:" in capsys.readouterr().out
 
 

@@ -95,7 +95,7 @@ def _run_dir(tmp_path, monkeypatch, overrides: list[str]):
     layout.vocab.mkdir(parents=True)
     _save_vocab(layout.vocab / MAP_FILE, info.vocab_size, cfg.vocab.draft_vocab_size)
     for stage in STAGES:
-        manifest = layout.manifest(stage.name)
+        manifest = stage.manifest(layout.root)
         manifest.parent.mkdir(parents=True, exist_ok=True)
         out = manifest.parent / f"{stage.name}.golden"
         out.write_text(f"the output of {stage.name}\n")

@@ -1,0 +1,1 @@
+"""The data stages, one module each (synthesize, merge, regenerate, tokenize, vocab), and what they share."""

@@ -1,0 +1,87 @@
+"""The regenerate stage: every user turn re-answered by the target (when regenerate.enabled).
+
+    python -m eagle3.data.stages.regenerate --preset smollm2-demo --set regenerate.enabled=true
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from eagle3.config import RunConfig, section_dict
+from eagle3.data.stages import merge
+from eagle3.data.stages.common import data_stage_main, kept_answer_sources, model_loader, target
+from eagle3.run.layout import DATA_DIR, run_layout
+from eagle3.run.progress import ProgressFn
+from eagle3.run.stage import StageId, StageOutcome, run_stage, stage_key
+
+if TYPE_CHECKING:
+    from eagle3.data.regenerate_slices import SliceRunner, SliceStats
+
+STAGE = StageId("regenerate", DATA_DIR, version=2)  # 2: regenerated.parquet holds truncated_turns
+SECTION = "regenerate"
+DESCRIPTION = "re-answer every user turn with the target"
+
+
+def skip_reason(cfg: RunConfig) -> str | None:
+    """Why the stage has nothing to do for ``cfg`` (None: it runs)."""
+    return None if cfg.regenerate.enabled else "regenerate.enabled is false"
+
+
+def key(cfg: RunConfig, fp: str | None = None) -> str:
+    """The regenerate section, the merge manifest and the target (``fp``: its fingerprint when known)."""
+    fp = fp or target(cfg)[1]
+    return stage_key(STAGE, section_dict(cfg, SECTION), [merge.STAGE.manifest(cfg.run_dir)], {"target": fp})
+
+
+def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False, known_key: str | None = None,
+        run_slices: SliceRunner | None = None) -> StageOutcome | None:
+    """Re-answer every user turn with the target (None when regeneration is off).
+
+    With regenerate.num_slices above 1 and a ``run_slices`` (the flows pass one that starts a flow run per slice),
+    the conversations left are split into slices that ``run_slices`` has answered elsewhere (``run_slice``), and
+    this process only plans and merges; without ``run_slices`` everything is answered here."""
+    if not cfg.regenerate.enabled:
+        return None
+    from eagle3.data.regenerate import regenerate
+    from eagle3.data.regenerate_slices import regenerate_sliced
+
+    model_dir, fp = target(cfg)
+    own = kept_answer_sources(cfg)
+    layout = run_layout(cfg)
+
+    def compute():
+        if run_slices is not None and cfg.regenerate.num_slices > 1:
+            return regenerate_sliced(layout.merged, layout.data, cfg.regenerate, run_slices, progress,
+                                     keep_sources=own)
+        return regenerate(layout.merged, layout.data, cfg.regenerate, chat_backend(cfg, model_dir), progress,
+                          keep_sources=own)
+
+    return run_stage(STAGE, STAGE.manifest(layout.root), known_key or key(cfg, fp), compute, force=force)
+
+
+def run_slice(cfg: RunConfig, index: int, progress: ProgressFn | None = None) -> SliceStats:
+    """Answer slice ``index`` of a sliced regeneration planned by ``run`` (its stats)."""
+    from eagle3.data.regenerate_slices import regenerate_slice
+
+    model_dir, _ = target(cfg)
+    layout = run_layout(cfg)
+    return regenerate_slice(layout.merged, layout.data, cfg.regenerate, chat_backend(cfg, model_dir), index,
+                            progress)
+
+
+def chat_backend(cfg: RunConfig, model_dir: Path):
+    """The regenerate backend: an endpoint client, or the target loaded here (hf)."""
+    from eagle3.data.regenerate import make_backend
+
+    model, tok = model_loader(cfg, model_dir)() if cfg.regenerate.backend == "hf" else (None, None)
+    return make_backend(cfg.regenerate, model=model, tokenizer=tok)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m eagle3.data.stages.regenerate --preset NAME [--set k=v ...] [--force]"""
+    data_stage_main(__spec__.name if __spec__ else __name__, argv)
+
+
+if __name__ == "__main__":
+    main()
