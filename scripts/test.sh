@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The default test suite: unit + flow tests on CPU (slow end-to-end and GPU tests are deselected).
+# The default test suite: unit + flow tests and the lab's tests (pyproject.toml testpaths: tests, lab/tests) on CPU
+# (slow end-to-end and GPU tests are deselected).
 # Extra arguments go to pytest. Slow suite: ./scripts/test.sh -m slow
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -51,6 +51,42 @@ def test_orchestration_has_no_module_level_torch(package):
     assert _violations(package, ("torch", "transformers"), top_level_only=True) == []
 
 
+_LAB = re.compile(r"lab([./][\w./-]*)?")
+"""A module or path in the lab, as a whole string: ``lab``, ``lab.fuzz``, ``lab/quality_run.sh``."""
+
+
+def _lab_references(path: Path) -> list[str]:
+    """The lab modules ``path`` imports (anywhere in it) and its string literals that name a lab module or file (a
+    script run by path, ``runpy.run_path``, ``importlib.import_module``)."""
+    found = [f"imports {name}" for name in _imports(path, top_level_only=False) if name.split(".")[0] == "lab"]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found += [f"names {node.value!r}" for node in ast.walk(tree)
+              if isinstance(node, ast.Constant) and isinstance(node.value, str) and _LAB.fullmatch(node.value)]
+    return found
+
+
+@pytest.mark.parametrize("package", ["eagle3", "infra", "flows", "tasks", "deployments", "tests"])
+def test_the_lab_is_one_way(package):
+    """The lab (lab/) imports the core, never the reverse: neither the core nor the default tests import a lab
+    module or run a lab file (the lab's own tests live in lab/tests/)."""
+    this = Path(__file__).resolve()
+    paths = [path for path in sorted((ROOT / package).rglob("*.py")) if path.resolve() != this]
+    assert paths, f"no Python files under {package}/"
+    assert [f"{p.relative_to(ROOT)} {hit}" for p in paths for hit in _lab_references(p)] == []
+
+
+def test_lab_reference_checker_detects_each_form(tmp_path):
+    """Imports of the lab (nested ones too) and lab paths or module names in strings are found; a name that merely
+    starts with "lab" and prose that mentions a lab file are not."""
+    module = tmp_path / "m.py"
+    module.write_text("import lab.fuzz\nfrom lab import curve_carry\nimport laboratory\n"
+                      "def f():\n    from lab.shapes import X\n    runpy.run_path('lab/eval_speed.py')\n"
+                      "    importlib.import_module('lab.fuzz')\n"
+                      "    return 'label', 'lab', 'a lab', 'lab/x.py: a docstring'\n")
+    assert _lab_references(module) == ["imports lab.fuzz", "imports lab", "imports lab.shapes",
+                                       "names 'lab/eval_speed.py'", "names 'lab.fuzz'", "names 'lab'"]
+
+
 def test_rule_checker_detects_a_violation(tmp_path):
     """The parser sees an import nested in a function (so the checks above can fail)."""
     module = tmp_path / "m.py"

@@ -296,22 +296,6 @@ def test_empty_prompt_is_refused(case):
         TokenGenerator(model, _settings(eos)).generate([[5, 6], []])
 
 
-def test_generation_benchmark_runs_tiny_and_reports_identical_rows(capsys):
-    """lab/generation.py --tiny (static path on CPU) prints its figures and all rows identical to plain."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "lab" / "generation.py"
-    spec = importlib.util.spec_from_file_location("generation_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    bench.main(["--tiny", "--device", "cpu", "--backend", "static", "--new-tokens", "6"])
-    out = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line)
-    assert {"plain_tok_s", "fast_tok_s", "fast_over_plain"} <= set(out)
-    assert out["identical_rows"].startswith("8/8") and out["check_identical"].startswith("8/8")
-    assert out["fast_backend"].startswith("static")
-
-
 @pytest.mark.parametrize("backend", ["dynamic", "static", "continuous"])
 def test_generation_stats_count_what_the_calls_did(case, backend):
     """The stats count every prompt and kept token; static batches count their filler rows and cache shape."""

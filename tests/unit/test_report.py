@@ -71,25 +71,3 @@ def test_a_wide_table_is_split_into_narrow_parts_that_keep_every_cell():
     rebuilt = [{k: v for p in parts for k, v in p[i].items()} for i in range(3)]
     assert rebuilt == rows
     assert narrow_tables([{"a": 1, "b": 2}]) == [[{"field": "a", "value": 1}, {"field": "b", "value": 2}]]
-
-
-def test_a_drawn_data_scaling_curve_is_in_the_run_report(data_only_run, tmp_path):
-    """With runs/<name>/curve written by the curve's report, the run report holds its tables (sections nested
-    under one heading) and its plot; without it, no such section."""
-    from lab.curve_report import write_curve_report
-
-    cfg = data_only_run
-    plain = render_run_report(cfg)
-    assert "## Data-scaling curve" not in plain
-    result = {"dataset": "all", "method": "chain-3-1-4", "accept_len": 1.653, "num_prompts": 160,
-              "lossless": {"identical": 160}}
-    (tmp_path / "3M").mkdir()
-    (tmp_path / "3M" / "results.json").write_text(json.dumps({"settings": {}, "results": [result]}))
-    outputs = write_curve_report({3_000_000: tmp_path / "3M" / "results.json"}, cfg.run_dir / "curve")
-    try:
-        report = render_run_report(cfg)
-    finally:
-        for path in outputs.values():
-            path.unlink()
-    assert "## Data-scaling curve" in report and "### all" in report and "| 3M | 1.653 |" in report
-    assert report.count("data:image/png") == plain.count("data:image/png") + 1 and "\n## all" not in report
