@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from eagle3.config import RunConfig
-from eagle3.run.layout import CURVE_PLOT, CURVE_REPORT, run_layout
+from eagle3.run.layout import RunLayout, run_layout
 from eagle3.run.registry import DATA_STAGES, ONLINE_SKIP, get_stage
 from eagle3.train.plots import ACCEPTANCE_PLOT
 
@@ -217,14 +217,23 @@ def render_run_report(cfg: RunConfig) -> str:
         lines += _table(rows, LOSSLESS_COLUMNS)
         plot = layout.eval_plot
         lines += ["", markdown_image(plot)] if plot.is_file() else []
-    curve = layout.curve / CURVE_REPORT
-    if curve.is_file():  # the data-scaling curve over the runs trained on this run's data
-        body = curve.read_text().splitlines()[1:]  # its title becomes this section's; its sections nest below
-        lines += ["", "## Data-scaling curve", *(f"#{line}" if line.startswith("#") else line for line in body)]
-        lines += ["", markdown_image(layout.curve / CURVE_PLOT)] if (layout.curve / CURVE_PLOT).is_file() else []
+    lines += appendix_lines(layout)
     if layout.deploy_report.is_file():
         lines += ["", layout.deploy_report.read_text()]
     return "\n".join(lines) + "\n"
+
+
+def appendix_lines(layout: RunLayout) -> list[str]:
+    """Each page in the run's appendix/ (name order) as a section: its headings one level deeper (its title a
+    section of this report), its plot <name>.png below it."""
+    from tasks.artifacts import markdown_image
+
+    lines: list[str] = []
+    for page in sorted(layout.appendix.glob("*.md")):
+        lines += ["", *(f"#{line}" if line.startswith("#") else line for line in page.read_text().splitlines())]
+        plot = page.with_suffix(".png")
+        lines += ["", markdown_image(plot)] if plot.is_file() else []
+    return lines
 
 
 def _headline(stats: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -35,14 +35,15 @@ def _carried() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     from eagle3.export.checks import CONFIG_FILE, INFO_FILE, WEIGHTS_FILE
     from eagle3.export.model_card import CARD_FILE
     from eagle3.run.layout import MERGE_STATS_FILE, PROMPTS_FILE, REPLAYED_FILE, REPORT_FILE, RunLayout
+    from eagle3.run.registry import get_stage
 
     run = RunLayout(Path())
     export = run.sglang_export
     journals = (run.data / JOURNAL_NAME, run.data / SYNTHETIC_DIR)
-    results = (run.config, run.data / MERGE_STATS_FILE, run.curve, run.metrics, run.progress, run.manifest("train"),
-               run.manifest("export"), export / CARD_FILE, export / CONFIG_FILE, export / INFO_FILE, run.eval_results,
-               run.eval / REPORT_FILE, run.eval / PROMPTS_FILE, run.manifest("evaluate"), run.eval / REPLAYED_FILE,
-               run.eval / EVAL_JOURNAL)
+    train, exported, evaluated = (get_stage(name).manifest(run.root) for name in ("train", "export", "evaluate"))
+    results = (run.config, run.data / MERGE_STATS_FILE, run.appendix, run.metrics, run.progress, train, exported,
+               export / CARD_FILE, export / CONFIG_FILE, export / INFO_FILE, run.eval_results, run.eval / REPORT_FILE,
+               run.eval / PROMPTS_FILE, evaluated, run.eval / REPLAYED_FILE, run.eval / EVAL_JOURNAL)
     return tuple(tuple(p.as_posix() for p in group) for group in (journals, results, (export / WEIGHTS_FILE,)))
 
 

@@ -23,8 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from any directory
 
-from eagle3.run.layout import CURVE_DATA, CURVE_PLOT, CURVE_REPORT, RunLayout  # noqa: E402
+from eagle3.run.layout import RunLayout  # noqa: E402
 
+CURVE_REPORT, CURVE_PLOT, CURVE_DATA = "curve.md", "curve.png", "curve.json"
+"""The curve's files. quality_curve.py writes them into the data run's appendix/ (RunLayout.appendix), so that
+run's report (flows/report.py) shows curve.md as a section and curve.png below it."""
 NGRAM = "ngram"
 
 
@@ -53,6 +56,7 @@ class Validation:
 
 def read_validation(run_dir: Path) -> Validation | None:
     """The best validation of the run's train/metrics.jsonl (None when it has no validation record)."""
+    from eagle3.run.registry import get_stage
     from eagle3.train.metrics import read_metrics
 
     layout = RunLayout(Path(run_dir))
@@ -61,7 +65,8 @@ def read_validation(run_dir: Path) -> Validation | None:
         return None
     best = max(evals, key=lambda r: (r["accept_len_est"], -r["step"]))  # the first step to reach the best value
     last = max(int(r["step"]) for r in [*evals, *read_metrics(layout.metrics, "train")])
-    return Validation(int(best["step"]), float(best["accept_len_est"]), last, layout.manifest("train").is_file())
+    finished = get_stage("train").manifest(layout.root).is_file()
+    return Validation(int(best["step"]), float(best["accept_len_est"]), last, finished)
 
 
 def validation_cell(v: Validation | None) -> str:
@@ -143,7 +148,7 @@ def curve_markdown(rows: list[CurveRow], missing: list[int], validation: Mapping
     of all prompts each size's validation accept_len_est."""
     baseline, validation = ngram_baseline(rows), validation or {}
     methods = list(dict.fromkeys(r.method for r in rows if r.method != NGRAM))
-    lines = ["# Acceptance length vs training tokens", ""]
+    lines = ["# Data-scaling curve: acceptance length vs training tokens", ""]
     for dataset in dict.fromkeys(r.dataset for r in rows):
         by = {(r.tokens, r.method): r for r in rows if r.dataset == dataset}
         sizes = sorted({t for t, _ in by})

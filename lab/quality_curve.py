@@ -360,7 +360,7 @@ def phase_report(c: Curve) -> dict[str, Path]:
     variants = sweep_variants(base)
     sweep = {v.label: eval_file(c, c.sizes[-1], "results.json", v) for v in variants}
     sweep_replayed = {v.label: eval_file(c, c.sizes[-1], REPLAYED_FILE, v) for v in variants}
-    outputs = write_curve_report(results, run_layout(base).curve, sweep, replayed, sweep_replayed)
+    outputs = write_curve_report(results, run_layout(base).appendix, sweep, replayed, sweep_replayed)
     print(outputs["markdown"].read_text())
     return outputs
 

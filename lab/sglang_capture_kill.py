@@ -94,6 +94,7 @@ def health_ok(base_url: str) -> bool:
 def prepare_kill_run(cfg: RunConfig, args: argparse.Namespace) -> tuple[RunConfig, Path]:
     """A fresh run beside RUN with the first N train rows and their tokenize manifest; its config file."""
     from eagle3.run.layout import run_layout
+    from eagle3.run.registry import get_stage
 
     kcfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"{cfg.run.name}-sglang-killtest"})})
     kdir = kcfg.run_dir
@@ -105,7 +106,8 @@ def prepare_kill_run(cfg: RunConfig, args: argparse.Namespace) -> tuple[RunConfi
     dst.tokenized.parent.mkdir(parents=True)
     (kdir / KILL_MARKER).write_text("made by lab/sglang_capture.py --kill-test; safe to delete\n")
     num_tokens = write_first_rows(src.tokenized, dst.tokenized, args.samples)
-    copy_tokenize_manifest(src.manifest("tokenize"), dst.manifest("tokenize"), dst.tokenized, args.samples)
+    tokenize = get_stage("tokenize")
+    copy_tokenize_manifest(tokenize.manifest(src.root), tokenize.manifest(dst.root), dst.tokenized, args.samples)
     tokens_per_shard = shard_budget(dst.tokenized, num_tokens, args.min_shards)
     capture = bench_config(kcfg, args, "sglang").capture.model_copy(update={
         "supervision": cfg.capture.supervision, "tokens_per_shard": tokens_per_shard,

@@ -43,8 +43,8 @@ RESULTS_FILE, REPORT_FILE, EVAL_PLOT, PARTIAL_DIR = "results.json", "report.md",
 PROMPTS_FILE, REPLAYED_FILE = "prompts.jsonl", "replayed.json"  # eval/: per-prompt records; replays on greedy texts
 MERGE_STATS_FILE = "stats.json"  # data/: what merge kept and rejected, per source
 HISTORY_DIR, ACCEPTANCE_HISTORY = "history", "acceptance.jsonl"  # one line per pipeline run that evaluated
-CURVE_DIR, CURVE_REPORT, CURVE_PLOT, CURVE_DATA = "curve", "curve.md", "curve.png", "curve.json"
-"""A data-scaling curve drawn over the runs that share this run's data (benchmarks/quality_curve.py report)."""
+APPENDIX_DIR = "appendix"
+"""Pages that tools outside the stages add to the run report: each <name>.md a section, <name>.png its plot."""
 
 
 class StagePlace(Protocol):
@@ -192,9 +192,9 @@ class RunLayout:
         return self.eval / EVAL_PLOT
 
     @property
-    def curve(self) -> Path:
-        """curve/: the data-scaling curve of the runs trained on this run's data, when one was drawn."""
-        return self.root / CURVE_DIR
+    def appendix(self) -> Path:
+        """appendix/: pages the run report appends (flows/report.py), written by tools outside the stages."""
+        return self.root / APPENDIX_DIR
 
     @property
     def deploy_report(self) -> Path:

@@ -123,6 +123,7 @@ def _train_log(run: Path, evals: list[tuple[int, float]], last_step: int, finish
     """A run's train/metrics.jsonl with these validations (and train records up to ``last_step``), and its train
     manifest when ``finished``."""
     from eagle3.run.layout import RunLayout
+    from eagle3.run.registry import get_stage
 
     layout = RunLayout(run)
     layout.metrics.parent.mkdir(parents=True, exist_ok=True)
@@ -130,7 +131,7 @@ def _train_log(run: Path, evals: list[tuple[int, float]], last_step: int, finish
     records += [{"type": "eval", "step": s, "accept_len_est": a} for s, a in evals]
     layout.metrics.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     if finished:
-        layout.manifest("train").write_text("{}")
+        get_stage("train").manifest(layout.root).write_text("{}")
 
 
 def test_a_variant_stopped_before_its_last_step_is_reported_by_its_validation_and_marked(tmp_path):
@@ -305,7 +306,7 @@ def test_curve_all_phases_on_the_tiny_target(tmp_path, capsys):
              for s in ("2K", "4K")]
     assert 0 < steps[0] < steps[1]  # the smaller budget trained on fewer rows
     assert (tmp_path / "tiny-2K/data").resolve() == (tmp_path / "tiny/data").resolve()
-    curve = (tmp_path / "tiny/curve/curve.md").read_text()
+    curve = (tmp_path / "tiny/appendix/curve.md").read_text()
     assert "| 2K |" in curve and "| 4K |" in curve
     # replay-4K on the 2K evaluation's greedy texts: the 4K drafter's decoded chain figures without its decode
     assert quality_curve.main(["replay-4K", *args[1:]]) == 0
@@ -328,11 +329,11 @@ def test_curve_all_phases_on_the_tiny_target(tmp_path, capsys):
     assert json.loads((variant / "config.json").read_text())["vocab"]["draft_vocab_size"] == 256
     assert {r["method"] for r in json.loads((variant / "eval/results.json").read_text())["results"]} == {"chain-3-1-4"}
     assert quality_curve.main(["report", *args[1:]]) == 0
-    assert "| vocab-256 |" in (tmp_path / "tiny/curve/curve.md").read_text()
+    assert "| vocab-256 |" in (tmp_path / "tiny/appendix/curve.md").read_text()
     # --pack-results-to: after a phase, its folder unpacks to every run's results and, with --with-weights, drafters
     carry = tmp_path / "carry"
     assert quality_curve.main(["report", *args[1:], "--pack-results-to", str(carry), "--with-weights"]) == 0
     names = set(curve_carry.unpack_results(tmp_path / "elsewhere", carry))
-    for rel in ("tiny-2K/eval/results.json", "tiny-4K-vocab-256/eval/prompts.jsonl", "tiny/curve/curve.md",
+    for rel in ("tiny-2K/eval/results.json", "tiny-4K-vocab-256/eval/prompts.jsonl", "tiny/appendix/curve.md",
                 "tiny-4K/export/sglang/model.safetensors"):
         assert rel in names and (tmp_path / "elsewhere" / rel).read_bytes() == (tmp_path / rel).read_bytes()

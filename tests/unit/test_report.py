@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import shutil
 
 import pytest
 
 from eagle3.config import load_config
+from eagle3.run.layout import run_layout
 from flows.report import render_run_report
 from tasks.artifacts import MAX_TABLE_COLUMNS, narrow_tables
 
@@ -71,3 +74,25 @@ def test_a_wide_table_is_split_into_narrow_parts_that_keep_every_cell():
     rebuilt = [{k: v for p in parts for k, v in p[i].items()} for i in range(3)]
     assert rebuilt == rows
     assert narrow_tables([{"a": 1, "b": 2}]) == [[{"field": "a", "value": 1}, {"field": "b", "value": 2}]]
+
+
+def test_appendix_pages_are_sections_of_the_report(data_only_run):
+    """Each appendix/<name>.md becomes a section, in name order, with its headings one level deeper and
+    <name>.png embedded below it; the report without an appendix has none of them."""
+    cfg = data_only_run
+    plain = render_run_report(cfg)
+    appendix = run_layout(cfg).appendix
+    appendix.mkdir()
+    try:
+        (appendix / "b.md").write_text("# Second page\n\n## its part\n| x |\n")
+        (appendix / "a.md").write_text("# First page\ntext\n")
+        (appendix / "a.png").write_bytes(b"png bytes")
+        (appendix / "a.json").write_text("{}")  # not a page
+        report = render_run_report(cfg)
+    finally:
+        shutil.rmtree(appendix)
+    assert "Second page" not in plain and render_run_report(cfg) == plain
+    assert report.startswith(plain)  # the pages come after everything else (no deploy report in this run)
+    added = report[len(plain):].splitlines()
+    image = "![a](data:image/png;base64," + base64.b64encode(b"png bytes").decode() + ")"
+    assert added == ["", "## First page", "text", "", image, "", "## Second page", "", "### its part", "| x |"]
