@@ -1,7 +1,7 @@
 """Online vs offline training throughput on one GPU, with a random-weight target built on the device.
 
 Both modes run the trainer's own pieces on the same packed rows (eagle3.train.data.pack of the same
-documents) and the same drafter step (eagle3.train.loop: supervise -> backward_rows -> optimizer_step):
+documents) and the same drafter step (eagle3.train.loop.ttt_update: supervise -> backward_rows -> optimizer_step):
   offline  the capture stage's writer first stores every document's states as shards (capture_and_write, the
            stage's own code, default settings), then training reads each row back through RowLoader
            (safetensors slices, pinned, prefetched on a thread) -> the step;
@@ -47,7 +47,7 @@ from eagle3.drafter.model import DrafterDims, Eagle3Drafter
 from eagle3.train.build import build_optimizer, build_scheduler
 from eagle3.train.data import RowLoader, batch_to, pack
 from eagle3.train.dist import DistInfo
-from eagle3.train.loop import backward_rows, optimizer_step, step_options_for, supervise
+from eagle3.train.loop import step_options_for, ttt_update
 from eagle3.train.online import OnlineFeatures
 from eagle3.train.state_cache import StateCache
 from eagle3.drafter.ttt import TTTObjective
@@ -129,15 +129,12 @@ def _sync(device: torch.device, reset_peak: bool = False) -> None:
 
 
 def stepper(cfg, objective, fill, info: DistInfo):
-    """One training step per row, as the trainer takes it (fill -> supervise -> backward -> optimizer step)."""
+    """One training step per row, as the trainer takes it (fill, then eagle3.train.loop.ttt_update)."""
     optimizer = build_optimizer(cfg, objective, 1e-4, info.device)
     scheduler = build_scheduler(cfg, optimizer, 10_000)
 
     def step(row) -> None:
-        batch = fill(batch_to(row.batch, info.device), row)
-        sups, counts = supervise(objective, [batch], info)
-        backward_rows(objective, [batch], sups, counts, info)
-        optimizer_step(objective, optimizer, scheduler, grad_clip=0.5)
+        ttt_update(objective, [fill(batch_to(row.batch, info.device), row)], optimizer, scheduler, 0.5, info)
     return step
 
 

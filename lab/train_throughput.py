@@ -1,6 +1,6 @@
 """Training throughput of the drafter step with Llama-3.1-8B shapes, on random features built on the device.
 
-The timed step is the trainer's own (eagle3.train.loop: supervise -> backward_rows -> optimizer_step):
+The timed step is the trainer's own (eagle3.train.loop.ttt_update: supervise -> backward_rows -> optimizer_step):
 target supervision from final hidden states through a frozen bf16 target lm_head, the TTT unroll,
 the soft cross-entropy, AdamW (fused) on fp32 master weights under bf16 autocast, grad clipping.
 One packed row of --seq-len tokens per step and GPU. No files are read.
@@ -41,8 +41,8 @@ from torch import nn
 from eagle3.config import RunConfig, apply_overrides, validate_config
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter
 from eagle3.train.build import build_optimizer, build_scheduler
-from eagle3.train.dist import DistInfo, init_distributed, shutdown, unwrap, wrap
-from eagle3.train.loop import backward_rows, optimizer_step, step_options_for, supervise
+from eagle3.train.dist import DistInfo, init_distributed, shutdown, wrap
+from eagle3.train.loop import step_options_for, ttt_update
 from eagle3.train.metrics import drafter_row_flops, peak_flops
 from eagle3.drafter.ttt import TTTBatch, TTTObjective, metrics_from_counts
 
@@ -139,9 +139,7 @@ def random_batch(dims: DrafterDims, seq_len: int, device: torch.device) -> TTTBa
 def one_step(model: nn.Module, optimizer: Any, scheduler: Any, batch: TTTBatch, info: DistInfo
              ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The trainer's optimizer step on one row (grad clip 1.0, as the peer): (metric sums, counts, grad norm)."""
-    sups, counts = supervise(unwrap(model), [batch], info)
-    sums = backward_rows(model, [batch], sups, counts, info)
-    grad_norm, _ = optimizer_step(model, optimizer, scheduler, grad_clip=1.0)
+    sums, counts, grad_norm, _ = ttt_update(model, [batch], optimizer, scheduler, 1.0, info)
     return sums, counts, grad_norm
 
 

@@ -287,6 +287,18 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler
     return float(grad_norm), lr
 
 
+def ttt_update(model: nn.Module, batches: list[TTTBatch], optimizer: torch.optim.Optimizer, scheduler: Any,
+               grad_clip: float, info: DistInfo) -> tuple[Tensor, Tensor, float, float]:
+    """One EAGLE-3 optimizer step over this rank's prepared rows, as the trainer takes it: supervision and the
+    supervised counts of every rank, forward + backward of each row, then clip and step. ``model`` is the
+    TTTObjective or its DDP/FSDP2 wrapper. Returns (this rank's summed metric counts [4, S], every rank's
+    supervised counts [S], grad norm before clipping, lr used)."""
+    sups, counts = supervise(cast(TTTObjective, unwrap(model)), batches, info)
+    sums = backward_rows(model, batches, sups, counts, info)
+    grad_norm, lr = optimizer_step(model, optimizer, scheduler, grad_clip)
+    return sums, counts, grad_norm, lr
+
+
 def train_step(tr: Trainer, rows: list[PackedBatch], stop_requested: bool) -> tuple[dict[str, Any], bool]:
     """One optimizer step over this rank's rows (module docstring); returns (metrics, any rank asked to stop)."""
     batches = [prepare_row(tr, row, noise=True) for row in rows]
@@ -294,10 +306,10 @@ def train_step(tr: Trainer, rows: list[PackedBatch], stop_requested: bool) -> tu
     if dflash is not None:  # blocks of the row instead of TTT steps (eagle3.train.dflash)
         anchors, counts = dflash_step.supervise(dflash, batches, [row.noise_seed for row in rows], tr.dist)
         sums = dflash_step.backward_rows(tr.model, batches, anchors, counts, tr.dist)
+        grad_norm, lr = optimizer_step(tr.model, tr.optimizer, tr.scheduler, tr.cfg.train.grad_clip)
     else:
-        sups, counts = supervise(tr.objective, batches, tr.dist)
-        sums = backward_rows(tr.model, batches, sups, counts, tr.dist)
-    grad_norm, lr = optimizer_step(tr.model, tr.optimizer, tr.scheduler, tr.cfg.train.grad_clip)
+        sums, counts, grad_norm, lr = ttt_update(tr.model, batches, tr.optimizer, tr.scheduler, tr.cfg.train.grad_clip,
+                                                 tr.dist)
     extra = torch.tensor([sum(r.num_tokens for r in rows), float(stop_requested)], dtype=torch.float64,
                          device=sums.device)
     reduced = all_reduce_sum(torch.cat([sums.flatten(), extra]), tr.dist)
