@@ -45,7 +45,6 @@ from typing import Any
 
 import torch
 
-from lab.shapes import LLAMA31_8B, SMOLLM2_135M
 from eagle3.config import CaptureConfig
 from eagle3.features.fp8 import fp8_error
 from eagle3.features.hf_backend import HFCaptureBackend, resolve_device
@@ -55,6 +54,7 @@ from eagle3.features.shards.writer import write_shard
 from eagle3.features.spec import FeatureSpec, SampleTokens
 from eagle3.features.writers import WriteOptions, WriteStats, capture_and_write
 from infra.storage import atomic_write_json
+from lab.shapes import LLAMA31_8B, SMOLLM2_135M
 
 CASE_KNOBS = ("stream_writes", "num_writers", "write_queue_bytes", "early_writeback", "pinned_handoff")
 DEFAULT_CASES = ["stream_writes=false,num_writers=1", ""]

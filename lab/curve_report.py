@@ -237,7 +237,8 @@ def sweep_markdown(rows: list[CurveRow], variants: Mapping[str, list[CurveRow]],
         ok = sum(r.lossless_identical for r in rs if r.method != NGRAM and not r.replayed)
         total = sum(r.num_prompts for r in rs if r.method != NGRAM and not r.replayed)
         lossless = f"{ok}/{total} identical" if total else "replayed, no decode" if rs else "not decoded"
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {lossless} | {validation_cell(validation.get(label))} |")
+        val = validation_cell(validation.get(label))
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {lossless} | {val} |")
     if pending:
         lines += ["", f"Not measured yet: {', '.join(pending)}."]
     return "\n".join(lines) + "\n"

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from eagle3.config import load_config
-from eagle3.target.load import prepare_target
 from eagle3.run.stages import run_merge, run_tokenize, run_vocab, write_run_config
+from eagle3.target.load import prepare_target
 
 
 def measure(num_conversations: int, preset: str, cache_dir: Path, overrides: list[str]) -> None:

@@ -29,13 +29,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights  # noqa: E402
 from eagle3.evaluate.decode_cache import StaticDrafterRunner, StaticTargetRunner  # noqa: E402
 from eagle3.evaluate.fused_projections import fuse_projections  # noqa: E402
 from eagle3.evaluate.graphs import resolve_decode  # noqa: E402
-from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights  # noqa: E402
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner  # noqa: E402
-from eagle3.evaluate.speculate import (DecodeResult, DraftTree, EagleProposer, NgramProposer, check_lossless,  # noqa: E402
-                              greedy_decode, speculative_decode)
+from eagle3.evaluate.speculate import (  # noqa: E402
+    DecodeResult,
+    DraftTree,
+    EagleProposer,
+    NgramProposer,
+    check_lossless,
+    greedy_decode,
+    speculative_decode,
+)
 
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5)
@@ -226,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, make in methods.items():
         proposer = make()
         speculative_decode(target, proposer, prompt, 8)  # warm the python paths
-        wall, out = timed(lambda: speculative_decode(target, proposer, prompt, n), args.repeats)
+        wall, out = timed(lambda proposer=proposer: speculative_decode(target, proposer, prompt, n), args.repeats)
         rounds = max(len(out.steps), 1)
         print(f"{name}_round_ms: {1000 * wall / rounds:.2f}  (accept_len {out.accept_len:.2f}, "
               f"{len(out.tokens) / wall:.1f} tok/s)")
@@ -245,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{kinds.count('near_tie')}, mismatch {kinds.count('mismatch')}; every output vs the eager greedy)")
     if args.profile:
         for name in ("chain-3-oracle", "tree-5-4-8-oracle"):
-            profile_decode(name, lambda: speculative_decode(target, methods[name](), prompt, n), device)
+            profile_decode(name, lambda name=name: speculative_decode(target, methods[name](), prompt, n), device)
     if device == "cuda":
         from torch._dynamo.utils import counters
 

@@ -44,8 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for a plain `python lab/...`
 
-from lab.shapes import SMOLLM2_135M  # noqa: E402
 from eagle3.data.generate import GenerationSettings, TokenGenerator, cut_after_eos, left_pad  # noqa: E402
+from lab.shapes import SMOLLM2_135M  # noqa: E402
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 1000, "max_position_embeddings": 1024, "num_hidden_layers": 2, "tie_word_embeddings": True}
@@ -71,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-plain", action="store_true", help="time only the fast path")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cold", action="store_true",
-                   help="no warm-up call: the timed pass pays each shape's compile (read fast_shapes; one process per run)")
+                   help="no warm-up call: the timed pass pays each shape's compile (read fast_shapes; one process "
+                        "per run)")
     p.add_argument("--compile-dynamic", action="store_true",
                    help="the fast path compiles its decode step once with symbolic sizes (regenerate.compile_dynamic)")
     p.add_argument("--profile", action="store_true", help="profile one more fast call of --batch rows")

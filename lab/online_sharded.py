@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lab.shapes import LLAMA31_8B, SMOLLM2_135M
 from eagle3.features.hf_backend import HFCaptureBackend
 from eagle3.features.spec import SampleTokens
 from eagle3.train.data import pack
 from eagle3.train.dist import init_distributed, shutdown
 from eagle3.train.target_shard import ShardedCaptureBackend, shard_target
+from lab.shapes import LLAMA31_8B, SMOLLM2_135M
 
 SHAPES = {"smollm2": SMOLLM2_135M, "llama8b": LLAMA31_8B}
 

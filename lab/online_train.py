@@ -36,21 +36,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lab.shapes import LLAMA31_8B, SMOLLM2_135M
 from eagle3.config import apply_overrides, validate_config
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter
+from eagle3.drafter.ttt import TTTObjective
 from eagle3.features.hf_backend import HFCaptureBackend
 from eagle3.features.plan import plan_shards
 from eagle3.features.shards.layout import shard_path
 from eagle3.features.spec import FeatureSpec, SampleTokens
 from eagle3.features.writers import capture_and_write
-from eagle3.drafter.model import DrafterDims, Eagle3Drafter
 from eagle3.train.build import build_optimizer, build_scheduler
 from eagle3.train.data import RowLoader, batch_to, pack
 from eagle3.train.dist import DistInfo
 from eagle3.train.loop import step_options_for, ttt_update
 from eagle3.train.online import OnlineFeatures
 from eagle3.train.state_cache import StateCache
-from eagle3.drafter.ttt import TTTObjective
+from lab.shapes import LLAMA31_8B, SMOLLM2_135M
 
 SHAPES = {"smollm2": (SMOLLM2_135M, 16384), "llama8b": (LLAMA31_8B, 32000)}  # (target shape, draft vocab)
 
@@ -101,8 +101,9 @@ def build_objective(cfg, model, shape: dict, draft_vocab: int, device: torch.dev
     c = model.config
     dims = DrafterDims(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
                        num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
-                       intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps, rope_theta=shape["rope_theta"],
-                       rope_scaling=None, vocab_size=c.vocab_size, draft_vocab_size=draft_vocab, num_aux=3,
+                       intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
+                       rope_theta=shape["rope_theta"], rope_scaling=None, vocab_size=c.vocab_size,
+                       draft_vocab_size=draft_vocab, num_aux=3,
                        target_hidden_size=c.hidden_size, max_position_embeddings=c.max_position_embeddings)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.device(device):
@@ -276,9 +277,9 @@ def main() -> None:
     fdt = torch.bfloat16 if device.type == "cuda" else torch.float32  # the trainer's feature dtype
     layers = model.config.num_hidden_layers
     aux = [1, layers // 2 - 1, layers - 4]
-    spec = FeatureSpec(target_name=f"random-{args.target}", target_fingerprint="random", hidden_size=shape["hidden_size"],
-                       num_layers=layers, vocab_size=shape["vocab_size"], aux_layer_ids=aux, max_len=1 << 20,
-                       chat_template_hash="none", backend="hf")
+    spec = FeatureSpec(target_name=f"random-{args.target}", target_fingerprint="random",
+                       hidden_size=shape["hidden_size"], num_layers=layers, vocab_size=shape["vocab_size"],
+                       aux_layer_ids=aux, max_len=1 << 20, chat_template_hash="none", backend="hf")
     backend = HFCaptureBackend(None, aux, model=model, device=str(device), max_tokens_per_batch="auto")
     docs = documents(args, shape["vocab_size"])
     rows, _ = pack([(d.id, len(d.input_ids)) for d in docs], args.seq_len)
@@ -306,8 +307,8 @@ def main() -> None:
         capture_and_write(backend, spec, jobs)
         capture_s = time.perf_counter() - start
         disk = sum(f.stat().st_size for f in fdir.glob("shard-*.safetensors"))
-        print(f"offline capture: {num_tokens / capture_s:,.0f} tokens/s, {capture_s:.1f} s, {disk / 1e9:.2f} GB on disk "
-              f"({disk / num_tokens:,.0f} B/token)", flush=True)
+        print(f"offline capture: {num_tokens / capture_s:,.0f} tokens/s, {capture_s:.1f} s, "
+              f"{disk / 1e9:.2f} GB on disk ({disk / num_tokens:,.0f} B/token)", flush=True)
         torch.manual_seed(0)
         off_obj = build_objective(cfg, model, shape, draft_vocab, device)
         loader = RowLoader(fdir, rows, args.seq_len, fdt, depth=2, pin_memory=device.type == "cuda")
@@ -325,7 +326,8 @@ def main() -> None:
         both = 1 / (1 / (num_tokens / capture_s) + 1 / off_tok_s)
         for mode, (on_tok_s, on_gib) in rates.items():
             print(f"summary: online_forward={mode} online_tok_s={on_tok_s:,.0f} offline_train_tok_s={off_tok_s:,.0f} "
-                  f"offline_capture_plus_one_epoch_tok_s={both:,.0f} online_over_offline_train={on_tok_s / off_tok_s:.3f} "
+                  f"offline_capture_plus_one_epoch_tok_s={both:,.0f} "
+                  f"online_over_offline_train={on_tok_s / off_tok_s:.3f} "
                   f"online_over_capture_plus_epoch={on_tok_s / both:.3f} disk_bytes_per_token={disk / num_tokens:,.0f} "
                   f"peak_gib_online={on_gib:.1f} peak_gib_offline={off_gib:.1f}", flush=True)
         for mode in args.online_forward.split(",") if args.device_tokens else ():

@@ -47,9 +47,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3.run.layout import PROMPTS_FILE, REPLAYED_FILE  # noqa: E402
 from lab import curve_carry  # noqa: E402
 from lab.curve_report import token_label, write_curve_report  # noqa: E402
-from eagle3.run.layout import PROMPTS_FILE, REPLAYED_FILE  # noqa: E402
 
 DEFAULT_PRESET, DEFAULT_SIZES = "smollm2-curve", "3M,10M,20M"
 DEFAULT_BUDGETS_S = {"data": 650.0, "train": 240.0, "export": 90.0, "eval": 500.0}
@@ -129,7 +129,8 @@ def size_config(preset: str, overrides: list[str], size: Size, with_ngram: bool,
     from eagle3.config import load_config
 
     base = load_config(preset, overrides)
-    extra = [f"run.name={run_name(base.run.name, size, variant)}", f"train.max_train_tokens={size.tokens}", *(variant.overrides if variant else ())]
+    extra = [f"run.name={run_name(base.run.name, size, variant)}", f"train.max_train_tokens={size.tokens}",
+             *(variant.overrides if variant else ())]
     if not with_ngram:
         methods = [m for m in base.evaluate.methods if m != "ngram"] or base.evaluate.methods
         extra.append(f"evaluate.methods=[{','.join(methods)}]")
@@ -446,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", action="append", default=[], metavar="PHASE=SECONDS",
                         help=f"phase budgets (defaults {DEFAULT_BUDGETS_S}; the default train budget adds "
                              f"N x epochs / {TRAIN_TOKENS_PER_S} for size N, a given one is the whole budget)")
-    parser.add_argument("--ngram-every-size", action="store_true", help="measure n-gram at every size and sweep variant")
+    parser.add_argument("--ngram-every-size", action="store_true",
+                        help="measure n-gram at every size and sweep variant")
     parser.add_argument("--variants", default="", help="sweep: only these variants (comma-separated labels, e.g. "
                                                         "lr-x2,vocab-32768); default all")
     parser.add_argument("--with-weights", action="store_true",

@@ -39,8 +39,8 @@ import calendar
 import hashlib
 import json
 import os
-import subprocess
 import string
+import subprocess
 import sys
 import tarfile
 import zipfile

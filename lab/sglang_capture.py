@@ -53,6 +53,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from eagle3.config import RunConfig, read_config_file, validate_config  # noqa: E402
+from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens  # noqa: E402
 from lab.sglang_capture_kill import run_kill_test  # noqa: E402
 from lab.sglang_lab import (  # noqa: E402
     add_server_args,
@@ -62,8 +64,6 @@ from lab.sglang_lab import (  # noqa: E402
     run_and_record,
     say,
 )
-from eagle3.config import RunConfig, read_config_file, validate_config  # noqa: E402
-from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens  # noqa: E402
 
 DEFAULT_TOL = 1e-2
 
@@ -261,7 +261,8 @@ def sglang_capture(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, samples: 
 # ---------------------------------------------------------------- comparison report
 
 
-def compare_all(ref: list[States], got: list[States], num_aux: int) -> tuple[list[dict[str, Any]], dict[str, BlockSums]]:
+def compare_all(ref: list[States], got: list[States], num_aux: int
+                ) -> tuple[list[dict[str, Any]], dict[str, BlockSums]]:
     """Per-sample figures and the overall sums; a sample whose ids differ is an error (not compared)."""
     per_sample, overall = [], {}
     for r, g in zip(ref, got, strict=True):

@@ -29,11 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lab.sglang_lab import bench_config, say  # noqa: E402
 from eagle3.config import RunConfig, read_config_file, save_config, validate_config  # noqa: E402
 from infra.process import descendants  # noqa: E402
 from infra.sglang import LAUNCH_MODULE  # noqa: E402
 from infra.storage import sha256_file, sha256_text  # noqa: E402
+from lab.sglang_lab import bench_config, say  # noqa: E402
 
 KILL_MARKER = ".sglang-killtest"
 

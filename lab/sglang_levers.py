@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lab.sglang_lab import add_server_args, run_and_record, say, write_results  # noqa: E402
 from eagle3.config import RunConfig, read_config_file, validate_config  # noqa: E402
+from lab.sglang_lab import add_server_args, run_and_record, say, write_results  # noqa: E402
 
 SUBSET = {"mtbench": 20, "humaneval": 10, "gsm8k": 10}  # 40 of the 160 evaluation prompts, all three datasets
 

@@ -37,21 +37,22 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from eagle3.config import RegenerateConfig, RunConfig, read_config_file, validate_config  # noqa: E402
 from lab.sglang_lab import (  # noqa: E402
     add_server_args,
     device_name,
     run_and_record,
     say,
 )
-from eagle3.config import RegenerateConfig, RunConfig, read_config_file, validate_config  # noqa: E402
 
 OUT_MARKER = ".sglang-bench-regen"
 FIRST_TOKENS = 32
@@ -108,7 +109,8 @@ class RegenResult:
                 "tokens_per_s": round(self.new_tokens / max(self.elapsed_s, 1e-9), 1), "start_s": self.start_s,
                 "success": self.stats.get("success"), "error": self.stats.get("error"),
                 "errors_by_kind": self.errors_by_kind, "finish_reasons": self.stats.get("finish_reasons"),
-                "num_requests": self.stats.get("num_requests"), "num_retries": self.stats.get("num_retries")} | self.extra
+                "num_requests": self.stats.get("num_requests"),
+                "num_retries": self.stats.get("num_retries")} | self.extra
 
 
 def fresh_dir(path: Path) -> Path:

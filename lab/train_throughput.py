@@ -40,11 +40,11 @@ from torch import nn
 
 from eagle3.config import RunConfig, apply_overrides, validate_config
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter
+from eagle3.drafter.ttt import TTTBatch, TTTObjective, metrics_from_counts
 from eagle3.train.build import build_optimizer, build_scheduler
 from eagle3.train.dist import DistInfo, init_distributed, shutdown, wrap
 from eagle3.train.loop import step_options_for, ttt_update
 from eagle3.train.metrics import drafter_row_flops, peak_flops
-from eagle3.drafter.ttt import TTTBatch, TTTObjective, metrics_from_counts
 
 LLAMA31_8B = DrafterDims(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          intermediate_size=14336, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None,

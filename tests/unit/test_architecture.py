@@ -65,6 +65,10 @@ def _lab_references(path: Path) -> list[str]:
     return found
 
 
+_NAMES_THE_LAB_FOLDER = {"tests/unit/test_lint.py": "lab"}
+"""Files that may name the lab as a bare string: the lint test passes the folder to ruff (it runs no lab code)."""
+
+
 @pytest.mark.parametrize("package", ["eagle3", "infra", "flows", "tasks", "deployments", "tests"])
 def test_the_lab_is_one_way(package):
     """The lab (lab/) imports the core, never the reverse: neither the core nor the default tests import a lab
@@ -72,7 +76,12 @@ def test_the_lab_is_one_way(package):
     this = Path(__file__).resolve()
     paths = [path for path in sorted((ROOT / package).rglob("*.py")) if path.resolve() != this]
     assert paths, f"no Python files under {package}/"
-    assert [f"{p.relative_to(ROOT)} {hit}" for p in paths for hit in _lab_references(p)] == []
+    found = []
+    for path in paths:
+        name = path.relative_to(ROOT).as_posix()
+        allowed = _NAMES_THE_LAB_FOLDER.get(name)
+        found += [f"{name} {hit}" for hit in _lab_references(path) if allowed is None or hit != f"names {allowed!r}"]
+    assert found == []
 
 
 def test_lab_reference_checker_detects_each_form(tmp_path):

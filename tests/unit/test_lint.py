@@ -1,7 +1,7 @@
 """The linter, the type checker and the spelling checker keep the rules (pyproject.toml [tool.ruff], [tool.mypy],
-[tool.codespell]): ruff finds nothing in the core and the tests, mypy nothing in the core, codespell nothing in the
-repository's text files. Each runs as its own process in the repository root, so its cache (.ruff_cache,
-.mypy_cache) makes a run after a small change take seconds."""
+[tool.codespell]): ruff finds nothing in the core, the tests and the lab, mypy nothing in the core, codespell
+nothing in the repository's text files. Each runs as its own process in the repository root, so its cache
+(.ruff_cache, .mypy_cache) makes a run after a small change take seconds."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RUFF_PATHS = ("eagle3", "infra", "flows", "tasks", "tests")
+RUFF_PATHS = ("eagle3", "infra", "flows", "tasks", "tests", "lab")
 
 
 def _run(tool: str, *args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
@@ -29,7 +29,7 @@ def _run(tool: str, *args: str, timeout_s: float) -> subprocess.CompletedProcess
 
 
 def test_ruff_finds_nothing():
-    """`ruff check` on the core and the tests (rules: pyproject.toml [tool.ruff.lint])."""
+    """`ruff check` on the core, the tests and the lab (rules: pyproject.toml [tool.ruff.lint])."""
     proc = _run("ruff", "check", "--output-format", "concise", *RUFF_PATHS, timeout_s=300)
     assert proc.returncode == 0, f"ruff check {' '.join(RUFF_PATHS)}:\n{proc.stdout}{proc.stderr}"
 
