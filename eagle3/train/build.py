@@ -31,7 +31,7 @@ from eagle3.drafter.ttt import StepOptions, TTTObjective
 from eagle3.features import STAGE as CAPTURE
 from eagle3.features.spec import FeatureSpec
 from eagle3.refresh import warm_start
-from eagle3.run.layout import run_layout
+from eagle3.run.layout import manifest_name, run_layout
 from eagle3.target.tensors import drafter_dims, load_target_lm_head, load_target_weights
 from eagle3.train import STAGE
 from eagle3.train.data import EpochPlan, plan_epoch, read_split
@@ -106,7 +106,8 @@ def stage_key_for(cfg: RunConfig, inputs: RunInputs) -> str:
         manifests = [layout.manifest(tokenize.STAGE), layout.manifest(vocab.STAGE)]
         extra |= {"spec": spec_hash(inputs.spec), "target_dtype": cfg.target.dtype}
     else:
-        manifests = [CAPTURE.manifest(inputs.run_dir), layout.manifest(vocab.STAGE)]
+        # the capture manifest beside the features the run reads (features_dir, which may be another run's)
+        manifests = [inputs.features_dir / manifest_name(CAPTURE.name), layout.manifest(vocab.STAGE)]
     return stage_key(STAGE, conf, manifests, extra)
 
 

@@ -21,6 +21,7 @@ def _train_key(cfg) -> str:
 def _key_before_dflash(cfg) -> str:
     """The train key as it was computed before the family existed: the whole drafter section, as dumped then."""
     from eagle3.config import section_dict
+    from eagle3.run.registry import get_stage
     from eagle3.run.stage import stage_key
 
     drafter = cfg.drafter.model_dump(mode="json", exclude={"family", "dflash"})
@@ -29,10 +30,10 @@ def _key_before_dflash(cfg) -> str:
     if cfg.train.features == "online":
         from eagle3.features.shards.layout import spec_hash
 
-        manifests = [layout.manifest("tokenize"), layout.manifest("vocab")]
+        manifests = [get_stage("tokenize").manifest(layout.root), get_stage("vocab").manifest(layout.root)]
         extra = {"target": "fake-target-fingerprint", "spec": spec_hash(_fake_spec(cfg)), "target_dtype": "float32"}
     else:
-        manifests = [layout.features / "capture.manifest.json", layout.manifest("vocab")]
+        manifests = [layout.features / "capture.manifest.json", get_stage("vocab").manifest(layout.root)]
         extra = {"target": "fake-target-fingerprint"}
     return stage_key("train", conf, manifests, extra)
 

@@ -18,22 +18,22 @@ from infra.storage import DiskSpaceError, LockHeldError
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# `python -m eagle3.run.stages merge` whose merge has a bug: the source hashing (part of the stage key) raises
+# `python -m eagle3.data.stages.merge` whose merge has a bug: the source hashing (part of the stage key) raises
 # EXC("messages") instead of hashing.
 BUGGY_MERGE = """
 import sys
-import eagle3.run.stages as stages
+import eagle3.data.stages.merge as merge
 
 def bug(cfg):
     raise {exc}("messages")
 
-stages._source_hashes = bug
-stages.main(sys.argv[1:])
+merge.source_hashes = bug
+merge.main(sys.argv[1:])
 """
 
 
 def _merge(tmp_path: Path, code: str, *overrides: str) -> subprocess.CompletedProcess[str]:
-    args = ["merge", "--preset", "tiny", "--set", f"run.workdir={tmp_path}", *(f"--set={o}" for o in overrides)]
+    args = ["--preset", "tiny", "--set", f"run.workdir={tmp_path}", *(f"--set={o}" for o in overrides)]
     return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -44,7 +44,7 @@ def test_a_bug_in_a_stage_keeps_its_traceback(tmp_path, exc):
     proc = _merge(tmp_path, BUGGY_MERGE.format(exc=exc))
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback (most recent call last)" in proc.stderr, proc.stderr[-3000:]
-    assert ", in run_merge" in proc.stderr and ", in bug" in proc.stderr  # the frames down to the raising function
+    assert ", in key" in proc.stderr and ", in bug" in proc.stderr  # the frames down to the raising function
     assert proc.stderr.splitlines()[-1].startswith(f"{exc}: ")
     assert not proc.stderr.startswith("error: ")
 
@@ -52,7 +52,7 @@ def test_a_bug_in_a_stage_keeps_its_traceback(tmp_path, exc):
 def test_a_config_error_is_still_one_line_and_exit_2(tmp_path):
     """A misspelled config key: one message on stderr ("error: invalid config ..." and a line per problem, here the
     key with the field it was meant to be), exit 2, no traceback."""
-    proc = _merge(tmp_path, "import sys, eagle3.run.stages as s; s.main(sys.argv[1:])", "train.lrr=0.1")
+    proc = _merge(tmp_path, "import sys, eagle3.data.stages.merge as m; m.main(sys.argv[1:])", "train.lrr=0.1")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.startswith("error: ") and "train.lrr: unknown key; did you mean train.lr?" in proc.stderr
     assert proc.stderr.count("\n") == 2 and "Traceback" not in proc.stderr

@@ -67,7 +67,7 @@ def _fake_manifests(cfg: RunConfig) -> None:
     """A complete-looking manifest (no outputs) for every stage a data, capture or train key reads."""
     layout = run_layout(cfg)
     for stage in ("synthesize", "merge", "regenerate", "tokenize", "vocab", "capture"):
-        path = layout.manifest(stage)
+        path = get_stage(stage).manifest(layout.root)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"stage": stage, "key": f"fake-{stage}-key", "outputs": {}}))
 
@@ -91,9 +91,8 @@ def _key(cfg: RunConfig, stage: str) -> str:
 
         fake_inputs = types.SimpleNamespace(spec=_fake_spec(cfg), features_dir=run_layout(cfg).features)
         return stage_key_for(cfg, fake_inputs)
-    from eagle3.run.stages import key_for
-
-    return key_for(cfg, stage, fp=FAKE_FINGERPRINT)
+    module = get_stage(stage).module
+    return module.key(cfg) if stage == "merge" else module.key(cfg, fp=FAKE_FINGERPRINT)
 
 
 @pytest.mark.parametrize("stage", ["regenerate", "tokenize", "vocab", "capture", "train"])
