@@ -20,14 +20,15 @@ from eagle3.run.registry import get_stage
 from eagle3.run.stage import StageOutcome
 from tasks.artifacts import ProgressArtifact, artifact_key, publish_table
 from tasks.retry import IO_RETRY
-from tasks.stage_cache import STAGE_CACHE, stage_cache_key
+from tasks.stage_cache import STAGE_CACHE, computed_key, stage_cache_key
 
 if TYPE_CHECKING:
     from eagle3.data.regenerate_slices import SliceStats
 
 def _run(stage: str, cfg: RunConfig, force: bool) -> StageOutcome | None:
+    """Run ``stage`` with the key the task's cache-key function computed (tasks.stage_cache: computed once)."""
     with ProgressArtifact(artifact_key(cfg, stage), f"{stage} ({cfg.run.name})") as progress:
-        return get_stage(stage).run(cfg, progress=progress.callback, force=force)
+        return get_stage(stage).run(cfg, progress=progress.callback, force=force, known_key=computed_key())
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ yet (a stage completed by the command line, or a record written elsewhere), the 
 stage's own outcome marked not computed, so Prefect answers ``Cached`` and never runs the task's body: an up-to-date
 train starts no torchrun and publishes no progress. The capture subflow ends in a state of the same name
 (``UP_TO_DATE``) when it finds its stage complete.
+
+The key is computed once per run of a task: the key function keeps what it computed under the task run's id and the
+task's body takes it with ``computed_key()`` and passes it to the stage as ``known_key`` (Prefect calls the key
+function in the task run's own thread, right before the body, on every attempt).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import Any, TypedDict
+from uuid import UUID
 
 from prefect.context import TaskRunContext
 
@@ -57,17 +62,35 @@ def stage_outcome(stage: str) -> SkippedFn:
     return skipped
 
 
-def up_to_date_key(stage: str, cfg: RunConfig) -> str | None:
-    """The stage key of ``cfg`` when the stage is complete on disk (its manifest matches, and whatever else the
-    stage checks), else None; None too when the key cannot be computed (the task then runs and says why)."""
+_COMPUTED: dict[UUID, str] = {}
+"""The stage key each task run's key function computed, by task run id, until the run's body takes it (a run
+answered ``Cached`` never runs its body: its key is not kept)."""
+
+
+def _key_and_state(stage: str, cfg: RunConfig) -> tuple[str | None, bool]:
+    """(the stage key of ``cfg``, whether the stage is complete on disk with it); (None, False) when the key cannot
+    be computed (the task then runs and says why)."""
     spec = get_stage(stage)
     try:
         key = spec.key(cfg)
-        complete = spec.is_complete(cfg, key)
+        return key, spec.is_complete(cfg, key)
     except Exception as exc:  # an input stage missing or corrupt, a target not prepared: the task reports it
         log.info("%s: not checked for being up to date (%s: %s); the task runs", stage, type(exc).__name__, exc)
-        return None
+        return None, False
+
+
+def up_to_date_key(stage: str, cfg: RunConfig) -> str | None:
+    """The stage key of ``cfg`` when the stage is complete on disk (its manifest matches, and whatever else the
+    stage checks), else None; None too when the key cannot be computed (the task then runs and says why)."""
+    key, complete = _key_and_state(stage, cfg)
     return key if complete else None
+
+
+def computed_key() -> str | None:
+    """The stage key this task run's key function computed (None outside a task run, or when it computed none: the
+    stage computes it); for the task's body to pass to the stage as ``known_key``."""
+    ctx = TaskRunContext.get()
+    return None if ctx is None else _COMPUTED.pop(ctx.task_run.id, None)
 
 
 def stage_cache_key(stage: str,
@@ -80,8 +103,11 @@ def stage_cache_key(stage: str,
         cfg = params["cfg"]
         if params.get("force"):
             return None
-        key = up_to_date_key(stage, cfg)
+        key, complete = _key_and_state(stage, cfg)
         if key is None:
+            return None
+        if not complete:
+            _COMPUTED[ctx.task_run.id] = key  # the body runs: it passes the key on (computed_key)
             return None
         cache_key = f"eagle3-{stage}-v{RESULT_VERSION}-{key}"
         store = ctx.result_store

@@ -26,7 +26,7 @@ from eagle3.run.progress import eta_text, fmt
 from eagle3.train import STAGE
 from tasks.artifacts import artifact_key, markdown_image, publish_table
 from tasks.cancel import cancellable
-from tasks.stage_cache import STAGE_CACHE, stage_cache_key, up_to_date_key
+from tasks.stage_cache import STAGE_CACHE, computed_key, stage_cache_key, up_to_date_key
 
 
 def torchrun_spec(cfg: RunConfig, config_path: Path, num_gpus: int, node_rank: int | None = None):
@@ -174,8 +174,9 @@ def train_task(cfg: RunConfig) -> TrainSummary:
     """Train the drafter with torchrun (resuming from the latest checkpoint); returns the manifest summary.
 
     Up to date (the manifest matches the train key): Prefect answers ``Cached`` from the cache key; should the task
-    run all the same, it checks first and returns the summary without starting torchrun."""
-    key = up_to_date_key(STAGE.name, cfg)
+    run all the same (the key function found it out of date, or Prefect's cache was bypassed), it checks the latter
+    case first and returns the summary without starting torchrun."""
+    key = None if computed_key() is not None else up_to_date_key(STAGE.name, cfg)  # found out of date just now
     if key is not None:
         get_run_logger().info("train: up to date (%s), no process started", STAGE.manifest(cfg.run_dir))
         return skipped_train(cfg, key)
