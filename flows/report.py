@@ -12,7 +12,6 @@ from typing import Any
 from eagle3.config import RunConfig
 from eagle3.run.layout import RunLayout, run_layout
 from eagle3.run.registry import DATA_STAGES, ONLINE_SKIP, get_stage
-from eagle3.train.plots import ACCEPTANCE_PLOT
 
 
 def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
@@ -206,8 +205,7 @@ def render_run_report(cfg: RunConfig) -> str:
                   f"tokens/s; validation acc_0 {last_eval.get('acc_0', float('nan')):.3f}, accept_len_est "
                   f"{last_eval.get('accept_len_est', float('nan')):.3f}", ""]
         lines += selection_lines(train.get("manifest", {}), res.get("export", {}).get("stats", {}))
-        plots = [*layout.train_plots, layout.train / ACCEPTANCE_PLOT]  # (the last only where train.measured ran)
-        lines += [markdown_image(p) for p in plots if p.is_file()]
+        lines += [markdown_image(p) for p in layout.train_plots if p.is_file()]
     if res.get("evaluate"):
         lines += ["", "## Measured acceptance (speculative decoding against the target)", ""]
         rows = eval_rows(res["evaluate"])

@@ -7,7 +7,8 @@
                     synthesize, merge, regenerate and tokenize
         vocab/      the draft vocab map, vocab.manifest.json
         features/   spec.json, plan.json, shard-NNNNN.{safetensors,done.json}, capture.manifest.json
-        train/      checkpoints/, metrics.jsonl, progress.json, loss.png, acc.png, torchrun logs, train.manifest.json
+        train/      checkpoints/, metrics.jsonl, progress.json, loss.png, acc.png, acceptance.png, torchrun logs,
+                    train.manifest.json
         export/     sglang/, speculators/, export.manifest.json
         eval/       results.json, report.md, per_position.png, prompts.jsonl, partial/, evaluate.manifest.json
         deploy/     results.json, report.md, the SGLang server logs of the benchmark
@@ -37,7 +38,10 @@ EXPORT_DIR, EVAL_DIR, DEPLOY_DIR, LOGS_DIR = "export", "eval", "deploy", "logs"
 MERGED_FILE, REGENERATED_FILE, TOKENIZED_FILE = "merged.parquet", "regenerated.parquet", "tokenized.parquet"
 SPEC_FILE, PLAN_FILE = "spec.json", "plan.json"
 METRICS_FILE, PROGRESS_FILE, CHECKPOINTS_DIR = "metrics.jsonl", "progress.json", "checkpoints"
-TRAIN_PLOTS = ("loss.png", "acc.png")
+LOSS_PLOT, ACC_PLOT, ACCEPTANCE_PLOT = "loss.png", "acc.png", "acceptance.png"
+TRAIN_PLOTS = (LOSS_PLOT, ACC_PLOT, ACCEPTANCE_PLOT)
+"""train/'s plots (eagle3.train.plots): loss and accuracy per TTT step, and measured acceptance against tokens seen
+(written only by a run with train.measured)."""
 SGLANG_EXPORT_DIR = "sglang"
 RESULTS_FILE, REPORT_FILE, EVAL_PLOT, PARTIAL_DIR = "results.json", "report.md", "per_position.png", "partial"
 PROMPTS_FILE, REPLAYED_FILE = "prompts.jsonl", "replayed.json"  # eval/: per-prompt records; replays on greedy texts
@@ -173,7 +177,7 @@ class RunLayout:
 
     @property
     def train_plots(self) -> list[Path]:
-        """train/loss.png and train/acc.png."""
+        """train/loss.png, train/acc.png and train/acceptance.png (the last only where train.measured ran)."""
         return [self.train / name for name in TRAIN_PLOTS]
 
     @property

@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ACCEPTANCE_PLOT = "acceptance.png"
-"""train/: measured and estimated acceptance against tokens seen (written only by a run with train.measured)."""
+from eagle3.run.layout import ACC_PLOT, ACCEPTANCE_PLOT, LOSS_PLOT
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -91,8 +90,8 @@ def plot_metrics(metrics_path: Path, out_dir: Path | None = None) -> list[Path]:
     train, evals = read_metrics(metrics_path)
     measured = read_kind(metrics_path, RECORD_TYPE)
     out_dir = Path(out_dir or Path(metrics_path).parent)
-    written = [_plot(train, evals, "loss", "soft cross-entropy", out_dir / "loss.png"),
-               _plot(train, evals, "acc", "top-1 accuracy (supervised positions)", out_dir / "acc.png")]
+    written = [_plot(train, evals, "loss", "soft cross-entropy", out_dir / LOSS_PLOT),
+               _plot(train, evals, "acc", "top-1 accuracy (supervised positions)", out_dir / ACC_PLOT)]
     if measured:
         written.append(plot_acceptance(train, evals, measured, out_dir / ACCEPTANCE_PLOT))
     return written
