@@ -1,7 +1,7 @@
 """Online vs offline training throughput on one GPU, with a random-weight target built on the device.
 
 Both modes run the trainer's own pieces on the same packed rows (eagle3.train.data.pack of the same
-documents) and the same drafter step (eagle3.train.loop.ttt_update: supervise -> backward_rows -> optimizer_step):
+documents) and the same drafter step (eagle3.train.step.ttt_update: supervise -> backward_rows -> optimizer_step):
   offline  the capture stage's writer first stores every document's states as shards (capture_and_write, the
            stage's own code, default settings), then training reads each row back through RowLoader
            (safetensors slices, pinned, prefetched on a thread) -> the step;
@@ -47,9 +47,9 @@ from eagle3.features.writers import capture_and_write
 from eagle3.train.build import build_optimizer, build_scheduler
 from eagle3.train.data import RowLoader, batch_to, pack
 from eagle3.train.dist import DistInfo
-from eagle3.train.loop import step_options_for, ttt_update
 from eagle3.train.online import OnlineFeatures
 from eagle3.train.state_cache import StateCache
+from eagle3.train.step import step_options_for, ttt_update
 from lab.shapes import LLAMA31_8B, SMOLLM2_135M
 
 SHAPES = {"smollm2": (SMOLLM2_135M, 16384), "llama8b": (LLAMA31_8B, 32000)}  # (target shape, draft vocab)
@@ -130,7 +130,7 @@ def _sync(device: torch.device, reset_peak: bool = False) -> None:
 
 
 def stepper(cfg, objective, fill, info: DistInfo):
-    """One training step per row, as the trainer takes it (fill, then eagle3.train.loop.ttt_update)."""
+    """One training step per row, as the trainer takes it (fill, then eagle3.train.step.ttt_update)."""
     optimizer = build_optimizer(cfg, objective, 1e-4, info.device)
     scheduler = build_scheduler(cfg, optimizer, 10_000)
 

@@ -1,6 +1,6 @@
 """Training throughput of the drafter step with Llama-3.1-8B shapes, on random features built on the device.
 
-The timed step is the trainer's own (eagle3.train.loop.ttt_update: supervise -> backward_rows -> optimizer_step):
+The timed step is the trainer's own (eagle3.train.step.ttt_update: supervise -> backward_rows -> optimizer_step):
 target supervision from final hidden states through a frozen bf16 target lm_head, the TTT unroll,
 the soft cross-entropy, AdamW (fused) on fp32 master weights under bf16 autocast, grad clipping.
 One packed row of --seq-len tokens per step and GPU. No files are read.
@@ -43,8 +43,8 @@ from eagle3.drafter.model import DrafterDims, Eagle3Drafter
 from eagle3.drafter.ttt import TTTBatch, TTTObjective, metrics_from_counts
 from eagle3.train.build import build_optimizer, build_scheduler
 from eagle3.train.dist import DistInfo, init_distributed, shutdown, wrap
-from eagle3.train.loop import step_options_for, ttt_update
 from eagle3.train.metrics import drafter_row_flops, peak_flops
+from eagle3.train.step import step_options_for, ttt_update
 
 LLAMA31_8B = DrafterDims(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          intermediate_size=14336, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None,
