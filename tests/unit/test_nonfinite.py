@@ -13,7 +13,7 @@ from eagle3.drafter.model import export_state_dict
 from eagle3.export.checks import ExportError
 from eagle3.export.sglang import check_sglang_export, export_sglang
 from eagle3.export.speculators import check_speculators_export, export_speculators
-from eagle3.train import loop
+from eagle3.train import loop, step
 from eagle3.train.checkpoint import checkpoints_dir, list_checkpoints
 from eagle3.train.metrics import read_metrics
 from tests.unit.test_export import AUX, random_drafter, tiny_dims, vocab_maps, write_target
@@ -26,7 +26,7 @@ OVERRIDES = ["train.max_tokens_per_batch=96", "train.lr=1e-3", "train.max_steps=
 
 def _poison_steps(monkeypatch, steps: set[int]) -> None:
     """Make the optimizer steps numbered ``steps`` (1-based, this process) diverge: NaN loss and gradients."""
-    real, calls = loop.backward_rows, [0]
+    real, calls = step.backward_rows, [0]
 
     def backward_rows(model, batches, sups, counts, info):
         sums = real(model, batches, sups, counts, info)
@@ -38,7 +38,7 @@ def _poison_steps(monkeypatch, steps: set[int]) -> None:
             sums[0] = float("nan")
         return sums
 
-    monkeypatch.setattr(loop, "backward_rows", backward_rows)
+    monkeypatch.setattr(step, "backward_rows", backward_rows)
 
 
 def _finite(cfg, step: int) -> bool:
