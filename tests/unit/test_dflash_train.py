@@ -12,17 +12,13 @@ from safetensors.torch import load_file
 
 from eagle3.train.loop import train
 from eagle3.train.metrics import read_metrics
-from tests.unit.test_train_helpers import load_run_config, real_tiny_run
+from tests.unit.test_train_helpers import assert_resume_matches, load_run_config, real_tiny_run, step_losses
 
 DFLASH = ["drafter.family=dflash", "drafter.dflash.block_size=4", "drafter.dflash.num_blocks=16"]
 # ~7 rows of 1024 tokens per epoch, 2 rows per step: 6 steps cross from epoch 0 into epoch 1.
 OVERRIDES = [*DFLASH, "train.max_tokens_per_batch=1024", "train.grad_accum_steps=2", "train.num_epochs=2",
              "train.max_steps=6", "train.lr=1e-2", "train.warmup_steps=2", "train.eval_every_steps=3",
              "train.checkpoint_every_steps=0", "train.aux_noise=uniform", "train.progress_every_s=0"]
-
-
-def _losses(cfg) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_metrics(cfg.run_dir / "train" / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +32,7 @@ def test_loss_falls_and_validation_is_recorded(uninterrupted):
     """The weighted block loss falls below the first step's (by > 0.1 nats), validation records accept_len_est and
     the unigram baseline at steps 3 and 6, and the manifest names the best checkpoint."""
     cfg, result = uninterrupted
-    losses = [loss for _, loss in _losses(cfg)]
+    losses = [loss for _, loss in step_losses(cfg)]
     evals = read_metrics(cfg.run_dir / "train" / "metrics.jsonl", "eval")
     assert result.status == "done" and len(losses) == 6
     assert evals[-1]["loss"] < losses[0] - 0.1, (losses, [e["loss"] for e in evals])
@@ -51,17 +47,7 @@ def test_resume_matches_uninterrupted_run(uninterrupted, tmp_path):
     """3 steps, stop, resume for 3 more: the same per-step losses (1e-6) and the same final weights (the anchors
     of each row are drawn from the row's own seed, so the resumed run scores the same blocks)."""
     full_cfg, full = uninterrupted
-    cfg = load_run_config(real_tiny_run(tmp_path / "runs", OVERRIDES))
-    first = train(cfg, stop_after_steps=3)
-    second = train(cfg)
-    assert (first.status, first.step, second.status, second.step) == ("stopped", 3, "done", 6)
-    got, want = _losses(cfg), _losses(full_cfg)
-    assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, 7))
-    assert all(abs(a - b) <= 1e-6 for (_, a), (_, b) in zip(got, want))
-    resumed = load_file(second.checkpoint / "model.safetensors")
-    straight = load_file(full.checkpoint / "model.safetensors")
-    assert resumed.keys() == straight.keys()
-    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+    assert_resume_matches(full_cfg, full, tmp_path / "runs", OVERRIDES)
 
 
 def test_checkpoint_holds_the_dflash_export_names(uninterrupted):
@@ -101,6 +87,6 @@ def test_online_features_train_what_offline_shards_train(uninterrupted, tmp_path
     full_cfg, _ = uninterrupted
     cfg = load_run_config(real_tiny_run(tmp_path / "runs", [*OVERRIDES, "train.features=online"]))
     assert train(cfg).status == "done"
-    got, want = _losses(cfg), _losses(full_cfg)
+    got, want = step_losses(cfg), step_losses(full_cfg)
     assert len(got) == len(want) == 6
     assert all(abs(a - b) <= 1e-5 for (_, a), (_, b) in zip(got, want)), (got, want)

@@ -170,3 +170,30 @@ def synthetic_run(workdir: Path, overrides: list[str] = (), shape: SyntheticShap
 def load_run_config(config_path: Path) -> RunConfig:
     """The RunConfig stored in a run's config.json."""
     return RunConfig.model_validate(json.loads(Path(config_path).read_text()))
+
+
+def step_losses(cfg: RunConfig) -> list[tuple[int, float]]:
+    """(step, loss) of every training step the run's metrics recorded."""
+    from eagle3.train.metrics import read_metrics
+
+    return [(r["step"], r["loss"]) for r in read_metrics(cfg.run_dir / "train" / "metrics.jsonl")]
+
+
+def assert_resume_matches(full_cfg: RunConfig, full, workdir: Path, overrides: list[str], steps: int = 6) -> None:
+    """Train a fresh copy of the tiny run for half of ``steps``, stop, resume to the end: the per-step losses
+    (1e-6) and the final weights equal the uninterrupted run ``full`` (the TrainResult of ``full_cfg``)."""
+    from safetensors.torch import load_file
+
+    from eagle3.train.loop import train
+
+    cfg = load_run_config(real_tiny_run(workdir, overrides))
+    first = train(cfg, stop_after_steps=steps // 2)
+    second = train(cfg)
+    assert (first.status, first.step, second.status, second.step) == ("stopped", steps // 2, "done", steps)
+    got, want = step_losses(cfg), step_losses(full_cfg)
+    assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, steps + 1))
+    assert all(abs(a - b) <= 1e-6 for (_, a), (_, b) in zip(got, want))
+    resumed = load_file(second.checkpoint / "model.safetensors")
+    straight = load_file(full.checkpoint / "model.safetensors")
+    assert resumed.keys() == straight.keys()
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)

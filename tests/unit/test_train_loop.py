@@ -11,23 +11,17 @@ import sys
 import time
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from eagle3.train.build import WarmupCosine, scaled_lr
 from eagle3.train.checkpoint import latest_checkpoint
 from eagle3.train.loop import train
 from eagle3.train.metrics import read_metrics
-from tests.unit.test_train_helpers import load_run_config, real_tiny_run
+from tests.unit.test_train_helpers import assert_resume_matches, load_run_config, real_tiny_run
 
 # ~7 rows of 1024 tokens per epoch, 2 rows per step: 6 steps cross from epoch 0 into epoch 1.
 OVERRIDES = ["train.max_tokens_per_batch=1024", "train.grad_accum_steps=2", "train.num_epochs=2",
              "train.max_steps=6", "train.lr=1e-3", "train.warmup_steps=2", "train.eval_every_steps=3",
              "train.checkpoint_every_steps=0", "train.aux_noise=uniform", "train.progress_every_s=0"]
-
-
-def _losses(cfg) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_metrics(cfg.run_dir / "train" / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +35,7 @@ def uninterrupted(tmp_path_factory):
 def test_resume_matches_uninterrupted_run(uninterrupted, tmp_path):
     """3 steps, stop, resume for 3 more: the same per-step losses (1e-6) and the same final weights."""
     full_cfg, full = uninterrupted
-    cfg = load_run_config(real_tiny_run(tmp_path / "runs", OVERRIDES))
-    first = train(cfg, stop_after_steps=3)
-    second = train(cfg)
-    assert (first.status, first.step, second.status, second.step) == ("stopped", 3, "done", 6)
-    got, want = _losses(cfg), _losses(full_cfg)
-    assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, 7))
-    assert all(abs(a - b) <= 1e-6 for (_, a), (_, b) in zip(got, want))
-    resumed = load_file(second.checkpoint / "model.safetensors")
-    straight = load_file(full.checkpoint / "model.safetensors")
-    assert resumed.keys() == straight.keys()
-    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+    assert_resume_matches(full_cfg, full, tmp_path / "runs", OVERRIDES)
 
 
 def test_run_writes_metrics_progress_and_manifest(uninterrupted):
