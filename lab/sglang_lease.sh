@@ -97,7 +97,7 @@ qtrain_chain() {  # smollm2-quality: data (from the journals), train, export; re
     PACK_RESULTS_TO="$W/res" PRESET=$QPRESET PYTHON=$PY step "quality-$phase" bash lab/quality_run.sh "$phase" \
       "${sets[@]}" "${EXTRA[@]}"
   done
-  touch "$W/qtrained"
+  touch "$W/qtrained" "$W/trained"   # `trained`: a measure chain started by `sglang 3` measures this run
 }
 
 side_chain() {  # next to training: the kill test needs no drafter and no timing (it shares the GPU with training)
@@ -106,9 +106,16 @@ side_chain() {  # next to training: the kill test needs no drafter and no timing
     while [ ! -f "$W/quality-done" ]; do sleep 5; done
   fi
   step doctor "$W/python-sglang" -m flows.doctor --preset "$PRESET"   # SGLang's version, every argv through its parser
+  # after training on this host the drafter's figures come first: the GPU tests wait for the end of `measure`
+  [ -n "${LEASE_QUALITY_TRAIN:-}" ] && { touch "$W/side-done"; return; }
+  gpu_tests
+  touch "$W/side-done"
+}
+
+gpu_tests() {  # the marked GPU test, then SGLang's capture killed mid-run (and float32 parity when asked)
   EAGLE3_SGLANG_PYTHON="$W/python-sglang" step gpu-test "$PY" -m pytest tests/gpu/test_sglang_gpu.py -q \
     -p no:cacheprovider -o addopts=""   # the marked GPU test against the real server (tiny target, bf16)
-  [ -n "${LEASE_TRAINED:-}" ] && { touch "$W/side-done"; return; }   # a carried-in run has no tokenized data here
+  [ -n "${LEASE_TRAINED:-}" ] && return 0   # a carried-in run has no tokenized data here
   while [ ! -f "$RUN/data/tokenized.parquet" ]; do sleep 2; done
   step capture-kill "$PY" lab/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" --no-compare \
     --kill-test --out "$RUN/bench-capture-kill.json" "${LAB[@]}"
@@ -116,16 +123,20 @@ side_chain() {  # next to training: the kill test needs no drafter and no timing
     step capture-fp32 "$PY" lab/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" \
       --reference-dtype float32 --out "$RUN/bench-capture-fp32.json" "${LAB[@]}"
   fi
-  touch "$W/side-done"
 }
 
 measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what is left of the lease
   while [ ! -f "$W/trained" ] || [ ! -f "$W/side-done" ]; do sleep 2; done   # the GPU to itself from here on
-  # a carried-in run brings its evaluation (results and prompts.jsonl) and no speculators export, which eval checks
+  # trained on this host with the lease nearly spent: SGLang's figures first, eval's after (the deploy report is
+  # rebuilt with them on any machine: python -m eagle3.deploy --report-only)
+  [ -n "${LEASE_QUALITY_TRAIN:-}" ] && step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true \
+    "${SERVE_SETS[@]}"
   [ -z "${LEASE_TRAINED:-}" ] && step eval "$PY" -m eagle3.evaluate.stage --config "$CFG"
+  # a carried-in run brings its evaluation (results and prompts.jsonl) and no speculators export, which eval checks
   [ -n "${LEASE_TRAINED:-}" ] && [ -n "${LEASE_EVAL:-}" ] && step eval "$PY" -m eagle3.evaluate.stage --config "$CFG" \
     --export-dir "$RUN/export/sglang"
-  step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true "${SERVE_SETS[@]}"
+  [ -z "${LEASE_QUALITY_TRAIN:-}" ] && step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true \
+    "${SERVE_SETS[@]}"
   for against in baseline eval; do   # where outputs split, and float32's margin there
     step "identity-$against" "$PY" lab/sglang_identity.py --config "$CFG" --deploy "$RUN/deploy/results.json" \
       --against "$against" --device "${LEASE_DEVICE:-cuda}" --out "$RUN/deploy/identity-$against.json"
@@ -135,6 +146,7 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
     "${LAB[@]}"
   [ -z "${LEASE_TRAINED:-}" ] && step regenerate "$PY" lab/sglang_regenerate.py --config "$CFG" --rows "${LEASE_SAMPLES:-200}" \
     --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" --mem-fraction-static 0.25 "${REGEN[@]}"
+  [ -n "${LEASE_QUALITY_TRAIN:-}" ] && gpu_tests
   touch "$W/measured"
 }
 
@@ -196,7 +208,7 @@ print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "
   poll)
     deadline=$((SECONDS + ${2:-0}))
     done_flag=measured; [ -n "${LEASE_QUALITY_DATA:-}" ] && done_flag=side-done
-    [ -n "${LEASE_QUALITY_TRAIN:-}" ] && done_flag=qtrained
+    [ -n "${LEASE_QUALITY_TRAIN:-}" ] && [ ! -f "$W/measure.log" ] && done_flag=qtrained
     while [ $SECONDS -lt $deadline ] && { [ ! -f "$W/$done_flag" ] || { [ -n "${LEASE_QUALITY_DATA:-}" ] \
           && [ ! -f "$W/quality-done" ]; }; }; do sleep 5; done
     collect
