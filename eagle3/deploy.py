@@ -354,6 +354,22 @@ def run_deploy(cfg: RunConfig, show_bar: bool | None = None) -> DeployReport:
     return write_report(cfg, baseline, runs)
 
 
+def report_again(cfg: RunConfig) -> DeployReport:
+    """The report rebuilt from the server runs <run>/deploy/results.json recorded, checked against eagle3 eval's
+    results as they are now: an evaluation run after the benchmark (or on another machine) is compared without
+    serving again."""
+    path = deploy_dir(cfg) / "results.json"
+    if not path.is_file():
+        raise ConfigError(f"no {path}: run the deploy benchmark first (python -m eagle3.deploy without --report-only)")
+    doc = json.loads(path.read_text())
+    try:
+        baseline = ServerRun.from_json(doc["baseline"])
+        runs = [ServerRun.from_json(run) for run in doc["speculative"]]
+    except (KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a deploy results file ({type(exc).__name__}: {exc})") from exc
+    return write_report(cfg, baseline, runs)
+
+
 def _advance(bar: Progress) -> ProgressFn:
     return lambda done, total, info: bar.update(done - bar.done, **info)
 
@@ -412,13 +428,18 @@ def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m eagle3.deploy --preset X [--set a.b=c] | --config <run>/config.json [--force]"""
+    """python -m eagle3.deploy --preset X [--set a.b=c] | --config <run>/config.json [--force | --report-only]"""
     from eagle3.run.cli_args import add_config_args, stage_main
 
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
     parser.add_argument("--force", action="store_true", help="measure again even if the manifest matches")
+    parser.add_argument("--report-only", action="store_true",
+                        help="start no server: rebuild report.md and results.json from the recorded server runs, "
+                             "with the accept-length checks against eagle3 eval's results as they are now")
 
     def run_cli(cfg: RunConfig, args: argparse.Namespace) -> DeployReport | StageOutcome:
+        if args.report_only:
+            return report_again(cfg)
         if not cfg.serve.enabled:
             raise ConfigError(f"{NOT_ENABLED}; set serve.enabled=true on a GPU host with SGLang")
         done = None if args.force else skipped(cfg)

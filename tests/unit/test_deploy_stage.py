@@ -189,3 +189,45 @@ def test_a_whole_set_gap_names_the_same_text_gap_and_where_it_comes_from():
     table = render_checks(checks, same, None)
     assert "| humaneval | 1.410 | 1.463 | 3.6% FAIL | 19/40 | 1.450 / 1.452 | 0.1% |" in table
     assert "| all | 1.430 | 1.440 | 0.7% | 70/160 | 1.500 / 1.400 | 7.1% FAIL |" in table
+
+
+def test_report_only_rebuilds_the_report_from_the_recorded_runs_without_a_server(config_file):
+    """--report-only writes the same comparison from results.json, starts no server, and needs a benchmark first."""
+    out = config_file.parent / "deploy"
+    proc = _run_stage("--config", str(config_file), "--report-only")
+    assert proc.returncode == 2 and f"no {out / 'results.json'}" in proc.stderr
+    assert _run_stage("--config", str(config_file)).returncode == 0
+    first = json.loads((out / "results.json").read_text())
+    logs = {p.name: p.read_text() for p in out.glob("sglang-*.log")}
+    (out / "report.md").unlink()
+    proc = _run_stage("--config", str(config_file), "--report-only")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    again = json.loads((out / "results.json").read_text())
+    assert again["comparison"] == first["comparison"] and again["baseline"] == first["baseline"]
+    assert (out / "report.md").read_text() in proc.stdout
+    assert {p.name: p.read_text() for p in out.glob("sglang-*.log")} == logs  # no server was started
+
+
+def test_report_only_checks_accept_lengths_against_an_evaluation_run_after_the_benchmark(tmp_path):
+    """An eval/results.json written after the benchmark turns 'not compared' into per-dataset accept checks."""
+    from dataclasses import replace
+
+    from eagle3.deploy import ServerRun, report_again
+
+    cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "r"},
+                                    "serve": {"prompts": "evaluation", "max_new_tokens": 256}})
+    spec = _run("3-1-4", ["mtbench", "gsm8k"], [100, 270], [50, 100])
+    base = ServerRun("baseline", "argv", "log", None, {}, replace(spec.result, speculative=False), None, spec.groups)
+    (cfg.run_dir / "deploy").mkdir(parents=True)
+    (cfg.run_dir / "deploy" / "results.json").write_text(json.dumps({"baseline": base.to_json(),
+                                                                     "speculative": [spec.to_json()]}))
+    first = report_again(cfg)
+    assert first.accept_checks == [] and "not compared with eagle3 eval: no " in first.markdown
+    results = [{"method": "chain-3-1-4", "dataset": d, "num_tokens": t, "num_verify": v}
+               for d, t, v in [("mtbench", 100, 50), ("gsm8k", 270, 100), ("all", 370, 150)]]
+    (cfg.run_dir / "eval").mkdir()
+    (cfg.run_dir / "eval" / "results.json").write_text(json.dumps({"settings": {"max_new_tokens": 256},
+                                                                   "results": results}))
+    again = report_again(cfg)
+    assert {(c.dataset, c.ok) for c in again.accept_checks} == {("mtbench", True), ("gsm8k", True), ("all", True)}
+    assert json.loads(again.results.read_text())["accept_checks"][0]["evaluate"] == 2.0
