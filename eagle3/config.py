@@ -18,15 +18,16 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ValidationError
+from pydantic import AfterValidator, BaseModel, ValidationError, model_validator
 
-from eagle3.config_base import PRESETS_DIR, Added, ConfigError, PlainName, Section, _folder_path, key_fields
+from eagle3.config_base import PRESETS_DIR, Added, ConfigError, PlainName, Section, _folder_path
 from eagle3.config_data import CharsOf as CharsOf  # re-exported ("as"): every section type is in eagle3.config
 from eagle3.config_data import DataConfig, RegenerateConfig, TargetConfig, TokenizeConfig, VocabConfig
 from eagle3.config_data import SourceConfig as SourceConfig
 from eagle3.config_data import SyntheticConfig as SyntheticConfig
 from eagle3.config_data import TinyTargetConfig as TinyTargetConfig
 from eagle3.config_refresh import RefreshConfig
+from eagle3.config_renames import keyed_as_before, migrate, renamed_override
 from eagle3.config_stages import CaptureConfig, DrafterConfig, EvaluateConfig, ExportConfig, ServeConfig, TrainConfig
 
 
@@ -69,6 +70,12 @@ class RunConfig(Section):
     refresh: RefreshConfig = Added(RefreshConfig())
     """Scheduled refresh: new prompts, a warm-started candidate, the promotion gate (eagle3.refresh)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        """Old key names (eagle3.config_renames.RENAMES) read under their new ones, one warning each."""
+        return migrate(data, cls)
+
     @property
     def run_dir(self) -> Path:
         """The run directory <workdir>/<name>."""
@@ -99,6 +106,7 @@ def _read_preset(preset: str, extending: tuple[str, ...] = ()) -> dict[str, Any]
     if cycle is not None:
         raise ConfigError(f"{path}: a YAML anchor refers to itself at {cycle or 'the top level'}; "
                           "write the value out instead of aliasing its own anchor")
+    data = migrate(data, RunConfig)  # old key names, before a base preset is merged under this file's
     base = data.pop(BASE_KEY, None)
     if base is None:
         return data
@@ -191,6 +199,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     """Set dotted keys in a nested dict (creating sections; digits index into lists)."""
     for item in overrides:
         keys, value = parse_override(item)
+        keys = renamed_override(keys)
         node: Any = data
         for key in keys[:-1]:
             node = _child(node, key, item)
@@ -314,5 +323,6 @@ def save_config(cfg: RunConfig, path: Path) -> Path:
 
 
 def section_dict(cfg: RunConfig, *names: str) -> dict[str, Any]:
-    """JSON-able dump of some sections without their operational fields (config_base.key_fields): stage keys."""
-    return {name: key_fields(getattr(cfg, name)) for name in names}
+    """JSON-able dump of some sections without their operational fields (config_base.key_fields), renamed fields
+    under their old names (config_renames.keyed_as_before): what stage keys hash."""
+    return {name: keyed_as_before(cfg, name) for name in names}

@@ -59,8 +59,8 @@ class CaptureConfig(Section):
     """Storage dtype of the captured states."""
     aux_dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
     """Storage of the aux states: bf16, or fp8 e4m3 with a per-token scale (half the bytes)."""
-    max_tokens_per_batch: Annotated[int, Field(ge=1)] | Literal["auto"] = Operational("auto")
-    """Token budget of one forward batch (padded tokens, never a sample count); auto: from free GPU memory, 4096 on CPU."""
+    tokens_per_forward: Annotated[int, Field(ge=1)] | Literal["auto"] = Operational("auto")
+    """Token budget of one target forward (padded tokens, never a sample count), also of online training's target forwards (train.features=online runs this capture forward); auto: from free GPU memory, 4096 on CPU."""
     tokens_per_shard: int = Field(131_072, ge=1)
     """Target tokens per shard file (balanced by tokens; ~4 GB per shard for an 8B target)."""
     max_concurrent_shards: int = Operational(1, ge=1)
@@ -145,8 +145,8 @@ class TrainConfig(Section):
     """Stop after this many optimizer steps in total (None = all epochs); the LR schedule spans them."""
     max_train_tokens: int | None = Field(None, ge=1)
     """Train on the first train-split rows (tokenized order) totalling at most this many tokens; None = all rows."""
-    max_tokens_per_batch: int = Field(4096, ge=8)
-    """Tokens of one packed micro-batch row (documents packed, then padded); longer samples are cut to it."""
+    tokens_per_row: int = Field(4096, ge=8)
+    """Tokens of one packed training row, a micro-batch (documents packed, then padded); longer samples are cut to it. Online, the target's forwards of a row keep to capture.tokens_per_forward."""
     grad_accum_steps: int = Field(1, ge=1)
     """Micro-batches (packed rows) per rank accumulated into one optimizer step."""
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
@@ -215,6 +215,13 @@ class TrainConfig(Section):
     # 0 (log_softmax) and the fused loss round differently, and compiled kernels per chunk shape may too: keyed
     loss_chunk_tokens: int = Added(4096, ge=0)
     """Fused soft cross-entropy over this many tokens at a time (no fp32 [T, Vd] tensors); 0 = plain log_softmax."""
+    # what each TTT step is scored by (eagle3.drafter.acceptance); keyed once off the default soft cross-entropy
+    loss: Literal["kl", "tv", "kl+tv", "lk_alpha", "lk_lambda"] = Added("kl")
+    """EAGLE-3 step loss against the target's draft-vocab distribution p (draft q, acceptance a = sum_v min(p, q)): kl = soft cross-entropy (the default); tv = 1 - a; kl+tv = their mix by loss_tv_weight; lk_alpha = -log a; lk_lambda = kl and tv mixed by loss_lk_eta (docs/train.md, "The loss")."""
+    loss_tv_weight: float = Added(0.5, ge=0, le=1)
+    """train.loss=kl+tv: the loss is (1 - w) x soft cross-entropy + w x (1 - a)."""
+    loss_lk_eta: float = Added(3.0, ge=0)
+    """train.loss=lk_lambda: soft cross-entropy weighted by exp(-eta x a) per position (a not differentiated), 1 - a by the rest."""
     reuse_block_mask: bool = Operational(False)
     """flex: one block mask per micro-batch for all TTT steps; false = one per step (faster: docs/train.md)."""
     # which steps are measured decides the checkpoint select=measured ships and where patience stops: keyed once set

@@ -18,7 +18,7 @@ captured aux states.
 
     python lab/capture.py --preset smollm2-demo --num-samples 50 --device cpu
     python lab/capture.py --random-llama8b --device cuda --num-samples 256 --max-sample-tokens 2048 \\
-        --max-tokens-per-batch 16384 --tokens-per-shard 65536 \\
+        --tokens-per-forward 16384 --tokens-per-shard 65536 \\
         --case stream_writes=false,num_writers=1 --case num_writers=1 --case num_writers=2
     python lab/capture.py --random-smollm2 --device cuda --num-samples 2000 --max-sample-tokens 2048
     python lab/capture.py --random-smollm2 --device cuda --num-samples 2000 --max-sample-tokens 2048 \
@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-sample-tokens", type=int, default=128, help="shortest synthetic sample")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: capture.device of the config)")
     parser.add_argument("--tokens-per-shard", type=int, default=8192, help="shard size for the benchmark's writes")
-    parser.add_argument("--max-tokens-per-batch", type=int, default=None, help="override capture.max_tokens_per_batch")
+    parser.add_argument("--tokens-per-forward", type=int, default=None, help="override capture.tokens_per_forward")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes of each; the best is reported")
     parser.add_argument("--case", dest="cases", action="append", default=None, metavar="KNOB=V,...",
                         help=f"write knobs of one case, among {', '.join(CASE_KNOBS)} (repeatable; "
@@ -144,9 +144,9 @@ def _preset_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCa
             sys.exit(f"no tokenized samples of <= {args.max_sample_tokens} tokens under {cfg.run_dir}: tokenize "
                      f"first, or pass --synthetic")
         samples = [SampleTokens(r["id"], r["input_ids"], r["loss_mask"]) for r in rows]
-    budget = args.max_tokens_per_batch or cfg.capture.max_tokens_per_batch
+    budget = args.tokens_per_forward or cfg.capture.tokens_per_forward
     backend = HFCaptureBackend.from_spec(model_dir, spec, device=device, dtype=cfg.target.dtype,
-                                         max_tokens_per_batch=budget, device_map=cfg.capture.device_map,
+                                         tokens_per_forward=budget, device_map=cfg.capture.device_map,
                                          batch_invariant=_per_sample(cfg, args))
     return backend, spec, samples
 
@@ -179,9 +179,9 @@ def _random_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCa
                        topk=cfg.capture.topk if cfg.capture.supervision == "topk_logprobs" else None,
                        dtype=cfg.capture.dtype, aux_dtype=cfg.capture.aux_dtype, max_len=args.max_sample_tokens,
                        chat_template_hash="none", backend="hf")
-    budget = args.max_tokens_per_batch or cfg.capture.max_tokens_per_batch
+    budget = args.tokens_per_forward or cfg.capture.tokens_per_forward
     backend = HFCaptureBackend(None, aux, supervision=spec.supervision, topk=spec.topk, device=device,
-                               max_tokens_per_batch=budget, model=model, batch_invariant=_per_sample(cfg, args))
+                               tokens_per_forward=budget, model=model, batch_invariant=_per_sample(cfg, args))
     samples = (_file_samples(args.tokens_file, args) if args.tokens_file
                else _synthetic_samples(args, config.vocab_size, cfg.run.seed))
     return backend, spec, samples
@@ -348,7 +348,7 @@ def _figures(backend: HFCaptureBackend, spec: FeatureSpec, shards: list[list[Sam
         "hidden_size": spec.hidden_size, "num_layers": spec.num_layers, "aux_layer_ids": spec.aux_layer_ids,
         "num_samples": sum(len(shard) for shard in shards), "num_tokens": num_tokens,
         "num_batches": sum(len(backend.batches(shard)) for shard in shards),
-        "max_tokens_per_batch": backend.max_tokens_per_batch, "num_shards": len(shards),
+        "tokens_per_forward": backend.tokens_per_forward, "num_shards": len(shards),
         "per_sample_attention": backend.per_sample, "raw_s_each": [round(t, 2) for t in raw_s],
         "raw_tokens_per_s": round(num_tokens / min(raw_s), 1),
         "first_shard_tokens": write[0], "first_shard_write_s": round(write[1], 3),
@@ -367,15 +367,15 @@ def _raw_sweep(backend: HFCaptureBackend, shards: list[list[SampleTokens]], devi
     """{budget: bare-forward tokens/s} at each --raw-sweep budget (warm pass, then the best of two timed)."""
     if not budgets:
         return {}
-    default, out = backend.max_tokens_per_batch, {}
+    default, out = backend.tokens_per_forward, {}
     num_tokens = sum(len(s.input_ids) for shard in shards for s in shard)
     try:
         for budget in (int(b) for b in budgets.split(",")):
-            backend.max_tokens_per_batch = budget
+            backend.tokens_per_forward = budget
             _time_raw(backend, shards, device)
             out[budget] = num_tokens / min(_time_raw(backend, shards, device) for _ in range(2))
     finally:
-        backend.max_tokens_per_batch = default
+        backend.tokens_per_forward = default
     return out
 
 

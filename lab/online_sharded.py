@@ -60,10 +60,10 @@ def main() -> None:
     p.add_argument("--target", choices=sorted(SHAPES), default="llama8b")
     p.add_argument("--sharding", choices=["replicate", "fsdp"], default="fsdp")
     p.add_argument("--num-layers", type=int, default=None, help="target decoder layers (default: the real count)")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per packed row (train.max_tokens_per_batch)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per packed row (train.tokens_per_row)")
     p.add_argument("--rows", type=int, default=16, help="timed + warm-up rows per rank")
     p.add_argument("--warmup", type=int, default=2, help="untimed rows per rank")
-    p.add_argument("--max-tokens-per-batch", default="auto", help="capture.max_tokens_per_batch")
+    p.add_argument("--tokens-per-forward", default="auto", help="capture.tokens_per_forward")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     args = p.parse_args()
     info = init_distributed(args.device)
@@ -74,13 +74,13 @@ def main() -> None:
     model = build_target(shape, args.num_layers, torch.bfloat16 if cuda else torch.float32)
     layers = model.config.num_hidden_layers
     aux = [1, layers // 2 - 1, layers - 4] if layers >= 8 else [0, layers - 1]
-    budget = args.max_tokens_per_batch if args.max_tokens_per_batch == "auto" else int(args.max_tokens_per_batch)
+    budget = args.tokens_per_forward if args.tokens_per_forward == "auto" else int(args.tokens_per_forward)
     if args.sharding == "fsdp":
         backend = ShardedCaptureBackend(None, aux, model=shard_target(model), device=str(info.device),
-                                        max_tokens_per_batch=budget)
+                                        tokens_per_forward=budget)
     else:
         backend = HFCaptureBackend(None, aux, model=model.to(info.device), device=str(info.device),
-                                   max_tokens_per_batch=budget)
+                                   tokens_per_forward=budget)
     rows = rows_of(args, shape["vocab_size"], info.rank, info.world_size)
     tokens, counts, start = 0, [], time.perf_counter()
     with torch.no_grad():
@@ -109,7 +109,7 @@ def main() -> None:
         real = sum(map(sum, per_row))
         dummy = sum(len(r) * max(r) - sum(r) for r in per_row) if args.sharding == "fsdp" else 0
         print(f"device: {name} x{info.world_size}, torch {torch.__version__}; target random-{args.target} ({layers} "
-              f"layers), sharding {args.sharding}, forward batch budget {backend.max_tokens_per_batch} tokens")
+              f"layers), sharding {args.sharding}, forward batch budget {backend.tokens_per_forward} tokens")
         print(f"summary: sharding={args.sharding} target_tok_s={float(stats[0]) / seconds:,.0f} "
               f"peak_gib_max_rank={max(p for p, _ in gathered):.2f} forward_batches={real} dummy_batches={dummy} "
               f"rows_per_rank={len(per_row)} seconds={seconds:.2f}", flush=True)

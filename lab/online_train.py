@@ -253,7 +253,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", choices=sorted(SHAPES), default="smollm2")
     p.add_argument("--num-layers", type=int, default=None, help="target decoder layers (default: the real count)")
-    p.add_argument("--seq-len", type=int, default=16384, help="tokens per packed row (train.max_tokens_per_batch)")
+    p.add_argument("--seq-len", type=int, default=16384, help="tokens per packed row (train.tokens_per_row)")
     p.add_argument("--rows", type=int, default=24, help="packed rows (= optimizer steps) per mode")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps per mode (compilation)")
     p.add_argument("--ttt-steps", type=int, default=7)
@@ -280,7 +280,7 @@ def main() -> None:
     spec = FeatureSpec(target_name=f"random-{args.target}", target_fingerprint="random",
                        hidden_size=shape["hidden_size"], num_layers=layers, vocab_size=shape["vocab_size"],
                        aux_layer_ids=aux, max_len=1 << 20, chat_template_hash="none", backend="hf")
-    backend = HFCaptureBackend(None, aux, model=model, device=str(device), max_tokens_per_batch="auto")
+    backend = HFCaptureBackend(None, aux, model=model, device=str(device), tokens_per_forward="auto")
     docs = documents(args, shape["vocab_size"])
     rows, _ = pack([(d.id, len(d.input_ids)) for d in docs], args.seq_len)
     rows = rows[: args.rows]
@@ -289,7 +289,7 @@ def main() -> None:
     num_tokens = sum(len(d.input_ids) for d in docs)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device: {name}, torch {torch.__version__}; target random-{args.target} "
-          f"({layers} layers, bf16), capture batch {backend.max_tokens_per_batch} tokens "
+          f"({layers} layers, bf16), capture batch {backend.tokens_per_forward} tokens "
           f"({'per-sample' if backend.per_sample else 'padded'} attention); {len(rows)} rows of {args.seq_len} "
           f"tokens, {len(docs)} documents, {num_tokens} tokens; ttt {args.ttt_steps}", flush=True)
     out = args.out_dir or Path(tempfile.mkdtemp(prefix="eagle3-online-bench-"))

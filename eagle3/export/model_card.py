@@ -239,7 +239,7 @@ def _recipe(c: CardInputs) -> list[str]:
                                       c.cfg.vocab.draft_vocab_size)]
     rows = [*family, ("peak learning rate", f"{t.lr:g} ({t.lr_scaling} scaling)"), ("epochs", t.num_epochs),
             ("optimizer steps", f"{s.get('step')} of {s.get('total_steps')}"),
-            ("packed rows per step x tokens per row", f"{s.get('rows_per_step')} x {t.max_tokens_per_batch}"),
+            ("packed rows per step x tokens per row", f"{s.get('rows_per_step')} x {t.tokens_per_row}"),
             *vocab,
             ("features", f"{t.features} (online: the target runs in each training step; offline: captured once)"),
             ("aux noise", t.aux_noise),

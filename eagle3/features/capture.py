@@ -176,7 +176,7 @@ def make_backend(cfg: RunConfig, model_dir: Path, spec: FeatureSpec | None = Non
         from eagle3.features.hf_backend import HFCaptureBackend
 
         return HFCaptureBackend.from_spec(model_dir, spec, device=cap.device, dtype=cfg.target.dtype,
-                                          max_tokens_per_batch=cap.max_tokens_per_batch, device_map=cap.device_map,
+                                          tokens_per_forward=cap.tokens_per_forward, device_map=cap.device_map,
                                           pinned_handoff=cap.pinned_handoff,
                                           batch_invariant=cap.per_sample_attention)
     from eagle3.features.sglang_backend import SGLangCaptureBackend

@@ -7,7 +7,7 @@ it would keep all N+1 states of the batch alive. With top-K supervision, lm_head
 post-norm rows in token chunks so that [chunk, vocab] fp32 logits bound the memory.
 
 Batches hold samples in the given order while the sum of their padded lengths fits
-``max_tokens_per_batch`` (a longer sample runs alone); inputs are right-padded with an attention
+``tokens_per_forward`` (a longer sample runs alone); inputs are right-padded with an attention
 mask and each sample's rows are gathered back on the device, so padding is never copied out.
 
 Batch invariance: GEMMs and SDPA pick their reduction order by shape, so a padded sample would
@@ -117,7 +117,7 @@ def clear_model_cache() -> None:
 # ---- batching --------------------------------------------------------------------------------------
 
 AUTO_CPU_TOKENS = 4096
-"""capture.max_tokens_per_batch=auto on a CPU (compute-bound: bigger batches buy nothing)."""
+"""capture.tokens_per_forward=auto on a CPU (compute-bound: bigger batches buy nothing)."""
 AUTO_MAX_TOKENS = 65536
 """Upper bound of the auto budget on a GPU: past ~32K padded tokens a forward no longer gets faster per token."""
 AUTO_MEMORY_SHARE = 0.5
@@ -138,16 +138,16 @@ def activation_bytes_per_token(config: Any, num_outputs: int, dtype: torch.dtype
     return width * (8 * hidden + 3 * inter + num_outputs * hidden)
 
 
-def auto_tokens_per_batch(config: Any, num_outputs: int, dtype: torch.dtype, device: torch.device) -> int:
-    """capture.max_tokens_per_batch=auto: a power of two that fits AUTO_MEMORY_SHARE of the free GPU memory."""
+def auto_tokens_per_forward(config: Any, num_outputs: int, dtype: torch.dtype, device: torch.device) -> int:
+    """capture.tokens_per_forward=auto: a power of two that fits AUTO_MEMORY_SHARE of the free GPU memory."""
     device = torch.device(device)
     if device.type != "cuda":
         return AUTO_CPU_TOKENS
     free, _ = torch.cuda.mem_get_info(device)
     fit = int(free * AUTO_MEMORY_SHARE) // activation_bytes_per_token(config, num_outputs, dtype)
     if fit < 1:
-        raise ValueError(f"capture.max_tokens_per_batch=auto: {free:,} bytes free on {device} hold no batch; "
-                         f"free the GPU or set capture.max_tokens_per_batch")
+        raise ValueError(f"capture.tokens_per_forward=auto: {free:,} bytes free on {device} hold no batch; "
+                         f"free the GPU or set capture.tokens_per_forward")
     return min(AUTO_MAX_TOKENS, 1 << (fit.bit_length() - 1))
 
 
@@ -207,7 +207,7 @@ class HFCaptureBackend:
 
     def __init__(self, model_dir: Path | None, aux_layer_ids: Sequence[int], *, supervision: str = "final_hidden",
                  topk: int | None = None, device: str = "auto", dtype: str = "float32",
-                 max_tokens_per_batch: int | str = 4096, device_map: str | None = None, model: Any = None,
+                 tokens_per_forward: int | str = 4096, device_map: str | None = None, model: Any = None,
                  batch_invariant: bool | str | None = None, pinned_handoff: bool = False):
         if supervision == "topk_logprobs" and not topk:
             raise ValueError("topk_logprobs supervision needs topk >= 1")
@@ -227,11 +227,11 @@ class HFCaptureBackend:
             enable(self.model)
         self.sliced = self.model.config._attn_implementation == ATTENTION  # per-sample and packed rows possible
         self.per_sample = wants_per_sample and self.sliced
-        if max_tokens_per_batch == "auto":
+        if tokens_per_forward == "auto":
             weight_dtype = self.decoder.embed_tokens.weight.dtype
-            max_tokens_per_batch = auto_tokens_per_batch(self.model.config, len(self.aux_layer_ids) + 1,
+            tokens_per_forward = auto_tokens_per_forward(self.model.config, len(self.aux_layer_ids) + 1,
                                                          weight_dtype, self.input_device)
-        self.max_tokens_per_batch = int(max_tokens_per_batch)
+        self.tokens_per_forward = int(tokens_per_forward)
         self.lock = device_lock(self.input_device)
         self._copy_stream = torch.cuda.Stream(self.input_device) if self.input_device.type == "cuda" else None
 
@@ -363,7 +363,7 @@ class HFCaptureBackend:
         lengths = [len(samples[i].input_ids) for i in order]
         # No cap on padding: on the H200 a 25% cap (more, smaller forwards per row) halved online training's
         # tokens/s for a SmolLM2-sized target, whose forwards cost launches more than padded FLOPs (docs/train.md).
-        return order, plan_batches(lengths, self.max_tokens_per_batch)
+        return order, plan_batches(lengths, self.tokens_per_forward)
 
     def batch_states(self, batch: list[SampleTokens]) -> dict[str, torch.Tensor]:
         """One forward over ``batch``: its [N, ...] outputs concatenated in order, on the device."""
@@ -421,7 +421,7 @@ class HFCaptureBackend:
 
     def batches(self, samples: Sequence[SampleTokens]) -> list[list[SampleTokens]]:
         """The token-budget batches ``capture`` runs, in order."""
-        groups = plan_batches([len(s.input_ids) for s in samples], self.max_tokens_per_batch)
+        groups = plan_batches([len(s.input_ids) for s in samples], self.tokens_per_forward)
         return [[samples[i] for i in group] for group in groups]
 
     def capture(self, samples: Sequence[SampleTokens]) -> Iterator[CapturedSample]:

@@ -36,6 +36,7 @@ from eagle3.target.tensors import drafter_dims, load_target_lm_head, load_target
 from eagle3.train import STAGE
 from eagle3.train.data import EpochPlan, plan_epoch, read_split
 from eagle3.train.dflash import DFlashSetup, build_dflash_objective, dflash_setup
+from eagle3.train.step import token_loss_for
 
 log = logging.getLogger("eagle3.train")
 
@@ -140,7 +141,8 @@ def build_objective(cfg: RunConfig, inputs: RunInputs, device: torch.device,
     if lm_head is not None and device.type == "cuda":
         lm_head = lm_head.to(torch.bfloat16)  # frozen and only read under autocast: bf16 halves its memory
     objective = TTTObjective(drafter, inputs.t2d, inputs.d2t, lm_head, cfg.drafter.ttt_steps,
-                             cfg.drafter.step_decay, cfg.drafter.attn_impl, options=options)
+                             cfg.drafter.step_decay, cfg.drafter.attn_impl, options=options,
+                             loss=token_loss_for(cfg.train))
     return objective.to(device)
 
 
@@ -230,9 +232,9 @@ def plan_data(cfg: RunConfig, inputs: RunInputs, world_size: int) -> DataPlan:
     if t.max_train_tokens is not None:
         train = first_tokens(train, t.max_train_tokens, inputs.tokenized)
     rows_per_step = world_size * t.grad_accum_steps
-    epochs = [plan_epoch(train, t.max_tokens_per_batch, e, cfg.run.seed, rows_per_step, shuffle=True)
+    epochs = [plan_epoch(train, t.tokens_per_row, e, cfg.run.seed, rows_per_step, shuffle=True)
               for e in range(t.num_epochs)]
-    val_plan = plan_epoch(val, t.max_tokens_per_batch, 0, cfg.run.seed, world_size, shuffle=False)
+    val_plan = plan_epoch(val, t.tokens_per_row, 0, cfg.run.seed, world_size, shuffle=False)
     return DataPlan(epochs, val_plan, rows_per_step)
 
 

@@ -161,10 +161,10 @@ def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
     layout = RunLayout(inputs.run_dir)
     unigram = broadcast_object(unigram_token(inputs) if info.is_main else None, info)
     if inputs.dflash is not None:
-        row_flops = dflash_step.row_flops(inputs.dflash.dims, cfg.train.max_tokens_per_batch,
+        row_flops = dflash_step.row_flops(inputs.dflash.dims, cfg.train.tokens_per_row,
                                           cfg.drafter.dflash.num_blocks)
     else:
-        row_flops = drafter_row_flops(inputs.dims, cfg.train.max_tokens_per_batch, cfg.drafter.ttt_steps,
+        row_flops = drafter_row_flops(inputs.dims, cfg.train.tokens_per_row, cfg.drafter.ttt_steps,
                                       inputs.spec.supervision == "final_hidden")["total"]
     tr = Trainer(cfg, info, inputs, model, optimizer, build_scheduler(cfg, optimizer, total), plan, total,
                  stage_key_for(cfg, inputs), unigram, MetricsWriter(layout.metrics, info.is_main),
@@ -176,7 +176,7 @@ def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
         log.info("train: online target forward %s", tr.online.describe())
     log.info("train: %d steps (%d epochs, %d rows per step, lr %.3e), %d train rows/epoch (fill %.2f, %d truncated), "
              "%d val rows, world %d (%s) on %s", total, len(plan.train), plan.rows_per_step, lr,
-             len(plan.train[0].rows), plan.train[0].stats.fill(cfg.train.max_tokens_per_batch),
+             len(plan.train[0].rows), plan.train[0].stats.fill(cfg.train.tokens_per_row),
              plan.train[0].stats.num_truncated, len(plan.val.rows), info.world_size, cfg.train.parallel, info.device)
     tr.measurer = measured.open_measurer(cfg, inputs, info)
     resume(tr)
@@ -328,7 +328,7 @@ class StopSignal:
 
 def row_loader(tr: Trainer, rows: list, **position: int) -> RowLoader:
     """This trainer's loader over ``rows``: shards offline, tokenized rows online (features filled on the device)."""
-    return RowLoader(tr.inputs.features_dir, rows, tr.cfg.train.max_tokens_per_batch, tr.float_dtype,
+    return RowLoader(tr.inputs.features_dir, rows, tr.cfg.train.tokens_per_row, tr.float_dtype,
                      depth=tr.cfg.train.prefetch_rows, pin_memory=tr.dist.device.type == "cuda", reader=tr.tokens,
                      **position)
 

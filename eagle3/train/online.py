@@ -80,16 +80,16 @@ def packed_for(forward: str, backend: Any, row_tokens: int | None = None, sharde
     """train.online_forward resolved for a backend and rows of ``row_tokens``.
 
     Packed rows need the backend's sliced attention (causal, full, SDPA) and a row that fits its forward budget
-    (capture.max_tokens_per_batch, which the padded batches keep to). auto picks packed where both hold, except
+    (capture.tokens_per_forward, which the padded batches keep to). auto picks packed where both hold, except
     for a sharded target: there a packed forward that fails could not fall back on one rank alone.
     """
     problem = None
     if not backend.sliced:
         problem = (f"the target's attention is {backend.model.config._attn_implementation!r}, not causal full "
                    "attention through SDPA")
-    elif row_tokens is not None and row_tokens > backend.max_tokens_per_batch:
-        problem = (f"a row of {row_tokens} tokens (train.max_tokens_per_batch) is more than one forward may take "
-                   f"({backend.max_tokens_per_batch}, capture.max_tokens_per_batch)")
+    elif row_tokens is not None and row_tokens > backend.tokens_per_forward:
+        problem = (f"a row of {row_tokens} tokens (train.tokens_per_row) is more than one forward may take "
+                   f"({backend.tokens_per_forward}, capture.tokens_per_forward)")
     if forward == "packed" and problem:
         raise ValueError(f"train.online_forward=packed: {problem}; use padded (or auto)")
     return forward == "packed" or (forward == "auto" and problem is None and not sharded)
@@ -137,7 +137,7 @@ class OnlineFeatures:
         with ``info`` (the trainer's DistInfo) sharded over the ranks when train.target_sharding resolves to fsdp."""
         from eagle3.features.hf_backend import HFCaptureBackend
 
-        forward, row_tokens = cfg.train.online_forward, cfg.train.max_tokens_per_batch
+        forward, row_tokens = cfg.train.online_forward, cfg.train.tokens_per_row
         gib, host_gib = cfg.train.feature_cache_gib, cfg.train.feature_cache_host_gib
         cache = StateCache(int(gib * 2**30), int(host_gib * 2**30)) if gib > 0 or host_gib > 0 else None
         if info is not None:
@@ -149,7 +149,7 @@ class OnlineFeatures:
                            sharded=True, cache=cache)
         cap = cfg.capture
         backend = HFCaptureBackend.from_spec(model_dir, spec, device=str(device), dtype=cfg.target.dtype,
-                                             max_tokens_per_batch=cap.max_tokens_per_batch,
+                                             tokens_per_forward=cap.tokens_per_forward,
                                              batch_invariant=cap.per_sample_attention)
         return cls(backend, spec, forward, row_tokens=row_tokens, cache=cache)
 
@@ -159,7 +159,7 @@ class OnlineFeatures:
         if self.packed:
             how = "flex document mask" if self.backend.input_device.type == "cuda" else "SDPA per document"
             return f"packed: one forward per row ({how}) {setting}"
-        return (f"padded: each row's documents as padded batches of <= {self.backend.max_tokens_per_batch} tokens "
+        return (f"padded: each row's documents as padded batches of <= {self.backend.tokens_per_forward} tokens "
                 f"{setting}")
 
     def _rounded(self, raw: dict[str, Tensor], compute: torch.dtype) -> dict[str, Tensor]:

@@ -126,5 +126,5 @@ def sharded_backend(cfg: Any, model_dir: Path, spec: FeatureSpec, info: DistInfo
     log.info("train: online target sharded over %d ranks (FSDP2, one layer gathered at a time)", info.world_size)
     cap = cfg.capture
     return ShardedCaptureBackend(None, spec.aux_layer_ids, supervision=spec.supervision, topk=spec.topk,
-                                 device=str(info.device), model=model, max_tokens_per_batch=cap.max_tokens_per_batch,
+                                 device=str(info.device), model=model, tokens_per_forward=cap.tokens_per_forward,
                                  batch_invariant=cap.per_sample_attention)

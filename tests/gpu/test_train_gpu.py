@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 # head_dim 16 (flex kernels need >= 16); rows of 256 tokens (two 128-token flex blocks).
 SHAPE = SyntheticShape(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=160,
                        draft_vocab_size=96, lengths=(200, 120, 90, 250, 60, 180, 140, 30, 220, 100, 75, 160))
-OVERRIDES = ["train.device=cuda", "train.max_tokens_per_batch=256", "train.num_epochs=8", "train.lr=3e-3",
+OVERRIDES = ["train.device=cuda", "train.tokens_per_row=256", "train.num_epochs=8", "train.lr=3e-3",
              "train.warmup_steps=2", "train.eval_every_steps=6", "train.checkpoint_every_steps=0",
              "train.progress_every_s=0", "drafter.ttt_steps=3", "drafter.attn_impl=flex"]
 

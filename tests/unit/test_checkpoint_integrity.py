@@ -13,7 +13,7 @@ from eagle3.train.loop import train
 from infra.storage import sha256_file
 from tests.unit.test_train_helpers import load_run_config, synthetic_run
 
-OVERRIDES = ["train.max_tokens_per_batch=96", "train.lr=1e-3", "train.max_steps=4", "train.eval_every_steps=0",
+OVERRIDES = ["train.tokens_per_row=96", "train.lr=1e-3", "train.max_steps=4", "train.eval_every_steps=0",
              "train.checkpoint_every_steps=2", "train.keep_checkpoints=4", "train.progress_every_s=0",
              "drafter.ttt_steps=2"]
 

@@ -40,7 +40,7 @@ def test_a_preset_extending_another_changes_only_what_it_states(tmp_path):
                      "evaluate:\n  datasets: [gsm8k]\n")
     cfg, base = load_config(str(child), ["train.num_epochs=3"]), load_config("smollm2-demo")
     assert (cfg.run.name, cfg.train.lr, cfg.train.num_epochs, cfg.evaluate.datasets) == ("child", 2e-4, 3, ["gsm8k"])
-    assert cfg.train.max_tokens_per_batch == base.train.max_tokens_per_batch and cfg.data == base.data
+    assert cfg.train.tokens_per_row == base.train.tokens_per_row and cfg.data == base.data
     assert cfg.run.workdir == base.run.workdir  # a section's unstated keys come from the base
 
 

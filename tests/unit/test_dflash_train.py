@@ -16,7 +16,7 @@ from tests.unit.test_train_helpers import assert_resume_matches, load_run_config
 
 DFLASH = ["drafter.family=dflash", "drafter.dflash.block_size=4", "drafter.dflash.num_blocks=16"]
 # ~7 rows of 1024 tokens per epoch, 2 rows per step: 6 steps cross from epoch 0 into epoch 1.
-OVERRIDES = [*DFLASH, "train.max_tokens_per_batch=1024", "train.grad_accum_steps=2", "train.num_epochs=2",
+OVERRIDES = [*DFLASH, "train.tokens_per_row=1024", "train.grad_accum_steps=2", "train.num_epochs=2",
              "train.max_steps=6", "train.lr=1e-2", "train.warmup_steps=2", "train.eval_every_steps=3",
              "train.checkpoint_every_steps=0", "train.aux_noise=uniform", "train.progress_every_s=0"]
 

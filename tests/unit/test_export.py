@@ -311,7 +311,7 @@ def trained_run(tmp_path_factory):
     from tests.unit.test_train_helpers import load_run_config, synthetic_run
 
     overrides = ["train.max_steps=1", "drafter.ttt_steps=1", "train.eval_every_steps=0",
-                 "train.checkpoint_every_steps=0", "train.max_tokens_per_batch=256", "train.progress_every_s=0"]
+                 "train.checkpoint_every_steps=0", "train.tokens_per_row=256", "train.progress_every_s=0"]
     cfg = load_run_config(synthetic_run(tmp_path_factory.mktemp("export") / "runs", overrides))
     assert train(cfg).status == "done"
     return cfg

@@ -48,7 +48,7 @@ def reference():
 
 
 def _backend(aux=(0, 1, 2), budget=4096, **kwargs) -> HFCaptureBackend:
-    return HFCaptureBackend(None, list(aux), model=_model(), device="cpu", max_tokens_per_batch=budget, **kwargs)
+    return HFCaptureBackend(None, list(aux), model=_model(), device="cpu", tokens_per_forward=budget, **kwargs)
 
 
 def test_hooks_equal_output_hidden_states(samples, reference):
@@ -206,7 +206,7 @@ def test_run_capture_topk_fp8_covers_every_sample(tiny_base, tmp_path):
     import pyarrow.parquet as pq
 
     cfg = tiny_run(tiny_base, tmp_path, "capture.tokens_per_shard=2500", "capture.supervision=topk_logprobs",
-                   "capture.topk=4", "capture.aux_dtype=float8_e4m3fn", "capture.max_tokens_per_batch=600")
+                   "capture.topk=4", "capture.aux_dtype=float8_e4m3fn", "capture.tokens_per_forward=600")
     outcome = run_capture(cfg)
     ids = pq.read_table(cfg.run_dir / "data" / "tokenized.parquet", columns=["id"])["id"].to_pylist()
     reader = ShardReader(features_dir(cfg))
@@ -230,7 +230,7 @@ def _shard_files(cfg: RunConfig) -> dict[str, bytes]:
 def test_run_capture_streamed_and_whole_shards_are_identical(tiny_base, tmp_path):
     """run_capture writing whole shards with one writer (the previous scheme) and streaming them with three
     writers and a small queue give byte-identical shards and done files under the same stage key."""
-    common = ("capture.tokens_per_shard=1500", "capture.max_tokens_per_batch=600")
+    common = ("capture.tokens_per_shard=1500", "capture.tokens_per_forward=600")
     whole = tiny_run(tiny_base, tmp_path / "whole", *common, "capture.stream_writes=false", "capture.num_writers=1")
     streamed = tiny_run(tiny_base, tmp_path / "streamed", *common, "capture.num_writers=3",
                         "capture.write_queue_bytes=200000")

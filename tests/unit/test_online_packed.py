@@ -47,7 +47,7 @@ def _row(lengths=LENGTHS, seed: int = 0) -> TTTBatch:
 
 
 def _features(model, forward: str, device: str = "cpu") -> OnlineFeatures:
-    backend = HFCaptureBackend(None, AUX, model=model, device=device, max_tokens_per_batch=4096)
+    backend = HFCaptureBackend(None, AUX, model=model, device=device, tokens_per_forward=4096)
     return OnlineFeatures(backend, _spec(model), forward)
 
 
@@ -75,7 +75,7 @@ def test_the_flex_document_mask_gives_the_per_document_states(architecture):
     """The CUDA path's flex_attention over the document BlockMask (uncompiled here) matches SDPA per document
     (DeepSeek-V3: MLA's query/key heads wider than its value heads, and a score scale other than 1/sqrt(d))."""
     model = _model(architecture)
-    backend = HFCaptureBackend(None, AUX, model=model, device="cpu", max_tokens_per_batch=4096)
+    backend = HFCaptureBackend(None, AUX, model=model, device="cpu", tokens_per_forward=4096)
     row = _row(seed=1)
     args = (row.input_ids, row.document_ids, row.position_ids, LENGTHS)
     with torch.no_grad():
@@ -97,11 +97,11 @@ def test_packed_needs_sliced_attention_and_auto_falls_back_to_padded():
 
 
 def test_packed_rows_keep_to_the_forward_budget_and_a_sharded_target_packs_only_when_asked():
-    """A row longer than capture.max_tokens_per_batch is refused packed (auto: padded); a sharded target's auto
+    """A row longer than capture.tokens_per_forward is refused packed (auto: padded); a sharded target's auto
     is padded (no per-rank fallback), an explicit packed is honoured."""
     from eagle3.train.online import packed_for
 
-    backend = HFCaptureBackend(None, AUX, model=_model(), device="cpu", max_tokens_per_batch=512)
+    backend = HFCaptureBackend(None, AUX, model=_model(), device="cpu", tokens_per_forward=512)
     assert packed_for("auto", backend, 512) and packed_for("packed", backend, 512)
     assert not packed_for("auto", backend, 1024) and not packed_for("padded", backend, 512)
     with pytest.raises(ValueError, match="a row of 1024 tokens .* more than one forward may take \\(512"):

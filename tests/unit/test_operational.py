@@ -154,7 +154,7 @@ def test_added_fields_at_their_default_leave_keys_as_before_the_field_existed():
 
 # ------------------------------------------------- train: an operational field changes no byte training writes
 
-TRAIN_OVERRIDES = ["train.max_tokens_per_batch=96", "train.lr=1e-3", "train.max_steps=4", "train.warmup_steps=0",
+TRAIN_OVERRIDES = ["train.tokens_per_row=96", "train.lr=1e-3", "train.max_steps=4", "train.warmup_steps=0",
                    "train.eval_every_steps=1", "train.checkpoint_every_steps=2", "train.keep_checkpoints=2",
                    "train.progress_every_s=0", "train.device=cpu", "drafter.ttt_steps=2"]
 

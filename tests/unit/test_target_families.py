@@ -44,7 +44,7 @@ def family_config(workdir: Path, architecture: str, mode: str) -> RunConfig:
     overrides = [f"run.workdir={workdir}", f"target.tiny.architecture={architecture}",
                  f"target.name=tiny-{architecture}", "train.max_steps=2", "drafter.ttt_steps=2",
                  "train.eval_every_steps=0", "train.checkpoint_every_steps=0", "train.progress_every_s=0",
-                 "train.max_tokens_per_batch=256", "evaluate.num_prompts=1", "evaluate.max_new_tokens=8",
+                 "train.tokens_per_row=256", "evaluate.num_prompts=1", "evaluate.max_new_tokens=8",
                  "evaluate.methods=[chain]", "evaluate.device=cpu"]
     if mode != "offline":
         overrides.append(f"train.features={mode}")
@@ -175,7 +175,7 @@ def test_per_sample_attention_keeps_mla_batch_invariant():
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (40, 70, 55, 90)]  # >= 12 rows: see hf_backend
     samples = [SampleTokens(id=f"s{i}", input_ids=row, loss_mask=[1] * len(row)) for i, row in enumerate(ids)]
-    backend = HFCaptureBackend(None, TINY_AUX_IDS, model=model, device="cpu", max_tokens_per_batch=4096)
+    backend = HFCaptureBackend(None, TINY_AUX_IDS, model=model, device="cpu", tokens_per_forward=4096)
     assert backend.per_sample and len(backend.batches(samples)) == 1
     batched = list(backend.capture(samples))
     for sample, got in zip(samples, batched):

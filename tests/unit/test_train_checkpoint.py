@@ -15,7 +15,7 @@ from eagle3.train.loop import micro_batch_windows, run, save, setup, train
 from eagle3.train.metrics import read_metrics
 from tests.unit.test_train_helpers import SyntheticShape, load_run_config, synthetic_run
 
-OVERRIDES = ["train.max_tokens_per_batch=96", "train.grad_accum_steps=2", "train.num_epochs=3", "train.lr=1e-3",
+OVERRIDES = ["train.tokens_per_row=96", "train.grad_accum_steps=2", "train.num_epochs=3", "train.lr=1e-3",
              "train.eval_every_steps=0", "train.checkpoint_every_steps=0", "train.aux_noise=gaussian",
              "train.progress_every_s=0", "drafter.ttt_steps=2"]
 

@@ -18,7 +18,7 @@ from eagle3.train.loop import train
 from eagle3.train.metrics import read_metrics
 from tests.unit.test_train_helpers import load_run_config, real_tiny_run
 
-BASE = ["train.max_tokens_per_batch=1024", "train.num_epochs=2", "train.lr=1e-2", "train.warmup_steps=0",
+BASE = ["train.tokens_per_row=1024", "train.num_epochs=2", "train.lr=1e-2", "train.warmup_steps=0",
         "train.checkpoint_every_steps=0", "train.keep_checkpoints=1", "train.progress_every_s=0", "train.device=cpu",
         "drafter.ttt_steps=2", "evaluate.datasets=[mtbench]"]
 MEASURED = ["train.measured.num_prompts=2", "train.measured.max_new_tokens=12"]

@@ -13,7 +13,7 @@ from eagle3.train.metrics import read_metrics
 from infra.torchrun import run_torchrun
 from tests.unit.test_train_helpers import load_run_config, real_tiny_run
 
-TRAIN = ["train.max_tokens_per_batch=512", "train.num_epochs=1", "train.max_steps=6", "train.lr=1e-2",
+TRAIN = ["train.tokens_per_row=512", "train.num_epochs=1", "train.max_steps=6", "train.lr=1e-2",
          "train.warmup_steps=0", "train.eval_every_steps=3", "train.checkpoint_every_steps=0",
          "train.progress_every_s=0", "train.prefetch_rows=0", "drafter.ttt_steps=2", "train.nproc_per_node=1"]
 

@@ -12,7 +12,7 @@ from eagle3.train.loop import train
 from eagle3.train.metrics import read_metrics
 from tests.unit.test_train_helpers import load_run_config, real_tiny_run
 
-OVERRIDES = ["train.max_tokens_per_batch=1024", "train.grad_accum_steps=2", "train.num_epochs=2",
+OVERRIDES = ["train.tokens_per_row=1024", "train.grad_accum_steps=2", "train.num_epochs=2",
              "train.max_steps=4", "train.lr=1e-3", "train.warmup_steps=1", "train.eval_every_steps=2",
              "train.checkpoint_every_steps=0", "train.aux_noise=uniform", "train.progress_every_s=0"]
 ONLINE = ["train.features=online"]
@@ -126,7 +126,7 @@ def test_online_rows_equal_captured_rows_for_topk_and_fp8(tmp_path, capture):
     from eagle3.train.data import RowLoader
     from eagle3.train.online import OnlineFeatures, TokenReader
 
-    cfg = load_config("tiny", [f"run.workdir={tmp_path}", "train.max_tokens_per_batch=1024", *capture])
+    cfg = load_config("tiny", [f"run.workdir={tmp_path}", "train.tokens_per_row=1024", *capture])
     run_all(cfg)
     run_capture(cfg)
     inputs = read_inputs(cfg, prepare_target(cfg))

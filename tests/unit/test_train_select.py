@@ -15,7 +15,7 @@ from tests.unit.test_train_helpers import load_run_config, real_tiny_run
 
 # lr 1e-2 makes the validation estimate fall after step 1 and climb back to a tie at steps 5-6: the best is
 # step 1 (ties keep the earlier step), neither the last step nor the last improvement.
-OVERRIDES = ["train.max_tokens_per_batch=1024", "train.num_epochs=2", "train.max_steps=6", "train.lr=1e-2",
+OVERRIDES = ["train.tokens_per_row=1024", "train.num_epochs=2", "train.max_steps=6", "train.lr=1e-2",
              "train.warmup_steps=0", "train.eval_every_steps=1", "train.checkpoint_every_steps=0",
              "train.keep_checkpoints=1", "train.progress_every_s=0", "drafter.ttt_steps=2",
              "evaluate.num_prompts=1", "evaluate.max_new_tokens=8", "evaluate.methods=[chain,ngram]",

@@ -19,7 +19,7 @@ from eagle3.train.metrics import read_metrics
 from tests.unit.test_train_helpers import load_run_config, real_tiny_run
 
 DEADLINE_S = 90.0  # a deadlock fails the test after this instead of hanging the suite
-BUDGET = 64  # capture.max_tokens_per_batch of the workers: rank 0's documents need 3 batches, rank 1's one
+BUDGET = 64  # capture.tokens_per_forward of the workers: rank 0's documents need 3 batches, rank 1's one
 
 
 def _free_port() -> int:
@@ -68,7 +68,7 @@ def _states_worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     docs = _documents(rank)
     for supervision, topk, tied in (("final_hidden", None, False), ("topk_logprobs", 4, True)):
-        kwargs = {"supervision": supervision, "topk": topk, "device": "cpu", "max_tokens_per_batch": BUDGET}
+        kwargs = {"supervision": supervision, "topk": topk, "device": "cpu", "tokens_per_forward": BUDGET}
         whole = HFCaptureBackend(None, [0, 1, 3], model=_tiny(tied), **kwargs)
         sharded = ShardedCaptureBackend(None, [0, 1, 3], model=shard_target(_tiny(tied)), **kwargs)
         assert len(whole.online_batches(docs)[1]) == (3 if rank == 0 else 1)
@@ -112,10 +112,10 @@ def test_sharded_target_states_equal_the_replicated_target_without_deadlock(tmp_
     _spawn_with_deadline(_states_worker, (_free_port(), str(tmp_path)), tmp_path)
 
 
-TRAIN = ["train.features=online", "train.max_tokens_per_batch=512", "train.max_steps=2", "train.lr=1e-2",
+TRAIN = ["train.features=online", "train.tokens_per_row=512", "train.max_steps=2", "train.lr=1e-2",
          "train.warmup_steps=0", "train.eval_every_steps=1", "train.checkpoint_every_steps=0",
          "train.progress_every_s=0", "train.prefetch_rows=0", "drafter.ttt_steps=2", "train.aux_noise=uniform",
-         "capture.max_tokens_per_batch=128"]  # several target batches per row, a different number on each rank
+         "capture.tokens_per_forward=128"]  # several target batches per row, a different number on each rank
 
 
 def _descendants(pid: int) -> list[int]:

@@ -1,0 +1,119 @@
+"""Renamed config keys (eagle3.config_renames): old names load with a one-line warning, and a run directory made
+before a rename keeps its stage keys."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from eagle3.config import RunConfig, config_field_paths, load_config, section_dict
+from eagle3.config_renames import RENAMES, RenamedKeyWarning, default_of
+from eagle3.run.registry import STAGES, get_stage
+from tests.unit.test_stage_keys import GOLDEN, _run_dir
+
+
+def _sample(new: str) -> object:
+    """A valid value of the field ``new`` that is not its default."""
+    return {"capture.tokens_per_forward": 64, "train.tokens_per_row": 96}.get(new, default_of(RunConfig, new))
+
+
+def _get(cfg: RunConfig, path: str) -> object:
+    node: object = cfg
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _old_named(doc: dict, renames: dict[str, str]) -> dict:
+    """A config.json as the code before the renames wrote it: every renamed key back at its old place and name."""
+    doc = json.loads(json.dumps(doc))
+    for old, new in renames.items():
+        *new_parents, new_leaf = new.split(".")
+        node = doc
+        for part in new_parents:
+            node = node[part]
+        value = node[new_leaf]
+        *old_parents, old_leaf = old.split(".")
+        node = doc
+        for part in old_parents:
+            node = node.setdefault(part, {})
+        node[old_leaf] = value
+    for new in set(renames.values()):
+        *parents, leaf = new.split(".")
+        node = doc
+        for part in parents:
+            node = node[part]
+        del node[leaf]
+    for section in [s for s, value in doc.items() if value == {}]:
+        del doc[section]  # a section whose every field was renamed away did not exist
+    return doc
+
+
+def test_the_table_maps_unknown_old_keys_to_fields_of_the_tree():
+    """Every new name is a field of RunConfig, and no old name is one (an old name would otherwise shadow a field)."""
+    paths = set(config_field_paths())
+    assert set(RENAMES.values()) <= paths and not set(RENAMES) & paths
+
+
+@pytest.mark.parametrize("old", list(RENAMES))
+def test_an_old_key_in_an_override_loads_under_its_new_name_with_one_warning(old):
+    """--set old.key=value sets the new key and warns once, naming old -> new."""
+    new = RENAMES[old]
+    value = _sample(new)
+    with pytest.warns(RenamedKeyWarning) as caught:
+        cfg = load_config("tiny", [f"{old}={json.dumps(value)}"])
+    assert _get(cfg, new) == value
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and f"{old} is now {new}" in messages[0] and "\n" not in messages[0]
+
+
+@pytest.mark.parametrize("old", list(RENAMES))
+def test_an_old_key_in_a_preset_file_loads_under_its_new_name(tmp_path, old):
+    """A YAML preset written with an old key gives the same config as one written with the new key."""
+    new = RENAMES[old]
+    value = _sample(new)
+
+    def preset(key: str) -> str:
+        *parents, leaf = key.split(".")
+        lines = [f"{'  ' * depth}{part}:" for depth, part in enumerate(parents)]
+        path = tmp_path / f"{key}.yaml"
+        path.write_text("base: tiny\n" + "\n".join([*lines, f"{'  ' * len(parents)}{leaf}: {json.dumps(value)}"]))
+        return str(path)
+
+    with pytest.warns(RenamedKeyWarning, match=f"{old} is now {new}"):
+        old_cfg = load_config(preset(old))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RenamedKeyWarning)
+        assert old_cfg == load_config(preset(new))
+
+
+def test_new_names_load_without_a_warning():
+    """The shipped presets use the new names only."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RenamedKeyWarning)
+        for preset in ("tiny", "smollm2-demo", "smollm2-curve", "smollm2-sglang", "llama31-8b", "kimi-k25"):
+            load_config(preset)
+
+
+def test_the_key_of_a_renamed_field_hashes_its_old_name():
+    """section_dict (what stage keys hash) names train.tokens_per_row max_tokens_per_batch, as keys made before did."""
+    keyed = section_dict(load_config("tiny"), "train")["train"]
+    assert keyed["max_tokens_per_batch"] == 512 and "tokens_per_row" not in keyed
+
+
+@pytest.mark.parametrize("variant", ["tiny", "online"])
+def test_a_run_saved_with_old_key_names_resumes_with_every_stage_key_unchanged(tmp_path, monkeypatch, variant):
+    """A config.json written before the renames (old names, every field) loads, and every stage's key equals the key
+    the run was made with (tests/unit/test_stage_keys.py's golden values): no stage runs again."""
+    overrides = {"tiny": [], "online": ["train.features=online", "export.formats=[sglang]"]}[variant]
+    cfg = _run_dir(tmp_path, monkeypatch, overrides)
+    saved = cfg.run_dir / "config.json"
+    saved.write_text(json.dumps(_old_named(cfg.model_dump(mode="json"), RENAMES), indent=2))
+    assert "max_tokens_per_batch" in saved.read_text()
+    with pytest.warns(RenamedKeyWarning):
+        resumed = load_config(str(saved))
+    assert resumed == cfg
+    keys = {stage.name: get_stage(stage.name).key(resumed) for stage in STAGES}
+    assert {k: v for k, v in keys.items() if k in GOLDEN[variant]} == GOLDEN[variant]
