@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 PRESETS_DIR = (Path(__file__).parent / "presets").resolve()
 """configs/ of the checkout (eagle3/presets links to it), or the copy a non-editable install ships in the package."""
@@ -66,6 +66,21 @@ def _switch_from_yaml(value: object) -> object:
 
 Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_switch_from_yaml)]
 """An auto | on | off setting (written bare in YAML, on and off arrive as booleans)."""
+
+
+CudaIndex = Annotated[str, StringConstraints(pattern=r"^cuda:[0-9]+$")]
+"""One GPU of several, cuda:N."""
+
+Device = Literal["auto", "cpu", "cuda"] | CudaIndex
+"""Where a stage's models run, one type in every section: auto (cuda when a GPU is visible, else cpu), cpu, cuda, or
+cuda:N where the stage runs in one process (train and evaluate refuse it: see whole_device)."""
+
+
+def whole_device(field: str, device: str) -> None:
+    """Refuse cuda:N where a stage picks the GPU itself (each torchrun rank its LOCAL_RANK, evaluate's workers theirs)."""
+    if device.startswith("cuda:"):
+        raise ValueError(f"{field} takes auto, cpu or cuda, not {device!r}: the stage places its processes on the GPUs "
+                         "itself; choose them with CUDA_VISIBLE_DEVICES")
 
 
 def switch_on(value: str, cuda: bool) -> bool:

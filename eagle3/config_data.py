@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from eagle3.config_base import Added, Operational, PlainName, Section
+from eagle3.config_base import Added, Device, Operational, PlainName, Section
 
 CharsOf = Literal["all", "prompts"]
 """Which turns a conversation's character count covers (data.max_chars_of)."""
@@ -168,8 +168,8 @@ class RegenerateConfig(Section):
     """hf static/dynamic: end an answer once its last N tokens repeat with a period of at most N, as if capped (0: off)."""
     cut_loops: bool = Added(False)
     """Cut answers that hit max_new_tokens where they run into a loop (a few repeats kept), and drop later turns."""
-    device: str = "cpu"
-    """Device of the in-process model (hf backend): cpu, cuda or cuda:N."""
+    device: Device = "cpu"
+    """Device of the in-process model (hf backend): auto, cpu, cuda or cuda:N."""
     max_new_tokens: int = Field(512, ge=1)
     """Cap on tokens generated per assistant turn."""
     temperature: float = Field(0.0, ge=0.0)

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from eagle3.config_base import Added, Operational, Section, Switch, _relative_inside, switch_on
+from eagle3.config_base import Added, Device, Operational, Section, Switch, _relative_inside, switch_on, whole_device
 from eagle3.config_measured import MeasuredConfig
 
 
@@ -67,7 +67,7 @@ class CaptureConfig(Section):
     """Shard tasks in flight in one flow run (they share the model or the servers)."""
     num_slices: int = Operational(1, ge=1)
     """Flow runs the capture flow splits the pending shards into, each on its own gpu-pool worker (1: capture in the flow itself)."""
-    device: str = Operational("auto")
+    device: Device = Operational("auto")
     """HF backend device: auto (cuda if available), cpu, cuda, cuda:N."""
     device_map: str | None = Operational(None)
     """HF backend: 'auto' spreads a large model over all visible GPUs (accelerate)."""
@@ -179,8 +179,8 @@ class TrainConfig(Section):
     """Online: GiB of the training device that keep the target's states of documents seen; later epochs and validations skip their forward (0 = off)."""
     feature_cache_host_gib: float = Operational(0.0, ge=0)
     """Online: GiB of pinned host memory that keep the states the device's feature cache has no room for (copied in per row; 0 = off)."""
-    device: Literal["auto", "cpu", "cuda"] = Operational("auto")
-    """Where to train: auto = cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    device: Device = Operational("auto")
+    """Where to train: auto = cuda:LOCAL_RANK when CUDA is available, else cpu; cuda = cuda:LOCAL_RANK (not cuda:N)."""
     aux_noise: Literal["none", "uniform", "gaussian"] = "none"
     """Noise added to the aux features of train batches (never to val): U(-s, s) or N(0, s^2)."""
     aux_noise_std: float = Field(0.05, ge=0)
@@ -227,6 +227,11 @@ class TrainConfig(Section):
     # which steps are measured decides the checkpoint select=measured ships and where patience stops: keyed once set
     measured: MeasuredConfig = Added(MeasuredConfig())
     """Measured acceptance during training: a short real chain decode every N steps (docs/train.md)."""
+
+    @model_validator(mode="after")
+    def _one_gpu_per_rank(self) -> TrainConfig:
+        whole_device("train.device", self.device)
+        return self
 
     @model_validator(mode="after")
     def _measured_selectable(self) -> TrainConfig:
@@ -288,8 +293,8 @@ class EvaluateConfig(Section):
     """Prompt lookup baseline: the shortest n-gram tried."""
     ngram_num_tokens: int = Field(3, ge=1)
     """Prompt lookup baseline: tokens proposed after a match (the lookup window is the whole context)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where target and drafter run: auto = cuda when available, else cpu."""
+    device: Device = "auto"
+    """Where target and drafter run: auto = cuda when available, else cpu (not cuda:N)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Compute dtype of target and drafter: auto = bfloat16 on cuda (4x faster there), float32 on cpu."""
     num_workers: int = Field(1, ge=1)
@@ -338,6 +343,11 @@ class EvaluateConfig(Section):
     def limit_for(self, dataset: str) -> int | None:
         """How many prompts of ``dataset`` are measured (None = all)."""
         return self.num_prompts_by_dataset.get(dataset, self.num_prompts)
+
+    @model_validator(mode="after")
+    def _one_gpu_per_worker(self) -> EvaluateConfig:
+        whole_device("evaluate.device", self.device)
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> EvaluateConfig:

@@ -198,3 +198,19 @@ def test_a_name_is_capped_in_utf8_bytes_not_characters():
     with pytest.raises(ConfigError, match="1 to 100 bytes in UTF-8 \\(got 120\\)"):
         load_config("tiny", ["run.name=" + "\U0001f600" * 30])
     assert load_config("tiny", ["run.name=" + "\u00e9" * 50]).run.name == "\u00e9" * 50  # 100 bytes: allowed
+
+
+@pytest.mark.parametrize("name", ["device"])
+def test_a_setting_named_alike_in_several_sections_has_one_type(name):
+    """Every field called ``name``, in whichever section, is declared with the same type (one name, one meaning)."""
+    types_ = {str(field.annotation) for path, field in _all_fields(RunConfig) if path.rsplit(".", 1)[-1] == name}
+    assert len(types_) == 1, f"{name}: {sorted(types_)}"
+
+
+def test_only_a_stage_that_runs_in_one_process_takes_one_gpu_of_several():
+    """cuda:N is a device of capture and regenerate; train and evaluate place their processes and refuse it."""
+    cfg = load_config("tiny", ["capture.device=cuda:1", "regenerate.device=cuda:1"])
+    assert (cfg.capture.device, cfg.regenerate.device) == ("cuda:1", "cuda:1")
+    for section in ("train", "evaluate"):
+        with pytest.raises(ConfigError, match=f"{section}.device takes auto, cpu or cuda, not 'cuda:1'"):
+            load_config("tiny", [f"{section}.device=cuda:1"])

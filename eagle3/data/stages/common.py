@@ -20,9 +20,11 @@ def target(cfg: RunConfig) -> tuple[Path, str]:
 def model_loader(cfg: RunConfig, model_dir: Path):
     """A function that loads the target and its tokenizer for in-process generation (regenerate.device)."""
     def load():
+        from eagle3.features.hf_backend import resolve_device
         from eagle3.target.load import load_model, load_tokenizer
 
-        return load_model(model_dir, cfg.target.dtype, cfg.regenerate.device), load_tokenizer(model_dir)
+        device = resolve_device(cfg.regenerate.device)
+        return load_model(model_dir, cfg.target.dtype, device), load_tokenizer(model_dir)
 
     return load
 
