@@ -19,7 +19,9 @@ log_softmax(draft logits), summed over the supervised positions of step k and di
 (and so the effective learning rate) depend on how much of a batch is prompt or padding, and quietly
 down-weights later steps (they have fewer supervised positions) beyond 0.8^k. The per-step sums and
 counts are returned too, so a trainer can normalise by the supervised-token count of a whole
-accumulation window instead of per micro-batch.
+accumulation window instead of per micro-batch. ``train.loss`` (a TokenLoss) may score the positions by an
+acceptance-targeted loss instead of the soft cross-entropy (eagle3.drafter.acceptance); sums, masks,
+counts and step weights stay as described.
 
 Metrics: acc_k counts, over every prediction of a marked token (targets outside the draft vocab included:
 the drafter can never propose them, and dropping them would inflate the estimate), how often the draft
@@ -47,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from eagle3.drafter.acceptance import SOFT_CE, TokenLoss, acceptance_kernels, step_token_loss
 from eagle3.drafter.masks import (
     positions_from_documents,
     same_document_ahead,
@@ -257,6 +260,9 @@ def compiled_loss_kernels(backend: str = "inductor") -> tuple[Any, Any]:
 class ChunkedSoftCE(torch.autograd.Function):
     """Masked soft-CE sum of one TTT step, token chunk by token chunk, never holding fp32 [N, Vd] tensors.
 
+    The kernels decide the token loss: soft_ce_chunk and its gradient, or an acceptance-targeted loss's
+    (eagle3.drafter.acceptance.acceptance_kernels, same signatures).
+
     Forward keeps only the logsumexp per token; backward recomputes softmax per chunk and returns the
     logits gradient in the logits' dtype (one rounding, as the log_softmax path's cast back does).
     """
@@ -360,20 +366,21 @@ def _documents_and_positions(batch: TTTBatch) -> tuple[Tensor, Tensor]:
 StepFn = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
 """(feature [B, T, H], input ids [B, T], step k) -> (pre-norm output [B, T, H], draft logits [B, T, Vd])."""
 ScoreFn = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
-"""(logits [B, T, Vd], position mask [B, T], step k) -> (masked soft-CE sum [], draft argmax [B, T])."""
+"""(logits [B, T, Vd], position mask [B, T], step k) -> (masked loss sum [], draft argmax [B, T])."""
 
 
 def ttt_loss(drafter: Eagle3Drafter, batch: TTTBatch, supervision: Supervision, t2d: Tensor, d2t: Tensor,
              ttt_steps: int, step_decay: float = STEP_DECAY, attn_impl: AttnImpl = "auto",
-             options: StepOptions | None = None) -> TTTOutput:
-    """Unroll ``ttt_steps`` steps of the drafter over one micro-batch and score every step (module docstring)."""
+             options: StepOptions | None = None, loss: TokenLoss = SOFT_CE) -> TTTOutput:
+    """Unroll ``ttt_steps`` steps of the drafter over one micro-batch and score every step by ``loss`` (module
+    docstring)."""
     options = options or StepOptions()
     docs, positions = _documents_and_positions(batch)
     assert batch.aux is not None, "online features fill aux first"
     hidden = drafter.project_aux(batch.aux)  # [B, T, H]
     step = (_FunctionalUnroll(drafter, docs, positions, hidden, ttt_steps, attn_impl, options).step
             if options.functional_step else _module_step(drafter, docs, positions, attn_impl))
-    score = _scorer(supervision.probs, ttt_steps, options)
+    score = _scorer(supervision.probs, ttt_steps, options, loss)
     chain = torch.ones_like(docs, dtype=torch.bool)
     sums, counts = [], []
     for k, aligned in enumerate(align_steps(batch.input_ids, batch.loss_mask, docs, supervision.argmax, t2d,
@@ -448,17 +455,24 @@ class _FunctionalUnroll:
         return torch.cat(parts, dim=2)
 
 
-def _scorer(probs: Tensor, num_steps: int, options: StepOptions) -> ScoreFn:
-    """The per-step loss: log_softmax over the whole step (plain) or the chunked fused soft CE."""
+def _scorer(probs: Tensor, num_steps: int, options: StepOptions, loss: TokenLoss = SOFT_CE) -> ScoreFn:
+    """The per-step loss: log_softmax over the whole step (plain) or chunk by chunk (fused); the soft CE, or the
+    acceptance-targeted ``loss`` (the soft CE keeps its own code, so its results stay bitwise what they were)."""
     if options.loss_chunk_tokens <= 0:
         def plain(logits: Tensor, position_mask: Tensor, k: int) -> tuple[Tensor, Tensor]:
-            ce = step_soft_ce(logits, probs, TOKEN_SHIFT + k)  # [B, T]
-            return torch.where(position_mask, ce, torch.zeros_like(ce)).sum(), logits.detach().argmax(-1)
+            if loss.kind == SOFT_CE.kind:
+                values = step_soft_ce(logits, probs, TOKEN_SHIFT + k)  # [B, T]
+            else:
+                values = step_token_loss(logits, probs, TOKEN_SHIFT + k, loss)  # [B, T]
+            return torch.where(position_mask, values, torch.zeros_like(values)).sum(), logits.detach().argmax(-1)
         return plain
 
     padded = pad_probs(probs, num_steps)  # [B*T + S, Vd]
     backend = options.compile_backend
-    kernels = compiled_loss_kernels(backend) if backend else (soft_ce_chunk, soft_ce_chunk_grad)
+    if loss.kind != SOFT_CE.kind:
+        kernels = acceptance_kernels(loss, backend)
+    else:
+        kernels = compiled_loss_kernels(backend) if backend else (soft_ce_chunk, soft_ce_chunk_grad)
 
     def fused(logits: Tensor, position_mask: Tensor, k: int) -> tuple[Tensor, Tensor]:
         return ChunkedSoftCE.apply(logits, padded, position_mask, TOKEN_SHIFT + k, options.loss_chunk_tokens,
@@ -481,7 +495,7 @@ class TTTObjective(nn.Module):
 
     def __init__(self, drafter: Eagle3Drafter, t2d: Tensor, d2t: Tensor, target_lm_head: Tensor | None,
                  ttt_steps: int, step_decay: float = STEP_DECAY, attn_impl: AttnImpl = "auto",
-                 chunk_tokens: int = 1024, options: StepOptions | None = None) -> None:
+                 chunk_tokens: int = 1024, options: StepOptions | None = None, loss: TokenLoss = SOFT_CE) -> None:
         super().__init__()
         self.drafter = drafter
         self.register_buffer("t2d", t2d.bool(), persistent=False)  # [V]
@@ -492,6 +506,7 @@ class TTTObjective(nn.Module):
         self.ttt_steps, self.step_decay = ttt_steps, step_decay
         self.attn_impl, self.chunk_tokens = attn_impl, chunk_tokens
         self.options = options or StepOptions()
+        self.loss = loss  # what each step is scored by (train.loss)
 
     def supervision(self, batch: TTTBatch) -> Supervision:
         """From the final hidden state when the batch has it, else from its top-K log-probs."""
@@ -505,9 +520,9 @@ class TTTObjective(nn.Module):
         return supervision_from_topk(batch.topk_ids, batch.topk_logprobs, self.t2d, len(self.d2t))
 
     def unroll(self, batch: TTTBatch, supervision: Supervision) -> TTTOutput:
-        """ttt_loss with this objective's tensors and settings (``options`` included)."""
+        """ttt_loss with this objective's tensors and settings (``options`` and ``loss`` included)."""
         return ttt_loss(self.drafter, batch, supervision, self.t2d, self.d2t, self.ttt_steps, self.step_decay,
-                        self.attn_impl, self.options)
+                        self.attn_impl, self.options, self.loss)
 
     def forward(self, batch: TTTBatch, supervision: Supervision | None = None) -> TTTOutput:
         """The unroll; the supervision is computed here unless given (a trainer computes it first for its counts)."""

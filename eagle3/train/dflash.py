@@ -68,10 +68,13 @@ def mask_token_id_for(cfg: RunConfig, model_dir: Path) -> int:
 
 def dflash_setup(cfg: RunConfig, model_dir: Path, aux_layer_ids: list[int]) -> DFlashSetup:
     """The DFlash drafter of ``cfg`` for the target in ``model_dir`` whose aux layers ``aux_layer_ids`` are captured;
-    ValueError naming the field when it asks for a layer the capture does not store."""
+    ValueError naming the field when it asks for a layer the capture does not store or a train.loss other than kl."""
     from eagle3.target.load import target_info
     from eagle3.target.tensors import drafter_dims
 
+    if cfg.train.loss != "kl":  # its loss is a CE against the row's tokens: no target distribution to overlap
+        raise ValueError(f"train.loss={cfg.train.loss} scores EAGLE-3 steps only; drafter.family=dflash trains with "
+                         "its own cross-entropy (train.loss=kl)")
     d, info = cfg.drafter.dflash, target_info(Path(model_dir), cfg.target)
     ids = list(d.target_layer_ids) if d.target_layer_ids is not None else sorted(aux_layer_ids)
     missing = [i for i in ids if i not in aux_layer_ids]

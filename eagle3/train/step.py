@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from eagle3.config import TrainConfig
+from eagle3.drafter.acceptance import TokenLoss
 from eagle3.drafter.model import trainable_parameters
 from eagle3.drafter.ttt import StepOptions, TTTBatch, TTTObjective, align_steps
 from eagle3.train.dist import DistInfo, all_reduce_sum, autocast, full_tensor, gradient_sync, unwrap
@@ -20,6 +21,11 @@ def step_options_for(train: TrainConfig, device: torch.device) -> StepOptions:
     """The unroll's switches (how the step runs, not what it computes): compiled on CUDA only."""
     return StepOptions(compile_backend="inductor" if train.compile and device.type == "cuda" else None,
                        loss_chunk_tokens=train.loss_chunk_tokens, reuse_block_mask=train.reuse_block_mask)
+
+
+def token_loss_for(train: TrainConfig) -> TokenLoss:
+    """What each TTT step is scored by: train.loss and its weights (eagle3.drafter.acceptance)."""
+    return TokenLoss(train.loss, train.loss_tv_weight, train.loss_lk_eta)
 
 
 def supervised_counts(objective: TTTObjective, batch: TTTBatch, argmax: Tensor) -> Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle3.drafter.acceptance import SOFT_CE, TokenLoss
 from eagle3.drafter.masks import positions_from_documents
 from eagle3.drafter.model import FLEX_AVAILABLE, DrafterDims, Eagle3Drafter, init_weights, trainable_parameters
 from eagle3.drafter.ttt import (
@@ -70,11 +71,11 @@ def target_weight(seed: int = 7, dtype: torch.dtype = torch.float64) -> torch.Te
 
 
 def run_optimized(model, x: dict, docs: torch.Tensor | None = None, attn_impl: str = "dense", steps: int = STEPS,
-                  options: StepOptions | None = None):
+                  options: StepOptions | None = None, loss: TokenLoss = SOFT_CE):
     t2d, d2t = vocab_maps()
     batch = TTTBatch(aux=x["aux"], input_ids=x["input_ids"], loss_mask=x["loss_mask"], document_ids=docs)
     sup = supervision_from_final(x["final"], target_weight(dtype=x["final"].dtype), t2d, chunk_tokens=5)
-    return ttt_loss(model, batch, sup, t2d, d2t, steps, attn_impl=attn_impl, options=options)
+    return ttt_loss(model, batch, sup, t2d, d2t, steps, attn_impl=attn_impl, options=options, loss=loss)
 
 
 def run_reference(model, x: dict, row: int, start: int, stop: int, steps: int = STEPS):
