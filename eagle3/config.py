@@ -14,6 +14,7 @@ import contextlib
 import difflib
 import json
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -28,7 +29,8 @@ from eagle3.config_data import SyntheticConfig as SyntheticConfig
 from eagle3.config_data import TinyTargetConfig as TinyTargetConfig
 from eagle3.config_refresh import RefreshConfig
 from eagle3.config_renames import keyed_as_before, migrate, renamed_override
-from eagle3.config_stages import CaptureConfig, DrafterConfig, EvaluateConfig, ExportConfig, ServeConfig, TrainConfig
+from eagle3.config_sglang import ServeConfig, SGLangServerConfig
+from eagle3.config_stages import CaptureConfig, DrafterConfig, EvaluateConfig, ExportConfig, TrainConfig
 
 
 class RunSection(Section):
@@ -67,6 +69,8 @@ class RunConfig(Section):
     """Offline acceptance evaluation."""
     serve: ServeConfig = ServeConfig()
     """SGLang serving."""
+    server: SGLangServerConfig = SGLangServerConfig()
+    """How this host launches SGLang servers: settings capture's (backend sglang) and deploy's servers share."""
     refresh: RefreshConfig = Added(RefreshConfig())
     """Scheduled refresh: new prompts, a warm-started candidate, the promotion gate (eagle3.refresh)."""
 
@@ -75,6 +79,20 @@ class RunConfig(Section):
     def _renamed_keys(cls, data: Any) -> Any:
         """Old key names (eagle3.config_renames.RENAMES) read under their new ones, one warning each."""
         return migrate(data, cls)
+
+    @model_validator(mode="after")
+    def _serve_reads_the_server_section(self) -> RunConfig:
+        self.serve._server = self.server  # serve.python etc.: config_sglang.ServeConfig's read-only settings
+        return self
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> RunConfig:
+        """A copy whose serve section reads the copy's server section (pydantic's copy runs no validator)."""
+        copy = super().model_copy(update=update, deep=deep)
+        if copy.serve._server is not copy.server:
+            serve = copy.serve.model_copy()
+            serve._server = copy.server
+            copy.__dict__["serve"] = serve  # not an assignment: that would validate the whole tree again
+        return copy
 
     @property
     def run_dir(self) -> Path:

@@ -16,11 +16,19 @@ from pydantic import BaseModel
 
 from eagle3.config_base import ConfigError, key_fields
 
+SERVER_FIELDS = ("python", "launch_module", "host", "allow_remote_host", "api_key_env", "tp_size", "attention_backend",
+                 "extra_args", "startup_timeout_s")
+"""The SGLang launch settings serve and capture.sglang each held, now the run's one server section."""
+
 RENAMES: dict[str, str] = {
     "capture.max_tokens_per_batch": "capture.tokens_per_forward",
     "train.max_tokens_per_batch": "train.tokens_per_row",
+    **{f"serve.{name}": f"server.{name}" for name in SERVER_FIELDS},
+    **{f"capture.sglang.{name}": f"server.{name}" for name in SERVER_FIELDS
+       if name not in ("launch_module", "attention_backend")},  # capture had no fields of these names
 }
-"""Old dotted key -> its new name. Several old keys may name one new key (settings two sections repeated)."""
+"""Old dotted key -> its new name. Several old keys may name one new key (settings two sections repeated): their
+values must agree, or all but one hold the default."""
 
 LEGACY_VALUES: dict[str, dict[Any, Any]] = {}
 """{dotted key: {old bool value: today's value}}: values an older type of a field wrote that mean something else now."""
@@ -40,7 +48,7 @@ def renamed_override(keys: list[str]) -> list[str]:
     for old, new in RENAMES.items():
         depth = old.count(".") + 1
         if keys[:depth] == old.split("."):
-            _warn(f"config key {old} is now {new}: it was read as {new} (rename it; the old name still loads)")
+            _warn(f"config key {old} is now {new} (read as {new}; rename it in the config)")
             return [*new.split("."), *keys[depth:]]
     return keys
 
@@ -108,7 +116,7 @@ def migrate(data: Any, model: type[BaseModel]) -> Any:
         if not given:
             continue
         for old in given:
-            _warn(f"config key {old} is now {new}: it was read as {new} (rename it; the old name still loads)")
+            _warn(f"config key {old} is now {new} (read as {new}; rename it in the config)")
         found, value = _pop(out, new)
         _put(out, new, _one_value(new, given | ({new: value} if found else {}), default_of(model, new)))
     for path, values in LEGACY_VALUES.items():

@@ -55,7 +55,7 @@ class AcceptCheck:
 def eval_method_name(trio: str, family: str = "eagle3") -> str:
     """The evaluate stage's name for the same drafting: chain-S-1-N, or tree-S-K-N; a DFlash drafter's dflash-S-1-N
     (eagle3.evaluate.session.method_specs names it so)."""
-    from eagle3.config_stages import parse_trio
+    from eagle3.config_sglang import parse_trio
 
     steps, topk, tokens = parse_trio(trio)
     kind = "dflash" if family == "dflash" else "chain" if topk == 1 else "tree"

@@ -88,7 +88,7 @@ def optional_checks() -> dict[str, Check]:
         "gguf": gguf_check(),
         "sglang": Check("SGLang argument parser", sglang_error is None,
                         f"sglang {_version('sglang')}" if sglang_error is None else sglang_error,
-                        f"{PIP} -r tests/sglang-parser-requirements.txt (or use serve.python with sglang)"),
+                        f"{PIP} -r tests/sglang-parser-requirements.txt (or use server.python with sglang)"),
         "speculators": Check("speculators", speculators_error is None,
                              speculators_error or f"speculators {_version('speculators')}",
                              f"{PIP} -r tests/speculators-requirements.txt"),
@@ -179,13 +179,13 @@ def preset_checks(cfg: RunConfig) -> list[Check]:
     checks += [Check(f"data source {s.name}", True, "written by the synthesize stage") if s.format == "synthetic"
                else _resolves(f"data source {s.name}", f"data.sources.{i}.path", s.path)
                for i, s in enumerate(cfg.data.sources)]
-    sglang_users = ((cfg.capture.sglang.python, "capture.backend sglang", cfg.capture.backend == "sglang"),
-                    (cfg.serve.python, "serve.enabled", cfg.serve.enabled))
-    for python, why, used in sglang_users:
-        if used:
-            found = shutil.which(python)
-            checks.append(Check(f"interpreter for {why}", found is not None, found or f"{python} not found",
-                                f"set {why.split()[0]}.python to an interpreter that has sglang"))
+    users = [why for why, used in (("capture.backend sglang", cfg.capture.backend == "sglang"),
+                                   ("serve.enabled", cfg.serve.enabled)) if used]
+    if users:
+        python = cfg.server.python
+        found = shutil.which(python)
+        checks.append(Check(f"interpreter for {' and '.join(users)}", found is not None, found or f"{python} not found",
+                            "set server.python to an interpreter that has sglang"))
     return checks
 
 
@@ -203,8 +203,8 @@ def run_doctor(preset: str) -> int:
     version, mode_checks = sglang_mode_checks()
     used = sglang_modes_used(cfg)
     print(f"SGLang {version}: every launch argv through its own parser (MISSING = the chosen preset launches it):"
-          if version else "SGLang: not importable here, so no launch argv was parsed (the preset's serve.python /"
-          " capture.sglang.python interpreter may still have it)")
+          if version else "SGLang: not importable here, so no launch argv was parsed (the preset's server.python"
+          " interpreter may still have it)")
     needed_mode = {c.name: c.name.removeprefix("argv ") in used or c.name == "argv of every mode"
                    for c in mode_checks} if used else {}
     for c in mode_checks:

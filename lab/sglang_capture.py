@@ -20,7 +20,7 @@ the (nearly) exact value; with ``--compare-with-self``, HF's own bf16 error, the
 ``--kill-test`` (after step 2, before step 3; ``--no-compare`` runs it alone): the kill-and-resume test of the
 capture stage against a real managed server, in lab/sglang_capture_kill.py.
 
-GPU host (sglang 0.5.16 behind the wrapper that capture.sglang.python names):
+GPU host (sglang 0.5.16 behind the wrapper that server.python names):
     python lab/sglang_capture.py --config RUN/config.json --samples 200 --out RUN/bench-capture.json \\
         --server-args="--attention-backend triton --sampling-backend pytorch"
     python lab/sglang_capture.py --config RUN/config.json --samples 200 --no-compare --kill-test \\
@@ -234,11 +234,12 @@ def sglang_capture(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, samples: 
     """A managed capture_packed server through SGLangCaptureBackend.from_config; stopped before returning."""
     from eagle3.features.sglang_backend import SGLangCaptureBackend
 
-    sg = cfg.capture.sglang
-    say(f"sglang: starting a managed capture_packed server ({sg.python} -m {module}, port {sg.port})")
+    cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"launch_module": module})})
+    say(f"sglang: starting a managed capture_packed server ({cfg.server.python} -m {module}, "
+        f"port {cfg.capture.sglang.port})")
     t0 = time.perf_counter()
     try:
-        backend = SGLangCaptureBackend.from_config(cfg, model_dir, spec, module=module)
+        backend = SGLangCaptureBackend.from_config(cfg, model_dir, spec)
     except Exception as exc:
         raise RuntimeError(f"SGLang capture server did not start (log: {cfg.run_dir / 'logs'}): "
                            f"{type(exc).__name__}: {exc}") from exc
@@ -339,7 +340,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=200, help="first N train rows (default 200)")
     parser.add_argument("--warmup", type=int, default=3, help="samples captured untimed first (default 3)")
     parser.add_argument("--out", type=Path, help="results JSON (default RUN/bench-capture/results.json)")
-    add_server_args(parser, "cfg's capture.sglang.python")
+    add_server_args(parser, "cfg's server.python")
     parser.add_argument("--tol", type=float, default=DEFAULT_TOL, help="rel RMS goal (default 1e-2)")
     parser.add_argument("--compare-with-self", action="store_true", help="compare HF against HF (no SGLang)")
     parser.add_argument("--reference-dtype", choices=["float32"],
@@ -366,7 +367,7 @@ def load_run_config(path: Path) -> RunConfig:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_run_config(args.config)
-    args.python = args.python or cfg.capture.sglang.python
+    args.python = args.python or cfg.server.python
     out = args.out or cfg.run_dir / "bench-capture" / "results.json"
     results: dict[str, Any] = {"config": str(args.config), "module": args.module, "python": args.python,
                                "server_args": args.server_args, "samples_asked": args.samples}

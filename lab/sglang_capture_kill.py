@@ -6,8 +6,8 @@ for >= ``--min-shards`` shards), waits for 2 complete shards, SIGKILLs the SGLan
 capture process whose command line holds the launch module and ``--port <capture.sglang.port>``), lets the managed
 server's supervisor restart it, and checks: the stage exits 0, every shard is complete, the shards done before the
 kill were not rewritten (sha256 and mtime), the server log shows the restart; then runs the stage again, which must
-rewrite nothing. The capture stage always launches ``-m sglang.launch_server``; with another ``--module`` (the dry
-run's fake) the stage gets a small interpreter shim that swaps the module.
+rewrite nothing. The kill run keeps server.launch_module (``-m sglang.launch_server``); with another ``--module``
+(the dry run's fake) the stage gets a small interpreter shim that swaps the module.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -109,12 +110,13 @@ def prepare_kill_run(cfg: RunConfig, args: argparse.Namespace) -> tuple[RunConfi
     tokenize = get_stage("tokenize")
     copy_tokenize_manifest(tokenize.manifest(src.root), tokenize.manifest(dst.root), dst.tokenized, args.samples)
     tokens_per_shard = shard_budget(dst.tokenized, num_tokens, args.min_shards)
-    capture = bench_config(kcfg, args, "sglang").capture.model_copy(update={
-        "supervision": cfg.capture.supervision, "tokens_per_shard": tokens_per_shard,
-        "sglang": bench_config(kcfg, args, "sglang").capture.sglang.model_copy(
-            update={"python": stage_python(kdir, args)})})
+    bench = bench_config(kcfg, args, "sglang")
+    capture = bench.capture.model_copy(update={"supervision": cfg.capture.supervision,
+                                               "tokens_per_shard": tokens_per_shard})
+    server = bench.server.model_copy(update={"python": stage_python(kdir, args)})
     # The stage captures nothing for a run that trains online: this run is offline whatever RUN does.
-    kcfg = kcfg.model_copy(update={"capture": capture, "train": kcfg.train.model_copy(update={"features": "offline"})})
+    kcfg = kcfg.model_copy(update={"capture": capture, "server": server,
+                                   "train": kcfg.train.model_copy(update={"features": "offline"})})
     path = save_config(kcfg, kdir / "bench-config.json")
     return validate_config(read_config_file(path), str(path)), path
 
@@ -182,7 +184,8 @@ def run_kill_test(cfg: RunConfig, args: argparse.Namespace, results: dict[str, A
     kcfg, config_path = prepare_kill_run(cfg, args)
     from eagle3.run.layout import run_layout
 
-    fdir, sg = run_layout(kcfg).features, kcfg.capture.sglang
+    fdir = run_layout(kcfg).features
+    sg = types.SimpleNamespace(host=kcfg.server.host, port=kcfg.capture.sglang.port)  # the managed server's address
     log_path = kcfg.run_dir / "logs" / "sglang-capture_packed.log"
     cmd = stage_command(config_path)
     figures: dict[str, Any] = {"run_dir": str(kcfg.run_dir), "tokens_per_shard": kcfg.capture.tokens_per_shard,

@@ -95,8 +95,8 @@ def add_server_args(parser: argparse.ArgumentParser, python_default: str) -> Non
 
 def bench_config(cfg: RunConfig, args: argparse.Namespace, backend: str) -> RunConfig:
     """cfg for one capture backend: final_hidden supervision; for sglang a managed capture_packed server."""
-    sg = cfg.capture.sglang.model_copy(update={
-        "server_mode": "capture_packed", "endpoints": [], "final_endpoints": [], "python": args.python,
-        "extra_args": [*cfg.capture.sglang.extra_args, *args.server_args]})
+    sg = cfg.capture.sglang.model_copy(update={"server_mode": "capture_packed", "endpoints": [], "final_endpoints": []})
+    server = cfg.server.model_copy(update={"python": args.python,
+                                           "extra_args": [*cfg.server.extra_args, *args.server_args]})
     capture = cfg.capture.model_copy(update={"backend": backend, "supervision": "final_hidden", "sglang": sg})
-    return cfg.model_copy(update={"capture": capture})
+    return cfg.model_copy(update={"capture": capture, "server": server})

@@ -45,17 +45,17 @@ printf '#!/bin/sh\nPYTHONPATH=/tmp/sglang-site${PYTHONPATH:+:$PYTHONPATH} exec %
 chmod +x "$W/python-sglang.$$" && mv -f "$W/python-sglang.$$" "$W/python-sglang"
 SETS=(--set run.name=lease --set regenerate.enabled=false --set data.sources.0.max_records=8000
       --set train.features=online --set train.max_train_tokens=2000000 --set train.num_epochs=2 --set train.lr=2e-3
-      --set train.feature_cache_gib=12 --set capture.sglang.mem_fraction_static=0.15 --set "capture.sglang.python=$W/python-sglang"
-      --set "serve.python=$W/python-sglang" --set serve.attention_backend=triton
-      --set 'serve.extra_args=["--sampling-backend","pytorch","--grammar-backend","none"]'
+      --set train.feature_cache_gib=12 --set capture.sglang.mem_fraction_static=0.15 --set "server.python=$W/python-sglang"
+      --set "server.python=$W/python-sglang" --set server.attention_backend=triton
+      --set 'server.extra_args=["--sampling-backend","pytorch","--grammar-backend","none"]'
       --set evaluate.num_workers=1 --set 'evaluate.methods=["chain"]' --set 'evaluate.chain_steps=[3]'
       --set 'serve.concurrency_levels=[1,32]' --set 'serve.extra_speculative=[]'
-      --set serve.startup_timeout_s=400 --set capture.sglang.startup_timeout_s=400 --set capture.allow_shared_gpus=true
-      --set "serve.launch_module=$MODULE" "${EXTRA[@]}")
-SERVE_SETS=()   # the serve.* settings above, for a run whose config.json was written elsewhere
-for ((i = 1; i < ${#SETS[@]}; i += 2)); do [[ ${SETS[i]} == serve.* ]] && SERVE_SETS+=(--set "${SETS[i]}"); done
+      --set server.startup_timeout_s=400 --set server.startup_timeout_s=400 --set capture.allow_shared_gpus=true
+      --set "server.launch_module=$MODULE" "${EXTRA[@]}")
+SERVE_SETS=()   # the serve.* and server.* settings above, for a run whose config.json was written elsewhere
+for ((i = 1; i < ${#SETS[@]}; i += 2)); do [[ ${SETS[i]} == serve.* || ${SETS[i]} == server.* ]] && SERVE_SETS+=(--set "${SETS[i]}"); done
 LAB=(--module "$MODULE" --python "$W/python-sglang" --server-args="$SERVER_ARGS")
-# Regeneration's server takes serve.attention_backend from the config: the rest of the flags only.
+# Regeneration's server takes server.attention_backend from the config: the rest of the flags only.
 REGEN=(--module "$MODULE" --server-args="${SERVER_ARGS/--attention-backend triton/}")
 
 step() {  # step NAME CMD...: run, log, time; a failed step is reported and the chain goes on

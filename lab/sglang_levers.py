@@ -19,7 +19,7 @@ beside ``--out``; ``lab/sglang_trace.py`` reads it (GPU busy share, kernels by t
 
     python lab/sglang_levers.py --config runs/<run>/config.json --out runs/<run>/bench-levers.json \\
         --variants baseline,3-1-4,vocab-4096,7-1-8,attn-decode --profile 3-1-4
-(server flags come from the run's serve section; --server-args adds flags it does not set)
+(server flags come from the run's server and serve sections; --server-args adds flags they do not set)
 """
 
 from __future__ import annotations
@@ -140,10 +140,10 @@ def profile_once(base_url: str, api_key: str, prompt: list[int], out_dir: Path, 
 
 
 def new_flags(cfg: RunConfig, server_args: list[str]) -> list[str]:
-    """``server_args`` minus flags (with their values) the run's serve section already sets: the spec refuses
+    """``server_args`` minus flags (with their values) the run's server section already sets: the spec refuses
     repeats, and the lease passes the same flags to every lab script."""
-    have = {a for a in cfg.serve.extra_args if a.startswith("--")}
-    if cfg.serve.attention_backend:
+    have = {a for a in cfg.server.extra_args if a.startswith("--")}
+    if cfg.server.attention_backend:
         have.add("--attention-backend")
     out: list[str] = []
     skip = False
@@ -163,8 +163,8 @@ def measure_variant(cfg: RunConfig, variant: Variant, plan: Any, args: argparse.
     from infra.sglang import ManagedServer
     from infra.sglang_bench import run_benchmark
 
-    extra = [*cfg.serve.extra_args, *new_flags(cfg, args.server_args), *variant.extra_args]
-    vcfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"extra_args": extra})})
+    extra = [*cfg.server.extra_args, *new_flags(cfg, args.server_args), *variant.extra_args]
+    vcfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"extra_args": extra})})
     draft = plan.draft_model_path
     record: dict[str, Any] = {"variant": variant.name, "trio": variant.trio}
     if variant.draft_vocab:
@@ -176,7 +176,7 @@ def measure_variant(cfg: RunConfig, variant: Variant, plan: Any, args: argparse.
     sent = deploy_prompts(vcfg, plan.model_path)
     log_path = Path(args.out).parent / f"sglang-lever-{variant.name}.log"
     server = ManagedServer(spec, log_path, expect=probe_expectations(plan.model_path),
-                           startup_timeout_s=vcfg.serve.startup_timeout_s, policy=RestartPolicy(max_restarts=0))
+                           startup_timeout_s=vcfg.server.startup_timeout_s, policy=RestartPolicy(max_restarts=0))
     say(f"{variant.name}: starting {server.process.printable_argv}")
     t0 = time.monotonic()
     try:
@@ -232,12 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="baseline,3-1-4,vocab-4096,7-1-8,attn-decode")
     parser.add_argument("--profile", default="", help="profile this variant after its benchmark")
     parser.add_argument("--profile-steps", type=int, default=60)
-    add_server_args(parser, python_default="serve.python")
+    add_server_args(parser, python_default="server.python")
     args = parser.parse_args(argv)
     args.server_args = args.server_args.split()
     cfg = validate_config(read_config_file(Path(args.config)), args.config)
-    sv = {"launch_module": args.module} | ({"python": args.python} if args.python else {})
-    cfg = lever_config(cfg.model_copy(update={"serve": cfg.serve.model_copy(update=sv)}),
+    server = {"launch_module": args.module} | ({"python": args.python} if args.python else {})
+    cfg = lever_config(cfg.model_copy(update={"server": cfg.server.model_copy(update=server)}),
                        sum(SUBSET[d] for d in cfg.evaluate.datasets))
     variants = [parse_variant(v) for v in args.variants.split(",") if v]
     out = Path(args.out)

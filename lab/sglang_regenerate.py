@@ -13,7 +13,7 @@ Reports per backend: wall time of ``regenerate`` (server start excluded and repo
 errors by kind; between them: the share of rows whose answers are identical text, and the share identical
 in the first 32 tokens. JSON (atomic) + a printed table; exit 1 when either backend recorded errors.
 
-GPU host (sglang 0.5.16 behind the wrapper serve.python names; RUN's config with regenerate.device cuda):
+GPU host (sglang 0.5.16 behind the wrapper server.python names; RUN's config with regenerate.device cuda):
     python lab/sglang_regenerate.py --config RUN/config.json --rows 200 --device cuda \\
         --out RUN/bench-regen.json --server-args="--attention-backend triton --sampling-backend pytorch"
 
@@ -196,7 +196,7 @@ def start_server(cfg: RunConfig, args: argparse.Namespace, model_dir: Path, benc
     dtype = cfg.target.dtype if cfg.target.dtype in ("bfloat16", "float16", "float32") else None
     spec = ServerSpec(str(model_dir), "serve", port=cfg.serve.port, host="127.0.0.1", api_key=secrets.token_hex(16),
                       dtype=dtype, mem_fraction_static=args.mem_fraction_static or cfg.serve.mem_fraction_static,
-                      attention_backend=cfg.serve.attention_backend, extra_args=tuple(args.server_args),
+                      attention_backend=cfg.server.attention_backend, extra_args=tuple(args.server_args),
                       python=args.python, module=args.module)
     expect = ProbeExpectations(vocab_size=target_info(model_dir, cfg.target).vocab_size)
     server = ManagedServer(spec, bench / "logs" / "sglang-serve.log", expect=expect, cwd=REPO,
@@ -258,7 +258,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, required=True, help="RUN/config.json (merge done)")
     parser.add_argument("--rows", type=int, default=200, help="first N merged rows (default 200)")
     parser.add_argument("--out", type=Path, help="results JSON (default RUN/bench-regen/results.json)")
-    add_server_args(parser, "cfg's serve.python")
+    add_server_args(parser, "cfg's server.python")
     parser.add_argument("--endpoint", help="an existing OpenAI-compatible endpoint (.../v1) instead of a server")
     parser.add_argument("--concurrency", type=int, default=64, help="openai conversations in flight (default 64)")
     parser.add_argument("--device", help="hf device (default cfg's regenerate.device)")
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config.is_file():
         raise FileNotFoundError(f"config {args.config} not found (the run's config.json)")
     cfg = validate_config(read_config_file(args.config), str(args.config))
-    args.python, args.device = args.python or cfg.serve.python, args.device or cfg.regenerate.device
+    args.python, args.device = args.python or cfg.server.python, args.device or cfg.regenerate.device
     bench = cfg.run_dir / "bench-regen"
     out = args.out or bench / "results.json"
     results: dict[str, Any] = {"config": str(args.config), "module": args.module, "python": args.python,

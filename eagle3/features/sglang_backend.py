@@ -54,7 +54,6 @@ from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens
 from infra.gpus import check_gpus_free
 from infra.process import RestartPolicy
 from infra.sglang import (
-    LAUNCH_MODULE,
     ManagedServer,
     ProbeExpectations,
     ResponseCheckError,
@@ -174,24 +173,25 @@ class SGLangCaptureBackend:
         self.num_retries = 0
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, model_dir: Path, spec: FeatureSpec,
-                    module: str = LAUNCH_MODULE) -> SGLangCaptureBackend:
-        """capture.sglang settings -> a backend on existing endpoints, or on managed servers it launches and owns.
+    def from_config(cls, cfg: RunConfig, model_dir: Path, spec: FeatureSpec) -> SGLangCaptureBackend:
+        """capture.sglang settings -> a backend on existing endpoints, or on managed servers it launches (as the
+        run's server section says) and owns.
 
         Managed: a capture_aux server on ``port`` and, for final_hidden, a capture_final server on
         ``port + 1``, on the same GPUs (each gets half the memory unless mem_fraction_static is set).
         """
-        sg = cfg.capture.sglang
+        sg, server = cfg.capture.sglang, cfg.server
         managed = _MANAGED.get(sg.endpoints[0]) if sg.endpoints else None
         api_key = managed.api_key if managed is not None else None
-        api_key = api_key or (os.environ.get(sg.api_key_env) if sg.api_key_env else None)
+        api_key = api_key or (os.environ.get(server.api_key_env) if server.api_key_env else None)
         kwargs: dict[str, Any] = dict(max_concurrency=sg.max_concurrency, request_timeout_s=sg.request_timeout_s,
-                                      ready_timeout_s=sg.startup_timeout_s, packed=sg.server_mode == "capture_packed")
+                                      ready_timeout_s=server.startup_timeout_s,
+                                      packed=sg.server_mode == "capture_packed")
         if sg.endpoints:  # this process's managed servers come as handles: a restart is waited for, not failed on
             return cls(spec, [_MANAGED.get(u, u) for u in sg.endpoints],
                        [_MANAGED.get(u, u) for u in sg.final_endpoints], api_key=api_key, **kwargs)
         api_key = api_key or secrets.token_hex(16)
-        servers = _launch_servers(cfg, model_dir, spec, api_key, module)
+        servers = _launch_servers(cfg, model_dir, spec, api_key)
         return cls(spec, servers[:1], servers[1:], api_key=api_key, owned_servers=servers, **kwargs)
 
     def capture(self, samples: list[SampleTokens]) -> Iterator[CapturedSample]:
@@ -422,10 +422,9 @@ def _check_join(sample: SampleTokens, aux: ResponsePart, final: ResponsePart | N
         raise CaptureError(sample.id, "join", "the aux and final servers saw different input ids", 1, "-")
 
 
-def _launch_servers(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, api_key: str,
-                    module: str) -> list[ManagedServer]:
+def _launch_servers(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, api_key: str) -> list[ManagedServer]:
     """Start the capture_aux (and for final_hidden the capture_final) server; stop both if either fails."""
-    sg = cfg.capture.sglang
+    sg, server = cfg.capture.sglang, cfg.server
     modes: list[Mode]
     if sg.server_mode == "capture_packed":
         modes = ["capture_packed"]
@@ -434,26 +433,28 @@ def _launch_servers(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, api_key:
         if spec.supervision == "final_hidden":
             modes.append("capture_final")
     mem = sg.mem_fraction_static or (0.8 / len(modes) if len(modes) > 1 else None)
-    check_gpus_free(_gpu_indices(sg.tp_size * sg.dp_size), allow_shared=cfg.capture.allow_shared_gpus)
+    check_gpus_free(_gpu_indices(server.tp_size * sg.dp_size), allow_shared=cfg.capture.allow_shared_gpus)
     servers: list[ManagedServer] = []
     try:
         for offset, mode in enumerate(modes):
-            server_spec = ServerSpec(str(model_dir), mode, port=sg.port + offset, host=sg.host,
-                                     allow_remote=sg.allow_remote_host, tp_size=sg.tp_size,
+            server_spec = ServerSpec(str(model_dir), mode, port=sg.port + offset, host=server.host,
+                                     allow_remote=server.allow_remote_host, tp_size=server.tp_size,
                                      dp_size=sg.dp_size, api_key=api_key, mem_fraction_static=mem,
+                                     attention_backend=server.attention_backend,
                                      aux_layer_ids=tuple(spec.aux_layer_ids) if mode != "capture_final" else None,
-                                     extra_args=tuple(sg.extra_args), python=sg.python, module=module)
-            server = ManagedServer(server_spec, cfg.run_dir / "logs" / f"sglang-{mode}.log",
-                                   expect=ProbeExpectations(hidden_size=spec.hidden_size, vocab_size=spec.vocab_size),
-                                   startup_timeout_s=sg.startup_timeout_s,
-                                   policy=RestartPolicy(max_restarts=sg.max_restarts))
-            server.check_port()  # both ports, before the first launch spends minutes loading weights
-            servers.append(server)
-        for server in servers:
-            server.start()
+                                     extra_args=tuple(server.extra_args), python=server.python,
+                                     module=server.launch_module)
+            managed = ManagedServer(server_spec, cfg.run_dir / "logs" / f"sglang-{mode}.log",
+                                    expect=ProbeExpectations(hidden_size=spec.hidden_size, vocab_size=spec.vocab_size),
+                                    startup_timeout_s=server.startup_timeout_s,
+                                    policy=RestartPolicy(max_restarts=sg.max_restarts))
+            managed.check_port()  # both ports, before the first launch spends minutes loading weights
+            servers.append(managed)
+        for managed in servers:
+            managed.start()
     except BaseException:
-        for server in servers:
-            server.stop()
+        for managed in servers:
+            managed.stop()
         raise
     return servers
 
@@ -469,8 +470,7 @@ _MANAGED: dict[str, ManagedServer] = {}
 
 
 @contextlib.contextmanager
-def managed_endpoints(cfg: RunConfig, model_dir: Path, spec: FeatureSpec,
-                      module: str = LAUNCH_MODULE) -> Iterator[RunConfig]:
+def managed_endpoints(cfg: RunConfig, model_dir: Path, spec: FeatureSpec) -> Iterator[RunConfig]:
     """Launch the capture servers once for a whole capture and yield a config that points at them.
 
     Shard tasks (threads of this process) then build backends on existing endpoints (no launch per
@@ -481,8 +481,9 @@ def managed_endpoints(cfg: RunConfig, model_dir: Path, spec: FeatureSpec,
     if sg.endpoints:
         yield cfg
         return
-    api_key = (os.environ.get(sg.api_key_env) if sg.api_key_env else None) or secrets.token_hex(16)
-    servers = _launch_servers(cfg, model_dir, spec, api_key, module)
+    env = cfg.server.api_key_env
+    api_key = (os.environ.get(env) if env else None) or secrets.token_hex(16)
+    servers = _launch_servers(cfg, model_dir, spec, api_key)
     urls = [server.spec.base_url for server in servers]
     _MANAGED.update({server.spec.base_url: server for server in servers})
     try:

@@ -94,9 +94,9 @@ def test_trace_summary_counts_overlapping_kernels_once_and_rounds_by_verify_step
 
 
 def test_lab_flags_the_run_already_sets_are_dropped_with_their_values():
-    """--attention-backend (a serve field) and --grammar-backend (in extra_args) are not repeated; others stay."""
+    """--attention-backend (a server field) and --grammar-backend (in extra_args) are not repeated; others stay."""
     from eagle3.config import load_config
 
-    cfg = load_config("tiny", ["serve.attention_backend=triton", 'serve.extra_args=["--grammar-backend","none"]'])
+    cfg = load_config("tiny", ["server.attention_backend=triton", 'server.extra_args=["--grammar-backend","none"]'])
     given = ["--attention-backend", "triton", "--grammar-backend", "none", "--sampling-backend", "pytorch"]
     assert new_flags(cfg, given) == ["--sampling-backend", "pytorch"]

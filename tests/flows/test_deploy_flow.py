@@ -1,6 +1,6 @@
 """The deploy flow's serve + benchmark part, run by Prefect against the FAKE SGLang server.
 
-serve.launch_module points at tests/fakes/sglang_server.py, so ManagedServer launches, probes and
+server.launch_module points at tests/fakes/sglang_server.py, so ManagedServer launches, probes and
 kills real processes, but the figures are the fake's inventions: the tests check plumbing (reports,
 artifacts, arithmetic, clean shutdown), not performance.
 """
@@ -44,10 +44,11 @@ def serve_cfg(tmp_path, monkeypatch) -> RunConfig:
                                                     "architectures": ["LlamaForCausalLM"]}))
     _write_tiny_export(tmp_path / "dep" / "export")  # a real export: deploy runs the export's strict check
     return RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "dep"}, "serve": {
-        "enabled": True, "model_path": str(target), "python": sys.executable, "launch_module": FAKE,
-        "port": two_free_ports(), "api_key_env": None, "concurrency_levels": [1, 4], "num_prompts": 8,
-        "max_new_tokens": 16, "num_warmup": 2, "max_running_requests": 8, "cuda_graph_max_bs_decode": 8,
-        "startup_timeout_s": 30, "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"]}})
+        "enabled": True, "model_path": str(target), "port": two_free_ports(), "concurrency_levels": [1, 4],
+        "num_prompts": 8, "max_new_tokens": 16, "num_warmup": 2, "max_running_requests": 8,
+        "cuda_graph_max_bs_decode": 8}, "server": {
+        "python": sys.executable, "launch_module": FAKE, "api_key_env": None, "startup_timeout_s": 30,
+        "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"]}})
 
 
 def _artifact_keys(*keys: str) -> set[str]:
@@ -86,7 +87,7 @@ def test_a_speculative_server_whose_draft_never_runs_fails_the_flow_and_is_stopp
     """The speculative server fails readiness (no verify steps): the flow fails, no report, no process left."""
     cfg = serve_cfg.model_copy(deep=True)
     cfg.serve.concurrency_levels, cfg.serve.num_prompts, cfg.serve.num_warmup = [1], 2, 0  # a short baseline run
-    cfg.serve.extra_args = [*cfg.serve.extra_args, "--fake-spec-verify-ct-zero"]
+    cfg.server.extra_args = [*cfg.server.extra_args, "--fake-spec-verify-ct-zero"]
     state = eagle3_deploy(config=cfg, steps=["benchmark"], return_state=True)
     assert state.is_failed()
     log = (cfg.run_dir / "deploy" / "sglang-speculative-3-1-4.log").read_text()

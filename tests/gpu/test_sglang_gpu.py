@@ -29,10 +29,10 @@ def _has_sglang() -> bool:
 def test_capture_packed_on_real_sglang_equals_hf_capture(tmp_path):
     """A managed capture_packed server (bf16) gives every aux layer and the final state within 2e-2 rel RMS of HF."""
     cfg = load_config("tiny", [f"run.workdir={tmp_path}", "capture.backend=sglang", "target.dtype=bfloat16",
-                               "capture.device=cuda", f"capture.sglang.python={PYTHON}",
+                               "capture.device=cuda", f"server.python={PYTHON}",
                                f"capture.sglang.port={free_port()}", "capture.sglang.mem_fraction_static=0.2",
-                               "capture.sglang.startup_timeout_s=600", "capture.allow_shared_gpus=true",
-                               'capture.sglang.extra_args=["--attention-backend","triton"]'])
+                               "server.startup_timeout_s=600", "capture.allow_shared_gpus=true",
+                               "server.attention_backend=triton"])
     model_dir = prepare_target(cfg)
     spec = build_spec(cfg, model_dir)
     rng = np.random.default_rng(0)

@@ -8,15 +8,30 @@ import warnings
 
 import pytest
 
-from eagle3.config import RunConfig, config_field_paths, load_config, section_dict
+from eagle3.config import ConfigError, RunConfig, config_field_paths, load_config, section_dict, validate_config
 from eagle3.config_renames import RENAMES, RenamedKeyWarning, default_of
 from eagle3.run.registry import STAGES, get_stage
 from tests.unit.test_stage_keys import GOLDEN, _run_dir
 
+SAMPLES: dict[str, object] = {
+    "capture.tokens_per_forward": 64, "train.tokens_per_row": 96, "server.python": "/opt/sglang/bin/python",
+    "server.launch_module": "tests.fakes.sglang_server", "server.host": "127.0.0.2", "server.allow_remote_host": True,
+    "server.api_key_env": "MY_SGLANG_KEY", "server.tp_size": 2, "server.attention_backend": "triton",
+    "server.extra_args": ["--context-length", "4096"], "server.startup_timeout_s": 30.0}
+"""A valid value of each renamed field that is not its default."""
+
+DEPLOY_GOLDEN = {
+    (): "291784d01cc8651631513791957670ed09a2710ccebe32d4a5532b7152219afe",
+    ("serve.python=/opt/sg/python", "serve.extra_args=[--x]", "serve.tp_size=2"):
+        "4c7d42ea46bb6950dff9432a84e65286eac162302911bdc8291e49480c6377bd",
+}
+"""{serve overrides: deploy key} of tests/unit/test_stage_keys.py's tiny run, as the code before the server section
+computed them (serve held the launch settings then)."""
+
 
 def _sample(new: str) -> object:
-    """A valid value of the field ``new`` that is not its default."""
-    return {"capture.tokens_per_forward": 64, "train.tokens_per_row": 96}.get(new, default_of(RunConfig, new))
+    assert SAMPLES[new] != default_of(RunConfig, new)
+    return SAMPLES[new]
 
 
 def _get(cfg: RunConfig, path: str) -> object:
@@ -117,3 +132,37 @@ def test_a_run_saved_with_old_key_names_resumes_with_every_stage_key_unchanged(t
     assert resumed == cfg
     keys = {stage.name: get_stage(stage.name).key(resumed) for stage in STAGES}
     assert {k: v for k, v in keys.items() if k in GOLDEN[variant]} == GOLDEN[variant]
+
+
+@pytest.mark.parametrize("overrides", list(DEPLOY_GOLDEN))
+def test_a_run_saved_with_launch_settings_under_serve_keeps_its_deploy_key(tmp_path, monkeypatch, overrides):
+    """serve.python, serve.extra_args, serve.tp_size (now server.*) in an old config.json: the deploy key is the one
+    the run was made with."""
+    new_names = [item.replace("serve.", "server.", 1) for item in overrides]
+    cfg = _run_dir(tmp_path, monkeypatch, new_names)
+    old = {k: v for k, v in RENAMES.items() if not k.startswith("capture.sglang.")}  # as a serve-only config said
+    saved = cfg.run_dir / "config.json"
+    saved.write_text(json.dumps(_old_named(cfg.model_dump(mode="json"), old)))
+    with pytest.warns(RenamedKeyWarning):
+        resumed = load_config(str(saved))
+    assert resumed == cfg and get_stage("deploy").key(resumed) == DEPLOY_GOLDEN[overrides]
+
+
+def test_capture_and_serve_settings_merge_into_the_server_section():
+    """An old config's launch settings from capture.sglang and serve: a set value wins over a default, equal values
+    are one; two different set values are an error naming both."""
+    with pytest.warns(RenamedKeyWarning):
+        cfg = RunConfig.model_validate({"capture": {"sglang": {"python": "/a/python", "startup_timeout_s": 400}},
+                                        "serve": {"python": "python", "startup_timeout_s": 400, "tp_size": 2}})
+    assert (cfg.server.python, cfg.server.startup_timeout_s, cfg.server.tp_size) == ("/a/python", 400, 2)
+    with pytest.warns(RenamedKeyWarning), pytest.raises(ConfigError, match="serve.python='/b/python', "
+                                                        "capture.sglang.python='/a/python' all set server.python"):
+        validate_config({"capture": {"sglang": {"python": "/a/python"}}, "serve": {"python": "/b/python"}}, "old")
+
+
+def test_serve_reads_its_launch_settings_from_the_server_section():
+    """cfg.serve.python and the other moved settings read the run's server section, also in a copy with a new one."""
+    cfg = load_config("tiny", ["server.python=/a/python", "server.extra_args=[--x]"])
+    assert (cfg.serve.python, cfg.serve.extra_args) == ("/a/python", ["--x"])
+    copy = cfg.model_copy(update={"server": cfg.server.model_copy(update={"python": "/b/python"})})
+    assert (copy.serve.python, cfg.serve.python) == ("/b/python", "/a/python")

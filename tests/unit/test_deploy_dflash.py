@@ -1,6 +1,6 @@
 """The deploy stage with drafter.family=dflash: `python -m eagle3.deploy` against the FAKE SGLang server.
 
-As tests/unit/test_deploy_stage.py: serve.launch_module is tests/fakes/sglang_server.py (a test double, not SGLang;
+As tests/unit/test_deploy_stage.py: server.launch_module is tests/fakes/sglang_server.py (a test double, not SGLang;
 it resolves DFLASH flags as SGLang's _handle_dflash does, tests/unit/test_dflash_serving.py), the stage runs in a
 child process without prefect, and the figures are the fake's inventions. What is real: the export checked as a
 DFlash layout, the servers' argv, readiness, the report and the accept-length check against eagle3 eval's
@@ -35,10 +35,11 @@ def _config(tmp_path: Path, **serve) -> Path:
     export_dflash(export_state_dict(drafter), drafter.dims, [1, 3, 5], 8, tmp_path / "dep" / "export" / "sglang")
     cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "dep"},
                                     "drafter": {"family": "dflash", "dflash": {"block_size": 4}}, "serve": {
-        "enabled": True, "model_path": str(target), "python": sys.executable, "launch_module": FAKE,
-        "port": two_free_ports(), "api_key_env": None, "concurrency_levels": [1, 4], "num_prompts": 8,
-        "max_new_tokens": 16, "num_warmup": 2, "max_running_requests": 8, "cuda_graph_max_bs_decode": 8,
-        "startup_timeout_s": 30, "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"]} | serve})
+        "enabled": True, "model_path": str(target), "port": two_free_ports(), "concurrency_levels": [1, 4],
+        "num_prompts": 8, "max_new_tokens": 16, "num_warmup": 2, "max_running_requests": 8,
+        "cuda_graph_max_bs_decode": 8} | serve, "server": {
+        "python": sys.executable, "launch_module": FAKE, "api_key_env": None, "startup_timeout_s": 30,
+        "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"]}})
     return save_config(cfg, cfg.run_dir / "config.json")
 
 

@@ -1,6 +1,6 @@
 """The deploy stage without Prefect: `python -m eagle3.deploy` against the FAKE SGLang server.
 
-serve.launch_module points at tests/fakes/sglang_server.py (a test double, not SGLang), so the stage
+server.launch_module points at tests/fakes/sglang_server.py (a test double, not SGLang), so the stage
 launches, probes and kills real processes while the figures are the fake's inventions; a scripted clock
 (tests/fakes/clock.py) makes them exact. The stage runs in a child process in which importing prefect fails.
 """
@@ -43,10 +43,11 @@ def config_file(tmp_path) -> Path:
                                                     "architectures": ["LlamaForCausalLM"]}))
     sglang_export(tmp_path / "dep" / "export")  # deploy runs the export's strict check on <run>/export/sglang
     cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "dep"}, "serve": {
-        "enabled": True, "model_path": str(target), "python": sys.executable, "launch_module": FAKE,
-        "port": two_free_ports(), "api_key_env": None, "concurrency_levels": [1, 4], "num_prompts": 8,
-        "max_new_tokens": 16, "num_warmup": 2, "max_running_requests": 8, "cuda_graph_max_bs_decode": 8,
-        "startup_timeout_s": 30, "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"]}})
+        "enabled": True, "model_path": str(target), "port": two_free_ports(), "concurrency_levels": [1, 4],
+        "num_prompts": 8, "max_new_tokens": 16, "num_warmup": 2, "max_running_requests": 8,
+        "cuda_graph_max_bs_decode": 8}, "server": {
+        "python": sys.executable, "launch_module": FAKE, "api_key_env": None, "startup_timeout_s": 30,
+        "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"]}})
     return save_config(cfg, cfg.run_dir / "config.json")
 
 

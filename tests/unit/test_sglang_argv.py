@@ -148,15 +148,15 @@ def test_non_loopback_host_is_refused_unless_allowed_and_then_needs_a_key(host):
 
 
 def test_deploy_config_refuses_a_public_host_unless_allowed():
-    """serve.host 0.0.0.0 fails at spec building; serve.allow_remote_host lets it through (with the run's key)."""
+    """server.host 0.0.0.0 fails at spec building; server.allow_remote_host lets it through (with the run's key)."""
     from eagle3.config import RunConfig
     from eagle3.deploy import server_specs
 
     cfg = RunConfig()
-    public = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"host": "0.0.0.0"})})
+    public = cfg.model_copy(update={"server": cfg.server.model_copy(update={"host": "0.0.0.0"})})
     with pytest.raises(ServerSpecError, match="allow_remote_host"):
         server_specs(public, "/m", "/d", api_key="k")
-    allowed = public.model_copy(update={"serve": public.serve.model_copy(update={"allow_remote_host": True})})
+    allowed = public.model_copy(update={"server": public.server.model_copy(update={"allow_remote_host": True})})
     assert {s.host for s in server_specs(allowed, "/m", "/d", api_key="k")} == {"0.0.0.0"}
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3.config import RunConfig
+from eagle3.config import RunConfig, SGLangServerConfig
 from eagle3.features.sglang_backend import CaptureError, SGLangCaptureBackend
 from eagle3.features.spec import FeatureSpec, SampleTokens
 from infra.process import RestartPolicy, free_port, group_alive
@@ -362,10 +362,12 @@ def test_managed_server_key_stays_out_of_cmdline_and_environment(tmp_path, monke
 
 
 def run_config(tmp_path: Path, supervision: str, **sglang) -> RunConfig:
+    """A capture config on the fake server; settings of the server section (python, startup_timeout_s, ...) go there."""
+    server = {name: sglang.pop(name) for name in list(sglang) if name in SGLangServerConfig.model_fields}
     return RunConfig.model_validate({
         "run": {"workdir": str(tmp_path), "name": "r"},
-        "capture": {"backend": "sglang", "supervision": supervision, "topk": 2,
-                    "sglang": {"api_key_env": None, **sglang}},
+        "capture": {"backend": "sglang", "supervision": supervision, "topk": 2, "sglang": sglang},
+        "server": {"api_key_env": None, "launch_module": "tests.fakes.sglang_server", **server},
     })
 
 
@@ -402,7 +404,7 @@ def test_from_config_launches_owns_and_stops_both_servers(tmp_path, monkeypatch)
     model = _fake_gpu_host(tmp_path, monkeypatch)
     cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=two_free_ports(), startup_timeout_s=30,
                      server_mode="capture_aux")
-    b = SGLangCaptureBackend.from_config(cfg, model, feature_spec(), module="tests.fakes.sglang_server")
+    b = SGLangCaptureBackend.from_config(cfg, model, feature_spec())
     try:
         (captured,) = list(b.capture(samples(1)))
         aux, final = b.owned_servers
@@ -429,7 +431,7 @@ def test_a_held_final_port_is_refused_by_name_before_any_server_launches(tmp_pat
         cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=port, startup_timeout_s=30,
                          server_mode="capture_aux")
         with pytest.raises(ServerStartError, match=f"127.0.0.1:{port + 1} is held by another socket"):
-            SGLangCaptureBackend.from_config(cfg, model, feature_spec(), module="tests.fakes.sglang_server")
+            SGLangCaptureBackend.from_config(cfg, model, feature_spec())
     assert launched == []
 
 
@@ -442,7 +444,7 @@ def test_managed_endpoints_hand_the_key_to_shard_backends_in_memory_not_the_envi
                      api_key_env="EAGLE3_TEST_SGLANG_KEY")
     monkeypatch.delenv("EAGLE3_TEST_SGLANG_KEY", raising=False)
     spec = feature_spec("topk_logprobs", topk=2)
-    with managed_endpoints(cfg, model, spec, module="tests.fakes.sglang_server") as served:
+    with managed_endpoints(cfg, model, spec) as served:
         key = _MANAGED[served.capture.sglang.endpoints[0]].api_key
         assert key not in os.environ.values()
         b = SGLangCaptureBackend.from_config(served, model, spec)
@@ -461,7 +463,7 @@ def test_a_shard_backend_waits_for_a_managed_server_killed_between_shards(tmp_pa
     model = _fake_gpu_host(tmp_path, monkeypatch)
     cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=free_port(), startup_timeout_s=30)
     spec = feature_spec()
-    with managed_endpoints(cfg, model, spec, module="tests.fakes.sglang_server") as served:
+    with managed_endpoints(cfg, model, spec) as served:
         server = _MANAGED[served.capture.sglang.endpoints[0]]
         os.killpg(server.pid, signal.SIGKILL)
         b = SGLangCaptureBackend.from_config(served, model, spec)
@@ -477,7 +479,7 @@ def test_a_managed_capture_packed_server_returns_aux_and_final_in_one_pass(tmp_p
     model = _fake_gpu_host(tmp_path, monkeypatch)
     cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=two_free_ports(), startup_timeout_s=30)
     assert cfg.capture.sglang.server_mode == "capture_packed"  # the default: it runs on SGLang 0.5.16 too
-    b = SGLangCaptureBackend.from_config(cfg, model, feature_spec(), module="tests.fakes.sglang_server")
+    b = SGLangCaptureBackend.from_config(cfg, model, feature_spec())
     try:
         captured = list(b.capture(samples(3)))
         (server,) = b.owned_servers
