@@ -30,12 +30,9 @@ RENAMES: dict[str, str] = {
 """Old dotted key -> its new name. Several old keys may name one new key (settings two sections repeated): their
 values must agree, or all but one hold the default."""
 
-LEGACY_VALUES: dict[str, dict[Any, Any]] = {}
-"""{dotted key: {old bool value: today's value}}: values an older type of a field wrote that mean something else now."""
-
 
 class RenamedKeyWarning(FutureWarning):
-    """A config used an old key name or value; it was read under the new one."""
+    """A config used an old key name; it was read under the new one."""
 
 
 def _warn(message: str) -> None:
@@ -105,8 +102,8 @@ def _one_value(new: str, given: dict[str, Any], default: Any) -> Any:
 
 
 def migrate(data: Any, model: type[BaseModel]) -> Any:
-    """A copy of the raw config ``data`` with every old key moved to its new name (one warning each) and legacy
-    values read as today's (LEGACY_VALUES); ConfigError when old keys give one new key two values."""
+    """A copy of the raw config ``data`` with every old key moved to its new name (one warning each); ConfigError
+    when old keys give one new key two values."""
     if not isinstance(data, dict):
         return data
     out = _copied(data)
@@ -119,14 +116,6 @@ def migrate(data: Any, model: type[BaseModel]) -> Any:
             _warn(f"config key {old} is now {new} (read as {new}; rename it in the config)")
         found, value = _pop(out, new)
         _put(out, new, _one_value(new, given | ({new: value} if found else {}), default_of(model, new)))
-    for path, values in LEGACY_VALUES.items():
-        found, value = _pop(out, path)
-        if not found:
-            continue
-        if isinstance(value, bool) and value in values:  # True == 1: only a bool is a legacy value
-            _warn(f"config value {path}={value!r} is now {path}={values[value]!r} (the same setting)")
-            value = values[value]
-        _put(out, path, value)
     return out
 
 

@@ -175,8 +175,8 @@ class TrainConfig(Section):
     """host:port of the c10d rendezvous for multi-node jobs."""
     timeout_s: float = Operational(7 * 24 * 3600.0, gt=0)
     """Wall-clock limit of one torchrun launch; the group is killed past it (a retry resumes)."""
-    compile: bool = Operational(True)
-    """torch.compile the TTT step's pieces and the fused loss on CUDA (CPU runs stay eager); false = eager."""
+    compile: Switch = Operational("auto")
+    """torch.compile (Inductor) of the TTT step's pieces and the fused loss on CUDA: auto and on compile there, off = eager; a CPU run stays eager (Inductor's CPU kernels would change the trained bytes, and this is an operational setting)."""
     # 0 (log_softmax) and the fused loss round differently, and compiled kernels per chunk shape may too: keyed
     loss_chunk_tokens: int = Added(4096, ge=0)
     """Fused soft cross-entropy over this many tokens at a time (no fp32 [T, Vd] tensors); 0 = plain log_softmax."""

@@ -19,7 +19,7 @@ from eagle3.train.dist import DistInfo, all_reduce_sum, autocast, full_tensor, g
 
 def step_options_for(train: TrainConfig, device: torch.device) -> StepOptions:
     """The unroll's switches (how the step runs, not what it computes): compiled on CUDA only."""
-    return StepOptions(compile_backend="inductor" if train.compile and device.type == "cuda" else None,
+    return StepOptions(compile_backend="inductor" if train.compile != "off" and device.type == "cuda" else None,
                        loss_chunk_tokens=train.loss_chunk_tokens, reuse_block_mask=train.reuse_block_mask)
 
 

@@ -200,7 +200,7 @@ def test_a_name_is_capped_in_utf8_bytes_not_characters():
     assert load_config("tiny", ["run.name=" + "\u00e9" * 50]).run.name == "\u00e9" * 50  # 100 bytes: allowed
 
 
-@pytest.mark.parametrize("name", ["device"])
+@pytest.mark.parametrize("name", ["device", "compile"])
 def test_a_setting_named_alike_in_several_sections_has_one_type(name):
     """Every field called ``name``, in whichever section, is declared with the same type (one name, one meaning)."""
     types_ = {str(field.annotation) for path, field in _all_fields(RunConfig) if path.rsplit(".", 1)[-1] == name}

@@ -166,3 +166,20 @@ def test_serve_reads_its_launch_settings_from_the_server_section():
     assert (cfg.serve.python, cfg.serve.extra_args) == ("/a/python", ["--x"])
     copy = cfg.model_copy(update={"server": cfg.server.model_copy(update={"python": "/b/python"})})
     assert (copy.serve.python, cfg.serve.python) == ("/b/python", "/a/python")
+
+
+def test_an_older_configs_compile_bool_reads_as_the_switch_value_that_does_the_same():
+    """train.compile was a bool: true (compiled on CUDA only) reads as on, which compiles on CUDA only, and false as
+    off; the step compiles on CUDA for auto and on alike, never on a CPU."""
+    import torch
+
+    from eagle3.train.step import step_options_for
+
+    saved = {"train": {"compile": True}}
+    assert RunConfig.model_validate(saved).train.compile == "on"
+    assert load_config("tiny", ["train.compile=false"]).train.compile == "off"
+    backends = {(value, device): step_options_for(load_config("tiny", [f"train.compile={value}"]).train,
+                                                  torch.device(device)).compile_backend
+                for value in ("auto", '"on"', "off") for device in ("cpu", "cuda")}
+    assert backends == {("auto", "cpu"): None, ("auto", "cuda"): "inductor", ('"on"', "cpu"): None,
+                        ('"on"', "cuda"): "inductor", ("off", "cpu"): None, ("off", "cuda"): None}
