@@ -14,7 +14,6 @@ import contextlib
 import difflib
 import json
 import typing
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -79,20 +78,6 @@ class RunConfig(Section):
     def _renamed_keys(cls, data: Any) -> Any:
         """Old key names (eagle3.config_renames.RENAMES) read under their new ones, one warning each."""
         return migrate(data, cls)
-
-    @model_validator(mode="after")
-    def _serve_reads_the_server_section(self) -> RunConfig:
-        self.serve._server = self.server  # serve.python etc.: config_sglang.ServeConfig's read-only settings
-        return self
-
-    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> RunConfig:
-        """A copy whose serve section reads the copy's server section (pydantic's copy runs no validator)."""
-        copy = super().model_copy(update=update, deep=deep)
-        if copy.serve._server is not copy.server:
-            serve = copy.serve.model_copy()
-            serve._server = copy.server
-            copy.__dict__["serve"] = serve  # not an assignment: that would validate the whole tree again
-        return copy
 
     @property
     def run_dir(self) -> Path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, model_validator
 
 from eagle3.config_base import Section
 
@@ -117,55 +117,6 @@ class ServeConfig(Section):
     """Timeout of one benchmark request."""
     allow_shared_gpus: bool = False
     """Start even when other processes hold GPU memory (the benchmark would measure them too)."""
-
-    _server: SGLangServerConfig = PrivateAttr(default_factory=SGLangServerConfig)
-    # The run's server section (RunConfig links it): eagle3.deploy reads its servers' launch settings through serve,
-    # read-only (each is set once, in server).
-
-    @property
-    def python(self) -> str:
-        """server.python of the run."""
-        return self._server.python
-
-    @property
-    def launch_module(self) -> str:
-        """server.launch_module of the run."""
-        return self._server.launch_module
-
-    @property
-    def host(self) -> str:
-        """server.host of the run."""
-        return self._server.host
-
-    @property
-    def allow_remote_host(self) -> bool:
-        """server.allow_remote_host of the run."""
-        return self._server.allow_remote_host
-
-    @property
-    def api_key_env(self) -> str | None:
-        """server.api_key_env of the run."""
-        return self._server.api_key_env
-
-    @property
-    def tp_size(self) -> int:
-        """server.tp_size of the run."""
-        return self._server.tp_size
-
-    @property
-    def attention_backend(self) -> str | None:
-        """server.attention_backend of the run."""
-        return self._server.attention_backend
-
-    @property
-    def extra_args(self) -> list[str]:
-        """server.extra_args of the run."""
-        return self._server.extra_args
-
-    @property
-    def startup_timeout_s(self) -> float:
-        """server.startup_timeout_s of the run."""
-        return self._server.startup_timeout_s
 
     @model_validator(mode="after")
     def _consistent(self) -> ServeConfig:

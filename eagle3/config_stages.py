@@ -10,7 +10,6 @@ from pydantic import AfterValidator, Field, model_validator
 from eagle3.config_base import Added, Device, Operational, Section, Switch, _relative_inside, switch_on, whole_device
 from eagle3.config_measured import MeasuredConfig
 from eagle3.config_sglang import SGLangCaptureConfig
-from eagle3.config_sglang import parse_trio as parse_trio  # re-exported: eagle3.deploy imports it from here
 
 
 class CaptureConfig(Section):

@@ -78,18 +78,18 @@ def trios(cfg: RunConfig) -> list[str]:
 
 def server_specs(cfg: RunConfig, model_path: str, draft_path: str,
                  api_key: str | None, trio: str | None = None) -> tuple[ServerSpec, ServerSpec]:
-    """(baseline, speculative) ServerSpecs from cfg.serve: equal flags except --speculative-* and the port (a DFlash
-    drafter: a DFLASH server verifying ``trio``'s draft tokens, its block size)."""
-    from eagle3.config_stages import parse_trio
+    """(baseline, speculative) ServerSpecs from cfg.serve and cfg.server: equal flags except --speculative-* and
+    the port (a DFlash drafter: a DFLASH server verifying ``trio``'s draft tokens, its block size)."""
+    from eagle3.config_sglang import parse_trio
     from infra.sglang import dflash_serving_pair, serving_pair
 
-    sv = cfg.serve
+    sv, server = cfg.serve, cfg.server
     steps, topk, tokens = parse_trio(trio or trios(cfg)[0])
     shared: dict[str, Any] = dict(
-        port=sv.port, host=sv.host, allow_remote=sv.allow_remote_host, tp_size=sv.tp_size, dtype=sv.dtype,
-        mem_fraction_static=sv.mem_fraction_static, max_running_requests=sv.max_running_requests,
-        cuda_graph_max_bs_decode=sv.cuda_graph_max_bs_decode, attention_backend=sv.attention_backend,
-        extra_args=tuple(sv.extra_args), api_key=api_key, python=sv.python, module=sv.launch_module)
+        port=sv.port, host=server.host, allow_remote=server.allow_remote_host, tp_size=server.tp_size,
+        dtype=sv.dtype, mem_fraction_static=sv.mem_fraction_static, max_running_requests=sv.max_running_requests,
+        cuda_graph_max_bs_decode=sv.cuda_graph_max_bs_decode, attention_backend=server.attention_backend,
+        extra_args=tuple(server.extra_args), api_key=api_key, python=server.python, module=server.launch_module)
     if cfg.drafter.family == "dflash":
         return dflash_serving_pair(model_path, draft_path, block_size=tokens, **shared)
     return serving_pair(model_path, draft_path, num_steps=steps, topk=topk, num_draft_tokens=tokens, **shared)
@@ -186,8 +186,8 @@ def check_gpus(cfg: RunConfig) -> None:
 
 
 def api_key_for(cfg: RunConfig) -> str:
-    """The servers' API key: from the environment variable serve.api_key_env names, else a fresh random one."""
-    env_name = cfg.serve.api_key_env
+    """The servers' API key: from the environment variable server.api_key_env names, else a fresh random one."""
+    env_name = cfg.server.api_key_env
     return (os.environ.get(env_name) if env_name else None) or secrets.token_hex(16)
 
 
@@ -234,7 +234,7 @@ def benchmark_server(cfg: RunConfig, role: Role, plan: ServingPlan, progress: Pr
     name = role if trio is None else f"{role}-{trio}"
     # No restart: a server that died once has not been measured under the same conditions.
     server = ManagedServer(spec, deploy_dir(cfg) / f"sglang-{name}.log", expect=probe_expectations(plan.model_path),
-                           startup_timeout_s=cfg.serve.startup_timeout_s, policy=RestartPolicy(max_restarts=0))
+                           startup_timeout_s=cfg.server.startup_timeout_s, policy=RestartPolicy(max_restarts=0))
     logger.info("starting %s server: %s", name, server.process.printable_argv)
     try:
         ready = server.start()
@@ -253,8 +253,8 @@ def report_context(cfg: RunConfig, baseline: ServerRun, speculative: Sequence[Se
 
     context = {"run": cfg.run.name, "baseline server": baseline.argv}
     context |= {f"{drafter_label(cfg)} server {run.trio}": run.argv for run in speculative}
-    if cfg.serve.launch_module != LAUNCH_MODULE:
-        context["NOTE"] = (f"servers launched by {cfg.serve.launch_module}, not {LAUNCH_MODULE}: "
+    if cfg.server.launch_module != LAUNCH_MODULE:
+        context["NOTE"] = (f"servers launched by {cfg.server.launch_module}, not {LAUNCH_MODULE}: "
                            "these figures are not SGLang measurements")
     return context
 

@@ -160,12 +160,15 @@ def test_capture_and_serve_settings_merge_into_the_server_section():
         validate_config({"capture": {"sglang": {"python": "/a/python"}}, "serve": {"python": "/b/python"}}, "old")
 
 
-def test_serve_reads_its_launch_settings_from_the_server_section():
-    """cfg.serve.python and the other moved settings read the run's server section, also in a copy with a new one."""
-    cfg = load_config("tiny", ["server.python=/a/python", "server.extra_args=[--x]"])
-    assert (cfg.serve.python, cfg.serve.extra_args) == ("/a/python", ["--x"])
-    copy = cfg.model_copy(update={"server": cfg.server.model_copy(update={"python": "/b/python"})})
-    assert (copy.serve.python, cfg.serve.python) == ("/b/python", "/a/python")
+def test_deploy_launches_its_servers_with_the_server_sections_settings():
+    """Both deploy servers take python, module, extra args and backend from cfg.server; serve has none of its own."""
+    from eagle3.deploy import server_specs
+
+    cfg = load_config("tiny", ["server.python=/a/python", "server.extra_args=[--x]", "server.attention_backend=triton"])
+    assert not hasattr(cfg.serve, "python") and not hasattr(cfg.serve, "extra_args")
+    for spec in server_specs(cfg, "/m", "/d", None):
+        assert (spec.python, spec.module, spec.extra_args[-1:], spec.attention_backend) == (
+            "/a/python", cfg.server.launch_module, ("--x",), "triton")
 
 
 def test_an_older_configs_compile_bool_reads_as_the_switch_value_that_does_the_same():
