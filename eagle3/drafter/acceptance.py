@@ -4,7 +4,7 @@ Speculative sampling accepts a draft token v ~ q with probability min(1, p_v / q
 with probability
     alpha(p, q) = sum_v min(p_v, q_v) = 1 - TV(p, q),        TV(p, q) = 0.5 * sum_v |p_v - q_v|
 Here both sums run over the draft vocab: p is the target's distribution restricted to the draft vocab and
-renormalised (eagle3.drafter.ttt.Supervision), q = softmax(draft logits). The losses of one supervised position:
+renormalised (eagle3.drafter.alignment.Supervision), q = softmax(draft logits). The losses of one supervised position:
     kl         CE = -sum_v p_v log q_v                  the default: KL(p || q) + H(p), so KL's gradient
     tv         1 - alpha                                the acceptance itself; weak gradient while alpha is small
     kl+tv      (1 - w) CE + w (1 - alpha)               w = train.loss_tv_weight
@@ -21,7 +21,7 @@ Gradients with respect to the draft logits x of one position (q = softmax(x)):
                                  A = sum_v s_v q_v
 so a row whose loss is w_ce CE + w_tv (1 - alpha) + w_nla (-log(alpha + EPS)) has the logits gradient
     w_ce (q sum(p) - p) + (w_tv + w_nla / (alpha + EPS)) q (A - s).
-The plain path lets autograd differentiate token_loss; the fused path (ttt.ChunkedSoftCE with these kernels)
+The plain path lets autograd differentiate token_loss; the fused path (soft_ce.ChunkedSoftCE with these kernels)
 recomputes q per token chunk in backward and applies the formula, so no fp32 [T, Vd] tensor is kept.
 """
 
@@ -58,7 +58,7 @@ class TokenLoss:
 
 
 SOFT_CE = TokenLoss()
-"""The default: the soft cross-entropy (the unroll's own code path, eagle3.drafter.ttt)."""
+"""The default: the soft cross-entropy (the unroll's own code path, eagle3.drafter.soft_ce)."""
 
 Weight = Tensor | float
 

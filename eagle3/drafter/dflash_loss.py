@@ -65,7 +65,7 @@ def sample_anchors(loss_mask: Tensor, block_size: int, num_blocks: int, generato
     random key per candidate, the smallest N keys taken, sorted by position, a keep mask for the padding, and
     only anchors whose full block fits in the row. Two deliberate differences: SpecForge asks for
     loss_mask[p] = 1 at the anchor itself, we ask for a supervised TARGET among p+1 .. p+K-1 (our convention,
-    as eagle3.drafter.ttt's: a prediction counts iff the token it predicts is marked; so the block anchored at
+    as eagle3.drafter.alignment's: a prediction counts iff the token it predicts is marked; so the block anchored at
     the last prompt token, which drafts the answer's first tokens, is trained, and a block whose targets are
     all unmarked is never drawn to score nothing); and the block must stay inside one packed document
     (SpecForge's rows are single documents). SpecForge also trims N to the largest row's count; we keep it fixed.

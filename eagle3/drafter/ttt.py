@@ -1,17 +1,7 @@
-"""Training-time test (TTT): the EAGLE-3 unroll, its alignment, loss and metrics.
+"""Training-time test (TTT): the EAGLE-3 unroll, its loss and metrics.
 
-Alignment (our convention: a prediction is supervised iff the token it predicts is marked in
-``loss_mask``). A row holds tokens x_0..x_{T-1}; g_t are the target's aux states at position t and p_j
-is the target's distribution at position j (its prediction of x_{j+1}). At TTT step k, row index t:
-    feature    fc(g_t) at k = 0, else the drafter's own step-(k-1) pre-norm output at index t
-    token      x_{t+1+k}                 (teacher forced: TOKEN_SHIFT + k)
-    position   pos_t + k                 (pos restarts at 0 in every packed document)
-    predicts   x_{t+2+k}, scored against p_{t+1+k}
-    supervised iff loss_mask[t+2+k] = 1 (PREDICT_SHIFT + k), x_{t+2+k} lies in t's document, and the
-               target's full-vocab argmax at t+1+k is in the draft vocab (SpecForge's position mask).
-Upstream offsets: SpecForge (specforge/core/eagle3.py) reads loss_mask[t] (two tokens before the predicted
-one), speculators (src/speculators/models/eagle3/core.py) loss_mask[t+1+k] (the input token); we read the bit
-of the predicted token itself, which is what tokenization marks: "the tokens the drafter should learn to produce".
+Each step k reads and is scored at the offsets of eagle3.drafter.alignment (a prediction is supervised iff the
+token it predicts is marked in ``loss_mask``); the soft cross-entropy itself is eagle3.drafter.soft_ce.
 
 Loss: L_k = soft cross-entropy between softmax(target logits restricted to the draft vocab) and
 log_softmax(draft logits), summed over the supervised positions of step k and divided by their count
@@ -42,21 +32,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eagle3.drafter.acceptance import SOFT_CE, TokenLoss, acceptance_kernels, step_token_loss
-from eagle3.drafter.masks import (
-    positions_from_documents,
-    same_document_ahead,
-    shift_left,
-    single_document_ids,
-    ttt_block_masks,
+from eagle3.drafter.alignment import (
+    TOKEN_SHIFT,
+    StepAlignment,
+    Supervision,
+    align_steps,
+    supervision_from_final,
+    supervision_from_topk,
 )
+from eagle3.drafter.masks import positions_from_documents, single_document_ids, ttt_block_masks
 from eagle3.drafter.model import (
     AttnImpl,
     Eagle3Drafter,
@@ -72,13 +62,15 @@ from eagle3.drafter.model import (
     ttt_attention,
     upcast,
 )
+from eagle3.drafter.soft_ce import (
+    ChunkedSoftCE,
+    compiled_loss_kernels,
+    pad_probs,
+    soft_ce_chunk,
+    soft_ce_chunk_grad,
+    step_soft_ce,
+)
 
-TOKEN_SHIFT = 1
-"""Step k at row index t reads token x_{t + TOKEN_SHIFT + k} and is scored against p_{t + TOKEN_SHIFT + k}."""
-PREDICT_SHIFT = 2
-"""...and predicts x_{t + PREDICT_SHIFT + k}, whose loss_mask bit decides supervision."""
-PAD_TOKEN = 0
-"""Fills token slots shifted past a document end; predictions from them are never supervised."""
 STEP_DECAY = 0.8
 """Weight of step k is STEP_DECAY**k (EAGLE, SpecForge)."""
 FLEX_BLOCK = 128
@@ -117,191 +109,6 @@ class TTTBatch:
     final_hidden: Tensor | None = None  # [B, T, Ht] post-norm final state (supervision "final_hidden")
     topk_ids: Tensor | None = None  # [B, T, K] (supervision "topk_logprobs")
     topk_logprobs: Tensor | None = None  # [B, T, K] log-probs over the full target vocab
-
-
-@dataclass
-class Supervision:
-    """The target's signal at every position, computed once per micro-batch and shifted per step."""
-
-    probs: Tensor  # [B, T, Vd] target distribution restricted to the draft vocab, renormalised
-    argmax: Tensor  # [B, T] target argmax over the FULL vocab (target ids)
-
-
-@dataclass
-class StepAlignment:
-    """What step k reads and is scored against at each row index t (see the module docstring)."""
-
-    input_ids: Tensor  # [B, T] x_{t+1+k}; PAD_TOKEN where t+1+k leaves t's document
-    target_argmax: Tensor  # [B, T] target argmax at t+1+k; -1 where it leaves t's document
-    predicts_marked: Tensor  # [B, T] bool: x_{t+2+k} is in t's document and marked in loss_mask
-    position_mask: Tensor  # [B, T] bool: predicts_marked and the target argmax is in the draft vocab
-
-
-# ------------------------------------------------------------------------------------------------ supervision
-
-@torch.no_grad()
-def supervision_from_final(final_hidden: Tensor, lm_head_weight: Tensor, t2d: Tensor,
-                           chunk_tokens: int = 1024, draft_ids: Tensor | None = None) -> Supervision:
-    """Target logits = final @ W^T, computed ``chunk_tokens`` tokens at a time so only [chunk, V] lives at once.
-
-    The full-vocab logits are needed for the argmax (position mask, accuracy); the distribution keeps the
-    draft-vocab columns and renormalises them. ``draft_ids`` [Vd] (the target ids of the draft vocab,
-    ascending) saves the host sync of finding them in t2d.
-    """
-    batch, seq_len, _ = final_hidden.shape
-    used = t2d.nonzero().squeeze(1) if draft_ids is None else draft_ids  # [Vd] ascending = draft order
-    probs, argmax = [], []
-    for chunk in final_hidden.reshape(batch * seq_len, -1).split(chunk_tokens):
-        logits = F.linear(chunk.to(lm_head_weight.dtype), lm_head_weight)  # [c, V] in the compute dtype
-        # Upcasting is exact, so the argmax and the column gather give the same on the narrow logits; only the
-        # draft columns are widened for the softmax (not a [c, V] fp32 copy).
-        argmax.append(logits.argmax(-1))
-        probs.append(torch.softmax(upcast(logits[:, used]), dim=-1))  # [c, Vd]
-    return Supervision(torch.cat(probs).view(batch, seq_len, -1), torch.cat(argmax).view(batch, seq_len))
-
-
-@torch.no_grad()
-def supervision_from_topk(topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tensor,
-                          draft_vocab_size: int | None = None) -> Supervision:
-    """A draft-vocab distribution rebuilt from the target's top-K log-probs.
-
-    p_v is proportional to exp(logprob_v) for the top-K ids inside the draft vocab and 0 for every other
-    draft id: the mass beyond the top K is unknown, so it is dropped and the known part renormalised (a
-    truncated teacher; exact when the top K hold all the draft-vocab mass). The argmax is the id with the
-    largest log-prob. A position whose top K has no draft-vocab id gets all-zero probs; its argmax is then
-    outside the draft vocab, so the position mask drops it.
-    """
-    ids = topk_ids.long()  # [B, T, K]
-    draft_index = t2d.long().cumsum(0) - 1  # [V] draft index of target id v (valid where t2d[v])
-    inside = t2d[ids]  # [B, T, K]
-    mass = torch.where(inside, topk_logprobs.float().exp(), torch.zeros((), device=ids.device))
-    num_draft = int(t2d.sum()) if draft_vocab_size is None else draft_vocab_size  # the sum costs a host sync
-    probs = torch.zeros(*ids.shape[:2], num_draft, device=ids.device)  # [B, T, Vd]
-    probs.scatter_add_(-1, torch.where(inside, draft_index[ids], 0), mass)
-    probs = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
-    argmax = ids.gather(-1, topk_logprobs.argmax(-1, keepdim=True)).squeeze(-1)  # [B, T]
-    return Supervision(probs, argmax)
-
-
-# -------------------------------------------------------------------------------------------------- alignment
-
-def align_step(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, target_argmax: Tensor,
-               t2d: Tensor, k: int) -> StepAlignment:
-    """Inputs and masks of TTT step k; every shift that would cross a document end is cut there."""
-    token_ok = same_document_ahead(document_ids, TOKEN_SHIFT + k)  # [B, T]
-    predict_ok = same_document_ahead(document_ids, PREDICT_SHIFT + k)  # [B, T]
-    tokens = torch.where(token_ok, shift_left(input_ids, TOKEN_SHIFT + k, PAD_TOKEN), PAD_TOKEN)
-    argmax = torch.where(token_ok, shift_left(target_argmax, TOKEN_SHIFT + k, -1), -1)
-    marked = predict_ok & shift_left(loss_mask.bool(), PREDICT_SHIFT + k, False)
-    in_vocab = (argmax >= 0) & t2d[argmax.clamp(min=0)]
-    return StepAlignment(tokens, argmax, marked, marked & in_vocab)
-
-
-def align_steps(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, target_argmax: Tensor, t2d: Tensor,
-                num_steps: int) -> list[StepAlignment]:
-    """align_step for k = 0..S-1, computed together: a dozen [B, S, T] ops instead of ~25 small ones per step."""
-    batch, seq_len = input_ids.shape
-    steps = torch.arange(num_steps, device=input_ids.device)
-    index = torch.arange(seq_len, device=input_ids.device)
-
-    def ahead(x: Tensor, first: int, fill: int | bool) -> Tensor:  # [B, S, T]: x[:, t + first + k], fill past the row
-        padded = torch.cat([x, x.new_full((batch, first + num_steps), fill)], dim=1)
-        return padded.unfold(1, seq_len, 1)[:, first:first + num_steps]
-
-    def same_document(first: int) -> Tensor:  # [B, S, T]: token t + first + k exists and shares t's document
-        inside = (index + first + steps[:, None]) < seq_len  # [S, T]
-        return inside & (ahead(document_ids, first, 0) == document_ids[:, None])
-
-    token_ok, predict_ok = same_document(TOKEN_SHIFT), same_document(PREDICT_SHIFT)
-    tokens = torch.where(token_ok, ahead(input_ids, TOKEN_SHIFT, PAD_TOKEN), PAD_TOKEN)
-    argmax = torch.where(token_ok, ahead(target_argmax, TOKEN_SHIFT, -1), -1)
-    marked = predict_ok & ahead(loss_mask.bool(), PREDICT_SHIFT, False)
-    in_loss = marked & (argmax >= 0) & t2d[argmax.clamp(min=0)]
-    return [StepAlignment(tokens[:, k], argmax[:, k], marked[:, k], in_loss[:, k]) for k in range(num_steps)]
-
-
-def step_soft_ce(logits: Tensor, probs: Tensor, shift: int) -> Tensor:
-    """[B, T]: -sum_v probs[t + shift, v] * log_softmax(logits[t])_v, 0 where t + shift is past the row."""
-    seq_len = logits.shape[1]
-    n = max(seq_len - shift, 0)
-    log_q = torch.log_softmax(upcast(logits[:, :n]), dim=-1)  # [B, n, Vd]
-    ce = -(probs[:, shift:shift + n] * log_q).sum(-1)  # [B, n]
-    return F.pad(ce, (0, seq_len - n))
-
-
-# ------------------------------------------------------------------------------------- fused soft cross-entropy
-
-def soft_ce_chunk(logits: Tensor, probs: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(sum of the masked CE [], logsumexp [c], draft argmax [c]) of logits [c, Vd] against probs [c, Vd].
-
-    CE_t = -sum_v p_tv (x_tv - lse_t), with x the logits widened to fp32 inside the kernel only.
-    """
-    x = upcast(logits)
-    lse = torch.logsumexp(x, dim=-1)  # [c]
-    ce = -(probs.to(x.dtype) * (x - lse[:, None])).sum(-1)  # [c]
-    return torch.where(mask, ce, 0).sum(), lse, logits.argmax(-1)
-
-
-def soft_ce_chunk_grad(logits: Tensor, probs: Tensor, mask: Tensor, lse: Tensor, grad_sum: Tensor) -> Tensor:
-    """d(grad_sum * CE sum)/d logits [c, Vd] = grad_sum * (softmax(x) * sum_v p - p) on masked rows (logits' dtype)."""
-    x = upcast(logits)
-    p = probs.to(x.dtype)
-    grad = torch.exp(x - lse[:, None]) * p.sum(-1, keepdim=True) - p  # [c, Vd]
-    return torch.where(mask[:, None], grad * grad_sum, 0).to(logits.dtype)
-
-
-@lru_cache(maxsize=4)
-def compiled_loss_kernels(backend: str = "inductor") -> tuple[Any, Any]:
-    """soft_ce_chunk and soft_ce_chunk_grad under torch.compile: each becomes one or two fused passes."""
-    return (torch.compile(soft_ce_chunk, dynamic=False, backend=backend),
-            torch.compile(soft_ce_chunk_grad, dynamic=False, backend=backend))
-
-
-class ChunkedSoftCE(torch.autograd.Function):
-    """Masked soft-CE sum of one TTT step, token chunk by token chunk, never holding fp32 [N, Vd] tensors.
-
-    The kernels decide the token loss: soft_ce_chunk and its gradient, or an acceptance-targeted loss's
-    (eagle3.drafter.acceptance.acceptance_kernels, same signatures).
-
-    Forward keeps only the logsumexp per token; backward recomputes softmax per chunk and returns the
-    logits gradient in the logits' dtype (one rounding, as the log_softmax path's cast back does).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, logits: Tensor, probs: Tensor, mask: Tensor, shift: int, chunk: int,
-                kernels: tuple[Callable, Callable]) -> tuple[Tensor, Tensor]:
-        # logits [B, T, Vd]; probs [B*T + pad, Vd] flat with rows past the end (pad >= shift); mask [B, T] bool.
-        flat, flat_mask = logits.reshape(-1, logits.shape[-1]), mask.reshape(-1)
-        bounds = _chunk_bounds(flat.shape[0], chunk)
-        parts = [kernels[0](flat[a:b], probs[a + shift:b + shift], flat_mask[a:b]) for a, b in bounds]
-        loss_sum = parts[0][0] if len(parts) == 1 else torch.stack([p[0] for p in parts]).sum()
-        lse, top = (torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in (1, 2))
-        ctx.save_for_backward(logits, probs, flat_mask, lse)
-        ctx.shift, ctx.bounds, ctx.kernels = shift, bounds, kernels
-        ctx.mark_non_differentiable(top)
-        return loss_sum, top.view(mask.shape)
-
-    @staticmethod
-    def backward(ctx: Any, grad_sum: Tensor, _grad_top: Any) -> tuple[Tensor | None, ...]:
-        logits, probs, mask, lse = ctx.saved_tensors
-        flat, shift = logits.reshape(-1, logits.shape[-1]), ctx.shift
-        grads = [ctx.kernels[1](flat[a:b], probs[a + shift:b + shift], mask[a:b], lse[a:b], grad_sum)
-                 for a, b in ctx.bounds]
-        grad = grads[0] if len(grads) == 1 else torch.cat(grads)
-        return grad.view(logits.shape), None, None, None, None, None
-
-
-def _chunk_bounds(num_rows: int, chunk: int) -> list[tuple[int, int]]:
-    return [(a, min(a + chunk, num_rows)) for a in range(0, num_rows, chunk)]
-
-
-def pad_probs(probs: Tensor, num_steps: int) -> Tensor:
-    """[B*T + S, Vd]: the flat target probs plus S zero rows, so step k's read at row + 1 + k (< B*T + S) stays inside.
-
-    Reads past a row's end land in the next row or the zeros; the position mask never supervises them.
-    """
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.cat([flat, flat.new_zeros(num_steps, flat.shape[1])])
 
 
 # ----------------------------------------------------------------------------------------- loss and metrics

@@ -14,7 +14,7 @@ parent's greedy choice is accepted; the greedy choice after the last accepted no
 Every committed token is thus the target's greedy token after the committed prefix: lossless. The cache
 then keeps x_0..x_{m-1} plus the root and accepted rows (a crop for a chain, an index select for a tree).
 
-EAGLE-3 at inference (the TTT alignment of eagle3/drafter/ttt.py). The drafter's cache holds, for every index
+EAGLE-3 at inference (the TTT alignment of eagle3/drafter/alignment.py). The drafter's cache holds, for every index
 t < m, the key/value of (feature fc(g_t), token x_{t+1}, position t), g_t being the target's aux states at
 t. Its output at t = m-1 (token x_m) predicts x_{m+1}, draft token 1. Draft step j >= 1 feeds its own
 previous pre-norm output with draft token j at position m-1+j (TTT step j at index m-1) and attends to

@@ -3,7 +3,7 @@
 A chain round of ``speculative_decode`` whose context holds c tokens drafts from the drafter's row c - 2 (the
 aux state of token c - 2 paired with token c - 1): step 0 proposes token c, and step j feeds the drafter its
 own step j - 1 output and draft token. While every draft so far equals the greedy text, that is exactly TTT
-step j at row c - 2 with the text's own tokens fed (eagle3.drafter.ttt: step k at row t reads x_{t+1+k} and
+step j at row c - 2 with the text's own tokens fed (eagle3.drafter.alignment: step k at row t reads x_{t+1+k} and
 predicts x_{t+2+k}), so the round accepts as many drafts as the TTT steps at that row get right in a row.
 ``chain_match_lengths`` runs the TTT unroll once over prompt + greedy text (k drafter passes over the whole
 row, instead of one verify and k - 1 drafter forwards per round), and ``simulate_chain`` replays the rounds
@@ -21,9 +21,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from eagle3.drafter.alignment import PAD_TOKEN, PREDICT_SHIFT, TOKEN_SHIFT
 from eagle3.drafter.masks import positions_from_documents, shift_left, single_document_ids
 from eagle3.drafter.model import Eagle3Drafter, TTTCache
-from eagle3.drafter.ttt import PAD_TOKEN, PREDICT_SHIFT, TOKEN_SHIFT
 from eagle3.evaluate.speculate import NgramProposer, accept_path
 
 

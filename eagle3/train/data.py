@@ -36,7 +36,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from eagle3.drafter.ttt import PAD_TOKEN, TTTBatch
+from eagle3.drafter.alignment import PAD_TOKEN
+from eagle3.drafter.ttt import TTTBatch
 from eagle3.features.shards.reader import ShardReader
 
 OPEN_ROWS = 16

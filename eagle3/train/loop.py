@@ -33,8 +33,9 @@ import torch
 from torch import Tensor, nn
 
 from eagle3.config import RunConfig
+from eagle3.drafter.alignment import align_step
 from eagle3.drafter.dflash_loss import DFlashObjective
-from eagle3.drafter.ttt import TTTBatch, TTTObjective, align_step, metrics_from_counts
+from eagle3.drafter.ttt import TTTBatch, TTTObjective, metrics_from_counts
 from eagle3.run.layout import RunLayout, run_relative
 from eagle3.train import STAGE, measured
 from eagle3.train import dflash as dflash_step

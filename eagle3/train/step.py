@@ -12,8 +12,9 @@ from torch import Tensor, nn
 
 from eagle3.config import TrainConfig
 from eagle3.drafter.acceptance import TokenLoss
+from eagle3.drafter.alignment import align_steps
 from eagle3.drafter.model import trainable_parameters
-from eagle3.drafter.ttt import StepOptions, TTTBatch, TTTObjective, align_steps
+from eagle3.drafter.ttt import StepOptions, TTTBatch, TTTObjective
 from eagle3.train.dist import DistInfo, all_reduce_sum, autocast, full_tensor, gradient_sync, unwrap
 
 

@@ -18,7 +18,9 @@ from eagle3.drafter.acceptance import (
     step_token_loss,
     token_loss,
 )
-from eagle3.drafter.ttt import ChunkedSoftCE, StepOptions, pad_probs, supervision_from_topk
+from eagle3.drafter.alignment import supervision_from_topk
+from eagle3.drafter.soft_ce import ChunkedSoftCE, pad_probs
+from eagle3.drafter.ttt import StepOptions
 from tests.unit.test_ttt import GOLDEN_LOSSES, VD, random_inputs, run_optimized, tiny_model
 
 ACCEPTANCE = [TokenLoss("tv"), TokenLoss("kl+tv", tv_weight=0.25), TokenLoss("lk_alpha"), TokenLoss("lk_lambda")]

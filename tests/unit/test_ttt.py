@@ -6,25 +6,18 @@ import pytest
 import torch
 
 from eagle3.drafter.acceptance import SOFT_CE, TokenLoss
-from eagle3.drafter.masks import positions_from_documents
-from eagle3.drafter.model import FLEX_AVAILABLE, DrafterDims, Eagle3Drafter, init_weights, trainable_parameters
-from eagle3.drafter.ttt import (
+from eagle3.drafter.alignment import (
     PAD_TOKEN,
-    ChunkedSoftCE,
-    StepOptions,
     Supervision,
-    TTTBatch,
     align_step,
     align_steps,
-    metrics_from_counts,
-    pad_probs,
-    soft_ce_chunk,
-    soft_ce_chunk_grad,
-    step_soft_ce,
     supervision_from_final,
     supervision_from_topk,
-    ttt_loss,
 )
+from eagle3.drafter.masks import positions_from_documents
+from eagle3.drafter.model import FLEX_AVAILABLE, DrafterDims, Eagle3Drafter, init_weights, trainable_parameters
+from eagle3.drafter.soft_ce import ChunkedSoftCE, pad_probs, soft_ce_chunk, soft_ce_chunk_grad, step_soft_ce
+from eagle3.drafter.ttt import StepOptions, TTTBatch, metrics_from_counts, ttt_loss
 from tests.unit.ttt_reference import combined_loss, reference_ttt
 
 V, VD, HT, A, STEPS = 97, 40, 32, 3, 3
