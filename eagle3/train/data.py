@@ -14,7 +14,8 @@ Plan of one epoch (identical on every rank, computed from ids and lengths alone,
 Rank r takes rows r, r + W, r + 2W, ... of the padded list, so optimizer step s reads the rows
 [s*W*A, (s+1)*W*A) of the plan on any (W, A) with the same product: 1 process x 2 accumulation steps
 and 2 processes x 1 see the same global batches. The sampler position is (epoch, index into the rank's
-list), saved in checkpoints.
+list), saved in checkpoints. Each row keeps its place in the padded plan (``PackedRow.index``), which seeds its
+aux noise and DFlash anchors: a row draws the same numbers whichever rank reads it.
 
 A row holds its documents back to back, then padding that forms a document of its own (loss_mask 0):
 document_ids count 0, 1, ... per row and positions restart at 0 in each document, so no attention,
@@ -28,7 +29,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -62,6 +63,7 @@ class PackedRow:
 
     samples: tuple[SampleRef, ...]
     counted: bool = True
+    index: int = 0  # place in its epoch's padded plan: seeds the row's noise (noise_seed), on any rank
 
     @property
     def num_tokens(self) -> int:
@@ -178,7 +180,7 @@ def plan_epoch(samples: Sequence[tuple[str, int]], max_tokens: int, epoch: int, 
     rows, stats = pack(order, max_tokens)
     padded = pad_rows(rows, multiple)
     stats.num_repeated_rows = len(padded) - len(rows)
-    return EpochPlan(epoch, tuple(padded), stats)
+    return EpochPlan(epoch, tuple(replace(row, index=i) for i, row in enumerate(padded)), stats)
 
 
 # ----------------------------------------------------------------------------------------------- collation
@@ -278,7 +280,7 @@ class RowLoader:
         if self.pin_memory:  # here, on the loader thread: pinning 100 MB rows costs the training thread nothing
             batch = map_tensors(batch, Tensor.pin_memory)
         return PackedBatch(batch, row.num_tokens, int(batch.loss_mask.sum()), row.counted,
-                           noise_seed(self.seed, self.epoch, index), tuple(s.num_tokens for s in row.samples),
+                           noise_seed(self.seed, self.epoch, row.index), tuple(s.num_tokens for s in row.samples),
                            tuple(s.sample_id for s in row.samples))
 
     def _put(self, out: queue.Queue, item: object) -> bool:

@@ -111,6 +111,20 @@ def test_loader_started_mid_epoch_yields_the_remaining_rows(run):
         assert torch.equal(a.batch.input_ids, b.batch.input_ids) and torch.equal(a.batch.aux, b.batch.aux)
 
 
+def test_a_row_gets_the_same_seed_on_any_rank(run):
+    """Each row's noise seed (which also seeds DFlash anchors) follows the row, not the rank: rank r of a 2-rank
+    world reads rows r, r + 2, ... with the seeds one process gives them, and no two rows share a seed."""
+    cfg, train, _ = run
+    rows = plan_epoch(train, 64, 1, 0, 2, True).rows
+
+    def load(part: list[PackedRow]) -> list[int]:
+        return [b.noise_seed for b in RowLoader(cfg.run_dir / "features", part, 64, torch.float32, depth=0, epoch=1)]
+
+    one = load(list(rows))
+    assert [load(list(rows[r::2])) for r in range(2)] == [one[0::2], one[1::2]]
+    assert len(set(one)) == len(rows) > 2
+
+
 def test_loader_error_surfaces_in_the_training_thread(run):
     """A row whose sample is missing raises in the consumer, not silently in the prefetch thread."""
     cfg, _, _ = run
