@@ -163,7 +163,7 @@ def metrics(objective: DFlashObjective, loss_sum: Tensor, num_supervised: Tensor
 
 def eval_counts(objective: DFlashObjective, batch: TTTBatch, anchors: Anchors, out: DFlashLossOutput,
                 unigram_token: int) -> Tensor:
-    """[5 * (K-1) + 1] sums of one val row (the layout eagle3.train.loop.evaluate reduces); the last entry counts
+    """[5 * (K-1) + 1] sums of one val row (the layout eagle3.train.validate.evaluate reduces); the last entry counts
     the scored first-slot targets that equal the unigram guess."""
     docs = batch.document_ids
     if docs is None:

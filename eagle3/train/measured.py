@@ -65,7 +65,7 @@ class Inputs(Protocol):
 
 
 class Training(Protocol):
-    """What measuring reads and updates of eagle3.train.loop.Trainer."""
+    """What measuring reads and updates of eagle3.train.trainer.Trainer."""
 
     cfg: RunConfig
     dist: DistInfo

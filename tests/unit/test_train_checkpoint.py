@@ -11,8 +11,9 @@ from eagle3.target.load import prepare_target
 from eagle3.train.build import read_inputs
 from eagle3.train.checkpoint import CheckpointMismatchError, checkpoints_dir, latest_checkpoint, list_checkpoints, prune
 from eagle3.train.dist import init_distributed
-from eagle3.train.loop import micro_batch_windows, run, save, setup, train
+from eagle3.train.loop import micro_batch_windows, run, save, train
 from eagle3.train.metrics import read_metrics
+from eagle3.train.trainer import setup
 from tests.unit.test_train_helpers import SyntheticShape, load_run_config, synthetic_run
 
 OVERRIDES = ["train.tokens_per_row=96", "train.grad_accum_steps=2", "train.num_epochs=3", "train.lr=1e-3",
