@@ -28,6 +28,7 @@ from prefect.states import Completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import RunConfig, load_config
+from eagle3.features import stage as capture
 from eagle3.run.layout import run_layout
 from eagle3.run.progress import eta_text
 from eagle3.run.stage import StageOutcome, read_manifest
@@ -107,7 +108,7 @@ def capture_endpoints(cfg: RunConfig) -> Iterator[RunConfig]:
 def run_capture_shards(cfg: RunConfig) -> StageOutcome:
     """Prepare, capture every pending shard (here with bounded concurrency, or in slice runs), finalize; a capture
     that is up to date only calls the finalize task, which Prefect answers ``Cached`` (tasks.stage_cache)."""
-    if up_to_date_key("capture", cfg) is not None:
+    if up_to_date_key(capture.STAGE.name, cfg) is not None:
         return finalize_capture_task(cfg)
     summary = prepare_capture_task(cfg)
     if not summary.pending:
@@ -172,7 +173,7 @@ def _watch_disk(cfg: RunConfig, pending: list[int], progress: CaptureProgress) -
 
 @flow(name="eagle3-capture", log_prints=True,
       task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS),  # type: ignore[arg-type]  # Prefect types task_runner invariantly in its future type
-      flow_run_name=stage_run_name("capture"))
+      flow_run_name=stage_run_name(capture.STAGE.name))
 @preset_gpu_note
 def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
                    config: RunConfig | None = None) -> dict[str, Any]:

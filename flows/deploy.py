@@ -12,19 +12,32 @@ GPUs), compares them and writes ``<run>/deploy/results.json`` and ``report.md``.
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from eagle3 import deploy
 from eagle3.config import RunConfig, load_config
 from eagle3.deploy import NOT_ENABLED, DeployReport
+from eagle3.evaluate import stage as evaluate
+from eagle3.export import stage as export
 from flows.common import PresetName, as_json, guard_crash_loop, preset_gpu_note
 from flows.stage_runs import StageClock, ui_url
 from tasks.deploy import benchmark_server_task, evaluate_task, export_task, prepare_serving_task, report_task
 
-DeployStep = Literal["export", "evaluate", "benchmark"]
-ALL_STEPS: tuple[str, ...] = get_args(DeployStep)
+BENCHMARK = "benchmark"
+"""The deploy stage's step: the name ``steps`` takes for it (deployments, docs/deploy.md and users' scripts pass it,
+so it stays as it was before the stage was named deploy), the key of its result and its row in the run summary."""
+STEP_STAGES: dict[str, str] = {export.STAGE.name: export.STAGE.name, evaluate.STAGE.name: evaluate.STAGE.name,
+                               BENCHMARK: deploy.STAGE.name}
+"""The steps in the order they run, and the registry stage each runs (eagle3.run.registry)."""
+ALL_STEPS: tuple[str, ...] = tuple(STEP_STAGES)
+if TYPE_CHECKING:  # a Literal built at run time is no type to a type checker: it checks a str
+    DeployStep = str
+else:
+    DeployStep = Literal[ALL_STEPS]  # the UI's choices
 
 
 def run_benchmarks(cfg: RunConfig) -> DeployReport:
@@ -37,6 +50,27 @@ def run_benchmarks(cfg: RunConfig) -> DeployReport:
     return report_task(cfg, baseline, speculative)
 
 
+def _export(cfg: RunConfig, force: bool, clock: StageClock) -> Any:
+    return clock.call(export.STAGE.name, "task-run", lambda: export_task(cfg, force, return_state=True)).result()
+
+
+def _evaluate(cfg: RunConfig, force: bool, clock: StageClock) -> Any:
+    return clock.call(evaluate.STAGE.name, "task-run", lambda: evaluate_task(cfg, force, return_state=True)).result()
+
+
+def _benchmark(cfg: RunConfig, force: bool, clock: StageClock) -> Any:
+    if not cfg.serve.enabled:
+        get_run_logger().warning(NOT_ENABLED)
+        clock.skipped(BENCHMARK, NOT_ENABLED)
+        return {"skipped": NOT_ENABLED}
+    return clock.plain(BENCHMARK, lambda: run_benchmarks(cfg), lambda _: True, url=ui_url("flow-run", flow_run.id))
+
+
+STEP_RUNS: dict[str, Callable[[RunConfig, bool, StageClock], Any]] = {
+    export.STAGE.name: _export, evaluate.STAGE.name: _evaluate, BENCHMARK: _benchmark}
+"""How each step runs: export and evaluate as their task runs, the benchmark's tasks in this flow run."""
+
+
 def run_deploy_steps(cfg: RunConfig, steps: list[str], force: bool = False,
                      clock: StageClock | None = None) -> dict[str, Any]:
     """The chosen steps in order; {step: task result} (typed records; a skipped benchmark says why). ``clock``
@@ -44,23 +78,8 @@ def run_deploy_steps(cfg: RunConfig, steps: list[str], force: bool = False,
     unknown = sorted(set(steps) - set(ALL_STEPS))
     if unknown:
         raise ValueError(f"unknown deploy steps {unknown}; choose from {list(ALL_STEPS)}")
-    clock = clock or StageClock(cfg.run_dir)
-    results: dict[str, Any] = {}
-    if "export" in steps:
-        results["export"] = clock.call("export", "task-run",
-                                       lambda: export_task(cfg, force, return_state=True)).result()
-    if "evaluate" in steps:
-        results["evaluate"] = clock.call("evaluate", "task-run",
-                                         lambda: evaluate_task(cfg, force, return_state=True)).result()
-    if "benchmark" in steps:
-        if cfg.serve.enabled:
-            results["benchmark"] = clock.plain("benchmark", lambda: run_benchmarks(cfg), lambda _: True,
-                                               url=ui_url("flow-run", flow_run.id))
-        else:
-            get_run_logger().warning(NOT_ENABLED)
-            clock.skipped("benchmark", NOT_ENABLED)
-            results["benchmark"] = {"skipped": NOT_ENABLED}
-    return results
+    clock = clock or StageClock(cfg.run_dir, STEP_STAGES)
+    return {step: STEP_RUNS[step](cfg, force, clock) for step in ALL_STEPS if step in steps}
 
 
 @flow(name="eagle3-deploy", log_prints=True)
@@ -83,7 +102,7 @@ def eagle3_deploy(preset: PresetName = "smollm2-demo", overrides: list[str] | No
 
     guard_crash_loop()
     cfg = config or load_config(preset, list(overrides or []))
-    clock = StageClock(cfg.run_dir)
+    clock = StageClock(cfg.run_dir, STEP_STAGES)
     with run_lock(cfg.run_dir, owner="prefect flow eagle3-deploy"):
         results = run_deploy_steps(cfg, list(steps or ALL_STEPS), force, clock)
     return {"run_dir": str(cfg.run_dir.resolve()), **{step: as_json(result) for step, result in results.items()},

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+from collections.abc import Callable
 from datetime import datetime, timezone
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
 from prefect import flow, get_run_logger
@@ -23,13 +25,16 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from eagle3.config import ConfigError, RunConfig, intended_run_name, load_config
 from eagle3.data.stages import regenerate
+from eagle3.evaluate import stage as evaluate
 from eagle3.features import stage as capture
 from eagle3.run.history import AcceptanceRecord, acceptance_record, append_acceptance, read_acceptance, trend_rows
 from eagle3.run.layout import run_layout
 from eagle3.run.registry import UNTIL_CHOICES, StageSpec, stages_until
 from eagle3.run.summary import StageRun, headline, render_early_failure, write_stage_runs
 from eagle3.run.summary import render_summary as summary_markdown
+from eagle3.train import stage as train
 from flows.common import NeedsGpuError, PresetName, as_json, guard_crash_loop, preset_gpu_note
+from flows.deploy import ALL_STEPS, STEP_STAGES
 from flows.report import render_run_report
 from flows.run_names import stage_run_name
 from flows.stage_runs import StageClock
@@ -80,38 +85,59 @@ if TYPE_CHECKING:  # a Literal built at run time is no type to a type checker: i
 else:
     LastStage = Literal[UNTIL_CHOICES]  # eagle3.run.registry: the UI's choices
 LAST_STAGES: tuple[str, ...] = UNTIL_CHOICES
-DEPLOY_STEPS = {"export": ["export"], "evaluate": ["export", "evaluate"], "deploy": ["export", "evaluate", "benchmark"]}
+
+
+def run_capture(cfg: RunConfig, force: bool, results: dict[str, Any], clock: StageClock) -> None:
+    """The capture subflow (one task per shard), or the reason it has nothing to do."""
+    from flows.capture import eagle3_capture
+
+    skipped = capture.skip_reason(cfg)
+    if skipped:
+        get_run_logger().info("%s: %s", capture.STAGE.name, skipped)
+        clock.skipped(capture.STAGE.name, skipped)
+        results[capture.STAGE.name] = {"skipped": skipped}
+        return
+    state = clock.call(capture.STAGE.name, "flow-run", lambda: eagle3_capture(config=cfg, return_state=True))
+    results[capture.STAGE.name] = {**state.result(), "computed": state.name != UP_TO_DATE}
+
+
+def run_train(cfg: RunConfig, force: bool, results: dict[str, Any], clock: StageClock) -> None:
+    """Training: one torchrun task, or one task per node (train.nnodes > 1)."""
+    from flows.train_nodes import train_nodes
+    from tasks.train import train_task
+
+    if cfg.train.nnodes > 1:
+        results[train.STAGE.name] = clock.plain(train.STAGE.name, lambda: train_nodes(cfg),
+                                                lambda summary: summary.computed)  # node runs: no one run to link
+    else:
+        results[train.STAGE.name] = _call_stage(clock, train.STAGE.name, train_task, cfg)
+
+
+MODEL_RUNS: dict[ModuleType, Callable[[RunConfig, bool, dict[str, Any], StageClock], None]] = {
+    capture: run_capture, train: run_train}
+"""How the pipeline runs each stage between the data block and the deploy subflow (flows.deploy.STEP_STAGES)."""
+
+
+def deploy_steps(until: str) -> list[str]:
+    """The deploy subflow's steps that a run up to ``until`` reaches, in order."""
+    reached = {s.name for s in stages_until(until)}
+    return [step for step, stage in STEP_STAGES.items() if stage in reached]
 
 
 def run_model_stages(cfg: RunConfig, until: str, force: bool = False,
                      results: dict[str, Any] | None = None, clock: StageClock | None = None) -> dict[str, Any]:
-    """Capture (a subflow, one task per shard), training (torchrun), then the deploy subflow, as far as ``until``
-    (``results`` is filled in place when given; ``clock`` records each stage's run)."""
-    from flows.capture import eagle3_capture
+    """The registry's stages after the data block as far as ``until``: capture (a subflow, one task per shard),
+    training (torchrun), then the deploy subflow's steps (``results`` is filled in place when given; ``clock``
+    records each stage's run)."""
     from flows.deploy import eagle3_deploy
-    from flows.train_nodes import train_nodes
-    from tasks.train import train_task
 
-    reached = LAST_STAGES.index(until)
     results = {} if results is None else results
     clock = clock or StageClock(cfg.run_dir)
-    if reached >= LAST_STAGES.index(capture.STAGE.name):
-        skipped = capture.skip_reason(cfg)
-        if skipped:
-            get_run_logger().info("capture: %s", skipped)
-            clock.skipped(capture.STAGE.name, skipped)
-            results[capture.STAGE.name] = {"skipped": skipped}
-        else:
-            state = clock.call("capture", "flow-run", lambda: eagle3_capture(config=cfg, return_state=True))
-            results["capture"] = {**state.result(), "computed": state.name != UP_TO_DATE}
-    if reached >= LAST_STAGES.index("train"):
-        if cfg.train.nnodes > 1:
-            results["train"] = clock.plain("train", lambda: train_nodes(cfg),
-                                           lambda summary: summary.computed)  # node runs: no one run to link
-        else:
-            results["train"] = _call_stage(clock, "train", train_task, cfg)
-    if until in DEPLOY_STEPS:
-        steps = DEPLOY_STEPS[until]
+    for spec in stages_until(until):
+        if spec.module in MODEL_RUNS:
+            MODEL_RUNS[spec.module](cfg, force, results, clock)
+    steps = deploy_steps(until)
+    if steps:
         deploy = eagle3_deploy.with_options(flow_run_name=stage_run_name("deploy"))  # "deploy-<run>"
         state = clock.call(deploy_label(steps), "flow-run",
                            lambda: deploy(config=cfg, force=force, steps=steps, return_state=True))
@@ -122,16 +148,20 @@ def run_model_stages(cfg: RunConfig, until: str, force: bool = False,
     return results
 
 
+DEPLOY_ROW = "deploy subflow"
+"""The run summary's row of the deploy subflow while it stands for its steps (when it failed)."""
+
+
 def deploy_label(steps: list[str]) -> str:
-    """How the summary names the deploy subflow while it stands for its steps (when it failed)."""
-    return "deploy subflow (" + ", ".join(steps) + ")"
+    """The summary's name of the deploy subflow standing for ``steps``: 'deploy subflow (export, evaluate)'."""
+    return f"{DEPLOY_ROW} ({', '.join(steps)})"
 
 
 def planned_stages(cfg: RunConfig, until: str) -> list[str]:
     """The stages a run up to ``until`` calls, in order (the keys of its results)."""
     data = ["target"] + [s.name for s in _data_stages(cfg)]
-    model = [s for s in ("capture", "train") if LAST_STAGES.index(until) >= LAST_STAGES.index(s)]
-    return data + model + DEPLOY_STEPS.get(until, [])
+    model = [s.name for s in stages_until(until) if s.module in MODEL_RUNS]
+    return data + model + deploy_steps(until)
 
 
 def failed_stage(cfg: RunConfig, until: str, results: dict[str, Any]) -> str:
@@ -142,15 +172,15 @@ def failed_stage(cfg: RunConfig, until: str, results: dict[str, Any]) -> str:
     pending = [s for s in planned_stages(cfg, until) if s not in results]
     if not pending:
         return "after the last stage"
-    return pending[0] if pending[0] not in DEPLOY_STEPS["deploy"] else "deploy subflow (" + ", ".join(pending) + ")"
+    return pending[0] if pending[0] not in ALL_STEPS else deploy_label(pending)
 
 
 def unstarted_stages(cfg: RunConfig, until: str, results: dict[str, Any], runs: list[StageRun]) -> list[str]:
     """The planned stages a failure left without a result or a row of their own (a failed deploy subflow's row
     stands for all its steps)."""
     recorded = {r.stage for r in runs}
-    if any(r.stage.startswith("deploy subflow") for r in runs):
-        recorded |= set(DEPLOY_STEPS["deploy"])
+    if any(r.stage.startswith(DEPLOY_ROW) for r in runs):
+        recorded |= set(ALL_STEPS)
     return [s for s in planned_stages(cfg, until) if s not in results and s not in recorded]
 
 
@@ -243,12 +273,12 @@ def record_acceptance(cfg: RunConfig, results: dict[str, Any]) -> AcceptanceReco
     run evaluated (computed or up to date); the record, or None. The history is bookkeeping beside the stages'
     outputs: a results.json it cannot read or a history it cannot write is logged as a warning, not a failed run."""
     layout = run_layout(cfg)
-    if "evaluate" not in results or not layout.eval_results.is_file():
+    if evaluate.STAGE.name not in results or not layout.eval_results.is_file():
         return None
     try:
         record = acceptance_record(json.loads(layout.eval_results.read_text()), str(flow_run.id),
                                    str(flow_run.name), datetime.now(timezone.utc),
-                                   computed=bool(as_json(results["evaluate"]).get("computed")))
+                                   computed=bool(as_json(results[evaluate.STAGE.name]).get("computed")))
         if record is not None:
             append_acceptance(layout.acceptance_history, record)
     except (OSError, ValueError) as exc:

@@ -10,8 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from eagle3.config import RunConfig
+from eagle3.evaluate import stage as evaluate
+from eagle3.export import stage as export
+from eagle3.features import stage as capture
 from eagle3.run.layout import RunLayout, run_layout
 from eagle3.run.registry import DATA_STAGES, ONLINE_SKIP, get_stage
+from eagle3.train import stage as train
 
 
 def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
@@ -24,21 +28,22 @@ def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
         doc = read_manifest(get_stage(stage).manifest(layout.root))
         if doc:
             results[stage] = {"computed": None, "stats": doc.get("stats", {}), "outputs": doc.get("outputs", {})}
-    capture = read_manifest(get_stage("capture").manifest(layout.root))
+    captured = read_manifest(capture.STAGE.manifest(layout.root))
     if cfg.train.features == "online":
-        results["capture"] = {"skipped": ONLINE_SKIP}
-    elif capture:
-        results["capture"] = {"stats": capture.get("stats", {})}
-    train = read_manifest(get_stage("train").manifest(layout.root))
-    if train:
-        stats = train.get("stats", {})
-        results["train"] = {"last_train": stats.get("train"), "last_eval": stats.get("eval"), "manifest": stats}
-    export = read_manifest(get_stage("export").manifest(layout.root))
-    if export:
-        results["export"] = {"stats": export.get("stats", {}), "dir": str(layout.export.resolve())}
+        results[capture.STAGE.name] = {"skipped": ONLINE_SKIP}
+    elif captured:
+        results[capture.STAGE.name] = {"stats": captured.get("stats", {})}
+    trained = read_manifest(train.STAGE.manifest(layout.root))
+    if trained:
+        stats = trained.get("stats", {})
+        results[train.STAGE.name] = {"last_train": stats.get("train"), "last_eval": stats.get("eval"),
+                                     "manifest": stats}
+    exported = read_manifest(export.STAGE.manifest(layout.root))
+    if exported:
+        results[export.STAGE.name] = {"stats": exported.get("stats", {}), "dir": str(layout.export.resolve())}
     evaluation = read_manifest(layout.eval_results)  # any JSON file, or None
     if evaluation:
-        results["evaluate"] = evaluation
+        results[evaluate.STAGE.name] = evaluation
     return results
 
 
@@ -80,21 +85,21 @@ def print_stage_seconds(cfg: RunConfig, flow_run_id: str) -> None:
         print("\n".join(duration_lines(runs)), flush=True)
 
 
-def _print_train(train: dict[str, Any]) -> None:
+def _print_train(summary: dict[str, Any]) -> None:
     """Train and validation accuracy per TTT step, and the acceptance-length estimate."""
     print("\n[train]")
-    for name, rec in (("last train step", train.get("last_train")), ("last validation", train.get("last_eval"))):
+    for name, rec in (("last train step", summary.get("last_train")), ("last validation", summary.get("last_eval"))):
         if not rec:
             continue
         accs = " ".join(f"acc_{k}={rec[f'acc_{k}']:.3f}" for k in range(16) if f"acc_{k}" in rec)
         print(f"  {name:<20} step {rec.get('step')}  loss {rec.get('loss', float('nan')):.4f}  {accs}")
-    last_eval = train.get("last_eval") or {}
+    last_eval = summary.get("last_eval") or {}
     if "accept_len_est" in last_eval:
         print(f"  {'accept_len_est (val)':<20} {last_eval['accept_len_est']:.3f}  "
               f"(unigram baseline acc_0 {last_eval.get('unigram_acc_0', float('nan')):.3f})")
-    best = train.get("manifest", {}).get("best_step")
+    best = summary.get("manifest", {}).get("best_step")
     if best is not None:
-        print(f"  {'best validation':<20} step {best}  accept_len_est {train['manifest']['best_accept_len_est']:.3f}")
+        print(f"  {'best validation':<20} step {best}  accept_len_est {summary['manifest']['best_accept_len_est']:.3f}")
 
 
 def _print_eval(evaluation: dict[str, Any]) -> None:
@@ -198,13 +203,13 @@ def render_run_report(cfg: RunConfig) -> str:
     if cap:
         lines += ["## Capture", f"{cap.get('num_samples')} samples, {cap.get('num_tokens')} tokens, "
                   f"{cap.get('num_bytes', 0) / 1e6:.1f} MB, {cap.get('bytes_per_token')} bytes/token", ""]
-    train = res.get("train")
-    if train:
-        last_train, last_eval = train.get("last_train") or {}, train.get("last_eval") or {}
+    trained = res.get("train")
+    if trained:
+        last_train, last_eval = trained.get("last_train") or {}, trained.get("last_eval") or {}
         lines += ["## Training", f"last step {last_train.get('step')}: {last_train.get('tokens_per_s', 0):,.0f} "
                   f"tokens/s; validation acc_0 {last_eval.get('acc_0', float('nan')):.3f}, accept_len_est "
                   f"{last_eval.get('accept_len_est', float('nan')):.3f}", ""]
-        lines += selection_lines(train.get("manifest", {}), res.get("export", {}).get("stats", {}))
+        lines += selection_lines(trained.get("manifest", {}), res.get("export", {}).get("stats", {}))
         lines += [markdown_image(p) for p in layout.train_plots if p.is_file()]
     if res.get("evaluate"):
         lines += ["", "## Measured acceptance (speculative decoding against the target)", ""]

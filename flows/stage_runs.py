@@ -12,7 +12,7 @@ Prefect derives from ``PREFECT_API_URL`` less its ``/api`` when unset: settings/
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 from uuid import UUID
@@ -43,8 +43,10 @@ def run_id_of(kind: RunKind, state: State) -> UUID | None:
 class StageClock:
     """The StageRun of every stage a flow calls, in call order (``runs``)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, stage_of: Mapping[str, str] | None = None):
+        """``stage_of``: the registry stage that a row named otherwise stands for (a flow's step), for its outputs."""
         self.layout = RunLayout(root)
+        self.stage_of = dict(stage_of or {})
         self.runs: list[StageRun] = []
 
     def call(self, stage: str, kind: RunKind, run: Callable[[], State]) -> State:
@@ -84,9 +86,10 @@ class StageClock:
 
     def add(self, stage: str, state: str, duration_s: float | None, url: str | None = None, run_kind: str = "",
             note: str = "") -> StageRun:
-        """Append the StageRun of ``stage`` (its outputs' place from the run layout)."""
-        record = StageRun(stage, state, None if duration_s is None else round(duration_s, 3),
-                          stage_output(self.layout, stage), url, run_kind if url else "", note)
+        """Append the StageRun of ``stage`` (its outputs' place from the registry)."""
+        outputs = stage_output(self.layout, self.stage_of.get(stage, stage))
+        record = StageRun(stage, state, None if duration_s is None else round(duration_s, 3), outputs, url,
+                          run_kind if url else "", note)
         self.runs.append(record)
         return record
 

@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eagle3.config import load_config  # noqa: E402
+from eagle3.features import STAGE as CAPTURE  # noqa: E402
+from eagle3.train import STAGE as TRAIN  # noqa: E402
 from flows import local_server  # noqa: E402
 from flows.follow import deploy, trigger  # noqa: E402
 from flows.local_worker import LocalWorker, start_worker, worker_pid  # noqa: E402
@@ -38,6 +40,9 @@ from infra.process import read_pid_file  # noqa: E402
 from infra.storage import read_holder  # noqa: E402
 
 TINY_OVERRIDES = ["capture.tokens_per_shard=300", "train.num_epochs=30", "train.checkpoint_every_steps=25"]
+BOTH = "both"
+KILL_CHOICES = (CAPTURE.name, TRAIN.name, BOTH)
+"""What --kill takes: the stage whose processes are killed mid-run, or both (capture first)."""
 
 
 def shard_manifests(run_dir: Path) -> dict[str, float]:
@@ -215,7 +220,7 @@ def main() -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=None)
     parser.add_argument("--workdir", default=str(ROOT / "runs" / "chaos"))
     parser.add_argument("--port", type=int, default=4310)
-    parser.add_argument("--kill", choices=("capture", "train", "both"), default="both")
+    parser.add_argument("--kill", choices=KILL_CHOICES, default=BOTH)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit for each wait")
     args = parser.parse_args()
     overrides = (args.overrides if args.overrides is not None else
@@ -239,9 +244,9 @@ def run_chaos(preset: str, overrides: list[str], workdir: str, port: int, kill: 
     run_id = trigger("eagle3-pipeline/eagle3-pipeline", {"preset": preset, "overrides": overrides})
     print(f"flow run {server.ui_url}/runs/flow-run/{run_id}", flush=True)
     report: dict = {"preset": preset, "overrides": overrides, "flow_run": str(run_id)}
-    if kill in ("capture", "both"):
+    if kill in (CAPTURE.name, BOTH):
         report["capture_kill"] = chaos_capture(run_id, worker, cfg.run_dir, timeout_s)
-    if kill in ("train", "both"):
+    if kill in (TRAIN.name, BOTH):
         report["train_kill"] = chaos_train(run_id, worker, cfg.run_dir, timeout_s)
     state = wait_until(lambda: (s := flow_state(run_id))[0] in ("Completed", "Failed", "Crashed", "Cancelled") and s,
                        timeout_s, "the run to finish")

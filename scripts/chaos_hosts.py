@@ -39,11 +39,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from chaos import (TINY_OVERRIDES, checkpoint_steps, flow_state, shard_manifests, state_history,  # noqa: E402
-                   train_progress, wait_until)
+from chaos import (BOTH, KILL_CHOICES, TINY_OVERRIDES, checkpoint_steps, flow_state, shard_manifests,  # noqa: E402
+                   state_history, train_progress, wait_until)
 from kill_checks import check_shards  # noqa: E402
 
 from eagle3.config import load_config  # noqa: E402
+from eagle3.features import STAGE as CAPTURE  # noqa: E402
+from eagle3.run.registry import UNTIL_CHOICES  # noqa: E402
+from eagle3.train import STAGE as TRAIN  # noqa: E402
 from flows import local_server  # noqa: E402
 from flows.follow import deploy, trigger  # noqa: E402
 from flows.local_server import LocalServer  # noqa: E402
@@ -246,9 +249,9 @@ def run_chaos_hosts(args: argparse.Namespace) -> int:
     names = [f"host-{chr(ord('a') + i)}" for i in range(args.hosts)]
     overrides = [*(args.overrides if args.overrides is not None else TINY_OVERRIDES), *EXTRA,
                  f"run.workdir={workdir}", f"capture.num_slices={args.hosts}"]
-    if args.kill != "capture":
+    if args.kill != CAPTURE.name:
         overrides += ["train.nnodes=2", f"train.rdzv_endpoint=127.0.0.1:{free_port()}"]
-    until = "capture" if args.kill == "capture" else "deploy"  # the capture half alone stops after capture
+    until = CAPTURE.name if args.kill == CAPTURE.name else UNTIL_CHOICES[-1]  # capture alone: stop after it
     cfg = load_config(args.preset, overrides)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a fresh run, so every figure is about this one
     shutil.rmtree(workdir / "hosts", ignore_errors=True)
@@ -268,10 +271,10 @@ def run_chaos_hosts(args: argparse.Namespace) -> int:
     print(f"flow run {server.ui_url}/runs/flow-run/{run_id}; hosts {names}", flush=True)
     report: dict = {"preset": args.preset, "overrides": overrides, "flow_run": str(run_id), "hosts": names}
     dead: set[str] = set()
-    if args.kill in ("capture", "both"):
+    if args.kill in (CAPTURE.name, BOTH):
         report["capture_kill"] = chaos_capture(hosts, cfg.run_dir, "host-b", t0, args.timeout_s)
         dead.add("host-b")
-    if args.kill in ("train", "both"):
+    if args.kill in (TRAIN.name, BOTH):
         report["train_kill"] = chaos_train(hosts, dead, cfg.run_dir, t0, args.timeout_s)
     state = wait_until(lambda: (s := flow_state(run_id))[0] in ("Completed", "Failed", "Crashed", "Cancelled") and s,
                        args.timeout_s, "the run to finish", 2.0)
@@ -297,11 +300,11 @@ def main() -> int:
     parser.add_argument("--workdir", default=str(ROOT / "runs" / "chaos-hosts"))
     parser.add_argument("--port", type=int, default=4320)
     parser.add_argument("--hosts", type=int, default=4, help="gpu-pool workers besides the head (capture slices)")
-    parser.add_argument("--kill", choices=("capture", "train", "both"), default="both")
+    parser.add_argument("--kill", choices=KILL_CHOICES, default=BOTH)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit for each wait")
     args = parser.parse_args()
-    lost = 2 if args.kill == "both" else 1
-    if args.kill != "capture" and args.hosts - lost < 2:
+    lost = 2 if args.kill == BOTH else 1
+    if args.kill != CAPTURE.name and args.hosts - lost < 2:
         parser.error(f"--kill {args.kill} with train.nnodes=2 needs {lost + 2} hosts (2 alive after {lost} lost)")
     if args.hosts < 2:
         parser.error("--hosts must be at least 2 (one to lose, one to survive)")

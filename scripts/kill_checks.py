@@ -14,17 +14,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3.data.stages import regenerate, tokenize
+from eagle3.evaluate import stage as evaluate
+from eagle3.export import stage as export
 from eagle3.features.shards.done import ShardDone
 from eagle3.features.shards.layout import done_path_for, shard_path
+from eagle3.run.registry import STAGES
 from eagle3.run.stage import read_manifest
+from eagle3.train import STAGE as TRAIN
 from infra.locks import LOCK_FILE, read_holder
 from infra.storage import sha256_file
 
 TEMP_NAME_RE = re.compile(r"^\..+(\.tmp$|\.tmp-\d+$|\.old-\d+$)")
 """Leftovers of a killed writer: atomic_open/temp_path_for files, checkpoint temp dirs, publish_dir's moved-aside dirs."""
-DATA_OUTPUTS = {"merge": "data/merge.manifest.json", "regenerate": "data/regenerate.manifest.json",
-                "tokenize": "data/tokenize.manifest.json", "vocab": "vocab/vocab.manifest.json"}
-"""Stages whose outputs are byte-for-byte the same in any run of the same config (CPU, greedy, seeded)."""
 
 
 @dataclass(frozen=True)
@@ -121,13 +123,13 @@ def check_rejects(run_dir: Path) -> Check:
              _parquet_rows(data / "merged.parquet") + total["rejected"])
     if len(set(merge)) != 1:
         problems.append(f"merge read/kept+rejected/rows+rejects disagree: {merge}")
-    regen = read_manifest(data / "regenerate.manifest.json")["stats"]
+    regen = read_manifest(regenerate.STAGE.manifest(Path(run_dir)))["stats"]
     skipped = regen["skipped_done"] + regen["skipped_source"] + regen["skipped_limit"]
     regen_counts = (regen["input"], regen["success"] + regen["error"] + skipped, total["kept"],
                     _parquet_rows(data / "regenerated.parquet") + _count_lines(data / "regenerate_errors.jsonl"))
     if len(set(regen_counts)) != 1:
         problems.append(f"regenerate input/success+error/merged rows/parquet+errors disagree: {regen_counts}")
-    tok = read_manifest(data / "tokenize.manifest.json")["stats"]
+    tok = read_manifest(tokenize.STAGE.manifest(Path(run_dir)))["stats"]
     tok_counts = (tok["rows_in"], tok["rows_written"] + tok["rows_rejected"],
                   _parquet_rows(data / "tokenized.parquet") + _count_lines(data / "tokenize_rejects.jsonl"))
     if len(set(tok_counts)) != 1:
@@ -139,24 +141,25 @@ def check_rejects(run_dir: Path) -> Check:
                  if not problems else "; ".join(problems))
 
 
-def _output_hashes(run_dir: Path, manifest: str) -> dict[str, str]:
-    doc = read_manifest(Path(run_dir) / manifest) or {}
+def _output_hashes(manifest: Path) -> dict[str, str]:
+    doc = read_manifest(manifest) or {}
     return {name: entry["sha256"] for name, entry in doc.get("outputs", {}).items()}
 
 
 def check_same_data(run_dir: Path, ref_dir: Path) -> Check:
-    """The data, vocab and capture outputs are byte-identical to the uninterrupted run's."""
-    names = [*DATA_OUTPUTS.values(), "features/capture.manifest.json"]
-    differ = [m for m in names if _output_hashes(run_dir, m) != _output_hashes(ref_dir, m) or
-              not _output_hashes(run_dir, m)]
-    return Check("data_and_shards_equal_uninterrupted_run", not differ,
-                 f"{len(names)} stages' outputs have the reference run's sha256" if not differ
+    """The outputs of every reproducible stage (eagle3.run.registry: data, vocab, capture) that the uninterrupted run
+    ran are byte-identical to its."""
+    ran = [s for s in STAGES if s.reproducible and s.manifest(ref_dir).is_file()]
+    differ = [s.name for s in ran if not _output_hashes(s.manifest(run_dir)) or
+              _output_hashes(s.manifest(run_dir)) != _output_hashes(s.manifest(ref_dir))]
+    return Check("data_and_shards_equal_uninterrupted_run", bool(ran) and not differ,
+                 f"{len(ran)} stages' outputs have the reference run's sha256" if not differ
                  else f"outputs differ from the reference run in {differ}")
 
 
 def _final_checkpoint(run_dir: Path) -> Path:
-    doc = read_manifest(Path(run_dir) / "train" / "train.manifest.json")
-    return Path(run_dir) / "train" / doc["outputs"]["model"]["path"]
+    doc = read_manifest(TRAIN.manifest(Path(run_dir)))
+    return TRAIN.manifest(Path(run_dir)).parent / doc["outputs"]["model"]["path"]
 
 
 def check_same_drafter(run_dir: Path, ref_dir: Path) -> Check:
@@ -166,8 +169,8 @@ def check_same_drafter(run_dir: Path, ref_dir: Path) -> Check:
     mine, ref = load_file(str(_final_checkpoint(run_dir))), load_file(str(_final_checkpoint(ref_dir)))
     differ = sorted(k for k in set(mine) | set(ref) if k not in mine or k not in ref or
                     mine[k].dtype != ref[k].dtype or not mine[k].equal(ref[k]))
-    exported = {k: v for k, v in _output_hashes(run_dir, "export/export.manifest.json").items() if "weights" in k}
-    if exported != {k: v for k, v in _output_hashes(ref_dir, "export/export.manifest.json").items()
+    exported = {k: v for k, v in _output_hashes(export.STAGE.manifest(run_dir)).items() if "weights" in k}
+    if exported != {k: v for k, v in _output_hashes(export.STAGE.manifest(ref_dir)).items()
                     if "weights" in k} or not exported:
         differ.append("exported weights")
     return Check("drafter_equals_uninterrupted_run", not differ,
@@ -178,7 +181,7 @@ def check_same_drafter(run_dir: Path, ref_dir: Path) -> Check:
 def check_same_eval(run_dir: Path, ref_dir: Path) -> Check:
     """Evaluation measured the same acceptance lengths and lossless counts as the uninterrupted run."""
     def figures(path: Path) -> dict[str, Any]:
-        stats = (read_manifest(Path(path) / "eval" / "evaluate.manifest.json") or {}).get("stats", {})
+        stats = (read_manifest(evaluate.STAGE.manifest(Path(path))) or {}).get("stats", {})
         return {k: (v.get("accept_len"), v.get("lossless_identical")) for k, v in stats.items()}
 
     mine, ref = figures(run_dir), figures(ref_dir)

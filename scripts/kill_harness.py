@@ -51,9 +51,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from kill_checks import Check, all_checks, stray_temps  # noqa: E402
 
 from eagle3.data.regenerate import JOURNAL_NAME  # noqa: E402
+from eagle3.data.stages import regenerate  # noqa: E402
+from eagle3.evaluate import stage as evaluate  # noqa: E402
+from eagle3.features import stage as capture  # noqa: E402
 from eagle3.run.layout import DATA_DIR, RunLayout  # noqa: E402
 from eagle3.run.registry import STAGES as REGISTRY  # noqa: E402
 from eagle3.run.registry import get_stage  # noqa: E402
+from eagle3.train import stage as train  # noqa: E402
 from infra.process import group_alive, popen_detached, tail  # noqa: E402
 
 TINY = "pkg://eagle3/assets/tiny_chats.jsonl"
@@ -65,7 +69,7 @@ OVERRIDES = [f"data.sources=[{SOURCES}]",  # 4 x 60 + 20 conversations, kept apa
              "regenerate.max_new_tokens=24", "capture.tokens_per_shard=1000",  # ~44 shards
              "train.num_epochs=6", "train.checkpoint_every_steps=10"]  # ~400 steps
 """The tiny preset made big enough that a random kill lands mid-stage (about 2 minutes uninterrupted on 2 cores)."""
-RESUMABLE = {"regenerate", "capture", "train", "evaluate"}
+RESUMABLE = {s.name for s in REGISTRY if s.resumable}
 """Stages that keep finished work across a kill (journal, complete shards, checkpoints); a rerun has less to do."""
 STAGE_TIMEOUT_S = 900.0
 STEP_RE = re.compile(rb"\bstep (\d+)/(\d+)")
@@ -81,6 +85,7 @@ class Stage:
     name: str
     module: str
     by_preset: bool  # True: --preset/--set (writes config.json); False: --config <run>/config.json
+    torchrun: bool = False  # training: killed by optimizer step, not by time
 
     def argv(self, preset: str, overrides: list[str], run_dir: Path) -> list[str]:
         """The command that runs (or resumes, or skips) this stage."""
@@ -97,7 +102,8 @@ def harness_stages(preset: str = "tiny", overrides: list[str] = OVERRIDES) -> li
 
     cfg = load_config(preset, overrides)
     first_by_config = next(i for i, s in enumerate(REGISTRY) if s.torchrun)
-    return [Stage(s.name, s.cli, i < first_by_config) for i, s in enumerate(REGISTRY) if s.skip_reason(cfg) is None]
+    return [Stage(s.name, s.cli, i < first_by_config, s.torchrun) for i, s in enumerate(REGISTRY)
+            if s.skip_reason(cfg) is None]
 
 
 STAGES = harness_stages()
@@ -164,15 +170,16 @@ def _lines(path: Path) -> int:
 def snapshot(stage: str, run_dir: Path) -> dict[str, object]:
     """What the killed stage had done when the kill landed (its resumable progress) and the temp files it left."""
     progress: dict[str, object] = {}
-    if stage == "regenerate":
-        progress["journaled_conversations"] = _lines(run_dir / "data" / "regenerate.journal.jsonl")
-    elif stage == "capture":
-        progress["complete_shards"] = len(list((run_dir / "features").glob("shard-*.done.json")))
-    elif stage == "train":
-        steps = [int(p.name[5:]) for p in (run_dir / "train" / "checkpoints").glob("step-*")]
+    layout = RunLayout(run_dir)
+    if stage == regenerate.STAGE.name:
+        progress["journaled_conversations"] = _lines(layout.data / JOURNAL_NAME)
+    elif stage == capture.STAGE.name:
+        progress["complete_shards"] = len(list(layout.features.glob("shard-*.done.json")))
+    elif stage == train.STAGE.name:
+        steps = [int(p.name[5:]) for p in layout.checkpoints.glob("step-*")]
         progress["newest_checkpoint_step"] = max(steps, default=None)
-    elif stage == "evaluate":
-        progress["journaled_prompts"] = _lines(run_dir / "eval" / "evaluate.journal.jsonl")
+    elif stage == evaluate.STAGE.name:
+        progress["journaled_prompts"] = _lines(layout.eval / evaluate.JOURNAL_NAME)
     return {**progress, "temp_files_left": len(stray_temps(run_dir.parent))}
 
 
@@ -206,7 +213,7 @@ def reference_run(preset: str, overrides: list[str], workdir: Path, logs: Path) 
         argv = stage.argv(preset, over, run_dir)
         _, full = run_until(argv, logs / f"ref-{stage.name}.log", None)
         _, noop = run_until(argv, logs / f"ref-{stage.name}-noop.log", None)
-        steps = logged_step(logs / f"ref-{stage.name}.log") if stage.name == "train" else None
+        steps = logged_step(logs / f"ref-{stage.name}.log") if stage.torchrun else None
         timings[stage.name] = Timing(round(full, 2), round(noop, 2), steps)
         print(f"reference {stage.name}: {full:.1f} s (no-op rerun {noop:.1f} s)", flush=True)
     return timings
@@ -253,7 +260,7 @@ def reset_stage(stage: str, run_dir: Path) -> None:
         shutil.rmtree(layout.root / spec.folder, ignore_errors=True)
         return
     spec.manifest(layout.root).unlink(missing_ok=True)
-    if stage == "regenerate":
+    if stage == regenerate.STAGE.name:
         for journal in layout.data.glob(JOURNAL_NAME.replace(".jsonl", "*.jsonl")):
             journal.unlink()
 
@@ -281,7 +288,7 @@ def kill_stage(rng: random.Random, stage: Stage, quota: int, timing: Timing, arg
     retrying = False
     while out.kills < quota:
         out.attempts += 1
-        if stage.name == "train" and timing.steps:  # by step, not time: the step rate follows the machine's load
+        if stage.torchrun and timing.steps:  # by step, not time: the step rate follows the machine's load
             span = (timing.steps - last_step) / (quota - out.kills)
             target = min(last_step + max(1, round(rng.uniform(0.05, 1.0) * span)), timing.steps - 1)
             when, kill_when = f"step {target}", lambda offset, t=target: (logged_step(log, offset) or 0) >= t

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from prefect import task
 
 from eagle3.config import RunConfig
+from eagle3.features import stage as capture
 from eagle3.run.stage import StageOutcome
 from tasks.artifacts import publish_table
 from tasks.retry import IO_RETRY
@@ -44,8 +45,8 @@ def capture_shard_task(cfg: RunConfig, shard_index: int) -> ShardResult:
     return capture_shard(cfg, shard_index)
 
 
-@task(name="capture-finalize", task_run_name="capture-finalize-{cfg.run.name}", cache_key_fn=stage_cache_key("capture"),
-      **STAGE_CACHE)
+@task(name="capture-finalize", task_run_name="capture-finalize-{cfg.run.name}",
+      cache_key_fn=stage_cache_key(capture.STAGE.name), **STAGE_CACHE)
 def finalize_capture_task(cfg: RunConfig) -> StageOutcome:
     """Check every shard is complete and write the capture manifest; the capture stage's outcome (a capture that is
     up to date: ``Cached``, with the manifest on disk, tasks.stage_cache)."""

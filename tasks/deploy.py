@@ -17,28 +17,27 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import RunConfig
 from eagle3.deploy import DeployReport, Role, ServerRun, ServingPlan
+from eagle3.evaluate import stage as evaluate
+from eagle3.export import stage as export
 from eagle3.run.stage import StageOutcome
 from tasks.artifacts import ProgressArtifact, artifact_key, publish_table
 from tasks.stage_cache import STAGE_CACHE, computed_key, stage_cache_key
 
 
-@task(name="export", task_run_name="export-{cfg.run.name}", cache_key_fn=stage_cache_key("export"), **STAGE_CACHE)
+@task(name=export.STAGE.name, task_run_name="export-{cfg.run.name}", cache_key_fn=stage_cache_key(export.STAGE.name),
+      **STAGE_CACHE)
 def export_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Export the trained drafter (up to date: ``Cached``, tasks.stage_cache)."""
-    from eagle3.export.stage import run_export
-
-    return run_export(cfg, force, computed_key())
+    return export.run_export(cfg, force, computed_key())
 
 
-@task(name="evaluate", task_run_name="evaluate-{cfg.run.name}", tags=["gpu"], cache_key_fn=stage_cache_key("evaluate"),
-      **STAGE_CACHE)
+@task(name=evaluate.STAGE.name, task_run_name="evaluate-{cfg.run.name}", tags=["gpu"],
+      cache_key_fn=stage_cache_key(evaluate.STAGE.name), **STAGE_CACHE)
 def evaluate_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Offline speculative decoding with the target in PyTorch: acceptance and lossless check (up to date:
     ``Cached``, tasks.stage_cache)."""
-    from eagle3.evaluate.stage import run_evaluate
-
     with ProgressArtifact(artifact_key(cfg, "evaluate"), f"offline evaluation ({cfg.run.name})") as progress:
-        return run_evaluate(cfg, progress=progress.callback, force=force, known_key=computed_key())
+        return evaluate.run_evaluate(cfg, progress=progress.callback, force=force, known_key=computed_key())
 
 
 @task(name="serve-prepare", task_run_name="serve-prepare-{cfg.run.name}")

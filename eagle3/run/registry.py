@@ -35,7 +35,9 @@ ONLINE_SKIP = capture.ONLINE_SKIP
 
 
 class StageModule(Protocol):
-    """The names every stage module defines (the registry reads nothing else)."""
+    """The names every stage module defines; a module may add ``COMMAND``, ``TORCHRUN``, ``up_to_date(cfg, key)``
+    and ``output(layout)`` (StageSpec says what each means and what its absence does); the registry reads nothing
+    else."""
 
     STAGE: StageId
     SECTION: str | None
@@ -55,6 +57,11 @@ class StageSpec:
     module: ModuleType
     data: bool = False
     """A data stage: the pipeline runs the data block first, and ``--until`` stops after all of it or none."""
+    resumable: bool = False
+    """The stage keeps finished work across a kill (journal, complete shards, checkpoints): a rerun has less to do."""
+    reproducible: bool = False
+    """Its outputs are byte for byte the same in every run of the same config on CPU (greedy, seeded): the kill
+    harness compares them with an uninterrupted run's."""
 
     @property
     def stage(self) -> StageModule:
@@ -101,6 +108,14 @@ class StageSpec:
         """The pipeline runs the stage as its own process group (training), not in the flow's process."""
         return bool(getattr(self.module, "TORCHRUN", False))
 
+    def output(self, run_dir: Path) -> Path:
+        """Where the stage's outputs are: the file or folder its module's ``output(layout)`` names, else its folder."""
+        from eagle3.run.layout import RunLayout
+
+        layout = RunLayout(run_dir)
+        named: Callable[[RunLayout], Path] | None = getattr(self.module, "output", None)
+        return named(layout) if named is not None else layout.stage_dir(self.stage.STAGE)
+
     def manifest(self, run_dir: Path) -> Path:
         """<run_dir>/<folder>/<name>.manifest.json."""
         return self.stage.STAGE.manifest(run_dir)
@@ -137,14 +152,14 @@ class StageSpec:
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec(synthesize, data=True),
-    StageSpec(merge, data=True),
-    StageSpec(regenerate, data=True),
-    StageSpec(tokenize, data=True),
-    StageSpec(vocab, data=True),
-    StageSpec(capture),
-    StageSpec(train),
+    StageSpec(merge, data=True, reproducible=True),
+    StageSpec(regenerate, data=True, resumable=True, reproducible=True),
+    StageSpec(tokenize, data=True, reproducible=True),
+    StageSpec(vocab, data=True, reproducible=True),
+    StageSpec(capture, resumable=True, reproducible=True),
+    StageSpec(train, resumable=True),
     StageSpec(export),
-    StageSpec(evaluate),
+    StageSpec(evaluate, resumable=True),
     StageSpec(deploy),
 )
 BY_NAME: dict[str, StageSpec] = {s.name: s for s in STAGES}

@@ -64,16 +64,16 @@ def state_label(state_name: str | None, computed: bool | None = None) -> str:
 
 
 def stage_output(layout: RunLayout, stage: str) -> str:
-    """Where ``stage`` writes, relative to the run directory (folders end in '/'); "" for a stage that writes
-    outside it (the target check prepares the target in its cache)."""
-    paths: dict[str, Path] = {"synthesize": layout.data / "synthetic", "merge": layout.merged,
-                              "regenerate": layout.regenerated, "tokenize": layout.tokenized, "vocab": layout.vocab,
-                              "capture": layout.features, "train": layout.train, "export": layout.export,
-                              "evaluate": layout.eval, "benchmark": layout.deploy}
-    if stage not in paths:
+    """Where registry stage ``stage`` writes (eagle3.run.registry: StageSpec.output), relative to the run directory
+    (folders end in '/'); "" for a row that is no registry stage (the target check prepares the target in its
+    cache)."""
+    from eagle3.run.registry import BY_NAME
+
+    if stage not in BY_NAME:
         return ""
-    rel = run_relative(layout.root, paths[stage])
-    return rel if paths[stage].suffix else rel + "/"
+    path = BY_NAME[stage].output(layout.root)
+    rel = run_relative(layout.root, path)
+    return rel if path.suffix else rel + "/"
 
 
 def headline(stage: str, result: Mapping[str, Any] | None) -> str:

@@ -57,13 +57,14 @@ def test_state_labels_read_the_same_for_every_up_to_date_stage():
 
 
 def test_stage_outputs_are_paths_under_the_run_directory(tmp_path):
-    """Each stage's outputs as the summary names them: relative to the run dir, folders ending in '/'."""
+    """Each registry stage's outputs as the summary names them: relative to the run dir, folders ending in '/'; a
+    row that is no stage (the target check) names none."""
     layout = RunLayout(tmp_path / "run")
     assert {s: stage_output(layout, s) for s in ("target", "synthesize", "merge", "regenerate", "tokenize", "vocab",
-                                                 "capture", "train", "export", "evaluate", "benchmark")} == {
+                                                 "capture", "train", "export", "evaluate", "deploy")} == {
         "target": "", "synthesize": "data/synthetic/", "merge": "data/merged.parquet",
         "regenerate": "data/regenerated.parquet", "tokenize": "data/tokenized.parquet", "vocab": "vocab/",
-        "capture": "features/", "train": "train/", "export": "export/", "evaluate": "eval/", "benchmark": "deploy/"}
+        "capture": "features/", "train": "train/", "export": "export/", "evaluate": "eval/", "deploy": "deploy/"}
 
 
 def test_headlines_give_each_stage_its_main_counts():
@@ -245,7 +246,7 @@ def test_stage_clock_records_state_duration_outputs_and_ui_link(tmp_path):
     cached.state_details.task_run_id = task_id
     sub = Completed()
     sub.state_details.flow_run_id, sub.state_details.task_run_id = flow_id, stand_in
-    clock = StageClock(tmp_path / "run")
+    clock = StageClock(tmp_path / "run", {"benchmark": "deploy"})  # a step's row named apart from its stage
     with temporary_settings({PREFECT_UI_URL: UI}):
         clock.call("merge", "task-run", lambda: cached)
         clock.call("capture", "flow-run", lambda: sub)
@@ -264,8 +265,8 @@ def test_stage_clock_records_state_duration_outputs_and_ui_link(tmp_path):
     assert by_stage["train"].state == FAILED and by_stage["train"].url is None  # a state without a run id
     assert by_stage["regenerate"].state == CACHED and by_stage["tokenize"].state == FAILED
     assert all(r.duration_s is not None and r.duration_s >= 0 for r in clock.runs[:5])
-    assert (by_stage["benchmark"].state, by_stage["benchmark"].note, by_stage["benchmark"].duration_s) == (
-        SKIPPED, "not enabled", None)
+    assert (by_stage["benchmark"].state, by_stage["benchmark"].note, by_stage["benchmark"].duration_s,
+            by_stage["benchmark"].outputs) == (SKIPPED, "not enabled", None, "deploy/")
     assert by_stage["vocab"].state == NOT_STARTED
 
 

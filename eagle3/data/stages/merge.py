@@ -5,16 +5,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from eagle3.config import ConfigError, RunConfig, section_dict
 from eagle3.data.stages import synthesize
 from eagle3.data.stages.common import data_stage_main, synthetic_sources
-from eagle3.run.layout import DATA_DIR, run_layout
+from eagle3.run.layout import DATA_DIR, RunLayout, run_layout
 from eagle3.run.progress import ProgressFn
 from eagle3.run.stage import StageId, StageOutcome, run_stage, stage_key
 
 STAGE = StageId("merge", DATA_DIR)
 SECTION = "data"
 DESCRIPTION = "read, validate, dedupe, shuffle and split every source into data/merged.parquet"
+
+
+def output(layout: RunLayout) -> Path:
+    """data/merged.parquet: the merged conversations (the run summary names it)."""
+    return layout.merged
 
 
 def skip_reason(cfg: RunConfig) -> str | None:

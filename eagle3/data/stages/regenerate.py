@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from eagle3.config import RunConfig, section_dict
 from eagle3.data.stages import merge
 from eagle3.data.stages.common import data_stage_main, kept_answer_sources, model_loader, target
-from eagle3.run.layout import DATA_DIR, run_layout
+from eagle3.run.layout import DATA_DIR, RunLayout, run_layout
 from eagle3.run.progress import ProgressFn
 from eagle3.run.stage import StageId, StageOutcome, run_stage, stage_key
 
@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 STAGE = StageId("regenerate", DATA_DIR, version=2)  # 2: regenerated.parquet holds truncated_turns
 SECTION = "regenerate"
 DESCRIPTION = "re-answer every user turn with the target"
+
+
+def output(layout: RunLayout) -> Path:
+    """data/regenerated.parquet: the conversations re-answered by the target (the run summary names it)."""
+    return layout.regenerated
 
 
 def skip_reason(cfg: RunConfig) -> str | None:

@@ -5,15 +5,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from eagle3.config import RunConfig
 from eagle3.data.stages.common import data_stage_main, model_loader, synthetic_sources, target
-from eagle3.run.layout import DATA_DIR, run_layout
+from eagle3.run.layout import DATA_DIR, RunLayout, run_layout
 from eagle3.run.progress import ProgressFn
 from eagle3.run.stage import StageId, StageOutcome, run_stage, stage_key
 
 STAGE = StageId("synthesize", DATA_DIR)
 SECTION: str | None = None  # the key hashes the synthetic sources and the generation settings (stage_config)
 DESCRIPTION = "let the target write and answer the records of the synthetic sources"
+
+
+def output(layout: RunLayout) -> Path:
+    """data/synthetic/: the generated records, one file per synthetic source (the run summary names it)."""
+    from eagle3.data.synthetic import SYNTHETIC_DIR
+
+    return layout.data / SYNTHETIC_DIR
 
 
 def skip_reason(cfg: RunConfig) -> str | None:

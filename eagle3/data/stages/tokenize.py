@@ -10,13 +10,18 @@ from pathlib import Path
 from eagle3.config import RunConfig, section_dict
 from eagle3.data.stages import merge, regenerate
 from eagle3.data.stages.common import data_stage_main, target
-from eagle3.run.layout import DATA_DIR, run_layout
+from eagle3.run.layout import DATA_DIR, RunLayout, run_layout
 from eagle3.run.progress import ProgressFn
 from eagle3.run.stage import StageId, StageOutcome, run_stage, stage_key
 
 STAGE = StageId("tokenize", DATA_DIR, version=2)  # 2: the end-of-turn text of truncated turns is not supervised
 SECTION = "tokenize"
 DESCRIPTION = "render with the target's chat template and compute assistant loss masks"
+
+
+def output(layout: RunLayout) -> Path:
+    """data/tokenized.parquet: input ids and loss masks (the run summary names it)."""
+    return layout.tokenized
 
 
 def skip_reason(cfg: RunConfig) -> str | None:
