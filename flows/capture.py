@@ -36,7 +36,7 @@ from flows.common import PresetName, guard_crash_loop, preset_gpu_note, run_slic
 from flows.run_names import stage_run_name
 from tasks.artifacts import artifact_key, publish_table
 from tasks.capture import capture_shard_task, finalize_capture_task, prepare_capture_task
-from tasks.stage_cache import UP_TO_DATE, up_to_date_key
+from tasks.stage_cache import UP_TO_DATE, key_and_state
 
 MAX_THREADS = 64
 SLICE_DEPLOYMENT = "eagle3-capture-slice/eagle3-capture-slice"
@@ -107,18 +107,20 @@ def capture_endpoints(cfg: RunConfig) -> Iterator[RunConfig]:
 
 def run_capture_shards(cfg: RunConfig) -> StageOutcome:
     """Prepare, capture every pending shard (here with bounded concurrency, or in slice runs), finalize; a capture
-    that is up to date only calls the finalize task, which Prefect answers ``Cached`` (tasks.stage_cache)."""
-    if up_to_date_key(capture.STAGE.name, cfg) is not None:
-        return finalize_capture_task(cfg)
+    that is up to date only calls the finalize task, which Prefect answers ``Cached`` (tasks.stage_cache). The stage
+    key is computed once, here, and handed to the finalize task."""
+    key, complete = key_and_state(capture.STAGE.name, cfg)
+    if complete:
+        return finalize_capture_task(cfg, key)
     summary = prepare_capture_task(cfg)
     if not summary.pending:
-        return finalize_capture_task(cfg)
+        return finalize_capture_task(cfg, key)
     if cfg.capture.num_slices > 1:
-        return run_capture_slices(cfg, summary)
+        return run_capture_slices(cfg, summary, key)
     with capture_endpoints(cfg) as served:
         progress = CaptureProgress(cfg, summary)  # after the servers are up: tokens/s counts capture only
         _capture_list(served, summary.pending, progress.shard_done)
-    return _finalize(cfg)
+    return _finalize(cfg, key)
 
 
 def _capture_list(cfg: RunConfig, shards: list[int], on_done: Callable[[ShardResult], None]) -> None:
@@ -134,15 +136,17 @@ def _capture_list(cfg: RunConfig, shards: list[int], on_done: Callable[[ShardRes
         raise RuntimeError(f"{len(failures)} capture shards failed; first: {failures[0]}")
 
 
-def _finalize(cfg: RunConfig) -> StageOutcome:
-    outcome = finalize_capture_task(cfg)
+def _finalize(cfg: RunConfig, key: str | None) -> StageOutcome:
+    outcome = finalize_capture_task(cfg, key)
     publish_table(cfg, "capture-summary", [{k: v for k, v in outcome.stats.items()
                                             if not isinstance(v, (list, dict))}], "captured features")
     return outcome
 
 
-def run_capture_slices(cfg: RunConfig, summary: CaptureSummary, poll_s: float = 5.0) -> StageOutcome:
-    """Capture the pending shards as capture.num_slices slice runs on the gpu pool; finalize when all complete."""
+def run_capture_slices(cfg: RunConfig, summary: CaptureSummary, key: str | None = None,
+                       poll_s: float = 5.0) -> StageOutcome:
+    """Capture the pending shards as capture.num_slices slice runs on the gpu pool; finalize when all complete
+    (``key``: the stage key, when computed already)."""
     from eagle3.features.capture import features_dir
     from eagle3.features.plan import PLAN_FILE, CapturePlan, split_slices
 
@@ -151,7 +155,7 @@ def run_capture_slices(cfg: RunConfig, summary: CaptureSummary, poll_s: float = 
     run_slices(SLICE_DEPLOYMENT, {k: {"config": cfg, "shards": shards} for k, shards in enumerate(slices)},
                f"capture-{cfg.run.name}", on_poll=_watch_disk(cfg, summary.pending, CaptureProgress(cfg, summary)),
                poll_s=poll_s)
-    return _finalize(cfg)
+    return _finalize(cfg, key)
 
 
 def _watch_disk(cfg: RunConfig, pending: list[int], progress: CaptureProgress) -> Callable[[], None]:

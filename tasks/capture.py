@@ -18,7 +18,7 @@ from eagle3.features import stage as capture
 from eagle3.run.stage import StageOutcome
 from tasks.artifacts import publish_table
 from tasks.retry import IO_RETRY
-from tasks.stage_cache import STAGE_CACHE, stage_cache_key
+from tasks.stage_cache import STAGE_CACHE, computed_key, stage_cache_key
 
 if TYPE_CHECKING:  # the core imports torch; the tasks import it only when they run
     from eagle3.features.capture import ShardResult
@@ -47,9 +47,10 @@ def capture_shard_task(cfg: RunConfig, shard_index: int) -> ShardResult:
 
 @task(name="capture-finalize", task_run_name="capture-finalize-{cfg.run.name}",
       cache_key_fn=stage_cache_key(capture.STAGE.name), **STAGE_CACHE)
-def finalize_capture_task(cfg: RunConfig) -> StageOutcome:
+def finalize_capture_task(cfg: RunConfig, known_key: str | None = None) -> StageOutcome:
     """Check every shard is complete and write the capture manifest; the capture stage's outcome (a capture that is
-    up to date: ``Cached``, with the manifest on disk, tasks.stage_cache)."""
+    up to date: ``Cached``, with the manifest on disk, tasks.stage_cache). ``known_key``: the stage key the capture
+    flow computed (the cache-key function takes it instead of computing it again)."""
     from eagle3.features.capture import finalize_outcome
 
-    return finalize_outcome(cfg)
+    return finalize_outcome(cfg, known_key=computed_key() or known_key)

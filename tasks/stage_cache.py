@@ -11,7 +11,9 @@ train starts no torchrun and publishes no progress. The capture subflow ends in 
 
 The key is computed once per run of a task: the key function keeps what it computed under the task run's id and the
 task's body takes it with ``computed_key()`` and passes it to the stage as ``known_key`` (Prefect calls the key
-function in the task run's own thread, right before the body, on every attempt).
+function in the task run's own thread, right before the body, on every attempt). A flow that computed the key
+before calling the task (capture: to skip its shard tasks) passes it as the task's ``known_key`` parameter, and the
+key function takes it from there.
 """
 
 from __future__ import annotations
@@ -67,12 +69,13 @@ _COMPUTED: dict[UUID, str] = {}
 answered ``Cached`` never runs its body: its key is not kept)."""
 
 
-def _key_and_state(stage: str, cfg: RunConfig) -> tuple[str | None, bool]:
+def key_and_state(stage: str, cfg: RunConfig, known_key: str | None = None) -> tuple[str | None, bool]:
     """(the stage key of ``cfg``, whether the stage is complete on disk with it); (None, False) when the key cannot
-    be computed (the task then runs and says why)."""
+    be computed (the task then runs and says why). ``known_key``: the key when the caller computed it already (a
+    flow that checked the stage before calling its task), so it is not computed again."""
     spec = get_stage(stage)
     try:
-        key = spec.key(cfg)
+        key = known_key or spec.key(cfg)
         return key, spec.is_complete(cfg, key)
     except Exception as exc:  # an input stage missing or corrupt, a target not prepared: the task reports it
         log.info("%s: not checked for being up to date (%s: %s); the task runs", stage, type(exc).__name__, exc)
@@ -82,7 +85,7 @@ def _key_and_state(stage: str, cfg: RunConfig) -> tuple[str | None, bool]:
 def up_to_date_key(stage: str, cfg: RunConfig) -> str | None:
     """The stage key of ``cfg`` when the stage is complete on disk (its manifest matches, and whatever else the
     stage checks), else None; None too when the key cannot be computed (the task then runs and says why)."""
-    key, complete = _key_and_state(stage, cfg)
+    key, complete = key_and_state(stage, cfg)
     return key if complete else None
 
 
@@ -96,14 +99,15 @@ def computed_key() -> str | None:
 def stage_cache_key(stage: str,
                     skipped: SkippedFn | None = None) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
     """A ``cache_key_fn`` for the task of ``stage`` (see module doc); ``skipped(cfg, key)`` is the value a skipped
-    run returns (default: the stage's outcome from its manifest)."""
+    run returns (default: the stage's outcome from its manifest). A task with a ``known_key`` parameter gets the key
+    its caller computed and passes it on (the capture flow's finalize task)."""
     skipped = skipped or stage_outcome(stage)
 
     def key_fn(ctx: TaskRunContext, params: dict[str, Any]) -> str | None:
         cfg = params["cfg"]
         if params.get("force"):
             return None
-        key, complete = _key_and_state(stage, cfg)
+        key, complete = key_and_state(stage, cfg, params.get("known_key"))
         if key is None:
             return None
         if not complete:

@@ -281,10 +281,12 @@ def _stats(spec: FeatureSpec, plan: CapturePlan, docs: list[ShardDone]) -> dict[
             "aux_dtype": spec.aux_dtype, "tokens_per_shard": plan.tokens_per_shard}
 
 
-def finalize_capture(cfg: RunConfig, last_run: dict[str, Any] | None = None) -> dict[str, Any]:
+def finalize_capture(cfg: RunConfig, last_run: dict[str, Any] | None = None,
+                     known_key: str | None = None) -> dict[str, Any]:
     """Check that every planned shard is complete, then write capture.manifest.json (last).
 
-    ``last_run``: what the capture that completed the shards measured (time, tokens/s, writer waits).
+    ``last_run``: what the capture that completed the shards measured (time, tokens/s, writer waits);
+    ``known_key``: the stage key when the caller computed it already (it is computed once per run of the stage).
     """
     fdir, spec, plan = _load_prepared(cfg)
     missing, on_disk = _incomplete(fdir, spec, plan)
@@ -296,12 +298,13 @@ def finalize_capture(cfg: RunConfig, last_run: dict[str, Any] | None = None) -> 
     # Done files carry each shard's size and sha256; hashing them (not terabytes of shards) is enough.
     outputs.update({shard_stem(s.index): done_path_for(shard_path(fdir, s.index)) for s in plan.shards})
     stats = _stats(spec, plan, docs) | ({"last_run": last_run} if last_run else {})
-    return write_manifest(fdir / MANIFEST_FILE, STAGE, capture_key(cfg, spec), outputs, stats)
+    return write_manifest(fdir / MANIFEST_FILE, STAGE, known_key or capture_key(cfg, spec), outputs, stats)
 
 
-def finalize_outcome(cfg: RunConfig, last_run: dict[str, Any] | None = None) -> StageOutcome:
+def finalize_outcome(cfg: RunConfig, last_run: dict[str, Any] | None = None,
+                     known_key: str | None = None) -> StageOutcome:
     """finalize_capture as the stage's outcome (computed: the manifest was written now)."""
-    doc = finalize_capture(cfg, last_run)
+    doc = finalize_capture(cfg, last_run, known_key)
     return StageOutcome.from_manifest(STAGE.name, doc["key"], features_dir(cfg) / MANIFEST_FILE, doc, computed=True)
 
 
@@ -385,7 +388,7 @@ def run_capture(cfg: RunConfig, progress: ProgressFn | None = None, force: bool 
     plan = prepare_capture(cfg, spec)
     manifest.unlink(missing_ok=True)  # only now: a refused prepare must not cost a valid manifest
     last_run = _capture_all(cfg, plan, spec, progress)  # prepare_capture saved exactly this spec
-    return finalize_outcome(cfg, last_run)
+    return finalize_outcome(cfg, last_run, key)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,6 @@
-"""A data stage's key is computed once per run of its Prefect task: the task's cache-key function computes it and
-the task passes it to the stage as ``known_key`` (tasks.stage_cache.computed_key)."""
+"""A stage's key is computed once per run of it: a data stage's task's cache-key function computes it and the task
+passes it to the stage as ``known_key`` (tasks.stage_cache.computed_key); the capture flow computes it once and
+hands it to its finalize task."""
 
 from __future__ import annotations
 
@@ -46,3 +47,42 @@ def test_merge_task_computes_its_key_once_per_run(tmp_path, counted):
 
     assert _merge_flow(cfg, force=True) == ("Completed", True)
     assert len(counted) == 3
+
+
+@pytest.fixture
+def capture_keys(monkeypatch):
+    """Every computation of the capture key: the registry's key, the flow's check, the stage's run and the manifest
+    it writes all go through eagle3.features.capture.capture_key."""
+    from eagle3.features import capture as core
+
+    calls = []
+    real = core.capture_key
+
+    def key(cfg, spec):
+        calls.append(cfg.run.name)
+        return real(cfg, spec)
+
+    monkeypatch.setattr(core, "capture_key", key)
+    return calls
+
+
+def test_capture_flow_computes_its_key_once_per_run(tmp_path, capture_keys):
+    """The capture flow computes the stage key once and hands it to its finalize task, which writes the manifest
+    with it: one computation on a first run (shards captured, manifest written), one on an up-to-date re-run
+    (``Cached``); the stage's own run given ``known_key`` computes none."""
+    from eagle3.features.capture import run_capture
+    from eagle3.run.registry import run_data_block
+    from flows.capture import eagle3_capture
+
+    cfg = load_config("tiny", [f"run.workdir={tmp_path}", "train.features=offline"])
+    run_data_block(cfg)
+
+    first = eagle3_capture(config=cfg, return_state=True)
+    assert first.is_completed() and first.name != UP_TO_DATE and len(capture_keys) == 1
+
+    again = eagle3_capture(config=cfg, return_state=True)
+    assert again.name == UP_TO_DATE and len(capture_keys) == 2
+
+    key = first.result()["key"]
+    outcome = run_capture(cfg, force=True, known_key=key)  # checks every shard, writes the manifest again
+    assert outcome.computed and outcome.key == key and len(capture_keys) == 2
