@@ -30,7 +30,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights  # noqa: E402
-from eagle3.evaluate.decode_cache import StaticDrafterRunner, StaticTargetRunner  # noqa: E402
 from eagle3.evaluate.fused_projections import fuse_projections  # noqa: E402
 from eagle3.evaluate.graphs import resolve_decode  # noqa: E402
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner  # noqa: E402
@@ -43,6 +42,8 @@ from eagle3.evaluate.speculate import (  # noqa: E402
     greedy_decode,
     speculative_decode,
 )
+from eagle3.evaluate.static_drafter import StaticDrafterRunner  # noqa: E402
+from eagle3.evaluate.static_target import StaticTargetRunner  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5)

@@ -1,6 +1,7 @@
 """Eager KV-cache runners of the offline evaluation, at batch 1: the target with transformers' DynamicCache, the
-EAGLE-3 drafter with a growing key/value tensor. eagle3/evaluate/decode_cache.py holds their static-cache (and compiled)
-counterparts; eagle3/evaluate/speculate.py drives either through the same methods (step, keep, extend, draft).
+EAGLE-3 drafter with a growing key/value tensor. eagle3/evaluate/static_target.py and static_drafter.py hold their
+static-cache (and compiled) counterparts; eagle3/evaluate/speculate.py drives either through the same methods
+(step, keep, extend, draft).
 """
 
 from __future__ import annotations

@@ -8,11 +8,20 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3.config import EvaluateConfig
 from eagle3.evaluate.prompts import EvalPrompt
 from eagle3.evaluate.records import GreedyReference, MethodRun, MethodSpec, PromptRecord, TeacherForced
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from torch import Tensor
+
+    from eagle3.drafter.model import Eagle3Drafter
+    from eagle3.evaluate.graphs import CompileSettings
+    from eagle3.evaluate.runners import DrafterRunner, TargetRunner
 
 WARMUP_TOKENS = 8
 """Tokens each method generates on the first prompt before anything is timed (kernels, allocator, caches)."""
@@ -80,11 +89,32 @@ class EvalSession:
     stop_ids: list[int]
 
 
+def make_runners(model: Any, aux_layer_ids: Sequence[int], drafter: Eagle3Drafter | None, d2t: Tensor | None,
+                 static: bool, compile_settings: CompileSettings, capacity: int = 1024,
+                 decode_rows: int | None = None,
+                 gathered_keys: bool = False) -> tuple[TargetRunner, DrafterRunner | None]:
+    """The target runner and one drafter runner (None without a drafter), static or eager."""
+    from eagle3.evaluate.runners import DrafterRunner, TargetRunner
+    from eagle3.evaluate.static_drafter import StaticDrafterRunner
+    from eagle3.evaluate.static_target import StaticTargetRunner
+
+    if drafter is not None and d2t is None:
+        raise ValueError("a drafter runs with its d2t map (draft-to-target id offsets)")
+    if not static:
+        if compile_settings.enabled:
+            raise ValueError("compiled decoding needs the static cache")
+        eager = TargetRunner(model, aux_layer_ids)
+        return eager, None if drafter is None or d2t is None else DrafterRunner(drafter, d2t)
+    target = StaticTargetRunner(model, aux_layer_ids, capacity, compile_settings, decode_rows, gathered_keys)
+    runner = (None if drafter is None or d2t is None
+              else StaticDrafterRunner(drafter, d2t, capacity, compile_settings, decode_rows))
+    return target, runner
+
+
 def open_session(job: EvalJob) -> EvalSession:
     """Load the target and the exported drafter on the job's device; one drafter runner serves every method."""
     import torch
 
-    from eagle3.evaluate.decode_cache import make_runners
     from eagle3.evaluate.fused_projections import fuse_projections
     from eagle3.evaluate.graphs import resolve_decode
     from eagle3.export.sglang import load_sglang_export
@@ -122,7 +152,6 @@ def _open_dflash_session(job: EvalJob, ecfg: EvaluateConfig) -> EvalSession:
     EAGLE-3 drafter runner, so no teacher-forced cross-check)."""
     import torch
 
-    from eagle3.evaluate.decode_cache import make_runners
     from eagle3.evaluate.fused_projections import fuse_projections
     from eagle3.evaluate.graphs import resolve_decode
     from eagle3.export.dflash import load_dflash_export

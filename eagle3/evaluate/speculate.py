@@ -156,8 +156,8 @@ class EagleProposer:
     ``num_draft_tokens - 1`` by cumulative log-prob are verified (num_draft_tokens counts the root, as
     SGLang's --speculative-num-draft-tokens). A child never scores above its parent, so the kept set is
     a tree. ``steps`` is the depth; chain and tree run ``steps - 1`` drafter forwards per round.
-    ``runner`` replaces the eager DrafterRunner (a static-cache one of eagle3.evaluate.decode_cache, possibly shared
-    by several proposers of one process: each round starts from its own observe).
+    ``runner`` replaces the eager DrafterRunner (a static-cache one of eagle3.evaluate.static_drafter, possibly
+    shared by several proposers of one process: each round starts from its own observe).
     """
 
     def __init__(self, drafter: Eagle3Drafter, d2t: Tensor, steps: int, topk: int = 1,

@@ -9,9 +9,10 @@ import torch
 
 from eagle3.config import EvaluateConfig
 from eagle3.evaluate import decode_cache
-from eagle3.evaluate.decode_cache import StaticDrafterRunner, StaticTargetRunner, bucket, decode_widths, make_runners
+from eagle3.evaluate.decode_cache import bucket, decode_widths
 from eagle3.evaluate.graphs import CompileSettings, resolve_decode
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner
+from eagle3.evaluate.session import make_runners
 from eagle3.evaluate.speculate import (
     DraftTree,
     EagleProposer,
@@ -22,6 +23,8 @@ from eagle3.evaluate.speculate import (
     teacher_forced_drafts,
     verify,
 )
+from eagle3.evaluate.static_drafter import StaticDrafterRunner
+from eagle3.evaluate.static_target import StaticTargetRunner
 from eagle3.target.tiny import build_tiny_tokenizer
 from tests.unit.test_speculate import (
     AUX_IDS,

@@ -330,8 +330,8 @@ def test_sampled_check_names_a_token_outside_the_support():
 def test_static_runners_sample_what_the_eager_ones_sample(decode_world):
     """The static-cache runners (fixed-width forwards, the logits as an extra output) give the eager runners' sampled
     tokens from the same seed, for chain, tree and the target's own sampling (float64: the same distributions)."""
-    from eagle3.evaluate.decode_cache import make_runners
     from eagle3.evaluate.graphs import CompileSettings
+    from eagle3.evaluate.session import make_runners
 
     eager, prompt = decode_world["target"], decode_world["prompt"]
     drafter, d2t = decode_world["drafter"], decode_world["d2t"]
