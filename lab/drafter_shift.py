@@ -32,10 +32,11 @@ import torch
 from eagle3.config import RunConfig
 from eagle3.data.merge import split_for
 from eagle3.evaluate.prompts import load_prompts, render
+from eagle3.evaluate.proposers import NgramProposer
 from eagle3.evaluate.records import MethodSpec, PromptRecord
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner
 from eagle3.evaluate.session import method_specs
-from eagle3.evaluate.speculate import NgramProposer, draft_hits, teacher_forced_drafts
+from eagle3.evaluate.speculate import draft_hits, teacher_forced_drafts
 from eagle3.evaluate.stage import resolve_device
 from eagle3.evaluate.teacher_forced import chain_match_lengths, simulate_chain, simulate_ngram
 from eagle3.export.sglang import load_sglang_export

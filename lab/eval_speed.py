@@ -32,12 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights  # noqa: E402
 from eagle3.evaluate.fused_projections import fuse_projections  # noqa: E402
 from eagle3.evaluate.graphs import resolve_decode  # noqa: E402
+from eagle3.evaluate.proposers import EagleProposer, NgramProposer  # noqa: E402
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner  # noqa: E402
 from eagle3.evaluate.speculate import (  # noqa: E402
     DecodeResult,
     DraftTree,
-    EagleProposer,
-    NgramProposer,
     check_lossless,
     greedy_decode,
     speculative_decode,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from eagle3.evaluate.proposers import EagleProposer
 from eagle3.evaluate.records import LosslessCheck
 from eagle3.evaluate.runners import StepOut, TargetRunner
 from eagle3.evaluate.sampling import Sampler, SamplingParams, chain_accept, draw, probabilities, sampler_for
@@ -23,7 +24,6 @@ from eagle3.evaluate.speculate import (
     STOP_CHECK_EVERY,
     DecodeResult,
     DraftTree,
-    EagleProposer,
     _clock,
     accept_path,
     greedy_decode,

@@ -50,7 +50,7 @@ def method_specs(ecfg: EvaluateConfig, dflash_block: int | None = None) -> list[
 def make_proposer(spec: MethodSpec, ecfg: EvaluateConfig, drafter: Any = None, d2t: Any = None,
                   runner: Any = None) -> Any:
     """The Proposer of a method (EAGLE methods need the drafter and its d2t; ``runner``: a shared drafter runner)."""
-    from eagle3.evaluate.speculate import EagleProposer, NgramProposer
+    from eagle3.evaluate.proposers import EagleProposer, NgramProposer
 
     if spec.kind == "ngram":
         return NgramProposer(ecfg.ngram_max, ecfg.ngram_min, ecfg.ngram_num_tokens)

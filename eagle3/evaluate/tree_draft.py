@@ -1,6 +1,6 @@
 """An EAGLE-2-style draft tree built on the device, for the static drafter runner: one call per round.
 
-The same tree as ``speculate.EagleProposer._tree`` (which builds it on the host, reading the device at every
+The same tree as ``proposers.EagleProposer._tree`` (which builds it on the host, reading the device at every
 depth), computed with fixed shapes so torch.compile can record it as one CUDA graph:
   * depth 1: the root's top-k children (score = their log-prob);
   * depth d >= 2: the k frontier nodes run through the drafter together (width ``bucket(k)``, padding rows

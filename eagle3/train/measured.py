@@ -182,7 +182,8 @@ def gather_weights(model: nn.Module) -> dict[str, Tensor]:
 def decode(m: Measurer, weights: dict[str, Tensor]) -> dict[str, Any]:
     """The measurement of ``weights``: every prompt decoded by chain drafting and greedy verification; acceptance
     length = tokens committed by verify forwards / verify forwards (the prefill's first token in neither)."""
-    from eagle3.evaluate.speculate import EagleProposer, speculative_decode
+    from eagle3.evaluate.proposers import EagleProposer
+    from eagle3.evaluate.speculate import speculative_decode
 
     loaded = m.drafter.load_state_dict(weights, strict=False)  # copies (and casts) into the decode's own drafter
     if loaded.unexpected_keys or set(loaded.missing_keys) != {"embed_tokens.weight"}:

@@ -11,9 +11,10 @@ import torch
 
 from eagle3.evaluate import decode_cache
 from eagle3.evaluate.graphs import resolve_decode
+from eagle3.evaluate.proposers import EagleProposer, NgramProposer
 from eagle3.evaluate.runners import TargetRunner
 from eagle3.evaluate.session import make_runners
-from eagle3.evaluate.speculate import EagleProposer, NgramProposer, greedy_decode, speculative_decode
+from eagle3.evaluate.speculate import greedy_decode, speculative_decode
 from eagle3.target.tiny import build_tiny_tokenizer
 from tests.unit.test_speculate import (
     AUX_IDS,

@@ -11,12 +11,11 @@ from eagle3.config import EvaluateConfig
 from eagle3.evaluate import decode_cache
 from eagle3.evaluate.decode_cache import bucket, decode_widths
 from eagle3.evaluate.graphs import CompileSettings, resolve_decode
+from eagle3.evaluate.proposers import EagleProposer, NgramProposer
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner
 from eagle3.evaluate.session import make_runners
 from eagle3.evaluate.speculate import (
     DraftTree,
-    EagleProposer,
-    NgramProposer,
     check_lossless,
     greedy_decode,
     speculative_decode,

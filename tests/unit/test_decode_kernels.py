@@ -12,9 +12,10 @@ import torch
 from eagle3.evaluate.decode_cache import CHUNK
 from eagle3.evaluate.fused_projections import FusedGateUpMLP, fuse_projections
 from eagle3.evaluate.graphs import CompiledStep, CompileSettings, warmup_summary
+from eagle3.evaluate.proposers import EagleProposer
 from eagle3.evaluate.runners import TargetRunner
 from eagle3.evaluate.session import make_runners
-from eagle3.evaluate.speculate import EagleProposer, greedy_decode, speculative_decode
+from eagle3.evaluate.speculate import greedy_decode, speculative_decode
 from eagle3.evaluate.static_target import StaticTargetRunner
 from tests.unit.test_decode_cache import COMPILED, setup  # noqa: F401  (the module fixture)
 from tests.unit.test_speculate import AUX_IDS, MAX_NEW, FakeOracleProposer

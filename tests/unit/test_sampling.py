@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from eagle3.evaluate.proposers import EagleProposer, NgramProposer
 from eagle3.evaluate.runners import TargetRunner
 from eagle3.evaluate.sampled_decode import sample_decode, sampled_check, sampled_speculative_decode
 from eagle3.evaluate.sampling import (
@@ -23,8 +24,6 @@ from eagle3.evaluate.sampling import (
 from eagle3.evaluate.speculate import (
     DecodeResult,
     DraftTree,
-    EagleProposer,
-    NgramProposer,
     accept_path,
     greedy_decode,
     speculative_decode,

@@ -9,8 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
+from eagle3.evaluate.proposers import EagleProposer, NgramProposer
 from eagle3.evaluate.runners import TargetRunner
-from eagle3.evaluate.speculate import EagleProposer, NgramProposer, speculative_decode
+from eagle3.evaluate.speculate import speculative_decode
 from eagle3.evaluate.teacher_forced import chain_match_lengths, simulate_chain, simulate_ngram
 from tests.unit.test_speculate import MAX_NEW, setup  # noqa: F401 (setup: the module fixture tiny builds on)
 
