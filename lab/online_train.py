@@ -37,20 +37,20 @@ import numpy as np
 import torch
 
 from eagle3.config import apply_overrides, validate_config
-from eagle3.drafter.model import DrafterDims, Eagle3Drafter
+from eagle3.drafter.model import DrafterDims
 from eagle3.drafter.ttt import TTTObjective
 from eagle3.features.hf_backend import HFCaptureBackend
 from eagle3.features.plan import plan_shards
 from eagle3.features.shards.layout import shard_path
 from eagle3.features.spec import FeatureSpec, SampleTokens
 from eagle3.features.writers import capture_and_write
-from eagle3.train.build import build_optimizer, build_scheduler
+from eagle3.train.build import build_optimizer, build_scheduler, ttt_objective
 from eagle3.train.data import RowLoader, batch_to, pack
 from eagle3.train.dist import DistInfo
 from eagle3.train.online import OnlineFeatures
 from eagle3.train.state_cache import StateCache
 from eagle3.train.step import step_options_for, ttt_update
-from lab.shapes import LLAMA31_8B, SMOLLM2_135M
+from lab.shapes import LLAMA31_8B, SMOLLM2_135M, random_drafter
 
 SHAPES = {"smollm2": (SMOLLM2_135M, 16384), "llama8b": (LLAMA31_8B, 32000)}  # (target shape, draft vocab)
 
@@ -96,8 +96,9 @@ def build_target(shape: dict, layers: int | None, device: torch.device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-def build_objective(cfg, model, shape: dict, draft_vocab: int, device: torch.device) -> TTTObjective:
-    """A seeded drafter over the target's dims; the target's own lm_head supervises; a random draft vocab."""
+def random_objective(cfg, model, shape: dict, draft_vocab: int, device: torch.device) -> TTTObjective:
+    """The trainer's objective (eagle3.train.build.ttt_objective) over a seeded random drafter of the target's dims
+    with a random draft vocab; the target's own lm_head supervises."""
     c = model.config
     dims = DrafterDims(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
                        num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
@@ -105,21 +106,11 @@ def build_objective(cfg, model, shape: dict, draft_vocab: int, device: torch.dev
                        rope_theta=shape["rope_theta"], rope_scaling=None, vocab_size=c.vocab_size,
                        draft_vocab_size=draft_vocab, num_aux=3,
                        target_hidden_size=c.hidden_size, max_position_embeddings=c.max_position_embeddings)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.device(device):
-        drafter = Eagle3Drafter(dims)
-        for p in drafter.parameters():
-            if p.ndim >= 2:
-                torch.nn.init.normal_(p, std=0.02, generator=gen)
-        used = torch.randperm(dims.vocab_size, generator=gen)[:draft_vocab].sort().values
-        t2d = torch.zeros(dims.vocab_size, dtype=torch.bool)
-        t2d[used] = True
-        d2t = used - torch.arange(draft_vocab)
+    drafter, t2d, d2t = random_drafter(dims, device, torch.Generator(device=device).manual_seed(0))
     lm_head = model.get_output_embeddings().weight.detach()
     if device.type == "cpu":
         lm_head = lm_head.float()
-    return TTTObjective(drafter, t2d, d2t, lm_head, cfg.drafter.ttt_steps, cfg.drafter.step_decay,
-                        cfg.drafter.attn_impl, options=step_options_for(cfg.train, device))
+    return ttt_objective(cfg, drafter, t2d, d2t, lm_head, step_options_for(cfg.train, device))
 
 
 def _sync(device: torch.device, reset_peak: bool = False) -> None:
@@ -183,7 +174,7 @@ def online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs,
     with torch.no_grad():
         target_tok_s = target_rate(online, loader(), fdt, device, args.warmup, host_tokens)
     torch.manual_seed(0)
-    on_obj = build_objective(cfg, model, shape, draft_vocab, device)
+    on_obj = random_objective(cfg, model, shape, draft_vocab, device)
 
     def fill(b, r):
         return online.fill(b, list(r.lengths), fdt, host=r.batch if host_tokens else None)
@@ -237,7 +228,7 @@ def cached_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs,
         for row in loader():  # the pass that fills the cache (the first epoch), untimed
             fill(batch_to(row.batch, device), row)
     torch.manual_seed(0)
-    obj = build_objective(cfg, model, shape, draft_vocab, device)
+    obj = random_objective(cfg, model, shape, draft_vocab, device)
     seconds, tokens, gib = train_pass(cfg, obj, loader(), fill, info, args.warmup)
     if args.profile:
         profile_steps(cfg, obj, loader(), fill, info, args.profile, "cached")
@@ -310,7 +301,7 @@ def main() -> None:
         print(f"offline capture: {num_tokens / capture_s:,.0f} tokens/s, {capture_s:.1f} s, "
               f"{disk / 1e9:.2f} GB on disk ({disk / num_tokens:,.0f} B/token)", flush=True)
         torch.manual_seed(0)
-        off_obj = build_objective(cfg, model, shape, draft_vocab, device)
+        off_obj = random_objective(cfg, model, shape, draft_vocab, device)
         loader = RowLoader(fdir, rows, args.seq_len, fdt, depth=2, pin_memory=device.type == "cuda")
         off_s, off_tokens, off_gib = train_pass(cfg, off_obj, loader, lambda b, r: b, info, args.warmup)
         off_tok_s = off_tokens / off_s

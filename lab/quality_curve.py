@@ -47,7 +47,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle3.data.stages import vocab as vocab_stage  # noqa: E402
+from eagle3.evaluate import stage as evaluate_stage  # noqa: E402
+from eagle3.export import stage as export_stage  # noqa: E402
 from eagle3.run.layout import PROMPTS_FILE, REPLAYED_FILE  # noqa: E402
+from eagle3.run.registry import STAGES  # noqa: E402
+from eagle3.train import stage as train_stage  # noqa: E402
 from lab import curve_carry  # noqa: E402
 from lab.curve_report import token_label, write_curve_report  # noqa: E402
 
@@ -185,7 +190,7 @@ def in_process_runner(module: str, argv: list[str], budget_s: float) -> bool:
     """The module's main(argv) in this process (no budget): for tests and CPU smoke runs."""
     import importlib
 
-    main = importlib.import_module(module if module != "eagle3.train" else "eagle3.train.__main__").main
+    main = importlib.import_module(module).main
     try:
         main(argv)
     except SystemExit as exc:
@@ -277,25 +282,24 @@ def phase_train(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     """Online training on the first N tokens (torchrun when NPROC > 1); a variant with its own draft vocab maps
     it first."""
     cfg, config = c.size_run(size, variant)
-    if variant and variant.own_vocab and not c.run("eagle3.run.stages", ["vocab", "--config", str(config)],
-                                                      c.budgets["data"]):
+    if variant and variant.own_vocab and not c.run(vocab_stage.__name__, ["--config", str(config)], c.budgets["data"]):
         return False
     passes = size.tokens * cfg.train.num_epochs
     budget = c.budgets["train"] + (0 if "train" in c.explicit_budgets else passes / TRAIN_TOKENS_PER_S)
     if c.nproc > 1:
-        return c.run("torch.distributed.run", ["--standalone", f"--nproc-per-node={c.nproc}", "-m", "eagle3.train",
-                                                  "--config", str(config)], budget)
-    return c.run("eagle3.train", ["--config", str(config)], budget)
+        return c.run("torch.distributed.run", ["--standalone", f"--nproc-per-node={c.nproc}", "-m",
+                                                  train_stage.__name__, "--config", str(config)], budget)
+    return c.run(train_stage.__name__, ["--config", str(config)], budget)
 
 
 def phase_export(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     """Both export layouts of the size's selected checkpoint."""
-    return c.run("eagle3.export.stage", ["--config", str(c.size_run(size, variant)[1])], c.budgets["export"])
+    return c.run(export_stage.__name__, ["--config", str(c.size_run(size, variant)[1])], c.budgets["export"])
 
 
 def phase_eval(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     """The fixed prompts with every method of the size's config."""
-    return c.run("eagle3.evaluate.stage", ["--config", str(c.size_run(size, variant)[1])], c.budgets["eval"])
+    return c.run(evaluate_stage.__name__, ["--config", str(c.size_run(size, variant)[1])], c.budgets["eval"])
 
 
 def eval_file(c: Curve, size: Size, name: str, variant: Variant | None = None) -> Path:
@@ -366,6 +370,17 @@ def phase_report(c: Curve) -> dict[str, Path]:
     return outputs
 
 
+PhaseFn = Callable[[Curve, Size, Variant | None], bool]
+
+
+def per_run_phases(replay: bool = False) -> list[PhaseFn]:
+    """What one size's run does, in the registry's order of the stages: train, export, then evaluate (``replay``:
+    replay on greedy texts instead of a decode)."""
+    phases: dict[object, PhaseFn] = {train_stage: phase_train, export_stage: phase_export,
+                                     evaluate_stage: phase_replay if replay else phase_eval}
+    return [phases[s.module] for s in STAGES if s.module in phases]
+
+
 def phase_steps(c: Curve, phase: str) -> list[Callable[[], bool]]:
     """What one phase runs, as steps (each False when cut short); an unknown phase, size or variant is an error
     here, before anything runs."""
@@ -376,16 +391,15 @@ def phase_steps(c: Curve, phase: str) -> list[Callable[[], bool]]:
         return [lambda: bool(phase_report(c))]
     if name == "sweep":  # sweep (every variant) or sweep-<variant>, at the largest size
         variants = [c.variant(label)] if label else c.variants()
-        per_run = (phase_train, phase_export, phase_replay if c.replay_smaller else phase_eval)
-        return [lambda f=f, v=v: f(c, c.sizes[-1], v) for v in variants for f in per_run]
+        return [lambda f=f, v=v: f(c, c.sizes[-1], v) for v in variants for f in per_run_phases(c.replay_smaller)]
     if name in ("train", "export", "eval", "replay", "size") and label:
         size_label, _, variant_label = label.partition("-")  # 6.7M or 6.7M-epochs-3 (a sweep variant's run)
         size, variant = c.size(size_label), c.variant(variant_label) if variant_label else None
         if variant is not None and size != c.sizes[-1]:
             raise SystemExit(f"error: the sweep's variants run at the largest size, {c.sizes[-1].label}")
-        chosen = ("train", "export", "eval") if name == "size" else (name,)
         fns = {"train": phase_train, "export": phase_export, "eval": phase_eval, "replay": phase_replay}
-        return [lambda f=fns[n]: f(c, size, variant) for n in chosen]
+        chosen = per_run_phases() if name == "size" else [fns[name]]
+        return [lambda f=f: f(c, size, variant) for f in chosen]
     raise SystemExit(f"error: unknown phase {phase!r}")
 
 

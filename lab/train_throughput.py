@@ -31,20 +31,25 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch._dynamo
 from torch import nn
 
-from eagle3.config import RunConfig, apply_overrides, validate_config
-from eagle3.drafter.model import DrafterDims, Eagle3Drafter
-from eagle3.drafter.ttt import TTTBatch, TTTObjective, metrics_from_counts
-from eagle3.train.build import build_optimizer, build_scheduler
-from eagle3.train.dist import DistInfo, init_distributed, shutdown, wrap
-from eagle3.train.metrics import drafter_row_flops, peak_flops
-from eagle3.train.step import step_options_for, ttt_update
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python lab/train_throughput.py` imports lab.shapes
+
+from eagle3.config import RunConfig, apply_overrides, validate_config  # noqa: E402
+from eagle3.drafter.model import DrafterDims  # noqa: E402
+from eagle3.drafter.ttt import TTTBatch, TTTObjective, metrics_from_counts  # noqa: E402
+from eagle3.train.build import build_optimizer, build_scheduler, ttt_objective  # noqa: E402
+from eagle3.train.dist import DistInfo, init_distributed, shutdown, wrap  # noqa: E402
+from eagle3.train.metrics import drafter_row_flops, peak_flops  # noqa: E402
+from eagle3.train.step import step_options_for, ttt_update  # noqa: E402
+from lab.shapes import random_drafter  # noqa: E402
 
 LLAMA31_8B = DrafterDims(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          intermediate_size=14336, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None,
@@ -104,22 +109,14 @@ def case_list(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 
 
 def build(cfg: RunConfig, frozen_lm_head: bool, info: DistInfo) -> TTTObjective:
-    """Drafter and frozen tensors allocated on the device with random values (no CPU init of 1B numbers)."""
-    dims = LLAMA31_8B
-    gen = torch.Generator(device=info.device).manual_seed(0)
-    with torch.device(info.device):
-        drafter = Eagle3Drafter(dims)
-        for module in drafter.modules():  # every random tensor from the seeded generator: cases share one init
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02, generator=gen)
-        target_lm_head = torch.randn(dims.vocab_size, dims.hidden_size, generator=gen, dtype=torch.bfloat16) * 0.02
-        used = torch.randperm(dims.vocab_size, generator=gen)[: dims.draft_vocab_size].sort().values
-        t2d = torch.zeros(dims.vocab_size, dtype=torch.bool)
-        t2d[used] = True
-        d2t = used - torch.arange(dims.draft_vocab_size)
+    """The trainer's objective (eagle3.train.build.ttt_objective) over a random drafter and a random frozen target
+    lm_head, allocated on the device."""
+    gen = torch.Generator(device=info.device).manual_seed(0)  # every random tensor from it: cases share one init
+    drafter, t2d, d2t = random_drafter(LLAMA31_8B, info.device, gen)
+    target_lm_head = torch.randn(LLAMA31_8B.vocab_size, LLAMA31_8B.hidden_size, generator=gen, dtype=torch.bfloat16,
+                                 device=info.device) * 0.02
     drafter.lm_head.weight.requires_grad_(not frozen_lm_head)
-    return TTTObjective(drafter, t2d, d2t, target_lm_head, cfg.drafter.ttt_steps, cfg.drafter.step_decay,
-                        cfg.drafter.attn_impl, options=step_options_for(cfg.train, info.device))
+    return ttt_objective(cfg, drafter, t2d, d2t, target_lm_head, step_options_for(cfg.train, info.device))
 
 
 def random_batch(dims: DrafterDims, seq_len: int, device: torch.device) -> TTTBatch:

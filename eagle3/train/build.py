@@ -140,10 +140,17 @@ def build_objective(cfg: RunConfig, inputs: RunInputs, device: torch.device,
     lm_head = load_target_lm_head(inputs.model_dir) if inputs.spec.supervision == "final_hidden" else None
     if lm_head is not None and device.type == "cuda":
         lm_head = lm_head.to(torch.bfloat16)  # frozen and only read under autocast: bf16 halves its memory
-    objective = TTTObjective(drafter, inputs.t2d, inputs.d2t, lm_head, cfg.drafter.ttt_steps,
-                             cfg.drafter.step_decay, cfg.drafter.attn_impl, options=options,
-                             loss=token_loss_for(cfg.train))
-    return objective.to(device)
+    return ttt_objective(cfg, drafter, inputs.t2d, inputs.d2t, lm_head, options).to(device)
+
+
+def ttt_objective(cfg: RunConfig, drafter: Eagle3Drafter, t2d: Tensor, d2t: Tensor, lm_head: Tensor | None,
+                  options: StepOptions | None = None) -> TTTObjective:
+    """EAGLE-3's objective over ``drafter`` as the run's settings make it (TTT steps, step decay, attention, token
+    loss): what build_objective trains, and what a benchmark that builds its drafter otherwise (random weights over
+    a target that exists only in memory) times. ``lm_head``: the target's frozen lm_head for final_hidden
+    supervision, else None."""
+    return TTTObjective(drafter, t2d, d2t, lm_head, cfg.drafter.ttt_steps, cfg.drafter.step_decay,
+                        cfg.drafter.attn_impl, options=options, loss=token_loss_for(cfg.train))
 
 
 def scaled_lr(lr: float, rule: str, rows_per_step: int, reference_rows: int) -> float:

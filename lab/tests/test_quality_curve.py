@@ -181,7 +181,7 @@ def test_one_step_of_a_sweep_variant_runs_alone(tmp_path):
     c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [quality_curve.Size(2_000), quality_curve.Size(4_000)],
                             dict(quality_curve.DEFAULT_BUDGETS_S), runner)
     assert quality_curve.run_phase(c, "train-4K-epochs-2")
-    assert calls == [("eagle3.train", str(tmp_path / "tiny-4K-epochs-2/config.json"))]
+    assert calls == [("eagle3.train.stage", str(tmp_path / "tiny-4K-epochs-2/config.json"))]
     assert json.loads(Path(calls[0][1]).read_text())["train"]["num_epochs"] == 2
     variant = c.variant("epochs-2")
     assert "ngram" not in c.size_run(quality_curve.Size(4_000), variant)[0].evaluate.methods
@@ -222,7 +222,7 @@ def test_a_phase_list_runs_in_order_stops_at_the_first_cut_and_checks_every_name
     c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [quality_curve.Size(4_000)],
                             dict(quality_curve.DEFAULT_BUDGETS_S), runner)
     assert not quality_curve.run_phases(c, ["data", "train-4K", "export-4K", "eval-4K"])
-    assert calls == ["eagle3.run.stages", "eagle3.train", "eagle3.export.stage"]
+    assert calls == ["eagle3.run.stages", "eagle3.train.stage", "eagle3.export.stage"]
     cut.clear()
     assert quality_curve.run_phases(c, ["export-4K", "eval-4K"]) and calls[3:] == ["eagle3.export.stage",
                                                                                     "eagle3.evaluate.stage"]
@@ -337,3 +337,19 @@ def test_curve_all_phases_on_the_tiny_target(tmp_path, capsys):
     for rel in ("tiny-2K/eval/results.json", "tiny-4K-vocab-256/eval/prompts.jsonl", "tiny/appendix/curve.md",
                 "tiny-4K/export/sglang/model.safetensors"):
         assert rel in names and (tmp_path / "elsewhere" / rel).read_bytes() == (tmp_path / rel).read_bytes()
+
+
+def test_a_size_runs_its_stage_commands_in_the_registry_order(tmp_path):
+    """size-N runs the train, export and evaluate stages' own commands (eagle3.run.registry's modules) in the
+    registry's order; replay-N replays instead of decoding."""
+    calls = []
+
+    def runner(module, argv, budget_s):
+        calls.append(module)
+        return True
+
+    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [quality_curve.Size(4_000)],
+                            dict(quality_curve.DEFAULT_BUDGETS_S), runner)
+    assert quality_curve.run_phase(c, "size-4K")
+    assert calls == ["eagle3.train.stage", "eagle3.export.stage", "eagle3.evaluate.stage"]
+    assert quality_curve.per_run_phases(replay=True)[-1] is quality_curve.phase_replay
