@@ -47,7 +47,8 @@ import torch
 
 from eagle3.config import CaptureConfig
 from eagle3.features.fp8 import fp8_error
-from eagle3.features.hf_backend import HFCaptureBackend, resolve_device
+from eagle3.features.hf_backend import HFCaptureBackend
+from eagle3.features.hf_models import resolve_device
 from eagle3.features.plan import plan_shards
 from eagle3.features.shards.layout import shard_path
 from eagle3.features.shards.writer import write_shard

@@ -109,7 +109,7 @@ def resolve_device(device: str) -> str:
     """'auto' -> cuda when a GPU is visible, else cpu (the capture backend's rule); cuda without one is an error."""
     import torch
 
-    from eagle3.features.hf_backend import resolve_device as resolve_auto
+    from eagle3.features.hf_models import resolve_device as resolve_auto
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("evaluate.device is cuda but no CUDA device is visible")

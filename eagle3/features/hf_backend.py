@@ -4,9 +4,10 @@ Per batch we run only the decoder (``model.model``): forward hooks on ``model.mo
 take the OUTPUT of layer j for every aux id (spec.py's convention), and a hook on
 ``model.model.norm`` takes the final post-norm state. ``output_hidden_states=True`` is never used:
 it would keep all N+1 states of the batch alive. With top-K supervision, lm_head is applied to the
-post-norm rows in token chunks so that [chunk, vocab] fp32 logits bound the memory.
+post-norm rows in token chunks so that [chunk, vocab] fp32 logits bound the memory. The target is loaded once
+per process (eagle3.features.hf_models).
 
-Batches hold samples in the given order while the sum of their padded lengths fits
+Batches (eagle3.features.batching) hold samples in the given order while the sum of their padded lengths fits
 ``tokens_per_forward`` (a longer sample runs alone); inputs are right-padded with an attention
 mask and each sample's rows are gathered back on the device, so padding is never copied out.
 
@@ -37,7 +38,6 @@ between shards.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,119 +54,12 @@ from eagle3.features.attention import (
     enable,
     per_sample_for,
 )
+from eagle3.features.batching import auto_tokens_per_forward, plan_batches
+from eagle3.features.hf_models import device_lock, get_model
 from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens
 
 LOGITS_CHUNK_BYTES = 1 << 28
 """fp32 logits kept at once by the top-K pass (256 MiB)."""
-
-_MODELS: dict[tuple, Any] = {}
-_MODELS_LOCK = threading.Lock()
-_DEVICE_LOCKS: dict[str, threading.Lock] = {}
-
-
-# ---- model cache and device locks ---------------------------------------------------------------
-
-
-def resolve_device(device: str) -> str:
-    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; anything else unchanged."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def device_lock(device: str | torch.device) -> threading.Lock:
-    """One lock per device: shard tasks in one process take turns running forwards on it."""
-    key = str(torch.device(device))
-    with _MODELS_LOCK:
-        return _DEVICE_LOCKS.setdefault(key, threading.Lock())
-
-
-def load_model(model_dir: Path, dtype: str, device: str, device_map: str | None = None) -> Any:
-    """A fresh (uncached) target in eval mode with the per-sample attention where it is exact."""
-    from transformers import AutoModelForCausalLM
-
-    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype)}
-    if device_map:
-        kwargs["device_map"] = device_map
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
-    if not device_map:
-        model = model.to(device)  # type: ignore[arg-type]  # transformers wraps PreTrainedModel.to in functools.wraps: mypy sees no bound self
-    model.eval()
-    enable(model)
-    return model
-
-
-def get_model(model_dir: Path, dtype: str = "float32", device: str = "cpu", device_map: str | None = None) -> Any:
-    """The target model, loaded once per process for (fingerprint, dtype, device, device_map)."""
-    from eagle3.target.load import fingerprint
-
-    device = resolve_device(device)
-    key = (fingerprint(Path(model_dir)), dtype, device, device_map)
-    with _MODELS_LOCK:
-        if key not in _MODELS:
-            _MODELS[key] = load_model(Path(model_dir), dtype, device, device_map)
-        return _MODELS[key]
-
-
-def clear_model_cache() -> None:
-    """Forget every cached model (tests, or to free GPU memory between stages)."""
-    with _MODELS_LOCK:
-        _MODELS.clear()
-
-
-# ---- batching --------------------------------------------------------------------------------------
-
-AUTO_CPU_TOKENS = 4096
-"""capture.tokens_per_forward=auto on a CPU (compute-bound: bigger batches buy nothing)."""
-AUTO_MAX_TOKENS = 65536
-"""Upper bound of the auto budget on a GPU: past ~32K padded tokens a forward no longer gets faster per token."""
-AUTO_MEMORY_SHARE = 0.5
-"""Share of the free GPU memory the auto budget may plan for (the rest: allocator slack, host-copy overlap)."""
-
-
-def activation_bytes_per_token(config: Any, num_outputs: int, dtype: torch.dtype) -> int:
-    """Upper estimate of the device bytes one token of a capture forward holds at its peak.
-
-    The residual stream and attention projections (~8 x H), the MLP's gate/up/act (3 x intermediate), and
-    the kept outputs (num_outputs x H) in the model dtype; MoE layers are counted as one dense MLP of the
-    widest of their intermediate sizes, which the estimate's margin covers.
-    """
-    hidden = config.hidden_size
-    inter = max(getattr(config, "intermediate_size", 0) or 0, getattr(config, "moe_intermediate_size", 0) or 0,
-                4 * hidden)
-    width = torch.finfo(dtype).bits // 8
-    return width * (8 * hidden + 3 * inter + num_outputs * hidden)
-
-
-def auto_tokens_per_forward(config: Any, num_outputs: int, dtype: torch.dtype, device: torch.device) -> int:
-    """capture.tokens_per_forward=auto: a power of two that fits AUTO_MEMORY_SHARE of the free GPU memory."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return AUTO_CPU_TOKENS
-    free, _ = torch.cuda.mem_get_info(device)
-    fit = int(free * AUTO_MEMORY_SHARE) // activation_bytes_per_token(config, num_outputs, dtype)
-    if fit < 1:
-        raise ValueError(f"capture.tokens_per_forward=auto: {free:,} bytes free on {device} hold no batch; "
-                         f"free the GPU or set capture.tokens_per_forward")
-    return min(AUTO_MAX_TOKENS, 1 << (fit.bit_length() - 1))
-
-
-def plan_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive index groups whose padded size (count x longest) fits max_tokens; order kept."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i, n in enumerate(lengths):
-        grown = max(longest, n)
-        if current and (len(current) + 1) * grown > max_tokens:
-            batches.append(current)
-            current, grown = [], n
-        current.append(i)
-        longest = grown
-    if current:
-        batches.append(current)
-    return batches
-
 
 @dataclass
 class _Inputs:

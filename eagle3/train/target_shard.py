@@ -120,7 +120,7 @@ def sharded_backend(cfg: Any, model_dir: Path, spec: FeatureSpec, info: DistInfo
     Loaded outside the process-wide model cache (a sharded model must never be handed to a capture); the host
     copy of each layer is dropped once its shard is on the device, so a GPU never holds the whole target.
     """
-    from eagle3.features.hf_backend import load_model
+    from eagle3.features.hf_models import load_model
 
     model = shard_target(load_model(Path(model_dir), cfg.target.dtype, "cpu"))
     log.info("train: online target sharded over %d ranks (FSDP2, one layer gathered at a time)", info.world_size)

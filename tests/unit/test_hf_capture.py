@@ -12,6 +12,7 @@ import torch
 from eagle3.config import RunConfig, TinyTargetConfig, load_config
 from eagle3.features import hf_backend
 from eagle3.features.attention import ATTENTION
+from eagle3.features.batching import plan_batches
 from eagle3.features.capture import (
     MANIFEST_FILE,
     SpecMismatchError,
@@ -20,7 +21,8 @@ from eagle3.features.capture import (
     prepare_capture,
     run_capture,
 )
-from eagle3.features.hf_backend import HFCaptureBackend, get_model, plan_batches
+from eagle3.features.hf_backend import HFCaptureBackend
+from eagle3.features.hf_models import clear_model_cache, get_model
 from eagle3.features.shards.reader import ShardReader
 from eagle3.features.spec import SampleTokens
 from eagle3.target.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_target
@@ -144,7 +146,7 @@ def test_get_model_is_cached_per_target(tmp_path):
         assert get_model(target, "float32", "cpu") is first
         assert first.config._attn_implementation == ATTENTION
     finally:
-        hf_backend.clear_model_cache()
+        clear_model_cache()
 
 
 # ---- the stage functions ----------------------------------------------------------------------------

@@ -180,7 +180,7 @@ def test_target_sharding_choice():
 def test_target_param_bytes_counts_the_loaded_parameters(tmp_path):
     """The meta-device count of auto's rule equals the parameter bytes of the loaded target, in the asked dtype."""
     from eagle3.config import TinyTargetConfig
-    from eagle3.features.hf_backend import load_model
+    from eagle3.features.hf_models import load_model
     from eagle3.target.tiny import save_tiny_target
     from eagle3.train.target_shard import target_param_bytes
 

@@ -20,7 +20,7 @@ def target(cfg: RunConfig) -> tuple[Path, str]:
 def model_loader(cfg: RunConfig, model_dir: Path):
     """A function that loads the target and its tokenizer for in-process generation (regenerate.device)."""
     def load():
-        from eagle3.features.hf_backend import resolve_device
+        from eagle3.features.hf_models import resolve_device
         from eagle3.target.load import load_model, load_tokenizer
 
         device = resolve_device(cfg.regenerate.device)
