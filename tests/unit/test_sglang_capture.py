@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from eagle3.config import RunConfig, SGLangServerConfig
-from eagle3.features.sglang_backend import CaptureError, SGLangCaptureBackend
+from eagle3.features.sglang_backend import SGLangCaptureBackend
+from eagle3.features.sglang_requests import CaptureError
 from eagle3.features.spec import FeatureSpec, SampleTokens
 from infra.process import RestartPolicy, free_port, group_alive
 from infra.sglang import (
