@@ -31,7 +31,7 @@ from typing import Any, cast
 
 import httpx
 
-from infra.sglang import ResponseCheckError, auth_headers, response_meta
+from infra.sglang_checks import ResponseCheckError, auth_headers, response_meta
 from infra.sglang_spec import SERVING_FIELDS
 
 Prompt = str | list[int]

@@ -190,7 +190,8 @@ def start_server(cfg: RunConfig, args: argparse.Namespace, model_dir: Path, benc
     """A serve-mode ManagedServer on the target (cfg's serve.port, target dtype), ready; its start time."""
     from eagle3.target.load import target_info
     from infra.gpus import check_gpus_free
-    from infra.sglang import ManagedServer, ProbeExpectations, ServerSpec
+    from infra.sglang import ManagedServer, ServerSpec
+    from infra.sglang_probe import ProbeExpectations
 
     check_gpus_free([0], allow_shared=cfg.capture.allow_shared_gpus)
     dtype = cfg.target.dtype if cfg.target.dtype in ("bfloat16", "float16", "float32") else None

@@ -1,6 +1,6 @@
 """SGLangCaptureBackend: target hidden states from SGLang 0.5.23 capture servers, over HTTP JSON.
 
-Each sample is one ``POST /generate`` (``infra.sglang.capture_request_body``): ``input_ids``, ``rid`` =
+Each sample is one ``POST /generate`` (``infra.sglang_checks.capture_request_body``): ``input_ids``, ``rid`` =
 sample id, a fresh ``extra_key``, ``max_new_tokens`` 1 at temperature 0, ``return_hidden_states``, the
 prompt ids echoed back, and for top-K supervision ``return_logprob`` / ``logprob_start_len`` 0 /
 ``top_logprobs_num`` K. The aux pass goes to servers launched in mode ``capture_aux`` (rows are
@@ -39,7 +39,8 @@ from eagle3.features.sglang_response import to_captured_sample
 from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens
 from infra.gpus import check_gpus_free
 from infra.process import RestartPolicy
-from infra.sglang import ManagedServer, ProbeExpectations, ServerSpec
+from infra.sglang import ManagedServer, ServerSpec
+from infra.sglang_probe import ProbeExpectations
 from infra.sglang_spec import Mode
 
 

@@ -2,7 +2,7 @@
 (an event loop in a thread, a bounded window of sample tasks, one request per pass per sample).
 
 Every response is checked before it is accepted (``sglang_response.parse_response``, over
-``infra.sglang.check_capture_response``): echoed id, prompt_tokens, cached_tokens == 0, echoed prompt
+``infra.sglang_checks.check_capture_response``): echoed id, prompt_tokens, cached_tokens == 0, echoed prompt
 ids, exactly one prefill block with one row per token, row width, all values finite. A failed check, a
 timeout or a dropped connection retries the sample (bounded, with backoff, preferably on another endpoint;
 a managed server that dropped a request is waited for until its supervisor calls it ready and it answers
@@ -26,7 +26,7 @@ import numpy as np
 
 from eagle3.features.sglang_response import ResponsePart, parse_response
 from eagle3.features.spec import FeatureSpec, SampleTokens
-from infra.sglang import ResponseCheckError, auth_headers, capture_request_body
+from infra.sglang_checks import ResponseCheckError, auth_headers, capture_request_body
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """One SGLang capture response, parsed and checked: rows, top-K, and the CapturedSample they become.
 
 ``parse_response`` runs off the event loop (JSON of T x width floats is slow to parse); any failed
-check raises ``infra.sglang.ResponseCheckError`` naming the check, which the backend turns into a
+check raises ``infra.sglang_checks.ResponseCheckError`` naming the check, which the backend turns into a
 retry. Nothing here does I/O.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from eagle3.features.spec import CapturedSample, SampleTokens
-from infra.sglang import ResponseCheckError, check_capture_response
+from infra.sglang_checks import ResponseCheckError, check_capture_response
 
 _loads: Callable[[bytes | str], Any]
 try:  # orjson parses the huge float arrays several times faster; plain json is the fallback

@@ -17,16 +17,10 @@ from typing import Any
 
 import pytest
 
-from infra.sglang import (
-    SGLANG_VERSION,
-    ServerSpec,
-    ServerSpecError,
-    capture_request_body,
-    generation_smoke_body,
-    serving_pair,
-)
+from infra.sglang import SGLANG_VERSION, ServerSpec, ServerSpecError, serving_pair
 from infra.sglang_argv_check import mismatches, parse_many
 from infra.sglang_bench import SHARED_SETTINGS, SPEC_SETTINGS, bench_request_body
+from infra.sglang_checks import capture_request_body, generation_smoke_body
 from infra.sglang_spec import MODE_GAPS, SGLANG_VERSIONS
 from tests import sglang_side
 from tests.fakes.sglang_model import LaunchArgs, build_parser

@@ -12,7 +12,7 @@ import math
 import pytest
 
 import infra.sglang_bench
-from infra.sglang import ProbeExpectations, ServerCheckError, ServerSpec, probe_ready
+from infra.sglang import ServerSpec
 from infra.sglang_bench import (
     BenchmarkError,
     BenchResult,
@@ -27,6 +27,7 @@ from infra.sglang_bench import (
     summarize_level,
 )
 from infra.sglang_compare import compare, compare_groups, render_report
+from infra.sglang_probe import ProbeExpectations, ServerCheckError, probe_ready
 from infra.sglang_spec import ServerSpecError
 from tests.fakes.clock import FakeClock
 from tests.fakes.sglang_model import FakeServing, Faults, LaunchArgs
@@ -136,7 +137,7 @@ def _answer(rid: str, tokens: int, verify: int | None = None) -> dict:
 ])
 def test_bad_answers_are_refused_with_the_failed_check(answer, speculative, check):
     """Short completions, a foreign id, verify steps on a baseline or none on a spec server are refused."""
-    from infra.sglang import ResponseCheckError
+    from infra.sglang_checks import ResponseCheckError
 
     with pytest.raises(ResponseCheckError) as exc:
         check_bench_answer(answer, rid="r", max_new_tokens=16, speculative=speculative)
@@ -145,7 +146,7 @@ def test_bad_answers_are_refused_with_the_failed_check(answer, speculative, chec
 
 def test_without_ignore_eos_an_answer_may_stop_at_end_of_turn_but_not_past_the_cap():
     """ignore_eos off (evaluation prompts): 1..max_new_tokens tokens pass; more, or none, are refused."""
-    from infra.sglang import ResponseCheckError
+    from infra.sglang_checks import ResponseCheckError
 
     assert check_bench_answer(_answer("r", 5), rid="r", max_new_tokens=16, speculative=False, ignore_eos=False)
     for tokens in (0, 17):

@@ -21,14 +21,8 @@ from eagle3.features.sglang_backend import SGLangCaptureBackend
 from eagle3.features.sglang_requests import CaptureError
 from eagle3.features.spec import FeatureSpec, SampleTokens
 from infra.process import RestartPolicy, free_port, group_alive
-from infra.sglang import (
-    ManagedServer,
-    ProbeExpectations,
-    ServerCheckError,
-    ServerSpec,
-    ServerStartError,
-    probe_ready,
-)
+from infra.sglang import ManagedServer, ServerSpec, ServerStartError
+from infra.sglang_probe import ProbeExpectations, ServerCheckError, probe_ready
 from tests.fakes.sglang_model import Faults, LaunchArgs, fake_hidden_rows, fake_topk
 from tests.fakes.sglang_server import FakeSGLangServer, two_free_ports
 
