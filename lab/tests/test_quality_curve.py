@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from eagle3.train.build import first_tokens
-from lab import curve_assets, curve_carry, curve_report, quality_curve
+from lab import curve_assets, curve_carry, curve_report, curve_runs, quality_curve
 
 
 def test_first_tokens_is_a_nested_prefix():
@@ -155,19 +155,19 @@ def test_a_variant_stopped_before_its_last_step_is_reported_by_its_validation_an
 def test_sweep_variants_change_one_setting_each():
     """lr x2, x4 and /2, half and twice the epochs (half only where it is a whole epoch less) and twice the draft
     vocab, each its own run name beside the size's."""
-    base = quality_curve.base_config("tiny", [])
-    variants = quality_curve.sweep_variants(base)
+    base = curve_runs.base_config("tiny", [])
+    variants = curve_runs.sweep_variants(base)
     assert base.train.num_epochs == 1
     assert [v.label for v in variants] == ["lr-x2", "lr-x4", "lr-half", "epochs-2", "vocab-256"]
     assert [v.own_vocab for v in variants] == [False, False, False, False, True]
     assert variants[3].overrides == ("train.num_epochs=2",)
-    cfg = quality_curve.size_config("tiny", [], quality_curve.Size(4_000), False, variants[0])
+    cfg = curve_runs.size_config("tiny", [], curve_runs.Size(4_000), False, variants[0])
     assert (cfg.run.name, cfg.train.lr, cfg.train.max_train_tokens) == ("tiny-4K-lr-x2", 2 * base.train.lr, 4_000)
-    x4 = quality_curve.size_config("tiny", [], quality_curve.Size(4_000), False, variants[1])
+    x4 = curve_runs.size_config("tiny", [], curve_runs.Size(4_000), False, variants[1])
     assert (x4.run.name, x4.train.lr) == ("tiny-4K-lr-x4", pytest.approx(4 * base.train.lr))
-    assert quality_curve.size_config("tiny", [], quality_curve.Size(4_000), False, variants[4]).vocab.draft_vocab_size \
+    assert curve_runs.size_config("tiny", [], curve_runs.Size(4_000), False, variants[4]).vocab.draft_vocab_size \
         == 256
-    curve = quality_curve.sweep_variants(quality_curve.base_config("smollm2-curve", []))
+    curve = curve_runs.sweep_variants(curve_runs.base_config("smollm2-curve", []))
     assert [v.label for v in curve] == ["lr-x2", "lr-x4", "lr-half", "epochs-3", "epochs-12", "vocab-32768"]
 
 
@@ -178,15 +178,15 @@ def test_one_step_of_a_sweep_variant_runs_alone(tmp_path):
     def runner(module, argv, budget_s):
         calls.append((module, argv[-1]))
         return True
-    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [quality_curve.Size(2_000), quality_curve.Size(4_000)],
+    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [curve_runs.Size(2_000), curve_runs.Size(4_000)],
                             dict(quality_curve.DEFAULT_BUDGETS_S), runner)
     assert quality_curve.run_phase(c, "train-4K-epochs-2")
     assert calls == [("eagle3.train.stage", str(tmp_path / "tiny-4K-epochs-2/config.json"))]
     assert json.loads(Path(calls[0][1]).read_text())["train"]["num_epochs"] == 2
     variant = c.variant("epochs-2")
-    assert "ngram" not in c.size_run(quality_curve.Size(4_000), variant)[0].evaluate.methods
+    assert "ngram" not in c.size_run(curve_runs.Size(4_000), variant)[0].evaluate.methods
     every = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], c.sizes, c.budgets, runner, ngram_every_size=True)
-    assert "ngram" in every.size_run(quality_curve.Size(4_000), variant)[0].evaluate.methods  # a full quality run
+    assert "ngram" in every.size_run(curve_runs.Size(4_000), variant)[0].evaluate.methods  # a full quality run
     with pytest.raises(SystemExit, match="largest size"):
         quality_curve.run_phase(c, "eval-2K-epochs-2")
     with pytest.raises(SystemExit, match="no variant"):
@@ -199,7 +199,7 @@ def test_a_run_of_the_curves_largest_size_is_borrowed_and_a_different_run_is_ref
     refused as the 20M point, naming the learning rate."""
     preset = tmp_path / "q20.yaml"
     preset.write_text("base: smollm2-curve\nrun:\n  name: q20\ntrain:\n  max_train_tokens: 20000000\n")
-    sizes = [quality_curve.Size(t) for t in (3_000_000, 10_000_000, 20_000_000)]
+    sizes = [curve_runs.Size(t) for t in (3_000_000, 10_000_000, 20_000_000)]
     c = quality_curve.Curve("smollm2-curve", [f"run.workdir={tmp_path}"], sizes, dict(quality_curve.DEFAULT_BUDGETS_S),
                             lambda *a: True, size_runs=((20_000_000, str(preset)),))
     assert quality_curve.borrowed_eval(c, sizes[2], str(preset)) == tmp_path / "q20" / "eval"
@@ -219,7 +219,7 @@ def test_a_phase_list_runs_in_order_stops_at_the_first_cut_and_checks_every_name
     def runner(module, argv, budget_s):
         calls.append(module)
         return module not in cut
-    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [quality_curve.Size(4_000)],
+    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [curve_runs.Size(4_000)],
                             dict(quality_curve.DEFAULT_BUDGETS_S), runner)
     assert not quality_curve.run_phases(c, ["data", "train-4K", "export-4K", "eval-4K"])
     assert calls == ["eagle3.run.stages", "eagle3.train.stage", "eagle3.export.stage"]
@@ -235,11 +235,11 @@ def test_a_phase_list_runs_in_order_stops_at_the_first_cut_and_checks_every_name
 def test_replay_smaller_decodes_the_largest_size_first_with_ngram_and_replays_the_rest(tmp_path):
     """all --replay-smaller: data, the largest size's train/export/eval (n-gram in its methods), then the smaller
     sizes trained, exported and replayed on the largest's greedy texts, then the report."""
-    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [quality_curve.Size(2_000), quality_curve.Size(4_000)],
+    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [curve_runs.Size(2_000), curve_runs.Size(4_000)],
                             dict(quality_curve.DEFAULT_BUDGETS_S), lambda *a: True, replay_smaller=True)
     assert quality_curve.all_phases(c) == ["data", "size-4K", "train-2K", "export-2K", "replay-2K", "report"]
-    assert "ngram" in c.size_run(quality_curve.Size(4_000))[0].evaluate.methods
-    assert "ngram" not in c.size_run(quality_curve.Size(2_000))[0].evaluate.methods
+    assert "ngram" in c.size_run(curve_runs.Size(4_000))[0].evaluate.methods
+    assert "ngram" not in c.size_run(curve_runs.Size(2_000))[0].evaluate.methods
     texts = tmp_path / "tiny-4K/eval/prompts.jsonl"
     texts.parent.mkdir(parents=True)
     texts.write_text("")
@@ -252,7 +252,7 @@ def test_a_deadline_cuts_each_phase_budget_and_starts_nothing_it_cannot_fit(tmp_
     """--deadline-s: a phase runs with at most the time left minus the SIGTERM grace; with less than
     MIN_PHASE_S left it is not started and counts as cut short (the same command continues later)."""
     budgets = []
-    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [quality_curve.Size(2_000)],
+    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [curve_runs.Size(2_000)],
                             dict(quality_curve.DEFAULT_BUDGETS_S), lambda m, a, b: budgets.append(b) or True,
                             deadline=1_000.0)
     monkeypatch.setattr(quality_curve.time, "monotonic", lambda: 1_000.0 - 400)
@@ -265,7 +265,7 @@ def test_a_deadline_cuts_each_phase_budget_and_starts_nothing_it_cannot_fit(tmp_
 def test_token_labels_round_trip():
     """Size labels name the runs; parsing a label gives the budget back."""
     for tokens in (2_000, 500_000, 1_500_000, 3_000_000, 20_000_000):
-        assert quality_curve.parse_tokens(curve_report.token_label(tokens)) == tokens
+        assert curve_runs.parse_tokens(curve_report.token_label(tokens)) == tokens
 
 
 def test_assets_travel_in_bundles_and_assemble_checked(tmp_path):
@@ -348,7 +348,7 @@ def test_a_size_runs_its_stage_commands_in_the_registry_order(tmp_path):
         calls.append(module)
         return True
 
-    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [quality_curve.Size(4_000)],
+    c = quality_curve.Curve("tiny", [f"run.workdir={tmp_path}"], [curve_runs.Size(4_000)],
                             dict(quality_curve.DEFAULT_BUDGETS_S), runner)
     assert quality_curve.run_phase(c, "size-4K")
     assert calls == ["eagle3.train.stage", "eagle3.export.stage", "eagle3.evaluate.stage"]
