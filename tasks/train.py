@@ -26,12 +26,15 @@ from eagle3.run.progress import eta_text, fmt
 from eagle3.train import STAGE
 from tasks.artifacts import artifact_key, markdown_image, publish_table
 from tasks.cancel import cancellable
-from tasks.stage_cache import STAGE_CACHE, computed_key, stage_cache_key, up_to_date_key
+from tasks.stage_cache import STAGE_CACHE, computed_key, key_and_state, stage_cache_key
 
 
-def torchrun_spec(cfg: RunConfig, config_path: Path, num_gpus: int, node_rank: int | None = None):
+def torchrun_spec(cfg: RunConfig, config_path: Path, num_gpus: int, node_rank: int | None = None,
+                  known_key: str | None = None):
     """The torchrun command for this run (node ``node_rank``, default train.node_rank): nproc = configured, else one
-    per visible GPU, else 1; with train.nnodes > 1 the nodes meet at train.rdzv_endpoint (c10d)."""
+    per visible GPU, else 1; with train.nnodes > 1 the nodes meet at train.rdzv_endpoint (c10d). ``known_key``: the
+    train key of ``cfg`` (the file at ``config_path`` holds exactly ``cfg``), handed to every rank so that none
+    computes it again; without one each rank computes it."""
     from infra.torchrun import TorchrunSpec
 
     nproc = cfg.train.nproc_per_node or max(1, num_gpus)
@@ -40,7 +43,8 @@ def torchrun_spec(cfg: RunConfig, config_path: Path, num_gpus: int, node_rank: i
     # average 4-7, as beside the demo's Prefect server and worker): the first 10 steps of smollm2-demo's training
     # (`OMP_NUM_THREADS=N python -m eagle3.train --config <run>/config.json --stop-after-steps 10`) took 134 s at
     # 1 thread and 227 s at 2. A second thread competes for cores that are already in use instead of adding speed.
-    return TorchrunSpec(module="eagle3.train", args=("--config", str(config_path.resolve())), nproc_per_node=nproc,
+    args = ("--config", str(config_path.resolve()), *(("--known-key", known_key) if known_key else ()))
+    return TorchrunSpec(module="eagle3.train", args=args, nproc_per_node=nproc,
                         nnodes=cfg.train.nnodes, node_rank=rank, rdzv_endpoint=cfg.train.rdzv_endpoint,
                         rdzv_id=f"eagle3-{cfg.run.name}", env={"OMP_NUM_THREADS": "1"} if num_gpus == 0 else {})
 
@@ -175,22 +179,30 @@ def train_task(cfg: RunConfig) -> TrainSummary:
 
     Up to date (the manifest matches the train key): Prefect answers ``Cached`` from the cache key; should the task
     run all the same (the key function found it out of date, or Prefect's cache was bypassed), it checks the latter
-    case first and returns the summary without starting torchrun."""
-    key = None if computed_key() is not None else up_to_date_key(STAGE.name, cfg)  # found out of date just now
-    if key is not None:
-        get_run_logger().info("train: up to date (%s), no process started", STAGE.manifest(cfg.run_dir))
-        return skipped_train(cfg, key)
-    run_node(cfg, cfg.train.node_rank)
+    case first and returns the summary without starting torchrun.
+
+    The train key is computed once: by the key function (or here, when it computed none) and handed to torchrun's
+    ranks as ``--known-key``. They take it unchecked; what makes it right is that it was computed from the config
+    written for them, under the run lock that the calling flow (flows/train.py, flows/pipeline.py) holds until
+    torchrun ends, so no input stage changes in between. This task is the only caller that passes a key."""
+    key = computed_key()  # the key function found the training out of date just now
+    if key is None:
+        key, complete = key_and_state(STAGE.name, cfg)
+        if complete and key is not None:
+            get_run_logger().info("train: up to date (%s), no process started", STAGE.manifest(cfg.run_dir))
+            return skipped_train(cfg, key)
+    run_node(cfg, cfg.train.node_rank, key)
     return dataclasses.replace(train_summary(cfg), computed=True)
 
 
-def run_node(cfg: RunConfig, node_rank: int) -> None:
-    """This node's torchrun to completion; node 0 mirrors train/progress.json (written by global rank 0)."""
+def run_node(cfg: RunConfig, node_rank: int, known_key: str | None = None) -> None:
+    """This node's torchrun to completion; node 0 mirrors train/progress.json (written by global rank 0).
+    ``known_key``: the train key of ``cfg``, when computed already (train_task)."""
     from eagle3.run.layout import write_run_config
     from infra.torchrun import run_torchrun
 
     logger = get_run_logger()
-    spec = torchrun_spec(cfg, write_run_config(cfg), len(_visible_gpus(cfg)), node_rank)
+    spec = torchrun_spec(cfg, write_run_config(cfg), len(_visible_gpus(cfg)), node_rank, known_key)
     logger.info("launching %s", " ".join(spec.argv()))
     with ProgressWatcher(cfg) if node_rank == 0 else contextlib.nullcontext():
         run_torchrun(spec, torchrun_log(cfg, node_rank), timeout_s=cfg.train.timeout_s, on_line=logger.info)

@@ -1,4 +1,4 @@
-"""python -m eagle3.train --config <run>/config.json [--set train.lr=2e-4] [--stop-after-steps N]
+"""python -m eagle3.train --config <run>/config.json [--set train.lr=2e-4] [--stop-after-steps N] [--known-key KEY]
 
 Trains the drafter of a run whose features and vocab map exist, resuming from the latest checkpoint.
 Works as a plain process (world size 1) or under torchrun (one process per GPU):
@@ -8,7 +8,8 @@ Works as a plain process (world size 1) or under torchrun (one process per GPU):
 
 SIGTERM (or Ctrl-C) finishes the current step, writes a checkpoint and exits 0; running the same
 command again continues with the next batch. ``--stop-after-steps N`` does the same after N steps of
-this invocation (a planned preemption: smoke runs, tests).
+this invocation (a planned preemption: smoke runs, tests). ``--known-key`` is the pipeline's: its train task
+computed the stage key of the config it passes, and the trainer takes it instead of computing it again.
 """
 
 from __future__ import annotations
@@ -53,13 +54,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--stop-after-steps", type=int, default=None, metavar="N",
                         help="checkpoint and exit 0 after N optimizer steps of this invocation")
+    parser.add_argument("--known-key", default=None, metavar="KEY",
+                        help="the train key of this config, computed by the caller (the pipeline's train task); "
+                             "taken as given, not computed again")
 
     def run(cfg, args: argparse.Namespace):
+        from eagle3.config import ConfigError
         from eagle3.train.loop import train
 
+        if args.known_key and args.overrides:  # the key was computed of the config file, not of the overrides
+            raise ConfigError("--known-key names the key of the --config file as it is: it cannot go with --set")
         _configure_logging()
         _stop_with_launcher()
-        return train(cfg, args.stop_after_steps)
+        return train(cfg, args.stop_after_steps, args.known_key)
 
     def show(result) -> None:
         if int(os.environ.get("RANK", "0")) == 0:

@@ -271,15 +271,21 @@ def _stopped(tr: Trainer, signum: int | None, checkpoint: Path, last_train: dict
 
 # ----------------------------------------------------------------------------------------------- the stage
 
-def train(cfg: RunConfig, stop_after_steps: int | None = None) -> TrainResult:
+def train(cfg: RunConfig, stop_after_steps: int | None = None, known_key: str | None = None) -> TrainResult:
     """The train stage in this process: join torchrun's group (if any), lock the run, skip when the manifest
-    matches, else set up, resume, train, and write train.manifest.json when all steps are done."""
+    matches, else set up, resume, train, and write train.manifest.json when all steps are done.
+
+    ``known_key``: the train key of ``cfg`` when the caller computed it already (it is computed once per run of
+    the stage). It is taken as given, not checked: a wrong one would name this training's manifest and checkpoints
+    after other inputs. The pipeline's train task is the only caller that passes one; its cache-key function
+    computed it from this very config, under the run lock its flow holds until the training ends, so no input
+    stage can change in between (tasks/train.py)."""
     from eagle3.train.dist import init_distributed, shutdown
 
     info = init_distributed(cfg.train.device)
     try:
         with _run_locked(cfg, info):
-            return _train(cfg, info, stop_after_steps)
+            return _train(cfg, info, stop_after_steps, known_key)
     finally:
         shutdown(info)
 
@@ -313,7 +319,7 @@ def _prepare_target(cfg: RunConfig, info: DistInfo) -> Path:
     return model_dir if model_dir is not None else prepare_target(cfg)
 
 
-def _train(cfg: RunConfig, info: DistInfo, stop_after_steps: int | None) -> TrainResult:
+def _train(cfg: RunConfig, info: DistInfo, stop_after_steps: int | None, known_key: str | None) -> TrainResult:
     from eagle3.run.stage import manifest_matches
 
     inputs = read_inputs(cfg, _prepare_target(cfg, info))
@@ -322,13 +328,13 @@ def _train(cfg: RunConfig, info: DistInfo, stop_after_steps: int | None) -> Trai
 
         save_or_check_spec(inputs.features_dir, inputs.spec)  # export and evaluation read what was trained on
     manifest = RunLayout(inputs.run_dir).manifest(STAGE)
-    key = stage_key_for(cfg, inputs)
+    key = known_key or stage_key_for(cfg, inputs)  # the one computation of this run's key (train's docstring)
     if broadcast_object(manifest_matches(manifest, key) if info.is_main else None, info):
         log.info("train: up to date (%s), nothing to do", manifest)
         return TrainResult("up_to_date", -1, None)
     if info.is_main:
         manifest.unlink(missing_ok=True)
-    tr = setup(cfg, info, inputs)
+    tr = setup(cfg, info, inputs, key)
     try:
         result = run(tr, stop_after_steps)
     except BaseException as exc:

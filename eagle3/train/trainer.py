@@ -27,7 +27,6 @@ from eagle3.train.build import (
     build_scheduler,
     plan_data,
     scaled_lr,
-    stage_key_for,
     total_steps_for,
     unigram_token,
 )
@@ -99,8 +98,10 @@ class Trainer:
 
 # ------------------------------------------------------------------------------------------------- setup
 
-def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
-    """Seeded model, wrapper, optimizer, schedule, data plans; resumed from the latest checkpoint."""
+def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs, stage_key: str) -> Trainer:
+    """Seeded model, wrapper, optimizer, schedule, data plans; resumed from the latest checkpoint. ``stage_key``: the
+    train key of ``cfg`` and ``inputs`` (eagle3.train.build.stage_key_for), which the caller computed once already to
+    check the manifest; every checkpoint carries it, and one that carries another is refused."""
     import random
 
     random.seed(cfg.run.seed)
@@ -120,7 +121,7 @@ def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs) -> Trainer:
         row_flops = drafter_row_flops(inputs.dims, cfg.train.tokens_per_row, cfg.drafter.ttt_steps,
                                       inputs.spec.supervision == "final_hidden")["total"]
     tr = Trainer(cfg, info, inputs, model, optimizer, build_scheduler(cfg, optimizer, total), plan, total,
-                 stage_key_for(cfg, inputs), unigram, MetricsWriter(layout.metrics, info.is_main),
+                 stage_key, unigram, MetricsWriter(layout.metrics, info.is_main),
                  ProgressWriter(layout.progress, total, info.is_main, cfg.train.progress_every_s),
                  TrainerState(), cfg.train.grad_accum_steps * row_flops, peak_flops(info.device))
     if cfg.train.features == "online":

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle3.target.load import prepare_target
-from eagle3.train.build import read_inputs
+from eagle3.train.build import read_inputs, stage_key_for
 from eagle3.train.checkpoint import CheckpointMismatchError, checkpoints_dir, latest_checkpoint, list_checkpoints, prune
 from eagle3.train.dist import init_distributed
 from eagle3.train.loop import micro_batch_windows, run, save, train
@@ -23,7 +23,8 @@ OVERRIDES = ["train.tokens_per_row=96", "train.grad_accum_steps=2", "train.num_e
 
 def _trainer(cfg):
     info = init_distributed("cpu")
-    return setup(cfg, info, read_inputs(cfg, prepare_target(cfg)))
+    inputs = read_inputs(cfg, prepare_target(cfg))
+    return setup(cfg, info, inputs, stage_key_for(cfg, inputs))
 
 
 def _tensors(state) -> list[torch.Tensor]:

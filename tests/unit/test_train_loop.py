@@ -120,3 +120,12 @@ def test_missing_features_are_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="capture"):
         train(cfg)
 
+
+
+def test_known_key_with_overrides_is_refused(tmp_path, capsys):
+    """--known-key is the key of the --config file as it is: with --set overrides it is refused, before training."""
+    from eagle3.train.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--preset", "tiny", "--set", f"run.workdir={tmp_path}", "--known-key", "0123abcd"])
+    assert stopped.value.code == 2 and "--known-key" in capsys.readouterr().err
