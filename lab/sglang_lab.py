@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -68,11 +69,15 @@ def device_name(device: str) -> str:
 def run_and_record(out: Path, results: dict[str, Any], body: Callable[[], list[str]]) -> int:
     """Run a benchmark's body; its failures (or the error that ended it) go into ``out`` and on the console.
 
-    Exit status: 0 when the body found no failure, 1 otherwise; an exception is re-raised after it is recorded."""
+    Exit status: 0 when the body found no failure, 1 otherwise; an exception is re-raised after it is recorded.
+    SIGTERM (a time limit, a lease's cleanup) ends the body through SystemExit, so its ``finally`` blocks stop the
+    servers and stage processes it started instead of leaving them on their ports."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     try:
         failures = body()
-    except Exception as exc:  # every error ends in the JSON too, naming what failed
-        results["error"] = f"{type(exc).__name__}: {exc}"
+    except (Exception, SystemExit) as exc:  # every error ends in the JSON too, naming what failed
+        results["error"] = (f"interrupted (exit {exc.code})" if isinstance(exc, SystemExit)
+                            else f"{type(exc).__name__}: {exc}")
         write_results(out, results)
         say(f"FAILED: {results['error']} (results: {out})")
         raise
@@ -93,10 +98,27 @@ def add_server_args(parser: argparse.ArgumentParser, python_default: str) -> Non
     parser.add_argument("--server-args", default="", help='extra server flags, one string: --server-args="--a b"')
 
 
+def new_flags(cfg: RunConfig, server_args: list[str]) -> list[str]:
+    """``server_args`` minus flags (with their values) the run's server section already sets: the spec refuses
+    repeats, and the lease passes the same flags to every lab script."""
+    have = {a for a in cfg.server.extra_args if a.startswith("--")}
+    if cfg.server.attention_backend:
+        have.add("--attention-backend")
+    out: list[str] = []
+    skip = False
+    for arg in server_args:
+        if arg.startswith("--"):
+            skip = arg in have
+        if not skip:
+            out.append(arg)
+    return out
+
+
 def bench_config(cfg: RunConfig, args: argparse.Namespace, backend: str) -> RunConfig:
     """cfg for one capture backend: final_hidden supervision; for sglang a managed capture_packed server."""
     sg = cfg.capture.sglang.model_copy(update={"server_mode": "capture_packed", "endpoints": [], "final_endpoints": []})
     server = cfg.server.model_copy(update={"python": args.python,
-                                           "extra_args": [*cfg.server.extra_args, *args.server_args]})
+                                           "extra_args": [*cfg.server.extra_args,
+                                                          *new_flags(cfg, args.server_args)]})
     capture = cfg.capture.model_copy(update={"backend": backend, "supervision": "final_hidden", "sglang": sg})
     return cfg.model_copy(update={"capture": capture, "server": server})

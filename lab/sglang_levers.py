@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from eagle3.config import RunConfig, read_config_file, validate_config  # noqa: E402
-from lab.sglang_lab import add_server_args, run_and_record, say, write_results  # noqa: E402
+from lab.sglang_lab import add_server_args, new_flags, run_and_record, say, write_results  # noqa: E402
 
 SUBSET = {"mtbench": 20, "humaneval": 10, "gsm8k": 10}  # 40 of the 160 evaluation prompts, all three datasets
 
@@ -137,22 +137,6 @@ def profile_once(base_url: str, api_key: str, prompt: list[int], out_dir: Path, 
             return new[-1]
         time.sleep(1)
     raise RuntimeError(f"SGLang wrote no trace into {out_dir} within 120 s of the profiled requests")
-
-
-def new_flags(cfg: RunConfig, server_args: list[str]) -> list[str]:
-    """``server_args`` minus flags (with their values) the run's server section already sets: the spec refuses
-    repeats, and the lease passes the same flags to every lab script."""
-    have = {a for a in cfg.server.extra_args if a.startswith("--")}
-    if cfg.server.attention_backend:
-        have.add("--attention-backend")
-    out: list[str] = []
-    skip = False
-    for arg in server_args:
-        if arg.startswith("--"):
-            skip = arg in have
-        if not skip:
-            out.append(arg)
-    return out
 
 
 def measure_variant(cfg: RunConfig, variant: Variant, plan: Any, args: argparse.Namespace) -> dict[str, Any]:

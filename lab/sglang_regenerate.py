@@ -50,6 +50,7 @@ from eagle3.config import RegenerateConfig, RunConfig, read_config_file, validat
 from lab.sglang_lab import (  # noqa: E402
     add_server_args,
     device_name,
+    new_flags,
     run_and_record,
     say,
 )
@@ -197,7 +198,8 @@ def start_server(cfg: RunConfig, args: argparse.Namespace, model_dir: Path, benc
     dtype = cfg.target.dtype if cfg.target.dtype in ("bfloat16", "float16", "float32") else None
     spec = ServerSpec(str(model_dir), "serve", port=cfg.serve.port, host="127.0.0.1", api_key=secrets.token_hex(16),
                       dtype=dtype, mem_fraction_static=args.mem_fraction_static or cfg.serve.mem_fraction_static,
-                      attention_backend=cfg.server.attention_backend, extra_args=tuple(args.server_args),
+                      attention_backend=cfg.server.attention_backend,
+                      extra_args=(*cfg.server.extra_args, *new_flags(cfg, args.server_args)),
                       python=args.python, module=args.module)
     expect = ProbeExpectations(vocab_size=target_info(model_dir, cfg.target).vocab_size)
     server = ManagedServer(spec, bench / "logs" / "sglang-serve.log", expect=expect, cwd=REPO,

@@ -5,13 +5,17 @@ No server and no model: the comparison arithmetic the GPU-host runs rely on.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lab.sglang_capture import BlockSums, block_sums, compare_states, offenders, split_blocks
 from lab.sglang_regenerate import answers, identity_shares
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_identical_states_have_zero_error_in_every_block():
@@ -90,3 +94,36 @@ def test_answers_keep_only_the_asked_rows_assistant_turns():
     rows = [{"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}]},
             {"id": "b", "messages": [{"role": "assistant", "content": "orig"}]}]
     assert answers(rows, {"a"}) == {"a": ["x"]}
+
+
+def test_sigterm_runs_the_benchmarks_finally_blocks_and_records_the_interruption(tmp_path):
+    """A SIGTERM'd benchmark stops what its body started (its finally runs) and its results JSON says why it ended."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = f"""
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {str(REPO)!r})
+from lab.sglang_lab import run_and_record
+
+def body():
+    try:
+        Path({str(tmp_path / 'started')!r}).touch()
+        time.sleep(60)
+    finally:
+        Path({str(tmp_path / 'cleaned')!r}).touch()
+    return []
+
+sys.exit(run_and_record(Path({str(tmp_path / 'out.json')!r}), {{}}, body))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert (tmp_path / "cleaned").exists()
+    assert json.loads((tmp_path / "out.json").read_text())["error"] == f"interrupted (exit {128 + signal.SIGTERM})"

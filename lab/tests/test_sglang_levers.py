@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.export.sglang import check_sglang_export
-from lab.sglang_levers import new_flags, parse_variant, shrink_export, summarize
+from lab.sglang_lab import new_flags
+from lab.sglang_levers import parse_variant, shrink_export, summarize
 from lab.sglang_trace import busy_us, summarize_trace
 from tests.unit.test_export import sglang_export
 
