@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -55,8 +56,9 @@ def ensure_work_pools(client) -> list[str]:
     created = []
     for name in WORK_POOLS:
         try:
-            client.create_work_pool(WorkPoolCreate(name=name, type="process",
-                                                   description=f"eagle3 {name} hosts (one worker per host)"))
+            client.create_work_pool(
+                WorkPoolCreate(name=name, type="process", description=f"eagle3 {name} hosts (one worker per host)")
+            )
             created.append(name)
         except ObjectAlreadyExists:
             pass
@@ -74,10 +76,15 @@ def _heartbeat_automation(within_s: int) -> Automation:
     return Automation(
         name="eagle3-heartbeat-missing",
         description="A flow run that sent no heartbeat for 3 periods is marked Crashed (its VM is gone).",
-        trigger=EventTrigger(after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.*"},
-                             match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
-                             for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
-                             within=timedelta(seconds=within_s)),
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.*"},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=within_s),
+        ),
         actions=[ChangeFlowRunState(state=StateType.CRASHED, message="No heartbeat: marked Crashed")],
     )
 
@@ -86,13 +93,21 @@ def _retry_automation() -> Automation:
     return Automation(
         name="eagle3-retry-crashed",
         description="A Crashed run of an eagle3 deployment goes back to AwaitingRetry (same run id, same params).",
-        trigger=EventTrigger(expect={"prefect.flow-run.Crashed"},
-                             match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
-                             match_related=ResourceSpecification({"prefect.resource.id": f"prefect.tag.{DEPLOYMENT_TAG}",
-                                                                  "prefect.resource.role": "tag"}),
-                             posture=Posture.Reactive, threshold=1, within=timedelta(0)),
-        actions=[ChangeFlowRunState(state=StateType.SCHEDULED, name="AwaitingRetry",
-                                    message="Automatic retry after a crash", force=True)],
+        trigger=EventTrigger(
+            expect={"prefect.flow-run.Crashed"},
+            match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
+            match_related=ResourceSpecification(
+                {"prefect.resource.id": f"prefect.tag.{DEPLOYMENT_TAG}", "prefect.resource.role": "tag"}
+            ),
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(0),
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.SCHEDULED, name="AwaitingRetry", message="Automatic retry after a crash", force=True
+            )
+        ],
     )
 
 
@@ -100,10 +115,8 @@ def ensure_automations(heartbeat_frequency_s: int = HEARTBEAT_FREQUENCY_S) -> li
     """(Re)create both automations so their definitions always match this code."""
     wanted = [_heartbeat_automation(3 * heartbeat_frequency_s), _retry_automation()]
     for automation in wanted:
-        try:
+        with contextlib.suppress(ValueError, ObjectNotFound):
             cast(Automation, Automation.read(name=automation.name)).delete()  # (sync_compatible: sync here)
-        except (ValueError, ObjectNotFound):
-            pass
         automation.create()
     return [a.name for a in wanted]
 
@@ -124,9 +137,13 @@ def deployment_fingerprint(doc: dict[str, Any], spec: dict[str, Any], schema: di
     directory `prefect deploy` records. Equal fingerprints: re-applying would change nothing."""
     import prefect
 
-    owned = {"deployment": {k: v for k, v in spec.items() if k != "schedules"},
-             "steps": {k: doc.get(k) for k in ("build", "push", "pull")}, "schema": schema,
-             "cwd": str(cwd.resolve()), "prefect": prefect.__version__}
+    owned = {
+        "deployment": {k: v for k, v in spec.items() if k != "schedules"},
+        "steps": {k: doc.get(k) for k in ("build", "push", "pull")},
+        "schema": schema,
+        "cwd": str(cwd.resolve()),
+        "prefect": prefect.__version__,
+    }
     return VERSION_PREFIX + hashlib.sha256(json.dumps(owned, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -145,19 +162,33 @@ def _wanted_schedules(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
     if not spec.get("schedules"):
         return []
-    return _construct_schedules(spec, {}, console=None,  # type: ignore[arg-type]  # not interactive: prints nothing
-                                is_interactive=lambda: False) or []
+    return (
+        _construct_schedules(
+            spec,
+            {},
+            console=None,  # type: ignore[arg-type]  # not interactive: prints nothing
+            is_interactive=lambda: False,
+        )
+        or []
+    )
 
 
 def _upcoming_runs(client, deployment_id) -> list[Any]:
     """The deployment's runs still waiting in Scheduled."""
-    from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
-                                                FlowRunFilterState, FlowRunFilterStateType)
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
 
     return client.read_flow_runs(
         deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
-        flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(
-            any_=[StateType.SCHEDULED]))))
+        flow_run_filter=FlowRunFilter(
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))
+        ),
+    )
 
 
 def _keep_schedules(client, deployment: Any, spec: dict[str, Any]) -> list[str]:
@@ -170,8 +201,10 @@ def _keep_schedules(client, deployment: Any, spec: dict[str, Any]) -> list[str]:
     for wanted in _wanted_schedules(spec):
         if not any(s.schedule == wanted["schedule"] for s in have):
             client.create_deployment_schedules(deployment.id, [DeploymentScheduleCreate(**wanted)])
-            notes.append(f"added schedule {_schedule_text(wanted['schedule'])} "
-                         f"({'on' if wanted.get('active', True) else 'off'}, as prefect.yaml says)")
+            notes.append(
+                f"added schedule {_schedule_text(wanted['schedule'])} "
+                f"({'on' if wanted.get('active', True) else 'off'}, as prefect.yaml says)"
+            )
     for s in have:
         params = f", its parameters {json.dumps(s.parameters)}" if s.parameters else ""
         notes.append(f"kept schedule {_schedule_text(s.schedule)} as it is ({'on' if s.active else 'off'}{params})")
@@ -185,8 +218,13 @@ def _prefect_deploy(doc: dict[str, Any], names: list[str], cwd: Path, env: dict[
     with tempfile.TemporaryDirectory(prefix="eagle3-setup-") as tmp:
         prefect_file = Path(tmp) / "prefect.yaml"
         prefect_file.write_text(yaml.safe_dump(doc, sort_keys=False))
-        argv = [str(Path(sys.executable).with_name("prefect")), "--no-prompt", "deploy",
-                "--prefect-file", str(prefect_file)] + [a for n in names for a in ("--name", n)]
+        argv = [
+            str(Path(sys.executable).with_name("prefect")),
+            "--no-prompt",
+            "deploy",
+            "--prefect-file",
+            str(prefect_file),
+        ] + [a for n in names for a in ("--name", n)]
         proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode:
         raise RuntimeError(f"prefect deploy failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -213,8 +251,11 @@ def apply_deployments(names: list[str], cwd: Path, env: dict[str, str] | None = 
                 existing = None
             plan[name] = (deployment_fingerprint(doc, specs[name], schema, cwd), existing, flow_name)
         stale = [n for n, (fp, existing, _) in plan.items() if existing is None or existing.version != fp]
-        upcoming = {n: _upcoming_runs(client, existing.id) for n, (_, existing, _) in plan.items()
-                    if n in stale and existing is not None}
+        upcoming = {
+            n: _upcoming_runs(client, existing.id)
+            for n, (_, existing, _) in plan.items()
+            if n in stale and existing is not None
+        }
     if stale:
         entries = []
         for spec in doc["deployments"]:
@@ -225,11 +266,13 @@ def apply_deployments(names: list[str], cwd: Path, env: dict[str, str] | None = 
         _prefect_deploy({**doc, "deployments": entries}, stale, cwd, env)
     lines = []
     with get_client(sync_client=True) as client:
-        for name, (fp, existing, flow_name) in plan.items():
+        for name, (_fp, existing, flow_name) in plan.items():
             deployment = client.read_deployment_by_name(f"{flow_name}/{name}")
             if existing is None:
-                wanted = ", ".join(f"{_schedule_text(s.schedule)} {'on' if s.active else 'off'}"
-                                   for s in client.read_deployment_schedules(deployment.id))
+                wanted = ", ".join(
+                    f"{_schedule_text(s.schedule)} {'on' if s.active else 'off'}"
+                    for s in client.read_deployment_schedules(deployment.id)
+                )
                 lines.append(f"created deployment {name}" + (f" (schedules: {wanted})" if wanted else ""))
                 continue
             notes = _keep_schedules(client, deployment, specs[name])
@@ -237,15 +280,20 @@ def apply_deployments(names: list[str], cwd: Path, env: dict[str, str] | None = 
                 gone = len(upcoming[name])
                 if gone and any(s.active for s in client.read_deployment_schedules(deployment.id)):
                     # Prefect deleted the auto-scheduled runs of the old definition; schedule them again now
-                    client.request("POST", "/deployments/{id}/schedule", path_params={"id": deployment.id},
-                                   json={})
+                    client.request("POST", "/deployments/{id}/schedule", path_params={"id": deployment.id}, json={})
                 now = len(_upcoming_runs(client, deployment.id))
-                lines.append(f"updated deployment {name} (its definition changed)" + "".join(f"; {n}" for n in notes)
-                             + (f"; {gone} upcoming runs before, {now} now" if gone or now else ""))
+                lines.append(
+                    f"updated deployment {name} (its definition changed)"
+                    + "".join(f"; {n}" for n in notes)
+                    + (f"; {gone} upcoming runs before, {now} now" if gone or now else "")
+                )
             else:
                 now = len(_upcoming_runs(client, deployment.id))
-                lines.append(f"kept deployment {name} as it is (unchanged since setup applied it)"
-                             + "".join(f"; {n}" for n in notes) + (f"; kept its {now} upcoming runs" if now else ""))
+                lines.append(
+                    f"kept deployment {name} as it is (unchanged since setup applied it)"
+                    + "".join(f"; {n}" for n in notes)
+                    + (f"; kept its {now} upcoming runs" if now else "")
+                )
     return lines
 
 

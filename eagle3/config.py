@@ -107,8 +107,10 @@ def _read_preset(preset: str, extending: tuple[str, ...] = ()) -> dict[str, Any]
     data = read_config_file(path)
     cycle = _self_reference(data)
     if cycle is not None:
-        raise ConfigError(f"{path}: a YAML anchor refers to itself at {cycle or 'the top level'}; "
-                          "write the value out instead of aliasing its own anchor")
+        raise ConfigError(
+            f"{path}: a YAML anchor refers to itself at {cycle or 'the top level'}; "
+            "write the value out instead of aliasing its own anchor"
+        )
     data = migrate(data, RunConfig)  # old key names, before a base preset is merged under this file's
     base = data.pop(BASE_KEY, None)
     if base is None:

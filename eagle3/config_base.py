@@ -79,8 +79,10 @@ cuda:N where the stage runs in one process (train and evaluate refuse it: see wh
 def whole_device(field: str, device: str) -> None:
     """Refuse cuda:N where a stage picks the GPU itself (each torchrun rank its LOCAL_RANK, evaluate's workers theirs)."""
     if device.startswith("cuda:"):
-        raise ValueError(f"{field} takes auto, cpu or cuda, not {device!r}: the stage places its processes on the GPUs "
-                         "itself; choose them with CUDA_VISIBLE_DEVICES")
+        raise ValueError(
+            f"{field} takes auto, cpu or cuda, not {device!r}: the stage places its processes on the GPUs "
+            "itself; choose them with CUDA_VISIBLE_DEVICES"
+        )
 
 
 def switch_on(value: str, cuda: bool) -> bool:
@@ -92,8 +94,9 @@ class Section(BaseModel):
     """Base for every config section: unknown keys are errors, docs come from docstrings, and a float setting must be
     finite (inf or nan in a learning rate or a scale trains or samples garbage instead of failing)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
-                              allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
+    )
 
 
 OPERATIONAL_MARK = "operational"
@@ -108,8 +111,11 @@ def Operational(default: Any, **constraints: Any) -> Any:  # noqa: N802 (reads a
 
 def _marked(section: type[BaseModel], mark: str) -> dict[str, Any]:
     """{name: field} of the fields of ``section`` whose json_schema_extra carries ``mark``."""
-    return {name: field for name, field in section.model_fields.items()
-            if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get(mark)}
+    return {
+        name: field
+        for name, field in section.model_fields.items()
+        if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get(mark)
+    }
 
 
 def operational_fields(section: type[BaseModel]) -> frozenset[str]:
@@ -129,8 +135,9 @@ def Added(default: Any, **constraints: Any) -> Any:  # noqa: N802 (reads as a fi
 
 def unset_added_fields(section: BaseModel) -> frozenset[str]:
     """Names of the ``Added`` fields of ``section`` that hold their default."""
-    return frozenset(name for name, field in _marked(type(section), ADDED_MARK).items()
-                     if getattr(section, name) == field.default)
+    return frozenset(
+        name for name, field in _marked(type(section), ADDED_MARK).items() if getattr(section, name) == field.default
+    )
 
 
 def key_fields(section: BaseModel) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from eagle3.config_base import Added, Device, Operational, PlainName, Section
 CharsOf = Literal["all", "prompts"]
 """Which turns a conversation's character count covers (data.max_chars_of)."""
 
+
 class TinyTargetConfig(Section):
     """Shape of the random tiny target built locally (tests, CI, smoke runs)."""
 
@@ -54,8 +55,10 @@ class TargetConfig(Section):
         # Checked only where the tiny model is built: the section is inert for hf/gguf targets, and run
         # configs saved with other values must stay loadable.
         if self.kind == "tiny" and self.tiny.num_hidden_layers < 8:
-            raise ValueError(f"target.tiny.num_hidden_layers must be >= 8 (got {self.tiny.num_hidden_layers}) so "
-                             "the default aux layer ids [1, N//2-1, N-4] are distinct and below the last layer")
+            raise ValueError(
+                f"target.tiny.num_hidden_layers must be >= 8 (got {self.tiny.num_hidden_layers}) so "
+                "the default aux layer ids [1, N//2-1, N-4] are distinct and below the last layer"
+            )
         if self.kind == "tiny":
             _check_tiny_heads(self.tiny)
         return self
@@ -65,8 +68,10 @@ def _check_tiny_heads(tiny: TinyTargetConfig) -> None:
     """Attention shapes the Llama layers can build: whole, even head sizes and whole query groups."""
     heads, kv = tiny.num_attention_heads, tiny.num_key_value_heads
     if tiny.hidden_size % heads or (tiny.hidden_size // heads) % 2:
-        raise ValueError(f"target.tiny.hidden_size {tiny.hidden_size} must be num_attention_heads ({heads}) times "
-                         "an even head size (rotary embeddings rotate pairs of channels)")
+        raise ValueError(
+            f"target.tiny.hidden_size {tiny.hidden_size} must be num_attention_heads ({heads}) times "
+            "an even head size (rotary embeddings rotate pairs of channels)"
+        )
     if heads % kv:
         raise ValueError(f"target.tiny.num_key_value_heads {kv} must divide num_attention_heads {heads}")
 
@@ -106,13 +111,17 @@ class SourceConfig(Section):
     def _path_or_synthetic(self) -> SourceConfig:
         synthetic = self.format == "synthetic"
         if synthetic and self.path is not None:
-            raise ValueError(f"source {self.name!r}: a synthetic source has no path (the synthesize stage writes "
-                             "data/synthetic/<name>.jsonl in the run)")
+            raise ValueError(
+                f"source {self.name!r}: a synthetic source has no path (the synthesize stage writes "
+                "data/synthetic/<name>.jsonl in the run)"
+            )
         if not synthetic and (self.path is None or self.synthetic is not None):
             raise ValueError(f"source {self.name!r}: set path (and leave synthetic unset) unless format is synthetic")
         if synthetic and self.keep_answers:
-            raise ValueError(f"source {self.name!r}: keep_answers is for file sources (a synthetic source's answers "
-                             "are the target's own already)")
+            raise ValueError(
+                f"source {self.name!r}: keep_answers is for file sources (a synthetic source's answers "
+                "are the target's own already)"
+            )
         if synthetic and self.synthetic is None:
             self.synthetic = SyntheticConfig()
         return self
@@ -188,16 +197,20 @@ class RegenerateConfig(Section):
     @model_validator(mode="after")
     def _loop_stop_needs_own_loop(self) -> RegenerateConfig:
         if self.loop_stop_tokens and self.generation_backend == "continuous":
-            raise ValueError("regenerate.loop_stop_tokens needs generation_backend static, dynamic or auto: "
-                             "transformers' continuous batching takes no per-row stopping criterion here")
+            raise ValueError(
+                "regenerate.loop_stop_tokens needs generation_backend static, dynamic or auto: "
+                "transformers' continuous batching takes no per-row stopping criterion here"
+            )
         return self
 
     @model_validator(mode="after")
     def _stragglers_below_batch(self) -> RegenerateConfig:
         if self.straggler_rows >= self.batch_size_conversations:
-            raise ValueError(f"regenerate.straggler_rows ({self.straggler_rows}) must be below "
-                             f"batch_size_conversations ({self.batch_size_conversations}): its batch takes the rows "
-                             "still running when a full batch shrinks to it")
+            raise ValueError(
+                f"regenerate.straggler_rows ({self.straggler_rows}) must be below "
+                f"batch_size_conversations ({self.batch_size_conversations}): its batch takes the rows "
+                "still running when a full batch shrinks to it"
+            )
         return self
 
 

@@ -37,6 +37,8 @@ class MeasuredConfig(Section):
 
         bad = [p for p in self.prompts if p not in DATASET_FILES and not is_prompt_file(p)]
         if bad:
-            raise ValueError(f"train.measured.prompts {bad}: each entry is one of {sorted(DATASET_FILES)} or a path to "
-                             f"a .jsonl prompt file")
+            raise ValueError(
+                f"train.measured.prompts {bad}: each entry is one of {sorted(DATASET_FILES)} or a path to "
+                f"a .jsonl prompt file"
+            )
         return self

@@ -46,6 +46,7 @@ class RefreshConfig(Section):
     @model_validator(mode="after")
     def _gate_prompts_not_empty(self) -> RefreshConfig:
         if self.gate.prompts == "" or self.prompts == "" or self.init_from == "":
-            raise ValueError("refresh.prompts, refresh.init_from and refresh.gate.prompts take a path or null, "
-                             "not an empty string")
+            raise ValueError(
+                "refresh.prompts, refresh.init_from and refresh.gate.prompts take a path or null, not an empty string"
+            )
         return self

@@ -16,16 +16,28 @@ from pydantic import BaseModel
 
 from eagle3.config_base import ConfigError, key_fields
 
-SERVER_FIELDS = ("python", "launch_module", "host", "allow_remote_host", "api_key_env", "tp_size", "attention_backend",
-                 "extra_args", "startup_timeout_s")
+SERVER_FIELDS = (
+    "python",
+    "launch_module",
+    "host",
+    "allow_remote_host",
+    "api_key_env",
+    "tp_size",
+    "attention_backend",
+    "extra_args",
+    "startup_timeout_s",
+)
 """The SGLang launch settings serve and capture.sglang each held, now the run's one server section."""
 
 RENAMES: dict[str, str] = {
     "capture.max_tokens_per_batch": "capture.tokens_per_forward",
     "train.max_tokens_per_batch": "train.tokens_per_row",
     **{f"serve.{name}": f"server.{name}" for name in SERVER_FIELDS},
-    **{f"capture.sglang.{name}": f"server.{name}" for name in SERVER_FIELDS
-       if name not in ("launch_module", "attention_backend")},  # capture had no fields of these names
+    **{
+        f"capture.sglang.{name}": f"server.{name}"
+        for name in SERVER_FIELDS
+        if name not in ("launch_module", "attention_backend")
+    },  # capture had no fields of these names
 }
 """Old dotted key -> its new name. Several old keys may name one new key (settings two sections repeated): their
 values must agree, or all but one hold the default."""

@@ -66,11 +66,15 @@ def parse_trio(text: str) -> tuple[int, int, int]:
     """'steps-topk-draft_tokens' -> (steps, topk, draft_tokens); ValueError naming the rule it breaks."""
     parts = text.split("-")
     if len(parts) != 3 or not all(p.isdigit() and int(p) >= 1 for p in parts):
-        raise ValueError(f"serve.extra_speculative entry {text!r} is not 'steps-topk-draft_tokens' (three integers >= 1)")
+        raise ValueError(
+            f"serve.extra_speculative entry {text!r} is not 'steps-topk-draft_tokens' (three integers >= 1)"
+        )
     steps, topk, tokens = map(int, parts)
     if topk == 1 and tokens != steps + 1:
-        raise ValueError(f"serve.extra_speculative entry {text!r}: with topk 1 draft_tokens must be steps + 1 = "
-                         f"{steps + 1} (SGLang forces it)")
+        raise ValueError(
+            f"serve.extra_speculative entry {text!r}: with topk 1 draft_tokens must be steps + 1 = "
+            f"{steps + 1} (SGLang forces it)"
+        )
     if tokens < 2:
         raise ValueError(f"serve.extra_speculative entry {text!r}: draft_tokens must be >= 2")
     return steps, topk, tokens
@@ -121,15 +125,19 @@ class ServeConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> ServeConfig:
         if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError(f"serve.num_draft_tokens must be num_steps + 1 = {self.num_steps + 1} with eagle_topk 1 "
-                             f"(SGLang forces it), not {self.num_draft_tokens}")
+            raise ValueError(
+                f"serve.num_draft_tokens must be num_steps + 1 = {self.num_steps + 1} with eagle_topk 1 "
+                f"(SGLang forces it), not {self.num_draft_tokens}"
+            )
         for trio in self.extra_speculative:
             parse_trio(trio)
         levels = self.concurrency_levels
         if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
             raise ValueError(f"serve.concurrency_levels {levels} must be distinct values >= 1")
         if max(levels) > min(self.max_running_requests, self.num_prompts):
-            raise ValueError(f"serve.concurrency_levels {levels}: the highest level exceeds max_running_requests "
-                             f"({self.max_running_requests}) or num_prompts ({self.num_prompts}), so it would "
-                             "measure queueing instead of that concurrency")
+            raise ValueError(
+                f"serve.concurrency_levels {levels}: the highest level exceeds max_running_requests "
+                f"({self.max_running_requests}) or num_prompts ({self.num_prompts}), so it would "
+                "measure queueing instead of that concurrency"
+            )
         return self

@@ -75,8 +75,10 @@ class DFlashConfig(Section):
     def _ascending(self) -> DFlashConfig:
         ids = self.target_layer_ids
         if ids is not None and (not ids or ids != sorted(set(ids)) or ids[0] < 0):
-            raise ValueError(f"drafter.dflash.target_layer_ids {ids} must be distinct, ascending ids >= 0 (SGLang's "
-                             "target concatenates the layers it captures in layer order)")
+            raise ValueError(
+                f"drafter.dflash.target_layer_ids {ids} must be distinct, ascending ids >= 0 (SGLang's "
+                "target concatenates the layers it captures in layer order)"
+            )
         return self
 
 
@@ -200,8 +202,9 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _measured_selectable(self) -> TrainConfig:
         if self.select == "measured" and not self.measured.every_steps:
-            raise ValueError("train.select=measured needs train.measured.every_steps > 0 (no measurement, nothing to "
-                             "select by)")
+            raise ValueError(
+                "train.select=measured needs train.measured.every_steps > 0 (no measurement, nothing to select by)"
+            )
         return self
 
 
@@ -224,8 +227,10 @@ def _check_datasets(datasets: list[str]) -> None:
 
     bad = [d for d in datasets if d not in DATASET_FILES and not is_prompt_file(d)]
     if bad:
-        raise ValueError(f"evaluate.datasets {bad}: each entry is one of {sorted(DATASET_FILES)} or a path to a "
-                         ".jsonl file of chat prompts")
+        raise ValueError(
+            f"evaluate.datasets {bad}: each entry is one of {sorted(DATASET_FILES)} or a path to a "
+            ".jsonl file of chat prompts"
+        )
     if len(set(datasets)) != len(datasets):
         raise ValueError(f"evaluate.datasets {datasets} names a dataset twice")
 
@@ -286,9 +291,11 @@ class EvaluateConfig(Section):
 
     def widest_verify(self) -> int:
         """Rows of the widest verify forward of the measured methods (the root included)."""
-        return max([s + 1 for s in self.chain_steps] * ("chain" in self.methods)
-                   + [self.tree_num_draft_tokens] * ("tree" in self.methods)
-                   + [self.ngram_num_tokens + 1] * ("ngram" in self.methods))
+        return max(
+            [s + 1 for s in self.chain_steps] * ("chain" in self.methods)
+            + [self.tree_num_draft_tokens] * ("tree" in self.methods)
+            + [self.ngram_num_tokens + 1] * ("ngram" in self.methods)
+        )
 
     def resolved(self, device: str) -> EvaluateConfig:
         """This section with ``dtype``, ``static_cache`` and ``decode_rows`` decided for ``device`` (cpu | cuda):
@@ -300,9 +307,14 @@ class EvaluateConfig(Section):
         if rows == "auto":  # gathered keys need one width for greedy and verifies, in any dtype
             one_width = dtype != "float32" or self.decode_keys == "gathered"
             rows = min(64, max(16, self.widest_verify())) if one_width else None
-        return self.model_copy(update={"dtype": dtype, "static_cache": "on" if static else "off",
-                                       "decode_rows": rows if static else None,
-                                       "decode_keys": self.decode_keys if static else "masked"})
+        return self.model_copy(
+            update={
+                "dtype": dtype,
+                "static_cache": "on" if static else "off",
+                "decode_rows": rows if static else None,
+                "decode_keys": self.decode_keys if static else "masked",
+            }
+        )
 
     def limit_for(self, dataset: str) -> int | None:
         """How many prompts of ``dataset`` are measured (None = all)."""
@@ -324,20 +336,26 @@ class EvaluateConfig(Section):
             raise ValueError(f"evaluate.chain_steps {self.chain_steps} must hold steps >= 1 when chain is measured")
         unused = sorted(set(self.num_prompts_by_dataset) - set(self.datasets))
         if unused or any(n < 1 for n in self.num_prompts_by_dataset.values()):
-            raise ValueError(f"evaluate.num_prompts_by_dataset {self.num_prompts_by_dataset}: counts must be >= 1 "
-                             f"and name datasets in evaluate.datasets (not {unused})")
+            raise ValueError(
+                f"evaluate.num_prompts_by_dataset {self.num_prompts_by_dataset}: counts must be >= 1 "
+                f"and name datasets in evaluate.datasets (not {unused})"
+            )
         if self.compile == "on" and self.static_cache == "off":
             raise ValueError("evaluate.compile=on needs the static cache (evaluate.static_cache auto or on)")
         rows, widest = self.decode_rows, self.widest_verify()
         if isinstance(rows, int) and not widest <= rows <= 64:
-            raise ValueError(f"evaluate.decode_rows {rows} must hold the widest verify ({widest} rows) and be at "
-                             f"most 64: change it, or set it to null for per-size widths")
+            raise ValueError(
+                f"evaluate.decode_rows {rows} must hold the widest verify ({widest} rows) and be at "
+                f"most 64: change it, or set it to null for per-size widths"
+            )
         if self.decode_keys == "gathered" and (self.static_cache == "off" or self.decode_rows is None):
             raise ValueError("evaluate.decode_keys=gathered needs the static cache and decode_rows (auto or a number)")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"evaluate.ngram_min {self.ngram_min} exceeds ngram_max {self.ngram_max}")
         most = 1 + self.tree_topk + (self.tree_steps - 1) * self.tree_topk**2
         if "tree" in self.methods and self.tree_num_draft_tokens > most:
-            raise ValueError(f"evaluate.tree_num_draft_tokens {self.tree_num_draft_tokens} exceeds the {most} nodes "
-                             f"a tree of depth {self.tree_steps} and topk {self.tree_topk} proposes (root included)")
+            raise ValueError(
+                f"evaluate.tree_num_draft_tokens {self.tree_num_draft_tokens} exceeds the {most} nodes "
+                f"a tree of depth {self.tree_steps} and topk {self.tree_topk} proposes (root included)"
+            )
         return self

@@ -76,8 +76,9 @@ def trios(cfg: RunConfig) -> list[str]:
     return [main, *(t for t in sv.extra_speculative if t != main)]
 
 
-def server_specs(cfg: RunConfig, model_path: str, draft_path: str,
-                 api_key: str | None, trio: str | None = None) -> tuple[ServerSpec, ServerSpec]:
+def server_specs(
+    cfg: RunConfig, model_path: str, draft_path: str, api_key: str | None, trio: str | None = None
+) -> tuple[ServerSpec, ServerSpec]:
     """(baseline, speculative) ServerSpecs from cfg.serve and cfg.server: equal flags except --speculative-* and
     the port (a DFlash drafter: a DFLASH server verifying ``trio``'s draft tokens, its block size)."""
     from eagle3.config_sglang import parse_trio
@@ -86,10 +87,20 @@ def server_specs(cfg: RunConfig, model_path: str, draft_path: str,
     sv, server = cfg.serve, cfg.server
     steps, topk, tokens = parse_trio(trio or trios(cfg)[0])
     shared: dict[str, Any] = dict(
-        port=sv.port, host=server.host, allow_remote=server.allow_remote_host, tp_size=server.tp_size,
-        dtype=sv.dtype, mem_fraction_static=sv.mem_fraction_static, max_running_requests=sv.max_running_requests,
-        cuda_graph_max_bs_decode=sv.cuda_graph_max_bs_decode, attention_backend=server.attention_backend,
-        extra_args=tuple(server.extra_args), api_key=api_key, python=server.python, module=server.launch_module)
+        port=sv.port,
+        host=server.host,
+        allow_remote=server.allow_remote_host,
+        tp_size=server.tp_size,
+        dtype=sv.dtype,
+        mem_fraction_static=sv.mem_fraction_static,
+        max_running_requests=sv.max_running_requests,
+        cuda_graph_max_bs_decode=sv.cuda_graph_max_bs_decode,
+        attention_backend=server.attention_backend,
+        extra_args=tuple(server.extra_args),
+        api_key=api_key,
+        python=server.python,
+        module=server.launch_module,
+    )
     if cfg.drafter.family == "dflash":
         return dflash_serving_pair(model_path, draft_path, block_size=tokens, **shared)
     return serving_pair(model_path, draft_path, num_steps=steps, topk=topk, num_draft_tokens=tokens, **shared)
@@ -100,8 +111,14 @@ def bench_settings(cfg: RunConfig) -> BenchSettings:
     from infra.sglang_bench import BenchSettings
 
     sv = cfg.serve
-    return BenchSettings(tuple(sv.concurrency_levels), sv.num_prompts, sv.max_new_tokens, sv.num_warmup,
-                         sv.request_timeout_s, ignore_eos=sv.prompts == "fixed")
+    return BenchSettings(
+        tuple(sv.concurrency_levels),
+        sv.num_prompts,
+        sv.max_new_tokens,
+        sv.num_warmup,
+        sv.request_timeout_s,
+        ignore_eos=sv.prompts == "fixed",
+    )
 
 
 @dataclass(frozen=True)
@@ -125,8 +142,10 @@ def deploy_prompts(cfg: RunConfig, model_path: str) -> DeployPrompts:
     e = cfg.evaluate
     items = load_prompts(e.datasets, {name: e.limit_for(name) for name in e.datasets}, load_tokenizer(Path(model_path)))
     if len(items) != sv.num_prompts:
-        raise ValueError(f"serve.prompts is evaluation: evaluate.datasets give {len(items)} prompts, so set "
-                         f"serve.num_prompts={len(items)} (it is {sv.num_prompts})")
+        raise ValueError(
+            f"serve.prompts is evaluation: evaluate.datasets give {len(items)} prompts, so set "
+            f"serve.num_prompts={len(items)} (it is {sv.num_prompts})"
+        )
     return DeployPrompts([ids for _, ids in items], [p.dataset for p, _ in items])
 
 
@@ -138,8 +157,9 @@ def probe_expectations(model_path: str) -> ProbeExpectations:
     if not config.is_file():
         return ProbeExpectations()
     doc = json.loads(config.read_text())
-    return ProbeExpectations(architectures=tuple(doc.get("architectures") or ()) or None,
-                             vocab_size=doc.get("vocab_size"))
+    return ProbeExpectations(
+        architectures=tuple(doc.get("architectures") or ()) or None, vocab_size=doc.get("vocab_size")
+    )
 
 
 def check_draft(path: Path, family: str = "eagle3") -> None:
@@ -206,19 +226,41 @@ class ServerRun:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict (round-trips through ``from_json``; results.json holds it per role)."""
-        return {"role": self.role, "argv": self.argv, "log": self.log, "pid": self.pid, "ready": dict(self.ready),
-                "result": self.result.to_json(), "trio": self.trio, "groups": list(self.groups)}
+        return {
+            "role": self.role,
+            "argv": self.argv,
+            "log": self.log,
+            "pid": self.pid,
+            "ready": dict(self.ready),
+            "result": self.result.to_json(),
+            "trio": self.trio,
+            "groups": list(self.groups),
+        }
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> ServerRun:
         from infra.sglang_bench import BenchResult
 
-        return cls(doc["role"], doc["argv"], doc["log"], doc["pid"], dict(doc["ready"]),
-                   BenchResult.from_json(doc["result"]), doc.get("trio"), tuple(doc.get("groups") or ()))
+        return cls(
+            doc["role"],
+            doc["argv"],
+            doc["log"],
+            doc["pid"],
+            dict(doc["ready"]),
+            BenchResult.from_json(doc["result"]),
+            doc.get("trio"),
+            tuple(doc.get("groups") or ()),
+        )
 
 
-def benchmark_server(cfg: RunConfig, role: Role, plan: ServingPlan, progress: ProgressFn | None = None,
-                     logger: logging.Logger | logging.LoggerAdapter = log, trio: str | None = None) -> ServerRun:
+def benchmark_server(
+    cfg: RunConfig,
+    role: Role,
+    plan: ServingPlan,
+    progress: ProgressFn | None = None,
+    logger: logging.Logger | logging.LoggerAdapter = log,
+    trio: str | None = None,
+) -> ServerRun:
     """Launch one server (a speculative one with ``trio``, default serve's own), wait until it passes readiness,
     benchmark every level, always stop it."""
     from infra.process import RestartPolicy
@@ -233,18 +275,31 @@ def benchmark_server(cfg: RunConfig, role: Role, plan: ServingPlan, progress: Pr
     check_gpus(cfg)  # the other servers must be gone, and nobody else on the GPUs
     name = role if trio is None else f"{role}-{trio}"
     # No restart: a server that died once has not been measured under the same conditions.
-    server = ManagedServer(spec, deploy_dir(cfg) / f"sglang-{name}.log", expect=probe_expectations(plan.model_path),
-                           startup_timeout_s=cfg.server.startup_timeout_s, policy=RestartPolicy(max_restarts=0))
+    server = ManagedServer(
+        spec,
+        deploy_dir(cfg) / f"sglang-{name}.log",
+        expect=probe_expectations(plan.model_path),
+        startup_timeout_s=cfg.server.startup_timeout_s,
+        policy=RestartPolicy(max_restarts=0),
+    )
     logger.info("starting %s server: %s", name, server.process.printable_argv)
     try:
         ready = server.start()
-        result = run_benchmark(spec.base_url, sent.prompts, settings, speculative=role == "speculative",
-                               api_key=api_key, progress=progress)
+        result = run_benchmark(
+            spec.base_url, sent.prompts, settings, speculative=role == "speculative", api_key=api_key, progress=progress
+        )
     finally:
         server.stop()
-    return ServerRun(role, server.process.printable_argv, str(server.log_path), server.pid,
-                     {"smoke": ready.smoke, "elapsed_s": ready.elapsed_s, "version": ready.version}, result,
-                     trio, tuple(sent.groups))
+    return ServerRun(
+        role,
+        server.process.printable_argv,
+        str(server.log_path),
+        server.pid,
+        {"smoke": ready.smoke, "elapsed_s": ready.elapsed_s, "version": ready.version},
+        result,
+        trio,
+        tuple(sent.groups),
+    )
 
 
 def report_context(cfg: RunConfig, baseline: ServerRun, speculative: Sequence[ServerRun]) -> dict[str, str]:
@@ -254,8 +309,10 @@ def report_context(cfg: RunConfig, baseline: ServerRun, speculative: Sequence[Se
     context = {"run": cfg.run.name, "baseline server": baseline.argv}
     context |= {f"{drafter_label(cfg)} server {run.trio}": run.argv for run in speculative}
     if cfg.server.launch_module != LAUNCH_MODULE:
-        context["NOTE"] = (f"servers launched by {cfg.server.launch_module}, not {LAUNCH_MODULE}: "
-                           "these figures are not SGLang measurements")
+        context["NOTE"] = (
+            f"servers launched by {cfg.server.launch_module}, not {LAUNCH_MODULE}: "
+            "these figures are not SGLang measurements"
+        )
     return context
 
 
@@ -271,13 +328,17 @@ class DeployReport:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict (what the Prefect task and the CLI return)."""
-        return {"results": str(self.results), "report": str(self.report), "comparison": self.comparison,
-                "accept_checks": [asdict(c) for c in self.accept_checks]}
+        return {
+            "results": str(self.results),
+            "report": str(self.report),
+            "comparison": self.comparison,
+            "accept_checks": [asdict(c) for c in self.accept_checks],
+        }
 
 
-def _section(cfg: RunConfig, baseline: ServerRun, run: ServerRun) -> tuple[list[dict[str, Any]], str,
-                                                                              list[AcceptCheck | SameTextCheck],
-                                                                              list[str]]:
+def _section(
+    cfg: RunConfig, baseline: ServerRun, run: ServerRun
+) -> tuple[list[dict[str, Any]], str, list[AcceptCheck | SameTextCheck], list[str]]:
     """One EAGLE-3 setting: level rows, its markdown, its accept checks and what is wrong with its figures."""
     from infra.sglang_bench import MeasurementError
     from infra.sglang_compare import compare, compare_groups, render_group_table, render_report
@@ -318,16 +379,22 @@ def write_report(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun | S
     errors = [error for section in sections for error in section[3]]
     head = [f"# {drafter_label(cfg)} deploy benchmark", ""] + [f"* {k}: `{v}`" for k, v in context.items()] + [""]
     markdown = "\n".join(head) + "\n" + "\n".join(section[1] for section in sections)
-    doc: dict[str, Any] = {"context": context, "baseline": baseline.to_json(),
-                           "speculative": [run.to_json() for run in runs], "comparison": rows,
-                           "accept_checks": [asdict(c) for c in checks if isinstance(c, AcceptCheck)],
-                           "same_text_checks": [asdict(c) for c in checks if isinstance(c, SameTextCheck)],
-                           "valid": not errors, "errors": errors}
+    doc: dict[str, Any] = {
+        "context": context,
+        "baseline": baseline.to_json(),
+        "speculative": [run.to_json() for run in runs],
+        "comparison": rows,
+        "accept_checks": [asdict(c) for c in checks if isinstance(c, AcceptCheck)],
+        "same_text_checks": [asdict(c) for c in checks if isinstance(c, SameTextCheck)],
+        "valid": not errors,
+        "errors": errors,
+    }
     results = atomic_write_json(out / "results.json", doc)
     report = DeployReport(results, atomic_write_text(out / "report.md", markdown), rows, markdown, checks)
     if errors:
-        raise MeasurementError("deploy figures failed their checks (report written to "
-                               f"{report.report}):\n  " + "\n  ".join(errors))
+        raise MeasurementError(
+            f"deploy figures failed their checks (report written to {report.report}):\n  " + "\n  ".join(errors)
+        )
     from eagle3.run.stage import MissingInputError, write_manifest
 
     try:
@@ -335,8 +402,13 @@ def write_report(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun | S
     except MissingInputError as exc:  # a drafter carried in without its run's export manifest: nothing to key
         log.info("deploy: no manifest written (%s)", exc)
         return report
-    write_manifest(STAGE.manifest(cfg.run_dir), STAGE, stage_key, {"results": results, "report": report.report},
-                   {"valid": True, "trios": [run.trio for run in runs]})
+    write_manifest(
+        STAGE.manifest(cfg.run_dir),
+        STAGE,
+        stage_key,
+        {"results": results, "report": report.report},
+        {"valid": True, "trios": [run.trio for run in runs]},
+    )
     return report
 
 
@@ -377,11 +449,11 @@ def _advance(bar: Progress) -> ProgressFn:
 def _progress_bar(cfg: RunConfig, role: str, show_bar: bool | None) -> Progress:
     """A bar over every request of one server's benchmark (warmups included), as infra.sglang_bench counts them."""
     sv = cfg.serve
-    return Progress(len(sv.concurrency_levels) * (sv.num_prompts + sv.num_warmup), f"benchmark {role}",
-                    bar=show_bar)
+    return Progress(len(sv.concurrency_levels) * (sv.num_prompts + sv.num_warmup), f"benchmark {role}", bar=show_bar)
 
 
 # ------------------------------------------------------------------------------- the stage (eagle3.run.registry)
+
 
 def skip_reason(cfg: RunConfig) -> str | None:
     """Why the stage has nothing to do for ``cfg`` (None: it runs): no SGLang host is configured."""
@@ -409,8 +481,13 @@ def skipped(cfg: RunConfig, known_key: str | None = None) -> StageOutcome | None
     return skipped_outcome(STAGE, STAGE.manifest(cfg.run_dir), known_key)
 
 
-def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
-        known_key: str | None = None, show_bar: bool | None = None) -> StageOutcome | None:
+def run(
+    cfg: RunConfig,
+    progress: ProgressFn | None = None,
+    force: bool = False,
+    known_key: str | None = None,
+    show_bar: bool | None = None,
+) -> StageOutcome | None:
     """The benchmark in this process (None without serve.enabled; skipped when its manifest matches)."""
     from eagle3.run.stage import read_manifest
 
@@ -433,9 +510,12 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
     parser.add_argument("--force", action="store_true", help="measure again even if the manifest matches")
-    parser.add_argument("--report-only", action="store_true",
-                        help="start no server: rebuild report.md and results.json from the recorded server runs, "
-                             "with the accept-length checks against eagle3 eval's results as they are now")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="start no server: rebuild report.md and results.json from the recorded server runs, "
+        "with the accept-length checks against eagle3 eval's results as they are now",
+    )
 
     def run_cli(cfg: RunConfig, args: argparse.Namespace) -> DeployReport | StageOutcome:
         if args.report_only:

@@ -37,6 +37,7 @@ class ServerRun(Protocol):
     @property
     def groups(self) -> tuple[str, ...]: ...
 
+
 MISMATCH_HINT = "a train/serve mismatch (aux layer ids, norms, d2t/t2d, RoPE, chat template or dtype)"
 
 
@@ -75,8 +76,10 @@ def dflash_trio(cfg: RunConfig) -> str:
     from eagle3.export.dflash import dflash_dims
 
     if cfg.serve.extra_speculative:
-        raise ConfigError(f"serve.extra_speculative {cfg.serve.extra_speculative} lists EAGLE-3 settings; a DFlash "
-                          "drafter (drafter.family=dflash) is served one way, its export's block size: leave it empty")
+        raise ConfigError(
+            f"serve.extra_speculative {cfg.serve.extra_speculative} lists EAGLE-3 settings; a DFlash "
+            "drafter (drafter.family=dflash) is served one way, its export's block size: leave it empty"
+        )
     path = draft_dir(cfg) / CONFIG_FILE
     block = dflash_dims(read_json(path), path)[0].block_size  # ExportError naming the file when not a DFlash export
     return f"{block - 1}-1-{block}"
@@ -110,15 +113,19 @@ def accept_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[AcceptCheck], st
     if cfg.serve.prompts != "evaluation":
         return [], "serve.prompts is fixed: eagle3 eval measured other prompts"
     if not serves_own_export(cfg):
-        return [], ("the servers load a promoted drafter whose weights differ from the run's export (what eagle3 eval "
-                    "measured): its gate table is in promoted/README.md")
+        return [], (
+            "the servers load a promoted drafter whose weights differ from the run's export (what eagle3 eval "
+            "measured): its gate table is in promoted/README.md"
+        )
     path = run_layout(cfg).eval_results
     if not path.is_file():
         return [], f"no {path}: run the evaluate step first"
     doc = json.loads(path.read_text())
     if doc.get("settings", {}).get("max_new_tokens") != cfg.serve.max_new_tokens:
-        return [], (f"eagle3 eval generated {doc.get('settings', {}).get('max_new_tokens')} tokens per prompt, "
-                    f"the servers {cfg.serve.max_new_tokens}: set evaluate.max_new_tokens equal")
+        return [], (
+            f"eagle3 eval generated {doc.get('settings', {}).get('max_new_tokens')} tokens per prompt, "
+            f"the servers {cfg.serve.max_new_tokens}: set evaluate.max_new_tokens equal"
+        )
     assert run.trio is not None
     method = eval_method_name(run.trio, cfg.drafter.family)
     rows = {r["dataset"]: r for r in doc.get("results", []) if r.get("method") == method}
@@ -198,22 +205,34 @@ def same_text_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[SameTextCheck
             continue
         a, b = tokens / sglang_verify, tokens / eval_verify
         gap = abs(a - b) / b
-        checks.append(SameTextCheck(run.trio, dataset, len(hits), len(idx), a, b, gap,
-                                    gap <= cfg.serve.accept_tolerance))
+        checks.append(
+            SameTextCheck(run.trio, dataset, len(hits), len(idx), a, b, gap, gap <= cfg.serve.accept_tolerance)
+        )
     return checks, None
 
 
 def render_checks(checks: list[AcceptCheck], same: list[SameTextCheck], same_skipped: str | None) -> str:
     """The report's parity table: every prompt, and the prompts with identical outputs."""
     by_dataset = {c.dataset: c for c in same}
-    lines = ["", "| dataset | SGLang accept length | eagle3 eval | gap | identical outputs | SGLang / eval on them "
-             "| gap |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        "| dataset | SGLang accept length | eagle3 eval | gap | identical outputs | SGLang / eval on them | gap |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in checks:
         s = by_dataset.get(c.dataset)
-        on_same = (f"{s.num_same}/{s.num_prompts} | {s.sglang:.3f} / {s.evaluate:.3f} | "
-                   f"{100 * s.rel_diff:.1f}%{'' if s.ok else ' FAIL'}") if s else "0 | - | -"
-        lines.append(f"| {c.dataset} | {c.sglang:.3f} | {c.evaluate:.3f} | {100 * c.rel_diff:.1f}%"
-                     f"{'' if c.ok else ' FAIL'} | {on_same} |")
+        on_same = (
+            (
+                f"{s.num_same}/{s.num_prompts} | {s.sglang:.3f} / {s.evaluate:.3f} | "
+                f"{100 * s.rel_diff:.1f}%{'' if s.ok else ' FAIL'}"
+            )
+            if s
+            else "0 | - | -"
+        )
+        lines.append(
+            f"| {c.dataset} | {c.sglang:.3f} | {c.evaluate:.3f} | {100 * c.rel_diff:.1f}%"
+            f"{'' if c.ok else ' FAIL'} | {on_same} |"
+        )
     if same_skipped:
         lines.append(f"\nIdentical outputs not compared: {same_skipped}")
     return "\n".join(lines) + "\n"
@@ -227,12 +246,21 @@ def check_errors(checks: list[AcceptCheck], same: list[SameTextCheck], tolerance
         if c.ok:
             continue
         s = by_dataset.get(c.dataset)
-        where = (f"; on the {s.num_same} prompts with identical outputs the gap is {100 * s.rel_diff:.1f}%"
-                 + (", so it comes from outputs that diverged, not from the drafter" if s.ok else "")
-                 if s else "")
-        errors.append(f"{c.trio} {c.dataset}: SGLang accept length {c.sglang:.3f} vs eagle3 eval {c.evaluate:.3f} "
-                      f"({100 * c.rel_diff:.1f}% > {100 * tolerance:.0f}%): {MISMATCH_HINT}{where}")
-    errors += [f"{s.trio} {s.dataset}: on {s.num_same} prompts with identical outputs SGLang's accept length "
-               f"{s.sglang:.3f} vs eagle3 eval {s.evaluate:.3f} ({100 * s.rel_diff:.1f}% > {100 * tolerance:.0f}%): "
-               f"{MISMATCH_HINT}" for s in same if not s.ok]
+        where = (
+            f"; on the {s.num_same} prompts with identical outputs the gap is {100 * s.rel_diff:.1f}%"
+            + (", so it comes from outputs that diverged, not from the drafter" if s.ok else "")
+            if s
+            else ""
+        )
+        errors.append(
+            f"{c.trio} {c.dataset}: SGLang accept length {c.sglang:.3f} vs eagle3 eval {c.evaluate:.3f} "
+            f"({100 * c.rel_diff:.1f}% > {100 * tolerance:.0f}%): {MISMATCH_HINT}{where}"
+        )
+    errors += [
+        f"{s.trio} {s.dataset}: on {s.num_same} prompts with identical outputs SGLang's accept length "
+        f"{s.sglang:.3f} vs eagle3 eval {s.evaluate:.3f} ({100 * s.rel_diff:.1f}% > {100 * tolerance:.0f}%): "
+        f"{MISMATCH_HINT}"
+        for s in same
+        if not s.ok
+    ]
     return errors

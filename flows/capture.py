@@ -56,9 +56,12 @@ class CaptureProgress:
         self.num_tokens = self.num_bytes = 0
         self.t0 = time.monotonic()
         # Called from sync code, Prefect's async_dispatch returns the id itself (its type also names a coroutine).
-        self.artifact_id = cast(UUID, create_progress_artifact(progress=self._percent(),
-                                                               key=artifact_key(cfg, "capture-progress"),
-                                                               description=self._text()))
+        self.artifact_id = cast(
+            UUID,
+            create_progress_artifact(
+                progress=self._percent(), key=artifact_key(cfg, "capture-progress"), description=self._text()
+            ),
+        )
 
     def _percent(self) -> float:
         return 100.0 * self.num_done / self.num_shards if self.num_shards else 100.0
@@ -67,8 +70,10 @@ class CaptureProgress:
         elapsed = max(time.monotonic() - self.t0, 1e-9)
         rate = self.num_tokens / elapsed
         eta = (self.tokens_left - self.num_tokens) / rate if rate > 0 else None  # no rate yet: 'ETA —'
-        return (f"{self.num_done}/{self.num_shards} shards, {rate:,.0f} tokens/s, {eta_text(eta)}, "
-                f"{self.num_bytes / 1e9:.2f} GB written")
+        return (
+            f"{self.num_done}/{self.num_shards} shards, {rate:,.0f} tokens/s, {eta_text(eta)}, "
+            f"{self.num_bytes / 1e9:.2f} GB written"
+        )
 
     def shard_done(self, result: ShardResult) -> None:
         """Count one finished shard (its tokens and bytes when it was computed, not found) and refresh the artifact."""
@@ -138,13 +143,18 @@ def _capture_list(cfg: RunConfig, shards: list[int], on_done: Callable[[ShardRes
 
 def _finalize(cfg: RunConfig, key: str | None) -> StageOutcome:
     outcome = finalize_capture_task(cfg, key)
-    publish_table(cfg, "capture-summary", [{k: v for k, v in outcome.stats.items()
-                                            if not isinstance(v, (list, dict))}], "captured features")
+    publish_table(
+        cfg,
+        "capture-summary",
+        [{k: v for k, v in outcome.stats.items() if not isinstance(v, (list, dict))}],
+        "captured features",
+    )
     return outcome
 
 
-def run_capture_slices(cfg: RunConfig, summary: CaptureSummary, key: str | None = None,
-                       poll_s: float = 5.0) -> StageOutcome:
+def run_capture_slices(
+    cfg: RunConfig, summary: CaptureSummary, key: str | None = None, poll_s: float = 5.0
+) -> StageOutcome:
     """Capture the pending shards as capture.num_slices slice runs on the gpu pool; finalize when all complete
     (``key``: the stage key, when computed already)."""
     from eagle3.features.capture import features_dir
@@ -152,9 +162,13 @@ def run_capture_slices(cfg: RunConfig, summary: CaptureSummary, key: str | None 
 
     plan = CapturePlan.load(features_dir(cfg) / PLAN_FILE)
     slices = split_slices(plan.shards, summary.pending, cfg.capture.num_slices)
-    run_slices(SLICE_DEPLOYMENT, {k: {"config": cfg, "shards": shards} for k, shards in enumerate(slices)},
-               f"capture-{cfg.run.name}", on_poll=_watch_disk(cfg, summary.pending, CaptureProgress(cfg, summary)),
-               poll_s=poll_s)
+    run_slices(
+        SLICE_DEPLOYMENT,
+        {k: {"config": cfg, "shards": shards} for k, shards in enumerate(slices)},
+        f"capture-{cfg.run.name}",
+        on_poll=_watch_disk(cfg, summary.pending, CaptureProgress(cfg, summary)),
+        poll_s=poll_s,
+    )
     return _finalize(cfg, key)
 
 
@@ -172,15 +186,20 @@ def _watch_disk(cfg: RunConfig, pending: list[int], progress: CaptureProgress) -
             if doc is not None:
                 left.discard(index)
                 progress.shard_done(ShardResult.from_done(index, doc, computed=True))  # by a slice run
+
     return poll
 
 
-@flow(name="eagle3-capture", log_prints=True,
-      task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS),  # type: ignore[arg-type]  # Prefect types task_runner invariantly in its future type
-      flow_run_name=stage_run_name(capture.STAGE.name))
+@flow(
+    name="eagle3-capture",
+    log_prints=True,
+    task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS),  # type: ignore[arg-type]  # Prefect types task_runner invariantly in its future type
+    flow_run_name=stage_run_name(capture.STAGE.name),
+)
 @preset_gpu_note
-def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
-                   config: RunConfig | None = None) -> dict[str, Any]:
+def eagle3_capture(
+    preset: PresetName = "smollm2-demo", overrides: list[str] | None = None, config: RunConfig | None = None
+) -> dict[str, Any]:
     """Capture hidden states for a run whose tokenized data exists.
 
     Args:
@@ -201,13 +220,15 @@ def eagle3_capture(preset: PresetName = "smollm2-demo", overrides: list[str] | N
     doc = read_manifest(outcome.manifest)  # the flow's result: the capture manifest
     assert doc is not None  # (the capture stage just wrote or matched it)
     if not outcome.computed:  # shown like every skipped stage; the caller still gets the manifest
-        return Completed(name=UP_TO_DATE, data=doc,  # type: ignore[return-value]  # a flow returning a State ends in it
-                         message=f"capture up to date ({outcome.manifest})")
+        return Completed(
+            name=UP_TO_DATE,
+            data=doc,  # type: ignore[return-value]  # a flow returning a State ends in it
+            message=f"capture up to date ({outcome.manifest})",
+        )
     return doc
 
 
-@flow(name="eagle3-capture-slice", log_prints=True,
-      task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS))  # type: ignore[arg-type]  # Prefect types task_runner invariantly in its future type
+@flow(name="eagle3-capture-slice", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=MAX_THREADS))  # type: ignore[arg-type]  # Prefect types task_runner invariantly in its future type
 def eagle3_capture_slice(config: RunConfig, shards: list[int]) -> None:
     """One slice of a capture (capture.num_slices > 1); eagle3-capture starts one run of it per slice.
 
@@ -218,7 +239,8 @@ def eagle3_capture_slice(config: RunConfig, shards: list[int]) -> None:
     import os
     import socket
 
-    get_run_logger().info("capturing %d shards %s on host %s (pid %d)", len(shards), shards[:8],
-                          socket.gethostname(), os.getpid())
+    get_run_logger().info(
+        "capturing %d shards %s on host %s (pid %d)", len(shards), shards[:8], socket.gethostname(), os.getpid()
+    )
     with capture_endpoints(config) as served:
         _capture_list(served, list(shards), lambda result: None)

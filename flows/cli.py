@@ -56,8 +56,10 @@ def cmd_server(args: argparse.Namespace) -> int:
     if args.action == "start":
         t0 = time.monotonic()
         state = local_server.start(server)
-        print(f"prefect server {state} in {time.monotonic() - t0:.1f} s on {local_server.running_database(server)}: "
-              f"UI {server.ui_url}  API {server.api_url}")
+        print(
+            f"prefect server {state} in {time.monotonic() - t0:.1f} s on {local_server.running_database(server)}: "
+            f"UI {server.ui_url}  API {server.api_url}"
+        )
     elif args.action == "stop":
         for pool in WORK_POOLS:
             if stop_worker(LocalWorker(server, pool)):
@@ -87,6 +89,7 @@ def _follow_in_thread(t0: float) -> threading.Thread:
     """Draw the progress bars of the newest pipeline run that started after ``t0`` (the one this process runs).
 
     A failure is explained by run_here, which has the final state, not by this view."""
+
     def loop() -> None:
         run_id = _wait_for_own_run(t0)
         if run_id is not None:
@@ -160,19 +163,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _use_server(server)
     setup_local(server, start_workers=True)
     worker = LocalWorker(server, deployment_pools(ROOT)[PIPELINE_DEPLOYMENT])
-    params = {"config": json.loads(cfg.model_dump_json())} if args.config else {
-        "preset": args.preset, "overrides": list(args.overrides)}
+    params = (
+        {"config": json.loads(cfg.model_dump_json())}
+        if args.config
+        else {"preset": args.preset, "overrides": list(args.overrides)}
+    )
     t0 = time.monotonic()
     run_id = trigger(f"eagle3-pipeline/{PIPELINE_DEPLOYMENT}", {**params, "force": args.force, "until": args.until})
     print(f"flow run {server.ui_url}/runs/flow-run/{run_id}", flush=True)
     final = follow(run_id, crash_grace_s=240.0, full_log=str(worker.log_file))
     completed = final.state.type.value == "COMPLETED"
-    print_summary(results_from_disk(cfg), time.monotonic() - t0,
-                  outcome="finished" if completed else f"did not complete ({final.state.name}; why: above)")
+    print_summary(
+        results_from_disk(cfg),
+        time.monotonic() - t0,
+        outcome="finished" if completed else f"did not complete ({final.state.name}; why: above)",
+    )
     print_stage_seconds(cfg, str(run_id))
-    print(f"\nflow run {final.name}: {final.state.name}\nPrefect UI: {server.ui_url}/runs/flow-run/{run_id}"
-          f"\nrun directory: {cfg.run_dir.resolve()}\nworker log: {worker.log_file}"
-          "\n(the server and the workers keep running; `eagle3 server stop` stops them all)")
+    print(
+        f"\nflow run {final.name}: {final.state.name}\nPrefect UI: {server.ui_url}/runs/flow-run/{run_id}"
+        f"\nrun directory: {cfg.run_dir.resolve()}\nworker log: {worker.log_file}"
+        "\n(the server and the workers keep running; `eagle3 server stop` stops them all)"
+    )
     return 0 if completed else 1
 
 
@@ -185,8 +196,9 @@ def cmd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
-def setup_local(server: local_server.LocalServer, start_workers: bool, gpu_slots: int = 1,
-                inference_slots: int = 4) -> dict[str, list[str]]:
+def setup_local(
+    server: local_server.LocalServer, start_workers: bool, gpu_slots: int = 1, inference_slots: int = 4
+) -> dict[str, list[str]]:
     """deployments.setup, then every deployment in prefect.yaml (created, or kept with its schedules and upcoming
     runs as they are: deployments.setup.apply_deployments), then a local worker per work pool they use (started,
     or the command that starts it printed). Returns {pool: deployment names}."""
@@ -196,18 +208,23 @@ def setup_local(server: local_server.LocalServer, start_workers: bool, gpu_slots
     pools: dict[str, list[str]] = {}
     for name, pool in deployment_pools(ROOT).items():
         pools.setdefault(pool, []).append(name)
-    for line in apply_deployments([n for names in pools.values() for n in names], ROOT,
-                                  {**os.environ, **server.client_env()}):
+    for line in apply_deployments(
+        [n for names in pools.values() for n in names], ROOT, {**os.environ, **server.client_env()}
+    ):
         print(line, flush=True)
     for pool, names in pools.items():
         worker = LocalWorker(server, pool)
         if start_workers:
-            print(f"worker {worker.name} {start_worker(worker, ROOT)} for {', '.join(names)} (log {worker.log_file})",
-                  flush=True)
+            print(
+                f"worker {worker.name} {start_worker(worker, ROOT)} for {', '.join(names)} (log {worker.log_file})",
+                flush=True,
+            )
         else:
-            print(f"registered {', '.join(names)} on pool {pool}; their runs wait until a worker runs: "
-                  f"`eagle3 worker start --pool {pool}` (this host) or `prefect worker start --pool {pool}`",
-                  flush=True)
+            print(
+                f"registered {', '.join(names)} on pool {pool}; their runs wait until a worker runs: "
+                f"`eagle3 worker start --pool {pool}` (this host) or `prefect worker start --pool {pool}`",
+                flush=True,
+            )
     return pools
 
 
@@ -220,7 +237,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_target(args: argparse.Namespace) -> int:
     """Prepare the target and print its tokenizer report."""
-    argv = (["--config", str(args.config)] if args.config else ["--preset", args.preset])
+    argv = ["--config", str(args.config)] if args.config else ["--preset", args.preset]
     entry_point(args.entry)(argv + [f"--set={o}" for o in args.overrides])
     return 0
 
@@ -240,12 +257,13 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 def _config_argv(args: argparse.Namespace) -> list[str]:
     return (["--config", str(args.config)] if args.config else ["--preset", args.preset]) + [
-        f"--set={o}" for o in args.overrides]
+        f"--set={o}" for o in args.overrides
+    ]
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
     """One stage of the registry without Prefect (its module's ``main``), or every data stage (``all``)."""
-    argv = (["--config", str(args.config)] if args.config else ["--preset", args.preset])
+    argv = ["--config", str(args.config)] if args.config else ["--preset", args.preset]
     argv += [f"--set={o}" for o in args.overrides] + (["--force"] if args.force else [])
     stage_entry(args.stage)(argv)
     return 0
@@ -279,8 +297,12 @@ examples:
 
 
 def _add_pipeline_args(p: argparse.ArgumentParser, func) -> None:
-    p.add_argument("--until", choices=UNTIL_CHOICES, default=UNTIL_CHOICES[-1],
-                   help=f"last stage to run (default: {UNTIL_CHOICES[-1]})")
+    p.add_argument(
+        "--until",
+        choices=UNTIL_CHOICES,
+        default=UNTIL_CHOICES[-1],
+        help=f"last stage to run (default: {UNTIL_CHOICES[-1]})",
+    )
     p.add_argument("--force", action="store_true", help="recompute every stage")
     p.add_argument("--port", type=int, help="local Prefect server port (default 4200)")
     p.set_defaults(func=func)
@@ -293,8 +315,12 @@ def _add_local_server_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse tree of the console script."""
-    parser = argparse.ArgumentParser(prog="eagle3", description="EAGLE-3 drafter pipeline", epilog=EXAMPLES,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="eagle3",
+        description="EAGLE-3 drafter pipeline",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = add_config_args(sub.add_parser("demo", help="the demo: server + worker + deployment run, followed live"))
     demo.set_defaults(preset="smollm2-demo")
@@ -305,8 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     server = sub.add_parser("server", help="the embedded Prefect server (start|stop|status)")
     server.add_argument("action", choices=("start", "stop", "status"))
     _add_local_server_args(server)
-    server.add_argument("--database", metavar="URL", help="start: run on this database, e.g. postgresql+asyncpg://"
-                        "user:pass@host:5432/db (default SQLite; also PREFECT_SERVER_DATABASE_CONNECTION_URL)")
+    server.add_argument(
+        "--database",
+        metavar="URL",
+        help="start: run on this database, e.g. postgresql+asyncpg://"
+        "user:pass@host:5432/db (default SQLite; also PREFECT_SERVER_DATABASE_CONNECTION_URL)",
+    )
     server.set_defaults(func=cmd_server)
     worker = sub.add_parser("worker", help="a background Prefect worker for a work pool (start|stop|status)")
     worker.add_argument("action", choices=("start", "stop", "status"))
@@ -317,8 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_local_server_args(setup)
     setup.add_argument("--gpu-slots", type=int, default=1)
     setup.add_argument("--inference-slots", type=int, default=4)
-    setup.add_argument("--no-workers", action="store_true",
-                       help="register the deployments but start no local worker (print how to start one)")
+    setup.add_argument(
+        "--no-workers",
+        action="store_true",
+        help="register the deployments but start no local worker (print how to start one)",
+    )
     setup.set_defaults(func=cmd_setup)
     target = add_config_args(sub.add_parser("target", help="tokenizer sanity report for the target"))
     target.set_defaults(func=cmd_target, entry="eagle3.target.load")
@@ -328,8 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     stage.set_defaults(func=cmd_stage)
     _add_core_commands(sub)
     _add_refresh_commands(sub)
-    doctor = sub.add_parser("doctor", help="versions, optional pieces, Prefect API, disk, presets; exit 1 if the "
-                                           "chosen preset lacks something")
+    doctor = sub.add_parser(
+        "doctor",
+        help="versions, optional pieces, Prefect API, disk, presets; exit 1 if the chosen preset lacks something",
+    )
     doctor.add_argument("--preset", default="smollm2-demo", help="preset to check for (default smollm2-demo)")
     doctor.set_defaults(func=cmd_doctor)
     sub.add_parser("presets", help="list presets").set_defaults(func=lambda a: print("\n".join(list_presets())) or 0)
@@ -358,7 +393,7 @@ def _add_core_commands(sub) -> None:
 
 def _forward(args: argparse.Namespace) -> int:
     """Call the ``main`` of ``python -m <args.entry>`` with the config arguments of this command."""
-    argv = (["--config", str(args.config)] if args.config else ["--preset", args.preset])
+    argv = ["--config", str(args.config)] if args.config else ["--preset", args.preset]
     argv += [f"--set={o}" for o in args.overrides] + (["--force"] if args.force else [])
     entry_point(args.entry)(argv)
     return 0

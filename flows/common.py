@@ -31,10 +31,15 @@ else:
 def gpu_needs(cfg: RunConfig) -> list[str]:
     """The settings of ``cfg`` that need a CUDA device (empty: the run can go on a CPU-only host): a stage whose
     device is cuda, or SGLang (capture or serving), which runs on GPUs only."""
-    needs = [f"{name}.device={device}" for name, device in (("train", cfg.train.device),
-                                                             ("capture", cfg.capture.device),
-                                                             ("evaluate", cfg.evaluate.device))
-             if str(device).startswith("cuda")]
+    needs = [
+        f"{name}.device={device}"
+        for name, device in (
+            ("train", cfg.train.device),
+            ("capture", cfg.capture.device),
+            ("evaluate", cfg.evaluate.device),
+        )
+        if str(device).startswith("cuda")
+    ]
     return needs + (["capture.backend=sglang"] if cfg.capture.backend == "sglang" else [])
 
 
@@ -58,8 +63,7 @@ _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 def preset_gpu_note(fn: _Fn) -> _Fn:
     """Decorator (under @flow): append to the ``preset:`` line of the docstring's Args the presets that need a GPU
     host, so the run form's description of the drop-down says which ones cannot run on a CPU-only machine."""
-    note = (f" Needs a CUDA GPU host (refused at once without one): {', '.join(gpu_presets())}."
-            if gpu_presets() else "")
+    note = f" Needs a CUDA GPU host (refused at once without one): {', '.join(gpu_presets())}." if gpu_presets() else ""
     lines = (fn.__doc__ or "").split("\n")
     for i, line in enumerate(lines):
         if line.strip().startswith("preset:"):
@@ -88,9 +92,11 @@ def refuse_without_gpu(cfg: RunConfig, what: str, cuda_available: Callable[[], b
 
         cuda_available = torch.cuda.is_available
     if not cuda_available():
-        raise NeedsGpuError(f"{what} needs a CUDA GPU host ({', '.join(needs)}) and this host has no CUDA device; "
-                            "run it on a GPU worker, or pick a CPU preset (tiny, smollm2-demo) or override those "
-                            "settings")
+        raise NeedsGpuError(
+            f"{what} needs a CUDA GPU host ({', '.join(needs)}) and this host has no CUDA device; "
+            "run it on a GPU worker, or pick a CPU preset (tiny, smollm2-demo) or override those "
+            "settings"
+        )
 
 
 def _flow_config() -> tuple[RunConfig, str] | None:
@@ -113,6 +119,8 @@ def _flow_config() -> tuple[RunConfig, str] | None:
     except (ConfigError, ValueError, RecursionError, OSError):
         return None
     return None
+
+
 MAX_CRASH_RETRIES = 3
 
 MAX_SLICE_ROUNDS = 3
@@ -161,21 +169,43 @@ def crash_stale_task_runs(flow_run_id: Any, attempt: int) -> list[UUID]:
 
     stale_types = [StateType.RUNNING, StateType.PENDING]
     with get_client(sync_client=True) as client:
-        open_runs = client.read_task_runs(task_run_filter=TaskRunFilter(
-            flow_run_id=TaskRunFilterFlowRunId(any_=[UUID(str(flow_run_id))]),
-            state=TaskRunFilterState(type=TaskRunFilterStateType(any_=stale_types))))
+        open_runs = client.read_task_runs(
+            task_run_filter=TaskRunFilter(
+                flow_run_id=TaskRunFilterFlowRunId(any_=[UUID(str(flow_run_id))]),
+                state=TaskRunFilterState(type=TaskRunFilterStateType(any_=stale_types)),
+            )
+        )
         open_runs = [r for r in open_runs if r.flow_run_run_count < attempt]
         # A subflow's stand-in task run stays open: the engine re-attaches the subflow run to it (its own first
         # step then does this for its tasks), and a run_deployment child may still run on another worker.
-        parents = {f.parent_task_run_id for f in client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            parent_task_run_id=FlowRunFilterParentTaskRunId(any_=[r.id for r in open_runs])))} if open_runs else set()
+        parents = (
+            {
+                f.parent_task_run_id
+                for f in client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(
+                        parent_task_run_id=FlowRunFilterParentTaskRunId(any_=[r.id for r in open_runs])
+                    )
+                )
+            }
+            if open_runs
+            else set()
+        )
         stale = [r for r in open_runs if r.id not in parents]
         for run in stale:
-            client.set_task_run_state(run.id, Crashed(message=f"its flow run's attempt {attempt - 1} was killed; "
-                                                              f"attempt {attempt} started without it"), force=True)
+            client.set_task_run_state(
+                run.id,
+                Crashed(
+                    message=f"its flow run's attempt {attempt - 1} was killed; attempt {attempt} started without it"
+                ),
+                force=True,
+            )
     if stale:
-        get_run_logger().warning("attempt %d: marked %d task run(s) of the killed attempt Crashed: %s", attempt,
-                                 len(stale), ", ".join(sorted(r.name for r in stale)))
+        get_run_logger().warning(
+            "attempt %d: marked %d task run(s) of the killed attempt Crashed: %s",
+            attempt,
+            len(stale),
+            ", ".join(sorted(r.name for r in stale)),
+        )
     return [r.id for r in stale]
 
 
@@ -188,8 +218,9 @@ def submit_run(deployment: str, parameters: dict[str, Any], name: str) -> UUID:
     return cast("FlowRun", run).id  # (a sync call: Prefect's sync_compatible returns the run itself)
 
 
-def wait_runs(ids: list[UUID], poll_s: float, deadline_s: float,
-              on_poll: Callable[[], None] | None = None) -> list[str]:
+def wait_runs(
+    ids: list[UUID], poll_s: float, deadline_s: float, on_poll: Callable[[], None] | None = None
+) -> list[str]:
     """Poll until every flow run is final; their state types, in order (TIMEOUT for any still open at the end).
 
     ``on_poll`` runs after each look (e.g. to refresh a progress artifact from what is on disk)."""
@@ -206,8 +237,13 @@ def wait_runs(ids: list[UUID], poll_s: float, deadline_s: float,
             time.sleep(poll_s)
 
 
-def run_slices(deployment: str, parameters: dict[int, dict[str, Any]], name: str,
-               on_poll: Callable[[], None] | None = None, poll_s: float = 5.0) -> None:
+def run_slices(
+    deployment: str,
+    parameters: dict[int, dict[str, Any]],
+    name: str,
+    on_poll: Callable[[], None] | None = None,
+    poll_s: float = 5.0,
+) -> None:
     """Run one flow run of ``deployment`` per slice (``parameters``: slice -> its run's parameters) until all
     complete; a slice whose run ends Crashed or Failed is submitted again with the same parameters
     (MAX_SLICE_ROUNDS submissions in all). Runs are named ``{name}-slice{k}-try{n}``; RuntimeError naming the

@@ -30,8 +30,11 @@ from tasks.deploy import benchmark_server_task, evaluate_task, export_task, prep
 BENCHMARK = "benchmark"
 """The deploy stage's step: the name ``steps`` takes for it (deployments, docs/deploy.md and users' scripts pass it,
 so it stays as it was before the stage was named deploy), the key of its result and its row in the run summary."""
-STEP_STAGES: dict[str, str] = {export.STAGE.name: export.STAGE.name, evaluate.STAGE.name: evaluate.STAGE.name,
-                               BENCHMARK: deploy.STAGE.name}
+STEP_STAGES: dict[str, str] = {
+    export.STAGE.name: export.STAGE.name,
+    evaluate.STAGE.name: evaluate.STAGE.name,
+    BENCHMARK: deploy.STAGE.name,
+}
 """The steps in the order they run, and the registry stage each runs (eagle3.run.registry)."""
 ALL_STEPS: tuple[str, ...] = tuple(STEP_STAGES)
 if TYPE_CHECKING:  # a Literal built at run time is no type to a type checker: it checks a str
@@ -67,12 +70,16 @@ def _benchmark(cfg: RunConfig, force: bool, clock: StageClock) -> Any:
 
 
 STEP_RUNS: dict[str, Callable[[RunConfig, bool, StageClock], Any]] = {
-    export.STAGE.name: _export, evaluate.STAGE.name: _evaluate, BENCHMARK: _benchmark}
+    export.STAGE.name: _export,
+    evaluate.STAGE.name: _evaluate,
+    BENCHMARK: _benchmark,
+}
 """How each step runs: export and evaluate as their task runs, the benchmark's tasks in this flow run."""
 
 
-def run_deploy_steps(cfg: RunConfig, steps: list[str], force: bool = False,
-                     clock: StageClock | None = None) -> dict[str, Any]:
+def run_deploy_steps(
+    cfg: RunConfig, steps: list[str], force: bool = False, clock: StageClock | None = None
+) -> dict[str, Any]:
     """The chosen steps in order; {step: task result} (typed records; a skipped benchmark says why). ``clock``
     records each step's run (export and evaluate: their task runs; the benchmark's tasks: this flow run)."""
     unknown = sorted(set(steps) - set(ALL_STEPS))
@@ -84,9 +91,13 @@ def run_deploy_steps(cfg: RunConfig, steps: list[str], force: bool = False,
 
 @flow(name="eagle3-deploy", log_prints=True)
 @preset_gpu_note
-def eagle3_deploy(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
-                  config: RunConfig | None = None, force: bool = False,
-                  steps: list[DeployStep] | None = None) -> dict[str, Any]:
+def eagle3_deploy(
+    preset: PresetName = "smollm2-demo",
+    overrides: list[str] | None = None,
+    config: RunConfig | None = None,
+    force: bool = False,
+    steps: list[DeployStep] | None = None,
+) -> dict[str, Any]:
     """Export, evaluate offline and (serve.enabled) benchmark baseline vs EAGLE-3 SGLang servers.
 
     Args:
@@ -105,5 +116,8 @@ def eagle3_deploy(preset: PresetName = "smollm2-demo", overrides: list[str] | No
     clock = StageClock(cfg.run_dir, STEP_STAGES)
     with run_lock(cfg.run_dir, owner="prefect flow eagle3-deploy"):
         results = run_deploy_steps(cfg, list(steps or ALL_STEPS), force, clock)
-    return {"run_dir": str(cfg.run_dir.resolve()), **{step: as_json(result) for step, result in results.items()},
-            "stage_runs": clock.to_json()}  # per step: state, seconds, outputs, link (the pipeline's run summary)
+    return {
+        "run_dir": str(cfg.run_dir.resolve()),
+        **{step: as_json(result) for step, result in results.items()},
+        "stage_runs": clock.to_json(),
+    }  # per step: state, seconds, outputs, link (the pipeline's run summary)

@@ -59,11 +59,17 @@ def versions() -> list[str]:
     """Python, torch (device, CUDA), transformers and prefect versions."""
     import torch
 
-    cuda = (f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}"
-            if torch.cuda.is_available() else "no CUDA device (CPU)")
-    return [f"  python        {sys.version.split()[0]} ({sys.executable})",
-            f"  torch         {torch.__version__}; {cuda}",
-            f"  transformers  {_version('transformers')}", f"  prefect       {_version('prefect')}"]
+    cuda = (
+        f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}"
+        if torch.cuda.is_available()
+        else "no CUDA device (CPU)"
+    )
+    return [
+        f"  python        {sys.version.split()[0]} ({sys.executable})",
+        f"  torch         {torch.__version__}; {cuda}",
+        f"  transformers  {_version('transformers')}",
+        f"  prefect       {_version('prefect')}",
+    ]
 
 
 def gguf_check() -> Check:
@@ -71,11 +77,15 @@ def gguf_check() -> Check:
     from transformers.utils import is_accelerate_available, is_gguf_available
     from transformers.utils.import_utils import ACCELERATE_MIN_VERSION, GGUF_MIN_VERSION
 
-    missing = [f"'accelerate>={ACCELERATE_MIN_VERSION}'"] if not is_accelerate_available() or _imports("accelerate") \
-        else []
+    missing = (
+        [f"'accelerate>={ACCELERATE_MIN_VERSION}'"] if not is_accelerate_available() or _imports("accelerate") else []
+    )
     missing += [f"'gguf>={GGUF_MIN_VERSION}'"] if not is_gguf_available() else []
-    detail = (f"accelerate {_version('accelerate')}, gguf {_version('gguf')}" if not missing
-              else "transformers cannot load GGUF files without " + " and ".join(m.strip("'") for m in missing))
+    detail = (
+        f"accelerate {_version('accelerate')}, gguf {_version('gguf')}"
+        if not missing
+        else "transformers cannot load GGUF files without " + " and ".join(m.strip("'") for m in missing)
+    )
     return Check("GGUF loading", not missing, detail, f"{PIP} {' '.join(missing)}")
 
 
@@ -86,14 +96,21 @@ def optional_checks() -> dict[str, Check]:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     return {
         "gguf": gguf_check(),
-        "sglang": Check("SGLang argument parser", sglang_error is None,
-                        f"sglang {_version('sglang')}" if sglang_error is None else sglang_error,
-                        f"{PIP} -r tests/sglang-parser-requirements.txt (or use server.python with sglang)"),
-        "speculators": Check("speculators", speculators_error is None,
-                             speculators_error or f"speculators {_version('speculators')}",
-                             f"{PIP} -r tests/speculators-requirements.txt"),
-        "chromium": Check("chromium (UI screenshots)", browser is not None, browser or "not on PATH",
-                          "apt-get install -y chromium"),
+        "sglang": Check(
+            "SGLang argument parser",
+            sglang_error is None,
+            f"sglang {_version('sglang')}" if sglang_error is None else sglang_error,
+            f"{PIP} -r tests/sglang-parser-requirements.txt (or use server.python with sglang)",
+        ),
+        "speculators": Check(
+            "speculators",
+            speculators_error is None,
+            speculators_error or f"speculators {_version('speculators')}",
+            f"{PIP} -r tests/speculators-requirements.txt",
+        ),
+        "chromium": Check(
+            "chromium (UI screenshots)", browser is not None, browser or "not on PATH", "apt-get install -y chromium"
+        ),
     }
 
 
@@ -107,12 +124,23 @@ def sglang_mode_checks() -> tuple[str | None, list[Check]]:
     try:
         results = check_modes(version)
     except Exception as exc:  # the parser itself does not import or build
-        return version, [Check("argv of every mode", False, f"{type(exc).__name__}: {exc}",
-                               f"{PIP} -r tests/sglang-parser-requirements.txt")]
-    return version, [Check(f"argv {r.mode}", r.ok,
-                           r.detail if r.ok or not r.known_gap else f"{r.mode}: {r.known_gap} ({r.detail})",
-                           "" if r.ok else f"run this mode with an SGLang whose parser takes it ({SGLANG_VERSIONS})")
-                     for r in results]
+        return version, [
+            Check(
+                "argv of every mode",
+                False,
+                f"{type(exc).__name__}: {exc}",
+                f"{PIP} -r tests/sglang-parser-requirements.txt",
+            )
+        ]
+    return version, [
+        Check(
+            f"argv {r.mode}",
+            r.ok,
+            r.detail if r.ok or not r.known_gap else f"{r.mode}: {r.known_gap} ({r.detail})",
+            "" if r.ok else f"run this mode with an SGLang whose parser takes it ({SGLANG_VERSIONS})",
+        )
+        for r in results
+    ]
 
 
 def sglang_modes_used(cfg: RunConfig) -> set[str]:
@@ -147,8 +175,12 @@ def prefect_check(workdir: str) -> Check:
         answers = httpx.get(f"{url.rstrip('/')}/health", timeout=2.0).status_code == 200
     except httpx.HTTPError:
         answers = False
-    return Check("Prefect API", answers, f"{url} " + ("answers" if answers else "does not answer"),
-                 "eagle3 server start (eagle3 demo and eagle3 run start it themselves)")
+    return Check(
+        "Prefect API",
+        answers,
+        f"{url} " + ("answers" if answers else "does not answer"),
+        "eagle3 server start (eagle3 demo and eagle3 run start it themselves)",
+    )
 
 
 def disk_line(label: str, path: Path) -> str:
@@ -167,25 +199,47 @@ def _resolves(what: str, setting: str, path: str | None, need_config: bool = Fal
     except Exception as exc:  # pkg:// of a package that is not installed
         return Check(what, False, str(exc), "./scripts/bootstrap.sh installs the packages the presets use")
     ok = (resolved / "config.json").is_file() if need_config else resolved.is_file()
-    return Check(what, ok, str(resolved) + ("" if ok else " not found"),
-                 "" if ok else f"put it there, or point --set {setting}=... at it")
+    return Check(
+        what,
+        ok,
+        str(resolved) + ("" if ok else " not found"),
+        "" if ok else f"put it there, or point --set {setting}=... at it",
+    )
 
 
 def preset_checks(cfg: RunConfig) -> list[Check]:
     """Whether the preset's target and data files resolve (no model is loaded)."""
     t = cfg.target
-    checks = [Check("target (tiny)", True, "built on first use")] if t.kind == "tiny" else \
-        [_resolves(f"target ({t.kind})", "target.path", t.path, need_config=t.kind == "hf")]
-    checks += [Check(f"data source {s.name}", True, "written by the synthesize stage") if s.format == "synthetic"
-               else _resolves(f"data source {s.name}", f"data.sources.{i}.path", s.path)
-               for i, s in enumerate(cfg.data.sources)]
-    users = [why for why, used in (("capture.backend sglang", cfg.capture.backend == "sglang"),
-                                   ("serve.enabled", cfg.serve.enabled)) if used]
+    checks = (
+        [Check("target (tiny)", True, "built on first use")]
+        if t.kind == "tiny"
+        else [_resolves(f"target ({t.kind})", "target.path", t.path, need_config=t.kind == "hf")]
+    )
+    checks += [
+        Check(f"data source {s.name}", True, "written by the synthesize stage")
+        if s.format == "synthetic"
+        else _resolves(f"data source {s.name}", f"data.sources.{i}.path", s.path)
+        for i, s in enumerate(cfg.data.sources)
+    ]
+    users = [
+        why
+        for why, used in (
+            ("capture.backend sglang", cfg.capture.backend == "sglang"),
+            ("serve.enabled", cfg.serve.enabled),
+        )
+        if used
+    ]
     if users:
         python = cfg.server.python
         found = shutil.which(python)
-        checks.append(Check(f"interpreter for {' and '.join(users)}", found is not None, found or f"{python} not found",
-                            "set server.python to an interpreter that has sglang"))
+        checks.append(
+            Check(
+                f"interpreter for {' and '.join(users)}",
+                found is not None,
+                found or f"{python} not found",
+                "set server.python to an interpreter that has sglang",
+            )
+        )
     return checks
 
 
@@ -196,17 +250,27 @@ def run_doctor(preset: str) -> int:
     pieces = optional_checks()
     needs = needed_pieces(cfg)
     if "accelerate" in needs:
-        pieces["accelerate"] = Check("accelerate (device_map auto)", _imports("accelerate") is None,
-                                     f"accelerate {_version('accelerate')}", f"{PIP} accelerate")
+        pieces["accelerate"] = Check(
+            "accelerate (device_map auto)",
+            _imports("accelerate") is None,
+            f"accelerate {_version('accelerate')}",
+            f"{PIP} accelerate",
+        )
     print("optional pieces (MISSING = the chosen preset needs it):")
     print("\n".join(c.line(k in needs) for k, c in pieces.items()))
     version, mode_checks = sglang_mode_checks()
     used = sglang_modes_used(cfg)
-    print(f"SGLang {version}: every launch argv through its own parser (MISSING = the chosen preset launches it):"
-          if version else "SGLang: not importable here, so no launch argv was parsed (the preset's server.python"
-          " interpreter may still have it)")
-    needed_mode = {c.name: c.name.removeprefix("argv ") in used or c.name == "argv of every mode"
-                   for c in mode_checks} if used else {}
+    print(
+        f"SGLang {version}: every launch argv through its own parser (MISSING = the chosen preset launches it):"
+        if version
+        else "SGLang: not importable here, so no launch argv was parsed (the preset's server.python"
+        " interpreter may still have it)"
+    )
+    needed_mode = (
+        {c.name: c.name.removeprefix("argv ") in used or c.name == "argv of every mode" for c in mode_checks}
+        if used
+        else {}
+    )
     for c in mode_checks:
         print(c.line(needed_mode.get(c.name, False)))
     failed_modes = [c for c in mode_checks if not c.ok and needed_mode.get(c.name)]
@@ -220,8 +284,9 @@ def run_doctor(preset: str) -> int:
         print(f"preset {name}{' (chosen)' if chosen else ''}:")
         print("\n".join(c.line(chosen) for c in checks))
         failed += [c for c in checks if chosen and not c.ok]
-    print(f"\n{preset}: " + ("ready" if not failed else "NOT ready: " + "; ".join(
-        f"{c.name}: {c.fix}" for c in failed)))
+    print(
+        f"\n{preset}: " + ("ready" if not failed else "NOT ready: " + "; ".join(f"{c.name}: {c.fix}" for c in failed))
+    )
     return 1 if failed else 0
 
 

@@ -56,9 +56,12 @@ def _failed_tasks(client: Any, run_ids: list[UUID]) -> list[Any]:
     )
     from prefect.client.schemas.objects import StateType
 
-    runs = client.read_task_runs(task_run_filter=TaskRunFilter(
-        flow_run_id=TaskRunFilterFlowRunId(any_=run_ids),
-        state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.FAILED, StateType.CRASHED]))))
+    runs = client.read_task_runs(
+        task_run_filter=TaskRunFilter(
+            flow_run_id=TaskRunFilterFlowRunId(any_=run_ids),
+            state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.FAILED, StateType.CRASHED])),
+        )
+    )
     return sorted(runs, key=lambda r: r.end_time or r.updated or r.created)
 
 
@@ -67,8 +70,9 @@ def log_tail(client: Any, run_ids: list[UUID], num_lines: int = LOG_TAIL_LINES) 
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
 
-    logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)),
-                            sort=LogSort.TIMESTAMP_DESC, limit=200)
+    logs = client.read_logs(
+        log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)), sort=LogSort.TIMESTAMP_DESC, limit=200
+    )
     lines: list[str] = []
     for log in reversed(logs):
         head = f"{log.timestamp:%H:%M:%S} {logging.getLevelName(log.level):<7} "
@@ -88,9 +92,13 @@ def explain_run(client: Any, flow_run: Any, run_ids: list[UUID], wait_s: float =
         time.sleep(0.5)
         tasks = _failed_tasks(client, run_ids)
     error = state_error(tasks[0].state.message) if tasks else state_error(flow_run.state.message)
-    return FailureReport(run_name=flow_run.name, state=flow_run.state.name, failed_tasks=[t.name for t in tasks],
-                         error=error, log_tail=log_tail(client, run_ids))
-
+    return FailureReport(
+        run_name=flow_run.name,
+        state=flow_run.state.name,
+        failed_tasks=[t.name for t in tasks],
+        error=error,
+        log_tail=log_tail(client, run_ids),
+    )
 
 
 def write_full_log(client: Any, run_ids: list[UUID], path: Any, page: int = 200) -> None:
@@ -102,8 +110,12 @@ def write_full_log(client: Any, run_ids: list[UUID], path: Any, page: int = 200)
     with open(path, "w") as fh:
         offset = 0
         while True:
-            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)),
-                                    sort=LogSort.TIMESTAMP_ASC, limit=page, offset=offset)
+            logs = client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)),
+                sort=LogSort.TIMESTAMP_ASC,
+                limit=page,
+                offset=offset,
+            )
             for log in logs:
                 fh.write(f"{log.timestamp:%Y-%m-%d %H:%M:%S} {logging.getLevelName(log.level):<7} {log.message}\n")
             if len(logs) < page:

@@ -33,8 +33,9 @@ def deploy(server: LocalServer, names: list[str], cwd: Path) -> None:
     """`prefect --no-prompt deploy --name ...` from prefect.yaml (idempotent: updates in place)."""
     prefect = str(Path(sys.executable).with_name("prefect"))
     argv = [prefect, "--no-prompt", "deploy"] + [a for n in names for a in ("--name", n)]
-    proc = subprocess.run(argv, cwd=cwd, env={**os.environ, **server.client_env()}, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        argv, cwd=cwd, env={**os.environ, **server.client_env()}, capture_output=True, text=True, timeout=600
+    )
     if proc.returncode:
         raise RuntimeError(f"prefect deploy failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
@@ -75,8 +76,9 @@ def flow_run_tree(client: Any, view: RunView) -> list[Any]:
     runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[view.root])))
     frontier = [view.root]
     while frontier:
-        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=frontier)))
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=frontier))
+        )
         children = [c for c in children if c.id not in {r.id for r in runs}]
         runs += children
         frontier = [c.id for c in children]
@@ -87,8 +89,9 @@ def flow_run_tree(client: Any, view: RunView) -> list[Any]:
 def _print_task_changes(client: Any, view: RunView, say: Callable[[str], None]) -> None:
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
 
-    runs = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(
-        any_=list(view.flow_runs))))
+    runs = client.read_task_runs(
+        task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=list(view.flow_runs)))
+    )
     for run in sorted(runs, key=lambda r: r.expected_start_time or r.created):
         state = run.state.name if run.state else "?"
         if view.task_states.get(run.id) != state and run.state and run.state.type.value in TERMINAL | {"RUNNING"}:
@@ -100,8 +103,11 @@ def _print_task_changes(client: Any, view: RunView, say: Callable[[str], None]) 
 def _update_bars(client: Any, view: RunView, progress: Any) -> None:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
 
-    arts = client.read_artifacts(artifact_filter=ArtifactFilter(
-        flow_run_id=ArtifactFilterFlowRunId(any_=list(view.flow_runs)), type=ArtifactFilterType(any_=["progress"])))
+    arts = client.read_artifacts(
+        artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=list(view.flow_runs)), type=ArtifactFilterType(any_=["progress"])
+        )
+    )
     for art in arts:
         key = art.key or str(art.id)
         if key not in view.bars:
@@ -117,13 +123,16 @@ def _finished(run: Any, crash_grace_s: float, view: RunView, say: Callable[[str]
         return state in TERMINAL
     if view.crashed_at is None:
         view.crashed_at = time.monotonic()
-        say(f"  {time.strftime('%H:%M:%S')}  flow run crashed: {run.state.message or ''}"
-            + (f" (waiting up to {crash_grace_s:.0f} s for the automatic retry)" if crash_grace_s else ""))
+        say(
+            f"  {time.strftime('%H:%M:%S')}  flow run crashed: {run.state.message or ''}"
+            + (f" (waiting up to {crash_grace_s:.0f} s for the automatic retry)" if crash_grace_s else "")
+        )
     return time.monotonic() - view.crashed_at >= crash_grace_s
 
 
-def _explain_waiting(client: Any, root: Any, view: RunView, after_s: float, late_after_s: float,
-                     say: Callable[[str], None]) -> None:
+def _explain_waiting(
+    client: Any, root: Any, view: RunView, after_s: float, late_after_s: float, say: Callable[[str], None]
+) -> None:
     """Once the run has waited ``after_s`` in a Scheduled-type state: print why (flows/waiting.py) whenever the
     reason changes, and once it is ``late_after_s`` past its scheduled start, propose Late with that reason as
     its message (accepted only while it is still Scheduled; the local server's watcher does the same)."""
@@ -143,9 +152,16 @@ def _explain_waiting(client: Any, root: Any, view: RunView, after_s: float, late
         mark_late(client, root, reason)
 
 
-def follow(flow_run_id: UUID, poll_s: float = 3.0, timeout_s: float | None = None,
-           crash_grace_s: float = 0.0, full_log: str | None = None, explain: bool = True,
-           waiting_after_s: float = 10.0, late_after_s: float | None = None) -> Any:
+def follow(
+    flow_run_id: UUID,
+    poll_s: float = 3.0,
+    timeout_s: float | None = None,
+    crash_grace_s: float = 0.0,
+    full_log: str | None = None,
+    explain: bool = True,
+    waiting_after_s: float = 10.0,
+    late_after_s: float | None = None,
+) -> Any:
     """Show a run's task states and progress bars until it reaches a terminal state; returns the flow run.
 
     A Crashed run is followed for ``crash_grace_s`` more seconds, because the crash-recovery
@@ -165,6 +181,7 @@ def follow(flow_run_id: UUID, poll_s: float = 3.0, timeout_s: float | None = Non
     deadline = time.monotonic() + timeout_s if timeout_s else None
     columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn())
     with get_client(sync_client=True) as client, Progress(*columns, transient=False) as progress:
+
         def say(text: str) -> None:  # whole lines (no wrapping, no rich markup): they hold paths and tracebacks
             progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
 

@@ -79,16 +79,23 @@ class LocalServer:
         """Environment of the `prefect server start` process: the client's, the bind address (so the UI's API URL
         names this port, which `--port` alone does not set), LATE_RUNS_ENV, the database URL when one is given, and
         SQLITE_ENV when the database is SQLite."""
-        env = {**self.client_env(), "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(self.port),
-               **LATE_RUNS_ENV}
+        env = {
+            **self.client_env(),
+            "PREFECT_SERVER_API_HOST": "127.0.0.1",
+            "PREFECT_SERVER_API_PORT": str(self.port),
+            **LATE_RUNS_ENV,
+        }
         env |= {DATABASE_ENV: self.database_url} if self.database_url else {}
         return env | (SQLITE_ENV if self.sqlite_settings and self.database().startswith("sqlite") else {})
 
     def client_env(self) -> dict[str, str]:
         """Environment for processes that talk to this server (flows, workers, the prefect CLI)."""
-        return {"PREFECT_HOME": str(self.home.resolve()), "PREFECT_API_URL": self.api_url,
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str((self.home / "storage").resolve())}
+        return {
+            "PREFECT_HOME": str(self.home.resolve()),
+            "PREFECT_API_URL": self.api_url,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str((self.home / "storage").resolve()),
+        }
 
 
 def for_workdir(workdir: str | Path, port: int | None = None, database_url: str | None = None) -> LocalServer:
@@ -102,8 +109,10 @@ def check_database_url(url: str) -> str:
     scheme = urlsplit(url).scheme
     if scheme not in DATABASE_SCHEMES:
         hint = " (add the async driver: postgresql+asyncpg://...)" if scheme.startswith("postgres") else ""
-        raise ValueError(f"database URL scheme {scheme!r} is not one Prefect's server runs on "
-                         f"({', '.join(DATABASE_SCHEMES)}){hint}: {mask_password(url)}")
+        raise ValueError(
+            f"database URL scheme {scheme!r} is not one Prefect's server runs on "
+            f"({', '.join(DATABASE_SCHEMES)}){hint}: {mask_password(url)}"
+        )
     return url
 
 
@@ -147,17 +156,30 @@ def start(server: LocalServer, timeout_s: float = STARTUP_TIMEOUT_S) -> str:
     if healthy(server):
         problem = owner_problem(server)
         if problem:
-            raise ForeignServerError(f"{server.api_url} answers, but it is not the Prefect server of this workdir "
-                                     f"({problem}); stop that server or pick another port (EAGLE3_PREFECT_PORT)")
+            raise ForeignServerError(
+                f"{server.api_url} answers, but it is not the Prefect server of this workdir "
+                f"({problem}); stop that server or pick another port (EAGLE3_PREFECT_PORT)"
+            )
         running = running_database(server)
         if server.database_url and running != server.database():
-            raise ForeignServerError(f"the server of this workdir runs on {running}, not on {server.database()}; "
-                                     "stop it first (eagle3 server stop)")
+            raise ForeignServerError(
+                f"the server of this workdir runs on {running}, not on {server.database()}; "
+                "stop it first (eagle3 server stop)"
+            )
         return "reused"
     server.home.mkdir(parents=True, exist_ok=True)
     # `prefect server start` through flows.prefect_server (the prefect CLI, plus SQLITE_ENV's effect when set)
-    argv = [sys.executable, "-m", "flows.prefect_server", "server", "start", "--host", "127.0.0.1",
-            "--port", str(server.port)]
+    argv = [
+        sys.executable,
+        "-m",
+        "flows.prefect_server",
+        "server",
+        "start",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(server.port),
+    ]
     pid = spawn_detached(argv, server.log_file, env={**os.environ, **server.server_env()})
     write_pid_file(server.pid_file, pid)
     server.database_file.write_text(server.database() + "\n")
@@ -171,11 +193,13 @@ def _wait_healthy(server: LocalServer, pid: int, timeout_s: float) -> None:
         if healthy(server):
             return
         if not pid_alive(pid):
-            raise RuntimeError(f"prefect server exited during start-up; log {server.log_file}:\n"
-                               f"{tail(server.log_file)}")
+            raise RuntimeError(
+                f"prefect server exited during start-up; log {server.log_file}:\n{tail(server.log_file)}"
+            )
         time.sleep(1.0)
-    raise TimeoutError(f"prefect server not healthy after {timeout_s:.0f} s; log {server.log_file}:\n"
-                       f"{tail(server.log_file)}")
+    raise TimeoutError(
+        f"prefect server not healthy after {timeout_s:.0f} s; log {server.log_file}:\n{tail(server.log_file)}"
+    )
 
 
 def running_database(server: LocalServer) -> str:
@@ -200,6 +224,12 @@ def stop(server: LocalServer) -> bool:
 def status(server: LocalServer) -> dict[str, object]:
     """pid, health and URLs."""
     pid = read_pid_file(server.pid_file)
-    return {"healthy": healthy(server), "pid": pid if pid and pid_alive(pid) else None,
-            "database": running_database(server), "ui": server.ui_url, "api": server.api_url, "home": str(server.home),
-            "log": str(server.log_file)}
+    return {
+        "healthy": healthy(server),
+        "pid": pid if pid and pid_alive(pid) else None,
+        "database": running_database(server),
+        "ui": server.ui_url,
+        "api": server.api_url,
+        "home": str(server.home),
+        "log": str(server.log_file),
+    }

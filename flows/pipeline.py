@@ -56,8 +56,9 @@ def _call_stage(clock: StageClock, stage: str, task, cfg: RunConfig, *args: Any,
     return dataclasses.replace(outcome, computed=outcome.computed and state.name != UP_TO_DATE)
 
 
-def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any] | None = None,
-                    clock: StageClock | None = None) -> dict[str, Any]:
+def run_data_stages(
+    cfg: RunConfig, force: bool = False, results: dict[str, Any] | None = None, clock: StageClock | None = None
+) -> dict[str, Any]:
     """Call the data-stage tasks in order; returns {stage: task result} (filled in place when ``results`` is given,
     so a caller that catches a failure knows which stages finished; ``clock`` records each stage's run)."""
     results = {} if results is None else results
@@ -67,8 +68,9 @@ def run_data_stages(cfg: RunConfig, force: bool = False, results: dict[str, Any]
         if spec.module is regenerate and cfg.regenerate.num_slices > 1:
             from flows.regenerate import regenerate_in_slices
 
-            results[spec.name] = clock.plain(spec.name, lambda: regenerate_in_slices(cfg, force),
-                                             lambda outcome: outcome.computed)  # slice runs: no one run to link
+            results[spec.name] = clock.plain(
+                spec.name, lambda: regenerate_in_slices(cfg, force), lambda outcome: outcome.computed
+            )  # slice runs: no one run to link
         else:
             results[spec.name] = _call_stage(clock, spec.name, DATA_TASKS[spec.module], cfg, force, force=force)
     return results
@@ -107,14 +109,17 @@ def run_train(cfg: RunConfig, force: bool, results: dict[str, Any], clock: Stage
     from tasks.train import train_task
 
     if cfg.train.nnodes > 1:
-        results[train.STAGE.name] = clock.plain(train.STAGE.name, lambda: train_nodes(cfg),
-                                                lambda summary: summary.computed)  # node runs: no one run to link
+        results[train.STAGE.name] = clock.plain(
+            train.STAGE.name, lambda: train_nodes(cfg), lambda summary: summary.computed
+        )  # node runs: no one run to link
     else:
         results[train.STAGE.name] = _call_stage(clock, train.STAGE.name, train_task, cfg)
 
 
 MODEL_RUNS: dict[ModuleType, Callable[[RunConfig, bool, dict[str, Any], StageClock], None]] = {
-    capture: run_capture, train: run_train}
+    capture: run_capture,
+    train: run_train,
+}
 """How the pipeline runs each stage between the data block and the deploy subflow (flows.deploy.STEP_STAGES)."""
 
 
@@ -124,8 +129,13 @@ def deploy_steps(until: str) -> list[str]:
     return [step for step, stage in STEP_STAGES.items() if stage in reached]
 
 
-def run_model_stages(cfg: RunConfig, until: str, force: bool = False,
-                     results: dict[str, Any] | None = None, clock: StageClock | None = None) -> dict[str, Any]:
+def run_model_stages(
+    cfg: RunConfig,
+    until: str,
+    force: bool = False,
+    results: dict[str, Any] | None = None,
+    clock: StageClock | None = None,
+) -> dict[str, Any]:
     """The registry's stages after the data block as far as ``until``: capture (a subflow, one task per shard),
     training (torchrun), then the deploy subflow's steps (``results`` is filled in place when given; ``clock``
     records each stage's run)."""
@@ -139,8 +149,9 @@ def run_model_stages(cfg: RunConfig, until: str, force: bool = False,
     steps = deploy_steps(until)
     if steps:
         deploy = eagle3_deploy.with_options(flow_run_name=stage_run_name("deploy"))  # "deploy-<run>"
-        state = clock.call(deploy_label(steps), "flow-run",
-                           lambda: deploy(config=cfg, force=force, steps=steps, return_state=True))
+        state = clock.call(
+            deploy_label(steps), "flow-run", lambda: deploy(config=cfg, force=force, steps=steps, return_state=True)
+        )
         deployed = state.result()
         if deployed.get("stage_runs"):  # the subflow's own row gives way to one row per step, linked to its run
             clock.replace_last([StageRun.from_json(r) for r in deployed["stage_runs"]])
@@ -186,9 +197,13 @@ def unstarted_stages(cfg: RunConfig, until: str, results: dict[str, Any], runs: 
 
 @flow(name="eagle3-pipeline", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=4))  # type: ignore[arg-type]  # Prefect types task_runner invariantly in its future type
 @preset_gpu_note
-def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
-                    config: RunConfig | None = None, force: bool = False,
-                    until: LastStage = "deploy") -> dict[str, Any]:
+def eagle3_pipeline(
+    preset: PresetName = "smollm2-demo",
+    overrides: list[str] | None = None,
+    config: RunConfig | None = None,
+    force: bool = False,
+    until: LastStage = "deploy",
+) -> dict[str, Any]:
     """Run the pipeline for a preset (+ dotted overrides) or a full config, up to stage ``until``.
 
     Args:
@@ -215,15 +230,24 @@ def eagle3_pipeline(preset: PresetName = "smollm2-demo", overrides: list[str] | 
     except Exception as exc:
         clock.not_started(unstarted_stages(cfg, until, results, clock.runs))
         failure = (failed_stage(cfg, until, results), f"{type(exc).__name__}: {exc}")
-        create_markdown_artifact(markdown=render_summary(cfg, results, clock.runs, failure),
-                                 key=artifact_key(cfg, "run-summary"), description="pipeline summary (failed)")
+        create_markdown_artifact(
+            markdown=render_summary(cfg, results, clock.runs, failure),
+            key=artifact_key(cfg, "run-summary"),
+            description="pipeline summary (failed)",
+        )
         save_stage_runs(cfg, clock.runs)
         raise
-    create_markdown_artifact(markdown=render_summary(cfg, results, clock.runs), key=artifact_key(cfg, "run-summary"),
-                             description="pipeline summary: per stage its state, seconds, outputs and run")
+    create_markdown_artifact(
+        markdown=render_summary(cfg, results, clock.runs),
+        key=artifact_key(cfg, "run-summary"),
+        description="pipeline summary: per stage its state, seconds, outputs and run",
+    )
     save_stage_runs(cfg, clock.runs)
-    create_markdown_artifact(markdown=render_run_report(cfg), key=artifact_key(cfg, "run-report"),
-                             description="run report: data, capture, training curves, measured acceptance")
+    create_markdown_artifact(
+        markdown=render_run_report(cfg),
+        key=artifact_key(cfg, "run-report"),
+        description="run report: data, capture, training curves, measured acceptance",
+    )
     if record is not None:
         publish_acceptance_trend(cfg)
     return {"run_dir": str(cfg.run_dir.resolve()), **{k: as_json(v) for k, v in results.items() if k != "target"}}
@@ -249,23 +273,34 @@ def start_or_explain(preset: str, overrides: list[str], config: RunConfig | None
         title, why, advice = early_failure_text(exc)
         create_markdown_artifact(
             markdown=render_early_failure(name, title, why, str(exc), preset, overrides, advice),
-            key=run_artifact_key(name, "run-summary"), description=f"pipeline summary (failed: {title})")
+            key=run_artifact_key(name, "run-summary"),
+            description=f"pipeline summary (failed: {title})",
+        )
         raise
 
 
 def early_failure_text(exc: Exception) -> tuple[str, str, str]:
     """(title, why, advice) of the run summary of a run refused before any stage by ``exc``."""
     if isinstance(exc, ConfigError):
-        return ("invalid config", "the preset and overrides do not make a valid config.",
-                "Fix the named keys (a `did you mean` names the closest known one) and run again; nothing was "
-                "computed or changed on disk.")
+        return (
+            "invalid config",
+            "the preset and overrides do not make a valid config.",
+            "Fix the named keys (a `did you mean` names the closest known one) and run again; nothing was "
+            "computed or changed on disk.",
+        )
     if isinstance(exc, NeedsGpuError):
-        return ("needs a GPU host", "the run's settings need a CUDA device and this host has none.",
-                "Run it on a GPU worker (work pool `gpu` on a host with CUDA), pick a CPU preset (`tiny`, "
-                "`smollm2-demo`) or override the settings named above; nothing was downloaded, computed or changed "
-                "on disk.")
-    return ("refused before any stage", f"{type(exc).__name__}.",
-            "The flow run's Logs tab holds the traceback; nothing was computed or changed on disk.")
+        return (
+            "needs a GPU host",
+            "the run's settings need a CUDA device and this host has none.",
+            "Run it on a GPU worker (work pool `gpu` on a host with CUDA), pick a CPU preset (`tiny`, "
+            "`smollm2-demo`) or override the settings named above; nothing was downloaded, computed or changed "
+            "on disk.",
+        )
+    return (
+        "refused before any stage",
+        f"{type(exc).__name__}.",
+        "The flow run's Logs tab holds the traceback; nothing was computed or changed on disk.",
+    )
 
 
 def record_acceptance(cfg: RunConfig, results: dict[str, Any]) -> AcceptanceRecord | None:
@@ -276,14 +311,19 @@ def record_acceptance(cfg: RunConfig, results: dict[str, Any]) -> AcceptanceReco
     if evaluate.STAGE.name not in results or not layout.eval_results.is_file():
         return None
     try:
-        record = acceptance_record(json.loads(layout.eval_results.read_text()), str(flow_run.id),
-                                   str(flow_run.name), datetime.now(timezone.utc),
-                                   computed=bool(as_json(results[evaluate.STAGE.name]).get("computed")))
+        record = acceptance_record(
+            json.loads(layout.eval_results.read_text()),
+            str(flow_run.id),
+            str(flow_run.name),
+            datetime.now(timezone.utc),
+            computed=bool(as_json(results[evaluate.STAGE.name]).get("computed")),
+        )
         if record is not None:
             append_acceptance(layout.acceptance_history, record)
     except (OSError, ValueError) as exc:
-        get_run_logger().warning("acceptance history not updated (%s): %s: %s", layout.acceptance_history,
-                                 type(exc).__name__, exc)
+        get_run_logger().warning(
+            "acceptance history not updated (%s): %s: %s", layout.acceptance_history, type(exc).__name__, exc
+        )
         return None
     return record
 
@@ -293,17 +333,22 @@ def publish_acceptance_trend(cfg: RunConfig) -> None:
     from tasks.artifacts import MAX_TABLE_COLUMNS
 
     rows = trend_rows(read_acceptance(run_layout(cfg).acceptance_history), MAX_TABLE_COLUMNS)
-    create_table_artifact(table=rows, key=artifact_key(cfg, "acceptance-trend"),
-                          description=f"acceptance length per run of `{cfg.run.name}` (newest last; eval/results.json "
-                                      "of each, from history/acceptance.jsonl)")
+    create_table_artifact(
+        table=rows,
+        key=artifact_key(cfg, "acceptance-trend"),
+        description=f"acceptance length per run of `{cfg.run.name}` (newest last; eval/results.json "
+        "of each, from history/acceptance.jsonl)",
+    )
 
 
-def render_summary(cfg: RunConfig, results: dict[str, Any], runs: list[StageRun],
-                   failure: tuple[str, str] | None = None) -> str:
+def render_summary(
+    cfg: RunConfig, results: dict[str, Any], runs: list[StageRun], failure: tuple[str, str] | None = None
+) -> str:
     """The run-summary markdown (eagle3.run.summary.render_summary), each stage's 'result' cell filled with its main
     counts (eagle3.run.summary.headline of its task's result)."""
     target = results.get("target")
     target_text = f"`{target.model_dir}` (fingerprint `{target.fingerprint}`)" if target is not None else ""
-    rows = [r if r.note else dataclasses.replace(r, note=headline(r.stage, as_json(results.get(r.stage))))
-            for r in runs]
+    rows = [
+        r if r.note else dataclasses.replace(r, note=headline(r.stage, as_json(results.get(r.stage)))) for r in runs
+    ]
     return summary_markdown(cfg.run.name, cfg.run_dir.resolve(), rows, target_text, failure)

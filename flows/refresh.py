@@ -23,8 +23,9 @@ from tasks.artifacts import artifact_key
 
 @flow(name="eagle3-refresh", log_prints=True)
 @preset_gpu_note
-def eagle3_refresh(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
-                   config: RunConfig | None = None) -> dict[str, Any]:
+def eagle3_refresh(
+    preset: PresetName = "smollm2-demo", overrides: list[str] | None = None, config: RunConfig | None = None
+) -> dict[str, Any]:
     """Fold the prompts past the watermark into the run's data, train a candidate from the promoted drafter, and
     promote it only if the gate measures it better.
 
@@ -40,6 +41,9 @@ def eagle3_refresh(preset: PresetName = "smollm2-demo", overrides: list[str] | N
     guard_crash_loop()
     cfg = config or load_config(preset, list(overrides or []))
     outcome = run_refresh(cfg, owner=f"prefect flow run {flow_run.id}")
-    create_markdown_artifact(markdown=refresh_markdown(outcome), key=artifact_key(cfg, "refresh-report"),
-                             description=f"refresh: {outcome.status} ({outcome.reason})"[:500])
+    create_markdown_artifact(
+        markdown=refresh_markdown(outcome),
+        key=artifact_key(cfg, "refresh-report"),
+        description=f"refresh: {outcome.status} ({outcome.reason})"[:500],
+    )
     return outcome.to_json()

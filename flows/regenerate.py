@@ -33,8 +33,13 @@ def regenerate_in_slices(cfg: RunConfig, force: bool = False, poll_s: float = 5.
     from eagle3.data.stages.regenerate import run as run_regenerate
 
     def run(num_slices: int, poll: Callable[[], None]) -> None:
-        run_slices(SLICE_DEPLOYMENT, {k: {"config": cfg, "index": k} for k in range(num_slices)},
-                   f"regenerate-{cfg.run.name}", on_poll=poll, poll_s=poll_s)
+        run_slices(
+            SLICE_DEPLOYMENT,
+            {k: {"config": cfg, "index": k} for k in range(num_slices)},
+            f"regenerate-{cfg.run.name}",
+            on_poll=poll,
+            poll_s=poll_s,
+        )
 
     description = f"regenerate ({cfg.run.name}, {cfg.regenerate.num_slices} slices)"
     with ProgressArtifact(artifact_key(cfg, "regenerate"), description) as progress:

@@ -36,8 +36,11 @@ def results_from_disk(cfg: RunConfig) -> dict[str, Any]:
     trained = read_manifest(train.STAGE.manifest(layout.root))
     if trained:
         stats = trained.get("stats", {})
-        results[train.STAGE.name] = {"last_train": stats.get("train"), "last_eval": stats.get("eval"),
-                                     "manifest": stats}
+        results[train.STAGE.name] = {
+            "last_train": stats.get("train"),
+            "last_eval": stats.get("eval"),
+            "manifest": stats,
+        }
     exported = read_manifest(export.STAGE.manifest(layout.root))
     if exported:
         results[export.STAGE.name] = {"stats": exported.get("stats", {}), "dir": str(layout.export.resolve())}
@@ -95,8 +98,10 @@ def _print_train(summary: dict[str, Any]) -> None:
         print(f"  {name:<20} step {rec.get('step')}  loss {rec.get('loss', float('nan')):.4f}  {accs}")
     last_eval = summary.get("last_eval") or {}
     if "accept_len_est" in last_eval:
-        print(f"  {'accept_len_est (val)':<20} {last_eval['accept_len_est']:.3f}  "
-              f"(unigram baseline acc_0 {last_eval.get('unigram_acc_0', float('nan')):.3f})")
+        print(
+            f"  {'accept_len_est (val)':<20} {last_eval['accept_len_est']:.3f}  "
+            f"(unigram baseline acc_0 {last_eval.get('unigram_acc_0', float('nan')):.3f})"
+        )
     best = summary.get("manifest", {}).get("best_step")
     if best is not None:
         print(f"  {'best validation':<20} step {best}  accept_len_est {summary['manifest']['best_accept_len_est']:.3f}")
@@ -106,9 +111,11 @@ def _print_eval(evaluation: dict[str, Any]) -> None:
     """Measured acceptance length per dataset and method (from eval/results.json)."""
     print("\n[evaluate] measured by speculative decoding against the target (bonus token included)")
     for row in eval_rows(evaluation):
-        print(f"  {row['dataset']:<10} {row['method']:<14} accept_len {row['accept_len']:<7} "
-              f"per position {row['per_position']}  speedup {row['speedup']}x  lossless {row['identical']} identical, "
-              f"{row['mismatch']} mismatch, {row['near_tie']} near-tie")
+        print(
+            f"  {row['dataset']:<10} {row['method']:<14} accept_len {row['accept_len']:<7} "
+            f"per position {row['per_position']}  speedup {row['speedup']}x  lossless {row['identical']} identical, "
+            f"{row['mismatch']} mismatch, {row['near_tie']} near-tie"
+        )
 
 
 ACCEPTANCE_COLUMNS = ("dataset", "method", "prompts", "accept_len", "per_position", "tokens_per_s", "speedup")
@@ -121,13 +128,20 @@ def eval_rows(evaluation: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for res in evaluation.get("results", []):
         lossless = res.get("lossless", {})
-        rows.append({"dataset": res.get("dataset"), "method": res.get("method"),
-                     "prompts": res.get("num_prompts"), "accept_len": round(res.get("accept_len", float("nan")), 3),
-                     "per_position": " / ".join(f"{p:.3f}" for p in res.get("per_position", [])),
-                     "tokens_per_s": round(res.get("tokens_per_s", float("nan")), 2),
-                     "speedup": round(res.get("speedup", float("nan")), 2),
-                     "identical": f"{lossless.get('identical')}/{res.get('num_prompts')}",
-                     "mismatch": lossless.get("mismatch"), "near_tie": lossless.get("near_tie")})
+        rows.append(
+            {
+                "dataset": res.get("dataset"),
+                "method": res.get("method"),
+                "prompts": res.get("num_prompts"),
+                "accept_len": round(res.get("accept_len", float("nan")), 3),
+                "per_position": " / ".join(f"{p:.3f}" for p in res.get("per_position", [])),
+                "tokens_per_s": round(res.get("tokens_per_s", float("nan")), 2),
+                "speedup": round(res.get("speedup", float("nan")), 2),
+                "identical": f"{lossless.get('identical')}/{res.get('num_prompts')}",
+                "mismatch": lossless.get("mismatch"),
+                "near_tie": lossless.get("near_tie"),
+            }
+        )
     return rows
 
 
@@ -142,8 +156,9 @@ def _table(rows: list[dict[str, Any]], columns: tuple[str, ...] | None = None) -
     head = list(columns or rows[0])
     if len(head) > MAX_TABLE_COLUMNS:
         raise ValueError(f"table of {len(head)} columns would be cut off in the UI: {head}")
-    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            + ["| " + " | ".join(str(r.get(k, "")) for k in head) + " |" for r in rows])
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + [
+        "| " + " | ".join(str(r.get(k, "")) for k in head) + " |" for r in rows
+    ]
 
 
 def data_section(res: dict[str, Any]) -> list[str]:
@@ -151,27 +166,46 @@ def data_section(res: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     merge = res.get("merge", {}).get("stats", {})
     if merge:
-        per_source = [{"source": name, **{k: s.get(k) for k in ("read", "kept", "rejected", "train", "val",
-                                                                 "num_turns")}}
-                      for name, s in {**merge.get("sources", {}), "(total)": merge.get("total", {})}.items()]
+        per_source = [
+            {"source": name, **{k: s.get(k) for k in ("read", "kept", "rejected", "train", "val", "num_turns")}}
+            for name, s in {**merge.get("sources", {}), "(total)": merge.get("total", {})}.items()
+        ]
         reasons = {r: n for r, n in merge.get("total", {}).get("rejected_by_reason", {}).items() if n}
-        lines += ["## Data", ""] + _table(per_source) + ["", "rejected by reason: " + (
-            ", ".join(f"{r} {n:,}" for r, n in sorted(reasons.items())) if reasons else "none") + "", ""]
+        lines += (
+            ["## Data", ""]
+            + _table(per_source)
+            + [
+                "",
+                "rejected by reason: "
+                + (", ".join(f"{r} {n:,}" for r, n in sorted(reasons.items())) if reasons else "none")
+                + "",
+                "",
+            ]
+        )
     tok = res.get("tokenize", {}).get("stats", {})
     if tok:
         cut = {r: n for r, n in tok.get("rejected_by_reason", {}).items() if n}
-        lines += ["## Tokenization", f"{tok.get('rows_written', 0):,} of {tok.get('rows_in', 0):,} rows written "
-                  f"({tok.get('rows_truncated', 0):,} truncated, {tok.get('rows_rejected', 0):,} rejected"
-                  + (": " + ", ".join(f"{r} {n:,}" for r, n in sorted(cut.items())) if cut else "") + "); "
-                  f"{tok.get('num_tokens', 0):,} tokens, {tok.get('num_loss_tokens', 0):,} of them trained on; "
-                  f"end of turn `{tok.get('end_of_turn_text')}`", ""]
+        lines += [
+            "## Tokenization",
+            f"{tok.get('rows_written', 0):,} of {tok.get('rows_in', 0):,} rows written "
+            f"({tok.get('rows_truncated', 0):,} truncated, {tok.get('rows_rejected', 0):,} rejected"
+            + (": " + ", ".join(f"{r} {n:,}" for r, n in sorted(cut.items())) if cut else "")
+            + "); "
+            f"{tok.get('num_tokens', 0):,} tokens, {tok.get('num_loss_tokens', 0):,} of them trained on; "
+            f"end of turn `{tok.get('end_of_turn_text')}`",
+            "",
+        ]
     vocab = res.get("vocab", {}).get("stats", {})
     if vocab:
-        lines += ["## Draft vocabulary", f"{vocab.get('draft_vocab_size', 0):,} of "
-                  f"{vocab.get('target_vocab_size', 0):,} target tokens; they cover "
-                  f"{vocab.get('coverage', float('nan')):.3f} of the "
-                  f"{vocab.get('num_train_loss_tokens', 0):,} trained-on tokens of the train split "
-                  f"({vocab.get('num_distinct_tokens', 0):,} distinct)", ""]
+        lines += [
+            "## Draft vocabulary",
+            f"{vocab.get('draft_vocab_size', 0):,} of "
+            f"{vocab.get('target_vocab_size', 0):,} target tokens; they cover "
+            f"{vocab.get('coverage', float('nan')):.3f} of the "
+            f"{vocab.get('num_train_loss_tokens', 0):,} trained-on tokens of the train split "
+            f"({vocab.get('num_distinct_tokens', 0):,} distinct)",
+            "",
+        ]
     return lines
 
 
@@ -179,14 +213,18 @@ def selection_lines(train_stats: dict[str, Any], export_stats: dict[str, Any]) -
     """The best validation (and measurement) of the run and the checkpoint the export shipped, with the reason."""
     lines = []
     if train_stats.get("best_step") is not None:
-        lines.append(f"best validation: step {train_stats['best_step']}, accept_len_est "
-                     f"{train_stats['best_accept_len_est']:.3f} (of {len(train_stats.get('eval_history') or [])} "
-                     "validations)")
+        lines.append(
+            f"best validation: step {train_stats['best_step']}, accept_len_est "
+            f"{train_stats['best_accept_len_est']:.3f} (of {len(train_stats.get('eval_history') or [])} "
+            "validations)"
+        )
     if train_stats.get("best_measured_step") is not None:  # train.measured
         early = ", then stopped early by train.measured.patience" if train_stats["stopped_early"] else ""
-        lines.append(f"best measured acceptance: step {train_stats['best_measured_step']}, accept_len "
-                     f"{train_stats['best_measured_accept_len']:.3f} (of {len(train_stats['measured_history'])} "
-                     f"measurements{early})")
+        lines.append(
+            f"best measured acceptance: step {train_stats['best_measured_step']}, accept_len "
+            f"{train_stats['best_measured_accept_len']:.3f} (of {len(train_stats['measured_history'])} "
+            f"measurements{early})"
+        )
     if export_stats.get("selection"):
         sel = export_stats["selection"]
         lines.append(f"exported: `{sel['checkpoint']}` (step {sel['step']}): {sel['reason']}")
@@ -201,22 +239,33 @@ def render_run_report(cfg: RunConfig) -> str:
     lines = [f"# Run report `{cfg.run.name}`", "", f"run directory `{layout.root.resolve()}`", ""] + data_section(res)
     cap = res.get("capture", {}).get("stats", {})
     if cap:
-        lines += ["## Capture", f"{cap.get('num_samples')} samples, {cap.get('num_tokens')} tokens, "
-                  f"{cap.get('num_bytes', 0) / 1e6:.1f} MB, {cap.get('bytes_per_token')} bytes/token", ""]
+        lines += [
+            "## Capture",
+            f"{cap.get('num_samples')} samples, {cap.get('num_tokens')} tokens, "
+            f"{cap.get('num_bytes', 0) / 1e6:.1f} MB, {cap.get('bytes_per_token')} bytes/token",
+            "",
+        ]
     trained = res.get("train")
     if trained:
         last_train, last_eval = trained.get("last_train") or {}, trained.get("last_eval") or {}
-        lines += ["## Training", f"last step {last_train.get('step')}: {last_train.get('tokens_per_s', 0):,.0f} "
-                  f"tokens/s; validation acc_0 {last_eval.get('acc_0', float('nan')):.3f}, accept_len_est "
-                  f"{last_eval.get('accept_len_est', float('nan')):.3f}", ""]
+        lines += [
+            "## Training",
+            f"last step {last_train.get('step')}: {last_train.get('tokens_per_s', 0):,.0f} "
+            f"tokens/s; validation acc_0 {last_eval.get('acc_0', float('nan')):.3f}, accept_len_est "
+            f"{last_eval.get('accept_len_est', float('nan')):.3f}",
+            "",
+        ]
         lines += selection_lines(trained.get("manifest", {}), res.get("export", {}).get("stats", {}))
         lines += [markdown_image(p) for p in layout.train_plots if p.is_file()]
     if res.get("evaluate"):
         lines += ["", "## Measured acceptance (speculative decoding against the target)", ""]
         rows = eval_rows(res["evaluate"])
         lines += _table(rows, ACCEPTANCE_COLUMNS) + [
-            "", "Lossless check against the target's own greedy output: identical, near_tie (first difference "
-            "where the target's logits hardly differ), mismatch (any other difference)", ""]
+            "",
+            "Lossless check against the target's own greedy output: identical, near_tie (first difference "
+            "where the target's logits hardly differ), mismatch (any other difference)",
+            "",
+        ]
         lines += _table(rows, LOSSLESS_COLUMNS)
         plot = layout.eval_plot
         lines += ["", markdown_image(plot)] if plot.is_file() else []

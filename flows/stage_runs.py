@@ -62,8 +62,9 @@ class StageClock:
         self.add(stage, state_label(state.name), elapsed, ui_url(kind, run_id_of(kind, state)), LINK_TEXT[kind])
         return state
 
-    def plain(self, stage: str, run: Callable[[], Any], computed: Callable[[Any], bool | None],
-              url: str | None = None) -> Any:
+    def plain(
+        self, stage: str, run: Callable[[], Any], computed: Callable[[Any], bool | None], url: str | None = None
+    ) -> Any:
         """Call ``run``, a stage with no single run of its own (a fan-out over deployments), and record it: its state
         from ``computed(result)``, linked to ``url`` (the flow run that fans out). Returns its result."""
         start = time.monotonic()
@@ -84,12 +85,26 @@ class StageClock:
         for stage in stages:
             self.add(stage, NOT_STARTED, None)
 
-    def add(self, stage: str, state: str, duration_s: float | None, url: str | None = None, run_kind: str = "",
-            note: str = "") -> StageRun:
+    def add(
+        self,
+        stage: str,
+        state: str,
+        duration_s: float | None,
+        url: str | None = None,
+        run_kind: str = "",
+        note: str = "",
+    ) -> StageRun:
         """Append the StageRun of ``stage`` (its outputs' place from the registry)."""
         outputs = stage_output(self.layout, self.stage_of.get(stage, stage))
-        record = StageRun(stage, state, None if duration_s is None else round(duration_s, 3), outputs, url,
-                          run_kind if url else "", note)
+        record = StageRun(
+            stage,
+            state,
+            None if duration_s is None else round(duration_s, 3),
+            outputs,
+            url,
+            run_kind if url else "",
+            note,
+        )
         self.runs.append(record)
         return record
 

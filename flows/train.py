@@ -21,8 +21,9 @@ from tasks.train import train_task
 
 @flow(name="eagle3-train", log_prints=True, flow_run_name=stage_run_name("train"))
 @preset_gpu_note
-def eagle3_train(preset: PresetName = "smollm2-demo", overrides: list[str] | None = None,
-                 config: RunConfig | None = None) -> dict[str, Any]:
+def eagle3_train(
+    preset: PresetName = "smollm2-demo", overrides: list[str] | None = None, config: RunConfig | None = None
+) -> dict[str, Any]:
     """Train the drafter for a run whose vocab map and captured features exist.
 
     Args:

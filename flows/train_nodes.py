@@ -59,8 +59,10 @@ def train_nodes(cfg: RunConfig, poll_s: float = 5.0) -> TrainSummary:
             states = wait_runs(ids, poll_s, deadline_s=cfg.train.timeout_s + 3600.0)
         failed = {rank: name for rank, name in enumerate(states) if name != "COMPLETED"}
         if "TIMEOUT" in failed.values():  # still running: a new attempt would train beside it in the same run
-            raise RuntimeError(f"node runs {[str(ids[r]) for r, n in failed.items() if n == 'TIMEOUT']} still run "
-                               f"after train.timeout_s + 1 h; cancel them before running the training again")
+            raise RuntimeError(
+                f"node runs {[str(ids[r]) for r, n in failed.items() if n == 'TIMEOUT']} still run "
+                f"after train.timeout_s + 1 h; cancel them before running the training again"
+            )
         if not failed:
             return train_summary(cfg)
         logger.warning("attempt %d: nodes %s did not complete (%s)", attempt, sorted(failed), failed)

@@ -35,8 +35,10 @@ MAX_NAMED = 3
 
 def no_worker_text(pool: str) -> str:
     """The reason for a pool without an online worker, with the commands that start one."""
-    return (f"no worker polling work pool '{pool}': start one with `eagle3 worker start --pool {pool}` here, "
-            f"or `prefect worker start --pool {pool}` on a host of that pool")
+    return (
+        f"no worker polling work pool '{pool}': start one with `eagle3 worker start --pool {pool}` here, "
+        f"or `prefect worker start --pool {pool}` on a host of that pool"
+    )
 
 
 def _named(runs: list[Any]) -> str:
@@ -65,8 +67,9 @@ def _pool_reasons(client: Any, run: Any, pool: Any) -> list[str]:
     in_pool = WorkPoolFilter(name=WorkPoolFilterName(any_=[pool.name]))
     holders = _busy_runs(client, run.id, work_pool_filter=in_pool)
     if pool.concurrency_limit is not None and len(holders) >= pool.concurrency_limit:
-        reasons.append(f"work pool '{pool.name}': concurrency limit {pool.concurrency_limit} reached by "
-                       f"{_named(holders)}")
+        reasons.append(
+            f"work pool '{pool.name}': concurrency limit {pool.concurrency_limit} reached by {_named(holders)}"
+        )
     try:
         queue = client.read_work_queue_by_name(run.work_queue_name, work_pool_name=pool.name)
     except ObjectNotFound:
@@ -74,11 +77,17 @@ def _pool_reasons(client: Any, run: Any, pool: Any) -> list[str]:
     if queue.is_paused:
         reasons.append(f"work queue '{queue.name}' of pool '{pool.name}' is paused")
     if queue.concurrency_limit is not None:
-        in_queue = _busy_runs(client, run.id, work_pool_filter=in_pool,
-                              work_queue_filter=WorkQueueFilter(name=WorkQueueFilterName(any_=[queue.name])))
+        in_queue = _busy_runs(
+            client,
+            run.id,
+            work_pool_filter=in_pool,
+            work_queue_filter=WorkQueueFilter(name=WorkQueueFilterName(any_=[queue.name])),
+        )
         if len(in_queue) >= queue.concurrency_limit:
-            reasons.append(f"work queue '{queue.name}' of pool '{pool.name}': concurrency limit "
-                           f"{queue.concurrency_limit} reached by {_named(in_queue)}")
+            reasons.append(
+                f"work queue '{queue.name}' of pool '{pool.name}': concurrency limit "
+                f"{queue.concurrency_limit} reached by {_named(in_queue)}"
+            )
     return reasons
 
 
@@ -92,10 +101,13 @@ def _deployment_reasons(client: Any, run: Any) -> list[str]:
     limit = deployment.global_concurrency_limit
     if limit is None or not limit.active or limit.active_slots < limit.limit:
         return []
-    holders = _busy_runs(client, run.id, deployment_filter=DeploymentFilter(id=DeploymentFilterId(
-        any_=[run.deployment_id])))
-    return [f"deployment '{deployment.name}': concurrency limit {limit.limit} reached by "
-            + (_named(holders) if holders else f"{limit.active_slots} run(s)")]
+    holders = _busy_runs(
+        client, run.id, deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[run.deployment_id]))
+    )
+    return [
+        f"deployment '{deployment.name}': concurrency limit {limit.limit} reached by "
+        + (_named(holders) if holders else f"{limit.active_slots} run(s)")
+    ]
 
 
 def wait_reasons(client: Any, run: Any) -> list[str]:
@@ -117,11 +129,15 @@ def wait_reasons(client: Any, run: Any) -> list[str]:
     online = [w.name for w in client.read_workers_for_work_pool(pool.name) if w.status == WorkerStatus.ONLINE]
     busy = _busy_runs(client, run.id, work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool.name])))
     if busy:
-        return [f"work pool '{pool.name}': its online worker{'s' if len(online) > 1 else ''} "
-                f"{', '.join(online)} busy with {_named(busy)} (a worker started with --limit N runs N flow runs "
-                "at a time)"]
-    return [f"work pool '{pool.name}' has online worker{'s' if len(online) > 1 else ''} {', '.join(online)}; "
-            "none has taken the run yet"]
+        return [
+            f"work pool '{pool.name}': its online worker{'s' if len(online) > 1 else ''} "
+            f"{', '.join(online)} busy with {_named(busy)} (a worker started with --limit N runs N flow runs "
+            "at a time)"
+        ]
+    return [
+        f"work pool '{pool.name}' has online worker{'s' if len(online) > 1 else ''} {', '.join(online)}; "
+        "none has taken the run yet"
+    ]
 
 
 def wait_reason(client: Any, run: Any) -> str:
@@ -144,8 +160,17 @@ def log_to_run(client: Any, run_id: UUID, text: str) -> None:
     """One warning line in the run's logs (its page's Logs tab)."""
     from prefect.client.schemas.actions import LogCreate
 
-    client.create_logs([LogCreate(name=LOGGER_NAME, level=logging.WARNING, message=text,
-                                  timestamp=datetime.now(timezone.utc), flow_run_id=run_id)])
+    client.create_logs(
+        [
+            LogCreate(
+                name=LOGGER_NAME,
+                level=logging.WARNING,
+                message=text,
+                timestamp=datetime.now(timezone.utc),
+                flow_run_id=run_id,
+            )
+        ]
+    )
 
 
 def overdue_runs(client: Any, after_s: float) -> list[Any]:
@@ -158,9 +183,13 @@ def overdue_runs(client: Any, after_s: float) -> list[Any]:
     )
 
     before = datetime.now(timezone.utc) - timedelta(seconds=after_s)
-    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["SCHEDULED"])),
-        next_scheduled_start_time=FlowRunFilterNextScheduledStartTime(before_=before)), limit=200)
+    runs = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["SCHEDULED"])),
+            next_scheduled_start_time=FlowRunFilterNextScheduledStartTime(before_=before),
+        ),
+        limit=200,
+    )
     return [r for r in runs if r.work_pool_name]
 
 
@@ -213,8 +242,9 @@ def late_settings() -> tuple[float, float]:
 def start_watcher_thread() -> threading.Thread:
     """The watcher in a daemon thread of this process, with Prefect's late-runs settings."""
     after_s, every_s = late_settings()
-    thread = threading.Thread(target=LateRunWatcher(after_s).watch, args=(threading.Event(), every_s), daemon=True,
-                              name="eagle3-late-runs")
+    thread = threading.Thread(
+        target=LateRunWatcher(after_s).watch, args=(threading.Event(), every_s), daemon=True, name="eagle3-late-runs"
+    )
     thread.start()
     return thread
 

@@ -66,8 +66,9 @@ def _run_smi(args: Sequence[str], nvidia_smi: str, timeout_s: float) -> str | No
     except subprocess.TimeoutExpired:
         raise GpuQueryError(f"{exe} {' '.join(args)} did not answer within {timeout_s:.0f} s") from None
     if done.returncode != 0:
-        raise GpuQueryError(f"{exe} {' '.join(args)} failed with code {done.returncode}: "
-                            f"{(done.stderr or done.stdout).strip()[:500]}")
+        raise GpuQueryError(
+            f"{exe} {' '.join(args)} failed with code {done.returncode}: {(done.stderr or done.stdout).strip()[:500]}"
+        )
     return done.stdout
 
 
@@ -94,8 +95,9 @@ def list_gpus(nvidia_smi: str = "nvidia-smi", timeout_s: float = 30.0) -> list[G
         if len(row) != 5:
             raise GpuQueryError(f"unexpected nvidia-smi GPU line {row!r} (want index, uuid, name, total, used)")
         index, uuid, name, total, used = row
-        gpus.append(Gpu(int(index), uuid, name, _mib(total) or 0, _mib(used) or 0,
-                        tuple(p for p in apps if p.gpu_uuid == uuid)))
+        gpus.append(
+            Gpu(int(index), uuid, name, _mib(total) or 0, _mib(used) or 0, tuple(p for p in apps if p.gpu_uuid == uuid))
+        )
     return gpus
 
 
@@ -111,17 +113,26 @@ def _parse_apps(text: str) -> list[GpuProcess]:
 
 def _busy_reason(gpu: Gpu, idle_used_mib: int) -> str | None:
     if gpu.processes:
-        held = ", ".join(f"pid {p.pid} {p.name} ({p.used_mib if p.used_mib is not None else '?'} MiB)"
-                         for p in gpu.processes)
+        held = ", ".join(
+            f"pid {p.pid} {p.name} ({p.used_mib if p.used_mib is not None else '?'} MiB)" for p in gpu.processes
+        )
         return f"GPU {gpu.index} ({gpu.name}) is in use: {held}; {gpu.used_mib} of {gpu.total_mib} MiB used"
     if gpu.used_mib > idle_used_mib:
-        return (f"GPU {gpu.index} ({gpu.name}) has {gpu.used_mib} of {gpu.total_mib} MiB used by processes "
-                "not visible here (another container?)")
+        return (
+            f"GPU {gpu.index} ({gpu.name}) has {gpu.used_mib} of {gpu.total_mib} MiB used by processes "
+            "not visible here (another container?)"
+        )
     return None
 
 
-def check_gpus_free(indices: Sequence[int], allow_shared: bool = False, *, gpus: list[Gpu] | None = None,
-                    idle_used_mib: int = IDLE_USED_MIB, nvidia_smi: str = "nvidia-smi") -> list[Gpu]:
+def check_gpus_free(
+    indices: Sequence[int],
+    allow_shared: bool = False,
+    *,
+    gpus: list[Gpu] | None = None,
+    idle_used_mib: int = IDLE_USED_MIB,
+    nvidia_smi: str = "nvidia-smi",
+) -> list[Gpu]:
     """The requested GPUs; GpuBusyError naming pid, process and MiB held unless all are idle or allow_shared."""
     gpus = list_gpus(nvidia_smi) if gpus is None else gpus
     by_index = {gpu.index: gpu for gpu in gpus}
@@ -132,14 +143,23 @@ def check_gpus_free(indices: Sequence[int], allow_shared: bool = False, *, gpus:
     chosen = [by_index[i] for i in indices]
     reasons = [r for gpu in chosen if (r := _busy_reason(gpu, idle_used_mib))]
     if reasons and not allow_shared:
-        raise GpuBusyError("\n".join(reasons) + "\nstop those processes, pick other GPUs, or allow sharing "
-                           "(capture.allow_shared_gpus=true) if they leave enough memory")
+        raise GpuBusyError(
+            "\n".join(reasons) + "\nstop those processes, pick other GPUs, or allow sharing "
+            "(capture.allow_shared_gpus=true) if they leave enough memory"
+        )
     return chosen
 
 
-def activation_bytes_per_token(hidden_size: int, num_layers: int, *, intermediate_size: int | None = None,
-                               kv_size: int | None = None, num_aux: int = 3, vocab_size: int = 0,
-                               dtype_bytes: int = 2) -> int:
+def activation_bytes_per_token(
+    hidden_size: int,
+    num_layers: int,
+    *,
+    intermediate_size: int | None = None,
+    kv_size: int | None = None,
+    num_aux: int = 3,
+    vocab_size: int = 0,
+    dtype_bytes: int = 2,
+) -> int:
     """GPU bytes one prompt token costs in a capture forward (an upper-bound estimate).
 
     bytes/token = dtype_bytes * (2 * num_layers * kv_size            KV cache, kept for the whole request

@@ -147,11 +147,15 @@ def _holder_of_held_lock(fd: int, lock: Path) -> dict[str, Any] | None:
 
 def _refusal(run_dir: Path, lock: Path, holder: dict[str, Any]) -> LockHeldError:
     if not holder:
-        return LockHeldError(f"run directory {run_dir} is locked by a process whose record in {lock} is empty or "
-                             "unreadable; wait for it to finish")
-    return LockHeldError(f"run directory {run_dir} is locked by pid {holder.get('pid')} on host {holder.get('host')}"
-                         f" ({holder.get('owner') or 'unknown owner'}); wait for it to finish or stop it (the lock "
-                         "goes with the process, so nothing needs removing)")
+        return LockHeldError(
+            f"run directory {run_dir} is locked by a process whose record in {lock} is empty or "
+            "unreadable; wait for it to finish"
+        )
+    return LockHeldError(
+        f"run directory {run_dir} is locked by pid {holder.get('pid')} on host {holder.get('host')}"
+        f" ({holder.get('owner') or 'unknown owner'}); wait for it to finish or stop it (the lock "
+        "goes with the process, so nothing needs removing)"
+    )
 
 
 @dataclass
@@ -210,7 +214,8 @@ def _delegated(key: str, run_dir: Path, lock: Path, level: int, owner: str) -> I
                 raise LockHeldError(
                     f"run directory {run_dir} is already written by pid {other.get('pid')} on host "
                     f"{other.get('host')} ({other.get('owner') or 'unknown owner'}), another process of the same "
-                    f"holder (a node still running beside its re-submitted twin, say); stop it first")
+                    f"holder (a node still running beside its re-submitted twin, say); stop it first"
+                )
         with _holding(key, fd, path, level, owner):
             yield lock
     finally:

@@ -20,19 +20,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-def spawn_detached(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
-                   cwd: Path | None = None) -> int:
+def spawn_detached(
+    argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None
+) -> int:
     """Start ``argv`` in a new session (its own process group), stdout+stderr appended to ``log_path``."""
     return popen_detached(argv, log_path, env, cwd).pid
 
 
-def popen_detached(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None,
-                   cwd: Path | None = None) -> subprocess.Popen[bytes]:
+def popen_detached(
+    argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.Popen[bytes]:
     """spawn_detached, keeping the Popen: only its holder reliably learns the exit code."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        return subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True)
+        return subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            start_new_session=True,
+        )
 
 
 def read_pid_file(path: Path) -> int | None:
@@ -233,7 +242,7 @@ class RestartPolicy:
 
     def delay_s(self, num_restarts_done: int) -> float:
         """Wait before the next restart: doubles each time so a crash loop does not spin."""
-        return min(self.backoff_s * (2 ** num_restarts_done), self.max_backoff_s)
+        return min(self.backoff_s * (2**num_restarts_done), self.max_backoff_s)
 
 
 def _redact(argv: Sequence[str], secret_flags: Sequence[str]) -> list[str]:
@@ -248,9 +257,17 @@ def _redact(argv: Sequence[str], secret_flags: Sequence[str]) -> list[str]:
 class SupervisedProcess:
     """One child in its own process group, restarted with backoff when it dies (thread-safe)."""
 
-    def __init__(self, argv: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None,
-                 cwd: Path | None = None, policy: RestartPolicy = RestartPolicy(), grace_s: float = 10.0,
-                 secret_flags: Sequence[str] = ()):
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        policy: RestartPolicy = RestartPolicy(),
+        grace_s: float = 10.0,
+        secret_flags: Sequence[str] = (),
+    ):
         self.argv, self.log_path, self.env, self.cwd = list(argv), Path(log_path), env, cwd
         self.policy, self.grace_s, self.secret_flags = policy, grace_s, tuple(secret_flags)
         self._popen: subprocess.Popen[bytes] | None = None
@@ -304,8 +321,9 @@ class SupervisedProcess:
             death = self.describe_death()
             if self.num_restarts >= self.policy.max_restarts:
                 self._mark(f"{death}; giving up after {self.num_restarts} restarts")
-                raise ProcessDiedError(self.failure_message(f"{death}; no restarts left "
-                                                            f"({self.policy.max_restarts} allowed)"))
+                raise ProcessDiedError(
+                    self.failure_message(f"{death}; no restarts left ({self.policy.max_restarts} allowed)")
+                )
             delay_s = self.policy.delay_s(self.num_restarts)
             self._mark(f"{death}; restart {self.num_restarts + 1}/{self.policy.max_restarts} in {delay_s:.1f} s")
             if should_stop is None:
@@ -332,8 +350,10 @@ class SupervisedProcess:
 
     def failure_message(self, what: str) -> str:
         """An error text that names the command and the log file and shows its tail."""
-        return (f"{what}\n  command: {self.printable_argv}\n  log: {self.log_path}\n"
-                f"--- last lines of {self.log_path} ---\n{tail(self.log_path)}")
+        return (
+            f"{what}\n  command: {self.printable_argv}\n  log: {self.log_path}\n"
+            f"--- last lines of {self.log_path} ---\n{tail(self.log_path)}"
+        )
 
     def __enter__(self) -> SupervisedProcess:
         self.start()

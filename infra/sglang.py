@@ -83,18 +83,32 @@ class ManagedServer:
     server call ``wait_ready()`` and retry once it returns.
     """
 
-    def __init__(self, spec: ServerSpec, log_path: Path, *, expect: ProbeExpectations = ProbeExpectations(),
-                 startup_timeout_s: float = 1800.0, policy: RestartPolicy = RestartPolicy(),
-                 env: Mapping[str, str] | None = None, cwd: Path | None = None, poll_s: float = 1.0,
-                 watch_s: float = 2.0):
+    def __init__(
+        self,
+        spec: ServerSpec,
+        log_path: Path,
+        *,
+        expect: ProbeExpectations = ProbeExpectations(),
+        startup_timeout_s: float = 1800.0,
+        policy: RestartPolicy = RestartPolicy(),
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        poll_s: float = 1.0,
+        watch_s: float = 2.0,
+    ):
         if spec.mode in CAPTURE_MODES and expect.hidden_size is None:
             raise ServerSpecError("a capture server needs expect.hidden_size: its smoke check compares row widths")
         self.spec, self.expect, self.startup_timeout_s = spec, expect, startup_timeout_s
         self.poll_s, self.watch_s = poll_s, watch_s
         self.key_file = key_file_for(Path(log_path)) if spec.api_key else None
-        self.process = SupervisedProcess(spec.argv(str(self.key_file) if self.key_file else None), log_path,
-                                         env=env_without_secret(launch_env(spec, env), spec.api_key),
-                                         cwd=cwd, policy=policy, secret_flags=("--api-key",))
+        self.process = SupervisedProcess(
+            spec.argv(str(self.key_file) if self.key_file else None),
+            log_path,
+            env=env_without_secret(launch_env(spec, env), spec.api_key),
+            cwd=cwd,
+            policy=policy,
+            secret_flags=("--api-key",),
+        )
         self.report: ReadyReport | None = None
         self._ready, self._stopping = threading.Event(), threading.Event()
         self._failure: BaseException | None = None
@@ -129,15 +143,19 @@ class ManagedServer:
         """ServerStartError unless this server's port is free to listen on (call before a slow launch)."""
         if port_in_use(self.spec.host, self.spec.port):
             # The probe would talk to that server instead of ours, and might even find it healthy.
-            raise ServerStartError(f"{self.spec.host}:{self.spec.port} already answers: stop that server "
-                                   "(a stale one?) or pick another port")
+            raise ServerStartError(
+                f"{self.spec.host}:{self.spec.port} already answers: stop that server "
+                "(a stale one?) or pick another port"
+            )
         try:
             bindable = port_bindable(self.spec.host, self.spec.port)
         except OSError as exc:
             raise ServerStartError(f"{self.spec.host}:{self.spec.port} cannot be listened on: {exc}") from exc
         if not bindable:
-            raise ServerStartError(f"{self.spec.host}:{self.spec.port} is held by another socket (nothing "
-                                   "answers there, but the server could not bind it): pick another port")
+            raise ServerStartError(
+                f"{self.spec.host}:{self.spec.port} is held by another socket (nothing "
+                "answers there, but the server could not bind it): pick another port"
+            )
 
     def start(self) -> ReadyReport:
         """Launch and probe, restarting a child that dies during start-up; ServerStartError if never ready."""
@@ -163,8 +181,9 @@ class ManagedServer:
         """Probe until ready; a death restarts (bounded by the policy), a failed check stops for good."""
         while True:
             try:
-                report = probe_ready(self.spec, self.expect, timeout_s=self.startup_timeout_s,
-                                     is_alive=self._alive, poll_s=self.poll_s)
+                report = probe_ready(
+                    self.spec, self.expect, timeout_s=self.startup_timeout_s, is_alive=self._alive, poll_s=self.poll_s
+                )
             except ServerGoneError:
                 if self._stopping.is_set():
                     raise
@@ -206,8 +225,12 @@ class ManagedServer:
             if self._answers_health():
                 return
             if time.monotonic() >= deadline:
-                raise TimeoutError(self.process.failure_message(f"SGLang server at {self.base_url} is called ready "
-                                                                f"but did not answer /health within {timeout_s:.0f} s"))
+                raise TimeoutError(
+                    self.process.failure_message(
+                        f"SGLang server at {self.base_url} is called ready "
+                        f"but did not answer /health within {timeout_s:.0f} s"
+                    )
+                )
             time.sleep(HEALTH_POLL_S)
 
     def _wait_supervised(self, timeout_s: float) -> None:
@@ -215,8 +238,11 @@ class ManagedServer:
         if self._ready.is_set() and self._failure is None and not self.process.alive():
             self._ready.clear()  # the client saw the death before the watchdog did
         if not self._ready.wait(timeout_s):
-            raise TimeoutError(self.process.failure_message(f"SGLang server at {self.base_url} not ready "
-                                                            f"again within {timeout_s:.0f} s"))
+            raise TimeoutError(
+                self.process.failure_message(
+                    f"SGLang server at {self.base_url} not ready again within {timeout_s:.0f} s"
+                )
+            )
         if self._stopping.is_set():
             raise ServerGoneError(f"SGLang server at {self.base_url} was stopped")
         if self._failure is not None:

@@ -77,16 +77,27 @@ def parse_launch_args(args: Sequence[str], parser: argparse.ArgumentParser | Non
 def placeholder_specs() -> dict[str, ServerSpec]:
     """One spec per mode with placeholder paths; serve/speculative are a serving_pair with every field set
     and an API key (so the --config merge is exercised too), dflash the DFlash twin of that baseline."""
-    shared: dict[str, Any] = dict(api_key=PLACEHOLDER_KEY, tp_size=1, dtype="bfloat16", mem_fraction_static=0.8,
-                                  max_running_requests=32, cuda_graph_max_bs_decode=32, attention_backend="triton")
-    baseline, speculative = serving_pair("/placeholder/target", "/placeholder/draft", port=30000, num_steps=3,
-                                         topk=1, num_draft_tokens=4, **shared)
+    shared: dict[str, Any] = dict(
+        api_key=PLACEHOLDER_KEY,
+        tp_size=1,
+        dtype="bfloat16",
+        mem_fraction_static=0.8,
+        max_running_requests=32,
+        cuda_graph_max_bs_decode=32,
+        attention_backend="triton",
+    )
+    baseline, speculative = serving_pair(
+        "/placeholder/target", "/placeholder/draft", port=30000, num_steps=3, topk=1, num_draft_tokens=4, **shared
+    )
     dflash = dflash_serving_pair("/placeholder/target", "/placeholder/draft", port=30000, block_size=16, **shared)[1]
-    return {"capture_packed": ServerSpec("/placeholder/target", "capture_packed", port=30104,
-                                         aux_layer_ids=(1, 15, 28)),
-            "capture_aux": ServerSpec("/placeholder/target", "capture_aux", port=30100, aux_layer_ids=(1, 15, 28)),
-            "capture_final": ServerSpec("/placeholder/target", "capture_final", port=30102),
-            "serve": baseline, "speculative": speculative, "dflash": dflash}
+    return {
+        "capture_packed": ServerSpec("/placeholder/target", "capture_packed", port=30104, aux_layer_ids=(1, 15, 28)),
+        "capture_aux": ServerSpec("/placeholder/target", "capture_aux", port=30100, aux_layer_ids=(1, 15, 28)),
+        "capture_final": ServerSpec("/placeholder/target", "capture_final", port=30102),
+        "serve": baseline,
+        "speculative": speculative,
+        "dflash": dflash,
+    }
 
 
 def mismatches(spec: ServerSpec, parsed: argparse.Namespace) -> list[str]:
@@ -96,8 +107,11 @@ def mismatches(spec: ServerSpec, parsed: argparse.Namespace) -> list[str]:
     if spec.mode == "capture_aux":  # SGLang's aux hook clears the EAGLE3 algorithm the flag set
         want["speculative_algorithm"] = "EAGLE3"
     want |= {"host": spec.host, "api_key": spec.api_key}
-    return [f"{k}={getattr(parsed, k, '<no such field>')!r}, not {v!r}" for k, v in want.items()
-            if getattr(parsed, k, "<no such field>") != v]
+    return [
+        f"{k}={getattr(parsed, k, '<no such field>')!r}, not {v!r}"
+        for k, v in want.items()
+        if getattr(parsed, k, "<no such field>") != v
+    ]
 
 
 @dataclass(frozen=True)
@@ -140,8 +154,11 @@ def check_modes(version: str | None = None) -> list[ModeCheck]:
     specs = placeholder_specs()
     with tempfile.TemporaryDirectory(prefix="eagle3-argv-") as folder:
         for mode in MODES:
-            ok, detail = (check_spec(specs[mode], parser, Path(folder)) if mode in specs else
-                          (False, "no placeholder spec for this mode in infra/sglang_argv_check.py"))
+            ok, detail = (
+                check_spec(specs[mode], parser, Path(folder))
+                if mode in specs
+                else (False, "no placeholder spec for this mode in infra/sglang_argv_check.py")
+            )
             out.append(ModeCheck(mode, ok, detail, gaps.get(mode)))
     return out
 
@@ -153,8 +170,10 @@ def parse_many(named_args: dict[str, list[str]]) -> dict[str, Any]:
     parsed: dict[str, Any] = {}
     for name, args in named_args.items():
         try:
-            parsed[name] = {"error": None, "values": json.loads(json.dumps(vars(parse_launch_args(args, parser)),
-                                                                           default=repr))}
+            parsed[name] = {
+                "error": None,
+                "values": json.loads(json.dumps(vars(parse_launch_args(args, parser)), default=repr)),
+            }
         except Exception as exc:  # SGLangParseError, or the config merger's ValueError
             parsed[name] = {"error": f"{type(exc).__name__}: {exc}", "values": {}}
     flags = sorted(s for action in parser._actions for s in action.option_strings)

@@ -38,20 +38,45 @@ Prompt = str | list[int]
 ProgressFn = Callable[[int, int, dict[str, Any]], None]
 clock: Callable[[], float] = time.perf_counter  # every timing here reads this; tests swap in a scripted clock
 # Settings a baseline and its speculative twin must share (names of SGLang's ServerArgs fields).
-SHARED_SETTINGS = ("model_path", "tp_size", "dp_size", "dtype", "mem_fraction_static", *SERVING_FIELDS,
-                   "kv_cache_dtype", "chunked_prefill_size", "context_length", "disable_radix_cache")
-SPEC_SETTINGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-                 "speculative_eagle_topk", "speculative_num_draft_tokens")
-_TASKS = ("Explain {t} to a new colleague in five short paragraphs.",
-          "Write a step-by-step checklist for {t}.",
-          "List the ten most common mistakes in {t} and how to avoid each.",
-          "Compare two approaches to {t} in a table, then recommend one.",
-          "Write a short story in which {t} saves the day.",
-          "Draft an email that asks a manager for a budget for {t}.",
-          "Summarize the history of {t} as a numbered timeline.",
-          "Answer as a tutor: what should a student learn first about {t}, and why?")
-_TOPICS = ("sourdough baking", "database indexing", "bicycle maintenance", "tax filing", "garden irrigation",
-           "unit testing", "marathon training", "home networking")
+SHARED_SETTINGS = (
+    "model_path",
+    "tp_size",
+    "dp_size",
+    "dtype",
+    "mem_fraction_static",
+    *SERVING_FIELDS,
+    "kv_cache_dtype",
+    "chunked_prefill_size",
+    "context_length",
+    "disable_radix_cache",
+)
+SPEC_SETTINGS = (
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+)
+_TASKS = (
+    "Explain {t} to a new colleague in five short paragraphs.",
+    "Write a step-by-step checklist for {t}.",
+    "List the ten most common mistakes in {t} and how to avoid each.",
+    "Compare two approaches to {t} in a table, then recommend one.",
+    "Write a short story in which {t} saves the day.",
+    "Draft an email that asks a manager for a budget for {t}.",
+    "Summarize the history of {t} as a numbered timeline.",
+    "Answer as a tutor: what should a student learn first about {t}, and why?",
+)
+_TOPICS = (
+    "sourdough baking",
+    "database indexing",
+    "bicycle maintenance",
+    "tax filing",
+    "garden irrigation",
+    "unit testing",
+    "marathon training",
+    "home networking",
+)
 
 
 def fixed_prompts(num: int) -> list[str]:
@@ -159,12 +184,24 @@ class BenchResult:
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> BenchResult:
         per_prompt = ("output_digests", "completion_by_prompt", "verify_by_prompt", "latency_by_prompt")
-        levels = tuple(LevelResult(**(lvl | {k: tuple(lvl.get(k, ())) for k in per_prompt}
-                                      | {"output_ids_by_prompt": tuple(tuple(ids) for ids in
-                                                                       lvl.get("output_ids_by_prompt", ()))}))
-                       for lvl in doc["levels"])
-        return cls(doc["base_url"], doc["speculative"], BenchSettings(**doc["settings"]), doc["prompts_digest"],
-                   dict(doc["server_settings"]), levels)
+        levels = tuple(
+            LevelResult(
+                **(
+                    lvl
+                    | {k: tuple(lvl.get(k, ())) for k in per_prompt}
+                    | {"output_ids_by_prompt": tuple(tuple(ids) for ids in lvl.get("output_ids_by_prompt", ()))}
+                )
+            )
+            for lvl in doc["levels"]
+        )
+        return cls(
+            doc["base_url"],
+            doc["speculative"],
+            BenchSettings(**doc["settings"]),
+            doc["prompts_digest"],
+            dict(doc["server_settings"]),
+            levels,
+        )
 
 
 # ---------------------------------------------------------------- arithmetic (pure, golden-tested)
@@ -176,25 +213,37 @@ def nearest_rank(values: Sequence[float], q: float) -> float:
     return ordered[max(math.ceil(q * len(ordered)) - 1, 0)]
 
 
-def summarize_level(concurrency: int, samples: Sequence[RequestSample], duration_s: float,
-                    speculative: bool, server_accept_length: float | None = None) -> LevelResult:
+def summarize_level(
+    concurrency: int,
+    samples: Sequence[RequestSample],
+    duration_s: float,
+    speculative: bool,
+    server_accept_length: float | None = None,
+) -> LevelResult:
     """Per-level metrics from checked samples; acceptance length = sum completion / sum verify steps."""
     completion = sum(s.completion_tokens for s in samples)
     verify_ct = sum(s.spec_verify_ct or 0 for s in samples) if speculative else None
     ordered = sorted(samples, key=lambda s: s.prompt_index)
     return LevelResult(
-        concurrency=concurrency, num_requests=len(samples), duration_s=duration_s, completion_tokens=completion,
-        output_tok_per_s=completion / duration_s, median_latency_s=nearest_rank([s.latency_s for s in samples], 0.5),
+        concurrency=concurrency,
+        num_requests=len(samples),
+        duration_s=duration_s,
+        completion_tokens=completion,
+        output_tok_per_s=completion / duration_s,
+        median_latency_s=nearest_rank([s.latency_s for s in samples], 0.5),
         p90_latency_s=nearest_rank([s.latency_s for s in samples], 0.9),
         median_ttft_s=nearest_rank([s.ttft_s for s in samples], 0.5),
         median_tpot_ms=1000 * nearest_rank([s.tpot_s for s in samples], 0.5),
-        cached_tokens=sum(s.cached_tokens for s in samples), spec_verify_ct=verify_ct,
-        accept_length=completion / verify_ct if verify_ct else None, server_accept_length=server_accept_length,
+        cached_tokens=sum(s.cached_tokens for s in samples),
+        spec_verify_ct=verify_ct,
+        accept_length=completion / verify_ct if verify_ct else None,
+        server_accept_length=server_accept_length,
         output_digests=tuple(s.output_digest for s in ordered),
         completion_by_prompt=tuple(s.completion_tokens for s in ordered),
         verify_by_prompt=tuple(s.spec_verify_ct or 0 for s in ordered),
         latency_by_prompt=tuple(s.latency_s for s in ordered),
-        output_ids_by_prompt=tuple(s.output_ids for s in ordered))
+        output_ids_by_prompt=tuple(s.output_ids for s in ordered),
+    )
 
 
 # ---------------------------------------------------------------- one request
@@ -203,12 +252,16 @@ def summarize_level(concurrency: int, samples: Sequence[RequestSample], duration
 def bench_request_body(prompt: Prompt, rid: str, max_new_tokens: int, ignore_eos: bool = True) -> dict[str, Any]:
     """A streamed greedy /generate body: exactly ``max_new_tokens`` tokens, or up to them with ``ignore_eos`` off."""
     body: dict[str, Any] = {"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
-    return body | {"rid": rid, "stream": True,
-                   "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": ignore_eos}}
+    return body | {
+        "rid": rid,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": ignore_eos},
+    }
 
 
-def check_bench_answer(final: Any, *, rid: str, max_new_tokens: int, speculative: bool,
-                       ignore_eos: bool = True) -> dict[str, Any]:
+def check_bench_answer(
+    final: Any, *, rid: str, max_new_tokens: int, speculative: bool, ignore_eos: bool = True
+) -> dict[str, Any]:
     """The last streamed chunk's checked meta_info; ResponseCheckError names the failed check."""
     if final is None:
         raise ResponseCheckError("stream", "the stream ended without a data chunk")
@@ -217,12 +270,18 @@ def check_bench_answer(final: Any, *, rid: str, max_new_tokens: int, speculative
     if not ignore_eos and isinstance(got, int) and 1 <= got <= max_new_tokens:
         pass  # stopped at end of turn, or at the cap
     elif got != max_new_tokens:
-        raise ResponseCheckError("completion_tokens", f"{got} tokens for max_new_tokens {max_new_tokens} with "
-                                 "ignore_eos: the server stopped early or ignored the sampling params")
+        raise ResponseCheckError(
+            "completion_tokens",
+            f"{got} tokens for max_new_tokens {max_new_tokens} with "
+            "ignore_eos: the server stopped early or ignored the sampling params",
+        )
     ids = final.get("output_ids")
     if not isinstance(ids, list) or len(ids) != got:
-        raise ResponseCheckError("output_ids", f"{len(ids) if isinstance(ids, list) else 'no'} output ids for {got} "
-                                 "tokens (incremental streaming output is not supported)")
+        raise ResponseCheckError(
+            "output_ids",
+            f"{len(ids) if isinstance(ids, list) else 'no'} output ids for {got} "
+            "tokens (incremental streaming output is not supported)",
+        )
     verify_ct = meta.get("spec_verify_ct")
     if speculative and not (isinstance(verify_ct, int) and verify_ct > 0):
         raise ResponseCheckError("spec_verify_ct", f"spec_verify_ct is {verify_ct!r}: the draft did not run")
@@ -239,44 +298,62 @@ async def _stream_generate(client: httpx.AsyncClient, body: dict[str, Any]) -> t
             text = (await resp.aread()).decode(errors="replace")[:300]
             raise ResponseCheckError("http_status", f"HTTP {resp.status_code}: {text}")
         async for line in resp.aiter_lines():
-            payload = line[len("data:"):].strip() if line.startswith("data:") else None
+            payload = line[len("data:") :].strip() if line.startswith("data:") else None
             if payload is None or payload == "[DONE]":
                 continue
             chunk = json.loads(payload)
             if not isinstance(chunk, dict) or "error" in chunk:
-                raise ResponseCheckError("stream_error", str(chunk.get("error") if isinstance(chunk, dict)
-                                                             else chunk)[:300])
+                raise ResponseCheckError(
+                    "stream_error", str(chunk.get("error") if isinstance(chunk, dict) else chunk)[:300]
+                )
             if first_at is None and (chunk.get("output_ids") or chunk.get("text")):
                 first_at = clock()
             last = chunk
     return last, first_at
 
 
-async def measure_request(client: httpx.AsyncClient, prompt: Prompt, index: int, *, max_new_tokens: int,
-                          speculative: bool, label: str, ignore_eos: bool = True) -> RequestSample:
+async def measure_request(
+    client: httpx.AsyncClient,
+    prompt: Prompt,
+    index: int,
+    *,
+    max_new_tokens: int,
+    speculative: bool,
+    label: str,
+    ignore_eos: bool = True,
+) -> RequestSample:
     """Send one prompt, check the answer, time it; BenchmarkError names the request and the check."""
     rid = f"bench-{label}-{index}-{uuid.uuid4().hex[:8]}"
     t0 = clock()
     try:
         final, first_at = await _stream_generate(client, bench_request_body(prompt, rid, max_new_tokens, ignore_eos))
-        meta = check_bench_answer(final, rid=rid, max_new_tokens=max_new_tokens, speculative=speculative,
-                                  ignore_eos=ignore_eos)
+        meta = check_bench_answer(
+            final, rid=rid, max_new_tokens=max_new_tokens, speculative=speculative, ignore_eos=ignore_eos
+        )
     except ResponseCheckError as exc:
         raise BenchmarkError(f"{client.base_url} request {rid} (prompt {index}): {exc}") from exc
     except (httpx.HTTPError, ValueError) as exc:
         raise BenchmarkError(f"{client.base_url} request {rid} (prompt {index}): {type(exc).__name__}: {exc}") from exc
     end = clock()
     digest = output_digest(final["output_ids"])
-    return RequestSample(index, end - t0, (first_at or end) - t0, meta["completion_tokens"],
-                         int(meta.get("cached_tokens") or 0), meta.get("spec_verify_ct"), digest,
-                         tuple(int(i) for i in final["output_ids"]))
+    return RequestSample(
+        index,
+        end - t0,
+        (first_at or end) - t0,
+        meta["completion_tokens"],
+        int(meta.get("cached_tokens") or 0),
+        meta.get("spec_verify_ct"),
+        digest,
+        tuple(int(i) for i in final["output_ids"]),
+    )
 
 
 # ---------------------------------------------------------------- levels and runs
 
 
-async def run_requests(client: httpx.AsyncClient, prompts: Sequence[Prompt], concurrency: int,
-                       measure: Callable[..., Any]) -> tuple[list[RequestSample], float]:
+async def run_requests(
+    client: httpx.AsyncClient, prompts: Sequence[Prompt], concurrency: int, measure: Callable[..., Any]
+) -> tuple[list[RequestSample], float]:
     """Keep ``concurrency`` requests in flight until every prompt is answered; (samples, wall seconds)."""
     pending = list(enumerate(prompts))
     samples: list[RequestSample] = []
@@ -302,8 +379,10 @@ async def flush_cache(client: httpx.AsyncClient) -> None:
     """POST /flush_cache; SGLang refuses (400) while requests run, so a failure means the server was not idle."""
     resp = await client.post("/flush_cache")
     if resp.status_code != 200:
-        raise BenchmarkError(f"{client.base_url} POST /flush_cache answered {resp.status_code}: {resp.text[:200]} "
-                             "(the next level would start with a warm prefix cache)")
+        raise BenchmarkError(
+            f"{client.base_url} POST /flush_cache answered {resp.status_code}: {resp.text[:200]} "
+            "(the next level would start with a warm prefix cache)"
+        )
 
 
 async def server_settings(client: httpx.AsyncClient) -> dict[str, Any]:
@@ -335,16 +414,31 @@ class _Counter:
             self.progress(self.done, self.total, {"concurrency": level})
 
 
-async def run_level(client: httpx.AsyncClient, prompts: Sequence[Prompt], warmup: Sequence[Prompt],
-                    concurrency: int, settings: BenchSettings, speculative: bool, counter: _Counter) -> LevelResult:
+async def run_level(
+    client: httpx.AsyncClient,
+    prompts: Sequence[Prompt],
+    warmup: Sequence[Prompt],
+    concurrency: int,
+    settings: BenchSettings,
+    speculative: bool,
+    counter: _Counter,
+) -> LevelResult:
     """Warmup at this concurrency, flush the cache, then measure every prompt."""
 
     def measure(label: str) -> Callable[..., Any]:
         async def one(client: httpx.AsyncClient, prompt: Prompt, index: int) -> RequestSample:
-            sample = await measure_request(client, prompt, index, max_new_tokens=settings.max_new_tokens,
-                                           speculative=speculative, label=label, ignore_eos=settings.ignore_eos)
+            sample = await measure_request(
+                client,
+                prompt,
+                index,
+                max_new_tokens=settings.max_new_tokens,
+                speculative=speculative,
+                label=label,
+                ignore_eos=settings.ignore_eos,
+            )
             counter.tick(concurrency)
             return sample
+
         return one
 
     if warmup:
@@ -355,27 +449,47 @@ async def run_level(client: httpx.AsyncClient, prompts: Sequence[Prompt], warmup
     return summarize_level(concurrency, samples, duration_s, speculative, server_accept)
 
 
-async def run_benchmark_async(base_url: str, prompts: Sequence[Prompt], settings: BenchSettings, *,
-                              speculative: bool, api_key: str | None = None,
-                              progress: ProgressFn | None = None) -> BenchResult:
+async def run_benchmark_async(
+    base_url: str,
+    prompts: Sequence[Prompt],
+    settings: BenchSettings,
+    *,
+    speculative: bool,
+    api_key: str | None = None,
+    progress: ProgressFn | None = None,
+) -> BenchResult:
     """Every level in order against one server (already ready); see the module doc."""
     if len(prompts) != settings.num_prompts:
         raise ValueError(f"{len(prompts)} prompts given, settings say num_prompts {settings.num_prompts}")
-    warmup: Sequence[Prompt] = fixed_prompts(settings.num_prompts + settings.num_warmup)[settings.num_prompts:]
+    warmup: Sequence[Prompt] = fixed_prompts(settings.num_prompts + settings.num_warmup)[settings.num_prompts :]
     if prompts and not isinstance(prompts[0], str):  # token ids: every prompt is a list
         warmup = [list(cast("list[int]", prompts[i % len(prompts)]))[::-1] for i in range(settings.num_warmup)]
     counter = _Counter(len(settings.concurrency_levels) * (settings.num_prompts + settings.num_warmup), progress)
     limits = httpx.Limits(max_connections=max(settings.concurrency_levels) + 2)
-    async with httpx.AsyncClient(base_url=base_url, headers=auth_headers(api_key), limits=limits,
-                                 timeout=httpx.Timeout(settings.request_timeout_s)) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url,
+        headers=auth_headers(api_key),
+        limits=limits,
+        timeout=httpx.Timeout(settings.request_timeout_s),
+    ) as client:
         found = await server_settings(client)
-        levels = [await run_level(client, prompts, warmup, level, settings, speculative, counter)
-                  for level in settings.concurrency_levels]
+        levels = [
+            await run_level(client, prompts, warmup, level, settings, speculative, counter)
+            for level in settings.concurrency_levels
+        ]
     return BenchResult(base_url, speculative, settings, prompts_digest(prompts), found, tuple(levels))
 
 
-def run_benchmark(base_url: str, prompts: Sequence[Prompt], settings: BenchSettings, *, speculative: bool,
-                  api_key: str | None = None, progress: ProgressFn | None = None) -> BenchResult:
+def run_benchmark(
+    base_url: str,
+    prompts: Sequence[Prompt],
+    settings: BenchSettings,
+    *,
+    speculative: bool,
+    api_key: str | None = None,
+    progress: ProgressFn | None = None,
+) -> BenchResult:
     """Synchronous wrapper of ``run_benchmark_async`` (its own event loop)."""
-    return asyncio.run(run_benchmark_async(base_url, prompts, settings, speculative=speculative, api_key=api_key,
-                                           progress=progress))
+    return asyncio.run(
+        run_benchmark_async(base_url, prompts, settings, speculative=speculative, api_key=api_key, progress=progress)
+    )

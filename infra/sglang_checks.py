@@ -31,9 +31,14 @@ def capture_request_body(input_ids: Sequence[int], rid: str, *, top_logprobs_num
     max_new_tokens 1 (0 would switch SGLang to prefill-only mode); a fresh extra_key so even a
     server with the radix cache on recomputes every token; prompt ids echoed for the join check.
     """
-    body: dict[str, Any] = {"input_ids": list(input_ids), "rid": rid, "extra_key": uuid.uuid4().hex,
-                            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                            "return_hidden_states": True, "return_prompt_token_ids": True}
+    body: dict[str, Any] = {
+        "input_ids": list(input_ids),
+        "rid": rid,
+        "extra_key": uuid.uuid4().hex,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_hidden_states": True,
+        "return_prompt_token_ids": True,
+    }
     if top_logprobs_num:
         body |= {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": top_logprobs_num}
     return body
@@ -41,8 +46,11 @@ def capture_request_body(input_ids: Sequence[int], rid: str, *, top_logprobs_num
 
 def generation_smoke_body(rid: str) -> dict[str, Any]:
     """A greedy /generate body for a serving server's smoke test."""
-    return {"input_ids": list(SMOKE_INPUT_IDS), "rid": rid,
-            "sampling_params": {"max_new_tokens": SMOKE_NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+    return {
+        "input_ids": list(SMOKE_INPUT_IDS),
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": SMOKE_NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+    }
 
 
 class ResponseCheckError(ValueError):
@@ -61,8 +69,11 @@ def _expect(ok: bool, check: str, detail: str) -> None:
 
 def response_meta(body: Any, rid: str) -> dict[str, Any]:
     """meta_info of a single-request response, after checking it echoes ``rid``."""
-    _expect(isinstance(body, dict) and isinstance(body.get("meta_info"), dict), "shape",
-            f"expected an object with meta_info, got {type(body).__name__}")
+    _expect(
+        isinstance(body, dict) and isinstance(body.get("meta_info"), dict),
+        "shape",
+        f"expected an object with meta_info, got {type(body).__name__}",
+    )
     meta = body["meta_info"]
     _expect(meta.get("id") == rid, "id", f"meta_info.id is {meta.get('id')!r}, the request's rid was {rid!r}")
     return meta
@@ -72,26 +83,41 @@ def check_capture_response(body: Any, *, rid: str, input_ids: Sequence[int], wid
     """Validate a capture response and return its prefill block as float32 [T, width]; raise on any doubt."""
     meta = response_meta(body, rid)
     num_tokens = len(input_ids)
-    _expect(meta.get("prompt_tokens") == num_tokens, "prompt_tokens",
-            f"server counted {meta.get('prompt_tokens')} prompt tokens, we sent {num_tokens}")
-    _expect(meta.get("cached_tokens") == 0, "cached_tokens",
-            f"{meta.get('cached_tokens')} tokens came from the prefix cache, so their rows were not computed")
+    _expect(
+        meta.get("prompt_tokens") == num_tokens,
+        "prompt_tokens",
+        f"server counted {meta.get('prompt_tokens')} prompt tokens, we sent {num_tokens}",
+    )
+    _expect(
+        meta.get("cached_tokens") == 0,
+        "cached_tokens",
+        f"{meta.get('cached_tokens')} tokens came from the prefix cache, so their rows were not computed",
+    )
     echoed = body.get("prompt_token_ids")
-    _expect(echoed == list(input_ids), "prompt_token_ids",
-            "the server's echo of the prompt differs from the ids we sent" if echoed is not None
-            else "no prompt_token_ids in the response (return_prompt_token_ids ignored?)")
+    _expect(
+        echoed == list(input_ids),
+        "prompt_token_ids",
+        "the server's echo of the prompt differs from the ids we sent"
+        if echoed is not None
+        else "no prompt_token_ids in the response (return_prompt_token_ids ignored?)",
+    )
     return _prefill_block(meta, num_tokens, width)
 
 
 def _prefill_block(meta: dict[str, Any], num_tokens: int, width: int) -> np.ndarray:
     hidden = meta.get("hidden_states")
     if not (isinstance(hidden, list) and len(hidden) == 1):
-        raise ResponseCheckError("hidden_states", "expected exactly [prefill block] for max_new_tokens 1, got "
-                                 + (f"{len(hidden)} chunks" if isinstance(hidden, list)
-                                    else repr(type(hidden).__name__)))
+        raise ResponseCheckError(
+            "hidden_states",
+            "expected exactly [prefill block] for max_new_tokens 1, got "
+            + (f"{len(hidden)} chunks" if isinstance(hidden, list) else repr(type(hidden).__name__)),
+        )
     block = hidden[0]
-    _expect(isinstance(block, list) and len(block) == num_tokens, "rows",
-            f"prefill block has {len(block) if isinstance(block, list) else 'no'} rows for {num_tokens} tokens")
+    _expect(
+        isinstance(block, list) and len(block) == num_tokens,
+        "rows",
+        f"prefill block has {len(block) if isinstance(block, list) else 'no'} rows for {num_tokens} tokens",
+    )
     bad = next((i for i, row in enumerate(block) if not isinstance(row, list) or len(row) != width), None)
     if bad is not None:
         got = len(block[bad]) if isinstance(block[bad], list) else "no"
@@ -111,15 +137,20 @@ def check_generation_response(body: Any, rid: str, *, speculative: bool, vocab_s
     server must show its draft ran); returns what was seen."""
     meta = response_meta(body, rid)
     ids = body.get("output_ids")
-    _expect(meta.get("completion_tokens") == SMOKE_NEW_TOKENS and isinstance(ids, list)
-            and len(ids) == SMOKE_NEW_TOKENS, "completion_tokens",
-            f"asked for {SMOKE_NEW_TOKENS} tokens with ignore_eos, got {meta.get('completion_tokens')}")
+    _expect(
+        meta.get("completion_tokens") == SMOKE_NEW_TOKENS and isinstance(ids, list) and len(ids) == SMOKE_NEW_TOKENS,
+        "completion_tokens",
+        f"asked for {SMOKE_NEW_TOKENS} tokens with ignore_eos, got {meta.get('completion_tokens')}",
+    )
     upper = vocab_size or 2**31
     _expect(all(isinstance(i, int) and 0 <= i < upper for i in ids), "output_ids", f"ids outside [0, {upper})")
     # One token repeated 16 times from a greedy real model means broken weights or a broken kernel.
     _expect(len(set(ids)) > 1, "output_ids", f"all {len(ids)} generated ids are {ids[0]}")
     if speculative:
-        _expect((meta.get("spec_verify_ct") or 0) > 0 and (meta.get("spec_accept_length") or 0) >= 1,
-                "speculative", f"spec_verify_ct {meta.get('spec_verify_ct')}, "
-                f"spec_accept_length {meta.get('spec_accept_length')}: the draft did not run")
+        _expect(
+            (meta.get("spec_verify_ct") or 0) > 0 and (meta.get("spec_accept_length") or 0) >= 1,
+            "speculative",
+            f"spec_verify_ct {meta.get('spec_verify_ct')}, "
+            f"spec_accept_length {meta.get('spec_accept_length')}: the draft did not run",
+        )
     return f"greedy generation of {len(ids)} tokens"

@@ -53,47 +53,75 @@ def compare(baseline: BenchResult, speculative: BenchResult) -> list[LevelCompar
     if problems:
         raise MeasurementError("baseline and speculative runs are not comparable:\n  " + "\n  ".join(problems))
     rows = [_compare_level(b, s) for b, s in zip(baseline.levels, speculative.levels, strict=True)]
-    impossible = [f"concurrency {r.concurrency}: speedup {r.speedup:.3f} > acceptance length {r.accept_length:.3f}"
-                  for r in rows if r.speedup > r.accept_length]
+    impossible = [
+        f"concurrency {r.concurrency}: speedup {r.speedup:.3f} > acceptance length {r.accept_length:.3f}"
+        for r in rows
+        if r.speedup > r.accept_length
+    ]
     if impossible:
         raise MeasurementError(
             "speedup above the acceptance length, which no speculative server can reach (each verify step "
             "costs at least one target forward); one run measured something else (a busy GPU during the "
-            "baseline, cache hits, other settings):\n  " + "\n  ".join(impossible))
+            "baseline, cache hits, other settings):\n  " + "\n  ".join(impossible)
+        )
     return rows
 
 
 def _compare_level(b: LevelResult, s: LevelResult) -> LevelComparison:
     assert s.accept_length is not None, "a speculative level always has an acceptance length"
     identical = sum(x == y for x, y in zip(b.output_digests, s.output_digests))
-    return LevelComparison(b.concurrency, b.output_tok_per_s, s.output_tok_per_s,
-                           s.output_tok_per_s / b.output_tok_per_s, s.accept_length, s.server_accept_length,
-                           b.median_tpot_ms, s.median_tpot_ms, b.p90_latency_s, s.p90_latency_s, identical,
-                           b.num_requests)
+    return LevelComparison(
+        b.concurrency,
+        b.output_tok_per_s,
+        s.output_tok_per_s,
+        s.output_tok_per_s / b.output_tok_per_s,
+        s.accept_length,
+        s.server_accept_length,
+        b.median_tpot_ms,
+        s.median_tpot_ms,
+        b.p90_latency_s,
+        s.p90_latency_s,
+        identical,
+        b.num_requests,
+    )
 
 
-def render_report(rows: Sequence[LevelComparison], baseline: BenchResult, speculative: BenchResult,
-                  context: dict[str, str], drafter: str = "EAGLE-3") -> str:
+def render_report(
+    rows: Sequence[LevelComparison],
+    baseline: BenchResult,
+    speculative: BenchResult,
+    context: dict[str, str],
+    drafter: str = "EAGLE-3",
+) -> str:
     """Markdown: setup lines, one table row per level, and the metric definitions (``drafter``: the family served)."""
     st = baseline.settings
     lines = [f"# {drafter} deploy benchmark", ""] + [f"* {k}: `{v}`" for k, v in context.items()]
-    lines += [f"* SGLang version (server): `{speculative.server_settings.get('version')}`",
-              f"* prompts: {st.num_prompts} (digest `{baseline.prompts_digest}`), temperature 0, "
-              f"max_new_tokens {st.max_new_tokens} " + ("with ignore_eos" if st.ignore_eos else "or end of turn") +
-              f", {st.num_warmup} warmup requests then /flush_cache before each level", "",
-              f"| concurrency | baseline tok/s | {drafter} tok/s | speedup | accept length (server) | "
-              "TPOT ms base / spec | p90 latency s base / spec | identical outputs |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        f"* SGLang version (server): `{speculative.server_settings.get('version')}`",
+        f"* prompts: {st.num_prompts} (digest `{baseline.prompts_digest}`), temperature 0, "
+        f"max_new_tokens {st.max_new_tokens} "
+        + ("with ignore_eos" if st.ignore_eos else "or end of turn")
+        + f", {st.num_warmup} warmup requests then /flush_cache before each level",
+        "",
+        f"| concurrency | baseline tok/s | {drafter} tok/s | speedup | accept length (server) | "
+        "TPOT ms base / spec | p90 latency s base / spec | identical outputs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         server = f" ({r.server_accept_length:.2f})" if r.server_accept_length is not None else ""
-        lines.append(f"| {r.concurrency} | {r.baseline_tok_per_s:,.1f} | {r.speculative_tok_per_s:,.1f} | "
-                     f"{r.speedup:.2f}x | {r.accept_length:.2f}{server} | {r.baseline_tpot_ms:.2f} / "
-                     f"{r.speculative_tpot_ms:.2f} | {r.baseline_p90_latency_s:.3f} / "
-                     f"{r.speculative_p90_latency_s:.3f} | {r.identical_outputs}/{r.num_requests} |")
-    lines += ["", f"speedup = {drafter} output tok/s / baseline output tok/s; accept length = sum completion_tokens / "
-              "sum spec_verify_ct (bonus token included; in brackets SGLang's avg_spec_accept_length since the "
-              "flush); checked: speedup <= accept length at every level. Identical outputs: greedy outputs equal "
-              "to the baseline's (numerics of batched kernels may legitimately differ)."]
+        lines.append(
+            f"| {r.concurrency} | {r.baseline_tok_per_s:,.1f} | {r.speculative_tok_per_s:,.1f} | "
+            f"{r.speedup:.2f}x | {r.accept_length:.2f}{server} | {r.baseline_tpot_ms:.2f} / "
+            f"{r.speculative_tpot_ms:.2f} | {r.baseline_p90_latency_s:.3f} / "
+            f"{r.speculative_p90_latency_s:.3f} | {r.identical_outputs}/{r.num_requests} |"
+        )
+    lines += [
+        "",
+        f"speedup = {drafter} output tok/s / baseline output tok/s; accept length = sum completion_tokens / "
+        "sum spec_verify_ct (bonus token included; in brackets SGLang's avg_spec_accept_length since the "
+        "flush); checked: speedup <= accept length at every level. Identical outputs: greedy outputs equal "
+        "to the baseline's (numerics of batched kernels may legitimately differ).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -124,9 +152,11 @@ def compare_groups(baseline: BenchResult, speculative: BenchResult, groups: Sequ
     rows = []
     for b, s in zip(baseline.levels, speculative.levels, strict=True):
         if len(b.completion_by_prompt) != len(groups) or len(s.completion_by_prompt) != len(groups):
-            raise MeasurementError(f"concurrency {b.concurrency}: per-prompt figures for "
-                                   f"{len(b.completion_by_prompt)}/{len(s.completion_by_prompt)} prompts, "
-                                   f"{len(groups)} prompt groups")
+            raise MeasurementError(
+                f"concurrency {b.concurrency}: per-prompt figures for "
+                f"{len(b.completion_by_prompt)}/{len(s.completion_by_prompt)} prompts, "
+                f"{len(groups)} prompt groups"
+            )
         rows += [_group_row(b, s, name, idx) for name, idx in group_indices(groups)]
     return rows
 
@@ -137,15 +167,28 @@ def _group_row(b: LevelResult, s: LevelResult, name: str, idx: Sequence[int]) ->
 
     verify = sum(s.verify_by_prompt[i] for i in idx)
     identical = sum(b.output_digests[i] == s.output_digests[i] for i in idx)
-    return GroupComparison(b.concurrency, name, len(idx), rate(b), rate(s), rate(s) / rate(b),
-                           sum(s.completion_by_prompt[i] for i in idx) / verify if verify else float("nan"), identical)
+    return GroupComparison(
+        b.concurrency,
+        name,
+        len(idx),
+        rate(b),
+        rate(s),
+        rate(s) / rate(b),
+        sum(s.completion_by_prompt[i] for i in idx) / verify if verify else float("nan"),
+        identical,
+    )
 
 
 def render_group_table(rows: Sequence[GroupComparison], drafter: str = "EAGLE-3") -> str:
     """Markdown table: per concurrency and dataset, accept length, per-request tok/s, speedup, identical outputs."""
-    lines = [f"| concurrency | dataset | prompts | accept length | baseline tok/s per request | {drafter} tok/s per "
-             "request | speedup | identical to baseline |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r.concurrency} | {r.group} | {r.num_requests} | {r.accept_length:.3f} | {r.baseline_tok_per_s:,.1f} "
-              f"| {r.speculative_tok_per_s:,.1f} | {r.speedup:.2f}x | {r.identical_outputs}/{r.num_requests} |"
-              for r in rows]
+    lines = [
+        f"| concurrency | dataset | prompts | accept length | baseline tok/s per request | {drafter} tok/s per "
+        "request | speedup | identical to baseline |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r.concurrency} | {r.group} | {r.num_requests} | {r.accept_length:.3f} | {r.baseline_tok_per_s:,.1f} "
+        f"| {r.speculative_tok_per_s:,.1f} | {r.speedup:.2f}x | {r.identical_outputs}/{r.num_requests} |"
+        for r in rows
+    ]
     return "\n".join(lines) + "\n"

@@ -52,8 +52,14 @@ class ProbeExpectations:
     versions: tuple[str, ...] | None = SGLANG_VERSIONS  # releases this code's flags and JSON are checked against
 
 
-def probe_ready(spec: ServerSpec, expect: ProbeExpectations, *, timeout_s: float,
-                is_alive: Callable[[], bool] = lambda: True, poll_s: float = 1.0) -> ReadyReport:
+def probe_ready(
+    spec: ServerSpec,
+    expect: ProbeExpectations,
+    *,
+    timeout_s: float,
+    is_alive: Callable[[], bool] = lambda: True,
+    poll_s: float = 1.0,
+) -> ReadyReport:
     """model_info, then health_generate, then server_info, then our own checked forward (SGLang's http_server.py)."""
     if spec.mode in CAPTURE_MODES and expect.hidden_size is None:
         raise ServerSpecError("a capture server's readiness needs hidden_size to check the smoke rows")
@@ -69,8 +75,9 @@ def probe_ready(spec: ServerSpec, expect: ProbeExpectations, *, timeout_s: float
     return ReadyReport(spec.base_url, info, server_info.get("version"), smoke, time.monotonic() - t0)
 
 
-def _poll(client: httpx.Client, path: str, deadline: float, is_alive: Callable[[], bool],
-          poll_s: float) -> httpx.Response:
+def _poll(
+    client: httpx.Client, path: str, deadline: float, is_alive: Callable[[], bool], poll_s: float
+) -> httpx.Response:
     """GET until 200; connection errors and 503 mean "not yet", 401/404 mean "never"."""
     last = "no answer"
     while time.monotonic() < deadline:
@@ -84,8 +91,10 @@ def _poll(client: httpx.Client, path: str, deadline: float, is_alive: Callable[[
             if resp.status_code == 200:
                 return resp
             if resp.status_code in (401, 403, 404):
-                raise ServerCheckError(f"GET {path} answered {resp.status_code}: {resp.text[:200]} "
-                                       "(wrong API key, or not an SGLang server?)")
+                raise ServerCheckError(
+                    f"GET {path} answered {resp.status_code}: {resp.text[:200]} "
+                    "(wrong API key, or not an SGLang server?)"
+                )
             last = f"HTTP {resp.status_code}"
         time.sleep(poll_s)
     raise TimeoutError(f"GET {path} did not answer 200 before the startup deadline (last: {last})")
@@ -93,17 +102,23 @@ def _poll(client: httpx.Client, path: str, deadline: float, is_alive: Callable[[
 
 def _check_model_info(info: dict[str, Any], spec: ServerSpec, expect: ProbeExpectations) -> None:
     if info.get("model_path") != spec.model_path:
-        raise ServerCheckError(f"/model_info says model_path {info.get('model_path')!r}, expected "
-                               f"{spec.model_path!r}: another server owns port {spec.port}?")
+        raise ServerCheckError(
+            f"/model_info says model_path {info.get('model_path')!r}, expected "
+            f"{spec.model_path!r}: another server owns port {spec.port}?"
+        )
     if expect.architectures is not None and list(info.get("architectures") or []) != list(expect.architectures):
-        raise ServerCheckError(f"/model_info architectures {info.get('architectures')} != "
-                               f"expected {list(expect.architectures)}")
+        raise ServerCheckError(
+            f"/model_info architectures {info.get('architectures')} != expected {list(expect.architectures)}"
+        )
 
 
 def _check_server_info(server_info: dict[str, Any], spec: ServerSpec, expect: ProbeExpectations) -> None:
     missing = object()
-    wrong = [f"{key}: server has {server_info.get(key, 'nothing')!r}, expected {value!r}"
-             for key, value in spec.expected_server_info().items() if server_info.get(key, missing) != value]
+    wrong = [
+        f"{key}: server has {server_info.get(key, 'nothing')!r}, expected {value!r}"
+        for key, value in spec.expected_server_info().items()
+        if server_info.get(key, missing) != value
+    ]
     version = str(server_info.get("version"))
     if expect.versions and not any(version == v or version.startswith(v + ".") for v in expect.versions):
         wrong.append(f"version: server runs {version!r}, this code speaks SGLang {', '.join(expect.versions)}")

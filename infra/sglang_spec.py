@@ -36,8 +36,9 @@ SGLANG_VERSION = SGLANG_VERSIONS[-1]
 # Modes a release's parser cannot take, with the reason; every other (version, mode) pair must parse.
 # 0.5.16 has neither --enable-return-aux-hidden-states nor --return-aux-hidden-state-layer-ids.
 MODE_GAPS: dict[str, dict[str, str]] = {
-    "0.5.16": {"capture_aux": "needs SGLang >= 0.5.23's --enable-return-aux-hidden-states "
-                              "(0.5.16's parser has no such flag)"},
+    "0.5.16": {
+        "capture_aux": "needs SGLang >= 0.5.23's --enable-return-aux-hidden-states (0.5.16's parser has no such flag)"
+    },
 }
 LAUNCH_MODULE = "sglang.launch_server"
 Mode = Literal["capture_packed", "capture_aux", "capture_final", "serve", "speculative", "dflash"]
@@ -58,10 +59,12 @@ CAPTURE_COMMON_ARGS = ("--chunked-prefill-size", "-1", "--disable-radix-cache", 
 # Serving limits a baseline and its speculative twin must share; SGLang's flags and ServerArgs fields by these names.
 SERVING_FIELDS = ("max_running_requests", "cuda_graph_max_bs_decode", "attention_backend")
 # Flags a caller must not pass in extra_args: the probe depends on the warmup forward.
-FORBIDDEN_EXTRA = {"--skip-server-warmup": "readiness relies on SGLang's warmup forward; drop it",
-                   "--api-key": "the key would be readable by every local user in the process list; set api_key "
-                                "(it travels in a 0600 --config file)",
-                   "--config": "the launch passes its own --config (the API key file) and SGLang reads only one"}
+FORBIDDEN_EXTRA = {
+    "--skip-server-warmup": "readiness relies on SGLang's warmup forward; drop it",
+    "--api-key": "the key would be readable by every local user in the process list; set api_key "
+    "(it travels in a 0600 --config file)",
+    "--config": "the launch passes its own --config (the API key file) and SGLang reads only one",
+}
 
 
 class ServerSpecError(ValueError):
@@ -115,8 +118,10 @@ class ServerSpec:
     def launch_args(self, key_file: str | None = None) -> list[str]:
         """The flags SGLang's parser sees (everything after the module name); ``key_file`` holds ``key_file_text``."""
         if self.api_key and not key_file:
-            raise ServerSpecError("the API key goes in a --config file, never on the command line: pass key_file "
-                                  "(ManagedServer writes it)")
+            raise ServerSpecError(
+                "the API key goes in a --config file, never on the command line: pass key_file "
+                "(ManagedServer writes it)"
+            )
         key_args = ["--config", str(key_file)] if self.api_key else []
         return [*self._core_args(), *key_args, *_mode_args(self), *self.extra_args]
 
@@ -127,8 +132,18 @@ class ServerSpec:
         return f"api-key: {json.dumps(self.api_key)}\n"
 
     def _core_args(self) -> list[str]:
-        args = ["--model-path", self.model_path, "--host", self.host, "--port", str(self.port),
-                "--tp-size", str(self.tp_size), "--dp-size", str(self.dp_size)]
+        args = [
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--tp-size",
+            str(self.tp_size),
+            "--dp-size",
+            str(self.dp_size),
+        ]
         if self.mem_fraction_static is not None:
             args += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.dtype:
@@ -147,8 +162,11 @@ class ServerSpec:
         import infra
 
         root = str(Path(infra.__file__).resolve().parent.parent)
-        return {"SGLANG_EXTERNAL_MODEL_PACKAGE": PLUGIN_PACKAGE,
-                PLUGIN_LAYERS_ENV: ",".join(map(str, self.aux_layer_ids or ())), "PYTHONPATH": root}
+        return {
+            "SGLANG_EXTERNAL_MODEL_PACKAGE": PLUGIN_PACKAGE,
+            PLUGIN_LAYERS_ENV: ",".join(map(str, self.aux_layer_ids or ())),
+            "PYTHONPATH": root,
+        }
 
     @property
     def num_aux(self) -> int:
@@ -168,8 +186,12 @@ class ServerSpec:
 
     def expected_server_info(self) -> dict[str, Any]:
         """Resolved settings /server_info must report (SGLang's resolution applied, e.g. aux resets the algorithm)."""
-        want: dict[str, Any] = {"model_path": self.model_path, "tp_size": self.tp_size, "dp_size": self.dp_size,
-                                "port": self.port}
+        want: dict[str, Any] = {
+            "model_path": self.model_path,
+            "tp_size": self.tp_size,
+            "dp_size": self.dp_size,
+            "port": self.port,
+        }
         if self.mem_fraction_static is not None:
             want["mem_fraction_static"] = self.mem_fraction_static
         for key in SERVING_FIELDS:
@@ -199,13 +221,24 @@ def _mode_args(spec: ServerSpec) -> list[str]:
     if spec.mode == "speculative":
         args = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(spec.draft_model_path)]
         if spec.num_steps is not None:
-            args += ["--speculative-num-steps", str(spec.num_steps), "--speculative-eagle-topk", str(spec.topk),
-                     "--speculative-num-draft-tokens", str(spec.num_draft_tokens)]
+            args += [
+                "--speculative-num-steps",
+                str(spec.num_steps),
+                "--speculative-eagle-topk",
+                str(spec.topk),
+                "--speculative-num-draft-tokens",
+                str(spec.num_draft_tokens),
+            ]
         return args
     if spec.mode == "dflash":
         block = ["--speculative-dflash-block-size", str(spec.block_size)] if spec.block_size is not None else []
-        return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(spec.draft_model_path),
-                *block]
+        return [
+            "--speculative-algorithm",
+            "DFLASH",
+            "--speculative-draft-model-path",
+            str(spec.draft_model_path),
+            *block,
+        ]
     return []
 
 
@@ -215,8 +248,11 @@ def _mode_expectations(spec: ServerSpec) -> dict[str, Any]:
         return capture | {"enable_return_hidden_states": True, "disable_cuda_graph": True}
     capture["return_hidden_states_mode"] = "full"  # capture_aux and capture_final are 0.5.23 modes
     if spec.mode == "capture_aux":
-        want: dict[str, Any] = capture | {"enable_return_aux_hidden_states": True, "aux_hidden_state_capture": "eagle3",
-                                          "speculative_algorithm": None}
+        want: dict[str, Any] = capture | {
+            "enable_return_aux_hidden_states": True,
+            "aux_hidden_state_capture": "eagle3",
+            "speculative_algorithm": None,
+        }
         if spec.aux_layer_ids:
             want["return_aux_hidden_state_layer_ids"] = list(spec.aux_layer_ids)
         return want
@@ -225,12 +261,19 @@ def _mode_expectations(spec: ServerSpec) -> dict[str, Any]:
     if spec.mode == "speculative":
         want = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": spec.draft_model_path}
         if spec.num_steps is not None:
-            want |= {"speculative_num_steps": spec.num_steps, "speculative_eagle_topk": spec.topk,
-                     "speculative_num_draft_tokens": spec.num_draft_tokens}
+            want |= {
+                "speculative_num_steps": spec.num_steps,
+                "speculative_eagle_topk": spec.topk,
+                "speculative_num_draft_tokens": spec.num_draft_tokens,
+            }
         return want
     if spec.mode == "dflash":  # _handle_dflash: one step, top-1, K tokens verified
-        want = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": spec.draft_model_path,
-                "speculative_num_steps": 1, "speculative_eagle_topk": 1}
+        want = {
+            "speculative_algorithm": "DFLASH",
+            "speculative_draft_model_path": spec.draft_model_path,
+            "speculative_num_steps": 1,
+            "speculative_eagle_topk": 1,
+        }
         if spec.block_size is not None:
             want |= {"speculative_dflash_block_size": spec.block_size, "speculative_num_draft_tokens": spec.block_size}
         return want
@@ -249,8 +292,10 @@ def _basic_problems(spec: ServerSpec) -> list[str]:
     if not spec.model_path:
         problems.append("model_path is empty")
     if not is_loopback(spec.host) and not spec.allow_remote:
-        problems.append(f"host {spec.host!r} is not a loopback address, so other machines could reach the server: "
-                        "set allow_remote (the config's allow_remote_host) if that is meant")
+        problems.append(
+            f"host {spec.host!r} is not a loopback address, so other machines could reach the server: "
+            "set allow_remote (the config's allow_remote_host) if that is meant"
+        )
     elif not is_loopback(spec.host) and not spec.api_key:
         problems.append(f"a server reachable from other machines (host {spec.host!r}) needs an API key")
     if not 1 <= spec.port <= 65535:
@@ -280,8 +325,10 @@ def _aux_problems(spec: ServerSpec) -> list[str]:
     if ids is None:
         return ["mode capture_packed needs explicit aux_layer_ids"] if spec.mode == "capture_packed" else []
     if spec.mode not in ("capture_aux", "capture_packed"):
-        return [f"aux_layer_ids only apply to modes capture_aux and capture_packed, not {spec.mode!r} "
-                "(a speculative server takes its capture layers from the draft's config.json eagle_config)"]
+        return [
+            f"aux_layer_ids only apply to modes capture_aux and capture_packed, not {spec.mode!r} "
+            "(a speculative server takes its capture layers from the draft's config.json eagle_config)"
+        ]
     if not ids:
         return ["aux_layer_ids is empty: give at least one id, or None for SGLang's default three layers"]
     problems = []
@@ -303,13 +350,18 @@ def _speculative_problems(spec: ServerSpec) -> list[str]:
         return [f"block_size only applies to mode dflash, not {spec.mode!r}"]
     if spec.mode != "speculative":
         extra = given + (["draft_model_path"] if spec.draft_model_path else [])
-        return [f"{', '.join(extra)} only apply to mode speculative (draft_model_path also to dflash), "
-                f"not {spec.mode!r}"] if extra else []
+        return (
+            [f"{', '.join(extra)} only apply to mode speculative (draft_model_path also to dflash), not {spec.mode!r}"]
+            if extra
+            else []
+        )
     problems = [] if spec.draft_model_path else ["mode speculative needs draft_model_path"]
     if given and len(given) != 3:
         missing = sorted(set(trio) - set(given))
-        problems.append(f"num_steps, topk and num_draft_tokens go together (SGLang rejects a partial set): "
-                        f"missing {', '.join(missing)}")
+        problems.append(
+            f"num_steps, topk and num_draft_tokens go together (SGLang rejects a partial set): "
+            f"missing {', '.join(missing)}"
+        )
     elif given:
         problems += _trio_value_problems(spec)
     return problems
@@ -318,8 +370,10 @@ def _speculative_problems(spec: ServerSpec) -> list[str]:
 def _dflash_problems(spec: ServerSpec, trio_given: list[str]) -> list[str]:
     problems = [] if spec.draft_model_path else ["mode dflash needs draft_model_path"]
     if trio_given:
-        problems.append(f"{', '.join(trio_given)} do not apply to mode dflash: SGLang runs DFLASH with one step, "
-                        "top-1 and block_size tokens verified (set block_size)")
+        problems.append(
+            f"{', '.join(trio_given)} do not apply to mode dflash: SGLang runs DFLASH with one step, "
+            "top-1 and block_size tokens verified (set block_size)"
+        )
     if spec.block_size is not None and spec.block_size < 2:
         problems.append(f"block_size {spec.block_size} must be >= 2 (the anchor and at least one draft)")
     return problems
@@ -330,8 +384,10 @@ def _trio_value_problems(spec: ServerSpec) -> list[str]:
     if min(spec.num_steps, spec.topk, spec.num_draft_tokens) < 1:
         return ["num_steps, topk and num_draft_tokens must be >= 1"]
     if spec.topk == 1 and spec.num_draft_tokens != spec.num_steps + 1:
-        return [f"with topk 1 SGLang forces num_draft_tokens = num_steps + 1 = {spec.num_steps + 1}, "
-                f"not {spec.num_draft_tokens}: set it so, or the server runs something else"]
+        return [
+            f"with topk 1 SGLang forces num_draft_tokens = num_steps + 1 = {spec.num_steps + 1}, "
+            f"not {spec.num_draft_tokens}: set it so, or the server runs something else"
+        ]
     return []
 
 
@@ -348,31 +404,51 @@ def _extra_arg_problems(spec: ServerSpec) -> list[str]:
         for flag in [given] if exact else sorted(k for k in known if k.startswith(given)):
             named = flag if flag == given else f"{given} (argparse reads it as {flag})"
             if flag in managed:
-                problems.append(f"extra_args repeats {named}, which the spec sets itself (argparse would silently "
-                                "keep the last one): set the field instead")
+                problems.append(
+                    f"extra_args repeats {named}, which the spec sets itself (argparse would silently "
+                    "keep the last one): set the field instead"
+                )
             elif flag in FORBIDDEN_EXTRA:
                 problems.append(f"extra_args has {named}: {FORBIDDEN_EXTRA[flag]}")
     return problems
 
 
-def serving_pair(model_path: str, draft_model_path: str, *, port: int, num_steps: int, topk: int,
-                 num_draft_tokens: int, **shared: Any) -> tuple[ServerSpec, ServerSpec]:
+def serving_pair(
+    model_path: str,
+    draft_model_path: str,
+    *,
+    port: int,
+    num_steps: int,
+    topk: int,
+    num_draft_tokens: int,
+    **shared: Any,
+) -> tuple[ServerSpec, ServerSpec]:
     """(baseline, speculative) specs for a benchmark: the same ``shared`` fields, ports ``port`` and ``port + 1``.
 
     Only the ``--speculative-*`` flags (and the port) differ, as a fair comparison needs; the
     EAGLE-3 trio is always explicit, so SGLang's per-architecture defaults never pick it silently.
     """
     baseline = ServerSpec(model_path, "serve", port=port, **shared)
-    speculative = ServerSpec(model_path, "speculative", port=port + 1, draft_model_path=draft_model_path,
-                             num_steps=num_steps, topk=topk, num_draft_tokens=num_draft_tokens, **shared)
+    speculative = ServerSpec(
+        model_path,
+        "speculative",
+        port=port + 1,
+        draft_model_path=draft_model_path,
+        num_steps=num_steps,
+        topk=topk,
+        num_draft_tokens=num_draft_tokens,
+        **shared,
+    )
     return baseline, speculative
 
 
-def dflash_serving_pair(model_path: str, draft_model_path: str, *, port: int, block_size: int,
-                        **shared: Any) -> tuple[ServerSpec, ServerSpec]:
+def dflash_serving_pair(
+    model_path: str, draft_model_path: str, *, port: int, block_size: int, **shared: Any
+) -> tuple[ServerSpec, ServerSpec]:
     """(baseline, DFlash) specs for a benchmark, as ``serving_pair``: the same ``shared`` fields, ports ``port`` and
     ``port + 1``; the block size is always explicit (it must equal the draft's config.json block_size)."""
     baseline = ServerSpec(model_path, "serve", port=port, **shared)
-    dflash = ServerSpec(model_path, "dflash", port=port + 1, draft_model_path=draft_model_path, block_size=block_size,
-                        **shared)
+    dflash = ServerSpec(
+        model_path, "dflash", port=port + 1, draft_model_path=draft_model_path, block_size=block_size, **shared
+    )
     return baseline, dflash

@@ -59,15 +59,25 @@ class TorchrunSpec:
 
     def argv(self) -> list[str]:
         """The command line: standalone rendezvous on one node, c10d rendezvous across nodes."""
-        argv = [self.python, "-m", "torch.distributed.run", f"--nproc-per-node={self.nproc_per_node}",
-                f"--max-restarts={self.max_restarts}"]
+        argv = [
+            self.python,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={self.nproc_per_node}",
+            f"--max-restarts={self.max_restarts}",
+        ]
         if self.nnodes == 1:
             argv.append("--standalone")
         else:
             if not self.rdzv_endpoint:
                 raise ValueError("multi-node torchrun needs rdzv_endpoint (host:port of the rendezvous)")
-            argv += [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}", "--rdzv-backend=c10d",
-                     f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}"]
+            argv += [
+                f"--nnodes={self.nnodes}",
+                f"--node-rank={self.node_rank}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.rdzv_endpoint}",
+                f"--rdzv-id={self.rdzv_id}",
+            ]
         return argv + ["-m", self.module, *self.args]
 
 
@@ -93,16 +103,30 @@ def kill_leftover(pid_file: Path) -> int | None:
     return pid
 
 
-def run_torchrun(spec: TorchrunSpec, log_path: Path, timeout_s: float, on_line: Callable[[str], None] | None = None,
-                 keep: re.Pattern[str] = DEFAULT_KEEP, every_n: int = 200) -> None:
+def run_torchrun(
+    spec: TorchrunSpec,
+    log_path: Path,
+    timeout_s: float,
+    on_line: Callable[[str], None] | None = None,
+    keep: re.Pattern[str] = DEFAULT_KEEP,
+    every_n: int = 200,
+) -> None:
     """Run torchrun to completion; raise TorchrunError on failure or timeout (group killed either way)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     pid_file = log_path.with_suffix(".pid")
     kill_leftover(pid_file)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
     with open(log_path, "a", encoding="utf-8") as log:
-        proc = subprocess.Popen(spec.argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            spec.argv(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         write_pid_file(pid_file, proc.pid)
         timed_out = threading.Event()
 
@@ -122,11 +146,13 @@ def run_torchrun(spec: TorchrunSpec, log_path: Path, timeout_s: float, on_line: 
             timer.cancel()
             pid_file.unlink(missing_ok=True)
     if timed_out.is_set():
-        raise TorchrunError(f"torchrun ran past its limit of {timeout_s:.0f} s and was killed; "
-                            f"log {log_path}:\n{tail(log_path)}")
+        raise TorchrunError(
+            f"torchrun ran past its limit of {timeout_s:.0f} s and was killed; log {log_path}:\n{tail(log_path)}"
+        )
     if rc != 0:
-        raise TorchrunError(f"torchrun exited with {rc}; first error line: {first_error(log_path)!r}; "
-                            f"log {log_path}:\n{tail(log_path)}")
+        raise TorchrunError(
+            f"torchrun exited with {rc}; first error line: {first_error(log_path)!r}; log {log_path}:\n{tail(log_path)}"
+        )
 
 
 def first_error(log_path: Path) -> str:

@@ -128,9 +128,11 @@ def report(lengths: Lengths, caps: list[int], batch: int, draws: int, seed: int,
     print(f"{n}.lengths (input order, {lengths.limit} = did not end): {' '.join(map(str, lengths.tokens))}")
     for cap in caps:
         f = cap_figures(lengths, cap, batch, draws, seed, stragglers)
-        print(f"{n}.cap[{cap}] (derived, batches of {batch}): mean_kept {f.mean_kept:.1f}, cut_share "
-              f"{f.cut_share:.3f}, slot_use {f.slot_use:.3f}, with straggler_rows {stragglers} "
-              f"(its prefill not counted): {f.straggler_slot_use:.3f}")
+        print(
+            f"{n}.cap[{cap}] (derived, batches of {batch}): mean_kept {f.mean_kept:.1f}, cut_share "
+            f"{f.cut_share:.3f}, slot_use {f.slot_use:.3f}, with straggler_rows {stragglers} "
+            f"(its prefill not counted): {f.straggler_slot_use:.3f}"
+        )
 
 
 def main() -> None:
@@ -143,8 +145,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512, help="rows per batch in the derived slot use")
     parser.add_argument("--draws", type=int, default=200, help="batches drawn per cap")
     parser.add_argument("--straggler-rows", type=int, default=64, help="regenerate.straggler_rows to derive for")
-    parser.add_argument("--measure-stragglers", type=int, default=0,
-                        help="also run the user turns in batches of --gen-batch without and with this straggler_rows")
+    parser.add_argument(
+        "--measure-stragglers",
+        type=int,
+        default=0,
+        help="also run the user turns in batches of --gen-batch without and with this straggler_rows",
+    )
     parser.add_argument("--gen-batch", type=int, default=16, help="rows per generate call while measuring")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
@@ -161,12 +167,16 @@ def main() -> None:
     backend = "dynamic" if args.device == "cpu" else "static"
 
     def generator(limit: int, temperature: float, stragglers: int = 0) -> TokenGenerator:
-        return TokenGenerator(model, GenerationSettings(limit, eos, int(pad), temperature, backend, args.gen_batch,
-                                                        straggler_rows=stragglers))
+        return TokenGenerator(
+            model,
+            GenerationSettings(limit, eos, int(pad), temperature, backend, args.gen_batch, straggler_rows=stragglers),
+        )
 
     if args.num_prompts:
-        texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-                 for m in first_turns(cfg, args.num_prompts)]
+        texts = [
+            tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+            for m in first_turns(cfg, args.num_prompts)
+        ]
         prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
         answers = measure("answers", generator(caps[-1], 0.0), prompts, eos, caps[-1])
         report(answers, caps, args.batch, args.draws, args.seed, args.straggler_rows)
@@ -175,16 +185,19 @@ def main() -> None:
         temperature = syn.temperature if syn else 1.0
         torch.manual_seed(args.seed)
         prefix = list(tok(user_turn_prefix(tok), add_special_tokens=False)["input_ids"])
-        turns = measure("user_turns", generator(prompt_caps[-1], temperature), [prefix] * args.synthetic, eos,
-                        prompt_caps[-1])
+        turns = measure(
+            "user_turns", generator(prompt_caps[-1], temperature), [prefix] * args.synthetic, eos, prompt_caps[-1]
+        )
         report(turns, prompt_caps, args.batch, args.draws, args.seed, args.straggler_rows)
         for rows in (0, args.measure_stragglers) if args.measure_stragglers else ():  # the same turns, run for real
             torch.manual_seed(args.seed)
             gen = generator(prompt_caps[-1], temperature, rows)
             gen.generate([prefix] * args.synthetic)
             st = gen.stats.to_json()
-            print(f"user_turns.measured[straggler_rows={rows}, batches of {args.gen_batch}]: slot_use "
-                  f"{st['slot_use']}, generate_s {st['seconds']}, calls {st['calls']}, new_tokens {st['new_tokens']}")
+            print(
+                f"user_turns.measured[straggler_rows={rows}, batches of {args.gen_batch}]: slot_use "
+                f"{st['slot_use']}, generate_s {st['seconds']}, calls {st['calls']}, new_tokens {st['new_tokens']}"
+            )
 
 
 if __name__ == "__main__":

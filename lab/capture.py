@@ -74,9 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens-per-shard", type=int, default=8192, help="shard size for the benchmark's writes")
     parser.add_argument("--tokens-per-forward", type=int, default=None, help="override capture.tokens_per_forward")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes of each; the best is reported")
-    parser.add_argument("--case", dest="cases", action="append", default=None, metavar="KNOB=V,...",
-                        help=f"write knobs of one case, among {', '.join(CASE_KNOBS)} (repeatable; "
-                             f"default: {DEFAULT_CASES})")
+    parser.add_argument(
+        "--case",
+        dest="cases",
+        action="append",
+        default=None,
+        metavar="KNOB=V,...",
+        help=f"write knobs of one case, among {', '.join(CASE_KNOBS)} (repeatable; default: {DEFAULT_CASES})",
+    )
     parser.add_argument("--out-dir", type=Path, default=None, help="where shards are written (default: a temp dir)")
     parser.add_argument("--disk-probe-gb", type=float, default=2.0, help="GB written + fsynced to measure the disk")
     parser.add_argument("--fp8-rows", type=int, default=32768, help="aux rows used for the fp8 error")
@@ -85,17 +90,35 @@ def _parser() -> argparse.ArgumentParser:
     random.add_argument("--random-smollm2", action="store_true", help="random SmolLM2-135M-shaped model on the device")
     parser.add_argument("--num-layers", type=int, default=None, help="decoder layers of the random model")
     parser.add_argument("--synthetic", action="store_true", help="preset mode: random tokens instead of its data")
-    parser.add_argument("--padded-attention", action="store_true",
-                        help="one padded SDPA per layer, not per-sample attention (capture.per_sample_attention)")
-    parser.add_argument("--per-sample-attention", action="store_true",
-                        help="one attention call per sample (bitwise batch-invariant; the CPU default)")
+    parser.add_argument(
+        "--padded-attention",
+        action="store_true",
+        help="one padded SDPA per layer, not per-sample attention (capture.per_sample_attention)",
+    )
+    parser.add_argument(
+        "--per-sample-attention",
+        action="store_true",
+        help="one attention call per sample (bitwise batch-invariant; the CPU default)",
+    )
     parser.add_argument("--check", action="store_true", help="first compare captured states with a plain forward")
-    parser.add_argument("--tokens-file", type=Path, default=None,
-                        help="random modes: real token ids and lengths from an .npz written by --save-tokens")
-    parser.add_argument("--save-tokens", type=Path, default=None,
-                        help="preset mode: write the selected tokenized samples to this .npz and exit")
-    parser.add_argument("--raw-sweep", default=None, metavar="B1,B2,...",
-                        help="also time the bare forward at these token budgets; the best is the raw bound")
+    parser.add_argument(
+        "--tokens-file",
+        type=Path,
+        default=None,
+        help="random modes: real token ids and lengths from an .npz written by --save-tokens",
+    )
+    parser.add_argument(
+        "--save-tokens",
+        type=Path,
+        default=None,
+        help="preset mode: write the selected tokenized samples to this .npz and exit",
+    )
+    parser.add_argument(
+        "--raw-sweep",
+        default=None,
+        metavar="B1,B2,...",
+        help="also time the bare forward at these token budgets; the best is the raw bound",
+    )
     return parser
 
 
@@ -114,8 +137,10 @@ def _cases(cfg: Any, specs: list[str] | None) -> list[tuple[str, CaptureConfig]]
 
 def _label(cap: CaptureConfig) -> str:
     """A case's knobs in short: stream=1,writers=2,queue_GB=4.3,writeback=1,pinned=0."""
-    return (f"stream={int(cap.stream_writes)},writers={cap.num_writers},queue_GB={cap.write_queue_bytes / 1e9:.3g},"
-            f"writeback={int(cap.early_writeback)},pinned={int(cap.pinned_handoff)}")
+    return (
+        f"stream={int(cap.stream_writes)},writers={cap.num_writers},queue_GB={cap.write_queue_bytes / 1e9:.3g},"
+        f"writeback={int(cap.early_writeback)},pinned={int(cap.pinned_handoff)}"
+    )
 
 
 def _check(backend: HFCaptureBackend, samples: list, num: int = 3) -> dict[str, float]:
@@ -156,8 +181,9 @@ def _time_raw(backend: HFCaptureBackend, shards: list[list[SampleTokens]], devic
     return time.perf_counter() - start
 
 
-def _time_capture(backend: HFCaptureBackend, spec: FeatureSpec, shards: list[list[SampleTokens]], out: Path,
-                  cap: CaptureConfig) -> dict[str, Any]:
+def _time_capture(
+    backend: HFCaptureBackend, spec: FeatureSpec, shards: list[list[SampleTokens]], out: Path, cap: CaptureConfig
+) -> dict[str, Any]:
     """Capture into shards under ``out`` exactly as the stage does, with the case's write knobs."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -170,8 +196,13 @@ def _time_capture(backend: HFCaptureBackend, spec: FeatureSpec, shards: list[lis
     atomic_write_json(out / "capture.manifest.json", {"num_shards": len(shards)})
     total_s = time.perf_counter() - start
     num_bytes = sum(p.stat().st_size for p in out.iterdir() if p.name.startswith("shard-"))
-    return {"total_s": total_s, "num_bytes": num_bytes, "wait_s": stats.wait_s,
-            "peak_queued_bytes": stats.peak_queued_bytes, "sha256": [d.sha256 for d in docs]}
+    return {
+        "total_s": total_s,
+        "num_bytes": num_bytes,
+        "wait_s": stats.wait_s,
+        "peak_queued_bytes": stats.peak_queued_bytes,
+        "sha256": [d.sha256 for d in docs],
+    }
 
 
 def _disk_probe(out: Path, num_bytes: int) -> float:
@@ -201,8 +232,7 @@ def _sha256_probe(num_bytes: int = 1 << 30) -> float:
     return num_bytes / (time.perf_counter() - start) / 1e9
 
 
-def _aux_rows(out: Path, spec: FeatureSpec, backend: HFCaptureBackend, samples: list,
-              num_rows: int) -> torch.Tensor:
+def _aux_rows(out: Path, spec: FeatureSpec, backend: HFCaptureBackend, samples: list, num_rows: int) -> torch.Tensor:
     """Up to ``num_rows`` aux rows [R, A*H]: the first shard's stored bf16 states, or, when the shards
     hold fp8 already, a fresh (untimed) capture of the first samples."""
     from safetensors import safe_open
@@ -232,8 +262,15 @@ def _report(name: str, value: Any) -> None:
     print(f"{name}: {json.dumps(value) if isinstance(value, list) else value}", flush=True)
 
 
-def _timed_passes(backend: HFCaptureBackend, spec: FeatureSpec, shards: list[list[SampleTokens]], out: Path,
-                  cases: list[tuple[str, CaptureConfig]], repeats: int, device: str) -> tuple[list, dict]:
+def _timed_passes(
+    backend: HFCaptureBackend,
+    spec: FeatureSpec,
+    shards: list[list[SampleTokens]],
+    out: Path,
+    cases: list[tuple[str, CaptureConfig]],
+    repeats: int,
+    device: str,
+) -> tuple[list, dict]:
     """Raw and every case's capture passes in ABBA order (raw, c1..cn, then cn..c1, raw, ...)."""
     raw_s: list[float] = []
     caps: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in cases}
@@ -249,33 +286,52 @@ def _timed_passes(backend: HFCaptureBackend, spec: FeatureSpec, shards: list[lis
     return raw_s, caps
 
 
-def _figures(backend: HFCaptureBackend, spec: FeatureSpec, shards: list[list[SampleTokens]], raw_s: list[float],
-             write: tuple[int, float], disk_gb_s: float, sha_gb_s: float, aux: torch.Tensor) -> dict[str, Any]:
+def _figures(
+    backend: HFCaptureBackend,
+    spec: FeatureSpec,
+    shards: list[list[SampleTokens]],
+    raw_s: list[float],
+    write: tuple[int, float],
+    disk_gb_s: float,
+    sha_gb_s: float,
+    aux: torch.Tensor,
+) -> dict[str, Any]:
     """The shared figures (setup, raw forward, write alone, disk, fp8), in print order."""
     num_tokens = sum(len(s.input_ids) for shard in shards for s in shard)
     ideal = (spec.num_aux + 1) * spec.hidden_size * 2  # bare bf16 aux + final states per token
     fp8 = fp8_error(aux)
     return {
-        "device": str(backend.input_device), "model_dtype": str(next(backend.model.parameters()).dtype)[6:],
-        "hidden_size": spec.hidden_size, "num_layers": spec.num_layers, "aux_layer_ids": spec.aux_layer_ids,
-        "num_samples": sum(len(shard) for shard in shards), "num_tokens": num_tokens,
+        "device": str(backend.input_device),
+        "model_dtype": str(next(backend.model.parameters()).dtype)[6:],
+        "hidden_size": spec.hidden_size,
+        "num_layers": spec.num_layers,
+        "aux_layer_ids": spec.aux_layer_ids,
+        "num_samples": sum(len(shard) for shard in shards),
+        "num_tokens": num_tokens,
         "num_batches": sum(len(backend.batches(shard)) for shard in shards),
-        "tokens_per_forward": backend.tokens_per_forward, "num_shards": len(shards),
-        "per_sample_attention": backend.per_sample, "raw_s_each": [round(t, 2) for t in raw_s],
+        "tokens_per_forward": backend.tokens_per_forward,
+        "num_shards": len(shards),
+        "per_sample_attention": backend.per_sample,
+        "raw_s_each": [round(t, 2) for t in raw_s],
         "raw_tokens_per_s": round(num_tokens / min(raw_s), 1),
-        "first_shard_tokens": write[0], "first_shard_write_s": round(write[1], 3),
+        "first_shard_tokens": write[0],
+        "first_shard_write_s": round(write[1], 3),
         "write_alone_tokens_per_s": round(write[0] / write[1], 1),
-        "disk_write_GB_s": round(disk_gb_s, 3), "sha256_GB_s": round(sha_gb_s, 3),
-        "spec_bytes_per_token": spec.bytes_per_token(), "bf16_states_bytes_per_token": ideal,
+        "disk_write_GB_s": round(disk_gb_s, 3),
+        "sha256_GB_s": round(sha_gb_s, 3),
+        "spec_bytes_per_token": spec.bytes_per_token(),
+        "bf16_states_bytes_per_token": ideal,
         "spec_aux_dtype": spec.aux_dtype,
         "fp8_disk_ratio": round(spec.model_copy(update={"aux_dtype": "float8_e4m3fn"}).bytes_per_token() / ideal, 4),
-        "fp8_aux_rows": aux.shape[0], "fp8_aux_max_abs": round(fp8["max_abs"], 5),
+        "fp8_aux_rows": aux.shape[0],
+        "fp8_aux_max_abs": round(fp8["max_abs"], 5),
         "fp8_aux_rel_rms": round(fp8["rel_rms"], 5),
     }
 
 
-def _raw_sweep(backend: HFCaptureBackend, shards: list[list[SampleTokens]], device: str,
-               budgets: str | None) -> dict[int, float]:
+def _raw_sweep(
+    backend: HFCaptureBackend, shards: list[list[SampleTokens]], device: str, budgets: str | None
+) -> dict[int, float]:
     """{budget: bare-forward tokens/s} at each --raw-sweep budget (warm pass, then the best of two timed)."""
     if not budgets:
         return {}
@@ -291,8 +347,15 @@ def _raw_sweep(backend: HFCaptureBackend, shards: list[list[SampleTokens]], devi
     return out
 
 
-def _case_line(label: str, passes: list[dict[str, Any]], num_tokens: int, raw_best_s: float, sweep_best_s: float,
-               disk_gb_s: float, spec: FeatureSpec) -> str:
+def _case_line(
+    label: str,
+    passes: list[dict[str, Any]],
+    num_tokens: int,
+    raw_best_s: float,
+    sweep_best_s: float,
+    disk_gb_s: float,
+    spec: FeatureSpec,
+) -> str:
     """One case: raw, capture, their ratio, the disk bound, the ratio against min(raw, disk), bytes per token;
     ``capture_over_best_bound`` against min(bare forward at the best swept budget, disk)."""
     best = min(passes, key=lambda p: p["total_s"])
@@ -300,9 +363,11 @@ def _case_line(label: str, passes: list[dict[str, Any]], num_tokens: int, raw_be
     bytes_per_token = best["num_bytes"] / num_tokens
     disk_tok_s = disk_gb_s * 1e9 / bytes_per_token
     figures = {
-        "raw_tok_s": round(raw_tok_s), "capture_tok_s": round(cap_tok_s),
+        "raw_tok_s": round(raw_tok_s),
+        "capture_tok_s": round(cap_tok_s),
         "capture_over_raw": round(cap_tok_s / raw_tok_s, 3),
-        "disk_GB_s": round(disk_gb_s, 3), "disk_tok_s": round(disk_tok_s),
+        "disk_GB_s": round(disk_gb_s, 3),
+        "disk_tok_s": round(disk_tok_s),
         "bound": "disk" if disk_tok_s < raw_tok_s else "raw",
         "capture_over_bound": round(cap_tok_s / min(raw_tok_s, disk_tok_s), 3),
         "best_raw_tok_s": round(num_tokens / sweep_best_s),
@@ -310,7 +375,8 @@ def _case_line(label: str, passes: list[dict[str, Any]], num_tokens: int, raw_be
         "bytes_per_token": round(bytes_per_token, 1),
         "disk_ratio": round(bytes_per_token / ((spec.num_aux + 1) * spec.hidden_size * 2), 4),
         "capture_s_each": json.dumps([round(p["total_s"], 2) for p in passes]),
-        "wait_s": round(best["wait_s"], 2), "peak_queue_MB": round(best["peak_queued_bytes"] / 1e6),
+        "wait_s": round(best["wait_s"], 2),
+        "peak_queue_MB": round(best["peak_queued_bytes"] / 1e6),
     }
     return f"case [{label}]: " + " ".join(f"{k}={v}" for k, v in figures.items())
 

@@ -23,9 +23,10 @@ def file_samples(path: Path, args: argparse.Namespace) -> list[SampleTokens]:
     data = np.load(path)
     ids, lengths = data["ids"].astype(np.int64), data["lengths"]
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    keep = [i for i, n in enumerate(lengths) if n <= args.max_sample_tokens][:args.num_samples]
-    return [SampleTokens(f"file:{i}", ids[starts[i]:starts[i] + lengths[i]].tolist(), [1] * int(lengths[i]))
-            for i in keep]
+    keep = [i for i, n in enumerate(lengths) if n <= args.max_sample_tokens][: args.num_samples]
+    return [
+        SampleTokens(f"file:{i}", ids[starts[i] : starts[i] + lengths[i]].tolist(), [1] * int(lengths[i])) for i in keep
+    ]
 
 
 def save_tokens(path: Path, samples: list[SampleTokens]) -> None:
@@ -40,8 +41,10 @@ def save_tokens(path: Path, samples: list[SampleTokens]) -> None:
 def synthetic_samples(args: argparse.Namespace, vocab_size: int, seed: int) -> list[SampleTokens]:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(args.min_sample_tokens, args.max_sample_tokens + 1, (args.num_samples,), generator=gen)
-    return [SampleTokens(f"synthetic:{i}", torch.randint(0, vocab_size, (int(n),), generator=gen).tolist(),
-                         [1] * int(n)) for i, n in enumerate(lengths)]
+    return [
+        SampleTokens(f"synthetic:{i}", torch.randint(0, vocab_size, (int(n),), generator=gen).tolist(), [1] * int(n))
+        for i, n in enumerate(lengths)
+    ]
 
 
 def preset_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCaptureBackend, FeatureSpec, list]:
@@ -55,17 +58,26 @@ def preset_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCap
     if args.synthetic:
         samples = synthetic_samples(args, spec.vocab_size, cfg.run.seed)
     else:
-        table = read_tokenized(cfg.run_dir / "data" / "tokenized.parquet",
-                               columns=["id", "input_ids", "loss_mask", "num_tokens"])
-        rows = [r for r in table.to_pylist() if r["num_tokens"] <= args.max_sample_tokens][:args.num_samples]
+        table = read_tokenized(
+            cfg.run_dir / "data" / "tokenized.parquet", columns=["id", "input_ids", "loss_mask", "num_tokens"]
+        )
+        rows = [r for r in table.to_pylist() if r["num_tokens"] <= args.max_sample_tokens][: args.num_samples]
         if not rows:
-            sys.exit(f"no tokenized samples of <= {args.max_sample_tokens} tokens under {cfg.run_dir}: tokenize "
-                     f"first, or pass --synthetic")
+            sys.exit(
+                f"no tokenized samples of <= {args.max_sample_tokens} tokens under {cfg.run_dir}: tokenize "
+                f"first, or pass --synthetic"
+            )
         samples = [SampleTokens(r["id"], r["input_ids"], r["loss_mask"]) for r in rows]
     budget = args.tokens_per_forward or cfg.capture.tokens_per_forward
-    backend = HFCaptureBackend.from_spec(model_dir, spec, device=device, dtype=cfg.target.dtype,
-                                         tokens_per_forward=budget, device_map=cfg.capture.device_map,
-                                         batch_invariant=per_sample_choice(cfg, args))
+    backend = HFCaptureBackend.from_spec(
+        model_dir,
+        spec,
+        device=device,
+        dtype=cfg.target.dtype,
+        tokens_per_forward=budget,
+        device_map=cfg.capture.device_map,
+        batch_invariant=per_sample_choice(cfg, args),
+    )
     return backend, spec, samples
 
 
@@ -91,15 +103,35 @@ def random_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCap
     num_layers = config.num_hidden_layers
     aux = cfg.target.aux_layer_ids or default_aux_layer_ids(num_layers)
     name = "random-llama-3.1-8b" if args.random_llama8b else "random-smollm2-135m"
-    spec = FeatureSpec(target_name=name, target_fingerprint="random", hidden_size=config.hidden_size,
-                       num_layers=num_layers, vocab_size=config.vocab_size, aux_layer_ids=aux,
-                       supervision=cfg.capture.supervision,
-                       topk=cfg.capture.topk if cfg.capture.supervision == "topk_logprobs" else None,
-                       dtype=cfg.capture.dtype, aux_dtype=cfg.capture.aux_dtype, max_len=args.max_sample_tokens,
-                       chat_template_hash="none", backend="hf")
+    spec = FeatureSpec(
+        target_name=name,
+        target_fingerprint="random",
+        hidden_size=config.hidden_size,
+        num_layers=num_layers,
+        vocab_size=config.vocab_size,
+        aux_layer_ids=aux,
+        supervision=cfg.capture.supervision,
+        topk=cfg.capture.topk if cfg.capture.supervision == "topk_logprobs" else None,
+        dtype=cfg.capture.dtype,
+        aux_dtype=cfg.capture.aux_dtype,
+        max_len=args.max_sample_tokens,
+        chat_template_hash="none",
+        backend="hf",
+    )
     budget = args.tokens_per_forward or cfg.capture.tokens_per_forward
-    backend = HFCaptureBackend(None, aux, supervision=spec.supervision, topk=spec.topk, device=device,
-                               tokens_per_forward=budget, model=model, batch_invariant=per_sample_choice(cfg, args))
-    samples = (file_samples(args.tokens_file, args) if args.tokens_file
-               else synthetic_samples(args, config.vocab_size, cfg.run.seed))
+    backend = HFCaptureBackend(
+        None,
+        aux,
+        supervision=spec.supervision,
+        topk=spec.topk,
+        device=device,
+        tokens_per_forward=budget,
+        model=model,
+        batch_invariant=per_sample_choice(cfg, args),
+    )
+    samples = (
+        file_samples(args.tokens_file, args)
+        if args.tokens_file
+        else synthetic_samples(args, config.vocab_size, cfg.run.seed)
+    )
     return backend, spec, samples

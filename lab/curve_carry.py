@@ -41,9 +41,24 @@ def _carried() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     export = run.sglang_export
     journals = (run.data / JOURNAL_NAME, run.data / SYNTHETIC_DIR)
     train, exported, evaluated = (get_stage(name).manifest(run.root) for name in ("train", "export", "evaluate"))
-    results = (run.config, run.data / MERGE_STATS_FILE, run.appendix, run.metrics, run.progress, train, exported,
-               export / CARD_FILE, export / CONFIG_FILE, export / INFO_FILE, run.eval_results, run.eval / REPORT_FILE,
-               run.eval / PROMPTS_FILE, evaluated, run.eval / REPLAYED_FILE, run.eval / EVAL_JOURNAL)
+    results = (
+        run.config,
+        run.data / MERGE_STATS_FILE,
+        run.appendix,
+        run.metrics,
+        run.progress,
+        train,
+        exported,
+        export / CARD_FILE,
+        export / CONFIG_FILE,
+        export / INFO_FILE,
+        run.eval_results,
+        run.eval / REPORT_FILE,
+        run.eval / PROMPTS_FILE,
+        evaluated,
+        run.eval / REPLAYED_FILE,
+        run.eval / EVAL_JOURNAL,
+    )
     return tuple(tuple(p.as_posix() for p in group) for group in (journals, results, (export / WEIGHTS_FILE,)))
 
 
@@ -53,8 +68,7 @@ RESULTS_XZ_PRESET = 0
 are repacked after every phase (``--pack-results-to``), so the default cost every phase that long."""
 
 
-def _write_parts(members: list[tuple[Path, str]], out: Path, stem: str, part_mib: float,
-                 preset: int = 6) -> list[Path]:
+def _write_parts(members: list[tuple[Path, str]], out: Path, stem: str, part_mib: float, preset: int = 6) -> list[Path]:
     """``members`` ((file or folder, name in the archive)) as ``out``/<stem>.tar.xz.NN of at most part_mib MiB, xz at
     ``preset``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -67,7 +81,7 @@ def _write_parts(members: list[tuple[Path, str]], out: Path, stem: str, part_mib
     data, size, parts = buffer.getvalue(), int(part_mib * (1 << 20)), []
     for i in range(0, len(data), size):
         parts.append(out / f"{stem}.tar.xz.{i // size:02d}")
-        parts[-1].write_bytes(data[i:i + size])
+        parts[-1].write_bytes(data[i : i + size])
     return parts
 
 
@@ -81,8 +95,10 @@ def _read_parts(root: Path, folder: Path, stem: str) -> list[str]:
             names = tar.getnames()
             tar.extractall(root, filter="data")
     except (tarfile.TarError, lzma.LZMAError, EOFError, OSError) as err:  # a part missing or cut short
-        raise SystemExit(f"error: the {stem} parts in {folder} ({', '.join(p.name for p in parts)}) do not "
-                         f"form a whole archive: {err}") from None
+        raise SystemExit(
+            f"error: the {stem} parts in {folder} ({', '.join(p.name for p in parts)}) do not "
+            f"form a whole archive: {err}"
+        ) from None
     return names
 
 
@@ -120,8 +136,12 @@ def pack_results(run_dir: Path, out: Path, weights: bool = False, part_mib: floa
     runs/ (e.g. smollm2-curve-3M/eval/results.json)."""
     _, results, drafter = _carried()
     wanted = (*results, *(drafter if weights else ()))
-    members = [(run / rel, f"{run.name}/{rel}") for run in curve_runs(run_dir) for rel in wanted
-               if (run / rel).exists() and not _through_link(run, rel)]
+    members = [
+        (run / rel, f"{run.name}/{rel}")
+        for run in curve_runs(run_dir)
+        for rel in wanted
+        if (run / rel).exists() and not _through_link(run, rel)
+    ]
     if not members:
         raise SystemExit(f"error: nothing measured under {run_dir.parent} for {run_dir.name}")
     return _write_parts(members, out, "results", part_mib, RESULTS_XZ_PRESET)
@@ -139,9 +159,12 @@ def sglang_only_exports(runs_root: Path, names: list[str]) -> list[str]:
     weights = _carried()[2][0]
     runs = sorted({name.split("/", 1)[0] for name in names if name.split("/", 1)[-1] == weights})
     speculators = Path(weights).parent.parent / "speculators"
-    return [f"{run}: the drafter came in the SGLang layout only; evaluate it with python3 -m eagle3.evaluate.stage "
-            f"--config {runs_root / run / 'config.json'} --export-dir {runs_root / run / Path(weights).parent}"
-            for run in runs if not (runs_root / run / speculators).exists()]
+    return [
+        f"{run}: the drafter came in the SGLang layout only; evaluate it with python3 -m eagle3.evaluate.stage "
+        f"--config {runs_root / run / 'config.json'} --export-dir {runs_root / run / Path(weights).parent}"
+        for run in runs
+        if not (runs_root / run / speculators).exists()
+    ]
 
 
 PHASES = ("pack-journals", "unpack-journals", "pack-results", "unpack-results")

@@ -89,21 +89,34 @@ def token_label(tokens: int) -> str:
     return str(tokens)
 
 
-def read_rows(results: Mapping[int, Path], replayed: Mapping[int, Path] | None = None
-              ) -> tuple[list[CurveRow], list[int]]:
+def read_rows(
+    results: Mapping[int, Path], replayed: Mapping[int, Path] | None = None
+) -> tuple[list[CurveRow], list[int]]:
     """Rows of every size with a results file or a replay file (decoded figures win), and the sizes with
     neither (not measured yet)."""
     rows, missing = [], []
     for tokens, path in sorted(results.items()):
         decoded = []
         if path.is_file():
-            decoded = [CurveRow(tokens, r["dataset"], r["method"], float(r["accept_len"]), int(r["num_prompts"]),
-                                int(r["lossless"]["identical"])) for r in json.loads(path.read_text())["results"]]
+            decoded = [
+                CurveRow(
+                    tokens,
+                    r["dataset"],
+                    r["method"],
+                    float(r["accept_len"]),
+                    int(r["num_prompts"]),
+                    int(r["lossless"]["identical"]),
+                )
+                for r in json.loads(path.read_text())["results"]
+            ]
             decoded += _all_of_one(decoded)
         replay = (replayed or {}).get(tokens)
         have = {(r.dataset, r.method) for r in decoded}
-        extra = [r for r in _replayed_rows(tokens, replay) if (r.dataset, r.method) not in have] \
-            if replay is not None and replay.is_file() else []
+        extra = (
+            [r for r in _replayed_rows(tokens, replay) if (r.dataset, r.method) not in have]
+            if replay is not None and replay.is_file()
+            else []
+        )
         if not decoded and not extra:
             missing.append(tokens)
         rows += decoded + extra
@@ -142,8 +155,7 @@ def ngram_baseline(rows: list[CurveRow]) -> dict[str, CurveRow]:
     return out
 
 
-def curve_markdown(rows: list[CurveRow], missing: list[int], validation: Mapping[int, Validation] | None = None
-                   ) -> str:
+def curve_markdown(rows: list[CurveRow], missing: list[int], validation: Mapping[int, Validation] | None = None) -> str:
     """One table per dataset: a row per size, a column per drafting method, the n-gram baseline, and in the table
     of all prompts each size's validation accept_len_est."""
     baseline, validation = ngram_baseline(rows), validation or {}
@@ -153,9 +165,15 @@ def curve_markdown(rows: list[CurveRow], missing: list[int], validation: Mapping
         by = {(r.tokens, r.method): r for r in rows if r.dataset == dataset}
         sizes = sorted({t for t, _ in by})
         with_val = dataset == "all"
-        lines += [f"## {dataset}", "", "| training tokens | " + " | ".join(methods) + " | n-gram (no drafter) |"
-                  + (" validation accept_len_est |" if with_val else ""),
-                  "|---:|" + "---:|" * (len(methods) + 1 + with_val)]
+        lines += [
+            f"## {dataset}",
+            "",
+            "| training tokens | "
+            + " | ".join(methods)
+            + " | n-gram (no drafter) |"
+            + (" validation accept_len_est |" if with_val else ""),
+            "|---:|" + "---:|" * (len(methods) + 1 + with_val),
+        ]
         base = _cell(baseline[dataset]) if dataset in baseline else "-"
         for tokens in sizes:
             cells = [_cell(by[tokens, m]) if (tokens, m) in by else "-" for m in methods]
@@ -165,10 +183,15 @@ def curve_markdown(rows: list[CurveRow], missing: list[int], validation: Mapping
     unlossless = [r for r in rows if not r.replayed and r.lossless_identical != r.num_prompts]
     if any(r.replayed for r in rows):
         lines.append("† replayed from an evaluation's greedy texts (teacher-forced drafter, no decode of its own).")
-    lines.append("Every decode token-identical to greedy." if not unlossless else
-                 "Not identical to greedy: " + ", ".join(f"{token_label(r.tokens)} {r.dataset} {r.method} "
-                                                         f"({r.lossless_identical}/{r.num_prompts})"
-                                                         for r in unlossless))
+    lines.append(
+        "Every decode token-identical to greedy."
+        if not unlossless
+        else "Not identical to greedy: "
+        + ", ".join(
+            f"{token_label(r.tokens)} {r.dataset} {r.method} ({r.lossless_identical}/{r.num_prompts})"
+            for r in unlossless
+        )
+    )
     if missing:
         lines.append("Not measured yet: " + ", ".join(token_label(t) for t in missing) + ".")
     return "\n".join(lines) + "\n"
@@ -187,16 +210,25 @@ def plot_curve(rows: list[CurveRow], out: Path, dataset: str = "all") -> Path:
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
     for method in dict.fromkeys(r.method for r in chosen if r.method != NGRAM):
         points = sorted((r.tokens, r.accept_len, r.replayed) for r in chosen if r.method == method)
-        line, = ax.plot([p[0] for p in points], [p[1] for p in points], "-", label=method)
+        (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], "-", label=method)
         for filled in (True, False):  # decoded points filled, replayed ones hollow
             xs = [(t, a) for t, a, replay in points if replay != filled]
-            ax.plot([x[0] for x in xs], [x[1] for x in xs], "o", color=line.get_color(),
-                    fillstyle="full" if filled else "none")
+            ax.plot(
+                [x[0] for x in xs],
+                [x[1] for x in xs],
+                "o",
+                color=line.get_color(),
+                fillstyle="full" if filled else "none",
+            )
     base = ngram_baseline(chosen).get(chosen[0].dataset if chosen else dataset)
     if base is not None:
         ax.axhline(base.accept_len, color="gray", ls="--", label=f"n-gram ({base.accept_len:.2f})")
-    ax.set(xscale="log", xlabel="training tokens", ylabel="acceptance length",
-           title=f"acceptance vs training tokens ({chosen[0].dataset if chosen else dataset})")
+    ax.set(
+        xscale="log",
+        xlabel="training tokens",
+        ylabel="acceptance length",
+        title=f"acceptance vs training tokens ({chosen[0].dataset if chosen else dataset})",
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -206,8 +238,9 @@ def plot_curve(rows: list[CurveRow], out: Path, dataset: str = "all") -> Path:
     return out
 
 
-def read_sweep(sweep: Mapping[str, Path], tokens: int, replayed: Mapping[str, Path] | None = None
-               ) -> dict[str, list[CurveRow]]:
+def read_sweep(
+    sweep: Mapping[str, Path], tokens: int, replayed: Mapping[str, Path] | None = None
+) -> dict[str, list[CurveRow]]:
     """Rows of every recipe variant measured so far ('all' prompts; each trained on ``tokens``), by label;
     ``replayed``: each variant's replay file, for the methods its decode lacks (or without a decode)."""
     out = {}
@@ -219,8 +252,13 @@ def read_sweep(sweep: Mapping[str, Path], tokens: int, replayed: Mapping[str, Pa
     return out
 
 
-def sweep_markdown(rows: list[CurveRow], variants: Mapping[str, list[CurveRow]], largest: int,
-                   pending: list[str] = (), validation: Mapping[str, Validation] | None = None) -> str:
+def sweep_markdown(
+    rows: list[CurveRow],
+    variants: Mapping[str, list[CurveRow]],
+    largest: int,
+    pending: list[str] = (),
+    validation: Mapping[str, Validation] | None = None,
+) -> str:
     """The recipe sweep at the largest size: a row per recipe (the baseline first; a variant with a validation but
     no acceptance too), a column per method and the validation, and a line naming the ``pending`` variants (not
     measured yet)."""
@@ -228,9 +266,12 @@ def sweep_markdown(rows: list[CurveRow], variants: Mapping[str, list[CurveRow]],
     recipes = {"baseline": [r for r in rows if r.tokens == largest and r.dataset == "all"], **variants}
     recipes |= {label: [] for label in validation if label not in recipes}
     methods = list(dict.fromkeys(r.method for rs in recipes.values() for r in rs if r.method != NGRAM))
-    lines = [f"## Recipe sweep at {token_label(largest)} (all prompts)", "",
-             "| recipe | " + " | ".join(methods) + " | lossless | validation accept_len_est |",
-             "|---|" + "---:|" * len(methods) + "---|---:|"]
+    lines = [
+        f"## Recipe sweep at {token_label(largest)} (all prompts)",
+        "",
+        "| recipe | " + " | ".join(methods) + " | lossless | validation accept_len_est |",
+        "|---|" + "---:|" * len(methods) + "---|---:|",
+    ]
     for label, rs in recipes.items():
         by = {r.method: r for r in rs}
         cells = [_cell(by[m]) if m in by else "-" for m in methods]
@@ -244,9 +285,13 @@ def sweep_markdown(rows: list[CurveRow], variants: Mapping[str, list[CurveRow]],
     return "\n".join(lines) + "\n"
 
 
-def write_curve_report(results: Mapping[int, Path], out_dir: Path, sweep: Mapping[str, Path] | None = None,
-                       replayed: Mapping[int, Path] | None = None,
-                       sweep_replayed: Mapping[str, Path] | None = None) -> dict[str, Path]:
+def write_curve_report(
+    results: Mapping[int, Path],
+    out_dir: Path,
+    sweep: Mapping[str, Path] | None = None,
+    replayed: Mapping[int, Path] | None = None,
+    sweep_replayed: Mapping[str, Path] | None = None,
+) -> dict[str, Path]:
     """curve.json, curve.md and (with any measured size) curve.png in ``out_dir``; ``sweep``: each recipe
     variant's results file (measured at the largest size), tabled when present; ``replayed`` (by tokens) and
     ``sweep_replayed`` (by label): the replay file of each size and variant, for the methods its results lack."""
@@ -256,20 +301,29 @@ def write_curve_report(results: Mapping[int, Path], out_dir: Path, sweep: Mappin
     largest = max(results, default=0)
     variants = read_sweep(sweep or {}, largest, sweep_replayed)
     size_val = {t: v for t, path in results.items() if (v := read_validation(run_of(path))) is not None}
-    sweep_val = {label: v for label, path in {"baseline": results.get(largest), **(sweep or {})}.items()
-                 if path is not None and (v := read_validation(run_of(path))) is not None}
+    sweep_val = {
+        label: v
+        for label, path in {"baseline": results.get(largest), **(sweep or {})}.items()
+        if path is not None and (v := read_validation(run_of(path))) is not None
+    }
     pending = [label for label in sweep or {} if label not in variants and label not in sweep_val]
     out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"rows": [asdict(r) for r in rows], "not_measured": missing,
-               "validation": {str(t): asdict(v) for t, v in size_val.items()},
-               "sweep": {label: [asdict(r) for r in rs] for label, rs in variants.items()},
-               "sweep_validation": {label: asdict(v) for label, v in sweep_val.items()},
-               "sweep_not_measured": pending}
+    payload = {
+        "rows": [asdict(r) for r in rows],
+        "not_measured": missing,
+        "validation": {str(t): asdict(v) for t, v in size_val.items()},
+        "sweep": {label: [asdict(r) for r in rs] for label, rs in variants.items()},
+        "sweep_validation": {label: asdict(v) for label, v in sweep_val.items()},
+        "sweep_not_measured": pending,
+    }
     has_sweep = variants or set(sweep_val) - {"baseline"}
     markdown = curve_markdown(rows, missing, size_val) + (
-        "\n" + sweep_markdown(rows, variants, largest, pending, sweep_val) if has_sweep else "")
-    outputs = {"json": atomic_write_json(out_dir / CURVE_DATA, payload),
-               "markdown": atomic_write_text(out_dir / CURVE_REPORT, markdown)}
+        "\n" + sweep_markdown(rows, variants, largest, pending, sweep_val) if has_sweep else ""
+    )
+    outputs = {
+        "json": atomic_write_json(out_dir / CURVE_DATA, payload),
+        "markdown": atomic_write_text(out_dir / CURVE_REPORT, markdown),
+    }
     if rows:
         outputs["plot"] = plot_curve(rows, out_dir / CURVE_PLOT)
     return outputs
@@ -281,8 +335,9 @@ def rows_of(curve_json: Path) -> list[CurveRow]:
         doc = json.loads(Path(curve_json).read_text())
         return [CurveRow(**row) for row in doc["rows"]]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise SystemExit(f"error: {curve_json}: not a curve.json with rows of {', '.join(CurveRow.__annotations__)} "
-                         f"({err!r})") from None
+        raise SystemExit(
+            f"error: {curve_json}: not a curve.json with rows of {', '.join(CurveRow.__annotations__)} ({err!r})"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> None:

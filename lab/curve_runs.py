@@ -34,9 +34,11 @@ def sweep_variants(base) -> list[Variant]:
     """The recipe sweep: lr x2, x4 (x2 beat the base) and /2, half and twice the epochs, twice the draft vocab."""
     lr, epochs, vocab = base.train.lr, base.train.num_epochs, base.vocab.draft_vocab_size
     counts = sorted({max(1, epochs // 2), 2 * epochs} - {epochs})
-    return [*(Variant(label, (f"train.lr={k * lr:g}",)) for label, k in (("lr-x2", 2), ("lr-x4", 4), ("lr-half", 0.5))),
-            *(Variant(f"epochs-{n}", (f"train.num_epochs={n}",)) for n in counts),
-            Variant(f"vocab-{2 * vocab}", (f"vocab.draft_vocab_size={2 * vocab}",), own_vocab=True)]
+    return [
+        *(Variant(label, (f"train.lr={k * lr:g}",)) for label, k in (("lr-x2", 2), ("lr-x4", 4), ("lr-half", 0.5))),
+        *(Variant(f"epochs-{n}", (f"train.num_epochs={n}",)) for n in counts),
+        Variant(f"vocab-{2 * vocab}", (f"vocab.draft_vocab_size={2 * vocab}",), own_vocab=True),
+    ]
 
 
 def parse_tokens(text: str) -> int:
@@ -70,8 +72,11 @@ def size_config(preset: str, overrides: list[str], size: Size, with_ngram: bool,
     from eagle3.config import load_config
 
     base = load_config(preset, overrides)
-    extra = [f"run.name={run_name(base.run.name, size, variant)}", f"train.max_train_tokens={size.tokens}",
-             *(variant.overrides if variant else ())]
+    extra = [
+        f"run.name={run_name(base.run.name, size, variant)}",
+        f"train.max_train_tokens={size.tokens}",
+        *(variant.overrides if variant else ()),
+    ]
     if not with_ngram:
         methods = [m for m in base.evaluate.methods if m != "ngram"] or base.evaluate.methods
         extra.append(f"evaluate.methods=[{','.join(methods)}]")

@@ -21,8 +21,15 @@ from eagle3.target.load import prepare_target
 def measure(num_conversations: int, preset: str, cache_dir: Path, overrides: list[str]) -> None:
     """Run the three stages once and print their wall times and headline figures."""
     with tempfile.TemporaryDirectory() as workdir:
-        cfg = load_config(preset, [f"run.workdir={workdir}", f"target.cache_dir={cache_dir}",
-                                   f"data.sources.0.max_records={num_conversations}", *overrides])
+        cfg = load_config(
+            preset,
+            [
+                f"run.workdir={workdir}",
+                f"target.cache_dir={cache_dir}",
+                f"data.sources.0.max_records={num_conversations}",
+                *overrides,
+            ],
+        )
         write_run_config(cfg)
         prepare_target(cfg)  # one-time conversion is not a data-stage cost
         timings, outcomes = {}, {}

@@ -57,8 +57,13 @@ def conversations(journal: Path, cfg: RunConfig, split: str, limit: int) -> Iter
     The split is the merge's (a seeded hash of the id); rows the merge later rejected (too long) can be among them.
     """
     journaled = [r for _, r in sorted(Journal(journal).load().items())]
-    records = [r for r in journaled if r.get("status") == "ok" and len(r["messages"]) >= 2
-               and split_for(r["id"], cfg.run.seed, cfg.data.val_fraction) == split]
+    records = [
+        r
+        for r in journaled
+        if r.get("status") == "ok"
+        and len(r["messages"]) >= 2
+        and split_for(r["id"], cfg.run.seed, cfg.data.val_fraction) == split
+    ]
     random.Random(0).shuffle(records)
     for r in records[:limit]:
         yield r["messages"][0]["content"], r["messages"][1]["content"]
@@ -67,12 +72,13 @@ def conversations(journal: Path, cfg: RunConfig, split: str, limit: int) -> Iter
 def answer_ids(tokenizer, user: str, answer: str, max_len: int) -> tuple[list[int], list[int]]:
     """(prompt ids, answer ids) under the chat template, cut to the tokenizer's max_len like training."""
     prompt = render(tokenizer, user)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user}, {"role": "assistant", "content": answer}], tokenize=False
+    )
     full = list(tokenizer(text, add_special_tokens=False)["input_ids"])[:max_len]
-    if full[:len(prompt)] != prompt:
+    if full[: len(prompt)] != prompt:
         raise ValueError("the rendered prompt is not a prefix of the rendered conversation")
-    return prompt, full[len(prompt):]
+    return prompt, full[len(prompt) :]
 
 
 def measure_conversations(runners, tokenizer, cfg: RunConfig, journal: Path, split: str, limit: int) -> None:
@@ -89,8 +95,9 @@ def measure_conversations(runners, tokenizer, cfg: RunConfig, journal: Path, spl
 
 
 def measure_eval(runners, tokenizer, prompts_file: Path, chains: list[MethodSpec]) -> None:
-    records = [PromptRecord.from_json(json.loads(line)) for line in prompts_file.read_text().splitlines()
-               if line.strip()]
+    records = [
+        PromptRecord.from_json(json.loads(line)) for line in prompts_file.read_text().splitlines() if line.strip()
+    ]
     datasets = list(dict.fromkeys(r.dataset for r in records))
     ids = {p.id: i for p, i in load_prompts(datasets, None, tokenizer)}
     tallies: dict[str, list[int]] = {d: [0] * 5 for d in datasets}  # hits, tokens, round hits (tf, decode), rounds
@@ -100,8 +107,12 @@ def measure_eval(runners, tokenizer, prompts_file: Path, chains: list[MethodSpec
             drafts = teacher_forced_drafts(*runners, ids[r.id], generated)
             chain = next(m for name, m in r.methods.items() if name.startswith("chain"))
             starts = round_starts(chain.committed)
-            counts = (*hits(drafts, generated), sum(drafts[i] == generated[i + 1] for i in starts),
-                      sum(a >= 1 for a in chain.accepted), len(starts))
+            counts = (
+                *hits(drafts, generated),
+                sum(drafts[i] == generated[i + 1] for i in starts),
+                sum(a >= 1 for a in chain.accepted),
+                len(starts),
+            )
             tallies[r.dataset] = [t + c for t, c in zip(tallies[r.dataset], counts)]
             bar.update()
     for d, (h, n, tf_round_hits, round_hits, rounds) in tallies.items():
@@ -135,15 +146,22 @@ def replay_chains(runners, records: list[PromptRecord], ids: dict[str, list[int]
                 if run is None:
                     continue
                 replayed = simulate_chain(matched, len(ids[r.id]), len(r.greedy.tokens), method.steps)
-                counts = (sum(replayed), sum(run.committed), len(replayed), len(run.committed),
-                          int(replayed == run.committed))
+                counts = (
+                    sum(replayed),
+                    sum(run.committed),
+                    len(replayed),
+                    len(run.committed),
+                    int(replayed == run.committed),
+                )
                 key = (r.dataset, method.name)
                 tallies[key] = [t + c for t, c in zip(tallies.get(key, [0] * 5), counts)]
             bar.update()
     for (d, name), (tf_tokens, tokens, tf_rounds, rounds, same) in tallies.items():
         prompts = sum(1 for r in records if r.dataset == d and name in r.methods)
-        print(f"eval_{d}_{name}_replayed_accept_len: {tf_tokens / max(tf_rounds, 1):.4f} "
-              f"(decoded {tokens / max(rounds, 1):.4f}; identical rounds on {same}/{prompts} prompts)")
+        print(
+            f"eval_{d}_{name}_replayed_accept_len: {tf_tokens / max(tf_rounds, 1):.4f} "
+            f"(decoded {tokens / max(rounds, 1):.4f}; identical rounds on {same}/{prompts} prompts)"
+        )
 
 
 def replay_only(runners, tokenizer, prompts_file: Path, cfg: RunConfig, out: Path | None) -> None:
@@ -154,8 +172,9 @@ def replay_only(runners, tokenizer, prompts_file: Path, cfg: RunConfig, out: Pat
     specs = method_specs(cfg.evaluate)
     chains, ngrams = [m for m in specs if m.kind == "chain"], [m for m in specs if m.kind == "ngram"]
     ngram = NgramProposer(cfg.evaluate.ngram_max, cfg.evaluate.ngram_min, cfg.evaluate.ngram_num_tokens)
-    records = [PromptRecord.from_json(json.loads(line)) for line in prompts_file.read_text().splitlines()
-               if line.strip()]
+    records = [
+        PromptRecord.from_json(json.loads(line)) for line in prompts_file.read_text().splitlines() if line.strip()
+    ]
     ids = {p.id: i for p, i in load_prompts(list(dict.fromkeys(r.dataset for r in records)), None, tokenizer)}
     deepest = max((m.steps for m in chains), default=1)
     tallies: dict[tuple[str, str], list[int]] = {}  # (dataset or "all", method) -> [committed tokens, rounds]
@@ -164,8 +183,11 @@ def replay_only(runners, tokenizer, prompts_file: Path, cfg: RunConfig, out: Pat
         for r in records:
             matched = matched_runs(runners, [*ids[r.id], *r.greedy.tokens], deepest)
             for method in [*chains, *ngrams]:
-                replayed = (simulate_ngram(ngram, ids[r.id], r.greedy.tokens) if method.kind == "ngram" else
-                            simulate_chain(matched, len(ids[r.id]), len(r.greedy.tokens), method.steps))
+                replayed = (
+                    simulate_ngram(ngram, ids[r.id], r.greedy.tokens)
+                    if method.kind == "ngram"
+                    else simulate_chain(matched, len(ids[r.id]), len(r.greedy.tokens), method.steps)
+                )
                 for key in ((r.dataset, method.name), ("all", method.name)):
                     tallies[key] = [t + c for t, c in zip(tallies.get(key, [0, 0]), (sum(replayed), len(replayed)))]
             bar.update()
@@ -174,8 +196,16 @@ def replay_only(runners, tokenizer, prompts_file: Path, cfg: RunConfig, out: Pat
         print(f"replayed_accept_len {name}: {value:.4f}")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"source": str(prompts_file), "accept_len": result,
-                                   "num_prompts": {**num_prompts, "all": len(records)}}, indent=1))
+        out.write_text(
+            json.dumps(
+                {
+                    "source": str(prompts_file),
+                    "accept_len": result,
+                    "num_prompts": {**num_prompts, "all": len(records)},
+                },
+                indent=1,
+            )
+        )
 
 
 def round_starts(committed: list[int]) -> list[int]:
@@ -195,8 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-prompts", type=Path, help="an evaluation's prompts.jsonl")
     parser.add_argument("--num-conversations", type=int, default=64, help="per split")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda when visible)")
-    parser.add_argument("--replay-only", action="store_true",
-                        help="with --eval-prompts: only the chain acceptance replayed on its greedy texts")
+    parser.add_argument(
+        "--replay-only",
+        action="store_true",
+        help="with --eval-prompts: only the chain acceptance replayed on its greedy texts",
+    )
     parser.add_argument("--out", type=Path, help="with --replay-only: write the figures here as JSON")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
@@ -205,8 +238,10 @@ def main(argv: list[str] | None = None) -> None:
     export_dir = args.export_dir or cfg.run_dir / "export" / "sglang"
     device = resolve_device(args.device)
     loaded = load_sglang_export(export_dir, model_dir, device, torch.float32)
-    runners = (TargetRunner(load_model(model_dir, "float32", device), loaded.aux_layer_ids),
-               DrafterRunner(loaded.drafter, loaded.d2t))
+    runners = (
+        TargetRunner(load_model(model_dir, "float32", device), loaded.aux_layer_ids),
+        DrafterRunner(loaded.drafter, loaded.d2t),
+    )
     print(f"export: {export_dir}", file=sys.stderr)
     if args.journal:
         for split in ("val", "train"):

@@ -44,10 +44,26 @@ from eagle3.evaluate.speculate import (  # noqa: E402
 from eagle3.evaluate.static_drafter import StaticDrafterRunner  # noqa: E402
 from eagle3.evaluate.static_target import StaticTargetRunner  # noqa: E402
 
-SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-               intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5)
-TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=512, rope_theta=10000.0, rms_norm_eps=1e-5)
+SMOLLM2 = dict(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+)
 
 
 def build(shape: dict, device: str, dtype: torch.dtype, draft_vocab: int) -> tuple:
@@ -60,11 +76,20 @@ def build(shape: dict, device: str, dtype: torch.dtype, draft_vocab: int) -> tup
     layers = shape["num_hidden_layers"]
     aux = [1, layers // 2 - 1, layers - 4]  # the project's default aux layers
     heads = shape["num_attention_heads"]
-    dims = DrafterDims(hidden_size=shape["hidden_size"], num_attention_heads=heads,
-                       num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["hidden_size"] // heads,
-                       intermediate_size=shape["intermediate_size"], rms_norm_eps=shape["rms_norm_eps"],
-                       rope_theta=shape["rope_theta"], rope_scaling=None, vocab_size=shape["vocab_size"],
-                       draft_vocab_size=draft_vocab, num_aux=len(aux), target_hidden_size=shape["hidden_size"])
+    dims = DrafterDims(
+        hidden_size=shape["hidden_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=shape["num_key_value_heads"],
+        head_dim=shape["hidden_size"] // heads,
+        intermediate_size=shape["intermediate_size"],
+        rms_norm_eps=shape["rms_norm_eps"],
+        rope_theta=shape["rope_theta"],
+        rope_scaling=None,
+        vocab_size=shape["vocab_size"],
+        draft_vocab_size=draft_vocab,
+        num_aux=len(aux),
+        target_hidden_size=shape["hidden_size"],
+    )
     drafter = Eagle3Drafter(dims)
     init_weights(drafter)
     with torch.no_grad():
@@ -109,11 +134,22 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 def warm_widths(target: StaticTargetRunner, runner: StaticDrafterRunner) -> None:
     """Compile or capture each width of the target and drafter forwards, printing the first-call seconds of each."""
     dims = runner.drafter.dims
-    calls = [("target", w, lambda w=w: target.step(torch.zeros(w, dtype=torch.long, device=target.device)))
-             for w in target.widths]
-    calls += [("drafter", w, lambda w=w: runner.extend(
-        torch.zeros(w, dims.num_aux * dims.target_hidden_size, device=runner.device),
-        torch.zeros(w, dtype=torch.long, device=runner.device), 0)) for w in runner.widths]
+    calls = [
+        ("target", w, lambda w=w: target.step(torch.zeros(w, dtype=torch.long, device=target.device)))
+        for w in target.widths
+    ]
+    calls += [
+        (
+            "drafter",
+            w,
+            lambda w=w: runner.extend(
+                torch.zeros(w, dims.num_aux * dims.target_hidden_size, device=runner.device),
+                torch.zeros(w, dtype=torch.long, device=runner.device),
+                0,
+            ),
+        )
+        for w in runner.widths
+    ]
     for name, width, call in calls:
         start = time.perf_counter()
         for _ in range(2):  # the first call allocates, compiles or captures
@@ -167,33 +203,61 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per decode")
     parser.add_argument("--prompt-len", type=int, default=8, help="prompt tokens (a repeated 4-token phrase)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per figure (best is printed)")
-    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
-                        help="evaluate.compile: auto = CUDA graphs of the eager kernels, on = Inductor's kernels")
-    parser.add_argument("--decode-rows", type=int, default=16,
-                        help="evaluate.decode_rows: rows of every target decode forward (0 = per-size widths)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="target and drafter dtype (the evaluation's evaluate.dtype: auto is bfloat16 on cuda)")
-    parser.add_argument("--capacity", type=int, default=None,
-                        help="static cache entries (default prompt + new tokens + 128; the evaluation sizes it for "
-                             "its longest prompt, e.g. ~1,400 for the 160 prompts of smollm2-quality)")
-    parser.add_argument("--gathered-keys", action="store_true",
-                        help="evaluate.decode_keys=gathered: each row's keys gathered in sequence order")
-    parser.add_argument("--fused", action="store_true",
-                        help="static path: the target's MLP gate and up products fused (evaluate.fuse_projections)")
-    parser.add_argument("--profile", action="store_true",
-                        help="after timing, print torch.profiler tables (host and device time per op) of one "
-                             "chain-3-oracle and one tree-5-4-8-oracle decode: where a round's time goes")
+    parser.add_argument(
+        "--compile",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="evaluate.compile: auto = CUDA graphs of the eager kernels, on = Inductor's kernels",
+    )
+    parser.add_argument(
+        "--decode-rows",
+        type=int,
+        default=16,
+        help="evaluate.decode_rows: rows of every target decode forward (0 = per-size widths)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="target and drafter dtype (the evaluation's evaluate.dtype: auto is bfloat16 on cuda)",
+    )
+    parser.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        help="static cache entries (default prompt + new tokens + 128; the evaluation sizes it for "
+        "its longest prompt, e.g. ~1,400 for the 160 prompts of smollm2-quality)",
+    )
+    parser.add_argument(
+        "--gathered-keys",
+        action="store_true",
+        help="evaluate.decode_keys=gathered: each row's keys gathered in sequence order",
+    )
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="static path: the target's MLP gate and up products fused (evaluate.fuse_projections)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after timing, print torch.profiler tables (host and device time per op) of one "
+        "chain-3-oracle and one tree-5-4-8-oracle decode: where a round's time goes",
+    )
     args = parser.parse_args(argv)
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    model, drafter, d2t, aux_ids = build(TINY if args.tiny else SMOLLM2, device, getattr(torch, args.dtype),
-                                         256 if args.tiny else 16384)
+    model, drafter, d2t, aux_ids = build(
+        TINY if args.tiny else SMOLLM2, device, getattr(torch, args.dtype), 256 if args.tiny else 16384
+    )
     _, settings = resolve_decode("on", args.compile, device)
     rows = args.decode_rows or None
     prompt = ([11, 12, 13, 14] * args.prompt_len)[: args.prompt_len]
     n = args.new_tokens
     capacity = args.capacity or args.prompt_len + n + 128
-    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; "
-          f"{args.dtype}; static cache {capacity} entries; compile {args.compile}; decode rows {rows}")
+    print(
+        f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+        f"{args.dtype}; static cache {capacity} entries; compile {args.compile}; decode rows {rows}"
+    )
 
     eager = TargetRunner(model, aux_ids)
     greedy_decode(eager, prompt, 4)
@@ -202,8 +266,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.fused:  # after the eager reference, which stays unfused
         print(f"fused_mlps: {fuse_projections(model)}")
-    target = StaticTargetRunner(model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=rows,
-                                gathered_keys=args.gathered_keys)
+    target = StaticTargetRunner(
+        model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=rows, gathered_keys=args.gathered_keys
+    )
     runner = StaticDrafterRunner(drafter, d2t, capacity=capacity, compile_settings=settings, decode_rows=rows)
     start = time.perf_counter()
     warm_widths(target, runner)
@@ -216,8 +281,10 @@ def main(argv: list[str] | None = None) -> None:
         narrow = StaticTargetRunner(model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=1)
         greedy_decode(narrow, prompt, 8)
         narrow_s, _ = timed(lambda: greedy_decode(narrow, prompt, n), args.repeats)
-        print(f"greedy_width_1_tok_s: {n / narrow_s:.1f}  (the same path one row wide; {rows} rows run at "
-              f"{narrow_s / static_s:.2f} of its rate)")
+        print(
+            f"greedy_width_1_tok_s: {n / narrow_s:.1f}  (the same path one row wide; {rows} rows run at "
+            f"{narrow_s / static_s:.2f} of its rate)"
+        )
         print(f"target_forward_width_1_ms: {forward_ms(narrow, args.prompt_len):.3f}")
         narrow.close()
 
@@ -235,31 +302,42 @@ def main(argv: list[str] | None = None) -> None:
         speculative_decode(target, proposer, prompt, 8)  # warm the python paths
         wall, out = timed(lambda proposer=proposer: speculative_decode(target, proposer, prompt, n), args.repeats)
         rounds = max(len(out.steps), 1)
-        print(f"{name}_round_ms: {1000 * wall / rounds:.2f}  (accept_len {out.accept_len:.2f}, "
-              f"{len(out.tokens) / wall:.1f} tok/s)")
+        print(
+            f"{name}_round_ms: {1000 * wall / rounds:.2f}  (accept_len {out.accept_len:.2f}, "
+            f"{len(out.tokens) / wall:.1f} tok/s)"
+        )
         results.append((name, out))
     eager_runner = DrafterRunner(drafter, d2t)
-    wall, out = timed(lambda: speculative_decode(eager, OracleProposer(EagleProposer(drafter, d2t, 3,
-                                                                                     runner=eager_runner), full),
-                                                 prompt, n), 1)
+    wall, out = timed(
+        lambda: speculative_decode(
+            eager, OracleProposer(EagleProposer(drafter, d2t, 3, runner=eager_runner), full), prompt, n
+        ),
+        1,
+    )
     print(f"chain-3-oracle_eager_round_ms: {1000 * wall / max(len(out.steps), 1):.2f}")
     results.append(("chain-3-oracle-eager", out))
     kinds = [check_lossless(static_ref, out.tokens, 1e-3).kind for _, out in results[1:-1]]
-    print(f"lossless_identical: {kinds.count('identical')} of {len(kinds)} (near_tie {kinds.count('near_tie')}, "
-          f"mismatch {kinds.count('mismatch')}; static methods vs the static greedy reference)")
+    print(
+        f"lossless_identical: {kinds.count('identical')} of {len(kinds)} (near_tie {kinds.count('near_tie')}, "
+        f"mismatch {kinds.count('mismatch')}; static methods vs the static greedy reference)"
+    )
     kinds = [check_lossless(reference, out.tokens, 1e-3).kind for _, out in results]
-    print(f"eager_reference_identical: {kinds.count('identical')} of {len(kinds)} (near_tie "
-          f"{kinds.count('near_tie')}, mismatch {kinds.count('mismatch')}; every output vs the eager greedy)")
+    print(
+        f"eager_reference_identical: {kinds.count('identical')} of {len(kinds)} (near_tie "
+        f"{kinds.count('near_tie')}, mismatch {kinds.count('mismatch')}; every output vs the eager greedy)"
+    )
     if args.profile:
         for name in ("chain-3-oracle", "tree-5-4-8-oracle"):
             profile_decode(name, lambda name=name: speculative_decode(target, methods[name](), prompt, n), device)
     if device == "cuda":
         from torch._dynamo.utils import counters
 
-        print(f"graphs: target {target.step_fn.num_graphs} (on {target.step_fn.use_graphs}), drafter "
-              f"{runner.step_fn.num_graphs} (on {runner.step_fn.use_graphs}), rounds "
-              f"{sum(r.num_graphs for r in runner._rounds.values())}; compiled target {target.step_fn.compiled}, "
-              f"drafter {runner.step_fn.compiled}; dynamo graph breaks {sum(counters['graph_break'].values())}")
+        print(
+            f"graphs: target {target.step_fn.num_graphs} (on {target.step_fn.use_graphs}), drafter "
+            f"{runner.step_fn.num_graphs} (on {runner.step_fn.use_graphs}), rounds "
+            f"{sum(r.num_graphs for r in runner._rounds.values())}; compiled target {target.step_fn.compiled}, "
+            f"drafter {runner.step_fn.compiled}; dynamo graph breaks {sum(counters['graph_break'].values())}"
+        )
         for step in (target.step_fn, runner.step_fn, *runner._rounds.values()):
             if step.fallback_reason:
                 print(f"fallback: {step.name} runs eagerly: {step.fallback_reason}")

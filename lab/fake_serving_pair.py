@@ -19,8 +19,13 @@ from infra.sglang_compare import compare
 from tests.fakes.sglang_model import FakeServing, LaunchArgs
 from tests.fakes.sglang_server import FakeSGLangServer
 
-SPEC_FLAGS = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/d", speculative_num_steps=3,
-                  speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+SPEC_FLAGS = dict(
+    speculative_algorithm="EAGLE3",
+    speculative_draft_model_path="/d",
+    speculative_num_steps=3,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=4,
+)
 
 
 def main() -> None:
@@ -32,14 +37,18 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
-    settings = BenchSettings(tuple(args.levels), num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                             num_warmup=2)
+    settings = BenchSettings(
+        tuple(args.levels), num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, num_warmup=2
+    )
     serving = FakeServing(accept_length=args.accept_length, step_s=args.step_s, spec_step_cost=args.spec_step_cost)
     runs = []
     for flags in ({}, SPEC_FLAGS):
         with FakeSGLangServer(LaunchArgs(max_running_requests=32, **flags), serving=serving) as fake:
-            runs.append(run_benchmark(fake.base_url, fixed_prompts(settings.num_prompts), settings,
-                                      speculative=fake.speculative))
+            runs.append(
+                run_benchmark(
+                    fake.base_url, fixed_prompts(settings.num_prompts), settings, speculative=fake.speculative
+                )
+            )
     try:
         rows = compare(*runs)
     except MeasurementError as exc:

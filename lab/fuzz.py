@@ -38,13 +38,54 @@ from eagle3.data.sources import SourceError
 USER_ERRORS = (SourceError, MergeError, ConfigError)
 TEXTS = ["hi", "Hello?", "héllo ✓", "日本語", "😀 ok", " padded ", "", "a\nb", "tab\tx", "back\\slash", '"q"', "x" * 40]
 GARBAGE = "abcdefghijklmnopqrstuvwxyz0123456789:;-+ "
-RECORD_MUTATIONS = ("ok", "ok", "ok", "drop_char", "truncate", "garbage", "nan_id", "inf_value", "huge_int", "deep",
-                    "wrong_type", "unknown_role", "lone_surrogate", "bad_utf8", "control_char", "empty_object",
-                    "not_object", "bom", "no_answer")
+RECORD_MUTATIONS = (
+    "ok",
+    "ok",
+    "ok",
+    "drop_char",
+    "truncate",
+    "garbage",
+    "nan_id",
+    "inf_value",
+    "huge_int",
+    "deep",
+    "wrong_type",
+    "unknown_role",
+    "lone_surrogate",
+    "bad_utf8",
+    "control_char",
+    "empty_object",
+    "not_object",
+    "bom",
+    "no_answer",
+)
 ENCODINGS = ("utf-8", "utf-8", "utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le")
-HOSTILE_VALUES = ("-1", "0", "1", "-64", "3", "1e400", ".nan", "-.inf", "99999999999999999999", "true", "null",
-                  "''", "../../x", "a/b", "..", ".hidden", "n" * 300, "[1, 2]", "{a: 1}", "'\\0'", "x: [", "ünï",
-                  "!!python/object:os.system x", "[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]")
+HOSTILE_VALUES = (
+    "-1",
+    "0",
+    "1",
+    "-64",
+    "3",
+    "1e400",
+    ".nan",
+    "-.inf",
+    "99999999999999999999",
+    "true",
+    "null",
+    "''",
+    "../../x",
+    "a/b",
+    "..",
+    ".hidden",
+    "n" * 300,
+    "[1, 2]",
+    "{a: 1}",
+    "'\\0'",
+    "x: [",
+    "ünï",
+    "!!python/object:os.system x",
+    "[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]",
+)
 BAD_MARK, CTRL_MARK = "\u2603BAD\u2603", "\u2603CTRL\u2603"
 
 
@@ -104,9 +145,9 @@ def _mutate_record(rng: random.Random, rec: dict, fmt: str, mutation: str) -> st
     text = json.dumps(rec, ensure_ascii=rng.random() < 0.5)
     if mutation == "drop_char":
         cut = rng.randrange(len(text))
-        text = text[:cut] + text[cut + 1:]
+        text = text[:cut] + text[cut + 1 :]
     elif mutation == "truncate":
-        text = text[:rng.randrange(1, len(text))]
+        text = text[: rng.randrange(1, len(text))]
     elif mutation == "garbage":
         text = rng.choice(GARBAGE[:36]) + "".join(rng.choice(GARBAGE) for _ in range(rng.randint(0, 20)))
     elif mutation == "huge_int":
@@ -149,7 +190,7 @@ def _flip_bytes(rng: random.Random, data: bytes, mutations: list[str]) -> bytes:
             buf[rng.randrange(len(buf))] = rng.randrange(256)
         mutations.append("byte_flips")
     else:
-        del buf[rng.randrange(1, len(buf)):]
+        del buf[rng.randrange(1, len(buf)) :]
         mutations.append("cut")
     return bytes(buf)
 
@@ -217,8 +258,10 @@ def _check_merge(stats: dict, out_dir: Path, expected: int | None) -> list[str]:
     """What does not add up in a finished (or min_rows-refused) merge."""
     problems = []
     for name, tally in [*stats["sources"].items(), ("total", stats["total"])]:
-        if tally["kept"] + tally["rejected"] != tally["read"] or sum(tally["rejected_by_reason"].values()) != \
-                tally["rejected"]:
+        if (
+            tally["kept"] + tally["rejected"] != tally["read"]
+            or sum(tally["rejected_by_reason"].values()) != tally["rejected"]
+        ):
             problems.append(f"{name}: read {tally['read']} != kept {tally['kept']} + rejected {tally['rejected']}")
     data = (out_dir / "rejects.jsonl").read_bytes()
     lines = data.split(b"\n")[:-1]  # JSON Lines end at '\n' only (str.splitlines would also cut at U+2028)
@@ -245,8 +288,9 @@ def run_data_input(rng: random.Random, root: Path, report: FuzzReport) -> None:
     out_dir = root / "run" / "data"
     report.by_kind[what[0]] += 1
     try:
-        _, stats = merge_sources([src], DataConfig(max_chars=2000, min_rows=rng.choice([1, 1, 2])), 0, out_dir,
-                                 progress=lambda *_: None)
+        _, stats = merge_sources(
+            [src], DataConfig(max_chars=2000, min_rows=rng.choice([1, 1, 2])), 0, out_dir, progress=lambda *_: None
+        )
     except USER_ERRORS as exc:
         report.user_errors[type(exc).__name__] += 1
         stats_path = out_dir / "stats.json"
@@ -278,8 +322,16 @@ def _leaf_keys(model: type, prefix: str = "") -> list[str]:
 
 
 CONFIG_KEYS = [k for k in _leaf_keys(RunConfig) if k not in ("run.workdir", "target.cache_dir")] + [
-    "data.sources.0.name", "data.sources.0.max_records", "data.sources.0.format", "data.sources.5.path", "run",
-    "run.name.x", "nope.field", "", "train..lr"]
+    "data.sources.0.name",
+    "data.sources.0.max_records",
+    "data.sources.0.format",
+    "data.sources.5.path",
+    "run",
+    "run.name.x",
+    "nope.field",
+    "",
+    "train..lr",
+]
 """Every field, plus list indices and malformed keys (workdir and cache_dir are explicit locations: not fuzzed)."""
 
 
@@ -314,8 +366,9 @@ def run_config_input(rng: random.Random, root: Path, report: FuzzReport) -> None
     try:
         cfg = load_config(preset_name, [*overrides, f"run.workdir={workdir}", "target.cache_dir=null"])
         save_config(cfg, cfg.run_dir / "config.json")
-        inside = cfg.run_dir.resolve().is_relative_to(workdir.resolve()) and \
-            (cfg.target_cache_dir / cfg.target.name).resolve().is_relative_to(workdir.resolve())
+        inside = cfg.run_dir.resolve().is_relative_to(workdir.resolve()) and (
+            cfg.target_cache_dir / cfg.target.name
+        ).resolve().is_relative_to(workdir.resolve())
     except USER_ERRORS as exc:
         report.user_errors[type(exc).__name__] += 1
         inside = True

@@ -47,8 +47,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from eagle3.data.generate import GenerationSettings, TokenGenerator, cut_after_eos, left_pad  # noqa: E402
 from lab.shapes import SMOLLM2_135M  # noqa: E402
 
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 1000, "max_position_embeddings": 1024, "num_hidden_layers": 2, "tie_word_embeddings": True}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 1024,
+    "num_hidden_layers": 2,
+    "tie_word_embeddings": True,
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,18 +71,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=None, help="longest prompt (default 512; 40 with --tiny)")
     p.add_argument("--new-tokens", type=int, default=None, help="max new tokens (default 256; 16 with --tiny)")
     p.add_argument("--backend", default="auto", choices=("auto", "static", "dynamic", "continuous"))
-    p.add_argument("--decode-attention", default="kv_heads",
-                   help="static: sdpa, kv_heads or flex; a comma list times each on the same prompts (first is 'fast')")
+    p.add_argument(
+        "--decode-attention",
+        default="kv_heads",
+        help="static: sdpa, kv_heads or flex; a comma list times each on the same prompts (first is 'fast')",
+    )
     p.add_argument("--check-rows", type=int, default=64, help="float32 identity check rows (0 = skip)")
     p.add_argument("--check-new-tokens", type=int, default=32)
     p.add_argument("--sweep", default="", help="comma-separated extra batch sizes for the fast path")
     p.add_argument("--skip-plain", action="store_true", help="time only the fast path")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cold", action="store_true",
-                   help="no warm-up call: the timed pass pays each shape's compile (read fast_shapes; one process "
-                        "per run)")
-    p.add_argument("--compile-dynamic", action="store_true",
-                   help="the fast path compiles its decode step once with symbolic sizes (regenerate.compile_dynamic)")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="no warm-up call: the timed pass pays each shape's compile (read fast_shapes; one process per run)",
+    )
+    p.add_argument(
+        "--compile-dynamic",
+        action="store_true",
+        help="the fast path compiles its decode step once with symbolic sizes (regenerate.compile_dynamic)",
+    )
     p.add_argument("--profile", action="store_true", help="profile one more fast call of --batch rows")
     return p
 
@@ -97,11 +113,19 @@ def build_model(args: argparse.Namespace) -> Any:
 
     dtype = getattr(torch, args.dtype)
     if args.model_dir:
-        return AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, attn_implementation="sdpa") \
-            .to(args.device).eval()
+        return (
+            AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, attn_implementation="sdpa")
+            .to(args.device)
+            .eval()
+        )
     torch.manual_seed(args.seed)
-    cfg = LlamaConfig(**(TINY if args.tiny else SMOLLM2_135M), bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                      attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        **(TINY if args.tiny else SMOLLM2_135M),
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
     with torch.device(args.device):
         model = LlamaForCausalLM(cfg)
     return model.to(dtype).eval()
@@ -117,13 +141,18 @@ def plain_generate(model: Any, prompts: list[list[int]], s: GenerationSettings) 
     """Plain generate (dynamic cache) in input order, batches of s.batch_size, cut after the first eos."""
     device, out = next(model.parameters()).device, []
     for start in range(0, len(prompts), s.batch_size):
-        rows = prompts[start:start + s.batch_size]
+        rows = prompts[start : start + s.batch_size]
         ids, mask = left_pad(rows, max(map(len, rows)), s.pad_id)
         with torch.no_grad():  # the mode generate itself runs in, not inference_mode
-            new = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                                 max_new_tokens=s.max_new_tokens, eos_token_id=list(s.eos_ids),
-                                 pad_token_id=s.pad_id)
-        out += [cut_after_eos(r, s.eos_ids) for r in new[:, ids.shape[1]:].tolist()]
+            new = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                do_sample=False,
+                max_new_tokens=s.max_new_tokens,
+                eos_token_id=list(s.eos_ids),
+                pad_token_id=s.pad_id,
+            )
+        out += [cut_after_eos(r, s.eos_ids) for r in new[:, ids.shape[1] :].tolist()]
     return out
 
 
@@ -149,10 +178,15 @@ def _settings(model: Any, args: argparse.Namespace, batch: int, new_tokens: int)
     eos = model.generation_config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
     pad = model.generation_config.pad_token_id
-    return GenerationSettings(max_new_tokens=new_tokens, eos_ids=eos_ids, pad_id=eos_ids[0] if pad is None else pad,
-                              backend=args.backend, batch_size=batch,
-                              decode_attention=args.decode_attention.split(",")[0],
-                              compile_dynamic=args.compile_dynamic)
+    return GenerationSettings(
+        max_new_tokens=new_tokens,
+        eos_ids=eos_ids,
+        pad_id=eos_ids[0] if pad is None else pad,
+        backend=args.backend,
+        batch_size=batch,
+        decode_attention=args.decode_attention.split(",")[0],
+        compile_dynamic=args.compile_dynamic,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,8 +199,10 @@ def main(argv: list[str] | None = None) -> None:
     s = _settings(model, args, args.batch, args.new_tokens)
     print(f"device: {args.device} ({torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'})")
     print(f"model: {args.model_dir or ('tiny' if args.tiny else 'random SmolLM2-135M shape')}, {args.dtype}")
-    print(f"prompts: {len(prompts)}, lengths {args.min_len}-{args.max_len}, new tokens {args.new_tokens}, "
-          f"batch {args.batch}")
+    print(
+        f"prompts: {len(prompts)}, lengths {args.min_len}-{args.max_len}, new tokens {args.new_tokens}, "
+        f"batch {args.batch}"
+    )
     plain = None
     if not args.skip_plain:
         plain_generate(model, prompts[:2], GenerationSettings(**{**s.__dict__, "max_new_tokens": 4}))  # warm-up
@@ -178,16 +214,22 @@ def main(argv: list[str] | None = None) -> None:
     print(f"fast_warmup_s: {warm_s:.1f}")
     print(f"fast_tok_s: {_tok_s(fast, fast_s):.0f} ({sum(map(len, fast))} tokens in {fast_s:.1f} s)")
     print(f"fast_step_ms: {step_ms:.2f} (slot use {fast_gen.stats.to_json()['slot_use']})")
-    print("fast_shapes: " + ", ".join(f"{name} first call {st.first_call_s:.1f} s of {st.calls}"
-                                      for name, st in fast_gen.stats.shapes.items()))
+    print(
+        "fast_shapes: "
+        + ", ".join(
+            f"{name} first call {st.first_call_s:.1f} s of {st.calls}" for name, st in fast_gen.stats.shapes.items()
+        )
+    )
     if args.profile:
-        profile(fast_gen, prompts[:args.batch])
+        profile(fast_gen, prompts[: args.batch])
     for kind in args.decode_attention.split(",")[1:]:
         other = TokenGenerator(model, replace(s, decode_attention=kind))
         rows, secs, warm, ms = warm_and_time(other, prompts, args.batch)
-        print(f"decode_attention {kind}: {_tok_s(rows, secs):.0f} tok/s, step {ms:.2f} ms (warm-up {warm:.1f} s), "
-              f"over {s.decode_attention} {_tok_s(rows, secs) / _tok_s(fast, fast_s):.2f}, "
-              f"identical rows {sum(a == b for a, b in zip(rows, fast))}/{len(fast)} ({args.dtype})")
+        print(
+            f"decode_attention {kind}: {_tok_s(rows, secs):.0f} tok/s, step {ms:.2f} ms (warm-up {warm:.1f} s), "
+            f"over {s.decode_attention} {_tok_s(rows, secs) / _tok_s(fast, fast_s):.2f}, "
+            f"identical rows {sum(a == b for a, b in zip(rows, fast))}/{len(fast)} ({args.dtype})"
+        )
     if plain is not None:
         print(f"fast_over_plain: {_tok_s(fast, fast_s) / _tok_s(plain, plain_s):.2f}")
         print(f"identical_rows: {sum(a == b for a, b in zip(plain, fast))}/{len(fast)} ({args.dtype})")
@@ -202,8 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"total_s: {time.perf_counter() - begin:.0f}")
 
 
-def warm_and_time(gen: TokenGenerator, prompts: list[list[int]], batch: int) -> tuple[list[list[int]], float, float,
-                                                                                     float]:
+def warm_and_time(
+    gen: TokenGenerator, prompts: list[list[int]], batch: int
+) -> tuple[list[list[int]], float, float, float]:
     """(rows, seconds, warm-up seconds, ms per decode step) of a timed pass over ``prompts`` after one untimed
     call of ``batch`` rows (its compile; none when ``batch`` is 0); the step time is the timed pass's seconds over
     its decode steps. The warm-up's longest row sets transformers' cache-length floor for every later call."""

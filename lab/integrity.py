@@ -47,8 +47,18 @@ def main(argv: list[str] | None = None) -> None:
         forget_hashes()  # what a new process starts with
         first = _timed(lambda: manifest_matches(manifest, "k"))
         again = _timed(lambda: manifest_matches(manifest, "k"))
-    print(json.dumps({"mb": args.mb, "sha256_s": round(plain, 3), "sha256_mb_per_s": round(args.mb / plain, 1),
-                      "first_check_s": round(first, 3), "cached_check_s": round(again, 6)}, indent=2))
+    print(
+        json.dumps(
+            {
+                "mb": args.mb,
+                "sha256_s": round(plain, 3),
+                "sha256_mb_per_s": round(args.mb / plain, 1),
+                "first_check_s": round(first, 3),
+                "cached_check_s": round(again, 6),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -51,8 +51,13 @@ def rows_of(args: argparse.Namespace, vocab: int, rank: int, world: int) -> list
     by_id = {d.id: d for d in docs}
     rows, _ = pack([(d.id, len(d.input_ids)) for d in docs], args.seq_len)
     mine = rows[: args.rows * world][rank::world]
-    return [[SampleTokens(r.sample_id, by_id[r.sample_id].input_ids[: r.num_tokens], [1] * r.num_tokens)
-             for r in row.samples] for row in mine]
+    return [
+        [
+            SampleTokens(r.sample_id, by_id[r.sample_id].input_ids[: r.num_tokens], [1] * r.num_tokens)
+            for r in row.samples
+        ]
+        for row in mine
+    ]
 
 
 def main() -> None:
@@ -76,11 +81,13 @@ def main() -> None:
     aux = [1, layers // 2 - 1, layers - 4] if layers >= 8 else [0, layers - 1]
     budget = args.tokens_per_forward if args.tokens_per_forward == "auto" else int(args.tokens_per_forward)
     if args.sharding == "fsdp":
-        backend = ShardedCaptureBackend(None, aux, model=shard_target(model), device=str(info.device),
-                                        tokens_per_forward=budget)
+        backend = ShardedCaptureBackend(
+            None, aux, model=shard_target(model), device=str(info.device), tokens_per_forward=budget
+        )
     else:
-        backend = HFCaptureBackend(None, aux, model=model.to(info.device), device=str(info.device),
-                                   tokens_per_forward=budget)
+        backend = HFCaptureBackend(
+            None, aux, model=model.to(info.device), device=str(info.device), tokens_per_forward=budget
+        )
     rows = rows_of(args, shape["vocab_size"], info.rank, info.world_size)
     tokens, counts, start = 0, [], time.perf_counter()
     with torch.no_grad():
@@ -108,11 +115,16 @@ def main() -> None:
         per_row = list(zip(*[c for _, c in gathered]))  # [rows][ranks] real forward batches
         real = sum(map(sum, per_row))
         dummy = sum(len(r) * max(r) - sum(r) for r in per_row) if args.sharding == "fsdp" else 0
-        print(f"device: {name} x{info.world_size}, torch {torch.__version__}; target random-{args.target} ({layers} "
-              f"layers), sharding {args.sharding}, forward batch budget {backend.tokens_per_forward} tokens")
-        print(f"summary: sharding={args.sharding} target_tok_s={float(stats[0]) / seconds:,.0f} "
-              f"peak_gib_max_rank={max(p for p, _ in gathered):.2f} forward_batches={real} dummy_batches={dummy} "
-              f"rows_per_rank={len(per_row)} seconds={seconds:.2f}", flush=True)
+        print(
+            f"device: {name} x{info.world_size}, torch {torch.__version__}; target random-{args.target} ({layers} "
+            f"layers), sharding {args.sharding}, forward batch budget {backend.tokens_per_forward} tokens"
+        )
+        print(
+            f"summary: sharding={args.sharding} target_tok_s={float(stats[0]) / seconds:,.0f} "
+            f"peak_gib_max_rank={max(p for p, _ in gathered):.2f} forward_batches={real} dummy_batches={dummy} "
+            f"rows_per_rank={len(per_row)} seconds={seconds:.2f}",
+            flush=True,
+        )
     shutdown(info)
 
 

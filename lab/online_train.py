@@ -63,8 +63,10 @@ class MemoryTokens:
 
     def get(self, sample_id: str) -> dict[str, torch.Tensor]:
         s = self._by_id[sample_id]
-        return {"input_ids": torch.tensor(s.input_ids, dtype=torch.int32),
-                "loss_mask": torch.tensor(s.loss_mask, dtype=torch.uint8)}
+        return {
+            "input_ids": torch.tensor(s.input_ids, dtype=torch.int32),
+            "loss_mask": torch.tensor(s.loss_mask, dtype=torch.uint8),
+        }
 
 
 def documents(args: argparse.Namespace, vocab: int) -> list[SampleTokens]:
@@ -75,7 +77,7 @@ def documents(args: argparse.Namespace, vocab: int) -> list[SampleTokens]:
         ids, lengths = data["ids"].astype(np.int64), data["lengths"]
         start = 0
         for n in lengths:
-            out.append(SampleTokens(f"doc{len(out)}", ids[start:start + n].tolist(), [1] * int(n)))
+            out.append(SampleTokens(f"doc{len(out)}", ids[start : start + n].tolist(), [1] * int(n)))
             start += n
             if start >= need:
                 break
@@ -100,12 +102,21 @@ def random_objective(cfg, model, shape: dict, draft_vocab: int, device: torch.de
     """The trainer's objective (eagle3.train.build.ttt_objective) over a seeded random drafter of the target's dims
     with a random draft vocab; the target's own lm_head supervises."""
     c = model.config
-    dims = DrafterDims(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-                       num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
-                       intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
-                       rope_theta=shape["rope_theta"], rope_scaling=None, vocab_size=c.vocab_size,
-                       draft_vocab_size=draft_vocab, num_aux=3,
-                       target_hidden_size=c.hidden_size, max_position_embeddings=c.max_position_embeddings)
+    dims = DrafterDims(
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.hidden_size // c.num_attention_heads,
+        intermediate_size=c.intermediate_size,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=shape["rope_theta"],
+        rope_scaling=None,
+        vocab_size=c.vocab_size,
+        draft_vocab_size=draft_vocab,
+        num_aux=3,
+        target_hidden_size=c.hidden_size,
+        max_position_embeddings=c.max_position_embeddings,
+    )
     drafter, t2d, d2t = random_drafter(dims, device, torch.Generator(device=device).manual_seed(0))
     lm_head = model.get_output_embeddings().weight.detach()
     if device.type == "cpu":
@@ -127,6 +138,7 @@ def stepper(cfg, objective, fill, info: DistInfo):
 
     def step(row) -> None:
         ttt_update(objective, [fill(batch_to(row.batch, info.device), row)], optimizer, scheduler, 0.5, info)
+
     return step
 
 
@@ -145,8 +157,14 @@ def train_pass(cfg, objective, loader: RowLoader, fill, info: DistInfo, warmup: 
     return time.perf_counter() - start, tokens, peak
 
 
-def target_rate(online: OnlineFeatures, loader: RowLoader, fdt: torch.dtype, device: torch.device,
-                warmup: int, host_tokens: bool = True) -> float:
+def target_rate(
+    online: OnlineFeatures,
+    loader: RowLoader,
+    fdt: torch.dtype,
+    device: torch.device,
+    warmup: int,
+    host_tokens: bool = True,
+) -> float:
     """Tokens/s of the online target alone (row_states, no drafter step) over the loader's rows after ``warmup``."""
     tokens, start = 0, 0.0
     for k, row in enumerate(loader):
@@ -160,16 +178,31 @@ def target_rate(online: OnlineFeatures, loader: RowLoader, fdt: torch.dtype, dev
     return tokens / (time.perf_counter() - start)
 
 
-def online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs, fdir, fdt, info,
-                mode: str, host_tokens: bool = True) -> tuple[float, float]:
+def online_pass(
+    cfg,
+    args,
+    model,
+    shape,
+    draft_vocab,
+    backend,
+    spec,
+    rows,
+    docs,
+    fdir,
+    fdt,
+    info,
+    mode: str,
+    host_tokens: bool = True,
+) -> tuple[float, float]:
     """Online training over ``rows`` with train.online_forward=``mode``: prints the target's and the step's rates;
     ``host_tokens``: the documents' tokens from the host row (the trainer's way), else from its device copy."""
     device = info.device
     online = OnlineFeatures(backend, spec, mode)
 
     def loader() -> RowLoader:
-        return RowLoader(fdir, rows, args.seq_len, fdt, depth=2, pin_memory=device.type == "cuda",
-                         reader=MemoryTokens(docs))
+        return RowLoader(
+            fdir, rows, args.seq_len, fdt, depth=2, pin_memory=device.type == "cuda", reader=MemoryTokens(docs)
+        )
 
     with torch.no_grad():
         target_tok_s = target_rate(online, loader(), fdt, device, args.warmup, host_tokens)
@@ -184,8 +217,11 @@ def online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs,
         profile_steps(cfg, on_obj, loader(), fill, info, args.profile, f"online ({mode} target forward)")
     on_tok_s = on_tokens / on_s
     tokens = "" if host_tokens else ", tokens read from the device"
-    print(f"online train ({mode} target forward{tokens}): {on_tok_s:,.0f} tokens/s, peak {on_gib:.1f} GiB; the target "
-          f"alone {target_tok_s:,.0f} tokens/s", flush=True)
+    print(
+        f"online train ({mode} target forward{tokens}): {on_tok_s:,.0f} tokens/s, peak {on_gib:.1f} GiB; the target "
+        f"alone {target_tok_s:,.0f} tokens/s",
+        flush=True,
+    )
     del on_obj
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -211,15 +247,17 @@ def profile_steps(cfg, objective, loader: RowLoader, fill, info: DistInfo, steps
     print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
 
 
-def cached_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs, fdir, fdt,
-                info) -> tuple[float, float]:
+def cached_pass(
+    cfg, args, model, shape, draft_vocab, backend, spec, rows, docs, fdir, fdt, info
+) -> tuple[float, float]:
     """Online training with every document's states already in the feature cache (module docstring)."""
     device = info.device
     online = OnlineFeatures(backend, spec, "padded", cache=StateCache(1 << 40))  # the rows' states fit: few rows
 
     def loader() -> RowLoader:
-        return RowLoader(fdir, rows, args.seq_len, fdt, depth=2, pin_memory=device.type == "cuda",
-                         reader=MemoryTokens(docs))
+        return RowLoader(
+            fdir, rows, args.seq_len, fdt, depth=2, pin_memory=device.type == "cuda", reader=MemoryTokens(docs)
+        )
 
     def fill(batch, row):
         return online.fill(batch, list(row.lengths), fdt, row.ids, host=row.batch)
@@ -232,8 +270,11 @@ def cached_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs,
     seconds, tokens, gib = train_pass(cfg, obj, loader(), fill, info, args.warmup)
     if args.profile:
         profile_steps(cfg, obj, loader(), fill, info, args.profile, "cached")
-    print(f"online train (cached states, every document a hit): {tokens / seconds:,.0f} tokens/s, peak {gib:.1f} GiB; "
-          f"{online.cache.describe()}", flush=True)
+    print(
+        f"online train (cached states, every document a hit): {tokens / seconds:,.0f} tokens/s, peak {gib:.1f} GiB; "
+        f"{online.cache.describe()}",
+        flush=True,
+    )
     del obj
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -250,27 +291,47 @@ def main() -> None:
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--tokens-file", type=Path, default=None, help="real documents (lab/capture.py --save-tokens)")
     p.add_argument("--device", default="cuda", help="cuda (figures), or cpu for a smoke run with --num-layers 4")
-    p.add_argument("--online-forward", default="packed,padded",
-                   help="train.online_forward modes to time, comma-separated (packed: one forward per row)")
+    p.add_argument(
+        "--online-forward",
+        default="packed,padded",
+        help="train.online_forward modes to time, comma-separated (packed: one forward per row)",
+    )
     p.add_argument("--out-dir", type=Path, default=None, help="where the offline shards go (default: a temp dir)")
-    p.add_argument("--device-tokens", action="store_true",
-                   help="also time each online mode reading the documents' tokens from the device (the old way)")
+    p.add_argument(
+        "--device-tokens",
+        action="store_true",
+        help="also time each online mode reading the documents' tokens from the device (the old way)",
+    )
     p.add_argument("--feature-cache", action="store_true", help="also time online training from a full feature cache")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="print the top ops of N steps of each online mode (and of the cached pass)")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the top ops of N steps of each online mode (and of the cached pass)",
+    )
     args = p.parse_args()
     device = torch.device(args.device)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device, initialized=False)
     shape, draft_vocab = SHAPES[args.target]
-    cfg = validate_config(apply_overrides({}, [f"drafter.ttt_steps={args.ttt_steps}", "train.reuse_block_mask=true"]),
-                          "benchmark")
+    cfg = validate_config(
+        apply_overrides({}, [f"drafter.ttt_steps={args.ttt_steps}", "train.reuse_block_mask=true"]), "benchmark"
+    )
     model = build_target(shape, args.num_layers, device)
     fdt = torch.bfloat16 if device.type == "cuda" else torch.float32  # the trainer's feature dtype
     layers = model.config.num_hidden_layers
     aux = [1, layers // 2 - 1, layers - 4]
-    spec = FeatureSpec(target_name=f"random-{args.target}", target_fingerprint="random",
-                       hidden_size=shape["hidden_size"], num_layers=layers, vocab_size=shape["vocab_size"],
-                       aux_layer_ids=aux, max_len=1 << 20, chat_template_hash="none", backend="hf")
+    spec = FeatureSpec(
+        target_name=f"random-{args.target}",
+        target_fingerprint="random",
+        hidden_size=shape["hidden_size"],
+        num_layers=layers,
+        vocab_size=shape["vocab_size"],
+        aux_layer_ids=aux,
+        max_len=1 << 20,
+        chat_template_hash="none",
+        backend="hf",
+    )
     backend = HFCaptureBackend(None, aux, model=model, device=str(device), tokens_per_forward="auto")
     docs = documents(args, shape["vocab_size"])
     rows, _ = pack([(d.id, len(d.input_ids)) for d in docs], args.seq_len)
@@ -279,10 +340,13 @@ def main() -> None:
     docs = [d for d in docs if d.id in used]
     num_tokens = sum(len(d.input_ids) for d in docs)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"device: {name}, torch {torch.__version__}; target random-{args.target} "
-          f"({layers} layers, bf16), capture batch {backend.tokens_per_forward} tokens "
-          f"({'per-sample' if backend.per_sample else 'padded'} attention); {len(rows)} rows of {args.seq_len} "
-          f"tokens, {len(docs)} documents, {num_tokens} tokens; ttt {args.ttt_steps}", flush=True)
+    print(
+        f"device: {name}, torch {torch.__version__}; target random-{args.target} "
+        f"({layers} layers, bf16), capture batch {backend.tokens_per_forward} tokens "
+        f"({'per-sample' if backend.per_sample else 'padded'} attention); {len(rows)} rows of {args.seq_len} "
+        f"tokens, {len(docs)} documents, {num_tokens} tokens; ttt {args.ttt_steps}",
+        flush=True,
+    )
     out = args.out_dir or Path(tempfile.mkdtemp(prefix="eagle3-online-bench-"))
     try:
         # offline: capture every document to shards (the stage's writer, default settings), then train from disk
@@ -298,8 +362,11 @@ def main() -> None:
         capture_and_write(backend, spec, jobs)
         capture_s = time.perf_counter() - start
         disk = sum(f.stat().st_size for f in fdir.glob("shard-*.safetensors"))
-        print(f"offline capture: {num_tokens / capture_s:,.0f} tokens/s, {capture_s:.1f} s, "
-              f"{disk / 1e9:.2f} GB on disk ({disk / num_tokens:,.0f} B/token)", flush=True)
+        print(
+            f"offline capture: {num_tokens / capture_s:,.0f} tokens/s, {capture_s:.1f} s, "
+            f"{disk / 1e9:.2f} GB on disk ({disk / num_tokens:,.0f} B/token)",
+            flush=True,
+        )
         torch.manual_seed(0)
         off_obj = random_objective(cfg, model, shape, draft_vocab, device)
         loader = RowLoader(fdir, rows, args.seq_len, fdt, depth=2, pin_memory=device.type == "cuda")
@@ -312,29 +379,51 @@ def main() -> None:
         # online: token ids only; the frozen target fills each row on the device, per forward mode
         rates = {}
         for mode in args.online_forward.split(","):
-            rates[mode] = online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs, fdir, fdt,
-                                      info, mode)
+            rates[mode] = online_pass(
+                cfg, args, model, shape, draft_vocab, backend, spec, rows, docs, fdir, fdt, info, mode
+            )
         both = 1 / (1 / (num_tokens / capture_s) + 1 / off_tok_s)
         for mode, (on_tok_s, on_gib) in rates.items():
-            print(f"summary: online_forward={mode} online_tok_s={on_tok_s:,.0f} offline_train_tok_s={off_tok_s:,.0f} "
-                  f"offline_capture_plus_one_epoch_tok_s={both:,.0f} "
-                  f"online_over_offline_train={on_tok_s / off_tok_s:.3f} "
-                  f"online_over_capture_plus_epoch={on_tok_s / both:.3f} disk_bytes_per_token={disk / num_tokens:,.0f} "
-                  f"peak_gib_online={on_gib:.1f} peak_gib_offline={off_gib:.1f}", flush=True)
+            print(
+                f"summary: online_forward={mode} online_tok_s={on_tok_s:,.0f} offline_train_tok_s={off_tok_s:,.0f} "
+                f"offline_capture_plus_one_epoch_tok_s={both:,.0f} "
+                f"online_over_offline_train={on_tok_s / off_tok_s:.3f} "
+                f"online_over_capture_plus_epoch={on_tok_s / both:.3f} disk_bytes_per_token={disk / num_tokens:,.0f} "
+                f"peak_gib_online={on_gib:.1f} peak_gib_offline={off_gib:.1f}",
+                flush=True,
+            )
         for mode in args.online_forward.split(",") if args.device_tokens else ():
-            slow, _ = online_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs, fdir, fdt, info,
-                                  mode, host_tokens=False)
-            print(f"summary: online_forward={mode} host_tokens_over_device_tokens={rates[mode][0] / slow:.3f}",
-                  flush=True)
+            slow, _ = online_pass(
+                cfg,
+                args,
+                model,
+                shape,
+                draft_vocab,
+                backend,
+                spec,
+                rows,
+                docs,
+                fdir,
+                fdt,
+                info,
+                mode,
+                host_tokens=False,
+            )
+            print(
+                f"summary: online_forward={mode} host_tokens_over_device_tokens={rates[mode][0] / slow:.3f}", flush=True
+            )
         if {"packed", "padded"} <= rates.keys():
             print(f"packed_over_padded_online={rates['packed'][0] / rates['padded'][0]:.3f}", flush=True)
         if args.feature_cache:
-            cached_tok_s, cached_gib = cached_pass(cfg, args, model, shape, draft_vocab, backend, spec, rows, docs,
-                                                   fdir, fdt, info)
+            cached_tok_s, cached_gib = cached_pass(
+                cfg, args, model, shape, draft_vocab, backend, spec, rows, docs, fdir, fdt, info
+            )
             best_online = max(r[0] for r in rates.values())
-            print(f"summary: cached_tok_s={cached_tok_s:,.0f} cached_over_online={cached_tok_s / best_online:.3f} "
-                  f"cached_over_offline_train={cached_tok_s / off_tok_s:.3f} peak_gib_cached={cached_gib:.1f}",
-                  flush=True)
+            print(
+                f"summary: cached_tok_s={cached_tok_s:,.0f} cached_over_online={cached_tok_s / best_online:.3f} "
+                f"cached_over_offline_train={cached_tok_s / off_tok_s:.3f} peak_gib_cached={cached_gib:.1f}",
+                flush=True,
+            )
     finally:
         if args.out_dir is None:
             shutil.rmtree(out, ignore_errors=True)

@@ -124,6 +124,7 @@ def in_process_runner(module: str, argv: list[str], budget_s: float) -> bool:
 
 # ------------------------------------------------------------------------------------------------ phases
 
+
 @dataclass
 class Curve:
     """What every phase needs: the preset, overrides, sizes, budgets and how stages are run."""
@@ -210,8 +211,11 @@ def phase_train(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     passes = size.tokens * cfg.train.num_epochs
     budget = c.budgets["train"] + (0 if "train" in c.explicit_budgets else passes / TRAIN_TOKENS_PER_S)
     if c.nproc > 1:
-        return c.run("torch.distributed.run", ["--standalone", f"--nproc-per-node={c.nproc}", "-m",
-                                                  train_stage.__name__, "--config", str(config)], budget)
+        return c.run(
+            "torch.distributed.run",
+            ["--standalone", f"--nproc-per-node={c.nproc}", "-m", train_stage.__name__, "--config", str(config)],
+            budget,
+        )
     return c.run(train_stage.__name__, ["--config", str(config)], budget)
 
 
@@ -246,17 +250,33 @@ def phase_replay(c: Curve, size: Size, variant: Variant | None = None) -> bool:
     """Chain and n-gram acceptance of the size's exported drafter replayed on greedy texts (no decode):
     runs/<name>-N/eval/replayed.json, which the report uses for the methods its decode did not measure."""
     cfg, config = c.size_run(size, variant)
-    return c.run("lab.drafter_shift", [
-        "--config", str(config), "--set", "evaluate.methods=[chain,ngram]", "--eval-prompts", str(greedy_texts(c)),
-        "--replay-only", "--device", cfg.evaluate.device, "--out", str(eval_file(c, size, REPLAYED_FILE, variant))],
-        c.budgets["eval"])
+    return c.run(
+        "lab.drafter_shift",
+        [
+            "--config",
+            str(config),
+            "--set",
+            "evaluate.methods=[chain,ngram]",
+            "--eval-prompts",
+            str(greedy_texts(c)),
+            "--replay-only",
+            "--device",
+            cfg.evaluate.device,
+            "--out",
+            str(eval_file(c, size, REPLAYED_FILE, variant)),
+        ],
+        c.budgets["eval"],
+    )
 
 
 def _differences(mine: object, theirs: object, where: str = "") -> list[str]:
     """The dotted keys at which two config dumps differ."""
     if isinstance(mine, dict) and isinstance(theirs, dict):
-        return [d for k in sorted(set(mine) | set(theirs))
-                for d in _differences(mine.get(k), theirs.get(k), f"{where}.{k}" if where else k)]
+        return [
+            d
+            for k in sorted(set(mine) | set(theirs))
+            for d in _differences(mine.get(k), theirs.get(k), f"{where}.{k}" if where else k)
+        ]
     return [] if mine == theirs else [f"{where} ({mine!r} here, {theirs!r} there)"]
 
 
@@ -272,8 +292,9 @@ def borrowed_eval(c: Curve, size: Size, preset: str) -> Path:
         doc["run"].pop("name")
         doc["evaluate"].pop("methods")
     if diff := _differences(*dumps):
-        raise SystemExit(f"error: --size-run {size.label}={preset}: its run is not the curve's size {size.label}: "
-                         + "; ".join(diff))
+        raise SystemExit(
+            f"error: --size-run {size.label}={preset}: its run is not the curve's size {size.label}: " + "; ".join(diff)
+        )
     return theirs_cfg.run_dir / "eval"
 
 
@@ -299,8 +320,11 @@ PhaseFn = Callable[[Curve, Size, Variant | None], bool]
 def per_run_phases(replay: bool = False) -> list[PhaseFn]:
     """What one size's run does, in the registry's order of the stages: train, export, then evaluate (``replay``:
     replay on greedy texts instead of a decode)."""
-    phases: dict[object, PhaseFn] = {train_stage: phase_train, export_stage: phase_export,
-                                     evaluate_stage: phase_replay if replay else phase_eval}
+    phases: dict[object, PhaseFn] = {
+        train_stage: phase_train,
+        export_stage: phase_export,
+        evaluate_stage: phase_replay if replay else phase_eval,
+    }
     return [phases[s.module] for s in STAGES if s.module in phases]
 
 
@@ -373,34 +397,64 @@ def _size_run(sizes: list[Size], item: str) -> tuple[int, str]:
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments and run the phases; exit status 3 when one was cut short."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("phase", help="data | train-N | export-N | eval-N | replay-N | size-N | sweep | "
-                                      "sweep-VARIANT | report | all | pack-journals DIR | unpack-journals DIR | "
-                                      "pack-results DIR | unpack-results DIR; "
-                                      "several phases comma-separated (data,train-14.2M,...) run in order")
+    parser.add_argument(
+        "phase",
+        help="data | train-N | export-N | eval-N | replay-N | size-N | sweep | "
+        "sweep-VARIANT | report | all | pack-journals DIR | unpack-journals DIR | "
+        "pack-results DIR | unpack-results DIR; "
+        "several phases comma-separated (data,train-14.2M,...) run in order",
+    )
     parser.add_argument("folder", nargs="?", type=Path, help="pack-* / unpack-*: the folder of the parts")
     parser.add_argument("--preset", default=DEFAULT_PRESET)
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="token budgets, ascending (e.g. 3M,10M,20M)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--budget-s", action="append", default=[], metavar="PHASE=SECONDS",
-                        help=f"phase budgets (defaults {DEFAULT_BUDGETS_S}; the default train budget adds "
-                             f"N x epochs / {TRAIN_TOKENS_PER_S} for size N, a given one is the whole budget)")
-    parser.add_argument("--ngram-every-size", action="store_true",
-                        help="measure n-gram at every size and sweep variant")
-    parser.add_argument("--variants", default="", help="sweep: only these variants (comma-separated labels, e.g. "
-                                                        "lr-x2,vocab-32768); default all")
-    parser.add_argument("--with-weights", action="store_true",
-                        help="pack-results: the exported drafters too (to evaluate one again on another host)")
+    parser.add_argument(
+        "--budget-s",
+        action="append",
+        default=[],
+        metavar="PHASE=SECONDS",
+        help=f"phase budgets (defaults {DEFAULT_BUDGETS_S}; the default train budget adds "
+        f"N x epochs / {TRAIN_TOKENS_PER_S} for size N, a given one is the whole budget)",
+    )
+    parser.add_argument(
+        "--ngram-every-size", action="store_true", help="measure n-gram at every size and sweep variant"
+    )
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="sweep: only these variants (comma-separated labels, e.g. lr-x2,vocab-32768); default all",
+    )
+    parser.add_argument(
+        "--with-weights",
+        action="store_true",
+        help="pack-results: the exported drafters too (to evaluate one again on another host)",
+    )
     parser.add_argument("--pack-results-to", type=Path, help="pack-results into this folder after every phase")
-    parser.add_argument("--size-run", action="append", default=[], metavar="N=PRESET",
-                        help="report: take size N from PRESET's run (checked to be that size's run under another name)")
+    parser.add_argument(
+        "--size-run",
+        action="append",
+        default=[],
+        metavar="N=PRESET",
+        help="report: take size N from PRESET's run (checked to be that size's run under another name)",
+    )
     parser.add_argument("--in-process", action="store_true", help="run stages in this process, no budgets")
-    parser.add_argument("--deadline-s", type=float, help="end every phase within this many seconds from now (a GPU "
-                                                         "command's limit); the same command continues later")
-    parser.add_argument("--replay-smaller", action="store_true",
-                        help="all: decode the largest size only (with n-gram), replay the smaller sizes on its texts; "
-                             "sweep: replay the variants")
-    parser.add_argument("--greedy-texts", type=Path, help="replay-N: an evaluation's prompts.jsonl of the same "
-                                                          "target and prompts (default: the first size's)")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        help="end every phase within this many seconds from now (a GPU "
+        "command's limit); the same command continues later",
+    )
+    parser.add_argument(
+        "--replay-smaller",
+        action="store_true",
+        help="all: decode the largest size only (with n-gram), replay the smaller sizes on its texts; "
+        "sweep: replay the variants",
+    )
+    parser.add_argument(
+        "--greedy-texts",
+        type=Path,
+        help="replay-N: an evaluation's prompts.jsonl of the same target and prompts (default: the first size's)",
+    )
     args = parser.parse_args(argv)
     budgets = dict(DEFAULT_BUDGETS_S)
     for item in args.budget_s:
@@ -411,18 +465,33 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [Size(parse_tokens(s)) for s in args.sizes.split(",")]
     if [s.tokens for s in sizes] != sorted({s.tokens for s in sizes}):
         raise SystemExit(f"error: --sizes {args.sizes} must be distinct and ascending")
-    curve = Curve(args.preset, args.overrides, sizes, budgets,
-                  in_process_runner if args.in_process else subprocess_runner,
-                  args.ngram_every_size, int(os.environ.get("NPROC", "1")),
-                  tuple(v for v in args.variants.split(",") if v),
-                  frozenset(item.partition("=")[0] for item in args.budget_s), args.greedy_texts,
-                  args.replay_smaller, None if args.deadline_s is None else time.monotonic() + args.deadline_s,
-                  tuple(_size_run(sizes, item) for item in args.size_run), args.pack_results_to, args.with_weights)
+    curve = Curve(
+        args.preset,
+        args.overrides,
+        sizes,
+        budgets,
+        in_process_runner if args.in_process else subprocess_runner,
+        args.ngram_every_size,
+        int(os.environ.get("NPROC", "1")),
+        tuple(v for v in args.variants.split(",") if v),
+        frozenset(item.partition("=")[0] for item in args.budget_s),
+        args.greedy_texts,
+        args.replay_smaller,
+        None if args.deadline_s is None else time.monotonic() + args.deadline_s,
+        tuple(_size_run(sizes, item) for item in args.size_run),
+        args.pack_results_to,
+        args.with_weights,
+    )
     if args.phase in curve_carry.PHASES:
         if args.folder is None:
             raise SystemExit(f"error: {args.phase} needs a folder")
-        print("\n".join(curve_carry.run(args.phase, base_config(curve.preset, curve.overrides).run_dir, args.folder,
-                                        args.with_weights)))
+        print(
+            "\n".join(
+                curve_carry.run(
+                    args.phase, base_config(curve.preset, curve.overrides).run_dir, args.folder, args.with_weights
+                )
+            )
+        )
         return 0
     if args.phase != "all":
         return 0 if run_phases(curve, args.phase.split(",")) else CUT_SHORT

@@ -64,8 +64,11 @@ MARKER = ".sglang_assets_installed"
 MANIFEST_ROOM = 1 << 16
 """Bytes of each bundle left for curve_assets' manifest, so a whole bundle folder stays under --limit-mib."""
 PYTHON_VERSION = "3.12"
-PLATFORMS = ([f"manylinux_2_{minor}_x86_64" for minor in range(35, 4, -1)]
-             + ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"])
+PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(35, 4, -1)] + [
+    "manylinux2014_x86_64",
+    "manylinux2010_x86_64",
+    "manylinux1_x86_64",
+]
 KEEP = "sgl_kernel/__init__.py"
 PROTECTED = "infllm_ops"
 
@@ -83,11 +86,15 @@ class Trim:
 
 
 TRIMS = (
-    Trim("sgl_kernel/flash_ops.abi3.so",
-         "FlashAttention-3, 1.12 GB unpacked; only sgl_kernel/flash_attn.py imports it (the fa3 attention backend); "
-         "serve with --attention-backend triton or flashinfer"),
-    Trim("sgl_kernel/sm100/",
-         "the common_ops build loaded on GPUs other than compute capability 9.0; H100/H200 load sgl_kernel/sm90/"),
+    Trim(
+        "sgl_kernel/flash_ops.abi3.so",
+        "FlashAttention-3, 1.12 GB unpacked; only sgl_kernel/flash_attn.py imports it (the fa3 attention backend); "
+        "serve with --attention-backend triton or flashinfer",
+    ),
+    Trim(
+        "sgl_kernel/sm100/",
+        "the common_ops build loaded on GPUs other than compute capability 9.0; H100/H200 load sgl_kernel/sm90/",
+    ),
 )
 
 
@@ -116,8 +123,14 @@ def parse_lock(text: str) -> list[Pin]:
             continue
         fields = line.split()
         requirement, _, rest = fields[0].partition("==")
-        if (len(fields) != 4 or not requirement or not rest or len(fields[1]) != 64
-                or not set(fields[1]) <= set(string.hexdigits) or not fields[2].isdigit()):
+        if (
+            len(fields) != 4
+            or not requirement
+            or not rest
+            or len(fields[1]) != 64
+            or not set(fields[1]) <= set(string.hexdigits)
+            or not fields[2].isdigit()
+        ):
             raise ValueError(f"lock line {number}: expected 'name==version sha256 size filename', got {raw!r}")
         pins.append(Pin(requirement, rest, fields[1].lower(), int(fields[2]), fields[3]))
     if len({p.filename for p in pins}) != len(pins):
@@ -160,8 +173,24 @@ def verify(pins: Sequence[Pin], dest: Path) -> None:
 def pip_download(requirements: Sequence[str], dest: Path) -> None:
     """``pip download`` the requirements as py3.12/x86_64 binaries, without dependencies, into ``dest``."""
     platforms = [arg for tag in PLATFORMS for arg in ("--platform", tag)]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "--python-version", PYTHON_VERSION, *platforms, "-d", str(dest), *requirements], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            PYTHON_VERSION,
+            *platforms,
+            "-d",
+            str(dest),
+            *requirements,
+        ],
+        check=True,
+    )
 
 
 def download(pins: Sequence[Pin], dest: Path) -> None:
@@ -179,8 +208,10 @@ def trimmed_members(names: Sequence[str], trims: Sequence[Trim] = TRIMS) -> list
     """The wheel members that stay; every trim must match a member, and KEEP and PROTECTED files must stay."""
     for trim in trims:
         if not any(trim.matches(name) for name in names):
-            raise ValueError(f"trim {trim.path!r} matches nothing in the kernel wheel: the kernel's layout changed; "
-                             "check whether the trim is still safe and update TRIMS")
+            raise ValueError(
+                f"trim {trim.path!r} matches nothing in the kernel wheel: the kernel's layout changed; "
+                "check whether the trim is still safe and update TRIMS"
+            )
     kept = [name for name in names if not any(trim.matches(name) for trim in trims)]
     if KEEP not in kept:
         raise ValueError(f"{KEEP} is not in the trimmed kernel (absent from the wheel, or trimmed)")
@@ -235,8 +266,23 @@ def pack(pins: Sequence[Pin], dest: Path, out: Path, limit: int) -> list[Path]:
 
 def pip_install(wheels: Sequence[Path], site: Path) -> None:
     """Install wheels into ``site`` without an index or dependencies."""
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--upgrade",
+            "--target",
+            str(site),
+            *map(str, wheels),
+        ],
+        check=True,
+    )
 
 
 def extract(tarball: Path, site: Path) -> None:
@@ -248,8 +294,9 @@ def extract(tarball: Path, site: Path) -> None:
 def import_check(site: Path) -> int:
     """Run ``import sglang`` with PYTHONPATH=site; returns its exit status."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-c", "import sglang; print('sglang', sglang.__version__)"],
-                          env=env).returncode
+    return subprocess.run(
+        [sys.executable, "-c", "import sglang; print('sglang', sglang.__version__)"], env=env
+    ).returncode
 
 
 def install(bundle: Path, stage: Path, site: Path) -> tuple[list[str], bool]:
@@ -295,17 +342,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     """download | trim | pack | all (here); install (on the GPU host, once per bundle)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    commands = {name: sub.add_parser(name, help=text) for name, text in [
-        ("download", "fetch and verify the locked files"), ("trim", f"write {TRIMMED} from the kernel wheel"),
-        ("pack", "write .sglang/bundle-K folders"), ("all", "download, trim and pack"),
-        ("install", "take in one carried bundle on the GPU host")]}
+    commands = {
+        name: sub.add_parser(name, help=text)
+        for name, text in [
+            ("download", "fetch and verify the locked files"),
+            ("trim", f"write {TRIMMED} from the kernel wheel"),
+            ("pack", "write .sglang/bundle-K folders"),
+            ("all", "download, trim and pack"),
+            ("install", "take in one carried bundle on the GPU host"),
+        ]
+    }
     for name in ("download", "trim", "pack", "all"):
         commands[name].add_argument("--lock", type=Path, default=DEFAULT_LOCK)
         commands[name].add_argument("--dest", type=Path, default=DEFAULT_DEST, help="where the files are downloaded")
     for name in ("pack", "all"):
         commands[name].add_argument("--out", type=Path, default=Path(".sglang"))
-        commands[name].add_argument("--limit-mib", type=float, default=58.0,
-                                    help="bytes per bundle folder; leave room for the repository under 64 MiB")
+        commands[name].add_argument(
+            "--limit-mib",
+            type=float,
+            default=58.0,
+            help="bytes per bundle folder; leave room for the repository under 64 MiB",
+        )
     commands["install"].add_argument("bundle", type=Path)
     commands["install"].add_argument("--stage", type=Path, default=Path("/tmp/sglang-stage"))
     commands["install"].add_argument("--site", type=Path, default=Path("/tmp/sglang-site"))
@@ -321,8 +378,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         wheel = args.dest / kernel_pin(pins).filename
         dropped = trim(wheel, args.dest / TRIMMED)
         size = (args.dest / TRIMMED).stat().st_size
-        print(f"{args.dest / TRIMMED}: {size:,} bytes, sha256 {curve_assets.sha256_of(args.dest / TRIMMED)}; "
-              f"dropped {', '.join(dropped)}")
+        print(
+            f"{args.dest / TRIMMED}: {size:,} bytes, sha256 {curve_assets.sha256_of(args.dest / TRIMMED)}; "
+            f"dropped {', '.join(dropped)}"
+        )
     if args.cmd in ("pack", "all"):
         print_bundles(pack(pins, args.dest, args.out, int(args.limit_mib * (1 << 20))))
     return 0

@@ -107,8 +107,12 @@ def block_sums(ref: np.ndarray, got: np.ndarray) -> BlockSums:
     finite = np.isfinite(ref64) & np.isfinite(got64)
     diff = np.where(finite, got64 - ref64, 0.0)
     ref_f = np.where(finite, ref64, 0.0)
-    return BlockSums(float(np.sum(diff * diff)), float(np.sum(ref_f * ref_f)),
-                     float(np.max(np.abs(diff))) if diff.size else 0.0, int(finite.size - finite.sum()))
+    return BlockSums(
+        float(np.sum(diff * diff)),
+        float(np.sum(ref_f * ref_f)),
+        float(np.max(np.abs(diff))) if diff.size else 0.0,
+        int(finite.size - finite.sum()),
+    )
 
 
 def split_blocks(aux: np.ndarray, num_blocks: int) -> list[np.ndarray]:
@@ -118,11 +122,14 @@ def split_blocks(aux: np.ndarray, num_blocks: int) -> list[np.ndarray]:
     return np.split(aux, num_blocks, axis=1)
 
 
-def compare_states(ref_aux: np.ndarray, got_aux: np.ndarray, num_aux: int, ref_final: np.ndarray | None,
-                   got_final: np.ndarray | None) -> dict[str, BlockSums]:
+def compare_states(
+    ref_aux: np.ndarray, got_aux: np.ndarray, num_aux: int, ref_final: np.ndarray | None, got_final: np.ndarray | None
+) -> dict[str, BlockSums]:
     """Per aux layer ('aux0'..) and 'final': the sums of got against ref (final only when both have it)."""
-    out = {f"aux{k}": block_sums(r, g)
-           for k, (r, g) in enumerate(zip(split_blocks(ref_aux, num_aux), split_blocks(got_aux, num_aux)))}
+    out = {
+        f"aux{k}": block_sums(r, g)
+        for k, (r, g) in enumerate(zip(split_blocks(ref_aux, num_aux), split_blocks(got_aux, num_aux)))
+    }
     if ref_final is not None and got_final is not None:
         out["final"] = block_sums(ref_final, got_final)
     return out
@@ -157,8 +164,9 @@ class States:
 
             return t.to(torch.float32, copy=True).numpy()
 
-        return cls(sample.id, sample.input_ids.tolist(), host(sample.aux),
-                   None if sample.final is None else host(sample.final))
+        return cls(
+            sample.id, sample.input_ids.tolist(), host(sample.aux), None if sample.final is None else host(sample.final)
+        )
 
 
 @dataclass
@@ -187,8 +195,10 @@ def first_train_samples(tokenized: Path, num: int) -> list[SampleTokens]:
     table = read_tokenized(tokenized, columns=["id", "input_ids", "loss_mask"], split="train").slice(0, num)
     if table.num_rows == 0:
         raise ValueError(f"{tokenized} has no train rows")
-    return [SampleTokens(i, ids, mask) for i, ids, mask in
-            zip(table["id"].to_pylist(), table["input_ids"].to_pylist(), table["loss_mask"].to_pylist())]
+    return [
+        SampleTokens(i, ids, mask)
+        for i, ids, mask in zip(table["id"].to_pylist(), table["input_ids"].to_pylist(), table["loss_mask"].to_pylist())
+    ]
 
 
 def timed_capture(backend: Any, samples: list[SampleTokens], warmup: int, label: str) -> tuple[list[States], Timing]:
@@ -211,8 +221,9 @@ def timed_capture(backend: Any, samples: list[SampleTokens], warmup: int, label:
     return out, Timing(len(out), tokens, round(warmup_s, 3), round(time.perf_counter() - t0, 3))
 
 
-def hf_capture(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, samples: list[SampleTokens],
-               warmup: int) -> tuple[list[States], Timing]:
+def hf_capture(
+    cfg: RunConfig, model_dir: Path, spec: FeatureSpec, samples: list[SampleTokens], warmup: int
+) -> tuple[list[States], Timing]:
     """The in-process HF capture, built as the capture stage builds it (make_backend, cfg's device and dtype)."""
     from eagle3.features.capture import make_backend
 
@@ -229,29 +240,38 @@ def hf_capture(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, samples: list
     return states, timing
 
 
-def sglang_capture(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, samples: list[SampleTokens], warmup: int,
-                   module: str) -> tuple[list[States], Timing]:
+def sglang_capture(
+    cfg: RunConfig, model_dir: Path, spec: FeatureSpec, samples: list[SampleTokens], warmup: int, module: str
+) -> tuple[list[States], Timing]:
     """A managed capture_packed server through SGLangCaptureBackend.from_config; stopped before returning."""
     from eagle3.features.sglang_backend import SGLangCaptureBackend
 
     cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"launch_module": module})})
-    say(f"sglang: starting a managed capture_packed server ({cfg.server.python} -m {module}, "
-        f"port {cfg.capture.sglang.port})")
+    say(
+        f"sglang: starting a managed capture_packed server ({cfg.server.python} -m {module}, "
+        f"port {cfg.capture.sglang.port})"
+    )
     t0 = time.perf_counter()
     try:
         backend = SGLangCaptureBackend.from_config(cfg, model_dir, spec)
     except Exception as exc:
-        raise RuntimeError(f"SGLang capture server did not start (log: {cfg.run_dir / 'logs'}): "
-                           f"{type(exc).__name__}: {exc}") from exc
+        raise RuntimeError(
+            f"SGLang capture server did not start (log: {cfg.run_dir / 'logs'}): {type(exc).__name__}: {exc}"
+        ) from exc
     start_s = time.perf_counter() - t0
     try:
         (server,) = backend.owned_servers
         report = server.report
         say(f"sglang: server ready after {start_s:.1f} s: version {report.version}, smoke: {report.smoke}")
         states, timing = timed_capture(backend, samples, warmup, "sglang")
-        timing.extra = {"version": report.version, "smoke": report.smoke, "num_retries": backend.num_retries,
-                        "num_restarts": server.num_restarts, "log": str(server.log_path),
-                        "argv": server.process.printable_argv}
+        timing.extra = {
+            "version": report.version,
+            "smoke": report.smoke,
+            "num_retries": backend.num_retries,
+            "num_restarts": server.num_restarts,
+            "log": str(server.log_path),
+            "argv": server.process.printable_argv,
+        }
     finally:
         backend.close()
     timing.start_s = round(start_s, 3)
@@ -262,8 +282,9 @@ def sglang_capture(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, samples: 
 # ---------------------------------------------------------------- comparison report
 
 
-def compare_all(ref: list[States], got: list[States], num_aux: int
-                ) -> tuple[list[dict[str, Any]], dict[str, BlockSums]]:
+def compare_all(
+    ref: list[States], got: list[States], num_aux: int
+) -> tuple[list[dict[str, Any]], dict[str, BlockSums]]:
     """Per-sample figures and the overall sums; a sample whose ids differ is an error (not compared)."""
     per_sample, overall = [], {}
     for r, g in zip(ref, got, strict=True):
@@ -272,8 +293,9 @@ def compare_all(ref: list[States], got: list[States], num_aux: int
         figures = compare_states(r.aux, g.aux, num_aux, r.final, g.final)
         for name, sums in figures.items():
             overall.setdefault(name, BlockSums()).add(sums)
-        per_sample.append({"id": r.id, "num_tokens": len(r.input_ids)}
-                          | {name: sums.to_json() for name, sums in figures.items()})
+        per_sample.append(
+            {"id": r.id, "num_tokens": len(r.input_ids)} | {name: sums.to_json() for name, sums in figures.items()}
+        )
     return per_sample, overall
 
 
@@ -283,8 +305,11 @@ def print_table(overall: dict[str, BlockSums], per_sample: list[dict[str, Any]],
     print(f"{'state':<20} {'rel_rms':>11} {'max_abs':>11} {'nonfinite':>9}  worst sample (rel_rms)", flush=True)
     for key, sums in overall.items():
         worst = max(per_sample, key=lambda s: _sortable(s[key]["rel_rms"]))
-        print(f"{names.get(key, key):<20} {sums.rel_rms:>11.3e} {sums.max_abs:>11.3e} {sums.nonfinite:>9}  "
-              f"{worst['id']} ({worst[key]['rel_rms']})", flush=True)
+        print(
+            f"{names.get(key, key):<20} {sums.rel_rms:>11.3e} {sums.max_abs:>11.3e} {sums.nonfinite:>9}  "
+            f"{worst['id']} ({worst[key]['rel_rms']})",
+            flush=True,
+        )
 
 
 def state_labels(aux_layer_ids: list[int]) -> dict[str, str]:
@@ -343,8 +368,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_server_args(parser, "cfg's server.python")
     parser.add_argument("--tol", type=float, default=DEFAULT_TOL, help="rel RMS goal (default 1e-2)")
     parser.add_argument("--compare-with-self", action="store_true", help="compare HF against HF (no SGLang)")
-    parser.add_argument("--reference-dtype", choices=["float32"],
-                        help="run the HF reference in this dtype: with --compare-with-self, HF's own bf16 error")
+    parser.add_argument(
+        "--reference-dtype",
+        choices=["float32"],
+        help="run the HF reference in this dtype: with --compare-with-self, HF's own bf16 error",
+    )
     parser.add_argument("--kill-test", action="store_true", help="also run the kill-and-resume test")
     parser.add_argument("--no-compare", action="store_true", help="only the kill test")
     parser.add_argument("--min-shards", type=int, default=6, help="kill test: shards at least (default 6)")
@@ -369,8 +397,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_run_config(args.config)
     args.python = args.python or cfg.server.python
     out = args.out or cfg.run_dir / "bench-capture" / "results.json"
-    results: dict[str, Any] = {"config": str(args.config), "module": args.module, "python": args.python,
-                               "server_args": args.server_args, "samples_asked": args.samples}
+    results: dict[str, Any] = {
+        "config": str(args.config),
+        "module": args.module,
+        "python": args.python,
+        "server_args": args.server_args,
+        "samples_asked": args.samples,
+    }
+
     def body() -> list[str]:
         if args.kill_test or not args.compare_with_self:  # SGLang runs
             results["installed_sglang"] = installed_sglang(args.python)

@@ -39,7 +39,6 @@ from lab.sglang_lab import bench_config, say  # noqa: E402
 KILL_MARKER = ".sglang-killtest"
 
 
-
 @dataclass(frozen=True)
 class FileStamp:
     """A file's content hash and modification time (a rewrite changes the mtime even with equal bytes)."""
@@ -77,7 +76,7 @@ def server_pid(capture_pid: int, module: str, port: int) -> int | None:
     """The descendant of the capture process running ``-m module`` with ``--port port`` (the group leader)."""
     for pid in descendants(capture_pid):
         argv = cmdline(pid)
-        if module in argv and "--port" in argv and argv[argv.index("--port") + 1:][:1] == [str(port)]:
+        if module in argv and "--port" in argv and argv[argv.index("--port") + 1 :][:1] == [str(port)]:
             return pid
     return None
 
@@ -111,12 +110,14 @@ def prepare_kill_run(cfg: RunConfig, args: argparse.Namespace) -> tuple[RunConfi
     copy_tokenize_manifest(tokenize.manifest(src.root), tokenize.manifest(dst.root), dst.tokenized, args.samples)
     tokens_per_shard = shard_budget(dst.tokenized, num_tokens, args.min_shards)
     bench = bench_config(kcfg, args, "sglang")
-    capture = bench.capture.model_copy(update={"supervision": cfg.capture.supervision,
-                                               "tokens_per_shard": tokens_per_shard})
+    capture = bench.capture.model_copy(
+        update={"supervision": cfg.capture.supervision, "tokens_per_shard": tokens_per_shard}
+    )
     server = bench.server.model_copy(update={"python": stage_python(kdir, args)})
     # The stage captures nothing for a run that trains online: this run is offline whatever RUN does.
-    kcfg = kcfg.model_copy(update={"capture": capture, "server": server,
-                                   "train": kcfg.train.model_copy(update={"features": "offline"})})
+    kcfg = kcfg.model_copy(
+        update={"capture": capture, "server": server, "train": kcfg.train.model_copy(update={"features": "offline"})}
+    )
     path = save_config(kcfg, kdir / "bench-config.json")
     return validate_config(read_config_file(path), str(path)), path
 
@@ -166,10 +167,12 @@ def stage_python(kdir: Path, args: argparse.Namespace) -> str:
     if args.module == LAUNCH_MODULE:
         return args.python
     shim = kdir / "python-shim"
-    shim.write_text(f'#!/bin/sh\n# -m {LAUNCH_MODULE} -> -m {args.module} (lab/sglang_capture.py dry run)\n'
-                    f'if [ "$1" = "-m" ] && [ "$2" = "{LAUNCH_MODULE}" ]; then shift 2; '
-                    f'exec "{os.path.abspath(args.python)}" -m {args.module} "$@"; fi\n'
-                    f'exec "{os.path.abspath(args.python)}" "$@"\n')
+    shim.write_text(
+        f"#!/bin/sh\n# -m {LAUNCH_MODULE} -> -m {args.module} (lab/sglang_capture.py dry run)\n"
+        f'if [ "$1" = "-m" ] && [ "$2" = "{LAUNCH_MODULE}" ]; then shift 2; '
+        f'exec "{os.path.abspath(args.python)}" -m {args.module} "$@"; fi\n'
+        f'exec "{os.path.abspath(args.python)}" "$@"\n'
+    )
     shim.chmod(0o755)
     return str(shim)
 
@@ -188,8 +191,11 @@ def run_kill_test(cfg: RunConfig, args: argparse.Namespace, results: dict[str, A
     sg = types.SimpleNamespace(host=kcfg.server.host, port=kcfg.capture.sglang.port)  # the managed server's address
     log_path = kcfg.run_dir / "logs" / "sglang-capture_packed.log"
     cmd = stage_command(config_path)
-    figures: dict[str, Any] = {"run_dir": str(kcfg.run_dir), "tokens_per_shard": kcfg.capture.tokens_per_shard,
-                               "command": cmd}
+    figures: dict[str, Any] = {
+        "run_dir": str(kcfg.run_dir),
+        "tokens_per_shard": kcfg.capture.tokens_per_shard,
+        "command": cmd,
+    }
     results["kill_test"] = figures
     say(f"kill test: {' '.join(cmd)}")
     first = launch_stage(cmd, kcfg.run_dir / "capture-stage-1.out")
@@ -220,8 +226,7 @@ def launch_stage(cmd: list[str], out: Path) -> subprocess.Popen[bytes]:
     """The stage in its own process group (so a failed test can kill it whole), output to ``out``."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(out, "wb") as sink:
-        return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                start_new_session=True)
+        return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
 
 
 def stop_stage(proc: subprocess.Popen[bytes], module: str, port: int) -> None:
@@ -237,8 +242,9 @@ def stop_stage(proc: subprocess.Popen[bytes], module: str, port: int) -> None:
     proc.wait()
 
 
-def kill_during(proc: subprocess.Popen[bytes], fdir: Path, module: str, sg: Any, figures: dict[str, Any],
-                timeout_s: float) -> list[str]:
+def kill_during(
+    proc: subprocess.Popen[bytes], fdir: Path, module: str, sg: Any, figures: dict[str, Any], timeout_s: float
+) -> list[str]:
     """Wait for 2 done shards, SIGKILL the server, watch it come back, wait for the stage to end."""
     t0 = time.monotonic()
     while len(done_shards(fdir)) < 2:
@@ -269,8 +275,16 @@ def kill_during(proc: subprocess.Popen[bytes], fdir: Path, module: str, sg: Any,
     return failures + ([f"shards done before the kill were rewritten: {rewritten}"] if rewritten else [])
 
 
-def watch_restart(proc: subprocess.Popen[bytes], old_pid: int, module: str, sg: Any, killed_at: float,
-                  done_at_kill: int, fdir: Path, timeout_s: float) -> dict[str, Any]:
+def watch_restart(
+    proc: subprocess.Popen[bytes],
+    old_pid: int,
+    module: str,
+    sg: Any,
+    killed_at: float,
+    done_at_kill: int,
+    fdir: Path,
+    timeout_s: float,
+) -> dict[str, Any]:
     """Seconds from the kill to: a new server process, its /health answering 200, the next complete shard."""
     seen: dict[str, Any] = {}
     url = f"http://{sg.host}:{sg.port}"
@@ -307,8 +321,9 @@ def check_after_kill(figures: dict[str, Any], after: dict[str, FileStamp], log_p
     return failures
 
 
-def check_rerun(cmd: list[str], out: Path, fdir: Path, after: dict[str, FileStamp], figures: dict[str, Any],
-                timeout_s: float) -> list[str]:
+def check_rerun(
+    cmd: list[str], out: Path, fdir: Path, after: dict[str, FileStamp], figures: dict[str, Any], timeout_s: float
+) -> list[str]:
     """The stage once more: exit 0, computed false, no shard file touched."""
     t0 = time.monotonic()
     proc = launch_stage(cmd, out)
@@ -320,8 +335,12 @@ def check_rerun(cmd: list[str], out: Path, fdir: Path, after: dict[str, FileStam
     text = out.read_text(errors="replace")
     computed = '"computed": false' not in text
     touched = [name for name, s in stamps(fdir).items() if after.get(name) != s]
-    figures["rerun"] = {"exit": proc.returncode, "elapsed_s": round(time.monotonic() - t0, 2),
-                        "computed": computed, "touched": touched}
+    figures["rerun"] = {
+        "exit": proc.returncode,
+        "elapsed_s": round(time.monotonic() - t0, 2),
+        "computed": computed,
+        "touched": touched,
+    }
     failures = [] if proc.returncode == 0 else [f"the second run exited {proc.returncode}: {text[-500:]}"]
     if computed:
         failures.append("the second run was not a no-op (no '\"computed\": false' in its output)")
@@ -329,5 +348,3 @@ def check_rerun(cmd: list[str], out: Path, fdir: Path, after: dict[str, FileStam
 
 
 # ---------------------------------------------------------------- command line
-
-

@@ -71,8 +71,9 @@ def logits_at(model: Any, prompt: list[int], prefix: list[int], device: str) -> 
         return model(input_ids=ids).logits[0, -1].float().cpu()
 
 
-def analyse(model: Any, prompts: list[list[int]], groups: list[str], a: list[list[int]], b: list[list[int]],
-            device: str) -> list[Split]:
+def analyse(
+    model: Any, prompts: list[list[int]], groups: list[str], a: list[list[int]], b: list[list[int]], device: str
+) -> list[Split]:
     """A Split for every prompt whose outputs a and b differ."""
     splits = []
     for i, (prompt, out_a, out_b) in enumerate(zip(prompts, a, b, strict=True)):
@@ -84,8 +85,9 @@ def analyse(model: Any, prompts: list[list[int]], groups: list[str], a: list[lis
         tok_a = out_a[at] if at < len(out_a) else None
         tok_b = out_b[at] if at < len(out_b) else None
         gap = float(logits[tok_a] - logits[tok_b]) if tok_a is not None and tok_b is not None else None
-        splits.append(Split(i, groups[i], at, tok_a, tok_b, gap, int(top.indices[0]),
-                            float(top.values[0] - top.values[1])))
+        splits.append(
+            Split(i, groups[i], at, tok_a, tok_b, gap, int(top.indices[0]), float(top.values[0] - top.values[1]))
+        )
     return splits
 
 
@@ -96,10 +98,14 @@ def summarize(splits: list[Split], groups: list[str], names: tuple[str, str]) ->
         total = len(idx)
         mine = [s for s in splits if dataset in ("all", s.dataset)]
         wide = [s for s in mine if s.gap_fp32 is not None and not s.near_tie]
-        out[dataset] = {"prompts": total, "identical": total - len(mine), "near_tie": sum(s.near_tie for s in mine),
-                        "stopped": sum(s.gap_fp32 is None for s in mine),
-                        f"wide_for_{names[0]}": sum(s.gap_fp32 > 0 for s in wide if s.gap_fp32 is not None),
-                        f"wide_for_{names[1]}": sum(s.gap_fp32 < 0 for s in wide if s.gap_fp32 is not None)}
+        out[dataset] = {
+            "prompts": total,
+            "identical": total - len(mine),
+            "near_tie": sum(s.near_tie for s in mine),
+            "stopped": sum(s.gap_fp32 is None for s in mine),
+            f"wide_for_{names[0]}": sum(s.gap_fp32 > 0 for s in wide if s.gap_fp32 is not None),
+            f"wide_for_{names[1]}": sum(s.gap_fp32 < 0 for s in wide if s.gap_fp32 is not None),
+        }
     return out
 
 
@@ -155,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(splits, sent.groups, names)
     for dataset, row in summary.items():
         print(f"{dataset}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
-    result = {"compared": names, "near_tie_logits": NEAR_TIE, "summary": summary,
-              "splits": [asdict(s) | {"near_tie": s.near_tie} for s in splits]}
+    result = {
+        "compared": names,
+        "near_tie_logits": NEAR_TIE,
+        "summary": summary,
+        "splits": [asdict(s) | {"near_tie": s.near_tie} for s in splits],
+    }
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0

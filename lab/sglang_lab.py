@@ -50,8 +50,9 @@ def installed_sglang(python: str, timeout_s: float = 120.0) -> str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise RuntimeError(f"cannot ask {python!r} for its sglang version: {type(exc).__name__}: {exc}") from exc
     if done.returncode != 0:
-        raise RuntimeError(f"{python!r} has no sglang distribution (exit {done.returncode}): "
-                           f"{done.stderr.strip()[-400:]}")
+        raise RuntimeError(
+            f"{python!r} has no sglang distribution (exit {done.returncode}): {done.stderr.strip()[-400:]}"
+        )
     return done.stdout.strip()
 
 
@@ -76,8 +77,9 @@ def run_and_record(out: Path, results: dict[str, Any], body: Callable[[], list[s
     try:
         failures = body()
     except (Exception, SystemExit) as exc:  # every error ends in the JSON too, naming what failed
-        results["error"] = (f"interrupted (exit {exc.code})" if isinstance(exc, SystemExit)
-                            else f"{type(exc).__name__}: {exc}")
+        results["error"] = (
+            f"interrupted (exit {exc.code})" if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+        )
         write_results(out, results)
         say(f"FAILED: {results['error']} (results: {out})")
         raise
@@ -117,8 +119,8 @@ def new_flags(cfg: RunConfig, server_args: list[str]) -> list[str]:
 def bench_config(cfg: RunConfig, args: argparse.Namespace, backend: str) -> RunConfig:
     """cfg for one capture backend: final_hidden supervision; for sglang a managed capture_packed server."""
     sg = cfg.capture.sglang.model_copy(update={"server_mode": "capture_packed", "endpoints": [], "final_endpoints": []})
-    server = cfg.server.model_copy(update={"python": args.python,
-                                           "extra_args": [*cfg.server.extra_args,
-                                                          *new_flags(cfg, args.server_args)]})
+    server = cfg.server.model_copy(
+        update={"python": args.python, "extra_args": [*cfg.server.extra_args, *new_flags(cfg, args.server_args)]}
+    )
     capture = cfg.capture.model_copy(update={"backend": backend, "supervision": "final_hidden", "sglang": sg})
     return cfg.model_copy(update={"capture": capture, "server": server})

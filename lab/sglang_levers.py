@@ -100,8 +100,13 @@ def shrink_export(src: Path, dst: Path, tokenized: Path, keep: int) -> dict[str,
     total = int(counts.sum())
     kept_share = float(counts[used[rows].numpy()].sum()) / total if total else 0.0
     all_share = float(counts[used.numpy()].sum()) / total if total else 0.0
-    write_folder(dst, config | {"draft_vocab_size": keep}, tensors,
-                 info | {"shrunk_from": str(src), "draft_vocab_kept": keep}, None)
+    write_folder(
+        dst,
+        config | {"draft_vocab_size": keep},
+        tensors,
+        info | {"shrunk_from": str(src), "draft_vocab_kept": keep},
+        None,
+    )
     check_sglang_export(dst)
     return {"draft_vocab": keep, "from": len(used), "coverage_kept": kept_share, "coverage_full": all_share}
 
@@ -109,9 +114,16 @@ def shrink_export(src: Path, dst: Path, tokenized: Path, keep: int) -> dict[str,
 def lever_config(cfg: RunConfig, num_prompts: int) -> RunConfig:
     """cfg for the lever runs: the evaluation subset, concurrency 1, small CUDA-graph range (faster starts)."""
     e = cfg.evaluate.model_copy(update={"num_prompts_by_dataset": dict(SUBSET)})
-    sv = cfg.serve.model_copy(update={"prompts": "evaluation", "num_prompts": num_prompts, "concurrency_levels": [1],
-                                      "max_running_requests": 4, "cuda_graph_max_bs_decode": 4,
-                                      "extra_speculative": []})
+    sv = cfg.serve.model_copy(
+        update={
+            "prompts": "evaluation",
+            "num_prompts": num_prompts,
+            "concurrency_levels": [1],
+            "max_running_requests": 4,
+            "cuda_graph_max_bs_decode": 4,
+            "extra_speculative": [],
+        }
+    )
     return cfg.model_copy(update={"evaluate": e, "serve": sv})
 
 
@@ -127,8 +139,13 @@ def profile_once(base_url: str, api_key: str, prompt: list[int], out_dir: Path, 
         resp = client.post("/start_profile", json=body)
         resp.raise_for_status()
         for _ in range(3):  # enough decode steps for num_steps, then the profiler stops itself
-            client.post("/generate", json={"input_ids": prompt, "sampling_params": {
-                "max_new_tokens": 256, "temperature": 0, "ignore_eos": True}}).raise_for_status()
+            client.post(
+                "/generate",
+                json={
+                    "input_ids": prompt,
+                    "sampling_params": {"max_new_tokens": 256, "temperature": 0, "ignore_eos": True},
+                },
+            ).raise_for_status()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         new = sorted(set(out_dir.glob("*.trace.json.gz")) - before)
@@ -159,34 +176,49 @@ def measure_variant(cfg: RunConfig, variant: Variant, plan: Any, args: argparse.
     spec = server_specs(vcfg, plan.model_path, draft, key, variant.trio or "3-1-4")[variant.trio is not None]
     sent = deploy_prompts(vcfg, plan.model_path)
     log_path = Path(args.out).parent / f"sglang-lever-{variant.name}.log"
-    server = ManagedServer(spec, log_path, expect=probe_expectations(plan.model_path),
-                           startup_timeout_s=vcfg.server.startup_timeout_s, policy=RestartPolicy(max_restarts=0))
+    server = ManagedServer(
+        spec,
+        log_path,
+        expect=probe_expectations(plan.model_path),
+        startup_timeout_s=vcfg.server.startup_timeout_s,
+        policy=RestartPolicy(max_restarts=0),
+    )
     say(f"{variant.name}: starting {server.process.printable_argv}")
     t0 = time.monotonic()
     try:
         ready = server.start()
         record["startup_s"] = round(time.monotonic() - t0, 1)
-        result = run_benchmark(spec.base_url, sent.prompts, bench_settings(vcfg), speculative=variant.trio is not None,
-                               api_key=key)
+        result = run_benchmark(
+            spec.base_url, sent.prompts, bench_settings(vcfg), speculative=variant.trio is not None, api_key=key
+        )
         level = result.levels[0]
-        record |= {"version": ready.version, "tok_per_s": level.output_tok_per_s, "accept_length": level.accept_length,
-                   "server_accept_length": level.server_accept_length, "median_tpot_ms": level.median_tpot_ms,
-                   "completion_tokens": level.completion_tokens, "verify_ct": level.spec_verify_ct,
-                   "duration_s": level.duration_s,
-                   "ms_per_round": 1000 * level.duration_s / (level.spec_verify_ct or level.completion_tokens),
-                   "output_digests": list(level.output_digests)}
+        record |= {
+            "version": ready.version,
+            "tok_per_s": level.output_tok_per_s,
+            "accept_length": level.accept_length,
+            "server_accept_length": level.server_accept_length,
+            "median_tpot_ms": level.median_tpot_ms,
+            "completion_tokens": level.completion_tokens,
+            "verify_ct": level.spec_verify_ct,
+            "duration_s": level.duration_s,
+            "ms_per_round": 1000 * level.duration_s / (level.spec_verify_ct or level.completion_tokens),
+            "output_digests": list(level.output_digests),
+        }
         if args.profile == variant.name:
             try:  # a profiler that fails loses the trace, not the variant's figures
-                trace = profile_once(spec.base_url, key, list(sent.prompts[0]), Path(args.out).parent / "profile",
-                                     args.profile_steps)
+                trace = profile_once(
+                    spec.base_url, key, list(sent.prompts[0]), Path(args.out).parent / "profile", args.profile_steps
+                )
                 record["trace"] = str(trace)
             except Exception as exc:
                 record["profile_error"] = f"{type(exc).__name__}: {exc}"
                 say(f"{variant.name}: profile failed: {record['profile_error']}")
     finally:
         server.stop()
-    say(f"{variant.name}: {record.get('ms_per_round', float('nan')):.3f} ms per round, accept "
-        f"{record.get('accept_length')}, {record.get('tok_per_s', 0):.1f} tok/s")
+    say(
+        f"{variant.name}: {record.get('ms_per_round', float('nan')):.3f} ms per round, accept "
+        f"{record.get('accept_length')}, {record.get('tok_per_s', 0):.1f} tok/s"
+    )
     return record
 
 
@@ -201,11 +233,16 @@ def summarize(records: list[dict[str, Any]]) -> list[str]:
             lines.append(f"{r['variant']}: FAILED {r.get('error')}")
             continue
         steps = f"{r['ms_per_round'] / step:.2f} target steps" if step else "no baseline"
-        vs = (f", {r['ms_per_round'] / control - 1:+.1%} vs 3-1-4"
-              if control and r["variant"] not in ("3-1-4", "baseline") else "")
+        vs = (
+            f", {r['ms_per_round'] / control - 1:+.1%} vs 3-1-4"
+            if control and r["variant"] not in ("3-1-4", "baseline")
+            else ""
+        )
         speed = f", speed-up {step / (r['ms_per_round'] / (r['accept_length'] or 1)):.2f}x" if step else ""
-        lines.append(f"{r['variant']}: {r['ms_per_round']:.3f} ms per round ({steps}{vs}), accept "
-                     f"{r['accept_length'] or 1:.3f}, {r['tok_per_s']:.1f} tok/s{speed}")
+        lines.append(
+            f"{r['variant']}: {r['ms_per_round']:.3f} ms per round ({steps}{vs}), accept "
+            f"{r['accept_length'] or 1:.3f}, {r['tok_per_s']:.1f} tok/s{speed}"
+        )
     return lines
 
 
@@ -221,8 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     args.server_args = args.server_args.split()
     cfg = validate_config(read_config_file(Path(args.config)), args.config)
     server = {"launch_module": args.module} | ({"python": args.python} if args.python else {})
-    cfg = lever_config(cfg.model_copy(update={"server": cfg.server.model_copy(update=server)}),
-                       sum(SUBSET[d] for d in cfg.evaluate.datasets))
+    cfg = lever_config(
+        cfg.model_copy(update={"server": cfg.server.model_copy(update=server)}),
+        sum(SUBSET[d] for d in cfg.evaluate.datasets),
+    )
     variants = [parse_variant(v) for v in args.variants.split(",") if v]
     out = Path(args.out)
     results: dict[str, Any] = {"variants": [v.name for v in variants], "subset": SUBSET, "records": []}

@@ -62,8 +62,12 @@ FIRST_TOKENS = 32
 # ---------------------------------------------------------------- pure comparison
 
 
-def identity_shares(a: dict[str, list[str]], b: dict[str, list[str]], tokenize: Callable[[str], list[int]],
-                    first_tokens: int = FIRST_TOKENS) -> dict[str, Any]:
+def identity_shares(
+    a: dict[str, list[str]],
+    b: dict[str, list[str]],
+    tokenize: Callable[[str], list[int]],
+    first_tokens: int = FIRST_TOKENS,
+) -> dict[str, Any]:
     """Over the rows both sides answered: the share with identical answers, and identical in the first N tokens.
 
     ``a`` and ``b`` map row id -> that row's assistant answers in order; a row counts as identical only when
@@ -73,10 +77,15 @@ def identity_shares(a: dict[str, list[str]], b: dict[str, list[str]], tokenize: 
     same_text = sum(a[i] == b[i] for i in common)
     same_head = sum(_same_heads(a[i], b[i], tokenize, first_tokens) for i in common)
     num = len(common)
-    return {"rows_compared": num, "only_a": len(a) - num, "only_b": sum(i not in a for i in b),
-            "identical_text": same_text, "identical_text_share": same_text / num if num else None,
-            f"identical_first_{first_tokens}_tokens": same_head,
-            f"identical_first_{first_tokens}_tokens_share": same_head / num if num else None}
+    return {
+        "rows_compared": num,
+        "only_a": len(a) - num,
+        "only_b": sum(i not in a for i in b),
+        "identical_text": same_text,
+        "identical_text_share": same_text / num if num else None,
+        f"identical_first_{first_tokens}_tokens": same_head,
+        f"identical_first_{first_tokens}_tokens_share": same_head / num if num else None,
+    }
 
 
 def _same_heads(x: list[str], y: list[str], tokenize: Callable[[str], list[int]], n: int) -> bool:
@@ -106,12 +115,19 @@ class RegenResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"out_dir": str(self.out_dir), "elapsed_s": round(self.elapsed_s, 3), "new_tokens": self.new_tokens,
-                "tokens_per_s": round(self.new_tokens / max(self.elapsed_s, 1e-9), 1), "start_s": self.start_s,
-                "success": self.stats.get("success"), "error": self.stats.get("error"),
-                "errors_by_kind": self.errors_by_kind, "finish_reasons": self.stats.get("finish_reasons"),
-                "num_requests": self.stats.get("num_requests"),
-                "num_retries": self.stats.get("num_retries")} | self.extra
+        return {
+            "out_dir": str(self.out_dir),
+            "elapsed_s": round(self.elapsed_s, 3),
+            "new_tokens": self.new_tokens,
+            "tokens_per_s": round(self.new_tokens / max(self.elapsed_s, 1e-9), 1),
+            "start_s": self.start_s,
+            "success": self.stats.get("success"),
+            "error": self.stats.get("error"),
+            "errors_by_kind": self.errors_by_kind,
+            "finish_reasons": self.stats.get("finish_reasons"),
+            "num_requests": self.stats.get("num_requests"),
+            "num_retries": self.stats.get("num_retries"),
+        } | self.extra
 
 
 def fresh_dir(path: Path) -> Path:
@@ -127,14 +143,23 @@ def fresh_dir(path: Path) -> Path:
 
 def regen_config(cfg: RunConfig, args: argparse.Namespace, **update: Any) -> RegenerateConfig:
     """cfg's regenerate section for the benchmark: N rows, 1 user turn, greedy, no loop cutting, no key env."""
-    base = dict(enabled=True, max_conversations=args.rows, max_user_turns=1, temperature=0.0,
-                max_new_tokens=args.max_new_tokens or cfg.regenerate.max_new_tokens, api_key_env=None,
-                cut_loops=False, loop_stop_tokens=0, straggler_rows=0)
+    base = dict(
+        enabled=True,
+        max_conversations=args.rows,
+        max_user_turns=1,
+        temperature=0.0,
+        max_new_tokens=args.max_new_tokens or cfg.regenerate.max_new_tokens,
+        api_key_env=None,
+        cut_loops=False,
+        loop_stop_tokens=0,
+        straggler_rows=0,
+    )
     return RegenerateConfig.model_validate(cfg.regenerate.model_dump() | base | update)
 
 
-def run_regenerate(name: str, merged: Path, out_dir: Path, rcfg: RegenerateConfig, backend: Any,
-                   ids: set[str]) -> RegenResult:
+def run_regenerate(
+    name: str, merged: Path, out_dir: Path, rcfg: RegenerateConfig, backend: Any, ids: set[str]
+) -> RegenResult:
     """regenerate() into a fresh folder, timed; answers and error kinds read back from its outputs."""
     import pyarrow.parquet as pq
 
@@ -164,8 +189,9 @@ def first_ids(merged: Path, num: int) -> list[str]:
 # ---------------------------------------------------------------- the two backends
 
 
-def openai_run(cfg: RunConfig, args: argparse.Namespace, model_dir: Path, merged: Path, bench: Path,
-               ids: set[str]) -> RegenResult:
+def openai_run(
+    cfg: RunConfig, args: argparse.Namespace, model_dir: Path, merged: Path, bench: Path, ids: set[str]
+) -> RegenResult:
     """Backend openai: against --endpoint, or a managed SGLang server started (and timed) here."""
     from eagle3.data.chat_backends import OpenAIChatBackend
 
@@ -174,16 +200,26 @@ def openai_run(cfg: RunConfig, args: argparse.Namespace, model_dir: Path, merged
         return run_regenerate("openai", merged, bench / "openai", rcfg, OpenAIChatBackend(rcfg, api_key=None), ids)
     server, start_s = start_server(cfg, args, model_dir, bench)
     try:
-        rcfg = regen_config(cfg, args, backend="openai", endpoint=server.base_url + "/v1", model=str(model_dir),
-                            max_concurrency=args.concurrency)
-        result = run_regenerate("openai", merged, bench / "openai", rcfg,
-                                OpenAIChatBackend(rcfg, api_key=server.api_key), ids)
+        rcfg = regen_config(
+            cfg,
+            args,
+            backend="openai",
+            endpoint=server.base_url + "/v1",
+            model=str(model_dir),
+            max_concurrency=args.concurrency,
+        )
+        result = run_regenerate(
+            "openai", merged, bench / "openai", rcfg, OpenAIChatBackend(rcfg, api_key=server.api_key), ids
+        )
     finally:
         server.stop()
     result.start_s = round(start_s, 3)
-    result.extra = {"sglang_version": server.report.version if server.report else None,
-                    "server_log": str(server.log_path), "argv": server.process.printable_argv,
-                    "num_restarts": server.num_restarts}
+    result.extra = {
+        "sglang_version": server.report.version if server.report else None,
+        "server_log": str(server.log_path),
+        "argv": server.process.printable_argv,
+        "num_restarts": server.num_restarts,
+    }
     return result
 
 
@@ -196,42 +232,62 @@ def start_server(cfg: RunConfig, args: argparse.Namespace, model_dir: Path, benc
 
     check_gpus_free([0], allow_shared=cfg.capture.allow_shared_gpus)
     dtype = cfg.target.dtype if cfg.target.dtype in ("bfloat16", "float16", "float32") else None
-    spec = ServerSpec(str(model_dir), "serve", port=cfg.serve.port, host="127.0.0.1", api_key=secrets.token_hex(16),
-                      dtype=dtype, mem_fraction_static=args.mem_fraction_static or cfg.serve.mem_fraction_static,
-                      attention_backend=cfg.server.attention_backend,
-                      extra_args=(*cfg.server.extra_args, *new_flags(cfg, args.server_args)),
-                      python=args.python, module=args.module)
+    spec = ServerSpec(
+        str(model_dir),
+        "serve",
+        port=cfg.serve.port,
+        host="127.0.0.1",
+        api_key=secrets.token_hex(16),
+        dtype=dtype,
+        mem_fraction_static=args.mem_fraction_static or cfg.serve.mem_fraction_static,
+        attention_backend=cfg.server.attention_backend,
+        extra_args=(*cfg.server.extra_args, *new_flags(cfg, args.server_args)),
+        python=args.python,
+        module=args.module,
+    )
     expect = ProbeExpectations(vocab_size=target_info(model_dir, cfg.target).vocab_size)
-    server = ManagedServer(spec, bench / "logs" / "sglang-serve.log", expect=expect, cwd=REPO,
-                           startup_timeout_s=args.startup_timeout_s)
+    server = ManagedServer(
+        spec, bench / "logs" / "sglang-serve.log", expect=expect, cwd=REPO, startup_timeout_s=args.startup_timeout_s
+    )
     say(f"openai: starting SGLang ({args.python} -m {args.module}, port {spec.port})")
     t0 = time.perf_counter()
     try:
         server.start()
     except Exception as exc:
-        raise RuntimeError(f"SGLang serve server did not start (log {server.log_path}): "
-                           f"{type(exc).__name__}: {exc}") from exc
+        raise RuntimeError(
+            f"SGLang serve server did not start (log {server.log_path}): {type(exc).__name__}: {exc}"
+        ) from exc
     start_s = time.perf_counter() - t0
     say(f"openai: server ready after {start_s:.1f} s ({server.report.smoke}, version {server.report.version})")
     return server, start_s
 
 
-def hf_run(cfg: RunConfig, args: argparse.Namespace, model_dir: Path, merged: Path, bench: Path,
-           ids: set[str]) -> RegenResult:
+def hf_run(
+    cfg: RunConfig, args: argparse.Namespace, model_dir: Path, merged: Path, bench: Path, ids: set[str]
+) -> RegenResult:
     """Backend hf, generation_backend static, on args.device (model load timed on its own)."""
     from eagle3.data.chat_backends import make_backend
     from eagle3.target.load import load_model, load_tokenizer
 
-    rcfg = regen_config(cfg, args, backend="hf", generation_backend="static", device=args.device,
-                        batch_size_conversations=args.hf_batch_size or cfg.regenerate.batch_size_conversations)
+    rcfg = regen_config(
+        cfg,
+        args,
+        backend="hf",
+        generation_backend="static",
+        device=args.device,
+        batch_size_conversations=args.hf_batch_size or cfg.regenerate.batch_size_conversations,
+    )
     say(f"hf: loading the target on {args.device} ({cfg.target.dtype})")
     t0 = time.perf_counter()
     model, tok = load_model(model_dir, cfg.target.dtype, args.device), load_tokenizer(model_dir)
     load_s = time.perf_counter() - t0
     result = run_regenerate("hf", merged, bench / "hf", rcfg, make_backend(rcfg, model, tok), ids)
     result.start_s = round(load_s, 3)
-    result.extra = {"device": device_name(args.device), "generation_backend": "static",
-                    "batch_size_conversations": rcfg.batch_size_conversations}
+    result.extra = {
+        "device": device_name(args.device),
+        "generation_backend": "static",
+        "batch_size_conversations": rcfg.batch_size_conversations,
+    }
     return result
 
 
@@ -243,17 +299,24 @@ def count_tokens(result: RegenResult, tokenize: Callable[[str], list[int]]) -> N
 
 
 def print_table(results: list[RegenResult], shares: dict[str, Any]) -> None:
-    print(f"{'backend':<8} {'rows ok':>7} {'errors':>6} {'new tokens':>10} {'wall s':>8} {'tok/s':>9} {'start s':>8}",
-          flush=True)
+    print(
+        f"{'backend':<8} {'rows ok':>7} {'errors':>6} {'new tokens':>10} {'wall s':>8} {'tok/s':>9} {'start s':>8}",
+        flush=True,
+    )
     for r in results:
         j = r.to_json()
-        print(f"{r.name:<8} {j['success']:>7} {j['error']:>6} {r.new_tokens:>10} {r.elapsed_s:>8.2f} "
-              f"{j['tokens_per_s']:>9.1f} {r.start_s if r.start_s is not None else '-':>8}", flush=True)
+        print(
+            f"{r.name:<8} {j['success']:>7} {j['error']:>6} {r.new_tokens:>10} {r.elapsed_s:>8.2f} "
+            f"{j['tokens_per_s']:>9.1f} {r.start_s if r.start_s is not None else '-':>8}",
+            flush=True,
+        )
     if not shares:
         return
-    print(f"identical answers: {shares['identical_text']}/{shares['rows_compared']}; identical first "
-          f"{FIRST_TOKENS} tokens: {shares[f'identical_first_{FIRST_TOKENS}_tokens']}/{shares['rows_compared']}",
-          flush=True)
+    print(
+        f"identical answers: {shares['identical_text']}/{shares['rows_compared']}; identical first "
+        f"{FIRST_TOKENS} tokens: {shares[f'identical_first_{FIRST_TOKENS}_tokens']}/{shares['rows_compared']}",
+        flush=True,
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -268,8 +331,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-batch-size", type=int, help="hf conversations per batch (default cfg's)")
     parser.add_argument("--max-new-tokens", type=int, help="default cfg's regenerate.max_new_tokens")
     parser.add_argument("--startup-timeout-s", type=float, default=900.0)
-    parser.add_argument("--mem-fraction-static", type=float,
-                        help="the server's share of GPU memory (default cfg's serve.mem_fraction_static)")
+    parser.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        help="the server's share of GPU memory (default cfg's serve.mem_fraction_static)",
+    )
     parser.add_argument("--skip-hf", action="store_true", help="only the openai side (no identity figures)")
     args = parser.parse_args(argv)
     args.server_args = shlex.split(args.server_args)
@@ -284,8 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     args.python, args.device = args.python or cfg.server.python, args.device or cfg.regenerate.device
     bench = cfg.run_dir / "bench-regen"
     out = args.out or bench / "results.json"
-    results: dict[str, Any] = {"config": str(args.config), "module": args.module, "python": args.python,
-                               "rows_asked": args.rows, "server_args": args.server_args}
+    results: dict[str, Any] = {
+        "config": str(args.config),
+        "module": args.module,
+        "python": args.python,
+        "rows_asked": args.rows,
+        "server_args": args.server_args,
+    }
     return run_and_record(out, results, lambda: compare(cfg, args, bench, results))
 
 
@@ -299,8 +370,12 @@ def compare(cfg: RunConfig, args: argparse.Namespace, bench: Path, results: dict
         raise FileNotFoundError(f"{merged} not found: run the merge stage first")
     model_dir = prepare_target(cfg)
     ids = set(first_ids(merged, args.rows))
-    results |= {"rows": len(ids), "max_new_tokens": args.max_new_tokens or cfg.regenerate.max_new_tokens,
-                "max_user_turns": 1, "temperature": 0.0}
+    results |= {
+        "rows": len(ids),
+        "max_new_tokens": args.max_new_tokens or cfg.regenerate.max_new_tokens,
+        "max_user_turns": 1,
+        "temperature": 0.0,
+    }
     runs = [openai_run(cfg, args, model_dir, merged, bench, ids)]  # the server first: the GPU must be free
     if not args.skip_hf:
         runs.append(hf_run(cfg, args, model_dir, merged, bench, ids))

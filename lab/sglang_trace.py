@@ -58,18 +58,24 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
     by_kernel: dict[str, float] = defaultdict(float)
     for e in kernels:
         by_kernel[e["name"][:80]] += e["dur"]
-    launch_events = [e for e in events if e.get("cat") == "cuda_runtime"
-                     and e["name"] in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")]
+    launch_events = [
+        e
+        for e in events
+        if e.get("cat") == "cuda_runtime"
+        and e["name"] in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+    ]
     launches = Counter(e["name"] for e in launch_events)
     annotations = defaultdict(list)  # thread -> its phase annotations (scheduler.run_batch encloses them all)
     for e in events:
         if e.get("cat") == "user_annotation" and e["name"] != "scheduler.run_batch":
             annotations[e.get("tid")].append(e)
-    phases_of_launches = Counter(f"{enclosing_phase(e, annotations[e.get('tid')])}: {e['name']}"
-                                 for e in launch_events)
+    phases_of_launches = Counter(f"{enclosing_phase(e, annotations[e.get('tid')])}: {e['name']}" for e in launch_events)
     per_round = max(rounds, 1)
     return {
-        "rounds": rounds, "kernel_span_ms": span / 1000, "gpu_busy_ms": busy / 1000, "gpu_busy_share": busy / span,
+        "rounds": rounds,
+        "kernel_span_ms": span / 1000,
+        "gpu_busy_ms": busy / 1000,
+        "gpu_busy_share": busy / span,
         "gpu_busy_ms_per_round": busy / 1000 / per_round,
         "cpu_ms_per_round": {k: v / 1000 / per_round for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
         "top_kernels_ms": {k: v / 1000 for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]},
@@ -86,15 +92,18 @@ def enclosing_phase(event: dict[str, Any], annotations: list[dict[str, Any]]) ->
 
 def render(summary: dict[str, Any]) -> str:
     """The summary as a few readable lines."""
-    lines = [f"rounds (TARGET_VERIFY steps): {summary['rounds']}; GPU busy {summary['gpu_busy_ms']:.1f} ms of a "
-             f"{summary['kernel_span_ms']:.1f} ms kernel span ({summary['gpu_busy_share']:.1%}); "
-             f"{summary['gpu_busy_ms_per_round']:.3f} ms of kernels per round",
-             "CPU time per round by SGLang annotation (profiler overhead included):"]
+    lines = [
+        f"rounds (TARGET_VERIFY steps): {summary['rounds']}; GPU busy {summary['gpu_busy_ms']:.1f} ms of a "
+        f"{summary['kernel_span_ms']:.1f} ms kernel span ({summary['gpu_busy_share']:.1%}); "
+        f"{summary['gpu_busy_ms_per_round']:.3f} ms of kernels per round",
+        "CPU time per round by SGLang annotation (profiler overhead included):",
+    ]
     lines += [f"  {v:8.3f} ms  {k}" for k, v in summary["cpu_ms_per_round"].items()]
     lines.append("kernels by total time:")
     lines += [f"  {v:8.2f} ms  {k}" for k, v in summary["top_kernels_ms"].items()]
-    lines.append("launch calls per round: " + ", ".join(f"{k} {v:.1f}"
-                                                       for k, v in summary["launches_per_round"].items()))
+    lines.append(
+        "launch calls per round: " + ", ".join(f"{k} {v:.1f}" for k, v in summary["launches_per_round"].items())
+    )
     lines.append("launch calls per round, by the phase around them:")
     lines += [f"  {v:6.1f}  {k}" for k, v in summary["launches_per_round_by_phase"].items()]
     return "\n".join(lines)

@@ -51,10 +51,21 @@ from eagle3.train.metrics import drafter_row_flops, peak_flops  # noqa: E402
 from eagle3.train.step import step_options_for, ttt_update  # noqa: E402
 from lab.shapes import random_drafter  # noqa: E402
 
-LLAMA31_8B = DrafterDims(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         intermediate_size=14336, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None,
-                         vocab_size=128256, draft_vocab_size=32000, num_aux=3, target_hidden_size=4096,
-                         max_position_embeddings=8192)
+LLAMA31_8B = DrafterDims(
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=None,
+    vocab_size=128256,
+    draft_vocab_size=32000,
+    num_aux=3,
+    target_hidden_size=4096,
+    max_position_embeddings=8192,
+)
 PEER_TFLOP = {7: 61.0, 3: 27.2}
 """TFLOP per step of the peer's run at T=4096 (its own count: frozen lm_head, fc once, no target lm_head)."""
 PLAIN = ["train.compile=false", "train.loss_chunk_tokens=0", "train.reuse_block_mask=false"]
@@ -68,27 +79,51 @@ AB_CASES = [
 ]
 """--ab: the defaults (compiled step, fused loss, one flex mask per step), each switch flipped alone, all off
 (rows' loss0/grad_norm0 must agree), then ttt 3 with the defaults."""
-HEADER = ("| case | ttt | T | step ms | tokens/s | peak GiB | TFLOP/step | MFU | tok/s at peer work | loss0 | "
-          "grad_norm0 | warmup s | graph breaks | overrides |")
+HEADER = (
+    "| case | ttt | T | step ms | tokens/s | peak GiB | TFLOP/step | MFU | tok/s at peer work | loss0 | "
+    "grad_norm0 | warmup s | graph breaks | overrides |"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ttt-steps", type=int, nargs="+", default=[7], help="TTT unroll lengths (cases that do not "
-                   "set drafter.ttt_steps run once per value)")
+    p.add_argument(
+        "--ttt-steps",
+        type=int,
+        nargs="+",
+        default=[7],
+        help="TTT unroll lengths (cases that do not set drafter.ttt_steps run once per value)",
+    )
     p.add_argument("--seq-len", type=int, default=4096, help="tokens of the packed row of each GPU")
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp", help="wrapper under torchrun")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens here)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--frozen-lm-head", action="store_true", help="freeze the draft lm_head (the peer's setting)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override for every case, e.g. --set train.compile=false (repeatable)")
-    p.add_argument("--case", dest="cases", action="append", default=[], metavar="'NAME [KEY=VALUE ...]'",
-                   help="a named case with its own overrides (repeatable); default: one case 'default'")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every case, e.g. --set train.compile=false (repeatable)",
+    )
+    p.add_argument(
+        "--case",
+        dest="cases",
+        action="append",
+        default=[],
+        metavar="'NAME [KEY=VALUE ...]'",
+        help="a named case with its own overrides (repeatable); default: one case 'default'",
+    )
     p.add_argument("--ab", action="store_true", help="run the A/B cases of the step's switches (AB_CASES)")
     p.add_argument("--time-budget-s", type=float, default=None, help="skip the cases left once this much has passed")
-    p.add_argument("--profile", nargs="*", default=None, metavar="CASE",
-                   help="after the named cases (all when none is named), the top CUDA ops of two profiled steps")
+    p.add_argument(
+        "--profile",
+        nargs="*",
+        default=None,
+        metavar="CASE",
+        help="after the named cases (all when none is named), the top CUDA ops of two profiled steps",
+    )
     return p
 
 
@@ -102,7 +137,7 @@ def case_list(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     out = []
     for name, overrides in cases:
         sets_ttt = any(o.startswith("drafter.ttt_steps=") for o in overrides)
-        for ttt in ([None] if sets_ttt else args.ttt_steps):
+        for ttt in [None] if sets_ttt else args.ttt_steps:
             ttt_set = [] if ttt is None else [f"drafter.ttt_steps={ttt}"]
             out.append((name, [*ttt_set, *args.overrides, *overrides]))
     return out
@@ -113,8 +148,12 @@ def build(cfg: RunConfig, frozen_lm_head: bool, info: DistInfo) -> TTTObjective:
     lm_head, allocated on the device."""
     gen = torch.Generator(device=info.device).manual_seed(0)  # every random tensor from it: cases share one init
     drafter, t2d, d2t = random_drafter(LLAMA31_8B, info.device, gen)
-    target_lm_head = torch.randn(LLAMA31_8B.vocab_size, LLAMA31_8B.hidden_size, generator=gen, dtype=torch.bfloat16,
-                                 device=info.device) * 0.02
+    target_lm_head = (
+        torch.randn(
+            LLAMA31_8B.vocab_size, LLAMA31_8B.hidden_size, generator=gen, dtype=torch.bfloat16, device=info.device
+        )
+        * 0.02
+    )
     drafter.lm_head.weight.requires_grad_(not frozen_lm_head)
     return ttt_objective(cfg, drafter, t2d, d2t, target_lm_head, step_options_for(cfg.train, info.device))
 
@@ -133,8 +172,9 @@ def random_batch(dims: DrafterDims, seq_len: int, device: torch.device) -> TTTBa
     )
 
 
-def one_step(model: nn.Module, optimizer: Any, scheduler: Any, batch: TTTBatch, info: DistInfo
-             ) -> tuple[torch.Tensor, torch.Tensor, float]:
+def one_step(
+    model: nn.Module, optimizer: Any, scheduler: Any, batch: TTTBatch, info: DistInfo
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """The trainer's optimizer step on one row (grad clip 1.0, as the peer): (metric sums, counts, grad norm)."""
     sums, counts, grad_norm, _ = ttt_update(model, [batch], optimizer, scheduler, 1.0, info)
     return sums, counts, grad_norm
@@ -159,9 +199,14 @@ def measure(cfg: RunConfig, args: argparse.Namespace, info: DistInfo, profiled: 
     for _ in range(args.steps):
         one_step(model, optimizer, scheduler, batch, info)
     torch.cuda.synchronize()
-    result = {"step_s": (time.perf_counter() - start) / args.steps, "warmup_s": warmup_s, "loss0": loss0,
-              "grad_norm0": grad_norm0, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-              "graph_breaks": _graph_breaks() - breaks_before}
+    result = {
+        "step_s": (time.perf_counter() - start) / args.steps,
+        "warmup_s": warmup_s,
+        "loss0": loss0,
+        "grad_norm0": grad_norm0,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "graph_breaks": _graph_breaks() - breaks_before,
+    }
     if profiled:
         result["profile"] = profile(model, optimizer, scheduler, batch, info)
     return result
@@ -191,8 +236,9 @@ def profile(model: nn.Module, optimizer: Any, scheduler: Any, batch: TTTBatch, i
     return f"{table}\nGPU busy (kernel time / wall, profiler on): {busy_us / wall_us:.1%}"
 
 
-def table_row(name: str, cfg: RunConfig, overrides: list[str], args: argparse.Namespace, result: dict[str, Any],
-              info: DistInfo) -> str:
+def table_row(
+    name: str, cfg: RunConfig, overrides: list[str], args: argparse.Namespace, result: dict[str, Any], info: DistInfo
+) -> str:
     """One markdown row: the numbers of one case (HEADER names the columns)."""
     ttt = cfg.drafter.ttt_steps
     flops = drafter_row_flops(LLAMA31_8B, args.seq_len, ttt)
@@ -203,11 +249,22 @@ def table_row(name: str, cfg: RunConfig, overrides: list[str], args: argparse.Na
     step_s = result["step_s"]
     tokens_per_s = args.seq_len * info.world_size / step_s
     mfu = flops["total"] / step_s / (peak_flops(info.device) or 989e12)
-    cells = [f"{name}{'_frozen_lm_head' if args.frozen_lm_head else ''}", ttt, args.seq_len, f"{step_s * 1e3:.1f}",
-             f"{tokens_per_s:,.0f}", f"{result['peak_gib']:.1f}", f"{flops['total'] / 1e12:.2f}", f"{mfu:.3f}",
-             f"{tokens_per_s * flops['total'] / peer_work:,.0f}", f"{result['loss0']:.5f}",
-             f"{result['grad_norm0']:.5f}", f"{result['warmup_s']:.1f}", result["graph_breaks"],
-             " ".join(overrides) or "-"]
+    cells = [
+        f"{name}{'_frozen_lm_head' if args.frozen_lm_head else ''}",
+        ttt,
+        args.seq_len,
+        f"{step_s * 1e3:.1f}",
+        f"{tokens_per_s:,.0f}",
+        f"{result['peak_gib']:.1f}",
+        f"{flops['total'] / 1e12:.2f}",
+        f"{mfu:.3f}",
+        f"{tokens_per_s * flops['total'] / peer_work:,.0f}",
+        f"{result['loss0']:.5f}",
+        f"{result['grad_norm0']:.5f}",
+        f"{result['warmup_s']:.1f}",
+        result["graph_breaks"],
+        " ".join(overrides) or "-",
+    ]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
@@ -238,12 +295,17 @@ def main() -> None:
     rows, start = [], time.perf_counter()
     try:
         if info.is_main:
-            print(f"device: {torch.cuda.get_device_name(info.device)} x{info.world_size}, torch {torch.__version__}, "
-                  f"{args.warmup} warm-up + {args.steps} timed steps per case\n{HEADER}\n{_rule()}", flush=True)
+            print(
+                f"device: {torch.cuda.get_device_name(info.device)} x{info.world_size}, torch {torch.__version__}, "
+                f"{args.warmup} warm-up + {args.steps} timed steps per case\n{HEADER}\n{_rule()}",
+                flush=True,
+            )
         for name, overrides in case_list(args):
             if args.time_budget_s is not None and time.perf_counter() - start > args.time_budget_s:
-                rows.append(f"| {name} | skipped: time budget of {args.time_budget_s:.0f} s spent | "
-                            f"{' '.join(overrides) or '-'} |")
+                rows.append(
+                    f"| {name} | skipped: time budget of {args.time_budget_s:.0f} s spent | "
+                    f"{' '.join(overrides) or '-'} |"
+                )
             else:
                 rows.append(run_case(name, overrides, args, info))
             if info.is_main:

@@ -18,6 +18,7 @@ work redone (shards captured again, training steps repeated); and writes them to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -65,8 +66,11 @@ def train_progress(run_dir: Path) -> dict:
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in (run_dir / "train" / "checkpoints").glob("step-*")
-                  if (p / "checkpoint.json").is_file())
+    return sorted(
+        int(p.name.split("-")[1])
+        for p in (run_dir / "train" / "checkpoints").glob("step-*")
+        if (p / "checkpoint.json").is_file()
+    )
 
 
 def flow_state(run_id) -> tuple[str, int]:
@@ -105,15 +109,11 @@ def kill_vm(worker: LocalWorker, run_dir: Path) -> list[int]:
     if torchrun_pid is not None:  # torchrun's own group: on a lost VM it dies too, with no chance to checkpoint
         groups.add(torchrun_pid)
     for group in groups:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     for pid in trainer_pids(run_dir):  # torchrun may start its ranks in sessions of their own
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     worker.pid_file.unlink(missing_ok=True)
     return sorted(groups)
 
@@ -163,15 +163,21 @@ def recover(run_id, worker: LocalWorker, wall_kill: float, timeout_s: float) -> 
     current state could miss it; the server's state history has every transition with its time.
     """
     start_worker(worker, ROOT)
-    t_crashed = wait_until(lambda: _first_after(run_id, "Crashed", wall_kill), timeout_s,
-                           "the heartbeat automation to mark the run Crashed", poll_s=2.0)
-    t_running = wait_until(lambda: _first_after(run_id, "Running", t_crashed), timeout_s,
-                           "the retried run to start again", poll_s=2.0)
+    t_crashed = wait_until(
+        lambda: _first_after(run_id, "Crashed", wall_kill),
+        timeout_s,
+        "the heartbeat automation to mark the run Crashed",
+        poll_s=2.0,
+    )
+    t_running = wait_until(
+        lambda: _first_after(run_id, "Running", t_crashed), timeout_s, "the retried run to start again", poll_s=2.0
+    )
     return {"to_crashed_s": round(t_crashed - wall_kill, 1), "to_running_again_s": round(t_running - wall_kill, 1)}
 
 
 def chaos_capture(run_id, worker: LocalWorker, run_dir: Path, timeout_s: float) -> dict:
     """Kill once some (not all) shards are complete; count shards captured again afterwards."""
+
     def mid_capture():
         total, done = num_planned_shards(run_dir), shard_manifests(run_dir)
         return total and 2 <= len(done) < total - 1 and done
@@ -179,19 +185,27 @@ def chaos_capture(run_id, worker: LocalWorker, run_dir: Path, timeout_s: float) 
     wait_until(mid_capture, timeout_s, "capture to be part-way")
     before, wall_kill = shard_manifests(run_dir), time.time()
     groups = kill_vm(worker, run_dir)
-    print(f"capture: SIGKILLed process groups {groups} with {len(before)}/{num_planned_shards(run_dir)} shards done",
-          flush=True)
+    print(
+        f"capture: SIGKILLed process groups {groups} with {len(before)}/{num_planned_shards(run_dir)} shards done",
+        flush=True,
+    )
     figures = recover(run_id, worker, wall_kill, timeout_s)
     wait_until(lambda: (run_dir / "features" / "capture.manifest.json").is_file(), timeout_s, "capture to finish")
     after = shard_manifests(run_dir)
     redone = [n for n in before if after.get(n, 0) > wall_kill]
-    return {**figures, "to_capture_done_s": round(time.time() - wall_kill, 1), "shards_done_at_kill": len(before),
-            "shards_total": len(after), "complete_shards_recaptured": len(redone),
-            "shards_captured_after_kill": sum(1 for t in after.values() if t > wall_kill)}
+    return {
+        **figures,
+        "to_capture_done_s": round(time.time() - wall_kill, 1),
+        "shards_done_at_kill": len(before),
+        "shards_total": len(after),
+        "complete_shards_recaptured": len(redone),
+        "shards_captured_after_kill": sum(1 for t in after.values() if t > wall_kill),
+    }
 
 
 def chaos_train(run_id, worker: LocalWorker, run_dir: Path, timeout_s: float) -> dict:
     """Kill after the first checkpoint; the rerun resumes from the newest checkpoint on disk."""
+
     def mid_train():
         prog = train_progress(run_dir)
         ckpts = checkpoint_steps(run_dir)
@@ -205,8 +219,13 @@ def chaos_train(run_id, worker: LocalWorker, run_dir: Path, timeout_s: float) ->
     print(f"train: SIGKILLed process groups {groups} at step {step_at_kill} (last checkpoint step {ckpt})", flush=True)
     figures = recover(run_id, worker, wall_kill, timeout_s)
     resumed = wait_until(lambda: _resumed_step(run_dir), timeout_s, "the trainer to resume")
-    return {**figures, "step_at_kill": step_at_kill, "checkpoint_step": ckpt, "resumed_from_step": resumed,
-            "steps_redone": step_at_kill - resumed}
+    return {
+        **figures,
+        "step_at_kill": step_at_kill,
+        "checkpoint_step": ckpt,
+        "resumed_from_step": resumed,
+        "steps_redone": step_at_kill - resumed,
+    }
 
 
 def _resumed_step(run_dir: Path) -> int | None:
@@ -223,8 +242,9 @@ def main() -> int:
     parser.add_argument("--kill", choices=KILL_CHOICES, default=BOTH)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit for each wait")
     args = parser.parse_args()
-    overrides = (args.overrides if args.overrides is not None else
-                 (TINY_OVERRIDES if args.preset == "tiny" else [])) + [f"run.workdir={args.workdir}"]
+    overrides = (
+        args.overrides if args.overrides is not None else (TINY_OVERRIDES if args.preset == "tiny" else [])
+    ) + [f"run.workdir={args.workdir}"]
     return run_chaos(args.preset, overrides, args.workdir, args.port, args.kill, args.timeout_s)
 
 
@@ -248,8 +268,11 @@ def run_chaos(preset: str, overrides: list[str], workdir: str, port: int, kill: 
         report["capture_kill"] = chaos_capture(run_id, worker, cfg.run_dir, timeout_s)
     if kill in (TRAIN.name, BOTH):
         report["train_kill"] = chaos_train(run_id, worker, cfg.run_dir, timeout_s)
-    state = wait_until(lambda: (s := flow_state(run_id))[0] in ("Completed", "Failed", "Crashed", "Cancelled") and s,
-                       timeout_s, "the run to finish")
+    state = wait_until(
+        lambda: (s := flow_state(run_id))[0] in ("Completed", "Failed", "Crashed", "Cancelled") and s,
+        timeout_s,
+        "the run to finish",
+    )
     report.update(final_state=state[0], run_count=state[1], total_s=round(time.monotonic() - t0, 1))
     (Path(workdir) / "chaos.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -39,8 +39,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from chaos import (BOTH, KILL_CHOICES, TINY_OVERRIDES, checkpoint_steps, flow_state, shard_manifests,  # noqa: E402
-                   state_history, train_progress, wait_until)
+from chaos import (  # noqa: E402
+    BOTH,
+    KILL_CHOICES,
+    TINY_OVERRIDES,
+    checkpoint_steps,
+    flow_state,
+    shard_manifests,
+    state_history,
+    train_progress,
+    wait_until,
+)
 from kill_checks import check_shards  # noqa: E402
 
 from eagle3.config import load_config  # noqa: E402
@@ -105,8 +114,13 @@ def picked_by(hosts: dict[str, LocalWorker]) -> dict[str, str]:
     for host, worker in hosts.items():
         text = worker.log_file.read_text(errors="replace") if worker.log_file.is_file() else ""
         aborted = set(re.findall(r"Aborted submission of flow run '([0-9a-f-]+)'", text))
-        found.update({run_id: host for run_id in re.findall(r"submitting flow run '([0-9a-f-]+)'", text)
-                      if run_id not in aborted})
+        found.update(
+            {
+                run_id: host
+                for run_id in re.findall(r"submitting flow run '([0-9a-f-]+)'", text)
+                if run_id not in aborted
+            }
+        )
     return found
 
 
@@ -116,8 +130,14 @@ def first_state(run_id, name: str, after: float) -> float | None:
 
 
 def first_final(run_id, after: float) -> tuple[str, float] | None:
-    return next(((n, ts) for n, ts in state_history(run_id) if ts > after
-                 and n in ("Completed", "Failed", "Crashed", "Cancelled")), None)
+    return next(
+        (
+            (n, ts)
+            for n, ts in state_history(run_id)
+            if ts > after and n in ("Completed", "Failed", "Crashed", "Cancelled")
+        ),
+        None,
+    )
 
 
 def done_shards(run_dir: Path) -> dict[int, float]:
@@ -132,8 +152,9 @@ def in_flight(run_id) -> list[int]:
 
     with get_client(sync_client=True) as client:
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
-    return sorted(int(m.group(1)) for t in tasks if t.state and t.state.is_running()
-                  and (m := re.search(r"shard-(\d+)$", t.name)))
+    return sorted(
+        int(m.group(1)) for t in tasks if t.state and t.state.is_running() and (m := re.search(r"shard-(\d+)$", t.name))
+    )
 
 
 def start_hosts(names: list[str], workdir: Path, port: int) -> dict[str, LocalWorker]:
@@ -150,6 +171,7 @@ def start_hosts(names: list[str], workdir: Path, port: int) -> dict[str, LocalWo
 
 def chaos_capture(hosts: dict[str, LocalWorker], run_dir: Path, victim: str, t0: float, timeout_s: float) -> dict:
     """Kill ``victim`` while its slice is part-way; time the slice's Crashed, re-submission and restart."""
+
     def victim_slice():
         picks = picked_by(hosts)
         run = next((r for r in fanout_runs(SLICE) if picks.get(str(r.id)) == victim), None)
@@ -163,24 +185,46 @@ def chaos_capture(hosts: dict[str, LocalWorker], run_dir: Path, victim: str, t0:
     shards, wall_kill, before = run.parameters["shards"], time.time(), done_shards(run_dir)
     killed = kill_host(hosts[victim])
     flying = in_flight(run.id)  # its task runs stay Running: nobody is left to report their end
-    print(f"capture: killed {victim} ({len(killed)} processes) with {len(before)} shards complete, its slice "
-          f"{run.name} at {sum(s in before for s in shards)}/{len(shards)}", flush=True)
+    print(
+        f"capture: killed {victim} ({len(killed)} processes) with {len(before)} shards complete, its slice "
+        f"{run.name} at {sum(s in before for s in shards)}/{len(shards)}",
+        flush=True,
+    )
     t_crashed = wait_until(lambda: first_state(run.id, "Crashed", wall_kill), timeout_s, "the slice run Crashed", 2.0)
-    again = wait_until(lambda: next((r for r in fanout_runs(SLICE) if r.parameters["shards"] == shards
-                                     and r.id != run.id and picked_by(hosts).get(str(r.id))), None),
-                       timeout_s, "the slice to be submitted again and picked up", 2.0)
+    again = wait_until(
+        lambda: next(
+            (
+                r
+                for r in fanout_runs(SLICE)
+                if r.parameters["shards"] == shards and r.id != run.id and picked_by(hosts).get(str(r.id))
+            ),
+            None,
+        ),
+        timeout_s,
+        "the slice to be submitted again and picked up",
+        2.0,
+    )
     t_running = wait_until(lambda: first_state(again.id, "Running", wall_kill), timeout_s, "the new slice run", 2.0)
     wait_until(lambda: (run_dir / "features" / "capture.manifest.json").is_file(), timeout_s, "capture to finish")
     after = done_shards(run_dir)
-    return {"victim": victim, "killed_processes": len(killed), "kill_at_s": round(wall_kill - t0, 1),
-            "slice": run.name, "slice_shards": len(shards), "slice_shards_done_at_kill": sum(s in before for s in shards),
-            "shards_in_flight_at_kill": flying, "shards_done_at_kill": len(before),
-            "shards_total": len(after), "to_crashed_s": round(t_crashed - wall_kill, 1),
-            "resubmitted_as": again.name, "resubmitted_to_host": picked_by(hosts)[str(again.id)],
-            "to_running_again_s": round(t_running - wall_kill, 1),
-            "to_capture_done_s": round(time.time() - wall_kill, 1),
-            "complete_shards_recaptured": sum(1 for s, t in before.items() if after.get(s, 0) > t),
-            "shards_captured_after_kill": sum(1 for t in after.values() if t > wall_kill)}
+    return {
+        "victim": victim,
+        "killed_processes": len(killed),
+        "kill_at_s": round(wall_kill - t0, 1),
+        "slice": run.name,
+        "slice_shards": len(shards),
+        "slice_shards_done_at_kill": sum(s in before for s in shards),
+        "shards_in_flight_at_kill": flying,
+        "shards_done_at_kill": len(before),
+        "shards_total": len(after),
+        "to_crashed_s": round(t_crashed - wall_kill, 1),
+        "resubmitted_as": again.name,
+        "resubmitted_to_host": picked_by(hosts)[str(again.id)],
+        "to_running_again_s": round(t_running - wall_kill, 1),
+        "to_capture_done_s": round(time.time() - wall_kill, 1),
+        "complete_shards_recaptured": sum(1 for s, t in before.items() if after.get(s, 0) > t),
+        "shards_captured_after_kill": sum(1 for t in after.values() if t > wall_kill),
+    }
 
 
 def logs_text(run_dir: Path, offsets: dict[Path, int] | None = None) -> dict[Path, str]:
@@ -200,12 +244,19 @@ def last_int(texts: dict[Path, str], pattern: str) -> int | None:
 
 def chaos_train(hosts: dict[str, LocalWorker], dead: set[str], run_dir: Path, t0: float, timeout_s: float) -> dict:
     """Kill the host of global rank 0 after the first checkpoint; time both nodes' re-submission on live hosts."""
+
     def mid_train():
         ckpts, prog = checkpoint_steps(run_dir), train_progress(run_dir)
         runs = [r for r in fanout_runs(NODE) if r.name.endswith("-try1")]
         picks = picked_by(hosts)
-        return (ckpts and prog.get("state") == "running" and prog.get("step", 0) > ckpts[-1] and len(runs) == 2
-                and all(str(r.id) in picks for r in runs) and runs)
+        return (
+            ckpts
+            and prog.get("state") == "running"
+            and prog.get("step", 0) > ckpts[-1]
+            and len(runs) == 2
+            and all(str(r.id) in picks for r in runs)
+            and runs
+        )
 
     runs = wait_until(mid_train, timeout_s, "multi-node training to pass its first checkpoint")
     rank0_log = next(log for log, text in logs_text(run_dir).items() if "[rank 0] step" in text)
@@ -218,24 +269,47 @@ def chaos_train(hosts: dict[str, LocalWorker], dead: set[str], run_dir: Path, t0
     time.sleep(1.0)  # let the survivors' last lines land
     step, ckpt = last_int(logs_text(run_dir), r"\bstep (\d+)/\d+"), checkpoint_steps(run_dir)[-1]
     dead.add(victim)
-    print(f"train: killed {victim} ({len(killed)} processes, node {node}, global rank 0) at step {step} "
-          f"(newest checkpoint step {ckpt})", flush=True)
+    print(
+        f"train: killed {victim} ({len(killed)} processes, node {node}, global rank 0) at step {step} "
+        f"(newest checkpoint step {ckpt})",
+        flush=True,
+    )
     other = next(r for r in runs if r.id != run.id)
     t_crashed = wait_until(lambda: first_state(run.id, "Crashed", wall_kill), timeout_s, "the node run Crashed", 2.0)
     other_end = wait_until(lambda: first_final(other.id, wall_kill), timeout_s, "the surviving node run to end", 2.0)
-    retry = wait_until(lambda: (new := [r for r in fanout_runs(NODE) if r.name.endswith("-try2")]) and len(new) == 2
-                       and all(first_state(r.id, "Running", wall_kill) for r in new) and new,
-                       timeout_s, "both nodes to run again", 2.0)
-    resumed = wait_until(lambda: last_int(logs_text(run_dir, offsets), r"resuming from \S+ \(step (\d+)"),
-                         timeout_s, "the trainer to resume")
+    retry = wait_until(
+        lambda: (
+            (new := [r for r in fanout_runs(NODE) if r.name.endswith("-try2")])
+            and len(new) == 2
+            and all(first_state(r.id, "Running", wall_kill) for r in new)
+            and new
+        ),
+        timeout_s,
+        "both nodes to run again",
+        2.0,
+    )
+    resumed = wait_until(
+        lambda: last_int(logs_text(run_dir, offsets), r"resuming from \S+ \(step (\d+)"),
+        timeout_s,
+        "the trainer to resume",
+    )
     landed = sorted(picked_by(hosts)[str(r.id)] for r in retry)
-    return {"victim": victim, "victim_node_rank": node, "killed_processes": len(killed),
-            "kill_at_s": round(wall_kill - t0, 1), "step_at_kill": step, "checkpoint_step": ckpt,
-            "to_crashed_s": round(t_crashed - wall_kill, 1),
-            "surviving_node_ended": other_end[0], "surviving_node_ended_after_s": round(other_end[1] - wall_kill, 1),
-            "nodes_rerun_on_hosts": landed, "nodes_on_dead_hosts": sorted(set(landed) & dead),
-            "to_running_again_s": round(max(first_state(r.id, "Running", wall_kill) for r in retry) - wall_kill, 1),
-            "resumed_from_step": resumed, "steps_redone": step - resumed if step is not None else None}
+    return {
+        "victim": victim,
+        "victim_node_rank": node,
+        "killed_processes": len(killed),
+        "kill_at_s": round(wall_kill - t0, 1),
+        "step_at_kill": step,
+        "checkpoint_step": ckpt,
+        "to_crashed_s": round(t_crashed - wall_kill, 1),
+        "surviving_node_ended": other_end[0],
+        "surviving_node_ended_after_s": round(other_end[1] - wall_kill, 1),
+        "nodes_rerun_on_hosts": landed,
+        "nodes_on_dead_hosts": sorted(set(landed) & dead),
+        "to_running_again_s": round(max(first_state(r.id, "Running", wall_kill) for r in retry) - wall_kill, 1),
+        "resumed_from_step": resumed,
+        "steps_redone": step - resumed if step is not None else None,
+    }
 
 
 def free_port() -> int:
@@ -247,8 +321,12 @@ def free_port() -> int:
 def run_chaos_hosts(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).resolve()
     names = [f"host-{chr(ord('a') + i)}" for i in range(args.hosts)]
-    overrides = [*(args.overrides if args.overrides is not None else TINY_OVERRIDES), *EXTRA,
-                 f"run.workdir={workdir}", f"capture.num_slices={args.hosts}"]
+    overrides = [
+        *(args.overrides if args.overrides is not None else TINY_OVERRIDES),
+        *EXTRA,
+        f"run.workdir={workdir}",
+        f"capture.num_slices={args.hosts}",
+    ]
     if args.kill != CAPTURE.name:
         overrides += ["train.nnodes=2", f"train.rdzv_endpoint=127.0.0.1:{free_port()}"]
     until = CAPTURE.name if args.kill == CAPTURE.name else UNTIL_CHOICES[-1]  # capture alone: stop after it
@@ -276,14 +354,24 @@ def run_chaos_hosts(args: argparse.Namespace) -> int:
         dead.add("host-b")
     if args.kill in (TRAIN.name, BOTH):
         report["train_kill"] = chaos_train(hosts, dead, cfg.run_dir, t0, args.timeout_s)
-    state = wait_until(lambda: (s := flow_state(run_id))[0] in ("Completed", "Failed", "Crashed", "Cancelled") and s,
-                       args.timeout_s, "the run to finish", 2.0)
+    state = wait_until(
+        lambda: (s := flow_state(run_id))[0] in ("Completed", "Failed", "Crashed", "Cancelled") and s,
+        args.timeout_s,
+        "the run to finish",
+        2.0,
+    )
     picks = picked_by(hosts)
-    report["runs_per_host"] = {h: sorted(r.name for r in fanout_runs(SLICE) + fanout_runs(NODE)
-                                         if picks.get(str(r.id)) == h) for h in names}
+    report["runs_per_host"] = {
+        h: sorted(r.name for r in fanout_runs(SLICE) + fanout_runs(NODE) if picks.get(str(r.id)) == h) for h in names
+    }
     shards = check_shards(cfg.run_dir)
-    report.update(final_state=state[0], parent_run_count=state[1], total_s=round(time.time() - t0, 1),
-                  dead_hosts=sorted(dead), shard_check=shards.to_json())
+    report.update(
+        final_state=state[0],
+        parent_run_count=state[1],
+        total_s=round(time.time() - t0, 1),
+        dead_hosts=sorted(dead),
+        shard_check=shards.to_json(),
+    )
     stop_worker(head)  # not kill_host: the server shares head's PREFECT_HOME and stays up for its UI
     for worker in hosts.values():
         kill_host(worker)
@@ -295,8 +383,13 @@ def run_chaos_hosts(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--set", dest="overrides", action="append", default=None,
-                        help="dotted overrides instead of the tiny defaults (30 shards, 30 epochs, checkpoint every 25)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=None,
+        help="dotted overrides instead of the tiny defaults (30 shards, 30 epochs, checkpoint every 25)",
+    )
     parser.add_argument("--workdir", default=str(ROOT / "runs" / "chaos-hosts"))
     parser.add_argument("--port", type=int, default=4320)
     parser.add_argument("--hosts", type=int, default=4, help="gpu-pool workers besides the head (capture slices)")

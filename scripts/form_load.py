@@ -112,8 +112,14 @@ class Local:
 
     def eagle3(self, *args: str) -> str:
         """`eagle3 ARGS --workdir W --port P` as a user runs it; its output (RuntimeError on a non-zero exit)."""
-        argv = [str(Path(sys.executable).with_name("eagle3")), *args, "--workdir", str(self.workdir),
-                "--port", str(self.port)]
+        argv = [
+            str(Path(sys.executable).with_name("eagle3")),
+            *args,
+            "--workdir",
+            str(self.workdir),
+            "--port",
+            str(self.port),
+        ]
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"eagle3 {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
@@ -129,8 +135,9 @@ def free_port() -> int:
 def start_pipeline(local: Local, deployment_id: str, preset: str, timeout_s: float = 600.0) -> str:
     """A run of the pipeline deployment (``preset``, in the workdir) for the worker; its id once it is Running."""
     params = {"preset": preset, "overrides": [f"run.workdir={local.workdir / 'pipeline-runs'}"]}
-    run = local.api("POST", f"/deployments/{deployment_id}/create_flow_run", {"name": "form-load-pipeline",
-                                                                            "parameters": params})
+    run = local.api(
+        "POST", f"/deployments/{deployment_id}/create_flow_run", {"name": "form-load-pipeline", "parameters": params}
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = local.api("GET", f"/flow_runs/{run['id']}")["state"]["type"]
@@ -177,8 +184,9 @@ def submit_form(page: Page, local: Local, deployment_id: str, override: str, ind
         page.locator(".schema-form-property-array-item textarea").last.fill(override)
         sub.name = page.locator("input").first.input_value()  # the form's Run Name (a generated one)
         t0 = time.monotonic()
-        with page.expect_response(lambda r: r.url.endswith("/create_flow_run") and r.request.method == "POST",
-                                  timeout=SUBMIT_TIMEOUT_S * 1000) as answer:
+        with page.expect_response(
+            lambda r: r.url.endswith("/create_flow_run") and r.request.method == "POST", timeout=SUBMIT_TIMEOUT_S * 1000
+        ) as answer:
             page.get_by_role("button", name="Submit").click()
         sub.status, sub.latency_s = answer.value.status, time.monotonic() - t0
         sub.toast = wait_toast(page, sub.name)
@@ -221,10 +229,13 @@ def submit_all(local: Local, deployment_id: str, count: int, override: str) -> l
                 sub = submit_form(page, local, deployment_id, override, i)
                 sub.pipeline_running, sub.load_1m = pipeline_running(local), os.getloadavg()[0]
                 subs.append(sub)
-                print(f"{i + 1:3d}/{count} {sub.name or '-':28s} HTTP {sub.status} {sub.latency_s or 0:6.2f} s "
-                      f"{sub.toast or 'no toast':9s} pipeline {'running' if sub.pipeline_running else 'not running'} "
-                      f"load {sub.load_1m:.1f}"
-                      f"{'  ' + '; '.join(sub.server_errors) if sub.server_errors else ''}", flush=True)
+                print(
+                    f"{i + 1:3d}/{count} {sub.name or '-':28s} HTTP {sub.status} {sub.latency_s or 0:6.2f} s "
+                    f"{sub.toast or 'no toast':9s} pipeline {'running' if sub.pipeline_running else 'not running'} "
+                    f"load {sub.load_1m:.1f}"
+                    f"{'  ' + '; '.join(sub.server_errors) if sub.server_errors else ''}",
+                    flush=True,
+                )
         finally:
             browser.close()
     record_appeared(local, subs, override)
@@ -239,21 +250,32 @@ def summary(subs: list[Submission]) -> dict[str, Any]:
         for reason in sub.reasons():
             reasons[reason] = reasons.get(reason, 0) + 1
     latencies = sorted(s.latency_s for s in subs if s.latency_s is not None)
-    return {"submissions": len(subs), "succeeded": len(subs) - len(failed), "failed": len(failed),
-            "failure_reasons": reasons, "while_pipeline_running": sum(s.pipeline_running for s in subs),
-            "load_1m_median": round(statistics.median(s.load_1m for s in subs), 1) if subs else None,
-            "latency_median_s": round(statistics.median(latencies), 2) if latencies else None,
-            "latency_max_s": round(latencies[-1], 2) if latencies else None}
+    return {
+        "submissions": len(subs),
+        "succeeded": len(subs) - len(failed),
+        "failed": len(failed),
+        "failure_reasons": reasons,
+        "while_pipeline_running": sum(s.pipeline_running for s in subs),
+        "load_1m_median": round(statistics.median(s.load_1m for s in subs), 1) if subs else None,
+        "latency_median_s": round(statistics.median(latencies), 2) if latencies else None,
+        "latency_max_s": round(latencies[-1], 2) if latencies else None,
+    }
 
 
 def print_table(figures: dict[str, Any]) -> None:
     reasons = "; ".join(f"{k} x{v}" for k, v in figures["failure_reasons"].items()) or "-"
-    rows = [("submissions, one after another", f"{figures['submissions']} in {figures['wall_s']} s"),
-            ("succeeded", figures["succeeded"]), ("failed", figures["failed"]), ("failure reasons", reasons),
-            ("made while a pipeline was Running", figures["while_pipeline_running"]),
-            ("1-minute load average, median over the submissions", figures["load_1m_median"]),
-            ("submit latency median / max (click -> create_flow_run answer)",
-             f"{figures['latency_median_s']} / {figures['latency_max_s']} s")]
+    rows = [
+        ("submissions, one after another", f"{figures['submissions']} in {figures['wall_s']} s"),
+        ("succeeded", figures["succeeded"]),
+        ("failed", figures["failed"]),
+        ("failure reasons", reasons),
+        ("made while a pipeline was Running", figures["while_pipeline_running"]),
+        ("1-minute load average, median over the submissions", figures["load_1m_median"]),
+        (
+            "submit latency median / max (click -> create_flow_run answer)",
+            f"{figures['latency_median_s']} / {figures['latency_max_s']} s",
+        ),
+    ]
     print("\n| figure | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
@@ -310,13 +332,19 @@ def loaded_server(workdir: Path, port: int, preset: str, baseline: bool) -> Iter
     os.environ["PREFECT_SERVER_LOG_RETRYABLE_ERRORS"] = "true"  # a 503's cause in the server log; answers unchanged
     try:
         local_server.start(local_server.LocalServer(server.home, port, sqlite_settings=not baseline))
-        print(f"server started ({'without' if baseline else 'with'} {local_server.SQLITE_ENV}) in "
-              f"{time.monotonic() - t0:.1f} s", flush=True)
+        print(
+            f"server started ({'without' if baseline else 'with'} {local_server.SQLITE_ENV}) in "
+            f"{time.monotonic() - t0:.1f} s",
+            flush=True,
+        )
         local.eagle3("setup")
         deployment_id = local.api("GET", f"/deployments/name/{DEPLOYMENT}")["id"]
         run_id = start_pipeline(local, deployment_id, preset)
-        print(f"setup applied, pipeline run {local.ui}/runs/flow-run/{run_id} ({preset}) Running after "
-              f"{time.monotonic() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}", flush=True)
+        print(
+            f"setup applied, pipeline run {local.ui}/runs/flow-run/{run_id} ({preset}) Running after "
+            f"{time.monotonic() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
         yield local, deployment_id
         print(f"the pipeline's tasks by then: {task_states(local, run_id)}", flush=True)
     finally:
@@ -344,11 +372,18 @@ def main() -> int:
     ap.add_argument("-n", "--submissions", type=int, default=50)
     ap.add_argument("--preset", default="smollm2-demo", help="the pipeline run that loads the machine")
     ap.add_argument("--port", type=int, default=0, help="the server's port (0: a free one)")
-    ap.add_argument("--baseline", action="store_true", help="the server without local_server's SQLite settings "
-                    "(Prefect's BEGIN DEFERRED transactions), to see what they change")
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="the server without local_server's SQLite settings "
+        "(Prefect's BEGIN DEFERRED transactions), to see what they change",
+    )
     ap.add_argument("--json", type=Path, help="also write the figures and every submission here")
-    ap.add_argument("--workdir", type=Path, help="the server's and the runs' folder, kept (default: a temporary "
-                    "one, removed at the end)")
+    ap.add_argument(
+        "--workdir",
+        type=Path,
+        help="the server's and the runs' folder, kept (default: a temporary one, removed at the end)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the temporary workdir (server log, database)")
     args = ap.parse_args()
     if CHROMIUM is None:
@@ -371,8 +406,12 @@ def main() -> int:
         for line, times in Counter(errors).most_common(10):
             print(f"  {times} x {line[:300]}")
         if args.json:
-            args.json.write_text(json.dumps({**figures, "server_log_errors": errors[:50],
-                                             "submissions_seen": [asdict(s) for s in subs]}, indent=2))
+            args.json.write_text(
+                json.dumps(
+                    {**figures, "server_log_errors": errors[:50], "submissions_seen": [asdict(s) for s in subs]},
+                    indent=2,
+                )
+            )
     finally:
         if args.keep or args.workdir:
             print(f"kept {workdir}")

@@ -26,7 +26,8 @@ from infra.locks import LOCK_FILE, read_holder
 from infra.storage import sha256_file
 
 TEMP_NAME_RE = re.compile(r"^\..+(\.tmp$|\.tmp-\d+$|\.old-\d+$)")
-"""Leftovers of a killed writer: atomic_open/temp_path_for files, checkpoint temp dirs, publish_dir's moved-aside dirs."""
+"""Leftovers of a killed writer: atomic_open/temp_path_for files, checkpoint temp dirs, publish_dir's moved-aside
+dirs."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,13 @@ def check_manifests(run_dir: Path, expected: int) -> Check:
                 problems.append(f"{manifest.name}:{name}")
     if len(found) != expected:
         problems.append(f"{len(found)} manifests, expected {expected}")
-    return Check("manifests_match_outputs", not problems,
-                 f"{len(found)} manifests, every output's size and sha256 as recorded" if not problems
-                 else "mismatch: " + ", ".join(problems))
+    return Check(
+        "manifests_match_outputs",
+        not problems,
+        f"{len(found)} manifests, every output's size and sha256 as recorded"
+        if not problems
+        else "mismatch: " + ", ".join(problems),
+    )
 
 
 def _shard_header_ids(path: Path) -> list[str]:
@@ -95,13 +100,18 @@ def check_shards(run_dir: Path) -> Check:
     if extra:
         problems.append(f"shards beyond the plan: {extra[:4]}")
     if dupes or set(ids) != set(plan_ids) or any(n > 1 for n in plan_ids.values()):
-        problems.append(f"sample ids differ from the plan's ({len(dupes)} duplicated, "
-                        f"{len(set(plan_ids) - set(ids))} missing)")
+        problems.append(
+            f"sample ids differ from the plan's ({len(dupes)} duplicated, {len(set(plan_ids) - set(ids))} missing)"
+        )
     if plan["num_samples"] != sum(ids.values()):
         problems.append(f"{sum(ids.values())} samples in shards, plan says {plan['num_samples']}")
-    return Check("shards_complete_unique_uncorrupted", not problems,
-                 f"{len(planned)} shards, {sum(ids.values())} samples, each once, sha256 as in the done files"
-                 if not problems else "; ".join(problems))
+    return Check(
+        "shards_complete_unique_uncorrupted",
+        not problems,
+        f"{len(planned)} shards, {sum(ids.values())} samples, each once, sha256 as in the done files"
+        if not problems
+        else "; ".join(problems),
+    )
 
 
 def _count_lines(path: Path) -> int:
@@ -119,26 +129,41 @@ def check_rejects(run_dir: Path) -> Check:
     rejects.jsonl lines), regeneration input = answered + errors (+ skipped), tokenize in = written + rejected."""
     data, problems = Path(run_dir) / "data", []
     total = json.loads((data / "stats.json").read_text())["total"]
-    merge = (total["read"], total["kept"] + total["rejected"], total["kept"] + _count_lines(data / "rejects.jsonl"),
-             _parquet_rows(data / "merged.parquet") + total["rejected"])
+    merge = (
+        total["read"],
+        total["kept"] + total["rejected"],
+        total["kept"] + _count_lines(data / "rejects.jsonl"),
+        _parquet_rows(data / "merged.parquet") + total["rejected"],
+    )
     if len(set(merge)) != 1:
         problems.append(f"merge read/kept+rejected/rows+rejects disagree: {merge}")
     regen = read_manifest(regenerate.STAGE.manifest(Path(run_dir)))["stats"]
     skipped = regen["skipped_done"] + regen["skipped_source"] + regen["skipped_limit"]
-    regen_counts = (regen["input"], regen["success"] + regen["error"] + skipped, total["kept"],
-                    _parquet_rows(data / "regenerated.parquet") + _count_lines(data / "regenerate_errors.jsonl"))
+    regen_counts = (
+        regen["input"],
+        regen["success"] + regen["error"] + skipped,
+        total["kept"],
+        _parquet_rows(data / "regenerated.parquet") + _count_lines(data / "regenerate_errors.jsonl"),
+    )
     if len(set(regen_counts)) != 1:
         problems.append(f"regenerate input/success+error/merged rows/parquet+errors disagree: {regen_counts}")
     tok = read_manifest(tokenize.STAGE.manifest(Path(run_dir)))["stats"]
-    tok_counts = (tok["rows_in"], tok["rows_written"] + tok["rows_rejected"],
-                  _parquet_rows(data / "tokenized.parquet") + _count_lines(data / "tokenize_rejects.jsonl"))
+    tok_counts = (
+        tok["rows_in"],
+        tok["rows_written"] + tok["rows_rejected"],
+        _parquet_rows(data / "tokenized.parquet") + _count_lines(data / "tokenize_rejects.jsonl"),
+    )
     if len(set(tok_counts)) != 1:
         problems.append(f"tokenize in/written+rejected/rows+reject lines disagree: {tok_counts}")
-    return Check("rejects_accounted_for", not problems,
-                 f"merge read {total['read']} = kept {total['kept']} + rejected {total['rejected']}; regenerate "
-                 f"{regen['input']} = {regen['success']} answered + {regen['error']} errors + {skipped} skipped; "
-                 f"tokenize {tok['rows_in']} = {tok['rows_written']} + {tok['rows_rejected']} rejected"
-                 if not problems else "; ".join(problems))
+    return Check(
+        "rejects_accounted_for",
+        not problems,
+        f"merge read {total['read']} = kept {total['kept']} + rejected {total['rejected']}; regenerate "
+        f"{regen['input']} = {regen['success']} answered + {regen['error']} errors + {skipped} skipped; "
+        f"tokenize {tok['rows_in']} = {tok['rows_written']} + {tok['rows_rejected']} rejected"
+        if not problems
+        else "; ".join(problems),
+    )
 
 
 def _output_hashes(manifest: Path) -> dict[str, str]:
@@ -150,11 +175,19 @@ def check_same_data(run_dir: Path, ref_dir: Path) -> Check:
     """The outputs of every reproducible stage (eagle3.run.registry: data, vocab, capture) that the uninterrupted run
     ran are byte-identical to its."""
     ran = [s for s in STAGES if s.reproducible and s.manifest(ref_dir).is_file()]
-    differ = [s.name for s in ran if not _output_hashes(s.manifest(run_dir)) or
-              _output_hashes(s.manifest(run_dir)) != _output_hashes(s.manifest(ref_dir))]
-    return Check("data_and_shards_equal_uninterrupted_run", bool(ran) and not differ,
-                 f"{len(ran)} stages' outputs have the reference run's sha256" if not differ
-                 else f"outputs differ from the reference run in {differ}")
+    differ = [
+        s.name
+        for s in ran
+        if not _output_hashes(s.manifest(run_dir))
+        or _output_hashes(s.manifest(run_dir)) != _output_hashes(s.manifest(ref_dir))
+    ]
+    return Check(
+        "data_and_shards_equal_uninterrupted_run",
+        bool(ran) and not differ,
+        f"{len(ran)} stages' outputs have the reference run's sha256"
+        if not differ
+        else f"outputs differ from the reference run in {differ}",
+    )
 
 
 def _final_checkpoint(run_dir: Path) -> Path:
@@ -167,27 +200,42 @@ def check_same_drafter(run_dir: Path, ref_dir: Path) -> Check:
     from safetensors.torch import load_file
 
     mine, ref = load_file(str(_final_checkpoint(run_dir))), load_file(str(_final_checkpoint(ref_dir)))
-    differ = sorted(k for k in set(mine) | set(ref) if k not in mine or k not in ref or
-                    mine[k].dtype != ref[k].dtype or not mine[k].equal(ref[k]))
+    differ = sorted(
+        k
+        for k in set(mine) | set(ref)
+        if k not in mine or k not in ref or mine[k].dtype != ref[k].dtype or not mine[k].equal(ref[k])
+    )
     exported = {k: v for k, v in _output_hashes(export.STAGE.manifest(run_dir)).items() if "weights" in k}
-    if exported != {k: v for k, v in _output_hashes(export.STAGE.manifest(ref_dir)).items()
-                    if "weights" in k} or not exported:
+    if (
+        exported != {k: v for k, v in _output_hashes(export.STAGE.manifest(ref_dir)).items() if "weights" in k}
+        or not exported
+    ):
         differ.append("exported weights")
-    return Check("drafter_equals_uninterrupted_run", not differ,
-                 f"final checkpoint {_final_checkpoint(run_dir).parent.name}: {len(mine)} tensors bitwise equal; "
-                 f"exported weights' sha256 equal" if not differ else f"differ: {differ[:6]}")
+    return Check(
+        "drafter_equals_uninterrupted_run",
+        not differ,
+        f"final checkpoint {_final_checkpoint(run_dir).parent.name}: {len(mine)} tensors bitwise equal; "
+        f"exported weights' sha256 equal"
+        if not differ
+        else f"differ: {differ[:6]}",
+    )
 
 
 def check_same_eval(run_dir: Path, ref_dir: Path) -> Check:
     """Evaluation measured the same acceptance lengths and lossless counts as the uninterrupted run."""
+
     def figures(path: Path) -> dict[str, Any]:
         stats = (read_manifest(evaluate.STAGE.manifest(Path(path))) or {}).get("stats", {})
         return {k: (v.get("accept_len"), v.get("lossless_identical")) for k, v in stats.items()}
 
     mine, ref = figures(run_dir), figures(ref_dir)
-    return Check("evaluation_equals_uninterrupted_run", bool(mine) and mine == ref,
-                 f"accept_len and lossless counts of {sorted(mine)} equal" if mine == ref and mine
-                 else f"{mine} vs reference {ref}")
+    return Check(
+        "evaluation_equals_uninterrupted_run",
+        bool(mine) and mine == ref,
+        f"accept_len and lossless counts of {sorted(mine)} equal"
+        if mine == ref and mine
+        else f"{mine} vs reference {ref}",
+    )
 
 
 def stray_temps(workdir: Path) -> list[str]:
@@ -216,12 +264,22 @@ def check_lock_free(run_dir: Path) -> Check:
             free = True
     except LockHeldError:
         free = False
-    return Check("run_lock_free", free and not holder,
-                 "lock taken at once, holder record empty" if free and not holder else f"free={free}, holder={holder}")
+    return Check(
+        "run_lock_free",
+        free and not holder,
+        "lock taken at once, holder record empty" if free and not holder else f"free={free}, holder={holder}",
+    )
 
 
 def all_checks(run_dir: Path, ref_dir: Path, workdir: Path) -> list[Check]:
     """Every end-of-trial check, in a fixed order."""
-    return [check_shards(run_dir), check_manifests(run_dir, len(manifests(ref_dir))), check_rejects(run_dir),
-            check_same_data(run_dir, ref_dir), check_same_drafter(run_dir, ref_dir),
-            check_same_eval(run_dir, ref_dir), check_no_temps(workdir), check_lock_free(run_dir)]
+    return [
+        check_shards(run_dir),
+        check_manifests(run_dir, len(manifests(ref_dir))),
+        check_rejects(run_dir),
+        check_same_data(run_dir, ref_dir),
+        check_same_drafter(run_dir, ref_dir),
+        check_same_eval(run_dir, ref_dir),
+        check_no_temps(workdir),
+        check_lock_free(run_dir),
+    ]

@@ -63,11 +63,18 @@ from infra.process import group_alive, popen_detached, tail  # noqa: E402
 TINY = "pkg://eagle3/assets/tiny_chats.jsonl"
 SHAREGPT = "pkg://eagle3/assets/tiny_chats_sharegpt.json"
 SOURCES = ", ".join(f"{{name: {n}, path: '{TINY}'}}" for n in "abcd") + f", {{name: sg, path: '{SHAREGPT}'}}"
-OVERRIDES = [f"data.sources=[{SOURCES}]",  # 4 x 60 + 20 conversations, kept apart by their source prefix
-             "data.dedupe=false", "data.max_chars=200",  # the longest conversations become rejects
-             "regenerate.enabled=true", "regenerate.backend=hf", "regenerate.device=cpu",
-             "regenerate.max_new_tokens=24", "capture.tokens_per_shard=1000",  # ~44 shards
-             "train.num_epochs=6", "train.checkpoint_every_steps=10"]  # ~400 steps
+OVERRIDES = [
+    f"data.sources=[{SOURCES}]",  # 4 x 60 + 20 conversations, kept apart by their source prefix
+    "data.dedupe=false",
+    "data.max_chars=200",  # the longest conversations become rejects
+    "regenerate.enabled=true",
+    "regenerate.backend=hf",
+    "regenerate.device=cpu",
+    "regenerate.max_new_tokens=24",
+    "capture.tokens_per_shard=1000",  # ~44 shards
+    "train.num_epochs=6",
+    "train.checkpoint_every_steps=10",
+]  # ~400 steps
 """The tiny preset made big enough that a random kill lands mid-stage (about 2 minutes uninterrupted on 2 cores)."""
 RESUMABLE = {s.name for s in REGISTRY if s.resumable}
 """Stages that keep finished work across a kill (journal, complete shards, checkpoints); a rerun has less to do."""
@@ -102,8 +109,11 @@ def harness_stages(preset: str = "tiny", overrides: list[str] = OVERRIDES) -> li
 
     cfg = load_config(preset, overrides)
     first_by_config = next(i for i, s in enumerate(REGISTRY) if s.torchrun)
-    return [Stage(s.name, s.cli, i < first_by_config, s.torchrun) for i, s in enumerate(REGISTRY)
-            if s.skip_reason(cfg) is None]
+    return [
+        Stage(s.name, s.cli, i < first_by_config, s.torchrun)
+        for i, s in enumerate(REGISTRY)
+        if s.skip_reason(cfg) is None
+    ]
 
 
 STAGES = harness_stages()
@@ -121,8 +131,9 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_until(argv: list[str], log: Path, kill_after_s: float | None,
-              kill_when: Callable[[int], bool] | None = None) -> tuple[str, float]:
+def run_until(
+    argv: list[str], log: Path, kill_after_s: float | None, kill_when: Callable[[int], bool] | None = None
+) -> tuple[str, float]:
     """Run argv in its own process group; SIGKILL the group after ``kill_after_s``, or once ``kill_when(log offset
     at start)`` holds, if it still runs. Returns ("killed" | "exited", seconds); StageFailed on a non-zero exit."""
     t0 = time.monotonic()
@@ -274,9 +285,18 @@ def retry_window(timing: Timing, outran_s: float | None) -> tuple[float, float]:
     return min(0.8 * timing.noop_s, 0.5 * high), high
 
 
-def kill_stage(rng: random.Random, stage: Stage, quota: int, timing: Timing, argv: list[str], run_dir: Path,
-               logs: Path, last: bool = False, run: Runner = run_until,
-               reset: Callable[[str, Path], None] = reset_stage) -> StageLog:
+def kill_stage(
+    rng: random.Random,
+    stage: Stage,
+    quota: int,
+    timing: Timing,
+    argv: list[str],
+    run_dir: Path,
+    logs: Path,
+    last: bool = False,
+    run: Runner = run_until,
+    reset: Callable[[str, Path], None] = reset_stage,
+) -> StageLog:
     """Start the stage, SIGKILL it at random moments up to ``quota`` times, then let it finish (the recovery).
 
     A kill that misses (the stage exited first) while the stage has no landed kill yet, or on the ``last``
@@ -328,8 +348,16 @@ def kill_stage(rng: random.Random, stage: Stage, quota: int, timing: Timing, arg
     return out
 
 
-def run_trial(index: int, seed: int, kills: int, preset: str, overrides: list[str], timings: dict[str, Timing],
-              workdir: Path, ref_dir: Path) -> dict:
+def run_trial(
+    index: int,
+    seed: int,
+    kills: int,
+    preset: str,
+    overrides: list[str],
+    timings: dict[str, Timing],
+    workdir: Path,
+    ref_dir: Path,
+) -> dict:
     """One fresh run killed ``kills`` times across all stages, then every check."""
     rng = random.Random(f"{seed}:{index}")
     trial_dir = workdir / f"trial-{index}"
@@ -343,12 +371,22 @@ def run_trial(index: int, seed: int, kills: int, preset: str, overrides: list[st
     try:
         for stage in STAGES:
             want = quota[stage.name] + carry
-            log = kill_stage(rng, stage, want, timings[stage.name], stage.argv(preset, over, run_dir), run_dir, logs,
-                             last=stage is STAGES[-1])
+            log = kill_stage(
+                rng,
+                stage,
+                want,
+                timings[stage.name],
+                stage.argv(preset, over, run_dir),
+                run_dir,
+                logs,
+                last=stage is STAGES[-1],
+            )
             carry = want - log.kills
             per_stage[stage.name] = log
-            print(f"trial {index} {stage.name}: {log.kills} kills, {log.misses} misses, {log.resets} resets, "
-                  "recovered", flush=True)
+            print(
+                f"trial {index} {stage.name}: {log.kills} kills, {log.misses} misses, {log.resets} resets, recovered",
+                flush=True,
+            )
     except StageFailed as exc:
         error = str(exc)
         print(f"trial {index}: RECOVERY FAILED: {error}", flush=True)
@@ -356,16 +394,28 @@ def run_trial(index: int, seed: int, kills: int, preset: str, overrides: list[st
     total = sum(s.kills for s in per_stage.values())
     checks.append(Check("enough_kills", total >= kills, f"{total} kills landed (asked for {kills})"))
     unkilled = [s.name for s in STAGES if s.name in per_stage and per_stage[s.name].kills == 0]
-    checks.append(Check("every_stage_killed", error is None and not unkilled,
-                        f"stages without a landed kill: {', '.join(unkilled)}" if unkilled
-                        else "every stage got at least one landed kill"))
-    return {"trial": index, "wall_s": round(time.monotonic() - t0, 1), "kills": total,
-            "kills_per_stage": {n: s.kills for n, s in per_stage.items()},
-            "misses": sum(s.misses for s in per_stage.values()),
-            "resets_per_stage": {n: s.resets for n, s in per_stage.items()},
-            "recoveries": total if error is None else None, "error": error,
-            "checks": [c.to_json() for c in checks], "passed": error is None and all(c.passed for c in checks),
-            "stages": {n: {"attempts": s.attempts, "events": s.events} for n, s in per_stage.items()}}
+    checks.append(
+        Check(
+            "every_stage_killed",
+            error is None and not unkilled,
+            f"stages without a landed kill: {', '.join(unkilled)}"
+            if unkilled
+            else "every stage got at least one landed kill",
+        )
+    )
+    return {
+        "trial": index,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "kills": total,
+        "kills_per_stage": {n: s.kills for n, s in per_stage.items()},
+        "misses": sum(s.misses for s in per_stage.values()),
+        "resets_per_stage": {n: s.resets for n, s in per_stage.items()},
+        "recoveries": total if error is None else None,
+        "error": error,
+        "checks": [c.to_json() for c in checks],
+        "passed": error is None and all(c.passed for c in checks),
+        "stages": {n: {"attempts": s.attempts, "events": s.events} for n, s in per_stage.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,11 +424,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=21, help="SIGKILLs per trial (at least one per stage)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        help="extra config overrides (after the harness's own)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="extra config overrides (after the harness's own)"
+    )
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "kill")
-    parser.add_argument("--keep", action="store_true", help="keep each trial's run directory (default: removed "
-                        "once its checks passed)")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep each trial's run directory (default: removed once its checks passed)"
+    )
     args = parser.parse_args(argv)
     workdir = args.workdir.resolve()
     overrides = OVERRIDES + args.overrides
@@ -390,25 +442,38 @@ def main(argv: list[str] | None = None) -> int:
         trials.append(run_trial(index, args.seed, args.kills, args.preset, overrides, timings, workdir, ref_dir))
         if trials[-1]["passed"] and not args.keep:
             shutil.rmtree(workdir / f"trial-{index}" / "w", ignore_errors=True)
-        print(json.dumps({k: trials[-1][k] for k in ("trial", "kills_per_stage", "misses", "passed", "wall_s")}),
-              flush=True)
+        print(
+            json.dumps({k: trials[-1][k] for k in ("trial", "kills_per_stage", "misses", "passed", "wall_s")}),
+            flush=True,
+        )
     summary = _summary(args, overrides, timings, trials, time.monotonic() - t0)
     (workdir / "kill_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "trials"}, indent=2))
     return 0 if summary["all_passed"] else 1
 
 
-def _summary(args: argparse.Namespace, overrides: list[str], timings: dict[str, Timing], trials: list[dict],
-             wall_s: float) -> dict:
+def _summary(
+    args: argparse.Namespace, overrides: list[str], timings: dict[str, Timing], trials: list[dict], wall_s: float
+) -> dict:
     per_stage = {s.name: sum(t["kills_per_stage"].get(s.name, 0) for t in trials) for s in STAGES}
-    return {"command": " ".join(sys.argv), "seed": args.seed, "preset": args.preset, "overrides": overrides,
-            "cpus": os.cpu_count(), "reference_s": {n: vars(t) for n, t in timings.items()},
-            "trials_run": len(trials), "kills": sum(t["kills"] for t in trials), "kills_per_stage": per_stage,
-            "misses": sum(t["misses"] for t in trials),
-            "recoveries": sum(t["recoveries"] or 0 for t in trials),
-            "checks_passed": sum(c["passed"] for t in trials for c in t["checks"]),
-            "checks_total": sum(len(t["checks"]) for t in trials),
-            "all_passed": all(t["passed"] for t in trials), "wall_s": round(wall_s, 1), "trials": trials}
+    return {
+        "command": " ".join(sys.argv),
+        "seed": args.seed,
+        "preset": args.preset,
+        "overrides": overrides,
+        "cpus": os.cpu_count(),
+        "reference_s": {n: vars(t) for n, t in timings.items()},
+        "trials_run": len(trials),
+        "kills": sum(t["kills"] for t in trials),
+        "kills_per_stage": per_stage,
+        "misses": sum(t["misses"] for t in trials),
+        "recoveries": sum(t["recoveries"] or 0 for t in trials),
+        "checks_passed": sum(c["passed"] for t in trials for c in t["checks"]),
+        "checks_total": sum(len(t["checks"]) for t in trials),
+        "all_passed": all(t["passed"] for t in trials),
+        "wall_s": round(wall_s, 1),
+        "trials": trials,
+    }
 
 
 if __name__ == "__main__":

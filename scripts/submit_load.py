@@ -45,9 +45,13 @@ def _pipeline_loop(env: dict[str, str], workdir: Path, stop: threading.Event, lo
     eagle3 = str(Path(sys.executable).with_name("eagle3"))
     with log.open("ab") as out:
         while not stop.is_set():
-            proc = subprocess.Popen([eagle3, "run", "--preset", "tiny", "--force", "--no-progress",
-                                     "--set", f"run.workdir={workdir}"], env=env, cwd=ROOT, stdout=out,
-                                    stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [eagle3, "run", "--preset", "tiny", "--force", "--no-progress", "--set", f"run.workdir={workdir}"],
+                env=env,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
             while proc.poll() is None:
                 if stop.wait(0.5):
                     proc.terminate()
@@ -61,8 +65,11 @@ def _wait_pipeline_busy(api: str, timeout_s: float = 240.0) -> None:
     """Until a flow run of the pipeline is RUNNING (its tasks write to the database from then on)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        r = httpx.post(f"{api}/flow_runs/filter", json={"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}},
-                                                         "limit": 1}, timeout=30)
+        r = httpx.post(
+            f"{api}/flow_runs/filter",
+            json={"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}, "limit": 1},
+            timeout=30,
+        )
         if r.status_code == 200 and r.json():
             return
         time.sleep(1.0)
@@ -100,8 +107,13 @@ def main() -> int:
     loop = None
     try:
         eagle3 = str(Path(sys.executable).with_name("eagle3"))
-        setup = subprocess.run([eagle3, "setup", "--no-workers", "--workdir", str(workdir), "--port", str(args.port)],
-                               env=env, cwd=ROOT, capture_output=True, text=True)
+        setup = subprocess.run(
+            [eagle3, "setup", "--no-workers", "--workdir", str(workdir), "--port", str(args.port)],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         if setup.returncode != 0:
             print(setup.stdout[-3000:], setup.stderr[-3000:], sep="\n")
             return 2
@@ -112,16 +124,24 @@ def main() -> int:
         loop = threading.Thread(target=_pipeline_loop, args=(env, workdir, stop, workdir / "pipeline.log", counts))
         loop.start()
         _wait_pipeline_busy(api)
-        print(f"pipeline running ({time.monotonic() - t0:.1f} s); submitting {args.submissions}, "
-              f"{args.concurrency} at a time", flush=True)
+        print(
+            f"pipeline running ({time.monotonic() - t0:.1f} s); submitting {args.submissions}, "
+            f"{args.concurrency} at a time",
+            flush=True,
+        )
 
         url = f"{api}/deployments/{dep['id']}/create_flow_run"
         results: list[tuple[int | str, float]] = []
 
         def submit(i: int) -> None:
-            body = {"name": f"load-{i}", "parameters": dep.get("parameters") or {}, "tags": [], "job_variables": {},
-                    "enforce_parameter_schema": True,
-                    "state": {"type": "SCHEDULED", "name": "Scheduled", "message": "Run from the Prefect UI"}}
+            body = {
+                "name": f"load-{i}",
+                "parameters": dep.get("parameters") or {},
+                "tags": [],
+                "job_variables": {},
+                "enforce_parameter_schema": True,
+                "state": {"type": "SCHEDULED", "name": "Scheduled", "message": "Run from the Prefect UI"},
+            }
             t = time.monotonic()
             try:
                 with httpx.Client(timeout=httpx.Timeout(120.0)) as client:  # a browser tab waits, it does not retry
@@ -147,10 +167,13 @@ def main() -> int:
         codes[c] = codes.get(c, 0) + 1
     locked = [ln for ln in server.log_file.read_text(errors="replace").splitlines() if "locked" in ln]
     print(f"\nsubmissions: {len(results)} in {wall:.1f} s, failed (non-2xx): {len(failed)} {codes or ''}")
-    print(f"latency s: median {statistics.median(lat):.2f}  p95 {lat[int(0.95 * (len(lat) - 1))]:.2f}  "
-          f"max {lat[-1]:.2f}")
-    print(f"pipelines during the load: {counts['pipelines']} finished (exit codes {counts['pipeline_rc']}), "
-          f"one more stopped")
+    print(
+        f"latency s: median {statistics.median(lat):.2f}  p95 {lat[int(0.95 * (len(lat) - 1))]:.2f}  max {lat[-1]:.2f}"
+    )
+    print(
+        f"pipelines during the load: {counts['pipelines']} finished (exit codes {counts['pipeline_rc']}), "
+        f"one more stopped"
+    )
     print(f"server log lines with 'locked': {len(locked)}")
     for ln in locked[:20]:
         print("  " + ln[:300])
@@ -158,6 +181,7 @@ def main() -> int:
         print(f"kept {workdir}")
     else:
         import shutil
+
         shutil.rmtree(workdir, ignore_errors=True)
     return 1 if failed else 0
 

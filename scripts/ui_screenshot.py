@@ -18,9 +18,18 @@ from pathlib import Path
 
 import httpx
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--window-size=1400,1000", "--virtual-time-budget=15000"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,1000",
+    "--virtual-time-budget=15000",
+]
 
 
 def newest_flow_run(api_url: str) -> str:
@@ -39,8 +48,12 @@ def screenshot(url: str, out: Path) -> None:
     if not browser:
         raise SystemExit("chromium not found: apt-get install -y chromium")
     with tempfile.TemporaryDirectory() as profile:
-        subprocess.run([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--screenshot={out.resolve()}", url],
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--screenshot={out.resolve()}", url],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
 
 
 def main() -> None:

@@ -34,8 +34,9 @@ MAX_TABLE_COLUMNS = 8
 """Widest table an artifact or report shows: wider ones are cut off on the right of the UI's page."""
 
 
-def narrow_tables(rows: list[dict[str, Any]], index: int = 1,
-                  max_columns: int = MAX_TABLE_COLUMNS) -> list[list[dict[str, Any]]]:
+def narrow_tables(
+    rows: list[dict[str, Any]], index: int = 1, max_columns: int = MAX_TABLE_COLUMNS
+) -> list[list[dict[str, Any]]]:
     """``rows`` as tables of at most ``max_columns`` columns.
 
     One row becomes a two-column field/value table; several rows are split by columns, each part
@@ -48,7 +49,7 @@ def narrow_tables(rows: list[dict[str, Any]], index: int = 1,
     columns = list(dict.fromkeys(k for r in rows for k in r))
     keys, rest = columns[:index], columns[index:]
     width = max(1, max_columns - index)
-    groups = [rest[i:i + width] for i in range(0, len(rest), width)] or [[]]
+    groups = [rest[i : i + width] for i in range(0, len(rest), width)] or [[]]
     return [[{k: r.get(k, "") for k in keys + group} for r in rows] for group in groups]
 
 
@@ -72,8 +73,9 @@ class ProgressArtifact:
 
     def __enter__(self) -> ProgressArtifact:
         # Called from sync code, Prefect's async_dispatch returns the id itself (its type also names a coroutine).
-        self.artifact_id = cast(UUID, create_progress_artifact(progress=0.0, key=f"{self.key}-progress",
-                                                               description=self.description))
+        self.artifact_id = cast(
+            UUID, create_progress_artifact(progress=0.0, key=f"{self.key}-progress", description=self.description)
+        )
         return self
 
     def callback(self, done: int, total: int, info: dict[str, Any]) -> None:
@@ -87,8 +89,11 @@ class ProgressArtifact:
         text = f"{self.description}: {done:,}/{total:,}" + (f" at {rate}/s" if rate and info["rate_per_s"] > 0 else "")
         if "eta_s" in info:
             text += f", {eta_text(info['eta_s'])}"
-        update_progress_artifact(self.artifact_id,  # type: ignore[arg-type]  # set by __enter__: called inside the with
-                                 progress=min(percent, 100.0), description=text)
+        update_progress_artifact(
+            self.artifact_id,  # type: ignore[arg-type]  # set by __enter__: called inside the with
+            progress=min(percent, 100.0),
+            description=text,
+        )
 
     def __exit__(self, *exc: object) -> None:
         if exc[0] is None and self.artifact_id is not None:

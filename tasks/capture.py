@@ -31,13 +31,18 @@ def prepare_capture_task(cfg: RunConfig) -> CaptureSummary:
     from eagle3.features.capture import prepare_capture
 
     summary = prepare_capture(cfg).summary()
-    publish_table(cfg, "capture-plan", [{k: v for k, v in summary.to_json().items() if not isinstance(v, list)}],
-                  "capture plan: shards, tokens and bytes")
+    publish_table(
+        cfg,
+        "capture-plan",
+        [{k: v for k, v in summary.to_json().items() if not isinstance(v, list)}],
+        "capture plan: shards, tokens and bytes",
+    )
     return summary
 
 
-@task(name="capture-shard", task_run_name="capture-{cfg.run.name}-shard-{shard_index:05d}", tags=["inference"],
-      **IO_RETRY)
+@task(
+    name="capture-shard", task_run_name="capture-{cfg.run.name}-shard-{shard_index:05d}", tags=["inference"], **IO_RETRY
+)
 def capture_shard_task(cfg: RunConfig, shard_index: int) -> ShardResult:
     """Capture one shard (no-op when its manifest already matches)."""
     from eagle3.features.capture import capture_shard
@@ -45,8 +50,12 @@ def capture_shard_task(cfg: RunConfig, shard_index: int) -> ShardResult:
     return capture_shard(cfg, shard_index)
 
 
-@task(name="capture-finalize", task_run_name="capture-finalize-{cfg.run.name}",
-      cache_key_fn=stage_cache_key(capture.STAGE.name), **STAGE_CACHE)
+@task(
+    name="capture-finalize",
+    task_run_name="capture-finalize-{cfg.run.name}",
+    cache_key_fn=stage_cache_key(capture.STAGE.name),
+    **STAGE_CACHE,
+)
 def finalize_capture_task(cfg: RunConfig, known_key: str | None = None) -> StageOutcome:
     """Check every shard is complete and write the capture manifest; the capture stage's outcome (a capture that is
     up to date: ``Cached``, with the manifest on disk, tasks.stage_cache). ``known_key``: the stage key the capture

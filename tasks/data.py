@@ -25,6 +25,7 @@ from tasks.stage_cache import STAGE_CACHE, computed_key, stage_cache_key
 if TYPE_CHECKING:
     from eagle3.data.regenerate_slices import SliceStats
 
+
 def _run(stage: str, cfg: RunConfig, force: bool) -> StageOutcome | None:
     """Run ``stage`` with the key the task's cache-key function computed (tasks.stage_cache: computed once)."""
     with ProgressArtifact(artifact_key(cfg, stage), f"{stage} ({cfg.run.name})") as progress:
@@ -44,16 +45,26 @@ class TargetCheck:
         return {"model_dir": self.model_dir, "fingerprint": self.fingerprint, **self.report}
 
 
-@task(name=synthesize.STAGE.name, cache_key_fn=stage_cache_key(synthesize.STAGE.name),
-      task_run_name="synthesize-{cfg.run.name}",
-      tags=["inference"], **STAGE_CACHE, **IO_RETRY)
+@task(
+    name=synthesize.STAGE.name,
+    cache_key_fn=stage_cache_key(synthesize.STAGE.name),
+    task_run_name="synthesize-{cfg.run.name}",
+    tags=["inference"],
+    **STAGE_CACHE,
+    **IO_RETRY,
+)
 def synthesize_task(cfg: RunConfig, force: bool = False) -> StageOutcome | None:
     """Let the target write and answer the records of the synthetic sources (resumable by record)."""
     return _run(synthesize.STAGE.name, cfg, force)
 
 
-@task(name=merge.STAGE.name, cache_key_fn=stage_cache_key(merge.STAGE.name), task_run_name="merge-{cfg.run.name}",
-      **STAGE_CACHE, **IO_RETRY)
+@task(
+    name=merge.STAGE.name,
+    cache_key_fn=stage_cache_key(merge.STAGE.name),
+    task_run_name="merge-{cfg.run.name}",
+    **STAGE_CACHE,
+    **IO_RETRY,
+)
 def merge_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Merge the chat sources into data/merged.parquet; publish data stats and rejects by reason."""
     result = _run(merge.STAGE.name, cfg, force)
@@ -62,9 +73,14 @@ def merge_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     return result
 
 
-@task(name=regenerate.STAGE.name, cache_key_fn=stage_cache_key(regenerate.STAGE.name),
-      task_run_name="regenerate-{cfg.run.name}",
-      tags=["inference"], **STAGE_CACHE, **IO_RETRY)
+@task(
+    name=regenerate.STAGE.name,
+    cache_key_fn=stage_cache_key(regenerate.STAGE.name),
+    task_run_name="regenerate-{cfg.run.name}",
+    tags=["inference"],
+    **STAGE_CACHE,
+    **IO_RETRY,
+)
 def regenerate_task(cfg: RunConfig, force: bool = False) -> StageOutcome | None:
     """Re-answer user turns with the target (resumable by sample id)."""
     return _run(regenerate.STAGE.name, cfg, force)
@@ -78,8 +94,13 @@ def regenerate_slice_task(cfg: RunConfig, index: int) -> SliceStats:
     return run_slice(cfg, index)
 
 
-@task(name=tokenize.STAGE.name, cache_key_fn=stage_cache_key(tokenize.STAGE.name),
-      task_run_name="tokenize-{cfg.run.name}", **STAGE_CACHE, **IO_RETRY)
+@task(
+    name=tokenize.STAGE.name,
+    cache_key_fn=stage_cache_key(tokenize.STAGE.name),
+    task_run_name="tokenize-{cfg.run.name}",
+    **STAGE_CACHE,
+    **IO_RETRY,
+)
 def tokenize_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Render with the chat template and compute loss masks into data/tokenized.parquet."""
     result = _run(tokenize.STAGE.name, cfg, force)
@@ -88,8 +109,13 @@ def tokenize_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     return result
 
 
-@task(name=vocab.STAGE.name, cache_key_fn=stage_cache_key(vocab.STAGE.name), task_run_name="vocab-{cfg.run.name}",
-      **STAGE_CACHE, **IO_RETRY)
+@task(
+    name=vocab.STAGE.name,
+    cache_key_fn=stage_cache_key(vocab.STAGE.name),
+    task_run_name="vocab-{cfg.run.name}",
+    **STAGE_CACHE,
+    **IO_RETRY,
+)
 def vocab_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Build the draft vocab map; publish its coverage."""
     result = _run(vocab.STAGE.name, cfg, force)
@@ -98,8 +124,13 @@ def vocab_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     return result
 
 
-DATA_TASKS = {synthesize: synthesize_task, merge: merge_task, regenerate: regenerate_task, tokenize: tokenize_task,
-              vocab: vocab_task}
+DATA_TASKS = {
+    synthesize: synthesize_task,
+    merge: merge_task,
+    regenerate: regenerate_task,
+    tokenize: tokenize_task,
+    vocab: vocab_task,
+}
 """The task of each data stage module (the pipeline iterates the registry and calls these)."""
 
 
@@ -134,5 +165,9 @@ def publish_merge_tables(cfg: RunConfig, stats: dict[str, Any]) -> None:
     rows.append({"source": "(total)", **_flat(stats["total"])})
     publish_table(cfg, "data-stats", rows, "merged data: per-source counts (kept + rejected = read)")
     by_reason = stats["total"]["rejected_by_reason"]
-    publish_table(cfg, "rejects-by-reason", [{"reason": r, "count": n} for r, n in sorted(by_reason.items())],
-                  "rejected records by reason (data/rejects.jsonl)")
+    publish_table(
+        cfg,
+        "rejects-by-reason",
+        [{"reason": r, "count": n} for r, n in sorted(by_reason.items())],
+        "rejected records by reason (data/rejects.jsonl)",
+    )

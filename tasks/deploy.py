@@ -24,15 +24,24 @@ from tasks.artifacts import ProgressArtifact, artifact_key, publish_table
 from tasks.stage_cache import STAGE_CACHE, computed_key, stage_cache_key
 
 
-@task(name=export.STAGE.name, task_run_name="export-{cfg.run.name}", cache_key_fn=stage_cache_key(export.STAGE.name),
-      **STAGE_CACHE)
+@task(
+    name=export.STAGE.name,
+    task_run_name="export-{cfg.run.name}",
+    cache_key_fn=stage_cache_key(export.STAGE.name),
+    **STAGE_CACHE,
+)
 def export_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Export the trained drafter (up to date: ``Cached``, tasks.stage_cache)."""
     return export.run_export(cfg, force, computed_key())
 
 
-@task(name=evaluate.STAGE.name, task_run_name="evaluate-{cfg.run.name}", tags=["gpu"],
-      cache_key_fn=stage_cache_key(evaluate.STAGE.name), **STAGE_CACHE)
+@task(
+    name=evaluate.STAGE.name,
+    task_run_name="evaluate-{cfg.run.name}",
+    tags=["gpu"],
+    cache_key_fn=stage_cache_key(evaluate.STAGE.name),
+    **STAGE_CACHE,
+)
 def evaluate_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Offline speculative decoding with the target in PyTorch: acceptance and lossless check (up to date:
     ``Cached``, tasks.stage_cache)."""
@@ -48,8 +57,9 @@ def prepare_serving_task(cfg: RunConfig) -> ServingPlan:
     return prepare_serving(cfg)
 
 
-@task(name="serve-benchmark", task_run_name="benchmark-{role}-{cfg.run.name}", tags=["inference"],
-      cache_policy=NO_CACHE)
+@task(
+    name="serve-benchmark", task_run_name="benchmark-{role}-{cfg.run.name}", tags=["inference"], cache_policy=NO_CACHE
+)
 def benchmark_server_task(cfg: RunConfig, role: Role, plan: ServingPlan, trio: str | None = None) -> ServerRun:
     """Launch one server (speculative: the EAGLE-3 setting ``trio``), wait for readiness, benchmark, always stop it."""
     from eagle3.deploy import benchmark_server
@@ -65,9 +75,16 @@ def report_task(cfg: RunConfig, baseline: ServerRun, speculative: list[ServerRun
     from eagle3.deploy import write_report
 
     report = write_report(cfg, baseline, speculative)
-    publish_table(cfg, "deploy-benchmark", [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
-                                            for row in report.to_json()["comparison"]],
-                  "baseline vs each EAGLE-3 setting per concurrency level")
-    create_markdown_artifact(markdown=report.markdown, key=artifact_key(cfg, "deploy-report"),
-                             description="EAGLE-3 deploy benchmark")
+    publish_table(
+        cfg,
+        "deploy-benchmark",
+        [
+            {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+            for row in report.to_json()["comparison"]
+        ],
+        "baseline vs each EAGLE-3 setting per concurrency level",
+    )
+    create_markdown_artifact(
+        markdown=report.markdown, key=artifact_key(cfg, "deploy-report"), description="EAGLE-3 deploy benchmark"
+    )
     return report

@@ -30,5 +30,9 @@ class RetryOptions(TypedDict):
     retry_condition_fn: Callable[[Any, Any, Any], bool]
 
 
-IO_RETRY: RetryOptions = {"retries": 2, "retry_delay_seconds": exponential_backoff(backoff_factor=2),
-                          "retry_jitter_factor": 0.2, "retry_condition_fn": only_transient}
+IO_RETRY: RetryOptions = {
+    "retries": 2,
+    "retry_delay_seconds": exponential_backoff(backoff_factor=2),
+    "retry_jitter_factor": 0.2,
+    "retry_condition_fn": only_transient,
+}

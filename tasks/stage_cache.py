@@ -96,8 +96,9 @@ def computed_key() -> str | None:
     return None if ctx is None else _COMPUTED.pop(ctx.task_run.id, None)
 
 
-def stage_cache_key(stage: str,
-                    skipped: SkippedFn | None = None) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
+def stage_cache_key(
+    stage: str, skipped: SkippedFn | None = None
+) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
     """A ``cache_key_fn`` for the task of ``stage`` (see module doc); ``skipped(cfg, key)`` is the value a skipped
     run returns (default: the stage's outcome from its manifest). A task with a ``known_key`` parameter gets the key
     its caller computed and passes it on (the capture flow's finalize task)."""

@@ -29,8 +29,9 @@ from tasks.cancel import cancellable
 from tasks.stage_cache import STAGE_CACHE, computed_key, key_and_state, stage_cache_key
 
 
-def torchrun_spec(cfg: RunConfig, config_path: Path, num_gpus: int, node_rank: int | None = None,
-                  known_key: str | None = None):
+def torchrun_spec(
+    cfg: RunConfig, config_path: Path, num_gpus: int, node_rank: int | None = None, known_key: str | None = None
+):
     """The torchrun command for this run (node ``node_rank``, default train.node_rank): nproc = configured, else one
     per visible GPU, else 1; with train.nnodes > 1 the nodes meet at train.rdzv_endpoint (c10d). ``known_key``: the
     train key of ``cfg`` (the file at ``config_path`` holds exactly ``cfg``), handed to every rank so that none
@@ -44,9 +45,16 @@ def torchrun_spec(cfg: RunConfig, config_path: Path, num_gpus: int, node_rank: i
     # (`OMP_NUM_THREADS=N python -m eagle3.train --config <run>/config.json --stop-after-steps 10`) took 134 s at
     # 1 thread and 227 s at 2. A second thread competes for cores that are already in use instead of adding speed.
     args = ("--config", str(config_path.resolve()), *(("--known-key", known_key) if known_key else ()))
-    return TorchrunSpec(module="eagle3.train", args=args, nproc_per_node=nproc,
-                        nnodes=cfg.train.nnodes, node_rank=rank, rdzv_endpoint=cfg.train.rdzv_endpoint,
-                        rdzv_id=f"eagle3-{cfg.run.name}", env={"OMP_NUM_THREADS": "1"} if num_gpus == 0 else {})
+    return TorchrunSpec(
+        module="eagle3.train",
+        args=args,
+        nproc_per_node=nproc,
+        nnodes=cfg.train.nnodes,
+        node_rank=rank,
+        rdzv_endpoint=cfg.train.rdzv_endpoint,
+        rdzv_id=f"eagle3-{cfg.run.name}",
+        env={"OMP_NUM_THREADS": "1"} if num_gpus == 0 else {},
+    )
 
 
 def torchrun_log(cfg: RunConfig, node_rank: int) -> Path:
@@ -94,8 +102,10 @@ class ProgressWatcher:
         self.started = time.time() - STALE_SLACK_S  # a progress.json older than this is an earlier run's
         self.stop = threading.Event()
         # Called from sync code, Prefect's async_dispatch returns the id itself (its type also names a coroutine).
-        self.artifact_id = cast(UUID, create_progress_artifact(0.0, key=artifact_key(cfg, "train-progress"),
-                                                               description="training: starting"))
+        self.artifact_id = cast(
+            UUID,
+            create_progress_artifact(0.0, key=artifact_key(cfg, "train-progress"), description="training: starting"),
+        )
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
@@ -110,8 +120,9 @@ class ProgressWatcher:
         except (OSError, ValueError):
             return
         total, step = doc.get("total_steps") or 0, doc.get("step") or 0
-        update_progress_artifact(self.artifact_id, progress=100.0 * step / total if total else 0.0,
-                                 description=progress_text(doc))
+        update_progress_artifact(
+            self.artifact_id, progress=100.0 * step / total if total else 0.0, description=progress_text(doc)
+        )
 
     def __enter__(self) -> ProgressWatcher:
         self.thread.start()
@@ -135,8 +146,12 @@ class TrainSummary:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict (what the flows return)."""
-        return {"manifest": self.manifest, "last_train": self.last_train, "last_eval": self.last_eval,
-                "computed": self.computed}
+        return {
+            "manifest": self.manifest,
+            "last_train": self.last_train,
+            "last_eval": self.last_eval,
+            "computed": self.computed,
+        }
 
 
 def publish_train_report(cfg: RunConfig) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -148,17 +163,24 @@ def publish_train_report(cfg: RunConfig) -> tuple[dict[str, Any] | None, dict[st
     train, evals = read_metrics(metrics)
     rows = [{"split": "train", "step": train[-1].get("step"), **_scalars(train[-1])}] if train else []
     rows += [{"split": "val", "step": r.get("step"), **_scalars(r)} for r in evals]
-    publish_table(cfg, "train-metrics", rows or [{"split": "(none)"}], "last train step and every validation",
-                  index=2)  # split, step
+    publish_table(
+        cfg, "train-metrics", rows or [{"split": "(none)"}], "last train step and every validation", index=2
+    )  # split, step
     images = "\n\n".join(markdown_image(p) for p in plot_metrics(metrics))
-    create_markdown_artifact(markdown=f"# Training `{cfg.run.name}`\n\n{images}\n",
-                             key=artifact_key(cfg, "train-report"), description="loss and accuracy per TTT step")
+    create_markdown_artifact(
+        markdown=f"# Training `{cfg.run.name}`\n\n{images}\n",
+        key=artifact_key(cfg, "train-report"),
+        description="loss and accuracy per TTT step",
+    )
     return (train[-1] if train else None), (evals[-1] if evals else None)
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()
-            if isinstance(v, (int, float, str)) and not k.startswith("num_supervised")}
+    return {
+        k: round(v, 5) if isinstance(v, float) else v
+        for k, v in record.items()
+        if isinstance(v, (int, float, str)) and not k.startswith("num_supervised")
+    }
 
 
 def skipped_train(cfg: RunConfig, key: str) -> TrainSummary:
@@ -168,12 +190,20 @@ def skipped_train(cfg: RunConfig, key: str) -> TrainSummary:
 
     manifest = read_manifest(STAGE.manifest(cfg.run_dir)) or {}
     train, evals = read_metrics(run_layout(cfg).metrics)
-    return TrainSummary(manifest.get("stats", {}), train[-1] if train else None, evals[-1] if evals else None,
-                        computed=False)
+    return TrainSummary(
+        manifest.get("stats", {}), train[-1] if train else None, evals[-1] if evals else None, computed=False
+    )
 
 
-@task(name="train", tags=["gpu"], retries=2, retry_delay_seconds=[30, 120], task_run_name="train-{cfg.run.name}",
-      cache_key_fn=stage_cache_key(STAGE.name, skipped_train), **STAGE_CACHE)
+@task(
+    name="train",
+    tags=["gpu"],
+    retries=2,
+    retry_delay_seconds=[30, 120],
+    task_run_name="train-{cfg.run.name}",
+    cache_key_fn=stage_cache_key(STAGE.name, skipped_train),
+    **STAGE_CACHE,
+)
 def train_task(cfg: RunConfig) -> TrainSummary:
     """Train the drafter with torchrun (resuming from the latest checkpoint); returns the manifest summary.
 

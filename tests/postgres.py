@@ -33,8 +33,23 @@ class Postgres:
 
     def psql(self, sql: str) -> list[list[str]]:
         """Rows of a query on the `prefect` database, each a list of column texts."""
-        out = subprocess.run([str(self.bin_dir / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "prefect",
-                              "prefect", "-Atc", sql], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [
+                str(self.bin_dir / "psql"),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-U",
+                "prefect",
+                "prefect",
+                "-Atc",
+                sql,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         return [line.split("|") for line in out.splitlines()]
 
 
@@ -56,9 +71,11 @@ def server_binaries() -> Path:
     """The folder of initdb/pg_ctl/psql; fails the test (never skips) when there is none."""
     found = subprocess.run([SCRIPT, "bin"], capture_output=True, text=True)
     if found.returncode != 0:
-        pytest.fail(f"this test needs PostgreSQL and there is none: {found.stderr.strip()}. `scripts/postgres.sh "
-                    "install` (what ./scripts/test.sh runs) installs it as root; deselect with -m 'not postgres'",
-                    pytrace=False)
+        pytest.fail(
+            f"this test needs PostgreSQL and there is none: {found.stderr.strip()}. `scripts/postgres.sh "
+            "install` (what ./scripts/test.sh runs) installs it as root; deselect with -m 'not postgres'",
+            pytrace=False,
+        )
     return Path(found.stdout.strip())
 
 
@@ -107,8 +124,10 @@ def _api_url(url: str) -> Iterator[None]:
     import prefect.context
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with (temporary_settings(updates={PREFECT_API_URL: url}),
-          prefect.context._temporary_global_settings_context(prefect.context.get_settings_context())):
+    with (
+        temporary_settings(updates={PREFECT_API_URL: url}),
+        prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()),
+    ):
         yield
 
 

@@ -58,5 +58,6 @@ def run_under(version: str, code: str, timeout: float = 300) -> subprocess.Compl
         paths.insert(0, str(folder))
         code = PRELUDE + code
     env["PYTHONPATH"] = os.pathsep.join(paths)
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )

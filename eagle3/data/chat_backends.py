@@ -23,6 +23,7 @@ Message = dict[str, str]
 
 # --------------------------------------------------------------------------- backend contract
 
+
 @dataclass(frozen=True)
 class Completion:
     """One generated assistant turn."""
@@ -72,6 +73,7 @@ class ChatBackend(Protocol):
 
 # --------------------------------------------------------------------------- OpenAI-compatible HTTP
 
+
 def parse_chat_response(payload: Any) -> Completion:
     """Validate an OpenAI chat-completions body and pull out choices[0].message.content."""
     choices = payload.get("choices") if isinstance(payload, dict) else None
@@ -97,9 +99,14 @@ def _retry_after_s(response: httpx.Response) -> float:
 class OpenAIChatBackend:
     """POST {endpoint}/chat/completions with retries, backoff and a per-request deadline."""
 
-    def __init__(self, cfg: RegenerateConfig, api_key: str | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None,
-                 backoff_base_s: float = 0.5, backoff_max_s: float = 20.0):
+    def __init__(
+        self,
+        cfg: RegenerateConfig,
+        api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 20.0,
+    ):
         self.cfg, self.max_parallel = cfg, cfg.max_concurrency
         self.backoff_base_s, self.backoff_max_s = backoff_base_s, backoff_max_s
         self._transport = transport
@@ -116,9 +123,13 @@ class OpenAIChatBackend:
     async def session(self) -> AsyncIterator[None]:
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         limits = httpx.Limits(max_connections=self.max_parallel, max_keepalive_connections=self.max_parallel)
-        async with httpx.AsyncClient(base_url=self.cfg.endpoint.rstrip("/") + "/", headers=headers,
-                                     timeout=httpx.Timeout(self.cfg.timeout_s), limits=limits,
-                                     transport=self._transport) as client:
+        async with httpx.AsyncClient(
+            base_url=self.cfg.endpoint.rstrip("/") + "/",
+            headers=headers,
+            timeout=httpx.Timeout(self.cfg.timeout_s),
+            limits=limits,
+            transport=self._transport,
+        ) as client:
             self._client = client
             try:
                 yield
@@ -138,8 +149,9 @@ class OpenAIChatBackend:
                     attempt += 1
                     continue
                 if exc.kind == "transport_error":
-                    raise EndpointUnreachable(f"cannot reach {self.cfg.endpoint} after {attempt} attempt(s): "
-                                              f"{exc.message}") from None
+                    raise EndpointUnreachable(
+                        f"cannot reach {self.cfg.endpoint} after {attempt} attempt(s): {exc.message}"
+                    ) from None
                 raise
 
     def _backoff_s(self, attempt: int, retry_after_s: float) -> float:
@@ -150,15 +162,20 @@ class OpenAIChatBackend:
     async def _post_once(self, messages: list[Message], request_id: str) -> Completion:
         if self._client is None:
             raise RuntimeError("OpenAIChatBackend.complete() called outside session()")
-        body = {"model": self.cfg.model, "messages": messages,
-                "max_tokens": self.cfg.max_new_tokens, "temperature": self.cfg.temperature}
+        body = {
+            "model": self.cfg.model,
+            "messages": messages,
+            "max_tokens": self.cfg.max_new_tokens,
+            "temperature": self.cfg.temperature,
+        }
         self.num_requests += 1
         try:
             # httpx's timeout bounds each read; the outer deadline bounds the whole request,
             # so a server that trickles bytes cannot hold a worker forever.
             response = await asyncio.wait_for(
                 self._client.post("chat/completions", json=body, headers={"X-Request-Id": request_id}),
-                timeout=self.cfg.timeout_s)
+                timeout=self.cfg.timeout_s,
+            )
         except (asyncio.TimeoutError, httpx.TimeoutException):
             raise CompletionError("timeout", f"no answer within {self.cfg.timeout_s} s", retryable=True) from None
         except httpx.TransportError as exc:
@@ -170,8 +187,12 @@ def _check_response(response: httpx.Response) -> Completion:
     """Map HTTP status to retryable / permanent errors, then validate the body."""
     code = response.status_code
     if code != 200:
-        raise CompletionError(f"http_{code}", f"HTTP {code}: {response.text[:300]}",
-                              retryable=code == 429 or code >= 500, retry_after_s=_retry_after_s(response))
+        raise CompletionError(
+            f"http_{code}",
+            f"HTTP {code}: {response.text[:300]}",
+            retryable=code == 429 or code >= 500,
+            retry_after_s=_retry_after_s(response),
+        )
     try:
         payload = response.json()
     except ValueError:
@@ -216,11 +237,22 @@ class HFGenerateBackend:
         self._has_work: asyncio.Event | None = None
         self._eos = generation_eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
-        self.generator = TokenGenerator(model, GenerationSettings(
-            max_new_tokens=cfg.max_new_tokens, eos_ids=self._eos, pad_id=int(pad) if pad is not None else self._eos[0],
-            temperature=cfg.temperature, backend=cfg.generation_backend, batch_size=cfg.batch_size_conversations,
-            prompt_bucket=cfg.prompt_bucket, decode_attention=cfg.decode_attention, straggler_rows=cfg.straggler_rows,
-            compile_dynamic=cfg.compile_dynamic, loop_stop_tokens=cfg.loop_stop_tokens))
+        self.generator = TokenGenerator(
+            model,
+            GenerationSettings(
+                max_new_tokens=cfg.max_new_tokens,
+                eos_ids=self._eos,
+                pad_id=int(pad) if pad is not None else self._eos[0],
+                temperature=cfg.temperature,
+                backend=cfg.generation_backend,
+                batch_size=cfg.batch_size_conversations,
+                prompt_bucket=cfg.prompt_bucket,
+                decode_attention=cfg.decode_attention,
+                straggler_rows=cfg.straggler_rows,
+                compile_dynamic=cfg.compile_dynamic,
+                loop_stop_tokens=cfg.loop_stop_tokens,
+            ),
+        )
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[None]:
@@ -250,7 +282,7 @@ class HFGenerateBackend:
                 if len(self._pending) >= self.max_parallel:
                     break
                 await asyncio.sleep(0)
-            batch, self._pending = self._pending[: self.max_parallel], self._pending[self.max_parallel:]
+            batch, self._pending = self._pending[: self.max_parallel], self._pending[self.max_parallel :]
             if not self._pending:
                 self._has_work.clear()
             self._run_batch(batch)

@@ -40,11 +40,19 @@ TAIL_HEAD_CHARS = 2000
 LONE_SURROGATES = "eagle3.lone_surrogates"
 SEPARATORS = " \t\r\n,\ufeff"
 # UTF-32-LE's BOM starts with UTF-16-LE's, so it is tried first
-_BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"), (codecs.BOM_UTF8, "utf-8"),
-         (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
 _ZERO_PATTERNS: dict[tuple[bool, ...], str] = {  # which of the first 4 bytes are zero -> BOM-less encoding
-    (True, True, True, False): "utf-32-be", (False, True, True, True): "utf-32-le",
-    (True, False, True, False): "utf-16-be", (False, True, False, True): "utf-16-le"}
+    (True, True, True, False): "utf-32-be",
+    (False, True, True, True): "utf-32-le",
+    (True, False, True, False): "utf-16-be",
+    (False, True, False, True): "utf-16-le",
+}
 _RECORD_START = re.compile(r",[\s\ufeff]*\{")
 _LONE_SURROGATE = re.compile("[\udc00-\udcff]")
 _NON_SPACE = re.compile(r"[^\s\ufeff]")
@@ -53,7 +61,7 @@ _NON_SPACE = re.compile(r"[^\s\ufeff]")
 def _to_lone_surrogates(exc: UnicodeError) -> tuple[str, int]:
     """Each undecodable byte b -> U+DC00+b (for bytes >= 0x80 this is Python's surrogateescape)."""
     assert isinstance(exc, UnicodeDecodeError), "a decoding error handler"
-    return "".join(chr(0xDC00 + b) for b in exc.object[exc.start:exc.end]), exc.end
+    return "".join(chr(0xDC00 + b) for b in exc.object[exc.start : exc.end]), exc.end
 
 
 codecs.register_error(LONE_SURROGATES, _to_lone_surrogates)
@@ -169,7 +177,7 @@ def iter_lines(source: str, path: Path, enc: TextEncoding) -> Generator[tuple[st
                 skip += len(bom)
             loc = f"{path.name}:{num}"
             try:
-                line = raw.decode("utf-8", "strict")[skip // len(bom):]
+                line = raw.decode("utf-8", "strict")[skip // len(bom) :]
             except UnicodeDecodeError as exc:
                 yield _invalid_utf8_line(source, loc, raw, start, exc.start, skip)
                 continue
@@ -178,8 +186,9 @@ def iter_lines(source: str, path: Path, enc: TextEncoding) -> Generator[tuple[st
             try:
                 value = _decode(line, 0, whole=True)[0]
             except Malformed as exc:
-                yield _line_reject(source, loc, "unparsable", str(exc), line.rstrip("\r\n"), _line_body(raw, skip),
-                                   start)
+                yield _line_reject(
+                    source, loc, "unparsable", str(exc), line.rstrip("\r\n"), _line_body(raw, skip), start
+                )
                 continue
             del raw, line  # hold only the parsed record while the caller has it (one huge line: ~1x less)
             yield loc, value
@@ -193,14 +202,23 @@ def _line_body(raw: bytes, skip: int) -> memoryview:
     return memoryview(raw)[skip:end]
 
 
-def _line_reject(source: str, loc: str, reason: str, detail: str, shown: str, body: memoryview,
-                 start: int, whole: bool = True) -> Reject:
+def _line_reject(
+    source: str, loc: str, reason: str, detail: str, shown: str, body: memoryview, start: int, whole: bool = True
+) -> Reject:
     """A reject of one line: the whole line (``shown``, when ``whole``) if it is at most RECORD_CAP_CHARS long,
     else an excerpt and the sha256 and size of the line's bytes; the line's byte offset either way."""
     if whole and len(shown) <= RECORD_CAP_CHARS:
         return Reject(source, loc, reason, detail, shown, offset=start)
-    return Reject(source, loc, reason, detail, excerpt_of(shown, len(body)), offset=start,
-                  sha256=hashlib.sha256(body).hexdigest(), size=len(body))
+    return Reject(
+        source,
+        loc,
+        reason,
+        detail,
+        excerpt_of(shown, len(body)),
+        offset=start,
+        sha256=hashlib.sha256(body).hexdigest(),
+        size=len(body),
+    )
 
 
 def _invalid_utf8_line(source: str, loc: str, raw: bytes, start: int, bad: int, skip: int) -> Reject:
@@ -222,8 +240,9 @@ def _iter_text_lines(source: str, path: Path, enc: TextEncoding) -> Iterator[tup
             bad = _LONE_SURROGATE.search(line)
             if bad:
                 shown = show_text(line).rstrip("\r\n")
-                yield Reject(source, loc, "invalid_utf8", f"not valid {enc.name} at character {bad.start()} of "
-                             "the line", shown)
+                yield Reject(
+                    source, loc, "invalid_utf8", f"not valid {enc.name} at character {bad.start()} of the line", shown
+                )
                 continue
             try:
                 yield loc, _decode(line, 0, whole=True)[0]
@@ -316,8 +335,7 @@ def _piece(source: str, location: str, text: str) -> tuple[str, Any] | Reject:
     try:
         return location, _decode(text, 0, whole=True)[0]
     except Malformed as exc:
-        return Reject(source, location, "unparsable", f"{exc}; reading resumed at the next record",
-                      show_text(text))
+        return Reject(source, location, "unparsable", f"{exc}; reading resumed at the next record", show_text(text))
 
 
 def iter_array(source: str, path: Path, enc: TextEncoding) -> Generator[tuple[str, Any] | Reject, None, None]:
@@ -327,7 +345,7 @@ def iter_array(source: str, path: Path, enc: TextEncoding) -> Generator[tuple[st
         pos = _skip_separators(window, 0)
         assert pos is not None and window.text[pos] == "[", "the array reader was chosen for a file without '['"
         pos, index, keys = pos + 1, 0, None
-        lead = window.text[pos:len(window.text) - len(window.text[pos:].lstrip(" \t\r\n"))]
+        lead = window.text[pos : len(window.text) - len(window.text[pos:].lstrip(" \t\r\n"))]
         sep = "," + lead  # '[\n  {' suggests ',\n  ' between records, until two whole records show it
         while True:
             base, start = window.base, _skip_separators(window, pos)
@@ -350,7 +368,7 @@ def iter_array(source: str, path: Path, enc: TextEncoding) -> Generator[tuple[st
             except Malformed as exc:
                 found = _next_record(window, pos, keys)
                 if found is not None:
-                    for piece in _split_skipped(window.text[pos:found[0]], found[1]):
+                    for piece in _split_skipped(window.text[pos : found[0]], found[1]):
                         yield _piece(source, f"{path.name}#[{index}]", piece)
                         index += 1
                     pos = found[0]
@@ -367,8 +385,9 @@ def iter_array(source: str, path: Path, enc: TextEncoding) -> Generator[tuple[st
             index, pos = index + 1, end
 
 
-def _last_records(source: str, path: Path, enc: TextEncoding, window: _TextWindow, pos: int, sep: str, index: int,
-                  why: str) -> Iterator[tuple[str, Any] | Reject]:
+def _last_records(
+    source: str, path: Path, enc: TextEncoding, window: _TextWindow, pos: int, sep: str, index: int, why: str
+) -> Iterator[tuple[str, Any] | Reject]:
     """The rest of an array after a broken record with no whole record behind it, split like skipped text.
 
     In a closed array every piece is a record; in a cut-off one the last piece is the cut-off tail.

@@ -105,13 +105,19 @@ class GenerationStats:
 
     def to_json(self) -> dict[str, Any]:
         """The counts, tokens/s, the slot use and each shape's calls, seconds and first call (compile included)."""
-        return {"calls": self.calls, "rows": self.rows, "slots": self.slots, "new_tokens": self.new_tokens,
-                "seconds": round(self.seconds, 3),
-                "new_tokens_per_s": round(self.new_tokens / self.seconds, 1) if self.seconds else None,
-                "slot_use": round(self.new_tokens / self.slot_steps, 4) if self.slot_steps else None,
-                "shapes": {k: {"calls": v.calls, "seconds": round(v.seconds, 3),
-                               "first_call_s": round(v.first_call_s, 3)}
-                           for k, v in sorted(self.shapes.items())}}
+        return {
+            "calls": self.calls,
+            "rows": self.rows,
+            "slots": self.slots,
+            "new_tokens": self.new_tokens,
+            "seconds": round(self.seconds, 3),
+            "new_tokens_per_s": round(self.new_tokens / self.seconds, 1) if self.seconds else None,
+            "slot_use": round(self.new_tokens / self.slot_steps, 4) if self.slot_steps else None,
+            "shapes": {
+                k: {"calls": v.calls, "seconds": round(v.seconds, 3), "first_call_s": round(v.first_call_s, 3)}
+                for k, v in sorted(self.shapes.items())
+            },
+        }
 
 
 def resolve_backend(backend: Backend, device: torch.device | str) -> Backend:
@@ -146,9 +152,18 @@ def left_pad(rows: list[list[int]], width: int, pad_id: int) -> tuple[torch.Tens
 
 # --------------------------------------------------------------------------- kv-head decode attention
 
-def sdpa_kv_heads(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                  is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+
+def sdpa_kv_heads(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """SDPA that never repeats the kv cache for grouped-query attention in a one-token decode step.
 
     query [B, H, 1, D] is viewed as [B, Hkv, G, D] (query head h = kv head h // G, as ``repeat_kv``
@@ -162,11 +177,13 @@ def sdpa_kv_heads(module: Any, query: torch.Tensor, key: torch.Tensor, value: to
     batch, heads, q_len, dim = query.shape
     mask_ok = attention_mask is None or (attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1)
     if q_len != 1 or groups == 1 or not mask_ok or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     packed = query.reshape(batch, heads // groups, groups, dim)  # [B, Hkv, G, D]
-    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling)  # [B, Hkv, G, D]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        packed, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )  # [B, Hkv, G, D]
     return out.reshape(batch, 1, heads, dim), None  # [B, 1, H, D], the layout sdpa_attention_forward returns
 
 
@@ -185,13 +202,26 @@ def decode_block_mask(valid: torch.Tensor) -> Any:
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return valid[b, kv]
 
-    return BlockMask.from_kv_blocks(num[:, None, None], order[:, None, None, :].to(torch.int32),
-                                    BLOCK_SIZE=(FLEX_KV_BLOCK, block), mask_mod=mask_mod, seq_lengths=(1, length))
+    return BlockMask.from_kv_blocks(
+        num[:, None, None],
+        order[:, None, None, :].to(torch.int32),
+        BLOCK_SIZE=(FLEX_KV_BLOCK, block),
+        mask_mod=mask_mod,
+        seq_lengths=(1, length),
+    )
 
 
-def flex_decode(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def flex_decode(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """One-token decode attention that reads only the key blocks a row's mask uses (flex_attention).
 
     query [B, H, 1, D], key/value [B, Hkv, L, D] unrepeated (grouped heads go to flex's enable_gqa), mask bool
@@ -201,15 +231,23 @@ def flex_decode(module: Any, query: torch.Tensor, key: torch.Tensor, value: torc
 
     batch, heads, q_len, dim = query.shape
     length = key.shape[2]
-    usable = (q_len == 1 and attention_mask is not None and attention_mask.dtype == torch.bool
-              and attention_mask.shape[1:3] == (1, 1) and kwargs.get("position_bias") is None and dropout == 0.0
-              and length % min(FLEX_KV_BLOCK, length) == 0)  # whole blocks (static caches are powers of two)
+    usable = (
+        q_len == 1
+        and attention_mask is not None
+        and attention_mask.dtype == torch.bool
+        and attention_mask.shape[1:3] == (1, 1)
+        and kwargs.get("position_bias") is None
+        and dropout == 0.0
+        and length % min(FLEX_KV_BLOCK, length) == 0
+    )  # whole blocks (static caches are powers of two)
     if not usable or attention_mask is None:  # (usable implies a mask; the test narrows its type)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     valid = attention_mask[:, 0, 0, :].expand(batch, length)  # [B, L]
-    out = flex_attention(query, key, value, block_mask=decode_block_mask(valid), scale=scaling,
-                         enable_gqa=heads != key.shape[1])  # [B, H, 1, D]
+    out = flex_attention(
+        query, key, value, block_mask=decode_block_mask(valid), scale=scaling, enable_gqa=heads != key.shape[1]
+    )  # [B, H, 1, D]
     return out.transpose(1, 2).contiguous(), None  # [B, 1, H, D], the layout sdpa_attention_forward returns
 
 
@@ -233,13 +271,13 @@ def use_decode_attention(model: Any, kind: DecodeAttention) -> None:
 
 # --------------------------------------------------------------------------- the generator
 
+
 class TokenGenerator:
     """Answers lists of prompt token ids with new token ids, in batches of ``settings.batch_size``."""
 
     def __init__(self, model: Any, settings: GenerationSettings):
         if settings.backend == "auto":
-            settings = GenerationSettings(**{**settings.__dict__,
-                                             "backend": resolve_backend("auto", _device(model))})
+            settings = GenerationSettings(**{**settings.__dict__, "backend": resolve_backend("auto", _device(model))})
         self.model, self.settings = model, settings
         self.stats = GenerationStats()
         if settings.backend == "static":  # transformers compiles one decode graph per (batch, cache length) on CUDA
@@ -254,14 +292,15 @@ class TokenGenerator:
         if self.settings.backend == "continuous":
             start = time.perf_counter()
             answers = self._continuous(prompts)
-            self.stats.add("continuous", len(prompts), len(prompts), sum(map(len, answers)), 0,
-                           time.perf_counter() - start)
+            self.stats.add(
+                "continuous", len(prompts), len(prompts), sum(map(len, answers)), 0, time.perf_counter() - start
+            )
             return answers
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
         out: list[list[int]] = [[] for _ in prompts]
         size = self.settings.batch_size
         for start in range(0, len(order), size):
-            chunk = order[start:start + size]
+            chunk = order[start : start + size]
             for i, row in zip(chunk, self._answer_batch([prompts[i] for i in chunk]), strict=True):
                 out[i] = row
         return out
@@ -276,21 +315,36 @@ class TokenGenerator:
         s = self.settings
         shrink = s.straggler_rows if 0 < s.straggler_rows < len(rows) else 0
         new, width, looped = self._generate_batch(rows, s.max_new_tokens, s.batch_size, shrink)
-        going = [i for i, r in enumerate(new)
-                 if len(r) < s.max_new_tokens and not (r and r[-1] in s.eos_ids) and not looped[i]]
+        going = [
+            i
+            for i, r in enumerate(new)
+            if len(r) < s.max_new_tokens and not (r and r[-1] in s.eos_ids) and not looped[i]
+        ]
         if going:
             done = len(new[going[0]])  # every running row has made the same number of steps
             # The first call's width plus those steps, unrounded: the same cache length as the first call, which
             # transformers keeps as the floor of every later static cache (a longer one would stay for the run).
-            rest, _, _ = self._generate_batch([rows[i] + new[i] for i in going], s.max_new_tokens - done,
-                                              s.straggler_rows, 0, continued=True, at_width=width + done)
+            rest, _, _ = self._generate_batch(
+                [rows[i] + new[i] for i in going],
+                s.max_new_tokens - done,
+                s.straggler_rows,
+                0,
+                continued=True,
+                at_width=width + done,
+            )
             for i, more in zip(going, rest, strict=True):
                 new[i] = new[i] + more
         return new
 
-    def _generate_batch(self, rows: list[list[int]], max_new: int, batch_size: int, stop_at: int,
-                        continued: bool = False, at_width: int | None = None
-                        ) -> tuple[list[list[int]], int, list[bool]]:
+    def _generate_batch(
+        self,
+        rows: list[list[int]],
+        max_new: int,
+        batch_size: int,
+        stop_at: int,
+        continued: bool = False,
+        at_width: int | None = None,
+    ) -> tuple[list[list[int]], int, list[bool]]:
         """One generate call on at most ``batch_size`` rows (static: filled up to it) -> their new tokens, each cut
         after its first eos id (or where it was found looping), the padded width, and which rows were stopped as
         loops; with ``stop_at`` > 0 the call ends once at most that many real rows are running. ``continued``: the
@@ -327,14 +381,19 @@ class TokenGenerator:
         steps = out.shape[1] - width
         if s.backend == "static":  # the length transformers used: never below the longest of earlier calls
             shape = f"static {len(rows)} x {max(cache_len, getattr(self.model, '_previous_max_cache_length', -1))}"
-        self.stats.add(shape, 0 if continued else real, len(rows), sum(map(len, new)), len(rows) * steps,
-                       time.perf_counter() - start)
+        self.stats.add(
+            shape,
+            0 if continued else real,
+            len(rows),
+            sum(map(len, new)),
+            len(rows) * steps,
+            time.perf_counter() - start,
+        )
         return new, width, [n is not None for n in looped]
 
     def _sampling_kwargs(self, max_new: int) -> dict[str, Any]:
         s = self.settings
-        kwargs: dict[str, Any] = {"max_new_tokens": max_new, "eos_token_id": list(s.eos_ids),
-                                  "pad_token_id": s.pad_id}
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new, "eos_token_id": list(s.eos_ids), "pad_token_id": s.pad_id}
         if s.temperature == 0:
             kwargs["do_sample"] = False
         else:
@@ -348,18 +407,25 @@ class TokenGenerator:
         try:
             from transformers.generation.configuration_utils import ContinuousBatchingConfig
         except ImportError as exc:
-            raise RuntimeError("regenerate.generation_backend='continuous' needs a transformers that ships "
-                               "ContinuousBatchingConfig (generation/configuration_utils.py)") from exc
+            raise RuntimeError(
+                "regenerate.generation_backend='continuous' needs a transformers that ships "
+                "ContinuousBatchingConfig (generation/configuration_utils.py)"
+            ) from exc
         s = self.settings
         page = 64
         longest = max(len(p) for p in prompts) + s.max_new_tokens
         in_flight = min(s.batch_size, len(prompts))
-        cbc = ContinuousBatchingConfig(page_size=page, num_blocks=in_flight * (longest // page + 2),
-                                       max_batch_tokens=max(in_flight, 256), max_requests_per_batch=in_flight)
+        cbc = ContinuousBatchingConfig(
+            page_size=page,
+            num_blocks=in_flight * (longest // page + 2),
+            max_batch_tokens=max(in_flight, 256),
+            max_requests_per_batch=in_flight,
+        )
         gc = GenerationConfig(**self._sampling_kwargs(s.max_new_tokens))
         with torch.no_grad():  # the mode generate itself runs in, not inference_mode
-            res = self.model.generate_batch(inputs=prompts, generation_config=gc, continuous_batching_config=cbc,
-                                            progress_bar=False)
+            res = self.model.generate_batch(
+                inputs=prompts, generation_config=gc, continuous_batching_config=cbc, progress_bar=False
+            )
         # Results are keyed "req_<input index>"; generated_tokens ends at the eos (kept) or at max_new_tokens.
         return [cut_after_eos(list(res[f"req_{i}"].generated_tokens), s.eos_ids) for i in range(len(prompts))]
 
@@ -373,8 +439,9 @@ class StopWhenFewRun:
 
     Tensor ops only: transformers already reads the finished flags back once per step, so this adds no sync."""
 
-    def __init__(self, eos_ids: tuple[int, ...], real: int, rows: int, device: torch.device,
-                 loop_tokens: int = 0, width: int = 0):
+    def __init__(
+        self, eos_ids: tuple[int, ...], real: int, rows: int, device: torch.device, loop_tokens: int = 0, width: int = 0
+    ):
         self.eos = torch.tensor(eos_ids, device=device)
         self.real, self.rows, self.loop_tokens, self.width = real, rows, loop_tokens, width
         self.ended: torch.Tensor | None = None  # [B] bool, sticky: finished rows are fed pad ids afterwards
@@ -403,7 +470,7 @@ class StopWhenFewRun:
 
 def looping(input_ids: torch.Tensor, n: int) -> torch.Tensor:
     """[B] bool: the last n tokens of each row equal the n before them shifted by some period p in 1..n."""
-    tail = input_ids[:, -2 * n:]  # [B, 2n]
+    tail = input_ids[:, -2 * n :]  # [B, 2n]
     windows = tail.unfold(1, n, 1)  # [B, n + 1, n]: window j starts at j; the last one (j = n) is the tail's end
     return (windows[:, :-1] == windows[:, -1:]).all(-1).any(-1)  # window n - p against the last: period p
 

@@ -50,13 +50,15 @@ from infra.storage import atomic_open, atomic_path, atomic_write_json
 __all__ = ["MERGED_SCHEMA", "MergeError", "content_hash", "merge_sources", "read_merged", "split_for"]
 
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
-MERGED_SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("source", pa.string()),
-    ("split", pa.string()),
-    ("messages", pa.list_(MESSAGE_TYPE)),
-    ("content_hash", pa.string()),
-])
+MERGED_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("split", pa.string()),
+        ("messages", pa.list_(MESSAGE_TYPE)),
+        ("content_hash", pa.string()),
+    ]
+)
 PROGRESS_EVERY = 500
 """Records between progress updates (a per-record callback would slow reading and flood listeners)."""
 
@@ -106,8 +108,10 @@ class _Tally:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able counts; every reason is listed, zeros included, so tables line up across runs."""
-        doc = {name: getattr(self, name) for name in ("read", "kept", "rejected", "train", "val", "num_turns",
-                                                      "num_chars", "num_dropped_turns")}
+        doc = {
+            name: getattr(self, name)
+            for name in ("read", "kept", "rejected", "train", "val", "num_turns", "num_chars", "num_dropped_turns")
+        }
         doc["rejected_by_reason"] = {r: self.rejected_by_reason.get(r, 0) for r in REJECT_REASONS}
         return doc
 
@@ -144,14 +148,25 @@ class _EvalCheck:
         if hit is None:
             return None
         self.rejected[hit.prompt_id.split(":")[0]] += 1
-        return Reject(conv.source, conv.location, "eval_overlap", hit.describe(),
-                      {"id": conv.id, "messages": conv.messages}, conv.id)
+        return Reject(
+            conv.source,
+            conv.location,
+            "eval_overlap",
+            hit.describe(),
+            {"id": conv.id, "messages": conv.messages},
+            conv.id,
+        )
 
     def to_json(self, min_shared: int) -> dict[str, Any]:
         """What stats.json says about the check."""
-        return {"enabled": True, "ngram": EVAL_NGRAM, "min_shared_ngrams": min_shared,
-                "eval_prompts": self.num_prompts, "rejected": sum(self.rejected.values()),
-                "rejected_by_dataset": {name: self.rejected.get(name, 0) for name in self.num_prompts}}
+        return {
+            "enabled": True,
+            "ngram": EVAL_NGRAM,
+            "min_shared_ngrams": min_shared,
+            "eval_prompts": self.num_prompts,
+            "rejected": sum(self.rejected.values()),
+            "rejected_by_dataset": {name: self.rejected.get(name, 0) for name in self.num_prompts},
+        }
 
 
 def _eval_check(cfg: DataConfig) -> _EvalCheck | None:
@@ -178,8 +193,9 @@ def _check_sources(sources: list[SourceConfig], cfg: DataConfig, data_dir: Path)
         _open(src, cfg, data_dir).close()
 
 
-def _dedupe(conv: Conversation, seen_hashes: dict[str, str], scope: dict[str, str],
-            dedupe: bool) -> dict[str, Any] | Reject:
+def _dedupe(
+    conv: Conversation, seen_hashes: dict[str, str], scope: dict[str, str], dedupe: bool
+) -> dict[str, Any] | Reject:
     """The row for a conversation, or a duplicate_content Reject naming the row that came first.
 
     ``scope`` is what the conversation must not repeat: ``seen_hashes`` (every source's rows), or, for a source
@@ -188,16 +204,24 @@ def _dedupe(conv: Conversation, seen_hashes: dict[str, str], scope: dict[str, st
     digest = content_hash(conv.messages)
     if dedupe and digest in scope:
         record = {"id": conv.id, "messages": conv.messages}
-        return Reject(conv.source, conv.location, "duplicate_content", f"same content as {scope[digest]}",
-                      record, conv.id)
+        return Reject(
+            conv.source, conv.location, "duplicate_content", f"same content as {scope[digest]}", record, conv.id
+        )
     seen_hashes.setdefault(digest, conv.id)
     scope.setdefault(digest, conv.id)
     return {"id": conv.id, "source": conv.source, "split": "", "messages": conv.messages, "content_hash": digest}
 
 
-def _take_source(src: SourceConfig, cfg: DataConfig, seen_hashes: dict[str, str], rows: list[dict[str, Any]],
-                 rejects: _RejectWriter, prog: Progress, data_dir: Path,
-                 evals: _EvalCheck | None) -> tuple[_Tally, dict[str, Any]]:
+def _take_source(
+    src: SourceConfig,
+    cfg: DataConfig,
+    seen_hashes: dict[str, str],
+    rows: list[dict[str, Any]],
+    rejects: _RejectWriter,
+    prog: Progress,
+    data_dir: Path,
+    evals: _EvalCheck | None,
+) -> tuple[_Tally, dict[str, Any]]:
     """Read one source until it ends or reaches its cap; returns its tally and facts for stats.json."""
     tally = _Tally()
     scope: dict[str, str] = {} if src.dedupe_scope == "source" else seen_hashes
@@ -208,8 +232,11 @@ def _take_source(src: SourceConfig, cfg: DataConfig, seen_hashes: dict[str, str]
             tally.read += 1
             if tally.read % PROGRESS_EVERY == 0:
                 prog.update(PROGRESS_EVERY, source=src.name, kept=len(rows))
-            row: dict[str, Any] | Reject = item if isinstance(item, Reject) else (
-                (evals and evals.reject(item)) or _dedupe(item, seen_hashes, scope, cfg.dedupe))
+            row: dict[str, Any] | Reject = (
+                item
+                if isinstance(item, Reject)
+                else ((evals and evals.reject(item)) or _dedupe(item, seen_hashes, scope, cfg.dedupe))
+            )
             if isinstance(row, Reject):
                 rejects.write(row)
                 tally.count_reject(row.reason)
@@ -221,13 +248,18 @@ def _take_source(src: SourceConfig, cfg: DataConfig, seen_hashes: dict[str, str]
                 stopped_at_cap = True
                 break  # the rest of the source is never read: a cap of 2k on a 100k file costs 2k records
     prog.update(tally.read % PROGRESS_EVERY, source=src.name, kept=len(rows))
-    facts = {"path": str(stream.path), "format": stream.format, "max_records": src.max_records,
-             "stopped_at_cap": stopped_at_cap}
+    facts = {
+        "path": str(stream.path),
+        "format": stream.format,
+        "max_records": src.max_records,
+        "stopped_at_cap": stopped_at_cap,
+    }
     return tally, facts
 
 
-def _assign_splits(rows: list[dict[str, Any]], seed: int, val_fraction: float, tallies: dict[str, _Tally],
-                   first_ids: dict[str, str]) -> None:
+def _assign_splits(
+    rows: list[dict[str, Any]], seed: int, val_fraction: float, tallies: dict[str, _Tally], first_ids: dict[str, str]
+) -> None:
     """Each row's split by its id, or by the id of the first row with its content (``first_ids``: content hash ->
     id), so the same conversation kept by two sources is never in both splits."""
     for row in rows:
@@ -254,23 +286,28 @@ def _write_parquet(rows: list[dict[str, Any]], path: Path) -> None:
         pq.write_table(table, tmp)
 
 
-def _stats_doc(tallies: dict[str, _Tally], facts: dict[str, dict], cfg: DataConfig, seed: int,
-               evals: _EvalCheck | None) -> tuple[dict[str, Any], _Tally]:
+def _stats_doc(
+    tallies: dict[str, _Tally], facts: dict[str, dict], cfg: DataConfig, seed: int, evals: _EvalCheck | None
+) -> tuple[dict[str, Any], _Tally]:
     total = _Tally()
     for tally in tallies.values():
         total.add(tally)
     return {
         "sources": {name: {**facts[name], **tally.to_json()} for name, tally in tallies.items()},
         "total": total.to_json(),
-        "seed": seed, "val_fraction": cfg.val_fraction, "dedupe": cfg.dedupe, "shuffle": cfg.shuffle,
+        "seed": seed,
+        "val_fraction": cfg.val_fraction,
+        "dedupe": cfg.dedupe,
+        "shuffle": cfg.shuffle,
         "max_chars": cfg.max_chars,
         "max_chars_of": cfg.max_chars_of,
         "eval_overlap": evals.to_json(cfg.eval_overlap_min_ngrams) if evals else {"enabled": False},
     }, total
 
 
-def merge_sources(sources: list[SourceConfig], cfg: DataConfig, seed: int, out_dir: Path,
-                  progress: ProgressFn | None = None) -> tuple[dict[str, Path], dict[str, Any]]:
+def merge_sources(
+    sources: list[SourceConfig], cfg: DataConfig, seed: int, out_dir: Path, progress: ProgressFn | None = None
+) -> tuple[dict[str, Path], dict[str, Any]]:
     """Read, validate, dedupe, cap, shuffle and split the sources; write merged/rejects/stats.
 
     Returns ({"merged": path, "rejects": path, "stats": path}, stats). Progress counts records read;
@@ -279,8 +316,7 @@ def merge_sources(sources: list[SourceConfig], cfg: DataConfig, seed: int, out_d
     out_dir = Path(out_dir)
     _check_sources(sources, cfg, out_dir)
     evals = _eval_check(cfg)
-    paths = {"merged": out_dir / MERGED_FILE, "rejects": out_dir / "rejects.jsonl",
-             "stats": out_dir / MERGE_STATS_FILE}
+    paths = {"merged": out_dir / MERGED_FILE, "rejects": out_dir / "rejects.jsonl", "stats": out_dir / MERGE_STATS_FILE}
     caps = [s.max_records for s in sources if s.max_records is not None]
     num_expected = sum(caps) if len(caps) == len(sources) else 0
     rows: list[dict[str, Any]] = []
@@ -289,8 +325,9 @@ def merge_sources(sources: list[SourceConfig], cfg: DataConfig, seed: int, out_d
     facts: dict[str, dict] = {}
     with Progress(num_expected, "merge", progress) as prog, atomic_open(paths["rejects"]) as fh:
         for src in sources:
-            tallies[src.name], facts[src.name] = _take_source(src, cfg, seen_hashes, rows, _RejectWriter(fh), prog,
-                                                              out_dir, evals)
+            tallies[src.name], facts[src.name] = _take_source(
+                src, cfg, seen_hashes, rows, _RejectWriter(fh), prog, out_dir, evals
+            )
     if cfg.shuffle:
         random.Random(seed).shuffle(rows)
     _assign_splits(rows, seed, cfg.val_fraction, tallies, seen_hashes)
@@ -307,11 +344,12 @@ def _check_min_rows(total: _Tally, min_rows: int, paths: dict[str, Path]) -> Non
     if total.kept >= min_rows:
         return
     reasons = ", ".join(f"{reason} {num:,}" for reason, num in total.rejected_by_reason.most_common(4))
-    raise MergeError(f"merge kept {total.kept:,} of {total.read:,} records read, fewer than data.min_rows="
-                     f"{min_rows:,} (rejected: {reasons or 'none'}); see {paths['rejects']} and {paths['stats']}")
+    raise MergeError(
+        f"merge kept {total.kept:,} of {total.read:,} records read, fewer than data.min_rows="
+        f"{min_rows:,} (rejected: {reasons or 'none'}); see {paths['rejects']} and {paths['stats']}"
+    )
 
 
 def read_merged(path: Path | str) -> list[dict[str, Any]]:
     """Rows of merged.parquet as dicts (messages as a list of {'role', 'content'} dicts), in file order."""
     return pq.read_table(path).to_pylist()
-

@@ -86,6 +86,7 @@ SLICE_JOURNAL_PREFIX = "regenerate.journal.slice-"
 
 # --------------------------------------------------------------------------- conversations
 
+
 def plan_turns(messages: list[Message], max_user_turns: int | None = None) -> list[Message | None]:
     """The regenerated conversation's skeleton: kept messages, and None where an answer goes.
 
@@ -106,8 +107,9 @@ def plan_turns(messages: list[Message], max_user_turns: int | None = None) -> li
     return plan
 
 
-async def regenerate_conversation(messages: list[Message], backend: ChatBackend, row_id: str,
-                                  max_user_turns: int | None = None) -> tuple[list[Message], list[str | None]]:
+async def regenerate_conversation(
+    messages: list[Message], backend: ChatBackend, row_id: str, max_user_turns: int | None = None
+) -> tuple[list[Message], list[str | None]]:
     """Answer each user turn on the regenerated history; returns (messages, finish reasons)."""
     history: list[Message] = []
     finish_reasons: list[str | None] = []
@@ -129,8 +131,9 @@ def settings_key(cfg: RegenerateConfig) -> str:
     return sha256_json({k: getattr(cfg, k) for k in fields})[:16]
 
 
-def is_reusable(record: dict[str, Any] | None, row: dict[str, Any], key: str, retry_errors: bool,
-                max_user_turns: int | None = None) -> bool:
+def is_reusable(
+    record: dict[str, Any] | None, row: dict[str, Any], key: str, retry_errors: bool, max_user_turns: int | None = None
+) -> bool:
     """Whether a journal record still answers ``row`` (same input, same settings), so the row is not sent again."""
     if record is None or record.get("settings") != key or record.get("content_hash") != row.get("content_hash"):
         return False
@@ -142,6 +145,7 @@ def is_reusable(record: dict[str, Any] | None, row: dict[str, Any], key: str, re
 
 
 # --------------------------------------------------------------------------- the run
+
 
 @dataclass
 class RunState:
@@ -164,21 +168,32 @@ class RunState:
             self.error += 1
 
 
-async def _process_row(row: dict[str, Any], backend: ChatBackend, key: str,
-                       max_user_turns: int | None = None) -> dict[str, Any]:
+async def _process_row(
+    row: dict[str, Any], backend: ChatBackend, key: str, max_user_turns: int | None = None
+) -> dict[str, Any]:
     """One conversation -> its journal record (ok or error)."""
     record: dict[str, Any] = {"id": row["id"], "content_hash": row.get("content_hash"), "settings": key}
     try:
         messages, reasons = await regenerate_conversation(row["messages"], backend, row["id"], max_user_turns)
     except CompletionError as exc:
-        return {**record, "status": "error", "error_type": exc.kind, "message": exc.message,
-                "attempts": exc.num_attempts}
+        return {
+            **record,
+            "status": "error",
+            "error_type": exc.kind,
+            "message": exc.message,
+            "attempts": exc.num_attempts,
+        }
     return {**record, "status": "ok", "messages": messages, "finish_reasons": reasons}
 
 
-async def run_rows(todo: list[dict[str, Any]], backend: ChatBackend, key: str,
-                   append: Callable[[dict[str, Any]], None],
-                   state: RunState, progress: Progress) -> None:
+async def run_rows(
+    todo: list[dict[str, Any]],
+    backend: ChatBackend,
+    key: str,
+    append: Callable[[dict[str, Any]], None],
+    state: RunState,
+    progress: Progress,
+) -> None:
     """Keep backend.max_parallel conversations in flight; journal each one as it finishes."""
     rows = iter(todo)
 
@@ -238,15 +253,23 @@ class LoopCuts:
                 continue
             self.answers += 1
             self.chars_removed += len(messages[i]["content"]) - at
-            self.later_turns_dropped += sum(m["role"] == "assistant" for m in messages[i + 1:])
-            return [*messages[:i], {**messages[i], "content": messages[i]["content"][:at]}], \
-                [t for t in truncated if t <= i]
+            self.later_turns_dropped += sum(m["role"] == "assistant" for m in messages[i + 1 :])
+            return [*messages[:i], {**messages[i], "content": messages[i]["content"][:at]}], [
+                t for t in truncated if t <= i
+            ]
         return messages, truncated
 
 
-def _write_outputs(rows: list[dict[str, Any]], schema: pa.Schema, limit: int, journal: dict[str, dict[str, Any]],
-                   out_dir: Path, keep_sources: frozenset[str] = frozenset(),
-                   max_user_turns: int | None = None, cuts: LoopCuts | None = None) -> dict[str, Path]:
+def _write_outputs(
+    rows: list[dict[str, Any]],
+    schema: pa.Schema,
+    limit: int,
+    journal: dict[str, dict[str, Any]],
+    out_dir: Path,
+    keep_sources: frozenset[str] = frozenset(),
+    max_user_turns: int | None = None,
+    cuts: LoopCuts | None = None,
+) -> dict[str, Path]:
     """regenerated.parquet (input order, with TRUNCATED_TURNS) and the errors file, both atomic, from the journal;
     with ``cuts``, runaway loops are cut off the answers (counted there)."""
     kept: list[dict[str, Any]] = []
@@ -263,8 +286,9 @@ def _write_outputs(rows: list[dict[str, Any]], schema: pa.Schema, limit: int, jo
                 messages, truncated = cuts.cut(messages, truncated)
             kept.append({**row, "messages": messages, TRUNCATED_TURNS: truncated})
         else:
-            errors.append(json.dumps({k: record[k] for k in ("id", "error_type", "message", "attempts")},
-                                     ensure_ascii=False))
+            errors.append(
+                json.dumps({k: record[k] for k in ("id", "error_type", "message", "attempts")}, ensure_ascii=False)
+            )
     assert len(kept) + len(errors) == len(rows), "every input row must be regenerated, kept or an error"
     paths = {"regenerated": out_dir / REGENERATED_NAME, "errors": out_dir / ERRORS_NAME}
     with atomic_path(paths["regenerated"]) as tmp:
@@ -289,8 +313,13 @@ class Work:
     """Rows to answer, shortest first (similar lengths batch together)."""
 
 
-def pending_work(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, retry_errors: bool = False,
-                 keep_sources: frozenset[str] = frozenset()) -> Work:
+def pending_work(
+    in_parquet: Path,
+    out_dir: Path,
+    cfg: RegenerateConfig,
+    retry_errors: bool = False,
+    keep_sources: frozenset[str] = frozenset(),
+) -> Work:
     """Read the input and the journal (first folding in the slice journals of a sliced run that stopped): the
     rows no reusable journal record answers yet."""
     rows, schema = read_rows(Path(in_parquet))
@@ -298,8 +327,12 @@ def pending_work(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, retry_e
     done, key = Journal(Path(out_dir) / JOURNAL_NAME).load(), settings_key(cfg)
     limit = min(len(rows), cfg.max_conversations or len(rows))
     own = sum(r.get("source") in keep_sources for r in rows[:limit])
-    todo = [r for r in rows[:limit] if r.get("source") not in keep_sources
-            and not is_reusable(done.get(r["id"]), r, key, retry_errors, cfg.max_user_turns)]
+    todo = [
+        r
+        for r in rows[:limit]
+        if r.get("source") not in keep_sources
+        and not is_reusable(done.get(r["id"]), r, key, retry_errors, cfg.max_user_turns)
+    ]
     todo.sort(key=conversation_chars)
     return Work(rows, schema, limit, own, todo)
 
@@ -309,9 +342,15 @@ def conversation_chars(row: dict[str, Any]) -> int:
     return sum(len(m["content"]) for m in row["messages"])
 
 
-def regenerate(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, backend: ChatBackend,
-               progress: ProgressFn | None = None, retry_errors: bool = False,
-               keep_sources: frozenset[str] = frozenset()) -> tuple[dict[str, Path], dict]:
+def regenerate(
+    in_parquet: Path,
+    out_dir: Path,
+    cfg: RegenerateConfig,
+    backend: ChatBackend,
+    progress: ProgressFn | None = None,
+    retry_errors: bool = False,
+    keep_sources: frozenset[str] = frozenset(),
+) -> tuple[dict[str, Path], dict]:
     """Re-answer the user turns of every row of ``in_parquet``; resumable through the journal.
 
     ``retry_errors=True`` sends rows that failed in an earlier run again (by default an error
@@ -322,29 +361,44 @@ def regenerate(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, backend: 
     out_dir = Path(out_dir)
     work = pending_work(in_parquet, out_dir, cfg, retry_errors, keep_sources)
     state = RunState(max_user_turns=cfg.max_user_turns, cut_loops=cfg.cut_loops)
-    with Journal(out_dir / JOURNAL_NAME).appender() as append, \
-            Progress(len(work.todo), "regenerate", progress) as bar:
+    with Journal(out_dir / JOURNAL_NAME).appender() as append, Progress(len(work.todo), "regenerate", progress) as bar:
         run_sync(run_rows(work.todo, backend, settings_key(cfg), append, state, bar))
     return finish(work, out_dir, state, backend, keep_sources, start)
 
 
-def finish(work: Work, out_dir: Path, state: RunState, backend: ChatBackend | None,
-           keep_sources: frozenset[str], start: float) -> tuple[dict[str, Path], dict]:
+def finish(
+    work: Work, out_dir: Path, state: RunState, backend: ChatBackend | None, keep_sources: frozenset[str], start: float
+) -> tuple[dict[str, Path], dict]:
     """Write the outputs from the journal and return (paths, stats) with the invariant checked."""
     rows, limit, own = work.rows, work.limit, work.own
     stats: dict[str, Any]
-    stats = {"input": len(rows), "success": state.success, "error": state.error,
-             "skipped_done": limit - own - len(work.todo), "skipped_source": own, "skipped_limit": len(rows) - limit,
-             "num_turns": state.num_turns, "num_requests": _backend_counter(backend, "num_requests"),
-             "num_retries": _backend_counter(backend, "num_retries"),
-             "finish_reasons": dict(sorted(state.finish_reasons.items()))}
+    stats = {
+        "input": len(rows),
+        "success": state.success,
+        "error": state.error,
+        "skipped_done": limit - own - len(work.todo),
+        "skipped_source": own,
+        "skipped_limit": len(rows) - limit,
+        "num_turns": state.num_turns,
+        "num_requests": _backend_counter(backend, "num_requests"),
+        "num_retries": _backend_counter(backend, "num_retries"),
+        "finish_reasons": dict(sorted(state.finish_reasons.items())),
+    }
     generation = generation_stats(backend)
     if generation is not None:
         stats["generation"] = generation
     assert stats["success"] + stats["error"] + stats["skipped_done"] + own + stats["skipped_limit"] == len(rows)
     cuts = LoopCuts() if state.cut_loops else None
-    paths = _write_outputs(rows, work.schema, limit, Journal(out_dir / JOURNAL_NAME).load(), out_dir, keep_sources,
-                           state.max_user_turns, cuts)
+    paths = _write_outputs(
+        rows,
+        work.schema,
+        limit,
+        Journal(out_dir / JOURNAL_NAME).load(),
+        out_dir,
+        keep_sources,
+        state.max_user_turns,
+        cuts,
+    )
     if cuts is not None:
         stats["loop_cuts"] = asdict(cuts)
     stats["elapsed_s"] = round(time.monotonic() - start, 3)
@@ -352,6 +406,7 @@ def finish(work: Work, out_dir: Path, state: RunState, backend: ChatBackend | No
 
 
 # --------------------------------------------------------------------------- slice journals
+
 
 def slice_journal_path(out_dir: Path, index: int) -> Path:
     """The journal slice ``index`` of a sliced run appends to (one writer per file, also on shared storage)."""
@@ -362,7 +417,7 @@ def slice_journals(out_dir: Path) -> list[Path]:
     """The slice journals in ``out_dir``, by slice index."""
     found = []
     for path in Path(out_dir).glob(f"{SLICE_JOURNAL_PREFIX}*.jsonl"):
-        index = path.name[len(SLICE_JOURNAL_PREFIX):-len(".jsonl")]
+        index = path.name[len(SLICE_JOURNAL_PREFIX) : -len(".jsonl")]
         if index.isdigit():
             found.append((int(index), path))
     return [path for _, path in sorted(found)]

@@ -73,8 +73,9 @@ def read_slice(out_dir: Path, index: int) -> list[str]:
     try:
         slices = json.loads(path.read_text())["slices"]
     except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"{path}: no readable slice plan ({exc}); "
-                         "the parent writes it before starting slices") from exc
+        raise ValueError(
+            f"{path}: no readable slice plan ({exc}); the parent writes it before starting slices"
+        ) from exc
     if not 0 <= index < len(slices):
         raise ValueError(f"{path} plans {len(slices)} slices; there is no slice {index}")
     return slices[index]
@@ -98,25 +99,43 @@ class SliceStats:
         return asdict(self)
 
 
-def regenerate_slice(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, backend: ChatBackend, index: int,
-                     progress: ProgressFn | None = None) -> SliceStats:
+def regenerate_slice(
+    in_parquet: Path,
+    out_dir: Path,
+    cfg: RegenerateConfig,
+    backend: ChatBackend,
+    index: int,
+    progress: ProgressFn | None = None,
+) -> SliceStats:
     """Answer the conversations of slice ``index`` into its own journal (those it holds already are skipped)."""
     start = time.monotonic()
     ids = read_slice(out_dir, index)
     by_id = {row["id"]: row for row in read_rows(Path(in_parquet))[0]}
     unknown = [i for i in ids if i not in by_id]
     if unknown:
-        raise ValueError(f"slice {index} of {Path(out_dir) / SLICES_NAME} names {len(unknown)} ids that are not in "
-                         f"{in_parquet}, e.g. {unknown[:3]}; the input changed after planning: run the stage again")
+        raise ValueError(
+            f"slice {index} of {Path(out_dir) / SLICES_NAME} names {len(unknown)} ids that are not in "
+            f"{in_parquet}, e.g. {unknown[:3]}; the input changed after planning: run the stage again"
+        )
     journal, key = Journal(slice_journal_path(out_dir, index)), settings_key(cfg)
     done = journal.load()
-    todo = sorted((by_id[i] for i in ids if not is_reusable(done.get(i), by_id[i], key, False, cfg.max_user_turns)),
-                  key=conversation_chars)
+    todo = sorted(
+        (by_id[i] for i in ids if not is_reusable(done.get(i), by_id[i], key, False, cfg.max_user_turns)),
+        key=conversation_chars,
+    )
     state = RunState(max_user_turns=cfg.max_user_turns, cut_loops=cfg.cut_loops)
     with journal.appender() as append, Progress(len(todo), f"regenerate slice {index}", progress) as bar:
         run_sync(run_rows(todo, backend, key, append, state, bar))
-    return SliceStats(index, len(ids), len(ids) - len(todo), state.success, state.error, state.num_turns,
-                      round(time.monotonic() - start, 3), generation_stats(backend))
+    return SliceStats(
+        index,
+        len(ids),
+        len(ids) - len(todo),
+        state.success,
+        state.error,
+        state.num_turns,
+        round(time.monotonic() - start, 3),
+        generation_stats(backend),
+    )
 
 
 class AnsweredCounter:
@@ -144,9 +163,14 @@ class AnsweredCounter:
         return len(self.answered)
 
 
-def regenerate_sliced(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, run: SliceRunner,
-                      progress: ProgressFn | None = None,
-                      keep_sources: frozenset[str] = frozenset()) -> tuple[dict[str, Path], dict]:
+def regenerate_sliced(
+    in_parquet: Path,
+    out_dir: Path,
+    cfg: RegenerateConfig,
+    run: SliceRunner,
+    progress: ProgressFn | None = None,
+    keep_sources: frozenset[str] = frozenset(),
+) -> tuple[dict[str, Path], dict]:
     """Plan slices of what is left, have ``run`` answer them, then merge the journals and write the outputs.
 
     ``progress`` gets (answered, to answer, info) over all slice journals when ``run`` polls (at most once a second).
@@ -163,17 +187,21 @@ def regenerate_sliced(in_parquet: Path, out_dir: Path, cfg: RegenerateConfig, ru
     return finish_slices(work, out_dir, cfg, keep_sources, start)
 
 
-def finish_slices(work: Work, out_dir: Path, cfg: RegenerateConfig, keep_sources: frozenset[str],
-                  start: float) -> tuple[dict[str, Path], dict]:
+def finish_slices(
+    work: Work, out_dir: Path, cfg: RegenerateConfig, keep_sources: frozenset[str], start: float
+) -> tuple[dict[str, Path], dict]:
     """Fold the slice journals into the main one, check every conversation of ``work.todo`` has a record (answer or
     error), and write the outputs as a one-process run does (stats: the slices' answers; request counts unknown)."""
     fold_slice_journals(out_dir)
     records, key = Journal(out_dir / JOURNAL_NAME).load(), settings_key(cfg)
-    missing = [row["id"] for row in work.todo
-               if not is_reusable(records.get(row["id"]), row, key, False, cfg.max_user_turns)]
+    missing = [
+        row["id"] for row in work.todo if not is_reusable(records.get(row["id"]), row, key, False, cfg.max_user_turns)
+    ]
     if missing:
-        raise RuntimeError(f"{len(missing)} of {len(work.todo)} conversations planned for slices have no answer or "
-                           f"error in the journals of {out_dir}, e.g. {missing[:3]}; run the stage again to redo them")
+        raise RuntimeError(
+            f"{len(missing)} of {len(work.todo)} conversations planned for slices have no answer or "
+            f"error in the journals of {out_dir}, e.g. {missing[:3]}; run the stage again to redo them"
+        )
     state = RunState(max_user_turns=cfg.max_user_turns, cut_loops=cfg.cut_loops)
     for row in work.todo:
         state.count(records[row["id"]])

@@ -15,8 +15,17 @@ from typing import Any
 FILTER_REASONS = ("empty_turn", "truncated", "duplicate_prompt", "near_duplicate", "degenerate", "eval_overlap")
 """Reasons of the checks on readable records: generated ones (eagle3.data.synthetic), eval_overlap on every source."""
 REJECT_REASONS = (
-    "unparsable", "invalid_utf8", "empty_conversation", "no_user_turn", "no_assistant_turn", "unknown_role",
-    "non_string_content", "duplicate_id", "duplicate_content", "too_long", *FILTER_REASONS,
+    "unparsable",
+    "invalid_utf8",
+    "empty_conversation",
+    "no_user_turn",
+    "no_assistant_turn",
+    "unknown_role",
+    "non_string_content",
+    "duplicate_id",
+    "duplicate_content",
+    "too_long",
+    *FILTER_REASONS,
 )
 """Why a record was rejected (one of these is in every line of rejects.jsonl)."""
 RECORD_CAP_CHARS = 16_384
@@ -54,8 +63,11 @@ class Reject:
         """JSON-able dict (one line of rejects.jsonl); shallow, so a deeply nested record is not walked here.
         The optional fields (offset, sha256, size) appear only when set."""
         optional = ("offset", "sha256", "size")
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in optional or getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in optional or getattr(self, f.name) is not None
+        }
 
 
 def excerpt_of(text: str, size: int, unit: str = "bytes") -> str:
@@ -78,7 +90,7 @@ def _bounded(doc: dict[str, Any]) -> dict[str, Any]:
             head.append(piece[:RECORD_CAP_CHARS])
         length += len(piece)
         for at in range(0, len(piece), 1 << 20):  # a huge string is one piece: encode it a slice at a time
-            digest.update(piece[at:at + (1 << 20)].encode("utf-8", "surrogatepass"))
+            digest.update(piece[at : at + (1 << 20)].encode("utf-8", "surrogatepass"))
     if length <= RECORD_CAP_CHARS:
         return doc
     extra: dict[str, Any] = {"record_truncated": True, "record_chars": length}
@@ -117,5 +129,9 @@ def reject_line(reject: Reject) -> bytes:
 def _unwritable(doc: dict[str, Any]) -> str:
     """The reject without its record, which nests too deeply to serialize (its location still finds it)."""
     note = "record nested too deeply to write here; read it at the location"
-    return json.dumps({**doc, "record": None, "detail": f"{doc['detail']} ({note})"}, ensure_ascii=False,
-                      allow_nan=False, default=repr)
+    return json.dumps(
+        {**doc, "record": None, "detail": f"{doc['detail']} ({note})"},
+        ensure_ascii=False,
+        allow_nan=False,
+        default=repr,
+    )

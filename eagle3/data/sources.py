@@ -25,11 +25,29 @@ from eagle3.data.containers import record_format as _record_format
 from eagle3.data.rejects import REJECT_REASONS, Reject, SourceError
 from eagle3.run.paths import resolve_path
 
-__all__ = ["REJECT_REASONS", "Conversation", "Reject", "SourceError", "SourceStream", "content_hash", "make_row_id",
-           "normalize_records", "read_source", "source_path"]
+__all__ = [
+    "REJECT_REASONS",
+    "Conversation",
+    "Reject",
+    "SourceError",
+    "SourceStream",
+    "content_hash",
+    "make_row_id",
+    "normalize_records",
+    "read_source",
+    "source_path",
+]
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-                  "bard": "assistant", "assistant": "assistant", "system": "system"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 # 'developer' is OpenAI's newer name for the system prompt; tool/function turns have no place in a
 # drafter's plain chat data, so they are rejected as unknown roles rather than guessed at.
 OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -61,8 +79,9 @@ class Conversation:
 class SourceStream:
     """The iterator ``read_source`` returns; also says which format it picked."""
 
-    def __init__(self, fmt: str, path: Path, items: Generator[Conversation | Reject, None, None],
-                 raw: Generator[Any, None, None]):
+    def __init__(
+        self, fmt: str, path: Path, items: Generator[Conversation | Reject, None, None], raw: Generator[Any, None, None]
+    ):
         self.format, self.path, self._items, self._raw = fmt, path, items, raw
 
     def __iter__(self) -> SourceStream:
@@ -105,7 +124,9 @@ def make_row_id(source: str, id_in_source: str) -> str:
     safe = ID_UNSAFE_RE.sub("_", full)
     if len(safe) > MAX_ID_CHARS:
         # The hash of the uncut id keeps two long ids with a shared prefix apart.
-        safe = f"{safe[:MAX_ID_CHARS - 11]}-{hashlib.sha256(full.encode('utf-8', 'backslashreplace')).hexdigest()[:10]}"
+        safe = (
+            f"{safe[: MAX_ID_CHARS - 11]}-{hashlib.sha256(full.encode('utf-8', 'backslashreplace')).hexdigest()[:10]}"
+        )
     return safe
 
 
@@ -141,8 +162,10 @@ def _pick_reader(src: SourceConfig, path: Path) -> tuple[str, TextEncoding | Non
     """('parquet' | 'array' (one JSON array) | 'lines' (JSONL), text encoding) from config, extension, content."""
     is_parquet = src.format == "parquet" or (src.format == "auto" and path.suffix == ".parquet")
     if src.format == "auto" and not is_parquet and path.suffix not in JSON_EXTENSIONS:
-        raise SourceError(f"source {src.name!r}: unknown format for {path} (extension {path.suffix!r}); "
-                          "set format to sharegpt, openai or parquet")
+        raise SourceError(
+            f"source {src.name!r}: unknown format for {path} (extension {path.suffix!r}); "
+            "set format to sharegpt, openai or parquet"
+        )
     if path.stat().st_size == 0:
         raise SourceError(f"source {src.name!r}: file {path} is empty (0 bytes)")
     if is_parquet:
@@ -170,8 +193,9 @@ def read_source(src: SourceConfig, max_chars: int, chars_of: CharsOf = "all") ->
     return SourceStream(fmt, path, normalize_records(src.name, fmt, raw, max_chars, chars_of), raw)
 
 
-def _choose_format(src: SourceConfig, path: Path, enc: TextEncoding,
-                   raw: Generator[Any, None, None]) -> tuple[str, Generator[Any, None, None]]:
+def _choose_format(
+    src: SourceConfig, path: Path, enc: TextEncoding, raw: Generator[Any, None, None]
+) -> tuple[str, Generator[Any, None, None]]:
     """The configured format, or (auto) the first record's: 'messages' -> openai, 'conversations' -> sharegpt."""
     if src.format in ("sharegpt", "openai"):
         return src.format, raw
@@ -185,8 +209,10 @@ def _choose_format(src: SourceConfig, path: Path, enc: TextEncoding,
     if not fmt:
         raw.close()
         what = f"none of the first {len(peeked)} records has" if peeked else "it holds no record with"
-        raise SourceError(f"source {src.name!r}: cannot tell the format of {path} (read as {enc.name}): {what} "
-                          "a 'messages' or 'conversations' list; set format to sharegpt or openai")
+        raise SourceError(
+            f"source {src.name!r}: cannot tell the format of {path} (read as {enc.name}): {what} "
+            "a 'messages' or 'conversations' list; set format to sharegpt or openai"
+        )
     return fmt, _prepend(peeked, raw)
 
 
@@ -214,14 +240,16 @@ def _open_parquet(src: SourceConfig, path: Path) -> tuple[str, Generator[tuple[s
         raise SourceError(f"source {src.name!r}: cannot read {path} as Parquet: {exc}") from None
     fmt = "openai" if "messages" in names else "sharegpt" if "conversations" in names else None
     if fmt is None:
-        raise SourceError(f"source {src.name!r}: {path} has no 'messages' or 'conversations' column "
-                          f"(columns: {sorted(names)})")
+        raise SourceError(
+            f"source {src.name!r}: {path} has no 'messages' or 'conversations' column (columns: {sorted(names)})"
+        )
     columns = [c for c in ("id", "messages" if fmt == "openai" else "conversations") if c in names]
     return fmt, _iter_parquet_rows(src.name, pfile, columns, path)
 
 
-def _iter_parquet_rows(source: str, pfile: Any, columns: list[str],
-                       path: Path) -> Generator[tuple[str, Any] | Reject, None, None]:
+def _iter_parquet_rows(
+    source: str, pfile: Any, columns: list[str], path: Path
+) -> Generator[tuple[str, Any] | Reject, None, None]:
     """(location, row dict) per row; a row group that cannot be decoded stops the source with its row number."""
     import pyarrow as pa
 
@@ -232,8 +260,9 @@ def _iter_parquet_rows(source: str, pfile: Any, columns: list[str],
             batch = next(batches, None)
         except (pa.ArrowException, OSError) as exc:
             # The rows after a corrupt page cannot be located, so the rest of the file is not guessed at.
-            raise SourceError(f"source {source!r}: {path} is corrupt from row {num} on ({exc}); "
-                              f"{num} rows were read before it") from None
+            raise SourceError(
+                f"source {source!r}: {path} is corrupt from row {num} on ({exc}); {num} rows were read before it"
+            ) from None
         if batch is None:
             return
         for row in _batch_rows(source, batch, path.name, num):
@@ -253,8 +282,15 @@ def _batch_rows(source: str, batch: Any, file_name: str, first: int) -> list[tup
         try:
             rows.append((loc, batch.slice(i, 1).to_pylist()[0]))
         except UnicodeDecodeError as exc:
-            rows.append(Reject(source, loc, "invalid_utf8", f"a string in the row is not UTF-8 ({exc.reason} at "
-                               f"byte {exc.start})", {"raw": repr(exc.object[:200])}))
+            rows.append(
+                Reject(
+                    source,
+                    loc,
+                    "invalid_utf8",
+                    f"a string in the row is not UTF-8 ({exc.reason} at byte {exc.start})",
+                    {"raw": repr(exc.object[:200])},
+                )
+            )
     return rows
 
 
@@ -340,8 +376,9 @@ def _to_messages(record: Any, fmt: str, max_chars: int, chars_of: CharsOf = "all
     return messages, dropped
 
 
-def normalize_records(source: str, fmt: str, raw: Generator[Any, None, None], max_chars: int,
-                      chars_of: CharsOf = "all") -> Generator[Conversation | Reject, None, None]:
+def normalize_records(
+    source: str, fmt: str, raw: Generator[Any, None, None], max_chars: int, chars_of: CharsOf = "all"
+) -> Generator[Conversation | Reject, None, None]:
     """Raw (location, record) items -> Conversation | Reject, with ids unique within the source."""
     first_seen: dict[str, str] = {}  # row id -> location that took it
     try:
@@ -354,8 +391,9 @@ def normalize_records(source: str, fmt: str, raw: Generator[Any, None, None], ma
         raw.close()  # the merge may stop early: close the file now, not at garbage collection
 
 
-def _one_record(source: str, fmt: str, loc: str, record: Any, max_chars: int,
-                first_seen: dict[str, str], chars_of: CharsOf = "all") -> Conversation | Reject:
+def _one_record(
+    source: str, fmt: str, loc: str, record: Any, max_chars: int, first_seen: dict[str, str], chars_of: CharsOf = "all"
+) -> Conversation | Reject:
     row_id = None
     try:
         explicit = _explicit_id(record) if isinstance(record, dict) else None

@@ -38,8 +38,17 @@ from infra.storage import atomic_write_text, sha256_json
 
 PROBE = "\u2063synthetic-user-turn\u2063"
 """Content put in a user turn to find where the template writes it (invisible separators: never in a template)."""
-REGENERATE_FIELDS = ("temperature", "batch_size_conversations", "generation_backend", "prompt_bucket",
-                     "decode_attention", "device", "straggler_rows", "compile_dynamic", "loop_stop_tokens")
+REGENERATE_FIELDS = (
+    "temperature",
+    "batch_size_conversations",
+    "generation_backend",
+    "prompt_bucket",
+    "decode_attention",
+    "device",
+    "straggler_rows",
+    "compile_dynamic",
+    "loop_stop_tokens",
+)
 """regenerate settings that change the records (the answer temperature, the batches and their seeds, the decoder,
 its padding, attention path, straggler batches and compile, where loops stop, and the device: each moves the
 rounding or the sampling stream or the answers' ends, so a sampled row, or a greedy answer at a tie, can turn)."""
@@ -59,12 +68,15 @@ def journal_path(data_dir: Path, name: str) -> Path:
 
 def user_turn_prefix(tokenizer: Any) -> str:
     """What the chat template writes before a first user turn's content (e.g. ChatML's '<|im_start|>user\\n')."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PROBE}], tokenize=False,
-                                         add_generation_prompt=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROBE}], tokenize=False, add_generation_prompt=False
+    )
     at = text.find(PROBE)
     if at <= 0:
-        raise ValueError("the chat template writes nothing before a user turn's content (or drops it), so the "
-                         "target cannot be asked to write a user turn")
+        raise ValueError(
+            "the chat template writes nothing before a user turn's content (or drops it), so the "
+            "target cannot be asked to write a user turn"
+        )
     return text[:at]
 
 
@@ -95,8 +107,9 @@ class Synthesizer:
         self.torch, self.syn = torch, syn
         answer_cfg = regen.model_copy(update={"backend": "hf", "max_new_tokens": syn.max_answer_tokens})
         self.answers = HFGenerateBackend(model, tokenizer, answer_cfg)
-        settings = dataclasses.replace(self.answers.generator.settings, max_new_tokens=syn.max_prompt_tokens,
-                                       temperature=syn.temperature)
+        settings = dataclasses.replace(
+            self.answers.generator.settings, max_new_tokens=syn.max_prompt_tokens, temperature=syn.temperature
+        )
         self.prompts = TokenGenerator(model, settings)
         self.prefix = list(tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False)["input_ids"])
         self.backend = settings.backend  # resolved: 'auto' became static or dynamic
@@ -106,8 +119,11 @@ class Synthesizer:
         """One record per index; prompts that are empty or truncated are not answered."""
         self.torch.manual_seed(seed)
         prompts = [self.answers.decode(row) for row in self.prompts.generate([self.prefix] * len(indices))]
-        usable = {k: p.content.strip() for k, p in enumerate(prompts)
-                  if not isinstance(p, CompletionError) and p.finish_reason == "stop"}  # index -> prompt text
+        usable = {
+            k: p.content.strip()
+            for k, p in enumerate(prompts)
+            if not isinstance(p, CompletionError) and p.finish_reason == "stop"
+        }  # index -> prompt text
         self.torch.manual_seed(seed + 1)  # answers sampled at temperature > 0 get their own stream
         replies = self.answers.generate_batch([[{"role": "user", "content": text}] for text in usable.values()])
         answers: dict[int, Any] = dict(zip(usable, replies, strict=True))
@@ -118,19 +134,33 @@ class Synthesizer:
         messages = [{"role": "user", "content": user}]
         finish = {"prompt": "empty" if isinstance(prompt, CompletionError) else prompt.finish_reason, "answer": None}
         if answer is not None:
-            messages.append({"role": "assistant", "content": "" if isinstance(answer, CompletionError)
-                             else answer.content})
+            messages.append(
+                {"role": "assistant", "content": "" if isinstance(answer, CompletionError) else answer.content}
+            )
             finish["answer"] = "empty" if isinstance(answer, CompletionError) else answer.finish_reason
         syn = self.syn
-        generation = {"seed": syn.seed, "batch_seed": seed, "index": index, "temperature": syn.temperature,
-                      "answer_temperature": self.answer_temperature, "max_prompt_tokens": syn.max_prompt_tokens,
-                      "max_answer_tokens": syn.max_answer_tokens, "batch_size": self.answers.max_parallel,
-                      "generation_backend": self.backend}
+        generation = {
+            "seed": syn.seed,
+            "batch_seed": seed,
+            "index": index,
+            "temperature": syn.temperature,
+            "answer_temperature": self.answer_temperature,
+            "max_prompt_tokens": syn.max_prompt_tokens,
+            "max_answer_tokens": syn.max_answer_tokens,
+            "batch_size": self.answers.max_parallel,
+            "generation_backend": self.backend,
+        }
         return {"id": str(index), "messages": messages, "finish_reasons": finish, "generation": generation}
 
 
-def synthesize_source(src: SourceConfig, data_dir: Path, regen: RegenerateConfig, make: Any, target: str,
-                      progress: ProgressFn | None = None) -> tuple[Path, dict[str, Any]]:
+def synthesize_source(
+    src: SourceConfig,
+    data_dir: Path,
+    regen: RegenerateConfig,
+    make: Any,
+    target: str,
+    progress: ProgressFn | None = None,
+) -> tuple[Path, dict[str, Any]]:
     """Generate (or resume) every record of one synthetic source; ``make()`` returns its Synthesizer.
 
     The model is loaded (``make``) only when some batch is not in the journal yet.
@@ -145,8 +175,10 @@ def synthesize_source(src: SourceConfig, data_dir: Path, regen: RegenerateConfig
 
     def finished(indices: list[int]) -> bool:  # journaled under these settings, in a batch of these members
         recs = [journaled.get(str(i)) for i in indices]
-        return all(r is not None and r.get("settings") == key and r.get("batch_rows", len(indices)) == len(indices)
-                   for r in recs)
+        return all(
+            r is not None and r.get("settings") == key and r.get("batch_rows", len(indices)) == len(indices)
+            for r in recs
+        )
 
     todo = [(n, idx) for n, idx in enumerate(batches) if not finished(idx)]
     synth = make() if todo else None
@@ -160,14 +192,22 @@ def synthesize_source(src: SourceConfig, data_dir: Path, regen: RegenerateConfig
     ordered = [records[str(i)]["record"] for i in range(syn.count)]
     path = synthetic_path(data_dir, src.name)
     atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ordered))
-    finish = {part: dict(sorted(Counter(str(r["finish_reasons"][part]) for r in ordered).items()))
-              for part in ("prompt", "answer")}
-    stats = {"count": syn.count, "generated": sum(len(idx) for _, idx in todo),
-             "skipped_done": syn.count - sum(len(idx) for _, idx in todo), "finish_reasons": finish,
-             "elapsed_s": round(time.monotonic() - start, 3)}
+    finish = {
+        part: dict(sorted(Counter(str(r["finish_reasons"][part]) for r in ordered).items()))
+        for part in ("prompt", "answer")
+    }
+    stats = {
+        "count": syn.count,
+        "generated": sum(len(idx) for _, idx in todo),
+        "skipped_done": syn.count - sum(len(idx) for _, idx in todo),
+        "finish_reasons": finish,
+        "elapsed_s": round(time.monotonic() - start, 3),
+    }
     if synth is not None:  # the generate figures of the user turns and of their answers
-        stats["generation"] = {"prompts": synth.prompts.stats.to_json(),
-                               "answers": synth.answers.generator.stats.to_json()}
+        stats["generation"] = {
+            "prompts": synth.prompts.stats.to_json(),
+            "answers": synth.answers.generator.stats.to_json(),
+        }
     return path, stats
 
 
@@ -175,13 +215,23 @@ def stage_config(sources: list[SourceConfig], regen: RegenerateConfig) -> dict[s
     """What the synthesize stage's key hashes: each source's generation settings and the regenerate ones it uses
     (ConfigError when two sources would write one file: the key is asked for before the stage runs)."""
     check_file_names(sources)
-    return {"sources": [{"name": s.name, **(s.synthetic.model_dump(exclude={"near_duplicate"}) if s.synthetic else {})}
-                        for s in sources],
-            "regenerate": regenerate_fields(regen)}
+    return {
+        "sources": [
+            {"name": s.name, **(s.synthetic.model_dump(exclude={"near_duplicate"}) if s.synthetic else {})}
+            for s in sources
+        ],
+        "regenerate": regenerate_fields(regen),
+    }
 
 
-def synthesize(sources: list[SourceConfig], data_dir: Path, regen: RegenerateConfig, load: Any, target: str,
-               progress: ProgressFn | None = None) -> tuple[dict[str, Path], dict[str, Any]]:
+def synthesize(
+    sources: list[SourceConfig],
+    data_dir: Path,
+    regen: RegenerateConfig,
+    load: Any,
+    target: str,
+    progress: ProgressFn | None = None,
+) -> tuple[dict[str, Path], dict[str, Any]]:
     """Every synthetic source -> data/synthetic/<name>.jsonl; ``load()`` returns (model, tokenizer), called once
     and only when something is left to generate. Returns ({name: path}, {"sources": {name: stats}})."""
     check_file_names(sources)
@@ -192,12 +242,14 @@ def synthesize(sources: list[SourceConfig], data_dir: Path, regen: RegenerateCon
             if not loaded:
                 loaded.extend(load())
             return Synthesizer(loaded[0], loaded[1], syn, regen)
+
         return make
 
     outputs: dict[str, Path] = {}
     stats: dict[str, Any] = {}
     for src in sources:
         assert src.synthetic is not None
-        outputs[src.name], stats[src.name] = synthesize_source(src, data_dir, regen, make_for(src.synthetic),
-                                                               target, progress)
+        outputs[src.name], stats[src.name] = synthesize_source(
+            src, data_dir, regen, make_for(src.synthetic), target, progress
+        )
     return outputs, {"sources": stats}

@@ -59,8 +59,10 @@ def check_file_names(sources: list[SourceConfig]) -> None:
         for path in (synthetic_path(Path(), src.name), synthetic_journal_path(Path(), src.name)):
             first = owner.setdefault(path.name, (index, src.name))
             if first[0] != index:
-                raise ConfigError(f"data.sources: synthetic sources {first[1]!r} and {src.name!r} would both write "
-                                  f"data/{SYNTHETIC_DIR}/{path.name}; rename one of them")
+                raise ConfigError(
+                    f"data.sources: synthetic sources {first[1]!r} and {src.name!r} would both write "
+                    f"data/{SYNTHETIC_DIR}/{path.name}; rename one of them"
+                )
 
 
 def read_synthetic(src: SourceConfig, data_dir: Path, max_chars: int, chars_of: CharsOf = "all") -> SourceStream:
@@ -104,8 +106,9 @@ def _check_generation(source: str, raw: Generator[Any, None, None]) -> Generator
         raw.close()
 
 
-def _filter(items: Generator[Conversation | Reject, None, None],
-            near_threshold: float) -> Generator[Conversation | Reject, None, None]:
+def _filter(
+    items: Generator[Conversation | Reject, None, None], near_threshold: float
+) -> Generator[Conversation | Reject, None, None]:
     """Degenerate, repeated and near-duplicate conversations become Rejects; kept prompts are remembered."""
     seen: dict[tuple[str, ...], str] = {}  # normalized prompt words -> id of the kept record
     near = NearDuplicates(near_threshold)
@@ -117,8 +120,14 @@ def _filter(items: Generator[Conversation | Reject, None, None],
             prompt = "\n".join(m["content"] for m in item.messages if m["role"] == "user")
             problem = _repeat_or_degenerate(item, prompt, seen, near)
             if problem is not None:
-                yield Reject(item.source, item.location, problem[0], problem[1],
-                             {"id": item.id, "messages": item.messages}, item.id)
+                yield Reject(
+                    item.source,
+                    item.location,
+                    problem[0],
+                    problem[1],
+                    {"id": item.id, "messages": item.messages},
+                    item.id,
+                )
                 continue
             seen[tuple(words(prompt))] = item.id
             near.add(prompt, item.id)
@@ -127,8 +136,9 @@ def _filter(items: Generator[Conversation | Reject, None, None],
         items.close()
 
 
-def _repeat_or_degenerate(conv: Conversation, prompt: str, seen: dict[tuple[str, ...], str],
-                          near: NearDuplicates) -> tuple[str, str] | None:
+def _repeat_or_degenerate(
+    conv: Conversation, prompt: str, seen: dict[tuple[str, ...], str], near: NearDuplicates
+) -> tuple[str, str] | None:
     for msg in conv.messages:
         why = degenerate_reason(msg["content"])
         if why:

@@ -57,6 +57,7 @@ def word_ngrams(ws: list[str], n: int) -> set[tuple[str, ...]]:
 
 # --------------------------------------------------------------------------- near duplicates
 
+
 class NearDuplicates:
     """Texts seen so far, and which earlier one (if any) a new text nearly repeats."""
 
@@ -103,6 +104,7 @@ class NearDuplicates:
 
 
 # --------------------------------------------------------------------------- degenerate text
+
 
 def degenerate_reason(text: str) -> str | None:
     """Why a text is degenerate (mostly symbols, or a loop), or None."""
@@ -153,6 +155,7 @@ def loop_cut(text: str) -> int | None:
 
 
 # --------------------------------------------------------------------------- evaluation overlap
+
 
 @dataclass(frozen=True)
 class EvalHit:

@@ -48,15 +48,17 @@ TRUNCATED_TURNS = "truncated_turns"
 not finish (cut at the token cap). Their content is supervised; their end-of-turn text, which the template wrote
 and the target never produced, is not."""
 
-TOKENIZED_SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("split", pa.string()),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.uint8())),
-    ("num_tokens", pa.int32()),
-    ("num_loss_tokens", pa.int32()),
-    ("truncated", pa.bool_()),
-])
+TOKENIZED_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("split", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("num_tokens", pa.int32()),
+        ("num_loss_tokens", pa.int32()),
+        ("truncated", pa.bool_()),
+    ]
+)
 
 
 class EmptyTokenizeError(ValueError):
@@ -74,8 +76,9 @@ class TemplateError(ValueError):
 def _render(tokenizer: Any, messages: Sequence[Message], row_id: str, add_generation_prompt: bool = False) -> str:
     """The template's text for ``messages``; any template failure becomes a TemplateError naming the row."""
     try:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     except Exception as exc:  # jinja raises many types (incl. raise_exception from the template)
         raise TemplateError(row_id, f"chat template failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(text, str):
@@ -91,10 +94,13 @@ def end_of_turn_text(tokenizer: Any) -> str:
     if at < 0:
         raise TemplateError("<end-of-turn probe>", "the chat template dropped the final assistant content")
     # Skip whitespace the template may put between content and the closing token, then take one run.
-    match = re.match(r"\s*(\S+)", text[at + len(PROBE_MARKER):])
+    match = re.match(r"\s*(\S+)", text[at + len(PROBE_MARKER) :])
     if match is None:
-        raise TemplateError("<end-of-turn probe>", "the chat template writes nothing after assistant content, "
-                                                   "so the end of an assistant turn cannot be supervised")
+        raise TemplateError(
+            "<end-of-turn probe>",
+            "the chat template writes nothing after assistant content, "
+            "so the end of an assistant turn cannot be supervised",
+        )
     return match.group(1)
 
 
@@ -110,7 +116,7 @@ def _check_prefix(shorter: str, longer: str, row_id: str, what: str) -> None:
         raise TemplateError(
             row_id,
             f"{what}: the chat template rewrites earlier text (renderings differ at char {at}: "
-            f"{shorter[at:at + 40]!r} vs {longer[at:at + 40]!r}); thinking/tool templates that edit history "
+            f"{shorter[at : at + 40]!r} vs {longer[at : at + 40]!r}); thinking/tool templates that edit history "
             "are not supported, because the loss mask would point at the wrong tokens",
         )
 
@@ -118,17 +124,23 @@ def _check_prefix(shorter: str, longer: str, row_id: str, what: str) -> None:
 def _turn_span(prompt: str, turn: str, end_of_turn: str, row_id: str, index: int, finished: bool = True) -> Span:
     """From the end of the generation prompt to the end of the last end-of-turn text inside the turn's diff (to its
     start for a turn the model did not finish)."""
-    diff = turn[len(prompt):]
+    diff = turn[len(prompt) :]
     # rfind: the template's closing token comes after the content, even if the content quotes it.
     at = diff.rfind(end_of_turn)
     if at < 0:
-        raise TemplateError(row_id, f"assistant turn {index}: end-of-turn text {end_of_turn!r} "
-                                    "not found in its rendering")
+        raise TemplateError(
+            row_id, f"assistant turn {index}: end-of-turn text {end_of_turn!r} not found in its rendering"
+        )
     return len(prompt), len(prompt) + at + (len(end_of_turn) if finished else 0)
 
 
-def supervised_spans(tokenizer: Any, messages: Sequence[Message], row_id: str = "?",
-                     end_of_turn: str | None = None, unfinished: Sequence[int] = ()) -> tuple[str, list[Span]]:
+def supervised_spans(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    row_id: str = "?",
+    end_of_turn: str | None = None,
+    unfinished: Sequence[int] = (),
+) -> tuple[str, list[Span]]:
     """The rendered conversation and the char spans of each assistant turn's content + end-of-turn text (content
     only for the message indices in ``unfinished``: turns cut at the token cap)."""
     end_of_turn = end_of_turn or end_of_turn_text(tokenizer)
@@ -173,8 +185,9 @@ def mask_view(tokenizer: Any, input_ids: Sequence[int], loss_mask: Sequence[int]
     return "".join(f"⟦{text}⟧" if bit else text for bit, text in masked_runs(tokenizer, input_ids, loss_mask))
 
 
-def render_with_mask(tokenizer: Any, messages: Sequence[Message], row_id: str = "?",
-                     end_of_turn: str | None = None) -> tuple[list[int], list[int]]:
+def render_with_mask(
+    tokenizer: Any, messages: Sequence[Message], row_id: str = "?", end_of_turn: str | None = None
+) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) for one conversation, rendered with the tokenizer's own chat template."""
     text, spans = supervised_spans(tokenizer, messages, row_id, end_of_turn)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -215,8 +228,9 @@ def _reject(rejects: list[dict], tally: _Tally, row_id: str, reason: str, detail
     tally.rejected[reason] += 1
 
 
-def _apply_length_policy(ids: np.ndarray, mask: np.ndarray, cfg: TokenizeConfig
-                         ) -> tuple[np.ndarray, np.ndarray, bool] | tuple[str, str]:
+def _apply_length_policy(
+    ids: np.ndarray, mask: np.ndarray, cfg: TokenizeConfig
+) -> tuple[np.ndarray, np.ndarray, bool] | tuple[str, str]:
     """(ids, mask, truncated) after the overlong and min-loss policies, or (reject reason, detail)."""
     num_tokens = len(ids)
     truncated = num_tokens > cfg.max_len
@@ -231,8 +245,9 @@ def _apply_length_policy(ids: np.ndarray, mask: np.ndarray, cfg: TokenizeConfig
     return ids, mask, truncated
 
 
-def _render_rows(rows: list[dict], tokenizer: Any, end_of_turn: str, rejects: list[dict], tally: _Tally
-                 ) -> tuple[list[dict], list[str], list[list[Span]]]:
+def _render_rows(
+    rows: list[dict], tokenizer: Any, end_of_turn: str, rejects: list[dict], tally: _Tally
+) -> tuple[list[dict], list[str], list[list[Span]]]:
     """Render each row; template failures are rejected here so the batch tokenizer sees only good texts."""
     kept, texts, spans = [], [], []
     for row in rows:
@@ -274,8 +289,9 @@ def encode_batch(tokenizer: Any, texts: list[str]) -> list[tuple[np.ndarray, np.
     return out
 
 
-def _tokenize_chunk(rows: list[dict], tokenizer: Any, cfg: TokenizeConfig, end_of_turn: str,
-                    rejects: list[dict], tally: _Tally) -> _Chunk:
+def _tokenize_chunk(
+    rows: list[dict], tokenizer: Any, cfg: TokenizeConfig, end_of_turn: str, rejects: list[dict], tally: _Tally
+) -> _Chunk:
     """Render, batch-tokenize and mask one chunk of rows, applying the length policies."""
     start = time.perf_counter()
     kept, texts, spans = _render_rows(rows, tokenizer, end_of_turn, rejects, tally)
@@ -292,8 +308,9 @@ def _tokenize_chunk(rows: list[dict], tokenizer: Any, cfg: TokenizeConfig, end_o
     return chunk
 
 
-def _add_sample(chunk: _Chunk, tally: _Tally, row: dict, ids: np.ndarray, mask: np.ndarray,
-                truncated: bool, num_tokens_before: int) -> None:
+def _add_sample(
+    chunk: _Chunk, tally: _Tally, row: dict, ids: np.ndarray, mask: np.ndarray, truncated: bool, num_tokens_before: int
+) -> None:
     chunk.ids.append(row["id"])
     chunk.splits.append(row["split"])
     chunk.input_ids.append(ids)
@@ -318,31 +335,42 @@ def _list_array(parts: list[np.ndarray], value_type: pa.DataType) -> pa.Array:
 def _chunk_table(chunk: _Chunk) -> pa.Table:
     num_tokens = np.fromiter((len(p) for p in chunk.input_ids), dtype=np.int32, count=len(chunk.ids))
     num_loss = np.fromiter((int(m.sum()) for m in chunk.loss_masks), dtype=np.int32, count=len(chunk.ids))
-    return pa.Table.from_arrays([
-        pa.array(chunk.ids, pa.string()),
-        pa.array(chunk.splits, pa.string()),
-        _list_array(chunk.input_ids, pa.int32()),
-        _list_array(chunk.loss_masks, pa.uint8()),
-        pa.array(num_tokens, pa.int32()),
-        pa.array(num_loss, pa.int32()),
-        pa.array(chunk.truncated, pa.bool_()),
-    ], schema=TOKENIZED_SCHEMA)
+    return pa.Table.from_arrays(
+        [
+            pa.array(chunk.ids, pa.string()),
+            pa.array(chunk.splits, pa.string()),
+            _list_array(chunk.input_ids, pa.int32()),
+            _list_array(chunk.loss_masks, pa.uint8()),
+            pa.array(num_tokens, pa.int32()),
+            pa.array(num_loss, pa.int32()),
+            pa.array(chunk.truncated, pa.bool_()),
+        ],
+        schema=TOKENIZED_SCHEMA,
+    )
 
 
 def _stats(tally: _Tally, elapsed_s: float, end_of_turn: str) -> dict[str, Any]:
     num_rejected = sum(tally.rejected.values())
     if tally.rows_written + num_rejected != tally.rows_in:
-        raise AssertionError(f"tokenize lost rows: {tally.rows_written} written + {num_rejected} rejected "
-                             f"!= {tally.rows_in} in")
+        raise AssertionError(
+            f"tokenize lost rows: {tally.rows_written} written + {num_rejected} rejected != {tally.rows_in} in"
+        )
     elapsed_s = max(elapsed_s, 1e-9)
     return {
-        "rows_in": tally.rows_in, "rows_written": tally.rows_written, "rows_truncated": tally.rows_truncated,
-        "rows_rejected": num_rejected, "rejected_by_reason": {r: tally.rejected[r] for r in REJECT_REASONS},
-        "num_tokens": tally.num_tokens, "num_loss_tokens": tally.num_loss_tokens,
-        "num_tokens_cut": tally.num_tokens_cut, "end_of_turn_text": end_of_turn,
+        "rows_in": tally.rows_in,
+        "rows_written": tally.rows_written,
+        "rows_truncated": tally.rows_truncated,
+        "rows_rejected": num_rejected,
+        "rejected_by_reason": {r: tally.rejected[r] for r in REJECT_REASONS},
+        "num_tokens": tally.num_tokens,
+        "num_loss_tokens": tally.num_loss_tokens,
+        "num_tokens_cut": tally.num_tokens_cut,
+        "end_of_turn_text": end_of_turn,
         "unfinished_turns": tally.unfinished_turns,
-        "elapsed_s": round(elapsed_s, 3), "render_s": round(tally.render_s, 3),
-        "tokenize_s": round(tally.tokenize_s, 3), "rows_per_s": round(tally.rows_in / elapsed_s, 1),
+        "elapsed_s": round(elapsed_s, 3),
+        "render_s": round(tally.render_s, 3),
+        "tokenize_s": round(tally.tokenize_s, 3),
+        "rows_per_s": round(tally.rows_in / elapsed_s, 1),
         "tokens_per_s": round(tally.num_tokens / elapsed_s, 1),
     }
 
@@ -355,12 +383,14 @@ def _write_rejects(path: Path, rejects: list[dict]) -> Path:
 def _check_not_empty(tally: _Tally, in_parquet: Path, rejects_path: Path) -> None:
     if tally.rows_written == 0:
         reasons = ", ".join(f"{reason} {num:,}" for reason, num in tally.rejected.most_common() if num)
-        raise EmptyTokenizeError(f"tokenize rejected all {tally.rows_in:,} rows of {in_parquet} ({reasons}); "
-                                 f"see {rejects_path}")
+        raise EmptyTokenizeError(
+            f"tokenize rejected all {tally.rows_in:,} rows of {in_parquet} ({reasons}); see {rejects_path}"
+        )
 
 
-def tokenize_dataset(in_parquet: Path, out_dir: Path, tokenizer: Any, cfg: TokenizeConfig,
-                     progress: ProgressFn | None = None) -> tuple[dict[str, Path], dict]:
+def tokenize_dataset(
+    in_parquet: Path, out_dir: Path, tokenizer: Any, cfg: TokenizeConfig, progress: ProgressFn | None = None
+) -> tuple[dict[str, Path], dict]:
     """Tokenize + mask every row of the merged parquet; writes tokenized.parquet and tokenize_rejects.jsonl."""
     start = time.perf_counter()
     out_dir = Path(out_dir)

@@ -55,8 +55,10 @@ def count_train_tokens(tokenized_parquet: Path, target_vocab_size: int) -> tuple
         num_train_rows += int(pc.sum(pc.equal(batch.column("split"), "train")).as_py() or 0)
         supervised = _supervised_ids(batch, tokenized_parquet)
         if len(supervised) and (supervised.min() < 0 or supervised.max() >= target_vocab_size):
-            raise VocabMapError(f"{tokenized_parquet}: token id {int(supervised.max())} outside the target "
-                                f"vocab of {target_vocab_size} (wrong tokenizer?)")
+            raise VocabMapError(
+                f"{tokenized_parquet}: token id {int(supervised.max())} outside the target "
+                f"vocab of {target_vocab_size} (wrong tokenizer?)"
+            )
         counts += np.bincount(supervised, minlength=target_vocab_size)
     return counts, num_train_rows
 
@@ -91,8 +93,10 @@ def maps_from_used(used: np.ndarray, target_vocab_size: int) -> tuple[torch.Tens
 def validate_maps(d2t: torch.Tensor, t2d: torch.Tensor, draft_vocab_size: int | None = None) -> None:
     """Raise VocabMapError unless d2t and t2d describe the same strictly increasing set of target ids."""
     if d2t.dtype != torch.int64 or d2t.dim() != 1 or t2d.dtype != torch.bool or t2d.dim() != 1:
-        raise VocabMapError(f"expected d2t int64 [draft] and t2d bool [target], got {d2t.dtype} "
-                            f"{list(d2t.shape)} and {t2d.dtype} {list(t2d.shape)}")
+        raise VocabMapError(
+            f"expected d2t int64 [draft] and t2d bool [target], got {d2t.dtype} "
+            f"{list(d2t.shape)} and {t2d.dtype} {list(t2d.shape)}"
+        )
     draft = len(d2t)
     if draft_vocab_size is not None and draft != draft_vocab_size:
         raise VocabMapError(f"d2t has {draft} entries, expected {draft_vocab_size}")
@@ -116,21 +120,28 @@ def coverage_at(counts: np.ndarray, sizes: list[int]) -> dict[int, float]:
 def _save(out_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor, info: dict[str, Any]) -> dict[str, Path]:
     map_path, info_path = out_dir / MAP_FILE, out_dir / INFO_FILE
     with atomic_path(map_path) as tmp:
-        save_file({"d2t": d2t, "t2d": t2d}, str(tmp),
-                  metadata={"tokenizer_fingerprint": info["tokenizer_fingerprint"]})
+        save_file({"d2t": d2t, "t2d": t2d}, str(tmp), metadata={"tokenizer_fingerprint": info["tokenizer_fingerprint"]})
     atomic_write_json(info_path, info)
     return {"vocab_map": map_path, "info": info_path}
 
 
-def build_vocab_map(tokenized_parquet: Path, target_vocab_size: int, draft_vocab_size: int, forced_ids: list[int],
-                    out_dir: Path, tokenizer_fingerprint: str) -> tuple[dict[str, Path], dict]:
+def build_vocab_map(
+    tokenized_parquet: Path,
+    target_vocab_size: int,
+    draft_vocab_size: int,
+    forced_ids: list[int],
+    out_dir: Path,
+    tokenizer_fingerprint: str,
+) -> tuple[dict[str, Path], dict]:
     """Count supervised train tokens, pick the draft vocab, validate and save d2t/t2d plus a JSON summary."""
     draft_vocab_size = min(draft_vocab_size, target_vocab_size)  # a draft vocab cannot exceed the target's
     counts, num_train_rows = count_train_tokens(tokenized_parquet, target_vocab_size)
     if not counts.any():
         # A map ranked from zero counts is just the lowest ids: it would look valid and be useless.
-        raise VocabMapError(f"{tokenized_parquet}: no supervised tokens in the train split ({num_train_rows:,} "
-                            "train rows), so there is nothing to build a draft vocabulary from")
+        raise VocabMapError(
+            f"{tokenized_parquet}: no supervised tokens in the train split ({num_train_rows:,} "
+            "train rows), so there is nothing to build a draft vocabulary from"
+        )
     used = select_tokens(counts, draft_vocab_size, forced_ids)
     d2t, t2d = maps_from_used(used, target_vocab_size)
     validate_maps(d2t, t2d, draft_vocab_size)

@@ -69,8 +69,9 @@ def row_weights(alpha: Tensor, loss: TokenLoss) -> tuple[Weight, Weight, Weight]
         lam = torch.exp(-loss.lk_eta * alpha.detach())
         return lam, 1 - lam, 0.0
     w = loss.tv_weight
-    return {"kl": (1.0, 0.0, 0.0), "tv": (0.0, 1.0, 0.0), "kl+tv": (1 - w, w, 0.0),
-            "lk_alpha": (0.0, 0.0, 1.0)}[loss.kind]
+    return {"kl": (1.0, 0.0, 0.0), "tv": (0.0, 1.0, 0.0), "kl+tv": (1 - w, w, 0.0), "lk_alpha": (0.0, 0.0, 1.0)}[
+        loss.kind
+    ]
 
 
 def token_loss(log_q: Tensor, p: Tensor, loss: TokenLoss) -> Tensor:
@@ -87,11 +88,12 @@ def step_token_loss(logits: Tensor, probs: Tensor, shift: int, loss: TokenLoss) 
     seq_len = logits.shape[1]
     n = max(seq_len - shift, 0)
     log_q = torch.log_softmax(upcast(logits[:, :n]), dim=-1)  # [B, n, Vd]
-    values = token_loss(log_q, probs[:, shift:shift + n].to(log_q.dtype), loss)  # [B, n]
+    values = token_loss(log_q, probs[:, shift : shift + n].to(log_q.dtype), loss)  # [B, n]
     return F.pad(values, (0, seq_len - n))
 
 
 # ------------------------------------------------------------------------------------------- fused kernels
+
 
 def acceptance_chunk(logits: Tensor, probs: Tensor, mask: Tensor, loss: TokenLoss) -> tuple[Tensor, Tensor, Tensor]:
     """(sum of the masked loss [], logsumexp [c], draft argmax [c]) of logits [c, Vd] against probs [c, Vd]."""
@@ -101,8 +103,9 @@ def acceptance_chunk(logits: Tensor, probs: Tensor, mask: Tensor, loss: TokenLos
     return torch.where(mask, values, 0).sum(), lse, logits.argmax(-1)
 
 
-def acceptance_chunk_grad(logits: Tensor, probs: Tensor, mask: Tensor, lse: Tensor, grad_sum: Tensor,
-                          loss: TokenLoss) -> Tensor:
+def acceptance_chunk_grad(
+    logits: Tensor, probs: Tensor, mask: Tensor, lse: Tensor, grad_sum: Tensor, loss: TokenLoss
+) -> Tensor:
     """d(grad_sum * loss sum)/d logits [c, Vd] on masked rows, in the logits' dtype (module docstring's formula)."""
     x = upcast(logits)
     p = probs.to(x.dtype)
@@ -126,5 +129,7 @@ def acceptance_kernels(loss: TokenLoss, backend: str | None = None) -> tuple[Cal
 
     if backend is None:
         return forward, gradient
-    return (torch.compile(forward, dynamic=False, backend=backend),
-            torch.compile(gradient, dynamic=False, backend=backend))
+    return (
+        torch.compile(forward, dynamic=False, backend=backend),
+        torch.compile(gradient, dynamic=False, backend=backend),
+    )

@@ -58,9 +58,11 @@ class StepAlignment:
 
 # ------------------------------------------------------------------------------------------------ supervision
 
+
 @torch.no_grad()
-def supervision_from_final(final_hidden: Tensor, lm_head_weight: Tensor, t2d: Tensor,
-                           chunk_tokens: int = 1024, draft_ids: Tensor | None = None) -> Supervision:
+def supervision_from_final(
+    final_hidden: Tensor, lm_head_weight: Tensor, t2d: Tensor, chunk_tokens: int = 1024, draft_ids: Tensor | None = None
+) -> Supervision:
     """Target logits = final @ W^T, computed ``chunk_tokens`` tokens at a time so only [chunk, V] lives at once.
 
     The full-vocab logits are needed for the argmax (position mask, accuracy); the distribution keeps the
@@ -80,8 +82,9 @@ def supervision_from_final(final_hidden: Tensor, lm_head_weight: Tensor, t2d: Te
 
 
 @torch.no_grad()
-def supervision_from_topk(topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tensor,
-                          draft_vocab_size: int | None = None) -> Supervision:
+def supervision_from_topk(
+    topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tensor, draft_vocab_size: int | None = None
+) -> Supervision:
     """A draft-vocab distribution rebuilt from the target's top-K log-probs.
 
     p_v is proportional to exp(logprob_v) for the top-K ids inside the draft vocab and 0 for every other
@@ -104,8 +107,10 @@ def supervision_from_topk(topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tensor,
 
 # -------------------------------------------------------------------------------------------------- alignment
 
-def align_step(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, target_argmax: Tensor,
-               t2d: Tensor, k: int) -> StepAlignment:
+
+def align_step(
+    input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, target_argmax: Tensor, t2d: Tensor, k: int
+) -> StepAlignment:
     """Inputs and masks of TTT step k; every shift that would cross a document end is cut there."""
     token_ok = same_document_ahead(document_ids, TOKEN_SHIFT + k)  # [B, T]
     predict_ok = same_document_ahead(document_ids, PREDICT_SHIFT + k)  # [B, T]
@@ -116,8 +121,9 @@ def align_step(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, targe
     return StepAlignment(tokens, argmax, marked, marked & in_vocab)
 
 
-def align_steps(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, target_argmax: Tensor, t2d: Tensor,
-                num_steps: int) -> list[StepAlignment]:
+def align_steps(
+    input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, target_argmax: Tensor, t2d: Tensor, num_steps: int
+) -> list[StepAlignment]:
     """align_step for k = 0..S-1, computed together: a dozen [B, S, T] ops instead of ~25 small ones per step."""
     batch, seq_len = input_ids.shape
     steps = torch.arange(num_steps, device=input_ids.device)
@@ -125,7 +131,7 @@ def align_steps(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, targ
 
     def ahead(x: Tensor, first: int, fill: int | bool) -> Tensor:  # [B, S, T]: x[:, t + first + k], fill past the row
         padded = torch.cat([x, x.new_full((batch, first + num_steps), fill)], dim=1)
-        return padded.unfold(1, seq_len, 1)[:, first:first + num_steps]
+        return padded.unfold(1, seq_len, 1)[:, first : first + num_steps]
 
     def same_document(first: int) -> Tensor:  # [B, S, T]: token t + first + k exists and shares t's document
         inside = (index + first + steps[:, None]) < seq_len  # [S, T]

@@ -81,19 +81,25 @@ class DFlashDims:
     def __post_init__(self) -> None:
         problems = []
         if self.num_attention_heads % self.num_key_value_heads:
-            problems.append(f"{self.num_attention_heads} query heads are not a multiple of "
-                            f"{self.num_key_value_heads} key/value heads")
+            problems.append(
+                f"{self.num_attention_heads} query heads are not a multiple of "
+                f"{self.num_key_value_heads} key/value heads"
+            )
         if self.head_dim % 2 or self.intermediate_size <= 0:
-            problems.append(f"need an even head_dim and intermediate_size > 0, got {self.head_dim}, "
-                            f"{self.intermediate_size}")
+            problems.append(
+                f"need an even head_dim and intermediate_size > 0, got {self.head_dim}, {self.intermediate_size}"
+            )
         if self.num_hidden_layers < 1 or self.num_context_features < 1:
-            problems.append(f"need >= 1 layer and >= 1 context feature, got {self.num_hidden_layers}, "
-                            f"{self.num_context_features}")
+            problems.append(
+                f"need >= 1 layer and >= 1 context feature, got {self.num_hidden_layers}, {self.num_context_features}"
+            )
         if self.block_size < 2:
             problems.append(f"block_size {self.block_size} drafts nothing (the anchor takes one slot)")
         if not 0 <= self.mask_token_id < self.vocab_size:
-            problems.append(f"mask_token_id {self.mask_token_id} is outside the target vocab [0, {self.vocab_size}) "
-                            f"(SGLang cannot grow the target's embeddings for it)")
+            problems.append(
+                f"mask_token_id {self.mask_token_id} is outside the target vocab [0, {self.vocab_size}) "
+                f"(SGLang cannot grow the target's embeddings for it)"
+            )
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -115,8 +121,9 @@ def block_positions(anchor_positions: Tensor, block_size: int) -> Tensor:
     return (anchor_positions[..., None] + offsets).flatten(1)
 
 
-def block_visibility(context_end: Tensor, num_context: int, block_size: int,
-                     context_start: Tensor | None = None) -> Tensor:
+def block_visibility(
+    context_end: Tensor, num_context: int, block_size: int, context_start: Tensor | None = None
+) -> Tensor:
     """bool [B, 1, Q, S]: which keys each block token attends to, keys laid out as [context (C) | blocks (Q)].
 
     Block n of row b sees context keys j with context_start[b, n] <= j < context_end[b, n] (default start 0) and
@@ -219,8 +226,15 @@ def block_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor | N
     return torch.matmul(probs, repeat_kv(values, groups))
 
 
-def decoder_layer(lw: LayerWeights, x: Tensor, ctx: tuple[Tensor, Tensor], cos: Tensor, sin: Tensor,
-                  visible: Tensor | None, dims: DFlashDims) -> Tensor:
+def decoder_layer(
+    lw: LayerWeights,
+    x: Tensor,
+    ctx: tuple[Tensor, Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    visible: Tensor | None,
+    dims: DFlashDims,
+) -> Tensor:
     """One DFlashDecoderLayer on the block's residual stream x [B, Q, H] -> [B, Q, H].
 
     ``ctx``: this layer's context keys and values [B, nKV, C, hd] (context_kv); cos/sin [B, 1, Q, hd] of the
@@ -237,8 +251,14 @@ def decoder_layer(lw: LayerWeights, x: Tensor, ctx: tuple[Tensor, Tensor], cos: 
     return x + _linear(F.silu(_linear(m, lw.gate)) * _linear(m, lw.up), lw.down)
 
 
-def block_forward(w: DFlashWeights, ctx: list[tuple[Tensor, Tensor]], block_embeds: Tensor, positions: Tensor,
-                  visible: Tensor | None, dims: DFlashDims) -> Tensor:
+def block_forward(
+    w: DFlashWeights,
+    ctx: list[tuple[Tensor, Tensor]],
+    block_embeds: Tensor,
+    positions: Tensor,
+    visible: Tensor | None,
+    dims: DFlashDims,
+) -> Tensor:
     """The draft model on the block tokens: embeddings [B, Q, H] at positions [B, Q] -> norm(x) [B, Q, H].
 
     ``ctx``: context_kv's per-layer keys and values; ``visible``: block_visibility (None: every key).
@@ -299,8 +319,14 @@ class DFlashDrafter(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)
 
-    def forward(self, context_features: Tensor, context_positions: Tensor, block_ids: Tensor,
-                positions: Tensor, visible: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        context_features: Tensor,
+        context_positions: Tensor,
+        block_ids: Tensor,
+        positions: Tensor,
+        visible: Tensor | None = None,
+    ) -> Tensor:
         """Normed hidden states [B, Q, H] of the block tokens block_ids [B, Q] at positions [B, Q].
 
         context_features [B, C, F*H] at context_positions [B, C]; ``visible`` as block_visibility (None: every
@@ -340,10 +366,19 @@ def dflash_weights(model: DFlashDrafter, linear_dtype: torch.dtype | None = None
 
     def of(layer: DFlashLayer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
-        return LayerWeights(layer.input_layernorm.weight, linear(attn.q_proj), linear(attn.k_proj),
-                            linear(attn.v_proj), linear(attn.o_proj), attn.q_norm.weight, attn.k_norm.weight,
-                            layer.post_attention_layernorm.weight, linear(mlp.gate_proj), linear(mlp.up_proj),
-                            linear(mlp.down_proj))
+        return LayerWeights(
+            layer.input_layernorm.weight,
+            linear(attn.q_proj),
+            linear(attn.k_proj),
+            linear(attn.v_proj),
+            linear(attn.o_proj),
+            attn.q_norm.weight,
+            attn.k_norm.weight,
+            layer.post_attention_layernorm.weight,
+            linear(mlp.gate_proj),
+            linear(mlp.up_proj),
+            linear(mlp.down_proj),
+        )
 
     layers = tuple(of(cast(DFlashLayer, layer)) for layer in model.layers)
     return DFlashWeights(linear(model.fc), model.hidden_norm.weight, layers, model.norm.weight)

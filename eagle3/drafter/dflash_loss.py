@@ -52,8 +52,9 @@ def anchor_candidates(loss_mask: Tensor, block_size: int, document_ids: Tensor |
     return inside & has_target
 
 
-def sample_anchors(loss_mask: Tensor, block_size: int, num_blocks: int, generator: torch.Generator,
-                   document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def sample_anchors(
+    loss_mask: Tensor, block_size: int, num_blocks: int, generator: torch.Generator, document_ids: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Up to ``num_blocks`` distinct anchors per row, uniformly without replacement among anchor_candidates.
 
     Returns (anchors int64 [B, N], valid bool [B, N]): each row's chosen anchors in ascending order, then
@@ -121,8 +122,9 @@ def slot_weights(block_size: int, gamma: float | None, device: torch.device | st
     return torch.exp(-(k - 1) / gamma)
 
 
-def block_targets(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, anchors: Tensor, valid: Tensor,
-                  block_size: int) -> tuple[Tensor, Tensor]:
+def block_targets(
+    input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, anchors: Tensor, valid: Tensor, block_size: int
+) -> tuple[Tensor, Tensor]:
     """(targets int64 [B, N, K-1], supervised bool [B, N, K-1]): the token at p+k for slot k = 1 .. K-1, and
     whether it is scored (the anchor valid, p+k inside the row and p's document, loss_mask[p+k] = 1).
 
@@ -140,8 +142,16 @@ def block_targets(input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, an
     return at(input_ids), supervised
 
 
-def dflash_loss(drafter: DFlashDrafter, features: Tensor, input_ids: Tensor, loss_mask: Tensor, anchors: Tensor,
-                valid: Tensor, document_ids: Tensor | None = None, gamma: float | None = None) -> DFlashLossOutput:
+def dflash_loss(
+    drafter: DFlashDrafter,
+    features: Tensor,
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    anchors: Tensor,
+    valid: Tensor,
+    document_ids: Tensor | None = None,
+    gamma: float | None = None,
+) -> DFlashLossOutput:
     """The DFlash loss of N blocks per row in one drafter forward.
 
     features [B, T, F*H] (the target's states for every token of the row, ascending layer order), input_ids and
@@ -193,14 +203,21 @@ class DFlashObjective(nn.Module):
     drafter may read a subset of the captured layers.
     """
 
-    def __init__(self, drafter: DFlashDrafter, feature_index: list[int], num_aux: int, num_blocks: int,
-                 gamma: float | None = None) -> None:
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        feature_index: list[int],
+        num_aux: int,
+        num_blocks: int,
+        gamma: float | None = None,
+    ) -> None:
         super().__init__()
         if sorted(feature_index) != feature_index or not all(0 <= i < num_aux for i in feature_index):
             raise ValueError(f"feature_index {feature_index} must be ascending places among {num_aux} aux layers")
         if len(feature_index) != drafter.dims.num_context_features:
-            raise ValueError(f"{len(feature_index)} feature layers for a drafter whose fc reads "
-                             f"{drafter.dims.num_context_features}")
+            raise ValueError(
+                f"{len(feature_index)} feature layers for a drafter whose fc reads {drafter.dims.num_context_features}"
+            )
         self.drafter, self.feature_index, self.num_aux = drafter, list(feature_index), num_aux
         self.num_blocks, self.gamma = num_blocks, gamma
 
@@ -220,8 +237,9 @@ class DFlashObjective(nn.Module):
         """(anchors, valid) [B, N] of a row: sample_anchors from a CPU generator seeded by ``seed`` (the same row
         gets the same anchors on every device and after a resume)."""
         generator = torch.Generator().manual_seed(seed)
-        return sample_anchors(batch.loss_mask, self.drafter.dims.block_size, self.num_blocks, generator,
-                              batch.document_ids)
+        return sample_anchors(
+            batch.loss_mask, self.drafter.dims.block_size, self.num_blocks, generator, batch.document_ids
+        )
 
     def supervised_counts(self, batch: TTTBatch, anchors: tuple[Tensor, Tensor]) -> Tensor:
         """[K-1] targets each slot is scored on (block_targets' mask; no drafter forward)."""
@@ -234,5 +252,12 @@ class DFlashObjective(nn.Module):
     def forward(self, batch: TTTBatch, anchors: tuple[Tensor, Tensor]) -> DFlashLossOutput:
         """dflash_loss of the row's blocks (``anchors``: this objective's ``anchors`` of the batch)."""
         assert batch.aux is not None, "online features fill aux first"
-        return dflash_loss(self.drafter, self.features(batch.aux), batch.input_ids, batch.loss_mask, *anchors,
-                           batch.document_ids, self.gamma)
+        return dflash_loss(
+            self.drafter,
+            self.features(batch.aux),
+            batch.input_ids,
+            batch.loss_mask,
+            *anchors,
+            batch.document_ids,
+            self.gamma,
+        )

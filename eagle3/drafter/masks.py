@@ -70,8 +70,9 @@ def ttt_dense_mask(document_ids: Tensor, num_steps: int) -> Tensor:
     return torch.cat(blocks, dim=-1)
 
 
-def ttt_mask_mod(document_ids: Tensor, seq_len: int, num_steps: Tensor | None = None
-                 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+def ttt_mask_mod(
+    document_ids: Tensor, seq_len: int, num_steps: Tensor | None = None
+) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """flex_attention mask_mod over keys laid out step by step (kv index = step * T + token).
 
     ``num_steps`` (a 0-dim int tensor) hides the keys of steps >= num_steps: a key tensor laid out for more
@@ -104,19 +105,38 @@ def ttt_block_masks(document_ids: Tensor, num_steps: int, block_size: int = 128)
     batch, seq_len = document_ids.shape
     if seq_len % block_size:
         raise ValueError(f"one block mask for all steps needs T ({seq_len}) to be a multiple of {block_size}")
-    whole = create_block_mask(ttt_mask_mod(document_ids, seq_len), batch, None, seq_len, num_steps * seq_len,
-                              device=document_ids.device, BLOCK_SIZE=block_size, _compile=document_ids.is_cuda)
+    whole = create_block_mask(
+        ttt_mask_mod(document_ids, seq_len),
+        batch,
+        None,
+        seq_len,
+        num_steps * seq_len,
+        device=document_ids.device,
+        BLOCK_SIZE=block_size,
+        _compile=document_ids.is_cuda,
+    )
     # Counts as device tensors (no host sync); one clone each so every mask owns a plain 0-dim tensor.
     counts = torch.arange(1, num_steps + 1, device=document_ids.device)
     masks = []
     for k in range(num_steps):
         limit = (k + 1) * seq_len // block_size
         kv_num, kv_idx = keep_blocks_below(whole.kv_num_blocks, whole.kv_indices, limit)
-        full_num, full_idx = (None, None) if whole.full_kv_num_blocks is None or whole.full_kv_indices is None else (
-            keep_blocks_below(whole.full_kv_num_blocks, whole.full_kv_indices, limit))
-        masks.append(BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=whole.BLOCK_SIZE,
-                                              mask_mod=ttt_mask_mod(document_ids, seq_len, counts[k].clone()),
-                                              seq_lengths=(seq_len, num_steps * seq_len)))
+        full_num, full_idx = (
+            (None, None)
+            if whole.full_kv_num_blocks is None or whole.full_kv_indices is None
+            else (keep_blocks_below(whole.full_kv_num_blocks, whole.full_kv_indices, limit))
+        )
+        masks.append(
+            BlockMask.from_kv_blocks(
+                kv_num,
+                kv_idx,
+                full_num,
+                full_idx,
+                BLOCK_SIZE=whole.BLOCK_SIZE,
+                mask_mod=ttt_mask_mod(document_ids, seq_len, counts[k].clone()),
+                seq_lengths=(seq_len, num_steps * seq_len),
+            )
+        )
     return masks
 
 

@@ -44,16 +44,24 @@ FLEX_AVAILABLE = flex_attention is not None
 AttnImpl = Literal["auto", "dense", "flex"]
 SGLANG_WEIGHT_NAMES = (
     "fc.weight",
-    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "norm.weight", "lm_head.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
 )
 """Weight names SGLang's EAGLE-3 loader matches (it silently skips any other name)."""
 
 
 # ----------------------------------------------------------------------------------------------- dimensions
+
 
 @dataclass(frozen=True)
 class Llama3RopeScaling:
@@ -85,11 +93,15 @@ class DrafterDims:
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"{self.num_attention_heads} query heads are not a multiple of "
-                             f"{self.num_key_value_heads} key/value heads")
+            raise ValueError(
+                f"{self.num_attention_heads} query heads are not a multiple of "
+                f"{self.num_key_value_heads} key/value heads"
+            )
         if self.intermediate_size <= 0 or self.head_dim % 2:
-            raise ValueError(f"need intermediate_size > 0 and an even head_dim, got {self.intermediate_size}, "
-                             f"{self.head_dim} (MoE targets: pass a dense intermediate size)")
+            raise ValueError(
+                f"need intermediate_size > 0 and an even head_dim, got {self.intermediate_size}, "
+                f"{self.head_dim} (MoE targets: pass a dense intermediate size)"
+            )
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must lie in [1, {self.vocab_size}]")
 
@@ -100,6 +112,7 @@ def upcast(x: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------------- RoPE
+
 
 def llama3_scale(inv_freq: Tensor, s: Llama3RopeScaling) -> Tensor:
     """Llama-3.1 scaling: long wavelengths are slowed by ``factor``, short ones kept, a linear blend between.
@@ -147,6 +160,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # -------------------------------------------------------------------------------------------- TTT attention
+
 
 @dataclass
 class TTTCache:
@@ -198,8 +212,15 @@ def flex_ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], docu
         raise RuntimeError("flex_attention is not available in this torch build; use attn_impl='dense'")
     batch, _, seq_len, _ = q.shape
     all_keys, all_values = torch.cat(keys, dim=2), torch.cat(values, dim=2)  # [B, nKV, S*T, hd]
-    block_mask = create_block_mask(ttt_mask_mod(document_ids, seq_len), batch, None, seq_len, all_keys.shape[2],
-                                   device=q.device, _compile=q.is_cuda)
+    block_mask = create_block_mask(
+        ttt_mask_mod(document_ids, seq_len),
+        batch,
+        None,
+        seq_len,
+        all_keys.shape[2],
+        device=q.device,
+        _compile=q.is_cuda,
+    )
     attend = _compiled_flex_attention() if q.is_cuda else flex_attention
     return attend(q, all_keys, all_values, block_mask=block_mask, enable_gqa=True)
 
@@ -213,8 +234,9 @@ def resolve_attn_impl(impl: AttnImpl, device: torch.device) -> Literal["dense", 
     return impl
 
 
-def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], document_ids: Tensor,
-                  impl: AttnImpl = "auto") -> Tensor:
+def ttt_attention(
+    q: Tensor, keys: list[Tensor], values: list[Tensor], document_ids: Tensor, impl: AttnImpl = "auto"
+) -> Tensor:
     """TTT attention of the current step's queries q [B, nH, T, hd] -> [B, nH, T, hd] (see dense_ttt_attention)."""
     if resolve_attn_impl(impl, q.device) == "flex":
         return flex_ttt_attention(q, keys, values, document_ids)
@@ -222,6 +244,7 @@ def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], document_
 
 
 # ---------------------------------------------------------------------------------- the layer: one step
+
 
 class StepWeights(NamedTuple):
     """The tensors one TTT step reads (the drafter's own, linear weights possibly cast; see step_weights)."""
@@ -254,8 +277,16 @@ def _linear(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x.to(weight.dtype), weight)
 
 
-def attention_inputs(w: StepWeights, input_ids: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, eps: float,
-                     num_heads: int, num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+def attention_inputs(
+    w: StepWeights,
+    input_ids: Tensor,
+    hidden: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> tuple[Tensor, Tensor, Tensor]:
     """MidLayer up to the attention: q [B, nH, T, hd], this step's post-RoPE key and value [B, nKV, T, hd]."""
     embeds = F.embedding(input_ids, w.embed)  # [B, T, H]
     # The embedding comes first in the concatenation: SGLang's q/k/v weights expect that order.
@@ -281,6 +312,7 @@ def step_outputs(w: StepWeights, hidden: Tensor, attn: Tensor, eps: float) -> tu
 
 
 # ------------------------------------------------------------------------------------------------- modules
+
 
 class RMSNorm(nn.Module):
     """The weight of one rms_norm (its eps is DrafterDims.rms_norm_eps)."""
@@ -342,8 +374,15 @@ class Eagle3Drafter(nn.Module):
         """The step-0 feature: fc over the concatenated aux states, [B, T, A*Ht] -> [B, T, H]."""
         return self.fc(aux)
 
-    def forward(self, hidden: Tensor, input_ids: Tensor, positions: Tensor, document_ids: Tensor,
-                cache: TTTCache, attn_impl: AttnImpl = "auto") -> tuple[Tensor, Tensor]:
+    def forward(
+        self,
+        hidden: Tensor,
+        input_ids: Tensor,
+        positions: Tensor,
+        document_ids: Tensor,
+        cache: TTTCache,
+        attn_impl: AttnImpl = "auto",
+    ) -> tuple[Tensor, Tensor]:
         """One TTT step: (pre-norm output [B, T, H], the next step's feature; draft logits [B, T, Vd]).
 
         Appends this step's keys and values to ``cache``; the attention covers every step cached so far.
@@ -351,8 +390,9 @@ class Eagle3Drafter(nn.Module):
         d, w = self.dims, step_weights(self)
         inv_freq = rope_inv_freq_on(d.head_dim, d.rope_theta, d.rope_scaling, positions.device)
         cos, sin = rope_cos_sin(inv_freq, positions, upcast(hidden).dtype)  # [B, 1, T, hd]
-        q, key, value = attention_inputs(w, input_ids, hidden, cos, sin, d.rms_norm_eps, d.num_attention_heads,
-                                         d.num_key_value_heads)  # [B, nH, T, hd], [B, nKV, T, hd] x 2
+        q, key, value = attention_inputs(
+            w, input_ids, hidden, cos, sin, d.rms_norm_eps, d.num_attention_heads, d.num_key_value_heads
+        )  # [B, nH, T, hd], [B, nKV, T, hd] x 2
         cache.keys.append(key)
         cache.values.append(value)
         attn = ttt_attention(q, cache.keys, cache.values, document_ids, attn_impl)  # [B, nH, T, hd]
@@ -371,10 +411,21 @@ def step_weights(model: Eagle3Drafter, linear_dtype: torch.dtype | None = None) 
     def linear(module: nn.Linear) -> Tensor:
         return module.weight if linear_dtype is None else module.weight.to(linear_dtype)
 
-    return StepWeights(model.embed_tokens.weight, layer.input_layernorm.weight, layer.hidden_norm.weight,
-                       linear(attn.q_proj), linear(attn.k_proj), linear(attn.v_proj), linear(attn.o_proj),
-                       layer.post_attention_layernorm.weight, linear(mlp.gate_proj), linear(mlp.up_proj),
-                       linear(mlp.down_proj), model.norm.weight, linear(model.lm_head))
+    return StepWeights(
+        model.embed_tokens.weight,
+        layer.input_layernorm.weight,
+        layer.hidden_norm.weight,
+        linear(attn.q_proj),
+        linear(attn.k_proj),
+        linear(attn.v_proj),
+        linear(attn.o_proj),
+        layer.post_attention_layernorm.weight,
+        linear(mlp.gate_proj),
+        linear(mlp.up_proj),
+        linear(mlp.down_proj),
+        model.norm.weight,
+        linear(model.lm_head),
+    )
 
 
 @lru_cache(maxsize=4)
@@ -384,8 +435,10 @@ def compiled_step_pieces(backend: str = "inductor") -> tuple[Any, Any]:
     Their shapes do not depend on the TTT step, so each compiles once per row shape and grad mode (train,
     eval); the attention between them (whose key count grows with the step) stays outside.
     """
-    return (torch.compile(attention_inputs, dynamic=False, backend=backend),
-            torch.compile(step_outputs, dynamic=False, backend=backend))
+    return (
+        torch.compile(attention_inputs, dynamic=False, backend=backend),
+        torch.compile(step_outputs, dynamic=False, backend=backend),
+    )
 
 
 def flex_attention_over(q: Tensor, keys: Tensor, values: Tensor, block_mask: Any, scale: float | None = None) -> Tensor:
@@ -398,6 +451,7 @@ def flex_attention_over(q: Tensor, keys: Tensor, values: Tensor, block_mask: Any
 
 
 # ---------------------------------------------------------------------------------------------- init, export
+
 
 def init_weights(model: Eagle3Drafter, std: float = 0.02, seed: int = 0) -> None:
     """N(0, std) for every Linear (HF Llama's init), ones for the norms; embeddings untouched.
@@ -421,4 +475,3 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 def export_state_dict(model: Eagle3Drafter) -> dict[str, Tensor]:
     """The SGLang weights (names in SGLANG_WEIGHT_NAMES); embeddings are the target's and stay out."""
     return {k: v for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
-

@@ -23,7 +23,7 @@ def step_soft_ce(logits: Tensor, probs: Tensor, shift: int) -> Tensor:
     seq_len = logits.shape[1]
     n = max(seq_len - shift, 0)
     log_q = torch.log_softmax(upcast(logits[:, :n]), dim=-1)  # [B, n, Vd]
-    ce = -(probs[:, shift:shift + n] * log_q).sum(-1)  # [B, n]
+    ce = -(probs[:, shift : shift + n] * log_q).sum(-1)  # [B, n]
     return F.pad(ce, (0, seq_len - n))
 
 
@@ -49,8 +49,10 @@ def soft_ce_chunk_grad(logits: Tensor, probs: Tensor, mask: Tensor, lse: Tensor,
 @lru_cache(maxsize=4)
 def compiled_loss_kernels(backend: str = "inductor") -> tuple[Any, Any]:
     """soft_ce_chunk and soft_ce_chunk_grad under torch.compile: each becomes one or two fused passes."""
-    return (torch.compile(soft_ce_chunk, dynamic=False, backend=backend),
-            torch.compile(soft_ce_chunk_grad, dynamic=False, backend=backend))
+    return (
+        torch.compile(soft_ce_chunk, dynamic=False, backend=backend),
+        torch.compile(soft_ce_chunk_grad, dynamic=False, backend=backend),
+    )
 
 
 class ChunkedSoftCE(torch.autograd.Function):
@@ -64,12 +66,19 @@ class ChunkedSoftCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, probs: Tensor, mask: Tensor, shift: int, chunk: int,
-                kernels: tuple[Callable, Callable]) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx: Any,
+        logits: Tensor,
+        probs: Tensor,
+        mask: Tensor,
+        shift: int,
+        chunk: int,
+        kernels: tuple[Callable, Callable],
+    ) -> tuple[Tensor, Tensor]:
         # logits [B, T, Vd]; probs [B*T + pad, Vd] flat with rows past the end (pad >= shift); mask [B, T] bool.
         flat, flat_mask = logits.reshape(-1, logits.shape[-1]), mask.reshape(-1)
         bounds = _chunk_bounds(flat.shape[0], chunk)
-        parts = [kernels[0](flat[a:b], probs[a + shift:b + shift], flat_mask[a:b]) for a, b in bounds]
+        parts = [kernels[0](flat[a:b], probs[a + shift : b + shift], flat_mask[a:b]) for a, b in bounds]
         loss_sum = parts[0][0] if len(parts) == 1 else torch.stack([p[0] for p in parts]).sum()
         lse, top = (torch.cat([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in (1, 2))
         ctx.save_for_backward(logits, probs, flat_mask, lse)
@@ -81,8 +90,10 @@ class ChunkedSoftCE(torch.autograd.Function):
     def backward(ctx: Any, grad_sum: Tensor, _grad_top: Any) -> tuple[Tensor | None, ...]:
         logits, probs, mask, lse = ctx.saved_tensors
         flat, shift = logits.reshape(-1, logits.shape[-1]), ctx.shift
-        grads = [ctx.kernels[1](flat[a:b], probs[a + shift:b + shift], mask[a:b], lse[a:b], grad_sum)
-                 for a, b in ctx.bounds]
+        grads = [
+            ctx.kernels[1](flat[a:b], probs[a + shift : b + shift], mask[a:b], lse[a:b], grad_sum)
+            for a, b in ctx.bounds
+        ]
         grad = grads[0] if len(grads) == 1 else torch.cat(grads)
         return grad.view(logits.shape), None, None, None, None, None
 

@@ -113,6 +113,7 @@ class TTTBatch:
 
 # ----------------------------------------------------------------------------------------- loss and metrics
 
+
 @dataclass
 class TTTOutput:
     """The weighted loss plus per-step sums and counts (sum them across micro-batches before dividing)."""
@@ -127,8 +128,14 @@ class TTTOutput:
 
     def metrics(self) -> dict[str, float]:
         """loss, loss_k, acc_k, full_acc_k, num_supervised_k and accept_len_est as floats (one device sync)."""
-        return metrics_from_counts(self.loss_sum, self.num_supervised, self.num_predicted, self.num_correct,
-                                   self.num_full_correct, self.step_decay)
+        return metrics_from_counts(
+            self.loss_sum,
+            self.num_supervised,
+            self.num_predicted,
+            self.num_correct,
+            self.num_full_correct,
+            self.step_decay,
+        )
 
 
 def weighted_loss(loss_sum: Tensor, num_supervised: Tensor, step_decay: float = STEP_DECAY) -> Tensor:
@@ -137,12 +144,23 @@ def weighted_loss(loss_sum: Tensor, num_supervised: Tensor, step_decay: float = 
     return (weights * loss_sum / num_supervised.clamp_min(1)).sum()
 
 
-def metrics_from_counts(loss_sum: Tensor, num_supervised: Tensor, num_predicted: Tensor, num_correct: Tensor,
-                        num_full_correct: Tensor, step_decay: float = STEP_DECAY) -> dict[str, float]:
+def metrics_from_counts(
+    loss_sum: Tensor,
+    num_supervised: Tensor,
+    num_predicted: Tensor,
+    num_correct: Tensor,
+    num_full_correct: Tensor,
+    step_decay: float = STEP_DECAY,
+) -> dict[str, float]:
     """Per-step metrics from (possibly accumulated) sums; accept_len_est = 1 + sum_k prod_{i<=k} acc_i."""
-    rows = torch.stack([loss_sum.detach().double() / num_supervised.clamp_min(1),
-                        num_correct.double() / num_predicted.clamp_min(1),
-                        num_full_correct.double() / num_predicted.clamp_min(1), num_supervised.double()])
+    rows = torch.stack(
+        [
+            loss_sum.detach().double() / num_supervised.clamp_min(1),
+            num_correct.double() / num_predicted.clamp_min(1),
+            num_full_correct.double() / num_predicted.clamp_min(1),
+            num_supervised.double(),
+        ]
+    )
     loss_k, acc_k, full_k, n_k = rows.cpu().tolist()  # the only device sync
     out = {"loss": sum(step_decay**k * value for k, value in enumerate(loss_k))}
     running, accept = 1.0, 1.0  # the leading 1 is the bonus token the target always adds, as engines count it
@@ -176,30 +194,50 @@ ScoreFn = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
 """(logits [B, T, Vd], position mask [B, T], step k) -> (masked loss sum [], draft argmax [B, T])."""
 
 
-def ttt_loss(drafter: Eagle3Drafter, batch: TTTBatch, supervision: Supervision, t2d: Tensor, d2t: Tensor,
-             ttt_steps: int, step_decay: float = STEP_DECAY, attn_impl: AttnImpl = "auto",
-             options: StepOptions | None = None, loss: TokenLoss = SOFT_CE) -> TTTOutput:
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    batch: TTTBatch,
+    supervision: Supervision,
+    t2d: Tensor,
+    d2t: Tensor,
+    ttt_steps: int,
+    step_decay: float = STEP_DECAY,
+    attn_impl: AttnImpl = "auto",
+    options: StepOptions | None = None,
+    loss: TokenLoss = SOFT_CE,
+) -> TTTOutput:
     """Unroll ``ttt_steps`` steps of the drafter over one micro-batch and score every step by ``loss`` (module
     docstring)."""
     options = options or StepOptions()
     docs, positions = _documents_and_positions(batch)
     assert batch.aux is not None, "online features fill aux first"
     hidden = drafter.project_aux(batch.aux)  # [B, T, H]
-    step = (_FunctionalUnroll(drafter, docs, positions, hidden, ttt_steps, attn_impl, options).step
-            if options.functional_step else _module_step(drafter, docs, positions, attn_impl))
+    step = (
+        _FunctionalUnroll(drafter, docs, positions, hidden, ttt_steps, attn_impl, options).step
+        if options.functional_step
+        else _module_step(drafter, docs, positions, attn_impl)
+    )
     score = _scorer(supervision.probs, ttt_steps, options, loss)
     chain = torch.ones_like(docs, dtype=torch.bool)
     sums, counts = [], []
-    for k, aligned in enumerate(align_steps(batch.input_ids, batch.loss_mask, docs, supervision.argmax, t2d,
-                                            ttt_steps)):
+    for k, aligned in enumerate(
+        align_steps(batch.input_ids, batch.loss_mask, docs, supervision.argmax, t2d, ttt_steps)
+    ):
         hidden, logits = step(hidden, aligned.input_ids, k)  # [B, T, H], [B, T, Vd]
         loss_sum, draft_top = score(logits, aligned.position_mask, k)
         sums.append(loss_sum)
         correct, full_correct, chain = _step_hits(draft_top, d2t, aligned, chain)
         counts.append(torch.stack([aligned.position_mask.sum(), aligned.predicts_marked.sum(), correct, full_correct]))
     loss_sum, count = torch.stack(sums), torch.stack(counts).T  # [S], [4, S]
-    return TTTOutput(weighted_loss(loss_sum, count[0], step_decay), loss_sum, count[0], count[1], count[2], count[3],
-                     step_decay=step_decay)
+    return TTTOutput(
+        weighted_loss(loss_sum, count[0], step_decay),
+        loss_sum,
+        count[0],
+        count[1],
+        count[2],
+        count[3],
+        step_decay=step_decay,
+    )
 
 
 def _module_step(drafter: Eagle3Drafter, docs: Tensor, positions: Tensor, attn_impl: AttnImpl) -> StepFn:
@@ -224,8 +262,16 @@ class _FunctionalUnroll:
     pre: Callable[..., Any]  # attention_inputs, compiled when asked
     post: Callable[..., Any]  # step_outputs, compiled when asked
 
-    def __init__(self, drafter: Eagle3Drafter, docs: Tensor, positions: Tensor, hidden: Tensor, num_steps: int,
-                 attn_impl: AttnImpl, options: StepOptions) -> None:
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        docs: Tensor,
+        positions: Tensor,
+        hidden: Tensor,
+        num_steps: int,
+        attn_impl: AttnImpl,
+        options: StepOptions,
+    ) -> None:
         dims, device = drafter.dims, hidden.device
         autocast_on = torch.is_autocast_enabled(device.type)
         self.weights = step_weights(drafter, torch.get_autocast_dtype(device.type) if autocast_on else None)
@@ -266,12 +312,14 @@ def _scorer(probs: Tensor, num_steps: int, options: StepOptions, loss: TokenLoss
     """The per-step loss: log_softmax over the whole step (plain) or chunk by chunk (fused); the soft CE, or the
     acceptance-targeted ``loss`` (the soft CE keeps its own code, so its results stay bitwise what they were)."""
     if options.loss_chunk_tokens <= 0:
+
         def plain(logits: Tensor, position_mask: Tensor, k: int) -> tuple[Tensor, Tensor]:
             if loss.kind == SOFT_CE.kind:
                 values = step_soft_ce(logits, probs, TOKEN_SHIFT + k)  # [B, T]
             else:
                 values = step_token_loss(logits, probs, TOKEN_SHIFT + k, loss)  # [B, T]
             return torch.where(position_mask, values, torch.zeros_like(values)).sum(), logits.detach().argmax(-1)
+
         return plain
 
     padded = pad_probs(probs, num_steps)  # [B*T + S, Vd]
@@ -282,8 +330,7 @@ def _scorer(probs: Tensor, num_steps: int, options: StepOptions, loss: TokenLoss
         kernels = compiled_loss_kernels(backend) if backend else (soft_ce_chunk, soft_ce_chunk_grad)
 
     def fused(logits: Tensor, position_mask: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        return ChunkedSoftCE.apply(logits, padded, position_mask, TOKEN_SHIFT + k, options.loss_chunk_tokens,
-                                   kernels)
+        return ChunkedSoftCE.apply(logits, padded, position_mask, TOKEN_SHIFT + k, options.loss_chunk_tokens, kernels)
 
     return fused
 
@@ -300,9 +347,19 @@ class TTTObjective(nn.Module):
     draft_ids: Tensor  # [Vd] long
     target_lm_head: Tensor | None  # [V, Ht]
 
-    def __init__(self, drafter: Eagle3Drafter, t2d: Tensor, d2t: Tensor, target_lm_head: Tensor | None,
-                 ttt_steps: int, step_decay: float = STEP_DECAY, attn_impl: AttnImpl = "auto",
-                 chunk_tokens: int = 1024, options: StepOptions | None = None, loss: TokenLoss = SOFT_CE) -> None:
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        t2d: Tensor,
+        d2t: Tensor,
+        target_lm_head: Tensor | None,
+        ttt_steps: int,
+        step_decay: float = STEP_DECAY,
+        attn_impl: AttnImpl = "auto",
+        chunk_tokens: int = 1024,
+        options: StepOptions | None = None,
+        loss: TokenLoss = SOFT_CE,
+    ) -> None:
         super().__init__()
         self.drafter = drafter
         self.register_buffer("t2d", t2d.bool(), persistent=False)  # [V]
@@ -320,16 +377,27 @@ class TTTObjective(nn.Module):
         if batch.final_hidden is not None:
             if self.target_lm_head is None:
                 raise ValueError("final_hidden supervision needs the target lm_head (target_lm_head=None)")
-            return supervision_from_final(batch.final_hidden, self.target_lm_head, self.t2d, self.chunk_tokens,
-                                          self.draft_ids)
+            return supervision_from_final(
+                batch.final_hidden, self.target_lm_head, self.t2d, self.chunk_tokens, self.draft_ids
+            )
         if batch.topk_ids is None or batch.topk_logprobs is None:
             raise ValueError("the batch carries neither final_hidden nor topk_ids/topk_logprobs")
         return supervision_from_topk(batch.topk_ids, batch.topk_logprobs, self.t2d, len(self.d2t))
 
     def unroll(self, batch: TTTBatch, supervision: Supervision) -> TTTOutput:
         """ttt_loss with this objective's tensors and settings (``options`` and ``loss`` included)."""
-        return ttt_loss(self.drafter, batch, supervision, self.t2d, self.d2t, self.ttt_steps, self.step_decay,
-                        self.attn_impl, self.options, self.loss)
+        return ttt_loss(
+            self.drafter,
+            batch,
+            supervision,
+            self.t2d,
+            self.d2t,
+            self.ttt_steps,
+            self.step_decay,
+            self.attn_impl,
+            self.options,
+            self.loss,
+        )
 
     def forward(self, batch: TTTBatch, supervision: Supervision | None = None) -> TTTOutput:
         """The unroll; the supervision is computed here unless given (a trainer computes it first for its counts)."""

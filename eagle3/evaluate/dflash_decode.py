@@ -72,8 +72,9 @@ class DFlashProposer:
     def propose(self, context: list[int]) -> DraftTree:
         """K-1 drafts after the last token of ``context``, whose earlier tokens are all committed (observed)."""
         if self.kv is None or len(context) - 1 != self.num_committed:
-            raise RuntimeError(f"DFlash propose with {len(context) - 1} tokens before the anchor, "
-                               f"{self.num_committed} observed")
+            raise RuntimeError(
+                f"DFlash propose with {len(context) - 1} tokens before the anchor, {self.num_committed} observed"
+            )
         block = self.dims.block_size
         anchor = torch.tensor([[context[-1]]], device=self.device)  # [1, 1]
         ids = block_input_ids(anchor, block, self.dims.mask_token_id)  # [1, K]

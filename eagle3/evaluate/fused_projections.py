@@ -30,10 +30,14 @@ class FusedGateUpMLP(nn.Module):
     def __init__(self, mlp: Any) -> None:
         super().__init__()
         gate, up = mlp.gate_proj, mlp.up_proj
-        self.gate_up_weight = nn.Parameter(torch.cat([gate.weight.detach(), up.weight.detach()]),
-                                           requires_grad=False)  # [2I, H]
-        self.gate_up_bias = None if gate.bias is None else nn.Parameter(
-            torch.cat([gate.bias.detach(), up.bias.detach()]), requires_grad=False)  # [2I]
+        self.gate_up_weight = nn.Parameter(
+            torch.cat([gate.weight.detach(), up.weight.detach()]), requires_grad=False
+        )  # [2I, H]
+        self.gate_up_bias = (
+            None
+            if gate.bias is None
+            else nn.Parameter(torch.cat([gate.bias.detach(), up.bias.detach()]), requires_grad=False)
+        )  # [2I]
         self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
 
     def forward(self, x: Tensor) -> Tensor:
@@ -46,8 +50,12 @@ def _fusable(mlp: Any) -> bool:
     if type(mlp).__name__ not in GATE_UP_MLPS:
         return False
     gate, up = mlp.gate_proj, mlp.up_proj
-    return type(gate) is nn.Linear and type(up) is nn.Linear and gate.weight.shape == up.weight.shape \
+    return (
+        type(gate) is nn.Linear
+        and type(up) is nn.Linear
+        and gate.weight.shape == up.weight.shape
         and (gate.bias is None) == (up.bias is None)
+    )
 
 
 def fuse_projections(model: Any) -> int:

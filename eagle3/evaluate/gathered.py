@@ -26,9 +26,17 @@ GATHERED_ATTENTION = "eagle3_gathered_keys"
 """Name under which the gathered decode attention is registered with transformers."""
 
 
-def gathered_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                       dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
-                       **kwargs: Any) -> tuple[Tensor, None]:
+def gathered_attention(
+    module: Any,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
     """query [1, H, w, D]; key/value [1, Hkv, L, D] (the whole static cache layer); kwargs ``key_order`` long
     [w, L]; attention_mask [1, 1, w, L] in sequence order (0 = attend) -> [1, w, H, D]. Without ``key_order``:
     transformers' sdpa."""
@@ -36,8 +44,9 @@ def gathered_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, a
 
     order = kwargs.pop("key_order", None)
     if order is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     assert attention_mask is not None, "key_order comes with its mask"
     _, heads, width, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
@@ -48,8 +57,9 @@ def gathered_attention(module: Any, query: Tensor, key: Tensor, value: Tensor, a
     # The query heads sharing a key/value head become query rows of it (no repeated cache).
     rows = query[0].transpose(0, 1).reshape(width, kv_heads, heads // kv_heads, dim)  # [w, Hkv, G, D]
     mask = attention_mask[0, 0][:, None, None, :]  # [w, 1, 1, L]
-    out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, dropout_p=dropout,
-                                         scale=scaling)  # [w, Hkv, G, D]
+    out = F.scaled_dot_product_attention(
+        rows, keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling
+    )  # [w, Hkv, G, D]
     # [1, w, H, Dv] (the layout sdpa_attention_forward returns; Dv differs from D under MLA)
     return out.reshape(1, width, heads, out.shape[-1]), None
 
@@ -59,8 +69,9 @@ def use_gathered_attention(model: Any) -> None:
     from eagle3.features.attention import use_attention
 
     if model.config._attn_implementation not in ("sdpa", GATHERED_ATTENTION):
-        raise ValueError(f"gathered decode keys need a target on sdpa attention, not "
-                         f"{model.config._attn_implementation!r}")
+        raise ValueError(
+            f"gathered decode keys need a target on sdpa attention, not {model.config._attn_implementation!r}"
+        )
     use_attention(model, GATHERED_ATTENTION, gathered_attention)
 
 
@@ -78,7 +89,7 @@ def key_order(key_index: Tensor, write: Tensor, at: int, num: int, tree: Tensor 
     for r in range(width):
         if r < num:
             path = at + torch.nonzero(tree[r].cpu(), as_tuple=True)[0]  # ancestors and self, in depth order
-            order_host[r, at:at + len(path)] = path
+            order_host[r, at : at + len(path)] = path
             count[r] = at + len(path)
         else:
             order_host[r, 0] = at + r

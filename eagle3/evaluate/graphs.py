@@ -63,9 +63,14 @@ class _Graph:
 class CompiledStep:
     """``fn`` run eagerly or compiled and, with graphs on CUDA, replayed as one CUDA graph per argument shapes."""
 
-    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], settings: CompileSettings, device: torch.device,
-                 name: str = "decode step",
-                 warmup_args: Callable[[tuple[Tensor, ...]], tuple[Tensor, ...]] | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., tuple[Tensor, ...]],
+        settings: CompileSettings,
+        device: torch.device,
+        name: str = "decode step",
+        warmup_args: Callable[[tuple[Tensor, ...]], tuple[Tensor, ...]] | None = None,
+    ) -> None:
         self.fn, self.settings, self.cuda, self.name = fn, settings, device.type == "cuda", name
         self.warmup_args = warmup_args or (lambda args: args)  # what the untimed calls before a capture run on
         self.fallback_reason: str | None = None  # why compiling or capturing failed, once it fell back to eager
@@ -118,8 +123,11 @@ class CompiledStep:
             if not self.settings.fallback or (self._compiled is None and not self.use_graphs):
                 raise
             self.fallback_reason = f"{err!r:.500}"
-            warnings.warn(f"{self.name}: compiling or capturing a CUDA graph failed, running it eagerly from now on: "
-                          f"{self.fallback_reason}", stacklevel=2)
+            warnings.warn(
+                f"{self.name}: compiling or capturing a CUDA graph failed, running it eagerly from now on: "
+                f"{self.fallback_reason}",
+                stacklevel=2,
+            )
             self._compiled, self.use_graphs = None, False
             self.clear()  # a failed capture can also leave its pool recording ('beginAllocateToPool: already
             # recording to mempool_id', seen on an H200): nothing captures into it again
@@ -196,5 +204,6 @@ def resolve_decode(static_cache: str, compile_mode: str, device: str) -> tuple[b
     if compile_mode == "on" and not static:
         raise ValueError("compiled decoding needs the static cache")
     graphs = static and cuda and compile_mode != "off"
-    return static, CompileSettings(enabled=static and compile_mode == "on", graphs=graphs,
-                                   fallback=compile_mode != "off")
+    return static, CompileSettings(
+        enabled=static and compile_mode == "on", graphs=graphs, fallback=compile_mode != "off"
+    )

@@ -36,9 +36,15 @@ def _run_item(item: Item) -> PromptRecord:
     return evaluate_prompt(_SESSION, *item)
 
 
-def evaluate_prompts(job: EvalJob, items: Sequence[tuple[EvalPrompt, list[int]]], num_workers: int = 1,
-                     progress: ProgressFn | None = None, show_bar: bool | None = None,
-                     journal: Journal | None = None, key: str = "") -> list[PromptRecord]:
+def evaluate_prompts(
+    job: EvalJob,
+    items: Sequence[tuple[EvalPrompt, list[int]]],
+    num_workers: int = 1,
+    progress: ProgressFn | None = None,
+    show_bar: bool | None = None,
+    journal: Journal | None = None,
+    key: str = "",
+) -> list[PromptRecord]:
     """Per-prompt records in prompt order; num_workers > 1 spreads prompts over spawned processes.
 
     With a journal, every finished prompt is appended at once and prompts already journaled under the

@@ -64,8 +64,10 @@ def dataset_file(name: str) -> Path:
             raise FileNotFoundError(f"prompt file {name}: {path} is not a file")
         return path
     if name not in DATASET_FILES:
-        raise ValueError(f"unknown evaluation dataset {name!r}; known: {', '.join(DATASET_FILES)}, or a path to a "
-                         f"{PROMPT_FILE_SUFFIX} file of chat prompts")
+        raise ValueError(
+            f"unknown evaluation dataset {name!r}; known: {', '.join(DATASET_FILES)}, or a path to a "
+            f"{PROMPT_FILE_SUFFIX} file of chat prompts"
+        )
     package, relative = DATASET_FILES[name]
     path = package_dir(package) / relative
     if not path.is_file():
@@ -90,14 +92,16 @@ def _prompt(name: str, index: int, record: dict[str, Any], path: Path) -> EvalPr
         if name == "mtbench":
             return EvalPrompt(name, f"mtbench:{record['question_id']}", record["turns"][0])
         if name == "humaneval":
-            return EvalPrompt(name, f"humaneval:{record['task_id']}",
-                              HUMANEVAL_INSTRUCTION.format(prompt=record["prompt"]))
+            return EvalPrompt(
+                name, f"humaneval:{record['task_id']}", HUMANEVAL_INSTRUCTION.format(prompt=record["prompt"])
+            )
         return EvalPrompt(name, f"gsm8k:{index}", record["question"])
     except (KeyError, IndexError, TypeError) as exc:
         raise ValueError(f"{path}: record {index} lacks the field {exc}") from None
 
 
 # ------------------------------------------------------------------------------------------- prompt files
+
 
 class _BadLine(Exception):
     def __init__(self, reason: str, detail: str) -> None:
@@ -110,8 +114,10 @@ def _file_messages(record: Any) -> list[tuple[str, str]]:
     if not isinstance(record, dict):
         raise _BadLine("unparsable", f"the line is a JSON {type(record).__name__}, not an object")
     if ("messages" in record) == ("prompt" in record):
-        raise _BadLine("unparsable", "a prompt line needs exactly one of 'messages' (a list of turns) and 'prompt' "
-                                     "(one user message)")
+        raise _BadLine(
+            "unparsable",
+            "a prompt line needs exactly one of 'messages' (a list of turns) and 'prompt' (one user message)",
+        )
     turns = record["messages"] if "messages" in record else [{"role": "user", "content": record["prompt"]}]
     if not isinstance(turns, list) or not turns:
         raise _BadLine("empty_conversation", "'messages' must be a non-empty list of {role, content} objects")
@@ -126,8 +132,11 @@ def _file_messages(record: Any) -> list[tuple[str, str]]:
             raise _BadLine("non_string_content", f"turn {num} ({role}) content is {type(content).__name__}")
         messages.append((role, content))
     if messages[-1][0] != "user":
-        raise _BadLine("no_user_turn", f"the last turn is from the {messages[-1][0]}: the evaluation generates the "
-                                       "next assistant turn, so a prompt ends with a user turn")
+        raise _BadLine(
+            "no_user_turn",
+            f"the last turn is from the {messages[-1][0]}: the evaluation generates the "
+            "next assistant turn, so a prompt ends with a user turn",
+        )
     if not messages[-1][1].strip():
         raise _BadLine("empty_turn", "the last user turn is empty")
     return messages
@@ -182,6 +191,7 @@ def read_prompt_file(dataset: str, limit: int | None = None) -> tuple[list[EvalP
 
 # ------------------------------------------------------------------------------------------------- loading
 
+
 def read_prompts(name: str, limit: int | None = None) -> list[EvalPrompt]:
     """The first ``limit`` prompts of a dataset in file order (all when None); a prompt file's rejects are dropped
     with a line on stderr (load_prompt_set keeps them)."""
@@ -205,8 +215,9 @@ def render(tokenizer: Any, text: str) -> list[int]:
 
 def render_messages(tokenizer: Any, messages: Sequence[tuple[str, str]]) -> list[int]:
     """Token ids of a conversation (ending with a user turn) under the chat template, ready for the answer."""
-    rendered = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
-                                             add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": r, "content": c} for r, c in messages], tokenize=False, add_generation_prompt=True
+    )
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
@@ -231,8 +242,7 @@ def rejects_by_dataset(rejects: Sequence[Any]) -> dict[str, int]:
     return counts
 
 
-def load_prompt_set(datasets: Sequence[str], limit: int | None | Mapping[str, int | None],
-                    tokenizer: Any) -> PromptSet:
+def load_prompt_set(datasets: Sequence[str], limit: int | None | Mapping[str, int | None], tokenizer: Any) -> PromptSet:
     """(prompt, token ids) for the first ``limit`` prompts of every dataset (one limit, or one per dataset),
     datasets in the given order, with the rejected lines of prompt files."""
     limits = limit if isinstance(limit, Mapping) else dict.fromkeys(datasets, limit)
@@ -247,8 +257,9 @@ def load_prompt_set(datasets: Sequence[str], limit: int | None | Mapping[str, in
     return PromptSet([(p, render_prompt(tokenizer, p)) for p in prompts], rejects)
 
 
-def load_prompts(datasets: Sequence[str], limit: int | None | Mapping[str, int | None],
-                 tokenizer: Any) -> list[tuple[EvalPrompt, list[int]]]:
+def load_prompts(
+    datasets: Sequence[str], limit: int | None | Mapping[str, int | None], tokenizer: Any
+) -> list[tuple[EvalPrompt, list[int]]]:
     """load_prompt_set's items; rejected prompt-file lines are named on stderr."""
     prompt_set = load_prompt_set(datasets, limit, tokenizer)
     _warn(prompt_set.rejects)

@@ -26,6 +26,7 @@ from eagle3.evaluate.speculate import DraftTree
 
 # ------------------------------------------------------------------------------------------------ EAGLE-3
 
+
 @dataclass
 class _Node:
     token: int  # target id
@@ -47,8 +48,15 @@ class EagleProposer:
     shared by several proposers of one process: each round starts from its own observe).
     """
 
-    def __init__(self, drafter: Eagle3Drafter, d2t: Tensor, steps: int, topk: int = 1,
-                 num_draft_tokens: int | None = None, runner: Any = None) -> None:
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        d2t: Tensor,
+        steps: int,
+        topk: int = 1,
+        num_draft_tokens: int | None = None,
+        runner: Any = None,
+    ) -> None:
         if steps < 1 or topk < 1 or topk > len(d2t):
             raise ValueError(f"need steps >= 1 and 1 <= topk <= draft vocab {len(d2t)}, got {steps}, {topk}")
         self.runner = runner if runner is not None else DrafterRunner(drafter, d2t)
@@ -87,8 +95,9 @@ class EagleProposer:
             token = self.runner.to_target_ids(logits.argmax(-1, keepdim=True))  # [1]
             tokens.append(token)
             if j < self.steps:
-                ancestors = torch.ones(1, self.runner.num_draft_entries + 1, dtype=torch.bool,
-                                       device=self.runner.device)
+                ancestors = torch.ones(
+                    1, self.runner.num_draft_entries + 1, dtype=torch.bool, device=self.runner.device
+                )
                 hidden, logits = self.runner.draft(hidden, token, root_position + j, ancestors)
                 logits = logits[0]
         return DraftTree.chain(torch.cat(tokens).tolist())  # one device sync per round
@@ -107,8 +116,9 @@ class EagleProposer:
         assert self._root is not None, "observe() first"
         root_hidden, root_logits = self._root
         if hasattr(self.runner, "tree"):  # the static runner builds the tree on the device in one call
-            tokens, parents = self.runner.tree(root_hidden, root_logits, self.steps, self.topk,
-                                               self.num_draft_tokens - 1)
+            tokens, parents = self.runner.tree(
+                root_hidden, root_logits, self.steps, self.topk, self.num_draft_tokens - 1
+            )
             return DraftTree(tokens.tolist(), parents.tolist())
         root_position = self.runner.num_committed - 1
         nodes: list[_Node] = []
@@ -144,6 +154,7 @@ def _best_subtree(nodes: list[_Node], size: int) -> DraftTree:
 
 # ------------------------------------------------------------------------------------------------- n-grams
 
+
 class NgramProposer:
     """Prompt-lookup drafting: what followed the latest earlier occurrence of the context's last n tokens.
 
@@ -153,8 +164,9 @@ class NgramProposer:
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 3) -> None:
         if not 1 <= min_ngram <= max_ngram or num_tokens < 1:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram and num_tokens >= 1, got {min_ngram}, "
-                             f"{max_ngram}, {num_tokens}")
+            raise ValueError(
+                f"need 1 <= min_ngram <= max_ngram and num_tokens >= 1, got {min_ngram}, {max_ngram}, {num_tokens}"
+            )
         self.max_ngram, self.min_ngram, self.num_tokens = max_ngram, min_ngram, num_tokens
 
     def reset(self) -> None:
@@ -169,6 +181,6 @@ class NgramProposer:
                 continue
             suffix = context[-n:]
             for i in range(len(context) - n - 1, -1, -1):  # latest first; i + n < len: a continuation exists
-                if context[i:i + n] == suffix:
-                    return DraftTree.chain(context[i + n:i + n + self.num_tokens])
+                if context[i : i + n] == suffix:
+                    return DraftTree.chain(context[i + n : i + n + self.num_tokens])
         return DraftTree.chain([])

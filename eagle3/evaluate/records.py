@@ -37,6 +37,7 @@ def _ints(values: Any) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------- lossless
 
+
 @dataclass(frozen=True)
 class LosslessCheck:
     """How a method's output compares with the greedy reference, at the first differing token."""
@@ -57,6 +58,7 @@ class LosslessCheck:
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> LosslessCheck:
         """The check ``to_json`` wrote (fields left out read as None)."""
+
         def build(d: Mapping[str, Any]) -> LosslessCheck:
             if d["kind"] not in ("identical", "near_tie", "mismatch", "sampled"):
                 raise RecordError(f"unknown kind {d['kind']!r}")
@@ -69,6 +71,7 @@ class LosslessCheck:
 
 
 # ----------------------------------------------------------------------------------------- one prompt
+
 
 @dataclass(frozen=True)
 class GreedyReference:
@@ -86,8 +89,9 @@ class GreedyReference:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> GreedyReference:
-        return _parse("greedy", doc, lambda d: cls(int(d["num_tokens"]), d["wall_s"], _ints(d["tokens"]),
-                                                   d.get("logprob")))
+        return _parse(
+            "greedy", doc, lambda d: cls(int(d["num_tokens"]), d["wall_s"], _ints(d["tokens"]), d.get("logprob"))
+        )
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,9 @@ class TeacherForced:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> TeacherForced:
-        return _parse("teacher_forced", doc,
-                      lambda d: cls(int(d["num_tokens"]), int(d["num_hits"]), float(d.get("wall_s", 0.0))))
+        return _parse(
+            "teacher_forced", doc, lambda d: cls(int(d["num_tokens"]), int(d["num_hits"]), float(d.get("wall_s", 0.0)))
+        )
 
 
 @dataclass(frozen=True)
@@ -122,17 +127,33 @@ class MethodRun:
     logprob: float | None = None  # sampling: the target's log-prob of the committed tokens, summed
 
     def to_json(self) -> dict[str, Any]:
-        doc = {"num_tokens": self.num_tokens, "wall_s": self.wall_s, "lossless": self.lossless.to_json(),
-               "depth": self.depth, "accepted": self.accepted, "committed": self.committed}
+        doc = {
+            "num_tokens": self.num_tokens,
+            "wall_s": self.wall_s,
+            "lossless": self.lossless.to_json(),
+            "depth": self.depth,
+            "accepted": self.accepted,
+            "committed": self.committed,
+        }
         doc |= {"tokens": self.tokens} if self.tokens is not None else {}
         return doc | ({"logprob": self.logprob} if self.logprob is not None else {})
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any], what: str = "method") -> MethodRun:
-        return _parse(what, doc, lambda d: cls(
-            int(d["num_tokens"]), d["wall_s"], LosslessCheck.from_json(d["lossless"]), _ints(d["depth"]),
-            _ints(d["accepted"]), _ints(d["committed"]), _ints(d["tokens"]) if "tokens" in d else None,
-            d.get("logprob")))
+        return _parse(
+            what,
+            doc,
+            lambda d: cls(
+                int(d["num_tokens"]),
+                d["wall_s"],
+                LosslessCheck.from_json(d["lossless"]),
+                _ints(d["depth"]),
+                _ints(d["accepted"]),
+                _ints(d["committed"]),
+                _ints(d["tokens"]) if "tokens" in d else None,
+                d.get("logprob"),
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -165,16 +186,25 @@ class PromptRecord:
     def from_json(cls, doc: Mapping[str, Any]) -> PromptRecord:
         """The record ``to_json`` wrote; a bad one raises RecordError naming the prompt and the field."""
         what = f"evaluation record {doc.get('id', '?')!r}" if isinstance(doc, Mapping) else "evaluation record"
-        return _parse(what, doc, lambda d: cls(
-            int(d["index"]), str(d["dataset"]), str(d["id"]), int(d["prompt_tokens"]),
-            GreedyReference.from_json(d["greedy"]),
-            TeacherForced.from_json(d["teacher_forced"]) if "teacher_forced" in d else None,
-            {str(name): MethodRun.from_json(run, f"method {name}") for name, run in d["methods"].items()},
-            {str(k): str(v) for k, v in d.get("decode_fallbacks", {}).items()},
-            str(d["category"]) if d.get("category") is not None else None))
+        return _parse(
+            what,
+            doc,
+            lambda d: cls(
+                int(d["index"]),
+                str(d["dataset"]),
+                str(d["id"]),
+                int(d["prompt_tokens"]),
+                GreedyReference.from_json(d["greedy"]),
+                TeacherForced.from_json(d["teacher_forced"]) if "teacher_forced" in d else None,
+                {str(name): MethodRun.from_json(run, f"method {name}") for name, run in d["methods"].items()},
+                {str(k): str(v) for k, v in d.get("decode_fallbacks", {}).items()},
+                str(d["category"]) if d.get("category") is not None else None,
+            ),
+        )
 
 
 # -------------------------------------------------------------------------------------------- summaries
+
 
 @dataclass(frozen=True)
 class LosslessDifference:
@@ -188,8 +218,11 @@ class LosslessDifference:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> LosslessDifference:
-        return _parse("lossless difference", doc, lambda d: cls(
-            str(d["prompt"]), LosslessCheck.from_json({k: v for k, v in d.items() if k != "prompt"})))
+        return _parse(
+            "lossless difference",
+            doc,
+            lambda d: cls(str(d["prompt"]), LosslessCheck.from_json({k: v for k, v in d.items() if k != "prompt"})),
+        )
 
 
 @dataclass(frozen=True)
@@ -209,9 +242,17 @@ class LosslessCounts:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> LosslessCounts:
-        return _parse("lossless", doc, lambda d: cls(
-            int(d["identical"]), int(d["near_tie"]), int(d["mismatch"]),
-            [LosslessDifference.from_json(x) for x in d["differences"]], int(d.get("sampled", 0))))
+        return _parse(
+            "lossless",
+            doc,
+            lambda d: cls(
+                int(d["identical"]),
+                int(d["near_tie"]),
+                int(d["mismatch"]),
+                [LosslessDifference.from_json(x) for x in d["differences"]],
+                int(d.get("sampled", 0)),
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -241,19 +282,26 @@ class SummaryRow:
     def to_json(self) -> dict[str, Any]:
         """results.json's row: every field in declaration order (the last three only when set)."""
         doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _ROW_IF_SET}
-        return doc | {"lossless": self.lossless.to_json()} | {
-            name: getattr(self, name) for name in _ROW_IF_SET if getattr(self, name) is not None}
+        return (
+            doc
+            | {"lossless": self.lossless.to_json()}
+            | {name: getattr(self, name) for name in _ROW_IF_SET if getattr(self, name) is not None}
+        )
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> SummaryRow:
         """A results.json row (one written before the teacher-forced cross-check reads it as None)."""
-        what = (f"results row {doc.get('dataset', '?')}/{doc.get('method', '?')}" if isinstance(doc, Mapping)
-                else "results row")
+        what = (
+            f"results row {doc.get('dataset', '?')}/{doc.get('method', '?')}"
+            if isinstance(doc, Mapping)
+            else "results row"
+        )
         optional = {"teacher_forced_acc_0", "speedup_vs_ngram", *_ROW_IF_SET}
 
         def build(d: Mapping[str, Any]) -> SummaryRow:
-            values: dict[str, Any] = {f.name: d[f.name] if f.name not in optional else d.get(f.name)
-                                      for f in fields(cls)}
+            values: dict[str, Any] = {
+                f.name: d[f.name] if f.name not in optional else d.get(f.name) for f in fields(cls)
+            }
             return cls(**values | {"lossless": LosslessCounts.from_json(d["lossless"])})
 
         return _parse(what, doc, build)
@@ -264,6 +312,7 @@ _ROW_IF_SET = ("category", "logprob_per_token", "reference_logprob_per_token")
 
 
 # --------------------------------------------------------------------------------------------- settings
+
 
 @dataclass(frozen=True)
 class MethodSpec:
@@ -292,13 +341,19 @@ class PartialInfo:
     num_measured_by_dataset: dict[str, int]
 
     def to_json(self) -> dict[str, Any]:
-        return {"num_measured": self.num_measured, "num_planned": self.num_planned,
-                "num_measured_by_dataset": self.num_measured_by_dataset}
+        return {
+            "num_measured": self.num_measured,
+            "num_planned": self.num_planned,
+            "num_measured_by_dataset": self.num_measured_by_dataset,
+        }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> PartialInfo:
-        return _parse("partial", doc, lambda d: cls(int(d["num_measured"]), int(d["num_planned"]),
-                                                     dict(d["num_measured_by_dataset"])))
+        return _parse(
+            "partial",
+            doc,
+            lambda d: cls(int(d["num_measured"]), int(d["num_planned"]), dict(d["num_measured_by_dataset"])),
+        )
 
 
 @dataclass(frozen=True)
@@ -342,9 +397,13 @@ class EvalSettings:
             optional = ("methods", "partial", "decode_fallbacks", "prompt_rejects")
             values = {f.name: d[f.name] for f in fields(cls) if f.name not in optional}
             partial = PartialInfo.from_json(d["partial"]) if d.get("partial") else None
-            return cls(**values, methods=[MethodSpec.from_json(m) for m in d["methods"]], partial=partial,
-                       decode_fallbacks={str(k): str(v) for k, v in d.get("decode_fallbacks", {}).items()},
-                       prompt_rejects={str(k): int(v) for k, v in d.get("prompt_rejects", {}).items()})
+            return cls(
+                **values,
+                methods=[MethodSpec.from_json(m) for m in d["methods"]],
+                partial=partial,
+                decode_fallbacks={str(k): str(v) for k, v in d.get("decode_fallbacks", {}).items()},
+                prompt_rejects={str(k): int(v) for k, v in d.get("prompt_rejects", {}).items()},
+            )
 
         return _parse("settings", doc, build)
 
@@ -364,6 +423,12 @@ class EvalResults:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> EvalResults:
-        return _parse("results.json", doc, lambda d: cls(
-            EvalSettings.from_json(d["settings"]), [SummaryRow.from_json(r) for r in d["results"]],
-            [SummaryRow.from_json(r) for r in d.get("by_category", [])]))
+        return _parse(
+            "results.json",
+            doc,
+            lambda d: cls(
+                EvalSettings.from_json(d["settings"]),
+                [SummaryRow.from_json(r) for r in d["results"]],
+                [SummaryRow.from_json(r) for r in d.get("by_category", [])],
+            ),
+        )

@@ -46,7 +46,9 @@ def as_token_tensor(tokens: Sequence[int] | Tensor, device: torch.device) -> Ten
         return tokens.to(device, torch.long).reshape(-1)
     return torch.tensor(list(tokens), dtype=torch.long, device=device)
 
+
 # ---------------------------------------------------------------------------------------------- the target
+
 
 class TargetRunner:
     """A transformers causal LM at batch 1: one DynamicCache, forward hooks taking the aux layers' outputs.
@@ -71,6 +73,7 @@ class TargetRunner:
     def _keeper(self, layer: int) -> Any:
         def hook(module: Any, args: Any, output: Any) -> None:
             self._outputs[layer] = output[0] if isinstance(output, tuple) else output  # [1, q, H]
+
         return hook
 
     def compiled_steps(self) -> list[Any]:
@@ -98,9 +101,14 @@ class TargetRunner:
         return self.cache.get_seq_length()
 
     @torch.no_grad()
-    def forward(self, tokens: Sequence[int] | Tensor, positions: Sequence[int] | None = None,
-                visible: Tensor | None = None, last_only: bool = False,
-                with_aux: bool = True) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self,
+        tokens: Sequence[int] | Tensor,
+        positions: Sequence[int] | None = None,
+        visible: Tensor | None = None,
+        last_only: bool = False,
+        with_aux: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
         """(fp32 logits [q, V] (or [1, V] with last_only), aux [q, A*H] (None without with_aux)) of tokens run
         after the cache.
 
@@ -109,8 +117,11 @@ class TargetRunner:
         """
         start, num = self.length, len(tokens)  # tokens: a list or a device tensor [q]
         positions = range(start, start + num) if positions is None else positions
-        kwargs: dict[str, Any] = {self._cache_arg: self.cache, "use_cache": True,
-                                  "position_ids": torch.tensor([list(positions)], device=self.device)}
+        kwargs: dict[str, Any] = {
+            self._cache_arg: self.cache,
+            "use_cache": True,
+            "position_ids": torch.tensor([list(positions)], device=self.device),
+        }
         if visible is not None:
             kwargs["attention_mask"] = self._additive_mask(start, visible)
         if last_only:
@@ -119,9 +130,15 @@ class TargetRunner:
         aux = torch.cat([self._outputs[j][0] for j in self.aux_layer_ids], dim=-1) if with_aux else None
         return out.logits[0].float(), aux
 
-    def step(self, tokens: Sequence[int] | Tensor, positions: Sequence[int] | None = None,
-             visible: Tensor | None = None, last_only: bool = False, with_aux: bool = True,
-             with_logits: bool = False) -> StepOut:
+    def step(
+        self,
+        tokens: Sequence[int] | Tensor,
+        positions: Sequence[int] | None = None,
+        visible: Tensor | None = None,
+        last_only: bool = False,
+        with_aux: bool = True,
+        with_logits: bool = False,
+    ) -> StepOut:
         """forward, reduced to what the decode loops read (greedy tokens, top logits, aux, with_logits: the logits);
         same arguments."""
         logits, aux = self.forward(tokens, positions, visible, last_only, with_aux)
@@ -132,8 +149,9 @@ class TargetRunner:
         """[1, 1, q, start + q] float mask (0 = attend): transformers passes a 4D mask through as it is."""
         num = visible.shape[0]
         # Built on the device: only the small [q, q] tree block crosses from the host, not the O(L) prefix.
-        allowed = torch.cat([torch.ones(num, start, dtype=torch.bool, device=self.device),
-                             visible.to(self.device)], dim=1)
+        allowed = torch.cat(
+            [torch.ones(num, start, dtype=torch.bool, device=self.device), visible.to(self.device)], dim=1
+        )
         dtype = self.model.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
         mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
@@ -156,6 +174,7 @@ class TargetRunner:
 
 
 # --------------------------------------------------------------------------------------------- the drafter
+
 
 class DrafterRunner:
     """The EAGLE-3 drafter with a KV cache: committed entries, then the current round's draft entries.
@@ -199,12 +218,21 @@ class DrafterRunner:
         """hidden [q, H], tokens/positions [q], visible bool [q, L + q] -> (pre-norm out [q, H], logits [q, Vd])."""
         dims = self.drafter.dims
         cos, sin = rope_cos_sin(self.inv_freq, positions[None], upcast(hidden).dtype)  # [1, 1, q, hd]
-        q, k, v = attention_inputs(self.weights, tokens[None], hidden[None], cos, sin, dims.rms_norm_eps,
-                                   dims.num_attention_heads, dims.num_key_value_heads)  # [1, nH|nKV, q, hd]
+        q, k, v = attention_inputs(
+            self.weights,
+            tokens[None],
+            hidden[None],
+            cos,
+            sin,
+            dims.rms_norm_eps,
+            dims.num_attention_heads,
+            dims.num_key_value_heads,
+        )  # [1, nH|nKV, q, hd]
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
         self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        attn = F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=visible[None, None],
-                                              enable_gqa=True)  # [1, nH, q, hd]; no repeated copy of the cache
+        attn = F.scaled_dot_product_attention(
+            q, self.keys, self.values, attn_mask=visible[None, None], enable_gqa=True
+        )  # [1, nH, q, hd]; no repeated copy of the cache
         out, logits = step_outputs(self.weights, hidden[None], attn, dims.rms_norm_eps)  # [1, q, H], [1, q, Vd]
         return out[0], logits[0]
 
@@ -231,8 +259,10 @@ class DrafterRunner:
         each node sees: its ancestors and itself. Every committed entry is visible.
         """
         num = len(tokens)
-        visible = torch.cat([torch.ones(num, self.num_committed, dtype=torch.bool, device=self.device),
-                             ancestors.to(self.device)], dim=1)
+        visible = torch.cat(
+            [torch.ones(num, self.num_committed, dtype=torch.bool, device=self.device), ancestors.to(self.device)],
+            dim=1,
+        )
         positions = torch.full((num,), position, device=self.device)
         return self._run(hidden, tokens, positions, visible)
 

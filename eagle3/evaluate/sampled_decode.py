@@ -87,8 +87,9 @@ class SampledRounds:
         if tree.draft_probs is not None and tree.tokens:  # drafts drawn from q: the rejection rule
             num = len(tree.tokens)
             drafts = torch.tensor(tree.tokens, device=p.device)
-            accepted, token = chain_accept(p, tree.draft_probs.to(p), drafts, self.sampler.uniform(num),
-                                           self.sampler.uniform(1)[0])
+            accepted, token = chain_accept(
+                p, tree.draft_probs.to(p), drafts, self.sampler.uniform(num), self.sampler.uniform(1)[0]
+            )
             path, bonus = list(range(int(accepted))), int(token)
         else:  # deterministic candidates: one draw per row, walk into the child that drew it
             path, bonus = accept_path(tree, draw(p, self.sampler.uniform(len(p))).tolist())
@@ -113,8 +114,9 @@ class SampledRounds:
 
 
 @torch.no_grad()
-def sample_decode(target: TargetRunner, prompt: list[int], max_new_tokens: int, stop_ids: list[int],
-                  sampler: Sampler) -> DecodeResult:
+def sample_decode(
+    target: TargetRunner, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampler: Sampler
+) -> DecodeResult:
     """The target's own sampling, one forward per token, timed: the reference and baseline at temperature > 0.
 
     As greedy_decode: each forward reads the previous token on the device, the host reads every STOP_CHECK_EVERY
@@ -143,8 +145,9 @@ def sample_decode(target: TargetRunner, prompt: list[int], max_new_tokens: int, 
     return DecodeResult(ids[:end], wall_s, logprob=logprob)
 
 
-def sampled_speculative_decode(target: TargetRunner, proposer: Any, prompt: list[int], max_new_tokens: int,
-                               stop_ids: list[int], sampler: Sampler) -> DecodeResult:
+def sampled_speculative_decode(
+    target: TargetRunner, proposer: Any, prompt: list[int], max_new_tokens: int, stop_ids: list[int], sampler: Sampler
+) -> DecodeResult:
     """speculate.speculative_decode verifying by speculative sampling, from ``sampler``'s random stream."""
     return speculative_decode(target, proposer, prompt, max_new_tokens, stop_ids, SampledRounds(sampler))
 
@@ -158,8 +161,15 @@ def sampled_check(result: DecodeResult) -> LosslessCheck:
     return LosslessCheck("mismatch", position, None, token)
 
 
-def decode_reference(target: TargetRunner, ids: list[int], max_new_tokens: int, stop_ids: list[int],
-                     params: SamplingParams | None, seed: int, stream: str) -> DecodeResult:
+def decode_reference(
+    target: TargetRunner,
+    ids: list[int],
+    max_new_tokens: int,
+    stop_ids: list[int],
+    params: SamplingParams | None,
+    seed: int,
+    stream: str,
+) -> DecodeResult:
     """The reference of one prompt: greedy_decode, or with ``params`` the target's own sampling (stream ``stream``)."""
     sampler = sampler_for(params, seed, stream, target.device)
     if sampler is None:
@@ -167,8 +177,16 @@ def decode_reference(target: TargetRunner, ids: list[int], max_new_tokens: int, 
     return sample_decode(target, ids, max_new_tokens, stop_ids, sampler)
 
 
-def decode_method(target: TargetRunner, proposer: Any, ids: list[int], max_new_tokens: int, stop_ids: list[int],
-                  params: SamplingParams | None, seed: int, stream: str) -> DecodeResult:
+def decode_method(
+    target: TargetRunner,
+    proposer: Any,
+    ids: list[int],
+    max_new_tokens: int,
+    stop_ids: list[int],
+    params: SamplingParams | None,
+    seed: int,
+    stream: str,
+) -> DecodeResult:
     """One method on one prompt: greedy verification, or with ``params`` speculative sampling (stream ``stream``)."""
     sampler = sampler_for(params, seed, stream, target.device)
     if sampler is None:

@@ -29,6 +29,7 @@ WARMUP_TOKENS = 8
 
 # ------------------------------------------------------------------------------------------------- methods
 
+
 def method_specs(ecfg: EvaluateConfig, dflash_block: int | None = None) -> list[MethodSpec]:
     """The methods the config asks for, in a fixed order: chains (by steps), tree, n-gram. With a DFlash drafter
     (``dflash_block``: its block size K) chain and tree are its one way of drafting: a block of K-1 drafts, K tokens
@@ -47,8 +48,9 @@ def method_specs(ecfg: EvaluateConfig, dflash_block: int | None = None) -> list[
     return specs
 
 
-def make_proposer(spec: MethodSpec, ecfg: EvaluateConfig, drafter: Any = None, d2t: Any = None,
-                  runner: Any = None) -> Any:
+def make_proposer(
+    spec: MethodSpec, ecfg: EvaluateConfig, drafter: Any = None, d2t: Any = None, runner: Any = None
+) -> Any:
     """The Proposer of a method (EAGLE methods need the drafter and its d2t; ``runner``: a shared drafter runner)."""
     from eagle3.evaluate.proposers import EagleProposer, NgramProposer
 
@@ -64,6 +66,7 @@ def make_proposer(spec: MethodSpec, ecfg: EvaluateConfig, drafter: Any = None, d
 
 
 # ------------------------------------------------------------------------------------------ one process
+
 
 @dataclass(frozen=True)
 class EvalJob:
@@ -89,10 +92,17 @@ class EvalSession:
     stop_ids: list[int]
 
 
-def make_runners(model: Any, aux_layer_ids: Sequence[int], drafter: Eagle3Drafter | None, d2t: Tensor | None,
-                 static: bool, compile_settings: CompileSettings, capacity: int = 1024,
-                 decode_rows: int | None = None,
-                 gathered_keys: bool = False) -> tuple[TargetRunner, DrafterRunner | None]:
+def make_runners(
+    model: Any,
+    aux_layer_ids: Sequence[int],
+    drafter: Eagle3Drafter | None,
+    d2t: Tensor | None,
+    static: bool,
+    compile_settings: CompileSettings,
+    capacity: int = 1024,
+    decode_rows: int | None = None,
+    gathered_keys: bool = False,
+) -> tuple[TargetRunner, DrafterRunner | None]:
     """The target runner and one drafter runner (None without a drafter), static or eager."""
     from eagle3.evaluate.runners import DrafterRunner, TargetRunner
     from eagle3.evaluate.static_drafter import StaticDrafterRunner
@@ -106,8 +116,11 @@ def make_runners(model: Any, aux_layer_ids: Sequence[int], drafter: Eagle3Drafte
         eager = TargetRunner(model, aux_layer_ids)
         return eager, None if drafter is None or d2t is None else DrafterRunner(drafter, d2t)
     target = StaticTargetRunner(model, aux_layer_ids, capacity, compile_settings, decode_rows, gathered_keys)
-    runner = (None if drafter is None or d2t is None
-              else StaticDrafterRunner(drafter, d2t, capacity, compile_settings, decode_rows))
+    runner = (
+        None
+        if drafter is None or d2t is None
+        else StaticDrafterRunner(drafter, d2t, capacity, compile_settings, decode_rows)
+    )
     return target, runner
 
 
@@ -129,8 +142,17 @@ def open_session(job: EvalJob) -> EvalSession:
     if static and ecfg.fuse_projections:
         fuse_projections(model)
     assert not isinstance(ecfg.decode_rows, str), "resolved() decides decode_rows"
-    target, runner = make_runners(model, loaded.aux_layer_ids, loaded.drafter, loaded.d2t, static, settings,
-                                  job.cache_len, ecfg.decode_rows, ecfg.decode_keys == "gathered")
+    target, runner = make_runners(
+        model,
+        loaded.aux_layer_ids,
+        loaded.drafter,
+        loaded.d2t,
+        static,
+        settings,
+        job.cache_len,
+        ecfg.decode_rows,
+        ecfg.decode_keys == "gathered",
+    )
     proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, loaded.d2t, runner) for s in method_specs(ecfg)}
     return EvalSession(target, proposers, runner, ecfg, list(job.stop_ids))
 
@@ -161,14 +183,25 @@ def _open_dflash_session(job: EvalJob, ecfg: EvaluateConfig) -> EvalSession:
     block, rows = loaded.drafter.dims.block_size, ecfg.decode_rows
     static, settings = resolve_decode(ecfg.static_cache, ecfg.compile, job.device)
     if static and isinstance(rows, int) and block > rows:
-        raise ValueError(f"evaluate.decode_rows {rows} is narrower than the DFlash block ({block} tokens verified "
-                         f"per round): set evaluate.decode_rows to at least {block}")
+        raise ValueError(
+            f"evaluate.decode_rows {rows} is narrower than the DFlash block ({block} tokens verified "
+            f"per round): set evaluate.decode_rows to at least {block}"
+        )
     model = load_model(Path(job.model_dir), ecfg.dtype, job.device)
     if static and ecfg.fuse_projections:
         fuse_projections(model)
     assert not isinstance(rows, str), "resolved() decides decode_rows"
-    target, _ = make_runners(model, loaded.target_layer_ids, None, None, static, settings, job.cache_len, rows,
-                             ecfg.decode_keys == "gathered")
+    target, _ = make_runners(
+        model,
+        loaded.target_layer_ids,
+        None,
+        None,
+        static,
+        settings,
+        job.cache_len,
+        rows,
+        ecfg.decode_keys == "gathered",
+    )
     proposers = {s.name: make_proposer(s, ecfg, loaded.drafter) for s in method_specs(ecfg, block)}
     return EvalSession(target, proposers, None, ecfg, list(job.stop_ids))
 
@@ -182,8 +215,12 @@ def ready_session(job: EvalJob, warmup_ids: list[int]) -> EvalSession:
     session = open_session(job)
     loaded = time.perf_counter()
     warm_up(session, warmup_ids)
-    print(f"evaluate: target and drafter loaded in {loaded - start:.1f} s, warm-up (every forward width and "
-          f"method compiled or captured) {time.perf_counter() - loaded:.1f} s", file=sys.stderr, flush=True)
+    print(
+        f"evaluate: target and drafter loaded in {loaded - start:.1f} s, warm-up (every forward width and "
+        f"method compiled or captured) {time.perf_counter() - loaded:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     summary = warmup_summary(compiled_steps(session))
     if summary:
         print(f"evaluate: warm-up by step: {summary}", file=sys.stderr, flush=True)
@@ -216,26 +253,54 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
 
     ecfg = session.ecfg
     params = sampling_params(ecfg.temperature, ecfg.top_p, ecfg.top_k)  # None: greedy
-    ref = decode_reference(session.target, ids, ecfg.max_new_tokens, session.stop_ids, params, ecfg.seed,
-                           f"{prompt.id}/reference")
+    ref = decode_reference(
+        session.target, ids, ecfg.max_new_tokens, session.stop_ids, params, ecfg.seed, f"{prompt.id}/reference"
+    )
     teacher_forced = None
     if session.drafter is not None:  # an EAGLE-3 drafter: its first draft at every greedy position
         start = time.perf_counter()
         drafts = teacher_forced_drafts(session.target, session.drafter, ids, ref.tokens)  # host lists: synchronised
-        teacher_forced = TeacherForced(len(drafts), draft_hits(drafts, ref.tokens),
-                                       round(time.perf_counter() - start, 4))
+        teacher_forced = TeacherForced(
+            len(drafts), draft_hits(drafts, ref.tokens), round(time.perf_counter() - start, 4)
+        )
     methods = {}
     for name, proposer in session.proposers.items():
-        out = decode_method(session.target, proposer, ids, ecfg.max_new_tokens, session.stop_ids, params, ecfg.seed,
-                            f"{prompt.id}/{name}")
-        check = (check_lossless(ref, out.tokens, ecfg.near_tie_logit_gap, getattr(torch, ecfg.dtype))
-                 if params is None else sampled_check(out))
-        methods[name] = MethodRun(len(out.tokens), out.wall_s, check, [s.draft_depth for s in out.steps],
-                                  [s.accepted for s in out.steps], [s.committed for s in out.steps],
-                                  out.tokens if check.kind != "identical" else None, out.logprob)
-    return PromptRecord(index, prompt.dataset, prompt.id, len(ids),
-                        GreedyReference(len(ref.tokens), ref.wall_s, ref.tokens, ref.logprob), teacher_forced, methods,
-                        decode_fallbacks(session), prompt.category)
+        out = decode_method(
+            session.target,
+            proposer,
+            ids,
+            ecfg.max_new_tokens,
+            session.stop_ids,
+            params,
+            ecfg.seed,
+            f"{prompt.id}/{name}",
+        )
+        check = (
+            check_lossless(ref, out.tokens, ecfg.near_tie_logit_gap, getattr(torch, ecfg.dtype))
+            if params is None
+            else sampled_check(out)
+        )
+        methods[name] = MethodRun(
+            len(out.tokens),
+            out.wall_s,
+            check,
+            [s.draft_depth for s in out.steps],
+            [s.accepted for s in out.steps],
+            [s.committed for s in out.steps],
+            out.tokens if check.kind != "identical" else None,
+            out.logprob,
+        )
+    return PromptRecord(
+        index,
+        prompt.dataset,
+        prompt.id,
+        len(ids),
+        GreedyReference(len(ref.tokens), ref.wall_s, ref.tokens, ref.logprob),
+        teacher_forced,
+        methods,
+        decode_fallbacks(session),
+        prompt.category,
+    )
 
 
 def decode_fallbacks(session: EvalSession) -> dict[str, str]:

@@ -37,6 +37,7 @@ from eagle3.evaluate.runners import DrafterRunner, StepOut, TargetRunner
 
 # ------------------------------------------------------------------------------------------ drafts, records
 
+
 @dataclass(frozen=True)
 class DraftTree:
     """Draft tokens (target ids) below the root, the last committed token; parents[i] < i, -1 = the root."""
@@ -130,6 +131,7 @@ def _clock(device: torch.device) -> float:
 
 # ------------------------------------------------------------------------------------------------ decoding
 
+
 def _finished(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> bool:
     return len(tokens) >= max_new_tokens or (bool(tokens) and tokens[-1] in stop_ids)
 
@@ -140,8 +142,9 @@ GPU runs (a read per token serializes them); tokens past a stop are computed, th
 
 
 @torch.no_grad()
-def greedy_decode(target: TargetRunner, prompt: Sequence[int], max_new_tokens: int,
-                  stop_ids: Sequence[int] = ()) -> DecodeResult:
+def greedy_decode(
+    target: TargetRunner, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()
+) -> DecodeResult:
     """Plain greedy decoding with the KV cache, one forward per token, timed: the reference and the baseline.
 
     The next forward reads the previous greedy token on the device; the host reads the tokens every
@@ -167,8 +170,12 @@ def greedy_decode(target: TargetRunner, prompt: Sequence[int], max_new_tokens: i
     # Forwards past the stop (at most STOP_CHECK_EVERY - 1) are not the baseline's work: their share of the time
     # is taken off (prefill included in the scaled part, so the baseline looks a little faster, never slower).
     wall_s = (_clock(target.device) - start_s) * end / len(ids)
-    return DecodeResult(ids[:end], wall_s, top_ids=torch.stack([i for _, i in tops[:end]]).tolist(),
-                        top_logits=torch.stack([v for v, _ in tops[:end]]).tolist())
+    return DecodeResult(
+        ids[:end],
+        wall_s,
+        top_ids=torch.stack([i for _, i in tops[:end]]).tolist(),
+        top_logits=torch.stack([v for v, _ in tops[:end]]).tolist(),
+    )
 
 
 def accept_path(tree: DraftTree, greedy: Sequence[int]) -> tuple[list[int], int]:
@@ -210,8 +217,14 @@ def keep_accepted(target: TargetRunner, m: int, path: list[int], out: StepOut) -
 
 
 @torch.no_grad()
-def speculative_decode(target: TargetRunner, proposer: Proposer, prompt: Sequence[int], max_new_tokens: int,
-                       stop_ids: Sequence[int] = (), sampled: Any = None) -> DecodeResult:
+def speculative_decode(
+    target: TargetRunner,
+    proposer: Proposer,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    stop_ids: Sequence[int] = (),
+    sampled: Any = None,
+) -> DecodeResult:
     """Draft, verify, commit; timed from the prefill to the last token, like greedy_decode. Verification is greedy,
     or speculative sampling through ``sampled`` (a fresh eagle3.evaluate.sampled_decode.SampledRounds)."""
     stops = set(stop_ids)
@@ -246,8 +259,9 @@ def speculative_decode(target: TargetRunner, proposer: Proposer, prompt: Sequenc
 
 
 @torch.no_grad()
-def teacher_forced_drafts(target: TargetRunner, runner: DrafterRunner, prompt: Sequence[int],
-                          generated: Sequence[int]) -> list[int]:
+def teacher_forced_drafts(
+    target: TargetRunner, runner: DrafterRunner, prompt: Sequence[int], generated: Sequence[int]
+) -> list[int]:
     """The drafter's first draft token (target ids) for generated[1:], every context fed from the text itself.
 
     One target forward over prompt + generated and one causal drafter pass: TTT step 0 as training computes
@@ -263,7 +277,7 @@ def teacher_forced_drafts(target: TargetRunner, runner: DrafterRunner, prompt: S
     aux = target.step(seq[:-2]).aux  # [L-2, A*H]: index t's feature with token t+1 predicts token t+2
     assert aux is not None  # (step returns aux unless asked not to)
     _, logits = runner.extend(aux, seq[1:-1], 0)  # [L-2, Vd]
-    drafts = runner.to_target_ids(logits[len(prompt) - 1:].argmax(-1))  # predicts seq[len(prompt)+1:]
+    drafts = runner.to_target_ids(logits[len(prompt) - 1 :].argmax(-1))  # predicts seq[len(prompt)+1:]
     target.reset()
     runner.reset()
     return drafts.tolist()
@@ -276,8 +290,10 @@ def draft_hits(drafts: Sequence[int], generated: Sequence[int]) -> int:
 
 # ---------------------------------------------------------------------------------------------- lossless
 
-def check_lossless(reference: DecodeResult, tokens: Sequence[int], near_tie_gap: float,
-                   dtype: torch.dtype = torch.float32) -> LosslessCheck:
+
+def check_lossless(
+    reference: DecodeResult, tokens: Sequence[int], near_tie_gap: float, dtype: torch.dtype = torch.float32
+) -> LosslessCheck:
     """identical, or the first difference: near_tie when the method's token is within ``near_tie_gap`` of the
     reference's top logit there, or within 2 units of ``dtype``'s rounding at that logit (two tokens the target
     can hardly tell apart: summation-order noise of a batched verify forward), else mismatch (a bug)."""
@@ -291,8 +307,9 @@ def check_lossless(reference: DecodeResult, tokens: Sequence[int], near_tie_gap:
     ids, values = reference.top_ids[pos], reference.top_logits[pos]
     method_token = int(tokens[pos]) if pos < len(tokens) else None
     top2_gap = values[0] - values[1] if len(values) > 1 else None
-    token_gap = (values[0] - values[ids.index(method_token)]
-                 if method_token is not None and method_token in ids else None)
+    token_gap = (
+        values[0] - values[ids.index(method_token)] if method_token is not None and method_token in ids else None
+    )
     near = token_gap is not None and token_gap <= max(near_tie_gap, 2 * rounding_step(values[0], dtype))
     return LosslessCheck("near_tie" if near else "mismatch", pos, ref[pos], method_token, top2_gap, token_gap)
 
@@ -300,4 +317,4 @@ def check_lossless(reference: DecodeResult, tokens: Sequence[int], near_tie_gap:
 def rounding_step(value: float, dtype: torch.dtype) -> float:
     """Spacing of ``dtype``'s representable numbers at ``value`` (bf16 at 15.3: 0.0625; fp32: ~1e-6)."""
     exponent = math.floor(math.log2(abs(value))) if value else 0
-    return torch.finfo(dtype).eps * 2.0 ** exponent
+    return torch.finfo(dtype).eps * 2.0**exponent

@@ -62,6 +62,7 @@ JOURNAL_NAME = "evaluate.journal.jsonl"
 
 # ------------------------------------------------------------------------------------------------- stage
 
+
 def eval_dir(cfg: RunConfig) -> Path:
     """<run>/eval."""
     return run_layout(cfg).eval
@@ -116,8 +117,14 @@ def resolve_device(device: str) -> str:
     return resolve_auto(device)
 
 
-def _settings(cfg: RunConfig, model_dir: Path, export_dir: Path, device: str,
-              items: Sequence[tuple[EvalPrompt, list[int]]], stop_ids: list[int]) -> EvalSettings:
+def _settings(
+    cfg: RunConfig,
+    model_dir: Path,
+    export_dir: Path,
+    device: str,
+    items: Sequence[tuple[EvalPrompt, list[int]]],
+    stop_ids: list[int],
+) -> EvalSettings:
     import torch
     import transformers
 
@@ -128,15 +135,25 @@ def _settings(cfg: RunConfig, model_dir: Path, export_dir: Path, device: str,
     counts: dict[str, int] = {d: sum(p.dataset == d for p, _ in items) for d in e.datasets}
     export_cfg = read_json(export_dir / "config.json")
     return EvalSettings(
-        evaluate=e.model_dump(mode="json"), target=cfg.target.name, target_dir=str(model_dir),
-        target_fingerprint=fingerprint(model_dir), export_dir=run_relative(cfg.run_dir, export_dir),  # relocatable
+        evaluate=e.model_dump(mode="json"),
+        target=cfg.target.name,
+        target_dir=str(model_dir),
+        target_fingerprint=fingerprint(model_dir),
+        export_dir=run_relative(cfg.run_dir, export_dir),  # relocatable
         aux_layer_ids=export_cfg.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
         or export_cfg.get("dflash_config", {}).get("target_layer_ids"),
-        device=device, gpu=torch.cuda.get_device_name() if device == "cuda" else None,
-        dtype=e.dtype, max_new_tokens=e.max_new_tokens, num_prompts=counts, stop_ids=stop_ids,
+        device=device,
+        gpu=torch.cuda.get_device_name() if device == "cuda" else None,
+        dtype=e.dtype,
+        max_new_tokens=e.max_new_tokens,
+        num_prompts=counts,
+        stop_ids=stop_ids,
         ngram=f"n-gram {e.ngram_max} down to {e.ngram_min}, up to {e.ngram_num_tokens} tokens, whole context",
-        methods=method_specs(e, dflash_block_size(export_dir)), num_workers=e.num_workers,
-        torch=torch.__version__, transformers=transformers.__version__)
+        methods=method_specs(e, dflash_block_size(export_dir)),
+        num_workers=e.num_workers,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+    )
 
 
 @dataclass
@@ -169,8 +186,15 @@ def journal_of(cfg: RunConfig) -> Journal:
     return Journal(eval_dir(cfg) / JOURNAL_NAME)
 
 
-def _report(cfg: RunConfig, model_dir: Path, export_dir: Path, plan: _Plan, records: list[PromptRecord],
-            out_dir: Path, partial: PartialInfo | None = None) -> tuple[dict[str, Path], list[SummaryRow]]:
+def _report(
+    cfg: RunConfig,
+    model_dir: Path,
+    export_dir: Path,
+    plan: _Plan,
+    records: list[PromptRecord],
+    out_dir: Path,
+    partial: PartialInfo | None = None,
+) -> tuple[dict[str, Path], list[SummaryRow]]:
     """Summarize the records and write results, report, plot and prompts into ``out_dir``; (outputs, rows)."""
     methods = [s.name for s in method_specs(cfg.evaluate, dflash_block_size(export_dir))]
     rows = summarize_all(records, methods)
@@ -184,8 +208,9 @@ def _report(cfg: RunConfig, model_dir: Path, export_dir: Path, plan: _Plan, reco
     return write_outputs(out_dir, records, rows, settings, summarize_categories(records, methods), plan.rejects), rows
 
 
-def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: ProgressFn | None,
-             show_bar: bool | None, key: str) -> tuple[dict[str, Path], dict[str, Any]]:
+def _compute(
+    cfg: RunConfig, model_dir: Path, export_dir: Path, progress: ProgressFn | None, show_bar: bool | None, key: str
+) -> tuple[dict[str, Path], dict[str, Any]]:
     start = time.perf_counter()
     e, plan, journal = cfg.evaluate, _plan(cfg, model_dir, export_dir), journal_of(cfg)
     planned = time.perf_counter()
@@ -193,13 +218,24 @@ def _compute(cfg: RunConfig, model_dir: Path, export_dir: Path, progress: Progre
     measured = time.perf_counter()
     outputs, rows = _report(cfg, model_dir, export_dir, plan, records, eval_dir(cfg))
     # Where an evaluation's wall time went beyond the decodes (the 5-minute goal counts all of it).
-    print(f"evaluate: prompts rendered in {planned - start:.1f} s, {len(records)} prompts measured in "
-          f"{measured - planned:.1f} s (loading and warm-up included), outputs written in "
-          f"{time.perf_counter() - measured:.1f} s", file=sys.stderr, flush=True)
+    print(
+        f"evaluate: prompts rendered in {planned - start:.1f} s, {len(records)} prompts measured in "
+        f"{measured - planned:.1f} s (loading and warm-up included), outputs written in "
+        f"{time.perf_counter() - measured:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     journal.path.unlink(missing_ok=True)  # prompts.jsonl now holds every record; a forced re-run measures afresh
-    stats = {f"{r.dataset}/{r.method}": {"accept_len": r.accept_len, "speedup": r.speedup,
-                                          "tokens_per_s": r.tokens_per_s, "lossless_identical": r.lossless.identical,
-                                          "num_prompts": r.num_prompts} for r in rows}
+    stats = {
+        f"{r.dataset}/{r.method}": {
+            "accept_len": r.accept_len,
+            "speedup": r.speedup,
+            "tokens_per_s": r.tokens_per_s,
+            "lossless_identical": r.lossless.identical,
+            "num_prompts": r.num_prompts,
+        }
+        for r in rows
+    }
     return outputs, stats
 
 
@@ -217,14 +253,20 @@ def write_partial_report(cfg: RunConfig, export_dir: Path | None = None) -> dict
     if not done:
         raise FileNotFoundError(f"no prompt of these settings is journaled in {journal.path}")
     records = [done[i] for i in sorted(done)]
-    partial = PartialInfo(len(records), len(plan.items),
-                          {d: sum(r.dataset == d for r in records) for d in cfg.evaluate.datasets})
+    partial = PartialInfo(
+        len(records), len(plan.items), {d: sum(r.dataset == d for r in records) for d in cfg.evaluate.datasets}
+    )
     return _report(cfg, model_dir, source, plan, records, eval_dir(cfg) / "partial", partial)[0]
 
 
-def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
-                 export_dir: Path | None = None, show_bar: bool | None = None,
-                 known_key: str | None = None) -> StageOutcome:
+def run_evaluate(
+    cfg: RunConfig,
+    progress: ProgressFn | None = None,
+    force: bool = False,
+    export_dir: Path | None = None,
+    show_bar: bool | None = None,
+    known_key: str | None = None,
+) -> StageOutcome:
     """Evaluate <run>/export/sglang (or ``export_dir``) on the run's target; skipped when the manifest matches."""
     from eagle3.target.load import prepare_target
 
@@ -235,8 +277,13 @@ def run_evaluate(cfg: RunConfig, progress: ProgressFn | None = None, force: bool
     key = known_key or key_for(cfg, model_dir, export_dir)
     if force:
         journal_of(cfg).path.unlink(missing_ok=True)
-    outcome = run_stage(STAGE, manifest_path(cfg), key, force=force,
-                        compute=lambda: _compute(cfg, model_dir, source, progress, show_bar, key))
+    outcome = run_stage(
+        STAGE,
+        manifest_path(cfg),
+        key,
+        force=force,
+        compute=lambda: _compute(cfg, model_dir, source, progress, show_bar, key),
+    )
     if cfg.evaluate.temperature > 0:  # the cards' table is the greedy, token-identical one: a sampled run leaves it
         return outcome
     results = json.loads(Path(outcome.outputs["results"]).read_text())
@@ -257,8 +304,9 @@ def skip_reason(cfg: RunConfig) -> str | None:
 key = stage_key_of
 
 
-def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
-        known_key: str | None = None) -> StageOutcome:
+def run(
+    cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False, known_key: str | None = None
+) -> StageOutcome:
     """Evaluate the run's own export (<run>/export/sglang) in this process."""
     return run_evaluate(cfg, progress=progress, force=force, known_key=known_key)
 
@@ -271,8 +319,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = add_config_args(argparse.ArgumentParser(description=main.__doc__))
     parser.add_argument("--export-dir", type=Path, help="an SGLang export folder (default <run>/export/sglang)")
     parser.add_argument("--force", action="store_true", help="recompute even if the manifest matches")
-    parser.add_argument("--partial-report", action="store_true",
-                        help="only report the prompts an unfinished evaluation has journaled (<run>/eval/partial/)")
+    parser.add_argument(
+        "--partial-report",
+        action="store_true",
+        help="only report the prompts an unfinished evaluation has journaled (<run>/eval/partial/)",
+    )
 
     def run(cfg: RunConfig, args: argparse.Namespace) -> StageOutcome | Path:
         if args.partial_report:
@@ -287,8 +338,13 @@ def main(argv: list[str] | None = None) -> None:
         print_json(result)
 
     # the partial report reads the journal only: no lock, so it works while the evaluation runs
-    stage_main(parser, argv, run, show=show,
-               lock_owner=lambda args: None if args.partial_report else "python -m eagle3.evaluate.stage")
+    stage_main(
+        parser,
+        argv,
+        run,
+        show=show,
+        lock_owner=lambda args: None if args.partial_report else "python -m eagle3.evaluate.stage",
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,14 @@ class StaticDrafterRunner(DrafterRunner):
     keys: Tensor  # [1, nKV, L, hd] post-RoPE, allocated by _allocate (fixed size, written in place)
     values: Tensor  # [1, nKV, L, hd]
 
-    def __init__(self, drafter: Eagle3Drafter, d2t: Tensor, capacity: int = 1024,
-                 compile_settings: CompileSettings = CompileSettings(), decode_rows: int | None = None) -> None:
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        d2t: Tensor,
+        capacity: int = 1024,
+        compile_settings: CompileSettings = CompileSettings(),
+        decode_rows: int | None = None,
+    ) -> None:
         super().__init__(drafter, d2t)
         self._num_entries = 0  # committed + the current round's draft entries
         self._rows = torch.arange(decode_cache.CHUNK, device=self.device)
@@ -42,8 +48,9 @@ class StaticDrafterRunner(DrafterRunner):
             for t in (*self.weights, self.inv_freq):
                 torch._dynamo.mark_static_address(t)
         self.step_fn = CompiledStep(self._rows_step, compile_settings, self.device, "drafter forward")
-        self.chunk_fn = CompiledStep(self._rows_step, eager_graph_settings(compile_settings), self.device,
-                                     "drafter chunk forward")  # every forward of decode_cache.CHUNK rows
+        self.chunk_fn = CompiledStep(
+            self._rows_step, eager_graph_settings(compile_settings), self.device, "drafter chunk forward"
+        )  # every forward of decode_cache.CHUNK rows
         self._settings = compile_settings
         self._rounds: dict[tuple, CompiledStep] = {}  # ("chain", steps) | ("tree", steps, topk, size) -> its round
         self._allocate(round_up(capacity))
@@ -78,17 +85,27 @@ class StaticDrafterRunner(DrafterRunner):
         """Entries of the current round's draft nodes."""
         return self._num_entries - self.num_committed
 
-    def _rows_step(self, hidden: Tensor, tokens: Tensor, positions: Tensor, write_index: Tensor,
-                   visible: Tensor) -> tuple[Tensor, Tensor]:
+    def _rows_step(
+        self, hidden: Tensor, tokens: Tensor, positions: Tensor, write_index: Tensor, visible: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """hidden [w, H], tokens/positions/write_index [w], visible bool [w, L] -> (out [w, H], logits [w, Vd])."""
         dims = self.drafter.dims
         cos, sin = rope_cos_sin(self.inv_freq, positions[None], upcast(hidden).dtype)  # [1, 1, w, hd]
-        q, k, v = attention_inputs(self.weights, tokens[None], hidden[None], cos, sin, dims.rms_norm_eps,
-                                   dims.num_attention_heads, dims.num_key_value_heads)  # [1, nH|nKV, w, hd]
+        q, k, v = attention_inputs(
+            self.weights,
+            tokens[None],
+            hidden[None],
+            cos,
+            sin,
+            dims.rms_norm_eps,
+            dims.num_attention_heads,
+            dims.num_key_value_heads,
+        )  # [1, nH|nKV, w, hd]
         self.keys.index_copy_(2, write_index, k)
         self.values.index_copy_(2, write_index, v)
-        attn = F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=visible[None, None],
-                                              enable_gqa=True)  # [1, nH, w, hd]
+        attn = F.scaled_dot_product_attention(
+            q, self.keys, self.values, attn_mask=visible[None, None], enable_gqa=True
+        )  # [1, nH, w, hd]
         out, logits = step_outputs(self.weights, hidden[None], attn, dims.rms_norm_eps)  # [1, w, H], [1, w, Vd]
         return out[0], logits[0]
 
@@ -112,8 +129,9 @@ class StaticDrafterRunner(DrafterRunner):
     def chain(self, hidden: Tensor, logits: Tensor, steps: int) -> Tensor:
         """A whole chain round in one call (one CUDA graph when compiled): the ``steps`` draft tokens below the root
         (out [1, H], logits [Vd] at the last committed index), as ``steps - 1`` calls of ``draft`` would give them."""
-        (tokens,) = self._round(("chain", steps), steps - 1, 1,
-                                lambda h, lg, c: self._chain_rows(h, lg, c, steps), hidden, logits)
+        (tokens,) = self._round(
+            ("chain", steps), steps - 1, 1, lambda h, lg, c: self._chain_rows(h, lg, c, steps), hidden, logits
+        )
         return tokens
 
     @torch.no_grad()
@@ -123,25 +141,38 @@ class StaticDrafterRunner(DrafterRunner):
         from eagle3.evaluate.tree_draft import tree_rows
 
         width = bucket(topk)
-        tokens, parents = self._round(("tree", steps, topk, size), (steps - 1) * topk, width,
-                                      lambda h, lg, c: tree_rows(self, h, lg, c, steps, topk, size, width), hidden,
-                                      logits)
+        tokens, parents = self._round(
+            ("tree", steps, topk, size),
+            (steps - 1) * topk,
+            width,
+            lambda h, lg, c: tree_rows(self, h, lg, c, steps, topk, size, width),
+            hidden,
+            logits,
+        )
         return tokens, parents
 
-    def _round(self, key: tuple, num_drafts: int, width: int, fn: Callable[..., tuple[Tensor, ...]],
-               hidden: Tensor, logits: Tensor) -> tuple[Tensor, ...]:
+    def _round(
+        self,
+        key: tuple,
+        num_drafts: int,
+        width: int,
+        fn: Callable[..., tuple[Tensor, ...]],
+        hidden: Tensor,
+        logits: Tensor,
+    ) -> tuple[Tensor, ...]:
         """Run a whole draft round ``fn(hidden, logits, committed)`` (compiled once per ``key``), which writes
         ``num_drafts`` draft entries after the committed ones (its last forward ``width`` rows wide)."""
         self._reserve(self.num_committed + num_drafts + width)
         if key not in self._rounds:
             self._rounds[key] = CompiledStep(fn, self._settings, self.device, f"{key[0]} draft round {key[1:]}")
-        committed = self._key_index[self.num_committed:self.num_committed + 1]  # [1] on the device: no copy
+        committed = self._key_index[self.num_committed : self.num_committed + 1]  # [1] on the device: no copy
         out = self._rounds[key](hidden, logits, committed)
         self._num_entries = self.num_committed + num_drafts
         return out
 
-    def _call(self, hidden: Tensor, tokens: Tensor, positions: Tensor, at: int, num: int,
-              visible: Tensor) -> tuple[Tensor, Tensor]:
+    def _call(
+        self, hidden: Tensor, tokens: Tensor, positions: Tensor, at: int, num: int, visible: Tensor
+    ) -> tuple[Tensor, Tensor]:
         width = len(positions)
         write = self._rows[:width] + at
         step = self.chunk_fn if width == decode_cache.CHUNK else self.step_fn
@@ -162,7 +193,7 @@ class StaticDrafterRunner(DrafterRunner):
             self._reserve(at + width)
             write = self._rows[:width] + at  # positions = indices; padding rows continue
             visible = self._key_index[None, :] <= write[:, None]  # causal [w, L]
-            outs.append(self._call(hidden[first:first + n], tokens[first:first + n], write, at, n, visible))
+            outs.append(self._call(hidden[first : first + n], tokens[first : first + n], write, at, n, visible))
         self.num_committed = self._num_entries = start + len(tokens)
         return outs[0] if len(outs) == 1 else tuple(torch.cat(p) for p in zip(*outs))  # type: ignore[return-value]
 
@@ -182,8 +213,8 @@ class StaticDrafterRunner(DrafterRunner):
         width, at = bucket(num), committed + drafts
         self._reserve(at + width)
         visible = (self._key_index < committed)[None, :].repeat(width, 1)  # [w, L]: every committed entry
-        visible[:num, committed:at + num] = ancestors.to(self.device)
-        visible[:, at:at + width] |= torch.eye(width, dtype=torch.bool, device=self.device)  # padding: itself
+        visible[:num, committed : at + num] = ancestors.to(self.device)
+        visible[:, at : at + width] |= torch.eye(width, dtype=torch.bool, device=self.device)  # padding: itself
         positions = torch.full((width,), position, device=self.device)
         out = self._call(hidden, as_token_tensor(tokens, self.device), positions, at, num, visible)
         self._num_entries = at + num

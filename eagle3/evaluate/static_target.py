@@ -40,8 +40,9 @@ class PositionedStaticCache(StaticCache):
             raise ValueError(f"the static decode cache needs full-attention layers only; this target has {other}")
         self.write_index: Tensor | None = None
 
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[Tensor, Tensor]:
+    def update(
+        self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
         """Write key/value states [1, nKV, q, hd] at write_index of layer ``layer_idx``; return the whole layer."""
         layer = self.layers[layer_idx]
         if not layer.is_initialized:  # allocates [1, nKV, max_cache_len, hd] (static address, outside compile)
@@ -64,9 +65,15 @@ class StaticTargetRunner(TargetRunner):
     cache: PositionedStaticCache
     _key_index: Tensor  # [L] 0..capacity-1
 
-    def __init__(self, model: Any, aux_layer_ids: Sequence[int], capacity: int = 1024,
-                 compile_settings: CompileSettings = CompileSettings(), decode_rows: int | None = None,
-                 gathered_keys: bool = False) -> None:
+    def __init__(
+        self,
+        model: Any,
+        aux_layer_ids: Sequence[int],
+        capacity: int = 1024,
+        compile_settings: CompileSettings = CompileSettings(),
+        decode_rows: int | None = None,
+        gathered_keys: bool = False,
+    ) -> None:
         self._length = 0
         super().__init__(model, aux_layer_ids)  # hooks, device; calls reset()
         self._dtype = model.get_input_embeddings().weight.dtype
@@ -80,15 +87,21 @@ class StaticTargetRunner(TargetRunner):
         self.cache = self._key_index = None  # type: ignore[assignment]  # both set by _allocate below
         decode = self._forward_gathered if gathered_keys else self._forward_rows
         self.step_fn = CompiledStep(decode, compile_settings, self.device, "target forward")
-        self.chunk_fn = CompiledStep(self._forward_rows, eager_graph_settings(compile_settings), self.device,
-                                     "target chunk forward")
+        self.chunk_fn = CompiledStep(
+            self._forward_rows, eager_graph_settings(compile_settings), self.device, "target chunk forward"
+        )
         # Its warm-up moves the destinations onto themselves: moving the real rows again would read sources
         # that the first move overwrote. A copy, not the same tensor twice: Dynamo guards on which arguments
         # alias, so aliased warm-up arguments made the capture call compile again, inside the CUDA graph capture.
         # With graphs, a graph of the eager copies: Inductor took 11.6 s to compile this move on an H200, for a
         # call that copies a few rows per layer and runs only after a tree accepts a branch behind a sibling.
-        self.move_fn = CompiledStep(self._move_rows, eager_graph_settings(compile_settings), self.device,
-                                    "target cache row move", warmup_args=lambda args: (args[1].clone(), args[1]))
+        self.move_fn = CompiledStep(
+            self._move_rows,
+            eager_graph_settings(compile_settings),
+            self.device,
+            "target cache row move",
+            warmup_args=lambda args: (args[1].clone(), args[1]),
+        )
         self._allocate(round_up(capacity))
 
     def compiled_steps(self) -> list[CompiledStep]:
@@ -125,30 +138,44 @@ class StaticTargetRunner(TargetRunner):
     def forward(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
         raise NotImplementedError("StaticTargetRunner runs through step(); forward is the eager runner's API")
 
-    def _forward_rows(self, ids: Tensor, positions: Tensor, write_index: Tensor,
-                      visible: Tensor, **attention: Tensor) -> tuple[Tensor, ...]:
+    def _forward_rows(
+        self, ids: Tensor, positions: Tensor, write_index: Tensor, visible: Tensor, **attention: Tensor
+    ) -> tuple[Tensor, ...]:
         """ids, positions, write_index long [w]; visible bool [w, L] -> greedy [w], top values, top ids [w, K],
         aux [w, A*H], logits [w, V] fp32. The function torch.compile sees: fixed shapes per width, no host reads."""
         self.cache.write_index = write_index
         mask = torch.zeros(visible.shape, dtype=self._dtype, device=visible.device)
         mask = mask.masked_fill(~visible, torch.finfo(self._dtype).min)[None, None]  # [1, 1, w, L], 0 = attend
-        out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask, use_cache=True,
-                         **{self._cache_arg: self.cache}, **attention)
+        out = self.model(
+            input_ids=ids[None],
+            position_ids=positions[None],
+            attention_mask=mask,
+            use_cache=True,
+            **{self._cache_arg: self.cache},
+            **attention,
+        )
         logits = out.logits[0].float()  # [w, V]
         top = logits.topk(REFERENCE_TOPK)
         aux = torch.cat([self._outputs[j][0] for j in self.aux_layer_ids], dim=-1)  # [w, A*H]
         return logits.argmax(-1), top.values, top.indices, aux, logits  # logits: for sampling (an output buffer)
 
-    def _forward_gathered(self, ids: Tensor, positions: Tensor, write_index: Tensor, valid: Tensor,
-                          order: Tensor) -> tuple[Tensor, ...]:
+    def _forward_gathered(
+        self, ids: Tensor, positions: Tensor, write_index: Tensor, valid: Tensor, order: Tensor
+    ) -> tuple[Tensor, ...]:
         """_forward_rows with each row's keys gathered in sequence order: ``order`` long [w, L] (cache index of
         each row's j-th key), ``valid`` bool [w, L] over that order (eagle3/evaluate/gathered.py)."""
         return self._forward_rows(ids, positions, write_index, valid, key_order=order)
 
     @torch.no_grad()
-    def step(self, tokens: Sequence[int] | Tensor, positions: Sequence[int] | None = None,
-             visible: Tensor | None = None, last_only: bool = False, with_aux: bool = True,
-             with_logits: bool = False) -> StepOut:
+    def step(
+        self,
+        tokens: Sequence[int] | Tensor,
+        positions: Sequence[int] | None = None,
+        visible: Tensor | None = None,
+        last_only: bool = False,
+        with_aux: bool = True,
+        with_logits: bool = False,
+    ) -> StepOut:
         """Run tokens after the committed entries (TargetRunner.step's contract); they become committed
         (``keep`` rolls back). positions default to the cache indices; ``visible`` bool [q, q] is a tree mask."""
         ids = as_token_tensor(tokens, self.device)
@@ -162,14 +189,14 @@ class StaticTargetRunner(TargetRunner):
             width, at = bucket(n, self.widths), start + first
             self._reserve(at + width)
             write = self._rows[:width] + at  # [w] cache indices (padding rows continue past the real ones)
-            pos = write if given is None else torch.cat([given[first:first + n], write[n:]])
-            parts.append(self._run(pad_rows(ids[first:first + n], width), pos, write, at, n, visible))
+            pos = write if given is None else torch.cat([given[first : first + n], write[n:]])
+            parts.append(self._run(pad_rows(ids[first : first + n], width), pos, write, at, n, visible))
         self._length = start + num
         # logits [q, V] are joined only when asked for (a long prompt's would be large), and then for the last row only
-        logits = (None if not with_logits else parts[-1][4][-1:] if last_only
-                  else torch.cat([part[4] for part in parts]))
-        greedy, values, top_ids, aux = (parts[0][:4] if len(parts) == 1
-                                        else (torch.cat(p) for p in zip(*(part[:4] for part in parts))))
+        logits = None if not with_logits else parts[-1][4][-1:] if last_only else torch.cat([part[4] for part in parts])
+        greedy, values, top_ids, aux = (
+            parts[0][:4] if len(parts) == 1 else (torch.cat(p) for p in zip(*(part[:4] for part in parts)))
+        )
         if last_only:
             greedy, values, top_ids = greedy[-1:], values[-1:], top_ids[-1:]
         return StepOut(greedy, values, top_ids, aux if with_aux else None, logits)
@@ -182,11 +209,12 @@ class StaticTargetRunner(TargetRunner):
         block = torch.eye(width, dtype=torch.bool)
         block[:num, :num] = tree
         visible = (self._key_index < at)[None, :].repeat(width, 1)  # [w, L]
-        visible[:, at:at + width] = block.to(self.device)
+        visible[:, at : at + width] = block.to(self.device)
         return visible
 
-    def _run(self, ids: Tensor, positions: Tensor, write: Tensor, at: int, num: int,
-             tree: Tensor | None) -> tuple[Tensor, ...]:
+    def _run(
+        self, ids: Tensor, positions: Tensor, write: Tensor, at: int, num: int, tree: Tensor | None
+    ) -> tuple[Tensor, ...]:
         chunk = len(ids) == decode_cache.CHUNK != self.widths[0]  # a prompt's chunk, not a decode forward
         fn: Callable[..., tuple[Tensor, ...]]
         masks: tuple[Tensor, ...]

@@ -82,7 +82,7 @@ def simulate_ngram(proposer: NgramProposer, prompt: Sequence[int], generated: Se
         context = [*prompt, *generated[:done]]
         tree = proposer.propose(context)
         rows = len(tree.tokens) + 1  # verify rows: the context's last token, then each draft
-        argmax = [*generated[done:done + rows], *[-1] * rows][:rows]  # the text's next tokens; -1 past its end
+        argmax = [*generated[done : done + rows], *[-1] * rows][:rows]  # the text's next tokens; -1 past its end
         path, _ = accept_path(tree, argmax)
         take = min(len(path) + 1, len(generated) - done)
         committed.append(take)

@@ -34,8 +34,9 @@ def _order(scores: Tensor) -> Tensor:
     """Indices of ``scores`` [n] by descending score, ties by index: torch.sort(-scores, stable=True).indices, from an
     [n, n] comparison (n is at most a few hundred here) instead of a sort kernel."""
     index = torch.arange(scores.shape[0], device=scores.device)
-    ahead = ((scores[None, :] > scores[:, None])
-             | ((scores[None, :] == scores[:, None]) & (index[None, :] < index[:, None])))
+    ahead = (scores[None, :] > scores[:, None]) | (
+        (scores[None, :] == scores[:, None]) & (index[None, :] < index[:, None])
+    )
     return torch.empty_like(index).scatter_(0, ahead.sum(-1), index)  # [n]: the element of each rank
 
 
@@ -45,8 +46,9 @@ def _ascending(values: Tensor) -> Tensor:
     return torch.empty_like(values).scatter_(0, rank, values)
 
 
-def tree_rows(runner: Any, hidden: Tensor, logits: Tensor, committed: Tensor, steps: int, topk: int,
-              size: int, width: int) -> tuple[Tensor, Tensor]:
+def tree_rows(
+    runner: Any, hidden: Tensor, logits: Tensor, committed: Tensor, steps: int, topk: int, size: int, width: int
+) -> tuple[Tensor, Tensor]:
     """Root out [1, H] and logits [Vd], committed long [1] -> (tokens [size] target ids, parents [size], -1 = root).
 
     ``runner``: a StaticDrafterRunner (its _rows_step writes the draft entries); ``width``: bucket(topk).
@@ -70,12 +72,20 @@ def tree_rows(runner: Any, hidden: Tensor, logits: Tensor, committed: Tensor, st
         anc = anc | (entries[None, :] == (first + rows)[:, None])  # each node sees itself (no scalar write: a CPU copy)
         write = committed + first + torch.arange(width, device=device)  # [w]
         seen = (runner._key_index < committed)[None, :]  # [1, L]: every committed entry
-        visible = torch.cat([seen | (in_round[None, :] & anc[:, offset.clamp(0, anc.shape[1] - 1)]),  # [k, L]
-                             seen | (runner._key_index[None, :] == write[k:, None])])  # padding rows: themselves
+        visible = torch.cat(
+            [
+                seen | (in_round[None, :] & anc[:, offset.clamp(0, anc.shape[1] - 1)]),  # [k, L]
+                seen | (runner._key_index[None, :] == write[k:, None]),
+            ]
+        )  # padding rows: themselves
         pad = width - k
-        out, level = runner._rows_step(torch.cat([front_hidden, front_hidden.new_zeros(pad, front_hidden.shape[1])]),
-                                       torch.cat([front_tokens, front_tokens.new_zeros(pad)]),
-                                       (committed - 1 + depth).expand(width), write, visible)
+        out, level = runner._rows_step(
+            torch.cat([front_hidden, front_hidden.new_zeros(pad, front_hidden.shape[1])]),
+            torch.cat([front_tokens, front_tokens.new_zeros(pad)]),
+            (committed - 1 + depth).expand(width),
+            write,
+            visible,
+        )
         out, level = out[:k], level[:k]  # [k, H], [k, Vd]
         child_logp, child_ids = F.log_softmax(upcast(level), dim=-1).topk(k, dim=-1)  # [k, k]
         child_scores = (front_scores.float()[:, None] + child_logp).reshape(-1)  # [k*k], parent row major

@@ -18,9 +18,20 @@ from eagle3.target.tensors import rope_settings
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 INFO_FILE, RUN_CONFIG_FILE = "eagle3_export.json", "eagle3_run_config.json"
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 """safetensors header dtype name -> torch dtype."""
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
@@ -31,6 +42,7 @@ class ExportError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------ aux ids
+
 
 def sglang_aux_ids(ours: list[int]) -> list[int]:
     """Our output-of-layer ids as SGLang's eagle_config wants them: the same numbers (SGLang adds the 1)."""
@@ -50,13 +62,16 @@ def ours_from_speculators(ids: list[int]) -> list[int]:
 def aux_id_warnings(ours: list[int]) -> list[str]:
     """Why an id list could be misread by a serving engine (empty when it is the usual kind)."""
     if ours and ours[0] != 1:
-        return [f"aux layer ids {ours} do not start at 1: SGLang's Llama targets read them right (they add 1), "
-                f"but its deepseek_v2 / glm4_moe_lite targets add 1 only when the first id is 1 and would "
-                f"capture other layers"]
+        return [
+            f"aux layer ids {ours} do not start at 1: SGLang's Llama targets read them right (they add 1), "
+            f"but its deepseek_v2 / glm4_moe_lite targets add 1 only when the first id is 1 and would "
+            f"capture other layers"
+        ]
     return []
 
 
 # -------------------------------------------------------------------------------------------- tensor sets
+
 
 def compare_tensors(found: dict[str, TensorSpec], expected: dict[str, TensorSpec], where: str) -> None:
     """Raise ExportError naming every missing/unexpected key, wrong shape and wrong dtype."""
@@ -90,8 +105,10 @@ def refuse_non_finite(names: list[str], where: str) -> None:
     beyond the export dtype's range) that an engine would load and draft garbage with; nothing when empty."""
     if names:
         shown = ", ".join(sorted(names)[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
-        raise ExportError(f"{where}: {len(names)} non-finite tensors (NaN or inf): {shown}; the training diverged "
-                          f"(see train/metrics.jsonl), the checkpoint is damaged, or a weight exceeds the export dtype")
+        raise ExportError(
+            f"{where}: {len(names)} non-finite tensors (NaN or inf): {shown}; the training diverged "
+            f"(see train/metrics.jsonl), the checkpoint is damaged, or a weight exceeds the export dtype"
+        )
 
 
 def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -139,38 +156,67 @@ def check_vocab_maps(weights: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ configs
 
+
 def rope_scaling_dict(dims: DrafterDims) -> dict[str, Any] | None:
     """The llama3 rope_scaling block of config.json (None for plain RoPE)."""
     s = dims.rope_scaling
-    return None if s is None else {
-        "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-        "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position_embeddings}
+    return (
+        None
+        if s is None
+        else {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    )
 
 
 def llama_fields(dims: DrafterDims, dtype: torch.dtype) -> dict[str, Any]:
     """The Llama decoder fields of a one-layer drafter (what SGLang's LlamaConfig reads)."""
     return {
-        "model_type": "llama", "hidden_size": dims.hidden_size, "intermediate_size": dims.intermediate_size,
-        "num_attention_heads": dims.num_attention_heads, "num_key_value_heads": dims.num_key_value_heads,
-        "head_dim": dims.head_dim, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": dims.rms_norm_eps,
-        "rope_theta": dims.rope_theta, "rope_scaling": rope_scaling_dict(dims),
-        "max_position_embeddings": dims.max_position_embeddings, "attention_bias": False, "mlp_bias": False,
-        "vocab_size": dims.vocab_size, "tie_word_embeddings": False, "torch_dtype": dtype_name(dtype),
+        "model_type": "llama",
+        "hidden_size": dims.hidden_size,
+        "intermediate_size": dims.intermediate_size,
+        "num_attention_heads": dims.num_attention_heads,
+        "num_key_value_heads": dims.num_key_value_heads,
+        "head_dim": dims.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": dims.rms_norm_eps,
+        "rope_theta": dims.rope_theta,
+        "rope_scaling": rope_scaling_dict(dims),
+        "max_position_embeddings": dims.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "vocab_size": dims.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype_name(dtype),
     }
 
 
-def dims_from_llama_fields(cfg: dict[str, Any], draft_vocab_size: int, num_aux: int, target_hidden_size: int,
-                           where: Path) -> DrafterDims:
+def dims_from_llama_fields(
+    cfg: dict[str, Any], draft_vocab_size: int, num_aux: int, target_hidden_size: int, where: Path
+) -> DrafterDims:
     """DrafterDims back from the llama fields of an export's config (ExportError naming ``where``)."""
     try:
         theta, scaling = rope_settings(cfg)
         return DrafterDims(
-            hidden_size=int(cfg["hidden_size"]), num_attention_heads=int(cfg["num_attention_heads"]),
-            num_key_value_heads=int(cfg["num_key_value_heads"]), head_dim=int(cfg["head_dim"]),
-            intermediate_size=int(cfg["intermediate_size"]), rms_norm_eps=float(cfg["rms_norm_eps"]),
-            rope_theta=theta, rope_scaling=scaling, vocab_size=int(cfg["vocab_size"]),
-            draft_vocab_size=int(draft_vocab_size), num_aux=int(num_aux), target_hidden_size=int(target_hidden_size),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)))
+            hidden_size=int(cfg["hidden_size"]),
+            num_attention_heads=int(cfg["num_attention_heads"]),
+            num_key_value_heads=int(cfg["num_key_value_heads"]),
+            head_dim=int(cfg["head_dim"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            vocab_size=int(cfg["vocab_size"]),
+            draft_vocab_size=int(draft_vocab_size),
+            num_aux=int(num_aux),
+            target_hidden_size=int(target_hidden_size),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        )
     except KeyError as exc:
         raise ExportError(f"{where}: the field {exc.args[0]!r} is missing") from None
     except (TypeError, ValueError) as exc:

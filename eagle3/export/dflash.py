@@ -67,21 +67,35 @@ def dflash_tensor_specs(dims: DFlashDims, dtype: torch.dtype) -> dict[str, Tenso
     for i in range(dims.num_hidden_layers):
         layer, attn, mlp = f"layers.{i}", f"layers.{i}.self_attn", f"layers.{i}.mlp"
         specs.update({f"{layer}.{n}.weight": ((h,), dtype) for n in LAYER_NORMS})
-        specs.update({
-            f"{attn}.q_proj.weight": ((q_out, h), dtype), f"{attn}.k_proj.weight": ((kv_out, h), dtype),
-            f"{attn}.v_proj.weight": ((kv_out, h), dtype), f"{attn}.o_proj.weight": ((h, q_out), dtype),
-            f"{attn}.q_norm.weight": ((hd,), dtype), f"{attn}.k_norm.weight": ((hd,), dtype),
-            f"{mlp}.gate_proj.weight": ((inter, h), dtype), f"{mlp}.up_proj.weight": ((inter, h), dtype),
-            f"{mlp}.down_proj.weight": ((h, inter), dtype),
-        })
+        specs.update(
+            {
+                f"{attn}.q_proj.weight": ((q_out, h), dtype),
+                f"{attn}.k_proj.weight": ((kv_out, h), dtype),
+                f"{attn}.v_proj.weight": ((kv_out, h), dtype),
+                f"{attn}.o_proj.weight": ((h, q_out), dtype),
+                f"{attn}.q_norm.weight": ((hd,), dtype),
+                f"{attn}.k_norm.weight": ((hd,), dtype),
+                f"{mlp}.gate_proj.weight": ((inter, h), dtype),
+                f"{mlp}.up_proj.weight": ((inter, h), dtype),
+                f"{mlp}.down_proj.weight": ((h, inter), dtype),
+            }
+        )
     return specs
 
 
 def _rope_scaling_field(dims: DFlashDims) -> dict[str, Any] | None:
     s = dims.rope_scaling
-    return None if s is None else {
-        "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-        "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position_embeddings}
+    return (
+        None
+        if s is None
+        else {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    )
 
 
 def _layer_id_problems(ids: Any, num_target_layers: Any, num_features: int | None) -> list[str]:
@@ -91,8 +105,10 @@ def _layer_id_problems(ids: Any, num_target_layers: Any, num_features: int | Non
         return [f"target_layer_ids must be a non-empty list of ints, got {ids!r}"]
     problems = []
     if ids != sorted(set(ids)):
-        problems.append(f"target_layer_ids {ids} must be distinct and ascending (SGLang's target concatenates the "
-                        f"captured layers in layer order)")
+        problems.append(
+            f"target_layer_ids {ids} must be distinct and ascending (SGLang's target concatenates the "
+            f"captured layers in layer order)"
+        )
     if ids[0] < 0 or ids[-1] >= num_target_layers:
         problems.append(f"target_layer_ids {ids} must lie in [0, {num_target_layers}) (num_target_layers)")
     if num_features is not None and len(ids) != num_features:
@@ -100,8 +116,13 @@ def _layer_id_problems(ids: Any, num_target_layers: Any, num_features: int | Non
     return problems
 
 
-def dflash_config(dims: DFlashDims, target_layer_ids: list[int], num_target_layers: int, dtype: torch.dtype,
-                  mask_token: str | None = None) -> dict[str, Any]:
+def dflash_config(
+    dims: DFlashDims,
+    target_layer_ids: list[int],
+    num_target_layers: int,
+    dtype: torch.dtype,
+    mask_token: str | None = None,
+) -> dict[str, Any]:
     """config.json of the DFlash layout. ``target_layer_ids``: output-of-layer ids (HF hidden_states[j + 1]), our
     convention and SGLang's and the reference's for DFlash (SGLang's Llama target captures before layer j + 1).
     ``mask_token``: the mask token's text, written only when given (SGLang then checks it against the tokenizer)."""
@@ -109,21 +130,40 @@ def dflash_config(dims: DFlashDims, target_layer_ids: list[int], num_target_laye
     if problems:
         raise ExportError("; ".join(problems))
     layers = dims.num_hidden_layers
-    dflash: dict[str, Any] = {"block_size": dims.block_size, "target_layer_ids": [int(i) for i in target_layer_ids],
-                              "mask_token_id": dims.mask_token_id}
+    dflash: dict[str, Any] = {
+        "block_size": dims.block_size,
+        "target_layer_ids": [int(i) for i in target_layer_ids],
+        "mask_token_id": dims.mask_token_id,
+    }
     if mask_token is not None:
         dflash["mask_token"] = mask_token
     return {
-        "architectures": [DFLASH_ARCHITECTURE], "model_type": DFLASH_MODEL_TYPE,
-        "hidden_size": dims.hidden_size, "intermediate_size": dims.intermediate_size,
-        "num_attention_heads": dims.num_attention_heads, "num_key_value_heads": dims.num_key_value_heads,
-        "head_dim": dims.head_dim, "num_hidden_layers": layers, "hidden_act": "silu",
-        "rms_norm_eps": dims.rms_norm_eps, "rope_theta": dims.rope_theta, "rope_scaling": _rope_scaling_field(dims),
-        "max_position_embeddings": dims.max_position_embeddings, "attention_bias": False, "attention_dropout": 0.0,
-        "vocab_size": dims.vocab_size, "tie_word_embeddings": False, "torch_dtype": dtype_name(dtype),
-        "layer_types": ["full_attention"] * layers, "use_sliding_window": False, "sliding_window": None,
-        "max_window_layers": layers, "is_causal": False,
-        "block_size": dims.block_size, "num_target_layers": int(num_target_layers), "dflash_config": dflash,
+        "architectures": [DFLASH_ARCHITECTURE],
+        "model_type": DFLASH_MODEL_TYPE,
+        "hidden_size": dims.hidden_size,
+        "intermediate_size": dims.intermediate_size,
+        "num_attention_heads": dims.num_attention_heads,
+        "num_key_value_heads": dims.num_key_value_heads,
+        "head_dim": dims.head_dim,
+        "num_hidden_layers": layers,
+        "hidden_act": "silu",
+        "rms_norm_eps": dims.rms_norm_eps,
+        "rope_theta": dims.rope_theta,
+        "rope_scaling": _rope_scaling_field(dims),
+        "max_position_embeddings": dims.max_position_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "vocab_size": dims.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype_name(dtype),
+        "layer_types": ["full_attention"] * layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": layers,
+        "is_causal": False,
+        "block_size": dims.block_size,
+        "num_target_layers": int(num_target_layers),
+        "dflash_config": dflash,
     }
 
 
@@ -136,8 +176,10 @@ def _config_problems(cfg: dict[str, Any]) -> list[str]:
     if not isinstance(layers, int) or layers < 1:
         problems.append(f"num_hidden_layers must be a positive int, got {layers!r}")
     elif cfg.get("layer_types") != ["full_attention"] * layers:
-        problems.append(f"layer_types must be {layers} x 'full_attention', got {cfg.get('layer_types')!r} (SGLang runs "
-                        f"sliding_attention layers causally, which this drafter does not)")
+        problems.append(
+            f"layer_types must be {layers} x 'full_attention', got {cfg.get('layer_types')!r} (SGLang runs "
+            f"sliding_attention layers causally, which this drafter does not)"
+        )
     if cfg.get("is_causal", False) is not False:
         problems.append("is_causal must be false or absent (SGLang 0.5.23 would mask the block causally)")
     if cfg.get("use_sliding_window", False) is not False:
@@ -159,10 +201,16 @@ def _config_problems(cfg: dict[str, Any]) -> list[str]:
     elif cfg.get("block_size", block) != block:
         problems.append(f"block_size {cfg.get('block_size')!r} and dflash_config.block_size {block} differ")
     mask_id, vocab = dflash.get("mask_token_id"), cfg.get("vocab_size")
-    if not isinstance(mask_id, int) or isinstance(mask_id, bool) or not isinstance(vocab, int) \
-            or not 0 <= mask_id < vocab:
-        problems.append(f"dflash_config.mask_token_id must be an int in [0, vocab_size {vocab!r}), got {mask_id!r} "
-                        f"(without it SGLang may add a mask token past the target's embedding rows)")
+    if (
+        not isinstance(mask_id, int)
+        or isinstance(mask_id, bool)
+        or not isinstance(vocab, int)
+        or not 0 <= mask_id < vocab
+    ):
+        problems.append(
+            f"dflash_config.mask_token_id must be an int in [0, vocab_size {vocab!r}), got {mask_id!r} "
+            f"(without it SGLang may add a mask token past the target's embedding rows)"
+        )
     if "mask_token" in dflash and not (isinstance(dflash["mask_token"], str) and dflash["mask_token"]):
         problems.append(f"dflash_config.mask_token must be a non-empty string, got {dflash['mask_token']!r}")
     # SGLang reads dflash_config first, then the top level: a top-level copy that disagrees misleads a reader.
@@ -182,13 +230,21 @@ def dflash_dims(cfg: dict[str, Any], where: Path) -> tuple[DFlashDims, list[int]
     try:
         theta, scaling = rope_settings(cfg)
         dims = DFlashDims(
-            hidden_size=int(cfg["hidden_size"]), num_attention_heads=int(cfg["num_attention_heads"]),
-            num_key_value_heads=int(cfg["num_key_value_heads"]), head_dim=int(cfg["head_dim"]),
-            intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=int(cfg["num_hidden_layers"]),
-            rms_norm_eps=float(cfg["rms_norm_eps"]), rope_theta=theta, rope_scaling=scaling,
-            vocab_size=int(cfg["vocab_size"]), num_context_features=len(ids), block_size=int(dflash["block_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_attention_heads=int(cfg["num_attention_heads"]),
+            num_key_value_heads=int(cfg["num_key_value_heads"]),
+            head_dim=int(cfg["head_dim"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            vocab_size=int(cfg["vocab_size"]),
+            num_context_features=len(ids),
+            block_size=int(dflash["block_size"]),
             mask_token_id=int(dflash["mask_token_id"]),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)))
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        )
     except KeyError as exc:
         raise ExportError(f"{where}: the field {exc.args[0]!r} is missing") from None
     except (TypeError, ValueError) as exc:
@@ -209,31 +265,48 @@ def check_dflash_export(export_dir: Path) -> None:
 def cast_dflash_weights(weights: dict[str, Tensor], specs: dict[str, TensorSpec], where: str) -> dict[str, Tensor]:
     """The tensors to write, in the spec's dtype; the names and shapes are checked first (a typo is not written),
     the cast values after (a NaN, an inf, or a weight the dtype cannot hold is not written either)."""
-    compare_tensors({k: (tuple(v.shape), specs[k][1] if k in specs else v.dtype) for k, v in weights.items()},
-                    specs, where)
+    compare_tensors(
+        {k: (tuple(v.shape), specs[k][1] if k in specs else v.dtype) for k, v in weights.items()}, specs, where
+    )
     out = {k: weights[k].detach().to("cpu", specs[k][1]).contiguous() for k in specs}
     check_finite(out, f"{where} (as {dtype_name(next(iter(specs.values()))[1])})")
     return out
 
 
-def export_dflash(weights: dict[str, Tensor], dims: DFlashDims, target_layer_ids: list[int], num_target_layers: int,
-                  out_dir: Path, dtype: torch.dtype = torch.bfloat16, mask_token: str | None = None,
-                  run_config: dict[str, Any] | None = None, source: str | None = None,
-                  selection: dict[str, Any] | None = None) -> Path:
+def export_dflash(
+    weights: dict[str, Tensor],
+    dims: DFlashDims,
+    target_layer_ids: list[int],
+    num_target_layers: int,
+    out_dir: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    mask_token: str | None = None,
+    run_config: dict[str, Any] | None = None,
+    source: str | None = None,
+    selection: dict[str, Any] | None = None,
+) -> Path:
     """Write the DFlash layout of a drafter (eagle3.drafter.dflash.export_state_dict's names) and check it."""
     from eagle3.features.spec import AUX_CONVENTION_TEXT
 
     config = dflash_config(dims, target_layer_ids, num_target_layers, dtype, mask_token)
     tensors = cast_dflash_weights(weights, dflash_tensor_specs(dims, dtype), "weights to export")
-    info = {"format": "dflash", "dtype": dtype_name(dtype), "target_layer_ids": [int(i) for i in target_layer_ids],
-            "aux_convention_text": AUX_CONVENTION_TEXT, "block_size": dims.block_size,
-            "mask_token_id": dims.mask_token_id, "source": source, "selection": selection}
+    info = {
+        "format": "dflash",
+        "dtype": dtype_name(dtype),
+        "target_layer_ids": [int(i) for i in target_layer_ids],
+        "aux_convention_text": AUX_CONVENTION_TEXT,
+        "block_size": dims.block_size,
+        "mask_token_id": dims.mask_token_id,
+        "source": source,
+        "selection": selection,
+    }
     out = write_folder(Path(out_dir), config, tensors, info, run_config)
     check_dflash_export(out)
     return out
 
 
 # ------------------------------------------------------------------------------------------------ loading
+
 
 @dataclass
 class LoadedDFlash:
@@ -244,8 +317,9 @@ class LoadedDFlash:
     config: dict[str, Any]  # the export's config.json
 
 
-def load_dflash_export(export_dir: Path, target_dir: Path, device: str | torch.device = "cpu",
-                       dtype: torch.dtype = torch.float32) -> LoadedDFlash:
+def load_dflash_export(
+    export_dir: Path, target_dir: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> LoadedDFlash:
     """Check a DFlash export, then build our drafter from it with the target's embeddings and lm_head (SGLang
     shares the target's at serving time)."""
     from safetensors.torch import load_file

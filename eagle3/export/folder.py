@@ -25,8 +25,9 @@ from eagle3.export.checks import (
 )
 
 
-def cast_weights(weights: dict[str, Tensor], specs: dict[str, TensorSpec], d2t: Tensor, t2d: Tensor,
-                  where: str) -> dict[str, Tensor]:
+def cast_weights(
+    weights: dict[str, Tensor], specs: dict[str, TensorSpec], d2t: Tensor, t2d: Tensor, where: str
+) -> dict[str, Tensor]:
     """The tensors to write, in the spec's dtypes; the input set is checked first (a typo is not written), the cast
     values after (a NaN, an inf, or a weight the dtype cannot hold is not written either)."""
     given = {**weights, "d2t": d2t, "t2d": t2d}
@@ -38,8 +39,13 @@ def cast_weights(weights: dict[str, Tensor], specs: dict[str, TensorSpec], d2t: 
     return out
 
 
-def write_folder(out_dir: Path, config: dict[str, Any], tensors: dict[str, Tensor], info: dict[str, Any],
-                  run_config: dict[str, Any] | None) -> Path:
+def write_folder(
+    out_dir: Path,
+    config: dict[str, Any],
+    tensors: dict[str, Tensor],
+    info: dict[str, Any],
+    run_config: dict[str, Any] | None,
+) -> Path:
     """config.json, model.safetensors and the provenance files into a temp folder, fsynced, then renamed."""
     from safetensors.torch import save_file
 
@@ -66,7 +72,14 @@ def export_info(fmt: str, aux_layer_ids: list[int], dtype: torch.dtype, **extra:
     """eagle3_export.json: the layout, the dtype and the aux ids in every convention."""
     from eagle3.features.spec import AUX_CONVENTION_TEXT
 
-    return {"format": fmt, "dtype": dtype_name(dtype),
-            "aux_layer_ids": {"output_of_layer": list(aux_layer_ids), "sglang": sglang_aux_ids(aux_layer_ids),
-                              "capture_before": speculators_aux_ids(aux_layer_ids)},
-            "aux_convention_text": AUX_CONVENTION_TEXT, **extra}
+    return {
+        "format": fmt,
+        "dtype": dtype_name(dtype),
+        "aux_layer_ids": {
+            "output_of_layer": list(aux_layer_ids),
+            "sglang": sglang_aux_ids(aux_layer_ids),
+            "capture_before": speculators_aux_ids(aux_layer_ids),
+        },
+        "aux_convention_text": AUX_CONVENTION_TEXT,
+        **extra,
+    }

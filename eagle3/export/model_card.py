@@ -36,6 +36,7 @@ MAX_HISTORY = 40
 
 # ---------------------------------------------------------------------------------------------- selection
 
+
 @dataclass(frozen=True)
 class Selection:
     """The checkpoint an export ships and why."""
@@ -59,27 +60,47 @@ def select_checkpoint(select: str, override: str | None, train_stats: dict[str, 
     if override:
         match = CHECKPOINT_RE.match(Path(override).name)
         step = int(match.group(1)) if match else None
-        return Selection(override, step, "export.checkpoint", f"export.checkpoint is set to {override}",
-                         history.get(step) if step is not None else None)
+        return Selection(
+            override,
+            step,
+            "export.checkpoint",
+            f"export.checkpoint is set to {override}",
+            history.get(step) if step is not None else None,
+        )
     best, final = train_stats.get("best_checkpoint"), train_stats.get("final_checkpoint") or ""
     if select == "best" and best:
         value = train_stats["best_accept_len_est"]
-        return Selection(best, train_stats["best_step"], "best", f"train.select=best: the highest validation "
-                         f"accept_len_est ({value:.4f}) of {len(history)} validations", value)
+        return Selection(
+            best,
+            train_stats["best_step"],
+            "best",
+            f"train.select=best: the highest validation accept_len_est ({value:.4f}) of {len(history)} validations",
+            value,
+        )
     measured = train_stats.get("best_measured_checkpoint")
     if select == "measured" and measured:
         step, value = train_stats["best_measured_step"], train_stats["best_measured_accept_len"]
-        return Selection(measured, step, "measured", f"train.select=measured: the highest measured acceptance length "
-                         f"({value:.4f}) of {len(train_stats.get('measured_history') or [])} measurements during "
-                         "training", history.get(step))
+        return Selection(
+            measured,
+            step,
+            "measured",
+            f"train.select=measured: the highest measured acceptance length "
+            f"({value:.4f}) of {len(train_stats.get('measured_history') or [])} measurements during "
+            "training",
+            history.get(step),
+        )
     step = train_stats.get("step")
     missing = "validation (empty val split?)" if select == "best" else "measurement"
-    why = ("train.select=last: the final checkpoint" if select == "last" else
-           f"train.select={select}, but the run recorded no {missing}: the final checkpoint")
+    why = (
+        "train.select=last: the final checkpoint"
+        if select == "last"
+        else f"train.select={select}, but the run recorded no {missing}: the final checkpoint"
+    )
     return Selection(final, step, "last", why, history.get(step) if step is not None else None)
 
 
 # --------------------------------------------------------------------------------------------------- card
+
 
 @dataclass(frozen=True)
 class CardInputs:
@@ -104,8 +125,15 @@ def write_card(inputs: CardInputs) -> Path:
 
 def render_card(c: CardInputs) -> str:
     """The model card as markdown."""
-    sections: list[Callable[[CardInputs], list[str]]] = [_header, _target, _serving, _data, _recipe, _selected,
-                                                         _measured]
+    sections: list[Callable[[CardInputs], list[str]]] = [
+        _header,
+        _target,
+        _serving,
+        _data,
+        _recipe,
+        _selected,
+        _measured,
+    ]
     return "\n".join(line for section in sections for line in section(c) + [""]).rstrip() + "\n"
 
 
@@ -117,17 +145,25 @@ def is_dflash(c: CardInputs) -> bool:
 def _header(c: CardInputs) -> list[str]:
     if is_dflash(c):
         d = c.cfg.drafter.dflash
-        return [f"# DFlash drafter for `{c.cfg.target.name}`", "",
-                f"A block-parallel DFlash draft model ({d.num_layers} layer(s), block of {c.info.get('block_size')} "
-                f"tokens) trained on hidden states of `{c.cfg.target.name}` (run `{c.cfg.run.name}`), in SGLang's "
-                f"`DFlashDraftModel` layout; weights in {c.info.get('dtype')}. Each round it drafts a whole block in "
-                "one forward; the target verifies every drafted token, so the target's output never changes."]
-    layout = {"sglang": "the official EAGLE-3 layout (`LlamaForCausalLMEagle3`, read by SGLang and vLLM)",
-              "speculators": "the speculators layout (`Eagle3Speculator`, read by vLLM)"}[c.fmt]
-    return [f"# EAGLE-3 drafter for `{c.cfg.target.name}`", "",
-            f"A one-layer EAGLE-3 draft model trained on hidden states of `{c.cfg.target.name}` (run "
-            f"`{c.cfg.run.name}`), in {layout}; weights in {c.info.get('dtype')}. It speeds up the target's own "
-            "decoding and never changes its output: every drafted token is verified by the target."]
+        return [
+            f"# DFlash drafter for `{c.cfg.target.name}`",
+            "",
+            f"A block-parallel DFlash draft model ({d.num_layers} layer(s), block of {c.info.get('block_size')} "
+            f"tokens) trained on hidden states of `{c.cfg.target.name}` (run `{c.cfg.run.name}`), in SGLang's "
+            f"`DFlashDraftModel` layout; weights in {c.info.get('dtype')}. Each round it drafts a whole block in "
+            "one forward; the target verifies every drafted token, so the target's output never changes.",
+        ]
+    layout = {
+        "sglang": "the official EAGLE-3 layout (`LlamaForCausalLMEagle3`, read by SGLang and vLLM)",
+        "speculators": "the speculators layout (`Eagle3Speculator`, read by vLLM)",
+    }[c.fmt]
+    return [
+        f"# EAGLE-3 drafter for `{c.cfg.target.name}`",
+        "",
+        f"A one-layer EAGLE-3 draft model trained on hidden states of `{c.cfg.target.name}` (run "
+        f"`{c.cfg.run.name}`), in {layout}; weights in {c.info.get('dtype')}. It speeds up the target's own "
+        "decoding and never changes its output: every drafted token is verified by the target.",
+    ]
 
 
 def _target(c: CardInputs) -> list[str]:
@@ -135,12 +171,17 @@ def _target(c: CardInputs) -> list[str]:
 
     config = read_manifest(c.model_dir / "config.json") or {}
     aux = (c.info.get("aux_layer_ids") or {}).get("output_of_layer") or c.info.get("target_layer_ids")
-    return ["## Target", "", f"- name: `{c.cfg.target.name}` ({c.cfg.target.kind})",
-            f"- path: `{target_path(c.cfg, c.model_dir)}`", f"- fingerprint: `{fingerprint(c.model_dir)}`",
-            f"- architecture: `{', '.join(config.get('architectures') or ['?'])}`, "
-            f"{config.get('num_hidden_layers')} layers, hidden size {config.get('hidden_size')}, "
-            f"vocab {config.get('vocab_size')}",
-            f"- hidden states the drafter reads: outputs of layers {aux} (0-based)"]
+    return [
+        "## Target",
+        "",
+        f"- name: `{c.cfg.target.name}` ({c.cfg.target.kind})",
+        f"- path: `{target_path(c.cfg, c.model_dir)}`",
+        f"- fingerprint: `{fingerprint(c.model_dir)}`",
+        f"- architecture: `{', '.join(config.get('architectures') or ['?'])}`, "
+        f"{config.get('num_hidden_layers')} layers, hidden size {config.get('hidden_size')}, "
+        f"vocab {config.get('vocab_size')}",
+        f"- hidden states the drafter reads: outputs of layers {aux} (0-based)",
+    ]
 
 
 def target_path(cfg: RunConfig, model_dir: Path) -> str:
@@ -154,8 +195,14 @@ def sglang_command(cfg: RunConfig, model_dir: Path, draft: Path) -> str:
     from infra.sglang_spec import ServerSpec
 
     s = cfg.serve
-    spec = ServerSpec(model_path=target_path(cfg, model_dir), mode="speculative", draft_model_path=str(draft.resolve()),
-                      num_steps=s.num_steps, topk=s.eagle_topk, num_draft_tokens=s.num_draft_tokens)
+    spec = ServerSpec(
+        model_path=target_path(cfg, model_dir),
+        mode="speculative",
+        draft_model_path=str(draft.resolve()),
+        num_steps=s.num_steps,
+        topk=s.eagle_topk,
+        num_draft_tokens=s.num_draft_tokens,
+    )
     return shlex.join(spec.argv())
 
 
@@ -163,16 +210,23 @@ def dflash_command(cfg: RunConfig, model_dir: Path, draft: Path, block_size: int
     """The SGLang launch command of the target with a DFlash drafter of ``block_size`` (infra.sglang_spec)."""
     from infra.sglang_spec import ServerSpec
 
-    spec = ServerSpec(model_path=target_path(cfg, model_dir), mode="dflash", draft_model_path=str(draft.resolve()),
-                      block_size=block_size)
+    spec = ServerSpec(
+        model_path=target_path(cfg, model_dir),
+        mode="dflash",
+        draft_model_path=str(draft.resolve()),
+        block_size=block_size,
+    )
     return shlex.join(spec.argv())
 
 
 def vllm_command(cfg: RunConfig, model_dir: Path, draft: Path) -> str:
     """vLLM's serve command with an EAGLE-3 drafter (its --speculative-config keys: method, model,
     num_speculative_tokens; export.speculative_tokens draft tokens)."""
-    config = {"method": "eagle3", "model": str(draft.resolve()),
-              "num_speculative_tokens": cfg.export.speculative_tokens}
+    config = {
+        "method": "eagle3",
+        "model": str(draft.resolve()),
+        "num_speculative_tokens": cfg.export.speculative_tokens,
+    }
     return shlex.join(["vllm", "serve", target_path(cfg, model_dir), "--speculative-config", json.dumps(config)])
 
 
@@ -180,20 +234,42 @@ def _serving(c: CardInputs) -> list[str]:
     if is_dflash(c):
         block = int(c.info["block_size"])
         command = dflash_command(c.cfg, c.model_dir, c.folder, block)
-        return ["## Serving", "", f"SGLang (DFLASH: a block of {block - 1} drafts and {block} tokens verified per "
-                "round; SGLang runs one step, top-1):", "", "```bash", command, "```", "",
-                "No vLLM command: this pipeline writes no vLLM configuration for a DFlash drafter."]
+        return [
+            "## Serving",
+            "",
+            f"SGLang (DFLASH: a block of {block - 1} drafts and {block} tokens verified per "
+            "round; SGLang runs one step, top-1):",
+            "",
+            "```bash",
+            command,
+            "```",
+            "",
+            "No vLLM command: this pipeline writes no vLLM configuration for a DFlash drafter.",
+        ]
     lines = ["## Serving", ""]
     if c.sglang_folder is not None:
-        lines += [f"SGLang ({c.cfg.serve.num_steps} draft steps, top-k {c.cfg.serve.eagle_topk}, "
-                  f"{c.cfg.serve.num_draft_tokens} tokens verified per step; the SGLang layout):", "",
-                  "```bash", sglang_command(c.cfg, c.model_dir, c.sglang_folder), "```", ""]
-    lines += [f"vLLM ({c.cfg.export.speculative_tokens} draft tokens per step; `--speculative-config` as in "
-              f"[vLLM's EAGLE docs]({VLLM_DOCS}); not run by this pipeline):", "",
-              "```bash", vllm_command(c.cfg, c.model_dir, c.folder), "```"]
+        lines += [
+            f"SGLang ({c.cfg.serve.num_steps} draft steps, top-k {c.cfg.serve.eagle_topk}, "
+            f"{c.cfg.serve.num_draft_tokens} tokens verified per step; the SGLang layout):",
+            "",
+            "```bash",
+            sglang_command(c.cfg, c.model_dir, c.sglang_folder),
+            "```",
+            "",
+        ]
+    lines += [
+        f"vLLM ({c.cfg.export.speculative_tokens} draft tokens per step; `--speculative-config` as in "
+        f"[vLLM's EAGLE docs]({VLLM_DOCS}); not run by this pipeline):",
+        "",
+        "```bash",
+        vllm_command(c.cfg, c.model_dir, c.folder),
+        "```",
+    ]
     if c.fmt == "speculators":
-        lines += ["", f"The folder's speculators_config names the verifier, so `vllm serve {c.folder.resolve()}` "
-                  "also works."]
+        lines += [
+            "",
+            f"The folder's speculators_config names the verifier, so `vllm serve {c.folder.resolve()}` also works.",
+        ]
     return lines
 
 
@@ -208,21 +284,34 @@ def _data(c: CardInputs) -> list[str]:
     lines = ["## Training data", ""]
     sources = merge.get("sources") or {}
     if sources:
-        lines += ["| source | format | conversations kept | train | val | user+assistant turns |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {name} | {s.get('format', '?')} | {_n(s.get('kept'))} | {_n(s.get('train'))} | "
-                  f"{_n(s.get('val'))} | {_n(s.get('num_turns'))} |" for name, s in sources.items()]
+        lines += [
+            "| source | format | conversations kept | train | val | user+assistant turns |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {name} | {s.get('format', '?')} | {_n(s.get('kept'))} | {_n(s.get('train'))} | "
+            f"{_n(s.get('val'))} | {_n(s.get('num_turns'))} |"
+            for name, s in sources.items()
+        ]
         lines.append("")
     r = c.cfg.regenerate
-    lines.append(f"- answers: regenerated by the target ({r.backend} backend, temperature {r.temperature}, at most "
-                 f"{r.max_new_tokens} new tokens per turn)" if r.enabled else "- answers: as written in the sources")
+    lines.append(
+        f"- answers: regenerated by the target ({r.backend} backend, temperature {r.temperature}, at most "
+        f"{r.max_new_tokens} new tokens per turn)"
+        if r.enabled
+        else "- answers: as written in the sources"
+    )
     if tok:
-        lines.append(f"- tokenized: {_n(tok.get('rows_written'))} conversations, {_n(tok.get('num_tokens'))} tokens, "
-                     f"{_n(tok.get('num_loss_tokens'))} of them answer tokens trained on")
+        lines.append(
+            f"- tokenized: {_n(tok.get('rows_written'))} conversations, {_n(tok.get('num_tokens'))} tokens, "
+            f"{_n(tok.get('num_loss_tokens'))} of them answer tokens trained on"
+        )
     if vocab and not is_dflash(c):  # a DFlash drafter reads the target's lm_head: no draft vocabulary
-        lines.append(f"- draft vocabulary: {_n(vocab.get('draft_vocab_size'))} of {_n(vocab.get('target_vocab_size'))}"
-                     f" target tokens, covering {vocab.get('coverage', float('nan')):.4f} of the "
-                     f"{_n(vocab.get('num_train_loss_tokens'))} trained-on tokens of the train split")
+        lines.append(
+            f"- draft vocabulary: {_n(vocab.get('draft_vocab_size'))} of {_n(vocab.get('target_vocab_size'))}"
+            f" target tokens, covering {vocab.get('coverage', float('nan')):.4f} of the "
+            f"{_n(vocab.get('num_train_loss_tokens'))} trained-on tokens of the train split"
+        )
     seen = (c.train_stats.get("train") or {}).get("tokens_seen")
     lines.append(f"- tokens seen in training (all epochs): {_n(seen)}")
     return lines
@@ -230,20 +319,32 @@ def _data(c: CardInputs) -> list[str]:
 
 def _recipe(c: CardInputs) -> list[str]:
     d, t, s = c.cfg.drafter, c.cfg.train, c.train_stats
-    family: list[tuple[str, Any]] = [
-        ("block size (tokens verified per round)", d.dflash.block_size), ("draft layers", d.dflash.num_layers),
-        ("blocks drawn per packed row", d.dflash.num_blocks),
-        ("slot loss decay gamma", d.dflash.loss_decay_gamma or "none (every slot alike)")] if is_dflash(c) else [
-        ("TTT steps (draft positions trained)", d.ttt_steps), ("step loss decay", d.step_decay)]
-    vocab = [] if is_dflash(c) else [("draft vocabulary (configured; clipped to the target's)",
-                                      c.cfg.vocab.draft_vocab_size)]
-    rows = [*family, ("peak learning rate", f"{t.lr:g} ({t.lr_scaling} scaling)"), ("epochs", t.num_epochs),
-            ("optimizer steps", f"{s.get('step')} of {s.get('total_steps')}"),
-            ("packed rows per step x tokens per row", f"{s.get('rows_per_step')} x {t.tokens_per_row}"),
-            *vocab,
-            ("features", f"{t.features} (online: the target runs in each training step; offline: captured once)"),
-            ("aux noise", t.aux_noise),
-            ("seed", c.cfg.run.seed)]
+    family: list[tuple[str, Any]] = (
+        [
+            ("block size (tokens verified per round)", d.dflash.block_size),
+            ("draft layers", d.dflash.num_layers),
+            ("blocks drawn per packed row", d.dflash.num_blocks),
+            ("slot loss decay gamma", d.dflash.loss_decay_gamma or "none (every slot alike)"),
+        ]
+        if is_dflash(c)
+        else [("TTT steps (draft positions trained)", d.ttt_steps), ("step loss decay", d.step_decay)]
+    )
+    vocab = (
+        []
+        if is_dflash(c)
+        else [("draft vocabulary (configured; clipped to the target's)", c.cfg.vocab.draft_vocab_size)]
+    )
+    rows = [
+        *family,
+        ("peak learning rate", f"{t.lr:g} ({t.lr_scaling} scaling)"),
+        ("epochs", t.num_epochs),
+        ("optimizer steps", f"{s.get('step')} of {s.get('total_steps')}"),
+        ("packed rows per step x tokens per row", f"{s.get('rows_per_step')} x {t.tokens_per_row}"),
+        *vocab,
+        ("features", f"{t.features} (online: the target runs in each training step; offline: captured once)"),
+        ("aux noise", t.aux_noise),
+        ("seed", c.cfg.run.seed),
+    ]
     return ["## Recipe", "", "| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
 
 
@@ -251,17 +352,29 @@ def _selected(c: CardInputs) -> list[str]:
     sel = c.info.get("selection") or {}
     lines = ["## Selected checkpoint", "", f"`{sel.get('checkpoint')}` (step {sel.get('step')}): {sel.get('reason')}."]
     history = c.train_stats.get("eval_history") or []
-    rec = next((e for e in [c.train_stats.get("best_eval"), c.train_stats.get("eval")]
-                if e and e.get("step") == sel.get("step")), None)
+    rec = next(
+        (
+            e
+            for e in [c.train_stats.get("best_eval"), c.train_stats.get("eval")]
+            if e and e.get("step") == sel.get("step")
+        ),
+        None,
+    )
     if rec:
         accs = ", ".join(f"acc_{k} {rec[f'acc_{k}']:.3f}" for k in range(32) if f"acc_{k}" in rec)
-        lines += ["", f"Validation at that step (teacher-forced, {rec.get('num_rows')} packed rows): loss "
-                  f"{rec.get('loss', float('nan')):.4f}, accept_len_est {rec.get('accept_len_est', float('nan')):.3f}; "
-                  f"{accs}."]
+        lines += [
+            "",
+            f"Validation at that step (teacher-forced, {rec.get('num_rows')} packed rows): loss "
+            f"{rec.get('loss', float('nan')):.4f}, accept_len_est {rec.get('accept_len_est', float('nan')):.3f}; "
+            f"{accs}.",
+        ]
     if history:
         shown = history[-MAX_HISTORY:]
-        lines += ["", f"Validation accept_len_est by step{'' if shown == history else f' (last {len(shown)})'}: "
-                  + ", ".join(f"{st}: {v:.3f}" for st, v in shown)]
+        lines += [
+            "",
+            f"Validation accept_len_est by step{'' if shown == history else f' (last {len(shown)})'}: "
+            + ", ".join(f"{st}: {v:.3f}" for st, v in shown),
+        ]
     return lines
 
 
@@ -292,19 +405,29 @@ def measured_lines(results: dict[str, Any] | None) -> list[str]:
     if not results:
         return [MEASURED_HEADING, "", "Not measured yet: the evaluate stage writes its table here."]
     settings = results.get("settings", {})
-    lines = [MEASURED_HEADING, "",
-             f"Speculative decoding against the target, greedy, {settings.get('max_new_tokens')} new tokens per "
-             f"prompt, on {settings.get('device')} ({settings.get('dtype')}); "
-             "accept len = tokens per target verify forward, "
-             "bonus token included; lossless = outputs token-identical to plain greedy decoding."
-             + (f" Speeds measured by {settings['num_workers']} processes sharing the device (contention included)."
-                if (settings.get("num_workers") or 1) > 1 else ""), "",
-             "| dataset | method | prompts | accept len | speedup | lossless |", "|---|---|---|---|---|---|"]
+    lines = [
+        MEASURED_HEADING,
+        "",
+        f"Speculative decoding against the target, greedy, {settings.get('max_new_tokens')} new tokens per "
+        f"prompt, on {settings.get('device')} ({settings.get('dtype')}); "
+        "accept len = tokens per target verify forward, "
+        "bonus token included; lossless = outputs token-identical to plain greedy decoding."
+        + (
+            f" Speeds measured by {settings['num_workers']} processes sharing the device (contention included)."
+            if (settings.get("num_workers") or 1) > 1
+            else ""
+        ),
+        "",
+        "| dataset | method | prompts | accept len | speedup | lossless |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results.get("results", []):
         lossless = r.get("lossless", {})
-        lines.append(f"| {r.get('dataset')} | {r.get('method')} | {r.get('num_prompts')} | "
-                     f"{r.get('accept_len', float('nan')):.3f} | {r.get('speedup', float('nan')):.2f}x | "
-                     f"{lossless.get('identical')}/{r.get('num_prompts')} identical |")
+        lines.append(
+            f"| {r.get('dataset')} | {r.get('method')} | {r.get('num_prompts')} | "
+            f"{r.get('accept_len', float('nan')):.3f} | {r.get('speedup', float('nan')):.2f}x | "
+            f"{lossless.get('identical')}/{r.get('num_prompts')} identical |"
+        )
     return lines
 
 

@@ -45,12 +45,17 @@ def sglang_tensor_specs(dims: DrafterDims, dtype: torch.dtype) -> dict[str, Tens
     specs: dict[str, TensorSpec] = {
         "fc.weight": ((h, dims.num_aux * dims.target_hidden_size), dtype),
         **{f"midlayer.{n}.weight": ((h,), dtype) for n in MIDLAYER_NORMS},
-        f"{attn}.q_proj.weight": ((q_out, 2 * h), dtype), f"{attn}.k_proj.weight": ((kv_out, 2 * h), dtype),
-        f"{attn}.v_proj.weight": ((kv_out, 2 * h), dtype), f"{attn}.o_proj.weight": ((h, q_out), dtype),
-        f"{mlp}.gate_proj.weight": ((inter, h), dtype), f"{mlp}.up_proj.weight": ((inter, h), dtype),
-        f"{mlp}.down_proj.weight": ((h, inter), dtype), "norm.weight": ((h,), dtype),
+        f"{attn}.q_proj.weight": ((q_out, 2 * h), dtype),
+        f"{attn}.k_proj.weight": ((kv_out, 2 * h), dtype),
+        f"{attn}.v_proj.weight": ((kv_out, 2 * h), dtype),
+        f"{attn}.o_proj.weight": ((h, q_out), dtype),
+        f"{mlp}.gate_proj.weight": ((inter, h), dtype),
+        f"{mlp}.up_proj.weight": ((inter, h), dtype),
+        f"{mlp}.down_proj.weight": ((h, inter), dtype),
+        "norm.weight": ((h,), dtype),
         "lm_head.weight": ((vd, h), dtype),
-        "d2t": ((vd,), torch.int64), "t2d": ((v,), torch.bool),  # d2t: target id = draft id + d2t[draft id]
+        "d2t": ((vd,), torch.int64),
+        "t2d": ((v,), torch.bool),  # d2t: target id = draft id + d2t[draft id]
     }
     if dims.target_hidden_size != dims.hidden_size:  # SGLang then keeps the draft's own table (set_embed skips it)
         specs["embed_tokens.weight"] = ((v, h), dtype)
@@ -60,12 +65,19 @@ def sglang_tensor_specs(dims: DrafterDims, dtype: torch.dtype) -> dict[str, Tens
 def sglang_config(dims: DrafterDims, aux_layer_ids: list[int], dtype: torch.dtype) -> dict[str, Any]:
     """config.json of the SGLang layout (aux ids given in OUR convention)."""
     if len(aux_layer_ids) != dims.num_aux:
-        raise ExportError(f"{len(aux_layer_ids)} aux layer ids {aux_layer_ids} for a drafter whose fc reads "
-                          f"{dims.num_aux} aux states")
-    return {"architectures": [SGLANG_ARCHITECTURE], **llama_fields(dims, dtype),
-            "draft_vocab_size": dims.draft_vocab_size, "target_hidden_size": dims.target_hidden_size,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_aux_ids(aux_layer_ids),
-                             "use_aux_hidden_state": True}}
+        raise ExportError(
+            f"{len(aux_layer_ids)} aux layer ids {aux_layer_ids} for a drafter whose fc reads {dims.num_aux} aux states"
+        )
+    return {
+        "architectures": [SGLANG_ARCHITECTURE],
+        **llama_fields(dims, dtype),
+        "draft_vocab_size": dims.draft_vocab_size,
+        "target_hidden_size": dims.target_hidden_size,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": sglang_aux_ids(aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+    }
 
 
 def sglang_dims(cfg: dict[str, Any], where: Path) -> tuple[DrafterDims, list[int], torch.dtype]:
@@ -87,8 +99,9 @@ def sglang_dims(cfg: dict[str, Any], where: Path) -> tuple[DrafterDims, list[int
     if problems:
         raise ExportError(f"{where}: " + "; ".join(problems))
     aux = [int(i) for i in eagle[field]]  # SGLang ids are ours
-    dims = dims_from_llama_fields(cfg, cfg["draft_vocab_size"], len(aux),
-                                  cfg.get("target_hidden_size", cfg.get("hidden_size", 0)), where)
+    dims = dims_from_llama_fields(
+        cfg, cfg["draft_vocab_size"], len(aux), cfg.get("target_hidden_size", cfg.get("hidden_size", 0)), where
+    )
     return dims, aux, dtype_from_config(cfg, where)
 
 
@@ -103,23 +116,33 @@ def check_sglang_export(export_dir: Path) -> None:
     check_finite_file(weights)
 
 
-def export_sglang(weights: dict[str, Tensor], dims: DrafterDims, d2t: Tensor, t2d: Tensor,
-                  aux_layer_ids: list[int], out_dir: Path, dtype: torch.dtype = torch.bfloat16,
-                  run_config: dict[str, Any] | None = None, source: str | None = None,
-                  selection: dict[str, Any] | None = None) -> Path:
+def export_sglang(
+    weights: dict[str, Tensor],
+    dims: DrafterDims,
+    d2t: Tensor,
+    t2d: Tensor,
+    aux_layer_ids: list[int],
+    out_dir: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    run_config: dict[str, Any] | None = None,
+    source: str | None = None,
+    selection: dict[str, Any] | None = None,
+) -> Path:
     """Write the SGLang layout of a drafter (weights under SGLang names, aux ids in OUR convention) and check it."""
     config = sglang_config(dims, aux_layer_ids, dtype)
     tensors = cast_weights(weights, sglang_tensor_specs(dims, dtype), d2t, t2d, "weights to export")
     for warning in aux_id_warnings(aux_layer_ids):
         log.warning("%s", warning)
-    info = export_info("sglang", aux_layer_ids, dtype, source=source, selection=selection,
-                       warnings=aux_id_warnings(aux_layer_ids))
+    info = export_info(
+        "sglang", aux_layer_ids, dtype, source=source, selection=selection, warnings=aux_id_warnings(aux_layer_ids)
+    )
     out = write_folder(Path(out_dir), config, tensors, info, run_config)
     check_sglang_export(out)
     return out
 
 
 # ------------------------------------------------------------------------------------------------ loading
+
 
 @dataclass
 class LoadedDrafter:
@@ -132,8 +155,9 @@ class LoadedDrafter:
     config: dict[str, Any]  # the export's config.json
 
 
-def load_sglang_export(export_dir: Path, target_dir: Path, device: str | torch.device = "cpu",
-                       dtype: torch.dtype = torch.float32) -> LoadedDrafter:
+def load_sglang_export(
+    export_dir: Path, target_dir: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> LoadedDrafter:
     """Check an SGLang export, then build our drafter from it with the target's embeddings."""
     from safetensors.torch import load_file
 
@@ -147,8 +171,10 @@ def load_sglang_export(export_dir: Path, target_dir: Path, device: str | torch.d
     own_embed = tensors.pop("embed_tokens.weight", None)
     result = drafter.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
     if result.unexpected_keys or set(result.missing_keys) != {"embed_tokens.weight"}:  # the check should prevent it
-        raise ExportError(f"{export_dir}: weights do not fit the drafter: missing {result.missing_keys}, "
-                          f"unexpected {result.unexpected_keys}")
+        raise ExportError(
+            f"{export_dir}: weights do not fit the drafter: missing {result.missing_keys}, "
+            f"unexpected {result.unexpected_keys}"
+        )
     if own_embed is None:
         load_target_weights(drafter, target_dir, t2d, init_lm_head_from_target=False)
     else:

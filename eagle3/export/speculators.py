@@ -41,23 +41,38 @@ def to_speculators_name(name: str) -> str:
     return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
 
 
-def speculators_config(dims: DrafterDims, aux_layer_ids: list[int], dtype: torch.dtype, verifier_name_or_path: str,
-                       verifier_architectures: list[str], speculative_tokens: int) -> dict[str, Any]:
+def speculators_config(
+    dims: DrafterDims,
+    aux_layer_ids: list[int],
+    dtype: torch.dtype,
+    verifier_name_or_path: str,
+    verifier_architectures: list[str],
+    speculative_tokens: int,
+) -> dict[str, Any]:
     """config.json of the speculators layout; SPECULATORS_FLAGS make its model compute what ours does."""
     if dims.target_hidden_size != dims.hidden_size:
-        raise ExportError(f"speculators' fc reads num_aux x hidden_size; target hidden {dims.target_hidden_size} "
-                          f"!= drafter hidden {dims.hidden_size} cannot be expressed in its format")
+        raise ExportError(
+            f"speculators' fc reads num_aux x hidden_size; target hidden {dims.target_hidden_size} "
+            f"!= drafter hidden {dims.hidden_size} cannot be expressed in its format"
+        )
     layer = {k: v for k, v in llama_fields(dims, dtype).items() if k != "torch_dtype"}
     return {
-        "architectures": [SPECULATORS_ARCHITECTURE], "speculators_model_type": "eagle3",
-        "transformer_layer_config": layer, "draft_vocab_size": dims.draft_vocab_size,
-        **SPECULATORS_FLAGS, "embed_requires_grad": False, "target_hidden_size": dims.target_hidden_size,
+        "architectures": [SPECULATORS_ARCHITECTURE],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": dims.draft_vocab_size,
+        **SPECULATORS_FLAGS,
+        "embed_requires_grad": False,
+        "target_hidden_size": dims.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": speculators_aux_ids(aux_layer_ids),
         "speculators_config": {
-            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
-            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)}},
-        "tie_word_embeddings": False, "torch_dtype": dtype_name(dtype),
+            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures)},
+        },
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype_name(dtype),
     }
 
 
@@ -85,8 +100,13 @@ def speculators_dims(cfg: dict[str, Any], where: Path) -> tuple[DrafterDims, lis
     if problems:
         raise ExportError(f"{where}: " + "; ".join(problems))
     assert isinstance(ids, list)  # (aux_problems accepts only a list)
-    dims = dims_from_llama_fields(layer, cfg.get("draft_vocab_size", 0), len(ids),
-                                  cfg.get("target_hidden_size") or layer.get("hidden_size", 0), where)
+    dims = dims_from_llama_fields(
+        layer,
+        cfg.get("draft_vocab_size", 0),
+        len(ids),
+        cfg.get("target_hidden_size") or layer.get("hidden_size", 0),
+        where,
+    )
     return dims, ours_from_speculators(ids), dtype_from_config(cfg, where)
 
 
@@ -103,11 +123,21 @@ def check_speculators_export(export_dir: Path) -> None:
     check_finite_file(weights)
 
 
-def export_speculators(weights: dict[str, Tensor], dims: DrafterDims, d2t: Tensor, t2d: Tensor,
-                       aux_layer_ids: list[int], out_dir: Path, dtype: torch.dtype = torch.bfloat16,
-                       verifier_name_or_path: str = "", verifier_architectures: list[str] | None = None,
-                       speculative_tokens: int = 3, run_config: dict[str, Any] | None = None,
-                       source: str | None = None, selection: dict[str, Any] | None = None) -> Path:
+def export_speculators(
+    weights: dict[str, Tensor],
+    dims: DrafterDims,
+    d2t: Tensor,
+    t2d: Tensor,
+    aux_layer_ids: list[int],
+    out_dir: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    verifier_name_or_path: str = "",
+    verifier_architectures: list[str] | None = None,
+    speculative_tokens: int = 3,
+    run_config: dict[str, Any] | None = None,
+    source: str | None = None,
+    selection: dict[str, Any] | None = None,
+) -> Path:
     """Write the speculators layout and check it: ``weights`` under SGLang names plus the target's
     embed_tokens.weight, aux ids in OUR convention."""
     if not verifier_name_or_path:
@@ -115,8 +145,9 @@ def export_speculators(weights: dict[str, Tensor], dims: DrafterDims, d2t: Tenso
     local = Path(verifier_name_or_path) / CONFIG_FILE
     if verifier_architectures is None:  # a hub id has no local config: vLLM only records the architectures
         verifier_architectures = read_json(local).get("architectures", []) if local.is_file() else []
-    config = speculators_config(dims, aux_layer_ids, dtype, verifier_name_or_path, verifier_architectures,
-                                speculative_tokens)
+    config = speculators_config(
+        dims, aux_layer_ids, dtype, verifier_name_or_path, verifier_architectures, speculative_tokens
+    )
     embed = {"embed_tokens.weight": ((dims.vocab_size, dims.hidden_size), dtype)}
     tensors = cast_weights(weights, {**sglang_tensor_specs(dims, dtype), **embed}, d2t, t2d, "weights to export")
     kept = speculators_tensor_specs(dims, dtype)

@@ -1,6 +1,6 @@
 """The export stage: the selected checkpoint in every configured layout, its key, model cards, and the CLI.
 
-    python -m eagle3.export --config runs/smollm2-demo/config.json
+python -m eagle3.export --config runs/smollm2-demo/config.json
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ COMMAND = "export"
 MANIFEST_FILE, TRAIN_MANIFEST = manifest_name(STAGE.name), Path(TRAIN.folder) / manifest_name(TRAIN.name)
 
 
-DFLASH_SKIPS = {"speculators": "the speculators format has no DFlash drafter (SGLang's DFlashDraftModel layout is "
-                               "written to export/sglang)"}
+DFLASH_SKIPS = {
+    "speculators": "the speculators format has no DFlash drafter (SGLang's DFlashDraftModel layout is "
+    "written to export/sglang)"
+}
 """Formats a DFlash drafter is not written in, and why (recorded in the export manifest)."""
 
 
@@ -102,8 +104,14 @@ def write_cards(cfg: RunConfig, results: dict[str, Any] | None = None, model_dir
 
     model_dir, train = model_dir or prepare_target(cfg), _train_stats(cfg)
     folders = {f: export_dir(cfg) / f for f in cfg.export.formats if (export_dir(cfg) / f / INFO_FILE).is_file()}
-    return [write_card(CardInputs(cfg, folder, fmt, folders.get("sglang"), model_dir, read_json(folder / INFO_FILE),
-                                  train, results)) for fmt, folder in folders.items()]
+    return [
+        write_card(
+            CardInputs(
+                cfg, folder, fmt, folders.get("sglang"), model_dir, read_json(folder / INFO_FILE), train, results
+            )
+        )
+        for fmt, folder in folders.items()
+    ]
 
 
 def _verifier(cfg: RunConfig, model_dir: Path) -> str:
@@ -121,8 +129,10 @@ def _drafter_inputs(cfg: RunConfig, model_dir: Path) -> tuple[DrafterDims, list[
     spec = FeatureSpec.load(cfg.run_dir / "features" / "spec.json")
     info = target_info(model_dir, cfg.target)
     if spec.target_fingerprint != fingerprint(model_dir) or spec.aux_layer_ids != info.aux_layer_ids:
-        raise ValueError(f"features/spec.json (target {spec.target_fingerprint}, aux {spec.aux_layer_ids}) does not "
-                         f"match the configured target {model_dir} (aux {info.aux_layer_ids})")
+        raise ValueError(
+            f"features/spec.json (target {spec.target_fingerprint}, aux {spec.aux_layer_ids}) does not "
+            f"match the configured target {model_dir} (aux {info.aux_layer_ids})"
+        )
     d2t, t2d = load_vocab_map(cfg.run_dir / "vocab")
     return drafter_dims(info, model_dir, draft_vocab_size=len(d2t)), list(spec.aux_layer_ids), d2t, t2d
 
@@ -147,11 +157,16 @@ def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
     ckpt, selection = _checkpoint_dir(cfg)
     weights, dtype = load_file(str(ckpt / WEIGHTS_FILE)), FLOAT_DTYPES[cfg.export.dtype]
     # Paths inside the run are recorded relative to the run dir, so a moved or copied run stays valid.
-    common = dict(run_config=cfg.model_dump(mode="json"), source=run_relative(cfg.run_dir, ckpt),
-                  selection=selection.to_json())
+    common = dict(
+        run_config=cfg.model_dump(mode="json"), source=run_relative(cfg.run_dir, ckpt), selection=selection.to_json()
+    )
     outputs: dict[str, Path] = {}
-    stats: dict[str, Any] = {"checkpoint": str(ckpt.relative_to(cfg.run_dir)), "selection": selection.to_json(),
-                             "dtype": cfg.export.dtype, "formats": {}}
+    stats: dict[str, Any] = {
+        "checkpoint": str(ckpt.relative_to(cfg.run_dir)),
+        "selection": selection.to_json(),
+        "dtype": cfg.export.dtype,
+        "formats": {},
+    }
     if cfg.drafter.family == "dflash":
         return _export_dflash(cfg, model_dir, weights, dtype, common, stats)
     embed = {"embed_tokens.weight": read_tensor(model_dir, EMBED_TENSOR)}  # [V, H], for the speculators layout
@@ -161,19 +176,38 @@ def _export_all(cfg: RunConfig) -> tuple[dict[str, Path], dict[str, Any]]:
             export_sglang(weights, dims, d2t, t2d, aux, out, dtype, **common)
             ids = sglang_aux_ids(aux)
         else:
-            export_speculators(weights | embed, dims, d2t, t2d, aux, out, dtype, _verifier(cfg, model_dir),
-                               speculative_tokens=cfg.export.speculative_tokens, **common)
+            export_speculators(
+                weights | embed,
+                dims,
+                d2t,
+                t2d,
+                aux,
+                out,
+                dtype,
+                _verifier(cfg, model_dir),
+                speculative_tokens=cfg.export.speculative_tokens,
+                **common,
+            )
             ids = speculators_aux_ids(aux)
         outputs |= {f"{fmt}_config": out / CONFIG_FILE, f"{fmt}_weights": out / WEIGHTS_FILE}
-        stats["formats"][fmt] = {"dir": run_relative(cfg.run_dir, out), "aux_layer_ids": ids,
-                                 "warnings": aux_id_warnings(aux) if fmt == "sglang" else []}
+        stats["formats"][fmt] = {
+            "dir": run_relative(cfg.run_dir, out),
+            "aux_layer_ids": ids,
+            "warnings": aux_id_warnings(aux) if fmt == "sglang" else [],
+        }
     stats["aux_layer_ids_output_of_layer"] = aux
     write_cards(cfg, model_dir=model_dir)  # no measured table: the evaluate stage adds it (not hashed: module doc)
     return outputs, stats
 
 
-def _export_dflash(cfg: RunConfig, model_dir: Path, weights: dict[str, Tensor], dtype: Any, common: dict[str, Any],
-                   stats: dict[str, Any]) -> tuple[dict[str, Path], dict[str, Any]]:
+def _export_dflash(
+    cfg: RunConfig,
+    model_dir: Path,
+    weights: dict[str, Tensor],
+    dtype: Any,
+    common: dict[str, Any],
+    stats: dict[str, Any],
+) -> tuple[dict[str, Path], dict[str, Any]]:
     """drafter.family=dflash: SGLang's DFlashDraftModel layout in export/sglang (eagle3.export.dflash, checked there:
     names, shapes, dtypes, finite values); the formats without a DFlash layout are recorded as skipped."""
     from eagle3.export.checks import CONFIG_FILE, WEIGHTS_FILE
@@ -187,8 +221,11 @@ def _export_dflash(cfg: RunConfig, model_dir: Path, weights: dict[str, Tensor], 
     setup = dflash_setup(cfg, model_dir, FeatureSpec.load(cfg.run_dir / "features" / "spec.json").aux_layer_ids)
     out = export_dir(cfg) / "sglang"
     export_dflash(weights, setup.dims, setup.target_layer_ids, setup.num_target_layers, out, dtype, **common)
-    stats["formats"]["sglang"] = {"dir": run_relative(cfg.run_dir, out), "aux_layer_ids": setup.target_layer_ids,
-                                  "warnings": []}
+    stats["formats"]["sglang"] = {
+        "dir": run_relative(cfg.run_dir, out),
+        "aux_layer_ids": setup.target_layer_ids,
+        "warnings": [],
+    }
     for fmt in formats:
         if fmt != "sglang":
             log.warning("export: %s not written: %s", fmt, DFLASH_SKIPS[fmt])
@@ -202,11 +239,13 @@ def run_export(cfg: RunConfig, force: bool = False, known_key: str | None = None
     """Export the selected checkpoint in every configured layout; a no-op when the manifest matches."""
     from eagle3.run.stage import run_stage
 
-    return run_stage(STAGE, export_dir(cfg) / MANIFEST_FILE, known_key or key_for(cfg), lambda: _export_all(cfg),
-                     force=force)
+    return run_stage(
+        STAGE, export_dir(cfg) / MANIFEST_FILE, known_key or key_for(cfg), lambda: _export_all(cfg), force=force
+    )
 
 
 # ------------------------------------------------------------------------------- the stage (eagle3.run.registry)
+
 
 def skip_reason(cfg: RunConfig) -> str | None:
     """None: export always runs."""
@@ -216,8 +255,9 @@ def skip_reason(cfg: RunConfig) -> str | None:
 key = key_for
 
 
-def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
-        known_key: str | None = None) -> StageOutcome:
+def run(
+    cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False, known_key: str | None = None
+) -> StageOutcome:
     """The export stage in this process (``progress`` unused: an export takes seconds)."""
     return run_export(cfg, force, known_key)
 
@@ -235,8 +275,14 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{args.check}: {check_export(args.check)} layout, check passed")
         return bool(args.check)
 
-    stage_main(parser, argv, lambda cfg, args: run_export(cfg, force=args.force), lock_owner="python -m eagle3.export",
-               show=_show_export, without_config=check_only)
+    stage_main(
+        parser,
+        argv,
+        lambda cfg, args: run_export(cfg, force=args.force),
+        lock_owner="python -m eagle3.export",
+        show=_show_export,
+        without_config=check_only,
+    )
 
 
 def _show_export(outcome: StageOutcome) -> None:
@@ -248,8 +294,10 @@ def _show_export(outcome: StageOutcome) -> None:
             print(f"  {fmt:<12} skipped: {entry['skipped']}")
             continue
         folder = resolve_in_run(run_dir, entry["dir"])  # relative; absolute in manifests of older runs
-        print(f"  {check_export(folder):<12} {folder}  aux ids {entry['aux_layer_ids']}  "
-              f"check passed" + "".join(f"\n  warning: {w}" for w in entry["warnings"]))
+        print(
+            f"  {check_export(folder):<12} {folder}  aux ids {entry['aux_layer_ids']}  "
+            f"check passed" + "".join(f"\n  warning: {w}" for w in entry["warnings"])
+        )
 
 
 if __name__ == "__main__":

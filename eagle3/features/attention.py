@@ -48,8 +48,7 @@ class PackedDocs:
     block_mask: Any = None  # torch BlockMask over [T, T] (document-causal), or None: SDPA per document
 
 
-_CONTEXT: contextvars.ContextVar[Samples | PackedDocs | None] = contextvars.ContextVar("eagle3_attention",
-                                                                                      default=None)
+_CONTEXT: contextvars.ContextVar[Samples | PackedDocs | None] = contextvars.ContextVar("eagle3_attention", default=None)
 
 
 @contextlib.contextmanager
@@ -81,39 +80,60 @@ def document_block_mask(document_ids: torch.Tensor, num_real: int | None = None,
         return (q >= kv) & (docs[q] == docs[kv]) & (real_key[kv] | (q == kv))
 
     seq = docs.shape[0]
-    return create_block_mask(mask_mod, 1, None, seq, seq, device=docs.device,
-                             _compile=docs.is_cuda if compile is None else compile)
+    return create_block_mask(
+        mask_mod, 1, None, seq, seq, device=docs.device, _compile=docs.is_cuda if compile is None else compile
+    )
 
 
-def _sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any,
-          **kwargs: Any) -> tuple[torch.Tensor, Any]:
+def _sdpa(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kwargs: Any
+) -> tuple[torch.Tensor, Any]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
 
-def _sliced(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            spans: Sequence[tuple[int, int, int]], **kwargs: Any) -> torch.Tensor:
+def _sliced(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spans: Sequence[tuple[int, int, int]],
+    **kwargs: Any,
+) -> torch.Tensor:
     """SDPA per (row, start, end) span of q [B, Hq, L, D], k/v [B, Hkv, L, D] -> [B, L, Hq, Dv] (rest zero)."""
     batch, heads, seq, _ = query.shape
     out = query.new_zeros(batch, seq, heads, value.shape[-1])  # [B, L, Hq, Dv]
     for b, start, end in spans:
-        part, _ = _sdpa(module, query[b:b + 1, :, start:end], key[b:b + 1, :, start:end],
-                        value[b:b + 1, :, start:end], None, **kwargs)  # [1, n, Hq, Dv]
+        part, _ = _sdpa(
+            module,
+            query[b : b + 1, :, start:end],
+            key[b : b + 1, :, start:end],
+            value[b : b + 1, :, start:end],
+            None,
+            **kwargs,
+        )  # [1, n, Hq, Dv]
         out[b, start:end] = part[0]
     return out
 
 
-def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
-          scaling: float | None) -> torch.Tensor:
+def _flex(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any, scaling: float | None
+) -> torch.Tensor:
     """flex_attention (compiled on CUDA) over the row's document mask: q [1, Hq, T, D] -> [1, T, Hq, Dv]."""
     from eagle3.drafter.model import flex_attention_over
 
     return flex_attention_over(query, key, value, block_mask, scale=scaling).transpose(1, 2).contiguous()
 
 
-def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """The registered attention (module docstring); q [B, Hq, L, D], k/v [B, Hkv, L, D] -> [B, L, Hq, Dv]."""
     context = _CONTEXT.get()
     same_length = query.shape[2] == key.shape[2]  # no cache: the contexts describe whole rows
@@ -122,8 +142,10 @@ def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
     if isinstance(context, PackedDocs):
         if query.shape[0] != 1 or not same_length or sum(context.lengths) != query.shape[2]:
             # plain SDPA here would attend across documents: never silently
-            raise ValueError(f"a packed row is one row of {sum(context.lengths)} tokens without a cache; the "
-                             f"attention got q {tuple(query.shape)}, k {tuple(key.shape)}")
+            raise ValueError(
+                f"a packed row is one row of {sum(context.lengths)} tokens without a cache; the "
+                f"attention got q {tuple(query.shape)}, k {tuple(key.shape)}"
+            )
         if context.block_mask is not None:
             return _flex(query, key, value, context.block_mask, kwargs.get("scaling")), None
         ends = itertools.accumulate(context.lengths)

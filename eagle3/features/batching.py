@@ -24,8 +24,9 @@ def activation_bytes_per_token(config: Any, num_outputs: int, dtype: torch.dtype
     widest of their intermediate sizes, which the estimate's margin covers.
     """
     hidden = config.hidden_size
-    inter = max(getattr(config, "intermediate_size", 0) or 0, getattr(config, "moe_intermediate_size", 0) or 0,
-                4 * hidden)
+    inter = max(
+        getattr(config, "intermediate_size", 0) or 0, getattr(config, "moe_intermediate_size", 0) or 0, 4 * hidden
+    )
     width = torch.finfo(dtype).bits // 8
     return width * (8 * hidden + 3 * inter + num_outputs * hidden)
 
@@ -38,8 +39,10 @@ def auto_tokens_per_forward(config: Any, num_outputs: int, dtype: torch.dtype, d
     free, _ = torch.cuda.mem_get_info(device)
     fit = int(free * AUTO_MEMORY_SHARE) // activation_bytes_per_token(config, num_outputs, dtype)
     if fit < 1:
-        raise ValueError(f"capture.tokens_per_forward=auto: {free:,} bytes free on {device} hold no batch; "
-                         f"free the GPU or set capture.tokens_per_forward")
+        raise ValueError(
+            f"capture.tokens_per_forward=auto: {free:,} bytes free on {device} hold no batch; "
+            f"free the GPU or set capture.tokens_per_forward"
+        )
     return min(AUTO_MAX_TOKENS, 1 << (fit.bit_length() - 1))
 
 

@@ -60,8 +60,9 @@ def _tokenized(cfg: RunConfig) -> tuple[Path, Path]:
     layout = run_layout(cfg)
     manifest = layout.manifest(tokenize.STAGE)
     if not manifest.is_file():
-        raise FileNotFoundError(f"{manifest} not found: tokenize first (eagle3 stage {tokenize.STAGE.name}, "
-                                "same config)")
+        raise FileNotFoundError(
+            f"{manifest} not found: tokenize first (eagle3 stage {tokenize.STAGE.name}, same config)"
+        )
     return layout.tokenized, manifest
 
 
@@ -78,10 +79,17 @@ def build_spec(cfg: RunConfig, model_dir: Path) -> FeatureSpec:
     template = load_tokenizer(model_dir).chat_template
     cap = cfg.capture
     return FeatureSpec(
-        target_name=cfg.target.name, target_fingerprint=fingerprint(model_dir), hidden_size=info.hidden_size,
-        num_layers=info.num_layers, vocab_size=info.vocab_size, aux_layer_ids=info.aux_layer_ids,
-        supervision=cap.supervision, topk=cap.topk if cap.supervision == "topk_logprobs" else None,
-        dtype=cap.dtype, aux_dtype=cap.aux_dtype, max_len=cfg.tokenize.max_len,
+        target_name=cfg.target.name,
+        target_fingerprint=fingerprint(model_dir),
+        hidden_size=info.hidden_size,
+        num_layers=info.num_layers,
+        vocab_size=info.vocab_size,
+        aux_layer_ids=info.aux_layer_ids,
+        supervision=cap.supervision,
+        topk=cap.topk if cap.supervision == "topk_logprobs" else None,
+        dtype=cap.dtype,
+        aux_dtype=cap.aux_dtype,
+        max_len=cfg.tokenize.max_len,
         chat_template_hash=sha256_text(template if isinstance(template, str) else json.dumps(template)),
         backend=cap.backend,
     )
@@ -111,15 +119,20 @@ def save_or_check_spec(fdir: Path, spec: FeatureSpec) -> None:
         if diffs:
             raise SpecMismatchError(
                 f"{path} was written for other features; differing fields: {'; '.join(diffs)}. "
-                f"Delete {fdir} to capture again with this config, or use another run.name")
+                f"Delete {fdir} to capture again with this config, or use another run.name"
+            )
         return
     spec.save(path)
 
 
 def _shard_matches(doc: ShardDone | None, shard: ShardPlan, fdir: Path, expected_hash: str) -> TypeGuard[ShardDone]:
     """The shard on disk is complete and holds exactly the planned samples."""
-    return (doc is not None and shard_is_complete(shard_path(fdir, shard.index), doc, expected_hash)
-            and doc.sample_ids == shard.sample_ids and doc.num_tokens == shard.num_tokens)
+    return (
+        doc is not None
+        and shard_is_complete(shard_path(fdir, shard.index), doc, expected_hash)
+        and doc.sample_ids == shard.sample_ids
+        and doc.num_tokens == shard.num_tokens
+    )
 
 
 def _remove_stale(fdir: Path, plan: CapturePlan, expected_hash: str) -> list[str]:
@@ -175,10 +188,16 @@ def make_backend(cfg: RunConfig, model_dir: Path, spec: FeatureSpec | None = Non
     if cap.backend == "hf":
         from eagle3.features.hf_backend import HFCaptureBackend
 
-        return HFCaptureBackend.from_spec(model_dir, spec, device=cap.device, dtype=cfg.target.dtype,
-                                          tokens_per_forward=cap.tokens_per_forward, device_map=cap.device_map,
-                                          pinned_handoff=cap.pinned_handoff,
-                                          batch_invariant=cap.per_sample_attention)
+        return HFCaptureBackend.from_spec(
+            model_dir,
+            spec,
+            device=cap.device,
+            dtype=cfg.target.dtype,
+            tokens_per_forward=cap.tokens_per_forward,
+            device_map=cap.device_map,
+            pinned_handoff=cap.pinned_handoff,
+            batch_invariant=cap.per_sample_attention,
+        )
     from eagle3.features.sglang_backend import SGLangCaptureBackend
 
     # Which servers to use (given endpoints, or managed ones per pass) is the SGLang module's decision.
@@ -202,10 +221,14 @@ def load_shard_samples(tokenized: Path, shard: ShardPlan) -> list[SampleTokens]:
     table = table.slice(shard.row_start - first_row, shard.row_end - shard.row_start)
     ids = table["id"].to_pylist()
     if ids != shard.sample_ids:
-        raise ValueError(f"{tokenized} changed since plan.json was written ({shard_stem(shard.index)} expects "
-                         f"{shard.sample_ids[:3]}..., found {ids[:3]}...); run prepare_capture again")
-    return [SampleTokens(i, ids_, mask) for i, ids_, mask in
-            zip(ids, table["input_ids"].to_pylist(), table["loss_mask"].to_pylist())]
+        raise ValueError(
+            f"{tokenized} changed since plan.json was written ({shard_stem(shard.index)} expects "
+            f"{shard.sample_ids[:3]}..., found {ids[:3]}...); run prepare_capture again"
+        )
+    return [
+        SampleTokens(i, ids_, mask)
+        for i, ids_, mask in zip(ids, table["input_ids"].to_pylist(), table["loss_mask"].to_pylist())
+    ]
 
 
 def _load_prepared(cfg: RunConfig) -> tuple[Path, FeatureSpec, CapturePlan]:
@@ -260,8 +283,14 @@ def capture_shard(cfg: RunConfig, shard_index: int, backend: CaptureBackend | No
         if own:
             backend.close()
     elapsed_s = time.perf_counter() - start
-    return ShardResult(shard_index, True, doc.num_tokens, doc.num_bytes, round(elapsed_s, 3),
-                       round(doc.num_tokens / max(elapsed_s, 1e-9), 1))
+    return ShardResult(
+        shard_index,
+        True,
+        doc.num_tokens,
+        doc.num_bytes,
+        round(elapsed_s, 3),
+        round(doc.num_tokens / max(elapsed_s, 1e-9), 1),
+    )
 
 
 def _incomplete(fdir: Path, spec: FeatureSpec, plan: CapturePlan) -> tuple[list[int], dict[int, ShardDone]]:
@@ -274,15 +303,25 @@ def _incomplete(fdir: Path, spec: FeatureSpec, plan: CapturePlan) -> tuple[list[
 def _stats(spec: FeatureSpec, plan: CapturePlan, docs: list[ShardDone]) -> dict[str, Any]:
     num_tokens = sum(d.num_tokens for d in docs)
     num_bytes = sum(d.num_bytes for d in docs)
-    return {"num_shards": len(docs), "num_samples": sum(d.num_samples for d in docs), "num_tokens": num_tokens,
-            "num_loss_tokens": sum(d.num_loss_tokens for d in docs), "num_bytes": num_bytes,
-            "bytes_per_token": round(num_bytes / max(num_tokens, 1), 2), "spec_bytes_per_token": spec.bytes_per_token(),
-            "spec_hash": spec_hash(spec), "aux_layer_ids": spec.aux_layer_ids, "supervision": spec.supervision,
-            "aux_dtype": spec.aux_dtype, "tokens_per_shard": plan.tokens_per_shard}
+    return {
+        "num_shards": len(docs),
+        "num_samples": sum(d.num_samples for d in docs),
+        "num_tokens": num_tokens,
+        "num_loss_tokens": sum(d.num_loss_tokens for d in docs),
+        "num_bytes": num_bytes,
+        "bytes_per_token": round(num_bytes / max(num_tokens, 1), 2),
+        "spec_bytes_per_token": spec.bytes_per_token(),
+        "spec_hash": spec_hash(spec),
+        "aux_layer_ids": spec.aux_layer_ids,
+        "supervision": spec.supervision,
+        "aux_dtype": spec.aux_dtype,
+        "tokens_per_shard": plan.tokens_per_shard,
+    }
 
 
-def finalize_capture(cfg: RunConfig, last_run: dict[str, Any] | None = None,
-                     known_key: str | None = None) -> dict[str, Any]:
+def finalize_capture(
+    cfg: RunConfig, last_run: dict[str, Any] | None = None, known_key: str | None = None
+) -> dict[str, Any]:
     """Check that every planned shard is complete, then write capture.manifest.json (last).
 
     ``last_run``: what the capture that completed the shards measured (time, tokens/s, writer waits);
@@ -291,8 +330,10 @@ def finalize_capture(cfg: RunConfig, last_run: dict[str, Any] | None = None,
     fdir, spec, plan = _load_prepared(cfg)
     missing, on_disk = _incomplete(fdir, spec, plan)
     if missing:
-        raise RuntimeError(f"{len(missing)} of {len(plan.shards)} capture shards are not complete "
-                           f"(first: {[shard_stem(i) for i in missing[:5]]}); run the capture again")
+        raise RuntimeError(
+            f"{len(missing)} of {len(plan.shards)} capture shards are not complete "
+            f"(first: {[shard_stem(i) for i in missing[:5]]}); run the capture again"
+        )
     docs = [on_disk[s.index] for s in plan.shards]
     outputs = {"spec": fdir / SPEC_FILE, "plan": fdir / PLAN_FILE}
     # Done files carry each shard's size and sha256; hashing them (not terabytes of shards) is enough.
@@ -301,8 +342,9 @@ def finalize_capture(cfg: RunConfig, last_run: dict[str, Any] | None = None,
     return write_manifest(fdir / MANIFEST_FILE, STAGE, known_key or capture_key(cfg, spec), outputs, stats)
 
 
-def finalize_outcome(cfg: RunConfig, last_run: dict[str, Any] | None = None,
-                     known_key: str | None = None) -> StageOutcome:
+def finalize_outcome(
+    cfg: RunConfig, last_run: dict[str, Any] | None = None, known_key: str | None = None
+) -> StageOutcome:
     """finalize_capture as the stage's outcome (computed: the manifest was written now)."""
     doc = finalize_capture(cfg, last_run, known_key)
     return StageOutcome.from_manifest(STAGE.name, doc["key"], features_dir(cfg) / MANIFEST_FILE, doc, computed=True)
@@ -334,8 +376,7 @@ def is_captured(cfg: RunConfig) -> bool:
     return (features_dir(cfg) / MANIFEST_FILE).is_file() and is_complete(cfg, stage_key_of(cfg))
 
 
-def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec,
-                 progress: ProgressFn | None) -> dict[str, Any]:
+def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec, progress: ProgressFn | None) -> dict[str, Any]:
     """Every pending shard in order with one backend (the model loads once), writes overlapping forwards.
 
     Returns this run's figures: shards and tokens captured, wall time (model load included), tokens/s, and how
@@ -355,8 +396,13 @@ def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec,
             totals["tokens"] += doc.num_tokens
             totals["bytes"] += doc.num_bytes
             rate = totals["tokens"] / max(time.perf_counter() - start, 1e-9)
-            bar.update(1, tokens=totals["tokens"], bytes=totals["bytes"], tokens_per_s=round(rate, 1),
-                       eta_s=round((tokens_left - totals["tokens"]) / rate, 1) if rate > 0 else None)
+            bar.update(
+                1,
+                tokens=totals["tokens"],
+                bytes=totals["bytes"],
+                tokens_per_s=round(rate, 1),
+                eta_s=round((tokens_left - totals["tokens"]) / rate, 1) if rate > 0 else None,
+            )
 
         if not pending:
             return {}
@@ -368,13 +414,19 @@ def _capture_all(cfg: RunConfig, plan: CapturePlan, spec: FeatureSpec,
         finally:
             backend.close()
     elapsed_s = time.perf_counter() - start
-    return {"num_shards": len(pending), "num_tokens": totals["tokens"], "elapsed_s": round(elapsed_s, 3),
-            "tokens_per_s": round(totals["tokens"] / max(elapsed_s, 1e-9), 1),
-            "writer_wait_s": round(waits.wait_s, 3), "peak_queued_bytes": waits.peak_queued_bytes}
+    return {
+        "num_shards": len(pending),
+        "num_tokens": totals["tokens"],
+        "elapsed_s": round(elapsed_s, 3),
+        "tokens_per_s": round(totals["tokens"] / max(elapsed_s, 1e-9), 1),
+        "writer_wait_s": round(waits.wait_s, 3),
+        "peak_queued_bytes": waits.peak_queued_bytes,
+    }
 
 
-def run_capture(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
-                known_key: str | None = None) -> StageOutcome:
+def run_capture(
+    cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False, known_key: str | None = None
+) -> StageOutcome:
     """Prepare, capture every missing shard, finalize; a no-op when the manifest matches and shards are intact
     (``force``: check every shard and write the manifest again; a shard whose done file matches is kept)."""
     from eagle3.target.load import prepare_target

@@ -37,5 +37,7 @@ def fp8_error(aux: torch.Tensor) -> dict[str, float]:
     q, scale = quantize_fp8(x)
     err = dequantize_fp8(q, scale, torch.bfloat16).float() - x
     norm = x.norm().item()
-    return {"max_abs": err.abs().max().item() if err.numel() else 0.0,
-            "rel_rms": err.norm().item() / norm if norm > 0 else 0.0}
+    return {
+        "max_abs": err.abs().max().item() if err.numel() else 0.0,
+        "rel_rms": err.norm().item() / norm if norm > 0 else 0.0,
+    }

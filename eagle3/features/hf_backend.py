@@ -61,6 +61,7 @@ from eagle3.features.spec import CapturedSample, FeatureSpec, SampleTokens
 LOGITS_CHUNK_BYTES = 1 << 28
 """fp32 logits kept at once by the top-K pass (256 MiB)."""
 
+
 @dataclass
 class _Inputs:
     """One padded batch: ids/mask [B, L] on the input device, gather index [N] of the valid rows."""
@@ -98,10 +99,21 @@ def _keep_rows(store: dict, name: Any, rows_for: Any) -> Any:
 class HFCaptureBackend:
     """CaptureBackend over an in-process transformers causal LM (CPU, one GPU, or device_map='auto')."""
 
-    def __init__(self, model_dir: Path | None, aux_layer_ids: Sequence[int], *, supervision: str = "final_hidden",
-                 topk: int | None = None, device: str = "auto", dtype: str = "float32",
-                 tokens_per_forward: int | str = 4096, device_map: str | None = None, model: Any = None,
-                 batch_invariant: bool | str | None = None, pinned_handoff: bool = False):
+    def __init__(
+        self,
+        model_dir: Path | None,
+        aux_layer_ids: Sequence[int],
+        *,
+        supervision: str = "final_hidden",
+        topk: int | None = None,
+        device: str = "auto",
+        dtype: str = "float32",
+        tokens_per_forward: int | str = 4096,
+        device_map: str | None = None,
+        model: Any = None,
+        batch_invariant: bool | str | None = None,
+        pinned_handoff: bool = False,
+    ):
         if supervision == "topk_logprobs" and not topk:
             raise ValueError("topk_logprobs supervision needs topk >= 1")
         if model is None:
@@ -122,8 +134,9 @@ class HFCaptureBackend:
         self.per_sample = wants_per_sample and self.sliced
         if tokens_per_forward == "auto":
             weight_dtype = self.decoder.embed_tokens.weight.dtype
-            tokens_per_forward = auto_tokens_per_forward(self.model.config, len(self.aux_layer_ids) + 1,
-                                                         weight_dtype, self.input_device)
+            tokens_per_forward = auto_tokens_per_forward(
+                self.model.config, len(self.aux_layer_ids) + 1, weight_dtype, self.input_device
+            )
         self.tokens_per_forward = int(tokens_per_forward)
         self.lock = device_lock(self.input_device)
         self._copy_stream = torch.cuda.Stream(self.input_device) if self.input_device.type == "cuda" else None
@@ -165,8 +178,10 @@ class HFCaptureBackend:
                     by_device[device] = inputs.rows.to(device, non_blocking=True)
                 return by_device[device]
 
-            handles = [self.decoder.layers[j].register_forward_hook(_keep_rows(store, j, rows_for))
-                       for j in sorted(set(self.aux_layer_ids))]
+            handles = [
+                self.decoder.layers[j].register_forward_hook(_keep_rows(store, j, rows_for))
+                for j in sorted(set(self.aux_layer_ids))
+            ]
             handles.append(self.decoder.norm.register_forward_hook(_keep_rows(store, "final", rows_for)))
         context = inputs.packed or (Samples(tuple(inputs.lengths)) if self.per_sample else None)
         try:
@@ -178,8 +193,12 @@ class HFCaptureBackend:
 
     def _forward(self, inputs: _Inputs) -> None:
         """The decoder alone (no lm_head); the hooks keep what is needed."""
-        self.decoder(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                     position_ids=inputs.position_ids, use_cache=False)
+        self.decoder(
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+            use_cache=False,
+        )
 
     def _outputs(self, store: dict) -> dict[str, torch.Tensor]:
         """Hook rows -> aux [N, A*H] (+ final [N, H] or top-K [N, K]) on the input device."""
@@ -200,7 +219,7 @@ class HFCaptureBackend:
         final = final.to(head.weight.device)
         ids, logprobs = [], []
         for start in range(0, final.shape[0], chunk):
-            logits = head(final[start:start + chunk]).float()  # [c, V]
+            logits = head(final[start : start + chunk]).float()  # [c, V]
             values, indices = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)  # [c, K]
             ids.append(indices.to(torch.int32))
             logprobs.append(values)
@@ -246,7 +265,7 @@ class HFCaptureBackend:
             outputs, start = self.batch_states(batch), 0
             for g, sample in zip(group, batch):
                 n = len(sample.input_ids)
-                pieces[order[g]] = {name: t[start:start + n] for name, t in outputs.items()}
+                pieces[order[g]] = {name: t[start : start + n] for name, t in outputs.items()}
                 start += n
         return {name: torch.cat([pieces[i][name] for i in range(len(samples))]) for name in pieces[0]}
 
@@ -266,8 +285,14 @@ class HFCaptureBackend:
             self._run_decoder(inputs, store)
         return self._outputs(store)
 
-    def packed_states(self, input_ids: torch.Tensor, document_ids: torch.Tensor, position_ids: torch.Tensor,
-                      lengths: Sequence[int], flex: bool | None = None) -> dict[str, torch.Tensor]:
+    def packed_states(
+        self,
+        input_ids: torch.Tensor,
+        document_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        lengths: Sequence[int],
+        flex: bool | None = None,
+    ) -> dict[str, torch.Tensor]:
         """One forward over a packed row, documents kept apart by the attention: [sum(lengths), ...] outputs.
 
         input_ids, document_ids, position_ids: [1, T] on the input device, documents contiguous, positions
@@ -278,18 +303,28 @@ class HFCaptureBackend:
         path.
         """
         if not self.sliced:
-            raise ValueError("packed rows need causal full attention through SDPA "
-                             f"(this target uses {self.model.config._attn_implementation!r})")
+            raise ValueError(
+                "packed rows need causal full attention through SDPA "
+                f"(this target uses {self.model.config._attn_implementation!r})"
+            )
         flex = self.input_device.type == "cuda" if flex is None else flex
         num_real, num_pad = sum(lengths), input_ids.shape[1] - sum(lengths)
         if flex:  # the whole row, one shape: the padding runs as a document of its own
-            packed = PackedDocs((*lengths, num_pad) if num_pad else tuple(lengths),
-                                document_block_mask(document_ids[0], num_real))
+            packed = PackedDocs(
+                (*lengths, num_pad) if num_pad else tuple(lengths), document_block_mask(document_ids[0], num_real)
+            )
         else:
             input_ids, position_ids = input_ids[:, :num_real], position_ids[:, :num_real]
             packed = PackedDocs(tuple(lengths))
-        inputs = _Inputs([], [input_ids.shape[1]], input_ids, None, torch.arange(num_real, device=input_ids.device),
-                         position_ids=position_ids, packed=packed)
+        inputs = _Inputs(
+            [],
+            [input_ids.shape[1]],
+            input_ids,
+            None,
+            torch.arange(num_real, device=input_ids.device),
+            position_ids=position_ids,
+            packed=packed,
+        )
         store: dict = {}
         with self.lock:
             self._run_decoder(inputs, store)
@@ -304,11 +339,17 @@ class HFCaptureBackend:
                 host = {name: tensor.clone() for name, tensor in host.items()}
         start = 0
         for sample, n in zip(launched.samples, launched.lengths):
-            part = {name: tensor[start:start + n] for name, tensor in host.items()}  # views: no copy
+            part = {name: tensor[start : start + n] for name, tensor in host.items()}  # views: no copy
             start += n
-            yield launched.group, CapturedSample(
-                id=sample.id, input_ids=torch.as_tensor(sample.input_ids, dtype=torch.int32),
-                loss_mask=torch.as_tensor(sample.loss_mask, dtype=torch.uint8), **part)
+            yield (
+                launched.group,
+                CapturedSample(
+                    id=sample.id,
+                    input_ids=torch.as_tensor(sample.input_ids, dtype=torch.int32),
+                    loss_mask=torch.as_tensor(sample.loss_mask, dtype=torch.uint8),
+                    **part,
+                ),
+            )
 
     # ---- CaptureBackend ----------------------------------------------------------------------------
 

@@ -93,9 +93,16 @@ class CapturePlan:
         """Counts for progress displays; ``pending`` lists shard indices still to capture."""
         pending = list(self.pending) if self.pending is not None else [s.index for s in self.shards]
         todo = set(pending)
-        return CaptureSummary(len(self.shards), self.num_samples, self.num_tokens, self.tokens_per_shard,
-                              len(pending), pending, sum(s.num_tokens for s in self.shards if s.index in todo),
-                              self.num_bytes_pending)
+        return CaptureSummary(
+            len(self.shards),
+            self.num_samples,
+            self.num_tokens,
+            self.tokens_per_shard,
+            len(pending),
+            pending,
+            sum(s.num_tokens for s in self.shards if s.index in todo),
+            self.num_bytes_pending,
+        )
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> CapturePlan:
@@ -149,8 +156,9 @@ def build_plan(tokenized: Path, tokens_per_shard: int, tokenized_key: str) -> Ca
         raise ValueError(f"{tokenized}: sample ids are not unique; cannot plan a capture")
     if not ids:
         raise ValueError(f"{tokenized} has no rows: nothing to capture")
-    return CapturePlan(plan_shards(ids, table["num_tokens"].to_pylist(), tokens_per_shard), tokenized_key,
-                       tokens_per_shard)
+    return CapturePlan(
+        plan_shards(ids, table["num_tokens"].to_pylist(), tokens_per_shard), tokenized_key, tokens_per_shard
+    )
 
 
 def shard_bytes(shard: ShardPlan, spec: FeatureSpec) -> int:
@@ -165,8 +173,10 @@ def preflight_bytes(plan: CapturePlan, spec: FeatureSpec, skip: Sequence[int] = 
     return sum(shard_bytes(s, spec) for s in plan.shards if s.index not in done)
 
 
-ONLINE_HINT = ("offline capture does not fit; train.features=online needs no feature disk (the target runs inside "
-               "each training step, whole on each training GPU or FSDP2-sharded across them: train.target_sharding)")
+ONLINE_HINT = (
+    "offline capture does not fit; train.features=online needs no feature disk (the target runs inside "
+    "each training step, whole on each training GPU or FSDP2-sharded across them: train.target_sharding)"
+)
 
 
 def check_disk(features_dir: Path, need_bytes: int, margin_bytes: int) -> int:

@@ -53,18 +53,31 @@ class SGLangCaptureBackend:
     forward /server_info (the per-response checks still apply). The caller owns the servers.
     """
 
-    def __init__(self, spec: FeatureSpec, aux_endpoints: Sequence[str | ServerHandle],
-                 final_endpoints: Sequence[str | ServerHandle] = (), *, api_key: str | None = None,
-                 max_concurrency: int = 4, request_timeout_s: float = 600.0, max_retries: int = 2,
-                 retry_backoff_s: float = 0.5, ready_timeout_s: float = 1800.0, check_servers: bool = True,
-                 owned_servers: Sequence[ManagedServer] = (), packed: bool = False):
+    def __init__(
+        self,
+        spec: FeatureSpec,
+        aux_endpoints: Sequence[str | ServerHandle],
+        final_endpoints: Sequence[str | ServerHandle] = (),
+        *,
+        api_key: str | None = None,
+        max_concurrency: int = 4,
+        request_timeout_s: float = 600.0,
+        max_retries: int = 2,
+        retry_backoff_s: float = 0.5,
+        ready_timeout_s: float = 1800.0,
+        check_servers: bool = True,
+        owned_servers: Sequence[ManagedServer] = (),
+        packed: bool = False,
+    ):
         if not aux_endpoints:
             raise ValueError("SGLangCaptureBackend needs at least one aux endpoint")
         if packed and final_endpoints:
             raise ValueError("capture_packed servers return the final state themselves: give no final_endpoints")
         if spec.supervision == "final_hidden" and not final_endpoints and not packed:
-            raise ValueError("supervision final_hidden needs final_endpoints: servers in mode capture_final "
-                             "(SGLang returns no final hidden state from an aux-capture server)")
+            raise ValueError(
+                "supervision final_hidden needs final_endpoints: servers in mode capture_final "
+                "(SGLang returns no final hidden state from an aux-capture server)"
+            )
         if spec.supervision == "topk_logprobs" and not spec.topk:
             raise ValueError("supervision topk_logprobs needs spec.topk")
         self.spec, self.api_key = spec, api_key
@@ -87,12 +100,20 @@ class SGLangCaptureBackend:
         managed = _MANAGED.get(sg.endpoints[0]) if sg.endpoints else None
         api_key = managed.api_key if managed is not None else None
         api_key = api_key or (os.environ.get(server.api_key_env) if server.api_key_env else None)
-        kwargs: dict[str, Any] = dict(max_concurrency=sg.max_concurrency, request_timeout_s=sg.request_timeout_s,
-                                      ready_timeout_s=server.startup_timeout_s,
-                                      packed=sg.server_mode == "capture_packed")
+        kwargs: dict[str, Any] = dict(
+            max_concurrency=sg.max_concurrency,
+            request_timeout_s=sg.request_timeout_s,
+            ready_timeout_s=server.startup_timeout_s,
+            packed=sg.server_mode == "capture_packed",
+        )
         if sg.endpoints:  # this process's managed servers come as handles: a restart is waited for, not failed on
-            return cls(spec, [_MANAGED.get(u, u) for u in sg.endpoints],
-                       [_MANAGED.get(u, u) for u in sg.final_endpoints], api_key=api_key, **kwargs)
+            return cls(
+                spec,
+                [_MANAGED.get(u, u) for u in sg.endpoints],
+                [_MANAGED.get(u, u) for u in sg.final_endpoints],
+                api_key=api_key,
+                **kwargs,
+            )
         api_key = api_key or secrets.token_hex(16)
         servers = _launch_servers(cfg, model_dir, spec, api_key)
         return cls(spec, servers[:1], servers[1:], api_key=api_key, owned_servers=servers, **kwargs)
@@ -132,17 +153,29 @@ def _launch_servers(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, api_key:
     servers: list[ManagedServer] = []
     try:
         for offset, mode in enumerate(modes):
-            server_spec = ServerSpec(str(model_dir), mode, port=sg.port + offset, host=server.host,
-                                     allow_remote=server.allow_remote_host, tp_size=server.tp_size,
-                                     dp_size=sg.dp_size, api_key=api_key, mem_fraction_static=mem,
-                                     attention_backend=server.attention_backend,
-                                     aux_layer_ids=tuple(spec.aux_layer_ids) if mode != "capture_final" else None,
-                                     extra_args=tuple(server.extra_args), python=server.python,
-                                     module=server.launch_module)
-            managed = ManagedServer(server_spec, cfg.run_dir / "logs" / f"sglang-{mode}.log",
-                                    expect=ProbeExpectations(hidden_size=spec.hidden_size, vocab_size=spec.vocab_size),
-                                    startup_timeout_s=server.startup_timeout_s,
-                                    policy=RestartPolicy(max_restarts=sg.max_restarts))
+            server_spec = ServerSpec(
+                str(model_dir),
+                mode,
+                port=sg.port + offset,
+                host=server.host,
+                allow_remote=server.allow_remote_host,
+                tp_size=server.tp_size,
+                dp_size=sg.dp_size,
+                api_key=api_key,
+                mem_fraction_static=mem,
+                attention_backend=server.attention_backend,
+                aux_layer_ids=tuple(spec.aux_layer_ids) if mode != "capture_final" else None,
+                extra_args=tuple(server.extra_args),
+                python=server.python,
+                module=server.launch_module,
+            )
+            managed = ManagedServer(
+                server_spec,
+                cfg.run_dir / "logs" / f"sglang-{mode}.log",
+                expect=ProbeExpectations(hidden_size=spec.hidden_size, vocab_size=spec.vocab_size),
+                startup_timeout_s=server.startup_timeout_s,
+                policy=RestartPolicy(max_restarts=sg.max_restarts),
+            )
             managed.check_port()  # both ports, before the first launch spends minutes loading weights
             servers.append(managed)
         for managed in servers:

@@ -47,8 +47,10 @@ class CaptureError(RuntimeError):
     """A sample whose capture could not be validated within the retry budget."""
 
     def __init__(self, sample_id: str, check: str, detail: str, num_attempts: int, endpoint: str):
-        super().__init__(f"sample {sample_id!r}: check {check!r} failed after {num_attempts} attempt(s) "
-                         f"(last on {endpoint}): {detail}")
+        super().__init__(
+            f"sample {sample_id!r}: check {check!r} failed after {num_attempts} attempt(s) "
+            f"(last on {endpoint}): {detail}"
+        )
         self.sample_id, self.check, self.detail = sample_id, check, detail
 
 
@@ -71,8 +73,9 @@ class _EndpointPool:
     """Endpoints of one pass with at most ``max_concurrency`` requests in flight on each."""
 
     def __init__(self, targets: Sequence[str | ServerHandle], max_concurrency: int):
-        self.endpoints = [_Endpoint(t.rstrip("/"), None) if isinstance(t, str) else _Endpoint(t.base_url, t)
-                          for t in targets]
+        self.endpoints = [
+            _Endpoint(t.rstrip("/"), None) if isinstance(t, str) else _Endpoint(t.base_url, t) for t in targets
+        ]
         self.max_concurrency = max_concurrency
         self._cond = asyncio.Condition()
 
@@ -157,13 +160,18 @@ class CaptureSession:
         # A packed row is the aux states, then the final one: (num_aux + 1) * H values.
         width = (spec.num_aux + int(b.packed)) * spec.hidden_size
         self.aux = _Pass("aux", _EndpointPool(b.aux_targets, b.max_concurrency), width, k)
-        self.final = (_Pass("final", _EndpointPool(b.final_targets, b.max_concurrency), spec.hidden_size)
-                      if spec.supervision == "final_hidden" and not b.packed else None)
+        self.final = (
+            _Pass("final", _EndpointPool(b.final_targets, b.max_concurrency), spec.hidden_size)
+            if spec.supervision == "final_hidden" and not b.packed
+            else None
+        )
         num_slots = self.aux.pool.num_slots + (self.final.pool.num_slots if self.final else 0)
         self.window = 2 * num_slots  # keeps every slot busy without buffering the whole list
-        self.client = httpx.AsyncClient(headers=auth_headers(b.api_key),
-                                        timeout=httpx.Timeout(b.request_timeout_s, connect=10.0),
-                                        limits=httpx.Limits(max_connections=num_slots))
+        self.client = httpx.AsyncClient(
+            headers=auth_headers(b.api_key),
+            timeout=httpx.Timeout(b.request_timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=num_slots),
+        )
         if b.check_servers:
             await self._check_servers()
 
@@ -194,8 +202,14 @@ class CaptureSession:
         for endpoint in self.final.pool.endpoints if self.final else []:
             info = await self._server_info(endpoint)
             if info.get("return_hidden_states_mode") != "full" or info.get("enable_return_aux_hidden_states"):
-                raise CaptureError("-", "server_info", f"{endpoint.url} is not a capture_final server "
-                                   "(needs --enable-return-hidden-states without aux capture)", 1, endpoint.url)
+                raise CaptureError(
+                    "-",
+                    "server_info",
+                    f"{endpoint.url} is not a capture_final server "
+                    "(needs --enable-return-hidden-states without aux capture)",
+                    1,
+                    endpoint.url,
+                )
 
     async def _server_info(self, endpoint: _Endpoint) -> dict[str, Any]:
         """GET /server_info; a managed server that is restarting is waited for once, then asked again."""
@@ -205,13 +219,15 @@ class CaptureSession:
             resp = await self.client.get(f"{url}/server_info", timeout=30.0)
         except httpx.TransportError as exc:
             if endpoint.handle is None:
-                raise CaptureError("-", "server_info", f"GET /server_info failed: {type(exc).__name__}: {exc}", 1,
-                                   url) from exc
+                raise CaptureError(
+                    "-", "server_info", f"GET /server_info failed: {type(exc).__name__}: {exc}", 1, url
+                ) from exc
             await self._wait_ready(endpoint, "-")
             return await self._server_info(_Endpoint(url, None))
         except httpx.HTTPError as exc:
-            raise CaptureError("-", "server_info", f"GET /server_info failed: {type(exc).__name__}: {exc}", 1,
-                               url) from exc
+            raise CaptureError(
+                "-", "server_info", f"GET /server_info failed: {type(exc).__name__}: {exc}", 1, url
+            ) from exc
         if resp.status_code != 200:
             raise CaptureError("-", "server_info", f"GET /server_info answered {resp.status_code}", 1, url)
         return resp.json()
@@ -243,8 +259,16 @@ class CaptureSession:
                 return await self._attempt(p, endpoint, sample)
             except _Attempt as failure:
                 last = failure
-                log.warning("sample %s, %s pass on %s: %s %s (attempt %d of %d)", sample.id, p.name,
-                            endpoint.url, failure.check, failure.detail, attempt + 1, self.b.max_retries + 1)
+                log.warning(
+                    "sample %s, %s pass on %s: %s %s (attempt %d of %d)",
+                    sample.id,
+                    p.name,
+                    endpoint.url,
+                    failure.check,
+                    failure.detail,
+                    attempt + 1,
+                    self.b.max_retries + 1,
+                )
             finally:
                 await p.pool.release(endpoint)
             if not last.retryable:
@@ -267,18 +291,23 @@ class CaptureSession:
         body = capture_request_body(sample.input_ids, sample.id, top_logprobs_num=p.top_logprobs_num)
         t0 = time.monotonic()
         try:
-            resp = await asyncio.wait_for(self.client.post(f"{endpoint.url}/generate", json=body),
-                                          self.b.request_timeout_s)
+            resp = await asyncio.wait_for(
+                self.client.post(f"{endpoint.url}/generate", json=body), self.b.request_timeout_s
+            )
         except (asyncio.TimeoutError, httpx.TimeoutException):
             raise _Attempt("timeout", f"no answer within {self.b.request_timeout_s} s") from None
         except httpx.TransportError as exc:
             raise _Attempt("transport", f"{type(exc).__name__}: {exc}", server_died=True) from None
         if resp.status_code != 200:
-            raise _Attempt("http_status", f"HTTP {resp.status_code}: {resp.text[:300]}",
-                           retryable=resp.status_code not in PERMANENT_STATUS)
+            raise _Attempt(
+                "http_status",
+                f"HTTP {resp.status_code}: {resp.text[:300]}",
+                retryable=resp.status_code not in PERMANENT_STATUS,
+            )
         try:
-            return await asyncio.to_thread(parse_response, resp.content, sample, p.width, p.top_logprobs_num,
-                                           self.b.spec.vocab_size)
+            return await asyncio.to_thread(
+                parse_response, resp.content, sample, p.width, p.top_logprobs_num, self.b.spec.vocab_size
+            )
         except ResponseCheckError as exc:
             raise _Attempt(exc.check, exc.detail) from None
         finally:
@@ -288,15 +317,21 @@ class CaptureSession:
 def _check_aux_server(info: dict[str, Any], spec: FeatureSpec, url: str) -> None:
     """The server must capture exactly spec.aux_layer_ids (SGLang's explicit ids use our convention)."""
     if not info.get("enable_return_aux_hidden_states"):
-        raise CaptureError("-", "server_info", f"{url} does not capture aux hidden states "
-                           "(launch it in mode capture_aux)", 1, url)
+        raise CaptureError(
+            "-", "server_info", f"{url} does not capture aux hidden states (launch it in mode capture_aux)", 1, url
+        )
     served = info.get("return_aux_hidden_state_layer_ids")
     # Without explicit ids SGLang captures [1, L//2 - 1, L - 4] in the output-of-layer convention.
     layers = spec.num_layers
     served = list(served) if served else [1, layers // 2 - 1, layers - 4]
     if served != list(spec.aux_layer_ids):
-        raise CaptureError("-", "server_info", f"{url} captures layers {served}, the feature spec says "
-                           f"{list(spec.aux_layer_ids)}", 1, url)
+        raise CaptureError(
+            "-",
+            "server_info",
+            f"{url} captures layers {served}, the feature spec says {list(spec.aux_layer_ids)}",
+            1,
+            url,
+        )
 
 
 def _check_packed_server(info: dict[str, Any], url: str) -> None:
@@ -306,11 +341,21 @@ def _check_packed_server(info: dict[str, Any], url: str) -> None:
     does not show: a managed server gets the spec's layers; for an existing endpoint that is the caller's word.
     """
     if not (info.get("enable_return_hidden_states") or info.get("return_hidden_states_mode") == "full"):
-        raise CaptureError("-", "server_info", f"{url} does not return hidden states "
-                           "(launch it in mode capture_packed: --enable-return-hidden-states)", 1, url)
+        raise CaptureError(
+            "-",
+            "server_info",
+            f"{url} does not return hidden states (launch it in mode capture_packed: --enable-return-hidden-states)",
+            1,
+            url,
+        )
     if info.get("enable_return_aux_hidden_states"):
-        raise CaptureError("-", "server_info", f"{url} runs SGLang's own aux capture (capture_aux); "
-                           "capture.sglang.server_mode says capture_packed", 1, url)
+        raise CaptureError(
+            "-",
+            "server_info",
+            f"{url} runs SGLang's own aux capture (capture_aux); capture.sglang.server_mode says capture_packed",
+            1,
+            url,
+        )
 
 
 def _split_packed(part: ResponsePart, spec: FeatureSpec) -> tuple[ResponsePart, ResponsePart | None]:
@@ -319,8 +364,9 @@ def _split_packed(part: ResponsePart, spec: FeatureSpec) -> tuple[ResponsePart, 
     aux = dataclasses.replace(part, rows=np.ascontiguousarray(part.rows[:, :cut]))
     if spec.supervision != "final_hidden":
         return aux, None
-    return aux, dataclasses.replace(part, rows=np.ascontiguousarray(part.rows[:, cut:]), topk_ids=None,
-                                    topk_logprobs=None)
+    return aux, dataclasses.replace(
+        part, rows=np.ascontiguousarray(part.rows[:, cut:]), topk_ids=None, topk_logprobs=None
+    )
 
 
 def _check_join(sample: SampleTokens, aux: ResponsePart, final: ResponsePart | None) -> None:

@@ -38,8 +38,9 @@ class ResponsePart:
     topk_logprobs: np.ndarray | None = None  # [T, K] float32
 
 
-def parse_response(content: bytes, sample: SampleTokens, width: int, top_logprobs_num: int | None,
-                   vocab_size: int) -> ResponsePart:
+def parse_response(
+    content: bytes, sample: SampleTokens, width: int, top_logprobs_num: int | None, vocab_size: int
+) -> ResponsePart:
     """Parse and check one /generate response body for ``sample``: rows ``width`` wide, top-K when asked for."""
     try:
         body = _loads(content)
@@ -48,13 +49,15 @@ def parse_response(content: bytes, sample: SampleTokens, width: int, top_logprob
     rows = check_capture_response(body, rid=sample.id, input_ids=sample.input_ids, width=width)
     part = ResponsePart(sample.id, list(body["prompt_token_ids"]), rows)
     if top_logprobs_num:
-        part.topk_ids, part.topk_logprobs = check_topk(body["meta_info"], num_tokens=len(sample.input_ids),
-                                                       k=top_logprobs_num, vocab_size=vocab_size)
+        part.topk_ids, part.topk_logprobs = check_topk(
+            body["meta_info"], num_tokens=len(sample.input_ids), k=top_logprobs_num, vocab_size=vocab_size
+        )
     return part
 
 
-def check_topk(meta: dict[str, Any], *, num_tokens: int, k: int,
-               vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def check_topk(
+    meta: dict[str, Any], *, num_tokens: int, k: int, vocab_size: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Top-K of the target's next-token distribution at every prompt position: (ids int32, logprobs fp32) [T, K].
 
     SGLang's input_top_logprobs[i] is the distribution that predicted token i (entry 0 is None), so
@@ -63,8 +66,10 @@ def check_topk(meta: dict[str, Any], *, num_tokens: int, k: int,
     """
     inputs, outputs = meta.get("input_top_logprobs"), meta.get("output_top_logprobs")
     got = len(inputs) if isinstance(inputs, list) else "no"
-    _require(isinstance(inputs, list) and len(inputs) == num_tokens,
-             f"input_top_logprobs has {got} entries for {num_tokens} tokens")
+    _require(
+        isinstance(inputs, list) and len(inputs) == num_tokens,
+        f"input_top_logprobs has {got} entries for {num_tokens} tokens",
+    )
     _require(isinstance(outputs, list) and len(outputs) >= 1, "output_top_logprobs is missing or empty")
     assert isinstance(inputs, list) and isinstance(outputs, list)  # (_require checked both)
     rows = [*inputs[1:], outputs[0]]

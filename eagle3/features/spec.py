@@ -28,8 +28,10 @@ from pydantic import BaseModel, ConfigDict
 
 FEATURE_FORMAT_VERSION = 1
 AUX_CONVENTION: Final = "output_of_layer"
-AUX_CONVENTION_TEXT = ("aux_layer_ids[i] = j: output of decoder layer j (0-based) = HF hidden_states[j+1] "
-                       "= residual stream entering layer j+1")
+AUX_CONVENTION_TEXT = (
+    "aux_layer_ids[i] = j: output of decoder layer j (0-based) = HF hidden_states[j+1] "
+    "= residual stream entering layer j+1"
+)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 

@@ -40,8 +40,9 @@ def up_to_date(cfg: RunConfig, key: str) -> bool:
     return is_complete(cfg, key)
 
 
-def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
-        known_key: str | None = None) -> StageOutcome | None:
+def run(
+    cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False, known_key: str | None = None
+) -> StageOutcome | None:
     """Prepare, capture every missing shard, finalize (None when the run trains online)."""
     from eagle3.features.capture import run_capture
 

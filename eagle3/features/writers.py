@@ -132,8 +132,13 @@ class ShardWriters:
     written stay under ``queue_bytes``: ``put`` blocks beyond it, which pauses the forwards.
     """
 
-    def __init__(self, spec: FeatureSpec, options: WriteOptions, stats: WriteStats | None = None,
-                 on_written: Callable[[ShardDone], None] | None = None):
+    def __init__(
+        self,
+        spec: FeatureSpec,
+        options: WriteOptions,
+        stats: WriteStats | None = None,
+        on_written: Callable[[ShardDone], None] | None = None,
+    ):
         self.spec, self.options, self.stats, self._on_written = spec, options, stats or WriteStats(), on_written
         self._budget = _ByteBudget(options.queue_bytes, self.stats)
         self._pool = ThreadPoolExecutor(options.num_writers, thread_name_prefix="shard-writer")
@@ -245,8 +250,9 @@ def _tagged_samples(backend: CaptureBackend, groups: Iterable[list[SampleTokens]
             yield index, sample
 
 
-def _stream_jobs(backend: CaptureBackend, jobs: Iterable[tuple[Path, list[SampleTokens]]],
-                 writers: ShardWriters) -> None:
+def _stream_jobs(
+    backend: CaptureBackend, jobs: Iterable[tuple[Path, list[SampleTokens]]], writers: ShardWriters
+) -> None:
     """Feed every captured sample to the lane of its job; lanes open in job order as samples arrive."""
     unopened: dict[int, tuple[Path, list[SampleTokens]]] = {}  # jobs the backend has read, lane not open yet
 
@@ -269,9 +275,13 @@ def _stream_jobs(backend: CaptureBackend, jobs: Iterable[tuple[Path, list[Sample
         writers.close(writers.lanes[-1])
 
 
-def _write_whole_shards(backend: CaptureBackend, spec: FeatureSpec,
-                        jobs: Iterable[tuple[Path, list[SampleTokens]]], options: WriteOptions,
-                        on_written: Callable[[ShardDone], None] | None) -> list[ShardDone]:
+def _write_whole_shards(
+    backend: CaptureBackend,
+    spec: FeatureSpec,
+    jobs: Iterable[tuple[Path, list[SampleTokens]]],
+    options: WriteOptions,
+    on_written: Callable[[ShardDone], None] | None,
+) -> list[ShardDone]:
     """Capture a whole shard, then write it on one of ``num_writers`` threads while the next is captured."""
     docs: list[ShardDone] = []
     in_flight: deque[tuple[Path, Future]] = deque()
@@ -296,9 +306,14 @@ def _write_whole_shards(backend: CaptureBackend, spec: FeatureSpec,
     return docs
 
 
-def capture_and_write(backend: CaptureBackend, spec: FeatureSpec, jobs: Iterable[tuple[Path, list[SampleTokens]]],
-                      on_written: Callable[[ShardDone], None] | None = None,
-                      options: WriteOptions | None = None, stats: WriteStats | None = None) -> list[ShardDone]:
+def capture_and_write(
+    backend: CaptureBackend,
+    spec: FeatureSpec,
+    jobs: Iterable[tuple[Path, list[SampleTokens]]],
+    on_written: Callable[[ShardDone], None] | None = None,
+    options: WriteOptions | None = None,
+    stats: WriteStats | None = None,
+) -> list[ShardDone]:
     """Capture each job's samples into its shard; writes overlap the forwards. Returns done documents in job order.
 
     With ``options.stream`` (default) samples go to the writer pool as they are captured (see

@@ -53,8 +53,12 @@ def _sub_run(cfg: RunConfig, round_dir: Path, name: str, update: dict) -> RunCon
 def ingest_config(cfg: RunConfig, round_dir: Path) -> RunConfig:
     """The round's prompts as the one source of a run whose answers the target writes (refresh.regenerate)."""
     source = {"name": f"refresh-{round_dir.name}", "path": str((round_dir / PROMPTS).resolve()), "format": "openai"}
-    return _sub_run(cfg, round_dir, INGEST, {"data": {"sources": [source], "min_rows": 1},
-                                             "regenerate": {"enabled": cfg.refresh.regenerate}})
+    return _sub_run(
+        cfg,
+        round_dir,
+        INGEST,
+        {"data": {"sources": [source], "min_rows": 1}, "regenerate": {"enabled": cfg.refresh.regenerate}},
+    )
 
 
 def run_all(cfg: RunConfig) -> None:
@@ -89,19 +93,26 @@ def pool_sources(cfg: RunConfig, answered: list[tuple[str, Path]]) -> list[Sourc
     base = answered_file(cfg)
     if not get_stage((regenerate if cfg.regenerate.enabled else merge).STAGE.name).is_complete(cfg):
         raise FileNotFoundError(f"{base} is not complete: run the pipeline's data stages on {cfg.run_dir} first")
-    return [SourceConfig(name="run", path=str(base.resolve()), format="parquet"),
-            *(SourceConfig(name=f"refresh-{rid}", path=str(path.resolve()), format="parquet")
-              for rid, path in answered)]
+    return [
+        SourceConfig(name="run", path=str(base.resolve()), format="parquet"),
+        *(SourceConfig(name=f"refresh-{rid}", path=str(path.resolve()), format="parquet") for rid, path in answered),
+    ]
 
 
 def candidate_config(cfg: RunConfig, round_dir: Path, sources: list[SourceConfig], init_from: Path) -> RunConfig:
     """The candidate's run: the pool, no regeneration, refresh.max_steps steps from the promoted drafter."""
     r = cfg.refresh
-    return _sub_run(cfg, round_dir, CANDIDATE, {
-        "data": {"sources": [s.model_dump(mode="json") for s in sources]},
-        "regenerate": {"enabled": False},
-        "train": {"max_steps": r.max_steps, "lr": r.lr or cfg.train.lr},
-        "refresh": {"init_from": str(init_from.resolve()), "prompts": None}})
+    return _sub_run(
+        cfg,
+        round_dir,
+        CANDIDATE,
+        {
+            "data": {"sources": [s.model_dump(mode="json") for s in sources]},
+            "regenerate": {"enabled": False},
+            "train": {"max_steps": r.max_steps, "lr": r.lr or cfg.train.lr},
+            "refresh": {"init_from": str(init_from.resolve()), "prompts": None},
+        },
+    )
 
 
 def build_candidate(cand: RunConfig) -> Path:
@@ -129,8 +140,11 @@ def train_candidate(cand: RunConfig) -> None:
     from infra.torchrun import TorchrunSpec, run_torchrun
 
     gpus = [] if cand.train.device == "cpu" else list_gpus()
-    spec = TorchrunSpec(module="eagle3.train", args=("--config", str(write_run_config(cand).resolve())),
-                        nproc_per_node=cand.train.nproc_per_node or max(1, len(gpus)),
-                        rdzv_id=f"refresh-{cand.run.name}",
-                        env={} if gpus else {"OMP_NUM_THREADS": "1"})
+    spec = TorchrunSpec(
+        module="eagle3.train",
+        args=("--config", str(write_run_config(cand).resolve())),
+        nproc_per_node=cand.train.nproc_per_node or max(1, len(gpus)),
+        rdzv_id=f"refresh-{cand.run.name}",
+        env={} if gpus else {"OMP_NUM_THREADS": "1"},
+    )
     run_torchrun(spec, run_layout(cand).train / "torchrun.log", timeout_s=cand.train.timeout_s)

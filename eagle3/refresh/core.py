@@ -56,8 +56,9 @@ def prompt_source(cfg: RunConfig) -> PromptSource:
     from eagle3.run.paths import resolve_path
 
     if cfg.refresh.prompts is None:
-        raise RefreshConfigError("refresh.prompts is not set: name the folder or JSONL file of new prompts "
-                                 "(--set refresh.prompts=PATH)")
+        raise RefreshConfigError(
+            "refresh.prompts is not set: name the folder or JSONL file of new prompts (--set refresh.prompts=PATH)"
+        )
     return PromptSource(resolve_path(cfg.refresh.prompts), refresh_dir(cfg) / WATERMARK_FILE)
 
 
@@ -72,16 +73,25 @@ def run_refresh(cfg: RunConfig, owner: str = "python -m eagle3.refresh") -> Refr
         decisions = Journal(refresh_dir(cfg) / DECISIONS_FILE)
         round_id = open_round(source, decisions) or take_round(cfg, source)
         if round_id is None:
-            return RefreshOutcome(cfg.run.name, NO_NEW, f"no complete line past the watermark in {source.source}",
-                                  line.current_id(), str(source.source))
+            return RefreshOutcome(
+                cfg.run.name,
+                NO_NEW,
+                f"no complete line past the watermark in {source.source}",
+                line.current_id(),
+                str(source.source),
+            )
         return finish_round(cfg, line, source, decisions, round_id)
 
 
 def ensure_current(cfg: RunConfig, line: Line) -> None:
     """Promote the run's own export when nothing is promoted yet; repair the events and card of the current one."""
     if line.current_id() is None:
-        promote_export(cfg, line, "initial", "the run's own export, promoted by the first refresh (no gate: nothing "
-                                             "was promoted to compare it with)")
+        promote_export(
+            cfg,
+            line,
+            "initial",
+            "the run's own export, promoted by the first refresh (no gate: nothing was promoted to compare it with)",
+        )
     line.record_current()
 
 
@@ -96,13 +106,22 @@ def promote_export(cfg: RunConfig, line: Line, kind: str, reason: str) -> Promot
     layout = run_layout(cfg)
     export = layout.sglang_export
     if not export_stage.STAGE.manifest(layout.root).is_file() or not (export / WEIGHTS_FILE).is_file():
-        raise PromotionError(f"{cfg.run_dir} has no complete export to promote: run the pipeline up to export first "
-                             f"(eagle3 run --preset ... --until export)")
+        raise PromotionError(
+            f"{cfg.run_dir} has no complete export to promote: run the pipeline up to export first "
+            f"(eagle3 run --preset ... --until export)"
+        )
     weights = sha256_file(export / WEIGHTS_FILE)
     data = answered_file(cfg)
-    promotion = Promotion(f"run-{weights[:12]}", kind, line.current_id(), reason, utc_now(),
-                          run_relative(cfg.run_dir, export), [],
-                          {"weights": weights, "run data": sha256_file_cached(data) if data.is_file() else None})
+    promotion = Promotion(
+        f"run-{weights[:12]}",
+        kind,
+        line.current_id(),
+        reason,
+        utc_now(),
+        run_relative(cfg.run_dir, export),
+        [],
+        {"weights": weights, "run data": sha256_file_cached(data) if data.is_file() else None},
+    )
     if promotion.id == line.current_id():
         raise PromotionError(f"the run's export is the current drafter already ({promotion.id})")
     card = export / CARD_FILE
@@ -133,20 +152,22 @@ def take_round(cfg: RunConfig, source: PromptSource) -> str | None:
     return round_id
 
 
-def finish_round(cfg: RunConfig, line: Line, source: PromptSource, decisions: Journal, round_id: str
-                 ) -> RefreshOutcome:
+def finish_round(cfg: RunConfig, line: Line, source: PromptSource, decisions: Journal, round_id: str) -> RefreshOutcome:
     """Ingest, candidate, gate, promotion, report and decision of a round taken from the source."""
     from eagle3.refresh.candidate import build_candidate, candidate_config, ingest, pool_sources
 
     record = next(r for r in source.records() if r["id"] == round_id)
     where = round_dir(cfg, round_id)
-    outcome = RefreshOutcome(cfg.run.name, "kept", "", line.current_id(), str(source.source), round_id,
-                             record["num_lines"], record["spans"])
+    outcome = RefreshOutcome(
+        cfg.run.name, "kept", "", line.current_id(), str(source.source), round_id, record["num_lines"], record["spans"]
+    )
     answered = ingest(cfg, where) if record["num_lines"] else None
     outcome.ingest = ingest_summary(cfg, where)
     if answered is None:
-        outcome.reason = (f"kept: none of the {record['num_lines']} new line(s) is a usable conversation (reasons: "
-                          f"{where / 'ingest' / 'data' / 'rejects.jsonl'})")
+        outcome.reason = (
+            f"kept: none of the {record['num_lines']} new line(s) is a usable conversation (reasons: "
+            f"{where / 'ingest' / 'data' / 'rejects.jsonl'})"
+        )
         return close_round(cfg, line, decisions, outcome, None)
     pool = [*earlier_answers(cfg, decisions), (round_id, answered)]
     cand = candidate_config(cfg, where, pool_sources(cfg, pool), start_drafter(line, where))
@@ -199,8 +220,9 @@ def gate_prompts_path(cfg: RunConfig) -> Path:
     return resolve_path(cfg.refresh.gate.prompts) if cfg.refresh.gate.prompts else refresh_dir(cfg) / GATE_PROMPTS_FILE
 
 
-def promote_candidate(cfg: RunConfig, line: Line, round_id: str, export_dir: Path, gate: GateResult,
-                      pool: list[tuple[str, Path]]) -> None:
+def promote_candidate(
+    cfg: RunConfig, line: Line, round_id: str, export_dir: Path, gate: GateResult, pool: list[tuple[str, Path]]
+) -> None:
     """Publish the candidate as drafter round-<id> and point ``current`` at it (unless a killed refresh did, and a
     rollback has undone it since)."""
     from eagle3.export.model_card import CARD_FILE
@@ -210,18 +232,29 @@ def promote_candidate(cfg: RunConfig, line: Line, round_id: str, export_dir: Pat
     drafter = f"round-{round_id}"
     if f"promote-{drafter}" in line.events.load():
         return
-    digests = {"run data": sha256_file_cached(answered_file(cfg)), "gate prompts": gate.prompts_sha256,
-               "round data": {rid: sha256_file_cached(path) for rid, path in pool},
-               "round prompts": {r["id"]: r["batch_sha256"] for r in prompt_source(cfg).records()
-                                 if r["id"] in dict(pool)}}
-    promotion = Promotion(drafter, "refresh", gate.current, gate.reason, utc_now(),
-                          run_relative(cfg.run_dir, export_dir), gate.table(), digests)
+    digests = {
+        "run data": sha256_file_cached(answered_file(cfg)),
+        "gate prompts": gate.prompts_sha256,
+        "round data": {rid: sha256_file_cached(path) for rid, path in pool},
+        "round prompts": {r["id"]: r["batch_sha256"] for r in prompt_source(cfg).records() if r["id"] in dict(pool)},
+    }
+    promotion = Promotion(
+        drafter,
+        "refresh",
+        gate.current,
+        gate.reason,
+        utc_now(),
+        run_relative(cfg.run_dir, export_dir),
+        gate.table(),
+        digests,
+    )
     card = export_dir / CARD_FILE
     line.promote(export_dir, promotion, card.read_text() if card.is_file() else "")
 
 
-def close_round(cfg: RunConfig, line: Line, decisions: Journal, outcome: RefreshOutcome,
-                answered: Path | None) -> RefreshOutcome:
+def close_round(
+    cfg: RunConfig, line: Line, decisions: Journal, outcome: RefreshOutcome, answered: Path | None
+) -> RefreshOutcome:
     """report.md, then the decision record that closes the round."""
     from eagle3.run.layout import run_relative
 
@@ -231,9 +264,16 @@ def close_round(cfg: RunConfig, line: Line, decisions: Journal, outcome: Refresh
     outcome.report = str(report)
     atomic_write_text(report, refresh_markdown(outcome))
     with decisions.appender() as append:
-        append({"id": outcome.round_id, "status": outcome.status, "reason": outcome.reason,
-                "current": outcome.current, "at": utc_now(),
-                "answered": run_relative(cfg.run_dir, answered) if answered is not None else None})
+        append(
+            {
+                "id": outcome.round_id,
+                "status": outcome.status,
+                "reason": outcome.reason,
+                "current": outcome.current,
+                "at": utc_now(),
+                "answered": run_relative(cfg.run_dir, answered) if answered is not None else None,
+            }
+        )
     return outcome
 
 
@@ -241,8 +281,11 @@ def earlier_answers(cfg: RunConfig, decisions: Journal) -> list[tuple[str, Path]
     """(round id, answered Parquet file) of every decided round that had usable conversations, oldest first."""
     from eagle3.run.layout import resolve_in_run
 
-    return [(d["id"], resolve_in_run(cfg.run_dir, d["answered"]))
-            for d in sorted(decisions.load().values(), key=lambda d: d["id"]) if d.get("answered")]
+    return [
+        (d["id"], resolve_in_run(cfg.run_dir, d["answered"]))
+        for d in sorted(decisions.load().values(), key=lambda d: d["id"])
+        if d.get("answered")
+    ]
 
 
 def ingest_summary(cfg: RunConfig, where: Path) -> dict[str, Any]:
@@ -266,5 +309,9 @@ def train_summary(cand: RunConfig) -> dict[str, Any]:
     from eagle3.train import STAGE as TRAIN
 
     stats = (read_manifest(TRAIN.manifest(cand.run_dir)) or {}).get("stats") or {}
-    return {"warm start": cand.refresh.init_from, "optimizer steps": stats.get("step"),
-            "budget (refresh.max_steps)": cand.train.max_steps, "run directory": str(cand.run_dir)}
+    return {
+        "warm start": cand.refresh.init_from,
+        "optimizer steps": stats.get("step"),
+        "budget (refresh.max_steps)": cand.train.max_steps,
+        "run directory": str(cand.run_dir),
+    }

@@ -98,6 +98,7 @@ class GateResult:
 
 # ------------------------------------------------------------------------------------------ the prompt file
 
+
 def mtbench_categories() -> dict[str, str]:
     """MT-Bench prompt id -> its question category, from the installed question file."""
     from eagle3.evaluate.prompts import dataset_file
@@ -118,8 +119,13 @@ def freeze_prompts(cfg: RunConfig, path: Path) -> Path:
         return path
     e = cfg.evaluate
     categories = mtbench_categories() if "mtbench" in e.datasets else {}
-    lines = [json.dumps({"id": p.id, "dataset": p.dataset, "category": categories.get(p.id), "text": p.text},
-                        ensure_ascii=False) for name in e.datasets for p in read_prompts(name, e.limit_for(name))]
+    lines = [
+        json.dumps(
+            {"id": p.id, "dataset": p.dataset, "category": categories.get(p.id), "text": p.text}, ensure_ascii=False
+        )
+        for name in e.datasets
+        for p in read_prompts(name, e.limit_for(name))
+    ]
     return atomic_write_text(path, "\n".join(lines) + "\n")
 
 
@@ -131,11 +137,14 @@ def read_gate_prompts(path: Path) -> list[GatePrompt]:
             continue
         try:
             doc = json.loads(line)
-            prompts.append(GatePrompt(str(doc["id"]), str(doc["dataset"]), doc.get("category") or None,
-                                      str(doc["text"])))
+            prompts.append(
+                GatePrompt(str(doc["id"]), str(doc["dataset"]), doc.get("category") or None, str(doc["text"]))
+            )
         except (ValueError, KeyError, TypeError) as exc:
-            raise GatePromptError(f"{path}:{number}: not a gate prompt record ({type(exc).__name__}: {exc}); "
-                                  'expected {"id", "dataset", "category", "text"}') from None
+            raise GatePromptError(
+                f"{path}:{number}: not a gate prompt record ({type(exc).__name__}: {exc}); "
+                'expected {"id", "dataset", "category", "text"}'
+            ) from None
     if not prompts:
         raise GatePromptError(f"{path} holds no prompts")
     return prompts
@@ -143,23 +152,32 @@ def read_gate_prompts(path: Path) -> list[GatePrompt]:
 
 # ---------------------------------------------------------------------------------------------- measuring
 
+
 def method_name(steps: int) -> str:
     """The evaluate method the gate measures: a chain of ``steps`` drafts, topk 1."""
     return f"chain-{steps}-1-{steps + 1}"
 
 
-def _job(cfg: RunConfig, model_dir: Path, export_dir: Path, items: list[tuple[EvalPrompt, list[int]]],
-         stop_ids: list[int], device: str):
+def _job(
+    cfg: RunConfig,
+    model_dir: Path,
+    export_dir: Path,
+    items: list[tuple[EvalPrompt, list[int]]],
+    stop_ids: list[int],
+    device: str,
+):
     from eagle3.evaluate.session import EvalJob
 
-    e = cfg.evaluate.resolved(device).model_copy(update={"methods": ["chain"],
-                                                         "chain_steps": [cfg.refresh.gate.chain_steps]})
+    e = cfg.evaluate.resolved(device).model_copy(
+        update={"methods": ["chain"], "chain_steps": [cfg.refresh.gate.chain_steps]}
+    )
     cache_len = max(len(ids) for _, ids in items) + e.max_new_tokens + 128  # + verify and draft rows
     return EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), device, stop_ids, None, cache_len)
 
 
-def measure(cfg: RunConfig, model_dir: Path, prompts: list[GatePrompt], export_dir: Path,
-            journal: Journal) -> list[PromptRecord]:
+def measure(
+    cfg: RunConfig, model_dir: Path, prompts: list[GatePrompt], export_dir: Path, journal: Journal
+) -> list[PromptRecord]:
     """One drafter's records on the gate prompts (this process; prompts already journaled are not measured again)."""
     from eagle3.evaluate.pool import evaluate_prompts
     from eagle3.evaluate.prompts import EvalPrompt, render
@@ -169,16 +187,24 @@ def measure(cfg: RunConfig, model_dir: Path, prompts: list[GatePrompt], export_d
 
     tokenizer = load_tokenizer(model_dir)
     items = [(EvalPrompt(p.dataset, p.id, p.text), render(tokenizer, p.text)) for p in prompts]
-    job = _job(cfg, model_dir, export_dir, items, stop_token_ids(tokenizer, target_info(model_dir, cfg.target)),
-               resolve_device(cfg.evaluate.device))
+    job = _job(
+        cfg,
+        model_dir,
+        export_dir,
+        items,
+        stop_token_ids(tokenizer, target_info(model_dir, cfg.target)),
+        resolve_device(cfg.evaluate.device),
+    )
     settings = {k: v for k, v in asdict(job).items() if k not in ("model_dir", "export_dir")}  # not where: what
-    key = sha256_json({"weights": sha256_file(Path(export_dir) / WEIGHTS_FILE), "job": settings,
-                       "prompts": [p.id for p in prompts]})
+    key = sha256_json(
+        {"weights": sha256_file(Path(export_dir) / WEIGHTS_FILE), "job": settings, "prompts": [p.id for p in prompts]}
+    )
     return evaluate_prompts(job, items, 1, journal=journal, key=key)
 
 
-def rows_of(prompts: list[GatePrompt], current: list[PromptRecord], candidate: list[PromptRecord],
-            method: str) -> list[GateRow]:
+def rows_of(
+    prompts: list[GatePrompt], current: list[PromptRecord], candidate: list[PromptRecord], method: str
+) -> list[GateRow]:
     """One row per group (all first, then datasets and categories in prompt order)."""
     from eagle3.evaluate.report import summarize
 
@@ -186,29 +212,43 @@ def rows_of(prompts: list[GatePrompt], current: list[PromptRecord], candidate: l
     for index, prompt in enumerate(prompts):
         for group in prompt.groups():
             groups.setdefault(group, []).append(index)
-    return [GateRow(group, len(idx), summarize([current[i] for i in idx], method, group).accept_len,
-                    summarize([candidate[i] for i in idx], method, group).accept_len) for group, idx in groups.items()]
+    return [
+        GateRow(
+            group,
+            len(idx),
+            summarize([current[i] for i in idx], method, group).accept_len,
+            summarize([candidate[i] for i in idx], method, group).accept_len,
+        )
+        for group, idx in groups.items()
+    ]
 
 
 def decide(rows: list[GateRow], gate: GateConfig, mismatches: int) -> tuple[bool, str]:
     """(promote, why): the rule of the module docstring."""
     overall = next(r for r in rows if r.group == ALL)
     if mismatches:
-        return False, (f"kept: the candidate's output differs from plain greedy decoding on {mismatches} prompt(s) "
-                       "(a lossless check failed: a bug, never promoted)")
+        return False, (
+            f"kept: the candidate's output differs from plain greedy decoding on {mismatches} prompt(s) "
+            "(a lossless check failed: a bug, never promoted)"
+        )
     if overall.delta < gate.min_gain:
-        return False, (f"kept: overall acceptance length {overall.current:.3f} -> {overall.candidate:.3f} "
-                       f"({overall.delta:+.3f}) rises by less than refresh.gate.min_gain={gate.min_gain}")
+        return False, (
+            f"kept: overall acceptance length {overall.current:.3f} -> {overall.candidate:.3f} "
+            f"({overall.delta:+.3f}) rises by less than refresh.gate.min_gain={gate.min_gain}"
+        )
     dropped = [r for r in rows if r.group != ALL and -r.delta > gate.max_drop]
     if dropped:
         names = ", ".join(f"{r.group} {r.current:.3f} -> {r.candidate:.3f} ({r.delta:+.3f})" for r in dropped)
         return False, f"kept: {names} fell by more than refresh.gate.max_drop={gate.max_drop}"
-    return True, (f"promoted: overall acceptance length {overall.current:.3f} -> {overall.candidate:.3f} "
-                  f"({overall.delta:+.3f} >= {gate.min_gain}); no group fell by more than {gate.max_drop}")
+    return True, (
+        f"promoted: overall acceptance length {overall.current:.3f} -> {overall.candidate:.3f} "
+        f"({overall.delta:+.3f} >= {gate.min_gain}); no group fell by more than {gate.max_drop}"
+    )
 
 
-def run_gate(cfg: RunConfig, model_dir: Path, prompts_path: Path, current: tuple[str, Path], candidate: Path,
-             gate_dir: Path) -> GateResult:
+def run_gate(
+    cfg: RunConfig, model_dir: Path, prompts_path: Path, current: tuple[str, Path], candidate: Path, gate_dir: Path
+) -> GateResult:
     """Measure ``current`` (id, folder) and ``candidate`` on the prompt file and decide; saved as gate/gate.json,
     which a later call returns as it is while it judged the same drafter on the same prompts."""
     saved = gate_dir / GATE_FILE

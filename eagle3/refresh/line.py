@@ -108,8 +108,15 @@ class Line:
             raise PromotionError(f"current drafter {drafter} is the first of {self.root}: nothing to roll back to")
         self._point(previous)
         with self.events.appender() as append:
-            append({"id": f"rollback-{len(self.events.load()) + 1:04d}", "event": "rollback", "from": drafter,
-                    "to": previous, "at": utc_now()})
+            append(
+                {
+                    "id": f"rollback-{len(self.events.load()) + 1:04d}",
+                    "event": "rollback",
+                    "from": drafter,
+                    "to": previous,
+                    "at": utc_now(),
+                }
+            )
         self.write_card()
         return self.promotion(previous)
 
@@ -123,8 +130,16 @@ class Line:
         if f"promote-{drafter}" not in events:
             promotion = self.promotion(drafter)
             with self.events.appender() as append:
-                append({"id": f"promote-{drafter}", "event": "promote", "to": drafter, "from": promotion.replaces,
-                        "kind": promotion.kind, "at": promotion.at})
+                append(
+                    {
+                        "id": f"promote-{drafter}",
+                        "event": "promote",
+                        "to": drafter,
+                        "from": promotion.replaces,
+                        "kind": promotion.kind,
+                        "at": promotion.at,
+                    }
+                )
         self.write_card()
 
     def write_card(self) -> Path:
@@ -169,11 +184,18 @@ class Line:
 def line_card(line: Line) -> str:
     """promoted/README.md: the current drafter, the serving path, its lineage's promotions, every event."""
     current = line.current_id()
-    lines = ["# Promoted drafters", "",
-             f"Current: `{current}` (`{line.pointer}` -> `{line.current_dir()}`)." if current else "Nothing promoted.",
-             "", "SGLang loads the current drafter through the pointer: `--speculative-draft-model-path "
-             f"{line.pointer.parent.resolve() / line.pointer.name}`; `eagle3 promote --rollback` returns to the one it "
-             "replaced.", "", "## Events (newest first)", ""]
+    lines = [
+        "# Promoted drafters",
+        "",
+        f"Current: `{current}` (`{line.pointer}` -> `{line.current_dir()}`)." if current else "Nothing promoted.",
+        "",
+        "SGLang loads the current drafter through the pointer: `--speculative-draft-model-path "
+        f"{line.pointer.parent.resolve() / line.pointer.name}`; `eagle3 promote --rollback` returns to the one it "
+        "replaced.",
+        "",
+        "## Events (newest first)",
+        "",
+    ]
     events = sorted(line.events.load().values(), key=lambda e: e["at"], reverse=True)
     lines += [f"- {e['at']}: {e['event']} `{e.get('from')}` -> `{e['to']}`" for e in events] or ["- none"]
     for promotion in line.lineage():

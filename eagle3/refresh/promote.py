@@ -17,8 +17,12 @@ def line_status(line: Any) -> dict[str, Any]:
     """The current drafter, its folder and the events, oldest first."""
     events = sorted(line.events.load().values(), key=lambda e: e["at"])
     folder = line.current_dir()
-    return {"current": line.current_id(), "path": str(folder.resolve()) if folder else None,
-            "pointer": str(line.pointer), "events": events}
+    return {
+        "current": line.current_id(),
+        "path": str(folder.resolve()) if folder else None,
+        "pointer": str(line.pointer),
+        "events": events,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -40,8 +44,7 @@ def main(argv: list[str] | None = None) -> None:
             promote_export(cfg, line, "manual", "promoted by hand (eagle3 promote), without a gate")
         return line_status(line)
 
-    stage_main(parser, argv, run, show=print_json,
-               lock_owner=lambda args: None if args.status else "eagle3 promote")
+    stage_main(parser, argv, run, show=print_json, lock_owner=lambda args: None if args.status else "eagle3 promote")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ class Promotion:
         return cls(**{k: doc[k] for k in cls.__dataclass_fields__ if k in doc})
 
 
-
 @dataclass
 class RefreshOutcome:
     """What one refresh did: the flow's artifact and the command's output are rendered from it."""

@@ -14,8 +14,11 @@ def table_lines(table: list[dict[str, Any]]) -> list[str]:
     if not table:
         return ["Not measured by a gate."]
     lines = ["| prompts | n | promoted before | candidate | change |", "|---|---|---|---|---|"]
-    lines += [f"| {r['group']} | {r['num_prompts']} | {r['current']:.3f} | {r['candidate']:.3f} | "
-              f"{r['candidate'] - r['current']:+.3f} |" for r in table]
+    lines += [
+        f"| {r['group']} | {r['num_prompts']} | {r['current']:.3f} | {r['candidate']:.3f} | "
+        f"{r['candidate'] - r['current']:+.3f} |"
+        for r in table
+    ]
     return lines
 
 
@@ -30,16 +33,33 @@ def digest_lines(digests: dict[str, Any]) -> list[str]:
 
 def promotion_lines(p: Promotion) -> list[str]:
     """One promotion: what, when, why, the measured table and the data digests."""
-    return [f"## Promotion `{p.id}` ({p.kind}, {p.at})", "",
-            f"Replaces `{p.replaces}`. {p.reason}" if p.replaces else f"First promoted drafter. {p.reason}", "",
-            f"Exported from `{p.source}`.", "", "Acceptance length on the gate prompts:", "",
-            *table_lines(p.table), "", "Data and prompt digests (sha256):", "", *digest_lines(p.digests)]
+    return [
+        f"## Promotion `{p.id}` ({p.kind}, {p.at})",
+        "",
+        f"Replaces `{p.replaces}`. {p.reason}" if p.replaces else f"First promoted drafter. {p.reason}",
+        "",
+        f"Exported from `{p.source}`.",
+        "",
+        "Acceptance length on the gate prompts:",
+        "",
+        *table_lines(p.table),
+        "",
+        "Data and prompt digests (sha256):",
+        "",
+        *digest_lines(p.digests),
+    ]
 
 
 def refresh_markdown(o: RefreshOutcome) -> str:
     """The round's report: the decision first, then what was read, trained and measured."""
-    lines = [f"# Refresh of `{o.run_name}`" + (f", round {o.round_id}" if o.round_id else ""), "",
-             f"**{o.status}**: {o.reason}", "", f"Current drafter: `{o.current}`.", ""]
+    lines = [
+        f"# Refresh of `{o.run_name}`" + (f", round {o.round_id}" if o.round_id else ""),
+        "",
+        f"**{o.status}**: {o.reason}",
+        "",
+        f"Current drafter: `{o.current}`.",
+        "",
+    ]
     if o.new_lines is not None:
         lines += ["## New prompts", "", f"{o.new_lines} line(s) taken from `{o.source}`:", ""]
         lines += [f"- `{s['file']}` bytes {s['start']}..{s['end']} ({s['num_lines']} lines)" for s in o.spans]
@@ -49,7 +69,13 @@ def refresh_markdown(o: RefreshOutcome) -> str:
     if o.train:
         lines += ["## Candidate", "", *(f"- {k}: {v}" for k, v in o.train.items()), ""]
     if o.gate is not None:
-        lines += ["## Gate", "", f"Method `{o.gate['method']}` on `{o.gate_prompts}` (sha256 "
-                  f"`{o.gate['prompts_sha256']}`); acceptance length = tokens per target verify forward.", "",
-                  *table_lines(o.gate_table), ""]
+        lines += [
+            "## Gate",
+            "",
+            f"Method `{o.gate['method']}` on `{o.gate_prompts}` (sha256 "
+            f"`{o.gate['prompts_sha256']}`); acceptance length = tokens per target verify forward.",
+            "",
+            *table_lines(o.gate_table),
+            "",
+        ]
     return "\n".join(lines).rstrip() + "\n"

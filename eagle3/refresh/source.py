@@ -53,8 +53,9 @@ class NewLines:
 def source_files(source: Path) -> list[Path]:
     """The files of the source, in reading order."""
     if source.is_dir():
-        return sorted(p for p in source.iterdir() if p.suffix == ".jsonl" and not p.name.startswith(".")
-                      and p.is_file())
+        return sorted(
+            p for p in source.iterdir() if p.suffix == ".jsonl" and not p.name.startswith(".") and p.is_file()
+        )
     if source.is_file():
         return [source]
     raise FileNotFoundError(f"refresh.prompts is {source}, which is neither a folder nor a file")
@@ -122,16 +123,24 @@ class PromptSource:
     @staticmethod
     def _check_unchanged(path: Path, fh: Any, size: int, mark: Span) -> None:
         if size < mark.end:
-            raise SourceChangedError(f"{path} has {size} bytes, fewer than the {mark.end} a refresh already took: a "
-                                     "prompt file may only grow (write new prompts to a new file instead)")
+            raise SourceChangedError(
+                f"{path} has {size} bytes, fewer than the {mark.end} a refresh already took: a "
+                "prompt file may only grow (write new prompts to a new file instead)"
+            )
         if _tail_hash(fh, mark.end) != mark.tail_sha256:
-            raise SourceChangedError(f"{path} was rewritten: the bytes before offset {mark.end}, which a refresh "
-                                     "already took, changed; a prompt file may only grow")
+            raise SourceChangedError(
+                f"{path} was rewritten: the bytes before offset {mark.end}, which a refresh "
+                "already took, changed; a prompt file may only grow"
+            )
 
     def commit(self, round_id: str, new: NewLines, batch_sha256: str) -> dict[str, Any]:
         """Record that round ``round_id`` took ``new`` (its batch file hashing to ``batch_sha256``); fsynced."""
-        record = {"id": round_id, "spans": [asdict(s) for s in new.spans], "num_lines": len(new.lines),
-                  "batch_sha256": batch_sha256}
+        record = {
+            "id": round_id,
+            "spans": [asdict(s) for s in new.spans],
+            "num_lines": len(new.lines),
+            "batch_sha256": batch_sha256,
+        }
         with self.journal.appender() as append:
             append(record)
         return record
@@ -170,6 +179,8 @@ def _messages(record: dict[str, Any]) -> list[Any] | None:
 
     turns = record.get("conversations")
     if isinstance(turns, list) and all(isinstance(t, dict) for t in turns):
-        return [{"role": SHAREGPT_ROLES.get(str(t.get("from")).strip().lower(), t.get("from")),
-                 "content": t.get("value")} for t in turns]
+        return [
+            {"role": SHAREGPT_ROLES.get(str(t.get("from")).strip().lower(), t.get("from")), "content": t.get("value")}
+            for t in turns
+        ]
     return None

@@ -43,12 +43,15 @@ def key_extra(cfg: RunConfig) -> dict[str, Any]:
     if folder is None:
         return {}
     if cfg.drafter.family != "eagle3":
-        raise WarmStartError(f"refresh.init_from warm-starts EAGLE-3 drafters only, not drafter.family="
-                             f"{cfg.drafter.family}")
+        raise WarmStartError(
+            f"refresh.init_from warm-starts EAGLE-3 drafters only, not drafter.family={cfg.drafter.family}"
+        )
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
-        raise FileNotFoundError(f"refresh.init_from is {folder}, which has no {WEIGHTS_FILE} (an SGLang export folder "
-                                "is expected: export/sglang of a run, or a promoted drafter)")
+        raise FileNotFoundError(
+            f"refresh.init_from is {folder}, which has no {WEIGHTS_FILE} (an SGLang export folder "
+            "is expected: export/sglang of a run, or a promoted drafter)"
+        )
     return {"init_from": sha256_file_cached(weights)}
 
 
@@ -77,8 +80,10 @@ def load_init(model: nn.Module, folder: Path, t2d: Tensor) -> list[str]:
 
 def _check_shape(ours: Tensor, theirs: Tensor, name: str, folder: Path) -> None:
     if tuple(ours.shape) != tuple(theirs.shape):
-        raise WarmStartError(f"{folder}: {name} has shape {tuple(theirs.shape)}, this drafter's is {tuple(ours.shape)} "
-                         "(refresh.init_from must be a drafter of the same target and width)")
+        raise WarmStartError(
+            f"{folder}: {name} has shape {tuple(theirs.shape)}, this drafter's is {tuple(ours.shape)} "
+            "(refresh.init_from must be a drafter of the same target and width)"
+        )
 
 
 def _copy_lm_head_rows(ours: Tensor, theirs: Tensor, their_t2d: Tensor, our_t2d: Tensor, folder: Path) -> None:
@@ -86,8 +91,10 @@ def _copy_lm_head_rows(ours: Tensor, theirs: Tensor, their_t2d: Tensor, our_t2d:
     import torch
 
     if len(their_t2d) != len(our_t2d) or ours.shape[1] != theirs.shape[1]:
-        raise WarmStartError(f"{folder}: its vocab map covers {len(their_t2d)} target ids and its lm_head is "
-                         f"{tuple(theirs.shape)}; this drafter's: {len(our_t2d)} ids, {tuple(ours.shape)}")
+        raise WarmStartError(
+            f"{folder}: its vocab map covers {len(their_t2d)} target ids and its lm_head is "
+            f"{tuple(theirs.shape)}; this drafter's: {len(our_t2d)} ids, {tuple(ours.shape)}"
+        )
     row_of = torch.full((len(their_t2d),), -1, dtype=torch.long)  # [V] target id -> draft row there (-1: absent)
     row_of[their_t2d.nonzero().squeeze(1)] = torch.arange(int(their_t2d.sum()))
     rows = row_of[our_t2d.nonzero().squeeze(1)]  # [Vd] row there of each of our draft ids

@@ -25,8 +25,14 @@ def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--preset", default="tiny", help="preset name in configs/ or a YAML file (default: tiny)")
     group.add_argument("--config", type=Path, help="a resolved config.json (as written into a run directory)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="dotted override, e.g. --set train.lr=1e-4 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, e.g. --set train.lr=1e-4 (repeatable)",
+    )
     return parser
 
 
@@ -45,13 +51,13 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 _OS_ERROR_HINTS = {
     errno.ENOSPC: "free space (or set run.workdir on a larger disk) and run the command again: finished work is kept "
-                  "and the interrupted output is redone",
+    "and the interrupted output is redone",
     errno.EDQUOT: "raise the quota or free space, and run the command again: finished work is kept",
     errno.EROFS: "the run directory must be on a writable file system: remount it or set run.workdir",
     errno.EACCES: "the run directory must be writable by this user: fix its owner or permissions, or set run.workdir",
     errno.EPERM: "the run directory must be writable by this user: fix its owner or permissions, or set run.workdir",
     errno.ENAMETOOLONG: "a path component may be at most 255 bytes, and a non-ASCII character counts 2 to 4: "
-                        "choose a shorter name",
+    "choose a shorter name",
 }
 """OS errors that are the user's to fix (full disk, read-only or foreign folder, too long a name): one line each."""
 
@@ -161,11 +167,16 @@ def print_json(result: Any) -> None:
             print(json.dumps(item.to_json() if hasattr(item, "to_json") else item, indent=2))
 
 
-def stage_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
-               run: Callable[[RunConfig, argparse.Namespace], Any], *,
-               lock_owner: str | Callable[[argparse.Namespace], str | None] | None = None,
-               write_config: bool = False, show: Callable[[Any], None] = print_json,
-               without_config: Callable[[argparse.Namespace], bool] | None = None) -> None:
+def stage_main(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    run: Callable[[RunConfig, argparse.Namespace], Any],
+    *,
+    lock_owner: str | Callable[[argparse.Namespace], str | None] | None = None,
+    write_config: bool = False,
+    show: Callable[[Any], None] = print_json,
+    without_config: Callable[[argparse.Namespace], bool] | None = None,
+) -> None:
     """The body of every ``python -m`` stage entry point.
 
     ``parser`` carries the config arguments (add_config_args) and the module's own; ``run(cfg, args)`` does the

@@ -43,18 +43,32 @@ class AcceptanceRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The journal line (``id`` is the journal's key)."""
-        return {"id": self.run_id, "date": self.date, "flow_run": self.flow_run, "computed": self.computed,
-                "dataset": self.dataset, "num_prompts": self.num_prompts, "accept_len": dict(self.accept_len)}
+        return {
+            "id": self.run_id,
+            "date": self.date,
+            "flow_run": self.flow_run,
+            "computed": self.computed,
+            "dataset": self.dataset,
+            "num_prompts": self.num_prompts,
+            "accept_len": dict(self.accept_len),
+        }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> AcceptanceRecord:
-        return cls(str(doc["id"]), str(doc["date"]), str(doc["flow_run"]), bool(doc["computed"]),
-                   str(doc["dataset"]), int(doc["num_prompts"]),
-                   {str(k): float(v) for k, v in dict(doc["accept_len"]).items()})
+        return cls(
+            str(doc["id"]),
+            str(doc["date"]),
+            str(doc["flow_run"]),
+            bool(doc["computed"]),
+            str(doc["dataset"]),
+            int(doc["num_prompts"]),
+            {str(k): float(v) for k, v in dict(doc["accept_len"]).items()},
+        )
 
 
-def acceptance_record(results: Mapping[str, Any], run_id: str, flow_run: str, finished: datetime,
-                      computed: bool) -> AcceptanceRecord | None:
+def acceptance_record(
+    results: Mapping[str, Any], run_id: str, flow_run: str, finished: datetime, computed: bool
+) -> AcceptanceRecord | None:
     """The record of a run from its eval/results.json document; None when it holds no result row.
 
     With several datasets the evaluation adds an 'all' row per method, which is the one recorded; with one
@@ -65,10 +79,15 @@ def acceptance_record(results: Mapping[str, Any], run_id: str, flow_run: str, fi
     pooled = [r for r in rows if r.get("dataset") == "all"]
     rows = pooled or [r for r in rows if r.get("dataset") == rows[0].get("dataset")]
     utc = finished.astimezone(timezone.utc) if finished.tzinfo is not None else finished  # naive: taken as UTC
-    return AcceptanceRecord(run_id=run_id, date=utc.strftime("%Y-%m-%dT%H:%M:%SZ"), flow_run=flow_run,
-                            computed=computed, dataset=str(rows[0].get("dataset")),
-                            num_prompts=max(int(r.get("num_prompts") or 0) for r in rows),
-                            accept_len={str(r["method"]): float(r["accept_len"]) for r in rows})
+    return AcceptanceRecord(
+        run_id=run_id,
+        date=utc.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        flow_run=flow_run,
+        computed=computed,
+        dataset=str(rows[0].get("dataset")),
+        num_prompts=max(int(r.get("num_prompts") or 0) for r in rows),
+        accept_len={str(r["method"]): float(r["accept_len"]) for r in rows},
+    )
 
 
 def append_acceptance(path: Path, record: AcceptanceRecord) -> None:
@@ -101,12 +120,15 @@ def trend_rows(records: Sequence[AcceptanceRecord], max_columns: int = 8) -> lis
     'more methods' column ("name value; ..."), so the table is never cut off in the UI."""
     methods = trend_methods(records)
     room = max(1, max_columns - len(TREND_FIXED_COLUMNS))
-    shown, rest = (methods, []) if len(methods) <= room else (methods[:room - 1], methods[room - 1:])
+    shown, rest = (methods, []) if len(methods) <= room else (methods[: room - 1], methods[room - 1 :])
     rows = []
     for r in records:
-        row: dict[str, Any] = {"date": r.date.replace("T", " ").removesuffix("Z") + " UTC", "flow run": r.flow_run,
-                               "evaluation": "measured" if r.computed else "up to date (earlier figures)",
-                               "prompts": r.num_prompts}
+        row: dict[str, Any] = {
+            "date": r.date.replace("T", " ").removesuffix("Z") + " UTC",
+            "flow run": r.flow_run,
+            "evaluation": "measured" if r.computed else "up to date (earlier figures)",
+            "prompts": r.num_prompts,
+        }
         row |= {m: _fmt(r.accept_len.get(m)) for m in shown}
         if rest:
             row["more methods"] = "; ".join(f"{m} {_fmt(r.accept_len[m])}" for m in rest if m in r.accept_len)

@@ -230,7 +230,7 @@ def resolve_in_run(root: Path, stored: str | Path) -> Path:
     at = [i for i, part in enumerate(parts) if part == root.name and i + 1 < len(parts)]
     if not at or path.is_relative_to(root):
         return path
-    rebased = [root.joinpath(*parts[i + 1:]) for i in reversed(at)]
+    rebased = [root.joinpath(*parts[i + 1 :]) for i in reversed(at)]
     return next((p for p in rebased if p.exists()), path if path.exists() else rebased[0])
 
 

@@ -21,5 +21,5 @@ def resolve_path(path: str | Path) -> Path:
     text = str(path)
     if not text.startswith(PKG_SCHEME):
         return Path(text).expanduser()
-    package, _, rest = text[len(PKG_SCHEME):].partition("/")
+    package, _, rest = text[len(PKG_SCHEME) :].partition("/")
     return package_dir(package) / rest

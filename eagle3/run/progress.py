@@ -53,8 +53,14 @@ def finite_or_none(value: Any) -> Any:
 class Progress:
     """Counts units of work and forwards them to an optional callback and a tqdm bar."""
 
-    def __init__(self, total: int, desc: str, callback: ProgressFn | None = None,
-                 bar: bool | None = None, min_interval_s: float = 1.0):
+    def __init__(
+        self,
+        total: int,
+        desc: str,
+        callback: ProgressFn | None = None,
+        bar: bool | None = None,
+        min_interval_s: float = 1.0,
+    ):
         self.total, self.desc, self.callback = total, desc, callback
         self.done = 0
         self.min_interval_s = min_interval_s
@@ -99,10 +105,16 @@ class Progress:
         self._last_line = now
         elapsed = max(now - self._start, 1e-9)
         pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
-        extra = "".join(f", {k}={v}" for k, v in self._info.items()
-                        if v is not None and (known(v) or not isinstance(v, (int, float))))  # unknown: omitted
-        print(f"{self.desc}: {self.done}/{self.total}{pct} {elapsed:.0f} s, {self.done / elapsed:.3g}/s{extra}",
-              file=sys.stderr, flush=True)
+        extra = "".join(
+            f", {k}={v}"
+            for k, v in self._info.items()
+            if v is not None and (known(v) or not isinstance(v, (int, float)))
+        )  # unknown: omitted
+        print(
+            f"{self.desc}: {self.done}/{self.total}{pct} {elapsed:.0f} s, {self.done / elapsed:.3g}/s{extra}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def __enter__(self) -> Progress:
         return self

@@ -45,8 +45,9 @@ class StageModule(Protocol):
 
     def skip_reason(self, cfg: RunConfig) -> str | None: ...
     def key(self, cfg: RunConfig) -> str: ...
-    def run(self, cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
-            known_key: str | None = None) -> StageOutcome | None: ...
+    def run(
+        self, cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False, known_key: str | None = None
+    ) -> StageOutcome | None: ...
     def main(self, argv: list[str] | None = None) -> Any: ...
 
 
@@ -203,5 +204,10 @@ def data_block_main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="every data stage in order: " + ", ".join(DATA_STAGES))
     parser.add_argument("--force", action="store_true", help="recompute even if the manifests match")
     add_config_args(parser)
-    stage_main(parser, argv, lambda cfg, args: run_data_block(cfg, args.force), write_config=True,
-               lock_owner=f"eagle3 stage {DATA_BLOCK}")
+    stage_main(
+        parser,
+        argv,
+        lambda cfg, args: run_data_block(cfg, args.force),
+        write_config=True,
+        lock_owner=f"eagle3 stage {DATA_BLOCK}",
+    )

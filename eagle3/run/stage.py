@@ -75,8 +75,14 @@ class StageOutcome:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-able dict (what the command lines print and the flows return)."""
-        return {"stage": self.stage, "key": self.key, "manifest": str(self.manifest), "computed": self.computed,
-                "stats": self.stats, "outputs": self.outputs}
+        return {
+            "stage": self.stage,
+            "key": self.key,
+            "manifest": str(self.manifest),
+            "computed": self.computed,
+            "stats": self.stats,
+            "outputs": self.outputs,
+        }
 
     @classmethod
     def from_manifest(cls, stage: str, key: str, manifest: Path, doc: dict[str, Any], computed: bool) -> StageOutcome:
@@ -85,23 +91,28 @@ class StageOutcome:
         return cls(stage, key, Path(manifest), computed, doc["stats"], outputs)
 
 
-def stage_key(stage: StageRef, config: dict[str, Any], inputs: Sequence[Path] = (),
-              extra: dict[str, Any] | None = None) -> str:
+def stage_key(
+    stage: StageRef, config: dict[str, Any], inputs: Sequence[Path] = (), extra: dict[str, Any] | None = None
+) -> str:
     """Hash of everything a stage's output depends on (see module doc)."""
     stage = _id(stage)
     input_docs = []
     for path in inputs:
         doc = read_manifest(Path(path))
         if doc is None:
-            raise MissingInputError(f"stage {stage.name} needs {Path(path).name.split('.')[0]} to be complete first "
-                                    f"(no manifest at {path})")
+            raise MissingInputError(
+                f"stage {stage.name} needs {Path(path).name.split('.')[0]} to be complete first (no manifest at {path})"
+            )
         problem = output_problem(doc, Path(path))
         if problem:
-            raise CorruptOutputError(f"stage {stage.name} reads the output of stage {doc.get('stage')}, but {problem}; "
-                                     f"run stage {doc.get('stage')} again (it recomputes on its next run)")
+            raise CorruptOutputError(
+                f"stage {stage.name} reads the output of stage {doc.get('stage')}, but {problem}; "
+                f"run stage {doc.get('stage')} again (it recomputes on its next run)"
+            )
         input_docs.append({"stage": doc["stage"], "key": doc["key"], "outputs": doc["outputs"]})
-    return sha256_json({"stage": stage.name, "version": stage.version, "config": config,
-                        "inputs": input_docs, "extra": extra or {}})
+    return sha256_json(
+        {"stage": stage.name, "version": stage.version, "config": config, "inputs": input_docs, "extra": extra or {}}
+    )
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
@@ -124,8 +135,10 @@ def output_problem(doc: dict[str, Any], manifest: Path) -> str | None:
             return f"{path} has {size} bytes where {Path(manifest).name} recorded {entry.get('bytes')}"
         digest = sha256_file_cached(path)
         if digest != entry.get("sha256"):
-            return (f"{path} has sha256 {digest[:16]}..., not the {str(entry.get('sha256'))[:16]}... "
-                    f"recorded in {Path(manifest).name} (changed or corrupted on disk)")
+            return (
+                f"{path} has sha256 {digest[:16]}..., not the {str(entry.get('sha256'))[:16]}... "
+                f"recorded in {Path(manifest).name} (changed or corrupted on disk)"
+            )
     return None
 
 
@@ -148,8 +161,14 @@ def write_manifest(path: Path, stage: StageRef, key: str, outputs: dict[str, Pat
         name: {"path": str(Path(p).relative_to(base)), "bytes": Path(p).stat().st_size, "sha256": sha256_file_cached(p)}
         for name, p in outputs.items()
     }
-    doc = {"stage": stage.name, "key": key, "format_version": stage.version, "outputs": entries,
-           "stats": stats, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    doc = {
+        "stage": stage.name,
+        "key": key,
+        "format_version": stage.version,
+        "outputs": entries,
+        "stats": stats,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     atomic_write_json(path, doc)
     return doc
 
@@ -163,8 +182,9 @@ def _own_files(manifest: Path, doc: dict[str, Any] | None) -> list[Path]:
 ComputeFn = Callable[[], tuple[dict[str, Path], dict[str, Any]]]
 
 
-def skipped_outcome(stage: StageRef, manifest: Path, key: str,
-                    complete: Callable[[], bool] | None = None) -> StageOutcome | None:
+def skipped_outcome(
+    stage: StageRef, manifest: Path, key: str, complete: Callable[[], bool] | None = None
+) -> StageOutcome | None:
     """The outcome of a stage that is up to date (its manifest matches ``key``, and ``complete()`` holds when
     given: what else must be intact), logged as skipped; None when the stage has to run."""
     if not manifest_matches(manifest, key) or (complete is not None and not complete()):

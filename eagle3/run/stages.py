@@ -18,9 +18,24 @@ from eagle3.run.layout import run_layout, write_run_config
 from eagle3.run.registry import DATA_STAGES, get_stage, run_data_block
 from eagle3.run.stage import StageOutcome
 
-__all__ = ["CLI", "data_dir", "is_complete", "kept_answer_sources", "key_for", "main", "manifest_path", "run_all",
-           "run_merge", "run_regenerate", "run_regenerate_slice", "run_synthesize", "run_tokenize", "run_vocab",
-           "synthetic_sources", "write_run_config"]
+__all__ = [
+    "CLI",
+    "data_dir",
+    "is_complete",
+    "kept_answer_sources",
+    "key_for",
+    "main",
+    "manifest_path",
+    "run_all",
+    "run_merge",
+    "run_regenerate",
+    "run_regenerate_slice",
+    "run_synthesize",
+    "run_tokenize",
+    "run_vocab",
+    "synthetic_sources",
+    "write_run_config",
+]
 
 CLI = "python -m eagle3.run.stages"
 run_synthesize, run_merge, run_regenerate = synthesize.run, merge.run, regenerate.run

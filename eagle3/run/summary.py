@@ -51,8 +51,15 @@ class StageRun:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> StageRun:
-        return cls(str(doc["stage"]), str(doc["state"]), doc.get("duration_s"), str(doc.get("outputs") or ""),
-                   doc.get("url"), str(doc.get("run_kind") or ""), str(doc.get("note") or ""))
+        return cls(
+            str(doc["stage"]),
+            str(doc["state"]),
+            doc.get("duration_s"),
+            str(doc.get("outputs") or ""),
+            doc.get("url"),
+            str(doc.get("run_kind") or ""),
+            str(doc.get("note") or ""),
+        )
 
 
 def state_label(state_name: str | None, computed: bool | None = None) -> str:
@@ -90,8 +97,10 @@ def headline(stage: str, result: Mapping[str, Any] | None) -> str:
     if stage == "vocab" and "draft_vocab_size" in stats:
         return f"{stats['draft_vocab_size']} draft tokens, coverage {stats.get('coverage', float('nan')):.3f}"
     if stage == "capture":
-        return (f"{stats.get('num_shards')} shards, {stats.get('num_tokens')} tokens, "
-                f"{stats.get('num_bytes', 0) / 1e6:.1f} MB")
+        return (
+            f"{stats.get('num_shards')} shards, {stats.get('num_tokens')} tokens, "
+            f"{stats.get('num_bytes', 0) / 1e6:.1f} MB"
+        )
     if stage == "train":
         last = result.get("last_eval") or {}
         return f"val acc_0 {_fmt(last.get('acc_0'))}, accept_len_est {_fmt(last.get('accept_len_est'))}"
@@ -114,28 +123,43 @@ def acceptance_by_method(stats: Mapping[str, Any]) -> dict[str, float]:
 
 def summary_rows(runs: Sequence[StageRun]) -> list[dict[str, str]]:
     """The summary table's rows (SUMMARY_COLUMNS), one per stage run, in call order."""
-    return [{"stage": r.stage, "state": r.state,
-             "seconds": "" if r.duration_s is None else f"{r.duration_s:.2f}",
-             "outputs": f"`{r.outputs}`" if r.outputs else "",
-             "result": r.note.replace("|", "/").replace("\n", " "),
-             "run": f"[{r.run_kind or 'run'}]({r.url})" if r.url else ""}
-            for r in runs]
+    return [
+        {
+            "stage": r.stage,
+            "state": r.state,
+            "seconds": "" if r.duration_s is None else f"{r.duration_s:.2f}",
+            "outputs": f"`{r.outputs}`" if r.outputs else "",
+            "result": r.note.replace("|", "/").replace("\n", " "),
+            "run": f"[{r.run_kind or 'run'}]({r.url})" if r.url else "",
+        }
+        for r in runs
+    ]
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> list[str]:
     """Lines of a markdown table of ``columns``."""
-    return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-            + ["| " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for row in rows])
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + [
+        "| " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for row in rows
+    ]
 
 
-def render_summary(run_name: str, run_dir: Path, runs: Sequence[StageRun], target: str = "",
-                   failure: tuple[str, str] | None = None) -> str:
+def render_summary(
+    run_name: str, run_dir: Path, runs: Sequence[StageRun], target: str = "", failure: tuple[str, str] | None = None
+) -> str:
     """Markdown run summary: for a failed run first ``failure`` = (stage, "ExceptionType: message"), then the run
     directory, the target, and one table row per stage (summary_rows)."""
     lines = [f"# Run `{run_name}`" + (" failed" if failure else ""), ""]
     if failure:
-        lines += [f"**Failed at stage `{failure[0]}`**:", "", "```", failure[1][:4000], "```", "",
-                  "The failed stage's run (linked below) and the flow run's Logs tab hold the traceback.", ""]
+        lines += [
+            f"**Failed at stage `{failure[0]}`**:",
+            "",
+            "```",
+            failure[1][:4000],
+            "```",
+            "",
+            "The failed stage's run (linked below) and the flow run's Logs tab hold the traceback.",
+            "",
+        ]
     lines.append(f"* run directory: `{run_dir}` (the outputs below are relative to it)")
     if target:
         lines.append(f"* target: {target}")
@@ -181,12 +205,30 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def render_early_failure(run_name: str, title: str, why: str, message: str, preset: str, overrides: Sequence[str],
-                         advice: str) -> str:
+def render_early_failure(
+    run_name: str, title: str, why: str, message: str, preset: str, overrides: Sequence[str], advice: str
+) -> str:
     """Markdown run summary of a run that stopped before any stage (an invalid config, a preset that needs a GPU
     host on a host without one, a crash loop): ``title`` names it, ``why`` says it in a sentence, ``message`` is
     the error, ``advice`` the fix."""
     given = "\n".join(f"* `{o}`" for o in overrides) or "* (none)"
-    return "\n".join([f"# Run `{run_name}` failed: {title}", "", f"**Failed before any stage**: {why}", "",
-                      "```", message[:4000], "```", "", f"preset: `{preset}`; overrides:", "", given, "",
-                      advice]) + "\n"
+    return (
+        "\n".join(
+            [
+                f"# Run `{run_name}` failed: {title}",
+                "",
+                f"**Failed before any stage**: {why}",
+                "",
+                "```",
+                message[:4000],
+                "```",
+                "",
+                f"preset: `{preset}`; overrides:",
+                "",
+                given,
+                "",
+                advice,
+            ]
+        )
+        + "\n"
+    )

@@ -27,8 +27,14 @@ from eagle3.run.paths import resolve_path
 from infra.locks import file_lock
 from infra.storage import atomic_write_json, sha256_file_cached, sha256_json
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 CONVERTED_MARKER = ".complete"
 """Written last into a folder converted from a GGUF: JSON naming the GGUF and its sha256 (the folder's identity)."""
 EMBED_TENSOR = "model.embed_tokens.weight"
@@ -74,11 +80,15 @@ def check_aux_layer_ids(aux: list[int], num_layers: int) -> None:
     cannot capture it as aux), so id N-1 would silently mean different tensors in different places.
     """
     if any(not 0 <= i < num_layers - 1 for i in aux):
-        raise ValueError(f"target.aux_layer_ids {aux} out of range: ids must be in [0, {num_layers - 2}] "
-                         f"for {num_layers} layers (output-of-layer convention; the last layer is the final state)")
+        raise ValueError(
+            f"target.aux_layer_ids {aux} out of range: ids must be in [0, {num_layers - 2}] "
+            f"for {num_layers} layers (output-of-layer convention; the last layer is the final state)"
+        )
     if list(aux) != sorted(set(aux)):
-        raise ValueError(f"target.aux_layer_ids {aux} must be distinct and ascending"
-                         f" (a {num_layers}-layer target needs explicit ids if the default repeats)")
+        raise ValueError(
+            f"target.aux_layer_ids {aux} must be distinct and ascending"
+            f" (a {num_layers}-layer target needs explicit ids if the default repeats)"
+        )
 
 
 def prepare_target(cfg: RunConfig) -> Path:
@@ -210,11 +220,17 @@ def target_info(model_dir: Path, tcfg: TargetConfig | None = None) -> TargetInfo
     aux = (tcfg.aux_layer_ids if tcfg and tcfg.aux_layer_ids else None) or default_aux_layer_ids(num_layers)
     check_aux_layer_ids(aux, num_layers)
     return TargetInfo(
-        model_dir=str(model_dir), architecture=(c.get("architectures") or ["?"])[0], num_layers=num_layers,
-        hidden_size=c["hidden_size"], vocab_size=c["vocab_size"], num_attention_heads=heads,
-        num_key_value_heads=c.get("num_key_value_heads", heads), head_dim=_head_dim(c),
+        model_dir=str(model_dir),
+        architecture=(c.get("architectures") or ["?"])[0],
+        num_layers=num_layers,
+        hidden_size=c["hidden_size"],
+        vocab_size=c["vocab_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=c.get("num_key_value_heads", heads),
+        head_dim=_head_dim(c),
         intermediate_size=c.get("intermediate_size", 0),
-        aux_layer_ids=list(aux), tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        aux_layer_ids=list(aux),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         eos_token_ids=_eos_ids(model_dir, c),
     )
 
@@ -253,8 +269,11 @@ def fingerprint(model_dir: Path) -> str:
     doc: dict[str, Any] = {"config": config}
     doc["tokenizer"] = {n: sha256_file_cached(base / n) for n in TOKENIZER_FILES if (base / n).is_file()}
     gguf = converted_from(base)
-    doc["weights"] = ({"gguf_sha256": gguf} if gguf is not None
-                      else [{"name": p.name, "sha256": sha256_file_cached(p)} for p in _weight_files(base)])
+    doc["weights"] = (
+        {"gguf_sha256": gguf}
+        if gguf is not None
+        else [{"name": p.name, "sha256": sha256_file_cached(p)} for p in _weight_files(base)]
+    )
     return sha256_json(doc)[:16]
 
 
@@ -315,11 +334,17 @@ def tokenizer_report(tokenizer, info: TargetInfo) -> dict[str, Any]:
     special_ids = {name: (tok, tokenizer.convert_tokens_to_ids(tok)) for name, tok in specials.items() if tok}
     eot_text = end_of_turn_text(tokenizer)
     eot_ids = tokenizer.encode(eot_text, add_special_tokens=False)
-    stop_ids = sorted(set(info.eos_token_ids)
-                      | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
-    report = {"special_tokens": {k: {"token": t, "id": i} for k, (t, i) in special_ids.items()},
-              "end_of_turn_text": eot_text, "end_of_turn_ids": eot_ids, "stop_ids": stop_ids,
-              "vocab_size_tokenizer": len(tokenizer), "vocab_size_model": info.vocab_size}
+    stop_ids = sorted(
+        set(info.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    )
+    report = {
+        "special_tokens": {k: {"token": t, "id": i} for k, (t, i) in special_ids.items()},
+        "end_of_turn_text": eot_text,
+        "end_of_turn_ids": eot_ids,
+        "stop_ids": stop_ids,
+        "vocab_size_tokenizer": len(tokenizer),
+        "vocab_size_model": info.vocab_size,
+    }
     if len(eot_ids) != 1 or eot_ids[0] not in stop_ids:
         raise TokenizerMismatchError(
             f"the chat template closes assistant turns with {eot_text!r}, which tokenizes to ids {eot_ids}, "
@@ -343,8 +368,11 @@ def main(argv: list[str] | None = None) -> None:
     def run(cfg: RunConfig, args: argparse.Namespace) -> dict[str, Any]:
         model_dir = prepare_target(cfg)
         info = target_info(model_dir, cfg.target)
-        return {"info": asdict(info), "fingerprint": fingerprint(model_dir),
-                "tokenizer": tokenizer_report(load_tokenizer(model_dir), info)}
+        return {
+            "info": asdict(info),
+            "fingerprint": fingerprint(model_dir),
+            "tokenizer": tokenizer_report(load_tokenizer(model_dir), info),
+        }
 
     stage_main(add_config_args(argparse.ArgumentParser(description=main.__doc__)), argv, run)
 

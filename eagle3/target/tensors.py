@@ -33,8 +33,9 @@ def rope_settings(cfg: dict[str, Any], plain_if_unsupported: bool = False) -> tu
     original = scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
     if original is None:  # a missing field, as for the other keys (dims_from_llama_fields names it)
         raise KeyError("original_max_position_embeddings")
-    return theta, Llama3RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                    float(scaling["high_freq_factor"]), int(original))
+    return theta, Llama3RopeScaling(
+        float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]), int(original)
+    )
 
 
 def drafter_dims(info: TargetInfo, model_dir: Path | str, draft_vocab_size: int) -> DrafterDims:
@@ -49,11 +50,17 @@ def drafter_dims(info: TargetInfo, model_dir: Path | str, draft_vocab_size: int)
     cfg = read_model_config(model_dir)
     theta, scaling = rope_settings(cfg, plain_if_unsupported=True)
     return DrafterDims(
-        hidden_size=info.hidden_size, num_attention_heads=info.num_attention_heads,
-        num_key_value_heads=info.num_key_value_heads, head_dim=info.head_dim,
-        intermediate_size=info.intermediate_size, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta, rope_scaling=scaling, vocab_size=info.vocab_size,
-        draft_vocab_size=min(draft_vocab_size, info.vocab_size), num_aux=len(info.aux_layer_ids),
+        hidden_size=info.hidden_size,
+        num_attention_heads=info.num_attention_heads,
+        num_key_value_heads=info.num_key_value_heads,
+        head_dim=info.head_dim,
+        intermediate_size=info.intermediate_size,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        vocab_size=info.vocab_size,
+        draft_vocab_size=min(draft_vocab_size, info.vocab_size),
+        num_aux=len(info.aux_layer_ids),
         target_hidden_size=info.hidden_size,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
     )
@@ -75,8 +82,9 @@ def _copy_checked(dst: Tensor, src: Tensor, what: str) -> None:
     dst.copy_(src)
 
 
-def load_target_weights(model: Eagle3Drafter, model_dir: Path | str, t2d: Tensor,
-                        init_lm_head_from_target: bool, chunk_rows: int = 16384) -> None:
+def load_target_weights(
+    model: Eagle3Drafter, model_dir: Path | str, t2d: Tensor, init_lm_head_from_target: bool, chunk_rows: int = 16384
+) -> None:
     """Copy the target's embeddings; optionally start lm_head from the target lm_head rows of the draft vocab."""
     with torch.no_grad():
         _copy_checked(model.embed_tokens.weight, read_tensor(Path(model_dir), EMBED_TENSOR), EMBED_TENSOR)

@@ -93,13 +93,18 @@ LLAMA3_TEMPLATE = (
 STYLES: dict[str, dict] = {
     "chatml": {
         "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        "bos": "<|im_start|>", "eos": "<|im_end|>", "pad": "<|im_end|>", "unk": "<|endoftext|>",
+        "bos": "<|im_start|>",
+        "eos": "<|im_end|>",
+        "pad": "<|im_end|>",
+        "unk": "<|endoftext|>",
         "template": CHATML_TEMPLATE,
     },
     "llama3": {
-        "specials": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                     "<|end_of_text|>"],
-        "bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "pad": "<|end_of_text|>", "unk": None,
+        "specials": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|end_of_text|>"],
+        "bos": "<|begin_of_text|>",
+        "eos": "<|eot_id|>",
+        "pad": "<|end_of_text|>",
+        "unk": None,
         "template": LLAMA3_TEMPLATE,
     },
 }
@@ -183,8 +188,12 @@ def build_tiny_tokenizer(chat_template: ChatStyle = "chatml") -> PreTrainedToken
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in all_specials])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token=style["bos"], eos_token=style["eos"], pad_token=style["pad"], unk_token=style["unk"],
-        model_max_length=4096, clean_up_tokenization_spaces=False,
+        bos_token=style["bos"],
+        eos_token=style["eos"],
+        pad_token=style["pad"],
+        unk_token=style["unk"],
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = style["template"]
     return tokenizer
@@ -209,12 +218,24 @@ def _qwen3(cfg: TinyTargetConfig, common: dict) -> PreTrainedModel:
 def _deepseek_v3(cfg: TinyTargetConfig, common: dict) -> PreTrainedModel:
     """MLA + MoE in DeepSeek-V3's proportions: layer 0 dense, the rest 8 routed experts (2 per token) + 1 shared."""
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    return DeepseekV3ForCausalLM(DeepseekV3Config(
-        **common, num_key_value_heads=cfg.num_attention_heads,  # MLA: no key/value head sharing
-        q_lora_rank=cfg.hidden_size // 2, kv_lora_rank=cfg.hidden_size // 4,
-        qk_nope_head_dim=head_dim, qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim,
-        moe_intermediate_size=max(1, cfg.intermediate_size // 4), n_routed_experts=8, num_experts_per_tok=2,
-        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1))
+    return DeepseekV3ForCausalLM(
+        DeepseekV3Config(
+            **common,
+            num_key_value_heads=cfg.num_attention_heads,  # MLA: no key/value head sharing
+            q_lora_rank=cfg.hidden_size // 2,
+            kv_lora_rank=cfg.hidden_size // 4,
+            qk_nope_head_dim=head_dim,
+            qk_rope_head_dim=head_dim // 2,
+            v_head_dim=head_dim,
+            moe_intermediate_size=max(1, cfg.intermediate_size // 4),
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+        )
+    )
 
 
 ARCHITECTURES = {"llama": _llama, "qwen3": _qwen3, "deepseek_v3": _deepseek_v3}

@@ -26,8 +26,12 @@ PR_SET_PDEATHSIG = 1
 def _configure_logging() -> None:
     """INFO on rank 0, warnings only on the other ranks (one step line per step, not one per GPU)."""
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
-                        format=f"%(asctime)s [rank {rank}] %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        stream=sys.stdout,
+        format=f"%(asctime)s [rank {rank}] %(message)s",
+        datefmt="%H:%M:%S",
+    )
 
 
 def _stop_with_launcher() -> None:
@@ -52,11 +56,20 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3.run.cli_args import add_config_args, stage_main
 
     parser = add_config_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    parser.add_argument("--stop-after-steps", type=int, default=None, metavar="N",
-                        help="checkpoint and exit 0 after N optimizer steps of this invocation")
-    parser.add_argument("--known-key", default=None, metavar="KEY",
-                        help="the train key of this config, computed by the caller (the pipeline's train task); "
-                             "taken as given, not computed again")
+    parser.add_argument(
+        "--stop-after-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="checkpoint and exit 0 after N optimizer steps of this invocation",
+    )
+    parser.add_argument(
+        "--known-key",
+        default=None,
+        metavar="KEY",
+        help="the train key of this config, computed by the caller (the pipeline's train task); "
+        "taken as given, not computed again",
+    )
 
     def run(cfg, args: argparse.Namespace):
         from eagle3.config import ConfigError
@@ -70,8 +83,15 @@ def main(argv: list[str] | None = None) -> None:
 
     def show(result) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(json.dumps({"status": result.status, "step": result.step,
-                              "checkpoint": str(result.checkpoint) if result.checkpoint else None}))
+            print(
+                json.dumps(
+                    {
+                        "status": result.status,
+                        "step": result.step,
+                        "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+                    }
+                )
+            )
 
     # no lock here: rank 0 of the trainer holds it (every rank must learn that it is taken)
     stage_main(parser, argv, run, show=show)

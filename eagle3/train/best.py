@@ -39,9 +39,13 @@ def best_stats(state: TrainerState, metrics_path: Path, train_dir: Path) -> dict
     from eagle3.train.metrics import read_metrics
 
     evals = read_metrics(metrics_path, "eval")
-    stats: dict[str, Any] = {"best_step": state.best_step, "best_accept_len_est": state.best_accept_len_est,
-                             "eval_history": [[e["step"], e["accept_len_est"]] for e in evals if "accept_len_est" in e],
-                             "best_checkpoint": None, "best_eval": None}
+    stats: dict[str, Any] = {
+        "best_step": state.best_step,
+        "best_accept_len_est": state.best_accept_len_est,
+        "eval_history": [[e["step"], e["accept_len_est"]] for e in evals if "accept_len_est" in e],
+        "best_checkpoint": None,
+        "best_eval": None,
+    }
     if state.best_step is not None:
         best = step_dir(checkpoints_dir(Path(train_dir).parent), state.best_step)
         stats["best_checkpoint"] = str(best.relative_to(train_dir))

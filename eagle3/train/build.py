@@ -42,6 +42,7 @@ log = logging.getLogger("eagle3.train")
 
 # ----------------------------------------------------------------------------------------------- the inputs
 
+
 @dataclass(frozen=True)
 class RunInputs:
     """Paths and facts a training run reads, checked against each other."""
@@ -76,11 +77,15 @@ def read_inputs(cfg: RunConfig, model_dir: Path) -> RunInputs:
     d2t, t2d = load_vocab_map(layout.vocab)
     info = target_info(model_dir, cfg.target)
     if spec.target_fingerprint != fingerprint(model_dir):
-        raise ValueError(f"features in {layout.features} come from target {spec.target_fingerprint}, "
-                         f"not from {model_dir} ({fingerprint(model_dir)}); capture again")
+        raise ValueError(
+            f"features in {layout.features} come from target {spec.target_fingerprint}, "
+            f"not from {model_dir} ({fingerprint(model_dir)}); capture again"
+        )
     if spec.aux_layer_ids != info.aux_layer_ids or spec.hidden_size != info.hidden_size:
-        raise ValueError(f"features hold aux layers {spec.aux_layer_ids} of width {spec.hidden_size}, the config "
-                         f"asks for {info.aux_layer_ids} of width {info.hidden_size}")
+        raise ValueError(
+            f"features hold aux layers {spec.aux_layer_ids} of width {spec.hidden_size}, the config "
+            f"asks for {info.aux_layer_ids} of width {info.hidden_size}"
+        )
     if len(t2d) != info.vocab_size:
         raise ValueError(f"vocab map covers {len(t2d)} target ids, the target has {info.vocab_size}")
     dims = drafter_dims(info, model_dir, draft_vocab_size=len(d2t))
@@ -101,8 +106,11 @@ def stage_key_for(cfg: RunConfig, inputs: RunInputs) -> str:
     layout = run_layout(cfg)
     # key_fields: the family and the DFlash section are hashed once set (eagle3 runs keep their keys)
     conf = {"drafter": key_fields(cfg.drafter), "seed": cfg.run.seed, **section_dict(cfg, STAGE.name)}
-    extra = {"target": inputs.spec.target_fingerprint, **warm_start.key_extra(cfg),  # {} without refresh.init_from
-             **measured.key_extra(cfg)}  # {} while train.measured is off
+    extra = {
+        "target": inputs.spec.target_fingerprint,
+        **warm_start.key_extra(cfg),  # {} without refresh.init_from
+        **measured.key_extra(cfg),
+    }  # {} while train.measured is off
     if cfg.train.features == "online":
         manifests = [layout.manifest(tokenize.STAGE), layout.manifest(vocab.STAGE)]
         extra |= {"spec": spec_hash(inputs.spec), "target_dtype": cfg.target.dtype}
@@ -121,8 +129,10 @@ def key_for(cfg: RunConfig) -> str:
 
 # ---------------------------------------------------------------------------------------- model, optimizer
 
-def build_objective(cfg: RunConfig, inputs: RunInputs, device: torch.device,
-                    options: StepOptions | None = None) -> TTTObjective | DFlashObjective:
+
+def build_objective(
+    cfg: RunConfig, inputs: RunInputs, device: torch.device, options: StepOptions | None = None
+) -> TTTObjective | DFlashObjective:
     """The family's seeded drafter with the target's frozen embeddings (and lm_head rows if asked) inside its
     objective, on ``device``: EAGLE-3's TTT unroll, or DFlash's blocks (eagle3.train.dflash).
 
@@ -143,14 +153,29 @@ def build_objective(cfg: RunConfig, inputs: RunInputs, device: torch.device,
     return ttt_objective(cfg, drafter, inputs.t2d, inputs.d2t, lm_head, options).to(device)
 
 
-def ttt_objective(cfg: RunConfig, drafter: Eagle3Drafter, t2d: Tensor, d2t: Tensor, lm_head: Tensor | None,
-                  options: StepOptions | None = None) -> TTTObjective:
+def ttt_objective(
+    cfg: RunConfig,
+    drafter: Eagle3Drafter,
+    t2d: Tensor,
+    d2t: Tensor,
+    lm_head: Tensor | None,
+    options: StepOptions | None = None,
+) -> TTTObjective:
     """EAGLE-3's objective over ``drafter`` as the run's settings make it (TTT steps, step decay, attention, token
     loss): what build_objective trains, and what a benchmark that builds its drafter otherwise (random weights over
     a target that exists only in memory) times. ``lm_head``: the target's frozen lm_head for final_hidden
     supervision, else None."""
-    return TTTObjective(drafter, t2d, d2t, lm_head, cfg.drafter.ttt_steps, cfg.drafter.step_decay,
-                        cfg.drafter.attn_impl, options=options, loss=token_loss_for(cfg.train))
+    return TTTObjective(
+        drafter,
+        t2d,
+        d2t,
+        lm_head,
+        cfg.drafter.ttt_steps,
+        cfg.drafter.step_decay,
+        cfg.drafter.attn_impl,
+        options=options,
+        loss=token_loss_for(cfg.train),
+    )
 
 
 def scaled_lr(lr: float, rule: str, rows_per_step: int, reference_rows: int) -> float:
@@ -162,15 +187,18 @@ def scaled_lr(lr: float, rule: str, rows_per_step: int, reference_rows: int) -> 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only; norms (1-D) are not decayed. Frozen parameters stay out."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
 
 
 def build_optimizer(cfg: RunConfig, model: nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
     """AdamW over the trainable parameters (fused kernel on CUDA)."""
     t = cfg.train
-    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=lr, betas=t.adam_betas, eps=t.adam_eps,
-                             fused=device.type == "cuda")
+    return torch.optim.AdamW(
+        param_groups(model, t.weight_decay), lr=lr, betas=t.adam_betas, eps=t.adam_eps, fused=device.type == "cuda"
+    )
 
 
 @dataclass
@@ -196,14 +224,16 @@ def warmup_steps_for(cfg: RunConfig, total_steps: int) -> int:
     return round(cfg.train.warmup_ratio * total_steps)
 
 
-def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int
-                    ) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    cfg: RunConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup + cosine as a LambdaLR (its state, the step count, goes into checkpoints)."""
     factor = WarmupCosine(total_steps, warmup_steps_for(cfg, total_steps), cfg.train.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 # --------------------------------------------------------------------------------------------------- data
+
 
 @dataclass(frozen=True)
 class DataPlan:
@@ -239,8 +269,9 @@ def plan_data(cfg: RunConfig, inputs: RunInputs, world_size: int) -> DataPlan:
     if t.max_train_tokens is not None:
         train = first_tokens(train, t.max_train_tokens, inputs.tokenized)
     rows_per_step = world_size * t.grad_accum_steps
-    epochs = [plan_epoch(train, t.tokens_per_row, e, cfg.run.seed, rows_per_step, shuffle=True)
-              for e in range(t.num_epochs)]
+    epochs = [
+        plan_epoch(train, t.tokens_per_row, e, cfg.run.seed, rows_per_step, shuffle=True) for e in range(t.num_epochs)
+    ]
     val_plan = plan_epoch(val, t.tokens_per_row, 0, cfg.run.seed, world_size, shuffle=False)
     return DataPlan(epochs, val_plan, rows_per_step)
 
@@ -254,8 +285,10 @@ def first_tokens(samples: list[tuple[str, int]], budget: int, source: Path) -> l
     """
     total = sum(n for _, n in samples)
     if total < budget:
-        raise ValueError(f"train.max_train_tokens is {budget:,} but the train split of {source} holds only "
-                         f"{total:,} tokens ({len(samples)} rows); generate more data or lower the budget")
+        raise ValueError(
+            f"train.max_train_tokens is {budget:,} but the train split of {source} holds only "
+            f"{total:,} tokens ({len(samples)} rows); generate more data or lower the budget"
+        )
     kept, used = [], 0
     for sample in samples:
         if used + sample[1] > budget:
@@ -263,8 +296,9 @@ def first_tokens(samples: list[tuple[str, int]], budget: int, source: Path) -> l
         kept.append(sample)
         used += sample[1]
     if not kept:
-        raise ValueError(f"train.max_train_tokens {budget:,} is below the first train row of {source} "
-                         f"({samples[0][1]:,} tokens)")
+        raise ValueError(
+            f"train.max_train_tokens {budget:,} is below the first train row of {source} ({samples[0][1]:,} tokens)"
+        )
     return kept
 
 

@@ -90,8 +90,11 @@ def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
     """(step, path) of every complete checkpoint, oldest first."""
     if not Path(ckpt_dir).is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in Path(ckpt_dir).iterdir()
-             if (m := CHECKPOINT_RE.match(p.name)) and (p / INFO_FILE).is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in Path(ckpt_dir).iterdir()
+        if (m := CHECKPOINT_RE.match(p.name)) and (p / INFO_FILE).is_file()
+    ]
     return sorted(found)
 
 
@@ -107,6 +110,7 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
 
 
 # ------------------------------------------------------------------------------------------------------ RNG
+
 
 def capture_rng() -> dict[str, Any]:
     """This process's RNG states (python, torch CPU, and every CUDA device once CUDA is initialised)."""
@@ -125,6 +129,7 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------- state dicts
+
 
 def _options(**kw: Any):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -152,6 +157,7 @@ def from_export_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 # ------------------------------------------------------------------------------------------------- writing
 
+
 class _HashingWriter:
     """A binary file that hashes what is written to it (torch.save writes through it: no second read)."""
 
@@ -174,8 +180,9 @@ def _write_hashed(path: Path, write: Any) -> str:
     return writer.sha256.hexdigest()
 
 
-def _write_files(tmp: Path, model_sd: dict, optim_sd: dict, trainer: dict, config_json: str,
-                 info: dict[str, Any]) -> None:
+def _write_files(
+    tmp: Path, model_sd: dict, optim_sd: dict, trainer: dict, config_json: str, info: dict[str, Any]
+) -> None:
     """Every file of a checkpoint into ``tmp``, fsynced, each hashed as written; checkpoint.json last."""
     hashes = {
         MODEL_FILE: _write_hashed(tmp / MODEL_FILE, lambda f: f.write(save(to_export_names(model_sd)))),
@@ -183,8 +190,12 @@ def _write_files(tmp: Path, model_sd: dict, optim_sd: dict, trainer: dict, confi
         TRAINER_FILE: _write_hashed(tmp / TRAINER_FILE, lambda f: torch.save(trainer, f)),
         CONFIG_FILE: _write_hashed(tmp / CONFIG_FILE, lambda f: f.write(config_json.encode())),
     }
-    info = {**info, "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}, "sha256": hashes,
-            "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    info = {
+        **info,
+        "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())},
+        "sha256": hashes,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     seal_dir(tmp)
 
@@ -201,9 +212,17 @@ def prune(ckpt_dir: Path, keep: int, protect: int | Iterable[int | None] | None 
     return removed
 
 
-def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    state: TrainerState, config_json: str, info: dict[str, Any], dist_info: DistInfo,
-                    keep: int) -> Path:
+def save_checkpoint(
+    ckpt_dir: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: TrainerState,
+    config_json: str,
+    info: dict[str, Any],
+    dist_info: DistInfo,
+    keep: int,
+) -> Path:
     """Collect the full state on every rank (collectives), write it atomically on rank 0, prune; all ranks
     return once step-N exists."""
     model_sd, optim_sd = gather_state(model, optimizer)
@@ -215,8 +234,9 @@ def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         trainer = {"scheduler": scheduler.state_dict(), "rng": rngs, "state": asdict(state)}
-        _write_files(tmp, model_sd, optim_sd, trainer, config_json,
-                     {**info, **asdict(state), "world_size": dist_info.world_size})
+        _write_files(
+            tmp, model_sd, optim_sd, trainer, config_json, {**info, **asdict(state), "world_size": dist_info.world_size}
+        )
         publish_dir(tmp, final)
         prune(ckpt_dir, keep, protect=(state.best_step, state.best_measured_step))
     barrier(dist_info)
@@ -224,6 +244,7 @@ def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
 
 
 # ------------------------------------------------------------------------------------------------- reading
+
 
 def read_info(path: Path) -> dict[str, Any]:
     """checkpoint.json of a checkpoint directory."""
@@ -243,8 +264,9 @@ def checkpoint_problem(path: Path, names: tuple[str, ...] | None = None) -> str 
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"{path / INFO_FILE} cannot be read ({type(exc).__name__}: {exc})"
     if hashes is None:
-        log.warning("train: %s records no sha256 of its files (written by an older version): checked by size only",
-                    path)
+        log.warning(
+            "train: %s records no sha256 of its files (written by an older version): checked by size only", path
+        )
     for name in names if names is not None else [n for n in sorted(sizes) if n != INFO_FILE]:
         file = path / name
         if name not in sizes or (hashes is not None and name not in hashes):
@@ -254,8 +276,10 @@ def checkpoint_problem(path: Path, names: tuple[str, ...] | None = None) -> str 
         if file.stat().st_size != sizes[name]:
             return f"{file} has {file.stat().st_size} bytes where {INFO_FILE} recorded {sizes[name]}"
         if hashes is not None and (digest := sha256_file_cached(file)) != hashes[name]:
-            return (f"{file} has sha256 {digest[:16]}..., not the {hashes[name][:16]}... recorded in {INFO_FILE} "
-                    f"when it was written (changed or corrupted on disk)")
+            return (
+                f"{file} has sha256 {digest[:16]}..., not the {hashes[name][:16]}... recorded in {INFO_FILE} "
+                f"when it was written (changed or corrupted on disk)"
+            )
     return None
 
 
@@ -285,8 +309,10 @@ def latest_intact_checkpoint(ckpt_dir: Path) -> Path | None:
         damaged.append((path, problem))
     if damaged:
         newest, problem = damaged[0]
-        raise CorruptCheckpointError(f"no intact checkpoint in {ckpt_dir}: checkpoint {newest.name} is damaged: "
-                                     f"{problem}; delete {ckpt_dir} to train from scratch")
+        raise CorruptCheckpointError(
+            f"no intact checkpoint in {ckpt_dir}: checkpoint {newest.name} is damaged: "
+            f"{problem}; delete {ckpt_dir} to train from scratch"
+        )
     return None
 
 
@@ -295,15 +321,18 @@ def check_compatible(info: dict[str, Any], stage_key: str, rows_per_step: int) -
     if info.get("stage_key") != stage_key:
         raise CheckpointMismatchError(
             f"checkpoint step-{info.get('step')} was written for another drafter/train config or other inputs; "
-            f"delete its checkpoints directory to train from scratch, or use another run.name")
+            f"delete its checkpoints directory to train from scratch, or use another run.name"
+        )
     if info.get("rows_per_step") != rows_per_step:
         raise CheckpointMismatchError(
             f"checkpoint step-{info.get('step')} trained with {info.get('rows_per_step')} rows per optimizer step "
-            f"(world_size x grad_accum_steps), this run has {rows_per_step}; resume with the same product")
+            f"(world_size x grad_accum_steps), this run has {rows_per_step}; resume with the same product"
+        )
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                    dist_info: DistInfo) -> TrainerState:
+def load_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, dist_info: DistInfo
+) -> TrainerState:
     """Restore weights, optimizer, scheduler and this rank's RNG (each rank reads the files itself)."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -311,11 +340,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     weights: dict[str, Any] = from_export_names(load_file(str(path / MODEL_FILE)))  # (what set_state_dict takes)
     expected = {k for k, p in _named_trainable(model)}
     if set(weights) != expected:
-        raise CheckpointMismatchError(f"{path / MODEL_FILE} holds {sorted(set(weights) ^ expected)[:5]} "
-                                      f"beyond/short of the drafter's trainable weights")
+        raise CheckpointMismatchError(
+            f"{path / MODEL_FILE} holds {sorted(set(weights) ^ expected)[:5]} "
+            f"beyond/short of the drafter's trainable weights"
+        )
     optim_sd = torch.load(path / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
-    set_state_dict(model, [optimizer], model_state_dict=weights, optim_state_dict=optim_sd,
-                   options=_options(strict=False))
+    set_state_dict(
+        model, [optimizer], model_state_dict=weights, optim_state_dict=optim_sd, options=_options(strict=False)
+    )
     for group in optimizer.param_groups:  # the state-dict round trip turns the betas tuple into a list
         group["betas"] = tuple(group["betas"])
     trainer = torch.load(path / TRAINER_FILE, weights_only=True, map_location="cpu")

@@ -115,6 +115,7 @@ class PackedBatch:
 
 # ------------------------------------------------------------------------------------------------ planning
 
+
 def read_split(tokenized_parquet: Path, split: str) -> list[tuple[str, int]]:
     """(id, num_tokens) of the rows of one split, in file order."""
     import pyarrow.parquet as pq
@@ -128,8 +129,10 @@ def check_captured(samples: Sequence[tuple[str, int]], reader: ShardReader, spli
     """Every planned sample must have features: a silent skip would train on a different dataset."""
     missing = [sid for sid, _ in samples if sid not in reader]
     if missing:
-        raise ValueError(f"{len(missing)} {split} samples of tokenized.parquet have no captured features in "
-                         f"{reader.features_dir} (first: {missing[:3]}); run the capture stage to completion")
+        raise ValueError(
+            f"{len(missing)} {split} samples of tokenized.parquet have no captured features in "
+            f"{reader.features_dir} (first: {missing[:3]}); run the capture stage to completion"
+        )
 
 
 def shuffled(samples: Sequence[tuple[str, int]], seed: int, epoch: int) -> list[tuple[str, int]]:
@@ -173,8 +176,9 @@ def pad_rows(rows: list[PackedRow], multiple: int) -> list[PackedRow]:
     return rows + repeats
 
 
-def plan_epoch(samples: Sequence[tuple[str, int]], max_tokens: int, epoch: int, seed: int, multiple: int,
-               shuffle: bool) -> EpochPlan:
+def plan_epoch(
+    samples: Sequence[tuple[str, int]], max_tokens: int, epoch: int, seed: int, multiple: int, shuffle: bool
+) -> EpochPlan:
     """The padded, packed rows of one epoch (module docstring)."""
     order = shuffled(samples, seed, epoch) if shuffle else list(samples)
     rows, stats = pack(order, max_tokens)
@@ -184,6 +188,7 @@ def plan_epoch(samples: Sequence[tuple[str, int]], max_tokens: int, epoch: int, 
 
 
 # ----------------------------------------------------------------------------------------------- collation
+
 
 def _pad_to(x: Tensor, length: int, value: float) -> Tensor:
     """x [n, ...] -> [length, ...], filled with ``value`` after row n."""
@@ -215,8 +220,10 @@ def collate_row(reader: SampleSource, row: PackedRow, max_tokens: int, float_dty
     full = {name: _pad_to(t, max_tokens, pad_fill.get(name, 0.0))[None] for name, t in cat.items()}  # [1, T, ...]
     return TTTBatch(
         aux=full["aux"].to(float_dtype) if "aux" in full else None,  # None: online, filled on the device
-        input_ids=full["input_ids"].long(), loss_mask=full["loss_mask"],
-        document_ids=torch.cat(docs)[None], position_ids=torch.cat(positions)[None],
+        input_ids=full["input_ids"].long(),
+        loss_mask=full["loss_mask"],
+        document_ids=torch.cat(docs)[None],
+        position_ids=torch.cat(positions)[None],
         final_hidden=full["final"].to(float_dtype) if "final" in full else None,
         topk_ids=full["topk_ids"].long() if "topk_ids" in full else None,
         topk_logprobs=full.get("topk_logprobs"),
@@ -256,6 +263,7 @@ def batch_to(batch: TTTBatch, device: torch.device) -> TTTBatch:
 
 # ------------------------------------------------------------------------------------------------- loading
 
+
 class RowLoader:
     """Iterates collated rows of one rank's list from ``start``, prefetching ``depth`` rows on a thread.
 
@@ -264,9 +272,19 @@ class RowLoader:
     between threads.
     """
 
-    def __init__(self, features_dir: Path, rows: list[PackedRow], max_tokens: int, float_dtype: torch.dtype,
-                 start: int = 0, depth: int = 2, epoch: int = 0, seed: int = 0, pin_memory: bool = False,
-                 reader: SampleSource | None = None) -> None:
+    def __init__(
+        self,
+        features_dir: Path,
+        rows: list[PackedRow],
+        max_tokens: int,
+        float_dtype: torch.dtype,
+        start: int = 0,
+        depth: int = 2,
+        epoch: int = 0,
+        seed: int = 0,
+        pin_memory: bool = False,
+        reader: SampleSource | None = None,
+    ) -> None:
         # ``reader``: a shared read-only source of the samples' tensors instead of the shards (online training)
         self.reader: SampleSource = reader if reader is not None else ShardReader(features_dir)
         self.rows, self.max_tokens, self.float_dtype = rows, max_tokens, float_dtype
@@ -279,9 +297,15 @@ class RowLoader:
         batch = collate_row(self.reader, row, self.max_tokens, self.float_dtype)
         if self.pin_memory:  # here, on the loader thread: pinning 100 MB rows costs the training thread nothing
             batch = map_tensors(batch, Tensor.pin_memory)
-        return PackedBatch(batch, row.num_tokens, int(batch.loss_mask.sum()), row.counted,
-                           noise_seed(self.seed, self.epoch, row.index), tuple(s.num_tokens for s in row.samples),
-                           tuple(s.sample_id for s in row.samples))
+        return PackedBatch(
+            batch,
+            row.num_tokens,
+            int(batch.loss_mask.sum()),
+            row.counted,
+            noise_seed(self.seed, self.epoch, row.index),
+            tuple(s.num_tokens for s in row.samples),
+            tuple(s.sample_id for s in row.samples),
+        )
 
     def _put(self, out: queue.Queue, item: object) -> bool:
         """Put unless the consumer has gone away (then the thread must end instead of blocking forever)."""

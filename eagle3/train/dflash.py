@@ -39,6 +39,7 @@ Anchors = tuple[Tensor, Tensor]
 
 # ------------------------------------------------------------------------------------------------- set-up
 
+
 @dataclass(frozen=True)
 class DFlashSetup:
     """What a DFlash drafter of this run is: its sizes, the target layers it reads and where they sit in the
@@ -61,8 +62,10 @@ def mask_token_id_for(cfg: RunConfig, model_dir: Path) -> int:
     tokenizer = load_tokenizer(model_dir)
     token = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if token is None:
-        raise ValueError(f"the tokenizer of {model_dir} has neither a pad nor an eos token: set "
-                         "drafter.dflash.mask_token_id to an id of the target's vocab")
+        raise ValueError(
+            f"the tokenizer of {model_dir} has neither a pad nor an eos token: set "
+            "drafter.dflash.mask_token_id to an id of the target's vocab"
+        )
     return int(token)
 
 
@@ -73,30 +76,44 @@ def dflash_setup(cfg: RunConfig, model_dir: Path, aux_layer_ids: list[int]) -> D
     from eagle3.target.tensors import drafter_dims
 
     if cfg.train.loss != "kl":  # its loss is a CE against the row's tokens: no target distribution to overlap
-        raise ValueError(f"train.loss={cfg.train.loss} scores EAGLE-3 steps only; drafter.family=dflash trains with "
-                         "its own cross-entropy (train.loss=kl)")
+        raise ValueError(
+            f"train.loss={cfg.train.loss} scores EAGLE-3 steps only; drafter.family=dflash trains with "
+            "its own cross-entropy (train.loss=kl)"
+        )
     d, info = cfg.drafter.dflash, target_info(Path(model_dir), cfg.target)
     ids = list(d.target_layer_ids) if d.target_layer_ids is not None else sorted(aux_layer_ids)
     missing = [i for i in ids if i not in aux_layer_ids]
     if missing:
-        raise ValueError(f"drafter.dflash.target_layer_ids {ids}: layers {missing} are not among the captured aux "
-                         f"layers {aux_layer_ids}; add them to target.aux_layer_ids so that capture stores them")
+        raise ValueError(
+            f"drafter.dflash.target_layer_ids {ids}: layers {missing} are not among the captured aux "
+            f"layers {aux_layer_ids}; add them to target.aux_layer_ids so that capture stores them"
+        )
     mask = mask_token_id_for(cfg, model_dir)
     if not 0 <= mask < info.vocab_size:
         raise ValueError(f"drafter.dflash.mask_token_id {mask} is outside the target's vocab [0, {info.vocab_size})")
     base = drafter_dims(info, model_dir, draft_vocab_size=info.vocab_size)  # the target's widths, heads, RoPE
     dims = DFlashDims(
-        hidden_size=base.hidden_size, num_attention_heads=base.num_attention_heads,
-        num_key_value_heads=base.num_key_value_heads, head_dim=base.head_dim,
-        intermediate_size=base.intermediate_size, num_hidden_layers=d.num_layers, rms_norm_eps=base.rms_norm_eps,
-        rope_theta=base.rope_theta, rope_scaling=base.rope_scaling, vocab_size=info.vocab_size,
-        num_context_features=len(ids), block_size=d.block_size, mask_token_id=mask,
-        max_position_embeddings=base.max_position_embeddings)
+        hidden_size=base.hidden_size,
+        num_attention_heads=base.num_attention_heads,
+        num_key_value_heads=base.num_key_value_heads,
+        head_dim=base.head_dim,
+        intermediate_size=base.intermediate_size,
+        num_hidden_layers=d.num_layers,
+        rms_norm_eps=base.rms_norm_eps,
+        rope_theta=base.rope_theta,
+        rope_scaling=base.rope_scaling,
+        vocab_size=info.vocab_size,
+        num_context_features=len(ids),
+        block_size=d.block_size,
+        mask_token_id=mask,
+        max_position_embeddings=base.max_position_embeddings,
+    )
     return DFlashSetup(dims, ids, info.num_layers, [aux_layer_ids.index(i) for i in ids], len(aux_layer_ids))
 
 
-def build_dflash_objective(cfg: RunConfig, setup: DFlashSetup, model_dir: Path, device: torch.device
-                           ) -> DFlashObjective:
+def build_dflash_objective(
+    cfg: RunConfig, setup: DFlashSetup, model_dir: Path, device: torch.device
+) -> DFlashObjective:
     """Seeded drafter with the target's frozen embeddings and lm_head, inside its objective, on ``device``."""
     from eagle3.target.load import EMBED_TENSOR, read_tensor
     from eagle3.target.tensors import load_target_lm_head
@@ -113,22 +130,25 @@ def build_dflash_objective(cfg: RunConfig, setup: DFlashSetup, model_dir: Path, 
 
 # ------------------------------------------------------------------------------------------------ the step
 
+
 def dflash_of(model: nn.Module) -> DFlashObjective | None:
     """The DFlash objective inside a (possibly wrapped) training model, None for another family."""
     inner = unwrap(model)
     return inner if isinstance(inner, DFlashObjective) else None
 
 
-def supervise(objective: DFlashObjective, batches: list[TTTBatch], seeds: list[int], info: DistInfo
-              ) -> tuple[list[Anchors], Tensor]:
+def supervise(
+    objective: DFlashObjective, batches: list[TTTBatch], seeds: list[int], info: DistInfo
+) -> tuple[list[Anchors], Tensor]:
     """(anchors of each row, [K-1] scored targets per slot summed over the rows of every rank)."""
     anchors = [objective.anchors(b, seed) for b, seed in zip(batches, seeds)]
     counts = torch.stack([objective.supervised_counts(b, a) for b, a in zip(batches, anchors)]).sum(0)
     return anchors, all_reduce_sum(counts.double(), info)
 
 
-def backward_rows(model: nn.Module, batches: list[TTTBatch], anchors: list[Anchors], counts: Tensor,
-                  info: DistInfo) -> Tensor:
+def backward_rows(
+    model: nn.Module, batches: list[TTTBatch], anchors: list[Anchors], counts: Tensor, info: DistInfo
+) -> Tensor:
     """Forward + backward of every row against the global counts (module docstring); summed counts [4, K-1]:
     CE sums, scored targets, correct drafts, drafts correct with every earlier slot of their block."""
     obj = dflash_of(model)
@@ -147,12 +167,19 @@ def backward_rows(model: nn.Module, batches: list[TTTBatch], anchors: list[Ancho
 
 
 def _count_rows(out: DFlashLossOutput) -> Tensor:
-    return torch.stack([out.loss_sum.detach().double(), out.num_supervised.double(), out.num_correct.double(),
-                        out.num_full_correct.double()])
+    return torch.stack(
+        [
+            out.loss_sum.detach().double(),
+            out.num_supervised.double(),
+            out.num_correct.double(),
+            out.num_full_correct.double(),
+        ]
+    )
 
 
-def metrics(objective: DFlashObjective, loss_sum: Tensor, num_supervised: Tensor, num_correct: Tensor,
-            num_full_correct: Tensor) -> dict[str, Any]:
+def metrics(
+    objective: DFlashObjective, loss_sum: Tensor, num_supervised: Tensor, num_correct: Tensor, num_full_correct: Tensor
+) -> dict[str, Any]:
     """Per-slot metrics under EAGLE-3's names (module docstring); ``loss`` is the weighted mean trained on."""
     record = metrics_from_counts(loss_sum, num_supervised, num_supervised, num_correct, num_full_correct)
     weights = slot_weights(objective.drafter.dims.block_size, objective.gamma, loss_sum.device).double()
@@ -161,15 +188,17 @@ def metrics(objective: DFlashObjective, loss_sum: Tensor, num_supervised: Tensor
     return {**record, "loss": float(mean)}
 
 
-def eval_counts(objective: DFlashObjective, batch: TTTBatch, anchors: Anchors, out: DFlashLossOutput,
-                unigram_token: int) -> Tensor:
+def eval_counts(
+    objective: DFlashObjective, batch: TTTBatch, anchors: Anchors, out: DFlashLossOutput, unigram_token: int
+) -> Tensor:
     """[5 * (K-1) + 1] sums of one val row (the layout eagle3.train.validate.evaluate reduces); the last entry counts
     the scored first-slot targets that equal the unigram guess."""
     docs = batch.document_ids
     if docs is None:
         docs = single_document_ids(batch.input_ids.shape[0], batch.input_ids.shape[1], batch.input_ids.device)
-    targets, supervised = block_targets(batch.input_ids, batch.loss_mask, docs, *anchors,
-                                        objective.drafter.dims.block_size)  # [B, N, K-1] each
+    targets, supervised = block_targets(
+        batch.input_ids, batch.loss_mask, docs, *anchors, objective.drafter.dims.block_size
+    )  # [B, N, K-1] each
     unigram_hits = ((targets[..., 0] == unigram_token) & supervised[..., 0]).sum()
     rows = _count_rows(out)
     parts = [rows[0], rows[1], rows[1], rows[2], rows[3]]  # every scored target is a prediction

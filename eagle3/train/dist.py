@@ -72,8 +72,9 @@ def wrap(module: nn.Module, parallel: Parallel, info: DistInfo) -> nn.Module:
 
     # broadcast_buffers=False: the buffers (t2d, d2t, the 1 GB target lm_head of an 8B target) are identical
     # on every rank by construction; DDP's default would re-broadcast them at every forward.
-    return DistributedDataParallel(module, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-                                   broadcast_buffers=False)
+    return DistributedDataParallel(
+        module, device_ids=[info.device.index] if info.device.type == "cuda" else None, broadcast_buffers=False
+    )
 
 
 def unwrap(module: nn.Module) -> nn.Module:

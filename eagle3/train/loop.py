@@ -77,6 +77,7 @@ class TrainResult:
 
 # -------------------------------------------------------------------------------------------------- steps
 
+
 def train_step(tr: Trainer, rows: list[PackedBatch], stop_requested: bool) -> tuple[dict[str, Any], bool]:
     """One optimizer step over this rank's rows (module docstring); returns (metrics, any rank asked to stop)."""
     batches = [prepare_row(tr, row, noise=True) for row in rows]
@@ -86,10 +87,12 @@ def train_step(tr: Trainer, rows: list[PackedBatch], stop_requested: bool) -> tu
         sums = dflash_step.backward_rows(tr.model, batches, anchors, counts, tr.dist)
         grad_norm, lr = optimizer_step(tr.model, tr.optimizer, tr.scheduler, tr.cfg.train.grad_clip)
     else:
-        sums, counts, grad_norm, lr = ttt_update(tr.model, batches, tr.optimizer, tr.scheduler, tr.cfg.train.grad_clip,
-                                                 tr.dist)
-    extra = torch.tensor([sum(r.num_tokens for r in rows), float(stop_requested)], dtype=torch.float64,
-                         device=sums.device)
+        sums, counts, grad_norm, lr = ttt_update(
+            tr.model, batches, tr.optimizer, tr.scheduler, tr.cfg.train.grad_clip, tr.dist
+        )
+    extra = torch.tensor(
+        [sum(r.num_tokens for r in rows), float(stop_requested)], dtype=torch.float64, device=sums.device
+    )
     reduced = all_reduce_sum(torch.cat([sums.flatten(), extra]), tr.dist)
     loss_sum, predicted, correct, full = reduced[:-2].view(4, -1)
     if dflash is not None:
@@ -100,6 +103,7 @@ def train_step(tr: Trainer, rows: list[PackedBatch], stop_requested: bool) -> tu
 
 
 # --------------------------------------------------------------------------------------------------- loop
+
 
 class StopSignal:
     """SIGTERM/SIGINT set a flag; the loop finishes its step, checkpoints and exits cleanly."""
@@ -148,10 +152,23 @@ def advance(tr: Trainer, num_tokens: int) -> None:
 
 def save(tr: Trainer, last: dict[str, Any] | None) -> Path:
     """A checkpoint of the current state (every rank takes part)."""
-    info = {"stage_key": tr.stage_key, "rows_per_step": tr.plan.rows_per_step, "total_steps": tr.total_steps,
-            "metrics": last or {}}
-    path = save_checkpoint(checkpoints_dir(tr.inputs.run_dir), tr.model, tr.optimizer, tr.scheduler, tr.state,
-                           tr.cfg.model_dump_json(indent=2) + "\n", info, tr.dist, tr.cfg.train.keep_checkpoints)
+    info = {
+        "stage_key": tr.stage_key,
+        "rows_per_step": tr.plan.rows_per_step,
+        "total_steps": tr.total_steps,
+        "metrics": last or {},
+    }
+    path = save_checkpoint(
+        checkpoints_dir(tr.inputs.run_dir),
+        tr.model,
+        tr.optimizer,
+        tr.scheduler,
+        tr.state,
+        tr.cfg.model_dump_json(indent=2) + "\n",
+        info,
+        tr.dist,
+        tr.cfg.train.keep_checkpoints,
+    )
     log.info("train: checkpoint %s written", path)
     return path
 
@@ -170,8 +187,15 @@ class LoopClock:
 
 def _record(tr: Trainer, epoch: int, metrics: dict[str, Any], step_s: float) -> dict[str, Any]:
     """The metrics.jsonl record of the step just finished (``epoch``: the one its rows came from)."""
-    rec = {"type": "train", "step": tr.state.step, "epoch": epoch, **metrics, "step_s": step_s,
-           "tokens_per_s": metrics["num_tokens"] / max(step_s, 1e-9), "tokens_seen": tr.state.tokens_seen}
+    rec = {
+        "type": "train",
+        "step": tr.state.step,
+        "epoch": epoch,
+        **metrics,
+        "step_s": step_s,
+        "tokens_per_s": metrics["num_tokens"] / max(step_s, 1e-9),
+        "tokens_seen": tr.state.tokens_seen,
+    }
     rec["mfu"] = mfu(tr.row_flops, step_s, tr.peak_flops)
     return rec
 
@@ -179,8 +203,14 @@ def _record(tr: Trainer, epoch: int, metrics: dict[str, Any], step_s: float) -> 
 def _report(tr: Trainer, rec: dict[str, Any], clock: LoopClock) -> None:
     tr.metrics.write(rec)
     log.info(format_step_line(rec, tr.total_steps))
-    tr.progress.update(step=tr.state.step, epoch=tr.state.epoch, loss=rec["loss"], acc_0=rec.get("acc_0"),
-                       tokens_per_s=rec["tokens_per_s"], eta_s=clock.eta_s(tr.total_steps - tr.state.step))
+    tr.progress.update(
+        step=tr.state.step,
+        epoch=tr.state.epoch,
+        loss=rec["loss"],
+        acc_0=rec.get("acc_0"),
+        tokens_per_s=rec["tokens_per_s"],
+        eta_s=clock.eta_s(tr.total_steps - tr.state.step),
+    )
 
 
 def _run_eval(tr: Trainer) -> dict[str, Any] | None:
@@ -188,8 +218,14 @@ def _run_eval(tr: Trainer) -> dict[str, Any] | None:
     if rec is not None:
         rec = {"type": "eval", "step": tr.state.step, "epoch": tr.state.epoch, **rec}
         tr.metrics.write(rec)
-        log.info("eval step %d: loss %.4f acc_0 %.3f (unigram %.3f) accept_len_est %.3f", tr.state.step,
-                 rec["loss"], rec.get("acc_0", 0.0), rec["unigram_acc_0"], rec["accept_len_est"])
+        log.info(
+            "eval step %d: loss %.4f acc_0 %.3f (unigram %.3f) accept_len_est %.3f",
+            tr.state.step,
+            rec["loss"],
+            rec.get("acc_0", 0.0),
+            rec["unigram_acc_0"],
+            rec["accept_len_est"],
+        )
         tr.progress.update(force=True, last_eval=rec)
     if tr.online is not None and tr.online.cache is not None:  # what the cache saved so far
         log.info("train: %s", tr.online.cache.describe())
@@ -253,23 +289,38 @@ def check_finite_step(tr: Trainer, rec: dict[str, Any], streak: int) -> int:
             f"training diverged: step {tr.state.step} has loss {rec['loss']} and gradient norm {rec['grad_norm']}, "
             f"{streak + 1} non-finite step(s) in a row (train.nonfinite_loss_patience={patience}); nothing of it was "
             f"checkpointed: lower train.lr, check the data, or raise the patience, then rerun to resume from the last "
-            f"checkpoint")
-    log.warning("train: step %d has a non-finite loss or gradient norm (loss %s, grad norm %s): update skipped "
-                "(%d of %d in a row allowed)", tr.state.step, rec["loss"], rec["grad_norm"], streak + 1, patience)
+            f"checkpoint"
+        )
+    log.warning(
+        "train: step %d has a non-finite loss or gradient norm (loss %s, grad norm %s): update skipped "
+        "(%d of %d in a row allowed)",
+        tr.state.step,
+        rec["loss"],
+        rec["grad_norm"],
+        streak + 1,
+        patience,
+    )
     return streak + 1
 
 
-def _stopped(tr: Trainer, signum: int | None, checkpoint: Path, last_train: dict | None,
-             last_eval: dict | None) -> TrainResult:
+def _stopped(
+    tr: Trainer, signum: int | None, checkpoint: Path, last_train: dict | None, last_eval: dict | None
+) -> TrainResult:
     why = f"received {signal.Signals(signum).name}" if signum is not None else "stop_after_steps reached"
-    log.warning("train: %s: finished step %d, checkpoint %s written, exiting cleanly (rerun the same command to "
-                "resume)", why, tr.state.step, checkpoint)
-    tr.progress.update(state="stopped", force=True, step=tr.state.step,
-                       checkpoint=run_relative(tr.inputs.run_dir, checkpoint))
+    log.warning(
+        "train: %s: finished step %d, checkpoint %s written, exiting cleanly (rerun the same command to resume)",
+        why,
+        tr.state.step,
+        checkpoint,
+    )
+    tr.progress.update(
+        state="stopped", force=True, step=tr.state.step, checkpoint=run_relative(tr.inputs.run_dir, checkpoint)
+    )
     return TrainResult("stopped", tr.state.step, checkpoint, last_train, last_eval)
 
 
 # ----------------------------------------------------------------------------------------------- the stage
+
 
 def train(cfg: RunConfig, stop_after_steps: int | None = None, known_key: str | None = None) -> TrainResult:
     """The train stage in this process: join torchrun's group (if any), lock the run, skip when the manifest
@@ -359,17 +410,27 @@ def _finish(tr: Trainer, result: TrainResult) -> None:
             verify_checkpoint(step_dir(checkpoints_dir(tr.inputs.run_dir), tr.state.best_step), (MODEL_FILE,))
         outputs = {"model": final / MODEL_FILE, "checkpoint": final / INFO_FILE, "config": final / CONFIG_FILE}
         packing = [dataclasses.asdict(p.stats) for p in tr.plan.train]  # per epoch: rows, truncations, repeats
-        stats = {"final_checkpoint": str(final.relative_to(tr.train_dir)), "step": result.step,
-                 "total_steps": tr.total_steps, "train": result.last_train, "eval": result.last_eval,
-                 "packing": packing, "rows_per_step": tr.plan.rows_per_step,
-                 **best_stats(tr.state, tr.metrics.path, tr.train_dir)}
+        stats = {
+            "final_checkpoint": str(final.relative_to(tr.train_dir)),
+            "step": result.step,
+            "total_steps": tr.total_steps,
+            "train": result.last_train,
+            "eval": result.last_eval,
+            "packing": packing,
+            "rows_per_step": tr.plan.rows_per_step,
+            **best_stats(tr.state, tr.metrics.path, tr.train_dir),
+        }
         if tr.state.best_step is not None:
             outputs["best_model"] = tr.train_dir / stats["best_checkpoint"] / MODEL_FILE
         measured_stats, measured_outputs = measured.manifest_part(tr)  # ({}, {}) while train.measured is off
         stats, outputs = stats | measured_stats, outputs | measured_outputs
         write_manifest(RunLayout(tr.inputs.run_dir).manifest(STAGE), STAGE, tr.stage_key, outputs, stats)
-    tr.progress.update(state="done", force=True, step=result.step,
-                       checkpoint=run_relative(tr.inputs.run_dir, result.checkpoint) if result.checkpoint else None,
-                       eta_s=0.0)
+    tr.progress.update(
+        state="done",
+        force=True,
+        step=result.step,
+        checkpoint=run_relative(tr.inputs.run_dir, result.checkpoint) if result.checkpoint else None,
+        eta_s=0.0,
+    )
     log.info("train: done after %d steps; final checkpoint %s", result.step, result.checkpoint)
     barrier(tr.dist)

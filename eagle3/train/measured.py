@@ -115,6 +115,7 @@ def key_extra(cfg: RunConfig) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------- loading
 
+
 @contextlib.contextmanager
 def kept_random_state(device: torch.device) -> Iterator[None]:
     """Put the python, torch CPU and ``device``'s CUDA random states back on exit: building a module draws its init
@@ -137,8 +138,10 @@ def open_measurer(cfg: RunConfig, inputs: Inputs, info: DistInfo) -> Measurer | 
     if not enabled(cfg):
         return None
     if cfg.drafter.family != "eagle3":
-        raise ConfigError(f"train.measured decodes EAGLE-3 chains; drafter.family={cfg.drafter.family} is not "
-                          "measured during training: set train.measured.every_steps=0")
+        raise ConfigError(
+            f"train.measured decodes EAGLE-3 chains; drafter.family={cfg.drafter.family} is not "
+            "measured during training: set train.measured.every_steps=0"
+        )
     if not info.is_main:
         return None
     with kept_random_state(info.device):
@@ -162,13 +165,26 @@ def _load(cfg: RunConfig, inputs: Inputs, device: torch.device) -> Measurer:
     load_target_weights(drafter, inputs.model_dir, inputs.t2d, init_lm_head_from_target=False)  # the embeddings
     drafter = drafter.to(device=device, dtype=dtype).eval()
     stop_ids = stop_token_ids(tokenizer, target_info(inputs.model_dir, cfg.target))
-    log.info("train: measured acceptance every %d steps on %d prompts of %s, %d new tokens each, chain %d",
-             settings.every_steps, len(items), prompt_sets(cfg), settings.max_new_tokens, settings.chain_steps)
-    return Measurer(settings, TargetRunner(model, inputs.spec.aux_layer_ids), drafter, inputs.d2t.to(device),
-                    [ids for _, ids in items], stop_ids)
+    log.info(
+        "train: measured acceptance every %d steps on %d prompts of %s, %d new tokens each, chain %d",
+        settings.every_steps,
+        len(items),
+        prompt_sets(cfg),
+        settings.max_new_tokens,
+        settings.chain_steps,
+    )
+    return Measurer(
+        settings,
+        TargetRunner(model, inputs.spec.aux_layer_ids),
+        drafter,
+        inputs.d2t.to(device),
+        [ids for _, ids in items],
+        stop_ids,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- measuring
+
 
 def gather_weights(model: nn.Module) -> dict[str, Tensor]:
     """The drafter's trainable weights, full, on the CPU, by their export names (a collective under FSDP2)."""
@@ -187,19 +203,25 @@ def decode(m: Measurer, weights: dict[str, Tensor]) -> dict[str, Any]:
 
     loaded = m.drafter.load_state_dict(weights, strict=False)  # copies (and casts) into the decode's own drafter
     if loaded.unexpected_keys or set(loaded.missing_keys) != {"embed_tokens.weight"}:
-        raise RuntimeError(f"train.measured: trained weights do not fit the drafter: missing {loaded.missing_keys}, "
-                           f"unexpected {loaded.unexpected_keys}")
+        raise RuntimeError(
+            f"train.measured: trained weights do not fit the drafter: missing {loaded.missing_keys}, "
+            f"unexpected {loaded.unexpected_keys}"
+        )
     proposer = EagleProposer(m.drafter, m.d2t, m.settings.chain_steps)
     start = time.perf_counter()
-    results = [speculative_decode(m.target, proposer, ids, m.settings.max_new_tokens, m.stop_ids)
-               for ids in m.prompts]
+    results = [speculative_decode(m.target, proposer, ids, m.settings.max_new_tokens, m.stop_ids) for ids in m.prompts]
     m.target.reset()  # free the KV caches until the next measurement
     proposer.reset()
     committed = sum(s.committed for r in results for s in r.steps)
     verifies = sum(len(r.steps) for r in results)
-    return {"accept_len": committed / max(verifies, 1), "num_prompts": len(results),
-            "num_tokens": sum(len(r.tokens) for r in results), "num_verify": verifies,
-            "chain_steps": m.settings.chain_steps, "decode_s": round(time.perf_counter() - start, 4)}
+    return {
+        "accept_len": committed / max(verifies, 1),
+        "num_prompts": len(results),
+        "num_tokens": sum(len(r.tokens) for r in results),
+        "num_verify": verifies,
+        "chain_steps": m.settings.chain_steps,
+        "decode_s": round(time.perf_counter() - start, 4),
+    }
 
 
 def due(tr: Training, final: bool = False) -> bool:
@@ -220,14 +242,26 @@ def measure_if_due(tr: Training, final: bool = False) -> bool:
     result = decode(tr.measurer, weights) if tr.measurer is not None else None
     result = broadcast_object(result, tr.dist)
     best = note_measured(tr.state, result["accept_len"])
-    rec = {"type": RECORD_TYPE, "step": tr.state.step, "epoch": tr.state.epoch, "tokens_seen": tr.state.tokens_seen,
-           **result}
+    rec = {
+        "type": RECORD_TYPE,
+        "step": tr.state.step,
+        "epoch": tr.state.epoch,
+        "tokens_seen": tr.state.tokens_seen,
+        **result,
+    }
     tr.metrics.write(rec)
     tr.progress.update(force=True, last_measured=rec)
-    log.info("measured step %d: accept_len %.3f over %d verify forwards (%d tokens, %.1f s)%s", rec["step"],
-             rec["accept_len"], rec["num_verify"], rec["num_tokens"], rec["decode_s"],
-             " - best so far" if best else f" - best {tr.state.best_measured_accept_len:.3f} at step "
-                                            f"{tr.state.best_measured_step}")
+    log.info(
+        "measured step %d: accept_len %.3f over %d verify forwards (%d tokens, %.1f s)%s",
+        rec["step"],
+        rec["accept_len"],
+        rec["num_verify"],
+        rec["num_tokens"],
+        rec["decode_s"],
+        " - best so far"
+        if best
+        else f" - best {tr.state.best_measured_accept_len:.3f} at step {tr.state.best_measured_step}",
+    )
     return best
 
 
@@ -247,14 +281,21 @@ def patience_spent(tr: Training) -> bool:
     patience = tr.cfg.train.measured.patience
     spent = enabled(tr.cfg) and patience > 0 and tr.state.measured_since_best >= patience
     if spent:
-        log.warning("train: stopping early at step %d of %d: %d measurements without a new best (best accept_len "
-                    "%.3f at step %s; train.measured.patience=%d)", tr.state.step, tr.total_steps,
-                    tr.state.measured_since_best, tr.state.best_measured_accept_len or 0.0,
-                    tr.state.best_measured_step, patience)
+        log.warning(
+            "train: stopping early at step %d of %d: %d measurements without a new best (best accept_len "
+            "%.3f at step %s; train.measured.patience=%d)",
+            tr.state.step,
+            tr.total_steps,
+            tr.state.measured_since_best,
+            tr.state.best_measured_accept_len or 0.0,
+            tr.state.best_measured_step,
+            patience,
+        )
     return spent
 
 
 # ------------------------------------------------------------------------------------------------ manifest
+
 
 def manifest_part(tr: Training) -> tuple[dict[str, Any], dict[str, Path]]:
     """(stats, outputs) the train manifest adds for the measurements, ({}, {}) while train.measured is off: the best
@@ -267,10 +308,13 @@ def manifest_part(tr: Training) -> tuple[dict[str, Any], dict[str, Path]]:
         return {}, {}
     state, train_dir = tr.state, tr.train_dir
     history = [[r["step"], r["accept_len"]] for r in read_metrics(tr.metrics.path, RECORD_TYPE)]
-    stats: dict[str, Any] = {"best_measured_step": state.best_measured_step,
-                             "best_measured_accept_len": state.best_measured_accept_len,
-                             "best_measured_checkpoint": None, "measured_history": history,
-                             "stopped_early": state.step < tr.total_steps}
+    stats: dict[str, Any] = {
+        "best_measured_step": state.best_measured_step,
+        "best_measured_accept_len": state.best_measured_accept_len,
+        "best_measured_checkpoint": None,
+        "measured_history": history,
+        "stopped_early": state.step < tr.total_steps,
+    }
     if state.best_measured_step is None:
         return stats, {}
     best = step_dir(checkpoints_dir(train_dir.parent), state.best_measured_step)

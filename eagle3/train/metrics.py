@@ -33,13 +33,17 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e1
 """Dense bf16 tensor-core peak by GPU name fragment (vendor datasheets, SXM parts)."""
 
 
-def drafter_row_flops(dims: DrafterDims, seq_len: int, ttt_steps: int, supervision_from_final: bool = True
-                      ) -> dict[str, float]:
+def drafter_row_flops(
+    dims: DrafterDims, seq_len: int, ttt_steps: int, supervision_from_final: bool = True
+) -> dict[str, float]:
     """FLOPs of one training step over one packed row (module docstring): parts and ``total``."""
     h, t, hd = dims.hidden_size, seq_len, dims.head_dim
-    per_token_step = (2 * 2 * h * (dims.num_attention_heads + 2 * dims.num_key_value_heads) * hd
-                      + 2 * dims.num_attention_heads * hd * h + 2 * 3 * h * dims.intermediate_size
-                      + 2 * h * dims.draft_vocab_size)
+    per_token_step = (
+        2 * 2 * h * (dims.num_attention_heads + 2 * dims.num_key_value_heads) * hd
+        + 2 * dims.num_attention_heads * hd * h
+        + 2 * 3 * h * dims.intermediate_size
+        + 2 * h * dims.draft_vocab_size
+    )
     linear = t * (ttt_steps * per_token_step + 2 * dims.num_aux * dims.target_hidden_size * h)
     pairs = ttt_steps * t * (t + 1) / 2 + t * ttt_steps * (ttt_steps - 1) / 2  # causal + diagonal, all steps
     attention = pairs * 4 * hd * dims.num_attention_heads
@@ -64,9 +68,11 @@ def mfu(flops: float, seconds: float, peak: float | None) -> float | None:
 
 def format_step_line(record: dict[str, Any], total_steps: int) -> str:
     """'step N/M loss ... acc_0 ... lr ... tok/s ... grad_norm ...' (one line per step on rank 0)."""
-    line = (f"step {record['step']}/{total_steps} epoch {record['epoch']} loss {record['loss']:.4f} "
-            f"acc_0 {record.get('acc_0', 0.0):.3f} lr {record['lr']:.3e} tok/s {record['tokens_per_s']:.0f} "
-            f"grad_norm {record['grad_norm']:.3f}")
+    line = (
+        f"step {record['step']}/{total_steps} epoch {record['epoch']} loss {record['loss']:.4f} "
+        f"acc_0 {record.get('acc_0', 0.0):.3f} lr {record['lr']:.3e} tok/s {record['tokens_per_s']:.0f} "
+        f"grad_norm {record['grad_norm']:.3f}"
+    )
     if record.get("mfu") is not None:
         line += f" mfu {record['mfu']:.3f}"
     return line
@@ -142,7 +148,10 @@ class ProgressWriter:
         if not self.enabled or (not force and now - self._last_s < self.every_s):
             return
         self._last_s = now
-        doc = {"state": state, "total_steps": self.total_steps,
-               **{k: finite_or_none(v) for k, v in self.fields.items()},  # NaN is no JSON: null = not known
-               "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        doc = {
+            "state": state,
+            "total_steps": self.total_steps,
+            **{k: finite_or_none(v) for k, v in self.fields.items()},  # NaN is no JSON: null = not known
+            "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         atomic_write_json(self.path, doc)

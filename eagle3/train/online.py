@@ -85,11 +85,15 @@ def packed_for(forward: str, backend: Any, row_tokens: int | None = None, sharde
     """
     problem = None
     if not backend.sliced:
-        problem = (f"the target's attention is {backend.model.config._attn_implementation!r}, not causal full "
-                   "attention through SDPA")
+        problem = (
+            f"the target's attention is {backend.model.config._attn_implementation!r}, not causal full "
+            "attention through SDPA"
+        )
     elif row_tokens is not None and row_tokens > backend.tokens_per_forward:
-        problem = (f"a row of {row_tokens} tokens (train.tokens_per_row) is more than one forward may take "
-                   f"({backend.tokens_per_forward}, capture.tokens_per_forward)")
+        problem = (
+            f"a row of {row_tokens} tokens (train.tokens_per_row) is more than one forward may take "
+            f"({backend.tokens_per_forward}, capture.tokens_per_forward)"
+        )
     if forward == "packed" and problem:
         raise ValueError(f"train.online_forward=packed: {problem}; use padded (or auto)")
     return forward == "packed" or (forward == "auto" and problem is None and not sharded)
@@ -110,7 +114,7 @@ def _documents(batch: Any, lengths: list[int], host: Any = None) -> list[SampleT
     host_ids, host_mask = row.input_ids[0].tolist(), row.loss_mask[0].tolist()  # [T] each
     docs, start = [], 0
     for k, n in enumerate(lengths):
-        docs.append(SampleTokens(f"doc{k}", host_ids[start:start + n], host_mask[start:start + n]))
+        docs.append(SampleTokens(f"doc{k}", host_ids[start : start + n], host_mask[start : start + n]))
         start += n
     return docs
 
@@ -118,12 +122,21 @@ def _documents(batch: Any, lengths: list[int], host: Any = None) -> list[SampleT
 class OnlineFeatures:
     """Fills a collated row's aux and supervision on the device from the frozen target (module docstring)."""
 
-    def __init__(self, backend: Any, spec: FeatureSpec, forward: str = "padded", row_tokens: int | None = None,
-                 sharded: bool = False, cache: StateCache | None = None):
+    def __init__(
+        self,
+        backend: Any,
+        spec: FeatureSpec,
+        forward: str = "padded",
+        row_tokens: int | None = None,
+        sharded: bool = False,
+        cache: StateCache | None = None,
+    ):
         if cache is not None and sharded:
             # a rank that skips a forward leaves the others waiting in the sharded target's collectives
-            raise ValueError("train.feature_cache_gib (and _host_gib) need a whole target per rank: set "
-                             "train.target_sharding=replicate, or both to 0 for a sharded target")
+            raise ValueError(
+                "train.feature_cache_gib (and _host_gib) need a whole target per rank: set "
+                "train.target_sharding=replicate, or both to 0 for a sharded target"
+            )
         self.spec, self.backend, self.cache = spec, backend, cache  # backend: an HFCaptureBackend on the device
         self.backend.model.requires_grad_(False)
         self.packed, self.forward = packed_for(forward, backend, row_tokens, sharded), forward
@@ -131,8 +144,9 @@ class OnlineFeatures:
         self.fallback = forward == "auto" and not sharded
 
     @classmethod
-    def from_config(cls, cfg: Any, model_dir: Path, spec: FeatureSpec, device: torch.device,
-                    info: Any = None) -> OnlineFeatures:
+    def from_config(
+        cls, cfg: Any, model_dir: Path, spec: FeatureSpec, device: torch.device, info: Any = None
+    ) -> OnlineFeatures:
         """The online target of a run: loaded with the capture section's settings, on the training device;
         with ``info`` (the trainer's DistInfo) sharded over the ranks when train.target_sharding resolves to fsdp."""
         from eagle3.features.hf_backend import HFCaptureBackend
@@ -145,12 +159,23 @@ class OnlineFeatures:
 
             if resolve_sharding(cfg.train.target_sharding, info, model_dir, cfg.target.dtype) == "fsdp":
                 # every rank must run the same forwards, or the shards' collectives hang
-                return cls(sharded_backend(cfg, model_dir, spec, info), spec, forward, row_tokens=row_tokens,
-                           sharded=True, cache=cache)
+                return cls(
+                    sharded_backend(cfg, model_dir, spec, info),
+                    spec,
+                    forward,
+                    row_tokens=row_tokens,
+                    sharded=True,
+                    cache=cache,
+                )
         cap = cfg.capture
-        backend = HFCaptureBackend.from_spec(model_dir, spec, device=str(device), dtype=cfg.target.dtype,
-                                             tokens_per_forward=cap.tokens_per_forward,
-                                             batch_invariant=cap.per_sample_attention)
+        backend = HFCaptureBackend.from_spec(
+            model_dir,
+            spec,
+            device=str(device),
+            dtype=cfg.target.dtype,
+            tokens_per_forward=cap.tokens_per_forward,
+            batch_invariant=cap.per_sample_attention,
+        )
         return cls(backend, spec, forward, row_tokens=row_tokens, cache=cache)
 
     def describe(self) -> str:
@@ -159,8 +184,9 @@ class OnlineFeatures:
         if self.packed:
             how = "flex document mask" if self.backend.input_device.type == "cuda" else "SDPA per document"
             return f"packed: one forward per row ({how}) {setting}"
-        return (f"padded: each row's documents as padded batches of <= {self.backend.tokens_per_forward} tokens "
-                f"{setting}")
+        return (
+            f"padded: each row's documents as padded batches of <= {self.backend.tokens_per_forward} tokens {setting}"
+        )
 
     def _rounded(self, raw: dict[str, Tensor], compute: torch.dtype) -> dict[str, Tensor]:
         """The backend's states rounded as stored, then to the compute dtype."""
@@ -177,27 +203,29 @@ class OnlineFeatures:
         with torch.no_grad():
             return self._rounded(self.backend.device_states(documents), compute)
 
-    def row_states(self, batch: Any, lengths: list[int], compute: torch.dtype, host: Any = None
-                   ) -> dict[str, Tensor]:
+    def row_states(self, batch: Any, lengths: list[int], compute: torch.dtype, host: Any = None) -> dict[str, Tensor]:
         """[n, ...] states of a collated row's n real tokens: one packed forward, or its documents as batches
         (``host``: the row as the loader made it, read instead of ``batch`` for the documents' tokens)."""
         if self.packed:
             try:
                 with torch.no_grad():
-                    raw = self.backend.packed_states(batch.input_ids, batch.document_ids, batch.position_ids,
-                                                     lengths)
+                    raw = self.backend.packed_states(batch.input_ids, batch.document_ids, batch.position_ids, lengths)
                 return self._rounded(raw, compute)
             except Exception as exc:  # noqa: BLE001 (named in the warning; auto only, never sharded)
                 if not self.fallback:
                     raise
-                log.warning("train: the online target's packed forward failed (%s: %s); running each row's "
-                            "documents as padded batches from now on (train.online_forward=padded skips the try)",
-                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                log.warning(
+                    "train: the online target's packed forward failed (%s: %s); running each row's "
+                    "documents as padded batches from now on (train.online_forward=padded skips the try)",
+                    type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                )
                 self.packed = False
         return self.states(_documents(batch, lengths, host), compute)
 
-    def cached_row_states(self, batch: Any, lengths: list[int], compute: torch.dtype,
-                          ids: tuple[str, ...], host: Any = None) -> dict[str, Tensor]:
+    def cached_row_states(
+        self, batch: Any, lengths: list[int], compute: torch.dtype, ids: tuple[str, ...], host: Any = None
+    ) -> dict[str, Tensor]:
         """row_states through the cache (eagle3.train.state_cache): documents it keeps come from it, the others
         from the target (the row's own forward when none is kept), and are kept if the budget allows."""
         assert self.cache is not None and len(ids) == len(lengths), (len(ids), len(lengths))
@@ -220,8 +248,9 @@ class OnlineFeatures:
         filled = cast(list[dict[str, Tensor]], pieces)  # every missing piece was filled above
         return {name: torch.cat([piece[name] for piece in filled]) for name in filled[0]}  # [n, ...]
 
-    def fill(self, batch: Any, lengths: list[int], compute: torch.dtype, ids: tuple[str, ...] = (),
-             host: Any = None) -> Any:
+    def fill(
+        self, batch: Any, lengths: list[int], compute: torch.dtype, ids: tuple[str, ...] = (), host: Any = None
+    ) -> Any:
         """The TTTBatch with aux/final (or top-K) of its documents; ``lengths``: tokens of each real document,
         ``ids``: their sample ids (the cache's keys; without them the cache is not used); ``host``: the same row
         still on the host, if the caller has it (spares a wait for the device)."""

@@ -36,16 +36,19 @@ def key(cfg: RunConfig) -> str:
     return key_for(cfg)
 
 
-def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
-        known_key: str | None = None) -> StageOutcome | None:
+def run(
+    cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False, known_key: str | None = None
+) -> StageOutcome | None:
     """Train in this process (world size 1; skipped when the manifest matches). Training resumes from its
     checkpoints, so ``force`` is refused: delete <run>/train to train from scratch. ``known_key``: the train key
     when the caller computed it already (eagle3.train.loop.train says what it trusts)."""
     from eagle3.train.loop import train
 
     if force:
-        raise ValueError(f"the train stage resumes from its checkpoints and has no --force: delete "
-                         f"{cfg.run_dir / STAGE.folder} to train again from scratch")
+        raise ValueError(
+            f"the train stage resumes from its checkpoints and has no --force: delete "
+            f"{cfg.run_dir / STAGE.folder} to train again from scratch"
+        )
     result = train(cfg, known_key=known_key)
     manifest = STAGE.manifest(cfg.run_dir)
     doc = read_manifest(manifest)

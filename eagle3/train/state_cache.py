@@ -76,7 +76,7 @@ class HostSlabs:
                 return None
             self._slab, self._offset = slab, 0
             self.allocated += size
-        piece = self._slab[self._offset:self._offset + nbytes]
+        piece = self._slab[self._offset : self._offset + nbytes]
         self._offset += need
         return piece
 
@@ -100,8 +100,10 @@ class StateCache:
 
     def __init__(self, budget_bytes: int, host_budget_bytes: int = 0):
         if budget_bytes < 0 or host_budget_bytes < 0 or budget_bytes + host_budget_bytes <= 0:
-            raise ValueError(f"a state cache needs a positive budget, got {budget_bytes} bytes on the device and "
-                             f"{host_budget_bytes} in host memory")
+            raise ValueError(
+                f"a state cache needs a positive budget, got {budget_bytes} bytes on the device and "
+                f"{host_budget_bytes} in host memory"
+            )
         self.budget = budget_bytes
         self.host = HostSlabs(host_budget_bytes) if host_budget_bytes else None
         self.stats = CacheStats()
@@ -118,11 +120,15 @@ class StateCache:
         st = self.stats
         host = ""
         if self.host is not None:
-            host = (f" (+ {len(self._on_host):,} documents in {self.host.allocated / 2**30:.2f} of "
-                    f"{self.host.budget / 2**30:.2f} GiB of host memory, {st.host_hits:,} hits from there)")
-        return (f"feature cache: {self.documents - len(self._on_host):,} documents, {st.bytes / 2**30:.2f} of "
-                f"{self.budget / 2**30:.2f} GiB{host}, {st.hit_rate:.1%} of {st.hits + st.misses:,} lookups hit, "
-                f"{st.full:,} over the budget")
+            host = (
+                f" (+ {len(self._on_host):,} documents in {self.host.allocated / 2**30:.2f} of "
+                f"{self.host.budget / 2**30:.2f} GiB of host memory, {st.host_hits:,} hits from there)"
+            )
+        return (
+            f"feature cache: {self.documents - len(self._on_host):,} documents, {st.bytes / 2**30:.2f} of "
+            f"{self.budget / 2**30:.2f} GiB{host}, {st.hit_rate:.1%} of {st.hits + st.misses:,} lookups hit, "
+            f"{st.full:,} over the budget"
+        )
 
     def get(self, sample_id: str, num_tokens: int) -> States | None:
         """The first ``num_tokens`` rows of the document's states (on the training device), or None when they are

@@ -20,8 +20,11 @@ from eagle3.train.dist import DistInfo, all_reduce_sum, autocast, full_tensor, g
 
 def step_options_for(train: TrainConfig, device: torch.device) -> StepOptions:
     """The unroll's switches (how the step runs, not what it computes): compiled on CUDA only."""
-    return StepOptions(compile_backend="inductor" if train.compile != "off" and device.type == "cuda" else None,
-                       loss_chunk_tokens=train.loss_chunk_tokens, reuse_block_mask=train.reuse_block_mask)
+    return StepOptions(
+        compile_backend="inductor" if train.compile != "off" and device.type == "cuda" else None,
+        loss_chunk_tokens=train.loss_chunk_tokens,
+        reuse_block_mask=train.reuse_block_mask,
+    )
 
 
 def token_loss_for(train: TrainConfig) -> TokenLoss:
@@ -32,8 +35,9 @@ def token_loss_for(train: TrainConfig) -> TokenLoss:
 def supervised_counts(objective: TTTObjective, batch: TTTBatch, argmax: Tensor) -> Tensor:
     """[S] positions in each TTT step's loss (the same position masks ttt_loss builds)."""
     assert batch.document_ids is not None  # (collate_row sets it)
-    steps = align_steps(batch.input_ids, batch.loss_mask, batch.document_ids, argmax, objective.t2d,
-                        objective.ttt_steps)
+    steps = align_steps(
+        batch.input_ids, batch.loss_mask, batch.document_ids, argmax, objective.t2d, objective.ttt_steps
+    )
     return torch.stack([aligned.position_mask.sum() for aligned in steps])
 
 
@@ -57,13 +61,20 @@ def backward_rows(model: nn.Module, batches: list[TTTBatch], sups: list, counts:
                 out = model(batch, sup)
                 loss = (weights * out.loss_sum / norm).sum() * info.world_size
             loss.backward()
-        sums += torch.stack([out.loss_sum.detach().double(), out.num_predicted.double(), out.num_correct.double(),
-                             out.num_full_correct.double()])
+        sums += torch.stack(
+            [
+                out.loss_sum.detach().double(),
+                out.num_predicted.double(),
+                out.num_correct.double(),
+                out.num_full_correct.double(),
+            ]
+        )
     return sums
 
 
-def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, grad_clip: float
-                   ) -> tuple[float, float]:
+def optimizer_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, grad_clip: float
+) -> tuple[float, float]:
     """Clip, step, advance the schedule; returns (grad norm before clipping, lr used). A non-finite norm (the same
     on every rank) skips the update: AdamW would turn the weights and its moments into NaN for good."""
     params = trainable_parameters(model)
@@ -76,8 +87,14 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler
     return float(grad_norm), lr
 
 
-def ttt_update(model: nn.Module, batches: list[TTTBatch], optimizer: torch.optim.Optimizer, scheduler: Any,
-               grad_clip: float, info: DistInfo) -> tuple[Tensor, Tensor, float, float]:
+def ttt_update(
+    model: nn.Module,
+    batches: list[TTTBatch],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    grad_clip: float,
+    info: DistInfo,
+) -> tuple[Tensor, Tensor, float, float]:
     """One EAGLE-3 optimizer step over this rank's prepared rows, as the trainer takes it: supervision and the
     supervised counts of every rank, forward + backward of each row, then clip and step. ``model`` is the
     TTTObjective or its DDP/FSDP2 wrapper. Returns (this rank's summed metric counts [4, S], every rank's

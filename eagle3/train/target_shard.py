@@ -72,8 +72,12 @@ def resolve_sharding(setting: str, info: DistInfo, model_dir: Path, dtype: str) 
     need = target_param_bytes(model_dir, dtype)
     free = min(all_gather_objects(torch.cuda.mem_get_info(info.device)[0], info))
     choice: Sharding = "fsdp" if need > AUTO_SHARD_SHARE * free else "replicate"
-    log.info("train: online target %.2f GB, smallest free GPU memory %.2f GB: target_sharding=auto -> %s",
-             need / 1e9, free / 1e9, choice)
+    log.info(
+        "train: online target %.2f GB, smallest free GPU memory %.2f GB: target_sharding=auto -> %s",
+        need / 1e9,
+        free / 1e9,
+        choice,
+    )
     return choice
 
 
@@ -93,8 +97,13 @@ class ShardedCaptureBackend(HFCaptureBackend):
 
     def _forward(self, inputs: Any) -> None:
         # the root forward gathers the root's parameters; the decoder hooks see what model.model would give
-        self.model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                   position_ids=inputs.position_ids, use_cache=False, logits_to_keep=1)
+        self.model(
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+            use_cache=False,
+            logits_to_keep=1,
+        )
 
     def _topk(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.model.unshard()  # lm_head is a root parameter: gathered for the chunked head pass, then freed
@@ -125,6 +134,13 @@ def sharded_backend(cfg: Any, model_dir: Path, spec: FeatureSpec, info: DistInfo
     model = shard_target(load_model(Path(model_dir), cfg.target.dtype, "cpu"))
     log.info("train: online target sharded over %d ranks (FSDP2, one layer gathered at a time)", info.world_size)
     cap = cfg.capture
-    return ShardedCaptureBackend(None, spec.aux_layer_ids, supervision=spec.supervision, topk=spec.topk,
-                                 device=str(info.device), model=model, tokens_per_forward=cap.tokens_per_forward,
-                                 batch_invariant=cap.per_sample_attention)
+    return ShardedCaptureBackend(
+        None,
+        spec.aux_layer_ids,
+        supervision=spec.supervision,
+        topk=spec.topk,
+        device=str(info.device),
+        model=model,
+        tokens_per_forward=cap.tokens_per_forward,
+        batch_invariant=cap.per_sample_attention,
+    )

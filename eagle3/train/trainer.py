@@ -98,6 +98,7 @@ class Trainer:
 
 # ------------------------------------------------------------------------------------------------- setup
 
+
 def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs, stage_key: str) -> Trainer:
     """Seeded model, wrapper, optimizer, schedule, data plans; resumed from the latest checkpoint. ``stage_key``: the
     train key of ``cfg`` and ``inputs`` (eagle3.train.build.stage_key_for), which the caller computed once already to
@@ -115,23 +116,47 @@ def setup(cfg: RunConfig, info: DistInfo, inputs: RunInputs, stage_key: str) -> 
     layout = RunLayout(inputs.run_dir)
     unigram = broadcast_object(unigram_token(inputs) if info.is_main else None, info)
     if inputs.dflash is not None:
-        row_flops = dflash_step.row_flops(inputs.dflash.dims, cfg.train.tokens_per_row,
-                                          cfg.drafter.dflash.num_blocks)
+        row_flops = dflash_step.row_flops(inputs.dflash.dims, cfg.train.tokens_per_row, cfg.drafter.dflash.num_blocks)
     else:
-        row_flops = drafter_row_flops(inputs.dims, cfg.train.tokens_per_row, cfg.drafter.ttt_steps,
-                                      inputs.spec.supervision == "final_hidden")["total"]
-    tr = Trainer(cfg, info, inputs, model, optimizer, build_scheduler(cfg, optimizer, total), plan, total,
-                 stage_key, unigram, MetricsWriter(layout.metrics, info.is_main),
-                 ProgressWriter(layout.progress, total, info.is_main, cfg.train.progress_every_s),
-                 TrainerState(), cfg.train.grad_accum_steps * row_flops, peak_flops(info.device))
+        row_flops = drafter_row_flops(
+            inputs.dims, cfg.train.tokens_per_row, cfg.drafter.ttt_steps, inputs.spec.supervision == "final_hidden"
+        )["total"]
+    tr = Trainer(
+        cfg,
+        info,
+        inputs,
+        model,
+        optimizer,
+        build_scheduler(cfg, optimizer, total),
+        plan,
+        total,
+        stage_key,
+        unigram,
+        MetricsWriter(layout.metrics, info.is_main),
+        ProgressWriter(layout.progress, total, info.is_main, cfg.train.progress_every_s),
+        TrainerState(),
+        cfg.train.grad_accum_steps * row_flops,
+        peak_flops(info.device),
+    )
     if cfg.train.features == "online":
         tr.tokens = TokenReader(inputs.tokenized)
         tr.online = OnlineFeatures.from_config(cfg, inputs.model_dir, inputs.spec, info.device, info)
         log.info("train: online target forward %s", tr.online.describe())
-    log.info("train: %d steps (%d epochs, %d rows per step, lr %.3e), %d train rows/epoch (fill %.2f, %d truncated), "
-             "%d val rows, world %d (%s) on %s", total, len(plan.train), plan.rows_per_step, lr,
-             len(plan.train[0].rows), plan.train[0].stats.fill(cfg.train.tokens_per_row),
-             plan.train[0].stats.num_truncated, len(plan.val.rows), info.world_size, cfg.train.parallel, info.device)
+    log.info(
+        "train: %d steps (%d epochs, %d rows per step, lr %.3e), %d train rows/epoch (fill %.2f, %d truncated), "
+        "%d val rows, world %d (%s) on %s",
+        total,
+        len(plan.train),
+        plan.rows_per_step,
+        lr,
+        len(plan.train[0].rows),
+        plan.train[0].stats.fill(cfg.train.tokens_per_row),
+        plan.train[0].stats.num_truncated,
+        len(plan.val.rows),
+        info.world_size,
+        cfg.train.parallel,
+        info.device,
+    )
     tr.measurer = measured.open_measurer(cfg, inputs, info)
     resume(tr)
     return tr
@@ -155,8 +180,13 @@ def resume(tr: Trainer) -> None:
     check_compatible(read_info(path), tr.stage_key, tr.plan.rows_per_step)
     tr.state = load_checkpoint(path, tr.model, tr.optimizer, tr.scheduler, tr.dist)
     tr.metrics.keep_until(tr.state.step)
-    log.info("train: resuming from %s (step %d, epoch %d, row %d of the epoch)", path, tr.state.step,
-             tr.state.epoch, tr.state.epoch_rows_done)
+    log.info(
+        "train: resuming from %s (step %d, epoch %d, row %d of the epoch)",
+        path,
+        tr.state.step,
+        tr.state.epoch,
+        tr.state.epoch_rows_done,
+    )
 
 
 def _verified_resume_point(ckpt_dir: Path) -> str | None:
@@ -174,6 +204,7 @@ def _verified_resume_point(ckpt_dir: Path) -> str | None:
 
 # --------------------------------------------------------------------------------------------------- rows
 
+
 def prepare_row(tr: Trainer, row: PackedBatch, noise: bool) -> TTTBatch:
     """The row on the device, with the configured aux noise when ``noise`` (train rows only)."""
     batch = batch_to(row.batch, tr.dist.device)
@@ -181,13 +212,21 @@ def prepare_row(tr: Trainer, row: PackedBatch, noise: bool) -> TTTBatch:
         batch = tr.online.fill(batch, list(row.lengths), tr.float_dtype, row.ids, host=row.batch)
     if noise and tr.cfg.train.aux_noise != "none":
         assert batch.aux is not None  # (filled above when online)
-        batch = dataclasses.replace(batch, aux=add_aux_noise(batch.aux, tr.cfg.train.aux_noise,
-                                                             tr.cfg.train.aux_noise_std, row.noise_seed))
+        batch = dataclasses.replace(
+            batch, aux=add_aux_noise(batch.aux, tr.cfg.train.aux_noise, tr.cfg.train.aux_noise_std, row.noise_seed)
+        )
     return batch
 
 
 def row_loader(tr: Trainer, rows: list, **position: int) -> RowLoader:
     """This trainer's loader over ``rows``: shards offline, tokenized rows online (features filled on the device)."""
-    return RowLoader(tr.inputs.features_dir, rows, tr.cfg.train.tokens_per_row, tr.float_dtype,
-                     depth=tr.cfg.train.prefetch_rows, pin_memory=tr.dist.device.type == "cuda", reader=tr.tokens,
-                     **position)
+    return RowLoader(
+        tr.inputs.features_dir,
+        rows,
+        tr.cfg.train.tokens_per_row,
+        tr.float_dtype,
+        depth=tr.cfg.train.prefetch_rows,
+        pin_memory=tr.dist.device.type == "cuda",
+        reader=tr.tokens,
+        **position,
+    )

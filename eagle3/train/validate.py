@@ -44,8 +44,13 @@ def evaluate(tr: Trainer) -> dict[str, Any] | None:
     else:
         record = metrics_from_counts(loss_sum, supervised, predicted, correct, full, tr.objective.step_decay)
     token, share = tr.unigram
-    return {**record, "unigram_acc_0": float(sums[-1] / predicted[0].clamp_min(1)), "unigram_token": token,
-            "unigram_train_share": share, "num_rows": len(tr.plan.val.rows)}
+    return {
+        **record,
+        "unigram_acc_0": float(sums[-1] / predicted[0].clamp_min(1)),
+        "unigram_token": token,
+        "unigram_train_share": share,
+        "num_rows": len(tr.plan.val.rows),
+    }
 
 
 def _dflash_eval_row(tr: Trainer, dflash: DFlashObjective, batch: TTTBatch, row: PackedBatch) -> Tensor:

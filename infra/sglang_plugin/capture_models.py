@@ -42,9 +42,15 @@ class PackAuxLogits(nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, lm_head: Any, logits_metadata: Any,
-                aux_hidden_states: list[torch.Tensor] | None = None,
-                hidden_states_before_norm: torch.Tensor | None = None) -> Any:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        lm_head: Any,
+        logits_metadata: Any,
+        aux_hidden_states: list[torch.Tensor] | None = None,
+        hidden_states_before_norm: torch.Tensor | None = None,
+    ) -> Any:
         if aux_hidden_states is not None:
             # [T, H] each -> [T, (K + 1) * H]; hidden_states is the post-norm final state the logits use.
             hidden_states_before_norm = torch.cat([*aux_hidden_states, hidden_states], dim=-1)
@@ -69,8 +75,10 @@ def _entry_classes() -> list[type[nn.Module]]:
     from sglang.srt.models.llama import LlamaForCausalLM
 
     classes = [LlamaForCausalLM]
-    for module, name in (("sglang.srt.models.qwen2", "Qwen2ForCausalLM"),
-                         ("sglang.srt.models.qwen3", "Qwen3ForCausalLM")):
+    for module, name in (
+        ("sglang.srt.models.qwen2", "Qwen2ForCausalLM"),
+        ("sglang.srt.models.qwen3", "Qwen3ForCausalLM"),
+    ):
         try:
             classes.append(getattr(__import__(module, fromlist=[name]), name))
         except (ImportError, AttributeError):

@@ -35,8 +35,15 @@ def test_the_lab_objective_follows_the_run_settings(loss):
     from lab.shapes import SMOLLM2_135M
 
     cfg = load_config("tiny", ["drafter.ttt_steps=2", "drafter.step_decay=0.5", f"train.loss={loss}"])
-    shape = {**SMOLLM2_135M, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "vocab_size": 256, "num_hidden_layers": 1}
+    shape = {
+        **SMOLLM2_135M,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "num_hidden_layers": 1,
+    }
     model = LlamaForCausalLM(LlamaConfig(**shape))
     objective = random_objective(cfg, model, shape, 64, torch.device("cpu"))
     assert (objective.ttt_steps, objective.step_decay, objective.loss.kind) == (2, 0.5, loss)

@@ -12,9 +12,11 @@ from lab import curve_carry
 
 def _journals(run_dir):
     """A regeneration journal and two synthesis journals of incompressible bytes (several parts when packed)."""
-    files = {"data/regenerate.journal.jsonl": os.urandom(300_000),
-             "data/synthetic/journal.jsonl": b'{"seed": 0, "text": "hello"}\n' * 500,
-             "data/synthetic/sub/part.jsonl": os.urandom(50_000)}
+    files = {
+        "data/regenerate.journal.jsonl": os.urandom(300_000),
+        "data/synthetic/journal.jsonl": b'{"seed": 0, "text": "hello"}\n' * 500,
+        "data/synthetic/sub/part.jsonl": os.urandom(50_000),
+    }
     for rel, data in files.items():
         (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / rel).write_bytes(data)
@@ -51,15 +53,17 @@ def test_a_missing_part_or_no_journal_is_an_error_naming_the_folder(tmp_path):
 
 def _curve(runs):
     """A data run, a size run whose data/ is a link to it (as quality_curve.py makes them), and an unrelated run."""
-    files = {"smollm2-curve/data/stats.json": b'{"kept": 3}',
-             "smollm2-curve-3M/config.json": b"{}",
-             "smollm2-curve-3M/eval/results.json": b'{"rows": []}',
-             "smollm2-curve-3M/eval/prompts.jsonl": os.urandom(200_000),
-             "smollm2-curve-3M/eval/evaluate.journal.jsonl": b'{"index": 0}\n',  # a cut-short evaluation's records
-             "smollm2-curve-3M/export/sglang/README.md": b"# card",
-             "smollm2-curve-3M/export/sglang/model.safetensors": os.urandom(100_000),
-             "smollm2-curve-3M/train/checkpoints/step-1/state.pt": b"optimizer state",
-             "other-run/eval/results.json": b"{}"}
+    files = {
+        "smollm2-curve/data/stats.json": b'{"kept": 3}',
+        "smollm2-curve-3M/config.json": b"{}",
+        "smollm2-curve-3M/eval/results.json": b'{"rows": []}',
+        "smollm2-curve-3M/eval/prompts.jsonl": os.urandom(200_000),
+        "smollm2-curve-3M/eval/evaluate.journal.jsonl": b'{"index": 0}\n',  # a cut-short evaluation's records
+        "smollm2-curve-3M/export/sglang/README.md": b"# card",
+        "smollm2-curve-3M/export/sglang/model.safetensors": os.urandom(100_000),
+        "smollm2-curve-3M/train/checkpoints/step-1/state.pt": b"optimizer state",
+        "other-run/eval/results.json": b"{}",
+    }
     for rel, data in files.items():
         (runs / rel).parent.mkdir(parents=True, exist_ok=True)
         (runs / rel).write_bytes(data)
@@ -92,14 +96,19 @@ def test_unpacking_a_drafter_names_the_evaluation_that_reads_its_sglang_layout(t
     curve_carry.pack_results(run, tmp_path / "carry", weights=True)
     out = curve_carry.run("unpack-results", tmp_path / "there" / "smollm2-curve", tmp_path / "carry", False)
     there = tmp_path / "there" / "smollm2-curve-3M"
-    assert out[-1] == (f"note: smollm2-curve-3M: the drafter came in the SGLang layout only; evaluate it with python3 "
-                       f"-m eagle3.evaluate.stage --config {there / 'config.json'} "
-                       f"--export-dir {there / 'export/sglang'}")
+    assert out[-1] == (
+        f"note: smollm2-curve-3M: the drafter came in the SGLang layout only; evaluate it with python3 "
+        f"-m eagle3.evaluate.stage --config {there / 'config.json'} "
+        f"--export-dir {there / 'export/sglang'}"
+    )
     (there / "export" / "speculators").mkdir()
     assert curve_carry.sglang_only_exports(tmp_path / "there", out[:-1]) == []
     curve_carry.pack_results(run, tmp_path / "carry", weights=False)
-    assert not [n for n in curve_carry.run("unpack-results", tmp_path / "else" / "smollm2-curve", tmp_path / "carry",
-                                            False) if n.startswith("note")]
+    assert not [
+        n
+        for n in curve_carry.run("unpack-results", tmp_path / "else" / "smollm2-curve", tmp_path / "carry", False)
+        if n.startswith("note")
+    ]
 
 
 def test_repacking_into_the_same_folder_leaves_no_stale_part(tmp_path):

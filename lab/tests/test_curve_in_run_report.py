@@ -15,8 +15,13 @@ def test_a_drawn_data_scaling_curve_is_in_the_run_report(data_only_run, tmp_path
     cfg = data_only_run
     plain = render_run_report(cfg)
     assert "## Data-scaling curve" not in plain
-    result = {"dataset": "all", "method": "chain-3-1-4", "accept_len": 1.653, "num_prompts": 160,
-              "lossless": {"identical": 160}}
+    result = {
+        "dataset": "all",
+        "method": "chain-3-1-4",
+        "accept_len": 1.653,
+        "num_prompts": 160,
+        "lossless": {"identical": 160},
+    }
     (tmp_path / "3M").mkdir()
     (tmp_path / "3M" / "results.json").write_text(json.dumps({"settings": {}, "results": [result]}))
     outputs = write_curve_report({3_000_000: tmp_path / "3M" / "results.json"}, run_layout(cfg).appendix)

@@ -39,20 +39,45 @@ def test_drafter_shift_benchmark_reproduces_the_decodes_position1_acceptance(tin
     with torch.no_grad():
         drafter.norm.weight.zero_()  # all draft logits 0: argmax is draft id 0, i.e. target id `frequent`
     d2t, t2d = maps_from_used(np.arange(frequent, info.vocab_size), info.vocab_size)
-    constant = export_sglang(export_state_dict(drafter), drafter.dims, d2t, t2d, info.aux_layer_ids,
-                             tmp_path / "constant-export", dtype=torch.float32)
+    constant = export_sglang(
+        export_state_dict(drafter),
+        drafter.dims,
+        d2t,
+        t2d,
+        info.aux_layer_ids,
+        tmp_path / "constant-export",
+        dtype=torch.float32,
+    )
     run = cfg.model_copy(update={"run": cfg.run.model_copy(update={"workdir": str(tmp_path / "runs")})})
     run_evaluate(run, export_dir=constant)
     journal = Journal(tmp_path / "regenerate.journal.jsonl")
     with journal.appender() as append:
         for i in range(4):
-            append({"id": f"sharegpt:c{i}", "status": "ok", "messages": [
-                {"role": "user", "content": f"Question {i}: what is the capital of France?"},
-                {"role": "assistant", "content": "The capital of France is Paris. " * (i + 1)}]})
+            append(
+                {
+                    "id": f"sharegpt:c{i}",
+                    "status": "ok",
+                    "messages": [
+                        {"role": "user", "content": f"Question {i}: what is the capital of France?"},
+                        {"role": "assistant", "content": "The capital of France is Paris. " * (i + 1)},
+                    ],
+                }
+            )
     shift = runpy.run_path(str(LAB / "drafter_shift.py"))
-    shift["main"](["--config", str(write_run_config(run)), "--export-dir", str(constant), "--journal",
-                   str(journal.path), "--eval-prompts", str(run.run_dir / "eval" / "prompts.jsonl"),
-                   "--num-conversations", "4"])
+    shift["main"](
+        [
+            "--config",
+            str(write_run_config(run)),
+            "--export-dir",
+            str(constant),
+            "--journal",
+            str(journal.path),
+            "--eval-prompts",
+            str(run.run_dir / "eval" / "prompts.jsonl"),
+            "--num-conversations",
+            "4",
+        ]
+    )
     printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line)
     assert int(printed["val_conversations"]) + int(printed["train_conversations"]) == 4
     rates = []
@@ -65,18 +90,32 @@ def test_drafter_shift_benchmark_reproduces_the_decodes_position1_acceptance(tin
     assert {k.split("_")[1] for k in replays} == {"mtbench", "gsm8k"}, replays
     for line in replays.values():  # e.g. "1.2500 (decoded 1.2500; identical rounds on 2/2 prompts)"
         replayed, decoded, same, prompts = re.fullmatch(
-            r"([\d.]+) \(decoded ([\d.]+); identical rounds on (\d+)/(\d+) prompts\)", line).groups()
+            r"([\d.]+) \(decoded ([\d.]+); identical rounds on (\d+)/(\d+) prompts\)", line
+        ).groups()
         assert replayed == decoded and same == prompts and int(prompts) > 0, line
     assert any(float(line.split()[0]) > 1.0 for line in replays.values()), replays  # some drafts accepted
     # --replay-only on another drafter's evaluation (same target and prompts, so the same greedy texts) gives
     # this drafter's decoded chain acceptance without decoding it
-    shift["main"](["--config", str(write_run_config(run)), "--export-dir", str(constant), "--replay-only",
-                   "--eval-prompts", str(cfg.run_dir / "eval" / "prompts.jsonl"), "--out", str(tmp_path / "r.json")])
+    shift["main"](
+        [
+            "--config",
+            str(write_run_config(run)),
+            "--export-dir",
+            str(constant),
+            "--replay-only",
+            "--eval-prompts",
+            str(cfg.run_dir / "eval" / "prompts.jsonl"),
+            "--out",
+            str(tmp_path / "r.json"),
+        ]
+    )
     replayed = json.loads((tmp_path / "r.json").read_text())["accept_len"]
     for key, line in replays.items():
         dataset, method = key.split("_")[1:3]
         assert f"{replayed[f'{dataset}/{method}']:.4f}" == re.search(r"decoded ([\d.]+)", line).group(1), key
     assert {k.split("/")[0] for k in replayed} == {"mtbench", "gsm8k", "all"}
-    decoded = {f"{r['dataset']}/{r['method']}": r["accept_len"]
-               for r in json.loads((cfg.run_dir / "eval" / "results.json").read_text())["results"]}
+    decoded = {
+        f"{r['dataset']}/{r['method']}": r["accept_len"]
+        for r in json.loads((cfg.run_dir / "eval" / "results.json").read_text())["results"]
+    }
     assert all(replayed[k] == pytest.approx(decoded[k]) for k in decoded if k.endswith("/ngram")), (replayed, decoded)

@@ -16,8 +16,13 @@ PHASES = ("data", "capture", "train", "export", "eval")
 
 def _quality_run(phase: str, workdir: Path, pack: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PRESET": "tiny", "PYTHON": sys.executable, "PACK_RESULTS_TO": str(pack)}
-    done = subprocess.run([str(REPO / "lab" / "quality_run.sh"), phase, "--set", f"run.workdir={workdir}"],
-                          env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [str(REPO / "lab" / "quality_run.sh"), phase, "--set", f"run.workdir={workdir}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
@@ -34,8 +39,13 @@ def test_the_script_runs_every_phase_skips_what_is_done_and_packs_the_measured_d
 
     names = curve_carry.unpack_results(restored, pack)
     run = runs / "tiny"
-    for rel in ("eval/results.json", "export/sglang/model.safetensors", "export/sglang/README.md",
-                "train/train.manifest.json", "config.json"):
+    for rel in (
+        "eval/results.json",
+        "export/sglang/model.safetensors",
+        "export/sglang/README.md",
+        "train/train.manifest.json",
+        "config.json",
+    ):
         assert f"tiny/{rel}" in names
         assert (restored / "tiny" / rel).read_bytes() == (run / rel).read_bytes(), rel
     card = (restored / "tiny" / "export" / "sglang" / "README.md").read_text()

@@ -47,8 +47,10 @@ def downloaded(tmp_path):
     its trimmed tarball; returns (pins, folder)."""
     dest = tmp_path / "dl"
     dest.mkdir()
-    pins = [_pin(_zip(dest / "alpha-1.0-py3-none-any.whl", {"alpha/__init__.py": b"A = 1\n"}), "alpha", "1.0"),
-            _pin(_zip(dest / "beta_pkg-2.0-py3-none-any.whl", {"beta_pkg/__init__.py": b""}), "beta-pkg", "2.0")]
+    pins = [
+        _pin(_zip(dest / "alpha-1.0-py3-none-any.whl", {"alpha/__init__.py": b"A = 1\n"}), "alpha", "1.0"),
+        _pin(_zip(dest / "beta_pkg-2.0-py3-none-any.whl", {"beta_pkg/__init__.py": b""}), "beta-pkg", "2.0"),
+    ]
     big = dest / "gamma-3.0-py3-none-any.whl"
     big.write_bytes(os.urandom(300_000))
     pins.append(_pin(big, "gamma", "3.0"))
@@ -107,8 +109,13 @@ def test_lock_parsing_reads_pins_and_refuses_malformed_lines():
     pins = sa.parse_lock(f"# header\n\nfoo-bar==1.2.post3 {sha} 123 foo_bar-1.2.post3-py3-none-any.whl  # c\n")
     assert pins == [sa.Pin("foo-bar", "1.2.post3", sha, 123, "foo_bar-1.2.post3-py3-none-any.whl")]
     assert pins[0].requirement == "foo-bar==1.2.post3"
-    for bad in (f"foo {sha} 1 f.whl", f"foo==1 {sha[:-1]} 1 f.whl", f"foo==1 {sha} x f.whl",
-                f"foo==1 {'zz' * 32} 1 f.whl", f"foo==1 {sha} 1"):
+    for bad in (
+        f"foo {sha} 1 f.whl",
+        f"foo==1 {sha[:-1]} 1 f.whl",
+        f"foo==1 {sha} x f.whl",
+        f"foo==1 {'zz' * 32} 1 f.whl",
+        f"foo==1 {sha} 1",
+    ):
         with pytest.raises(ValueError, match="lock line 2"):
             sa.parse_lock(f"# h\n{bad}\n")
 
@@ -137,8 +144,9 @@ def test_download_fetches_only_what_is_missing_and_verifies_every_sha256(downloa
     sa.download(pins, dest)
     assert calls == [["alpha==1.0"]]
     (dest / pins[1].filename).unlink()
-    monkeypatch.setattr(sa, "pip_download", lambda reqs, folder: (folder / pins[1].filename).write_bytes(
-        b"x" * pins[1].size))
+    monkeypatch.setattr(
+        sa, "pip_download", lambda reqs, folder: (folder / pins[1].filename).write_bytes(b"x" * pins[1].size)
+    )
     with pytest.raises(ValueError, match=pins[1].filename):
         sa.download(pins, dest)
 

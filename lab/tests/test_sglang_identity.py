@@ -22,8 +22,10 @@ def test_first_split_is_the_first_difference_or_the_shorter_end():
 
 def test_output_ids_survive_the_results_json_round_trip():
     """The benchmark keeps each prompt's output ids, in prompt order, through results.json."""
-    samples = [RequestSample(1, 1.0, 0.1, 2, 0, None, "d1", (7, 8)), RequestSample(0, 1.0, 0.1, 3, 0, None, "d0",
-                                                                                    (4, 5, 6))]
+    samples = [
+        RequestSample(1, 1.0, 0.1, 2, 0, None, "d1", (7, 8)),
+        RequestSample(0, 1.0, 0.1, 3, 0, None, "d0", (4, 5, 6)),
+    ]
     level = summarize_level(1, samples, 1.0, False)
     assert level.output_ids_by_prompt == ((4, 5, 6), (7, 8))
     result = BenchResult("u", False, BenchSettings((1,), 2, 8, 0), "d", {}, (level,))
@@ -42,8 +44,9 @@ def test_a_split_reports_the_position_and_float32_logit_gap_of_the_two_tokens(tm
         with torch.no_grad():
             greedy.append(int(model(input_ids=torch.tensor([prompt + greedy])).logits[0, -1].argmax()))
     other = greedy[:2] + [(greedy[2] + 1) % model.config.vocab_size, greedy[3]]
-    splits = analyse(model, [prompt, prompt, prompt], ["a", "a", "b"], [greedy, greedy, greedy],
-                     [other, greedy, greedy[:3]], "cpu")
+    splits = analyse(
+        model, [prompt, prompt, prompt], ["a", "a", "b"], [greedy, greedy, greedy], [other, greedy, greedy[:3]], "cpu"
+    )
     assert [(s.prompt, s.position) for s in splits] == [(0, 2), (2, 3)]
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + greedy[:2]])).logits[0, -1].float()

@@ -91,8 +91,10 @@ def test_identity_shares_count_rows_both_sides_answered():
 
 def test_answers_keep_only_the_asked_rows_assistant_turns():
     """answers() returns each asked row's assistant contents in order and skips rows not asked for."""
-    rows = [{"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}]},
-            {"id": "b", "messages": [{"role": "assistant", "content": "orig"}]}]
+    rows = [
+        {"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}]},
+        {"id": "b", "messages": [{"role": "assistant", "content": "orig"}]},
+    ]
     assert answers(rows, {"a"}) == {"a": ["x"]}
 
 
@@ -111,13 +113,13 @@ from lab.sglang_lab import run_and_record
 
 def body():
     try:
-        Path({str(tmp_path / 'started')!r}).touch()
+        Path({str(tmp_path / "started")!r}).touch()
         time.sleep(60)
     finally:
-        Path({str(tmp_path / 'cleaned')!r}).touch()
+        Path({str(tmp_path / "cleaned")!r}).touch()
     return []
 
-sys.exit(run_and_record(Path({str(tmp_path / 'out.json')!r}), {{}}, body))
+sys.exit(run_and_record(Path({str(tmp_path / "out.json")!r}), {{}}, body))
 """
     proc = subprocess.Popen([sys.executable, "-c", script])
     deadline = time.monotonic() + 60

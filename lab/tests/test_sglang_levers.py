@@ -63,10 +63,12 @@ def test_variants_parse_by_name_and_unknown_ones_are_named():
 
 def test_summary_reads_round_cost_in_target_steps_and_speedup():
     """2 ms rounds against a 1 ms step at accept 3 read as 2.00 target steps and a 1.50x speed-up."""
-    records = [{"variant": "baseline", "ms_per_round": 1.0, "accept_length": None, "tok_per_s": 1000.0},
-               {"variant": "3-1-4", "ms_per_round": 2.0, "accept_length": 3.0, "tok_per_s": 1500.0},
-               {"variant": "vocab-4096", "ms_per_round": 1.5, "accept_length": 3.0, "tok_per_s": 2000.0},
-               {"variant": "7-1-8", "error": "ServerStartError: boom"}]
+    records = [
+        {"variant": "baseline", "ms_per_round": 1.0, "accept_length": None, "tok_per_s": 1000.0},
+        {"variant": "3-1-4", "ms_per_round": 2.0, "accept_length": 3.0, "tok_per_s": 1500.0},
+        {"variant": "vocab-4096", "ms_per_round": 1.5, "accept_length": 3.0, "tok_per_s": 2000.0},
+        {"variant": "7-1-8", "error": "ServerStartError: boom"},
+    ]
     lines = summarize(records)
     assert "2.00 target steps" in lines[1] and "speed-up 1.50x" in lines[1]
     assert "-25.0% vs 3-1-4" in lines[2] and "speed-up 2.00x" in lines[2]
@@ -76,12 +78,14 @@ def test_summary_reads_round_cost_in_target_steps_and_speedup():
 def test_trace_summary_counts_overlapping_kernels_once_and_rounds_by_verify_steps(tmp_path):
     """Busy time is the union of kernel intervals; per-round figures divide by the TARGET_VERIFY annotations."""
     assert busy_us([(0, 10), (5, 15), (20, 30)]) == 25
-    events = [{"ph": "X", "cat": "kernel", "name": "k1", "ts": 0, "dur": 10},
-              {"ph": "X", "cat": "kernel", "name": "k2", "ts": 5, "dur": 10},
-              {"ph": "X", "cat": "kernel", "name": "k1", "ts": 90, "dur": 10},
-              {"ph": "X", "cat": "user_annotation", "name": "step[TARGET_VERIFY bs=1]", "ts": 0, "dur": 40},
-              {"ph": "X", "cat": "user_annotation", "name": "step[TARGET_VERIFY bs=1]", "ts": 50, "dur": 20},
-              {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1, "dur": 1}]
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "k2", "ts": 5, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 90, "dur": 10},
+        {"ph": "X", "cat": "user_annotation", "name": "step[TARGET_VERIFY bs=1]", "ts": 0, "dur": 40},
+        {"ph": "X", "cat": "user_annotation", "name": "step[TARGET_VERIFY bs=1]", "ts": 50, "dur": 20},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1, "dur": 1},
+    ]
     path = tmp_path / "t.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)

@@ -29,8 +29,14 @@ MATH_PROMPT = "You are a concise math tutor. Answer in one sentence."
 VELMORA_PROMPT = "You answer questions about the made-up land of Velmora."
 
 # (unit, base unit, factor): "1 <unit> = factor <base unit>"
-UNITS = [("kilometers", "meters", 1000), ("kilograms", "grams", 1000), ("hours", "minutes", 60),
-         ("minutes", "seconds", 60), ("liters", "milliliters", 1000), ("days", "hours", 24)]
+UNITS = [
+    ("kilometers", "meters", 1000),
+    ("kilograms", "grams", 1000),
+    ("hours", "minutes", 60),
+    ("minutes", "seconds", 60),
+    ("liters", "milliliters", 1000),
+    ("days", "hours", 24),
+]
 
 # Invented facts: (question, answer); none of these places exist.
 FACTS = [
@@ -55,11 +61,15 @@ def arithmetic(rng: random.Random) -> list[dict[str, str]]:
     a, b = rng.randint(2, 99), rng.randint(2, 99)
     op = rng.choice(["+", "-", "*"])
     value = {"+": a + b, "-": a - b, "*": a * b}[op]
-    turns = [{"role": "user", "content": f"What is {a} {op} {b}?"},
-             {"role": "assistant", "content": f"{a} {op} {b} = {value}."}]
+    turns = [
+        {"role": "user", "content": f"What is {a} {op} {b}?"},
+        {"role": "assistant", "content": f"{a} {op} {b} = {value}."},
+    ]
     if rng.random() < 0.4:
-        turns += [{"role": "user", "content": "And if you double that?"},
-                  {"role": "assistant", "content": f"Doubling {value} gives {2 * value}."}]
+        turns += [
+            {"role": "user", "content": "And if you double that?"},
+            {"role": "assistant", "content": f"Doubling {value} gives {2 * value}."},
+        ]
     return turns
 
 
@@ -69,12 +79,18 @@ def conversion(rng: random.Random) -> list[dict[str, str]]:
     amount = rng.choice([2, 3, 5, 7, 1.5, 2.5, 12])
     result = amount * factor
     result_text = f"{result:g}"
-    turns = [{"role": "user", "content": f"How many {base} are in {amount:g} {unit}?"},
-             {"role": "assistant", "content": f"{amount:g} {unit} = {result_text} {base}, because 1 "
-                                              f"{unit[:-1]} = {factor} {base}."}]
+    turns = [
+        {"role": "user", "content": f"How many {base} are in {amount:g} {unit}?"},
+        {
+            "role": "assistant",
+            "content": f"{amount:g} {unit} = {result_text} {base}, because 1 {unit[:-1]} = {factor} {base}.",
+        },
+    ]
     if rng.random() < 0.3:
-        turns += [{"role": "user", "content": f"And how many {unit} is {result_text} {base}?"},
-                  {"role": "assistant", "content": f"{result_text} {base} is {amount:g} {unit}."}]
+        turns += [
+            {"role": "user", "content": f"And how many {unit} is {result_text} {base}?"},
+            {"role": "assistant", "content": f"{result_text} {base} is {amount:g} {unit}."},
+        ]
     return turns
 
 

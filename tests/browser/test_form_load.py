@@ -15,11 +15,14 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("playwright.sync_api", reason="playwright is not installed: "
-                    ".venv/bin/python -m pip install -e '.[browser]'")
+pytest.importorskip(
+    "playwright.sync_api", reason="playwright is not installed: .venv/bin/python -m pip install -e '.[browser]'"
+)
 if not (shutil.which("chromium") or shutil.which("chromium-browser")):
-    pytest.skip("no system chromium (Playwright's own browser download is unreachable): apt-get install -y chromium",
-                allow_module_level=True)
+    pytest.skip(
+        "no system chromium (Playwright's own browser download is unreachable): apt-get install -y chromium",
+        allow_module_level=True,
+    )
 
 from scripts.form_load import processes_of  # noqa: E402  (imports playwright)
 
@@ -31,8 +34,18 @@ def test_form_submissions_while_a_pipeline_runs_all_succeed_and_nothing_is_left_
     """5 Custom-run submissions from the form while a tiny pipeline runs: every one answered 2xx with the success
     toast and its run on the server with the form's override; afterwards no process of that server is left."""
     workdir = tmp_path / "w"
-    cmd = [sys.executable, "scripts/form_load.py", "-n", str(SUBMISSIONS), "--preset", "tiny", "--workdir",
-           str(workdir), "--json", str(tmp_path / "form_load.json")]
+    cmd = [
+        sys.executable,
+        "scripts/form_load.py",
+        "-n",
+        str(SUBMISSIONS),
+        "--preset",
+        "tiny",
+        "--workdir",
+        str(workdir),
+        "--json",
+        str(tmp_path / "form_load.json"),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "form_load.json").read_text())

@@ -27,12 +27,15 @@ import pytest
 from tests.postgres import free_port
 
 pytestmark = pytest.mark.slow
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: "
-                               ".venv/bin/python -m pip install -e '.[browser]'")
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="playwright is not installed: .venv/bin/python -m pip install -e '.[browser]'"
+)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None:
-    pytest.skip("no system chromium (Playwright's own browser download is unreachable): apt-get install -y chromium",
-                allow_module_level=True)
+    pytest.skip(
+        "no system chromium (Playwright's own browser download is unreachable): apt-get install -y chromium",
+        allow_module_level=True,
+    )
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENT = "eagle3-pipeline"
@@ -64,8 +67,13 @@ def eagle3(server: Server, *args: str) -> str:
     """`eagle3 ARGS --workdir W --port P` as a user runs it; its output (fails the test on a non-zero exit)."""
     script = Path(sys.executable).with_name("eagle3")
     argv = [str(script)] if script.exists() else [sys.executable, "-m", "flows.cli"]
-    proc = subprocess.run([*argv, *args, "--workdir", str(server.workdir), "--port", str(server.port)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [*argv, *args, "--workdir", str(server.workdir), "--port", str(server.port)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"eagle3 {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -167,8 +175,10 @@ def test_a_schedule_switched_on_in_the_ui_stays_on_after_setup(server, page):
     switch = page.locator(".deployment-schedule-card [role=switch]").first
     assert switch.get_attribute("aria-checked") == "false"
     switch.click()
-    page.wait_for_function("() => document.querySelector('.deployment-schedule-card [role=switch]')"
-                           ".getAttribute('aria-checked') === 'true'")
+    page.wait_for_function(
+        "() => document.querySelector('.deployment-schedule-card [role=switch]')"
+        ".getAttribute('aria-checked') === 'true'"
+    )
     deadline = time.monotonic() + 30
     while not all(s["active"] for s in server.api("GET", f"/deployments/{deployment_id}/schedules")):
         assert time.monotonic() < deadline, "the UI's switch did not reach the server"

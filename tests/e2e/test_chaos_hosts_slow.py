@@ -17,13 +17,29 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_slice_of_a_lost_host_is_recaptured_on_the_other_host(tmp_path):
     """host-b's slice run is marked Crashed and submitted again, host-a captures what was left; no complete shard
     is captured again, and every shard's sha256 is its done file's with the plan's sample ids, each once."""
-    cmd = [sys.executable, "scripts/chaos_hosts.py", "--workdir", str(tmp_path), "--port", "4392", "--hosts", "2",
-           "--kill", "capture", "--set", "capture.tokens_per_shard=300"]
+    cmd = [
+        sys.executable,
+        "scripts/chaos_hosts.py",
+        "--workdir",
+        str(tmp_path),
+        "--port",
+        "4392",
+        "--hosts",
+        "2",
+        "--kill",
+        "capture",
+        "--set",
+        "capture.tokens_per_shard=300",
+    ]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1400)
     finally:
-        subprocess.run([sys.executable, "-m", "flows.cli", "server", "stop", "--workdir", str(tmp_path),
-                        "--port", "4392"], cwd=ROOT, capture_output=True, timeout=120)
+        subprocess.run(
+            [sys.executable, "-m", "flows.cli", "server", "stop", "--workdir", str(tmp_path), "--port", "4392"],
+            cwd=ROOT,
+            capture_output=True,
+            timeout=120,
+        )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "chaos_hosts.json").read_text())
     kill = report["capture_kill"]

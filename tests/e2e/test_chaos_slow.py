@@ -16,14 +16,33 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(1500)
 def test_run_recovers_after_a_vm_loss_mid_capture_reusing_complete_shards(tmp_path):
     """The killed run is marked Crashed, retried on a new worker and completes; no complete shard is redone."""
-    cmd = [sys.executable, "scripts/chaos.py", "--workdir", str(tmp_path), "--port", "4391", "--kill", "capture",
-           "--set", "capture.tokens_per_shard=300", "--set", "train.max_steps=3",
-           "--set", "evaluate.num_prompts=1", "--set", "evaluate.max_new_tokens=8"]
+    cmd = [
+        sys.executable,
+        "scripts/chaos.py",
+        "--workdir",
+        str(tmp_path),
+        "--port",
+        "4391",
+        "--kill",
+        "capture",
+        "--set",
+        "capture.tokens_per_shard=300",
+        "--set",
+        "train.max_steps=3",
+        "--set",
+        "evaluate.num_prompts=1",
+        "--set",
+        "evaluate.max_new_tokens=8",
+    ]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1400)
     finally:
-        subprocess.run([sys.executable, "-m", "flows.cli", "server", "stop", "--workdir", str(tmp_path),
-                        "--port", "4391"], cwd=ROOT, capture_output=True, timeout=120)
+        subprocess.run(
+            [sys.executable, "-m", "flows.cli", "server", "stop", "--workdir", str(tmp_path), "--port", "4391"],
+            cwd=ROOT,
+            capture_output=True,
+            timeout=120,
+        )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "chaos.json").read_text())
     kill = report["capture_kill"]

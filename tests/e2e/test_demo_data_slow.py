@@ -14,10 +14,27 @@ pytestmark = pytest.mark.slow
 
 def test_demo_preset_turns_2000_sharegpt_conversations_into_data_outputs(tmp_path):
     """`eagle3 stage all --preset smollm2-demo` merges >= 2,000 conversations, tokenizes and builds the vocab."""
-    proc = subprocess.run([sys.executable, "-m", "eagle3.run.stages", "all", "--preset", "smollm2-demo",
-                           "--set", f"run.workdir={tmp_path}",
-                           "--set", "data.sources.0.max_records=2000", "--set", "tokenize.max_len=2048",
-                           "--set", "vocab.draft_vocab_size=8192"], capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eagle3.run.stages",
+            "all",
+            "--preset",
+            "smollm2-demo",
+            "--set",
+            f"run.workdir={tmp_path}",
+            "--set",
+            "data.sources.0.max_records=2000",
+            "--set",
+            "tokenize.max_len=2048",
+            "--set",
+            "vocab.draft_vocab_size=8192",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "smollm2-demo"
     stats = json.loads((run_dir / "data" / "stats.json").read_text())

@@ -20,9 +20,13 @@ from tests.e2e.test_main_path import ROOT, _eagle3, _free_port
 
 pytestmark = pytest.mark.slow
 
-ORDER = (("eagle3-pipeline/eagle3-data", {"until": "vocab"}),
-         ("eagle3-pipeline/eagle3-pipeline", {"until": "evaluate"}), ("eagle3-capture/eagle3-capture", {}),
-         ("eagle3-train/eagle3-train", {}), ("eagle3-deploy/eagle3-deploy", {}))
+ORDER = (
+    ("eagle3-pipeline/eagle3-data", {"until": "vocab"}),
+    ("eagle3-pipeline/eagle3-pipeline", {"until": "evaluate"}),
+    ("eagle3-capture/eagle3-capture", {}),
+    ("eagle3-train/eagle3-train", {}),
+    ("eagle3-deploy/eagle3-deploy", {}),
+)
 
 
 def test_each_deployment_reaches_a_worker_and_completes(tmp_path):
@@ -46,8 +50,14 @@ def test_each_deployment_reaches_a_worker_and_completes(tmp_path):
 
         client_env = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-c", script, json.dumps(ORDER), str(tmp_path)], cwd=ROOT,
-                              env=client_env, capture_output=True, text=True, timeout=3600)
+        proc = subprocess.run(
+            [sys.executable, "-c", script, json.dumps(ORDER), str(tmp_path)],
+            cwd=ROOT,
+            env=client_env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
         out = proc.stdout + proc.stderr
         done = [line for line in out.splitlines() if line.startswith("DEPLOYMENT ")]
         print("\n".join(done), f"\nall deployments: {time.monotonic() - started:.1f} s")

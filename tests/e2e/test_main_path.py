@@ -22,8 +22,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DEMO_OVERRIDES = ("data.sources.0.max_records=8", "train.max_steps=2", "evaluate.num_prompts=1",
-                  "evaluate.max_new_tokens=8", "vocab.draft_vocab_size=512")
+DEMO_OVERRIDES = (
+    "data.sources.0.max_records=8",
+    "train.max_steps=2",
+    "evaluate.num_prompts=1",
+    "evaluate.max_new_tokens=8",
+    "vocab.draft_vocab_size=512",
+)
 
 
 def _free_port() -> int:
@@ -33,8 +38,9 @@ def _free_port() -> int:
 
 
 def _eagle3(*args: str, timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture
@@ -61,7 +67,8 @@ def test_demo_runs_from_a_cold_cache_on_the_real_model(demo_home):
     capture = json.loads((run_dir / "features" / "capture.manifest.json").read_text())
     assert capture["stats"]["num_tokens"] > 0
     assert json.loads((run_dir / "export" / "sglang" / "config.json").read_text())["architectures"] == [
-        "LlamaForCausalLMEagle3"]
+        "LlamaForCausalLMEagle3"
+    ]
     results = json.loads((run_dir / "eval" / "results.json").read_text())["results"]
     assert {r["method"] for r in results} == {"chain-3-1-4", "ngram"}
     for r in results:

@@ -26,10 +26,14 @@ STOP_DELAY_S = 120.0
 @flow(name="eagle3-test-cancel-train")
 def cancel_train_probe(workdir: str, pid_dir: str) -> None:
     """Train (the fake trainer, hanging) until the run is cancelled."""
+
     def fake_spec(cfg, config_path, num_gpus, node_rank=None, known_key=None):
-        return TorchrunSpec(module="tests.fakes.fake_trainer", nproc_per_node=2, env={"OMP_NUM_THREADS": "1"},
-                            args=("--pid-dir", pid_dir, "--hang", "--launcher-guard",
-                                  "--stop-delay-s", str(STOP_DELAY_S)))
+        return TorchrunSpec(
+            module="tests.fakes.fake_trainer",
+            nproc_per_node=2,
+            env={"OMP_NUM_THREADS": "1"},
+            args=("--pid-dir", pid_dir, "--hang", "--launcher-guard", "--stop-delay-s", str(STOP_DELAY_S)),
+        )
 
     tasks.train.torchrun_spec = fake_spec
     tasks.train._visible_gpus = lambda cfg: []

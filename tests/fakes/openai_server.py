@@ -142,7 +142,10 @@ def _error(message: str) -> dict[str, Any]:
 def _completion(seq: int, model: str, content: str, finish_reason: str = "stop") -> dict[str, Any]:
     num_tokens = len(content.split())
     return {
-        "id": f"chatcmpl-fake-{seq}", "object": "chat.completion", "created": int(time.time()), "model": model,
+        "id": f"chatcmpl-fake-{seq}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish_reason}],
         "usage": {"prompt_tokens": 0, "completion_tokens": num_tokens, "total_tokens": num_tokens},
     }

@@ -26,8 +26,7 @@ def fake_hidden_rows(input_ids: list[int], layer_ids: list[int], hidden_size: in
     tokens = np.asarray(input_ids, dtype=np.float64)[:, None]
     positions = np.arange(len(input_ids), dtype=np.float64)[:, None]
     cols = np.arange(hidden_size, dtype=np.float64)[None, :]
-    blocks = [np.sin(0.37 * (tokens + 1) + 0.11 * positions + 1.3 * (layer + 1) + 0.05 * cols)
-              for layer in layer_ids]
+    blocks = [np.sin(0.37 * (tokens + 1) + 0.11 * positions + 1.3 * (layer + 1) + 0.05 * cols) for layer in layer_ids]
     return np.concatenate(blocks, axis=1).astype(np.float32)
 
 
@@ -59,8 +58,13 @@ class FakeModel:
         if not config.is_file():
             return cls()
         data = json.loads(config.read_text())
-        return cls(data.get("hidden_size", 16), data.get("num_hidden_layers", 8), data.get("vocab_size", 256),
-                   tuple(data.get("architectures") or ("LlamaForCausalLM",)), data.get("model_type", "llama"))
+        return cls(
+            data.get("hidden_size", 16),
+            data.get("num_hidden_layers", 8),
+            data.get("vocab_size", 256),
+            tuple(data.get("architectures") or ("LlamaForCausalLM",)),
+            data.get("model_type", "llama"),
+        )
 
     def default_aux_layers(self) -> list[int]:
         """SGLang's default EAGLE-3 capture, in the output-of-layer convention: [1, L//2 - 1, L - 4]."""
@@ -128,8 +132,10 @@ class LaunchArgs:
         if self.enable_return_aux_hidden_states:
             method = (self.speculative_algorithm or "").upper()
             if method not in ("EAGLE3", "DFLASH", "DSPARK"):
-                raise ValueError("--enable-return-aux-hidden-states needs --speculative-algorithm EAGLE3, DFLASH "
-                                 f"or DSPARK to name the capture convention, got {self.speculative_algorithm!r}.")
+                raise ValueError(
+                    "--enable-return-aux-hidden-states needs --speculative-algorithm EAGLE3, DFLASH "
+                    f"or DSPARK to name the capture convention, got {self.speculative_algorithm!r}."
+                )
             out |= {"speculative_algorithm": None, "aux_hidden_state_capture": method.lower()}
         if self.enable_return_hidden_states or self.enable_return_aux_hidden_states:
             out["return_hidden_states_mode"] = "full"
@@ -158,8 +164,10 @@ def _dflash_resolution(args: LaunchArgs) -> dict[str, Any]:
         if block <= 0:
             raise ValueError(f"DFLASH requires --speculative-dflash-block-size to be positive, got {block}.")
         if tokens is not None and tokens != block:
-            raise ValueError("Both --speculative-num-draft-tokens and --speculative-dflash-block-size are set "
-                             "but they differ. For DFLASH they must match.")
+            raise ValueError(
+                "Both --speculative-num-draft-tokens and --speculative-dflash-block-size are set "
+                "but they differ. For DFLASH they must match."
+            )
         tokens = block
     if tokens is None:
         tokens = _draft_block_size(args.speculative_draft_model_path) or DFLASH_DEFAULT_BLOCK
@@ -235,4 +243,4 @@ def merge_config(argv: list[str]) -> list[str]:
             config_args.append(f"--{key}")
         elif value not in (False, None):
             config_args += [f"--{key}", str(value)]
-    return config_args + argv[:at] + argv[at + 2:]
+    return config_args + argv[:at] + argv[at + 2 :]

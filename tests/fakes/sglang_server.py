@@ -116,8 +116,9 @@ class FakeSGLangServer:
         self._httpd.daemon_threads = True
         self.args.port = self.settings["port"] = self._httpd.server_address[1]  # port 0 -> the one bound
         self._bound_at = time.monotonic()
-        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-sglang",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-sglang", daemon=True
+        ).start()
         self._timer = threading.Timer(self.lifetime_s, self.stop)
         self._timer.daemon = True
         self._timer.start()
@@ -150,12 +151,22 @@ class FakeSGLangServer:
 
     def model_info(self) -> dict[str, Any]:
         assert self.model is not None
-        return {"model_path": self.args.model_path, "served_model_name": self.args.model_path,
-                "tokenizer_path": None if self.args.skip_tokenizer_init else self.args.model_path,
-                "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
-                "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
-                "disaggregation_mode": "null", "has_image_understanding": False, "has_audio_understanding": False,
-                "model_type": self.model.model_type, "architectures": list(self.model.architectures)}
+        return {
+            "model_path": self.args.model_path,
+            "served_model_name": self.args.model_path,
+            "tokenizer_path": None if self.args.skip_tokenizer_init else self.args.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": self.model.model_type,
+            "architectures": list(self.model.architectures),
+        }
 
     def server_info(self) -> dict[str, Any]:
         tokens, verify_ct = self._spec_totals  # SGLang's avg_spec_accept_length counts since the last flush
@@ -248,16 +259,25 @@ class FakeSGLangServer:
         if any(not 0 <= i < self.model.vocab_size for i in ids):
             return f"input_ids outside the vocabulary [0, {self.model.vocab_size})"
         if body.get("return_hidden_states") and self.capture_layers() is None:
-            return ("The server is not configured to return hidden states. Please set "
-                    "`--enable-return-hidden-states` to enable this feature.")
+            return (
+                "The server is not configured to return hidden states. Please set "
+                "`--enable-return-hidden-states` to enable this feature."
+            )
         return None
 
     def _meta(self, body: dict[str, Any], ids: list[int], output_ids: list[int], faults: Faults) -> dict[str, Any]:
         rid = body.get("rid") or uuid.uuid4().hex
-        meta: dict[str, Any] = {"id": rid, "finish_reason": {"type": "length", "length": len(output_ids)},
-                                "prompt_tokens": len(ids), "weight_version": "default", "num_retractions": 0,
-                                "reasoning_tokens": 0, "completion_tokens": len(output_ids),
-                                "cached_tokens": faults.cached_tokens, "e2e_latency": 0.001}
+        meta: dict[str, Any] = {
+            "id": rid,
+            "finish_reason": {"type": "length", "length": len(output_ids)},
+            "prompt_tokens": len(ids),
+            "weight_version": "default",
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "completion_tokens": len(output_ids),
+            "cached_tokens": faults.cached_tokens,
+            "e2e_latency": 0.001,
+        }
         if faults.id_fault == "drop":
             del meta["id"]
         elif faults.id_fault == "alter":
@@ -280,19 +300,23 @@ class FakeSGLangServer:
             return {}
         correct = num_tokens - verify_ct  # each verify step emits its accepted drafts plus one bonus token
         proposed = verify_ct * (self.settings["speculative_num_draft_tokens"] - 1)
-        return {"spec_verify_ct": verify_ct, "spec_accept_length": num_tokens / verify_ct,
-                "spec_accept_rate": correct / proposed if proposed else 0.0, "spec_num_correct_drafts": correct,
-                "spec_num_proposed_drafts": proposed}
+        return {
+            "spec_verify_ct": verify_ct,
+            "spec_accept_length": num_tokens / verify_ct,
+            "spec_accept_rate": correct / proposed if proposed else 0.0,
+            "spec_num_correct_drafts": correct,
+            "spec_num_proposed_drafts": proposed,
+        }
 
     def _hidden(self, ids: list[int], output_ids: list[int], faults: Faults) -> list[Any]:
         assert self.model is not None
         layers = self.capture_layers() or []
         rows = fake_hidden_rows(ids, layers, self.model.hidden_size)
-        block = rows[faults.cached_tokens + faults.short_rows:].tolist()
+        block = rows[faults.cached_tokens + faults.short_rows :].tolist()
         if faults.nan and block:
             block[len(block) // 2][0] = None  # what orjson makes of a NaN
         # One row per decoded token after the first, as SGLang appends them.
-        later = fake_hidden_rows(ids + output_ids[:-1], layers, self.model.hidden_size)[len(ids):]
+        later = fake_hidden_rows(ids + output_ids[:-1], layers, self.model.hidden_size)[len(ids) :]
         return [block, *later.tolist()]
 
     def _logprobs(self, ids: list[int], output_ids: list[int], k: int) -> dict[str, Any]:
@@ -333,11 +357,14 @@ def two_free_ports() -> int:
             return port
     raise RuntimeError("no two adjacent free ports")
 
+
 def _partial(out: dict[str, Any], num_tokens: int) -> dict[str, Any]:
     """A streamed chunk before the end: cumulative output, counts so far, no speculative totals yet."""
     meta = {k: v for k, v in out["meta_info"].items() if not k.startswith("spec_") and k != "e2e_latency"}
-    chunk = {"output_ids": out["output_ids"][:num_tokens],
-             "meta_info": meta | {"completion_tokens": num_tokens, "finish_reason": None}}
+    chunk = {
+        "output_ids": out["output_ids"][:num_tokens],
+        "meta_info": meta | {"completion_tokens": num_tokens, "finish_reason": None},
+    }
     return chunk | ({"text": out["text"][:num_tokens]} if "text" in out else {})
 
 
@@ -345,7 +372,7 @@ def _greedy(ids: list[int], num_new: int, vocab_size: int) -> list[int]:
     seq = list(ids)
     for _ in range(num_new):
         seq.append(fake_next_token(seq[-1], len(seq) - 1, vocab_size))
-    return seq[len(ids):]
+    return seq[len(ids) :]
 
 
 def _handler_class(fake: FakeSGLangServer) -> type[BaseHTTPRequestHandler]:
@@ -378,8 +405,11 @@ def _handler_class(fake: FakeSGLangServer) -> type[BaseHTTPRequestHandler]:
                 return self._send(503 if fake.warming_up() else 200)
             if self.path.split("?")[0] == "/flush_cache":
                 return self._send(*fake.flush(fake.faults))
-            routes = {"/model_info": fake.model_info, "/server_info": fake.server_info,
-                      "/_fake/stats": lambda: fake.counts | {"max_in_flight": fake.max_in_flight}}
+            routes = {
+                "/model_info": fake.model_info,
+                "/server_info": fake.server_info,
+                "/_fake/stats": lambda: fake.counts | {"max_in_flight": fake.max_in_flight},
+            }
             if self.path not in routes:
                 return self._send(404, {"detail": "Not Found"})
             return self._send(200, routes[self.path]())
@@ -459,12 +489,20 @@ def main(argv: list[str] | None = None) -> None:
     ns = vars(build_parser().parse_args(merge_config(list(sys.argv[1:] if argv is None else argv))))
     launch = LaunchArgs(**{f.name: ns[f.name] for f in fields(LaunchArgs)})
     faults = Faults(**{f.name: v for f in fields(Faults) if (v := ns["fake_" + f.name]) not in (None, False)})
-    print(f"fake sglang {FAKE_VERSION} (a test double, not SGLang) pid {os.getpid()}: loading {launch.model_path}",
-          flush=True)
+    print(
+        f"fake sglang {FAKE_VERSION} (a test double, not SGLang) pid {os.getpid()}: loading {launch.model_path}",
+        flush=True,
+    )
     time.sleep(ns["fake_startup_s"])
     serving = FakeServing(**{f.name: ns["fake_" + f.name] for f in fields(FakeServing)})
-    fake = FakeSGLangServer(launch, faults, serving, warmup_s=ns["fake_warmup_s"], lifetime_s=ns["fake_lifetime_s"],
-                            exit_process_on_die=True).start()
+    fake = FakeSGLangServer(
+        launch,
+        faults,
+        serving,
+        warmup_s=ns["fake_warmup_s"],
+        lifetime_s=ns["fake_lifetime_s"],
+        exit_process_on_die=True,
+    ).start()
     print(f"fake sglang: serving on {fake.base_url}", flush=True)
     threading.Event().wait(ns["fake_lifetime_s"])
     os._exit(0)

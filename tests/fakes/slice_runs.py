@@ -14,8 +14,13 @@ from typing import Any
 import flows.common as common
 
 
-def fake_slice_runs(monkeypatch: Any, deployment: str, outcome: Callable[[str], str],
-                    work: Callable[[dict[str, Any]], Any], record: Callable[[dict[str, Any]], Any]) -> list[tuple]:
+def fake_slice_runs(
+    monkeypatch: Any,
+    deployment: str,
+    outcome: Callable[[str], str],
+    work: Callable[[dict[str, Any]], Any],
+    record: Callable[[dict[str, Any]], Any],
+) -> list[tuple]:
     """Patch flows.common's submit/wait; returns the submitted (run name, ``record(parameters)``) in order."""
     submitted: list[tuple] = []
     runs: dict[uuid.UUID, tuple[str, dict[str, Any]]] = {}

@@ -38,8 +38,12 @@ def test_a_crashed_slice_is_submitted_again_and_the_capture_completes(cfg, monke
     manifest = capture_flow.eagle3_capture(config=cfg)
     plan = json.loads((cfg.run_dir / "features" / "plan.json").read_text())
     names = [n for n, _ in submitted]
-    assert names == ["capture-tiny-slice0-try1", "capture-tiny-slice1-try1", "capture-tiny-slice2-try1",
-                     "capture-tiny-slice1-try2"]
+    assert names == [
+        "capture-tiny-slice0-try1",
+        "capture-tiny-slice1-try1",
+        "capture-tiny-slice2-try1",
+        "capture-tiny-slice1-try2",
+    ]
     assert submitted[1][1] == submitted[3][1]
     assert sorted(i for _, shards in submitted[:3] for i in shards) == [s["index"] for s in plan["shards"]]
     assert manifest["stats"]["num_shards"] == len(plan["shards"]) >= 3

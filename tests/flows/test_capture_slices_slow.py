@@ -35,8 +35,17 @@ def _start_host(tmp_path: Path, port: int, name: str) -> int:
     It polls every second, so all three take a slice run before any of those runs (seconds each) is over."""
     home = LocalServer(tmp_path / name, port)
     home.home.mkdir(parents=True)
-    argv = [str(Path(sys.executable).with_name("prefect")), "worker", "start", "--pool", "gpu", "--name", name,
-            "--limit", "1"]
+    argv = [
+        str(Path(sys.executable).with_name("prefect")),
+        "worker",
+        "start",
+        "--pool",
+        "gpu",
+        "--name",
+        name,
+        "--limit",
+        "1",
+    ]
     env = {**os.environ, **home.client_env(), "PREFECT_WORKER_QUERY_SECONDS": "1"}
     return spawn_detached(argv, home.home / "worker.log", env=env, cwd=ROOT)
 
@@ -59,8 +68,9 @@ def test_three_slices_on_three_workers_capture_every_shard_once(tmp_path):
     setup()
     port = urlparse(PREFECT_API_URL.value()).port
     deploy(LocalServer(tmp_path / "deployer", port), ["eagle3-capture-slice"], ROOT)
-    cfg = load_config("tiny", [f"run.workdir={tmp_path / 'runs'}", "capture.num_slices=3",
-                               "capture.tokens_per_shard=1000"])
+    cfg = load_config(
+        "tiny", [f"run.workdir={tmp_path / 'runs'}", "capture.num_slices=3", "capture.tokens_per_shard=1000"]
+    )
     run_all(cfg)
     pids = [_start_host(tmp_path, port, name) for name in HOSTS]
     try:
@@ -76,8 +86,9 @@ def test_three_slices_on_three_workers_capture_every_shard_once(tmp_path):
     listed = json.loads((fdir / "capture.manifest.json").read_text())["outputs"]
     assert sorted(k for k in listed if k.startswith("shard-")) == [f"shard-{i:05d}" for i in planned]
     with get_client(sync_client=True) as client:
-        deployment = client.read_deployments(deployment_filter=DeploymentFilter(
-            name=DeploymentFilterName(any_=["eagle3-capture-slice"])))[0]
+        deployment = client.read_deployments(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["eagle3-capture-slice"]))
+        )[0]
         runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id={"any_": [deployment.id]}))
     assert sorted(r.name for r in runs) == [f"capture-tiny-slice{k}-try1" for k in range(3)]
     assert all(r.state.is_completed() for r in runs)

@@ -40,15 +40,35 @@ def serve_cfg(tmp_path, monkeypatch) -> RunConfig:
     monkeypatch.chdir(REPO)  # `python -m tests.fakes.sglang_server` resolves from the repository root
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"hidden_size": 16, "num_hidden_layers": 8, "vocab_size": 256,
-                                                    "architectures": ["LlamaForCausalLM"]}))
+    (target / "config.json").write_text(
+        json.dumps(
+            {"hidden_size": 16, "num_hidden_layers": 8, "vocab_size": 256, "architectures": ["LlamaForCausalLM"]}
+        )
+    )
     _write_tiny_export(tmp_path / "dep" / "export")  # a real export: deploy runs the export's strict check
-    return RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "dep"}, "serve": {
-        "enabled": True, "model_path": str(target), "port": two_free_ports(), "concurrency_levels": [1, 4],
-        "num_prompts": 8, "max_new_tokens": 16, "num_warmup": 2, "max_running_requests": 8,
-        "cuda_graph_max_bs_decode": 8}, "server": {
-        "python": sys.executable, "launch_module": FAKE, "api_key_env": None, "startup_timeout_s": 30,
-        "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"]}})
+    return RunConfig.model_validate(
+        {
+            "run": {"workdir": str(tmp_path), "name": "dep"},
+            "serve": {
+                "enabled": True,
+                "model_path": str(target),
+                "port": two_free_ports(),
+                "concurrency_levels": [1, 4],
+                "num_prompts": 8,
+                "max_new_tokens": 16,
+                "num_warmup": 2,
+                "max_running_requests": 8,
+                "cuda_graph_max_bs_decode": 8,
+            },
+            "server": {
+                "python": sys.executable,
+                "launch_module": FAKE,
+                "api_key_env": None,
+                "startup_timeout_s": 30,
+                "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"],
+            },
+        }
+    )
 
 
 def _artifact_keys(*keys: str) -> set[str]:

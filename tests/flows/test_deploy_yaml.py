@@ -22,8 +22,9 @@ def test_setup_registers_every_deployment_and_says_how_to_serve_each_pool(tmp_pa
     server = LocalServer(tmp_path / ".prefect", urlparse(PREFECT_API_URL.value()).port)
     pools = setup_local(server, start_workers=False)
     printed = capsys.readouterr().out
-    in_yaml = {d["name"]: d["work_pool"]["name"] for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())
-               ["deployments"]}
+    in_yaml = {
+        d["name"]: d["work_pool"]["name"] for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+    }
     assert {"eagle3-pipeline", "eagle3-capture", "eagle3-train", "eagle3-data", "eagle3-deploy"} <= set(in_yaml)
     assert pools == {"gpu": [n for n, p in in_yaml.items() if p == "gpu"], "cpu": ["eagle3-data"]}
     for pool in pools:

@@ -19,9 +19,12 @@ def _failing_cfg(workdir, name: str):
 
 def _artifacts(flow_run_id, key: str | None = None) -> list:
     with get_client(sync_client=True) as client:
-        return client.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
-            **({"key": ArtifactFilterKey(any_=[key])} if key else {})))
+        return client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
+                **({"key": ArtifactFilterKey(any_=[key])} if key else {}),
+            )
+        )
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +41,11 @@ def test_failed_pipeline_writes_a_run_summary_naming_stage_and_error(failed_stat
     assert "Failed at stage `merge`" in summary.data
     assert "SourceError" in summary.data and MISSING in summary.data
     assert "target:" in summary.data  # the stage before merge completed and is still reported
-    table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-             for line in summary.data.splitlines() if line.startswith("| ") and not line.startswith("| stage ")}
+    table = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in summary.data.splitlines()
+        if line.startswith("| ") and not line.startswith("| stage ")
+    }
     assert list(table) == ["target", "merge", "tokenize", "vocab"]  # state, seconds, outputs, result, run
     assert table["target"][0] == "Completed" and table["merge"][0] == "Failed"
     assert float(table["merge"][1]) >= 0 and "/runs/task-run/" in table["merge"][4]
@@ -51,8 +57,12 @@ def test_bad_override_fails_with_a_run_summary_saying_did_you_mean(tmp_path):
     error naming the key and the closest known field."""
     from eagle3.config import ConfigError
 
-    state = eagle3_pipeline(preset="tiny", overrides=[f"run.workdir={tmp_path}", "run.name=bad-override",
-                                                      "train.learning_rate=1e-4"], until="vocab", return_state=True)
+    state = eagle3_pipeline(
+        preset="tiny",
+        overrides=[f"run.workdir={tmp_path}", "run.name=bad-override", "train.learning_rate=1e-4"],
+        until="vocab",
+        return_state=True,
+    )
     assert state.is_failed()
     with pytest.raises(ConfigError):
         state.result()
@@ -105,8 +115,12 @@ def test_follow_says_why_a_run_waits_and_marks_it_late_with_that_reason(capsys):
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name="no-worker-test", type="process"), overwrite=True)
         flow_id = client.create_flow_from_name("no-worker-test-flow")
-        deployment_id = client.create_deployment(flow_id=flow_id, name="waits", work_pool_name="no-worker-test",
-                                                 entrypoint="flows/pipeline.py:eagle3_pipeline")
+        deployment_id = client.create_deployment(
+            flow_id=flow_id,
+            name="waits",
+            work_pool_name="no-worker-test",
+            entrypoint="flows/pipeline.py:eagle3_pipeline",
+        )
         run = client.create_flow_run_from_deployment(deployment_id)
     try:
         with pytest.raises(TimeoutError):

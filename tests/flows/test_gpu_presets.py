@@ -56,8 +56,11 @@ def test_a_gpu_preset_on_a_host_without_cuda_fails_at_once(flow, tmp_path, monke
         from tasks.artifacts import run_artifact_key
 
         with get_client(sync_client=True) as client:
-            artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+            artifacts = client.read_artifacts(
+                artifact_filter=ArtifactFilter(
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])
+                )
+            )
         name = intended_run_name("llama31-8b", [f"run.workdir={tmp_path}"])
         (summary,) = [a for a in artifacts if a.key == run_artifact_key(name, "run-summary")]
         assert summary.description == "pipeline summary (failed: needs a GPU host)"

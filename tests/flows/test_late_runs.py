@@ -35,8 +35,9 @@ def client(tmp_path_factory) -> Iterator[SyncPrefectClient]:
 def _deployment(client: SyncPrefectClient, pool: str, concurrency_limit: int | None = None):
     client.create_work_pool(WorkPoolCreate(name=pool, type="process", concurrency_limit=concurrency_limit))
     flow_id = client.create_flow_from_name(f"{pool}-flow")
-    return client.create_deployment(flow_id=flow_id, name=pool, work_pool_name=pool,
-                                    entrypoint="flows/pipeline.py:eagle3_pipeline")
+    return client.create_deployment(
+        flow_id=flow_id, name=pool, work_pool_name=pool, entrypoint="flows/pipeline.py:eagle3_pipeline"
+    )
 
 
 def _late(client: SyncPrefectClient, run_id, timeout_s: float = 90.0):

@@ -22,10 +22,15 @@ from tests.postgres import prefect_on_postgres
 
 pytestmark = pytest.mark.postgres
 
-RERUN = (failed_state, workdir, test_failed_pipeline_writes_a_run_summary_naming_stage_and_error,
-         test_flow_completes_and_writes_every_output, test_merge_keeping_no_rows_fails_its_task_with_the_reason,
-         test_second_run_with_same_inputs_recomputes_nothing,
-         test_setup_twice_gives_one_of_each)  # collected here again
+RERUN = (
+    failed_state,
+    workdir,
+    test_failed_pipeline_writes_a_run_summary_naming_stage_and_error,
+    test_flow_completes_and_writes_every_output,
+    test_merge_keeping_no_rows_fails_its_task_with_the_reason,
+    test_second_run_with_same_inputs_recomputes_nothing,
+    test_setup_twice_gives_one_of_each,
+)  # collected here again
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -51,5 +56,6 @@ def test_a_flow_run_is_a_row_of_postgresql(postgres):
     run_id = str(state.state_details.flow_run_id)
     with get_client(sync_client=True) as client:
         assert client.read_flow_run(run_id).state.type.value == "COMPLETED"
-    assert postgres.psql(f"select r.state_type, f.name from flow_run r join flow f on f.id = r.flow_id "
-                         f"where r.id = '{run_id}'") == [["COMPLETED", "postgres-probe"]]
+    assert postgres.psql(
+        f"select r.state_type, f.name from flow_run r join flow f on f.id = r.flow_id where r.id = '{run_id}'"
+    ) == [["COMPLETED", "postgres-probe"]]

@@ -30,8 +30,15 @@ def test_flow_completes_and_writes_every_output(workdir):
     result = state.result()
     assert _computed(result) == {"merge": True, "tokenize": True, "vocab": True}
     run_dir = workdir / "tiny"
-    for rel in ("config.json", "data/merged.parquet", "data/rejects.jsonl", "data/stats.json",
-                "data/tokenized.parquet", "vocab/vocab_map.safetensors", "vocab/vocab_map.json"):
+    for rel in (
+        "config.json",
+        "data/merged.parquet",
+        "data/rejects.jsonl",
+        "data/stats.json",
+        "data/tokenized.parquet",
+        "vocab/vocab_map.safetensors",
+        "vocab/vocab_map.json",
+    ):
         assert (run_dir / rel).is_file(), rel
 
 
@@ -79,12 +86,18 @@ def test_flow_with_regeneration_against_the_fake_openai_server(tmp_path):
     from tests.fakes.openai_server import FakeOpenAIServer
 
     with FakeOpenAIServer() as server:
-        cfg = _tiny(tmp_path, "regenerate.enabled=true", f"regenerate.endpoint={server.base_url}",
-                    "regenerate.max_conversations=5")
+        cfg = _tiny(
+            tmp_path,
+            "regenerate.enabled=true",
+            f"regenerate.endpoint={server.base_url}",
+            "regenerate.max_conversations=5",
+        )
         result = eagle3_pipeline(config=cfg, until="vocab")
     stats = result["regenerate"]["stats"]
-    assert stats["success"] == 5 and stats["success"] + stats["error"] + stats["skipped_done"] \
-        + stats["skipped_limit"] == stats["input"]
+    assert (
+        stats["success"] == 5
+        and stats["success"] + stats["error"] + stats["skipped_done"] + stats["skipped_limit"] == stats["input"]
+    )
     rows = pq.read_table(tmp_path / "tiny" / "data" / "regenerated.parquet").to_pylist()
     answers = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
     assert sum(a.startswith("answer to:") for a in answers) >= 5
@@ -102,8 +115,9 @@ def test_merge_keeping_no_rows_fails_its_task_with_the_reason(tmp_path):
     state = eagle3_pipeline(config=cfg, until="vocab", return_state=True)
     assert state.is_failed()
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(
-            any_=[state.state_details.flow_run_id])))
+        runs = client.read_task_runs(
+            task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        )
     merge = [r for r in runs if r.name.startswith("merge")]
     assert len(merge) == 1 and merge[0].state.is_failed()
     assert "merge kept 0 of" in merge[0].state.message and "data.min_rows=1" in merge[0].state.message

@@ -18,8 +18,13 @@ def test_a_refresh_without_new_prompts_promotes_the_export_and_reports_why_it_st
     from eagle3.train.loop import train
 
     (tmp_path / "new.jsonl").write_text("")
-    overrides = [f"run.workdir={tmp_path}", "run.name=rf", "train.max_steps=1", "train.eval_every_steps=0",
-                 f"refresh.prompts={tmp_path / 'new.jsonl'}"]
+    overrides = [
+        f"run.workdir={tmp_path}",
+        "run.name=rf",
+        "train.max_steps=1",
+        "train.eval_every_steps=0",
+        f"refresh.prompts={tmp_path / 'new.jsonl'}",
+    ]
     cfg = load_config("tiny", overrides)
     run_all(cfg)
     run_capture(cfg)

@@ -22,14 +22,26 @@ def server():
 
 
 def _cfg(workdir, server, num_slices):
-    return load_config("tiny", [f"run.workdir={workdir}", "regenerate.enabled=true",
-                                f"regenerate.endpoint={server.base_url}", f"regenerate.num_slices={num_slices}"])
+    return load_config(
+        "tiny",
+        [
+            f"run.workdir={workdir}",
+            "regenerate.enabled=true",
+            f"regenerate.endpoint={server.base_url}",
+            f"regenerate.num_slices={num_slices}",
+        ],
+    )
 
 
 def _fake_slices(monkeypatch, outcome):
     """Fake slice runs (tests/fakes/slice_runs.py) that answer their slice; returns the submitted (name, index)."""
-    return fake_slice_runs(monkeypatch, regenerate_flow.SLICE_DEPLOYMENT, outcome,
-                           lambda p: run_regenerate_slice(p["config"], p["index"]), lambda p: p["index"])
+    return fake_slice_runs(
+        monkeypatch,
+        regenerate_flow.SLICE_DEPLOYMENT,
+        outcome,
+        lambda p: run_regenerate_slice(p["config"], p["index"]),
+        lambda p: p["index"],
+    )
 
 
 def _progress(key: str, flow_run_id) -> list[float]:
@@ -38,8 +50,11 @@ def _progress(key: str, flow_run_id) -> list[float]:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+            )
+        )
     return [a.data for a in found]
 
 
@@ -51,8 +66,12 @@ def test_a_crashed_slice_is_submitted_again_and_the_output_equals_one_slice(tmp_
     cfg = _cfg(tmp_path / "three", server, 3)
     state = eagle3_pipeline(config=cfg, until="vocab", return_state=True)
     result = state.result()
-    assert submitted == [("regenerate-tiny-slice0-try1", 0), ("regenerate-tiny-slice1-try1", 1),
-                         ("regenerate-tiny-slice2-try1", 2), ("regenerate-tiny-slice1-try2", 1)]
+    assert submitted == [
+        ("regenerate-tiny-slice0-try1", 0),
+        ("regenerate-tiny-slice1-try1", 1),
+        ("regenerate-tiny-slice2-try1", 2),
+        ("regenerate-tiny-slice1-try2", 1),
+    ]
     data = cfg.run_dir / "data"
     slices = json.loads((data / "regenerate.slices.json").read_text())["slices"]
     ids = [json.loads(line)["id"] for line in (data / "regenerate.journal.jsonl").read_text().splitlines()]

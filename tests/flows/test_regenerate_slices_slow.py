@@ -36,8 +36,15 @@ def test_three_slices_on_three_workers_answer_every_conversation_once(tmp_path):
     pids = [_start_host(tmp_path, port, name) for name in HOSTS]
     try:
         with FakeOpenAIServer(lifetime_s=600) as server:
-            cfg = load_config("tiny", [f"run.workdir={tmp_path / 'runs'}", "regenerate.enabled=true",
-                                       f"regenerate.endpoint={server.base_url}", "regenerate.num_slices=3"])
+            cfg = load_config(
+                "tiny",
+                [
+                    f"run.workdir={tmp_path / 'runs'}",
+                    "regenerate.enabled=true",
+                    f"regenerate.endpoint={server.base_url}",
+                    "regenerate.num_slices=3",
+                ],
+            )
             result = eagle3_pipeline(config=cfg, until="vocab")
     finally:
         for pid in pids:
@@ -49,8 +56,9 @@ def test_three_slices_on_three_workers_answer_every_conversation_once(tmp_path):
     assert all(m["content"].startswith("answer to:") for r in rows for m in r["messages"] if m["role"] == "assistant")
     assert result["regenerate"]["stats"]["success"] == len(rows) and list(data.glob("*.slice-*.jsonl")) == []
     with get_client(sync_client=True) as client:
-        deployment = client.read_deployments(deployment_filter=DeploymentFilter(
-            name=DeploymentFilterName(any_=["eagle3-regenerate-slice"])))[0]
+        deployment = client.read_deployments(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["eagle3-regenerate-slice"]))
+        )[0]
         runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id={"any_": [deployment.id]}))
     assert sorted(r.name for r in runs) == [f"regenerate-tiny-slice{k}-try1" for k in range(3)]
     assert all(r.state.is_completed() for r in runs)

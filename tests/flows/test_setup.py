@@ -38,8 +38,13 @@ def _crashed_event(tags: list[str]):
     from prefect.types._datetime import now
 
     related = [{"prefect.resource.id": f"prefect.tag.{t}", "prefect.resource.role": "tag"} for t in tags]
-    return ReceivedEvent(occurred=now("UTC"), event="prefect.flow-run.Crashed", id=uuid4(),
-                         resource={"prefect.resource.id": f"prefect.flow-run.{uuid4()}"}, related=related)
+    return ReceivedEvent(
+        occurred=now("UTC"),
+        event="prefect.flow-run.Crashed",
+        id=uuid4(),
+        resource={"prefect.resource.id": f"prefect.flow-run.{uuid4()}"},
+        related=related,
+    )
 
 
 def test_retry_automation_reruns_top_level_runs_but_not_fanout_runs():
@@ -69,10 +74,10 @@ def _pipeline_schedule_on():
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("eagle3-pipeline/eagle3-pipeline")
         [schedule] = client.read_deployment_schedules(deployment.id)
-        client.update_deployment_schedule(deployment.id, schedule.id, active=True,
-                                          parameters={"preset": "tiny", "overrides": []})
-        client.request("POST", "/deployments/{id}/schedule", path_params={"id": deployment.id},
-                       json={"min_runs": 3})
+        client.update_deployment_schedule(
+            deployment.id, schedule.id, active=True, parameters={"preset": "tiny", "overrides": []}
+        )
+        client.request("POST", "/deployments/{id}/schedule", path_params={"id": deployment.id}, json={"min_runs": 3})
         runs = {r.id for r in _upcoming_runs(client, deployment.id)}
     assert len(runs) >= 3
     return deployment.id, schedule.id, runs
@@ -109,8 +114,9 @@ def test_setup_again_keeps_a_schedule_switched_on_and_its_upcoming_runs(tmp_path
     assert "kept deployment eagle3-pipeline as it is" in printed and "0 3 * * * UTC as it is (on" in printed
     with get_client(sync_client=True) as client:  # registered from a copy of prefect.yaml, run in the checkout
         steps = client.read_deployment(deployment_id).pull_steps
-    assert steps == [{"prefect.deployments.steps.set_working_directory": {
-        "directory": str(Path(__file__).resolve().parents[2])}}], steps
+    assert steps == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(Path(__file__).resolve().parents[2])}}
+    ], steps
 
 
 def test_setup_after_a_definition_change_keeps_the_schedule_switched_on():

@@ -114,8 +114,9 @@ def train_keys(tmp_path, monkeypatch):
         spec = real_spec(*args, **kwargs)
         assert spec.module == "eagle3.train"
         path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-        return dataclasses.replace(spec, module="tests.fakes.counting_trainer",
-                                   env={**spec.env, LOG_ENV: str(log), "PYTHONPATH": path})
+        return dataclasses.replace(
+            spec, module="tests.fakes.counting_trainer", env={**spec.env, LOG_ENV: str(log), "PYTHONPATH": path}
+        )
 
     monkeypatch.setattr(tasks.train, "torchrun_spec", counting_spec)
     return lambda: log.read_text().splitlines()

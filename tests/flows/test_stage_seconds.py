@@ -24,6 +24,11 @@ def test_a_run_saves_its_stage_seconds_and_the_client_prints_them(tmp_path, caps
     print_stage_seconds(cfg, run_id)
     out = capsys.readouterr().out.splitlines()
     assert out[1] == "== seconds per stage ==" and [line.split()[0] for line in out[2:]] == [
-        "target", "merge", "tokenize", "vocab", "total"]
+        "target",
+        "merge",
+        "tokenize",
+        "vocab",
+        "total",
+    ]
     print_stage_seconds(cfg, "another-run")
     assert capsys.readouterr().out == ""

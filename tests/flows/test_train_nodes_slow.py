@@ -31,8 +31,17 @@ def _start_host(tmp_path: Path, port: int, name: str) -> int:
     """A process worker of the gpu pool named ``name`` with a PREFECT_HOME of its own (one "host"); its pid."""
     home = LocalServer(tmp_path / name, port)
     home.home.mkdir(parents=True)
-    argv = [str(Path(sys.executable).with_name("prefect")), "worker", "start", "--pool", "gpu", "--name", name,
-            "--limit", "1"]
+    argv = [
+        str(Path(sys.executable).with_name("prefect")),
+        "worker",
+        "start",
+        "--pool",
+        "gpu",
+        "--name",
+        name,
+        "--limit",
+        "1",
+    ]
     return spawn_detached(argv, home.home / "worker.log", env={**os.environ, **home.client_env()}, cwd=ROOT)
 
 
@@ -41,8 +50,9 @@ def test_two_node_runs_on_two_workers_train_one_world(tmp_path):
     setup()
     port = urlparse(PREFECT_API_URL.value()).port
     deploy(LocalServer(tmp_path / "deployer", port), ["eagle3-train-node"], ROOT)
-    cfg = load_run_config(real_tiny_run(tmp_path / "runs", [*TRAIN, "train.nnodes=2",
-                                                           f"train.rdzv_endpoint=127.0.0.1:{_free_port()}"]))
+    cfg = load_run_config(
+        real_tiny_run(tmp_path / "runs", [*TRAIN, "train.nnodes=2", f"train.rdzv_endpoint=127.0.0.1:{_free_port()}"])
+    )
     pids = [_start_host(tmp_path, port, name) for name in ("host-a", "host-b")]
     try:
         summary = eagle3_train(config=cfg)
@@ -51,8 +61,9 @@ def test_two_node_runs_on_two_workers_train_one_world(tmp_path):
             kill_group(pid, grace_s=15.0)
     assert summary["manifest"] and len(read_metrics(cfg.run_dir / "train" / "metrics.jsonl", "train")) == 6
     with get_client(sync_client=True) as client:
-        deployment = client.read_deployments(deployment_filter=DeploymentFilter(
-            name=DeploymentFilterName(any_=["eagle3-train-node"])))[0]
+        deployment = client.read_deployments(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["eagle3-train-node"]))
+        )[0]
         runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id={"any_": [deployment.id]}))
     names = {r.name: r for r in runs}
     assert sorted(names) == ["train-tiny-node0-try1", "train-tiny-node1-try1"]

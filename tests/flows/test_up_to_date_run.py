@@ -25,8 +25,16 @@ STAGE_TASKS = ("merge", "tokenize", "vocab", "capture-finalize", "train", "expor
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("up-to-date")
-    config = load_config("tiny", [f"run.workdir={workdir}", "train.max_steps=4", "train.eval_every_steps=2",
-                                  "evaluate.num_prompts=1", "evaluate.max_new_tokens=8"])
+    config = load_config(
+        "tiny",
+        [
+            f"run.workdir={workdir}",
+            "train.max_steps=4",
+            "train.eval_every_steps=2",
+            "evaluate.num_prompts=1",
+            "evaluate.max_new_tokens=8",
+        ],
+    )
     first = eagle3_pipeline(config=config, until="evaluate", return_state=True)
     assert first.is_completed(), first.message
     return config
@@ -85,8 +93,15 @@ def test_identical_rerun_shows_every_stage_cached_and_starts_no_trainer(cfg, mon
 
 
 SUMMARY_STAGES = ("target", "merge", "tokenize", "vocab", "capture", "train", "export", "evaluate")
-OUTPUTS = {"merge": "data/merged.parquet", "tokenize": "data/tokenized.parquet", "vocab": "vocab/",
-           "capture": "features/", "train": "train/", "export": "export/", "evaluate": "eval/"}
+OUTPUTS = {
+    "merge": "data/merged.parquet",
+    "tokenize": "data/tokenized.parquet",
+    "vocab": "vocab/",
+    "capture": "features/",
+    "train": "train/",
+    "export": "export/",
+    "evaluate": "eval/",
+}
 
 
 def _check_summary_table(text: str, flows) -> None:
@@ -96,8 +111,9 @@ def _check_summary_table(text: str, flows) -> None:
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = [dict(zip(head, (c.strip() for c in line.strip("|").split("|")), strict=True)) for line in lines[1:]]
     assert [r["stage"] for r in rows] == list(SUMMARY_STAGES), text
-    assert {r["stage"]: r["state"] for r in rows} == {"target": "Completed"} | dict.fromkeys(SUMMARY_STAGES[1:],
-                                                                                           "Cached (up to date)")
+    assert {r["stage"]: r["state"] for r in rows} == {"target": "Completed"} | dict.fromkeys(
+        SUMMARY_STAGES[1:], "Cached (up to date)"
+    )
     assert all(float(r["seconds"]) >= 0 for r in rows), text
     assert {r["stage"]: r["outputs"].strip("`") for r in rows if r["outputs"]} == OUTPUTS
     capture_run = next(f for f in flows if f.name.startswith("capture-"))
@@ -120,8 +136,9 @@ def _check_acceptance_trend(cfg, artifacts, pipeline_run, runs: int) -> None:
     assert len(rows) == runs, rows
     assert [r["evaluation"] for r in rows] == ["measured"] + ["up to date (earlier figures)"] * (runs - 1)
     assert rows[-1]["flow run"] == pipeline_run.name
-    measured = acceptance_record(json.loads((cfg.run_dir / "eval" / "results.json").read_text()), "", "",
-                                 datetime.now(), True)
+    measured = acceptance_record(
+        json.loads((cfg.run_dir / "eval" / "results.json").read_text()), "", "", datetime.now(), True
+    )
     assert "ngram" in measured.accept_len and any(m.startswith("chain-") for m in measured.accept_len)
     for method, accept in measured.accept_len.items():
         assert all(r[method] == f"{accept:.3f}" for r in rows), (method, rows)

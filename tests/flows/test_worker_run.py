@@ -27,8 +27,9 @@ def test_deployment_run_through_a_worker_completes_and_its_results_are_read_back
     overrides = [f"run.workdir={tmp_path}", "run.name=via-worker"]
     try:
         assert start_worker(worker, ROOT) == "started" and start_worker(worker, ROOT) == "reused"
-        run_id = trigger("eagle3-pipeline/eagle3-pipeline", {"preset": "tiny", "overrides": overrides,
-                                                             "until": "vocab"})
+        run_id = trigger(
+            "eagle3-pipeline/eagle3-pipeline", {"preset": "tiny", "overrides": overrides, "until": "vocab"}
+        )
         final = follow(run_id, poll_s=1.0, timeout_s=240)
     finally:
         stop_worker(worker)

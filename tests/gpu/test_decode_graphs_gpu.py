@@ -39,8 +39,11 @@ def _setup(dtype: torch.dtype):
     return model, drafter, d2t, prompts
 
 
-@pytest.mark.parametrize("dtype,gathered", [(torch.float64, False), (torch.bfloat16, False), (torch.bfloat16, True)],
-                         ids=["float64", "bfloat16", "bfloat16-gathered"])
+@pytest.mark.parametrize(
+    "dtype,gathered",
+    [(torch.float64, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+    ids=["float64", "bfloat16", "bfloat16-gathered"],
+)
 def test_graphed_static_methods_equal_greedy_and_recapture_after_growth(dtype, gathered, monkeypatch):
     """Graphs on (compile=auto), decode_rows 16, caches that start small and grow: chain, tree, n-gram and a
     perfect drafter give greedy's tokens (keys masked in place or gathered); in float64 greedy also equals the
@@ -49,11 +52,15 @@ def test_graphed_static_methods_equal_greedy_and_recapture_after_growth(dtype, g
     model, drafter, d2t, prompts = _setup(dtype)
     static, settings = resolve_decode("auto", "auto", "cuda")
     assert static and settings.graphs and not settings.enabled
-    target, runner = make_runners(model, AUX_IDS, drafter, d2t, static, settings, 16, decode_rows=16,
-                                  gathered_keys=gathered)
+    target, runner = make_runners(
+        model, AUX_IDS, drafter, d2t, static, settings, 16, decode_rows=16, gathered_keys=gathered
+    )
     eager = TargetRunner(model, AUX_IDS)
-    methods = {"chain": EagleProposer(drafter, d2t, 3, runner=runner),
-               "tree": EagleProposer(drafter, d2t, 3, 3, 7, runner=runner), "ngram": NgramProposer()}
+    methods = {
+        "chain": EagleProposer(drafter, d2t, 3, runner=runner),
+        "tree": EagleProposer(drafter, d2t, 3, 3, 7, runner=runner),
+        "ngram": NgramProposer(),
+    }
     for prompt in prompts:
         ref = greedy_decode(target, prompt, MAX_NEW)
         if dtype == torch.float64:
@@ -92,8 +99,9 @@ def test_gathered_keys_make_a_cuda_bf16_tree_verify_compute_the_chains_logits_bi
     differing = {}
     for gathered in (False, True):
         model, _, _, prompts = _setup(torch.bfloat16)
-        target, _ = make_runners(model, AUX_IDS, None, None, static, settings, 256, decode_rows=16,
-                                 gathered_keys=gathered)
+        target, _ = make_runners(
+            model, AUX_IDS, None, None, static, settings, 256, decode_rows=16, gathered_keys=gathered
+        )
         differing[gathered] = tree_rows_unlike_the_chain(target, prompts)
     print(f"tree rows whose logits differ from the chain's: masked {differing[False]}, gathered {differing[True]}")
     assert differing[True] == 0
@@ -111,12 +119,16 @@ def test_inductor_graphs_with_gathered_keys_equal_greedy_in_bf16(fused):
     assert not fused or fuse_projections(model) == len(model.model.layers)
     static, settings = resolve_decode("auto", "on", "cuda")
     assert settings.enabled and settings.graphs
-    target, runner = make_runners(model, AUX_IDS, drafter, d2t, static, settings, 512, decode_rows=16,
-                                  gathered_keys=True)
+    target, runner = make_runners(
+        model, AUX_IDS, drafter, d2t, static, settings, 512, decode_rows=16, gathered_keys=True
+    )
     target.warm_up_widths()
     runner.warm_up_widths()
-    methods = {"chain": EagleProposer(drafter, d2t, 3, runner=runner),
-               "tree": EagleProposer(drafter, d2t, 3, 3, 7, runner=runner), "ngram": NgramProposer()}
+    methods = {
+        "chain": EagleProposer(drafter, d2t, 3, runner=runner),
+        "tree": EagleProposer(drafter, d2t, 3, 3, 7, runner=runner),
+        "ngram": NgramProposer(),
+    }
     for prompt in prompts:
         ref = greedy_decode(target, prompt, MAX_NEW)
         cases = {**methods, "oracle": FakeOracleProposer(prompt, ref.tokens, 4, tree=True)}

@@ -19,8 +19,7 @@ def test_compiled_static_generation_equals_plain_generate_on_cuda(attention, str
     free = _plain(model, prompts, (2,))
     eos = (2, free[0][4], free[3][1], free[5][2])  # tokens the model emits: rows stop at different steps
     ref = _plain(model, prompts, eos)
-    gen = TokenGenerator(model, _settings(eos, backend="static", decode_attention=attention,
-                                          straggler_rows=stragglers))
+    gen = TokenGenerator(model, _settings(eos, backend="static", decode_attention=attention, straggler_rows=stragglers))
     got = gen.generate(prompts)
     model.set_attn_implementation("sdpa")
     assert got == ref

@@ -19,11 +19,27 @@ from tests.unit.test_train_helpers import SyntheticShape, load_run_config, synth
 pytestmark = pytest.mark.gpu
 
 # head_dim 16 (flex kernels need >= 16); rows of 256 tokens (two 128-token flex blocks).
-SHAPE = SyntheticShape(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=160,
-                       draft_vocab_size=96, lengths=(200, 120, 90, 250, 60, 180, 140, 30, 220, 100, 75, 160))
-OVERRIDES = ["train.device=cuda", "train.tokens_per_row=256", "train.num_epochs=8", "train.lr=3e-3",
-             "train.warmup_steps=2", "train.eval_every_steps=6", "train.checkpoint_every_steps=0",
-             "train.progress_every_s=0", "drafter.ttt_steps=3", "drafter.attn_impl=flex"]
+SHAPE = SyntheticShape(
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    vocab_size=160,
+    draft_vocab_size=96,
+    lengths=(200, 120, 90, 250, 60, 180, 140, 30, 220, 100, 75, 160),
+)
+OVERRIDES = [
+    "train.device=cuda",
+    "train.tokens_per_row=256",
+    "train.num_epochs=8",
+    "train.lr=3e-3",
+    "train.warmup_steps=2",
+    "train.eval_every_steps=6",
+    "train.checkpoint_every_steps=0",
+    "train.progress_every_s=0",
+    "drafter.ttt_steps=3",
+    "drafter.attn_impl=flex",
+]
 
 
 def _losses(cfg, kind: str = "train") -> list[float]:
@@ -62,8 +78,17 @@ def test_cuda_resume_continues_the_same_run(full_run, tmp_path):
 def test_fsdp_under_torchrun_on_cuda_checkpoints_and_resumes(tmp_path):
     """torchrun (nccl) with FSDP2: a stopped run leaves a checkpoint, and the rerun finishes from it."""
     config = synthetic_run(tmp_path, [*OVERRIDES, "train.parallel=fsdp", "train.num_epochs=2"], shape=SHAPE)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "eagle3.train",
-           "--config", str(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        "-m",
+        "eagle3.train",
+        "--config",
+        str(config),
+    ]
     first = subprocess.run([*cmd, "--stop-after-steps", "2"], capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -75,9 +100,20 @@ def test_fsdp_under_torchrun_on_cuda_checkpoints_and_resumes(tmp_path):
 
 # ------------------------------------------------------------------------------ fast unroll vs plain unroll
 
-DIMS = DrafterDims(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
-                   rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, vocab_size=512, draft_vocab_size=300,
-                   num_aux=3, target_hidden_size=128)
+DIMS = DrafterDims(
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    vocab_size=512,
+    draft_vocab_size=300,
+    num_aux=3,
+    target_hidden_size=128,
+)
 PLAIN = StepOptions()
 FAST = StepOptions(compile_backend="inductor", loss_chunk_tokens=100, reuse_block_mask=True)  # 100 splits 512 unevenly
 
@@ -89,23 +125,26 @@ def _objective(options: StepOptions) -> TTTObjective:
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(torch.randn(DIMS.vocab_size, DIMS.hidden_size, generator=g))
-    used = torch.randperm(DIMS.vocab_size, generator=g)[:DIMS.draft_vocab_size].sort().values
+    used = torch.randperm(DIMS.vocab_size, generator=g)[: DIMS.draft_vocab_size].sort().values
     t2d = torch.zeros(DIMS.vocab_size, dtype=torch.bool)
     t2d[used] = True
     lm_head = torch.randn(DIMS.vocab_size, DIMS.hidden_size, generator=g) * 0.1
-    objective = TTTObjective(drafter, t2d, used - torch.arange(len(used)), lm_head.bfloat16(), 4, attn_impl="flex",
-                             options=options)
+    objective = TTTObjective(
+        drafter, t2d, used - torch.arange(len(used)), lm_head.bfloat16(), 4, attn_impl="flex", options=options
+    )
     return objective.cuda()
 
 
 def _batch() -> TTTBatch:
     """Two rows of 256 tokens, the first packing documents of 100 and 156."""
     g = torch.Generator().manual_seed(2)
-    batch = TTTBatch(aux=torch.randn(2, 256, 3 * DIMS.hidden_size, generator=g).bfloat16(),
-                     input_ids=torch.randint(0, DIMS.vocab_size, (2, 256), generator=g),
-                     loss_mask=(torch.rand(2, 256, generator=g) < 0.8).to(torch.uint8),
-                     document_ids=torch.tensor([[0] * 100 + [1] * 156, [0] * 256]),
-                     final_hidden=torch.randn(2, 256, DIMS.hidden_size, generator=g).bfloat16() * 3)
+    batch = TTTBatch(
+        aux=torch.randn(2, 256, 3 * DIMS.hidden_size, generator=g).bfloat16(),
+        input_ids=torch.randint(0, DIMS.vocab_size, (2, 256), generator=g),
+        loss_mask=(torch.rand(2, 256, generator=g) < 0.8).to(torch.uint8),
+        document_ids=torch.tensor([[0] * 100 + [1] * 156, [0] * 256]),
+        final_hidden=torch.randn(2, 256, DIMS.hidden_size, generator=g).bfloat16() * 3,
+    )
     return TTTBatch(**{k: v.cuda() for k, v in vars(batch).items() if v is not None})
 
 
@@ -117,8 +156,11 @@ def _unroll(options: StepOptions, grad: bool = True):
     return out, grads
 
 
-@pytest.mark.parametrize("options", [FAST, StepOptions(reuse_block_mask=True), StepOptions(loss_chunk_tokens=100)],
-                         ids=["compiled_fused_one_mask", "one_mask_eager", "fused_loss_eager"])
+@pytest.mark.parametrize(
+    "options",
+    [FAST, StepOptions(reuse_block_mask=True), StepOptions(loss_chunk_tokens=100)],
+    ids=["compiled_fused_one_mask", "one_mask_eager", "fused_loss_eager"],
+)
 def test_fast_unroll_equals_the_plain_unroll_within_bf16_noise(options):
     """Same alignment counts, per-step losses within 2%, every gradient at cosine > 0.99 of the plain path's."""
     plain, plain_grads = _unroll(PLAIN)

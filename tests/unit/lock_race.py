@@ -73,8 +73,9 @@ def make_stale(run_dir: Path, kind: str) -> None:
     lock.write_text({"dead_pid_record": record, "empty_file": "", "partial_record": record[:9]}[kind])
 
 
-def _racer(run_dir: str, trials: int, start: mp.Barrier, tried: mp.Barrier, released: mp.Barrier,
-           wins: mp.Array) -> None:
+def _racer(
+    run_dir: str, trials: int, start: mp.Barrier, tried: mp.Barrier, released: mp.Barrier, wins: mp.Array
+) -> None:
     os.environ.pop(LOCK_HOLDER_ENV, None)
     for trial in range(trials):
         start.wait()
@@ -100,8 +101,9 @@ def race(run_dir: Path, trials: int, racers: int = 4) -> RaceResult:
     ctx = mp.get_context("fork")  # racers must start together; fork keeps each trial at a few milliseconds
     barriers = [ctx.Barrier(racers + 1, timeout=BARRIER_TIMEOUT_S) for _ in range(3)]
     wins = ctx.Array("i", trials)
-    procs = [ctx.Process(target=_racer, args=(str(run_dir), trials, *barriers, wins), daemon=True)
-             for _ in range(racers)]
+    procs = [
+        ctx.Process(target=_racer, args=(str(run_dir), trials, *barriers, wins), daemon=True) for _ in range(racers)
+    ]
     for proc in procs:
         proc.start()
     kinds = []
@@ -130,10 +132,19 @@ def main(argv: list[str] | None = None) -> None:
         result = race(Path(tmp), args.trials, args.racers)
         elapsed = time.perf_counter() - t0
     per_kind = Counter(k for k, n in zip(result.kinds, result.holders) if n != 1)
-    print(json.dumps({"trials": args.trials, "racers": args.racers,
-                      "holders_per_trial": dict(sorted(Counter(result.holders).items())),
-                      "trials_without_exactly_one_holder": len(result.bad_trials), "bad_by_stale_kind": per_kind,
-                      "elapsed_s": round(elapsed, 1)}, indent=2))
+    print(
+        json.dumps(
+            {
+                "trials": args.trials,
+                "racers": args.racers,
+                "holders_per_trial": dict(sorted(Counter(result.holders).items())),
+                "trials_without_exactly_one_holder": len(result.bad_trials),
+                "bad_by_stale_kind": per_kind,
+                "elapsed_s": round(elapsed, 1),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

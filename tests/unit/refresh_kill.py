@@ -1,10 +1,10 @@
 """Test helper: run a promotion or a refresh in this process and SIGKILL it at a chosen point.
 
-    python -m tests.unit.refresh_kill promote RUN_DIR EXPORT_DIR ID N
-        promote EXPORT_DIR as drafter ID of RUN_DIR's line, SIGKILLed just before its N-th file-system step
-        (a rename, replace, symlink, copy, mkdir or fsync); N = 0 runs to the end. Exit 0 when it finished.
-    python -m tests.unit.refresh_kill refresh POINT -- --preset tiny --set ...
-        one refresh (python -m eagle3.refresh), SIGKILLed on entering POINT (a name of POINTS); "none" runs to the end.
+python -m tests.unit.refresh_kill promote RUN_DIR EXPORT_DIR ID N
+    promote EXPORT_DIR as drafter ID of RUN_DIR's line, SIGKILLed just before its N-th file-system step
+    (a rename, replace, symlink, copy, mkdir or fsync); N = 0 runs to the end. Exit 0 when it finished.
+python -m tests.unit.refresh_kill refresh POINT -- --preset tiny --set ...
+    one refresh (python -m eagle3.refresh), SIGKILLed on entering POINT (a name of POINTS); "none" runs to the end.
 """
 
 from __future__ import annotations
@@ -41,9 +41,14 @@ def kill_at_step(n: int) -> None:
 def _points() -> dict[str, tuple[object, str]]:
     from eagle3.refresh import candidate, core, line
 
-    return {"ingest": (candidate, "ingest"), "train": (candidate, "train_candidate"), "gate": (core, "judge"),
-            "pointer": (line.Line, "_point"), "record": (line.Line, "record_current"),
-            "close": (core, "close_round")}
+    return {
+        "ingest": (candidate, "ingest"),
+        "train": (candidate, "train_candidate"),
+        "gate": (core, "judge"),
+        "pointer": (line.Line, "_point"),
+        "record": (line.Line, "record_current"),
+        "close": (core, "close_round"),
+    }
 
 
 POINTS = ("ingest", "train", "gate", "pointer", "record", "close")
@@ -78,7 +83,7 @@ def main(argv: list[str]) -> None:
             kill_at_step(n)
         line.promote(export, promotion)
         return
-    point, rest = argv[1], argv[argv.index("--") + 1:]
+    point, rest = argv[1], argv[argv.index("--") + 1 :]
     if point != "none":
         kill_on_entry(point)
     from eagle3.refresh.__main__ import main as refresh_main

@@ -13,10 +13,21 @@ H, VOCAB, K = 8, 50, 4
 
 def make_spec(aux_dtype: str = "bfloat16", supervision: str = "final_hidden", dtype: str = "bfloat16") -> FeatureSpec:
     """A small spec: H=8, three aux layers, vocab 50."""
-    return FeatureSpec(target_name="t", target_fingerprint="fp", hidden_size=H, num_layers=6, vocab_size=VOCAB,
-                       aux_layer_ids=[1, 2, 3], supervision=supervision,
-                       topk=K if supervision == "topk_logprobs" else None,
-                       dtype=dtype, aux_dtype=aux_dtype, max_len=64, chat_template_hash="tmpl", backend="hf")
+    return FeatureSpec(
+        target_name="t",
+        target_fingerprint="fp",
+        hidden_size=H,
+        num_layers=6,
+        vocab_size=VOCAB,
+        aux_layer_ids=[1, 2, 3],
+        supervision=supervision,
+        topk=K if supervision == "topk_logprobs" else None,
+        dtype=dtype,
+        aux_dtype=aux_dtype,
+        max_len=64,
+        chat_template_hash="tmpl",
+        backend="hf",
+    )
 
 
 def make_samples(spec: FeatureSpec, lengths: list[int], seed: int = 0, prefix: str = "s") -> list[CapturedSample]:
@@ -24,9 +35,12 @@ def make_samples(spec: FeatureSpec, lengths: list[int], seed: int = 0, prefix: s
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i, n in enumerate(lengths):
-        sample = CapturedSample(id=f"{prefix}{i}", input_ids=torch.randint(0, VOCAB, (n,), generator=gen),
-                                loss_mask=torch.randint(0, 2, (n,), generator=gen, dtype=torch.uint8),
-                                aux=torch.randn(n, 3 * H, generator=gen) * 3)
+        sample = CapturedSample(
+            id=f"{prefix}{i}",
+            input_ids=torch.randint(0, VOCAB, (n,), generator=gen),
+            loss_mask=torch.randint(0, 2, (n,), generator=gen, dtype=torch.uint8),
+            aux=torch.randn(n, 3 * H, generator=gen) * 3,
+        )
         if spec.supervision == "final_hidden":
             sample.final = torch.randn(n, H, generator=gen)
         else:
@@ -49,8 +63,12 @@ def patterned_samples(spec: FeatureSpec, lengths: list[int], prefix: str = "s") 
     out, base = [], 0
     for i, n in enumerate(lengths):
         rows = torch.arange(base, base + n)
-        sample = CapturedSample(id=f"{prefix}{i}", input_ids=rows % VOCAB, loss_mask=(rows % 3 == 0).to(torch.uint8),
-                                aux=((torch.arange(n * 3 * H) + base * 3 * H) % 97 - 48).reshape(n, 3 * H) / 8)
+        sample = CapturedSample(
+            id=f"{prefix}{i}",
+            input_ids=rows % VOCAB,
+            loss_mask=(rows % 3 == 0).to(torch.uint8),
+            aux=((torch.arange(n * 3 * H) + base * 3 * H) % 97 - 48).reshape(n, 3 * H) / 8,
+        )
         if spec.supervision == "final_hidden":
             sample.final = ((torch.arange(n * H) + base * H) % 89 - 44).reshape(n, H) / 16
         else:

@@ -31,8 +31,13 @@ P, Q = [0.3, 0.5, 0.2], [0.2, 0.3, 0.5]
 CE = -(0.3 * math.log(0.2) + 0.5 * math.log(0.3) + 0.2 * math.log(0.5))
 ALPHA = 0.2 + 0.3 + 0.2  # sum_v min(p_v, q_v) = 1 - 0.5 * (0.1 + 0.2 + 0.3)
 LAMBDA = math.exp(-3.0 * ALPHA)
-HAND = {"kl": CE, "tv": 1 - ALPHA, "kl+tv": 0.75 * CE + 0.25 * (1 - ALPHA), "lk_alpha": -math.log(ALPHA + EPS),
-        "lk_lambda": LAMBDA * CE + (1 - LAMBDA) * (1 - ALPHA)}
+HAND = {
+    "kl": CE,
+    "tv": 1 - ALPHA,
+    "kl+tv": 0.75 * CE + 0.25 * (1 - ALPHA),
+    "lk_alpha": -math.log(ALPHA + EPS),
+    "lk_lambda": LAMBDA * CE + (1 - LAMBDA) * (1 - ALPHA),
+}
 
 
 def hand_supervision() -> torch.Tensor:
@@ -104,8 +109,8 @@ def test_fused_kernels_equal_autograd_of_the_plain_loss(loss, chunk):
     fused, top = ChunkedSoftCE.apply(logits, pad_probs(probs, 3), mask, 2, chunk, acceptance_kernels(loss))
     torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-14)
     assert torch.equal(top, logits.argmax(-1))
-    want, = torch.autograd.grad(2.5 * plain, logits)
-    got, = torch.autograd.grad(2.5 * fused, logits)
+    (want,) = torch.autograd.grad(2.5 * plain, logits)
+    (got,) = torch.autograd.grad(2.5 * fused, logits)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
     assert got[~mask].abs().max() == 0 and got[mask].abs().max() > 0
 
@@ -119,7 +124,7 @@ def test_the_gradient_formula_splits_ties_as_autograd_does(loss):
     p = torch.softmax(torch.randn(3, VD, generator=g, dtype=torch.float64), -1)
     p[1] = torch.exp(x.detach()[1] - lse[1])  # row 1: p = q bit for bit, a tie at every id
     p[2, :4] = torch.exp(x.detach()[2, :4] - lse[2])  # row 2: ties at four ids only (p no longer sums to 1)
-    want, = torch.autograd.grad(token_loss(x - torch.logsumexp(x, -1, keepdim=True), p, loss).sum(), x)
+    (want,) = torch.autograd.grad(token_loss(x - torch.logsumexp(x, -1, keepdim=True), p, loss).sum(), x)
     got = acceptance_chunk_grad(x.detach(), p, torch.ones(3, dtype=torch.bool), lse, torch.tensor(1.0), loss)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
 
@@ -186,9 +191,17 @@ def test_config_lists_the_losses_and_keys_them_only_once_set():
     assert token_loss_for(TrainConfig(loss="kl+tv", loss_tv_weight=0.2)) == TokenLoss("kl+tv", 0.2, 3.0)
 
 
-TRAIN_OVERRIDES = ["train.tokens_per_row=96", "train.lr=1e-3", "train.max_steps=3", "train.warmup_steps=0",
-                   "train.eval_every_steps=3", "train.checkpoint_every_steps=0", "train.progress_every_s=0",
-                   "train.device=cpu", "drafter.ttt_steps=2"]
+TRAIN_OVERRIDES = [
+    "train.tokens_per_row=96",
+    "train.lr=1e-3",
+    "train.max_steps=3",
+    "train.warmup_steps=0",
+    "train.eval_every_steps=3",
+    "train.checkpoint_every_steps=0",
+    "train.progress_every_s=0",
+    "train.device=cpu",
+    "drafter.ttt_steps=2",
+]
 
 
 def _trained_losses(tmp_path, loss: str) -> list[dict]:

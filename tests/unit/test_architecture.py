@@ -60,8 +60,11 @@ def _lab_references(path: Path) -> list[str]:
     script run by path, ``runpy.run_path``, ``importlib.import_module``)."""
     found = [f"imports {name}" for name in _imports(path, top_level_only=False) if name.split(".")[0] == "lab"]
     tree = ast.parse(path.read_text(), filename=str(path))
-    found += [f"names {node.value!r}" for node in ast.walk(tree)
-              if isinstance(node, ast.Constant) and isinstance(node.value, str) and _LAB.fullmatch(node.value)]
+    found += [
+        f"names {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _LAB.fullmatch(node.value)
+    ]
     return found
 
 
@@ -88,12 +91,20 @@ def test_lab_reference_checker_detects_each_form(tmp_path):
     """Imports of the lab (nested ones too) and lab paths or module names in strings are found; a name that merely
     starts with "lab" and prose that mentions a lab file are not."""
     module = tmp_path / "m.py"
-    module.write_text("import lab.fuzz\nfrom lab import curve_carry\nimport laboratory\n"
-                      "def f():\n    from lab.shapes import X\n    runpy.run_path('lab/eval_speed.py')\n"
-                      "    importlib.import_module('lab.fuzz')\n"
-                      "    return 'label', 'lab', 'a lab', 'lab/x.py: a docstring'\n")
-    assert _lab_references(module) == ["imports lab.fuzz", "imports lab", "imports lab.shapes",
-                                       "names 'lab/eval_speed.py'", "names 'lab.fuzz'", "names 'lab'"]
+    module.write_text(
+        "import lab.fuzz\nfrom lab import curve_carry\nimport laboratory\n"
+        "def f():\n    from lab.shapes import X\n    runpy.run_path('lab/eval_speed.py')\n"
+        "    importlib.import_module('lab.fuzz')\n"
+        "    return 'label', 'lab', 'a lab', 'lab/x.py: a docstring'\n"
+    )
+    assert _lab_references(module) == [
+        "imports lab.fuzz",
+        "imports lab",
+        "imports lab.shapes",
+        "names 'lab/eval_speed.py'",
+        "names 'lab.fuzz'",
+        "names 'lab'",
+    ]
 
 
 def test_rule_checker_detects_a_violation(tmp_path):
@@ -108,7 +119,9 @@ _REF, _DESIGN = "refer" + "ence", "ARCHI" + "TECTURE"  # spelled in parts: this 
 _OUTSIDE_FILES = re.compile(
     rf"shared/{_REF}|\b{_REF}/[\w-]+\.md|{_REF} (section|doc)|(?-i:{_DESIGN})(\.md| section)"
     r"|\b(sglang|prefect|eagle3-training|offline-assets|style-anchors|transformers-generation"
-    r"|prefect-postgres-auth-sglang)\.md\b", re.IGNORECASE)
+    r"|prefect-postgres-auth-sglang)\.md\b",
+    re.IGNORECASE,
+)
 """Citations of design notes kept outside this repository; code and docs cite the upstream project instead."""
 
 
@@ -136,11 +149,23 @@ def test_no_tracked_file_cites_files_outside_the_repo():
 
 def test_outside_citation_checker_detects_each_form(tmp_path):
     """The pattern catches every form such a citation took, and leaves ordinary uses of the words alone."""
-    cited = [f"see shared/{_REF}/sglang.md", f"per `{_REF}/sglang.md` section 8", f"({_REF} section 5)",
-             f"{_DESIGN} section 4", f"{_DESIGN}.md", f"{_REF}/eagle3-training.md, appendix", "prefect" + ".md",
-             f"In the offsets of the {_REF} doc"]
-    fine = ["architectures: [\"LlamaForCausalLMEagle3\"]", "the greedy reference", "docs/export.md",
-            f"SGLANG_{_DESIGN} = 1", "python/sglang/srt/models/llama_eagle3.py"]
+    cited = [
+        f"see shared/{_REF}/sglang.md",
+        f"per `{_REF}/sglang.md` section 8",
+        f"({_REF} section 5)",
+        f"{_DESIGN} section 4",
+        f"{_DESIGN}.md",
+        f"{_REF}/eagle3-training.md, appendix",
+        "prefect" + ".md",
+        f"In the offsets of the {_REF} doc",
+    ]
+    fine = [
+        'architectures: ["LlamaForCausalLMEagle3"]',
+        "the greedy reference",
+        "docs/export.md",
+        f"SGLANG_{_DESIGN} = 1",
+        "python/sglang/srt/models/llama_eagle3.py",
+    ]
     for i, line in enumerate(cited + fine):
         (tmp_path / f"{i}.txt").write_text(line + "\n")
     hits = _outside_citations(sorted(tmp_path.iterdir(), key=lambda p: int(p.stem)))

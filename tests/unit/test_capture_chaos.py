@@ -56,8 +56,16 @@ capture.main(sys.argv[1:])
 
 
 def _cli_args(cfg: RunConfig, base: Path) -> list[str]:
-    return ["--preset", "tiny", "--set", f"run.workdir={cfg.run.workdir}", "--set",
-            f"target.cache_dir={base / '_targets'}", "--set", TOKENS_PER_SHARD]
+    return [
+        "--preset",
+        "tiny",
+        "--set",
+        f"run.workdir={cfg.run.workdir}",
+        "--set",
+        f"target.cache_dir={base / '_targets'}",
+        "--set",
+        TOKENS_PER_SHARD,
+    ]
 
 
 def _env() -> dict[str, str]:
@@ -99,8 +107,12 @@ def test_sigkill_mid_run_then_resume_is_byte_identical(tiny_base, reference, tmp
     """SIGKILL after the first shards: readers see only complete shards; the resumed run matches a clean run."""
     cfg = tiny_run(tiny_base, tmp_path, TOKENS_PER_SHARD)
     fdir = features_dir(cfg)
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_DRIVER, *_cli_args(cfg, tiny_base)], env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_DRIVER, *_cli_args(cfg, tiny_base)],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 120
     while len(list(fdir.glob("shard-*.done.json"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.02)
@@ -119,8 +131,12 @@ def test_kill_inside_a_shard_write_leaves_an_ignored_temp_file(tiny_base, refere
     """Killed between writing a shard and renaming it: the temp file is not counted and is cleaned on resume."""
     cfg = tiny_run(tiny_base, tmp_path, TOKENS_PER_SHARD)
     fdir = features_dir(cfg)
-    proc = subprocess.run([sys.executable, "-c", KILL_BEFORE_RENAME_DRIVER, *_cli_args(cfg, tiny_base)], env=_env(),
-                          capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_BEFORE_RENAME_DRIVER, *_cli_args(cfg, tiny_base)],
+        env=_env(),
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     temps = list(fdir.glob(".shard-00002.safetensors.*.tmp"))
     assert len(temps) == 1 and temps[0].stat().st_size > 0

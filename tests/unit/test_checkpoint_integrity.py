@@ -13,9 +13,16 @@ from eagle3.train.loop import train
 from infra.storage import sha256_file
 from tests.unit.test_train_helpers import load_run_config, synthetic_run
 
-OVERRIDES = ["train.tokens_per_row=96", "train.lr=1e-3", "train.max_steps=4", "train.eval_every_steps=0",
-             "train.checkpoint_every_steps=2", "train.keep_checkpoints=4", "train.progress_every_s=0",
-             "drafter.ttt_steps=2"]
+OVERRIDES = [
+    "train.tokens_per_row=96",
+    "train.lr=1e-3",
+    "train.max_steps=4",
+    "train.eval_every_steps=0",
+    "train.checkpoint_every_steps=2",
+    "train.keep_checkpoints=4",
+    "train.progress_every_s=0",
+    "drafter.ttt_steps=2",
+]
 
 
 def _flip_a_bit(path, mask: int = 0x40) -> None:
@@ -77,8 +84,9 @@ def test_resume_fails_clearly_when_no_checkpoint_is_intact(tmp_path):
 def test_a_damaged_best_checkpoint_is_refused_before_it_is_selected(tmp_path):
     """The best checkpoint (train.select=best) lost a bit while the run was stopped: the resumed run fails naming
     the file rather than writing a manifest that blesses it."""
-    cfg = load_run_config(synthetic_run(tmp_path, [*OVERRIDES, "train.eval_every_steps=1",
-                                                   "train.checkpoint_every_steps=0"]))
+    cfg = load_run_config(
+        synthetic_run(tmp_path, [*OVERRIDES, "train.eval_every_steps=1", "train.checkpoint_every_steps=0"])
+    )
     train(cfg, stop_after_steps=3)
     best = read_info(_ckpt(cfg, 3))["best_step"]
     assert best is not None and best != 3, "the test needs a best step other than the latest checkpoint"

@@ -15,8 +15,16 @@ def _run(*args: str, cwd=None) -> subprocess.CompletedProcess:
 
 def test_missing_source_file_is_one_clear_error(tmp_path):
     """A source path that does not exist names the source and the path; exit code 2; no traceback."""
-    proc = _run("eagle3.run.stages", "merge", "--preset", "tiny", "--set", f"run.workdir={tmp_path}",
-                "--set", "data.sources.0.path=/nonexistent/chats.jsonl")
+    proc = _run(
+        "eagle3.run.stages",
+        "merge",
+        "--preset",
+        "tiny",
+        "--set",
+        f"run.workdir={tmp_path}",
+        "--set",
+        "data.sources.0.path=/nonexistent/chats.jsonl",
+    )
     assert proc.returncode == 2, proc.stderr
     assert "tiny-chats" in proc.stderr and "/nonexistent/chats.jsonl" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -33,8 +41,16 @@ def test_unknown_preset_field_is_one_clear_error(tmp_path):
 
 def test_directory_given_as_source_is_one_clear_error(tmp_path):
     """A directory where a file is expected is reported as such."""
-    proc = _run("eagle3.run.stages", "merge", "--preset", "tiny", "--set", f"run.workdir={tmp_path}",
-                "--set", f"data.sources.0.path={tmp_path}")
+    proc = _run(
+        "eagle3.run.stages",
+        "merge",
+        "--preset",
+        "tiny",
+        "--set",
+        f"run.workdir={tmp_path}",
+        "--set",
+        f"data.sources.0.path={tmp_path}",
+    )
     assert proc.returncode == 2 and "director" in proc.stderr.lower() and "Traceback" not in proc.stderr
 
 
@@ -98,13 +114,16 @@ def test_config_files_with_syntax_errors_name_file_and_line(tmp_path, capsys):
     assert f"{config}, line 2" in err and "invalid JSON" in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("run.name=" + "n" * 300, "run.name"),
-    ("run.workdir={afile}", "is a file, not a folder"),
-    ("target.tiny.hidden_size=-64", "target.tiny.hidden_size"),
-    ("target.tiny.num_attention_heads=0", "target.tiny.num_attention_heads"),
-    ("target.name=../../x", "target.name"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("run.name=" + "n" * 300, "run.name"),
+        ("run.workdir={afile}", "is a file, not a folder"),
+        ("target.tiny.hidden_size=-64", "target.tiny.hidden_size"),
+        ("target.tiny.num_attention_heads=0", "target.tiny.num_attention_heads"),
+        ("target.name=../../x", "target.name"),
+    ],
+)
 def test_bad_config_values_are_one_message_and_exit_2(tmp_path, capsys, override, needle):
     """Over-long names, a file as workdir, non-positive sizes, '..' in a name: exit 2 naming the field; nothing made."""
     afile = tmp_path / "afile"
@@ -130,8 +149,13 @@ def _readme_console_commands() -> list[str]:
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     table = readme.split("## What runs today", 1)[1].split("\n\n", 2)[1]
-    commands = [span for line in table.splitlines() if line.startswith("|")
-                for span in line.split("`")[1::2] if span.startswith("eagle3 ")]
+    commands = [
+        span
+        for line in table.splitlines()
+        if line.startswith("|")
+        for span in line.split("`")[1::2]
+        if span.startswith("eagle3 ")
+    ]
     assert len(commands) >= 7, commands  # target, synthesize, merge, regenerate, tokenize, vocab, export, eval
     return commands
 
@@ -144,8 +168,10 @@ def test_every_readme_console_command_reaches_the_help_of_what_it_runs(command, 
 
     from flows.cli import build_parser, entry_point, stage_entry
 
-    argv = [tmp_path.as_posix() + "/config.json" if a == "runs/<run>/config.json" else "tiny" if a == "X" else a
-            for a in shlex.split(command)[1:]]
+    argv = [
+        tmp_path.as_posix() + "/config.json" if a == "runs/<run>/config.json" else "tiny" if a == "X" else a
+        for a in shlex.split(command)[1:]
+    ]
     args = build_parser().parse_args(argv)
     with pytest.raises(SystemExit) as exit_info:
         (stage_entry(args.stage) if args.command == "stage" else entry_point(args.entry))(["--help"])

@@ -25,8 +25,9 @@ def test_every_field_has_a_one_line_doc():
     assert missing == [] and multiline == []
 
 
-@pytest.mark.parametrize("preset", ["tiny", "smollm2-demo", "smollm2-curve", "smollm2-quality", "llama31-8b",
-                                    "kimi-k25"])
+@pytest.mark.parametrize(
+    "preset", ["tiny", "smollm2-demo", "smollm2-curve", "smollm2-quality", "llama31-8b", "kimi-k25"]
+)
 def test_presets_validate(preset):
     """Each shipped preset is a valid RunConfig."""
     assert preset in list_presets()
@@ -36,8 +37,7 @@ def test_presets_validate(preset):
 def test_a_preset_extending_another_changes_only_what_it_states(tmp_path):
     """``base``: the named preset's settings with this file's merged over them, sections key by key, lists replaced."""
     child = tmp_path / "child.yaml"
-    child.write_text("base: smollm2-demo\nrun:\n  name: child\ntrain:\n  lr: 2.0e-4\n"
-                     "evaluate:\n  datasets: [gsm8k]\n")
+    child.write_text("base: smollm2-demo\nrun:\n  name: child\ntrain:\n  lr: 2.0e-4\nevaluate:\n  datasets: [gsm8k]\n")
     cfg, base = load_config(str(child), ["train.num_epochs=3"]), load_config("smollm2-demo")
     assert (cfg.run.name, cfg.train.lr, cfg.train.num_epochs, cfg.evaluate.datasets) == ("child", 2e-4, 3, ["gsm8k"])
     assert cfg.train.tokens_per_row == base.train.tokens_per_row and cfg.data == base.data
@@ -64,8 +64,13 @@ def test_the_quality_preset_is_the_curve_recipe_capped_at_20m_tokens_at_the_swee
     assert quality.run.name == "smollm2-quality" and quality.train.max_train_tokens == 20_000_000
     assert curve.train.max_train_tokens is None
     assert quality.train.lr == pytest.approx(2 * curve.train.lr)
-    capped = curve.model_copy(update={"train": curve.train.model_copy(update={
-        "max_train_tokens": 20_000_000, "lr": quality.train.lr, "feature_cache_gib": 96})})
+    capped = curve.model_copy(
+        update={
+            "train": curve.train.model_copy(
+                update={"max_train_tokens": 20_000_000, "lr": quality.train.lr, "feature_cache_gib": 96}
+            )
+        }
+    )
     assert quality.model_copy(update={"run": curve.run}) == capped
 
 
@@ -85,13 +90,16 @@ def test_unknown_field_is_named_in_the_error(tmp_path):
         load_config(str(bad))
 
 
-@pytest.mark.parametrize("override, guess", [
-    ("train.learning_rate=1e-4", "train.lr"),  # an abbreviation: the initials of the words
-    ("train.weight_decy=0.1", "train.weight_decay"),
-    ("data.sources.0.max_record=5", "data.sources.0.max_records"),  # list index kept
-    ("trian.lr=1e-4", "train"),  # an unknown section (codespell:ignore trian)
-    ("data.lr=1e-4", "train.lr"),  # a known key in the wrong section
-])
+@pytest.mark.parametrize(
+    "override, guess",
+    [
+        ("train.learning_rate=1e-4", "train.lr"),  # an abbreviation: the initials of the words
+        ("train.weight_decy=0.1", "train.weight_decay"),
+        ("data.sources.0.max_record=5", "data.sources.0.max_records"),  # list index kept
+        ("trian.lr=1e-4", "train"),  # an unknown section (codespell:ignore trian)
+        ("data.lr=1e-4", "train.lr"),  # a known key in the wrong section
+    ],
+)
 def test_unknown_key_says_did_you_mean_the_closest_field(override, guess):
     """An unknown key from an override names the key and the closest dotted field path of the config tree."""
     with pytest.raises(ConfigError) as err:

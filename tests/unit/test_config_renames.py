@@ -14,16 +14,27 @@ from eagle3.run.registry import STAGES, get_stage
 from tests.unit.test_stage_keys import GOLDEN, _run_dir
 
 SAMPLES: dict[str, object] = {
-    "capture.tokens_per_forward": 64, "train.tokens_per_row": 96, "server.python": "/opt/sglang/bin/python",
-    "server.launch_module": "tests.fakes.sglang_server", "server.host": "127.0.0.2", "server.allow_remote_host": True,
-    "server.api_key_env": "MY_SGLANG_KEY", "server.tp_size": 2, "server.attention_backend": "triton",
-    "server.extra_args": ["--context-length", "4096"], "server.startup_timeout_s": 30.0}
+    "capture.tokens_per_forward": 64,
+    "train.tokens_per_row": 96,
+    "server.python": "/opt/sglang/bin/python",
+    "server.launch_module": "tests.fakes.sglang_server",
+    "server.host": "127.0.0.2",
+    "server.allow_remote_host": True,
+    "server.api_key_env": "MY_SGLANG_KEY",
+    "server.tp_size": 2,
+    "server.attention_backend": "triton",
+    "server.extra_args": ["--context-length", "4096"],
+    "server.startup_timeout_s": 30.0,
+}
 """A valid value of each renamed field that is not its default."""
 
 DEPLOY_GOLDEN = {
     (): "291784d01cc8651631513791957670ed09a2710ccebe32d4a5532b7152219afe",
-    ("serve.python=/opt/sg/python", "serve.extra_args=[--x]", "serve.tp_size=2"):
-        "4c7d42ea46bb6950dff9432a84e65286eac162302911bdc8291e49480c6377bd",
+    (
+        "serve.python=/opt/sg/python",
+        "serve.extra_args=[--x]",
+        "serve.tp_size=2",
+    ): "4c7d42ea46bb6950dff9432a84e65286eac162302911bdc8291e49480c6377bd",
 }
 """{serve overrides: deploy key} of tests/unit/test_stage_keys.py's tiny run, as the code before the server section
 computed them (serve held the launch settings then)."""
@@ -152,11 +163,19 @@ def test_capture_and_serve_settings_merge_into_the_server_section():
     """An old config's launch settings from capture.sglang and serve: a set value wins over a default, equal values
     are one; two different set values are an error naming both."""
     with pytest.warns(RenamedKeyWarning):
-        cfg = RunConfig.model_validate({"capture": {"sglang": {"python": "/a/python", "startup_timeout_s": 400}},
-                                        "serve": {"python": "python", "startup_timeout_s": 400, "tp_size": 2}})
+        cfg = RunConfig.model_validate(
+            {
+                "capture": {"sglang": {"python": "/a/python", "startup_timeout_s": 400}},
+                "serve": {"python": "python", "startup_timeout_s": 400, "tp_size": 2},
+            }
+        )
     assert (cfg.server.python, cfg.server.startup_timeout_s, cfg.server.tp_size) == ("/a/python", 400, 2)
-    with pytest.warns(RenamedKeyWarning), pytest.raises(ConfigError, match="serve.python='/b/python', "
-                                                        "capture.sglang.python='/a/python' all set server.python"):
+    with (
+        pytest.warns(RenamedKeyWarning),
+        pytest.raises(
+            ConfigError, match="serve.python='/b/python', capture.sglang.python='/a/python' all set server.python"
+        ),
+    ):
         validate_config({"capture": {"sglang": {"python": "/a/python"}}, "serve": {"python": "/b/python"}}, "old")
 
 
@@ -168,7 +187,11 @@ def test_deploy_launches_its_servers_with_the_server_sections_settings():
     assert not hasattr(cfg.serve, "python") and not hasattr(cfg.serve, "extra_args")
     for spec in server_specs(cfg, "/m", "/d", None):
         assert (spec.python, spec.module, spec.extra_args[-1:], spec.attention_backend) == (
-            "/a/python", cfg.server.launch_module, ("--x",), "triton")
+            "/a/python",
+            cfg.server.launch_module,
+            ("--x",),
+            "triton",
+        )
 
 
 def test_an_older_configs_compile_bool_reads_as_the_switch_value_that_does_the_same():
@@ -181,8 +204,18 @@ def test_an_older_configs_compile_bool_reads_as_the_switch_value_that_does_the_s
     saved = {"train": {"compile": True}}
     assert RunConfig.model_validate(saved).train.compile == "on"
     assert load_config("tiny", ["train.compile=false"]).train.compile == "off"
-    backends = {(value, device): step_options_for(load_config("tiny", [f"train.compile={value}"]).train,
-                                                  torch.device(device)).compile_backend
-                for value in ("auto", '"on"', "off") for device in ("cpu", "cuda")}
-    assert backends == {("auto", "cpu"): None, ("auto", "cuda"): "inductor", ('"on"', "cpu"): None,
-                        ('"on"', "cuda"): "inductor", ("off", "cpu"): None, ("off", "cuda"): None}
+    backends = {
+        (value, device): step_options_for(
+            load_config("tiny", [f"train.compile={value}"]).train, torch.device(device)
+        ).compile_backend
+        for value in ("auto", '"on"', "off")
+        for device in ("cpu", "cuda")
+    }
+    assert backends == {
+        ("auto", "cpu"): None,
+        ("auto", "cuda"): "inductor",
+        ('"on"', "cpu"): None,
+        ('"on"', "cuda"): "inductor",
+        ("off", "cpu"): None,
+        ("off", "cuda"): None,
+    }

@@ -61,15 +61,20 @@ def small_chunks(monkeypatch):
 
 def proposers(setup, runner) -> dict:
     drafter, d2t = setup["drafter"], setup["d2t"]
-    return {"chain": EagleProposer(drafter, d2t, steps=3, runner=runner),
-            "tree": EagleProposer(drafter, d2t, steps=3, topk=3, num_draft_tokens=7, runner=runner),
-            "ngram": NgramProposer()}
+    return {
+        "chain": EagleProposer(drafter, d2t, steps=3, runner=runner),
+        "tree": EagleProposer(drafter, d2t, steps=3, topk=3, num_draft_tokens=7, runner=runner),
+        "ngram": NgramProposer(),
+    }
 
 
 def eager_proposers(setup) -> dict:
     drafter, d2t = setup["drafter"], setup["d2t"]
-    return {"chain": EagleProposer(drafter, d2t, steps=3),
-            "tree": EagleProposer(drafter, d2t, steps=3, topk=3, num_draft_tokens=7), "ngram": NgramProposer()}
+    return {
+        "chain": EagleProposer(drafter, d2t, steps=3),
+        "tree": EagleProposer(drafter, d2t, steps=3, topk=3, num_draft_tokens=7),
+        "ngram": NgramProposer(),
+    }
 
 
 def test_bucket_widths():
@@ -128,8 +133,10 @@ def test_static_drafter_equals_the_eager_drafter(setup, small_chunks):
     for runner in (eager, static):
         runner.reset()
     for start, stop in ((0, 13), (13, 19)):  # 13 rows: two chunks of 8, the second padded
-        expected, got = eager.extend(aux[start:stop], ids[start:stop].tolist(), start), static.extend(
-            aux[start:stop], ids[start:stop].tolist(), start)
+        expected, got = (
+            eager.extend(aux[start:stop], ids[start:stop].tolist(), start),
+            static.extend(aux[start:stop], ids[start:stop].tolist(), start),
+        )
         for e, g in zip(expected, got):
             torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-9)
     root = expected[0][-1:]
@@ -139,7 +146,8 @@ def test_static_drafter_equals_the_eager_drafter(setup, small_chunks):
     prompt, ref = setup["prompts"][1], setup["refs"][1]
     target = StaticTargetRunner(setup["model"], AUX_IDS, capacity=16)
     assert teacher_forced_drafts(target, static, prompt, ref.tokens) == teacher_forced_drafts(
-        setup["eager"], eager, prompt, ref.tokens)
+        setup["eager"], eager, prompt, ref.tokens
+    )
 
 
 def test_compiled_static_path_is_lossless(setup):
@@ -198,8 +206,9 @@ def test_static_chain_round_in_one_call_equals_step_by_step_drafts(setup, settin
                 token = stepwise.to_target_ids(level.argmax(-1, keepdim=True))
                 tokens.append(int(token))
                 if j < steps:
-                    hidden, rows = stepwise.draft(hidden, token, stop - 1 + j,
-                                                  torch.ones(1, stepwise.num_draft_entries + 1, dtype=torch.bool))
+                    hidden, rows = stepwise.draft(
+                        hidden, token, stop - 1 + j, torch.ones(1, stepwise.num_draft_entries + 1, dtype=torch.bool)
+                    )
                     level = rows[0]
             assert fused_tokens == tokens, (stop, steps)
             assert fused.num_draft_entries == stepwise.num_draft_entries == steps - 1
@@ -251,8 +260,9 @@ def test_decode_rows_runs_every_decode_forward_at_one_width_so_bf16_methods_equa
     model = copy.deepcopy(setup["model"]).to(torch.bfloat16)
     drafter, d2t = copy.deepcopy(setup["drafter"]).to(torch.bfloat16), setup["d2t"]
     assert decode_widths(8) == (8, 64) and decode_widths(None) == (1, 4, 8, 64) and decode_widths(64) == (64,)
-    target, runner = make_runners(model, AUX_IDS, drafter, d2t, True, CompileSettings(), 128, decode_rows=8,
-                                  gathered_keys=gathered)
+    target, runner = make_runners(
+        model, AUX_IDS, drafter, d2t, True, CompileSettings(), 128, decode_rows=8, gathered_keys=gathered
+    )
     widths: list[int] = []
     chunk_widths: list[int] = []
     for step, seen in ((target.step_fn, widths), (target.chunk_fn, chunk_widths)):
@@ -260,8 +270,11 @@ def test_decode_rows_runs_every_decode_forward_at_one_width_so_bf16_methods_equa
     methods = {**proposers(setup, runner), "chain-7": EagleProposer(drafter, d2t, steps=7, runner=runner)}
     for prompt in setup["prompts"]:
         ref = greedy_decode(target, prompt, MAX_NEW)
-        cases = {**methods, "oracle-chain": FakeOracleProposer(prompt, ref.tokens, 4),
-                 "oracle-tree": FakeOracleProposer(prompt, ref.tokens, 4, tree=True)}
+        cases = {
+            **methods,
+            "oracle-chain": FakeOracleProposer(prompt, ref.tokens, 4),
+            "oracle-tree": FakeOracleProposer(prompt, ref.tokens, 4, tree=True),
+        }
         for name, proposer in cases.items():
             result = speculative_decode(target, proposer, prompt, MAX_NEW)
             assert result.tokens == ref.tokens, name
@@ -300,8 +313,9 @@ def tree_rows_unlike_the_chain(target: StaticTargetRunner, prompts: list[list[in
         target.reset()
         target.step(prompt[:-1])
         as_chain = target.step([prompt[-1], *greedy])
-        differing += sum(not torch.equal(as_tree.top_values[row], as_chain.top_values[k])
-                         for k, row in enumerate([0, 3, 6, 9, 12]))
+        differing += sum(
+            not torch.equal(as_tree.top_values[row], as_chain.top_values[k]) for k, row in enumerate([0, 3, 6, 9, 12])
+        )
     return differing
 
 
@@ -324,8 +338,9 @@ def _gathered_lossless(setup, settings: CompileSettings) -> None:
     import copy
 
     model = copy.deepcopy(setup["model"])
-    target, runner = make_runners(model, AUX_IDS, setup["drafter"], setup["d2t"], True, settings, 128,
-                                  decode_rows=16, gathered_keys=True)
+    target, runner = make_runners(
+        model, AUX_IDS, setup["drafter"], setup["d2t"], True, settings, 128, decode_rows=16, gathered_keys=True
+    )
     static = proposers(setup, runner)
     for prompt, ref in zip(setup["prompts"][2:], setup["refs"][2:]):
         assert greedy_decode(target, prompt, MAX_NEW).tokens == ref.tokens
@@ -426,8 +441,9 @@ def test_compiled_step_falls_back_to_eager_with_its_reason_and_fails_loudly_with
         raise RuntimeError("no kernels for this shape")
 
     fn = lambda x: (x * 2,)  # noqa: E731
-    step = CompiledStep(fn, CompileSettings(True, backend=failing_backend, fallback=True), torch.device("cpu"),
-                        "test step")
+    step = CompiledStep(
+        fn, CompileSettings(True, backend=failing_backend, fallback=True), torch.device("cpu"), "test step"
+    )
     with pytest.warns(UserWarning, match="test step: compiling or capturing a CUDA graph failed"):
         (out,) = step(torch.ones(3))
     assert out.tolist() == [2.0, 2.0, 2.0] and not step.compiled

@@ -24,8 +24,9 @@ from tests.unit.test_speculate import AUX_IDS, MAX_NEW, FakeOracleProposer
 def test_with_decode_rows_the_drafter_extends_at_that_one_width_and_decodes_stay_lossless(setup):  # noqa: F811
     """decode_rows=8: every drafter extend after a verify (1..5 accepted rows here) runs 8 rows wide, the warm-up
     runs the drafter at 8 and CHUNK only, and chains (drafted and perfect) still give greedy's tokens."""
-    target, runner = make_runners(setup["model"], AUX_IDS, setup["drafter"], setup["d2t"], True, CompileSettings(),
-                                  128, decode_rows=8)
+    target, runner = make_runners(
+        setup["model"], AUX_IDS, setup["drafter"], setup["d2t"], True, CompileSettings(), 128, decode_rows=8
+    )
     widths: list[int] = []
     inner = runner.step_fn.fn
     runner.step_fn.fn = lambda hidden, *rest: widths.append(len(hidden)) or inner(hidden, *rest)
@@ -34,8 +35,10 @@ def test_with_decode_rows_the_drafter_extends_at_that_one_width_and_decodes_stay
     widths.clear()
     for prompt in setup["prompts"]:
         ref = greedy_decode(target, prompt, MAX_NEW)
-        for proposer in (EagleProposer(setup["drafter"], setup["d2t"], steps=3, runner=runner),
-                         FakeOracleProposer(prompt, ref.tokens, 4)):
+        for proposer in (
+            EagleProposer(setup["drafter"], setup["d2t"], steps=3, runner=runner),
+            FakeOracleProposer(prompt, ref.tokens, 4),
+        ):
             out = speculative_decode(target, proposer, prompt, MAX_NEW)
             assert out.tokens == ref.tokens
     assert widths and set(widths) == {8}  # the prompts' extends are CHUNK rows: the chunk step, not this one
@@ -82,14 +85,16 @@ def test_fused_gate_up_computes_the_unfused_logits_and_decodes_give_greedys_toke
         with torch.compiler.set_stance("fail_on_recompile"):
             compiled(ids.clone())
     assert not counters["graph_break"]
-    target, runner = make_runners(model, AUX_IDS, setup["drafter"], setup["d2t"], True, CompileSettings(), 128,
-                                  decode_rows=8)
+    target, runner = make_runners(
+        model, AUX_IDS, setup["drafter"], setup["d2t"], True, CompileSettings(), 128, decode_rows=8
+    )
     for prompt, ref in zip(setup["prompts"], setup["refs"]):
         assert greedy_decode(target, prompt, MAX_NEW).tokens == ref.tokens
-        for proposer in (EagleProposer(setup["drafter"], setup["d2t"], steps=3, runner=runner),
-                         EagleProposer(setup["drafter"], setup["d2t"], steps=3, topk=3, num_draft_tokens=7,
-                                       runner=runner),
-                         FakeOracleProposer(prompt, ref.tokens, 4, tree=True)):
+        for proposer in (
+            EagleProposer(setup["drafter"], setup["d2t"], steps=3, runner=runner),
+            EagleProposer(setup["drafter"], setup["d2t"], steps=3, topk=3, num_draft_tokens=7, runner=runner),
+            FakeOracleProposer(prompt, ref.tokens, 4, tree=True),
+        ):
             assert speculative_decode(target, proposer, prompt, MAX_NEW).tokens == ref.tokens
 
 

@@ -29,17 +29,38 @@ def _config(tmp_path: Path, **serve) -> Path:
 
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"hidden_size": 16, "num_hidden_layers": 8, "vocab_size": 256,
-                                                    "architectures": ["LlamaForCausalLM"]}))
+    (target / "config.json").write_text(
+        json.dumps(
+            {"hidden_size": 16, "num_hidden_layers": 8, "vocab_size": 256, "architectures": ["LlamaForCausalLM"]}
+        )
+    )
     drafter = random_dflash(tiny_dflash_dims(block_size=4))
     export_dflash(export_state_dict(drafter), drafter.dims, [1, 3, 5], 8, tmp_path / "dep" / "export" / "sglang")
-    cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "dep"},
-                                    "drafter": {"family": "dflash", "dflash": {"block_size": 4}}, "serve": {
-        "enabled": True, "model_path": str(target), "port": two_free_ports(), "concurrency_levels": [1, 4],
-        "num_prompts": 8, "max_new_tokens": 16, "num_warmup": 2, "max_running_requests": 8,
-        "cuda_graph_max_bs_decode": 8} | serve, "server": {
-        "python": sys.executable, "launch_module": FAKE, "api_key_env": None, "startup_timeout_s": 30,
-        "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"]}})
+    cfg = RunConfig.model_validate(
+        {
+            "run": {"workdir": str(tmp_path), "name": "dep"},
+            "drafter": {"family": "dflash", "dflash": {"block_size": 4}},
+            "serve": {
+                "enabled": True,
+                "model_path": str(target),
+                "port": two_free_ports(),
+                "concurrency_levels": [1, 4],
+                "num_prompts": 8,
+                "max_new_tokens": 16,
+                "num_warmup": 2,
+                "max_running_requests": 8,
+                "cuda_graph_max_bs_decode": 8,
+            }
+            | serve,
+            "server": {
+                "python": sys.executable,
+                "launch_module": FAKE,
+                "api_key_env": None,
+                "startup_timeout_s": 30,
+                "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"],
+            },
+        }
+    )
     return save_config(cfg, cfg.run_dir / "config.json")
 
 
@@ -54,8 +75,9 @@ def test_deploy_serves_a_dflash_export_beside_the_baseline(tmp_path):
     assert doc["valid"] and [run["trio"] for run in doc["speculative"]] == ["3-1-4"]
     draft = str((config.parent / "export" / "sglang").resolve())
     argv = doc["speculative"][0]["argv"]
-    assert (f"--speculative-algorithm DFLASH --speculative-draft-model-path {draft} "
-            "--speculative-dflash-block-size 4") in argv
+    assert (
+        f"--speculative-algorithm DFLASH --speculative-draft-model-path {draft} --speculative-dflash-block-size 4"
+    ) in argv
     assert "--speculative-num-steps" not in argv and "--speculative-eagle-topk" not in argv
     assert "--speculative" not in doc["baseline"]["argv"]
     assert doc["baseline"]["result"]["prompts_digest"] == doc["speculative"][0]["result"]["prompts_digest"]
@@ -92,18 +114,28 @@ def test_sglang_accept_length_is_checked_against_evals_dflash_rows(tmp_path):
     beside them; a gap above serve.accept_tolerance (3%) fails that dataset."""
     from eagle3.deploy import accept_checks
 
-    cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "r"},
-                                    "drafter": {"family": "dflash", "dflash": {"block_size": 4}},
-                                    "serve": {"prompts": "evaluation", "max_new_tokens": 256}})
-    results = [{"method": "dflash-3-1-4", "dataset": "mtbench", "num_tokens": 300, "num_verify": 100},
-               {"method": "dflash-3-1-4", "dataset": "gsm8k", "num_tokens": 250, "num_verify": 100},
-               {"method": "chain-3-1-4", "dataset": "mtbench", "num_tokens": 100, "num_verify": 100},
-               {"method": "dflash-3-1-4", "dataset": "all", "num_tokens": 550, "num_verify": 200}]
+    cfg = RunConfig.model_validate(
+        {
+            "run": {"workdir": str(tmp_path), "name": "r"},
+            "drafter": {"family": "dflash", "dflash": {"block_size": 4}},
+            "serve": {"prompts": "evaluation", "max_new_tokens": 256},
+        }
+    )
+    results = [
+        {"method": "dflash-3-1-4", "dataset": "mtbench", "num_tokens": 300, "num_verify": 100},
+        {"method": "dflash-3-1-4", "dataset": "gsm8k", "num_tokens": 250, "num_verify": 100},
+        {"method": "chain-3-1-4", "dataset": "mtbench", "num_tokens": 100, "num_verify": 100},
+        {"method": "dflash-3-1-4", "dataset": "all", "num_tokens": 550, "num_verify": 200},
+    ]
     (cfg.run_dir / "eval").mkdir(parents=True)
-    (cfg.run_dir / "eval" / "results.json").write_text(json.dumps({"settings": {"max_new_tokens": 256},
-                                                                   "results": results}))
+    (cfg.run_dir / "eval" / "results.json").write_text(
+        json.dumps({"settings": {"max_new_tokens": 256}, "results": results})
+    )
     # mtbench 3.0 vs 3.0; gsm8k 2.7 vs 2.5 (8% off); all 570/200 = 2.85 vs 2.75 (3.6% off)
     checks, skipped = accept_checks(cfg, _run("3-1-4", ["mtbench", "gsm8k"], [300, 270], [100, 100]))
     assert skipped is None
     assert {c.dataset: (round(c.sglang, 4), c.evaluate, c.ok) for c in checks} == {
-        "mtbench": (3.0, 3.0, True), "gsm8k": (2.7, 2.5, False), "all": (2.85, 2.75, False)}
+        "mtbench": (3.0, 3.0, True),
+        "gsm8k": (2.7, 2.5, False),
+        "all": (2.85, 2.75, False),
+    }

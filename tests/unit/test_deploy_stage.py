@@ -39,29 +39,50 @@ def config_file(tmp_path) -> Path:
 
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"hidden_size": 16, "num_hidden_layers": 8, "vocab_size": 256,
-                                                    "architectures": ["LlamaForCausalLM"]}))
+    (target / "config.json").write_text(
+        json.dumps(
+            {"hidden_size": 16, "num_hidden_layers": 8, "vocab_size": 256, "architectures": ["LlamaForCausalLM"]}
+        )
+    )
     sglang_export(tmp_path / "dep" / "export")  # deploy runs the export's strict check on <run>/export/sglang
-    cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "dep"}, "serve": {
-        "enabled": True, "model_path": str(target), "port": two_free_ports(), "concurrency_levels": [1, 4],
-        "num_prompts": 8, "max_new_tokens": 16, "num_warmup": 2, "max_running_requests": 8,
-        "cuda_graph_max_bs_decode": 8}, "server": {
-        "python": sys.executable, "launch_module": FAKE, "api_key_env": None, "startup_timeout_s": 30,
-        "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"]}})
+    cfg = RunConfig.model_validate(
+        {
+            "run": {"workdir": str(tmp_path), "name": "dep"},
+            "serve": {
+                "enabled": True,
+                "model_path": str(target),
+                "port": two_free_ports(),
+                "concurrency_levels": [1, 4],
+                "num_prompts": 8,
+                "max_new_tokens": 16,
+                "num_warmup": 2,
+                "max_running_requests": 8,
+                "cuda_graph_max_bs_decode": 8,
+            },
+            "server": {
+                "python": sys.executable,
+                "launch_module": FAKE,
+                "api_key_env": None,
+                "startup_timeout_s": 30,
+                "extra_args": ["--fake-step-s", "0.005", "--fake-lifetime-s", "120"],
+            },
+        }
+    )
     return save_config(cfg, cfg.run_dir / "config.json")
 
 
 def _run_stage(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-c", WITHOUT_PREFECT, *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
+    )
 
 
 def test_deploy_stage_runs_without_prefect_against_the_fake_server(config_file):
     """With prefect unimportable, the stage benchmarks both fake servers, writes the golden figures, stops both."""
     proc = _run_stage("--config", str(config_file))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    printed = json.loads(proc.stdout[proc.stdout.index("\n{") + 1:])  # the report's markdown, then the JSON
+    printed = json.loads(proc.stdout[proc.stdout.index("\n{") + 1 :])  # the report's markdown, then the JSON
     out = config_file.parent / "deploy"
     assert printed["results"] == str(out / "results.json") and printed["report"] == str(out / "report.md")
     doc = json.loads((out / "results.json").read_text())
@@ -95,7 +116,11 @@ def test_every_extra_eagle3_setting_gets_its_own_server_against_one_baseline(con
     doc = json.loads((config_file.parent / "deploy" / "results.json").read_text())
     assert [run["trio"] for run in doc["speculative"]] == ["3-1-4", "5-4-8"]
     assert [(row["trio"], row["concurrency"]) for row in doc["comparison"]] == [
-        ("3-1-4", 1), ("3-1-4", 4), ("5-4-8", 1), ("5-4-8", 4)]
+        ("3-1-4", 1),
+        ("3-1-4", 4),
+        ("5-4-8", 1),
+        ("5-4-8", 4),
+    ]
     assert "--speculative-eagle-topk 4" in doc["speculative"][1]["argv"]
     assert (config_file.parent / "deploy" / "sglang-speculative-5-4-8.log").exists()
 
@@ -104,8 +129,9 @@ def _run(trio: str, groups: list[str], completion: list[int], verify: list[int])
     from eagle3.deploy import ServerRun
     from infra.sglang_bench import BenchResult, BenchSettings, RequestSample, summarize_level
 
-    samples = [RequestSample(i, 1.0, 0.1, c, 0, v, str(i))
-               for i, (c, v) in enumerate(zip(completion, verify, strict=True))]
+    samples = [
+        RequestSample(i, 1.0, 0.1, c, 0, v, str(i)) for i, (c, v) in enumerate(zip(completion, verify, strict=True))
+    ]
     level = summarize_level(1, samples, 1.0, True)
     result = BenchResult("u", True, BenchSettings((1,), len(samples), 256, 0), "d", {}, (level,))
     return ServerRun("speculative", "argv", "log", None, {}, result, trio, tuple(groups))
@@ -115,14 +141,18 @@ def test_sglang_accept_length_is_checked_against_eagle3_eval_per_dataset(tmp_pat
     """Sums of tokens / verify steps per dataset and overall vs eval/results.json; a gap over the tolerance fails."""
     from eagle3.deploy import accept_checks
 
-    cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "r"},
-                                    "serve": {"prompts": "evaluation", "max_new_tokens": 256}})
-    results = [{"method": "chain-3-1-4", "dataset": "mtbench", "num_tokens": 200, "num_verify": 100},
-               {"method": "chain-3-1-4", "dataset": "gsm8k", "num_tokens": 300, "num_verify": 100},
-               {"method": "chain-3-1-4", "dataset": "all", "num_tokens": 500, "num_verify": 200}]
+    cfg = RunConfig.model_validate(
+        {"run": {"workdir": str(tmp_path), "name": "r"}, "serve": {"prompts": "evaluation", "max_new_tokens": 256}}
+    )
+    results = [
+        {"method": "chain-3-1-4", "dataset": "mtbench", "num_tokens": 200, "num_verify": 100},
+        {"method": "chain-3-1-4", "dataset": "gsm8k", "num_tokens": 300, "num_verify": 100},
+        {"method": "chain-3-1-4", "dataset": "all", "num_tokens": 500, "num_verify": 200},
+    ]
     (cfg.run_dir / "eval").mkdir(parents=True)
-    (cfg.run_dir / "eval" / "results.json").write_text(json.dumps({"settings": {"max_new_tokens": 256},
-                                                                   "results": results}))
+    (cfg.run_dir / "eval" / "results.json").write_text(
+        json.dumps({"settings": {"max_new_tokens": 256}, "results": results})
+    )
     # mtbench 2.0 vs 2.0; gsm8k 2.7 vs 3.0 (10% off); all 4.7/2 = 2.35... vs 2.5 (6% off)
     checks, skipped = accept_checks(cfg, _run("3-1-4", ["mtbench", "gsm8k"], [100, 270], [50, 100]))
     assert skipped is None
@@ -137,8 +167,10 @@ def _digest_run(trio: str, groups: list[str], outputs: list[list[int]], verify: 
     from eagle3.deploy import ServerRun
     from infra.sglang_bench import BenchResult, BenchSettings, RequestSample, output_digest, summarize_level
 
-    samples = [RequestSample(i, 1.0, 0.1, len(o), 0, v, output_digest(o))
-               for i, (o, v) in enumerate(zip(outputs, verify, strict=True))]
+    samples = [
+        RequestSample(i, 1.0, 0.1, len(o), 0, v, output_digest(o))
+        for i, (o, v) in enumerate(zip(outputs, verify, strict=True))
+    ]
     level = summarize_level(1, samples, 1.0, True)
     result = BenchResult("u", True, BenchSettings((1,), len(samples), 256, 0), "d", {}, (level,))
     return ServerRun("speculative", "argv", "log", None, {}, result, trio, tuple(groups))
@@ -149,39 +181,54 @@ def _eval_record(index: int, dataset: str, tokens: list[int], verify: int) -> di
 
     committed = [1] * verify
     run = MethodRun(len(tokens), 0.1, LosslessCheck("identical"), [3] * verify, [0] * verify, committed)
-    return PromptRecord(index, dataset, f"{dataset}:{index}", 5, GreedyReference(len(tokens), 0.1, tokens), None,
-                        {"chain-3-1-4": run}).to_json()
+    return PromptRecord(
+        index, dataset, f"{dataset}:{index}", 5, GreedyReference(len(tokens), 0.1, tokens), None, {"chain-3-1-4": run}
+    ).to_json()
 
 
 def test_accept_lengths_are_compared_on_the_prompts_whose_outputs_are_identical(tmp_path):
     """Only token-identical outputs (end-of-turn token kept or dropped by SGLang) count; verify steps compared there."""
     from eagle3.deploy_checks import same_text_checks
 
-    cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "r"},
-                                    "serve": {"prompts": "evaluation", "max_new_tokens": 256}})
+    cfg = RunConfig.model_validate(
+        {"run": {"workdir": str(tmp_path), "name": "r"}, "serve": {"prompts": "evaluation", "max_new_tokens": 256}}
+    )
     ours = [[5, 6, 7, 2], [8, 9, 2], [4, 4, 4, 4, 2], [1, 2]]
     (cfg.run_dir / "eval").mkdir(parents=True)
-    (cfg.run_dir / "eval" / "prompts.jsonl").write_text("".join(
-        json.dumps(_eval_record(i, g, t, v)) + "\n"
-        for i, (g, t, v) in enumerate(zip(["mtbench", "mtbench", "gsm8k", "gsm8k"], ours, [2, 2, 2, 1], strict=True))))
+    (cfg.run_dir / "eval" / "prompts.jsonl").write_text(
+        "".join(
+            json.dumps(_eval_record(i, g, t, v)) + "\n"
+            for i, (g, t, v) in enumerate(
+                zip(["mtbench", "mtbench", "gsm8k", "gsm8k"], ours, [2, 2, 2, 1], strict=True)
+            )
+        )
+    )
     served = [[5, 6, 7, 2], [8, 9], [4, 4, 3, 3, 2], [1, 2]]  # 0 same, 1 same without end of turn, 2 diverged, 3 same
-    checks, skipped = same_text_checks(cfg, _digest_run("3-1-4", ["mtbench", "mtbench", "gsm8k", "gsm8k"], served,
-                                                        [2, 1, 3, 1]))
+    checks, skipped = same_text_checks(
+        cfg, _digest_run("3-1-4", ["mtbench", "mtbench", "gsm8k", "gsm8k"], served, [2, 1, 3, 1])
+    )
     assert skipped is None
     got = {c.dataset: (c.num_same, c.num_prompts, round(c.sglang, 4), round(c.evaluate, 4), c.ok) for c in checks}
     # mtbench: 7 tokens in 3 SGLang verify steps vs 4 of ours; gsm8k: prompt 3 only, 2 tokens in 1 step each
-    assert got == {"mtbench": (2, 2, round(7 / 3, 4), 1.75, False), "gsm8k": (1, 2, 2.0, 2.0, True),
-                   "all": (3, 4, 2.25, 1.8, False)}
+    assert got == {
+        "mtbench": (2, 2, round(7 / 3, 4), 1.75, False),
+        "gsm8k": (1, 2, 2.0, 2.0, True),
+        "all": (3, 4, 2.25, 1.8, False),
+    }
 
 
 def test_a_whole_set_gap_names_the_same_text_gap_and_where_it_comes_from():
     """A failed dataset whose identical outputs agree says the gap comes from diverged outputs; both kinds fail."""
     from eagle3.deploy_checks import AcceptCheck, SameTextCheck, check_errors, render_checks
 
-    checks = [AcceptCheck("3-1-4", "humaneval", 1.410, 1.463, 0.036, False), AcceptCheck("3-1-4", "all", 1.43, 1.44,
-                                                                                        0.007, True)]
-    same = [SameTextCheck("3-1-4", "humaneval", 19, 40, 1.45, 1.452, 0.001, True),
-            SameTextCheck("3-1-4", "all", 70, 160, 1.50, 1.40, 0.071, False)]
+    checks = [
+        AcceptCheck("3-1-4", "humaneval", 1.410, 1.463, 0.036, False),
+        AcceptCheck("3-1-4", "all", 1.43, 1.44, 0.007, True),
+    ]
+    same = [
+        SameTextCheck("3-1-4", "humaneval", 19, 40, 1.45, 1.452, 0.001, True),
+        SameTextCheck("3-1-4", "all", 70, 160, 1.50, 1.40, 0.071, False),
+    ]
     errors = check_errors(checks, same, 0.03)
     assert len(errors) == 2
     assert "3.6% > 3%" in errors[0] and "19 prompts with identical outputs the gap is 0.1%" in errors[0]
@@ -215,20 +262,25 @@ def test_report_only_checks_accept_lengths_against_an_evaluation_run_after_the_b
 
     from eagle3.deploy import ServerRun, report_again
 
-    cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "r"},
-                                    "serve": {"prompts": "evaluation", "max_new_tokens": 256}})
+    cfg = RunConfig.model_validate(
+        {"run": {"workdir": str(tmp_path), "name": "r"}, "serve": {"prompts": "evaluation", "max_new_tokens": 256}}
+    )
     spec = _run("3-1-4", ["mtbench", "gsm8k"], [100, 270], [50, 100])
     base = ServerRun("baseline", "argv", "log", None, {}, replace(spec.result, speculative=False), None, spec.groups)
     (cfg.run_dir / "deploy").mkdir(parents=True)
-    (cfg.run_dir / "deploy" / "results.json").write_text(json.dumps({"baseline": base.to_json(),
-                                                                     "speculative": [spec.to_json()]}))
+    (cfg.run_dir / "deploy" / "results.json").write_text(
+        json.dumps({"baseline": base.to_json(), "speculative": [spec.to_json()]})
+    )
     first = report_again(cfg)
     assert first.accept_checks == [] and "not compared with eagle3 eval: no " in first.markdown
-    results = [{"method": "chain-3-1-4", "dataset": d, "num_tokens": t, "num_verify": v}
-               for d, t, v in [("mtbench", 100, 50), ("gsm8k", 270, 100), ("all", 370, 150)]]
+    results = [
+        {"method": "chain-3-1-4", "dataset": d, "num_tokens": t, "num_verify": v}
+        for d, t, v in [("mtbench", 100, 50), ("gsm8k", 270, 100), ("all", 370, 150)]
+    ]
     (cfg.run_dir / "eval").mkdir()
-    (cfg.run_dir / "eval" / "results.json").write_text(json.dumps({"settings": {"max_new_tokens": 256},
-                                                                   "results": results}))
+    (cfg.run_dir / "eval" / "results.json").write_text(
+        json.dumps({"settings": {"max_new_tokens": 256}, "results": results})
+    )
     again = report_again(cfg)
     assert {(c.dataset, c.ok) for c in again.accept_checks} == {("mtbench", True), ("gsm8k", True), ("all", True)}
     assert json.loads(again.results.read_text())["accept_checks"][0]["evaluate"] == 2.0

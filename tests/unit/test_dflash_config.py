@@ -53,9 +53,12 @@ def test_family_and_dflash_settings_change_the_train_key(tmp_path):
     base = load_config("tiny", [f"run.workdir={tmp_path}"])
     _fake_manifests(base)
     keys = {_train_key(base)}
-    for extra in (["drafter.family=dflash"], ["drafter.family=dflash", "drafter.dflash.block_size=8"],
-                  ["drafter.family=dflash", "drafter.dflash.num_layers=2"],
-                  ["drafter.family=dflash", "drafter.dflash.target_layer_ids=[1,3]"]):
+    for extra in (
+        ["drafter.family=dflash"],
+        ["drafter.family=dflash", "drafter.dflash.block_size=8"],
+        ["drafter.family=dflash", "drafter.dflash.num_layers=2"],
+        ["drafter.family=dflash", "drafter.dflash.target_layer_ids=[1,3]"],
+    ):
         keys.add(_train_key(load_config("tiny", [f"run.workdir={tmp_path}", *extra])))
     assert len(keys) == 5
 

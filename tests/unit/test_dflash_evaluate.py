@@ -24,11 +24,21 @@ BLOCK = 4
 def tiny_dflash(model, block: int = BLOCK, layers: int = 2, seed: int = 0) -> DFlashDrafter:
     """A random DFlash drafter as wide as the tiny target, reading its aux layers, with its embeddings and lm_head."""
     cfg = model.config
-    dims = DFlashDims(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                      num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,
-                      intermediate_size=cfg.intermediate_size, num_hidden_layers=layers, rms_norm_eps=1e-6,
-                      rope_theta=10000.0, rope_scaling=None, vocab_size=cfg.vocab_size,
-                      num_context_features=len(AUX_IDS), block_size=block, mask_token_id=2)
+    dims = DFlashDims(
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=layers,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        vocab_size=cfg.vocab_size,
+        num_context_features=len(AUX_IDS),
+        block_size=block,
+        mask_token_id=2,
+    )
     drafter = DFlashDrafter(dims)
     init_dflash_weights(drafter, std=0.2, seed=seed)  # large enough that draft logits are far from ties
     with torch.no_grad():
@@ -58,9 +68,9 @@ def test_cached_context_drafts_what_a_one_shot_block_drafts(setup):
     proposer = DFlashProposer(drafter)
     start = 0
     for end in (len(setup["prompts"][0]), len(setup["prompts"][0]) + 5, len(setup["prompts"][0]) + 8):
-        proposer.observe(aux[start:end], seq[start + 1:end + 1], start)
+        proposer.observe(aux[start:end], seq[start + 1 : end + 1], start)
         start = end
-        cached = proposer.propose(seq[:end + 1]).tokens
+        cached = proposer.propose(seq[: end + 1]).tokens
         one_shot = drafter.draft_block(aux[None, :end], torch.tensor([end]), torch.tensor([seq[end]]))[0].tolist()
         assert cached == one_shot and len(cached) == BLOCK - 1
 
@@ -85,8 +95,10 @@ def test_broken_verification_is_caught(setup, monkeypatch):
 
     monkeypatch.setattr(speculate, "accept_path", accept_all)
     proposer = DFlashProposer(setup["drafter"])
-    kinds = [check_lossless(ref, speculative_decode(setup["target"], proposer, prompt, MAX_NEW).tokens, 1e-3).kind
-             for prompt, ref in zip(setup["prompts"], setup["refs"])]
+    kinds = [
+        check_lossless(ref, speculative_decode(setup["target"], proposer, prompt, MAX_NEW).tokens, 1e-3).kind
+        for prompt, ref in zip(setup["prompts"], setup["refs"])
+    ]
     assert "mismatch" in kinds, kinds
 
 
@@ -105,16 +117,31 @@ def dflash_run(tmp_path_factory):
     from eagle3.train.dflash import dflash_setup
 
     workdir = tmp_path_factory.mktemp("dflash-eval")
-    cfg = load_config("tiny", [f"run.workdir={workdir}", "evaluate.num_prompts=2", "evaluate.max_new_tokens=12",
-                               "evaluate.methods=[chain,tree,ngram]", "evaluate.device=cpu",
-                               "evaluate.datasets=[mtbench,gsm8k]", "drafter.family=dflash",
-                               f"drafter.dflash.block_size={BLOCK}"])
+    cfg = load_config(
+        "tiny",
+        [
+            f"run.workdir={workdir}",
+            "evaluate.num_prompts=2",
+            "evaluate.max_new_tokens=12",
+            "evaluate.methods=[chain,tree,ngram]",
+            "evaluate.device=cpu",
+            "evaluate.datasets=[mtbench,gsm8k]",
+            "drafter.family=dflash",
+            f"drafter.dflash.block_size={BLOCK}",
+        ],
+    )
     model_dir = prepare_target(cfg)
     setup = dflash_setup(cfg, model_dir, AUX_IDS)
     drafter = DFlashDrafter(setup.dims)
     init_dflash_weights(drafter, std=0.2)
-    export_dir = export_dflash(export_state_dict(drafter), setup.dims, setup.target_layer_ids,
-                               setup.num_target_layers, workdir / "dflash-export", torch.float32)
+    export_dir = export_dflash(
+        export_state_dict(drafter),
+        setup.dims,
+        setup.target_layer_ids,
+        setup.num_target_layers,
+        workdir / "dflash-export",
+        torch.float32,
+    )
     return cfg, export_dir
 
 

@@ -23,8 +23,8 @@ def packed_row(length: int, doc_lengths: list[int], prompt_lengths: list[int]) -
     mask = torch.zeros(1, length, dtype=torch.long)
     start = 0
     for i, (n, prompt) in enumerate(zip(doc_lengths, prompt_lengths, strict=True)):
-        docs[0, start:start + n] = i
-        mask[0, start + prompt:start + n] = 1
+        docs[0, start : start + n] = i
+        mask[0, start + prompt : start + n] = 1
         start += n
     return docs, mask
 
@@ -53,14 +53,15 @@ def reference_loss(drafter: DFlashDrafter, feats, ids, mask, docs, anchors, vali
             s = p
             while s > 0 and docs[b, s - 1] == docs[b, p]:
                 s -= 1
-            block = block_input_ids(ids[b:b + 1, p:p + 1], K, drafter.dims.mask_token_id)
+            block = block_input_ids(ids[b : b + 1, p : p + 1], K, drafter.dims.mask_token_id)
             positions = block_positions(torch.tensor([[p - s]]), K)
             if p > s:  # the context cut at the anchor, every key visible
-                hidden = drafter(feats[b:b + 1, s:p], torch.arange(p - s)[None], block, positions)
+                hidden = drafter(feats[b : b + 1, s:p], torch.arange(p - s)[None], block, positions)
             else:  # nothing committed yet: one padding context token, hidden as a decode step hides padding
                 visible = block_visibility(torch.tensor([[0]]), 1, K)
-                hidden = drafter(feats[b:b + 1, s:s + 1], torch.zeros(1, 1, dtype=torch.long), block, positions,
-                                 visible)
+                hidden = drafter(
+                    feats[b : b + 1, s : s + 1], torch.zeros(1, 1, dtype=torch.long), block, positions, visible
+                )
             logp = torch.log_softmax(drafter.logits(hidden[0]), dim=-1)  # [K, V]
             for k in range(1, K):
                 t = p + k
@@ -73,6 +74,7 @@ def reference_loss(drafter: DFlashDrafter, feats, ids, mask, docs, anchors, vali
 
 # ------------------------------------------------------------------------------------------------ anchors
 
+
 def test_anchors_stay_in_one_document_and_the_row_and_have_a_supervised_target():
     """Property over random packings and masks: every valid anchor p has p .. p+K-1 inside the row and inside
     p's document, and some loss_mask[p+1 .. p+K-1] = 1; anchors are distinct and ascending, padding comes last;
@@ -83,8 +85,11 @@ def test_anchors_stay_in_one_document_and_the_row_and_have_a_supervised_target()
         cuts = sorted(torch.randint(0, length + 1, (3,), generator=gen).tolist())
         docs = torch.bucketize(torch.arange(length), torch.tensor(cuts), right=True)[None]  # up to 4 runs
         mask = (torch.rand(1, length, generator=gen) < 0.3).long()
-        brute = {p for p in range(length - K + 1)
-                 if all(docs[0, p + i] == docs[0, p] for i in range(K)) and mask[0, p + 1:p + K].any()}
+        brute = {
+            p
+            for p in range(length - K + 1)
+            if all(docs[0, p + i] == docs[0, p] for i in range(K)) and mask[0, p + 1 : p + K].any()
+        }
         num_blocks = 3 if trial % 2 else 30
         anchors, valid = sample_anchors(mask, K, num_blocks, torch.Generator().manual_seed(trial), docs)
         assert anchors.shape == valid.shape == (1, num_blocks)
@@ -123,6 +128,7 @@ def test_anchor_sampling_is_deterministic_given_the_seed():
 
 
 # --------------------------------------------------------------------------------------------------- loss
+
 
 @pytest.mark.parametrize("gamma", [None, 2.0])
 def test_batched_loss_equals_block_by_block_decode_calls(gamma):

@@ -26,13 +26,26 @@ from eagle3.drafter.model import Llama3RopeScaling, trainable_parameters
 # ------------------------------------------------------------------------------------------------- helpers
 
 
-def tiny_dflash_dims(layers: int = 2, block_size: int = 4, rope_scaling: Llama3RopeScaling | None = None,
-                     vocab: int = 64) -> DFlashDims:
+def tiny_dflash_dims(
+    layers: int = 2, block_size: int = 4, rope_scaling: Llama3RopeScaling | None = None, vocab: int = 64
+) -> DFlashDims:
     """H=32, 4 query / 2 key-value heads of 8, I=48, 3 context features, mask token = the last id."""
-    return DFlashDims(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                      num_hidden_layers=layers, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=rope_scaling,
-                      vocab_size=vocab, num_context_features=3, block_size=block_size, mask_token_id=vocab - 1,
-                      max_position_embeddings=256)
+    return DFlashDims(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=rope_scaling,
+        vocab_size=vocab,
+        num_context_features=3,
+        block_size=block_size,
+        mask_token_id=vocab - 1,
+        max_position_embeddings=256,
+    )
 
 
 def random_dflash(dims: DFlashDims, seed: int = 0, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
@@ -117,16 +130,24 @@ def naive_block(drafter: DFlashDrafter, feats: torch.Tensor, anchor: int, anchor
 
 # --------------------------------------------------------------------------------------------- the layout
 
+
 def test_block_layout_golden():
     """Anchors then mask tokens, positions from each anchor, and who sees what (2 blocks of 3, 4 context keys)."""
     assert block_input_ids(torch.tensor([[7, 9]]), 3, 0).tolist() == [[7, 0, 0, 9, 0, 0]]
     assert block_positions(torch.tensor([[2, 5]]), 3).tolist() == [[2, 3, 4, 5, 6, 7]]
-    visible = block_visibility(torch.tensor([[2, 4]]), num_context=4, block_size=3,
-                               context_start=torch.tensor([[0, 1]]))
+    visible = block_visibility(
+        torch.tensor([[2, 4]]), num_context=4, block_size=3, context_start=torch.tensor([[0, 1]])
+    )
     assert visible.shape == (1, 1, 6, 10)
     rows = ["".join("x" if v else "." for v in row) for row in visible[0, 0].tolist()]
-    assert rows == ["xx..xxx...", "xx..xxx...", "xx..xxx...",  # block 0: context [0, 2), itself
-                    ".xxx...xxx", ".xxx...xxx", ".xxx...xxx"]  # block 1: context [1, 4), itself
+    assert rows == [
+        "xx..xxx...",
+        "xx..xxx...",
+        "xx..xxx...",  # block 0: context [0, 2), itself
+        ".xxx...xxx",
+        ".xxx...xxx",
+        ".xxx...xxx",
+    ]  # block 1: context [1, 4), itself
 
 
 def test_shapes_and_what_is_frozen():
@@ -152,6 +173,7 @@ def test_dims_refuse_what_sglang_cannot_serve():
 
 
 # ---------------------------------------------------------------------------------- what a block depends on
+
 
 def test_context_past_the_anchor_and_padding_are_invisible():
     """Row 1 commits 3 tokens: changing its features at positions >= 3 changes nothing; at position 2 it does."""
@@ -200,8 +222,8 @@ def test_training_layout_equals_one_decode_call_per_block():
     with torch.no_grad():
         together = drafter(feats, torch.arange(length)[None], ids, positions, visible).view(3, d.block_size, -1)
         other = ids.clone()
-        other[0, d.block_size:] = 0  # blocks 1 and 2 replaced: block 0 must not notice
-        alone0 = drafter(feats, torch.arange(length)[None], other, positions, visible)[0, :d.block_size]
+        other[0, d.block_size :] = 0  # blocks 1 and 2 replaced: block 0 must not notice
+        alone0 = drafter(feats, torch.arange(length)[None], other, positions, visible)[0, : d.block_size]
     assert torch.equal(alone0, together[0])
     for n in range(3):
         a = int(anchor_pos[0, n])
@@ -237,11 +259,14 @@ def test_determinism():
     feats = features(d, 2, 6)
     runs = [decode_call(drafter, feats, torch.tensor([6, 3]), torch.tensor([5, 8])) for _ in range(2)]
     assert torch.equal(*runs)
-    assert torch.equal(export_state_dict(random_dflash(d, seed=4))["fc.weight"],
-                       export_state_dict(random_dflash(d, seed=4))["fc.weight"])
+    assert torch.equal(
+        export_state_dict(random_dflash(d, seed=4))["fc.weight"],
+        export_state_dict(random_dflash(d, seed=4))["fc.weight"],
+    )
 
 
 # -------------------------------------------------------------------------------------------------- goldens
+
 
 @pytest.mark.parametrize("layers", [1, 2])
 def test_golden_equals_a_naive_token_by_token_reading(layers):

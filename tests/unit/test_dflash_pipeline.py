@@ -9,17 +9,30 @@ import sys
 
 import pytest
 
-DFLASH_TINY = ["drafter.family=dflash", "drafter.dflash.block_size=4", "drafter.dflash.num_blocks=16",
-               "train.max_steps=6", "train.eval_every_steps=3", "evaluate.num_prompts=2",
-               "evaluate.max_new_tokens=16", "evaluate.device=cpu"]
-COMMANDS = [("eagle3.run.stages", "all"), ("eagle3.features.capture",), ("eagle3.train",), ("eagle3.export",),
-            ("eagle3.evaluate.stage",)]
+DFLASH_TINY = [
+    "drafter.family=dflash",
+    "drafter.dflash.block_size=4",
+    "drafter.dflash.num_blocks=16",
+    "train.max_steps=6",
+    "train.eval_every_steps=3",
+    "evaluate.num_prompts=2",
+    "evaluate.max_new_tokens=16",
+    "evaluate.device=cpu",
+]
+COMMANDS = [
+    ("eagle3.run.stages", "all"),
+    ("eagle3.features.capture",),
+    ("eagle3.train",),
+    ("eagle3.export",),
+    ("eagle3.evaluate.stage",),
+]
 
 
 def _stage(command: tuple[str, ...], workdir) -> subprocess.CompletedProcess:
     sets = [a for o in (f"run.workdir={workdir}", *DFLASH_TINY) for a in ("--set", o)]
-    return subprocess.run([sys.executable, "-m", *command, "--preset", "tiny", *sets], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", *command, "--preset", "tiny", *sets], capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.timeout(900)

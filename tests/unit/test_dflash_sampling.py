@@ -96,8 +96,13 @@ def _rule(rule: AcceptRule, p: torch.Tensor, block: DraftTree, u_rows: torch.Ten
     drafts = torch.tensor(block.tokens)  # [S]
     q = torch.nn.functional.one_hot(drafts, p.shape[-1]).double()  # [S, V]
     num = len(drafts)
-    accepted, token = rule(p.expand(len(u_rows), -1, -1), q.expand(len(u_rows), -1, -1),
-                           drafts.expand(len(u_rows), -1), u_rows[:, :num], u_rows[:, num])
+    accepted, token = rule(
+        p.expand(len(u_rows), -1, -1),
+        q.expand(len(u_rows), -1, -1),
+        drafts.expand(len(u_rows), -1),
+        u_rows[:, :num],
+        u_rows[:, num],
+    )
     return [[*block.tokens[:a], t] for a, t in zip(accepted.tolist(), token.tolist())]
 
 
@@ -171,13 +176,18 @@ def test_broken_rules_fail_the_test(world, rule):
 
 # ----------------------------------------------------------------------------------------------- the decode loop
 
+
 @pytest.fixture(scope="module")
 def decode_world(drafter):
     """The unsharpened tiny target, the trained DFlash drafter, the prompt and its greedy reference."""
     target = TargetRunner(tiny_target(), AUX_IDS)
     prompt = prompt_ids(build_tiny_tokenizer(), QUESTIONS[0])
-    return {"target": target, "proposer": DFlashProposer(drafter), "prompt": prompt,
-            "reference": greedy_decode(target, prompt, MAX_NEW)}
+    return {
+        "target": target,
+        "proposer": DFlashProposer(drafter),
+        "prompt": prompt,
+        "reference": greedy_decode(target, prompt, MAX_NEW),
+    }
 
 
 def test_top_k_one_sampling_is_greedy(decode_world):
@@ -186,8 +196,9 @@ def test_top_k_one_sampling_is_greedy(decode_world):
     walk accepts."""
     params = SamplingParams(1.0, top_k=1)
     target, proposer = decode_world["target"], decode_world["proposer"]
-    out = sampled_speculative_decode(target, proposer, decode_world["prompt"], MAX_NEW, [],
-                                     sampler_for(params, 0, "dflash", "cpu"))
+    out = sampled_speculative_decode(
+        target, proposer, decode_world["prompt"], MAX_NEW, [], sampler_for(params, 0, "dflash", "cpu")
+    )
     assert out.tokens == decode_world["reference"].tokens
     assert max(s.accepted for s in out.steps) == BLOCK - 1
     assert sampled_check(out).kind == "sampled" and out.logprob == 0.0
@@ -198,8 +209,10 @@ def test_sampled_dflash_decode_at_temperature_one(decode_world, capsys):
     from the same seed, drafts K-1 tokens a round; acceptance at t=0 and t=1 printed for the record."""
     target, proposer, prompt = decode_world["target"], decode_world["proposer"], decode_world["prompt"]
     params = SamplingParams(1.0)
-    runs = [sampled_speculative_decode(target, proposer, prompt, MAX_NEW, [], sampler_for(params, 7, "dflash", "cpu"))
-            for _ in range(2)]
+    runs = [
+        sampled_speculative_decode(target, proposer, prompt, MAX_NEW, [], sampler_for(params, 7, "dflash", "cpu"))
+        for _ in range(2)
+    ]
     assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == MAX_NEW
     assert sampled_check(runs[0]).kind == "sampled" and runs[0].logprob is not None and runs[0].logprob < 0
     assert all(s.draft_depth == BLOCK - 1 and s.committed <= s.accepted + 1 for s in runs[0].steps)
@@ -207,5 +220,7 @@ def test_sampled_dflash_decode_at_temperature_one(decode_world, capsys):
     assert sampled_check(own).kind == "sampled"
     greedy = speculative_decode(target, proposer, prompt, MAX_NEW)
     with capsys.disabled():
-        print(f"\ntiny target, trained DFlash drafter (K={BLOCK}), 1 prompt: accept length t=0 "
-              f"{greedy.accept_len:.3f}, t=1 {runs[0].accept_len:.3f}")
+        print(
+            f"\ntiny target, trained DFlash drafter (K={BLOCK}), 1 prompt: accept length t=0 "
+            f"{greedy.accept_len:.3f}, t=1 {runs[0].accept_len:.3f}"
+        )

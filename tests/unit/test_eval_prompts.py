@@ -22,9 +22,16 @@ from eagle3.target.tiny import build_tiny_tokenizer
 
 GOOD = [
     {"prompt": "What is the capital of France?", "category": "geo"},
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."},
-                  {"role": "assistant", "content": "7"}, {"role": "user", "content": "Another one?"}],
-     "category": "math", "id": "primes-2"},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a prime."},
+            {"role": "assistant", "content": "7"},
+            {"role": "user", "content": "Another one?"},
+        ],
+        "category": "math",
+        "id": "primes-2",
+    },
     {"prompt": "Write a haiku about rain.", "category": "geo"},
 ]
 BAD = [
@@ -63,9 +70,14 @@ def test_bad_lines_are_rejected_with_file_line_and_reason(prompt_file):
     """Every bad line is a Reject naming traffic.jsonl:LINE and why; the good ones still load."""
     _, rejects = read_prompt_file(str(prompt_file))
     found = {r.location: r.reason for r in rejects}
-    assert found == {"traffic.jsonl:2": "unparsable", "traffic.jsonl:4": "no_user_turn",
-                     "traffic.jsonl:7": "unknown_role", "traffic.jsonl:8": "non_string_content",
-                     "traffic.jsonl:9": "duplicate_id", "traffic.jsonl:10": "unparsable"}
+    assert found == {
+        "traffic.jsonl:2": "unparsable",
+        "traffic.jsonl:4": "no_user_turn",
+        "traffic.jsonl:7": "unknown_role",
+        "traffic.jsonl:8": "non_string_content",
+        "traffic.jsonl:9": "duplicate_id",
+        "traffic.jsonl:10": "unparsable",
+    }
     assert "exactly one of 'messages'" in next(r.detail for r in rejects if r.location.endswith(":2"))
     assert "ends with a user turn" in next(r.detail for r in rejects if r.location.endswith(":4"))
 
@@ -106,24 +118,38 @@ def test_config_takes_jsonl_paths_beside_the_named_sets(prompt_file):
 
 # ---------------------------------------------------------------------------------------------- the stage
 
+
 @pytest.fixture(scope="module")
 def sampled_run(tmp_path_factory):
     """A tiny target run evaluating a prompt file (one bad line) at temperature 1, random drafter exported."""
     workdir = tmp_path_factory.mktemp("eval-file")
     lines = [json.dumps(GOOD[0]), BAD[1], json.dumps(GOOD[1]), json.dumps(GOOD[2])]
     path = write_prompts(workdir / "traffic.jsonl", lines)
-    cfg = load_config("tiny", [f"run.workdir={workdir}", "evaluate.num_prompts=null", "evaluate.max_new_tokens=6",
-                               "evaluate.methods=[chain,tree,ngram]", "evaluate.tree_steps=2", "evaluate.tree_topk=2",
-                               "evaluate.tree_num_draft_tokens=4", "evaluate.device=cpu", f"evaluate.datasets=[{path}]",
-                               "evaluate.temperature=1.0", "evaluate.top_k=50"])
+    cfg = load_config(
+        "tiny",
+        [
+            f"run.workdir={workdir}",
+            "evaluate.num_prompts=null",
+            "evaluate.max_new_tokens=6",
+            "evaluate.methods=[chain,tree,ngram]",
+            "evaluate.tree_steps=2",
+            "evaluate.tree_topk=2",
+            "evaluate.tree_num_draft_tokens=4",
+            "evaluate.device=cpu",
+            f"evaluate.datasets=[{path}]",
+            "evaluate.temperature=1.0",
+            "evaluate.top_k=50",
+        ],
+    )
     model_dir = prepare_target(cfg)
     info = target_info(model_dir, cfg.target)
     dims = drafter_dims(info, model_dir, draft_vocab_size=info.vocab_size // 2)
     drafter = Eagle3Drafter(dims)
     init_weights(drafter, std=0.2)
     d2t, t2d = maps_from_used(np.arange(0, info.vocab_size, 2), info.vocab_size)
-    export_dir = export_sglang(export_state_dict(drafter), dims, d2t, t2d, info.aux_layer_ids,
-                               workdir / "drafter-export", dtype=torch.float32)
+    export_dir = export_sglang(
+        export_state_dict(drafter), dims, d2t, t2d, info.aux_layer_ids, workdir / "drafter-export", dtype=torch.float32
+    )
     return cfg, model_dir, export_dir, path
 
 

@@ -49,8 +49,10 @@ def test_humaneval_and_gsm8k_counts_and_first_items():
     """164 HumanEval stubs (first HumanEval/0 inside the instruction) and 1319 GSM8K questions (Janet's ducks)."""
     humaneval, gsm8k = read_prompts("humaneval"), read_prompts("gsm8k")
     assert len(humaneval) == 164 and humaneval[0].id == "humaneval:HumanEval/0"
-    assert humaneval[0].text.startswith("Complete the following Python function.") and \
-        "def has_close_elements" in humaneval[0].text
+    assert (
+        humaneval[0].text.startswith("Complete the following Python function.")
+        and "def has_close_elements" in humaneval[0].text
+    )
     assert len(gsm8k) == 1319 and gsm8k[0].text.startswith("Janet\u2019s ducks lay 16 eggs per day.")
 
 
@@ -76,12 +78,19 @@ def test_prompts_are_rendered_with_the_chat_template():
     assert [p.id for p, _ in items] == ["gsm8k:0", "gsm8k:1", "mtbench:81", "mtbench:82"]
     text = tokenizer.decode(items[2][1])
     assert text.endswith("<|im_start|>user\n" + items[2][0].text + "<|im_end|>\n<|im_start|>assistant\n")
-    assert render(tokenizer, "hi") == tokenizer(tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
-        "input_ids"]
+    assert (
+        render(tokenizer, "hi")
+        == tokenizer(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+    )
 
 
 # -------------------------------------------------------------------------------------------------- summaries
+
 
 def test_position_acceptance_golden():
     """Hand-computed: positions accepted / proposed, and conditional on the previous one; empty drafts ignored."""
@@ -92,8 +101,15 @@ def test_position_acceptance_golden():
 
 def _record(index: int, depth, accepted, committed, wall_s: float, kind: str = "identical") -> PromptRecord:
     lossless = LosslessCheck(kind, None if kind == "identical" else 4)
-    return PromptRecord(index, "mtbench", f"mtbench:{index}", 0, GreedyReference(1 + sum(committed), 2.0, []), None,
-                        {"m": MethodRun(1 + sum(committed), wall_s, lossless, depth, accepted, committed)})
+    return PromptRecord(
+        index,
+        "mtbench",
+        f"mtbench:{index}",
+        0,
+        GreedyReference(1 + sum(committed), 2.0, []),
+        None,
+        {"m": MethodRun(1 + sum(committed), wall_s, lossless, depth, accepted, committed)},
+    )
 
 
 def test_summary_golden():
@@ -111,17 +127,35 @@ def test_summary_golden():
 def test_teacher_forced_acc_golden():
     """Teacher-forced acc_0 pools hits over the prompts' tokens (3 + 1 of 4 + 6), not a mean of prompt rates."""
     records = [_record(0, [3], [3], [4], 1.0), _record(1, [3], [0], [1], 1.0)]
-    records = [replace(records[0], teacher_forced=TeacherForced(4, 3)),
-               replace(records[1], teacher_forced=TeacherForced(6, 1))]
+    records = [
+        replace(records[0], teacher_forced=TeacherForced(4, 3)),
+        replace(records[1], teacher_forced=TeacherForced(6, 1)),
+    ]
     assert summarize(records, "m").teacher_forced_acc_0 == 0.4
 
 
 def test_report_says_when_speeds_come_from_processes_sharing_a_device():
     """With several workers the report warns that tok/s and speedups include contention; with one it does not."""
     rows = summarize_all([_record(0, [3, 3], [3, 1], [4, 2], 1.0)], ["m"])
-    settings = EvalSettings({}, target="t", target_dir="t", target_fingerprint="f", export_dir="e", aux_layer_ids=None,
-                            device="cuda", gpu=None, dtype="float32", max_new_tokens=8, num_prompts={"mtbench": 1},
-                            stop_ids=[], ngram="n", methods=[], num_workers=1, torch="", transformers="")
+    settings = EvalSettings(
+        {},
+        target="t",
+        target_dir="t",
+        target_fingerprint="f",
+        export_dir="e",
+        aux_layer_ids=None,
+        device="cuda",
+        gpu=None,
+        dtype="float32",
+        max_new_tokens=8,
+        num_prompts={"mtbench": 1},
+        stop_ids=[],
+        ngram="n",
+        methods=[],
+        num_workers=1,
+        torch="",
+        transformers="",
+    )
     assert "processes sharing one cuda device" in report_markdown(rows, replace(settings, num_workers=14))
     assert "sharing" not in report_markdown(rows, replace(settings, num_workers=1))
 
@@ -130,10 +164,25 @@ def test_report_says_when_greedy_ran_padded_to_the_decode_width():
     """On the static path with decode_rows the report says greedy ran padded like the verifies; not on CPU."""
     rows = summarize_all([_record(0, [3, 3], [3, 1], [4, 2], 1.0)], ["m"])
     section = EvaluateConfig()
-    settings = EvalSettings(section.resolved("cuda").model_dump(mode="json"), target="t", target_dir="t",
-                            target_fingerprint="f", export_dir="e", aux_layer_ids=None, device="cuda", gpu=None,
-                            dtype="bfloat16", max_new_tokens=8, num_prompts={"mtbench": 1}, stop_ids=[], ngram="n",
-                            methods=[], num_workers=1, torch="", transformers="")
+    settings = EvalSettings(
+        section.resolved("cuda").model_dump(mode="json"),
+        target="t",
+        target_dir="t",
+        target_fingerprint="f",
+        export_dir="e",
+        aux_layer_ids=None,
+        device="cuda",
+        gpu=None,
+        dtype="bfloat16",
+        max_new_tokens=8,
+        num_prompts={"mtbench": 1},
+        stop_ids=[],
+        ngram="n",
+        methods=[],
+        num_workers=1,
+        torch="",
+        transformers="",
+    )
     assert "every decode forward 16 rows wide, greedy included" in report_markdown(rows, settings)
     on_cpu = replace(settings, device="cpu", evaluate=section.resolved("cpu").model_dump(mode="json"))
     assert "rows wide" not in report_markdown(rows, on_cpu)
@@ -148,33 +197,57 @@ def test_config_defaults_and_checks():
     for its depth and topk is refused with the field named."""
     e = EvaluateConfig()
     assert (e.datasets, e.num_prompts, e.max_new_tokens, e.methods, e.chain_steps) == (
-        ["mtbench"], 10, 64, ["chain", "ngram"], [3])
+        ["mtbench"],
+        10,
+        64,
+        ["chain", "ngram"],
+        [3],
+    )
     assert (e.ngram_max, e.ngram_min, e.ngram_num_tokens) == (3, 1, 3)
     names = [s.name for s in method_specs(EvaluateConfig(methods=["chain", "tree", "ngram"], chain_steps=[7, 3]))]
     assert names == ["chain-3-1-4", "chain-7-1-8", "tree-5-4-8", "ngram"]
     with pytest.raises(ConfigError, match="tree_num_draft_tokens"):
-        load_config("tiny", ["evaluate.methods=[tree]", "evaluate.tree_steps=2", "evaluate.tree_topk=2",
-                             "evaluate.tree_num_draft_tokens=9"])
+        load_config(
+            "tiny",
+            [
+                "evaluate.methods=[tree]",
+                "evaluate.tree_steps=2",
+                "evaluate.tree_topk=2",
+                "evaluate.tree_num_draft_tokens=9",
+            ],
+        )
 
 
 # ---------------------------------------------------------------------------------------------- the stage
+
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A tiny target run with a random drafter exported in the SGLang layout (float32)."""
     workdir = tmp_path_factory.mktemp("eval")
-    cfg = load_config("tiny", [f"run.workdir={workdir}", "evaluate.num_prompts=2", "evaluate.max_new_tokens=12",
-                               "evaluate.methods=[chain,tree,ngram]", "evaluate.tree_steps=3", "evaluate.tree_topk=2",
-                               "evaluate.tree_num_draft_tokens=5", "evaluate.device=cpu",
-                               "evaluate.datasets=[mtbench,gsm8k]"])
+    cfg = load_config(
+        "tiny",
+        [
+            f"run.workdir={workdir}",
+            "evaluate.num_prompts=2",
+            "evaluate.max_new_tokens=12",
+            "evaluate.methods=[chain,tree,ngram]",
+            "evaluate.tree_steps=3",
+            "evaluate.tree_topk=2",
+            "evaluate.tree_num_draft_tokens=5",
+            "evaluate.device=cpu",
+            "evaluate.datasets=[mtbench,gsm8k]",
+        ],
+    )
     model_dir = prepare_target(cfg)
     info = target_info(model_dir, cfg.target)
     dims = drafter_dims(info, model_dir, draft_vocab_size=info.vocab_size // 2)
     drafter = Eagle3Drafter(dims)
     init_weights(drafter, std=0.2)
     d2t, t2d = maps_from_used(np.arange(0, info.vocab_size, 2), info.vocab_size)
-    export_dir = export_sglang(export_state_dict(drafter), dims, d2t, t2d, info.aux_layer_ids,
-                               workdir / "drafter-export", dtype=torch.float32)
+    export_dir = export_sglang(
+        export_state_dict(drafter), dims, d2t, t2d, info.aux_layer_ids, workdir / "drafter-export", dtype=torch.float32
+    )
     return cfg, model_dir, export_dir
 
 
@@ -226,8 +299,10 @@ def test_static_cache_session_gives_the_eager_records(tiny_run):
     def records(static_cache: str) -> list:
         e = cfg.evaluate.model_copy(update={"max_new_tokens": 12, "static_cache": static_cache})
         job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), "cpu", [], num_threads=1)
-        return [(r.greedy.tokens, {m: (v.accepted, v.lossless.kind) for m, v in r.methods.items()})
-                for r in evaluate_prompts(job, items, 1)]
+        return [
+            (r.greedy.tokens, {m: (v.accepted, v.lossless.kind) for m, v in r.methods.items()})
+            for r in evaluate_prompts(job, items, 1)
+        ]
 
     static = records("on")
     assert static == records("off") and all(k == "identical" for _, m in static for _, k in m.values())
@@ -246,8 +321,9 @@ def test_killed_evaluation_resumes_from_its_journal(tiny_run, tmp_path, monkeypa
     evaluate_prompts(job, items[:2], 1, journal=journal, key="k1")  # "killed" after two prompts
     measured = []
     real = evaluate_module.evaluate_prompt
-    monkeypatch.setattr(evaluate_module, "evaluate_prompt",
-                        lambda s, i, p, ids: measured.append(i) or real(s, i, p, ids))
+    monkeypatch.setattr(
+        evaluate_module, "evaluate_prompt", lambda s, i, p, ids: measured.append(i) or real(s, i, p, ids)
+    )
     resumed = evaluate_prompts(job, items, 1, journal=journal, key="k1")
     assert measured == [2]
 
@@ -270,8 +346,9 @@ def test_stage_removes_its_journal_once_outputs_exist(tiny_run):
 
 def test_measuring_order_interleaves_datasets():
     """First prompt of each dataset, then the second of each...; indices (output order) are untouched."""
-    prompts = [EvalPrompt("mtbench", f"m{i}", "") for i in range(3)] + [EvalPrompt("gsm8k", f"g{i}", "")
-                                                                        for i in range(2)]
+    prompts = [EvalPrompt("mtbench", f"m{i}", "") for i in range(3)] + [
+        EvalPrompt("gsm8k", f"g{i}", "") for i in range(2)
+    ]
     order = interleaved([(i, p, [0]) for i, p in enumerate(prompts)])
     assert [item[0] for item in order] == [0, 3, 1, 4, 2]
 

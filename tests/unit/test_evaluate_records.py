@@ -42,8 +42,10 @@ def test_old_journal_resumes_with_typed_records(tmp_path):
     """journaled_records reads a journal written before the typed records: the same prompts come back, typed."""
     journal = Journal(tmp_path / "evaluate.journal.jsonl")
     journal.path.write_text("".join(_journal_lines()), encoding="utf-8")
-    prompts = [(0, EvalPrompt("mtbench", "mtbench:81", ""), [0] * 37),
-               (1, EvalPrompt("gsm8k", "gsm8k:0", ""), [0] * 61)]
+    prompts = [
+        (0, EvalPrompt("mtbench", "mtbench:81", ""), [0] * 37),
+        (1, EvalPrompt("gsm8k", "gsm8k:0", ""), [0] * 61),
+    ]
     assert journaled_records(journal, "golden-key", prompts) == dict(enumerate(_golden_records()))
     assert journaled_records(journal, "other-key", prompts) == {}
     assert list(journaled_records(journal, "golden-key", [(1, prompts[1][1], [0] * 60)])) == []  # other length
@@ -56,8 +58,11 @@ def test_outputs_equal_the_dict_codes_golden_files(tmp_path):
     rows = summarize_all(_golden_records(), METHODS)
     assert [r.to_json() for r in rows] == golden["results"]
     outputs = write_outputs(tmp_path, _golden_records(), rows, settings)
-    for name, key in (("evaluate_results.json", "results"), ("evaluate_report.md", "report"),
-                      ("evaluate_prompts.jsonl", "prompts")):
+    for name, key in (
+        ("evaluate_results.json", "results"),
+        ("evaluate_report.md", "report"),
+        ("evaluate_prompts.jsonl", "prompts"),
+    ):
         assert outputs[key].read_bytes() == (GOLDEN / name).read_bytes(), name
     assert report_markdown(rows, settings) == (GOLDEN / "evaluate_report.md").read_text()
 

@@ -43,11 +43,24 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------------------------------------- helpers
 
+
 def tiny_dims(vocab: int = 64, draft: int = 24) -> DrafterDims:
     """A drafter small enough for any CPU: H=32, 4 query / 2 kv heads, I=48."""
-    return DrafterDims(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                       rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, vocab_size=vocab,
-                       draft_vocab_size=draft, num_aux=3, target_hidden_size=32, max_position_embeddings=256)
+    return DrafterDims(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        vocab_size=vocab,
+        draft_vocab_size=draft,
+        num_aux=3,
+        target_hidden_size=32,
+        max_position_embeddings=256,
+    )
 
 
 def vocab_maps(dims: DrafterDims) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,17 +75,31 @@ def write_target(folder: Path, dims: DrafterDims, seed: int = 1) -> Path:
     """A tiny Llama target folder: config.json and the tensors the drafter and speculators read."""
     gen = torch.Generator().manual_seed(seed)
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": dims.hidden_size,
-              "intermediate_size": dims.intermediate_size, "num_attention_heads": dims.num_attention_heads,
-              "num_key_value_heads": dims.num_key_value_heads, "head_dim": dims.head_dim,
-              "num_hidden_layers": NUM_TARGET_LAYERS, "vocab_size": dims.vocab_size, "rms_norm_eps": dims.rms_norm_eps,
-              "rope_theta": dims.rope_theta, "max_position_embeddings": dims.max_position_embeddings,
-              "tie_word_embeddings": False}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": dims.hidden_size,
+        "intermediate_size": dims.intermediate_size,
+        "num_attention_heads": dims.num_attention_heads,
+        "num_key_value_heads": dims.num_key_value_heads,
+        "head_dim": dims.head_dim,
+        "num_hidden_layers": NUM_TARGET_LAYERS,
+        "vocab_size": dims.vocab_size,
+        "rms_norm_eps": dims.rms_norm_eps,
+        "rope_theta": dims.rope_theta,
+        "max_position_embeddings": dims.max_position_embeddings,
+        "tie_word_embeddings": False,
+    }
     (folder / "config.json").write_text(json.dumps(config))
     h, v = dims.hidden_size, dims.vocab_size
-    save_file({"model.embed_tokens.weight": torch.randn(v, h, generator=gen),
-               "lm_head.weight": torch.randn(v, h, generator=gen), "model.norm.weight": 1 + 0.1 * torch.randn(h)},
-              str(folder / "model.safetensors"))
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(v, h, generator=gen),
+            "lm_head.weight": torch.randn(v, h, generator=gen),
+            "model.norm.weight": 1 + 0.1 * torch.randn(h),
+        },
+        str(folder / "model.safetensors"),
+    )
     return folder
 
 
@@ -125,8 +152,13 @@ def test_python_m_eagle3_export_checks_a_folder(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
     def check() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "eagle3.export", "--check", str(out)], capture_output=True,
-                              text=True, env=env, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "eagle3.export", "--check", str(out)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
 
     good = check()
     assert good.returncode == 0 and good.stdout.strip() == f"{out}: sglang layout, check passed"
@@ -143,6 +175,7 @@ def rewrite_weights(export_dir: Path, edit) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- round trip
+
 
 def test_round_trip_gives_identical_tensors_and_forward(tmp_path):
     """export (fp32) -> load_sglang_export: the same weights, the target's embeddings, d2t/t2d, and equal logits."""
@@ -182,18 +215,26 @@ def test_export_folder_has_config_weights_and_provenance_only(tmp_path):
 
 # --------------------------------------------------------------------------------------------- strict check
 
-@pytest.mark.parametrize("edit, needle", [
-    (lambda t: t.pop("midlayer.hidden_norm.weight"), "missing keys ['midlayer.hidden_norm.weight']"),
-    (lambda t: t.update({"midlayer.self_attn.qk_norm.weight": torch.ones(8)}),
-     "unexpected keys ['midlayer.self_attn.qk_norm.weight']"),
-    (lambda t: t.update({"draft_model.fc.weight": t.pop("fc.weight")}), "prefix ['draft_model.fc.weight']"),
-    (lambda t: t.update({"lm_head.weight": t["lm_head.weight"][:-1]}),
-     "lm_head.weight: shape [23, 32], expected [24, 32]"),
-    (lambda t: t.update({"fc.weight": t["fc.weight"].double()}), "fc.weight: dtype float64, expected float32"),
-    (lambda t: t.update({"norm.weight": t["norm.weight"].half()}), "norm.weight: dtype float16, expected float32"),
-    (lambda t: t.update({"d2t": t["d2t"].int()}), "d2t: dtype int32, expected int64"),
-    (lambda t: t.update({"t2d": t["t2d"].flip(0)}), "d2t/t2d"),
-])
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda t: t.pop("midlayer.hidden_norm.weight"), "missing keys ['midlayer.hidden_norm.weight']"),
+        (
+            lambda t: t.update({"midlayer.self_attn.qk_norm.weight": torch.ones(8)}),
+            "unexpected keys ['midlayer.self_attn.qk_norm.weight']",
+        ),
+        (lambda t: t.update({"draft_model.fc.weight": t.pop("fc.weight")}), "prefix ['draft_model.fc.weight']"),
+        (
+            lambda t: t.update({"lm_head.weight": t["lm_head.weight"][:-1]}),
+            "lm_head.weight: shape [23, 32], expected [24, 32]",
+        ),
+        (lambda t: t.update({"fc.weight": t["fc.weight"].double()}), "fc.weight: dtype float64, expected float32"),
+        (lambda t: t.update({"norm.weight": t["norm.weight"].half()}), "norm.weight: dtype float16, expected float32"),
+        (lambda t: t.update({"d2t": t["d2t"].int()}), "d2t: dtype int32, expected int64"),
+        (lambda t: t.update({"t2d": t["t2d"].flip(0)}), "d2t/t2d"),
+    ],
+)
 def test_strict_check_names_the_bad_key(tmp_path, edit, needle):
     """Each broken export (missing, unknown, prefixed, wrong shape/dtype, inconsistent maps) fails, naming the key."""
     out, *_ = sglang_export(tmp_path)
@@ -204,13 +245,16 @@ def test_strict_check_names_the_bad_key(tmp_path, edit, needle):
     assert needle in str(err.value)
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("architectures", ["LlamaForCausalLM"], "architectures"),
-    ("num_hidden_layers", 2, "num_hidden_layers"),
-    ("draft_vocab_size", None, "draft_vocab_size"),
-    ("eagle_config", {"eagle_aux_hidden_state_layer_ids": [4, 1, 3], "use_aux_hidden_state": True}, "ascending"),
-    ("torch_dtype", "int8", "torch_dtype"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("architectures", ["LlamaForCausalLM"], "architectures"),
+        ("num_hidden_layers", 2, "num_hidden_layers"),
+        ("draft_vocab_size", None, "draft_vocab_size"),
+        ("eagle_config", {"eagle_aux_hidden_state_layer_ids": [4, 1, 3], "use_aux_hidden_state": True}, "ascending"),
+        ("torch_dtype", "int8", "torch_dtype"),
+    ],
+)
 def test_strict_check_refuses_bad_config_fields(tmp_path, field, value, needle):
     """A config.json SGLang would misread (architecture, layers, no draft vocab, bad aux ids, dtype) fails."""
     out, *_ = sglang_export(tmp_path)
@@ -246,14 +290,26 @@ def test_speculators_export_names_and_check(tmp_path):
     dims = tiny_dims()
     target = write_target(tmp_path / "target", dims)
     drafter = random_drafter(dims, target)
-    out = export_speculators(drafter.state_dict(), dims, *vocab_maps(dims), AUX, tmp_path / "spec",
-                             torch.float32, verifier_name_or_path=str(target))
+    out = export_speculators(
+        drafter.state_dict(),
+        dims,
+        *vocab_maps(dims),
+        AUX,
+        tmp_path / "spec",
+        torch.float32,
+        verifier_name_or_path=str(target),
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert (config["norm_before_residual"], config["norm_output"], config["architectures"]) == (
-        False, False, ["Eagle3Speculator"])
-    assert config["speculators_config"]["verifier"] == {"name_or_path": str(target),
-                                                         "architectures": ["LlamaForCausalLM"]}
+        False,
+        False,
+        ["Eagle3Speculator"],
+    )
+    assert config["speculators_config"]["verifier"] == {
+        "name_or_path": str(target),
+        "architectures": ["LlamaForCausalLM"],
+    }
     stored = load_file(str(out / "model.safetensors"))
     assert torch.equal(stored["layers.0.self_attn.q_proj.weight"], drafter.midlayer.self_attn.q_proj.weight)
     assert not any(k.startswith("midlayer.") for k in stored)
@@ -264,10 +320,21 @@ def test_speculators_export_names_and_check(tmp_path):
 
 # ------------------------------------------------------------------------------------ config and aux ids
 
-LLAMA31_8B = DrafterDims(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         intermediate_size=14336, rms_norm_eps=1e-5, rope_theta=500000.0,
-                         rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 8192), vocab_size=128256,
-                         draft_vocab_size=32000, num_aux=3, target_hidden_size=4096, max_position_embeddings=131072)
+LLAMA31_8B = DrafterDims(
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=Llama3RopeScaling(8.0, 1.0, 4.0, 8192),
+    vocab_size=128256,
+    draft_vocab_size=32000,
+    num_aux=3,
+    target_hidden_size=4096,
+    max_position_embeddings=131072,
+)
 
 
 def test_sglang_config_golden_fields_for_llama31_8b():
@@ -278,15 +345,23 @@ def test_sglang_config_golden_fields_for_llama31_8b():
     assert (config["hidden_size"], config["intermediate_size"], config["target_hidden_size"]) == (4096, 14336, 4096)
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (32, 8, 128)
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 15, 28], "use_aux_hidden_state": True}
-    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert config["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert (config["tie_word_embeddings"], config["torch_dtype"], config["rope_theta"]) == (False, "bfloat16", 5e5)
 
 
-@pytest.mark.parametrize("num_layers, ours, sglang, speculators", [
-    (30, [1, 14, 26], [1, 14, 26], [2, 15, 27]),  # SmolLM2-135M
-    (32, [1, 15, 28], [1, 15, 28], [2, 16, 29]),  # Llama-3.1-8B (speculators: src/speculators/models/utils.py)
-])
+@pytest.mark.parametrize(
+    "num_layers, ours, sglang, speculators",
+    [
+        (30, [1, 14, 26], [1, 14, 26], [2, 15, 27]),  # SmolLM2-135M
+        (32, [1, 15, 28], [1, 15, 28], [2, 16, 29]),  # Llama-3.1-8B (speculators: src/speculators/models/utils.py)
+    ],
+)
 def test_aux_id_translation_golden(num_layers, ours, sglang, speculators):
     """Our default ids, SGLang's eagle_config ids (it adds 1 itself) and speculators' capture-before ids."""
     assert default_aux_layer_ids(num_layers) == ours
@@ -304,14 +379,21 @@ def test_ids_not_starting_at_one_are_flagged():
 
 # ------------------------------------------------------------------------------------------------ the stage
 
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """A synthetic run trained for one step (real train manifest and checkpoint); its RunConfig."""
     from eagle3.train.loop import train
     from tests.unit.test_train_helpers import load_run_config, synthetic_run
 
-    overrides = ["train.max_steps=1", "drafter.ttt_steps=1", "train.eval_every_steps=0",
-                 "train.checkpoint_every_steps=0", "train.tokens_per_row=256", "train.progress_every_s=0"]
+    overrides = [
+        "train.max_steps=1",
+        "drafter.ttt_steps=1",
+        "train.eval_every_steps=0",
+        "train.checkpoint_every_steps=0",
+        "train.tokens_per_row=256",
+        "train.progress_every_s=0",
+    ]
     cfg = load_run_config(synthetic_run(tmp_path_factory.mktemp("export") / "runs", overrides))
     assert train(cfg).status == "done"
     return cfg

@@ -21,11 +21,19 @@ from tests.unit.test_dflash_model import random_dflash, tiny_dflash_dims
 TARGET_LAYER_IDS, NUM_TARGET_LAYERS = [1, 3, 5], 8
 
 
-def export(tmp_path: Path, drafter: DFlashDrafter | None = None, dtype: torch.dtype = torch.float32,
-           **kwargs) -> tuple[Path, DFlashDrafter]:
+def export(
+    tmp_path: Path, drafter: DFlashDrafter | None = None, dtype: torch.dtype = torch.float32, **kwargs
+) -> tuple[Path, DFlashDrafter]:
     drafter = drafter or random_dflash(tiny_dflash_dims())
-    out = export_dflash(export_state_dict(drafter), drafter.dims, TARGET_LAYER_IDS, NUM_TARGET_LAYERS,
-                        tmp_path / "dflash", dtype, **kwargs)
+    out = export_dflash(
+        export_state_dict(drafter),
+        drafter.dims,
+        TARGET_LAYER_IDS,
+        NUM_TARGET_LAYERS,
+        tmp_path / "dflash",
+        dtype,
+        **kwargs,
+    )
     return out, drafter
 
 
@@ -48,13 +56,22 @@ def test_config_golden_fields(tmp_path):
     out, _ = export(tmp_path, drafter, torch.bfloat16, mask_token="<|mask|>")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
-    assert cfg["dflash_config"] == {"block_size": 16, "target_layer_ids": [1, 3, 5], "mask_token_id": 63,
-                                    "mask_token": "<|mask|>"}
+    assert cfg["dflash_config"] == {
+        "block_size": 16,
+        "target_layer_ids": [1, 3, 5],
+        "mask_token_id": 63,
+        "mask_token": "<|mask|>",
+    }
     assert (cfg["block_size"], cfg["num_target_layers"], cfg["num_hidden_layers"]) == (16, 8, 2)
     assert cfg["layer_types"] == ["full_attention"] * 2 and cfg["is_causal"] is False
     assert cfg["tie_word_embeddings"] is False and cfg["torch_dtype"] == "bfloat16" and cfg["hidden_act"] == "silu"
-    assert cfg["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert cfg["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     specs = dflash_tensor_specs(drafter.dims, torch.bfloat16)
     assert not any("embed" in k or "lm_head" in k for k in specs)
     assert specs["fc.weight"] == ((32, 96), torch.bfloat16)
@@ -73,14 +90,20 @@ def _rename(old: str, new: str):
     return lambda t: t.__setitem__(new, t.pop(old))
 
 
-@pytest.mark.parametrize(("edit", "needle"), [
-    (lambda t: t.pop("hidden_norm.weight"), r"missing keys \['hidden_norm.weight'\]"),
-    (lambda t: t.__setitem__("lm_head.weight", torch.zeros(64, 32)), r"unexpected keys \['lm_head.weight'\]"),
-    (_rename("layers.0.mlp.up_proj.weight", "layers.0.mlp.upproj.weight"), r"missing keys .*up_proj.*upproj"),
-    (lambda t: t.__setitem__("fc.weight", torch.zeros(32, 64)), r"fc.weight: shape \[32, 64\], expected \[32, 96\]"),
-    (lambda t: t.__setitem__("norm.weight", t["norm.weight"].half()), r"norm.weight: dtype float16"),
-    (lambda t: t["layers.1.self_attn.q_norm.weight"].__setitem__(0, float("nan")), r"non-finite.*q_norm"),
-])
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda t: t.pop("hidden_norm.weight"), r"missing keys \['hidden_norm.weight'\]"),
+        (lambda t: t.__setitem__("lm_head.weight", torch.zeros(64, 32)), r"unexpected keys \['lm_head.weight'\]"),
+        (_rename("layers.0.mlp.up_proj.weight", "layers.0.mlp.upproj.weight"), r"missing keys .*up_proj.*upproj"),
+        (
+            lambda t: t.__setitem__("fc.weight", torch.zeros(32, 64)),
+            r"fc.weight: shape \[32, 64\], expected \[32, 96\]",
+        ),
+        (lambda t: t.__setitem__("norm.weight", t["norm.weight"].half()), r"norm.weight: dtype float16"),
+        (lambda t: t["layers.1.self_attn.q_norm.weight"].__setitem__(0, float("nan")), r"non-finite.*q_norm"),
+    ],
+)
 def test_strict_check_names_the_bad_tensor(tmp_path, edit, needle):
     out, _ = export(tmp_path)
     rewrite_weights(out, edit)
@@ -88,19 +111,22 @@ def test_strict_check_names_the_bad_tensor(tmp_path, edit, needle):
         check_dflash_export(out)
 
 
-@pytest.mark.parametrize(("field", "value", "needle"), [
-    ("architectures", ["LlamaForCausalLMEagle3"], "architectures"),
-    ("layer_types", ["full_attention", "sliding_attention"], "layer_types"),
-    ("is_causal", True, "is_causal"),
-    ("num_target_layers", None, "num_target_layers must be a positive int"),
-    ("block_size", 8, "block_size 8 and dflash_config.block_size 4 differ"),
-    ("dflash_config.target_layer_ids", [5, 3, 1], "ascending"),
-    ("dflash_config.target_layer_ids", [1, 3, 8], r"must lie in \[0, 8\)"),
-    ("dflash_config.mask_token_id", None, "mask_token_id must be an int"),
-    ("dflash_config.mask_token_id", 64, "mask_token_id must be an int in"),
-    ("dflash_config.selector_rank", 256, r"keys \['selector_rank'\]"),
-    ("tie_word_embeddings", True, "tie_word_embeddings must be false"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("architectures", ["LlamaForCausalLMEagle3"], "architectures"),
+        ("layer_types", ["full_attention", "sliding_attention"], "layer_types"),
+        ("is_causal", True, "is_causal"),
+        ("num_target_layers", None, "num_target_layers must be a positive int"),
+        ("block_size", 8, "block_size 8 and dflash_config.block_size 4 differ"),
+        ("dflash_config.target_layer_ids", [5, 3, 1], "ascending"),
+        ("dflash_config.target_layer_ids", [1, 3, 8], r"must lie in \[0, 8\)"),
+        ("dflash_config.mask_token_id", None, "mask_token_id must be an int"),
+        ("dflash_config.mask_token_id", 64, "mask_token_id must be an int in"),
+        ("dflash_config.selector_rank", 256, r"keys \['selector_rank'\]"),
+        ("tie_word_embeddings", True, "tie_word_embeddings must be false"),
+    ],
+)
 def test_strict_check_refuses_bad_config_fields(tmp_path, field, value, needle):
     out, _ = export(tmp_path)
     cfg = json.loads((out / "config.json").read_text())
@@ -134,6 +160,7 @@ def test_bf16_export_holds_the_rounded_weights(tmp_path):
     out, drafter = export(tmp_path, dtype=torch.bfloat16)
     tensors = load_file(str(out / "model.safetensors"))
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
-    assert torch.equal(tensors["layers.0.self_attn.q_proj.weight"],
-                       drafter.layers[0].self_attn.q_proj.weight.detach().bfloat16())
+    assert torch.equal(
+        tensors["layers.0.self_attn.q_proj.weight"], drafter.layers[0].self_attn.q_proj.weight.detach().bfloat16()
+    )
     check_dflash_export(out)

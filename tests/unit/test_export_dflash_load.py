@@ -38,8 +38,20 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-NEEDED = ("sglang", "triton", "dill", "tvm_ffi", "sentencepiece", "compressed_tensors", "loguru", "openai",
-          "partial_json_parser", "msgspec", "zmq", "pybase64")
+NEEDED = (
+    "sglang",
+    "triton",
+    "dill",
+    "tvm_ffi",
+    "sentencepiece",
+    "compressed_tensors",
+    "loguru",
+    "openai",
+    "partial_json_parser",
+    "msgspec",
+    "zmq",
+    "pybase64",
+)
 DFLASH_STAND_INS = ("einops",)
 NUM_TARGET_LAYERS = 8
 TARGET_LAYER_IDS = [1, 3, 5]
@@ -47,6 +59,7 @@ CONTEXT_LENS = [7, 4]  # committed tokens of the two rows of the forward check
 
 
 # --------------------------------------------------------------------------------------- the SGLang child
+
 
 def install_dflash_stand_ins() -> list[str]:
     """The EAGLE-3 test's stand-ins plus einops (when absent); returns what was faked."""
@@ -85,16 +98,24 @@ def sglang_block_forward(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor
     rows, block = block_ids.shape
     attn0 = model.layers[0].self_attn
     seq_lens = context_lens + block
-    pool = MHATokenToKVPool(size=int(seq_lens.sum()) + 8, page_size=1, dtype=torch.float32,
-                            head_num=attn0.num_kv_heads, head_dim=attn0.head_dim, layer_num=len(model.layers),
-                            device="cpu", enable_memory_saver=False)
+    pool = MHATokenToKVPool(
+        size=int(seq_lens.sum()) + 8,
+        page_size=1,
+        dtype=torch.float32,
+        head_num=attn0.num_kv_heads,
+        head_dim=attn0.head_dim,
+        layer_num=len(model.layers),
+        device="cpu",
+        enable_memory_saver=False,
+    )
     req_to_token = torch.zeros((rows, int(seq_lens.max())), dtype=torch.int64)
     start = 1  # slot 0 is the pool's padding slot
     for r, n in enumerate(seq_lens.tolist()):
         req_to_token[r, :n] = torch.arange(start, start + n)
         start += n
-    runner = SimpleNamespace(device="cpu", req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
-                             token_to_kv_pool=pool)
+    runner = SimpleNamespace(
+        device="cpu", req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), token_to_kv_pool=pool
+    )
     backend = TorchNativeAttnBackend(runner)
     ctx_loc = torch.cat([req_to_token[r, :n] for r, n in enumerate(context_lens.tolist())])
     ctx_pos = torch.cat([torch.arange(n) for n in context_lens.tolist()])
@@ -105,14 +126,28 @@ def sglang_block_forward(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor
             attn = layer.self_attn
             k, v = attn.kv_proj_only(model.prepare_context_hidden_for_kv(layer, ctx_hidden))
             k = attn.apply_k_rope(ctx_pos, attn.apply_k_norm(k))
-            pool.set_kv_buffer(attn.attn, ctx_loc, k.view(-1, attn.num_kv_heads, attn.head_dim),
-                               v.view(-1, attn.num_kv_heads, attn.head_dim), attn.attn.k_scale, attn.attn.v_scale)
+            pool.set_kv_buffer(
+                attn.attn,
+                ctx_loc,
+                k.view(-1, attn.num_kv_heads, attn.head_dim),
+                v.view(-1, attn.num_kv_heads, attn.head_dim),
+                attn.attn.k_scale,
+                attn.attn.v_scale,
+            )
     positions = (context_lens[:, None] + torch.arange(block)).flatten()  # the worker's prefix_lens + offsets
-    out_loc = torch.cat([req_to_token[r, n:n + block] for r, n in enumerate(context_lens.tolist())])
-    batch = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=rows, input_ids=block_ids.flatten(),
-                         req_pool_indices=torch.arange(rows), seq_lens=seq_lens, out_cache_loc=out_loc,
-                         seq_lens_sum=int(seq_lens.sum()), positions=positions, extend_prefix_lens=context_lens,
-                         extend_seq_lens=torch.full((rows,), block))
+    out_loc = torch.cat([req_to_token[r, n : n + block] for r, n in enumerate(context_lens.tolist())])
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=rows,
+        input_ids=block_ids.flatten(),
+        req_pool_indices=torch.arange(rows),
+        seq_lens=seq_lens,
+        out_cache_loc=out_loc,
+        seq_lens_sum=int(seq_lens.sum()),
+        positions=positions,
+        extend_prefix_lens=context_lens,
+        extend_seq_lens=torch.full((rows,), block),
+    )
     backend.init_forward_metadata(batch)
     embeds = inputs["embed"][block_ids.flatten()]  # the worker's embed_module(block_ids)
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
@@ -134,15 +169,22 @@ def child_main(target_dir: str, *jobs: str) -> None:
         tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
         parsed = parse_dflash_draft_config(draft_hf_config=model.config)
         layers = [layer.self_attn for layer in model.layers]
-        view = {"block_size": model.block_size, "num_context_features": model.num_context_features,
-                "fc_in": model.fc.in_features, "mask_token_id": parsed.mask_token_id,
-                "target_layer_ids": parsed.resolve_target_layer_ids(target_num_layers=NUM_TARGET_LAYERS,
-                                                                    draft_num_layers=len(layers)),
-                "attn_types": [a.attn.attn_type.name for a in layers],
-                "sliding_window": [a.attn.sliding_window_size for a in layers],
-                "scaling": [a.attn.scaling for a in layers], "rope": [type(a.rotary_emb).__name__ for a in layers],
-                "neox": [bool(a.rotary_emb.is_neox_style) for a in layers],
-                "stand_ins": faked, "fused_op_backend": os.environ.get("SGLANG_FORCE_FUSED_OP_BACKEND")}
+        view = {
+            "block_size": model.block_size,
+            "num_context_features": model.num_context_features,
+            "fc_in": model.fc.in_features,
+            "mask_token_id": parsed.mask_token_id,
+            "target_layer_ids": parsed.resolve_target_layer_ids(
+                target_num_layers=NUM_TARGET_LAYERS, draft_num_layers=len(layers)
+            ),
+            "attn_types": [a.attn.attn_type.name for a in layers],
+            "sliding_window": [a.attn.sliding_window_size for a in layers],
+            "scaling": [a.attn.scaling for a in layers],
+            "rope": [type(a.rotary_emb).__name__ for a in layers],
+            "neox": [bool(a.rotary_emb.is_neox_style) for a in layers],
+            "stand_ins": faked,
+            "fused_op_backend": os.environ.get("SGLANG_FORCE_FUSED_OP_BACKEND"),
+        }
         if inputs_file != "-":
             tensors["__hidden__"] = sglang_block_forward(model, load_file(inputs_file)).contiguous()
         save_file(tensors, out_file, metadata={"sglang_view": json.dumps(view)})
@@ -150,13 +192,18 @@ def child_main(target_dir: str, *jobs: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- the tests
 
+
 def _missing_modules() -> list[str]:
     return [m for m in NEEDED if importlib.util.find_spec(m) is None]
 
 
-pytestmark = pytest.mark.skipif(bool(_missing_modules()), reason=(
-    f"SGLang DFlash draft-class test needs modules {_missing_modules()}: pip install --no-deps sglang==0.5.23, "
-    "-r tests/sglang-parser-requirements.txt, -r tests/sglang-draft-requirements.txt"))
+pytestmark = pytest.mark.skipif(
+    bool(_missing_modules()),
+    reason=(
+        f"SGLang DFlash draft-class test needs modules {_missing_modules()}: pip install --no-deps sglang==0.5.23, "
+        "-r tests/sglang-parser-requirements.txt, -r tests/sglang-draft-requirements.txt"
+    ),
+)
 
 
 def load_in_sglang(target_dir: Path, jobs: list[tuple[Path, Path | None]]) -> list[dict]:
@@ -174,18 +221,33 @@ def load_in_sglang(target_dir: Path, jobs: list[tuple[Path, Path | None]]) -> li
     results = []
     for out in outs:
         with safe_open(str(out), framework="pt") as fh:
-            results.append({**{k: fh.get_tensor(k) for k in fh.keys()},  # noqa: SIM118 (safe_open is not iterable)
-                            "__view__": json.loads(fh.metadata()["sglang_view"])})
+            results.append(
+                {
+                    **{k: fh.get_tensor(k) for k in fh.keys()},  # noqa: SIM118 (safe_open is not iterable)
+                    "__view__": json.loads(fh.metadata()["sglang_view"]),
+                }
+            )
     return results
 
 
 def write_target_config(folder: Path, hidden: int, vocab: int) -> Path:
     """A tiny Llama target folder (config.json only): what ServerArgs reads in the child."""
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-              "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "head_dim": hidden // 4, "num_hidden_layers": NUM_TARGET_LAYERS, "vocab_size": vocab,
-              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256, "tie_word_embeddings": False}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden // 4,
+        "num_hidden_layers": NUM_TARGET_LAYERS,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+    }
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
@@ -199,10 +261,17 @@ def forward_inputs(drafter, path: Path, seed: int = 5) -> dict[str, torch.Tensor
     d = drafter.dims
     gen = torch.Generator().manual_seed(seed)
     anchors = torch.randint(0, d.vocab_size, (len(CONTEXT_LENS),), generator=gen)
-    inputs = {f"features_{r}": torch.randn(n, d.num_context_features * d.hidden_size, generator=gen)
-              for r, n in enumerate(CONTEXT_LENS)}
-    inputs.update({"block_ids": block_input_ids(anchors[:, None], d.block_size, d.mask_token_id),
-                   "context_lens": torch.tensor(CONTEXT_LENS), "embed": drafter.embed_tokens.weight.detach().clone()})
+    inputs = {
+        f"features_{r}": torch.randn(n, d.num_context_features * d.hidden_size, generator=gen)
+        for r, n in enumerate(CONTEXT_LENS)
+    }
+    inputs.update(
+        {
+            "block_ids": block_input_ids(anchors[:, None], d.block_size, d.mask_token_id),
+            "context_lens": torch.tensor(CONTEXT_LENS),
+            "embed": drafter.embed_tokens.weight.detach().clone(),
+        }
+    )
     save_file(inputs, str(path))
     return inputs
 
@@ -236,37 +305,62 @@ def loaded(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("dflash_sglang")
     plain = random_dflash(tiny_dflash_dims(layers=2), seed=1)
-    scaled = random_dflash(tiny_dflash_dims(layers=1, block_size=5, rope_scaling=Llama3RopeScaling(
-        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8)), seed=2)
+    scaled = random_dflash(
+        tiny_dflash_dims(
+            layers=1,
+            block_size=5,
+            rope_scaling=Llama3RopeScaling(
+                factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8
+            ),
+        ),
+        seed=2,
+    )
     target = write_target_config(tmp / "target", plain.dims.hidden_size, plain.dims.vocab_size)
     outs, inputs = [], []
     for name, drafter in (("plain", plain), ("scaled", scaled)):
-        outs.append(export_dflash(export_state_dict(drafter), drafter.dims, TARGET_LAYER_IDS, NUM_TARGET_LAYERS,
-                                  tmp / name, torch.float32))
+        outs.append(
+            export_dflash(
+                export_state_dict(drafter), drafter.dims, TARGET_LAYER_IDS, NUM_TARGET_LAYERS, tmp / name, torch.float32
+            )
+        )
         inputs.append(forward_inputs(drafter, tmp / f"{name}.inputs.safetensors"))
-    broken = misname(outs[0], tmp / "broken", "layers.1.self_attn.k_norm.weight",
-                     "layers.1.self_attn.k_nrom.weight")
-    results = load_in_sglang(target, [(outs[0], tmp / "plain.inputs.safetensors"),
-                                      (outs[1], tmp / "scaled.inputs.safetensors"), (broken, None)])
-    return {"drafters": [plain, scaled], "results": results[:2], "inputs": inputs, "broken": broken,
-            "broken_params": results[2]}
+    broken = misname(outs[0], tmp / "broken", "layers.1.self_attn.k_norm.weight", "layers.1.self_attn.k_nrom.weight")
+    results = load_in_sglang(
+        target,
+        [(outs[0], tmp / "plain.inputs.safetensors"), (outs[1], tmp / "scaled.inputs.safetensors"), (broken, None)],
+    )
+    return {
+        "drafters": [plain, scaled],
+        "results": results[:2],
+        "inputs": inputs,
+        "broken": broken,
+        "broken_params": results[2],
+    }
 
 
 def expected_sglang_params(drafter) -> dict[str, torch.Tensor]:
     """Every SGLang parameter as our tensors: q;k;v rows fused into qkv_proj, gate;up into gate_up_proj."""
-    expected = {"fc.weight": drafter.fc.weight, "hidden_norm.weight": drafter.hidden_norm.weight,
-                "norm.weight": drafter.norm.weight}
+    expected = {
+        "fc.weight": drafter.fc.weight,
+        "hidden_norm.weight": drafter.hidden_norm.weight,
+        "norm.weight": drafter.norm.weight,
+    }
     for i, layer in enumerate(drafter.layers):
         attn, mlp, p = layer.self_attn, layer.mlp, f"layers.{i}"
-        expected.update({
-            f"{p}.input_layernorm.weight": layer.input_layernorm.weight,
-            f"{p}.post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
-            f"{p}.self_attn.qkv_proj.weight": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-            f"{p}.self_attn.o_proj.weight": attn.o_proj.weight,
-            f"{p}.self_attn.q_norm.weight": attn.q_norm.weight, f"{p}.self_attn.k_norm.weight": attn.k_norm.weight,
-            f"{p}.mlp.gate_up_proj.weight": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-            f"{p}.mlp.down_proj.weight": mlp.down_proj.weight,
-        })
+        expected.update(
+            {
+                f"{p}.input_layernorm.weight": layer.input_layernorm.weight,
+                f"{p}.post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+                f"{p}.self_attn.qkv_proj.weight": torch.cat(
+                    [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+                ),
+                f"{p}.self_attn.o_proj.weight": attn.o_proj.weight,
+                f"{p}.self_attn.q_norm.weight": attn.q_norm.weight,
+                f"{p}.self_attn.k_norm.weight": attn.k_norm.weight,
+                f"{p}.mlp.gate_up_proj.weight": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                f"{p}.mlp.down_proj.weight": mlp.down_proj.weight,
+            }
+        )
     return {k: v.detach() for k, v in expected.items()}
 
 
@@ -284,15 +378,15 @@ def test_every_sglang_parameter_is_ours(loaded):
 def test_sglang_reads_our_config_fields(loaded):
     """Block size, features, mask id, target layers; non-causal (ENCODER_ONLY) full attention with 1/sqrt(hd);
     neox-style RoPE, llama3-scaled when asked."""
-    for drafter, params, rope in zip(loaded["drafters"], loaded["results"],
-                                     ("RotaryEmbedding", "Llama3RotaryEmbedding"), strict=True):
+    for drafter, params, rope in zip(
+        loaded["drafters"], loaded["results"], ("RotaryEmbedding", "Llama3RotaryEmbedding"), strict=True
+    ):
         d, view = drafter.dims, params["__view__"]
         layers = d.num_hidden_layers
-        assert (view["block_size"], view["num_context_features"], view["fc_in"]) == (
-            d.block_size, 3, 3 * d.hidden_size)
+        assert (view["block_size"], view["num_context_features"], view["fc_in"]) == (d.block_size, 3, 3 * d.hidden_size)
         assert view["mask_token_id"] == d.mask_token_id and view["target_layer_ids"] == TARGET_LAYER_IDS
         assert view["attn_types"] == ["ENCODER_ONLY"] * layers and view["sliding_window"] == [-1] * layers
-        assert view["scaling"] == [d.head_dim ** -0.5] * layers
+        assert view["scaling"] == [d.head_dim**-0.5] * layers
         assert view["rope"] == [rope] * layers and view["neox"] == [True] * layers
         assert set(view["stand_ins"]) <= {"torchvision", "vllm._custom_ops", *DFLASH_STAND_INS}
         assert view["fused_op_backend"] == "torch"

@@ -31,11 +31,24 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-NEEDED = ("sglang", "triton", "dill", "tvm_ffi", "sentencepiece", "compressed_tensors", "loguru", "openai",
-          "partial_json_parser", "msgspec", "zmq", "pybase64")
+NEEDED = (
+    "sglang",
+    "triton",
+    "dill",
+    "tvm_ffi",
+    "sentencepiece",
+    "compressed_tensors",
+    "loguru",
+    "openai",
+    "partial_json_parser",
+    "msgspec",
+    "zmq",
+    "pybase64",
+)
 
 
 # --------------------------------------------------------------------------------------- the SGLang child
+
 
 class _StandIn:
     """Any use (call or attribute) of a stand-in raises: it exists only so that an import succeeds."""
@@ -97,8 +110,13 @@ def init_sglang_cpu_runtime(target_dir: Path) -> None:
     if not torch.distributed.is_initialized():
         args = ServerArgs(model_path=str(target_dir), device="cpu", skip_tokenizer_init=True)
         publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0))
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+        )
         initialize_model_parallel(backend="gloo")
 
 
@@ -133,22 +151,32 @@ def child_main(target_dir: str, *jobs: str) -> None:
         tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
         if model.hot_token_id is not None:
             tensors["__hot_token_id__"] = model.hot_token_id.contiguous()
-        view = {"draft_vocab_size": model.config.draft_vocab_size, "fc_in": model.model.fc.in_features,
-                "num_aux": model.model.num_aux_hidden_states, "hidden_size_in": model.model.hidden_size_in,
-                "aux_ids": model.config.eagle_config["eagle_aux_hidden_state_layer_ids"],
-                "load_lm_head_from_target": model.load_lm_head_from_target, "stand_ins": faked}
+        view = {
+            "draft_vocab_size": model.config.draft_vocab_size,
+            "fc_in": model.model.fc.in_features,
+            "num_aux": model.model.num_aux_hidden_states,
+            "hidden_size_in": model.model.hidden_size_in,
+            "aux_ids": model.config.eagle_config["eagle_aux_hidden_state_layer_ids"],
+            "load_lm_head_from_target": model.load_lm_head_from_target,
+            "stand_ins": faked,
+        }
         save_file(tensors, out_file, metadata={"sglang_view": json.dumps(view)})
 
 
 # ----------------------------------------------------------------------------------------------- the tests
 
+
 def _missing_modules() -> list[str]:
     return [m for m in NEEDED if importlib.util.find_spec(m) is None]
 
 
-pytestmark = pytest.mark.skipif(bool(_missing_modules()), reason=(
-    f"SGLang draft-class test needs modules {_missing_modules()}: pip install --no-deps sglang==0.5.23, "
-    "-r tests/sglang-parser-requirements.txt, -r tests/sglang-draft-requirements.txt"))
+pytestmark = pytest.mark.skipif(
+    bool(_missing_modules()),
+    reason=(
+        f"SGLang draft-class test needs modules {_missing_modules()}: pip install --no-deps sglang==0.5.23, "
+        "-r tests/sglang-parser-requirements.txt, -r tests/sglang-draft-requirements.txt"
+    ),
+)
 
 
 def load_in_sglang(target_dir: Path, export_dirs: list[Path]) -> list[dict[str, torch.Tensor]]:
@@ -165,8 +193,12 @@ def load_in_sglang(target_dir: Path, export_dirs: list[Path]) -> list[dict[str, 
     results = []
     for out in outs:
         with safe_open(str(out), framework="pt") as fh:
-            results.append({**{k: fh.get_tensor(k) for k in fh.keys()},  # noqa: SIM118 (safetensors' safe_open has keys() but is not iterable: `in fh` raises)
-                            "__view__": json.loads(fh.metadata()["sglang_view"])})
+            results.append(
+                {
+                    **{k: fh.get_tensor(k) for k in fh.keys()},  # noqa: SIM118 (safetensors' safe_open has keys() but is not iterable: `in fh` raises)
+                    "__view__": json.loads(fh.metadata()["sglang_view"]),
+                }
+            )
     return results
 
 
@@ -197,8 +229,14 @@ def loaded(tmp_path_factory):
     out = export_sglang(export_state_dict(drafter), dims, *vocab_maps(dims), AUX, tmp / "export", torch.float32)
     broken = misname(out, tmp / "broken", "midlayer.hidden_norm.weight", "midlayer.hiden_norm.weight")
     clean_params, broken_params = load_in_sglang(target, [out, broken])
-    return {"params": clean_params, "broken_params": broken_params, "drafter": drafter, "dims": dims, "out": out,
-            "broken": broken}
+    return {
+        "params": clean_params,
+        "broken_params": broken_params,
+        "drafter": drafter,
+        "dims": dims,
+        "out": out,
+        "broken": broken,
+    }
 
 
 def test_every_sglang_parameter_but_the_embeddings_is_ours(loaded):
@@ -207,8 +245,9 @@ def test_every_sglang_parameter_but_the_embeddings_is_ours(loaded):
     mid = drafter.midlayer
     expected = {
         "model.fc.weight": drafter.fc.weight,
-        "model.layers.0.self_attn.qkv_proj.weight": torch.cat([mid.self_attn.q_proj.weight, mid.self_attn.k_proj.weight,
-                                                               mid.self_attn.v_proj.weight]),
+        "model.layers.0.self_attn.qkv_proj.weight": torch.cat(
+            [mid.self_attn.q_proj.weight, mid.self_attn.k_proj.weight, mid.self_attn.v_proj.weight]
+        ),
         "model.layers.0.self_attn.o_proj.weight": mid.self_attn.o_proj.weight,
         "model.layers.0.mlp.gate_up_proj.weight": torch.cat([mid.mlp.gate_proj.weight, mid.mlp.up_proj.weight]),
         "model.layers.0.mlp.down_proj.weight": mid.mlp.down_proj.weight,

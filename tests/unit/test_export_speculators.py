@@ -18,8 +18,11 @@ from tests.unit.test_export import AUX, random_drafter, tiny_dims, ttt_inputs, t
 
 NEEDED = ("speculators", "datasets", "pandas", "multiprocess", "xxhash", "hs_connectors", "loguru")
 MISSING = [m for m in NEEDED if importlib.util.find_spec(m) is None]
-pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"speculators test needs modules {MISSING}: pip install "
-                                "--no-deps speculators==0.9.0 and -r tests/speculators-requirements.txt")
+pytestmark = pytest.mark.skipif(
+    bool(MISSING),
+    reason=f"speculators test needs modules {MISSING}: pip install "
+    "--no-deps speculators==0.9.0 and -r tests/speculators-requirements.txt",
+)
 TTT_STEPS = 3
 ATOL = 1e-5  # fp32 on both sides; the two implementations order their reductions differently
 
@@ -42,9 +45,13 @@ def speculators_logits(model, aux: torch.Tensor, ids: torch.Tensor) -> tuple[lis
     hook = model.lm_head.register_forward_hook(lambda _m, _i, logits: seen.append(logits.detach()))
     try:
         # speculators feeds input_ids as step 0's tokens and shifts them by one more per step: pass x_{t+1}.
-        tokens = model(hidden_states=aux, input_ids=torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1),
-                       document_ids=torch.zeros_like(ids), position_ids=torch.arange(ids.shape[1])[None],
-                       ttt_steps=TTT_STEPS)
+        tokens = model(
+            hidden_states=aux,
+            input_ids=torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1),
+            document_ids=torch.zeros_like(ids),
+            position_ids=torch.arange(ids.shape[1])[None],
+            ttt_steps=TTT_STEPS,
+        )
     finally:
         hook.remove()
     return seen, tokens
@@ -57,8 +64,15 @@ def exported(tmp_path_factory):
     dims = tiny_dims()
     target = write_target(tmp / "target", dims)
     drafter = random_drafter(dims, target)
-    out = export_speculators(drafter.state_dict(), dims, *vocab_maps(dims), AUX, tmp / "speculators",
-                             torch.float32, verifier_name_or_path=str(target))
+    out = export_speculators(
+        drafter.state_dict(),
+        dims,
+        *vocab_maps(dims),
+        AUX,
+        tmp / "speculators",
+        torch.float32,
+        verifier_name_or_path=str(target),
+    )
     return drafter, out, target, dims
 
 

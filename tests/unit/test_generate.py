@@ -18,9 +18,19 @@ def _tiny_llama() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -32,9 +42,15 @@ def _prompts(n: int = 10, seed: int = 0) -> list[list[int]]:
 def _plain(model: Any, prompts: list[list[int]], eos: tuple[int, ...]) -> list[list[int]]:
     """Reference: one plain generate call (dynamic cache) on the whole left-padded batch."""
     ids, mask = left_pad(prompts, max(map(len, prompts)), 0)
-    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=NEW,
-                         do_sample=False, eos_token_id=list(eos), pad_token_id=0)
-    return [cut_after_eos(r, eos) for r in out[:, ids.shape[1]:].tolist()]
+    out = model.generate(
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
+        max_new_tokens=NEW,
+        do_sample=False,
+        eos_token_id=list(eos),
+        pad_token_id=0,
+    )
+    return [cut_after_eos(r, eos) for r in out[:, ids.shape[1] :].tolist()]
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +74,21 @@ def block_masks(monkeypatch) -> list:
 
 
 def _settings(eos: tuple[int, ...], **kw: Any) -> GenerationSettings:
-    return GenerationSettings(**{"max_new_tokens": NEW, "eos_ids": eos, "pad_id": 0, "batch_size": 4,
-                                 "prompt_bucket": 16, **kw})
+    return GenerationSettings(
+        **{"max_new_tokens": NEW, "eos_ids": eos, "pad_id": 0, "batch_size": 4, "prompt_bucket": 16, **kw}
+    )
 
 
-@pytest.mark.parametrize("backend,attention", [("dynamic", "kv_heads"), ("static", "kv_heads"), ("static", "sdpa"),
-                                               ("static", "flex"), ("continuous", "kv_heads")])
+@pytest.mark.parametrize(
+    "backend,attention",
+    [
+        ("dynamic", "kv_heads"),
+        ("static", "kv_heads"),
+        ("static", "sdpa"),
+        ("static", "flex"),
+        ("continuous", "kv_heads"),
+    ],
+)
 def test_backends_equal_plain_generate_token_for_token(case, backend, attention, block_masks):
     """Greedy answers of each backend (batches of 4 with a short last batch, left padding) equal plain generate's;
     with flex the decode steps really ran through its block mask."""
@@ -235,8 +260,13 @@ def _compiled_static(case: Any, compile_backend: str, attention: gen.DecodeAtten
     assert got == ref
 
 
-@pytest.mark.parametrize("compile_backend,attention", [  # flex's AOT trace takes ~80 s on a 2-core CPU: slow suite
-    ("eager", "kv_heads"), pytest.param("aot_eager", "flex", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "compile_backend,attention",
+    [  # flex's AOT trace takes ~80 s on a 2-core CPU: slow suite
+        ("eager", "kv_heads"),
+        pytest.param("aot_eager", "flex", marks=pytest.mark.slow),
+    ],
+)
 def test_compiled_static_equals_plain_generate(case, compile_backend, attention, block_masks):
     """With transformers' compile forced on CPU (Dynamo; AOT tracing for flex) the static path equals plain
     generate with no graph break, and flex's block mask is built inside the compiled decode step."""
@@ -321,8 +351,8 @@ def test_generation_stats_count_what_the_calls_did(case, backend):
 def _loop_stop_reference(row: list[int], n: int) -> list[int]:
     """``row`` up to the first length whose last n tokens equal the n before them shifted by a period <= n."""
     for end in range(2 * n, len(row) + 1):
-        tail = row[end - 2 * n:end]
-        if any(tail[j:j + n] == tail[n:] for j in range(n)):
+        tail = row[end - 2 * n : end]
+        if any(tail[j : j + n] == tail[n:] for j in range(n)):
             return row[:end]
     return row
 
@@ -335,12 +365,14 @@ def test_looping_rows_stop_where_their_tokens_start_repeating(backend, straggler
     model, new = _tiny_llama(), 40
     prompts = _prompts(8, seed=3)
     ids, mask = left_pad(prompts, max(map(len, prompts)), 0)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=[2],
-                         pad_token_id=0)
-    plain = [cut_after_eos(r, (2,)) for r in out[:, ids.shape[1]:].tolist()]
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=[2], pad_token_id=0
+    )
+    plain = [cut_after_eos(r, (2,)) for r in out[:, ids.shape[1] :].tolist()]
     want = [_loop_stop_reference(r, 3) for r in plain]
-    assert any(w != p for w, p in zip(want, plain)) and any(w == p for w, p in zip(want, plain)), \
+    assert any(w != p for w, p in zip(want, plain)) and any(w == p for w, p in zip(want, plain)), (
         "the case needs rows that loop and rows that do not"
+    )
     kw = {"max_new_tokens": new, "backend": backend, "straggler_rows": stragglers}
     whole = TokenGenerator(model, _settings((2,), **kw))
     stopped = TokenGenerator(model, _settings((2,), **kw, loop_stop_tokens=3))

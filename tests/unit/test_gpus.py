@@ -47,7 +47,9 @@ def test_lists_gpus_with_memory(fake_smi):
     fake_smi(TWO_IDLE)
     gpus = list_gpus()
     assert [(g.index, g.name, g.total_mib, g.used_mib, g.processes) for g in gpus] == [
-        (0, H200, 143771, 4, ()), (1, H200, 143771, 4, ())]
+        (0, H200, 143771, 4, ()),
+        (1, H200, 143771, 4, ()),
+    ]
     assert gpus[0].free_bytes == (143771 - 4) * 2**20
 
 
@@ -59,8 +61,10 @@ def test_idle_gpus_pass_the_check(fake_smi):
 
 def test_busy_gpu_error_names_pid_process_and_memory(fake_smi):
     """A GPU with a compute process fails the check with its pid, process name and MiB held."""
-    fake_smi(f"0, GPU-aaa, {H200}, 143771, 4\n1, GPU-bbb, {H200}, 143771, 70000\n",
-             "GPU-bbb, 4242, /usr/bin/python3, 69990\n")
+    fake_smi(
+        f"0, GPU-aaa, {H200}, 143771, 4\n1, GPU-bbb, {H200}, 143771, 70000\n",
+        "GPU-bbb, 4242, /usr/bin/python3, 69990\n",
+    )
     assert check_gpus_free([0])  # the idle one is fine
     with pytest.raises(GpuBusyError) as exc:
         check_gpus_free([0, 1])

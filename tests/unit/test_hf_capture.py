@@ -39,8 +39,10 @@ def _model():
 @pytest.fixture(scope="module")
 def samples() -> list[SampleTokens]:
     gen = torch.Generator().manual_seed(0)
-    return [SampleTokens(f"s{i}", torch.randint(0, 300, (n,), generator=gen).tolist(), [i % 2] * n)
-            for i, n in enumerate(LENGTHS)]
+    return [
+        SampleTokens(f"s{i}", torch.randint(0, 300, (n,), generator=gen).tolist(), [i % 2] * n)
+        for i, n in enumerate(LENGTHS)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +174,16 @@ def test_prepare_refuses_a_changed_spec(tiny_base, tmp_path):
     """A spec.json written for other features stops prepare, naming the fields, and keeps the old manifest."""
     cfg = tiny_run(tiny_base, tmp_path, "capture.tokens_per_shard=3000")
     run_capture(cfg)
-    changed = load_config("tiny", [f"run.workdir={tmp_path}", f"target.cache_dir={tiny_base / '_targets'}",
-                                   "capture.tokens_per_shard=3000", "capture.aux_dtype=float8_e4m3fn",
-                                   "capture.dtype=float16"])
+    changed = load_config(
+        "tiny",
+        [
+            f"run.workdir={tmp_path}",
+            f"target.cache_dir={tiny_base / '_targets'}",
+            "capture.tokens_per_shard=3000",
+            "capture.aux_dtype=float8_e4m3fn",
+            "capture.dtype=float16",
+        ],
+    )
     with pytest.raises(SpecMismatchError, match="aux_dtype: 'bfloat16' -> 'float8_e4m3fn'") as err:
         run_capture(changed)
     assert "dtype: 'bfloat16' -> 'float16'" in str(err.value)
@@ -207,8 +216,15 @@ def test_run_capture_topk_fp8_covers_every_sample(tiny_base, tmp_path):
     """run_capture with top-K + fp8 stores every tokenized sample once, readable, hashes verified; rerun skips."""
     import pyarrow.parquet as pq
 
-    cfg = tiny_run(tiny_base, tmp_path, "capture.tokens_per_shard=2500", "capture.supervision=topk_logprobs",
-                   "capture.topk=4", "capture.aux_dtype=float8_e4m3fn", "capture.tokens_per_forward=600")
+    cfg = tiny_run(
+        tiny_base,
+        tmp_path,
+        "capture.tokens_per_shard=2500",
+        "capture.supervision=topk_logprobs",
+        "capture.topk=4",
+        "capture.aux_dtype=float8_e4m3fn",
+        "capture.tokens_per_forward=600",
+    )
     outcome = run_capture(cfg)
     ids = pq.read_table(cfg.run_dir / "data" / "tokenized.parquet", columns=["id"])["id"].to_pylist()
     reader = ShardReader(features_dir(cfg))
@@ -234,12 +250,12 @@ def test_run_capture_streamed_and_whole_shards_are_identical(tiny_base, tmp_path
     writers and a small queue give byte-identical shards and done files under the same stage key."""
     common = ("capture.tokens_per_shard=1500", "capture.tokens_per_forward=600")
     whole = tiny_run(tiny_base, tmp_path / "whole", *common, "capture.stream_writes=false", "capture.num_writers=1")
-    streamed = tiny_run(tiny_base, tmp_path / "streamed", *common, "capture.num_writers=3",
-                        "capture.write_queue_bytes=200000")
+    streamed = tiny_run(
+        tiny_base, tmp_path / "streamed", *common, "capture.num_writers=3", "capture.write_queue_bytes=200000"
+    )
     first, second = run_capture(whole), run_capture(streamed)
     assert first.key == second.key and first.stats["num_shards"] > 2
     assert _shard_files(whole) == _shard_files(streamed) and len(_shard_files(whole)) == 2 * first.stats["num_shards"]
-
 
 
 def test_per_sample_attention_knob_reaches_the_backend_and_keeps_the_key(tiny_base, tmp_path):
@@ -248,9 +264,17 @@ def test_per_sample_attention_knob_reaches_the_backend_and_keeps_the_key(tiny_ba
     from eagle3.features.capture import build_spec, capture_key, make_backend
     from eagle3.target.load import prepare_target
 
-    on, off = tiny_run(tiny_base, tmp_path), load_config("tiny", [f"run.workdir={tmp_path}",
-                                                                   f"target.cache_dir={tiny_base / '_targets'}",
-                                                                   "capture.per_sample_attention=false"])
+    on, off = (
+        tiny_run(tiny_base, tmp_path),
+        load_config(
+            "tiny",
+            [
+                f"run.workdir={tmp_path}",
+                f"target.cache_dir={tiny_base / '_targets'}",
+                "capture.per_sample_attention=false",
+            ],
+        ),
+    )
     model_dir = prepare_target(on)
     spec = build_spec(on, model_dir)
     backends = [make_backend(cfg, model_dir, spec) for cfg in (on, off)]

@@ -20,16 +20,21 @@ DEEP = 200_000
 
 def record(num: int, key: str = "conversations") -> dict:
     if key == "messages":
-        return {"id": f"r{num}", "messages": [{"role": "user", "content": f"q{num}"},
-                                               {"role": "assistant", "content": f"a{num}"}]}
-    return {"id": f"r{num}", "conversations": [{"from": "human", "value": f"q{num}"},
-                                               {"from": "gpt", "value": f"a{num}"}]}
+        return {
+            "id": f"r{num}",
+            "messages": [{"role": "user", "content": f"q{num}"}, {"role": "assistant", "content": f"a{num}"}],
+        }
+    return {
+        "id": f"r{num}",
+        "conversations": [{"from": "human", "value": f"q{num}"}, {"from": "gpt", "value": f"a{num}"}],
+    }
 
 
 def merge(tmp_path: Path, path: Path, fmt: str = "auto", **data) -> tuple[dict, list[dict]]:
     """stats['total'] and the parsed rejects.jsonl lines (parsed strictly: NaN/Infinity are refused)."""
-    paths, stats = merge_sources([SourceConfig(name="s", path=str(path), format=fmt)],
-                                 DataConfig(max_chars=10_000, **data), 0, tmp_path / "out")
+    paths, stats = merge_sources(
+        [SourceConfig(name="s", path=str(path), format=fmt)], DataConfig(max_chars=10_000, **data), 0, tmp_path / "out"
+    )
     lines = paths["rejects"].read_text(encoding="utf-8").splitlines()
     return stats["total"], [json.loads(line, parse_constant=_no_constant) for line in lines]
 
@@ -46,12 +51,15 @@ def jsonl(path: Path, lines: list[str]) -> Path:
 # ---------------------------------------------------------------- JSON arrays: one broken record
 
 
-@pytest.mark.parametrize("broken", [
-    '{"id": "r5", "conversations": [{"from": "human", "value": "q"} {"from": "gpt", "value": "a"}]}',  # no comma
-    '{"id": "r5", "conversations": [{"from": "human", "value": "q}, {"from": "gpt", "value": "a"}]}',  # open string
-    '{"id": "r5", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]',  # no '}'
-    '{"id": r5, "conversations": []}',                                                                # bare word
-])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        '{"id": "r5", "conversations": [{"from": "human", "value": "q"} {"from": "gpt", "value": "a"}]}',  # no comma
+        '{"id": "r5", "conversations": [{"from": "human", "value": "q}, {"from": "gpt", "value": "a"}]}',  # open string
+        '{"id": "r5", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]',  # no '}'
+        '{"id": r5, "conversations": []}',  # bare word
+    ],
+)
 def test_broken_record_in_an_array_is_one_reject_and_the_rest_is_read(tmp_path, broken):
     """The 6th of 100 records is broken: read 100, kept 99, one 'unparsable' reject at index [5] with its text."""
     texts = [json.dumps(record(n)) for n in range(100)]
@@ -90,8 +98,10 @@ def test_a_file_that_is_one_deep_value_is_a_source_error(tmp_path):
 
 def test_integer_id_of_5000_digits_is_a_reject_naming_the_line(tmp_path):
     """A 5,000-digit id rejects its own line (file:line, the digit count), not the whole merge."""
-    huge = '{"id": ' + "7" * 5000 + ', "messages": [{"role": "user", "content": "q"}, {"role": "assistant", ' \
-           '"content": "a"}]}'
+    huge = (
+        '{"id": ' + "7" * 5000 + ', "messages": [{"role": "user", "content": "q"}, {"role": "assistant", '
+        '"content": "a"}]}'
+    )
     path = jsonl(tmp_path / "ids.jsonl", [json.dumps(record(0, "messages")), huge, json.dumps(record(2, "messages"))])
     total, rejects = merge(tmp_path, path)
     assert (total["read"], total["kept"], total["rejected"]) == (3, 2, 1)
@@ -101,18 +111,27 @@ def test_integer_id_of_5000_digits_is_a_reject_naming_the_line(tmp_path):
 
 def test_nan_ids_leave_rejects_jsonl_valid_json_lines(tmp_path):
     """NaN/Infinity in JSON text, and a NaN float id column in Parquet, are rejected; every rejects line is JSON."""
-    texts = [json.dumps(record(0, "messages")),
-             '{"id": NaN, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}',
-             '{"id": "x", "score": -Infinity, "messages": []}']
+    texts = [
+        json.dumps(record(0, "messages")),
+        '{"id": NaN, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}',
+        '{"id": "x", "score": -Infinity, "messages": []}',
+    ]
     total, rejects = merge(tmp_path, jsonl(tmp_path / "nan.jsonl", texts))
     assert (total["read"], total["kept"]) == (3, 1)
     assert [r["location"] for r in rejects] == ["nan.jsonl:2", "nan.jsonl:3"]
     assert "NaN is not valid JSON" in rejects[0]["detail"]
-    pq.write_table(pa.table({"id": [math.nan], "messages": [record(0, "messages")["messages"]]}),
-                   tmp_path / "nan.parquet")
-    paths, stats = merge_sources([SourceConfig(name="j", path=str(tmp_path / "nan.jsonl")),
-                                  SourceConfig(name="p", path=str(tmp_path / "nan.parquet"))],
-                                 DataConfig(dedupe=False), 0, tmp_path / "out2")
+    pq.write_table(
+        pa.table({"id": [math.nan], "messages": [record(0, "messages")["messages"]]}), tmp_path / "nan.parquet"
+    )
+    paths, stats = merge_sources(
+        [
+            SourceConfig(name="j", path=str(tmp_path / "nan.jsonl")),
+            SourceConfig(name="p", path=str(tmp_path / "nan.parquet")),
+        ],
+        DataConfig(dedupe=False),
+        0,
+        tmp_path / "out2",
+    )
     lines = paths["rejects"].read_text(encoding="utf-8").splitlines()
     rejects = [json.loads(line, parse_constant=_no_constant) for line in lines]
     assert stats["total"]["read"] == 4 and rejects[-1]["location"] == "nan.parquet#row 0"
@@ -127,8 +146,10 @@ def test_utf16_and_utf32_files_read_like_utf8(tmp_path, encoding):
     """A JSONL or JSON-array file in UTF-16/32 (with or without BOM) reads to the same records as in UTF-8."""
     records = [record(n, "messages") for n in range(3)]
     records[1]["messages"][1]["content"] = "héllo ✓ 日本語 😀"
-    for name, text in (("x.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)),
-                       ("x.json", json.dumps(records, ensure_ascii=False))):
+    for name, text in (
+        ("x.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)),
+        ("x.json", json.dumps(records, ensure_ascii=False)),
+    ):
         path = tmp_path / name
         path.write_bytes(text.encode(encoding))
         items = list(read_source(SourceConfig(name="s", path=str(path)), 1000))
@@ -139,8 +160,14 @@ def test_utf16_and_utf32_files_read_like_utf8(tmp_path, encoding):
 def test_mid_file_bom_before_a_valid_line_is_read(tmp_path):
     """Two concatenated UTF-8-with-BOM files: the BOM starting line 2 does not make that record unparsable."""
     path = tmp_path / "cat.jsonl"
-    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(record(0, "messages")).encode() + b"\n"
-                     + b"\xef\xbb\xbf" + json.dumps(record(1, "messages")).encode() + b"\n")
+    path.write_bytes(
+        b"\xef\xbb\xbf"
+        + json.dumps(record(0, "messages")).encode()
+        + b"\n"
+        + b"\xef\xbb\xbf"
+        + json.dumps(record(1, "messages")).encode()
+        + b"\n"
+    )
     items = list(read_source(SourceConfig(name="s", path=str(path)), 1000))
     assert [i.id for i in items] == ["s:r0", "s:r1"]
 
@@ -157,16 +184,19 @@ def test_binary_file_forced_to_a_format_fails_the_merge_loudly(tmp_path):
 # ---------------------------------------------------------------- config values that become paths or shapes
 
 
-@pytest.mark.parametrize("override, field", [
-    ("target.name=../../x", "target.name"),
-    ("target.name=a/b", "target.name"),
-    (f"run.name={'n' * 300}", "run.name"),
-    ("run.name=..", "run.name"),
-    ("target.tiny.hidden_size=-64", "target.tiny.hidden_size"),
-    ("target.tiny.num_attention_heads=0", "target.tiny.num_attention_heads"),
-    ("target.tiny.hidden_size=60", "hidden_size"),  # 60 / 4 heads = 15, an odd head size
-    ("export.checkpoint=../../elsewhere", "export.checkpoint"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("target.name=../../x", "target.name"),
+        ("target.name=a/b", "target.name"),
+        (f"run.name={'n' * 300}", "run.name"),
+        ("run.name=..", "run.name"),
+        ("target.tiny.hidden_size=-64", "target.tiny.hidden_size"),
+        ("target.tiny.num_attention_heads=0", "target.tiny.num_attention_heads"),
+        ("target.tiny.hidden_size=60", "hidden_size"),  # 60 / 4 heads = 15, an odd head size
+        ("export.checkpoint=../../elsewhere", "export.checkpoint"),
+    ],
+)
 def test_unsafe_names_and_impossible_shapes_are_config_errors(override, field):
     """Names with separators or '..', over-long names, non-positive or inconsistent sizes: a ConfigError naming them."""
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -211,8 +241,13 @@ def test_a_huge_binary_line_costs_a_small_multiple_of_its_size_and_a_bounded_rej
     first = json.dumps(record(0, "messages")).encode() + b"\n"
     path = tmp_path / "bin.jsonl"
     path.write_bytes(first + line + b"\n" + json.dumps(record(2, "messages")).encode() + b"\n")
-    out = subprocess.run([sys.executable, "-c", _MERGE_PEAK, str(path), str(tmp_path / "out")], check=True,
-                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2]).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _MERGE_PEAK, str(path), str(tmp_path / "out")],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert (result["total"]["read"], result["total"]["kept"]) == (3, 2)
     assert result["grew"] < 5 * size, f"peak grew by {result['grew'] / size:.1f}x the line"

@@ -42,7 +42,7 @@ def _targets(node: ast.AST, module: str, is_package: bool) -> list[str]:
     base = node.module or ""
     if node.level:  # relative: drop (level - 1) packages from this module's package
         package = module.split(".") if is_package else module.split(".")[:-1]
-        package = package[:len(package) - (node.level - 1)]
+        package = package[: len(package) - (node.level - 1)]
         base = ".".join(package + ([base] if base else []))
     return [f"{base}.{alias.name}" for alias in node.names]
 
@@ -118,8 +118,9 @@ def cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 def test_import_graph_is_acyclic():
     """No module of eagle3/, infra/, flows/ or tasks/ reaches itself through imports (nested imports count)."""
     graph = import_graph()
-    found = [f"{' -> '.join(cycle_in(graph, t))} (modules in this tangle: {', '.join(sorted(t))})"
-             for t in tangles(graph)]
+    found = [
+        f"{' -> '.join(cycle_in(graph, t))} (modules in this tangle: {', '.join(sorted(t))})" for t in tangles(graph)
+    ]
     assert not found, "import cycles:\n" + "\n".join(found)
 
 
@@ -134,9 +135,16 @@ def test_cycle_checker_finds_a_cycle_held_by_a_nested_import(tmp_path):
     """A two-module cycle closed by an import inside a function, and a three-module one, are both reported."""
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
-    for name, text in {"__init__.py": "", "a.py": "from pkg.b import x\n", "b.py": "def f():\n    import pkg.a\n",
-                       "sub/__init__.py": "", "sub/c.py": "from . import d\n", "sub/d.py": "from ..sub import e\n",
-                       "sub/e.py": "from pkg.sub.c import y\n", "ok.py": "import pkg.a\nimport os\n"}.items():
+    for name, text in {
+        "__init__.py": "",
+        "a.py": "from pkg.b import x\n",
+        "b.py": "def f():\n    import pkg.a\n",
+        "sub/__init__.py": "",
+        "sub/c.py": "from . import d\n",
+        "sub/d.py": "from ..sub import e\n",
+        "sub/e.py": "from pkg.sub.c import y\n",
+        "ok.py": "import pkg.a\nimport os\n",
+    }.items():
         (pkg / name).write_text(text)
     graph = import_graph(tmp_path, ("pkg",))
     assert graph["pkg.ok"] == {"pkg.a"} and graph["pkg.sub.c"] == {"pkg.sub.d"}

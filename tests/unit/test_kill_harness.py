@@ -24,9 +24,16 @@ def _harness():
 
 kh = _harness()
 # The reference run's seconds (full, no-op) as on the 2-core machine; train by steps.
-TIMINGS = {"merge": kh.Timing(6.0, 3.0), "regenerate": kh.Timing(40.0, 5.0), "tokenize": kh.Timing(5.0, 4.0),
-           "vocab": kh.Timing(4.5, 4.0), "capture": kh.Timing(30.0, 6.0), "train": kh.Timing(60.0, 5.0, steps=400),
-           "export": kh.Timing(7.0, 5.0), "evaluate": kh.Timing(20.0, 6.0)}
+TIMINGS = {
+    "merge": kh.Timing(6.0, 3.0),
+    "regenerate": kh.Timing(40.0, 5.0),
+    "tokenize": kh.Timing(5.0, 4.0),
+    "vocab": kh.Timing(4.5, 4.0),
+    "capture": kh.Timing(30.0, 6.0),
+    "train": kh.Timing(60.0, 5.0, steps=400),
+    "export": kh.Timing(7.0, 5.0),
+    "evaluate": kh.Timing(20.0, 6.0),
+}
 
 
 class FakeMachine:
@@ -65,8 +72,18 @@ def _trial(kills: int, seed: int, speedup: float) -> tuple[dict[str, int], FakeM
     quota, carry, landed = kh.plan_kills(rng, kills, TIMINGS), 0, {}
     for stage in kh.STAGES:
         want = quota[stage.name] + carry
-        out = kh.kill_stage(rng, stage, want, TIMINGS[stage.name], [], Path("/nonexistent"), Path("/nonexistent"),
-                            last=stage is kh.STAGES[-1], run=machine.runner(stage.name), reset=machine.reset)
+        out = kh.kill_stage(
+            rng,
+            stage,
+            want,
+            TIMINGS[stage.name],
+            [],
+            Path("/nonexistent"),
+            Path("/nonexistent"),
+            last=stage is kh.STAGES[-1],
+            run=machine.runner(stage.name),
+            reset=machine.reset,
+        )
         carry = want - out.kills
         landed[stage.name] = out.kills
     return landed, machine
@@ -101,13 +118,18 @@ def test_reset_removes_what_makes_a_rerun_skip_or_resume(tmp_path):
     data, features = tmp_path / "data", tmp_path / "features"
     data.mkdir()
     features.mkdir()
-    for name in ("merge.manifest.json", "merged.parquet", "regenerate.manifest.json", "regenerate.journal.jsonl",
-                 "regenerate.journal.slice-0.jsonl", "tokenize.manifest.json"):
+    for name in (
+        "merge.manifest.json",
+        "merged.parquet",
+        "regenerate.manifest.json",
+        "regenerate.journal.jsonl",
+        "regenerate.journal.slice-0.jsonl",
+        "tokenize.manifest.json",
+    ):
         (data / name).write_text("x")
     (features / "shard-00000.safetensors").write_text("x")
     kh.reset_stage("regenerate", tmp_path)
-    assert sorted(p.name for p in data.iterdir()) == ["merge.manifest.json", "merged.parquet",
-                                                      "tokenize.manifest.json"]
+    assert sorted(p.name for p in data.iterdir()) == ["merge.manifest.json", "merged.parquet", "tokenize.manifest.json"]
     kh.reset_stage("tokenize", tmp_path)
     assert sorted(p.name for p in data.iterdir()) == ["merge.manifest.json", "merged.parquet"]
     kh.reset_stage("capture", tmp_path)

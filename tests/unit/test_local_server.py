@@ -56,7 +56,7 @@ def _process(*argv: str) -> Iterator[int]:
     try:
         deadline = time.monotonic() + 30
         # until its exec is done /proc shows the parent's command line, or none at all (a loaded machine)
-        while (process_cmdline(proc.pid) or [])[-len(argv):] != list(argv):
+        while (process_cmdline(proc.pid) or [])[-len(argv) :] != list(argv):
             assert time.monotonic() < deadline, f"pid {proc.pid} never showed {argv} in /proc"
             time.sleep(0.01)
         yield proc.pid

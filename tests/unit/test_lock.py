@@ -15,8 +15,11 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "requirements-cpu.lock"
-VENV_REQUIREMENT_FILES = ("tests/speculators-requirements.txt", "tests/sglang-parser-requirements.txt",
-                          "tests/sglang-draft-requirements.txt")
+VENV_REQUIREMENT_FILES = (
+    "tests/speculators-requirements.txt",
+    "tests/sglang-parser-requirements.txt",
+    "tests/sglang-draft-requirements.txt",
+)
 """The requirement files the bootstrap installs into the venv (SGLang 0.5.16's goes into a folder of its own)."""
 
 
@@ -43,8 +46,9 @@ def bootstrap_requirements() -> list[str]:
     reqs += re.findall(r"--no-deps \S* ?(sglang==[\d.]+)", script)
     reqs.append(re.search(r"EAGLE3_TORCH:-([^}]+)}", script).group(1))  # type: ignore[union-attr]
     for name in VENV_REQUIREMENT_FILES:
-        reqs += [line.split("#")[0].strip() for line in (ROOT / name).read_text().splitlines()
-                 if line.split("#")[0].strip()]
+        reqs += [
+            line.split("#")[0].strip() for line in (ROOT / name).read_text().splitlines() if line.split("#")[0].strip()
+        ]
     return reqs
 
 
@@ -59,7 +63,8 @@ def test_the_lock_pins_every_bootstrap_requirement_at_an_allowed_version():
         name = canonicalize_name(req.name)
         assert name in pins, f"{req.name} is not in requirements-cpu.lock: run scripts/lock.sh"
         assert req.specifier.contains(pins[name], prereleases=True), (
-            f"requirements-cpu.lock has {req.name}=={pins[name]}, outside {text!r}: run scripts/lock.sh")
+            f"requirements-cpu.lock has {req.name}=={pins[name]}, outside {text!r}: run scripts/lock.sh"
+        )
 
 
 def test_the_lock_holds_the_cpu_build_of_torch():

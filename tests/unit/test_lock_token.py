@@ -12,8 +12,10 @@ import pytest
 
 from infra.locks import LOCK_FILE, LockHeldError, run_lock
 
-HOLD = ("import sys, time; from infra.locks import run_lock\n"
-        "with run_lock(sys.argv[1], owner=sys.argv[2]):\n    print('held', flush=True); time.sleep(30)\n")
+HOLD = (
+    "import sys, time; from infra.locks import run_lock\n"
+    "with run_lock(sys.argv[1], owner=sys.argv[2]):\n    print('held', flush=True); time.sleep(30)\n"
+)
 TAKE = "import sys; from infra.locks import run_lock\nwith run_lock(sys.argv[1]):\n    print('ok')\n"
 
 
@@ -28,8 +30,9 @@ def _take(run_dir, env) -> subprocess.CompletedProcess:
 
 def test_a_process_presenting_the_visible_holder_id_is_refused(tmp_path):
     """Anyone can read host:pid in the lock file; presenting it (in the old or the new variable) proves nothing."""
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path), "flow"], stdout=subprocess.PIPE, text=True,
-                              env=_env())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path), "flow"], stdout=subprocess.PIPE, text=True, env=_env()
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         record = json.loads((tmp_path / LOCK_FILE).read_text())
@@ -56,8 +59,12 @@ def test_the_lock_file_holds_no_secret_and_the_holders_children_still_get_in(tmp
 def test_two_children_of_the_holder_cannot_write_side_by_side(tmp_path):
     """A node wrongly marked Crashed still trains: its re-submitted twin, carrying the same token, is refused."""
     with run_lock(tmp_path, owner="flow"):
-        first = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path), "node try1"], stdout=subprocess.PIPE,
-                                 text=True, env=dict(os.environ))
+        first = subprocess.Popen(
+            [sys.executable, "-c", HOLD, str(tmp_path), "node try1"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ),
+        )
         try:
             assert first.stdout.readline().strip() == "held"
             twin = _take(tmp_path, dict(os.environ))
@@ -76,10 +83,21 @@ def test_node_token_file_is_private_and_revoked_after_its_round(tmp_path):
         with hand_down_file(tmp_path) as path:
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
             value = path.read_text()
-            node = subprocess.run([sys.executable, "-c", (
-                "import sys; from infra.locks import adopt_token_file, run_lock\n"
-                "adopt_token_file(sys.argv[2])\n" + TAKE.split("\n", 1)[1]), str(tmp_path), str(path)],
-                capture_output=True, text=True, env=_env())
+            node = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    (
+                        "import sys; from infra.locks import adopt_token_file, run_lock\n"
+                        "adopt_token_file(sys.argv[2])\n" + TAKE.split("\n", 1)[1]
+                    ),
+                    str(tmp_path),
+                    str(path),
+                ],
+                capture_output=True,
+                text=True,
+                env=_env(),
+            )
             assert node.returncode == 0 and node.stdout.strip() == "ok", node.stderr
         assert not path.exists()
         late = _take(tmp_path, _env(EAGLE3_RUN_LOCK_TOKEN=value))  # a node of that round starting late
@@ -91,8 +109,9 @@ def test_node_token_file_is_private_and_revoked_after_its_round(tmp_path):
 def test_a_stranger_without_a_token_is_refused_in_process(tmp_path, monkeypatch):
     """The refusal also holds in-process: a token for another run directory opens nothing here."""
     other = tmp_path / "other"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "run"), "flow"], stdout=subprocess.PIPE,
-                              text=True, env=_env())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path / "run"), "flow"], stdout=subprocess.PIPE, text=True, env=_env()
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with run_lock(other), pytest.raises(LockHeldError, match="locked by pid"), run_lock(tmp_path / "run"):

@@ -25,21 +25,29 @@ def test_cut_keeps_the_clean_prefix_and_a_few_words_of_the_loop():
     assert loop_cut(text) == _word_starts(text)[loop_start_word + LOOP_KEEP_WORDS]
 
 
-@pytest.mark.parametrize("text", [
-    "Intro. " + "".join(f"{i}. The Earth is about 150 million kilometers from the Sun. " for i in range(1, 40)),
-    "回答：" + "请检查逻辑是否有误，是否符合设计的功能？" * 20,
-], ids=["numbered-lines", "cjk"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Intro. " + "".join(f"{i}. The Earth is about 150 million kilometers from the Sun. " for i in range(1, 40)),
+        "回答：" + "请检查逻辑是否有误，是否符合设计的功能？" * 20,
+    ],
+    ids=["numbered-lines", "cjk"],
+)
 def test_numbered_and_cjk_loops_are_found(text):
     """Changing line numbers do not hide a loop, and CJK text (no spaces) is read a character at a time."""
     cut = loop_cut(text)
     assert cut is not None and len(text[:cut]) < len(text) // 3
 
 
-@pytest.mark.parametrize("text", [
-    PREFIX * 1 + "Then we walked along the river, ate dinner, saw a play and took the late train home.",
-    PREFIX + "The list ends with: " + "x y z " * 3,  # a repetitive tail shorter than LOOP_TAIL_MIN_WORDS
-    " ".join(f"item {w} costs more than item {w}x" for w in "abcdefghijklmnopqrstuvwxyz"),  # repeats < 90%
-], ids=["clean", "short-tail", "varied-list"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        PREFIX * 1 + "Then we walked along the river, ate dinner, saw a play and took the late train home.",
+        PREFIX + "The list ends with: " + "x y z " * 3,  # a repetitive tail shorter than LOOP_TAIL_MIN_WORDS
+        " ".join(f"item {w} costs more than item {w}x" for w in "abcdefghijklmnopqrstuvwxyz"),  # repeats < 90%
+    ],
+    ids=["clean", "short-tail", "varied-list"],
+)
 def test_text_without_a_runaway_loop_is_not_cut(text):
     """Clean text, a short repetitive ending and a list whose lines differ keep every word."""
     assert loop_cut(text) is None

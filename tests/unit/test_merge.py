@@ -79,15 +79,16 @@ def test_mixed_file_loses_nothing_and_every_reject_is_explained(tmp_path):
     assert total["read"] == len(expected) == total["kept"] + total["rejected"]
     assert total["kept"] == len(rows) == total["train"] + total["val"]
     assert total["rejected_by_reason"]["duplicate_id"] == 2 and stats["sources"]["src"] == {
-        **stats["sources"]["src"], **total}
+        **stats["sources"]["src"],
+        **total,
+    }
 
 
 def test_outputs_are_atomic_files_with_the_documented_schema(tmp_path):
     """merged.parquet has the documented schema and no temp files are left beside the outputs."""
     paths, _ = run(tmp_path, [src(TINY)])
     assert pq.read_schema(paths["merged"]).remove_metadata() == MERGED_SCHEMA
-    assert sorted(p.name for p in paths["merged"].parent.iterdir()) == ["merged.parquet", "rejects.jsonl",
-                                                                      "stats.json"]
+    assert sorted(p.name for p in paths["merged"].parent.iterdir()) == ["merged.parquet", "rejects.jsonl", "stats.json"]
     assert json.loads(paths["stats"].read_text()) is not None
 
 
@@ -145,6 +146,7 @@ def test_caps_stop_reading_each_source(tmp_path):
 
 def test_shuffle_is_seeded_and_deterministic(tmp_path):
     """Same seed -> same row order; another seed -> another order; shuffle off -> file order."""
+
     def order(seed: int, shuffle: bool = True) -> list[str]:
         paths, _ = run(tmp_path, [src(TINY)], seed=seed, shuffle=shuffle, max_chars=200_000)
         return [r["id"] for r in read_merged(paths["merged"])]
@@ -171,12 +173,15 @@ def test_rejects_jsonl_stays_valid_json_with_bad_bytes(tmp_path):
     assert len(bad) == 2 and "caf\\xe9" in bad[0]["record"]
 
 
-@pytest.mark.parametrize("sources, needle", [
-    ([], "no data sources"),
-    ([src(TINY, "x"), src(TINY_SG, "x")], "unique"),
-    ([src(TINY, "ok"), src(ASSETS / "missing.jsonl", "gone")], "does not exist"),
-    ([src(TINY, "ok"), src(ASSETS / "bad" / "table.csv", "csv")], "unknown format"),
-])
+@pytest.mark.parametrize(
+    "sources, needle",
+    [
+        ([], "no data sources"),
+        ([src(TINY, "x"), src(TINY_SG, "x")], "unique"),
+        ([src(TINY, "ok"), src(ASSETS / "missing.jsonl", "gone")], "does not exist"),
+        ([src(TINY, "ok"), src(ASSETS / "bad" / "table.csv", "csv")], "unknown format"),
+    ],
+)
 def test_bad_source_lists_fail_before_writing(tmp_path, sources, needle):
     """Empty, repeated-name, missing or unreadable sources raise SourceError before any output is written."""
     with pytest.raises(SourceError, match=needle):
@@ -187,8 +192,10 @@ def test_bad_source_lists_fail_before_writing(tmp_path, sources, needle):
 def test_cli_merges_a_preset_and_skips_when_up_to_date(tmp_path, capsys):
     """python -m eagle3.run.stages merge writes data/ and a manifest; a second run finds it complete."""
     preset = tmp_path / "p.yaml"
-    preset.write_text(f"run: {{workdir: {tmp_path}, name: r}}\n"
-                      f"data: {{sources: [{{name: tiny, path: 'pkg://eagle3/assets/tiny_chats.jsonl'}}]}}\n")
+    preset.write_text(
+        f"run: {{workdir: {tmp_path}, name: r}}\n"
+        f"data: {{sources: [{{name: tiny, path: 'pkg://eagle3/assets/tiny_chats.jsonl'}}]}}\n"
+    )
     stages.main(["merge", "--preset", str(preset), "--set", "data.val_fraction=0.5"])
     first = json.loads(capsys.readouterr().out)
     assert first["computed"] and first["stats"]["total"]["kept"] == 60

@@ -36,24 +36,57 @@ from eagle3.target.tensors import drafter_dims, load_target_weights, rope_settin
 
 SGLANG_KEYS = {
     "fc.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
-    "norm.weight", "lm_head.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "norm.weight",
+    "lm_head.weight",
 }
-LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
-LLAMA31_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-              "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32, "vocab_size": 128256,
-              "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": LLAMA31_ROPE,
-              "max_position_embeddings": 131072, "tie_word_embeddings": False}
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 32,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": LLAMA31_ROPE,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
 
 
 def tiny_dims(vocab: int = 50, draft: int = 20) -> DrafterDims:
-    return DrafterDims(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                       rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, vocab_size=vocab,
-                       draft_vocab_size=draft, num_aux=3, target_hidden_size=32)
+    return DrafterDims(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        vocab_size=vocab,
+        draft_vocab_size=draft,
+        num_aux=3,
+        target_hidden_size=32,
+    )
 
 
 def qkv_steps(steps: int, seq_len: int = 12, seed: int = 0) -> tuple[torch.Tensor, list, list]:
@@ -159,8 +192,13 @@ def test_llama3_rope_matches_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    config = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
-                         rope_theta=500000.0, rope_scaling=dict(LLAMA31_ROPE))
+    config = LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=dict(LLAMA31_ROPE),
+    )
     theta, scaling = rope_settings(config.to_dict())
     expected, attention_scale = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     ours = rope_inv_freq(128, theta, scaling)
@@ -196,10 +234,12 @@ def test_dense_ttt_attention_equals_sdpa_with_the_explicit_mask(steps):
 def test_ttt_mask_is_causal_in_document_then_diagonal():
     """Query t sees step-0 keys s <= t of its own document and, at each later step, only its own key."""
     mask = ttt_dense_mask(torch.tensor([[0, 0, 1, 1]]), 2)[0, 0].int()
-    assert mask.tolist() == [[1, 0, 0, 0, 1, 0, 0, 0],
-                             [1, 1, 0, 0, 0, 1, 0, 0],
-                             [0, 0, 1, 0, 0, 0, 1, 0],
-                             [0, 0, 1, 1, 0, 0, 0, 1]]
+    assert mask.tolist() == [
+        [1, 0, 0, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 0, 1, 0, 0],
+        [0, 0, 1, 0, 0, 0, 1, 0],
+        [0, 0, 1, 1, 0, 0, 0, 1],
+    ]
 
 
 @pytest.mark.skipif(not FLEX_AVAILABLE, reason="flex_attention is not importable")
@@ -208,8 +248,9 @@ def test_flex_attention_equals_the_dense_path():
     """flex_attention (eager on CPU, forward only) with the block mask equals the dense path on packed rows."""
     q, keys, values = qkv_steps(3)
     docs = torch.tensor([[0] * 4 + [1] * 8, [0] * 12])
-    torch.testing.assert_close(flex_ttt_attention(q, keys, values, docs), dense_ttt_attention(q, keys, values, docs),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        flex_ttt_attention(q, keys, values, docs), dense_ttt_attention(q, keys, values, docs), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("impl", ["dense", "flex"])
@@ -256,8 +297,16 @@ def test_embedding_enters_only_through_input_layernorm():
 
 
 def _write_sharded_target(folder: Path, embed: torch.Tensor, lm_head: torch.Tensor, tied: bool) -> Path:
-    cfg = {**LLAMA31_8B, "hidden_size": embed.shape[1], "vocab_size": embed.shape[0], "num_attention_heads": 4,
-           "num_key_value_heads": 2, "intermediate_size": 48, "num_hidden_layers": 8, "tie_word_embeddings": tied}
+    cfg = {
+        **LLAMA31_8B,
+        "hidden_size": embed.shape[1],
+        "vocab_size": embed.shape[0],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 48,
+        "num_hidden_layers": 8,
+        "tie_word_embeddings": tied,
+    }
     write_config(folder, cfg)
     save_file({"model.embed_tokens.weight": embed}, str(folder / "model-00001-of-00002.safetensors"))
     shards = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}
@@ -288,8 +337,9 @@ def test_load_target_weights_copies_embeddings_and_the_draft_rows_of_lm_head(tmp
 def test_load_target_weights_leaves_lm_head_alone_unless_asked(tmp_path):
     """init_lm_head_from_target=False copies only the embeddings."""
     g = torch.Generator().manual_seed(1)
-    folder = _write_sharded_target(tmp_path / "t", torch.randn(50, 32, generator=g), torch.randn(50, 32, generator=g),
-                                   tied=False)
+    folder = _write_sharded_target(
+        tmp_path / "t", torch.randn(50, 32, generator=g), torch.randn(50, 32, generator=g), tied=False
+    )
     model = Eagle3Drafter(tiny_dims())
     before = model.lm_head.weight.detach().clone()
     load_target_weights(model, folder, torch.arange(50) < 20, init_lm_head_from_target=False)
@@ -314,8 +364,9 @@ def test_block_masks_of_one_layout_equal_masks_built_per_step():
     docs, steps = torch.tensor([[0] * 100 + [1] * 156]), 3
     masks = ttt_block_masks(docs, steps, block_size=128)
     for k, got in enumerate(masks):
-        want = create_block_mask(ttt_mask_mod(docs, 256, torch.tensor(k + 1)), 1, None, 256, steps * 256,
-                                 device="cpu", BLOCK_SIZE=128)
+        want = create_block_mask(
+            ttt_mask_mod(docs, 256, torch.tensor(k + 1)), 1, None, 256, steps * 256, device="cpu", BLOCK_SIZE=128
+        )
         assert torch.equal(got.to_dense(), want.to_dense()), k
         for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (k, name)
@@ -333,8 +384,9 @@ def test_functional_step_equals_the_module_step():
     w, d = step_weights(model), model.dims
     for k in range(3):
         want_out, want_logits = model(hidden, ids, positions + k, docs, cache, "dense")
-        cos, sin = rope_cos_sin(rope_inv_freq_on(d.head_dim, d.rope_theta, None, hidden.device), positions + k,
-                                torch.float64)
+        cos, sin = rope_cos_sin(
+            rope_inv_freq_on(d.head_dim, d.rope_theta, None, hidden.device), positions + k, torch.float64
+        )
         q, key, value = attention_inputs(w, ids, hidden, cos, sin, d.rms_norm_eps, 4, 2)
         keys.append(key)
         values.append(value)

@@ -19,9 +19,16 @@ from eagle3.train.metrics import read_metrics
 from tests.unit.test_export import AUX, random_drafter, tiny_dims, vocab_maps, write_target
 from tests.unit.test_train_helpers import load_run_config, synthetic_run
 
-OVERRIDES = ["train.tokens_per_row=96", "train.lr=1e-3", "train.max_steps=4", "train.eval_every_steps=0",
-             "train.checkpoint_every_steps=1", "train.keep_checkpoints=4", "train.progress_every_s=0",
-             "drafter.ttt_steps=2"]
+OVERRIDES = [
+    "train.tokens_per_row=96",
+    "train.lr=1e-3",
+    "train.max_steps=4",
+    "train.eval_every_steps=0",
+    "train.checkpoint_every_steps=1",
+    "train.keep_checkpoints=4",
+    "train.progress_every_s=0",
+    "drafter.ttt_steps=2",
+]
 
 
 def _poison_steps(monkeypatch, steps: set[int]) -> None:
@@ -95,8 +102,9 @@ def test_export_refuses_non_finite_weights_naming_them(tmp_path, layout):
             export_sglang(weights, dims, *vocab_maps(dims), AUX, out, torch.float32)
         else:
             embed = {"embed_tokens.weight": torch.zeros(dims.vocab_size, dims.hidden_size)}
-            export_speculators(weights | embed, dims, *vocab_maps(dims), AUX, out, torch.float32,
-                               verifier_name_or_path=str(target))
+            export_speculators(
+                weights | embed, dims, *vocab_maps(dims), AUX, out, torch.float32, verifier_name_or_path=str(target)
+            )
     assert "non-finite" in str(err.value) and not out.exists()
 
 
@@ -120,8 +128,15 @@ def test_check_of_an_export_folder_finds_non_finite_tensors(tmp_path, layout):
         out = export_sglang(export_state_dict(drafter), dims, *vocab_maps(dims), AUX, tmp_path / "x", torch.float32)
         check = check_sglang_export
     else:
-        out = export_speculators(drafter.state_dict(), dims, *vocab_maps(dims), AUX, tmp_path / "x", torch.float32,
-                                 verifier_name_or_path=str(target))
+        out = export_speculators(
+            drafter.state_dict(),
+            dims,
+            *vocab_maps(dims),
+            AUX,
+            tmp_path / "x",
+            torch.float32,
+            verifier_name_or_path=str(target),
+        )
         check = check_speculators_export
     stored = load_file(str(out / "model.safetensors"))
     name = next(k for k in sorted(stored) if k.endswith("q_proj.weight"))

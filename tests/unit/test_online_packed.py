@@ -29,10 +29,20 @@ def _model(architecture: str = "llama", attn: str | None = None):
 
 def _spec(model) -> FeatureSpec:
     c = model.config
-    return FeatureSpec(target_name="tiny", target_fingerprint="fp", hidden_size=c.hidden_size,
-                       num_layers=c.num_hidden_layers, vocab_size=c.vocab_size, aux_layer_ids=AUX,
-                       supervision="final_hidden", max_len=T, chat_template_hash="h", backend="hf",
-                       dtype="float32", aux_dtype="float32")
+    return FeatureSpec(
+        target_name="tiny",
+        target_fingerprint="fp",
+        hidden_size=c.hidden_size,
+        num_layers=c.num_hidden_layers,
+        vocab_size=c.vocab_size,
+        aux_layer_ids=AUX,
+        supervision="final_hidden",
+        max_len=T,
+        chat_template_hash="h",
+        backend="hf",
+        dtype="float32",
+        aux_dtype="float32",
+    )
 
 
 def _row(lengths=LENGTHS, seed: int = 0) -> TTTBatch:
@@ -42,8 +52,14 @@ def _row(lengths=LENGTHS, seed: int = 0) -> TTTBatch:
     ids = torch.cat([torch.randint(3, 300, (sum(lengths),), generator=gen), torch.zeros(num_pad, dtype=torch.long)])
     docs = torch.cat([torch.full((n,), k) for k, n in enumerate([*lengths, num_pad])])
     pos = torch.cat([torch.arange(n) for n in [*lengths, num_pad]])
-    return TTTBatch(aux=None, input_ids=ids[None], loss_mask=torch.ones(1, T, dtype=torch.uint8),
-                    document_ids=docs[None], position_ids=pos[None], final_hidden=None)
+    return TTTBatch(
+        aux=None,
+        input_ids=ids[None],
+        loss_mask=torch.ones(1, T, dtype=torch.uint8),
+        document_ids=docs[None],
+        position_ids=pos[None],
+        final_hidden=None,
+    )
 
 
 def _features(model, forward: str, device: str = "cpu") -> OnlineFeatures:
@@ -67,7 +83,7 @@ def test_a_packed_row_equals_its_documents_run_as_padded_batches(architecture):
         torch.testing.assert_close(got.final_hidden, want.final_hidden, rtol=1e-5, atol=1e-5)
     else:
         assert torch.equal(got.aux, want.aux) and torch.equal(got.final_hidden, want.final_hidden)
-    assert not got.aux[0, sum(LENGTHS):].any()  # the padding's states are zero, as in a collated shard row
+    assert not got.aux[0, sum(LENGTHS) :].any()  # the padding's states are zero, as in a collated shard row
 
 
 @pytest.mark.parametrize("architecture", ["llama", "deepseek_v3"])
@@ -85,7 +101,7 @@ def test_the_flex_document_mask_gives_the_per_document_states(architecture):
     torch.testing.assert_close(flex["aux"], sliced["aux"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(flex["final"], sliced["final"], rtol=1e-5, atol=1e-5)
     # a document mask that leaked across documents would change every document after the first
-    assert (flex["final"][LENGTHS[0]:] - sliced["final"][LENGTHS[0]:]).abs().max() < 1e-4
+    assert (flex["final"][LENGTHS[0] :] - sliced["final"][LENGTHS[0] :]).abs().max() < 1e-4
 
 
 def test_packed_needs_sliced_attention_and_auto_falls_back_to_padded():

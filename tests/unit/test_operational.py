@@ -75,9 +75,17 @@ def _fake_manifests(cfg: RunConfig) -> None:
 def _fake_spec(cfg: RunConfig):
     from eagle3.features.spec import FeatureSpec
 
-    return FeatureSpec(target_name=cfg.target.name, target_fingerprint=FAKE_FINGERPRINT, hidden_size=8,
-                       num_layers=4, vocab_size=64, aux_layer_ids=[1, 2, 3], max_len=64,
-                       chat_template_hash="fake-template-hash", backend="hf")
+    return FeatureSpec(
+        target_name=cfg.target.name,
+        target_fingerprint=FAKE_FINGERPRINT,
+        hidden_size=8,
+        num_layers=4,
+        vocab_size=64,
+        aux_layer_ids=[1, 2, 3],
+        max_len=64,
+        chat_template_hash="fake-template-hash",
+        backend="hf",
+    )
 
 
 def _key(cfg: RunConfig, stage: str) -> str:
@@ -154,9 +162,18 @@ def test_added_fields_at_their_default_leave_keys_as_before_the_field_existed():
 
 # ------------------------------------------------- train: an operational field changes no byte training writes
 
-TRAIN_OVERRIDES = ["train.tokens_per_row=96", "train.lr=1e-3", "train.max_steps=4", "train.warmup_steps=0",
-                   "train.eval_every_steps=1", "train.checkpoint_every_steps=2", "train.keep_checkpoints=2",
-                   "train.progress_every_s=0", "train.device=cpu", "drafter.ttt_steps=2"]
+TRAIN_OVERRIDES = [
+    "train.tokens_per_row=96",
+    "train.lr=1e-3",
+    "train.max_steps=4",
+    "train.warmup_steps=0",
+    "train.eval_every_steps=1",
+    "train.checkpoint_every_steps=2",
+    "train.keep_checkpoints=2",
+    "train.progress_every_s=0",
+    "train.device=cpu",
+    "drafter.ttt_steps=2",
+]
 
 
 def _train_values(section: BaseModel, name: str) -> list[Any]:
@@ -190,8 +207,11 @@ def _train_outcome(src: Path, dst: Path, update: dict[str, Any]) -> dict[str, An
     assert train(cfg).status == "done"
     manifest = json.loads((cfg.run_dir / "train" / "train.manifest.json").read_text())
     train_dir, stats = cfg.run_dir / "train", manifest["stats"]
-    return {"final": _sha(train_dir / manifest["outputs"]["model"]["path"]), "best_step": stats["best_step"],
-            "best": _sha(train_dir / stats["best_checkpoint"] / "model.safetensors")}
+    return {
+        "final": _sha(train_dir / manifest["outputs"]["model"]["path"]),
+        "best_step": stats["best_step"],
+        "best": _sha(train_dir / stats["best_checkpoint"] / "model.safetensors"),
+    }
 
 
 @pytest.fixture(scope="module")

@@ -68,17 +68,33 @@ def test_disk_full_during_merge_is_one_line_and_a_rerun_completes(tmp_path, monk
     assert _data_hashes(data.parent) == _data_hashes(tmp_path / "clean" / "tiny") != {}
 
 
-def test_disk_full_during_capture_is_one_line_and_resume_is_complete(tiny_base, tmp_path, monkeypatch,  # noqa: F811
-                                                                      capsys):
+def test_disk_full_during_capture_is_one_line_and_resume_is_complete(
+    tiny_base,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
     """ENOSPC on the third shard: one line, exit 2; the shards already committed stay, the rerun completes them."""
     from eagle3.features.capture import features_dir, main, run_capture
     from eagle3.features.shards.reader import ShardReader
 
     cfg = tiny_run(tiny_base, tmp_path, "capture.tokens_per_shard=2000")
     hits = _fail_fsync(monkeypatch, lambda target: "shard-00002" in target)
-    line = _one_line_exit_2(capsys, lambda: main([
-        "--preset", "tiny", "--set", f"run.workdir={tmp_path}", "--set", f"target.cache_dir={tiny_base / '_targets'}",
-        "--set", "capture.tokens_per_shard=2000"]))
+    line = _one_line_exit_2(
+        capsys,
+        lambda: main(
+            [
+                "--preset",
+                "tiny",
+                "--set",
+                f"run.workdir={tmp_path}",
+                "--set",
+                f"target.cache_dir={tiny_base / '_targets'}",
+                "--set",
+                "capture.tokens_per_shard=2000",
+            ]
+        ),
+    )
     assert hits and "No space left on device" in line and str(cfg.run_dir) in line, line
     fdir = features_dir(cfg)
     assert not (fdir / "capture.manifest.json").exists() and sorted(ShardReader(fdir).shards) == [0, 1]
@@ -89,8 +105,14 @@ def test_disk_full_during_capture_is_one_line_and_resume_is_complete(tiny_base, 
     assert not list(fdir.glob(".*.tmp"))
 
 
-@pytest.mark.parametrize("code, words", [(errno.EROFS, "Read-only file system"), (errno.EACCES, "owned by uid 4242"),
-                                         (errno.EPERM, "Operation not permitted")])
+@pytest.mark.parametrize(
+    "code, words",
+    [
+        (errno.EROFS, "Read-only file system"),
+        (errno.EACCES, "owned by uid 4242"),
+        (errno.EPERM, "Operation not permitted"),
+    ],
+)
 def test_a_read_only_or_foreign_run_directory_is_one_line(tmp_path, monkeypatch, capsys, code, words):
     """Opening anything in the run directory fails (read-only mount, another user's folder): one line naming it."""
     run_dir = tmp_path / "tiny"

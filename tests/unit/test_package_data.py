@@ -20,8 +20,13 @@ PRESETS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
 
 def _pip(*args: str, cwd: Path) -> None:
     """``python -m pip ARGS`` offline (no index: the build uses the venv's setuptools)."""
-    proc = subprocess.run([sys.executable, "-m", "pip", *args, "--no-index", "--disable-pip-version-check", "-q"],
-                          cwd=cwd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", *args, "--no-index", "--disable-pip-version-check", "-q"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -58,12 +63,19 @@ def test_an_installed_package_loads_presets_by_name_from_anywhere(wheel, tmp_pat
     elsewhere.mkdir()
     _pip("install", "--no-deps", "--target", str(target), str(wheel), cwd=tmp_path)
     third_party = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
-    code = ("import sys; sys.path[:0] = sys.argv[1:]\n"
-            "import eagle3.config as c\n"
-            "cfg = c.load_config('smollm2-demo')\n"
-            "print(c.__file__); print(' '.join(c.list_presets())); print(cfg.run.name, cfg.train.num_epochs)\n")
-    proc = subprocess.run([sys.executable, "-S", "-c", code, str(target), *third_party], cwd=elsewhere,
-                          capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; sys.path[:0] = sys.argv[1:]\n"
+        "import eagle3.config as c\n"
+        "cfg = c.load_config('smollm2-demo')\n"
+        "print(c.__file__); print(' '.join(c.list_presets())); print(cfg.run.name, cfg.train.num_epochs)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", code, str(target), *third_party],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     module_file, presets, loaded = proc.stdout.splitlines()
     assert Path(module_file).is_relative_to(target)

@@ -94,8 +94,7 @@ def test_supervisor_restarts_a_killed_child_and_marks_the_log(tmp_path):
 def test_supervisor_gives_up_after_max_restarts_naming_the_log(tmp_path):
     """After max_restarts deaths restart() raises ProcessDiedError with the command, log path and tail."""
     log = tmp_path / "crash.log"
-    proc = SupervisedProcess([sys.executable, "-c", "print('boom: bad config'); raise SystemExit(4)"], log,
-                             policy=FAST)
+    proc = SupervisedProcess([sys.executable, "-c", "print('boom: bad config'); raise SystemExit(4)"], log, policy=FAST)
     proc.start()
     for _ in range(FAST.max_restarts):
         assert _wait(lambda: not proc.alive())

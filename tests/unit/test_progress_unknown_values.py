@@ -26,15 +26,26 @@ def test_train_progress_text_at_start_and_with_nan_values():
     from tasks.train import progress_text
 
     start = progress_text({"state": "starting", "total_steps": 10})
-    nans = progress_text({"state": "running", "total_steps": 10, "step": 1, "loss": NAN, "acc_0": NAN,
-                          "tokens_per_s": NAN, "eta_s": NAN})
-    nulls = progress_text({"state": "running", "total_steps": 10, "step": 1, "loss": None, "acc_0": None,
-                           "eta_s": None})
+    nans = progress_text(
+        {"state": "running", "total_steps": 10, "step": 1, "loss": NAN, "acc_0": NAN, "tokens_per_s": NAN, "eta_s": NAN}
+    )
+    nulls = progress_text(
+        {"state": "running", "total_steps": 10, "step": 1, "loss": None, "acc_0": None, "eta_s": None}
+    )
     for text in (start, nans, nulls):
         assert "nan" not in text.lower() and text.endswith(f"ETA {UNKNOWN}"), text
         assert "loss" not in text and "acc_0" not in text and "tok/s" not in text
-    full = progress_text({"state": "running", "total_steps": 10, "step": 3, "loss": 4.12345, "acc_0": 0.0,
-                          "tokens_per_s": 1234.5, "eta_s": 12.3})
+    full = progress_text(
+        {
+            "state": "running",
+            "total_steps": 10,
+            "step": 3,
+            "loss": 4.12345,
+            "acc_0": 0.0,
+            "tokens_per_s": 1234.5,
+            "eta_s": 12.3,
+        }
+    )
     assert full == "running: step 3/10, loss 4.1235, acc_0 0.000, 1,234 tok/s, ETA 12 s"
 
 
@@ -58,8 +69,9 @@ def test_stage_progress_artifact_leaves_out_an_unknown_rate_and_eta(monkeypatch)
     import tasks.artifacts as artifacts
 
     texts = []
-    monkeypatch.setattr(artifacts, "update_progress_artifact", lambda _id, progress, description: texts.append(
-        description))
+    monkeypatch.setattr(
+        artifacts, "update_progress_artifact", lambda _id, progress, description: texts.append(description)
+    )
     art = artifacts.ProgressArtifact("k", "regenerate (tiny)", min_interval_s=0.0)
     art.callback(0, 10, {"rate_per_s": NAN, "eta_s": None})
     art.callback(5, 10, {"rate_per_s": 2.0, "eta_s": 2.5})
@@ -96,8 +108,9 @@ def test_train_watcher_ignores_an_earlier_runs_progress(tmp_path, monkeypatch):
     import tasks.train as train_tasks
 
     shown = []
-    monkeypatch.setattr(train_tasks, "update_progress_artifact", lambda _id, progress, description: shown.append(
-        description))
+    monkeypatch.setattr(
+        train_tasks, "update_progress_artifact", lambda _id, progress, description: shown.append(description)
+    )
     watcher = object.__new__(train_tasks.ProgressWatcher)
     watcher.path, watcher.artifact_id, watcher.started = tmp_path / "progress.json", "id", time.time() - 2.0
     watcher.path.write_text(json.dumps({"state": "done", "step": 10, "total_steps": 10, "tokens_per_s": 999.0}))

@@ -34,8 +34,11 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 
 def _promote(line: Line, export: Path, drafter: str) -> Path:
-    return line.promote(export, Promotion(drafter, "manual", line.current_id(), "test", utc_now(), str(export)),
-                        card_head=(export / "README.md").read_text())
+    return line.promote(
+        export,
+        Promotion(drafter, "manual", line.current_id(), "test", utc_now(), str(export)),
+        card_head=(export / "README.md").read_text(),
+    )
 
 
 def test_promote_points_current_at_a_whole_copy_and_rollback_returns(tmp_path):
@@ -87,12 +90,15 @@ def test_a_sigkill_at_any_step_of_a_promotion_leaves_the_old_or_the_new_drafter_
     assert (-9, "a") in outcomes
 
 
-@pytest.mark.parametrize(("deltas", "mismatches", "promote", "why"), [
-    ({"all": 0.2, "mtbench": 0.3, "mtbench/math": -0.05}, 0, True, "promoted"),
-    ({"all": 0.04, "mtbench": 0.04}, 0, False, "min_gain"),
-    ({"all": 0.2, "mtbench": 0.5, "gsm8k": -0.11}, 0, False, "gsm8k"),
-    ({"all": 0.5, "mtbench": 0.5}, 1, False, "lossless"),
-])
+@pytest.mark.parametrize(
+    ("deltas", "mismatches", "promote", "why"),
+    [
+        ({"all": 0.2, "mtbench": 0.3, "mtbench/math": -0.05}, 0, True, "promoted"),
+        ({"all": 0.04, "mtbench": 0.04}, 0, False, "min_gain"),
+        ({"all": 0.2, "mtbench": 0.5, "gsm8k": -0.11}, 0, False, "gsm8k"),
+        ({"all": 0.5, "mtbench": 0.5}, 1, False, "lossless"),
+    ],
+)
 def test_gate_rule(deltas, mismatches, promote, why):
     """Promote iff lossless, overall gain >= min_gain and no group falls by more than max_drop (0.05 and 0.1)."""
     rows = [GateRow(group, 10, 2.0, 2.0 + delta) for group, delta in deltas.items()]
@@ -108,9 +114,20 @@ def test_warm_start_copies_every_tensor_and_matches_lm_head_rows_by_target_id(tm
     from eagle3.drafter.model import DrafterDims, Eagle3Drafter
     from eagle3.refresh.warm_start import load_init
 
-    dims = DrafterDims(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-                       intermediate_size=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
-                       vocab_size=10, draft_vocab_size=4, num_aux=3, target_hidden_size=8)
+    dims = DrafterDims(
+        hidden_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        intermediate_size=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        vocab_size=10,
+        draft_vocab_size=4,
+        num_aux=3,
+        target_hidden_size=8,
+    )
     torch.manual_seed(0)
     source = Eagle3Drafter(dims)
     their_t2d = torch.zeros(10, dtype=torch.bool)

@@ -19,14 +19,36 @@ from eagle3.refresh.core import NO_NEW, run_refresh
 from eagle3.refresh.line import Line
 
 ROOT = Path(__file__).resolve().parents[2]
-GATE = ["evaluate.num_prompts=4", "evaluate.max_new_tokens=24", "evaluate.datasets=[mtbench]",
-        "regenerate.backend=hf", "regenerate.max_new_tokens=32", "refresh.max_steps=30", "refresh.lr=3e-3"]
+GATE = [
+    "evaluate.num_prompts=4",
+    "evaluate.max_new_tokens=24",
+    "evaluate.datasets=[mtbench]",
+    "regenerate.backend=hf",
+    "regenerate.max_new_tokens=32",
+    "refresh.max_steps=30",
+    "refresh.lr=3e-3",
+]
 WEAK = ["train.max_steps=1", "train.eval_every_steps=0", "drafter.init_lm_head_from_target=false"]
 """A drafter trained one step from a random lm_head: a refresh on the target's own answers has room to help."""
 GOOD = ["train.max_steps=2", "train.eval_every_steps=0"]
 """A drafter that already accepts most drafts on the tiny target's repetitive greedy text."""
-WORDS = ["apple", "river", "stone", "cloud", "music", "light", "table", "ocean", "window", "garden", "paper", "yellow",
-         "quick", "slow", "happy"]
+WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "music",
+    "light",
+    "table",
+    "ocean",
+    "window",
+    "garden",
+    "paper",
+    "yellow",
+    "quick",
+    "slow",
+    "happy",
+]
 
 
 def _overrides(workdir: Path, cache: Path, base: list[str], prompts: Path) -> list[str]:
@@ -66,8 +88,10 @@ def _copy(bases, name: str, tmp_path: Path) -> tuple[Path, Path]:
 def _prompts(path: Path, count: int) -> Path:
     """``count`` plain prompts, one JSON line each."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"prompt": f"Tell me about {WORDS[i % 15]} and {WORDS[(3 * i) % 15]}, item {i}."})
-             for i in range(count)]
+    lines = [
+        json.dumps({"prompt": f"Tell me about {WORDS[i % 15]} and {WORDS[(3 * i) % 15]}, item {i}."})
+        for i in range(count)
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -79,15 +103,26 @@ def _noise(path: Path, count: int) -> Path:
     rng = random.Random(2)
     chars = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:!?"
     text = lambda n: "".join(rng.choice(chars) for _ in range(n))  # noqa: E731
-    lines = [json.dumps({"messages": [{"role": "user", "content": text(40)}, {"role": "assistant", "content":
-                                                                                text(200)}]}) for _ in range(count)]
+    lines = [
+        json.dumps({"messages": [{"role": "user", "content": text(40)}, {"role": "assistant", "content": text(200)}]})
+        for _ in range(count)
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def _refresh_cmd(point: str, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "tests.unit.refresh_kill", "refresh", point, "--", "--preset", "tiny",
-            *(f"--set={o}" for o in overrides)]
+    return [
+        sys.executable,
+        "-m",
+        "tests.unit.refresh_kill",
+        "refresh",
+        point,
+        "--",
+        "--preset",
+        "tiny",
+        *(f"--set={o}" for o in overrides),
+    ]
 
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -99,8 +134,17 @@ def test_two_refreshes_started_together_give_one_winner_which_promotes_the_bette
     the next refresh finds nothing new."""
     workdir, cache = _copy(bases, "weak", tmp_path)
     overrides = _overrides(workdir, cache, WEAK, _prompts(tmp_path / "new" / "a.jsonl", 40))
-    procs = [subprocess.Popen(_refresh_cmd("none", overrides), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            _refresh_cmd("none", overrides),
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     results = [(p.wait(timeout=1200), p.stdout.read(), p.stderr.read()) for p in procs]  # type: ignore[union-attr]
     codes = sorted(code for code, _, _ in results)
     assert codes == [0, 2], [r[2][-2000:] for r in results]
@@ -121,8 +165,7 @@ def test_a_refresh_that_hurts_is_kept_and_says_why(bases, tmp_path):
     promoted drafter stays current and the round's report gives the measured fall."""
     workdir, cache = _copy(bases, "good", tmp_path)
     noise = _noise(tmp_path / "noise.jsonl", 60)
-    cfg = load_config("tiny", _overrides(workdir, cache, GOOD, noise) + ["refresh.regenerate=false",
-                                                                           "refresh.lr=5e-2"])
+    cfg = load_config("tiny", _overrides(workdir, cache, GOOD, noise) + ["refresh.regenerate=false", "refresh.lr=5e-2"])
     outcome = run_refresh(cfg)
     line = Line(cfg.run_dir)
     assert outcome.status == "kept" and line.current_id() == outcome.current and line.current_id().startswith("run-")
@@ -145,8 +188,9 @@ def test_a_refresh_killed_anywhere_resumes_its_round_and_never_serves_a_mix(base
     from tests.unit.refresh_kill import POINTS
 
     for point in POINTS:
-        proc = subprocess.run(_refresh_cmd(point, overrides), cwd=ROOT, env=ENV, capture_output=True, text=True,
-                              timeout=1200)
+        proc = subprocess.run(
+            _refresh_cmd(point, overrides), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1200
+        )
         assert proc.returncode == -9, (point, proc.returncode, proc.stderr[-3000:])
         line = Line(cfg.run_dir)
         assert line.current_id() in {None, "round-0001"} or line.current_id().startswith("run-")

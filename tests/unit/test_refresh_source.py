@@ -86,11 +86,14 @@ def test_records_become_openai_messages_and_unknown_lines_pass_through():
     """A bare prompt becomes a user turn (plus an empty answer to regenerate), ShareGPT turns become messages, a
     line the merge must judge stays byte for byte."""
     assert json.loads(to_record(b'{"prompt": "hi", "id": 7}', True)) == {
-        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}], "id": 7}
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}],
+        "id": 7,
+    }
     assert json.loads(to_record(b'{"prompt": "hi"}', False)) == {"messages": [{"role": "user", "content": "hi"}]}
     sharegpt = b'{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}'
     assert json.loads(to_record(sharegpt, True)) == {
-        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    }
     for raw in (b"not json", b"[1, 2]", b'{"text": "no turns"}'):
         assert to_record(raw, True) == raw
 

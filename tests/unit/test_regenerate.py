@@ -26,15 +26,24 @@ from eagle3.run.journal import Journal
 from tests.fakes.openai_server import FakeOpenAIServer, fake_answer
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
-SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("split", pa.string()),
-                    ("messages", pa.list_(MESSAGE)), ("content_hash", pa.string())])
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("split", pa.string()),
+        ("messages", pa.list_(MESSAGE)),
+        ("content_hash", pa.string()),
+    ]
+)
 
 
 def _conv(i: int, num_turns: int = 2, marker: str = "") -> dict[str, Any]:
     messages = [{"role": "system", "content": "be brief"}]
     for t in range(num_turns):
-        messages += [{"role": "user", "content": f"q{i}.{t}{marker}"},
-                     {"role": "assistant", "content": f"ORIGINAL {i}.{t}"}]
+        messages += [
+            {"role": "user", "content": f"q{i}.{t}{marker}"},
+            {"role": "assistant", "content": f"ORIGINAL {i}.{t}"},
+        ]
     return {"id": f"src:{i}", "source": "src", "split": "train", "messages": messages, "content_hash": f"h{i}"}
 
 
@@ -66,9 +75,13 @@ def _balanced(stats: dict[str, Any]) -> bool:
 
 def test_plan_turns_answers_each_user_run_and_trailing_user():
     """Assistant turns are replaced, consecutive users get one answer, a trailing user gets one too."""
-    msgs = [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "a"},
-            {"role": "user", "content": "b"}, {"role": "assistant", "content": "x"},
-            {"role": "user", "content": "c"}]
+    msgs = [
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "a"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "c"},
+    ]
     plan = plan_turns(msgs)
     assert [p["role"] if p else None for p in plan] == ["assistant", "user", "user", None, "user", None]
 
@@ -99,7 +112,10 @@ def test_request_body_and_api_key_header(tmp_path, monkeypatch):
     req = server.requests[0]
     assert req.path == "/v1/chat/completions"
     assert {k: req.body[k] for k in ("model", "max_tokens", "temperature")} == {
-        "model": "m1", "max_tokens": 7, "temperature": 0.5}
+        "model": "m1",
+        "max_tokens": 7,
+        "temperature": 0.5,
+    }
     assert req.headers["authorization"] == "Bearer sk-test"
     assert "sk-test" not in repr(_backend(cfg))
 
@@ -271,8 +287,13 @@ def test_progress_callback_reports_counts(tmp_path):
     src = _write_merged(tmp_path / "merged.parquet", [_conv(0, num_turns=1), _conv(1, num_turns=1, marker=" BAD")])
     calls: list[tuple[int, int, dict[str, Any]]] = []
     with FakeOpenAIServer(bad_marker="BAD") as server:
-        regenerate(src, tmp_path / "out", _cfg(server), _backend(_cfg(server)),
-                   progress=lambda d, t, info: calls.append((d, t, info)))
+        regenerate(
+            src,
+            tmp_path / "out",
+            _cfg(server),
+            _backend(_cfg(server)),
+            progress=lambda d, t, info: calls.append((d, t, info)),
+        )
     with_counts = [c for c in calls if "success" in c[2]]
     assert calls[-1][:2] == (2, 2)
     assert with_counts[-1][2]["success"] == 1 and with_counts[-1][2]["error"] == 1
@@ -334,12 +355,13 @@ def test_hf_backend_stops_at_eos_and_decodes_only_new_tokens(tiny_target):
     conv = [{"role": "user", "content": "hello there"}]
     prompt = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
-    new = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+    new = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
     cfg = RegenerateConfig(backend="hf", max_new_tokens=8)
     [full] = HFGenerateBackend(model, tokenizer, cfg).generate_batch([conv])
     assert full == Completion(tokenizer.decode(new, skip_special_tokens=True), "length")
-    cut = next(k for k in range(2, 8) if new[k] not in new[:k]
-               and tokenizer.decode(new[:k], skip_special_tokens=True).strip())
+    cut = next(
+        k for k in range(2, 8) if new[k] not in new[:k] and tokenizer.decode(new[:k], skip_special_tokens=True).strip()
+    )
     stopping = copy.deepcopy(model)
     stopping.generation_config.eos_token_id = [tokenizer.eos_token_id, new[cut]]
     [short] = HFGenerateBackend(stopping, tokenizer, cfg).generate_batch([conv])
@@ -348,9 +370,13 @@ def test_hf_backend_stops_at_eos_and_decodes_only_new_tokens(tiny_target):
 
 def test_plan_turns_max_user_turns_stops_after_that_many_answers():
     """max_user_turns=1 keeps the system prompt and first user turn, one answer slot, and nothing after it."""
-    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
-            {"role": "assistant", "content": "x"}, {"role": "user", "content": "b"},
-            {"role": "assistant", "content": "y"}]
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "y"},
+    ]
     plan = plan_turns(msgs, max_user_turns=1)
     assert [p["content"] if p else None for p in plan] == ["s", "a", None]
     assert [p["content"] if p else None for p in plan_turns(msgs, max_user_turns=2)] == ["s", "a", None, "b", None]
@@ -376,8 +402,10 @@ def test_journal_answers_for_fewer_user_turns_are_redone(tmp_path):
         cfg = _cfg(server)
         paths, stats = regenerate(src, out, cfg, _backend(cfg))
     assert stats["skipped_done"] == 1 and stats["success"] == 1
-    answered = [sum(m["role"] == "assistant" for m in r) for r in pq.read_table(paths["regenerated"])
-                .column("messages").to_pylist()]
+    answered = [
+        sum(m["role"] == "assistant" for m in r)
+        for r in pq.read_table(paths["regenerated"]).column("messages").to_pylist()
+    ]
     assert answered == [2, 1]
 
 
@@ -391,8 +419,9 @@ def test_hf_static_backend_regenerates_like_dynamic_and_resumes(tmp_path, tiny_t
     outs = {}
     try:
         for name in ("dynamic", "static"):
-            cfg = RegenerateConfig(backend="hf", batch_size_conversations=2, max_new_tokens=8,
-                                   generation_backend=name, prompt_bucket=16)
+            cfg = RegenerateConfig(
+                backend="hf", batch_size_conversations=2, max_new_tokens=8, generation_backend=name, prompt_bucket=16
+            )
             paths, stats = regenerate(src, tmp_path / name, cfg, HFGenerateBackend(model, tokenizer, cfg))
             outs[name] = pq.read_table(paths["regenerated"]).to_pylist()
             assert stats["success"] + stats["error"] == 3 and _balanced(stats)

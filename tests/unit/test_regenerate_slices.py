@@ -36,8 +36,15 @@ from eagle3.run.slices import split_balanced
 from tests.fakes.openai_server import fake_answer
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
-SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("split", pa.string()),
-                    ("messages", pa.list_(MESSAGE)), ("content_hash", pa.string())])
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("split", pa.string()),
+        ("messages", pa.list_(MESSAGE)),
+        ("content_hash", pa.string()),
+    ]
+)
 CFG = RegenerateConfig(num_slices=3, max_concurrency=2)
 
 
@@ -77,8 +84,9 @@ def _rows(num: int, seed: int = 0) -> list[dict[str, Any]]:
         for t in range(rng.randint(1, 3)):
             text = f"q{i}.{t} " + "x" * rng.randint(0, 200) + (" BAD" if i % 7 == 3 else "")
             messages += [{"role": "user", "content": text}, {"role": "assistant", "content": f"ORIGINAL {i}.{t}"}]
-        rows.append({"id": f"src:{i}", "source": "src", "split": "train", "messages": messages,
-                     "content_hash": f"h{i}"})
+        rows.append(
+            {"id": f"src:{i}", "source": "src", "split": "train", "messages": messages, "content_hash": f"h{i}"}
+        )
     return rows
 
 
@@ -90,10 +98,12 @@ def _merged(tmp_path: Path, rows: list[dict[str, Any]]) -> Path:
 
 def _in_turn(src: Path, out: Path, backends: dict[int, FakeBackend] | None = None):
     """A SliceRunner that runs the slices one after another in this process (a fake of the flow runs)."""
+
     def run(num_slices, poll):
         for k in range(num_slices):
             regenerate_slice(src, out, CFG, (backends or {}).get(k, FakeBackend()), k)
             poll()
+
     return run
 
 
@@ -120,10 +130,15 @@ def test_split_balanced_is_disjoint_covering_and_balanced(seed):
 
 def test_plan_slices_golden_split_by_characters(tmp_path):
     """Conversations are weighed by characters: golden slices of five conversations over two slices."""
-    rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": "x" * n}]} for i, n in
-            enumerate([50, 300, 120, 110, 90])]
-    work = pending_work(_merged(tmp_path, [{**r, "source": "s", "split": "train", "content_hash": r["id"]}
-                                           for r in rows]), tmp_path / "out", CFG)
+    rows = [
+        {"id": f"c{i}", "messages": [{"role": "user", "content": "x" * n}]}
+        for i, n in enumerate([50, 300, 120, 110, 90])
+    ]
+    work = pending_work(
+        _merged(tmp_path, [{**r, "source": "s", "split": "train", "content_hash": r["id"]} for r in rows]),
+        tmp_path / "out",
+        CFG,
+    )
     # heaviest first: c1 (300) -> 0; c2 (120), c3 (110), c4 (90) -> 1 (320); c0 (50) -> 0 (350); shortest first
     assert plan_slices(work, 2) == [["c0", "c1"], ["c4", "c3", "c2"]]
     assert plan_slices(work, 1) == [[r["id"] for r in work.todo]]
@@ -196,8 +211,9 @@ def test_a_slice_that_ended_without_answering_stops_the_merge(tmp_path):
     names how many are missing."""
     src = _merged(tmp_path, _rows(12))
     with pytest.raises(RuntimeError, match=r"conversations planned for slices have no answer"):
-        regenerate_sliced(src, tmp_path / "out", CFG, lambda n, poll: regenerate_slice(
-            src, tmp_path / "out", CFG, FakeBackend(), 0))
+        regenerate_sliced(
+            src, tmp_path / "out", CFG, lambda n, poll: regenerate_slice(src, tmp_path / "out", CFG, FakeBackend(), 0)
+        )
     assert not (tmp_path / "out" / "regenerated.parquet").exists()
 
 

@@ -24,8 +24,18 @@ def test_every_stage_module_has_the_same_shape(tmp_path):
     """Each registered module defines STAGE, SECTION, DESCRIPTION, skip_reason, key, run and main; its manifest
     sits in its folder; the names are unique and in pipeline order."""
     names = [s.name for s in STAGES]
-    assert names == ["synthesize", "merge", "regenerate", "tokenize", "vocab", "capture", "train", "export",
-                     "evaluate", "deploy"]
+    assert names == [
+        "synthesize",
+        "merge",
+        "regenerate",
+        "tokenize",
+        "vocab",
+        "capture",
+        "train",
+        "export",
+        "evaluate",
+        "deploy",
+    ]
     for spec in STAGES:
         for attr in ("STAGE", "SECTION", "DESCRIPTION", "skip_reason", "key", "run", "main"):
             assert hasattr(spec.module, attr), f"{spec.module.__name__} lacks {attr}"
@@ -81,8 +91,13 @@ def test_the_pipeline_runs_every_registry_stage_once_in_registry_order():
     assert sorted(runs) == sorted(s.name for s in STAGES)
     assert list(STEP_STAGES.values()) == [s.name for s in STAGES if s.name in STEP_STAGES.values()]
     assert {u: deploy_steps(u) for u in UNTIL_CHOICES} == {
-        "vocab": [], "capture": [], "train": [], "export": ["export"], "evaluate": ["export", "evaluate"],
-        "deploy": list(ALL_STEPS)}
+        "vocab": [],
+        "capture": [],
+        "train": [],
+        "export": ["export"],
+        "evaluate": ["export", "evaluate"],
+        "deploy": list(ALL_STEPS),
+    }
     assert ALL_STEPS == ("export", "evaluate", "benchmark")  # the names `steps` takes (users' scripts pass them)
 
 
@@ -96,6 +111,7 @@ def test_stage_facts_the_harnesses_read(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ adding a stage
+
 
 def _toy_module() -> types.ModuleType:
     """A stage as a new module would write it: it counts the merged conversations into toy/count.json."""
@@ -160,9 +176,24 @@ def test_a_toy_stage_added_to_the_registry_runs_through_the_same_runner_cli_and_
 # --------------------------------------------------------------------------- one list of stages
 
 CODE_DIRS = ("eagle3", "flows", "tasks", "scripts")
-STAGE_CALLS = {"get_stage", "manifest", "manifest_name", "stage_dir", "stage_key", "run_stage", "write_manifest",
-               "skipped_outcome", "stage_cache_key", "up_to_date_key", "StageId", "is_complete", "key_for",
-               "manifest_path", "from_manifest", "StageOutcome"}
+STAGE_CALLS = {
+    "get_stage",
+    "manifest",
+    "manifest_name",
+    "stage_dir",
+    "stage_key",
+    "run_stage",
+    "write_manifest",
+    "skipped_outcome",
+    "stage_cache_key",
+    "up_to_date_key",
+    "StageId",
+    "is_complete",
+    "key_for",
+    "manifest_path",
+    "from_manifest",
+    "StageOutcome",
+}
 """Calls whose string arguments name a stage."""
 
 
@@ -174,8 +205,11 @@ def stage_name_uses(path: Path, names: set[str]) -> list[str]:
         if isinstance(node, ast.Call):
             func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
             if func in STAGE_CALLS:
-                found += [f"{path}:{a.lineno} {a.value}" for a in node.args
-                          if isinstance(a, ast.Constant) and a.value in names]
+                found += [
+                    f"{path}:{a.lineno} {a.value}"
+                    for a in node.args
+                    if isinstance(a, ast.Constant) and a.value in names
+                ]
         elif isinstance(node, (ast.List, ast.Tuple, ast.Set, ast.Dict)):
             items = node.keys if isinstance(node, ast.Dict) else node.elts
             named = [e for e in items if isinstance(e, ast.Constant) and e.value in names]
@@ -185,11 +219,17 @@ def stage_name_uses(path: Path, names: set[str]) -> list[str]:
 
 
 NOT_STAGES = {
-    "eagle3/run/layout.py": (4, "the run directory's folder names (data, vocab, train, export, deploy, ...): the "
-                                "layout names every folder once and a stage's StageId points at its own; four of "
-                                "them equal a stage's name, and runs on disk keep them"),
-    "eagle3/refresh/candidate.py": (2, "config section names of a candidate run's overrides ({'regenerate': "
-                                       "{'enabled': False}, 'train': {...}}), not stages"),
+    "eagle3/run/layout.py": (
+        4,
+        "the run directory's folder names (data, vocab, train, export, deploy, ...): the "
+        "layout names every folder once and a stage's StageId points at its own; four of "
+        "them equal a stage's name, and runs on disk keep them",
+    ),
+    "eagle3/refresh/candidate.py": (
+        2,
+        "config section names of a candidate run's overrides ({'regenerate': "
+        "{'enabled': False}, 'train': {...}}), not stages",
+    ),
 }
 """Strings equal to a stage's name that name something else, each file with how many and why: no other file may
 name a stage by hand."""
@@ -216,7 +256,7 @@ def test_stage_names_appear_in_code_only_in_their_own_module_and_the_registry():
                 uses = stage_name_uses(path, names)
                 if uses:
                     by_file[path.relative_to(ROOT).as_posix()] = uses
-    over = {f: u for f, u in by_file.items() if len(u) > NOT_STAGES.get(f, (0, ''))[0]}
+    over = {f: u for f, u in by_file.items() if len(u) > NOT_STAGES.get(f, (0, ""))[0]}
     assert over == {}
 
 
@@ -225,7 +265,10 @@ def test_stage_name_checker_finds_a_hand_written_stage_list(tmp_path):
     code = tmp_path / "x.py"
     code.write_text('ORDER = ["merge", "tokenize"]\npath = layout.manifest("vocab")\nsplit = read_split(p, "train")\n')
     assert [u.split(" ")[1] for u in stage_name_uses(code, {"merge", "tokenize", "vocab", "train"})] == [
-        "merge", "tokenize", "vocab"]
+        "merge",
+        "tokenize",
+        "vocab",
+    ]
 
 
 def test_stage_main_prints_typed_results_as_json_and_user_errors_as_one_line(tmp_path, capsys):

@@ -12,8 +12,14 @@ import pytest
 from eagle3.config import load_config
 from infra.storage import forget_hashes
 
-OVERRIDES = ["train.max_steps=2", "train.eval_every_steps=2", "train.checkpoint_every_steps=2",
-             "evaluate.num_prompts=1", "evaluate.max_new_tokens=8", "evaluate.datasets=[mtbench]"]
+OVERRIDES = [
+    "train.max_steps=2",
+    "train.eval_every_steps=2",
+    "train.checkpoint_every_steps=2",
+    "evaluate.num_prompts=1",
+    "evaluate.max_new_tokens=8",
+    "evaluate.datasets=[mtbench]",
+]
 
 
 def _cfg(workdir: Path, cache: Path):
@@ -66,8 +72,11 @@ def test_a_finished_run_moved_elsewhere_exports_and_evaluates_as_a_no_op(tmp_pat
     assert train(new).status == "up_to_date"
 
     # No manifest, export folder, progress file or report of the run names where it used to be.
-    stale = [str(p.relative_to(new.run_dir)) for p in new.run_dir.rglob("*")
-             if p.is_file() and p.suffix in (".json", ".jsonl", ".md") and str(old_root) in p.read_text()]
+    stale = [
+        str(p.relative_to(new.run_dir))
+        for p in new.run_dir.rglob("*")
+        if p.is_file() and p.suffix in (".json", ".jsonl", ".md") and str(old_root) in p.read_text()
+    ]
     assert stale == []
 
     # A manifest written before paths were stored relative (absolute, inside the old run dir of the same name) is
@@ -81,11 +90,14 @@ def test_a_finished_run_moved_elsewhere_exports_and_evaluates_as_a_no_op(tmp_pat
     assert "export up to date" in out and str(new.run_dir / "export" / "sglang") in out
 
 
-@pytest.mark.parametrize("stored, expected", [
-    ("export/sglang", "export/sglang"),
-    ("/old/place/tiny/export/sglang", "export/sglang"),  # absolute, inside an old run dir of the same name
-    ("/old/tiny/runs/tiny/train/checkpoints/step-4", "train/checkpoints/step-4"),  # the name twice: the run's own
-])
+@pytest.mark.parametrize(
+    "stored, expected",
+    [
+        ("export/sglang", "export/sglang"),
+        ("/old/place/tiny/export/sglang", "export/sglang"),  # absolute, inside an old run dir of the same name
+        ("/old/tiny/runs/tiny/train/checkpoints/step-4", "train/checkpoints/step-4"),  # the name twice: the run's own
+    ],
+)
 def test_stored_paths_resolve_against_the_current_run_dir(tmp_path, stored, expected):
     from eagle3.run.layout import resolve_in_run
 

@@ -39,6 +39,7 @@ PARAMS = [SamplingParams(1.0), SamplingParams(0.8, top_p=0.9, top_k=60)]
 
 # ---------------------------------------------------------------------------------------------- the rules
 
+
 def test_probabilities_golden():
     """Temperature scales logits; top-k keeps the k best (k-th ties too); top-p the shortest head reaching p."""
     logits = torch.tensor([2.0, 1.0, 0.0, 0.0, -1.0])
@@ -83,6 +84,7 @@ def test_stream_seeds_are_stable_and_distinct():
 
 
 # ------------------------------------------------------------------------------------- lossless in distribution
+
 
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's chi-square p-value of ``counts`` against ``probs``; cells expected below 5 are pooled into one."""
@@ -285,8 +287,11 @@ def decode_world(world):
 
 def _methods(decode_world) -> dict[str, object]:
     drafter, d2t = decode_world["drafter"], decode_world["d2t"]
-    return {"chain": EagleProposer(drafter, d2t, 3), "tree": EagleProposer(drafter, d2t, 3, 4, 8),
-            "ngram": NgramProposer()}
+    return {
+        "chain": EagleProposer(drafter, d2t, 3),
+        "tree": EagleProposer(drafter, d2t, 3, 4, 8),
+        "ngram": NgramProposer(),
+    }
 
 
 def test_top_k_one_sampling_is_greedy_in_every_decode(decode_world):
@@ -310,8 +315,10 @@ def test_sampled_decodes_report_acceptance_at_both_temperatures(decode_world, ca
     for name, proposer in _methods(decode_world).items():
         greedy = speculative_decode(target, proposer, prompt, MAX_NEW)
         assert greedy.tokens == reference.tokens, name
-        runs = [sampled_speculative_decode(target, proposer, prompt, MAX_NEW, [], sampler_for(params, 7, name, "cpu"))
-                for _ in range(2)]
+        runs = [
+            sampled_speculative_decode(target, proposer, prompt, MAX_NEW, [], sampler_for(params, 7, name, "cpu"))
+            for _ in range(2)
+        ]
         assert runs[0].tokens == runs[1].tokens and sampled_check(runs[0]).kind == "sampled", name
         assert runs[0].logprob is not None and runs[0].logprob < 0
         lines.append(f"{name}: accept length t=0 {greedy.accept_len:.3f}, t=1 {runs[0].accept_len:.3f}")
@@ -337,9 +344,17 @@ def test_static_runners_sample_what_the_eager_ones_sample(decode_world):
     target, runner = make_runners(eager.model, AUX_IDS, drafter, d2t, True, CompileSettings(), capacity=64)
     params = SamplingParams(1.0)
     for name, (steps, topk, size) in {"chain": (3, 1, 4), "tree": (3, 4, 8)}.items():
-        outs = [sampled_speculative_decode(t, EagleProposer(drafter, d2t, steps, topk, size, runner=r), prompt, MAX_NEW,
-                                           [], sampler_for(params, 3, name, "cpu"))
-                for t, r in ((eager, None), (target, runner))]
+        outs = [
+            sampled_speculative_decode(
+                t,
+                EagleProposer(drafter, d2t, steps, topk, size, runner=r),
+                prompt,
+                MAX_NEW,
+                [],
+                sampler_for(params, 3, name, "cpu"),
+            )
+            for t, r in ((eager, None), (target, runner))
+        ]
         assert outs[0].tokens == outs[1].tokens and outs[0].steps == outs[1].steps, name
     own = [sample_decode(t, prompt, MAX_NEW, [], sampler_for(params, 3, "ref", "cpu")) for t in (eager, target)]
     assert own[0].tokens == own[1].tokens

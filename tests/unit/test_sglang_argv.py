@@ -26,29 +26,68 @@ from tests import sglang_side
 from tests.fakes.sglang_model import LaunchArgs, build_parser
 from tests.fakes.sglang_server import fake_authorized
 
-SKIP_REASON = ("sglang 0.5.23 is not importable: install it with `pip install --no-deps sglang==0.5.23` and "
-               "`pip install -r tests/sglang-parser-requirements.txt` to check argv with SGLang's own parser")
+SKIP_REASON = (
+    "sglang 0.5.23 is not importable: install it with `pip install --no-deps sglang==0.5.23` and "
+    "`pip install -r tests/sglang-parser-requirements.txt` to check argv with SGLang's own parser"
+)
 
 SPECS: dict[str, ServerSpec] = {
     "capture_aux": ServerSpec("/models/target", "capture_aux", port=30100),
-    "capture_aux_ids": ServerSpec("/models/target", "capture_aux", port=30101, aux_layer_ids=(1, 15, 28),
-                                  api_key="k3y", tp_size=2, dp_size=2, mem_fraction_static=0.8, dtype="bfloat16"),
+    "capture_aux_ids": ServerSpec(
+        "/models/target",
+        "capture_aux",
+        port=30101,
+        aux_layer_ids=(1, 15, 28),
+        api_key="k3y",
+        tp_size=2,
+        dp_size=2,
+        mem_fraction_static=0.8,
+        dtype="bfloat16",
+    ),
     "capture_final": ServerSpec("/models/target", "capture_final", port=30102),
-    "capture_final_opts": ServerSpec("/models/target", "capture_final", port=30103, api_key="k3y", tp_size=4,
-                                     mem_fraction_static=0.75, extra_args=("--context-length", "8192")),
+    "capture_final_opts": ServerSpec(
+        "/models/target",
+        "capture_final",
+        port=30103,
+        api_key="k3y",
+        tp_size=4,
+        mem_fraction_static=0.75,
+        extra_args=("--context-length", "8192"),
+    ),
     "serve": ServerSpec("/models/target", "serve", port=30000),
     "speculative": ServerSpec("/models/target", "speculative", draft_model_path="/runs/x/export/sglang"),
-    "speculative_trio": ServerSpec("/models/target", "speculative", draft_model_path="/d", num_steps=3, topk=1,
-                                   num_draft_tokens=4, api_key="k3y", mem_fraction_static=0.7,
-                                   extra_args=("--max-running-requests", "32", "--cuda-graph-max-bs-decode", "32")),
-    "speculative_topk4": ServerSpec("/models/target", "speculative", draft_model_path="/d", num_steps=5, topk=4,
-                                    num_draft_tokens=8),
+    "speculative_trio": ServerSpec(
+        "/models/target",
+        "speculative",
+        draft_model_path="/d",
+        num_steps=3,
+        topk=1,
+        num_draft_tokens=4,
+        api_key="k3y",
+        mem_fraction_static=0.7,
+        extra_args=("--max-running-requests", "32", "--cuda-graph-max-bs-decode", "32"),
+    ),
+    "speculative_topk4": ServerSpec(
+        "/models/target", "speculative", draft_model_path="/d", num_steps=5, topk=4, num_draft_tokens=8
+    ),
 }
 # The deploy benchmark's pair: every serving flag set, EAGLE-3 trio explicit.
-BENCH_PAIR = serving_pair("/models/target", "/runs/x/export/sglang", port=30000, num_steps=3, topk=1,
-                          num_draft_tokens=4, api_key="k3y", tp_size=2, dtype="bfloat16", mem_fraction_static=0.8,
-                          max_running_requests=32, cuda_graph_max_bs_decode=32, attention_backend="triton",
-                          extra_args=("--context-length", "8192"))
+BENCH_PAIR = serving_pair(
+    "/models/target",
+    "/runs/x/export/sglang",
+    port=30000,
+    num_steps=3,
+    topk=1,
+    num_draft_tokens=4,
+    api_key="k3y",
+    tp_size=2,
+    dtype="bfloat16",
+    mem_fraction_static=0.8,
+    max_running_requests=32,
+    cuda_graph_max_bs_decode=32,
+    attention_backend="triton",
+    extra_args=("--context-length", "8192"),
+)
 SPECS |= {"bench_baseline": BENCH_PAIR[0], "bench_speculative": BENCH_PAIR[1]}
 # Fields SGLang resolves on the CPU box with its own hooks (speculative ones need the model config).
 RESOLVED_BY_HOOKS = {"speculative_algorithm", "aux_hidden_state_capture", "return_hidden_states_mode"}
@@ -62,9 +101,11 @@ def test_capture_aux_argv_has_exactly_the_capture_flags():
     argv = ServerSpec("M", "capture_aux", port=30100, aux_layer_ids=[1, 3, 5], api_key="s").argv("/r/.k.api-key.yaml")
     assert argv[:3] == ["python", "-m", "sglang.launch_server"]
     joined = " ".join(argv)
-    assert ("--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "
-            "--return-aux-hidden-state-layer-ids 1 3 5 --chunked-prefill-size -1 --disable-radix-cache "
-            "--skip-tokenizer-init") in joined
+    assert (
+        "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3 "
+        "--return-aux-hidden-state-layer-ids 1 3 5 --chunked-prefill-size -1 --disable-radix-cache "
+        "--skip-tokenizer-init"
+    ) in joined
     assert "--host 127.0.0.1 --port 30100" in joined and "--config /r/.k.api-key.yaml" in joined
     assert "--api-key" not in argv and "s" not in argv
     assert "--enable-return-hidden-states" not in argv
@@ -73,14 +114,21 @@ def test_capture_aux_argv_has_exactly_the_capture_flags():
 def test_capture_final_argv_returns_final_hidden_without_aux():
     """capture_final asks for full hidden states with the same truncation guards and no aux flags."""
     argv = ServerSpec("M", "capture_final").launch_args()
-    assert " ".join(argv).endswith("--enable-return-hidden-states --chunked-prefill-size -1 "
-                                   "--disable-radix-cache --skip-tokenizer-init")
+    assert " ".join(argv).endswith(
+        "--enable-return-hidden-states --chunked-prefill-size -1 --disable-radix-cache --skip-tokenizer-init"
+    )
     assert not any("aux" in a or "speculative" in a for a in argv)
 
 
-@pytest.mark.parametrize("ids, fragment", [
-    ((3, 1), "ascending"), ((1, 1, 2), "repeat"), ((-1, 2), ">= 0"), ((), "empty"),
-])
+@pytest.mark.parametrize(
+    "ids, fragment",
+    [
+        ((3, 1), "ascending"),
+        ((1, 1, 2), "repeat"),
+        ((-1, 2), ">= 0"),
+        ((), "empty"),
+    ],
+)
 def test_bad_aux_layer_ids_are_refused_with_a_reason(ids, fragment):
     """aux_layer_ids must be non-empty, unique, ascending and >= 0; the message says which rule broke."""
     with pytest.raises(ServerSpecError, match=fragment):
@@ -269,8 +317,9 @@ def test_sglang_refuses_what_serverspec_refuses(sglang_parser):
             handle_aux_hidden_state_capture(_sglang_args(sglang_parser, base + extra))
 
 
-@pytest.mark.parametrize("bad", [["--num-speculative-tokens", "4"], ["--enable-return-aux-hiden-states"],
-                                 ["--cuda-graph-max-bs", "32"]])
+@pytest.mark.parametrize(
+    "bad", [["--num-speculative-tokens", "4"], ["--enable-return-aux-hiden-states"], ["--cuda-graph-max-bs", "32"]]
+)
 def test_misspelled_or_old_flags_fail_sglangs_parser(sglang_parser, bad, capsys):
     """A vLLM spelling, a typo and the 0.5.14 --cuda-graph-max-bs (now ambiguous) all exit with a parser error."""
     spec = ServerSpec("/models/target", "serve", extra_args=tuple(bad))
@@ -288,9 +337,13 @@ def test_sglang_parser_accepts_unambiguous_prefixes(sglang_parser):
 
 
 def _bodies() -> list[dict[str, Any]]:
-    return [capture_request_body([1, 2, 3], "src:1"), capture_request_body([5], "src:2", top_logprobs_num=20),
-            generation_smoke_body("readiness-smoke-1"), bench_request_body("Explain sourdough.", "bench-c1-0", 256),
-            bench_request_body([1, 2, 3], "bench-c4-1", 64)]
+    return [
+        capture_request_body([1, 2, 3], "src:1"),
+        capture_request_body([5], "src:2", top_logprobs_num=20),
+        generation_smoke_body("readiness-smoke-1"),
+        bench_request_body("Explain sourdough.", "bench-c1-0", 256),
+        bench_request_body([1, 2, 3], "bench-c4-1", 64),
+    ]
 
 
 def test_sglang_parses_the_pair_to_settings_that_differ_only_in_speculative_fields(sglang_parser, tmp_path):
@@ -300,8 +353,14 @@ def test_sglang_parses_the_pair_to_settings_that_differ_only_in_speculative_fiel
     base, spec = (_sglang_args(sglang_parser, _args_of(s, tmp_path)) for s in BENCH_PAIR)
     names = [f.name for f in msgspec.structs.fields(sglang_parser[0])]
     differ = {n for n in names if getattr(base, n) != getattr(spec, n)}
-    assert differ == {"port", "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-                      "speculative_eagle_topk", "speculative_num_draft_tokens"}
+    assert differ == {
+        "port",
+        "speculative_algorithm",
+        "speculative_draft_model_path",
+        "speculative_num_steps",
+        "speculative_eagle_topk",
+        "speculative_num_draft_tokens",
+    }
     assert (spec.max_running_requests, spec.cuda_graph_max_bs_decode, spec.attention_backend) == (32, 32, "triton")
 
 
@@ -314,7 +373,11 @@ def test_deploy_config_builds_a_pair_sglang_accepts(sglang_parser, tmp_path):
     args = _sglang_args(sglang_parser, _args_of(speculative, tmp_path))
     assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (3, 1, 4)
     assert (args.dtype, args.mem_fraction_static, args.max_running_requests, args.cuda_graph_max_bs_decode) == (
-        "bfloat16", 0.8, 32, 32)
+        "bfloat16",
+        0.8,
+        32,
+        32,
+    )
     assert args.api_key == "k"
     assert _sglang_args(sglang_parser, _args_of(baseline, tmp_path)).speculative_algorithm is None
 
@@ -345,16 +408,25 @@ def test_fake_server_auth_matches_sglangs_rule(sglang_parser):
     for path in ("/generate", "/model_info", "/server_info", "/health_generate", "/health", "/ready"):
         for header in (None, "Bearer k", "Bearer wrong", "k"):
             for key in (None, "k"):
-                real = decide_request_auth(method="GET", path=path, authorization_header=header, api_key=key,
-                                           admin_api_key=None, auth_level=AuthLevel.NORMAL).allowed
+                real = decide_request_auth(
+                    method="GET",
+                    path=path,
+                    authorization_header=header,
+                    api_key=key,
+                    admin_api_key=None,
+                    auth_level=AuthLevel.NORMAL,
+                ).allowed
                 assert fake_authorized(path, header, key) == real, (path, header, key)
 
 
 def test_fake_server_flags_are_sglang_flags(sglang_parser):
     """Every launch flag the fake server understands is a flag of SGLang 0.5.23 (the fake invents none)."""
     _, parser = sglang_parser
-    fake_flags = {a.option_strings[0] for a in build_parser()._actions
-                  if a.option_strings and not a.option_strings[0].startswith(("--fake-", "-h"))}
+    fake_flags = {
+        a.option_strings[0]
+        for a in build_parser()._actions
+        if a.option_strings and not a.option_strings[0].startswith(("--fake-", "-h"))
+    }
     real_flags = {s for a in parser._actions for s in a.option_strings}
     assert fake_flags - real_flags == set()
     assert len(fake_flags) == len(LaunchArgs.__dataclass_fields__)
@@ -363,12 +435,21 @@ def test_fake_server_flags_are_sglang_flags(sglang_parser):
 # ---------------------------------------------------------------- every SGLang release we run: 0.5.16 and 0.5.23
 
 # Argv checked under every release in SGLANG_VERSIONS: SPECS plus the mode any release can run.
-VERSIONED_SPECS = SPECS | {"capture_packed": ServerSpec("/models/target", "capture_packed", port=30104,
-                                                        aux_layer_ids=(1, 15, 28), api_key="k3y"),
-                           "dflash": ServerSpec("/models/target", "dflash", draft_model_path="/runs/x/export/sglang"),
-                           "dflash_block": ServerSpec("/models/target", "dflash", draft_model_path="/d", block_size=16,
-                                                      api_key="k3y", max_running_requests=32,
-                                                      attention_backend="triton")}
+VERSIONED_SPECS = SPECS | {
+    "capture_packed": ServerSpec(
+        "/models/target", "capture_packed", port=30104, aux_layer_ids=(1, 15, 28), api_key="k3y"
+    ),
+    "dflash": ServerSpec("/models/target", "dflash", draft_model_path="/runs/x/export/sglang"),
+    "dflash_block": ServerSpec(
+        "/models/target",
+        "dflash",
+        draft_model_path="/d",
+        block_size=16,
+        api_key="k3y",
+        max_running_requests=32,
+        attention_backend="triton",
+    ),
+}
 # Flags whose existence differs between the releases (found by diffing both parsers' option strings), limited to
 # those this project builds or has built: {flag: releases that have it}. The test below keeps this table true.
 FLAG_RELEASES = {
@@ -396,8 +477,11 @@ def parsed_by_version(tmp_path_factory) -> dict[str, dict[str, Any]]:
             pytest.importorskip("sglang.srt.server_args", reason=SKIP_REASON)
             out[version] = parse_many(named)
         elif sglang_side.available(version):
-            proc = sglang_side.run_under(version, "import json, sys; from infra.sglang_argv_check import parse_many; "
-                                                  f"print(json.dumps(parse_many({named!r})))")
+            proc = sglang_side.run_under(
+                version,
+                "import json, sys; from infra.sglang_argv_check import parse_many; "
+                f"print(json.dumps(parse_many({named!r})))",
+            )
             assert proc.returncode == 0, proc.stderr[-3000:]
             out[version] = json.loads(proc.stdout.splitlines()[-1])
     return out
@@ -405,8 +489,10 @@ def parsed_by_version(tmp_path_factory) -> dict[str, dict[str, Any]]:
 
 def _under(parsed_by_version: dict[str, dict[str, Any]], version: str) -> dict[str, Any]:
     if version not in parsed_by_version:
-        pytest.skip(f"SGLang {version} is not installed beside the venv's: ./scripts/bootstrap.sh puts it in "
-                    f"{sglang_side.side_folder(version)}")
+        pytest.skip(
+            f"SGLang {version} is not installed beside the venv's: ./scripts/bootstrap.sh puts it in "
+            f"{sglang_side.side_folder(version)}"
+        )
     return parsed_by_version[version]
 
 
@@ -426,7 +512,8 @@ def test_every_argv_parses_under_each_release_or_is_a_known_gap(parsed_by_versio
     gap = MODE_GAPS.get(version, {}).get(spec.mode)
     if gap:
         assert result["error"] and "unrecognized arguments: --enable-return-aux-hidden-states" in result["error"], (
-            f"SGLang {version} now parses {name}: MODE_GAPS says {gap!r}; drop the entry if it runs")
+            f"SGLang {version} now parses {name}: MODE_GAPS says {gap!r}; drop the entry if it runs"
+        )
         return
     assert result["error"] is None, result["error"]
     assert mismatches(spec, argparse.Namespace(**result["values"])) == []

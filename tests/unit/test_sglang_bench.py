@@ -33,8 +33,13 @@ from tests.fakes.clock import FakeClock
 from tests.fakes.sglang_model import FakeServing, Faults, LaunchArgs
 from tests.fakes.sglang_server import FakeSGLangServer
 
-SPEC_FLAGS = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/d", speculative_num_steps=3,
-                  speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+SPEC_FLAGS = dict(
+    speculative_algorithm="EAGLE3",
+    speculative_draft_model_path="/d",
+    speculative_num_steps=3,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=4,
+)
 SETTINGS = BenchSettings((1, 4), num_prompts=8, max_new_tokens=16, num_warmup=2, request_timeout_s=20)
 
 
@@ -43,8 +48,9 @@ def baseline_fake(faults: Faults | None = None, **serving) -> FakeSGLangServer:
 
 
 def spec_fake(faults: Faults | None = None, **serving) -> FakeSGLangServer:
-    return FakeSGLangServer(LaunchArgs(max_running_requests=32, **SPEC_FLAGS), faults or Faults(),
-                            FakeServing(**serving))
+    return FakeSGLangServer(
+        LaunchArgs(max_running_requests=32, **SPEC_FLAGS), faults or Faults(), FakeServing(**serving)
+    )
 
 
 def bench(fake: FakeSGLangServer, settings: BenchSettings = SETTINGS) -> BenchResult:
@@ -85,11 +91,28 @@ def test_fixed_prompts_are_distinct_and_deterministic():
     assert fixed_prompts(100) == fixed_prompts(100) and len(set(fixed_prompts(100))) == 100
 
 
-def _result(speculative: bool, tok_per_s: list[float], accept: list[float] | None = None,
-            **server: object) -> BenchResult:
-    levels = tuple(LevelResult(c, 8, 1.0, 128, t, 0.1, 0.2, 0.01, 5.0, 0, 10 if accept else None,
-                               accept[i] if accept else None, None, ("a",) * 8)
-                   for i, (c, t) in enumerate(zip(SETTINGS.concurrency_levels, tok_per_s)))
+def _result(
+    speculative: bool, tok_per_s: list[float], accept: list[float] | None = None, **server: object
+) -> BenchResult:
+    levels = tuple(
+        LevelResult(
+            c,
+            8,
+            1.0,
+            128,
+            t,
+            0.1,
+            0.2,
+            0.01,
+            5.0,
+            0,
+            10 if accept else None,
+            accept[i] if accept else None,
+            None,
+            ("a",) * 8,
+        )
+        for i, (c, t) in enumerate(zip(SETTINGS.concurrency_levels, tok_per_s))
+    )
     settings = {"model_path": "M", "max_running_requests": 32} | server
     return BenchResult("http://x", speculative, SETTINGS, "p", settings, levels)
 
@@ -126,15 +149,18 @@ def _answer(rid: str, tokens: int, verify: int | None = None) -> dict:
     return {"output_ids": list(range(tokens)), "meta_info": meta}
 
 
-@pytest.mark.parametrize("answer, speculative, check", [
-    (_answer("r", 15), False, "completion_tokens"),
-    (_answer("other", 16), False, "id"),
-    (_answer("r", 16, verify=5), False, "spec_verify_ct"),
-    (_answer("r", 16), True, "spec_verify_ct"),
-    (_answer("r", 16, verify=0), True, "spec_verify_ct"),
-    ({"output_ids": [1]}, False, "shape"),
-    (None, False, "stream"),
-])
+@pytest.mark.parametrize(
+    "answer, speculative, check",
+    [
+        (_answer("r", 15), False, "completion_tokens"),
+        (_answer("other", 16), False, "id"),
+        (_answer("r", 16, verify=5), False, "spec_verify_ct"),
+        (_answer("r", 16), True, "spec_verify_ct"),
+        (_answer("r", 16, verify=0), True, "spec_verify_ct"),
+        ({"output_ids": [1]}, False, "shape"),
+        (None, False, "stream"),
+    ],
+)
 def test_bad_answers_are_refused_with_the_failed_check(answer, speculative, check):
     """Short completions, a foreign id, verify steps on a baseline or none on a spec server are refused."""
     from infra.sglang_checks import ResponseCheckError
@@ -157,10 +183,14 @@ def test_without_ignore_eos_an_answer_may_stop_at_end_of_turn_but_not_past_the_c
 
 def test_per_dataset_rows_sum_each_group_and_count_identical_outputs():
     """A group's accept length is its tokens over its verify steps, its rate tokens over summed latencies."""
-    base = summarize_level(1, [sample(0, 10, None, 1.0, 0.1), sample(1, 20, None, 2.0, 0.1),
-                               sample(2, 30, None, 1.0, 0.1)], 4.0, False)
-    spec_samples = [sample(0, 10, 5, 0.5, 0.1), sample(1, 20, 5, 4.0, 0.1),
-                    RequestSample(2, 1.0, 0.1, 30, 0, 10, "other")]
+    base = summarize_level(
+        1, [sample(0, 10, None, 1.0, 0.1), sample(1, 20, None, 2.0, 0.1), sample(2, 30, None, 1.0, 0.1)], 4.0, False
+    )
+    spec_samples = [
+        sample(0, 10, 5, 0.5, 0.1),
+        sample(1, 20, 5, 4.0, 0.1),
+        RequestSample(2, 1.0, 0.1, 30, 0, 10, "other"),
+    ]
     spec = summarize_level(1, spec_samples, 5.5, True)
     b = BenchResult("b", False, BenchSettings((1,), 3, 32, 0), "d", {}, (base,))
     s = BenchResult("s", True, BenchSettings((1,), 3, 32, 0), "d", {}, (spec,))
@@ -212,8 +242,10 @@ def test_a_short_completion_fails_the_benchmark():
 
 def test_a_refused_flush_fails_the_benchmark():
     """/flush_cache answering 400 (server busy) stops the run: the level would start with a warm cache."""
-    with (baseline_fake(Faults(flush_fails=True)) as fake,
-          pytest.raises(BenchmarkError, match="flush_cache answered 400")):
+    with (
+        baseline_fake(Faults(flush_fails=True)) as fake,
+        pytest.raises(BenchmarkError, match="flush_cache answered 400"),
+    ):
         bench(fake)
 
 
@@ -245,8 +277,10 @@ def test_fake_spec_server_faster_than_its_acceptance_is_caught(monkeypatch):
     """A spec run timed 5x faster than its baseline, with acceptance length 16/7, is a MeasurementError."""
     with baseline_fake() as base, spec_fake() as spec:
         settings = BenchSettings((1,), num_prompts=4, max_new_tokens=16, num_warmup=0)
-        base_run, spec_run = (_bench_timed(base, 0.010, settings, monkeypatch),
-                              _bench_timed(spec, 0.002, settings, monkeypatch))
+        base_run, spec_run = (
+            _bench_timed(base, 0.010, settings, monkeypatch),
+            _bench_timed(spec, 0.002, settings, monkeypatch),
+        )
         with pytest.raises(MeasurementError, match="concurrency 1: speedup 5.000 > acceptance length 2.286"):
             compare(base_run, spec_run)
 
@@ -257,8 +291,16 @@ def test_fake_spec_server_faster_than_its_acceptance_is_caught(monkeypatch):
 def test_readiness_fails_when_the_draft_never_runs():
     """A speculative server whose smoke answer has no verify steps (spec_verify_ct 0) is not ready."""
     with spec_fake(Faults(spec_verify_ct_zero=True)) as fake:
-        spec = ServerSpec("fake-model", "speculative", port=fake.args.port, draft_model_path="/d", num_steps=3,
-                          topk=1, num_draft_tokens=4, max_running_requests=32)
+        spec = ServerSpec(
+            "fake-model",
+            "speculative",
+            port=fake.args.port,
+            draft_model_path="/d",
+            num_steps=3,
+            topk=1,
+            num_draft_tokens=4,
+            max_running_requests=32,
+        )
         with pytest.raises(ServerCheckError, match="spec_verify_ct None.*the draft did not run"):
             probe_ready(spec, ProbeExpectations(vocab_size=256), timeout_s=10, poll_s=0.05)
 
@@ -266,8 +308,16 @@ def test_readiness_fails_when_the_draft_never_runs():
 def test_readiness_checks_the_serving_limits_the_server_reports():
     """A speculative server left at SGLang's max_running_requests 48 fails a spec that asks for 32."""
     with FakeSGLangServer(LaunchArgs(**SPEC_FLAGS)) as fake:
-        spec = ServerSpec("fake-model", "speculative", port=fake.args.port, draft_model_path="/d", num_steps=3,
-                          topk=1, num_draft_tokens=4, max_running_requests=32)
+        spec = ServerSpec(
+            "fake-model",
+            "speculative",
+            port=fake.args.port,
+            draft_model_path="/d",
+            num_steps=3,
+            topk=1,
+            num_draft_tokens=4,
+            max_running_requests=32,
+        )
         with pytest.raises(ServerCheckError, match="max_running_requests: server has 48, expected 32"):
             probe_ready(spec, ProbeExpectations(vocab_size=256), timeout_s=10, poll_s=0.05)
 
@@ -278,11 +328,14 @@ def test_serving_limits_must_be_positive():
         ServerSpec("M", "serve", max_running_requests=0)
 
 
-@pytest.mark.parametrize("serve, fragment", [
-    ({"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 6}, "num_steps \\+ 1 = 4"),
-    ({"concurrency_levels": [1, 64]}, "exceeds max_running_requests"),
-    ({"concurrency_levels": [4, 4]}, "distinct"),
-])
+@pytest.mark.parametrize(
+    "serve, fragment",
+    [
+        ({"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 6}, "num_steps \\+ 1 = 4"),
+        ({"concurrency_levels": [1, 64]}, "exceeds max_running_requests"),
+        ({"concurrency_levels": [4, 4]}, "distinct"),
+    ],
+)
 def test_serve_config_refuses_an_unfair_or_impossible_benchmark(serve, fragment):
     """A trio SGLang would override, or a level that would measure queueing, is a config error naming the field."""
     from eagle3.config import ConfigError, validate_config

@@ -33,9 +33,19 @@ CAPTURE_FLAGS = dict(chunked_prefill_size=-1, disable_radix_cache=True, skip_tok
 
 
 def feature_spec(supervision: str = "final_hidden", topk: int | None = None) -> FeatureSpec:
-    return FeatureSpec(target_name="fake", target_fingerprint="fp", hidden_size=H, num_layers=LAYERS,
-                       vocab_size=VOCAB, aux_layer_ids=AUX_IDS, supervision=supervision, topk=topk, max_len=64,
-                       chat_template_hash="h", backend="sglang")
+    return FeatureSpec(
+        target_name="fake",
+        target_fingerprint="fp",
+        hidden_size=H,
+        num_layers=LAYERS,
+        vocab_size=VOCAB,
+        aux_layer_ids=AUX_IDS,
+        supervision=supervision,
+        topk=topk,
+        max_len=64,
+        chat_template_hash="h",
+        backend="sglang",
+    )
 
 
 def aux_server(faults: Faults | None = None, **launch) -> FakeSGLangServer:
@@ -86,8 +96,10 @@ def test_two_pass_capture_returns_the_fakes_states_in_input_order():
         assert captured.aux.dtype == captured.final.dtype == torch.float32
     assert sorted(b["rid"] for b in bodies) == sorted(s.id for s in batch)
     assert len({b["extra_key"] for b in bodies}) == len(bodies)  # a fresh radix-cache key per request
-    assert all(b["sampling_params"] == {"max_new_tokens": 1, "temperature": 0} and b["return_hidden_states"] is True
-               for b in bodies)
+    assert all(
+        b["sampling_params"] == {"max_new_tokens": 1, "temperature": 0} and b["return_hidden_states"] is True
+        for b in bodies
+    )
     assert {h.get("Authorization") for h in headers} == {"Bearer k"}
 
 
@@ -107,20 +119,24 @@ def test_topk_supervision_returns_each_positions_next_token_topk():
             np.testing.assert_allclose(captured.topk_logprobs[t].numpy(), logprobs, rtol=1e-6)
 
 
-@pytest.mark.parametrize("faults, check", [
-    (Faults(short_rows=1), "rows"),
-    (Faults(id_fault="alter"), "id"),
-    (Faults(id_fault="drop"), "id"),
-    (Faults(cached_tokens=2), "cached_tokens"),
-    (Faults(nan=True), "finite"),
-])
+@pytest.mark.parametrize(
+    "faults, check",
+    [
+        (Faults(short_rows=1), "rows"),
+        (Faults(id_fault="alter"), "id"),
+        (Faults(id_fault="drop"), "id"),
+        (Faults(cached_tokens=2), "cached_tokens"),
+        (Faults(nan=True), "finite"),
+    ],
+)
 def test_each_fault_is_detected_retried_and_never_yielded(faults, check):
     """A persistent fault is retried max_retries times, then CaptureError names the sample and the check."""
     yielded = []
     with aux_server(faults) as a:
         with pytest.raises(CaptureError) as exc:
-            for captured in backend(feature_spec("topk_logprobs", topk=2), [a.base_url],
-                                    max_retries=2).capture(samples(1)):
+            for captured in backend(feature_spec("topk_logprobs", topk=2), [a.base_url], max_retries=2).capture(
+                samples(1)
+            ):
                 yielded.append(captured)
         num_requests = len(a.generate_bodies)
     assert yielded == []
@@ -153,8 +169,9 @@ def test_good_samples_before_a_bad_one_are_yielded_and_the_bad_one_stops_the_cap
     """Samples are yielded in order until one fails for good; nothing bad and nothing after it is yielded."""
     batch, yielded = samples(6), []
     with aux_server() as a:
-        iterator = backend(feature_spec("topk_logprobs", topk=2), [a.base_url], max_concurrency=1,
-                           max_retries=0).capture(batch)
+        iterator = backend(
+            feature_spec("topk_logprobs", topk=2), [a.base_url], max_concurrency=1, max_retries=0
+        ).capture(batch)
         yielded.append(next(iterator))
         a.faults = Faults(short_rows=1)  # every answer from now on is bad
         with pytest.raises(CaptureError, match="'rows'"):
@@ -169,8 +186,11 @@ def test_a_stalled_server_times_out_and_names_the_sample():
     """A server that answers only after 3 s fails the sample with check 'timeout' (0.3 s) after 1 retry, 2 sends."""
     with aux_server(Faults(stall_s=3.0)) as a:
         with pytest.raises(CaptureError) as exc:
-            list(backend(feature_spec("topk_logprobs", topk=2), [a.base_url], request_timeout_s=0.3,
-                         max_retries=1).capture(samples(1)))
+            list(
+                backend(
+                    feature_spec("topk_logprobs", topk=2), [a.base_url], request_timeout_s=0.3, max_retries=1
+                ).capture(samples(1))
+            )
         sent = a.counts.get("/generate")
     assert exc.value.check == "timeout" and exc.value.sample_id == "src:0"
     assert "after 2 attempt(s)" in str(exc.value) and sent == 2
@@ -206,8 +226,11 @@ def test_a_permanent_http_error_is_not_retried():
 def test_concurrency_per_endpoint_is_bounded():
     """No endpoint ever sees more than max_concurrency requests at once, yet both are used."""
     with aux_server(Faults(stall_s=0.05)) as a1, aux_server(Faults(stall_s=0.05)) as a2:
-        out = list(backend(feature_spec("topk_logprobs", topk=2), [a1.base_url, a2.base_url],
-                           max_concurrency=2).capture(samples(16)))
+        out = list(
+            backend(feature_spec("topk_logprobs", topk=2), [a1.base_url, a2.base_url], max_concurrency=2).capture(
+                samples(16)
+            )
+        )
         assert 1 <= a1.max_in_flight <= 2 and 1 <= a2.max_in_flight <= 2
     assert len(out) == 16
 
@@ -227,8 +250,9 @@ def test_probe_reports_ready_only_after_a_checked_smoke_forward():
     fake.warmup_s = 0.4
     with fake:
         spec = ServerSpec("fake-model", "capture_aux", port=fake.args.port, api_key="k")
-        report = probe_ready(spec, ProbeExpectations(hidden_size=H, architectures=("LlamaForCausalLM",)),
-                             timeout_s=10, poll_s=0.05)
+        report = probe_ready(
+            spec, ProbeExpectations(hidden_size=H, architectures=("LlamaForCausalLM",)), timeout_s=10, poll_s=0.05
+        )
         assert fake.counts["/health_generate"] > 1 and len(fake.generate_bodies) == 1
     assert report.smoke == f"capture forward: 8 rows x {3 * H} finite values" and report.version == "0.5.23"
 
@@ -236,8 +260,17 @@ def test_probe_reports_ready_only_after_a_checked_smoke_forward():
 @pytest.mark.parametrize("mode", ["serve", "speculative"])
 def test_probe_checks_a_serving_server_with_a_greedy_generation(mode):
     """Serve and speculative servers pass only after 16 varied greedy tokens (and, speculative, verify steps)."""
-    draft = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/d", "speculative_num_steps": 3,
-             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4} if mode == "speculative" else {}
+    draft = (
+        {
+            "speculative_algorithm": "EAGLE3",
+            "speculative_draft_model_path": "/d",
+            "speculative_num_steps": 3,
+            "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": 4,
+        }
+        if mode == "speculative"
+        else {}
+    )
     trio = {"draft_model_path": "/d", "num_steps": 3, "topk": 1, "num_draft_tokens": 4} if draft else {}
     with FakeSGLangServer(LaunchArgs(**draft)) as fake:
         spec = ServerSpec("fake-model", mode, port=fake.args.port, **trio)
@@ -249,8 +282,7 @@ def test_probe_checks_a_serving_server_with_a_greedy_generation(mode):
 def test_probe_fails_when_server_info_differs_from_the_spec():
     """A server capturing other layers than the spec asks for is not ready; the message names the field."""
     with aux_server(return_aux_hidden_state_layer_ids=[1, 3, 5]) as fake:
-        spec = ServerSpec("fake-model", "capture_aux", port=fake.args.port,
-                          aux_layer_ids=(1, 3, 4))
+        spec = ServerSpec("fake-model", "capture_aux", port=fake.args.port, aux_layer_ids=(1, 3, 4))
         with pytest.raises(ServerCheckError, match="return_aux_hidden_state_layer_ids"):
             probe_ready(spec, ProbeExpectations(hidden_size=H), timeout_s=5, poll_s=0.05)
         assert fake.generate_bodies == []
@@ -265,12 +297,27 @@ def test_probe_fails_fast_on_a_wrong_api_key():
 
 
 def managed(tmp_path: Path, *extra: str, port: int | None = None, **kw) -> ManagedServer:
-    spec = ServerSpec("fake-model", "capture_aux", port=port or free_port(), api_key="k", aux_layer_ids=tuple(AUX_IDS),
-                      python=sys.executable, module="tests.fakes.sglang_server",
-                      extra_args=("--fake-lifetime-s", "60", *extra))
-    return ManagedServer(spec, tmp_path / "sglang.log", expect=ProbeExpectations(hidden_size=H),
-                         startup_timeout_s=20, poll_s=0.05, watch_s=0.05, cwd=REPO,
-                         policy=kw.pop("policy", RestartPolicy(max_restarts=2, backoff_s=0.05)), **kw)
+    spec = ServerSpec(
+        "fake-model",
+        "capture_aux",
+        port=port or free_port(),
+        api_key="k",
+        aux_layer_ids=tuple(AUX_IDS),
+        python=sys.executable,
+        module="tests.fakes.sglang_server",
+        extra_args=("--fake-lifetime-s", "60", *extra),
+    )
+    return ManagedServer(
+        spec,
+        tmp_path / "sglang.log",
+        expect=ProbeExpectations(hidden_size=H),
+        startup_timeout_s=20,
+        poll_s=0.05,
+        watch_s=0.05,
+        cwd=REPO,
+        policy=kw.pop("policy", RestartPolicy(max_restarts=2, backoff_s=0.05)),
+        **kw,
+    )
 
 
 def test_managed_server_killed_mid_capture_is_restarted_and_the_capture_completes(tmp_path):
@@ -279,8 +326,7 @@ def test_managed_server_killed_mid_capture_is_restarted_and_the_capture_complete
     out = []
     with managed(tmp_path, "--fake-stall-s", "0.05") as server:
         first_pid = server.pid
-        b = backend(feature_spec("topk_logprobs", topk=2), [server], api_key="k", max_retries=3,
-                    ready_timeout_s=20)
+        b = backend(feature_spec("topk_logprobs", topk=2), [server], api_key="k", max_retries=3, ready_timeout_s=20)
         for captured in b.capture(batch):
             out.append(captured)
             if len(out) == 3:
@@ -297,8 +343,14 @@ def test_a_server_that_exits_by_itself_is_restarted_and_the_capture_completes(tm
     """The fake exiting after a few answers (code 3) is restarted, and every sample still arrives intact."""
     batch = samples(6)
     with managed(tmp_path, "--fake-die-after", "4", policy=RestartPolicy(max_restarts=4, backoff_s=0.05)) as server:
-        b = backend(feature_spec("topk_logprobs", topk=2), [server], api_key="k", max_retries=3, ready_timeout_s=20,
-                    max_concurrency=1)
+        b = backend(
+            feature_spec("topk_logprobs", topk=2),
+            [server],
+            api_key="k",
+            max_retries=3,
+            ready_timeout_s=20,
+            max_concurrency=1,
+        )
         out = list(b.capture(batch))
         assert server.num_restarts >= 1
     for captured, sample in zip(out, batch, strict=True):
@@ -340,10 +392,24 @@ def test_managed_server_key_stays_out_of_cmdline_and_environment(tmp_path, monke
     key = "s3cret-key-0123456789"
     monkeypatch.setenv("EAGLE3_SGLANG_API_KEY", key)  # as a user exports it: the server must not inherit it
     monkeypatch.setenv("UNRELATED", "kept")
-    spec = ServerSpec("fake-model", "capture_aux", port=free_port(), api_key=key, aux_layer_ids=tuple(AUX_IDS),
-                      python=sys.executable, module="tests.fakes.sglang_server", extra_args=("--fake-lifetime-s", "60"))
-    server = ManagedServer(spec, tmp_path / "sglang.log", expect=ProbeExpectations(hidden_size=H),
-                           startup_timeout_s=20, poll_s=0.05, cwd=REPO)
+    spec = ServerSpec(
+        "fake-model",
+        "capture_aux",
+        port=free_port(),
+        api_key=key,
+        aux_layer_ids=tuple(AUX_IDS),
+        python=sys.executable,
+        module="tests.fakes.sglang_server",
+        extra_args=("--fake-lifetime-s", "60"),
+    )
+    server = ManagedServer(
+        spec,
+        tmp_path / "sglang.log",
+        expect=ProbeExpectations(hidden_size=H),
+        startup_timeout_s=20,
+        poll_s=0.05,
+        cwd=REPO,
+    )
     with server:
         cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
         environ = Path(f"/proc/{server.pid}/environ").read_bytes()
@@ -359,19 +425,23 @@ def test_managed_server_key_stays_out_of_cmdline_and_environment(tmp_path, monke
 def run_config(tmp_path: Path, supervision: str, **sglang) -> RunConfig:
     """A capture config on the fake server; settings of the server section (python, startup_timeout_s, ...) go there."""
     server = {name: sglang.pop(name) for name in list(sglang) if name in SGLangServerConfig.model_fields}
-    return RunConfig.model_validate({
-        "run": {"workdir": str(tmp_path), "name": "r"},
-        "capture": {"backend": "sglang", "supervision": supervision, "topk": 2, "sglang": sglang},
-        "server": {"api_key_env": None, "launch_module": "tests.fakes.sglang_server", **server},
-    })
+    return RunConfig.model_validate(
+        {
+            "run": {"workdir": str(tmp_path), "name": "r"},
+            "capture": {"backend": "sglang", "supervision": supervision, "topk": 2, "sglang": sglang},
+            "server": {"api_key_env": None, "launch_module": "tests.fakes.sglang_server", **server},
+        }
+    )
 
 
 def test_from_config_uses_existing_endpoints(tmp_path):
     """capture.sglang.endpoints are used as they are: no launch, and the capture returns the server's states."""
     with aux_server() as a:
-        b = SGLangCaptureBackend.from_config(run_config(tmp_path, "topk_logprobs", endpoints=[a.base_url],
-                                                        server_mode="capture_aux"),
-                                             tmp_path, feature_spec("topk_logprobs", topk=2))
+        b = SGLangCaptureBackend.from_config(
+            run_config(tmp_path, "topk_logprobs", endpoints=[a.base_url], server_mode="capture_aux"),
+            tmp_path,
+            feature_spec("topk_logprobs", topk=2),
+        )
         (captured,) = list(b.capture(samples(1)))
         b.close()
     assert b.owned_servers == [] and not (tmp_path / "r" / "logs").exists()
@@ -397,8 +467,14 @@ def _fake_gpu_host(tmp_path, monkeypatch):
 def test_from_config_launches_owns_and_stops_both_servers(tmp_path, monkeypatch):
     """Without endpoints it checks the GPU, launches aux + final servers (fake), captures, and close() kills both."""
     model = _fake_gpu_host(tmp_path, monkeypatch)
-    cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=two_free_ports(), startup_timeout_s=30,
-                     server_mode="capture_aux")
+    cfg = run_config(
+        tmp_path,
+        "final_hidden",
+        python=sys.executable,
+        port=two_free_ports(),
+        startup_timeout_s=30,
+        server_mode="capture_aux",
+    )
     b = SGLangCaptureBackend.from_config(cfg, model, feature_spec())
     try:
         (captured,) = list(b.capture(samples(1)))
@@ -423,8 +499,9 @@ def test_a_held_final_port_is_refused_by_name_before_any_server_launches(tmp_pat
     monkeypatch.setattr(ManagedServer, "start", lambda self: launched.append(self.spec.mode))
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", port + 1))  # like the local end of an outgoing connection: bound, not listening
-        cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=port, startup_timeout_s=30,
-                         server_mode="capture_aux")
+        cfg = run_config(
+            tmp_path, "final_hidden", python=sys.executable, port=port, startup_timeout_s=30, server_mode="capture_aux"
+        )
         with pytest.raises(ServerStartError, match=f"127.0.0.1:{port + 1} is held by another socket"):
             SGLangCaptureBackend.from_config(cfg, model, feature_spec())
     assert launched == []
@@ -435,8 +512,14 @@ def test_managed_endpoints_hand_the_key_to_shard_backends_in_memory_not_the_envi
     from eagle3.features.sglang_backend import _MANAGED, managed_endpoints
 
     model = _fake_gpu_host(tmp_path, monkeypatch)
-    cfg = run_config(tmp_path, "topk_logprobs", python=sys.executable, port=free_port(), startup_timeout_s=30,
-                     api_key_env="EAGLE3_TEST_SGLANG_KEY")
+    cfg = run_config(
+        tmp_path,
+        "topk_logprobs",
+        python=sys.executable,
+        port=free_port(),
+        startup_timeout_s=30,
+        api_key_env="EAGLE3_TEST_SGLANG_KEY",
+    )
     monkeypatch.delenv("EAGLE3_TEST_SGLANG_KEY", raising=False)
     spec = feature_spec("topk_logprobs", topk=2)
     with managed_endpoints(cfg, model, spec) as served:
@@ -448,7 +531,6 @@ def test_managed_endpoints_hand_the_key_to_shard_backends_in_memory_not_the_envi
         b.close()
     assert _MANAGED == {} and key not in os.environ.values()
     assert_matches_fake(captured, samples(1)[0])
-
 
 
 def test_a_shard_backend_waits_for_a_managed_server_killed_between_shards(tmp_path, monkeypatch):
@@ -465,6 +547,7 @@ def test_a_shard_backend_waits_for_a_managed_server_killed_between_shards(tmp_pa
         (captured,) = list(b.capture(samples(1)))
         assert server.num_restarts == 1
     assert_matches_fake(captured, samples(1)[0])
+
 
 # ---------------------------------------------------------------- capture_packed (one pass, our model package)
 

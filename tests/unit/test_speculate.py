@@ -26,8 +26,11 @@ from eagle3.target.tiny import build_tiny_model, build_tiny_tokenizer
 
 AUX_IDS = [1, 3, 4]  # the default [1, N//2-1, N-4] of the 8-layer tiny target
 MAX_NEW = 33  # 1 token from the prefill + 8 verify steps of 4 (chain of 3) or of 5 (depth 4: not a multiple)
-QUESTIONS = ["What is the capital of France?", "Write a short function in Python that returns the sum.",
-             "Please explain how this works, with an example."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short function in Python that returns the sum.",
+    "Please explain how this works, with an example.",
+]
 
 
 def tiny_target(seed: int = 0):
@@ -40,11 +43,20 @@ def tiny_drafter(model, draft_vocab: int | None = None, seed: int = 0) -> tuple[
     cfg = model.config
     vocab = cfg.vocab_size
     draft_vocab = draft_vocab or vocab // 2
-    dims = DrafterDims(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                       num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,
-                       intermediate_size=cfg.intermediate_size, rms_norm_eps=1e-6, rope_theta=10000.0,
-                       rope_scaling=None, vocab_size=vocab, draft_vocab_size=draft_vocab, num_aux=len(AUX_IDS),
-                       target_hidden_size=cfg.hidden_size)
+    dims = DrafterDims(
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        intermediate_size=cfg.intermediate_size,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        num_aux=len(AUX_IDS),
+        target_hidden_size=cfg.hidden_size,
+    )
     drafter = Eagle3Drafter(dims)
     init_weights(drafter, std=0.2, seed=seed)  # large enough that draft logits are far from ties
     with torch.no_grad():
@@ -55,8 +67,9 @@ def tiny_drafter(model, draft_vocab: int | None = None, seed: int = 0) -> tuple[
 
 
 def prompt_ids(tokenizer, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -76,8 +89,15 @@ class FakeOracleProposer:
     """Test double: proposes the greedy reference's next tokens (a perfect drafter) or, with ``wrong``,
     each of those plus one (never accepted); as a tree, hides the right chain behind a wrong sibling."""
 
-    def __init__(self, prompt: list[int], reference: list[int], steps: int, wrong: bool = False,
-                 tree: bool = False, vocab: int = 384) -> None:
+    def __init__(
+        self,
+        prompt: list[int],
+        reference: list[int],
+        steps: int,
+        wrong: bool = False,
+        tree: bool = False,
+        vocab: int = 384,
+    ) -> None:
         self.full = [*prompt, *reference]
         self.steps, self.wrong, self.tree, self.vocab = steps, wrong, tree, vocab
 
@@ -92,8 +112,8 @@ class FakeOracleProposer:
         pass
 
     def propose(self, context: list[int]) -> DraftTree:
-        assert context == self.full[:len(context)], "the decode left the greedy path"
-        upcoming = self.full[len(context):len(context) + self.steps]
+        assert context == self.full[: len(context)], "the decode left the greedy path"
+        upcoming = self.full[len(context) : len(context) + self.steps]
         if self.wrong:
             return DraftTree.chain([self.other(t, 1) for t in upcoming])
         if not self.tree:
@@ -108,6 +128,7 @@ class FakeOracleProposer:
 
 # --------------------------------------------------------------------------------------------- the drafter
 
+
 def test_drafter_cache_equals_ttt_unroll(setup):
     """Chunked extends + teacher-forced draft steps reproduce the TTT unroll's logits at every index and step."""
     drafter, d2t = setup["drafter"], setup["d2t"]
@@ -118,19 +139,25 @@ def test_drafter_cache_equals_ttt_unroll(setup):
     with torch.no_grad():  # the training path: Eagle3Drafter.forward, one TTT step at a time
         hidden, cache, ref = drafter.project_aux(aux), TTTCache(), []
         for k in range(steps):
-            hidden, logits = drafter(hidden, shift_left(ids, 1 + k, 0), torch.arange(seq_len)[None] + k,
-                                     torch.zeros_like(ids), cache, "dense")
+            hidden, logits = drafter(
+                hidden,
+                shift_left(ids, 1 + k, 0),
+                torch.arange(seq_len)[None] + k,
+                torch.zeros_like(ids),
+                cache,
+                "dense",
+            )
             ref.append(logits[0])  # [T, Vd]
     runner = DrafterRunner(drafter, d2t)
     _, first = runner.extend(aux[0, :5], ids[0, 1:6].tolist(), 0)
-    out, second = runner.extend(aux[0, 5:n + 1], ids[0, 6:n + 2].tolist(), 5)
-    torch.testing.assert_close(torch.cat([first, second]), ref[0][:n + 1], rtol=1e-9, atol=1e-9)
+    out, second = runner.extend(aux[0, 5 : n + 1], ids[0, 6 : n + 2].tolist(), 5)
+    torch.testing.assert_close(torch.cat([first, second]), ref[0][: n + 1], rtol=1e-9, atol=1e-9)
     hidden = out[-1:]
     for j in range(1, steps):  # draft step j at index n: token x_{n+1+j}, position n + j
-        hidden, logits = runner.draft(hidden, ids[0, n + 1 + j:n + 2 + j], n + j, torch.ones(1, j, dtype=torch.bool))
+        hidden, logits = runner.draft(hidden, ids[0, n + 1 + j : n + 2 + j], n + j, torch.ones(1, j, dtype=torch.bool))
         torch.testing.assert_close(logits[0], ref[j][n], rtol=1e-9, atol=1e-9)
-    _, later = runner.extend(aux[0, n + 1:n + 3], ids[0, n + 2:n + 4].tolist(), n + 1)  # drafts dropped first
-    torch.testing.assert_close(later, ref[0][n + 1:n + 3], rtol=1e-9, atol=1e-9)
+    _, later = runner.extend(aux[0, n + 1 : n + 3], ids[0, n + 2 : n + 4].tolist(), n + 1)  # drafts dropped first
+    torch.testing.assert_close(later, ref[0][n + 1 : n + 3], rtol=1e-9, atol=1e-9)
 
 
 def test_tree_draft_mask_equals_separate_chains(setup):
@@ -156,6 +183,7 @@ def test_tree_draft_mask_equals_separate_chains(setup):
 
 
 # ---------------------------------------------------------------------------------------------- the target
+
 
 def test_tree_verify_and_cache_select_match_sequential_runs(setup):
     """Each tree row's logits equal a plain run of its path; verify() accepts the greedy branch, returns its
@@ -192,9 +220,10 @@ def test_tree_verify_and_cache_select_match_sequential_runs(setup):
 def test_greedy_equals_transformers_generate(setup):
     """greedy_decode's tokens are transformers' own greedy generate output."""
     prompt = setup["prompts"][1]
-    out = setup["model"].generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)
-    assert out[0, len(prompt):].tolist() == setup["refs"][1].tokens
+    out = setup["model"].generate(
+        torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert out[0, len(prompt) :].tolist() == setup["refs"][1].tokens
 
 
 def test_accept_path_walks_the_matching_branch():
@@ -206,12 +235,15 @@ def test_accept_path_walks_the_matching_branch():
 
 # ------------------------------------------------------------------------------------------------ lossless
 
+
 @pytest.mark.parametrize("method", ["chain", "tree", "ngram"])
 def test_methods_are_token_identical_to_greedy(setup, method):
     """Chain, tree and n-gram decoding with a random drafter give exactly the greedy reference on every prompt."""
-    proposer = {"chain": lambda: EagleProposer(setup["drafter"], setup["d2t"], steps=3),
-                "tree": lambda: EagleProposer(setup["drafter"], setup["d2t"], steps=3, topk=3, num_draft_tokens=7),
-                "ngram": NgramProposer}[method]()
+    proposer = {
+        "chain": lambda: EagleProposer(setup["drafter"], setup["d2t"], steps=3),
+        "tree": lambda: EagleProposer(setup["drafter"], setup["d2t"], steps=3, topk=3, num_draft_tokens=7),
+        "ngram": NgramProposer,
+    }[method]()
     for prompt, ref in zip(setup["prompts"], setup["refs"]):
         result = speculative_decode(setup["target"], proposer, prompt, MAX_NEW)
         assert check_lossless(ref, result.tokens, near_tie_gap=0.0).kind == "identical"
@@ -279,17 +311,22 @@ def test_teacher_forced_drafts_are_the_chain_rounds_first_drafts(setup):
         firsts: list[tuple[int, int]] = []  # (context length, first draft token)
         propose = proposer.propose
         proposer.propose = lambda context, propose=propose, firsts=firsts: (
-            tree := propose(context), firsts.append((len(context), tree.tokens[0])))[0]
+            tree := propose(context),
+            firsts.append((len(context), tree.tokens[0])),
+        )[0]
         result = speculative_decode(setup["target"], proposer, prompt, MAX_NEW)
-        drafts = teacher_forced_drafts(setup["target"], DrafterRunner(setup["drafter"], setup["d2t"]), prompt,
-                                       result.tokens)
+        drafts = teacher_forced_drafts(
+            setup["target"], DrafterRunner(setup["drafter"], setup["d2t"]), prompt, result.tokens
+        )
         assert len(drafts) == len(result.tokens) - 1 and len(firsts) == len(result.steps) > 1
         assert [drafts[c - len(prompt) - 1] for c, _ in firsts] == [token for _, token in firsts]
         assert [s.accepted >= 1 for s in result.steps] == [
-            drafts[c - len(prompt) - 1] == result.tokens[c - len(prompt)] for c, _ in firsts]
+            drafts[c - len(prompt) - 1] == result.tokens[c - len(prompt)] for c, _ in firsts
+        ]
 
 
 # ------------------------------------------------------------------------------------------------- n-grams
+
 
 def test_ngram_proposes_what_followed_the_latest_occurrence():
     """Longest n-gram first (3 down to 1), latest earlier occurrence, up to 3 tokens; nothing without a match."""
@@ -311,6 +348,7 @@ def test_ngram_accepts_more_than_one_on_a_repetitive_prompt(setup):
 
 # -------------------------------------------------------------------------------------------- lossless check
 
+
 def test_lossless_check_reports_an_injected_mismatch(setup):
     """Changing one generated token is reported as a mismatch at exactly that position, with the gaps."""
     ref = setup["refs"][0]
@@ -318,7 +356,11 @@ def test_lossless_check_reports_an_injected_mismatch(setup):
     tokens[10] = ref.top_ids[10][2]  # the reference's third choice there
     check = check_lossless(ref, tokens, near_tie_gap=1e-9)
     assert (check.kind, check.position, check.reference_token, check.method_token) == (
-        "mismatch", 10, ref.tokens[10], tokens[10])
+        "mismatch",
+        10,
+        ref.tokens[10],
+        tokens[10],
+    )
     assert check.token_gap == pytest.approx(ref.top_logits[10][0] - ref.top_logits[10][2])
     assert check_lossless(ref, ref.tokens[:20], near_tie_gap=1.0).position == 20  # an output cut short
 
@@ -349,5 +391,5 @@ def test_greedy_ends_at_the_first_stop_token_wherever_the_device_is_read(setup, 
     stop = ref.tokens[stop_at]
     first = ref.tokens.index(stop)
     got = greedy_decode(setup["target"], setup["prompts"][0], MAX_NEW, stop_ids=[stop])
-    assert got.tokens == ref.tokens[:first + 1]
-    assert got.top_ids == ref.top_ids[:first + 1] and got.top_logits == ref.top_logits[:first + 1]
+    assert got.tokens == ref.tokens[: first + 1]
+    assert got.top_ids == ref.top_ids[: first + 1] and got.top_logits == ref.top_logits[: first + 1]

@@ -61,8 +61,11 @@ def test_manifest_records_size_and_sha256(tmp_path):
     manifest = tmp_path / "vocab.manifest.json"
     run_stage("vocab", manifest, "k", _writer(tmp_path, [], b"abc"))
     entry = json.loads(manifest.read_text())["outputs"]["out"]
-    assert entry == {"path": "out.bin", "bytes": 3,
-                     "sha256": "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"}
+    assert entry == {
+        "path": "out.bin",
+        "bytes": 3,
+        "sha256": "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad",
+    }
 
 
 def test_key_depends_on_config_inputs_and_version(tmp_path):

@@ -69,8 +69,12 @@ def test_consumed_input_that_changed_stops_the_next_stage_naming_the_file(cfg):
 def test_killed_writers_temp_files_are_removed_by_the_next_run_of_their_stage(cfg):
     """Temp files a killed merge and tokenize left (named as atomic writes name them) go; others' files stay."""
     data = data_dir(cfg)
-    leftovers = [temp_path_for(data / "merged.parquet"), temp_path_for(data / "rejects.jsonl"),
-                 temp_path_for(data / "tokenized.parquet"), temp_path_for(data / "tokenize.manifest.json")]
+    leftovers = [
+        temp_path_for(data / "merged.parquet"),
+        temp_path_for(data / "rejects.jsonl"),
+        temp_path_for(data / "tokenized.parquet"),
+        temp_path_for(data / "tokenize.manifest.json"),
+    ]
     for path in leftovers:
         path.write_bytes(b"x" * 1000)
     foreign = [data / ".notes.parquet.abc123.tmp", data / "merged.parquet.bak"]

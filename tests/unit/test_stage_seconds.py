@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from eagle3.run.summary import CACHED, COMPLETED, SKIPPED, StageRun, duration_lines, read_stage_runs, write_stage_runs
 
-RUNS = [StageRun("target", COMPLETED, 12.5), StageRun("merge", CACHED, 0.25, "data/merged.parquet", "http://u/1",
-                                                       "task run"),
-        StageRun("capture", SKIPPED, None, note="online"), StageRun("train", COMPLETED, 301.125)]
+RUNS = [
+    StageRun("target", COMPLETED, 12.5),
+    StageRun("merge", CACHED, 0.25, "data/merged.parquet", "http://u/1", "task run"),
+    StageRun("capture", SKIPPED, None, note="online"),
+    StageRun("train", COMPLETED, 301.125),
+]
 
 
 def test_saved_rows_read_back_for_their_flow_run_only(tmp_path):

@@ -101,8 +101,9 @@ def test_host_slabs_never_pass_their_budget_and_align_every_piece():
     slabs = HostSlabs(budget=4096, slab_bytes=2048)
     one = slabs.keep({"x": torch.arange(10, dtype=torch.float32), "y": torch.ones(3, dtype=torch.int64)})
     assert one is not None and torch.equal(one["x"], torch.arange(10, dtype=torch.float32))
-    assert one["y"].dtype == torch.int64 and all((t.data_ptr() - t.untyped_storage().data_ptr()) % HostSlabs.ALIGN == 0
-                                              for t in one.values())
+    assert one["y"].dtype == torch.int64 and all(
+        (t.data_ptr() - t.untyped_storage().data_ptr()) % HostSlabs.ALIGN == 0 for t in one.values()
+    )
     assert slabs.allocated == 2048
     assert slabs.keep({"z": torch.zeros(512, dtype=torch.float32)}) is not None and slabs.allocated == 4096
     assert slabs.keep({"w": torch.zeros(1, dtype=torch.float32)}) is None and slabs.allocated == 4096

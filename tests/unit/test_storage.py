@@ -42,8 +42,10 @@ def test_atomic_write_leaves_old_content_when_the_writer_fails(tmp_path):
 def test_atomic_write_is_invisible_until_complete_after_sigkill(tmp_path):
     """A process killed mid-write never leaves a file at the final path."""
     target = tmp_path / "x.json"
-    code = ("import os,sys; from infra.storage import atomic_open\n"
-            f"with atomic_open({str(target)!r}) as fh:\n    fh.write(b'{{'); fh.flush(); os.kill(os.getpid(), 9)\n")
+    code = (
+        "import os,sys; from infra.storage import atomic_open\n"
+        f"with atomic_open({str(target)!r}) as fh:\n    fh.write(b'{{'); fh.flush(); os.kill(os.getpid(), 9)\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=False)
     assert not target.exists()
 
@@ -65,10 +67,18 @@ def test_free_space_check_names_both_numbers(tmp_path):
 
 def test_second_writer_is_refused_with_the_holder_named(tmp_path):
     """A lock held by another live process makes a second writer fail, naming pid and host."""
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys,time; from infra.storage import run_lock\n"
-        f"with run_lock({str(tmp_path)!r}, owner='other'):\n    print('held', flush=True); time.sleep(30)\n")],
-        stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys,time; from infra.storage import run_lock\n"
+                f"with run_lock({str(tmp_path)!r}, owner='other'):\n    print('held', flush=True); time.sleep(30)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(LockHeldError, match=rf"pid {holder.pid} .*other"), run_lock(tmp_path):
@@ -80,8 +90,10 @@ def test_second_writer_is_refused_with_the_holder_named(tmp_path):
 
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
     """A lock left by a SIGKILLed writer does not block the next run; the lock file stays, its record emptied."""
-    code = (f"import os; from infra.storage import run_lock\nwith run_lock({str(tmp_path)!r}):\n"
-            "    os.kill(os.getpid(), 9)\n")
+    code = (
+        f"import os; from infra.storage import run_lock\nwith run_lock({str(tmp_path)!r}):\n"
+        "    os.kill(os.getpid(), 9)\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=False)
     assert read_holder(tmp_path / ".lock")["pid"] != os.getpid()
     with run_lock(tmp_path, owner="next"):
@@ -109,10 +121,19 @@ def test_child_process_of_the_holder_may_take_the_lock(tmp_path):
     with run_lock(tmp_path, owner="flow"):
         child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert child.returncode == 0 and child.stdout.strip() == "ok", child.stderr
-    stranger = subprocess.Popen([sys.executable, "-c", (
-        "import time; from infra.storage import run_lock\n"
-        f"with run_lock({str(tmp_path)!r}, owner='other'):\n    print('held', flush=True); time.sleep(30)\n")],
-        stdout=subprocess.PIPE, text=True, env={k: v for k, v in os.environ.items() if k != "EAGLE3_RUN_LOCK_HOLDER"})
+    stranger = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import time; from infra.storage import run_lock\n"
+                f"with run_lock({str(tmp_path)!r}, owner='other'):\n    print('held', flush=True); time.sleep(30)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "EAGLE3_RUN_LOCK_HOLDER"},
+    )
     try:
         assert stranger.stdout.readline().strip() == "held"
         refused = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -167,9 +188,11 @@ def test_freshly_written_file_is_not_cached(tmp_path, monkeypatch):
 def test_stale_temps_of_a_killed_writer_are_removed_and_nothing_else(tmp_path):
     """Only ``.<name>.<random>.tmp`` files of the given finals go; other files, and a newer temp, stay."""
     final = tmp_path / "merged.parquet"
-    code = ("import os; from infra.storage import atomic_open\n"
-            f"with atomic_open({str(final)!r}) as fh:\n"
-            "    fh.write(b'x' * 4096); fh.flush(); os.kill(os.getpid(), 9)\n")
+    code = (
+        "import os; from infra.storage import atomic_open\n"
+        f"with atomic_open({str(final)!r}) as fh:\n"
+        "    fh.write(b'x' * 4096); fh.flush(); os.kill(os.getpid(), 9)\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=False)
     killed = [p.name for p in tmp_path.iterdir()]
     assert len(killed) == 1 and killed[0].startswith(".merged.parquet.") and killed[0].endswith(".tmp")

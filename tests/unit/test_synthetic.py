@@ -62,8 +62,9 @@ def test_same_seed_gives_the_same_records_and_another_seed_others(tmp_path, tiny
         paths, _ = synthesize([_source(seed=seed)], tmp_path / run, REGEN, lambda: tiny, "fp")
         out[run] = paths["syn"].read_text()
     assert out["a"] == out["b"]
-    prompts = {run: [r["messages"][0]["content"] for r in map(json.loads, text.splitlines())]
-               for run, text in out.items()}
+    prompts = {
+        run: [r["messages"][0]["content"] for r in map(json.loads, text.splitlines())] for run, text in out.items()
+    }
     assert prompts["a"] != prompts["c"] and len(prompts["a"]) == 10
 
 
@@ -89,10 +90,21 @@ def test_journals_written_before_straggler_rows_keep_their_key():
     from infra.storage import sha256_json
 
     syn = _source().synthetic
-    before = ("temperature", "batch_size_conversations", "generation_backend", "prompt_bucket", "decode_attention",
-              "device")
-    old = sha256_json({"synthetic": syn.model_dump(exclude={"near_duplicate", "count"}),
-                       "regenerate": {k: getattr(REGEN, k) for k in before}, "target": "fp"})[:16]
+    before = (
+        "temperature",
+        "batch_size_conversations",
+        "generation_backend",
+        "prompt_bucket",
+        "decode_attention",
+        "device",
+    )
+    old = sha256_json(
+        {
+            "synthetic": syn.model_dump(exclude={"near_duplicate", "count"}),
+            "regenerate": {k: getattr(REGEN, k) for k in before},
+            "target": "fp",
+        }
+    )[:16]
     assert settings_key(syn, REGEN, "fp") == old
 
 
@@ -102,10 +114,28 @@ def test_records_keep_seed_settings_and_only_finished_prompts_are_answered(tmp_p
     records = _lines(paths["syn"])
     assert [r["id"] for r in records] == [str(i) for i in range(10)]
     gen = records[5]["generation"]
-    assert {k: gen[k] for k in ("seed", "index", "temperature", "max_prompt_tokens", "max_answer_tokens",
-                                "batch_size", "answer_temperature", "generation_backend")} == {
-        "seed": 3, "index": 5, "temperature": 1.0, "max_prompt_tokens": 4, "max_answer_tokens": 6,
-        "batch_size": 4, "answer_temperature": 0.0, "generation_backend": "dynamic"}
+    assert {
+        k: gen[k]
+        for k in (
+            "seed",
+            "index",
+            "temperature",
+            "max_prompt_tokens",
+            "max_answer_tokens",
+            "batch_size",
+            "answer_temperature",
+            "generation_backend",
+        )
+    } == {
+        "seed": 3,
+        "index": 5,
+        "temperature": 1.0,
+        "max_prompt_tokens": 4,
+        "max_answer_tokens": 6,
+        "batch_size": 4,
+        "answer_temperature": 0.0,
+        "generation_backend": "dynamic",
+    }
     assert records[0]["generation"]["batch_seed"] == records[3]["generation"]["batch_seed"] != gen["batch_seed"]
     for r in records:
         answered = len(r["messages"]) == 2
@@ -200,12 +230,18 @@ def test_sources_named_by_suffixes_of_each_other_write_their_own_files(tmp_path,
 # ---------------------------------------------------------------- merge-time filters
 
 
-def _record(i: int, prompt: str | None, answer: str | None, prompt_finish: str = "stop",
-            answer_finish: str | None = "stop") -> dict[str, Any]:
-    messages = [{"role": "user", "content": prompt}] + ([{"role": "assistant", "content": answer}] if answer is not None
-                                                        else [])
-    return {"id": str(i), "messages": messages, "generation": {"seed": 0, "index": i},
-            "finish_reasons": {"prompt": prompt_finish, "answer": answer_finish if answer is not None else None}}
+def _record(
+    i: int, prompt: str | None, answer: str | None, prompt_finish: str = "stop", answer_finish: str | None = "stop"
+) -> dict[str, Any]:
+    messages = [{"role": "user", "content": prompt}] + (
+        [{"role": "assistant", "content": answer}] if answer is not None else []
+    )
+    return {
+        "id": str(i),
+        "messages": messages,
+        "generation": {"seed": 0, "index": i},
+        "finish_reasons": {"prompt": prompt_finish, "answer": answer_finish if answer is not None else None},
+    }
 
 
 CRAFTED = [  # (record, expected outcome)
@@ -241,7 +277,13 @@ def test_merge_rejects_bad_generations_with_reasons_and_counts_them(tmp_path):
     counts = stats["sources"]["syn"]
     assert counts["read"] == len(CRAFTED) and counts["kept"] == 2 and counts["rejected"] == len(CRAFTED) - 2
     assert {r: n for r, n in counts["rejected_by_reason"].items() if n} == {
-        "empty_turn": 2, "truncated": 2, "degenerate": 2, "duplicate_prompt": 1, "near_duplicate": 1, "unparsable": 1}
+        "empty_turn": 2,
+        "truncated": 2,
+        "degenerate": 2,
+        "duplicate_prompt": 1,
+        "near_duplicate": 1,
+        "unparsable": 1,
+    }
     assert stats["sources"]["syn"]["format"] == "synthetic"
 
 
@@ -288,8 +330,10 @@ def test_degenerate_text_is_symbols_or_loops_and_normal_text_is_not():
 # ---------------------------------------------------------------- evaluation overlap
 
 
-MTBENCH_81 = ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
-              "experiences and must-see attractions.")
+MTBENCH_81 = (
+    "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
+    "experiences and must-see attractions."
+)
 
 
 def _chat(i: int, user: str) -> dict[str, Any]:
@@ -301,11 +345,17 @@ def test_merge_rejects_an_edited_copy_of_an_mtbench_question_and_keeps_normal_re
     from eagle3.evaluate.prompts import read_prompts
 
     assert read_prompts("mtbench", 1)[0].text == MTBENCH_81  # the first MT-Bench question, as the test assumes
-    edited = ("Please compose an engaging travel-blog post about a recent trip to HAWAII highlighting the "
-              "cultural experiences and must see attractions!!")
+    edited = (
+        "Please compose an engaging travel-blog post about a recent trip to HAWAII highlighting the "
+        "cultural experiences and must see attractions!!"
+    )
     gsm8k = read_prompts("gsm8k", 1)[0].text
-    records = [_chat(0, edited), _chat(1, "Write a travel blog post about Japan."), _chat(2, f"Solve: {gsm8k}"),
-               _chat(3, "Compose an engaging limerick about a cat who likes to travel.")]
+    records = [
+        _chat(0, edited),
+        _chat(1, "Write a travel blog post about Japan."),
+        _chat(2, f"Solve: {gsm8k}"),
+        _chat(3, "Compose an engaging limerick about a cat who likes to travel."),
+    ]
     src_path = tmp_path / "chats.jsonl"
     src_path.write_text("".join(json.dumps(r) + "\n" for r in records))
     src = SourceConfig(name="chats", path=str(src_path))
@@ -325,8 +375,11 @@ def test_eval_overlap_ignores_number_runs_and_shared_boilerplate_but_finds_whole
     from eagle3.data.textcheck import EvalOverlap
 
     header = "Complete the following Python function from typing import List def "
-    prompts = [("a:1", header + "grid_sum(grid): add [[0, 0, 1, 0], [0, 1, 0, 0], [1, 1, 1, 1]] up"),
-               ("a:2", header + "other(x): return the x"), ("b:1", "x+y = 4z, x*y = 4z^2, express x-y in z")]
+    prompts = [
+        ("a:1", header + "grid_sum(grid): add [[0, 0, 1, 0], [0, 1, 0, 0], [1, 1, 1, 1]] up"),
+        ("a:2", header + "other(x): return the x"),
+        ("b:1", "x+y = 4z, x*y = 4z^2, express x-y in z"),
+    ]
     index = EvalOverlap(prompts, min_shared=2)
     assert index.check(["m = [[0, 0, 1, 0], [0, 1, 0, 0], [1, 1, 1, 1]]"]) is None
     assert index.check([f"{header} mine(): pass"]) is None  # shared by a:1 and a:2: boilerplate
@@ -347,16 +400,26 @@ def test_stages_synthesize_then_merge_regenerate_and_tokenize_on_the_tiny_target
     from eagle3.run.stages import run_all
 
     syn = "{count: 8, max_prompt_tokens: 8, max_answer_tokens: 8}"
-    cfg = load_config("tiny", [f"run.workdir={tmp_path / 'runs'}", f"target.cache_dir={tmp_path / 'targets'}",
-                               "data.sources=[{name: tiny-chats, path: 'pkg://eagle3/assets/tiny_chats.jsonl'}, "
-                               f"{{name: syn, format: synthetic, synthetic: {syn}}}]",
-                               "regenerate.enabled=true", "regenerate.backend=hf", "regenerate.max_new_tokens=4",
-                               "regenerate.max_conversations=3"])
+    cfg = load_config(
+        "tiny",
+        [
+            f"run.workdir={tmp_path / 'runs'}",
+            f"target.cache_dir={tmp_path / 'targets'}",
+            "data.sources=[{name: tiny-chats, path: 'pkg://eagle3/assets/tiny_chats.jsonl'}, "
+            f"{{name: syn, format: synthetic, synthetic: {syn}}}]",
+            "regenerate.enabled=true",
+            "regenerate.backend=hf",
+            "regenerate.max_new_tokens=4",
+            "regenerate.max_conversations=3",
+        ],
+    )
     outcomes = {o.stage: o for o in run_all(cfg)}
     assert list(outcomes) == ["synthesize", "merge", "regenerate", "tokenize", "vocab"]
     counts = outcomes["merge"].stats["sources"]["syn"]
     assert counts["read"] == 8 and counts["kept"] + counts["rejected"] == 8
     regen = outcomes["regenerate"].stats
-    assert regen["success"] + regen["error"] + regen["skipped_done"] + regen["skipped_source"] \
-        + regen["skipped_limit"] == regen["input"]
+    assert (
+        regen["success"] + regen["error"] + regen["skipped_done"] + regen["skipped_source"] + regen["skipped_limit"]
+        == regen["input"]
+    )
     assert all(not o.computed for o in run_all(cfg))

@@ -47,8 +47,15 @@ def test_target_info_reads_shapes_from_config(tiny_dir):
     assert info.vocab_size == len(load_tokenizer(tiny_dir))
 
 
-@pytest.mark.parametrize("ids,reason", [("[1,2,9]", "out of range"), ("[1,2,7]", "out of range"),
-                                        ("[1,1,3]", "distinct and ascending"), ("[3,1,2]", "distinct and ascending")])
+@pytest.mark.parametrize(
+    "ids,reason",
+    [
+        ("[1,2,9]", "out of range"),
+        ("[1,2,7]", "out of range"),
+        ("[1,1,3]", "distinct and ascending"),
+        ("[3,1,2]", "distinct and ascending"),
+    ],
+)
 def test_bad_aux_ids_are_refused(tiny_dir, ids, reason):
     """Aux ids beyond the layers, on the last layer (the final state), repeated or unordered are errors."""
     cfg = load_config("tiny", [f"target.aux_layer_ids={ids}"])
@@ -203,10 +210,14 @@ def test_gguf_conversion_makes_a_folder_both_transformers_generations_read(tmp_p
     assert json.loads((model_dir / "config.json").read_text())["rope_theta"] == 100000.0
     assert prepare_target(cfg) == model_dir  # cached: second call does not convert again
     tok, model = load_tokenizer(model_dir), load_model(model_dir)
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
+    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1] :])
     tokenizer_report(tok, target_info(model_dir))
 
 
@@ -220,10 +231,12 @@ def test_killed_gguf_conversion_temp_dir_is_removed_by_the_next_conversion(tmp_p
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF fake bytes")  # the conversion itself is replaced below: only the folders matter
     cache = tmp_path / "cache"
-    code = ("import os, eagle3.target.load as t\n"
-            "def killed(src, out):\n    out.mkdir(parents=True); (out / 'model.safetensors').write_bytes(b'x' * 4096)\n"
-            "    os.kill(os.getpid(), 9)\n"
-            f"t._write_gguf_as_hf = killed\nt.convert_gguf(t.Path({str(gguf)!r}), t.Path({str(cache)!r}), 'm')\n")
+    code = (
+        "import os, eagle3.target.load as t\n"
+        "def killed(src, out):\n    out.mkdir(parents=True); (out / 'model.safetensors').write_bytes(b'x' * 4096)\n"
+        "    os.kill(os.getpid(), 9)\n"
+        f"t._write_gguf_as_hf = killed\nt.convert_gguf(t.Path({str(gguf)!r}), t.Path({str(cache)!r}), 'm')\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=False)
     killed = [p.name for p in cache.iterdir() if ".tmp" in p.name]
     assert len(killed) == 1 and killed[0].startswith("m-")

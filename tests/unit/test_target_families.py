@@ -41,11 +41,21 @@ TINY_AUX_IDS = [1, 3, 4]
 
 def family_config(workdir: Path, architecture: str, mode: str) -> RunConfig:
     """The tiny preset on ``architecture``, cut to seconds: 2 train steps, 1 evaluation prompt of 8 tokens."""
-    overrides = [f"run.workdir={workdir}", f"target.tiny.architecture={architecture}",
-                 f"target.name=tiny-{architecture}", "train.max_steps=2", "drafter.ttt_steps=2",
-                 "train.eval_every_steps=0", "train.checkpoint_every_steps=0", "train.progress_every_s=0",
-                 "train.tokens_per_row=256", "evaluate.num_prompts=1", "evaluate.max_new_tokens=8",
-                 "evaluate.methods=[chain]", "evaluate.device=cpu"]
+    overrides = [
+        f"run.workdir={workdir}",
+        f"target.tiny.architecture={architecture}",
+        f"target.name=tiny-{architecture}",
+        "train.max_steps=2",
+        "drafter.ttt_steps=2",
+        "train.eval_every_steps=0",
+        "train.checkpoint_every_steps=0",
+        "train.progress_every_s=0",
+        "train.tokens_per_row=256",
+        "evaluate.num_prompts=1",
+        "evaluate.max_new_tokens=8",
+        "evaluate.methods=[chain]",
+        "evaluate.device=cpu",
+    ]
     if mode != "offline":
         overrides.append(f"train.features={mode}")
     return load_config("tiny", overrides)
@@ -62,8 +72,7 @@ def run_training(cfg: RunConfig, mode: str) -> None:
     assert train(cfg).status == "done"
 
 
-@pytest.fixture(scope="module", params=[(a, m) for a in ARCHITECTURES for m in TRAIN_MODES],
-                ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", params=[(a, m) for a in ARCHITECTURES for m in TRAIN_MODES], ids=lambda p: "-".join(p))
 def family_run(request, tmp_path_factory) -> tuple[str, RunConfig]:
     """(architecture, config) of a tiny run taken through every stage without Prefect."""
     from eagle3.evaluate.stage import run_evaluate
@@ -186,13 +195,33 @@ def test_per_sample_attention_keeps_mla_batch_invariant():
 # ------------------------------------------------------------------------------------- Kimi-K2.5, config only
 
 KIMI_K25_TEXT = {  # the text_config of moonshotai/Kimi-K2.5's config.json (the fields read here)
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "num_hidden_layers": 61,
-    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "vocab_size": 163840,
-    "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "rms_norm_eps": 1e-5,
-    "rope_theta": 50000.0, "max_position_embeddings": 262144, "tie_word_embeddings": False,
-    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
-                     "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "kimi_k2",
+    "num_hidden_layers": 61,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "vocab_size": 163840,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 50000.0,
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": False,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
 }
 
 

@@ -190,8 +190,9 @@ def _race_to_save(out_dir: str, start, returned, results) -> None:
     except Exception as exc:  # noqa: BLE001 - the failure is the result
         folder, outcome = None, f"{type(exc).__name__}: {exc}"
     returned.wait(RACE_TIMEOUT_S)
-    if folder is not None and (_read_manifest(folder) != _manifest(cfg, 0)
-                               or not (folder / "model.safetensors").is_file()):
+    if folder is not None and (
+        _read_manifest(folder) != _manifest(cfg, 0) or not (folder / "model.safetensors").is_file()
+    ):
         outcome = f"the folder returned is no longer complete: {sorted(p.name for p in folder.glob('*'))}"
     results.put(outcome)
 
@@ -213,8 +214,9 @@ def test_concurrent_preparation_of_one_target_gives_every_process_a_complete_fol
             (out_dir / "model.safetensors").write_bytes(b"old")
             (out_dir / MANIFEST_NAME).write_text(json.dumps({"format_version": 0}))
         start, returned, results = ctx.Barrier(RACERS), ctx.Barrier(RACERS), ctx.Queue()
-        racers = [ctx.Process(target=_race_to_save, args=(str(out_dir), start, returned, results))
-                  for _ in range(RACERS)]
+        racers = [
+            ctx.Process(target=_race_to_save, args=(str(out_dir), start, returned, results)) for _ in range(RACERS)
+        ]
         for racer in racers:
             racer.start()
         outcomes = [results.get(timeout=RACE_TIMEOUT_S) for _ in racers]
@@ -243,7 +245,11 @@ def test_saved_folder_reloads_with_auto_classes(saved: Path, style: str) -> None
     assert rendered == original_tok.apply_chat_template(CHAT, tokenize=False)
     assert tok(rendered)["input_ids"] == original_tok(rendered)["input_ids"]
     assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, len(tok)) == (
-        original_tok.eos_token_id, original_tok.bos_token_id, original_tok.pad_token_id, len(original_tok))
+        original_tok.eos_token_id,
+        original_tok.bos_token_id,
+        original_tok.pad_token_id,
+        len(original_tok),
+    )
     model = AutoModelForCausalLM.from_pretrained(saved)
     fresh = build_tiny_model(original_tok, TinyTargetConfig(chat_template=style), seed=0)
     assert torch.equal(model.lm_head.weight, fresh.lm_head.weight)

@@ -168,8 +168,10 @@ def test_template_dropping_earlier_answers_is_detected() -> None:
 def test_template_exception_becomes_template_error(chatml: Any) -> None:
     """A template that raises (e.g. on a role it does not know) becomes a TemplateError naming the row."""
     tok = build_tiny_tokenizer("chatml")
-    tok.chat_template = ("{%- for m in messages -%}{%- if m['role'] == 'tool' -%}{{ raise_exception('no tools') }}"
-                         "{%- endif -%}{{- m['content'] + '<|im_end|>' -}}{%- endfor -%}")
+    tok.chat_template = (
+        "{%- for m in messages -%}{%- if m['role'] == 'tool' -%}{{ raise_exception('no tools') }}"
+        "{%- endif -%}{{- m['content'] + '<|im_end|>' -}}{%- endfor -%}"
+    )
     with pytest.raises(TemplateError, match="conversation r1: chat template failed.*no tools"):
         render_with_mask(tok, [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}], row_id="r1")
 
@@ -216,8 +218,13 @@ def test_tokenize_dataset_outputs_and_counts(tmp_path: Path, chatml: Any) -> Non
     ]
     merged = _write_merged(tmp_path / "merged.parquet", rows)
     calls: list[tuple[int, int]] = []
-    paths, stats = tokenize_dataset(merged, tmp_path / "out", chatml, TokenizeConfig(),
-                                    progress=lambda done, total, info: calls.append((done, total)))
+    paths, stats = tokenize_dataset(
+        merged,
+        tmp_path / "out",
+        chatml,
+        TokenizeConfig(),
+        progress=lambda done, total, info: calls.append((done, total)),
+    )
     table = read_tokenized(paths["tokenized"])
     assert table.schema.equals(TOKENIZED_SCHEMA)
     assert table["id"].to_pylist() == ["s:good", "s:val", "s:ends-with-user"]
@@ -228,8 +235,10 @@ def test_tokenize_dataset_outputs_and_counts(tmp_path: Path, chatml: Any) -> Non
     good = table.to_pylist()[0]
     assert (good["input_ids"], good["loss_mask"]) == tuple(render_with_mask(chatml, CONVERSATION))
     rejects = [json.loads(line) for line in paths["rejects"].read_text().splitlines()]
-    assert {(r["id"], r["reason"]) for r in rejects} == {("s:assistant-first", "template_error"),
-                                                         ("s:no-answer", "too_few_loss_tokens")}
+    assert {(r["id"], r["reason"]) for r in rejects} == {
+        ("s:assistant-first", "template_error"),
+        ("s:no-answer", "too_few_loss_tokens"),
+    }
     detail = next(r["detail"] for r in rejects if r["reason"] == "template_error")
     assert "s:assistant-first" in detail and "starts with an assistant turn" in detail
     assert stats["rows_in"] == 5 and stats["rows_written"] + stats["rows_rejected"] == 5
@@ -244,8 +253,10 @@ def test_truncate_policy_cuts_and_counts(tmp_path: Path, chatml: Any) -> None:
     rows = [
         {"id": "long", "messages": _chat(6)},
         {"id": "short", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]},
-        {"id": "late-answer", "messages": [{"role": "user", "content": "word " * 60},
-                                           {"role": "assistant", "content": "ok"}]},
+        {
+            "id": "late-answer",
+            "messages": [{"role": "user", "content": "word " * 60}, {"role": "assistant", "content": "ok"}],
+        },
     ]
     merged = _write_merged(tmp_path / "merged.parquet", rows)
     cfg = TokenizeConfig(max_len=64, overlong="truncate", min_loss_tokens=1)
@@ -283,8 +294,9 @@ def test_min_loss_tokens_zero_keeps_unsupervised_rows(tmp_path: Path, chatml: An
 
 def test_read_tokenized_filters_split(tmp_path: Path, chatml: Any) -> None:
     """read_tokenized(split=...) keeps only that split, even when the split column is not requested."""
-    merged = _write_merged(tmp_path / "m.parquet", [{"id": "a", "messages": _chat(1)},
-                                                     {"id": "b", "messages": _chat(1), "split": "val"}])
+    merged = _write_merged(
+        tmp_path / "m.parquet", [{"id": "a", "messages": _chat(1)}, {"id": "b", "messages": _chat(1), "split": "val"}]
+    )
     paths, _ = tokenize_dataset(merged, tmp_path / "out", chatml, TokenizeConfig())
     table = read_tokenized(paths["tokenized"], columns=["id"], split="val")
     assert table.column_names == ["id"] and table["id"].to_pylist() == ["b"]
@@ -320,8 +332,10 @@ def test_no_rows_or_every_row_rejected_is_an_error(tmp_path: Path, chatml: Any) 
     pq.write_table(pa.Table.from_pylist([], schema=MERGED_SCHEMA), empty)
     with pytest.raises(EmptyTokenizeError, match="no rows to tokenize: .*empty.parquet holds 0 rows"):
         tokenize_dataset(empty, tmp_path / "out", chatml, TokenizeConfig())
-    unanswered = _write_merged(tmp_path / "merged.parquet", [
-        {"id": f"s:{i}", "messages": [{"role": "user", "content": "Hello?"}]} for i in range(3)])
+    unanswered = _write_merged(
+        tmp_path / "merged.parquet",
+        [{"id": f"s:{i}", "messages": [{"role": "user", "content": "Hello?"}]} for i in range(3)],
+    )
     with pytest.raises(EmptyTokenizeError, match="rejected all 3 rows .*too_few_loss_tokens 3.*tokenize_rejects"):
         tokenize_dataset(unanswered, tmp_path / "out", chatml, TokenizeConfig())
     assert not (tmp_path / "out" / "tokenized.parquet").exists()
@@ -339,10 +353,13 @@ def test_a_turn_cut_at_the_token_cap_supervises_its_content_but_not_the_end_of_t
     cut = mask_from_offsets(encode_batch(tok, [text])[0][1], spans)
     assert _masked_texts(tok, ids, mask) == [f"Paris.{end}", f"Lyon.{end}"]
     assert _masked_texts(tok, ids, cut.tolist()) == ["Paris.", f"Lyon.{end}"]
-    rows = [{"id": "s:cut", "messages": CONVERSATION, "truncated_turns": [2]},
-            {"id": "s:whole", "messages": CONVERSATION, "truncated_turns": []}]
-    paths, stats = tokenize_dataset(_write_merged(tmp_path / "regenerated.parquet", rows), tmp_path / "out", tok,
-                                    TokenizeConfig())
+    rows = [
+        {"id": "s:cut", "messages": CONVERSATION, "truncated_turns": [2]},
+        {"id": "s:whole", "messages": CONVERSATION, "truncated_turns": []},
+    ]
+    paths, stats = tokenize_dataset(
+        _write_merged(tmp_path / "regenerated.parquet", rows), tmp_path / "out", tok, TokenizeConfig()
+    )
     cut_row, whole_row = read_tokenized(paths["tokenized"]).to_pylist()
     assert cut_row["loss_mask"] == cut.tolist() and whole_row["loss_mask"] == mask
     assert cut_row["num_loss_tokens"] == whole_row["num_loss_tokens"] - 1 and stats["unfinished_turns"] == 1

@@ -13,8 +13,12 @@ from infra.torchrun import TorchrunError, TorchrunSpec, kill_leftover, run_torch
 
 
 def _spec(tmp_path, *extra: str, nproc: int = 2) -> TorchrunSpec:
-    return TorchrunSpec(module="tests.fakes.fake_trainer", args=("--pid-dir", str(tmp_path / "pids"), *extra),
-                        nproc_per_node=nproc, env={"OMP_NUM_THREADS": "1"})
+    return TorchrunSpec(
+        module="tests.fakes.fake_trainer",
+        args=("--pid-dir", str(tmp_path / "pids"), *extra),
+        nproc_per_node=nproc,
+        env={"OMP_NUM_THREADS": "1"},
+    )
 
 
 def _rank_pids(tmp_path) -> list[int]:
@@ -89,9 +93,11 @@ def test_ranks_stop_when_the_supervising_process_is_sigkilled(tmp_path):
     import signal
 
     spec = _spec(tmp_path, "--hang", "--launcher-guard")
-    code = ("import sys; from pathlib import Path; from infra.torchrun import run_torchrun, TorchrunSpec; "
-            f"run_torchrun(TorchrunSpec(module={spec.module!r}, args={spec.args!r}, nproc_per_node=2, "
-            f"env={spec.env!r}), Path({str(tmp_path / 'train.log')!r}), timeout_s=300)")
+    code = (
+        "import sys; from pathlib import Path; from infra.torchrun import run_torchrun, TorchrunSpec; "
+        f"run_torchrun(TorchrunSpec(module={spec.module!r}, args={spec.args!r}, nproc_per_node=2, "
+        f"env={spec.env!r}), Path({str(tmp_path / 'train.log')!r}), timeout_s=300)"
+    )
     supervisor = subprocess.Popen([sys.executable, "-c", code])
     deadline = time.monotonic() + 120
     while len(_rank_pids(tmp_path)) < 2 and time.monotonic() < deadline:

@@ -16,9 +16,17 @@ from eagle3.train.metrics import read_metrics
 from eagle3.train.trainer import setup
 from tests.unit.test_train_helpers import SyntheticShape, load_run_config, synthetic_run
 
-OVERRIDES = ["train.tokens_per_row=96", "train.grad_accum_steps=2", "train.num_epochs=3", "train.lr=1e-3",
-             "train.eval_every_steps=0", "train.checkpoint_every_steps=0", "train.aux_noise=gaussian",
-             "train.progress_every_s=0", "drafter.ttt_steps=2"]
+OVERRIDES = [
+    "train.tokens_per_row=96",
+    "train.grad_accum_steps=2",
+    "train.num_epochs=3",
+    "train.lr=1e-3",
+    "train.eval_every_steps=0",
+    "train.checkpoint_every_steps=0",
+    "train.aux_noise=gaussian",
+    "train.progress_every_s=0",
+    "drafter.ttt_steps=2",
+]
 
 
 def _trainer(cfg):
@@ -95,8 +103,11 @@ def test_prune_keeps_the_protected_step(tmp_path):
 
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     """With keep_checkpoints=2 and a checkpoint every step, only the last two remain."""
-    cfg = load_run_config(synthetic_run(tmp_path, [*OVERRIDES, "train.checkpoint_every_steps=1",
-                                                   "train.keep_checkpoints=2", "train.max_steps=4"]))
+    cfg = load_run_config(
+        synthetic_run(
+            tmp_path, [*OVERRIDES, "train.checkpoint_every_steps=1", "train.keep_checkpoints=2", "train.max_steps=4"]
+        )
+    )
     train(cfg)
     assert [step for step, _ in list_checkpoints(checkpoints_dir(cfg.run_dir))] == [3, 4]
 

@@ -46,7 +46,7 @@ def test_rows_never_mix_documents(run):
             assert torch.equal(batch.aux[0, start:stop], sample["aux"][: ref.num_tokens].float())
             assert batch.position_ids[0, start:stop].tolist() == list(range(stop - start))
         if row.num_tokens < MAX_TOKENS:
-            assert batch.loss_mask[0, row.num_tokens:].sum() == 0
+            assert batch.loss_mask[0, row.num_tokens :].sum() == 0
 
 
 def test_every_train_sample_once_per_epoch_across_ranks(run):
@@ -150,4 +150,3 @@ def test_no_noise_leaves_features_untouched():
     """aux_noise 'none' returns the features unchanged."""
     aux = torch.randn(4, 6)
     assert add_aux_noise(aux, "none", 0.05, seed=1) is aux
-

@@ -13,14 +13,34 @@ from tests.unit.test_train_helpers import load_run_config, synthetic_run
 
 # Rows per optimizer step R = world x accum = 2 in every run below; lr_scaling=linear against a reference of 1
 # row makes each of them train at 2 x lr (the documented rule), so their updates must coincide.
-COMMON = ["train.tokens_per_row=96", "train.num_epochs=4", "train.lr=2e-3", "train.lr_scaling=linear",
-          "train.reference_rows_per_step=1", "train.warmup_steps=1", "train.eval_every_steps=4",
-          "train.checkpoint_every_steps=0", "train.progress_every_s=0", "drafter.ttt_steps=2"]
+COMMON = [
+    "train.tokens_per_row=96",
+    "train.num_epochs=4",
+    "train.lr=2e-3",
+    "train.lr_scaling=linear",
+    "train.reference_rows_per_step=1",
+    "train.warmup_steps=1",
+    "train.eval_every_steps=4",
+    "train.checkpoint_every_steps=0",
+    "train.progress_every_s=0",
+    "drafter.ttt_steps=2",
+]
 
 
 def _torchrun(config, parallel: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "eagle3.train",
-           "--config", str(config), "--set", f"train.parallel={parallel}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "eagle3.train",
+        "--config",
+        str(config),
+        "--set",
+        f"train.parallel={parallel}",
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 

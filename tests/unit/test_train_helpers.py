@@ -56,6 +56,7 @@ def real_tiny_run(dst_workdir: Path, overrides: list[str] = ()) -> Path:
 
 # ----------------------------------------------------------------------------------------------- synthetic
 
+
 @dataclass(frozen=True)
 class SyntheticShape:
     """Sizes of a synthetic target and dataset."""
@@ -76,16 +77,30 @@ def _write_target(model_dir: Path, shape: SyntheticShape, gen: torch.Generator) 
     from safetensors.torch import save_file
 
     model_dir.mkdir(parents=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape.hidden_size,
-           "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
-           "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.hidden_size // shape.num_heads,
-           "intermediate_size": shape.intermediate_size, "vocab_size": shape.vocab_size, "rms_norm_eps": 1e-6,
-           "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-           "eos_token_id": 2}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.hidden_size // shape.num_heads,
+        "intermediate_size": shape.intermediate_size,
+        "vocab_size": shape.vocab_size,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "eos_token_id": 2,
+    }
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    save_file({"model.embed_tokens.weight": torch.randn(shape.vocab_size, shape.hidden_size, generator=gen),
-               "lm_head.weight": torch.randn(shape.vocab_size, shape.hidden_size, generator=gen)},
-              str(model_dir / "model.safetensors"))
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(shape.vocab_size, shape.hidden_size, generator=gen),
+            "lm_head.weight": torch.randn(shape.vocab_size, shape.hidden_size, generator=gen),
+        },
+        str(model_dir / "model.safetensors"),
+    )
 
 
 def _samples(shape: SyntheticShape, gen: torch.Generator) -> list[dict]:
@@ -93,9 +108,17 @@ def _samples(shape: SyntheticShape, gen: torch.Generator) -> list[dict]:
     for i, length in enumerate(shape.lengths):
         ids = torch.randint(3, shape.vocab_size, (length,), generator=gen)
         mask = (torch.arange(length) >= length // 3).to(torch.uint8)  # a "prompt" third, then the answer
-        rows.append({"id": f"syn:{i}", "split": "val" if i % shape.val_every == shape.val_every - 1 else "train",
-                     "input_ids": ids.tolist(), "loss_mask": mask.tolist(), "num_tokens": length,
-                     "num_loss_tokens": int(mask.sum()), "truncated": False})
+        rows.append(
+            {
+                "id": f"syn:{i}",
+                "split": "val" if i % shape.val_every == shape.val_every - 1 else "train",
+                "input_ids": ids.tolist(),
+                "loss_mask": mask.tolist(),
+                "num_tokens": length,
+                "num_loss_tokens": int(mask.sum()),
+                "truncated": False,
+            }
+        )
     return rows
 
 
@@ -107,8 +130,9 @@ def _write_tokenized(path: Path, rows: list[dict]) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-def _write_features(run_dir: Path, model_dir: Path, shape: SyntheticShape, rows: list[dict],
-                    gen: torch.Generator) -> None:
+def _write_features(
+    run_dir: Path, model_dir: Path, shape: SyntheticShape, rows: list[dict], gen: torch.Generator
+) -> None:
     from safetensors.torch import load_file
 
     from eagle3.features.shards.layout import shard_path
@@ -119,17 +143,27 @@ def _write_features(run_dir: Path, model_dir: Path, shape: SyntheticShape, rows:
 
     fdir = run_dir / "features"
     fdir.mkdir(parents=True)
-    spec = FeatureSpec(target_name="synthetic", target_fingerprint=fingerprint(model_dir),
-                       hidden_size=shape.hidden_size, num_layers=shape.num_layers, vocab_size=shape.vocab_size,
-                       aux_layer_ids=default_aux_layer_ids(shape.num_layers), dtype="float32", aux_dtype="float32",
-                       max_len=4096, chat_template_hash="none", backend="hf",
-                       supervision="topk_logprobs" if shape.topk else "final_hidden", topk=shape.topk)
+    spec = FeatureSpec(
+        target_name="synthetic",
+        target_fingerprint=fingerprint(model_dir),
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        vocab_size=shape.vocab_size,
+        aux_layer_ids=default_aux_layer_ids(shape.num_layers),
+        dtype="float32",
+        aux_dtype="float32",
+        max_len=4096,
+        chat_template_hash="none",
+        backend="hf",
+        supervision="topk_logprobs" if shape.topk else "final_hidden",
+        topk=shape.topk,
+    )
     spec.save(fdir / "spec.json")
     lm_head = load_file(str(model_dir / "model.safetensors"))["lm_head.weight"]  # [V, H]
     samples = []
     for row in rows:
         aux = torch.randn(row["num_tokens"], 3 * shape.hidden_size, generator=gen)
-        final = torch.tanh(aux[:, : shape.hidden_size] + 0.5 * aux[:, shape.hidden_size: 2 * shape.hidden_size])
+        final = torch.tanh(aux[:, : shape.hidden_size] + 0.5 * aux[:, shape.hidden_size : 2 * shape.hidden_size])
         sample = CapturedSample(row["id"], torch.tensor(row["input_ids"]), torch.tensor(row["loss_mask"]), aux, final)
         if shape.topk:
             logprobs = torch.log_softmax(final @ lm_head.T, dim=-1).topk(shape.topk)  # [T, K] each
@@ -146,20 +180,36 @@ def _write_vocab(run_dir: Path, shape: SyntheticShape) -> None:
     from eagle3.data.vocab import build_vocab_map
     from eagle3.run.stage import write_manifest
 
-    paths, _ = build_vocab_map(run_dir / "data" / "tokenized.parquet", shape.vocab_size, shape.draft_vocab_size,
-                               [2], run_dir / "vocab", "synthetic")
+    paths, _ = build_vocab_map(
+        run_dir / "data" / "tokenized.parquet",
+        shape.vocab_size,
+        shape.draft_vocab_size,
+        [2],
+        run_dir / "vocab",
+        "synthetic",
+    )
     write_manifest(run_dir / "vocab" / "vocab.manifest.json", "vocab", "synthetic", paths, {})
 
 
-def synthetic_run(workdir: Path, overrides: list[str] = (), shape: SyntheticShape = SyntheticShape(),
-                  seed: int = 0) -> Path:
+def synthetic_run(
+    workdir: Path, overrides: list[str] = (), shape: SyntheticShape = SyntheticShape(), seed: int = 0
+) -> Path:
     """A complete synthetic run directory under ``workdir``; returns its config.json."""
     workdir = Path(workdir)
     gen = torch.Generator().manual_seed(seed)
     model_dir = workdir / "_targets" / "synthetic"
     _write_target(model_dir, shape, gen)
-    cfg = load_config("tiny", [f"run.workdir={workdir}", "run.name=syn", "target.kind=hf",
-                               f"target.path={model_dir}", "target.name=synthetic", *overrides])
+    cfg = load_config(
+        "tiny",
+        [
+            f"run.workdir={workdir}",
+            "run.name=syn",
+            "target.kind=hf",
+            f"target.path={model_dir}",
+            "target.name=synthetic",
+            *overrides,
+        ],
+    )
     rows = _samples(shape, gen)
     _write_tokenized(cfg.run_dir / "data" / "tokenized.parquet", rows)
     _write_vocab(cfg.run_dir, shape)

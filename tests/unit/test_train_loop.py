@@ -19,9 +19,18 @@ from eagle3.train.metrics import read_metrics
 from tests.unit.test_train_helpers import assert_resume_matches, load_run_config, real_tiny_run
 
 # ~7 rows of 1024 tokens per epoch, 2 rows per step: 6 steps cross from epoch 0 into epoch 1.
-OVERRIDES = ["train.tokens_per_row=1024", "train.grad_accum_steps=2", "train.num_epochs=2",
-             "train.max_steps=6", "train.lr=1e-3", "train.warmup_steps=2", "train.eval_every_steps=3",
-             "train.checkpoint_every_steps=0", "train.aux_noise=uniform", "train.progress_every_s=0"]
+OVERRIDES = [
+    "train.tokens_per_row=1024",
+    "train.grad_accum_steps=2",
+    "train.num_epochs=2",
+    "train.max_steps=6",
+    "train.lr=1e-3",
+    "train.warmup_steps=2",
+    "train.eval_every_steps=3",
+    "train.checkpoint_every_steps=0",
+    "train.aux_noise=uniform",
+    "train.progress_every_s=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +82,13 @@ def test_completed_run_is_a_noop(uninterrupted):
 
 def test_sigterm_checkpoints_and_rerun_resumes(tmp_path):
     """SIGTERM mid-run: the step finishes, a checkpoint appears, exit code 0; the rerun resumes from it."""
-    overrides = ["train.tokens_per_row=256", "train.num_epochs=200", "train.checkpoint_every_steps=0",
-                 "train.eval_every_steps=0", "train.progress_every_s=0"]
+    overrides = [
+        "train.tokens_per_row=256",
+        "train.num_epochs=200",
+        "train.checkpoint_every_steps=0",
+        "train.eval_every_steps=0",
+        "train.progress_every_s=0",
+    ]
     config = real_tiny_run(tmp_path / "runs", overrides)
     cfg = load_run_config(config)
     cmd = [sys.executable, "-m", "eagle3.train", "--config", str(config)]
@@ -119,7 +133,6 @@ def test_missing_features_are_a_clear_error(tmp_path):
     (cfg.run_dir / "features" / "capture.manifest.json").unlink()
     with pytest.raises(ValueError, match="capture"):
         train(cfg)
-
 
 
 def test_known_key_with_overrides_is_refused(tmp_path, capsys):

@@ -18,9 +18,18 @@ from eagle3.train.loop import train
 from eagle3.train.metrics import read_metrics
 from tests.unit.test_train_helpers import load_run_config, real_tiny_run
 
-BASE = ["train.tokens_per_row=1024", "train.num_epochs=2", "train.lr=1e-2", "train.warmup_steps=0",
-        "train.checkpoint_every_steps=0", "train.keep_checkpoints=1", "train.progress_every_s=0", "train.device=cpu",
-        "drafter.ttt_steps=2", "evaluate.datasets=[mtbench]"]
+BASE = [
+    "train.tokens_per_row=1024",
+    "train.num_epochs=2",
+    "train.lr=1e-2",
+    "train.warmup_steps=0",
+    "train.checkpoint_every_steps=0",
+    "train.keep_checkpoints=1",
+    "train.progress_every_s=0",
+    "train.device=cpu",
+    "drafter.ttt_steps=2",
+    "evaluate.datasets=[mtbench]",
+]
 MEASURED = ["train.measured.num_prompts=2", "train.measured.max_new_tokens=12"]
 
 
@@ -42,8 +51,14 @@ def _scripted(monkeypatch, values: list[float]) -> list[int]:
 
     def decode(m, weights):
         calls.append(len(calls))
-        return {"accept_len": values[len(calls) - 1], "num_prompts": 1, "num_tokens": 4, "num_verify": 2,
-                "chain_steps": 3, "decode_s": 0.0}
+        return {
+            "accept_len": values[len(calls) - 1],
+            "num_prompts": 1,
+            "num_tokens": 4,
+            "num_verify": 2,
+            "chain_steps": 3,
+            "decode_s": 0.0,
+        }
 
     monkeypatch.setattr(measured, "decode", decode)
     return calls
@@ -52,11 +67,17 @@ def _scripted(monkeypatch, values: list[float]) -> list[int]:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """The same 5-step tiny run trained without and with a real measurement every 2 steps: (plain, measured)."""
-    plain = load_run_config(real_tiny_run(tmp_path_factory.mktemp("plain") / "runs",
-                                          [*BASE, "train.max_steps=5", "train.eval_every_steps=2"]))
-    with_it = load_run_config(real_tiny_run(tmp_path_factory.mktemp("measured") / "runs",
-                                            [*BASE, *MEASURED, "train.max_steps=5", "train.eval_every_steps=2",
-                                             "train.measured.every_steps=2"]))
+    plain = load_run_config(
+        real_tiny_run(
+            tmp_path_factory.mktemp("plain") / "runs", [*BASE, "train.max_steps=5", "train.eval_every_steps=2"]
+        )
+    )
+    with_it = load_run_config(
+        real_tiny_run(
+            tmp_path_factory.mktemp("measured") / "runs",
+            [*BASE, *MEASURED, "train.max_steps=5", "train.eval_every_steps=2", "train.measured.every_steps=2"],
+        )
+    )
     assert train(plain).status == "done" and train(with_it).status == "done"
     return plain, with_it
 
@@ -93,8 +114,10 @@ def test_the_measurement_changes_no_trained_byte(pair):
         assert [r["loss"] for r in a] == [r["loss"] for r in b] and len(a) == len(b) > 0
     a, b = _weights(plain, "checkpoints/step-5"), _weights(with_it, "checkpoints/step-5")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    rng_a, rng_b = (torch.load(c.run_dir / "train" / "checkpoints" / "step-5" / "trainer.pt",
-                               weights_only=False)["rng"][0] for c in (plain, with_it))
+    rng_a, rng_b = (
+        torch.load(c.run_dir / "train" / "checkpoints" / "step-5" / "trainer.pt", weights_only=False)["rng"][0]
+        for c in (plain, with_it)
+    )
     assert torch.equal(rng_a["torch"], rng_b["torch"]) and rng_a["python"] == rng_b["python"]  # seeds untouched
     assert "best_measured_step" not in _stats(plain)  # (the manifest of a run without it is as before)
 
@@ -115,8 +138,16 @@ def test_select_measured_exports_the_best_measured_checkpoint(tmp_path, monkeypa
     from eagle3.export.stage import run_export
 
     calls = _scripted(monkeypatch, [1.2, 1.9, 1.4, 1.9, 1.3, 1.0])
-    cfg = _run(tmp_path, [*MEASURED, "train.max_steps=6", "train.eval_every_steps=3", "train.measured.every_steps=1",
-                          "train.select=measured"])
+    cfg = _run(
+        tmp_path,
+        [
+            *MEASURED,
+            "train.max_steps=6",
+            "train.eval_every_steps=3",
+            "train.measured.every_steps=1",
+            "train.select=measured",
+        ],
+    )
     assert train(cfg).status == "done" and len(calls) == 6
     stats = _stats(cfg)
     assert (stats["best_measured_step"], stats["best_measured_accept_len"]) == (2, 1.9)
@@ -136,8 +167,16 @@ def test_patience_stops_training_after_k_measurements_without_a_new_best(tmp_pat
     of 8, validated and checkpointed there, done (manifest written, stopped_early), the best step 2 kept; a rerun
     is up to date."""
     calls = _scripted(monkeypatch, [1.5, 2.0, 1.9, 2.0, 9.9])
-    cfg = _run(tmp_path, [*MEASURED, "train.max_steps=8", "train.eval_every_steps=0", "train.measured.every_steps=1",
-                          "train.measured.patience=2"])
+    cfg = _run(
+        tmp_path,
+        [
+            *MEASURED,
+            "train.max_steps=8",
+            "train.eval_every_steps=0",
+            "train.measured.every_steps=1",
+            "train.measured.patience=2",
+        ],
+    )
     result = train(cfg)
     assert (result.status, result.step, len(calls)) == ("done", 4, 4)
     stats = _stats(cfg)
@@ -152,8 +191,16 @@ def test_a_resumed_run_stops_where_the_uninterrupted_run_stops(tmp_path, monkeyp
     """Stopped after 3 steps and resumed: the measurements since the best come back from the checkpoint, so
     patience stops the run at the same step with the same best."""
     _scripted(monkeypatch, [1.5, 2.0, 1.9, 2.0, 9.9])
-    cfg = _run(tmp_path, [*MEASURED, "train.max_steps=8", "train.eval_every_steps=0", "train.measured.every_steps=1",
-                          "train.measured.patience=2"])
+    cfg = _run(
+        tmp_path,
+        [
+            *MEASURED,
+            "train.max_steps=8",
+            "train.eval_every_steps=0",
+            "train.measured.every_steps=1",
+            "train.measured.patience=2",
+        ],
+    )
     assert train(cfg, stop_after_steps=3).status == "stopped"
     result = train(cfg)
     assert (result.status, result.step) == ("done", 4)
@@ -162,6 +209,7 @@ def test_a_resumed_run_stops_where_the_uninterrupted_run_stops(tmp_path, monkeyp
 
 
 # ------------------------------------------------------------------------------------ settings, key, selection
+
 
 def test_train_key_holds_the_measured_section_only_once_set():
     """A config without train.measured keys as before it existed; every measured setting enters the key once set."""
@@ -193,10 +241,18 @@ def test_bad_measured_settings_are_refused_with_their_name():
 def test_selection_by_measurement_without_a_training_run():
     """select=measured takes the manifest's best measured checkpoint (its estimate from the validations), and falls
     back to the final checkpoint, saying why, when nothing was measured."""
-    stats = {"final_checkpoint": "checkpoints/step-9", "step": 9, "best_checkpoint": "checkpoints/step-4",
-             "best_step": 4, "best_accept_len_est": 2.5, "eval_history": [[4, 2.5], [6, 2.1]],
-             "best_measured_checkpoint": "checkpoints/step-6", "best_measured_step": 6,
-             "best_measured_accept_len": 2.2, "measured_history": [[3, 1.8], [6, 2.2], [9, 2.0]]}
+    stats = {
+        "final_checkpoint": "checkpoints/step-9",
+        "step": 9,
+        "best_checkpoint": "checkpoints/step-4",
+        "best_step": 4,
+        "best_accept_len_est": 2.5,
+        "eval_history": [[4, 2.5], [6, 2.1]],
+        "best_measured_checkpoint": "checkpoints/step-6",
+        "best_measured_step": 6,
+        "best_measured_accept_len": 2.2,
+        "measured_history": [[3, 1.8], [6, 2.2], [9, 2.0]],
+    }
     sel = select_checkpoint("measured", None, stats)
     assert (sel.checkpoint, sel.step, sel.rule, sel.accept_len_est) == ("checkpoints/step-6", 6, "measured", 2.1)
     assert "2.2000" in sel.reason and "3 measurements" in sel.reason

@@ -13,9 +13,19 @@ from eagle3.train.metrics import read_metrics
 from infra.torchrun import run_torchrun
 from tests.unit.test_train_helpers import load_run_config, real_tiny_run
 
-TRAIN = ["train.tokens_per_row=512", "train.num_epochs=1", "train.max_steps=6", "train.lr=1e-2",
-         "train.warmup_steps=0", "train.eval_every_steps=3", "train.checkpoint_every_steps=0",
-         "train.progress_every_s=0", "train.prefetch_rows=0", "drafter.ttt_steps=2", "train.nproc_per_node=1"]
+TRAIN = [
+    "train.tokens_per_row=512",
+    "train.num_epochs=1",
+    "train.max_steps=6",
+    "train.lr=1e-2",
+    "train.warmup_steps=0",
+    "train.eval_every_steps=3",
+    "train.checkpoint_every_steps=0",
+    "train.progress_every_s=0",
+    "train.prefetch_rows=0",
+    "drafter.ttt_steps=2",
+    "train.nproc_per_node=1",
+]
 
 
 def _free_port() -> int:
@@ -48,11 +58,15 @@ def _nodes(cfg) -> list[str]:
 def runs(tmp_path_factory):
     """The tiny run trained by 2 nodes x 1 process (c10d rendezvous) and by 1 node x 2 processes (standalone)."""
     endpoint = f"127.0.0.1:{_free_port()}"
-    multi = load_run_config(real_tiny_run(tmp_path_factory.mktemp("nodes2") / "runs",
-                                          [*TRAIN, "train.nnodes=2", f"train.rdzv_endpoint={endpoint}"]))
+    multi = load_run_config(
+        real_tiny_run(
+            tmp_path_factory.mktemp("nodes2") / "runs", [*TRAIN, "train.nnodes=2", f"train.rdzv_endpoint={endpoint}"]
+        )
+    )
     assert _nodes(multi) == []
-    single = load_run_config(real_tiny_run(tmp_path_factory.mktemp("nodes1") / "runs",
-                                           [*TRAIN, "train.nproc_per_node=2"]))
+    single = load_run_config(
+        real_tiny_run(tmp_path_factory.mktemp("nodes1") / "runs", [*TRAIN, "train.nproc_per_node=2"])
+    )
     assert _nodes(single) == []
     return {"multi": multi, "single": single}
 

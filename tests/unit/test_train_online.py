@@ -12,9 +12,18 @@ from eagle3.train.loop import train
 from eagle3.train.metrics import read_metrics
 from tests.unit.test_train_helpers import load_run_config, real_tiny_run
 
-OVERRIDES = ["train.tokens_per_row=1024", "train.grad_accum_steps=2", "train.num_epochs=2",
-             "train.max_steps=4", "train.lr=1e-3", "train.warmup_steps=1", "train.eval_every_steps=2",
-             "train.checkpoint_every_steps=0", "train.aux_noise=uniform", "train.progress_every_s=0"]
+OVERRIDES = [
+    "train.tokens_per_row=1024",
+    "train.grad_accum_steps=2",
+    "train.num_epochs=2",
+    "train.max_steps=4",
+    "train.lr=1e-3",
+    "train.warmup_steps=1",
+    "train.eval_every_steps=2",
+    "train.checkpoint_every_steps=0",
+    "train.aux_noise=uniform",
+    "train.progress_every_s=0",
+]
 ONLINE = ["train.features=online"]
 
 
@@ -53,8 +62,9 @@ def test_online_rows_hold_the_captured_features(tmp_path):
     rows = plan_data(cfg, inputs, 1).train[0].rows[:3]
     online = OnlineFeatures.from_config(cfg, inputs.model_dir, inputs.spec, torch.device("cpu"))
     shard_rows = RowLoader(inputs.features_dir, list(rows), 1024, torch.float32, depth=0)
-    token_rows = RowLoader(inputs.features_dir, list(rows), 1024, torch.float32, depth=0,
-                           reader=TokenReader(inputs.tokenized))
+    token_rows = RowLoader(
+        inputs.features_dir, list(rows), 1024, torch.float32, depth=0, reader=TokenReader(inputs.tokenized)
+    )
     checked = 0
     for want, got in zip(shard_rows, token_rows):
         assert got.batch.aux is None and len(got.lengths) >= 2  # packed rows of several documents
@@ -114,8 +124,11 @@ def test_online_run_writes_the_spec_and_no_shards(online):
     assert not list(fdir.glob("shard-*"))
 
 
-@pytest.mark.parametrize("capture", [["capture.supervision=topk_logprobs", "capture.topk=4"],
-                                     ["capture.aux_dtype=float8_e4m3fn"]], ids=["topk", "fp8"])
+@pytest.mark.parametrize(
+    "capture",
+    [["capture.supervision=topk_logprobs", "capture.topk=4"], ["capture.aux_dtype=float8_e4m3fn"]],
+    ids=["topk", "fp8"],
+)
 def test_online_rows_equal_captured_rows_for_topk_and_fp8(tmp_path, capture):
     """Top-K supervision and fp8 aux: rows filled online equal the rows collated from a capture with those settings."""
     from eagle3.config import load_config
@@ -141,15 +154,19 @@ def test_online_rows_equal_captured_rows_for_topk_and_fp8(tmp_path, capture):
             assert torch.equal(getattr(filled, name), getattr(want.batch, name)), name
 
 
-@pytest.mark.parametrize(("gib", "host_gib"), [(1.0, 0.0), (2e-4, 0.0), (2e-4, 1.0)],
-                         ids=["every-document", "a-few-documents", "the-rest-in-host-memory"])
+@pytest.mark.parametrize(
+    ("gib", "host_gib"),
+    [(1.0, 0.0), (2e-4, 0.0), (2e-4, 1.0)],
+    ids=["every-document", "a-few-documents", "the-rest-in-host-memory"],
+)
 def test_the_feature_cache_changes_no_metric_or_weight(online, tmp_path, caplog, gib, host_gib):
     """train.feature_cache_gib (and _host_gib): later epochs and validations take kept documents' states from the
     cache (hits logged), rows mixing kept and new documents included, and every metric and final weight equals the
     run without it."""
     cfg_plain, plain = online
-    cfg = _online_run(tmp_path / "runs", [*OVERRIDES, f"train.feature_cache_gib={gib}",
-                                          f"train.feature_cache_host_gib={host_gib}"])
+    cfg = _online_run(
+        tmp_path / "runs", [*OVERRIDES, f"train.feature_cache_gib={gib}", f"train.feature_cache_host_gib={host_gib}"]
+    )
     with caplog.at_level("INFO", logger="eagle3.train"):
         cached = train(cfg)
     lines = [r.getMessage() for r in caplog.records if "feature cache:" in r.getMessage()]

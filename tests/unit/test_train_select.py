@@ -15,11 +15,24 @@ from tests.unit.test_train_helpers import load_run_config, real_tiny_run
 
 # lr 1e-2 makes the validation estimate fall after step 1 and climb back to a tie at steps 5-6: the best is
 # step 1 (ties keep the earlier step), neither the last step nor the last improvement.
-OVERRIDES = ["train.tokens_per_row=1024", "train.num_epochs=2", "train.max_steps=6", "train.lr=1e-2",
-             "train.warmup_steps=0", "train.eval_every_steps=1", "train.checkpoint_every_steps=0",
-             "train.keep_checkpoints=1", "train.progress_every_s=0", "drafter.ttt_steps=2",
-             "evaluate.num_prompts=1", "evaluate.max_new_tokens=8", "evaluate.methods=[chain,ngram]",
-             "evaluate.chain_steps=[3]", "evaluate.datasets=[mtbench]", "evaluate.device=cpu"]
+OVERRIDES = [
+    "train.tokens_per_row=1024",
+    "train.num_epochs=2",
+    "train.max_steps=6",
+    "train.lr=1e-2",
+    "train.warmup_steps=0",
+    "train.eval_every_steps=1",
+    "train.checkpoint_every_steps=0",
+    "train.keep_checkpoints=1",
+    "train.progress_every_s=0",
+    "drafter.ttt_steps=2",
+    "evaluate.num_prompts=1",
+    "evaluate.max_new_tokens=8",
+    "evaluate.methods=[chain,ngram]",
+    "evaluate.chain_steps=[3]",
+    "evaluate.datasets=[mtbench]",
+    "evaluate.device=cpu",
+]
 
 
 def _manifest(cfg) -> dict:
@@ -97,8 +110,11 @@ def test_resumed_run_selects_what_the_uninterrupted_run_selects(trained, tmp_pat
     assert train(cfg, stop_after_steps=3).status == "stopped"
     assert train(cfg).status == "done"
     got, want = _manifest(cfg), _manifest(trained)
-    assert (got["best_step"], got["best_accept_len_est"], got["eval_history"]) == \
-        (want["best_step"], want["best_accept_len_est"], want["eval_history"])
+    assert (got["best_step"], got["best_accept_len_est"], got["eval_history"]) == (
+        want["best_step"],
+        want["best_accept_len_est"],
+        want["eval_history"],
+    )
     best = f"checkpoints/step-{want['best_step']}"
     a, b = _weights(cfg, best), _weights(trained, best)
     assert all(torch.equal(a[k], b[k]) for k in b)
@@ -118,11 +134,15 @@ def test_model_card_names_target_step_tokens_and_serve_commands(trained):
         assert f"`checkpoints/step-{best}` (step {best}): train.select=best" in card
         assert f"{tokens:,} tokens" in card and "| tiny-chats |" in card
         sglang = trained.run_dir.resolve() / "export" / "sglang"
-        assert (f"python -m sglang.launch_server --model-path {trained.run_dir.parent.resolve()}" in card
-                and f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {sglang} "
-                    "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in card)
-        draft = json.dumps({"method": "eagle3", "model": str(trained.run_dir.resolve() / "export" / fmt),
-                            "num_speculative_tokens": 3})
+        assert (
+            f"python -m sglang.launch_server --model-path {trained.run_dir.parent.resolve()}" in card
+            and f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {sglang} "
+            "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
+            in card
+        )
+        draft = json.dumps(
+            {"method": "eagle3", "model": str(trained.run_dir.resolve() / "export" / fmt), "num_speculative_tokens": 3}
+        )
         assert "vllm serve " in card and f"--speculative-config '{draft}'" in card
         assert "Not measured yet" in card
 
@@ -171,8 +191,14 @@ def test_an_evaluation_of_the_runs_export_named_explicitly_updates_only_its_meas
 
 def test_selection_rules_without_a_training_run():
     """export.checkpoint overrides; select=best without validations falls back to the final checkpoint."""
-    stats = {"final_checkpoint": "checkpoints/step-9", "step": 9, "best_checkpoint": "checkpoints/step-4",
-             "best_step": 4, "best_accept_len_est": 2.5, "eval_history": [[4, 2.5], [8, 2.1]]}
+    stats = {
+        "final_checkpoint": "checkpoints/step-9",
+        "step": 9,
+        "best_checkpoint": "checkpoints/step-4",
+        "best_step": 4,
+        "best_accept_len_est": 2.5,
+        "eval_history": [[4, 2.5], [8, 2.1]],
+    }
     assert select_checkpoint("best", None, stats).checkpoint == "checkpoints/step-4"
     assert select_checkpoint("last", None, stats).checkpoint == "checkpoints/step-9"
     override = select_checkpoint("best", "checkpoints/step-8", stats)

@@ -34,8 +34,10 @@ def _documents(rank: int):
 
     lengths = [40, 33, 25, 12] if rank == 0 else [9, 7]
     gen = torch.Generator().manual_seed(rank)
-    return [SampleTokens(f"r{rank}d{i}", torch.randint(0, 300, (n,), generator=gen).tolist(), [1] * n)
-            for i, n in enumerate(lengths)]
+    return [
+        SampleTokens(f"r{rank}d{i}", torch.randint(0, 300, (n,), generator=gen).tolist(), [1] * n)
+        for i, n in enumerate(lengths)
+    ]
 
 
 def _tiny(tied: bool):
@@ -112,10 +114,20 @@ def test_sharded_target_states_equal_the_replicated_target_without_deadlock(tmp_
     _spawn_with_deadline(_states_worker, (_free_port(), str(tmp_path)), tmp_path)
 
 
-TRAIN = ["train.features=online", "train.tokens_per_row=512", "train.max_steps=2", "train.lr=1e-2",
-         "train.warmup_steps=0", "train.eval_every_steps=1", "train.checkpoint_every_steps=0",
-         "train.progress_every_s=0", "train.prefetch_rows=0", "drafter.ttt_steps=2", "train.aux_noise=uniform",
-         "capture.tokens_per_forward=128"]  # several target batches per row, a different number on each rank
+TRAIN = [
+    "train.features=online",
+    "train.tokens_per_row=512",
+    "train.max_steps=2",
+    "train.lr=1e-2",
+    "train.warmup_steps=0",
+    "train.eval_every_steps=1",
+    "train.checkpoint_every_steps=0",
+    "train.progress_every_s=0",
+    "train.prefetch_rows=0",
+    "drafter.ttt_steps=2",
+    "train.aux_noise=uniform",
+    "capture.tokens_per_forward=128",
+]  # several target batches per row, a different number on each rank
 
 
 def _descendants(pid: int) -> list[int]:
@@ -130,8 +142,19 @@ def _descendants(pid: int) -> list[int]:
 
 def _torchrun(config, sharding: str, log_path) -> tuple[int, str]:
     """(exit code, output) of torchrun x2; past DEADLINE_S it and its workers are killed and the test fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "eagle3.train",
-           "--config", str(config), "--set", f"train.target_sharding={sharding}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "eagle3.train",
+        "--config",
+        str(config),
+        "--set",
+        f"train.target_sharding={sharding}",
+    ]
     with open(log_path, "w") as log:  # a file, not a pipe: a stuck worker cannot hold the test's read open
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -174,7 +197,10 @@ def test_target_sharding_choice():
     gloo_pair = DistInfo(0, 2, 0, torch.device("cpu"), True)
     assert [resolve_sharding(s, alone, None, "float32") for s in ("auto", "replicate", "fsdp")] == ["replicate"] * 3
     assert [resolve_sharding(s, gloo_pair, None, "float32") for s in ("auto", "replicate", "fsdp")] == [
-        "replicate", "replicate", "fsdp"]
+        "replicate",
+        "replicate",
+        "fsdp",
+    ]
 
 
 def test_target_param_bytes_counts_the_loaded_parameters(tmp_path):

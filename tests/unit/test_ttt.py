@@ -31,9 +31,20 @@ PATHS = {
 
 
 def tiny_dims() -> DrafterDims:
-    return DrafterDims(hidden_size=HT, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                       rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, vocab_size=V, draft_vocab_size=VD,
-                       num_aux=A, target_hidden_size=HT)
+    return DrafterDims(
+        hidden_size=HT,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        vocab_size=V,
+        draft_vocab_size=VD,
+        num_aux=A,
+        target_hidden_size=HT,
+    )
 
 
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float64) -> Eagle3Drafter:
@@ -53,18 +64,27 @@ def vocab_maps(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def random_inputs(rows: int, length: int, seed: int, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"aux": torch.randn(rows, length, A * HT, generator=g, dtype=dtype),
-            "input_ids": torch.randint(0, V, (rows, length), generator=g),
-            "loss_mask": (torch.rand(rows, length, generator=g) < 0.7).to(torch.uint8),
-            "final": torch.randn(rows, length, HT, generator=g, dtype=dtype)}
+    return {
+        "aux": torch.randn(rows, length, A * HT, generator=g, dtype=dtype),
+        "input_ids": torch.randint(0, V, (rows, length), generator=g),
+        "loss_mask": (torch.rand(rows, length, generator=g) < 0.7).to(torch.uint8),
+        "final": torch.randn(rows, length, HT, generator=g, dtype=dtype),
+    }
 
 
 def target_weight(seed: int = 7, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     return torch.randn(V, HT, generator=torch.Generator().manual_seed(seed), dtype=dtype)  # [V, Ht]
 
 
-def run_optimized(model, x: dict, docs: torch.Tensor | None = None, attn_impl: str = "dense", steps: int = STEPS,
-                  options: StepOptions | None = None, loss: TokenLoss = SOFT_CE):
+def run_optimized(
+    model,
+    x: dict,
+    docs: torch.Tensor | None = None,
+    attn_impl: str = "dense",
+    steps: int = STEPS,
+    options: StepOptions | None = None,
+    loss: TokenLoss = SOFT_CE,
+):
     t2d, d2t = vocab_maps()
     batch = TTTBatch(aux=x["aux"], input_ids=x["input_ids"], loss_mask=x["loss_mask"], document_ids=docs)
     sup = supervision_from_final(x["final"], target_weight(dtype=x["final"].dtype), t2d, chunk_tokens=5)
@@ -75,24 +95,38 @@ def run_reference(model, x: dict, row: int, start: int, stop: int, steps: int = 
     """The reference over tokens [start, stop) of one row, as an unpacked sequence of its own."""
     t2d, _ = vocab_maps()
     target_logits = x["final"][row, start:stop] @ target_weight().T  # [T, V]
-    return reference_ttt(model, x["aux"][row, start:stop], x["input_ids"][row, start:stop].tolist(),
-                         x["loss_mask"][row, start:stop].tolist(), target_logits, t2d, steps)
+    return reference_ttt(
+        model,
+        x["aux"][row, start:stop],
+        x["input_ids"][row, start:stop].tolist(),
+        x["loss_mask"][row, start:stop].tolist(),
+        target_logits,
+        t2d,
+        steps,
+    )
 
 
 def assert_same_grads(model, loss_a: torch.Tensor, loss_b: torch.Tensor) -> None:
     params = trainable_parameters(model)
-    for _p, ga, gb in zip(params, torch.autograd.grad(loss_a, params, retain_graph=True),
-                         torch.autograd.grad(loss_b, params)):
+    for _p, ga, gb in zip(
+        params, torch.autograd.grad(loss_a, params, retain_graph=True), torch.autograd.grad(loss_b, params)
+    ):
         torch.testing.assert_close(ga, gb, rtol=1e-10, atol=1e-13)
 
 
 def assert_counts_match(out, refs) -> None:
     for k in range(STEPS):
         torch.testing.assert_close(out.loss_sum[k], sum(r[k].loss_sum for r in refs), rtol=1e-10, atol=1e-12)
-        got = [int(out.num_supervised[k]), int(out.num_predicted[k]), int(out.num_correct[k]),
-               int(out.num_full_correct[k])]
-        assert got == [sum(getattr(r[k], n) for r in refs)
-                       for n in ("num_supervised", "num_predicted", "num_correct", "num_full_correct")]
+        got = [
+            int(out.num_supervised[k]),
+            int(out.num_predicted[k]),
+            int(out.num_correct[k]),
+            int(out.num_full_correct[k]),
+        ]
+        assert got == [
+            sum(getattr(r[k], n) for r in refs)
+            for n in ("num_supervised", "num_predicted", "num_correct", "num_full_correct")
+        ]
 
 
 def test_alignment_by_hand_on_a_six_token_sequence():
@@ -169,7 +203,7 @@ def test_no_leak_between_packed_documents(perturbed, kept):
     """Changing one document's aux, tokens and target leaves the other's loss and gradients unchanged."""
     model, x = tiny_model(), random_inputs(1, 16, seed=3)
     docs = torch.tensor([[0] * 7 + [1] * 9])
-    x["loss_mask"][0, perturbed[0]:perturbed[1]] = 0  # only the kept document is scored
+    x["loss_mask"][0, perturbed[0] : perturbed[1]] = 0  # only the kept document is scored
     y = {name: value.clone() for name, value in x.items()}
     g = torch.Generator().manual_seed(9)
     span = slice(*perturbed)
@@ -259,9 +293,13 @@ def test_topk_with_the_full_vocab_equals_final_hidden_supervision():
 
 def test_metrics_from_counts_by_hand():
     """acc 1/2 then 1/2, full 1/2 then 1/4: accept_len_est = 1 + 0.5 + 0.25; loss = l0 + 0.8 * l1."""
-    m = metrics_from_counts(loss_sum=torch.tensor([4.0, 3.0]), num_supervised=torch.tensor([2, 3]),
-                            num_predicted=torch.tensor([4, 4]), num_correct=torch.tensor([2, 2]),
-                            num_full_correct=torch.tensor([2, 1]))
+    m = metrics_from_counts(
+        loss_sum=torch.tensor([4.0, 3.0]),
+        num_supervised=torch.tensor([2, 3]),
+        num_predicted=torch.tensor([4, 4]),
+        num_correct=torch.tensor([2, 2]),
+        num_full_correct=torch.tensor([2, 1]),
+    )
     assert m["acc_0"] == m["acc_1"] == 0.5 and m["full_acc_1"] == 0.25
     assert m["loss_0"] == 2.0 and m["loss_1"] == 1.0 and m["loss"] == pytest.approx(2.0 + 0.8 * 1.0)
     assert m["accept_len_est"] == pytest.approx(1.75)
@@ -315,6 +353,7 @@ def test_accuracy_full_accuracy_and_accept_length_through_the_unroll():
 
 # ------------------------------------------------------------------------------------ the fast paths
 
+
 def test_align_steps_equals_align_step_at_every_step():
     """The all-steps alignment equals align_step for each k, packed rows, running past the row end included."""
     g = torch.Generator().manual_seed(15)
@@ -341,8 +380,8 @@ def test_chunked_soft_ce_equals_log_softmax_loss_and_gradient(chunk):
     fused, top = ChunkedSoftCE.apply(logits, pad_probs(probs, 3), mask, 2, chunk, (soft_ce_chunk, soft_ce_chunk_grad))
     torch.testing.assert_close(fused, plain, rtol=1e-13, atol=0)
     assert torch.equal(top, logits.argmax(-1))
-    want, = torch.autograd.grad(3.5 * plain, logits)
-    got, = torch.autograd.grad(3.5 * fused, logits)
+    (want,) = torch.autograd.grad(3.5 * plain, logits)
+    (got,) = torch.autograd.grad(3.5 * fused, logits)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
     assert got[~mask].abs().max() == 0 and got[mask].abs().max() > 0
 
@@ -394,8 +433,10 @@ def test_supervision_without_host_syncs_is_unchanged():
     t2d, d2t = vocab_maps()
     final = random_inputs(1, 6, seed=20)["final"]
     draft_ids = d2t + torch.arange(VD)
-    a, b = supervision_from_final(final, target_weight(), t2d), supervision_from_final(final, target_weight(), t2d,
-                                                                                      draft_ids=draft_ids)
+    a, b = (
+        supervision_from_final(final, target_weight(), t2d),
+        supervision_from_final(final, target_weight(), t2d, draft_ids=draft_ids),
+    )
     assert torch.equal(a.probs, b.probs) and torch.equal(a.argmax, b.argmax)
     top = torch.log_softmax(final @ target_weight().T, -1).topk(5, dim=-1)
     c, d = supervision_from_topk(top.indices, top.values, t2d), supervision_from_topk(top.indices, top.values, t2d, VD)

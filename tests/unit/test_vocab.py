@@ -30,11 +30,21 @@ TARGET_VOCAB = 16
 
 def _write_tokenized(path: Path, rows: list[tuple[str, list[int], list[int]]]) -> Path:
     """A tokenized.parquet from (split, input_ids, loss_mask) triples."""
-    table = pa.Table.from_pylist([
-        {"id": f"r{i}", "split": split, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
-         "num_loss_tokens": sum(mask), "truncated": False}
-        for i, (split, ids, mask) in enumerate(rows)
-    ], schema=TOKENIZED_SCHEMA)
+    table = pa.Table.from_pylist(
+        [
+            {
+                "id": f"r{i}",
+                "split": split,
+                "input_ids": ids,
+                "loss_mask": mask,
+                "num_tokens": len(ids),
+                "num_loss_tokens": sum(mask),
+                "truncated": False,
+            }
+            for i, (split, ids, mask) in enumerate(rows)
+        ],
+        schema=TOKENIZED_SCHEMA,
+    )
     pq.write_table(table, path)
     return path
 
@@ -43,9 +53,9 @@ def _write_tokenized(path: Path, rows: list[tuple[str, list[int], list[int]]]) -
 def counted(tmp_path: Path) -> Path:
     """Supervised train counts: id 5 x4, id 3 x3, id 9 x3, id 7 x2, id 12 x1; unmasked and val tokens must not count."""
     rows = [
-        ("train", [1, 5, 5, 3, 9, 2], [0, 1, 1, 1, 1, 0]),   # 1 and 2 are unmasked: never counted
+        ("train", [1, 5, 5, 3, 9, 2], [0, 1, 1, 1, 1, 0]),  # 1 and 2 are unmasked: never counted
         ("train", [5, 5, 3, 3, 9, 9, 7], [1, 1, 1, 1, 1, 1, 1]),
-        ("train", [7, 12, 4, 4, 4], [1, 1, 0, 0, 0]),        # 4 appears 3 times, all unmasked
+        ("train", [7, 12, 4, 4, 4], [1, 1, 0, 0, 0]),  # 4 appears 3 times, all unmasked
         ("val", [11, 11, 11, 11, 11, 11], [1, 1, 1, 1, 1, 1]),  # val: ignored however frequent
     ]
     return _write_tokenized(tmp_path / "tokenized.parquet", rows)
@@ -126,8 +136,15 @@ def test_outputs_round_trip_and_summary(counted: Path, tmp_path: Path) -> None:
     assert torch.equal(d2t, expected_d2t) and torch.equal(t2d, expected_t2d)
     on_disk = json.loads(paths["info"].read_text())
     assert on_disk == json.loads(json.dumps(info))
-    for key in ("draft_vocab_size", "target_vocab_size", "coverage", "num_distinct_tokens", "forced_ids",
-                "tokenizer_fingerprint", "num_train_rows"):
+    for key in (
+        "draft_vocab_size",
+        "target_vocab_size",
+        "coverage",
+        "num_distinct_tokens",
+        "forced_ids",
+        "tokenizer_fingerprint",
+        "num_train_rows",
+    ):
         assert key in on_disk
     assert on_disk["tokenizer_fingerprint"] == "tok-sha"
     assert not list((tmp_path / "v").glob(".*.tmp")), "no temp files may be left behind"

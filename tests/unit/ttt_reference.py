@@ -42,8 +42,9 @@ def _rotate(vec: Tensor, pos: int, theta: float) -> Tensor:
     return torch.stack(first + second)
 
 
-def _attend(q: Tensor, keys: list[list[list[Tensor]]], values: list[list[list[Tensor]]], t: int,
-            kv_head: int) -> Tensor:
+def _attend(
+    q: Tensor, keys: list[list[list[Tensor]]], values: list[list[list[Tensor]]], t: int, kv_head: int
+) -> Tensor:
     """Query of position t: step 0's keys at positions 0..t, then its own key of every later step."""
     cand_k = [keys[0][s][kv_head] for s in range(t + 1)] + [keys[j][t][kv_head] for j in range(1, len(keys))]
     cand_v = [values[0][s][kv_head] for s in range(t + 1)] + [values[j][t][kv_head] for j in range(1, len(values))]
@@ -60,17 +61,26 @@ class ReferenceTTT:
         self.embed = model.embed_tokens.weight
         d = model.dims
         assert d.rope_scaling is None, "the reference knows default RoPE only"
-        self.nh, self.nkv, self.hd, self.eps, self.theta = (d.num_attention_heads, d.num_key_value_heads,
-                                                            d.head_dim, d.rms_norm_eps, d.rope_theta)
+        self.nh, self.nkv, self.hd, self.eps, self.theta = (
+            d.num_attention_heads,
+            d.num_key_value_heads,
+            d.head_dim,
+            d.rms_norm_eps,
+            d.rope_theta,
+        )
 
     def _heads(self, vec: Tensor, n: int) -> list[Tensor]:
-        return [vec[i * self.hd:(i + 1) * self.hd] for i in range(n)]
+        return [vec[i * self.hd : (i + 1) * self.hd] for i in range(n)]
 
     def qkv(self, token: int, feature: Tensor, pos: int) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         """Per-head q, k (rotated) and v of one position."""
         w = self.w
-        x = torch.cat([_rms(self.embed[token], w["midlayer.input_layernorm.weight"], self.eps),
-                       _rms(feature, w["midlayer.hidden_norm.weight"], self.eps)])
+        x = torch.cat(
+            [
+                _rms(self.embed[token], w["midlayer.input_layernorm.weight"], self.eps),
+                _rms(feature, w["midlayer.hidden_norm.weight"], self.eps),
+            ]
+        )
         q = [_rotate(h, pos, self.theta) for h in self._heads(w["midlayer.self_attn.q_proj.weight"] @ x, self.nh)]
         k = [_rotate(h, pos, self.theta) for h in self._heads(w["midlayer.self_attn.k_proj.weight"] @ x, self.nkv)]
         return q, k, self._heads(w["midlayer.self_attn.v_proj.weight"] @ x, self.nkv)
@@ -85,8 +95,9 @@ class ReferenceTTT:
         return out, w["lm_head.weight"] @ _rms(out, w["norm.weight"], self.eps)
 
 
-def reference_ttt(model, aux: Tensor, ids: list[int], loss_mask: list[int], target_logits: Tensor,
-                  t2d: Tensor, steps: int) -> list[RefStep]:
+def reference_ttt(
+    model, aux: Tensor, ids: list[int], loss_mask: list[int], target_logits: Tensor, t2d: Tensor, steps: int
+) -> list[RefStep]:
     """Unroll ``steps`` TTT steps over ONE sequence (aux [T, A*Ht], target_logits [T, V] full vocab)."""
     ref, length = ReferenceTTT(model), len(ids)
     used = [v for v in range(len(t2d)) if t2d[v]]  # draft id i is target id used[i]
@@ -98,15 +109,18 @@ def reference_ttt(model, aux: Tensor, ids: list[int], loss_mask: list[int], targ
         keys.append([p[1] for p in per_pos])
         values.append([p[2] for p in per_pos])
         group = ref.nh // ref.nkv
-        outs = [ref.finish(features[t], [_attend(per_pos[t][0][h], keys, values, t, h // group)
-                                         for h in range(ref.nh)]) for t in range(length)]
+        outs = [
+            ref.finish(features[t], [_attend(per_pos[t][0][h], keys, values, t, h // group) for h in range(ref.nh)])
+            for t in range(length)
+        ]
         features = [o[0] for o in outs]
         results.append(_score(k, [o[1] for o in outs], loss_mask, target_logits, used, chain))
     return results
 
 
-def _score(k: int, logits: list[Tensor], loss_mask: list[int], target_logits: Tensor, used: list[int],
-           chain: list[bool]) -> RefStep:
+def _score(
+    k: int, logits: list[Tensor], loss_mask: list[int], target_logits: Tensor, used: list[int], chain: list[bool]
+) -> RefStep:
     """Index t predicts token m = t+2+k against the target at j = t+1+k; supervised iff loss_mask[m]."""
     length, loss_sum = len(logits), torch.zeros((), dtype=target_logits.dtype)
     counts = {"sup": 0, "pred": 0, "correct": 0, "full": 0}

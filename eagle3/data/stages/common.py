@@ -19,6 +19,7 @@ def target(cfg: RunConfig) -> tuple[Path, str]:
 
 def model_loader(cfg: RunConfig, model_dir: Path):
     """A function that loads the target and its tokenizer for in-process generation (regenerate.device)."""
+
     def load():
         from eagle3.features.hf_models import resolve_device
         from eagle3.target.load import load_model, load_tokenizer
@@ -49,5 +50,10 @@ def data_stage_main(module: str, argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(description=f"the {stage.STAGE.name} stage: {stage.DESCRIPTION}")
     parser.add_argument("--force", action="store_true", help="recompute even if the manifest matches")
     add_config_args(parser)
-    stage_main(parser, argv, lambda cfg, args: [stage.run(cfg, force=args.force)], write_config=True,
-               lock_owner=f"python -m {module}")
+    stage_main(
+        parser,
+        argv,
+        lambda cfg, args: [stage.run(cfg, force=args.force)],
+        write_config=True,
+        lock_owner=f"python -m {module}",
+    )

@@ -1,6 +1,6 @@
 """The merge stage: read, validate, dedupe, shuffle and split every source into data/merged.parquet.
 
-    python -m eagle3.data.stages.merge --preset tiny
+python -m eagle3.data.stages.merge --preset tiny
 """
 
 from __future__ import annotations
@@ -49,13 +49,15 @@ def source_hashes(cfg: RunConfig) -> list[dict]:
         if src.path is None:
             continue  # a synthetic source: the synthesize manifest is the merge's input
         path = resolve_path(src.path)
-        hashes.append({"name": src.name, "path": str(path),
-                       "sha256": sha256_file_cached(path) if path.is_file() else None})
+        hashes.append(
+            {"name": src.name, "path": str(path), "sha256": sha256_file_cached(path) if path.is_file() else None}
+        )
     return hashes
 
 
-def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
-        known_key: str | None = None) -> StageOutcome:
+def run(
+    cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False, known_key: str | None = None
+) -> StageOutcome:
     """Read, validate, dedupe, shuffle and split every source into data/merged.parquet (``known_key``: the stage
     key when the caller computed it already)."""
     from eagle3.data.merge import merge_sources
@@ -63,8 +65,13 @@ def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
     if not cfg.data.sources:
         raise ConfigError("data.sources is empty: nothing to merge (add a source in the preset or with --set)")
     layout = run_layout(cfg)
-    return run_stage(STAGE, STAGE.manifest(layout.root), known_key or key(cfg), force=force,
-                     compute=lambda: merge_sources(cfg.data.sources, cfg.data, cfg.run.seed, layout.data, progress))
+    return run_stage(
+        STAGE,
+        STAGE.manifest(layout.root),
+        known_key or key(cfg),
+        force=force,
+        compute=lambda: merge_sources(cfg.data.sources, cfg.data, cfg.run.seed, layout.data, progress),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """The regenerate stage: every user turn re-answered by the target (when regenerate.enabled).
 
-    python -m eagle3.data.stages.regenerate --preset smollm2-demo --set regenerate.enabled=true
+python -m eagle3.data.stages.regenerate --preset smollm2-demo --set regenerate.enabled=true
 """
 
 from __future__ import annotations
@@ -39,8 +39,13 @@ def key(cfg: RunConfig, fp: str | None = None) -> str:
     return stage_key(STAGE, section_dict(cfg, SECTION), [merge.STAGE.manifest(cfg.run_dir)], {"target": fp})
 
 
-def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False, known_key: str | None = None,
-        run_slices: SliceRunner | None = None) -> StageOutcome | None:
+def run(
+    cfg: RunConfig,
+    progress: ProgressFn | None = None,
+    force: bool = False,
+    known_key: str | None = None,
+    run_slices: SliceRunner | None = None,
+) -> StageOutcome | None:
     """Re-answer every user turn with the target (None when regeneration is off).
 
     With regenerate.num_slices above 1 and a ``run_slices`` (the flows pass one that starts a flow run per slice),
@@ -57,10 +62,10 @@ def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
 
     def compute():
         if run_slices is not None and cfg.regenerate.num_slices > 1:
-            return regenerate_sliced(layout.merged, layout.data, cfg.regenerate, run_slices, progress,
-                                     keep_sources=own)
-        return regenerate(layout.merged, layout.data, cfg.regenerate, chat_backend(cfg, model_dir), progress,
-                          keep_sources=own)
+            return regenerate_sliced(layout.merged, layout.data, cfg.regenerate, run_slices, progress, keep_sources=own)
+        return regenerate(
+            layout.merged, layout.data, cfg.regenerate, chat_backend(cfg, model_dir), progress, keep_sources=own
+        )
 
     return run_stage(STAGE, STAGE.manifest(layout.root), known_key or key(cfg, fp), compute, force=force)
 
@@ -71,8 +76,7 @@ def run_slice(cfg: RunConfig, index: int, progress: ProgressFn | None = None) ->
 
     model_dir, _ = target(cfg)
     layout = run_layout(cfg)
-    return regenerate_slice(layout.merged, layout.data, cfg.regenerate, chat_backend(cfg, model_dir), index,
-                            progress)
+    return regenerate_slice(layout.merged, layout.data, cfg.regenerate, chat_backend(cfg, model_dir), index, progress)
 
 
 def chat_backend(cfg: RunConfig, model_dir: Path):

@@ -1,6 +1,6 @@
 """The synthesize stage: the target writes and answers the records of every synthetic source.
 
-    python -m eagle3.data.stages.synthesize --preset smollm2-curve
+python -m eagle3.data.stages.synthesize --preset smollm2-curve
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def key(cfg: RunConfig, fp: str | None = None) -> str:
     return stage_key(STAGE, stage_config(synthetic_sources(cfg), cfg.regenerate), [], {"target": generating(cfg, fp)})
 
 
-def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
-        known_key: str | None = None) -> StageOutcome | None:
+def run(
+    cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False, known_key: str | None = None
+) -> StageOutcome | None:
     """Let the target write and answer the records of every synthetic source (None when there is none;
     ``known_key``: the stage key when the caller computed it already)."""
     sources = synthetic_sources(cfg)
@@ -57,8 +58,9 @@ def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
     layout = run_layout(cfg)
 
     def compute():
-        return synthesize(sources, layout.data, cfg.regenerate, model_loader(cfg, model_dir), generating(cfg, fp),
-                          progress)
+        return synthesize(
+            sources, layout.data, cfg.regenerate, model_loader(cfg, model_dir), generating(cfg, fp), progress
+        )
 
     return run_stage(STAGE, STAGE.manifest(layout.root), known_key or key(cfg, fp), compute, force=force)
 

@@ -1,6 +1,6 @@
 """The tokenize stage: render with the target's chat template and compute assistant loss masks.
 
-    python -m eagle3.data.stages.tokenize --preset smollm2-demo --set tokenize.max_len=1024
+python -m eagle3.data.stages.tokenize --preset smollm2-demo --set tokenize.max_len=1024
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ def key(cfg: RunConfig, fp: str | None = None) -> str:
     return stage_key(STAGE, section_dict(cfg, SECTION), [conversations_manifest(cfg)], {"target": fp})
 
 
-def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
-        known_key: str | None = None) -> StageOutcome:
+def run(
+    cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False, known_key: str | None = None
+) -> StageOutcome:
     """Render with the target's chat template and compute assistant loss masks into data/tokenized.parquet."""
     from eagle3.data.tokenize import tokenize_dataset
     from eagle3.target.load import load_tokenizer
@@ -49,9 +50,13 @@ def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
     model_dir, fp = target(cfg)
     layout = run_layout(cfg)
     in_parquet = layout.regenerated if cfg.regenerate.enabled else layout.merged
-    return run_stage(STAGE, STAGE.manifest(layout.root), known_key or key(cfg, fp), force=force,
-                     compute=lambda: tokenize_dataset(in_parquet, layout.data, load_tokenizer(model_dir),
-                                                      cfg.tokenize, progress))
+    return run_stage(
+        STAGE,
+        STAGE.manifest(layout.root),
+        known_key or key(cfg, fp),
+        force=force,
+        compute=lambda: tokenize_dataset(in_parquet, layout.data, load_tokenizer(model_dir), cfg.tokenize, progress),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

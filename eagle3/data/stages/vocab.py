@@ -1,6 +1,6 @@
 """The vocab stage: the draft vocab map from the train split's assistant tokens.
 
-    python -m eagle3.data.stages.vocab --preset tiny
+python -m eagle3.data.stages.vocab --preset tiny
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def key(cfg: RunConfig, fp: str | None = None) -> str:
     return stage_key(STAGE, section_dict(cfg, SECTION), [tokenize.STAGE.manifest(cfg.run_dir)], {"target": fp})
 
 
-def run(cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False,
-        known_key: str | None = None) -> StageOutcome:
+def run(
+    cfg: RunConfig, progress: ProgressFn | None = None, force: bool = False, known_key: str | None = None
+) -> StageOutcome:
     """Build the draft vocab map from the train split's assistant tokens."""
     from eagle3.data.vocab import build_vocab_map
     from eagle3.target.load import load_tokenizer, stop_token_ids, target_info

@@ -82,8 +82,11 @@ def _check_tokens(sample: CapturedSample, req: SampleTokens) -> None:
 def check_echo(sample: CapturedSample, req: SampleTokens, position: int) -> None:
     """One streamed sample is the request at its position, with the requested tokens and mask."""
     if sample.id != req.id:
-        raise ShardValidationError(sample.id, f"backend returned ids out of order or wrong ({sample.id!r} at "
-                                              f"position {position}, where {req.id!r} was requested)")
+        raise ShardValidationError(
+            sample.id,
+            f"backend returned ids out of order or wrong ({sample.id!r} at "
+            f"position {position}, where {req.id!r} was requested)",
+        )
     _check_tokens(sample, req)
 
 
@@ -93,8 +96,11 @@ def check_against_request(samples: Sequence[CapturedSample], requested: Sequence
     if got != want:
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
         first = next((g for g, w in zip(got, want) if g != w), None)
-        raise ShardValidationError(first, f"backend returned ids out of order or wrong (missing {missing[:5]}, "
-                                          f"unexpected {extra[:5]}, {len(got)} returned for {len(want)} requested)")
+        raise ShardValidationError(
+            first,
+            f"backend returned ids out of order or wrong (missing {missing[:5]}, "
+            f"unexpected {extra[:5]}, {len(got)} returned for {len(want)} requested)",
+        )
     for sample, req in zip(samples, requested):
         _check_tokens(sample, req)
 
@@ -110,8 +116,9 @@ def check_request_ids(items: Sequence[CapturedSample] | Sequence[SampleTokens]) 
         seen.add(item.id)
 
 
-def validate_samples(spec: FeatureSpec, samples: Sequence[CapturedSample],
-                     requested: Sequence[SampleTokens] | None = None) -> None:
+def validate_samples(
+    spec: FeatureSpec, samples: Sequence[CapturedSample], requested: Sequence[SampleTokens] | None = None
+) -> None:
     """Everything write_shard checks before writing a byte (ids unique, request echoed, each sample sound)."""
     check_request_ids(samples)
     if requested is not None:

@@ -21,8 +21,15 @@ from infra.storage import sha256_json
 
 SHARD_RE = re.compile(r"^shard-(\d{5,})\.done\.json$")
 DONE_SUFFIX = ".done.json"
-ST_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", FP8_DTYPE: "F8_E4M3",
-                  torch.int32: "I32", torch.uint8: "U8", torch.int64: "I64"}
+ST_DTYPE_NAMES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    FP8_DTYPE: "F8_E4M3",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.int64: "I64",
+}
 HEADER_ALIGN = 8
 """Payload starts on an 8-byte boundary; tensors are ordered by element size so each stays aligned."""
 
@@ -87,9 +94,13 @@ def nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 def shard_metadata(spec: FeatureSpec, sample_ids: Sequence[str]) -> dict[str, str]:
     """The safetensors __metadata__ (strings only): enough to identify the shard without its done file."""
-    return {"format_version": str(spec.format_version), "spec_hash": spec_hash(spec),
-            "sample_ids": json.dumps(list(sample_ids), ensure_ascii=False),
-            "aux_layer_ids": json.dumps(spec.aux_layer_ids), "aux_convention": spec.aux_convention}
+    return {
+        "format_version": str(spec.format_version),
+        "spec_hash": spec_hash(spec),
+        "sample_ids": json.dumps(list(sample_ids), ensure_ascii=False),
+        "aux_layer_ids": json.dumps(spec.aux_layer_ids),
+        "aux_convention": spec.aux_convention,
+    }
 
 
 def encode_header(layout: Layout, metadata: dict[str, str]) -> bytes:

@@ -63,8 +63,10 @@ class ShardReader:
 
             if not self.verify(index):
                 path, done = shard_path(self.features_dir, index), done_path_for(shard_path(self.features_dir, index))
-                raise CorruptShardError(f"{path} does not match the sha256 in {done.name} (corrupted on disk); "
-                                        f"delete {done} and run the capture again, which recaptures that shard")
+                raise CorruptShardError(
+                    f"{path} does not match the sha256 in {done.name} (corrupted on disk); "
+                    f"delete {done} and run the capture again, which recaptures that shard"
+                )
             handle = safe_open(str(shard_path(self.features_dir, index)), framework="pt")
             self._handles[index] = handle
             self._offsets[index] = handle.get_tensor("offsets").tolist()

@@ -92,8 +92,9 @@ def _request_tensors(requested: Sequence[SampleTokens]) -> tuple[torch.Tensor, t
         except (TypeError, ValueError, RuntimeError, OverflowError) as err:
             raise ShardValidationError(req.id, f"requested input_ids/loss_mask are not integer lists ({err})") from err
         if ids[-1].numel() != masks[-1].numel():
-            raise ShardValidationError(req.id, f"requested loss_mask has {masks[-1].numel()} entries for "
-                                               f"{ids[-1].numel()} tokens")
+            raise ShardValidationError(
+                req.id, f"requested loss_mask has {masks[-1].numel()} entries for {ids[-1].numel()} tokens"
+            )
     return torch.cat(ids).to(torch.int32), torch.cat(masks)
 
 
@@ -106,7 +107,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     """os.pwrite until every byte is written, WRITE_CHUNK_BYTES at a time."""
     done = 0
     while done < view.nbytes:
-        num = os.pwrite(fd, view[done:done + WRITE_CHUNK_BYTES], offset + done)
+        num = os.pwrite(fd, view[done : done + WRITE_CHUNK_BYTES], offset + done)
         if num <= 0:
             raise OSError(f"pwrite wrote nothing at offset {offset + done}")
         done += num
@@ -190,8 +191,7 @@ class ShardStream:
     writes the done file; ``abort`` removes the temp file. One thread drives a stream.
     """
 
-    def __init__(self, path: Path, spec: FeatureSpec, requested: Sequence[SampleTokens],
-                 early_writeback: bool = True):
+    def __init__(self, path: Path, spec: FeatureSpec, requested: Sequence[SampleTokens], early_writeback: bool = True):
         self.path, self.spec, self.requested = Path(path), spec, list(requested)
         check_request_ids(self.requested)
         input_ids, loss_mask = _request_tensors(self.requested)  # [T] int32, [T] uint8
@@ -226,8 +226,9 @@ class ShardStream:
         for sample in samples:
             position = self._next
             if position >= len(self.requested):
-                raise ShardValidationError(sample.id, f"backend returned more than the {len(self.requested)} "
-                                                      f"requested samples")
+                raise ShardValidationError(
+                    sample.id, f"backend returned more than the {len(self.requested)} requested samples"
+                )
             if not validated:
                 check_echo(sample, self.requested[position], position)
                 check_sample(self.spec, sample)
@@ -251,9 +252,11 @@ class ShardStream:
     def seal(self) -> None:
         """Check that every requested sample and every byte arrived, then fsync the temp file."""
         if self._next != len(self.requested):
-            missing = [req.id for req in self.requested[self._next:]]
-            raise ShardValidationError(missing[0], f"backend returned {self._next} of {len(self.requested)} "
-                                                   f"requested samples (missing {missing[:5]})")
+            missing = [req.id for req in self.requested[self._next :]]
+            raise ShardValidationError(
+                missing[0],
+                f"backend returned {self._next} of {len(self.requested)} requested samples (missing {missing[:5]})",
+            )
         if self._hasher.num_hashed != self.num_bytes:
             raise AssertionError(f"{self.path.name}: {self._hasher.num_hashed} of {self.num_bytes} bytes arrived")
         fd = self._open_fd()
@@ -273,9 +276,17 @@ class ShardStream:
             raise RuntimeError(f"{self.path.name}: commit() before seal()")
         storage.commit_temp(self._tmp, self.path)
         ids = [req.id for req in self.requested]
-        doc = ShardDone(format_version=self.spec.format_version, file=self.path.name, sample_ids=ids,
-                        num_samples=len(ids), num_tokens=self.num_tokens, num_loss_tokens=self.num_loss_tokens,
-                        num_bytes=self.num_bytes, sha256=self._sha256, spec_hash=spec_hash(self.spec))
+        doc = ShardDone(
+            format_version=self.spec.format_version,
+            file=self.path.name,
+            sample_ids=ids,
+            num_samples=len(ids),
+            num_tokens=self.num_tokens,
+            num_loss_tokens=self.num_loss_tokens,
+            num_bytes=self.num_bytes,
+            sha256=self._sha256,
+            spec_hash=spec_hash(self.spec),
+        )
         atomic_write_json(done_path_for(self.path), doc.to_json())
         return doc
 
@@ -288,8 +299,9 @@ class ShardStream:
         self._tmp.unlink(missing_ok=True)
 
 
-def write_shard(path: Path, spec: FeatureSpec, samples: Sequence[CapturedSample],
-                requested: Sequence[SampleTokens] | None = None) -> ShardDone:
+def write_shard(
+    path: Path, spec: FeatureSpec, samples: Sequence[CapturedSample], requested: Sequence[SampleTokens] | None = None
+) -> ShardDone:
     """Validate every sample, then write ``path`` (safetensors) atomically and its done file; returns the
     done document.
 
