@@ -1,13 +1,13 @@
 """One way for every stage task to show that its stage was up to date: Prefect's ``Cached`` state.
 
 Every stage task (synthesize, merge, regenerate, tokenize, vocab, capture-finalize, train, export, evaluate)
-takes its cache key from ``stage_cache_key``: the stage key (eagle3.run.stage) when the stage's manifest matches
-it on disk, else no key at all (the task runs; nothing stale can come from Prefect's cache, whoever calls the
-task, and ``force=True`` does the same). When the stage is up to date and Prefect holds no record under the key
-yet (a stage completed by the command line, or a record written elsewhere), the key function writes one, the
-stage's own outcome marked not computed, so Prefect answers ``Cached`` and never runs the task's body: an up-to-date
-train starts no torchrun and publishes no progress. The capture subflow ends in a state of the same name
-(``UP_TO_DATE``) when it finds its stage complete.
+takes its cache key from ``stage_cache_key``: the stage key (eagle3.run.stage) and the run directory when the
+stage's manifest matches it on disk, else no key at all (the task runs; nothing stale can come from Prefect's
+cache, whoever calls the task, and ``force=True`` does the same). When the stage is up to date and Prefect holds no
+record under the key yet (a stage completed by the command line, or a record written elsewhere), the key function
+writes one, the stage's own outcome marked not computed, so Prefect answers ``Cached`` and never runs the task's
+body: an up-to-date train starts no torchrun and publishes no progress. The capture subflow ends in a state of the
+same name (``UP_TO_DATE``) when it finds its stage complete.
 
 The key is computed once per run of a task: the key function keeps what it computed under the task run's id and the
 task's body takes it with ``computed_key()`` and passes it to the stage as ``known_key`` (Prefect calls the key
@@ -18,6 +18,7 @@ key function takes it from there.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any, TypedDict
@@ -96,6 +97,12 @@ def computed_key() -> str | None:
     return None if ctx is None else _COMPUTED.pop(ctx.task_run.id, None)
 
 
+def run_tag(cfg: RunConfig) -> str:
+    """12 hex digits naming the run directory in a cache key: two runs whose stage has the same key (same inputs,
+    other names) keep records of their own, each pointing at its own manifest."""
+    return hashlib.sha256(str(cfg.run_dir.resolve()).encode()).hexdigest()[:12]
+
+
 def stage_cache_key(
     stage: str, skipped: SkippedFn | None = None
 ) -> Callable[[TaskRunContext, dict[str, Any]], str | None]:
@@ -114,7 +121,7 @@ def stage_cache_key(
         if not complete:
             _COMPUTED[ctx.task_run.id] = key  # the body runs: it passes the key on (computed_key)
             return None
-        cache_key = f"eagle3-{stage}-v{RESULT_VERSION}-{key}"
+        cache_key = f"eagle3-{stage}-v{RESULT_VERSION}-{key}-{run_tag(cfg)}"
         store = ctx.result_store
         if not store.exists(cache_key):
             store.write(skipped(cfg, key), key=cache_key)
