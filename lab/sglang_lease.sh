@@ -8,6 +8,10 @@
 #   lab/sglang_lease.sh poll [S]     wait up to S seconds for the chain, print its log's tail, copy results to $OUT
 #   lab/sglang_lease.sh results DIR  restore a run trained elsewhere; then LEASE_RUN=runs/<it> LEASE_TRAINED=1
 #                                           on every call skips training and measures that run
+# The repository as one commit: while people edit the checkout, carry `git archive HEAD | xz > .curve/pin/pin.tar.xz`
+# with the first bundle, unpack it on the host (tar -xJf .curve/pin/pin.tar.xz -C /tmp/pin), copy each carried
+# bundle there (cp -a .curve/bundle-K /tmp/pin/.curve/) and run /tmp/pin/lab/sglang_lease.sh: a later call's copy of
+# the working tree then cannot change the code a detached chain imports.
 # LEASE_QUALITY_DATA=1 (a lease for the data of smollm2-quality, whose generation alone fills most of a lease):
 #   `curve 2` starts `quality` (smollm2-quality's data stages, then its generated text packed as journals for a later
 #   host: quality_curve.py unpack-journals) and this run's data; `sglang 3` starts `side` only; `poll` brings the
