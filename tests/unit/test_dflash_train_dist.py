@@ -3,9 +3,6 @@ global batch (losses and final weights), under DDP and FSDP2, on the tiny preset
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -13,7 +10,7 @@ from safetensors.torch import load_file
 from eagle3.train.checkpoint import checkpoints_dir, step_dir
 from eagle3.train.loop import train
 from eagle3.train.metrics import read_metrics
-from tests.unit.test_train_helpers import load_run_config, real_tiny_run
+from tests.unit.test_train_helpers import load_run_config, real_tiny_run, torchrun_two
 
 # Rows per optimizer step R = world x accum = 2 in every run below, so every run trains at the same lr on the same
 # rows; each row's anchors come from the row's own seed, so every run scores the same blocks.
@@ -32,30 +29,13 @@ COMMON = [
 ]
 
 
-def _torchrun(config, parallel: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "eagle3.train",
-        "--config",
-        str(config),
-        "--set",
-        f"train.parallel={parallel}",
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The same rows trained by torchrun x2 (DDP and FSDP2, 1 row per rank and step) and by 1 process x 2 rows."""
     out = {}
     for parallel in ("ddp", "fsdp"):
         config = real_tiny_run(tmp_path_factory.mktemp(parallel) / "runs", COMMON)
-        proc = _torchrun(config, parallel)
+        proc = torchrun_two(config, parallel)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out[parallel] = (load_run_config(config), proc.stdout)
     single = load_run_config(

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from eagle3.train.loop import train
 from eagle3.train.metrics import read_metrics
-from tests.unit.test_train_helpers import load_run_config, synthetic_run
+from tests.unit.test_train_helpers import load_run_config, synthetic_run, torchrun_two
 
 # Rows per optimizer step R = world x accum = 2 in every run below; lr_scaling=linear against a reference of 1
 # row makes each of them train at 2 x lr (the documented rule), so their updates must coincide.
@@ -27,30 +24,13 @@ COMMON = [
 ]
 
 
-def _torchrun(config, parallel: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "eagle3.train",
-        "--config",
-        str(config),
-        "--set",
-        f"train.parallel={parallel}",
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The same data trained by torchrun x2 (DDP and FSDP2, 1 row per rank and step) and by 1 process x 2 rows."""
     out = {}
     for parallel in ("ddp", "fsdp"):
         config = synthetic_run(tmp_path_factory.mktemp(parallel), COMMON)
-        proc = _torchrun(config, parallel)
+        proc = torchrun_two(config, parallel)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         out[parallel] = (load_run_config(config), proc.stdout)
     single = load_run_config(synthetic_run(tmp_path_factory.mktemp("single"), [*COMMON, "train.grad_accum_steps=2"]))

@@ -13,6 +13,8 @@ import atexit
 import functools
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,3 +249,21 @@ def assert_resume_matches(full_cfg: RunConfig, full, workdir: Path, overrides: l
     straight = load_file(full.checkpoint / "model.safetensors")
     assert resumed.keys() == straight.keys()
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def torchrun_two(config: Path, parallel: str) -> subprocess.CompletedProcess:
+    """``python -m eagle3.train`` on 2 CPU processes (torchrun, gloo) with ``train.parallel`` = ddp or fsdp."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "eagle3.train",
+        "--config",
+        str(config),
+        "--set",
+        f"train.parallel={parallel}",
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
