@@ -55,7 +55,9 @@ from eagle3.features.shards.writer import write_shard
 from eagle3.features.spec import FeatureSpec, SampleTokens
 from eagle3.features.writers import WriteOptions, WriteStats, capture_and_write
 from infra.storage import atomic_write_json
-from lab.capture_setup import preset_setup, random_setup, save_tokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file (python lab/x.py): `lab` importable
+from lab.capture_setup import preset_setup, random_setup, save_tokens  # noqa: E402
 
 CASE_KNOBS = ("stream_writes", "num_writers", "write_queue_bytes", "early_writeback", "pinned_handoff")
 DEFAULT_CASES = ["stream_writes=false,num_writers=1", ""]

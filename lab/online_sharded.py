@@ -16,7 +16,9 @@ memory of any rank, and the forward batches run (real and dummy, summed over the
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,7 +29,9 @@ from eagle3.features.spec import SampleTokens
 from eagle3.train.data import pack
 from eagle3.train.dist import init_distributed, shutdown
 from eagle3.train.target_shard import ShardedCaptureBackend, shard_target
-from lab.shapes import LLAMA31_8B, SMOLLM2_135M
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file (python lab/x.py): `lab` importable
+from lab.shapes import LLAMA31_8B, SMOLLM2_135M  # noqa: E402
 
 SHAPES = {"smollm2": SMOLLM2_135M, "llama8b": LLAMA31_8B}
 

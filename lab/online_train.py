@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,7 +51,9 @@ from eagle3.train.dist import DistInfo
 from eagle3.train.online import OnlineFeatures
 from eagle3.train.state_cache import StateCache
 from eagle3.train.step import step_options_for, ttt_update
-from lab.shapes import LLAMA31_8B, SMOLLM2_135M, random_drafter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file (python lab/x.py): `lab` importable
+from lab.shapes import LLAMA31_8B, SMOLLM2_135M, random_drafter  # noqa: E402
 
 SHAPES = {"smollm2": (SMOLLM2_135M, 16384), "llama8b": (LLAMA31_8B, 32000)}  # (target shape, draft vocab)
 
