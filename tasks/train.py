@@ -40,10 +40,10 @@ def torchrun_spec(
 
     nproc = cfg.train.nproc_per_node or max(1, num_gpus)
     rank = cfg.train.node_rank if node_rank is None else node_rank
-    # Without a GPU, one intra-op thread. Measured on the 2-core machine with other processes busy on it (load
-    # average 4-7, as beside the demo's Prefect server and worker): the first 10 steps of smollm2-demo's training
-    # (`OMP_NUM_THREADS=N python -m eagle3.train --config <run>/config.json --stop-after-steps 10`) took 134 s at
-    # 1 thread and 227 s at 2. A second thread competes for cores that are already in use instead of adding speed.
+    # Without a GPU, torch's default threads (every core). The first 10 steps of smollm2-demo's training
+    # (`OMP_NUM_THREADS=N python -m eagle3.train --config <run>/config.json --stop-after-steps 10`) on the 2-core
+    # machine with the demo's Prefect server and both workers running: 43.7 and 44.4 s at 2 threads, 72.7 and 73.0 s
+    # at 1 (docs/log.md). Only under other heavy load (load average 4-7) was 1 thread faster.
     args = ("--config", str(config_path.resolve()), *(("--known-key", known_key) if known_key else ()))
     return TorchrunSpec(
         module="eagle3.train",
@@ -53,7 +53,6 @@ def torchrun_spec(
         node_rank=rank,
         rdzv_endpoint=cfg.train.rdzv_endpoint,
         rdzv_id=f"eagle3-{cfg.run.name}",
-        env={"OMP_NUM_THREADS": "1"} if num_gpus == 0 else {},
     )
 
 
