@@ -9,7 +9,12 @@ on the other side (the drafter cannot change a verified token: a speculative ser
 baseline on a wide margin verifies wrongly).
 
     python lab/sglang_identity.py --config runs/<run>/config.json --deploy runs/<run>/deploy/results.json \\
-        [--trio 3-1-4] [--against baseline|eval] [--device cuda] [--out runs/<run>/deploy/identity.json]
+        [--set serve.prompts=evaluation ...] [--trio 3-1-4] [--against baseline|eval] [--device cuda] \\
+        [--out runs/<run>/deploy/identity.json]
+
+Give the same ``--set serve.*`` overrides the deploy benchmark ran with: the prompts are rendered again from the
+config, and a prompt set whose digest differs from the one in results.json is refused (outputs would be paired with
+the wrong prompts).
 
 ``--against baseline`` (default) compares the speculative server with the baseline server; ``--against eval``
 compares the baseline server with eagle3 eval's greedy reference (``eval/prompts.jsonl``). Reads the lowest
@@ -30,7 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from eagle3.config import RunConfig, read_config_file, validate_config  # noqa: E402
+from eagle3.config import RunConfig  # noqa: E402
+from eagle3.run.cli_args import config_from_args  # noqa: E402
 from infra.sglang_compare import group_indices  # noqa: E402
 
 NEAR_TIE = 0.25  # float32 logits: bf16 rounding of logits around 20 is ~0.06-0.12, kernels differ by a few of those
@@ -131,9 +137,30 @@ def eval_outputs(cfg: RunConfig, count: int) -> list[list[int]]:
     return [list(records[i].greedy.tokens) for i in range(count)]
 
 
+def check_same_prompts(doc: dict[str, Any], prompts: list[Any]) -> None:
+    """Refuse a prompt set other than the one the deploy benchmark sent (its digest is in results.json)."""
+    from infra.sglang_bench import prompts_digest
+
+    sent = doc["baseline"]["result"]["prompts_digest"]
+    mine = prompts_digest(prompts)
+    if mine != sent:
+        raise SystemExit(
+            f"the config renders {len(prompts)} prompts with digest {mine}, the deploy benchmark sent {sent}: give "
+            "the same --set serve.* overrides it ran with (e.g. --set serve.prompts=evaluation)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="the overrides the deploy benchmark ran with (serve.prompts=evaluation, ...)",
+    )
     parser.add_argument("--deploy", type=Path, required=True, help="the deploy stage's results.json")
     parser.add_argument("--trio", default="3-1-4")
     parser.add_argument("--against", choices=["baseline", "eval"], default="baseline")
@@ -146,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     from eagle3.deploy import deploy_prompts
     from eagle3.target.load import prepare_target
 
-    cfg = validate_config(read_config_file(args.config), str(args.config))
+    cfg = config_from_args(args)
     doc = json.loads(args.deploy.read_text())
     model_dir = prepare_target(cfg)
     sent = deploy_prompts(cfg, str(model_dir))
+    check_same_prompts(doc, sent.prompts)
     if args.against == "baseline":
         names = ("baseline", args.trio)
         a, b = level_outputs(doc, "baseline", None), level_outputs(doc, "speculative", args.trio)

@@ -21,6 +21,7 @@
 #   sized to the card) and export through lab/quality_run.sh, results and weights packed after each phase;
 #   `poll` brings the parts back (`results DIR` restores them on the lease that measures the drafter).
 # LEASE_EVAL=1 with LEASE_TRAINED=1: the measure chain evaluates the carried-in export first (its --export-dir).
+# LEASE_SKIP="deploy ...": steps (by their log names) that the chain skips, e.g. figures an earlier lease brought back.
 # train:   data stages (ShareGPT's own answers), online training, export
 # side:    doctor, tests/gpu/test_sglang_gpu.py, then the capture kill test next to training
 # measure: eagle3 eval (chain 3), deploy (baseline + EAGLE-3 3-1-4 at concurrency 1 and 32 on the 160 evaluation
@@ -63,6 +64,8 @@ LAB=(--module "$MODULE" --python "$W/python-sglang" --server-args="$SERVER_ARGS"
 REGEN=(--module "$MODULE" --server-args="$SERVER_ARGS")
 
 step() {  # step NAME CMD...: run, log, time; a failed step is reported and the chain goes on
+  # LEASE_SKIP="deploy identity-baseline ...": steps whose figures an earlier lease already brought back
+  if [[ " ${LEASE_SKIP:-} " == *" $1 "* ]]; then echo "== $1 skipped (LEASE_SKIP) =="; return 0; fi
   local t0=$SECONDS
   echo "== $1 start $(date +%T) =="
   "${@:2}"
@@ -146,7 +149,7 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
     "${SERVE_SETS[@]}"
   for against in baseline eval; do   # where outputs split, and float32's margin there
     step "identity-$against" "$PY" lab/sglang_identity.py --config "$CFG" --deploy "$RUN/deploy/results.json" \
-      --against "$against" --device "${LEASE_DEVICE:-cuda}" --out "$RUN/deploy/identity-$against.json"
+      --against "$against" --device "${LEASE_DEVICE:-cuda}" --out "$RUN/deploy/identity-$against.json" "${SERVE_SETS[@]}"
   done
   step levers "$PY" lab/sglang_levers.py --config "$CFG" --out "$RUN/levers/bench-levers.json" \
     --variants "${LEASE_LEVERS:-baseline,3-1-4,vocab-4096,attn-decode,compile,3-1-4#2}" --profile 3-1-4 --profile-steps 30 \

@@ -55,3 +55,14 @@ def test_a_split_reports_the_position_and_float32_logit_gap_of_the_two_tokens(tm
     assert splits[1].gap_fp32 is None and splits[1].token_b is None  # the second output stopped there
     summary = summarize(splits, ["a", "a", "b"], ("x", "y"))
     assert summary["a"]["identical"] == 1 and summary["b"]["stopped"] == 1 and summary["all"]["prompts"] == 3
+
+
+def test_a_prompt_set_other_than_the_one_the_benchmark_sent_is_refused():
+    """Outputs are paired with prompts by position: a re-rendered set with another digest stops the script."""
+    from infra.sglang_bench import prompts_digest
+    from lab.sglang_identity import check_same_prompts
+
+    doc = {"baseline": {"result": {"prompts_digest": prompts_digest([[1, 2], [3]])}}}
+    check_same_prompts(doc, [[1, 2], [3]])
+    with pytest.raises(SystemExit, match="serve.prompts=evaluation"):
+        check_same_prompts(doc, ["a fixed English prompt", "another"])
