@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infra.sglang_bench import SHARED_SETTINGS, BenchResult, LevelResult, MeasurementError
+from infra.sglang_bench_records import SHARED_SETTINGS, BenchResult, LevelResult, MeasurementError
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from infra.sglang_bench import BenchSettings, MeasurementError, fixed_prompts, run_benchmark
+from infra.sglang_bench import run_benchmark
+from infra.sglang_bench_records import BenchSettings, MeasurementError, fixed_prompts
 from infra.sglang_compare import compare
 from tests.fakes.sglang_model import FakeServing, LaunchArgs
 from tests.fakes.sglang_server import FakeSGLangServer

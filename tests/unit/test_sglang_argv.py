@@ -19,7 +19,8 @@ import pytest
 
 from infra.sglang import SGLANG_VERSION, ServerSpec, ServerSpecError, serving_pair
 from infra.sglang_argv_check import mismatches, parse_many
-from infra.sglang_bench import SHARED_SETTINGS, SPEC_SETTINGS, bench_request_body
+from infra.sglang_bench import bench_request_body
+from infra.sglang_bench_records import SHARED_SETTINGS, SPEC_SETTINGS
 from infra.sglang_checks import capture_request_body, generation_smoke_body
 from infra.sglang_spec import MODE_GAPS, SGLANG_VERSIONS
 from tests import sglang_side

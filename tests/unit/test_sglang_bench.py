@@ -13,17 +13,15 @@ import pytest
 
 import infra.sglang_bench
 from infra.sglang import ServerSpec
-from infra.sglang_bench import (
-    BenchmarkError,
+from infra.sglang_bench import BenchmarkError, check_bench_answer, run_benchmark
+from infra.sglang_bench_records import (
     BenchResult,
     BenchSettings,
     LevelResult,
     MeasurementError,
     RequestSample,
-    check_bench_answer,
     fixed_prompts,
     nearest_rank,
-    run_benchmark,
     summarize_level,
 )
 from infra.sglang_compare import compare, compare_groups, render_report
