@@ -3,8 +3,8 @@
     .venv/bin/python scripts/kill_harness.py                          # 1 trial, 21 kills, seed 0 (~8 min, 2 cores)
     .venv/bin/python scripts/kill_harness.py --trials 3 --kills 24 --seed 7 --workdir runs/kill
 
-No Prefect: each stage of eagle3.run.registry that this config runs is its module's plain command (``python -m
-eagle3.data.stages.merge`` ...,
+No Prefect: each stage of eagle3.run.registry that this config runs is its module's plain command
+(scripts/kill_stages.py: ``python -m eagle3.data.stages.merge`` ...,
 ``python -m eagle3.features.capture``, ``python -m eagle3.train``, ``python -m eagle3.export``,
 ``python -m eagle3.evaluate.stage``), a child in its own process group. What it does:
 1. an uninterrupted reference run of the tiny preset (enlarged: more conversations, regeneration on the
@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -48,75 +47,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from kill_checks import Check, all_checks, stray_temps  # noqa: E402
+from kill_checks import Check, all_checks  # noqa: E402
+from kill_stages import OVERRIDES, RESUMABLE, STAGES, Stage, logged_step, reset_stage, snapshot  # noqa: E402
 
-from eagle3.data.regenerate import JOURNAL_NAME  # noqa: E402
-from eagle3.data.stages import regenerate  # noqa: E402
-from eagle3.evaluate import stage as evaluate  # noqa: E402
-from eagle3.features import stage as capture  # noqa: E402
-from eagle3.run.layout import DATA_DIR, RunLayout  # noqa: E402
-from eagle3.run.registry import STAGES as REGISTRY  # noqa: E402
-from eagle3.run.registry import get_stage  # noqa: E402
-from eagle3.train import stage as train  # noqa: E402
 from infra.process import group_alive, popen_detached, tail  # noqa: E402
 
-TINY = "pkg://eagle3/assets/tiny_chats.jsonl"
-SHAREGPT = "pkg://eagle3/assets/tiny_chats_sharegpt.json"
-SOURCES = ", ".join(f"{{name: {n}, path: '{TINY}'}}" for n in "abcd") + f", {{name: sg, path: '{SHAREGPT}'}}"
-OVERRIDES = [
-    f"data.sources=[{SOURCES}]",  # 4 x 60 + 20 conversations, kept apart by their source prefix
-    "data.dedupe=false",
-    "data.max_chars=200",  # the longest conversations become rejects
-    "regenerate.enabled=true",
-    "regenerate.backend=hf",
-    "regenerate.device=cpu",
-    "regenerate.max_new_tokens=24",
-    "capture.tokens_per_shard=1000",  # ~44 shards
-    "train.num_epochs=6",
-    "train.checkpoint_every_steps=10",
-]  # ~400 steps
-"""The tiny preset made big enough that a random kill lands mid-stage (about 2 minutes uninterrupted on 2 cores)."""
-RESUMABLE = {s.name for s in REGISTRY if s.resumable}
-"""Stages that keep finished work across a kill (journal, complete shards, checkpoints); a rerun has less to do."""
 STAGE_TIMEOUT_S = 900.0
-STEP_RE = re.compile(rb"\bstep (\d+)/(\d+)")
 MAX_RESETS = 30
 """Resets of one stage after misses; each retry's window shrinks (retry_window), so this is never reached on a
 working stage: reaching it means the stage keeps exiting at once."""
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One pipeline stage as its plain command line."""
-
-    name: str
-    module: str
-    by_preset: bool  # True: --preset/--set (writes config.json); False: --config <run>/config.json
-    torchrun: bool = False  # training: killed by optimizer step, not by time
-
-    def argv(self, preset: str, overrides: list[str], run_dir: Path) -> list[str]:
-        """The command that runs (or resumes, or skips) this stage."""
-        head = [sys.executable, "-m", self.module]
-        if self.by_preset:
-            return head + ["--preset", preset] + [a for o in overrides for a in ("--set", o)]
-        return head + ["--config", str(run_dir / "config.json")]
-
-
-def harness_stages(preset: str = "tiny", overrides: list[str] = OVERRIDES) -> list[Stage]:
-    """The registry's stages that do something for this config, in order; those before training run by preset
-    (they save config.json), the rest read <run>/config.json."""
-    from eagle3.config import load_config
-
-    cfg = load_config(preset, overrides)
-    first_by_config = next(i for i, s in enumerate(REGISTRY) if s.torchrun)
-    return [
-        Stage(s.name, s.cli, i < first_by_config, s.torchrun)
-        for i, s in enumerate(REGISTRY)
-        if s.skip_reason(cfg) is None
-    ]
-
-
-STAGES = harness_stages()
 
 
 class StageFailed(RuntimeError):
@@ -174,26 +113,6 @@ def _wait_group_gone(proc: subprocess.Popen) -> None:
         time.sleep(0.02)
 
 
-def _lines(path: Path) -> int:
-    return len(path.read_bytes().splitlines()) if path.is_file() else 0
-
-
-def snapshot(stage: str, run_dir: Path) -> dict[str, object]:
-    """What the killed stage had done when the kill landed (its resumable progress) and the temp files it left."""
-    progress: dict[str, object] = {}
-    layout = RunLayout(run_dir)
-    if stage == regenerate.STAGE.name:
-        progress["journaled_conversations"] = _lines(layout.data / JOURNAL_NAME)
-    elif stage == capture.STAGE.name:
-        progress["complete_shards"] = len(list(layout.features.glob("shard-*.done.json")))
-    elif stage == train.STAGE.name:
-        steps = [int(p.name[5:]) for p in layout.checkpoints.glob("step-*")]
-        progress["newest_checkpoint_step"] = max(steps, default=None)
-    elif stage == evaluate.STAGE.name:
-        progress["journaled_prompts"] = _lines(layout.eval / evaluate.JOURNAL_NAME)
-    return {**progress, "temp_files_left": len(stray_temps(run_dir.parent))}
-
-
 @dataclass
 class Timing:
     """An uninterrupted stage's wall time and its no-op rerun's (start-up + manifest check + exit)."""
@@ -201,17 +120,6 @@ class Timing:
     full_s: float
     noop_s: float
     steps: int | None = None  # training: the optimizer steps of the whole run
-
-
-def logged_step(log: Path, offset: int = 0) -> int | None:
-    """The last optimizer step the trainer logged ("step N/M") after byte ``offset`` of its log."""
-    try:
-        with open(log, "rb") as fh:
-            fh.seek(offset)
-            found = STEP_RE.findall(fh.read())
-    except OSError:
-        return None
-    return int(found[-1][0]) if found else None
 
 
 def reference_run(preset: str, overrides: list[str], workdir: Path, logs: Path) -> dict[str, Timing]:
@@ -259,21 +167,6 @@ class StageLog:
 
 Runner = Callable[[list[str], Path, "float | None", "Callable[[int], bool] | None"], tuple[str, float]]
 """run_until's signature: (argv, log, kill_after_s, kill_when) -> ("killed" | "exited", seconds)."""
-
-
-def reset_stage(stage: str, run_dir: Path) -> None:
-    """Remove what makes a rerun of ``stage`` skip or resume: its manifest and, for a stage with a folder of its
-    own, that whole folder (shards, checkpoints, journals); regeneration's journals in data/. Its next run starts
-    from nothing, as in a fresh run (the later stages have not run yet)."""
-    layout = RunLayout(run_dir)
-    spec = get_stage(stage)
-    if spec.folder != DATA_DIR:
-        shutil.rmtree(layout.root / spec.folder, ignore_errors=True)
-        return
-    spec.manifest(layout.root).unlink(missing_ok=True)
-    if stage == regenerate.STAGE.name:
-        for journal in layout.data.glob(JOURNAL_NAME.replace(".jsonl", "*.jsonl")):
-            journal.unlink()
 
 
 def retry_window(timing: Timing, outran_s: float | None) -> tuple[float, float]:
