@@ -10,7 +10,8 @@ no other process holds GPU memory, launch it (infra.sglang.ManagedServer: readin
 health_generate, server_info, then a checked greedy smoke generation; a speculative server must also report
 verify steps), benchmark every concurrency level (infra.sglang_bench) and stop it, also when the benchmark
 fails. Last, compare the two runs (MeasurementError when a speedup exceeds the acceptance length) and write
-<run>/deploy/results.json and report.md; server logs are <run>/deploy/sglang-{baseline,speculative}.log.
+<run>/deploy/results.json and report.md (eagle3.deploy_report; ``--report-only`` builds them again from the
+recorded runs); server logs are <run>/deploy/sglang-{baseline,speculative}.log.
 
 A benchmark that passed its checks writes deploy/deploy.manifest.json last (key: the serve section, the export
 manifest, the target), so a re-run with the same export and settings is skipped like any stage's; ``--force``
@@ -26,22 +27,14 @@ import logging
 import os
 import secrets
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from eagle3.config import ConfigError, RunConfig
-from eagle3.deploy_checks import (
-    AcceptCheck,
-    SameTextCheck,
-    accept_checks,
-    check_errors,
-    dflash_trio,
-    draft_dir,
-    drafter_label,
-    render_checks,
-    same_text_checks,
-)
+from eagle3.deploy_checks import dflash_trio, draft_dir
+from eagle3.deploy_records import DeployReport, Role, ServerRun
+from eagle3.deploy_report import recorded_runs, write_report
 from eagle3.export import stage as export
 from eagle3.run.layout import DEPLOY_DIR
 from eagle3.run.progress import Progress, ProgressFn
@@ -49,7 +42,7 @@ from eagle3.run.stage import StageId, StageOutcome
 
 if TYPE_CHECKING:
     from infra.sglang import ProbeExpectations
-    from infra.sglang_bench import BenchResult, BenchSettings
+    from infra.sglang_bench import BenchSettings
     from infra.sglang_spec import ServerSpec
 
 log = logging.getLogger(__name__)
@@ -57,7 +50,6 @@ log = logging.getLogger(__name__)
 STAGE = StageId("deploy", DEPLOY_DIR)
 SECTION = "serve"
 DESCRIPTION = "benchmark the target served by SGLang with and without the drafter (serve.enabled)"
-Role = Literal["baseline", "speculative"]
 NOT_ENABLED = "serve.enabled is false: no GPU host with SGLang configured, so no server was started"
 
 
@@ -211,48 +203,6 @@ def api_key_for(cfg: RunConfig) -> str:
     return (os.environ.get(env_name) if env_name else None) or secrets.token_hex(16)
 
 
-@dataclass(frozen=True)
-class ServerRun:
-    """One server's benchmark: how it was launched, what its readiness probe saw, and the measured levels."""
-
-    role: Role
-    argv: str  # printable command line (the API key is in a file, never on it)
-    log: str
-    pid: int | None
-    ready: dict[str, Any]  # {smoke, elapsed_s, version} of infra.sglang.ReadyReport
-    result: BenchResult
-    trio: str | None = None  # 'steps-topk-draft_tokens' of a speculative server
-    groups: tuple[str, ...] = ()  # each prompt's dataset, in prompt order
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-able dict (round-trips through ``from_json``; results.json holds it per role)."""
-        return {
-            "role": self.role,
-            "argv": self.argv,
-            "log": self.log,
-            "pid": self.pid,
-            "ready": dict(self.ready),
-            "result": self.result.to_json(),
-            "trio": self.trio,
-            "groups": list(self.groups),
-        }
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> ServerRun:
-        from infra.sglang_bench import BenchResult
-
-        return cls(
-            doc["role"],
-            doc["argv"],
-            doc["log"],
-            doc["pid"],
-            dict(doc["ready"]),
-            BenchResult.from_json(doc["result"]),
-            doc.get("trio"),
-            tuple(doc.get("groups") or ()),
-        )
-
-
 def benchmark_server(
     cfg: RunConfig,
     role: Role,
@@ -302,101 +252,13 @@ def benchmark_server(
     )
 
 
-def report_context(cfg: RunConfig, baseline: ServerRun, speculative: Sequence[ServerRun]) -> dict[str, str]:
-    """The report's header lines: run, every command line, and a NOTE when the servers were not SGLang."""
-    from infra.sglang import LAUNCH_MODULE
-
-    context = {"run": cfg.run.name, "baseline server": baseline.argv}
-    context |= {f"{drafter_label(cfg)} server {run.trio}": run.argv for run in speculative}
-    if cfg.server.launch_module != LAUNCH_MODULE:
-        context["NOTE"] = (
-            f"servers launched by {cfg.server.launch_module}, not {LAUNCH_MODULE}: "
-            "these figures are not SGLang measurements"
-        )
-    return context
-
-
-@dataclass(frozen=True)
-class DeployReport:
-    """The written comparison: results.json, report.md, one row per EAGLE-3 setting and level, the report's text."""
-
-    results: Path
-    report: Path
-    comparison: list[dict[str, Any]]
-    markdown: str
-    accept_checks: list[AcceptCheck | SameTextCheck] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-able dict (what the Prefect task and the CLI return)."""
-        return {
-            "results": str(self.results),
-            "report": str(self.report),
-            "comparison": self.comparison,
-            "accept_checks": [asdict(c) for c in self.accept_checks],
-        }
-
-
-def _section(
-    cfg: RunConfig, baseline: ServerRun, run: ServerRun
-) -> tuple[list[dict[str, Any]], str, list[AcceptCheck | SameTextCheck], list[str]]:
-    """One EAGLE-3 setting: level rows, its markdown, its accept checks and what is wrong with its figures."""
-    from infra.sglang_bench import MeasurementError
-    from infra.sglang_compare import compare, compare_groups, render_group_table, render_report
-
-    errors: list[str] = []
-    label = drafter_label(cfg)
-    try:
-        rows = compare(baseline.result, run.result)
-    except MeasurementError as exc:
-        return [], f"## {label} {run.trio}\n\nnot comparable: {exc}\n", [], [f"{run.trio}: {exc}"]
-    markdown = render_report(rows, baseline.result, run.result, {f"{label} setting": str(run.trio)}, label)
-    markdown = markdown.replace(f"# {label} deploy benchmark", f"## {label} {run.trio}", 1)
-    if len(set(run.groups)) > 1 or cfg.serve.prompts == "evaluation":
-        markdown += "\n" + render_group_table(compare_groups(baseline.result, run.result, list(run.groups)), label)
-    checks, skipped = accept_checks(cfg, run)
-    same, same_skipped = same_text_checks(cfg, run) if checks else ([], None)
-    if checks:
-        markdown += render_checks(checks, same, same_skipped)
-    else:
-        markdown += f"\nAccept length not compared with eagle3 eval: {skipped}\n"
-    errors += check_errors(checks, same, cfg.serve.accept_tolerance)
-    return [{"trio": run.trio} | asdict(r) for r in rows], markdown, checks + same, errors
-
-
-def write_report(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun | Sequence[ServerRun]) -> DeployReport:
-    """Compare each EAGLE-3 run with the baseline and write results.json + report.md; MeasurementError (after
-    results.json marked invalid) when figures cannot be right (speedup above the acceptance length, runs that
-    differ in settings) or SGLang's accept length is further than serve.accept_tolerance from eagle3 eval's."""
-    from infra.sglang_bench import MeasurementError
-    from infra.storage import atomic_write_json, atomic_write_text
-
-    runs = [speculative] if isinstance(speculative, ServerRun) else list(speculative)
-    out = deploy_dir(cfg)
-    context = report_context(cfg, baseline, runs)
-    sections = [_section(cfg, baseline, run) for run in runs]
-    rows = [row for section in sections for row in section[0]]
-    checks = [check for section in sections for check in section[2]]
-    errors = [error for section in sections for error in section[3]]
-    head = [f"# {drafter_label(cfg)} deploy benchmark", ""] + [f"* {k}: `{v}`" for k, v in context.items()] + [""]
-    markdown = "\n".join(head) + "\n" + "\n".join(section[1] for section in sections)
-    doc: dict[str, Any] = {
-        "context": context,
-        "baseline": baseline.to_json(),
-        "speculative": [run.to_json() for run in runs],
-        "comparison": rows,
-        "accept_checks": [asdict(c) for c in checks if isinstance(c, AcceptCheck)],
-        "same_text_checks": [asdict(c) for c in checks if isinstance(c, SameTextCheck)],
-        "valid": not errors,
-        "errors": errors,
-    }
-    results = atomic_write_json(out / "results.json", doc)
-    report = DeployReport(results, atomic_write_text(out / "report.md", markdown), rows, markdown, checks)
-    if errors:
-        raise MeasurementError(
-            f"deploy figures failed their checks (report written to {report.report}):\n  " + "\n  ".join(errors)
-        )
+def finish_deploy(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun | Sequence[ServerRun]) -> DeployReport:
+    """The stage's last step: the report (eagle3.deploy_report.write_report: results.json, report.md,
+    MeasurementError when the figures fail their checks), then, its figures checked, the manifest."""
     from eagle3.run.stage import MissingInputError, write_manifest
 
+    runs = [speculative] if isinstance(speculative, ServerRun) else list(speculative)
+    report = write_report(cfg, baseline, runs)
     try:
         stage_key = key(cfg)
     except MissingInputError as exc:  # a drafter carried in without its run's export manifest: nothing to key
@@ -406,7 +268,7 @@ def write_report(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun | S
         STAGE.manifest(cfg.run_dir),
         STAGE,
         stage_key,
-        {"results": results, "report": report.report},
+        {"results": report.results, "report": report.report},
         {"valid": True, "trios": [run.trio for run in runs]},
     )
     return report
@@ -423,23 +285,15 @@ def run_deploy(cfg: RunConfig, show_bar: bool | None = None) -> DeployReport:
     for trio in trios(cfg):
         with _progress_bar(cfg, f"EAGLE-3 {trio}", show_bar) as bar:
             runs.append(benchmark_server(cfg, "speculative", plan, progress=_advance(bar), trio=trio))
-    return write_report(cfg, baseline, runs)
+    return finish_deploy(cfg, baseline, runs)
 
 
 def report_again(cfg: RunConfig) -> DeployReport:
     """The report rebuilt from the server runs <run>/deploy/results.json recorded, checked against eagle3 eval's
     results as they are now: an evaluation run after the benchmark (or on another machine) is compared without
     serving again."""
-    path = deploy_dir(cfg) / "results.json"
-    if not path.is_file():
-        raise ConfigError(f"no {path}: run the deploy benchmark first (python -m eagle3.deploy without --report-only)")
-    doc = json.loads(path.read_text())
-    try:
-        baseline = ServerRun.from_json(doc["baseline"])
-        runs = [ServerRun.from_json(run) for run in doc["speculative"]]
-    except (KeyError, TypeError) as exc:
-        raise ConfigError(f"{path}: not a deploy results file ({type(exc).__name__}: {exc})") from exc
-    return write_report(cfg, baseline, runs)
+    baseline, runs = recorded_runs(cfg)
+    return finish_deploy(cfg, baseline, runs)
 
 
 def _advance(bar: Progress) -> ProgressFn:
@@ -499,7 +353,7 @@ def run(
     run_deploy(cfg, show_bar=show_bar)
     manifest = STAGE.manifest(cfg.run_dir)
     doc = read_manifest(manifest)
-    if doc is None:  # measured, but with no export manifest to key it (write_report)
+    if doc is None:  # measured, but with no export manifest to key it (finish_deploy)
         return None
     return StageOutcome.from_manifest(STAGE.name, doc["key"], manifest, doc, computed=True)
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class ServerRun(Protocol):
-    """What the checks read of a speculative server's benchmark (eagle3.deploy.ServerRun is one)."""
+    """What the checks read of a speculative server's benchmark (eagle3.deploy_records.ServerRun is one)."""
 
     @property
     def trio(self) -> str | None: ...

@@ -20,7 +20,8 @@ from prefect.runtime import flow_run
 
 from eagle3 import deploy
 from eagle3.config import RunConfig, load_config
-from eagle3.deploy import NOT_ENABLED, DeployReport
+from eagle3.deploy import NOT_ENABLED
+from eagle3.deploy_records import DeployReport
 from eagle3.evaluate import stage as evaluate
 from eagle3.export import stage as export
 from flows.common import PresetName, as_json, guard_crash_loop, preset_gpu_note

@@ -16,7 +16,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.config import RunConfig
-from eagle3.deploy import DeployReport, Role, ServerRun, ServingPlan
+from eagle3.deploy import ServingPlan
+from eagle3.deploy_records import DeployReport, Role, ServerRun
 from eagle3.evaluate import stage as evaluate
 from eagle3.export import stage as export
 from eagle3.run.stage import StageOutcome
@@ -72,9 +73,9 @@ def benchmark_server_task(cfg: RunConfig, role: Role, plan: ServingPlan, trio: s
 @task(name="deploy-report", task_run_name="deploy-report-{cfg.run.name}")
 def report_task(cfg: RunConfig, baseline: ServerRun, speculative: list[ServerRun]) -> DeployReport:
     """Compare the runs (MeasurementError if speedup > acceptance length), write results.json + report.md, publish."""
-    from eagle3.deploy import write_report
+    from eagle3.deploy import finish_deploy
 
-    report = write_report(cfg, baseline, speculative)
+    report = finish_deploy(cfg, baseline, speculative)
     publish_table(
         cfg,
         "deploy-benchmark",

@@ -112,7 +112,7 @@ def test_eagle3_settings_to_compare_are_refused_for_a_dflash_drafter(tmp_path):
 def test_sglang_accept_length_is_checked_against_evals_dflash_rows(tmp_path):
     """With family dflash the 3-1-4 server is compared with eval's dflash-3-1-4 rows, not a chain-3-1-4 measured
     beside them; a gap above serve.accept_tolerance (3%) fails that dataset."""
-    from eagle3.deploy import accept_checks
+    from eagle3.deploy_checks import accept_checks
 
     cfg = RunConfig.model_validate(
         {

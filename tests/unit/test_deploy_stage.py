@@ -126,7 +126,7 @@ def test_every_extra_eagle3_setting_gets_its_own_server_against_one_baseline(con
 
 
 def _run(trio: str, groups: list[str], completion: list[int], verify: list[int]):
-    from eagle3.deploy import ServerRun
+    from eagle3.deploy_records import ServerRun
     from infra.sglang_bench import BenchResult, BenchSettings, RequestSample, summarize_level
 
     samples = [
@@ -139,7 +139,7 @@ def _run(trio: str, groups: list[str], completion: list[int], verify: list[int])
 
 def test_sglang_accept_length_is_checked_against_eagle3_eval_per_dataset(tmp_path):
     """Sums of tokens / verify steps per dataset and overall vs eval/results.json; a gap over the tolerance fails."""
-    from eagle3.deploy import accept_checks
+    from eagle3.deploy_checks import accept_checks
 
     cfg = RunConfig.model_validate(
         {"run": {"workdir": str(tmp_path), "name": "r"}, "serve": {"prompts": "evaluation", "max_new_tokens": 256}}
@@ -164,7 +164,7 @@ def test_sglang_accept_length_is_checked_against_eagle3_eval_per_dataset(tmp_pat
 
 def _digest_run(trio: str, groups: list[str], outputs: list[list[int]], verify: list[int]):
     """A speculative ServerRun whose per-prompt output digests are those of ``outputs``."""
-    from eagle3.deploy import ServerRun
+    from eagle3.deploy_records import ServerRun
     from infra.sglang_bench import BenchResult, BenchSettings, RequestSample, output_digest, summarize_level
 
     samples = [
@@ -260,7 +260,8 @@ def test_report_only_checks_accept_lengths_against_an_evaluation_run_after_the_b
     """An eval/results.json written after the benchmark turns 'not compared' into per-dataset accept checks."""
     from dataclasses import replace
 
-    from eagle3.deploy import ServerRun, report_again
+    from eagle3.deploy import report_again
+    from eagle3.deploy_records import ServerRun
 
     cfg = RunConfig.model_validate(
         {"run": {"workdir": str(tmp_path), "name": "r"}, "serve": {"prompts": "evaluation", "max_new_tokens": 256}}
