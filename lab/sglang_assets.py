@@ -3,7 +3,8 @@
 The lent GPU host has no network and takes at most 64 MiB of working tree per call; files outside the repository
 survive between consecutive calls while it stays warm. The 94 wheels SGLang needs there and a trimmed
 sglang-kernel are pinned, with sha256 and size, in ``lab/sglang-0.5.16-host.lock``; this tool downloads them
-here, trims the kernel, cuts everything into bundles with ``curve_assets.pack`` and installs them there:
+here, trims the kernel, cuts everything into bundles with ``bundles.pack`` (lab/bundles.py) and installs them
+there:
 
     # here, once (network to PyPI; ~550 MB downloaded into .whl/sglang-0.5.16, bundles in .sglang/, both ignored):
     python lab/sglang_assets.py all
@@ -13,7 +14,7 @@ here, trims the kernel, cuts everything into bundles with ``curve_assets.pack`` 
     python3 lab/sglang_assets.py install .sglang/bundle-K --stage /tmp/sglang-stage --site /tmp/sglang-site
     # the call that completes the set installs it and prints: export PYTHONPATH=/tmp/sglang-site
 
-``install`` assembles each file once all its chunks have arrived (sha256-checked by ``curve_assets.unpack``; a
+``install`` assembles each file once all its chunks have arrived (sha256-checked by ``bundles.unpack``; a
 damaged chunk is an error naming the file) and prints what is still missing. Once everything is there it runs
 ``pip install --no-index --no-deps --no-compile --target SITE`` on the wheels, untars the trimmed kernel into SITE
 and checks ``import sglang`` with ``PYTHONPATH=SITE``. Running the last bundle again installs nothing new.
@@ -49,20 +50,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 try:
-    from lab import curve_assets
+    from lab import bundles
 except ImportError:  # run as a script: lab/ is sys.path[0]
-    import curve_assets  # type: ignore[no-redef]
+    import bundles  # type: ignore[no-redef]
 
 DEFAULT_LOCK = Path(__file__).with_name("sglang-0.5.16-host.lock")
 DEFAULT_DEST = Path(".whl/sglang-0.5.16")
 KERNEL = "sglang-kernel"
 TRIMMED = "sgl_kernel_trim.tar.xz"
 PREFIX = "_sglang/"
-"""Carried files are stored under this prefix in the stage folder (``curve_assets`` installs only ``_wheels/``)."""
+"""Carried files are stored under this prefix in the stage folder."""
 MARKER = ".sglang_assets_installed"
 """Written into SITE after a complete install; holds the sha256 of the bundles' manifest."""
 MANIFEST_ROOM = 1 << 16
-"""Bytes of each bundle left for curve_assets' manifest, so a whole bundle folder stays under --limit-mib."""
+"""Bytes of each bundle left for the bundles' manifest, so a whole bundle folder stays under --limit-mib."""
 PYTHON_VERSION = "3.12"
 PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(35, 4, -1)] + [
     "manylinux2014_x86_64",
@@ -158,7 +159,7 @@ def problem(pin: Pin, dest: Path) -> str | None:
         return f"{pin.filename}: missing (pip did not fetch it for {pin.requirement}, or fetched another file)"
     if path.stat().st_size != pin.size:
         return f"{pin.filename}: {path.stat().st_size} bytes, the lock says {pin.size}"
-    if curve_assets.sha256_of(path) != pin.sha256:
+    if bundles.sha256_of(path) != pin.sha256:
         return f"{pin.filename}: sha256 differs from the lock's"
     return None
 
@@ -257,32 +258,11 @@ def pack(pins: Sequence[Pin], dest: Path, out: Path, limit: int) -> list[Path]:
     verify([pin for pin in pins if pin.name != KERNEL], dest)
     if not (dest / TRIMMED).is_file():
         raise FileNotFoundError(f"{dest / TRIMMED} does not exist; run trim first")
-    bundles = curve_assets.pack(carried_files(pins, dest), out, limit - MANIFEST_ROOM)
-    for folder in bundles:
+    packed = bundles.pack(carried_files(pins, dest), out, limit - MANIFEST_ROOM)
+    for folder in packed:
         if folder_size(folder) > limit:
             raise ValueError(f"{folder}: {folder_size(folder)} bytes, over the limit of {limit}")
-    return bundles
-
-
-def pip_install(wheels: Sequence[Path], site: Path) -> None:
-    """Install wheels into ``site`` without an index or dependencies."""
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-index",
-            "--no-deps",
-            "--no-compile",
-            "--upgrade",
-            "--target",
-            str(site),
-            *map(str, wheels),
-        ],
-        check=True,
-    )
+    return packed
 
 
 def extract(tarball: Path, site: Path) -> None:
@@ -303,17 +283,17 @@ def install(bundle: Path, stage: Path, site: Path) -> tuple[list[str], bool]:
     """Take in one bundle; once all files are assembled, install them into ``site`` (once).
 
     Returns the files still missing and whether this call installed anything."""
-    missing = curve_assets.unpack(bundle, stage, stage)
+    missing = bundles.unpack(bundle, stage, stage)
     if missing:
         return missing, False
-    manifest = (bundle / curve_assets.MANIFEST).read_text()
+    manifest = (bundle / bundles.MANIFEST).read_text()
     digest = hashlib.sha256(manifest.encode()).hexdigest()
     marker = site / MARKER
     if marker.is_file() and marker.read_text().strip() == digest:
         return [], False
     dests = [entry["dest"] for entry in json.loads(manifest) if entry["dest"].startswith(PREFIX)]
     site.mkdir(parents=True, exist_ok=True)
-    pip_install([stage / d for d in dests if d.endswith(".whl")], site)
+    bundles.pip_install([stage / d for d in dests if d.endswith(".whl")], site)
     extract(stage / (PREFIX + TRIMMED), site)
     marker.write_text(digest + "\n")
     return [], True
@@ -331,9 +311,9 @@ def run_install(bundle: Path, stage: Path, site: Path, check: bool = True) -> in
     return import_check(site) if check else 0
 
 
-def print_bundles(bundles: Sequence[Path]) -> None:
+def print_bundles(folders: Sequence[Path]) -> None:
     """One line per bundle: its folder and size."""
-    for folder in bundles:
+    for folder in folders:
         size = folder_size(folder)
         print(f"{folder}: {size / (1 << 20):.1f} MiB ({size:,} bytes, {len(list(folder.iterdir())) - 1} chunks)")
 
@@ -379,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dropped = trim(wheel, args.dest / TRIMMED)
         size = (args.dest / TRIMMED).stat().st_size
         print(
-            f"{args.dest / TRIMMED}: {size:,} bytes, sha256 {curve_assets.sha256_of(args.dest / TRIMMED)}; "
+            f"{args.dest / TRIMMED}: {size:,} bytes, sha256 {bundles.sha256_of(args.dest / TRIMMED)}; "
             f"dropped {', '.join(dropped)}"
         )
     if args.cmd in ("pack", "all"):

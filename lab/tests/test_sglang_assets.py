@@ -159,7 +159,7 @@ def test_pack_then_install_round_trip(downloaded, tmp_path, monkeypatch):
     bundles = sa.pack(pins, dest, tmp_path / "carry", limit)
     assert len(bundles) >= 3 and all(sa.folder_size(b) <= limit for b in bundles)
     calls = []
-    monkeypatch.setattr(sa, "pip_install", lambda wheels, site: calls.append(sorted(w.name for w in wheels)))
+    monkeypatch.setattr(sa.bundles, "pip_install", lambda wheels, site: calls.append(sorted(w.name for w in wheels)))
     stage, site = tmp_path / "stage", tmp_path / "site"
     for bundle in bundles[:-1]:
         missing, installed = sa.install(bundle, stage, site)
@@ -184,7 +184,9 @@ def test_a_corrupted_chunk_is_refused(downloaded, tmp_path, monkeypatch):
     data = bytearray(chunk.read_bytes())
     data[500] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    monkeypatch.setattr(sa, "pip_install", lambda wheels, site: pytest.fail("installed despite a damaged chunk"))
+    monkeypatch.setattr(
+        sa.bundles, "pip_install", lambda wheels, site: pytest.fail("installed despite a damaged chunk")
+    )
     with pytest.raises(ValueError, match=r"sha256"):
         for bundle in bundles:
             sa.install(bundle, tmp_path / "stage", tmp_path / "site")
