@@ -33,9 +33,11 @@ from infra.sglang_spec import (  # noqa: F401 (re-exported: callers import the s
     SGLANG_VERSION,
     SGLANG_VERSIONS,
     Mode,
+    NgramSettings,
     ServerSpec,
     ServerSpecError,
     dflash_serving_pair,
+    ngram_serving_pair,
     serving_pair,
 )
 from infra.storage import private_write_text

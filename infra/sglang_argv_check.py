@@ -21,10 +21,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.sglang_spec import DFLASH_RESOLVED, MODE_GAPS, MODES, ServerSpec, dflash_serving_pair, serving_pair
+from infra.sglang_spec import (
+    DFLASH_RESOLVED,
+    MODE_GAPS,
+    MODES,
+    NGRAM_RESOLVED,
+    ServerSpec,
+    dflash_serving_pair,
+    ngram_serving_pair,
+    serving_pair,
+)
 
 # Settings SGLang derives in its resolution hooks, not straight from a flag: not on the parsed namespace.
 RESOLVED_FIELDS = {"aux_hidden_state_capture", "return_hidden_states_mode"}
+MODE_RESOLVED = {"dflash": set(DFLASH_RESOLVED), "ngram": set(NGRAM_RESOLVED)}
 PLACEHOLDER_KEY = "placeholder-key"
 
 
@@ -76,7 +86,8 @@ def parse_launch_args(args: Sequence[str], parser: argparse.ArgumentParser | Non
 
 def placeholder_specs() -> dict[str, ServerSpec]:
     """One spec per mode with placeholder paths; serve/speculative are a serving_pair with every field set
-    and an API key (so the --config merge is exercised too), dflash the DFlash twin of that baseline."""
+    and an API key (so the --config merge is exercised too), dflash and ngram the DFlash and n-gram twins of that
+    baseline."""
     shared: dict[str, Any] = dict(
         api_key=PLACEHOLDER_KEY,
         tp_size=1,
@@ -90,6 +101,7 @@ def placeholder_specs() -> dict[str, ServerSpec]:
         "/placeholder/target", "/placeholder/draft", port=30000, num_steps=3, topk=1, num_draft_tokens=4, **shared
     )
     dflash = dflash_serving_pair("/placeholder/target", "/placeholder/draft", port=30000, block_size=16, **shared)[1]
+    ngram = ngram_serving_pair("/placeholder/target", port=30000, **shared)[1]
     return {
         "capture_packed": ServerSpec("/placeholder/target", "capture_packed", port=30104, aux_layer_ids=(1, 15, 28)),
         "capture_aux": ServerSpec("/placeholder/target", "capture_aux", port=30100, aux_layer_ids=(1, 15, 28)),
@@ -97,12 +109,13 @@ def placeholder_specs() -> dict[str, ServerSpec]:
         "serve": baseline,
         "speculative": speculative,
         "dflash": dflash,
+        "ngram": ngram,
     }
 
 
 def mismatches(spec: ServerSpec, parsed: argparse.Namespace) -> list[str]:
     """Fields whose parsed value differs from what ``spec`` meant (empty when SGLang read what we wrote)."""
-    resolved = RESOLVED_FIELDS | (set(DFLASH_RESOLVED) if spec.mode == "dflash" else set())
+    resolved = RESOLVED_FIELDS | MODE_RESOLVED.get(spec.mode, set())
     want = {k: v for k, v in spec.expected_server_info().items() if k not in resolved}
     if spec.mode == "capture_aux":  # SGLang's aux hook clears the EAGLE3 algorithm the flag set
         want["speculative_algorithm"] = "EAGLE3"

@@ -12,6 +12,14 @@ same rules in both releases) then forces ``speculative_num_steps`` and ``specula
 ``speculative_num_draft_tokens`` to K, so those three are never passed: /server_info reports them resolved. It
 also refuses any device but CUDA, pipeline parallelism and (0.5.16) dp attention, which no flag here sets.
 
+Mode ``ngram`` serves SGLang's drafter-free n-gram speculation: ``--speculative-algorithm NGRAM`` and its settings
+(``NgramSettings``: the same flags and defaults in 0.5.16's server_args.py and 0.5.23's arg_groups/fields/spec.py),
+always explicit. SGLang's ``_handle_ngram`` (arg_groups/speculative_hook.py, the same rules in both releases) sets
+``speculative_eagle_topk`` to the max BFS breadth and ``speculative_num_steps`` to draft tokens // that breadth,
+so neither is passed; it refuses dp attention, a device other than CUDA or CPU (0.5.23: or XPU) and, with a
+breadth above 1, a page size above 1 on any attention backend but flashinfer (the page size is 1 by default on
+CUDA); it turns mixed chunked prefill off. It needs no CUDA-graph flag: both releases capture its verify step.
+
 The API key never goes on the command line, where ``ps`` and ``/proc/<pid>/cmdline`` show it to every
 local user. SGLang 0.5.23 reads no environment variable for it, but its ``--config FILE.yaml`` flag
 (``sglang/srt/server_args.py``: ``prepare_server_args`` merges the YAML keys into argv in-process)
@@ -41,12 +49,14 @@ MODE_GAPS: dict[str, dict[str, str]] = {
     },
 }
 LAUNCH_MODULE = "sglang.launch_server"
-Mode = Literal["capture_packed", "capture_aux", "capture_final", "serve", "speculative", "dflash"]
-MODES: tuple[str, ...] = ("capture_packed", "capture_aux", "capture_final", "serve", "speculative", "dflash")
-# Modes that load a drafter: the server verifies drafts, and its /generate answers report verify steps.
-SPECULATIVE_MODES = ("speculative", "dflash")
+Mode = Literal["capture_packed", "capture_aux", "capture_final", "serve", "speculative", "dflash", "ngram"]
+MODES: tuple[str, ...] = ("capture_packed", "capture_aux", "capture_final", "serve", "speculative", "dflash", "ngram")
+# Modes that speculate (a drafter, or NGRAM's n-grams): the server verifies drafts, its answers report verify steps.
+SPECULATIVE_MODES = ("speculative", "dflash", "ngram")
 # What SGLang's _handle_dflash resolves for a DFLASH server: not flags of ours, so not on the parsed namespace.
 DFLASH_RESOLVED = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+# What SGLang's _handle_ngram resolves for an NGRAM server (top-k from the max BFS breadth, steps from the tokens).
+NGRAM_RESOLVED = ("speculative_num_steps", "speculative_eagle_topk")
 CAPTURE_MODES = ("capture_packed", "capture_aux", "capture_final")
 # capture_packed: aux + final rows in one prefill from any SGLang >= 0.5.14 through our model package
 # (infra/sglang_plugin/capture_models.py says how); capture_aux / capture_final: 0.5.23's own flags, two passes.
@@ -72,6 +82,62 @@ class ServerSpecError(ValueError):
 
 
 @dataclass(frozen=True)
+class NgramSettings:
+    """SGLang's n-gram speculation (``--speculative-algorithm NGRAM``), SGLang's defaults: a draft tree of
+    ``num_draft_tokens`` tokens (all verified every step), min..max branches, built from a trie of token windows up
+    to ``max_trie_depth`` long, branches picked by ``match_type`` (BFS or PROB)."""
+
+    num_draft_tokens: int = 12  # --speculative-num-draft-tokens (SGLang sets 12 for NGRAM when it is not given)
+    min_bfs_breadth: int = 1  # --speculative-ngram-min-bfs-breadth
+    max_bfs_breadth: int = 10  # --speculative-ngram-max-bfs-breadth (SGLang makes it speculative_eagle_topk)
+    max_trie_depth: int = 18  # --speculative-ngram-max-trie-depth
+    match_type: Literal["BFS", "PROB"] = "BFS"  # --speculative-ngram-match-type
+
+    def args(self) -> list[str]:
+        """The flags after ``--speculative-algorithm NGRAM``."""
+        return [
+            "--speculative-num-draft-tokens",
+            str(self.num_draft_tokens),
+            "--speculative-ngram-min-bfs-breadth",
+            str(self.min_bfs_breadth),
+            "--speculative-ngram-max-bfs-breadth",
+            str(self.max_bfs_breadth),
+            "--speculative-ngram-max-trie-depth",
+            str(self.max_trie_depth),
+            "--speculative-ngram-match-type",
+            self.match_type,
+        ]
+
+    def server_info(self) -> dict[str, Any]:
+        """What /server_info reports once SGLang's _handle_ngram resolved these flags."""
+        return {
+            "speculative_num_draft_tokens": self.num_draft_tokens,
+            "speculative_ngram_min_bfs_breadth": self.min_bfs_breadth,
+            "speculative_ngram_max_bfs_breadth": self.max_bfs_breadth,
+            "speculative_ngram_max_trie_depth": self.max_trie_depth,
+            "speculative_ngram_match_type": self.match_type,
+            "speculative_eagle_topk": self.max_bfs_breadth,
+            "speculative_num_steps": self.num_draft_tokens // self.max_bfs_breadth,
+        }
+
+    def problems(self) -> list[str]:
+        """SGLang's own refusals at start-up (its n-gram corpus, ngram.cpp), and fewer than two tokens per verify."""
+        problems = []
+        if not 1 <= self.min_bfs_breadth <= self.max_bfs_breadth:
+            problems.append(
+                f"ngram breadth must be 1 <= min_bfs_breadth ({self.min_bfs_breadth}) <= max_bfs_breadth "
+                f"({self.max_bfs_breadth})"
+            )
+        if self.max_trie_depth < 2:
+            problems.append(f"ngram max_trie_depth {self.max_trie_depth} must be >= 2")
+        if self.num_draft_tokens < 2:
+            problems.append(f"ngram num_draft_tokens {self.num_draft_tokens} must be >= 2 (the anchor and a draft)")
+        if self.match_type not in ("BFS", "PROB"):
+            problems.append(f"ngram match_type {self.match_type!r} is not BFS or PROB")
+        return problems
+
+
+@dataclass(frozen=True)
 class ServerSpec:
     """One SGLang server as data; ``argv()`` is the launch command. Layer ids: output-of-layer convention."""
 
@@ -94,6 +160,7 @@ class ServerSpec:
     topk: int | None = None
     num_draft_tokens: int | None = None
     block_size: int | None = None  # dflash: tokens verified per round (SGLang reads the draft's config when None)
+    ngram: NgramSettings | None = None  # mode ngram: its settings (None there = SGLang's defaults, written out)
     extra_args: tuple[str, ...] = ()
     python: str = "python"
     module: str = LAUNCH_MODULE
@@ -103,6 +170,8 @@ class ServerSpec:
         if self.aux_layer_ids is not None:
             object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
         object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        if self.mode == "ngram" and self.ngram is None:  # explicit, as the EAGLE-3 trio: SGLang picks nothing silently
+            object.__setattr__(self, "ngram", NgramSettings())
         problems = _spec_problems(self)
         if problems:
             raise ServerSpecError("invalid SGLang server spec:\n  " + "\n  ".join(problems))
@@ -152,7 +221,7 @@ class ServerSpec:
 
     @property
     def speculative(self) -> bool:
-        """Whether this server loads a drafter (its answers then report verify steps)."""
+        """Whether this server speculates (a drafter, or NGRAM's n-grams): its answers then report verify steps."""
         return self.mode in SPECULATIVE_MODES
 
     def launch_env(self) -> dict[str, str]:
@@ -239,6 +308,9 @@ def _mode_args(spec: ServerSpec) -> list[str]:
             str(spec.draft_model_path),
             *block,
         ]
+    if spec.mode == "ngram":
+        assert spec.ngram is not None  # __post_init__ fills it
+        return ["--speculative-algorithm", "NGRAM", *spec.ngram.args()]
     return []
 
 
@@ -277,6 +349,9 @@ def _mode_expectations(spec: ServerSpec) -> dict[str, Any]:
         if spec.block_size is not None:
             want |= {"speculative_dflash_block_size": spec.block_size, "speculative_num_draft_tokens": spec.block_size}
         return want
+    if spec.mode == "ngram":  # _handle_ngram: top-k = max breadth, steps = tokens // top-k; no draft model
+        assert spec.ngram is not None
+        return {"speculative_algorithm": "NGRAM", "speculative_draft_model_path": None} | spec.ngram.server_info()
     return {"speculative_algorithm": None}
 
 
@@ -346,6 +421,10 @@ def _speculative_problems(spec: ServerSpec) -> list[str]:
     given = [name for name, value in trio.items() if value is not None]
     if spec.mode == "dflash":
         return _dflash_problems(spec, given)
+    if spec.mode == "ngram":
+        return _ngram_problems(spec, given)
+    if spec.ngram is not None:
+        return [f"ngram settings only apply to mode ngram, not {spec.mode!r}"]
     if spec.block_size is not None:
         return [f"block_size only applies to mode dflash, not {spec.mode!r}"]
     if spec.mode != "speculative":
@@ -377,6 +456,20 @@ def _dflash_problems(spec: ServerSpec, trio_given: list[str]) -> list[str]:
     if spec.block_size is not None and spec.block_size < 2:
         problems.append(f"block_size {spec.block_size} must be >= 2 (the anchor and at least one draft)")
     return problems
+
+
+def _ngram_problems(spec: ServerSpec, trio_given: list[str]) -> list[str]:
+    extra = trio_given + [name for name in ("draft_model_path", "block_size") if getattr(spec, name) is not None]
+    problems = (
+        [
+            f"{', '.join(extra)} do not apply to mode ngram: it loads no draft model, and its draft tokens and "
+            "breadth are in its ngram settings"
+        ]
+        if extra
+        else []
+    )
+    assert spec.ngram is not None
+    return problems + spec.ngram.problems()
 
 
 def _trio_value_problems(spec: ServerSpec) -> list[str]:
@@ -452,3 +545,12 @@ def dflash_serving_pair(
         model_path, "dflash", port=port + 1, draft_model_path=draft_model_path, block_size=block_size, **shared
     )
     return baseline, dflash
+
+
+def ngram_serving_pair(
+    model_path: str, *, port: int, ngram: NgramSettings | None = None, **shared: Any
+) -> tuple[ServerSpec, ServerSpec]:
+    """(baseline, n-gram) specs for a benchmark, as ``serving_pair``: the same ``shared`` fields, ports ``port`` and
+    ``port + 1``; SGLang's NGRAM drafts from the requests' own tokens, so there is no draft model."""
+    baseline = ServerSpec(model_path, "serve", port=port, **shared)
+    return baseline, ServerSpec(model_path, "ngram", port=port + 1, ngram=ngram or NgramSettings(), **shared)

@@ -121,6 +121,10 @@ class LaunchArgs:
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_dflash_block_size: int | None = None
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_max_trie_depth: int = 18
     chunked_prefill_size: int | None = None
     disable_radix_cache: bool = False
     skip_tokenizer_init: bool = False
@@ -143,14 +147,32 @@ class LaunchArgs:
             out |= _speculative_defaults(self, model)
         if out["speculative_algorithm"] == "DFLASH":
             out |= _dflash_resolution(self)
+        if out["speculative_algorithm"] == "NGRAM":
+            out |= _ngram_resolution(self)
         if out["speculative_algorithm"] in SPECULATIVE_ALGORITHMS and self.max_running_requests is None:
             out["max_running_requests"] = 48  # SGLang's reset for speculative decoding
         return out
 
 
-SPECULATIVE_ALGORITHMS = ("EAGLE3", "DFLASH")
-"""The algorithms the fake pretends to run (both verify drafts the same made-up way)."""
+SPECULATIVE_ALGORITHMS = ("EAGLE3", "DFLASH", "NGRAM")
+"""The algorithms the fake pretends to run (all verify drafts the same made-up way)."""
 DFLASH_DEFAULT_BLOCK = 16
+NGRAM_DEFAULT_TOKENS = 12
+
+
+def _ngram_resolution(args: LaunchArgs) -> dict[str, Any]:
+    """SGLang's _handle_ngram (arg_groups/speculative_hook.py, 0.5.16 and 0.5.23): top-k becomes the max BFS breadth,
+    12 draft tokens unless given, steps = draft tokens // top-k unless given; its n-gram corpus (C++, ngram.cpp)
+    refuses a trie depth below 2 and a min breadth below 1 or above the max at start-up."""
+    low, high = args.speculative_ngram_min_bfs_breadth, args.speculative_ngram_max_bfs_breadth
+    if args.speculative_ngram_max_trie_depth <= 1 or not 0 < low <= high:
+        raise ValueError(
+            f"ngram corpus: max_trie_depth {args.speculative_ngram_max_trie_depth} must be > 1 and "
+            f"0 < min_bfs_breadth {low} <= max_bfs_breadth {high}"
+        )
+    tokens = args.speculative_num_draft_tokens or NGRAM_DEFAULT_TOKENS
+    steps = args.speculative_num_steps if args.speculative_num_steps is not None else tokens // high
+    return {"speculative_num_steps": steps, "speculative_eagle_topk": high, "speculative_num_draft_tokens": tokens}
 
 
 def _dflash_resolution(args: LaunchArgs) -> dict[str, Any]:

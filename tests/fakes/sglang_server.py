@@ -7,7 +7,8 @@ It answers:
   GET  /model_info        model_path, served_model_name, tokenizer_path, is_generation, model_type, architectures...
   GET  /server_info       resolved launch settings (mimicking SGLang: aux capture resets speculative_algorithm,
                           sets return_hidden_states_mode "full"; speculative without --max-running-requests gets
-                          48; DFLASH runs one step, top-1, its block size verified...), internal_states
+                          48; DFLASH runs one step, top-1, its block size verified; NGRAM's top-k is its max
+                          BFS breadth...), internal_states
                           [{avg_spec_accept_length}] since the last flush, version
   GET  /health, /health_generate, /ready   503 while "warming up", then 200 (no auth, like SGLang)
   POST /generate          input_ids or text (a made-up byte tokenizer) -> {output_ids, text, meta_info{id,
@@ -18,7 +19,7 @@ It answers:
   GET/POST /flush_cache   200 "Cache flushed..." (text); resets the acceptance totals of /server_info
 
 Serving (``FakeServing``, ``--fake-accept-length/-step-s/-spec-step-cost``): both servers output the greedy chain
-of ``fake_next_token``; a speculative one (EAGLE3 or DFLASH: no drafter is loaded, both pretend alike) reports
+of ``fake_next_token``; a speculative one (EAGLE3, DFLASH or NGRAM: no drafter is loaded, all pretend alike) reports
 ceil(completion / accept_length) verify steps; a target forward
 (a token, or a verify step costing ``spec_step_cost``) sleeps ``step_s``. Invented: no figure from it means anything.
 
