@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.drafter.model import upcast
+from eagle3.drafter.functional import upcast
 
 LOSS_KINDS = ("kl", "tv", "kl+tv", "lk_alpha", "lk_lambda")
 """The values of train.loss (the config's Literal lists the same, tests check it)."""

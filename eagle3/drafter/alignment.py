@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from eagle3.drafter.functional import upcast
 from eagle3.drafter.masks import same_document_ahead, shift_left
-from eagle3.drafter.model import upcast
 
 TOKEN_SHIFT = 1
 """Step k at row index t reads token x_{t + TOKEN_SHIFT + k} and is scored against p_{t + TOKEN_SHIFT + k}."""

@@ -44,10 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eagle3.drafter.model import (
+from eagle3.drafter.functional import (
     Llama3RopeScaling,
-    RMSNorm,
-    SwiGLU,
     apply_rope,
     repeat_kv,
     rms_norm,
@@ -55,6 +53,7 @@ from eagle3.drafter.model import (
     rope_inv_freq_on,
     upcast,
 )
+from eagle3.drafter.model import RMSNorm, SwiGLU
 
 # ----------------------------------------------------------------------------------------------- dimensions
 

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eagle3.drafter.dflash import DFlashDrafter, block_input_ids, block_positions, block_visibility
+from eagle3.drafter.functional import upcast
 from eagle3.drafter.masks import positions_from_documents, same_document_ahead, shift_left, single_document_ids
-from eagle3.drafter.model import upcast
 from eagle3.drafter.ttt import TTTBatch
 
 # ------------------------------------------------------------------------------------------------ anchors

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.drafter.model import upcast
+from eagle3.drafter.functional import upcast
 
 
 def step_soft_ce(logits: Tensor, probs: Tensor, shift: int) -> Tensor:

@@ -46,10 +46,8 @@ from eagle3.drafter.alignment import (
     supervision_from_final,
     supervision_from_topk,
 )
-from eagle3.drafter.masks import positions_from_documents, single_document_ids, ttt_block_masks
-from eagle3.drafter.model import (
+from eagle3.drafter.functional import (
     AttnImpl,
-    Eagle3Drafter,
     TTTCache,
     attention_inputs,
     compiled_step_pieces,
@@ -58,10 +56,11 @@ from eagle3.drafter.model import (
     rope_cos_sin,
     rope_inv_freq_on,
     step_outputs,
-    step_weights,
     ttt_attention,
     upcast,
 )
+from eagle3.drafter.masks import positions_from_documents, single_document_ids, ttt_block_masks
+from eagle3.drafter.model import Eagle3Drafter, step_weights
 from eagle3.drafter.soft_ce import (
     ChunkedSoftCE,
     compiled_loss_kernels,

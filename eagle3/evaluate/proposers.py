@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.drafter.model import Eagle3Drafter, upcast
+from eagle3.drafter.functional import upcast
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.evaluate.runners import DrafterRunner
 from eagle3.evaluate.speculate import DraftTree
 

@@ -15,15 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.drafter.model import (
-    Eagle3Drafter,
-    attention_inputs,
-    rope_cos_sin,
-    rope_inv_freq_on,
-    step_outputs,
-    step_weights,
-    upcast,
-)
+from eagle3.drafter.functional import attention_inputs, rope_cos_sin, rope_inv_freq_on, step_outputs, upcast
+from eagle3.drafter.model import Eagle3Drafter, step_weights
 
 REFERENCE_TOPK = 5
 """Top logits the greedy reference keeps per token, to tell a numerical near-tie from a real mismatch."""
@@ -179,7 +172,7 @@ class TargetRunner:
 class DrafterRunner:
     """The EAGLE-3 drafter with a KV cache: committed entries, then the current round's draft entries.
 
-    Built from the functional step of eagle3.drafter.model (attention_inputs / step_outputs, the same code the
+    Built from the functional step of eagle3.drafter.functional (attention_inputs / step_outputs, the same code the
     compiled training step runs), so it computes what the TTT unroll computes (a test checks it); only the
     attention reads a cache.
     """

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.drafter.model import Eagle3Drafter, attention_inputs, rope_cos_sin, step_outputs, upcast
+from eagle3.drafter.functional import attention_inputs, rope_cos_sin, step_outputs, upcast
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.evaluate import decode_cache
 from eagle3.evaluate.decode_cache import bucket, decode_widths, pad_rows, round_up
 from eagle3.evaluate.graphs import CompiledStep, CompileSettings, eager_graph_settings

@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from eagle3.drafter.alignment import PAD_TOKEN, PREDICT_SHIFT, TOKEN_SHIFT
+from eagle3.drafter.functional import TTTCache
 from eagle3.drafter.masks import positions_from_documents, shift_left, single_document_ids
-from eagle3.drafter.model import Eagle3Drafter, TTTCache
+from eagle3.drafter.model import Eagle3Drafter
 from eagle3.evaluate.proposers import NgramProposer
 from eagle3.evaluate.speculate import accept_path
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.drafter.model import upcast
+from eagle3.drafter.functional import upcast
 
 
 def _order(scores: Tensor) -> Tensor:

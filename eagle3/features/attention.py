@@ -121,7 +121,7 @@ def _flex(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any, scaling: float | None
 ) -> torch.Tensor:
     """flex_attention (compiled on CUDA) over the row's document mask: q [1, Hq, T, D] -> [1, T, Hq, Dv]."""
-    from eagle3.drafter.model import flex_attention_over
+    from eagle3.drafter.functional import flex_attention_over
 
     return flex_attention_over(query, key, value, block_mask, scale=scaling).transpose(1, 2).contiguous()
 

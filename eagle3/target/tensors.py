@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eagle3.drafter.model import DrafterDims, Eagle3Drafter, Llama3RopeScaling
+from eagle3.drafter.functional import Llama3RopeScaling
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter
 from eagle3.target.load import EMBED_TENSOR, TargetInfo, lm_head_name, read_model_config, read_tensor, target_info
 
 

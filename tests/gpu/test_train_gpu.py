@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights, resolve_attn_impl, trainable_parameters
+from eagle3.drafter.functional import resolve_attn_impl
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights, trainable_parameters
 from eagle3.drafter.ttt import StepOptions, TTTBatch, TTTObjective
 from eagle3.train.loop import train
 from eagle3.train.metrics import read_metrics

@@ -21,7 +21,8 @@ from eagle3.drafter.dflash import (
     export_state_dict,
     init_dflash_weights,
 )
-from eagle3.drafter.model import Llama3RopeScaling, trainable_parameters
+from eagle3.drafter.functional import Llama3RopeScaling
+from eagle3.drafter.model import trainable_parameters
 
 # ------------------------------------------------------------------------------------------------- helpers
 

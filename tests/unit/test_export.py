@@ -16,15 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.drafter.functional import Llama3RopeScaling, TTTCache
 from eagle3.drafter.masks import shift_left, single_document_ids
-from eagle3.drafter.model import (
-    DrafterDims,
-    Eagle3Drafter,
-    Llama3RopeScaling,
-    TTTCache,
-    export_state_dict,
-    init_weights,
-)
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter, export_state_dict, init_weights
 from eagle3.export.checks import (
     ExportError,
     aux_id_warnings,

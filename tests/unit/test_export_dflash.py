@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.drafter.dflash import DFlashDrafter, export_state_dict
-from eagle3.drafter.model import Llama3RopeScaling
+from eagle3.drafter.functional import Llama3RopeScaling
 from eagle3.export.checks import ExportError
 from eagle3.export.dflash import check_dflash_export, dflash_config, dflash_dims, dflash_tensor_specs, export_dflash
 from tests.unit.test_dflash_model import random_dflash, tiny_dflash_dims

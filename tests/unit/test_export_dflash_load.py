@@ -298,7 +298,7 @@ def loaded(tmp_path_factory):
     """SGLang's view of three exports: 2 layers plain RoPE (with a forward), 1 layer llama3 RoPE (with a forward),
     and a copy of the first with a misnamed key."""
     from eagle3.drafter.dflash import export_state_dict
-    from eagle3.drafter.model import Llama3RopeScaling
+    from eagle3.drafter.functional import Llama3RopeScaling
     from eagle3.export.dflash import export_dflash
     from tests.unit.test_dflash_model import random_dflash, tiny_dflash_dims
     from tests.unit.test_export_sglang_load import misname

@@ -11,23 +11,25 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from eagle3.drafter.masks import positions_from_documents, ttt_block_masks, ttt_dense_mask, ttt_mask_mod
-from eagle3.drafter.model import (
+from eagle3.drafter.functional import (
     FLEX_AVAILABLE,
-    SGLANG_WEIGHT_NAMES,
-    DrafterDims,
-    Eagle3Drafter,
     TTTCache,
     apply_rope,
     attention_inputs,
     dense_ttt_attention,
-    export_state_dict,
     flex_ttt_attention,
-    init_weights,
     rope_cos_sin,
     rope_inv_freq,
     rope_inv_freq_on,
     step_outputs,
+)
+from eagle3.drafter.masks import positions_from_documents, ttt_block_masks, ttt_dense_mask, ttt_mask_mod
+from eagle3.drafter.model import (
+    SGLANG_WEIGHT_NAMES,
+    DrafterDims,
+    Eagle3Drafter,
+    export_state_dict,
+    init_weights,
     step_weights,
     trainable_parameters,
 )

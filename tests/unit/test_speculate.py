@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from eagle3.config import TinyTargetConfig
+from eagle3.drafter.functional import TTTCache
 from eagle3.drafter.masks import shift_left
-from eagle3.drafter.model import DrafterDims, Eagle3Drafter, TTTCache, init_weights
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights
 from eagle3.evaluate.proposers import EagleProposer, NgramProposer
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner
 from eagle3.evaluate.speculate import (

@@ -14,8 +14,9 @@ from eagle3.drafter.alignment import (
     supervision_from_final,
     supervision_from_topk,
 )
+from eagle3.drafter.functional import FLEX_AVAILABLE
 from eagle3.drafter.masks import positions_from_documents
-from eagle3.drafter.model import FLEX_AVAILABLE, DrafterDims, Eagle3Drafter, init_weights, trainable_parameters
+from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights, trainable_parameters
 from eagle3.drafter.soft_ce import ChunkedSoftCE, pad_probs, soft_ce_chunk, soft_ce_chunk_grad, step_soft_ce
 from eagle3.drafter.ttt import StepOptions, TTTBatch, metrics_from_counts, ttt_loss
 from tests.unit.ttt_reference import combined_loss, reference_ttt

@@ -2,7 +2,8 @@
 
 One unpacked sequence at a time, python loops over steps, positions and heads, attention written out
 score by score, RoPE rotated pair by pair, the alignment spelled with plain indices. It shares nothing
-with eagle3.drafter.model / eagle3.drafter.ttt except the parameter tensors it reads (so gradients can be compared).
+with eagle3.drafter.model, eagle3.drafter.functional or eagle3.drafter.ttt except the parameter tensors it reads
+(so gradients can be compared).
 Default RoPE only (no llama3 scaling; that is checked against transformers separately).
 """
 
