@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.config import RunConfig, list_presets, load_config
-from infra.sglang_spec import MODES, SGLANG_VERSIONS
+from infra.sglang_modes import MODES, SGLANG_VERSIONS
 
 PIP = f"{sys.executable} -m pip install"
 

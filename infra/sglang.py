@@ -25,20 +25,24 @@ from pathlib import Path
 import httpx
 
 from infra.process import ProcessDiedError, RestartPolicy, SupervisedProcess, port_bindable, port_in_use
-from infra.sglang_probe import ProbeExpectations, ReadyReport, ServerCheckError, ServerGoneError, probe_ready
-from infra.sglang_spec import (  # noqa: F401 (re-exported: callers import the spec from infra.sglang)
+from infra.sglang_modes import (  # noqa: F401 (re-exported: callers import the modes from infra.sglang)
     CAPTURE_MODES,
-    LAUNCH_MODULE,
     MODES,
     SGLANG_VERSION,
     SGLANG_VERSIONS,
     Mode,
-    NgramSettings,
-    ServerSpec,
-    ServerSpecError,
+)
+from infra.sglang_pairs import (  # noqa: F401 (re-exported: callers import the pairs from infra.sglang)
     dflash_serving_pair,
     ngram_serving_pair,
     serving_pair,
+)
+from infra.sglang_probe import ProbeExpectations, ReadyReport, ServerCheckError, ServerGoneError, probe_ready
+from infra.sglang_spec import (  # noqa: F401 (re-exported: callers import the spec from infra.sglang)
+    LAUNCH_MODULE,
+    NgramSettings,
+    ServerSpec,
+    ServerSpecError,
 )
 from infra.storage import private_write_text
 

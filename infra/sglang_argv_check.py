@@ -21,16 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.sglang_spec import (
-    DFLASH_RESOLVED,
-    MODE_GAPS,
-    MODES,
-    NGRAM_RESOLVED,
-    ServerSpec,
-    dflash_serving_pair,
-    ngram_serving_pair,
-    serving_pair,
-)
+from infra.sglang_modes import DFLASH_RESOLVED, MODE_GAPS, MODES, NGRAM_RESOLVED
+from infra.sglang_pairs import dflash_serving_pair, ngram_serving_pair, serving_pair
+from infra.sglang_spec import ServerSpec
 
 # Settings SGLang derives in its resolution hooks, not straight from a flag: not on the parsed namespace.
 RESOLVED_FIELDS = {"aux_hidden_state_capture", "return_hidden_states_mode"}

@@ -20,7 +20,8 @@ from infra.sglang_checks import (
     check_generation_response,
     generation_smoke_body,
 )
-from infra.sglang_spec import CAPTURE_MODES, SGLANG_VERSIONS, ServerSpec, ServerSpecError
+from infra.sglang_modes import CAPTURE_MODES, SGLANG_VERSIONS
+from infra.sglang_spec import ServerSpec, ServerSpecError
 
 
 class ServerCheckError(RuntimeError):

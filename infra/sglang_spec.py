@@ -1,8 +1,8 @@
 """An SGLang 0.5.23 server as data: ``ServerSpec`` builds the launch argv and says what /server_info must report.
 
-Every argv built here is checked in tests against SGLang's own argument parser. ``serving_pair``
-builds the baseline and the EAGLE-3 server of a benchmark, ``dflash_serving_pair`` the baseline and the
-DFlash one: identical flags except the ``--speculative-*`` ones (SGLang's
+Every argv built here is checked in tests against the own argument parser of each SGLang release of
+infra/sglang_modes.py (the releases and modes as tables). infra/sglang_pairs.py builds a benchmark's baseline
+and its EAGLE-3, DFlash or n-gram twin: identical flags except the ``--speculative-*`` ones (SGLang's
 python/sglang/srt/arg_groups/fields/spec.py defines those).
 
 Mode ``dflash`` serves a DFlash drafter (SGLang's ``DFlashDraftModel``): ``--speculative-algorithm DFLASH``, the
@@ -36,28 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-# The SGLang releases whose own argument parser every argv built here is checked against (tests and
-# `eagle3 doctor`): 0.5.16, the GPU host's (its wheel pins torch 2.11, the host's torch), and 0.5.23, the
-# release whose flags and JSON this code follows (SGLANG_VERSION, the newest).
-SGLANG_VERSIONS: tuple[str, ...] = ("0.5.16", "0.5.23")
-SGLANG_VERSION = SGLANG_VERSIONS[-1]
-# Modes a release's parser cannot take, with the reason; every other (version, mode) pair must parse.
-# 0.5.16 has neither --enable-return-aux-hidden-states nor --return-aux-hidden-state-layer-ids.
-MODE_GAPS: dict[str, dict[str, str]] = {
-    "0.5.16": {
-        "capture_aux": "needs SGLang >= 0.5.23's --enable-return-aux-hidden-states (0.5.16's parser has no such flag)"
-    },
-}
+from infra.sglang_modes import MODES, SPECULATIVE_MODES, Mode
+
 LAUNCH_MODULE = "sglang.launch_server"
-Mode = Literal["capture_packed", "capture_aux", "capture_final", "serve", "speculative", "dflash", "ngram"]
-MODES: tuple[str, ...] = ("capture_packed", "capture_aux", "capture_final", "serve", "speculative", "dflash", "ngram")
-# Modes that speculate (a drafter, or NGRAM's n-grams): the server verifies drafts, its answers report verify steps.
-SPECULATIVE_MODES = ("speculative", "dflash", "ngram")
-# What SGLang's _handle_dflash resolves for a DFLASH server: not flags of ours, so not on the parsed namespace.
-DFLASH_RESOLVED = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
-# What SGLang's _handle_ngram resolves for an NGRAM server (top-k from the max BFS breadth, steps from the tokens).
-NGRAM_RESOLVED = ("speculative_num_steps", "speculative_eagle_topk")
-CAPTURE_MODES = ("capture_packed", "capture_aux", "capture_final")
 # capture_packed: aux + final rows in one prefill from any SGLang >= 0.5.14 through our model package
 # (infra/sglang_plugin/capture_models.py says how); capture_aux / capture_final: 0.5.23's own flags, two passes.
 PLUGIN_PACKAGE = "infra.sglang_plugin"
@@ -504,53 +485,3 @@ def _extra_arg_problems(spec: ServerSpec) -> list[str]:
             elif flag in FORBIDDEN_EXTRA:
                 problems.append(f"extra_args has {named}: {FORBIDDEN_EXTRA[flag]}")
     return problems
-
-
-def serving_pair(
-    model_path: str,
-    draft_model_path: str,
-    *,
-    port: int,
-    num_steps: int,
-    topk: int,
-    num_draft_tokens: int,
-    **shared: Any,
-) -> tuple[ServerSpec, ServerSpec]:
-    """(baseline, speculative) specs for a benchmark: the same ``shared`` fields, ports ``port`` and ``port + 1``.
-
-    Only the ``--speculative-*`` flags (and the port) differ, as a fair comparison needs; the
-    EAGLE-3 trio is always explicit, so SGLang's per-architecture defaults never pick it silently.
-    """
-    baseline = ServerSpec(model_path, "serve", port=port, **shared)
-    speculative = ServerSpec(
-        model_path,
-        "speculative",
-        port=port + 1,
-        draft_model_path=draft_model_path,
-        num_steps=num_steps,
-        topk=topk,
-        num_draft_tokens=num_draft_tokens,
-        **shared,
-    )
-    return baseline, speculative
-
-
-def dflash_serving_pair(
-    model_path: str, draft_model_path: str, *, port: int, block_size: int, **shared: Any
-) -> tuple[ServerSpec, ServerSpec]:
-    """(baseline, DFlash) specs for a benchmark, as ``serving_pair``: the same ``shared`` fields, ports ``port`` and
-    ``port + 1``; the block size is always explicit (it must equal the draft's config.json block_size)."""
-    baseline = ServerSpec(model_path, "serve", port=port, **shared)
-    dflash = ServerSpec(
-        model_path, "dflash", port=port + 1, draft_model_path=draft_model_path, block_size=block_size, **shared
-    )
-    return baseline, dflash
-
-
-def ngram_serving_pair(
-    model_path: str, *, port: int, ngram: NgramSettings | None = None, **shared: Any
-) -> tuple[ServerSpec, ServerSpec]:
-    """(baseline, n-gram) specs for a benchmark, as ``serving_pair``: the same ``shared`` fields, ports ``port`` and
-    ``port + 1``; SGLang's NGRAM drafts from the requests' own tokens, so there is no draft model."""
-    baseline = ServerSpec(model_path, "serve", port=port, **shared)
-    return baseline, ServerSpec(model_path, "ngram", port=port + 1, ngram=ngram or NgramSettings(), **shared)

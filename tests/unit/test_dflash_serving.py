@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 
-from infra.sglang_spec import DFLASH_RESOLVED, ServerSpec, ServerSpecError, dflash_serving_pair
+from infra.sglang_modes import DFLASH_RESOLVED
+from infra.sglang_pairs import dflash_serving_pair
+from infra.sglang_spec import ServerSpec, ServerSpecError
 from tests.fakes.sglang_model import LaunchArgs, build_parser
 
 SKIP_REASON = (

@@ -67,7 +67,7 @@ def test_doctor_parses_every_mode_with_the_installed_sglang(version):
     every mode's argv through that version's parser, and says capture_aux needs 0.5.23's flag under 0.5.16."""
     import json
 
-    from infra.sglang_spec import MODE_GAPS, MODES
+    from infra.sglang_modes import MODE_GAPS, MODES
     from tests import sglang_side
 
     if not sglang_side.available(version):

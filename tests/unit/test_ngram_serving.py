@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
-from infra.sglang_spec import NGRAM_RESOLVED, NgramSettings, ServerSpec, ServerSpecError, ngram_serving_pair
+from infra.sglang_modes import NGRAM_RESOLVED
+from infra.sglang_pairs import ngram_serving_pair
+from infra.sglang_spec import NgramSettings, ServerSpec, ServerSpecError
 from tests.fakes.sglang_model import FakeModel, LaunchArgs, build_parser
 
 SKIP_REASON = (

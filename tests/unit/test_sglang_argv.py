@@ -22,7 +22,7 @@ from infra.sglang_argv_check import mismatches, parse_many
 from infra.sglang_bench import bench_request_body
 from infra.sglang_bench_records import SHARED_SETTINGS, SPEC_SETTINGS
 from infra.sglang_checks import capture_request_body, generation_smoke_body
-from infra.sglang_spec import MODE_GAPS, SGLANG_VERSIONS
+from infra.sglang_modes import MODE_GAPS, SGLANG_VERSIONS
 from tests import sglang_side
 from tests.fakes.sglang_model import LaunchArgs, build_parser
 from tests.fakes.sglang_server import fake_authorized
