@@ -11,12 +11,8 @@ Three ways, all transformers' own generation code (no hand-written decoder):
     cache length rounded up to a power of two (few shapes; transformers also keeps the cache length at
     the largest seen so far, ``_previous_max_cache_length``). Prompts are sorted by length and cut into
     batches, so one batch holds similar lengths; the prompt width is rounded up to ``prompt_bucket``.
-    ``decode_attention`` picks the one-token decode step's attention: ``kv_heads`` runs it on the key/value
-    heads (the query heads of one key/value head become query rows), instead of transformers' compiled path
-    (``sdpa``), which copies the whole static cache per layer and step to repeat it for every query head
-    (``repeat_kv``); ``flex`` also reads only the key blocks that hold a row's valid keys (flex_attention
-    with a block mask), where SDPA reads the whole static cache whatever the position: on an H200 the
-    decode attention was 78% of a step at batch 512, cache 2,048 (lab/generation.py --profile).
+    ``decode_attention`` picks the one-token decode step's attention (``kv_heads``, ``flex`` or transformers'
+    ``sdpa``: eagle3.data.decode_attention).
   * ``continuous``: transformers' continuous batching, ``model.generate_batch`` (finished rows leave
     the batch at once; needs a transformers that ships ``ContinuousBatchingConfig``).
 
@@ -26,8 +22,8 @@ that many running rows it stops, and they go on (a prefill of prompt plus tokens
 one more compiled shape per cache length. Outputs come back in input order, cut after the
 first eos id (which is kept), so all three ways can be compared token for token.
 
-Imports torch, transformers, eagle3.compiling and eagle3.features.attention (both torch only), so the benchmark
-runs on a host that has nothing else.
+Imports torch, transformers, eagle3.compiling and eagle3.data.decode_attention (both torch only), so the
+benchmark runs on a host that has nothing else.
 """
 
 from __future__ import annotations
@@ -40,17 +36,11 @@ from typing import Any, Literal
 import torch
 
 from eagle3.compiling import raise_recompile_limit
+from eagle3.data.decode_attention import DecodeAttention, use_decode_attention
 
 Backend = Literal["auto", "static", "dynamic", "continuous"]
-DecodeAttention = Literal["sdpa", "kv_heads", "flex"]
-KV_HEAD_ATTENTION = "sdpa_kv_heads"
-"""Name under which the kv-head decode attention is registered with transformers."""
-FLEX_DECODE_ATTENTION = "flex_decode_blocks"
-"""Name under which the block-skipping flex decode attention is registered with transformers."""
 STATIC_SHAPES_LIMIT = 32
 """Compiled decode graphs generation may keep: cache lengths (powers of two) x two batch sizes (full, stragglers)."""
-FLEX_KV_BLOCK = 128
-"""Keys per block of the flex decode's block mask (at most the cache length)."""
 
 
 @dataclass(frozen=True)
@@ -148,125 +138,6 @@ def left_pad(rows: list[list[int]], width: int, pad_id: int) -> tuple[torch.Tens
     ids = [[pad_id] * (width - len(r)) + r for r in rows]
     mask = [[0] * (width - len(r)) + [1] * len(r) for r in rows]
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
-
-
-# --------------------------------------------------------------------------- kv-head decode attention
-
-
-def sdpa_kv_heads(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """SDPA that never repeats the kv cache for grouped-query attention in a one-token decode step.
-
-    query [B, H, 1, D] is viewed as [B, Hkv, G, D] (query head h = kv head h // G, as ``repeat_kv``
-    orders them): the G query heads sharing a kv head become G query rows against the unrepeated
-    key/value [B, Hkv, L, D], and the mask [B, 1, 1, L] broadcasts over them. Everything else
-    (prefill, no grouping, position bias) goes to transformers' own sdpa function.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    batch, heads, q_len, dim = query.shape
-    mask_ok = attention_mask is None or (attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1)
-    if q_len != 1 or groups == 1 or not mask_ok or kwargs.get("position_bias") is not None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    packed = query.reshape(batch, heads // groups, groups, dim)  # [B, Hkv, G, D]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        packed, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
-    )  # [B, Hkv, G, D]
-    return out.reshape(batch, 1, heads, dim), None  # [B, 1, H, D], the layout sdpa_attention_forward returns
-
-
-def decode_block_mask(valid: torch.Tensor) -> Any:
-    """valid bool [B, L] (True = attend) -> a flex BlockMask for one query row per batch row that lists, per row,
-    only the key blocks holding a valid key (first), so the kernel never reads the others; mask_mod masks inside
-    them. Tensor ops only: it builds inside a compiled decode step, one graph for every position."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    batch, length = valid.shape
-    block = min(FLEX_KV_BLOCK, length)
-    used = valid.view(batch, length // block, block).any(-1)  # [B, NB]
-    order = torch.argsort((~used).to(torch.int8), dim=-1, stable=True)  # [B, NB]: used blocks first, ascending
-    num = used.sum(-1, dtype=torch.int32)  # [B]
-
-    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return valid[b, kv]
-
-    return BlockMask.from_kv_blocks(
-        num[:, None, None],
-        order[:, None, None, :].to(torch.int32),
-        BLOCK_SIZE=(FLEX_KV_BLOCK, block),
-        mask_mod=mask_mod,
-        seq_lengths=(1, length),
-    )
-
-
-def flex_decode(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """One-token decode attention that reads only the key blocks a row's mask uses (flex_attention).
-
-    query [B, H, 1, D], key/value [B, Hkv, L, D] unrepeated (grouped heads go to flex's enable_gqa), mask bool
-    [B, 1, 1, L]. Everything else (prefill, float masks, position bias) goes to transformers' own sdpa."""
-    from torch.nn.attention.flex_attention import flex_attention
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    batch, heads, q_len, dim = query.shape
-    length = key.shape[2]
-    usable = (
-        q_len == 1
-        and attention_mask is not None
-        and attention_mask.dtype == torch.bool
-        and attention_mask.shape[1:3] == (1, 1)
-        and kwargs.get("position_bias") is None
-        and dropout == 0.0
-        and length % min(FLEX_KV_BLOCK, length) == 0
-    )  # whole blocks (static caches are powers of two)
-    if not usable or attention_mask is None:  # (usable implies a mask; the test narrows its type)
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    valid = attention_mask[:, 0, 0, :].expand(batch, length)  # [B, L]
-    out = flex_attention(
-        query, key, value, block_mask=decode_block_mask(valid), scale=scaling, enable_gqa=heads != key.shape[1]
-    )  # [B, H, 1, D]
-    return out.transpose(1, 2).contiguous(), None  # [B, 1, H, D], the layout sdpa_attention_forward returns
-
-
-_DECODE_ATTENTION_NAMES = {"kv_heads": KV_HEAD_ATTENTION, "flex": FLEX_DECODE_ATTENTION}
-
-
-def use_decode_attention(model: Any, kind: DecodeAttention) -> None:
-    """Register the ``kind`` decode attention (with the sdpa mask) and switch an sdpa model to it (``sdpa``: back
-    to transformers' own); a model on another attention is left alone."""
-    from eagle3.features.attention import use_attention
-
-    ours = set(_DECODE_ATTENTION_NAMES.values())
-    if model.config._attn_implementation not in ("sdpa", *ours):
-        return
-    if kind == "sdpa":
-        if model.config._attn_implementation != "sdpa":
-            model.set_attn_implementation("sdpa")
-        return
-    use_attention(model, _DECODE_ATTENTION_NAMES[kind], sdpa_kv_heads if kind == "kv_heads" else flex_decode)
 
 
 # --------------------------------------------------------------------------- the generator

@@ -1,4 +1,5 @@
-"""Fast generation (eagle3/data/generate.py): every backend gives plain greedy generate's tokens."""
+"""Fast generation (eagle3/data/generate.py, its decode attention eagle3/data/decode_attention.py): every backend
+gives plain greedy generate's tokens."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from eagle3.data import decode_attention as decode
 from eagle3.data import generate as gen
 from eagle3.data.generate import GenerationSettings, TokenGenerator, cut_after_eos, left_pad
 
@@ -68,8 +70,8 @@ def case() -> tuple[Any, list[list[int]], tuple[int, ...], list[list[int]]]:
 @pytest.fixture
 def block_masks(monkeypatch) -> list:
     """The shapes of every flex decode block mask built while the test runs (empty: flex never ran)."""
-    masks, real_mask = [], gen.decode_block_mask
-    monkeypatch.setattr(gen, "decode_block_mask", lambda valid: masks.append(valid.shape) or real_mask(valid))
+    masks, real_mask = [], decode.decode_block_mask
+    monkeypatch.setattr(decode, "decode_block_mask", lambda valid: masks.append(valid.shape) or real_mask(valid))
     return masks
 
 
@@ -104,7 +106,7 @@ def test_static_calls_use_fixed_shapes_and_kv_head_attention(case, monkeypatch):
     model, prompts, eos, ref = case
     calls: list[tuple[int, int, int]] = []
     decode_calls = []
-    real_generate, real_attention = model.generate, gen.sdpa_kv_heads
+    real_generate, real_attention = model.generate, decode.sdpa_kv_heads
 
     def spy_generate(**kw: Any) -> Any:
         calls.append((*kw["input_ids"].shape, kw["max_cache_len"]))
@@ -115,7 +117,7 @@ def test_static_calls_use_fixed_shapes_and_kv_head_attention(case, monkeypatch):
         return real_attention(module, query, *args, **kw)
 
     monkeypatch.setattr(model, "generate", spy_generate)
-    monkeypatch.setattr(gen, "sdpa_kv_heads", spy_attention)
+    monkeypatch.setattr(decode, "sdpa_kv_heads", spy_attention)
     try:
         got = TokenGenerator(model, _settings(eos, backend="static")).generate(prompts)
     finally:
@@ -137,7 +139,7 @@ def test_kv_head_attention_equals_sdpa_with_padding_mask():
     mask = torch.ones(2, 1, 1, 20, dtype=torch.bool)
     mask[0, ..., :7] = False  # row 0 is left padded
     want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.35)
-    got, _ = gen.sdpa_kv_heads(module, q, k, v, mask, scaling=0.35)
+    got, _ = decode.sdpa_kv_heads(module, q, k, v, mask, scaling=0.35)
     assert got.shape == want.shape == (2, 1, 6, 8)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
@@ -147,7 +149,7 @@ def test_flex_decode_equals_sdpa_with_padding_mask_and_lists_only_used_key_block
     the key blocks holding a valid key (so the kernel skips the rest)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    monkeypatch.setattr(gen, "FLEX_KV_BLOCK", 8)
+    monkeypatch.setattr(decode, "FLEX_KV_BLOCK", 8)
     torch.manual_seed(1)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 3, True
@@ -157,10 +159,10 @@ def test_flex_decode_equals_sdpa_with_padding_mask_and_lists_only_used_key_block
     mask[1, ..., :32] = True
     mask[2, ..., 17:18] = True
     want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.35)
-    got, _ = gen.flex_decode(module, q, k, v, mask, scaling=0.35)
+    got, _ = decode.flex_decode(module, q, k, v, mask, scaling=0.35)
     assert got.shape == want.shape == (3, 1, 6, 8)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    blocks = gen.decode_block_mask(mask[:, 0, 0, :])
+    blocks = decode.decode_block_mask(mask[:, 0, 0, :])
     num, idx = blocks.kv_num_blocks[:, 0, 0].tolist(), blocks.kv_indices[:, 0, 0].tolist()
     assert num == [3, 4, 1] and [row[:n] for row, n in zip(idx, num)] == [[0, 1, 2], [0, 1, 2, 3], [2]]
 
@@ -235,7 +237,7 @@ def test_straggler_rows_must_be_below_the_batch():
     assert RegenerateConfig(batch_size_conversations=4, straggler_rows=3).straggler_rows == 3
 
 
-def _compiled_static(case: Any, compile_backend: str, attention: gen.DecodeAttention, block_masks: list) -> None:
+def _compiled_static(case: Any, compile_backend: str, attention: decode.DecodeAttention, block_masks: list) -> None:
     """Static generation with transformers' compile forced on CPU equals plain generate, in one graph (no break);
     with flex, the compiled decode steps built its block mask."""
     from torch._dynamo.utils import counters
