@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from eagle3.config_base import Section
+from eagle3.config_base import Added, Section
 
 
 class SGLangServerConfig(Section):
@@ -81,7 +81,8 @@ def parse_trio(text: str) -> tuple[int, int, int]:
 
 
 class ServeConfig(Section):
-    """Deploy + benchmark: a baseline and an EAGLE-3 SGLang server, identical but for the --speculative-* flags."""
+    """Deploy + benchmark: a baseline and an EAGLE-3 SGLang server (and optionally SGLang's n-gram one), identical but
+    for the --speculative-* flags."""
 
     enabled: bool = False
     """Start SGLang servers and benchmark them (only where a GPU host with sglang is configured)."""
@@ -105,6 +106,19 @@ class ServeConfig(Section):
     """--speculative-num-draft-tokens: tokens verified per step (must be num_steps + 1 when eagle_topk is 1)."""
     extra_speculative: list[str] = []
     """More EAGLE-3 settings benchmarked against the same baseline, each 'steps-topk-draft_tokens' (e.g. '7-1-8', '5-4-8')."""
+    # Added: deploy keys of runs benchmarked before the n-gram server existed stay valid while it is off.
+    ngram: bool = Added(False)
+    """Also benchmark SGLang's drafter-free n-gram speculation (--speculative-algorithm NGRAM) against the same baseline, as one more server labelled n-gram (not checked against eagle3 eval: another algorithm)."""
+    ngram_num_draft_tokens: int = Added(12, ge=2)
+    """--speculative-num-draft-tokens of the n-gram server: tokens of the draft tree verified every step (SGLang's NGRAM default, 12)."""
+    ngram_max_bfs_breadth: int = Added(10, ge=1)
+    """--speculative-ngram-max-bfs-breadth: most branches of the n-gram draft tree (SGLang's default 10; SGLang also makes it speculative_eagle_topk)."""
+    ngram_min_bfs_breadth: int = Added(1, ge=1)
+    """--speculative-ngram-min-bfs-breadth: fewest branches of the n-gram draft tree (SGLang's default 1)."""
+    ngram_max_trie_depth: int = Added(18, ge=2)
+    """--speculative-ngram-max-trie-depth: longest token window SGLang's n-gram trie stores and matches (its default 18)."""
+    ngram_match_type: Literal["BFS", "PROB"] = Added("BFS")
+    """--speculative-ngram-match-type: how SGLang picks draft branches from its trie, BFS (its default) or PROB."""
     prompts: Literal["fixed", "evaluation"] = "fixed"
     """fixed: English prompts as text, exactly max_new_tokens each; evaluation: the evaluate stage's prompts as ids, stopping at end of turn, per dataset and checked against eagle3 eval."""
     accept_tolerance: float = Field(0.03, gt=0, lt=1)
@@ -131,6 +145,11 @@ class ServeConfig(Section):
             )
         for trio in self.extra_speculative:
             parse_trio(trio)
+        if self.ngram_min_bfs_breadth > self.ngram_max_bfs_breadth:
+            raise ValueError(
+                f"serve.ngram_min_bfs_breadth {self.ngram_min_bfs_breadth} exceeds ngram_max_bfs_breadth "
+                f"{self.ngram_max_bfs_breadth} (SGLang's n-gram corpus refuses it at start-up)"
+            )
         levels = self.concurrency_levels
         if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
             raise ValueError(f"serve.concurrency_levels {levels} must be distinct values >= 1")

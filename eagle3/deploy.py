@@ -4,8 +4,9 @@
     python -m eagle3.deploy --preset llama31-8b --set serve.enabled=true --set 'serve.concurrency_levels=[1,8,32]'
 
 First the export's own strict check (SGLang skips unknown keys silently) and the target the servers load. Then
-the baseline server and after it the speculative one (EAGLE-3; with drafter.family=dflash a DFLASH server of the
-export's block size, docs/dflash.md), never both at once (they would share the GPUs): check that
+the baseline server and after it the speculative ones (one per EAGLE-3 setting; with drafter.family=dflash a DFLASH
+server of the export's block size, docs/dflash.md; with serve.ngram SGLang's n-gram server last), one at a time
+(they would share the GPUs): check that
 no other process holds GPU memory, launch it (infra.sglang.ManagedServer: readiness = model_info,
 health_generate, server_info, then a checked greedy smoke generation; a speculative server must also report
 verify steps), benchmark every concurrency level (infra.sglang_bench) and stop it, also when the benchmark
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3.config import ConfigError, RunConfig
-from eagle3.deploy_checks import dflash_trio, draft_dir
+from eagle3.deploy_checks import NGRAM, dflash_trio, draft_dir, setting_label
 from eagle3.deploy_records import DeployReport, Role, ServerRun
 from eagle3.deploy_report import recorded_runs, write_report
 from eagle3.export import stage as export
@@ -43,7 +44,7 @@ from eagle3.run.stage import StageId, StageOutcome
 if TYPE_CHECKING:
     from infra.sglang import ProbeExpectations
     from infra.sglang_bench import BenchSettings
-    from infra.sglang_spec import ServerSpec
+    from infra.sglang_spec import NgramSettings, ServerSpec
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +69,36 @@ def trios(cfg: RunConfig) -> list[str]:
     return [main, *(t for t in sv.extra_speculative if t != main)]
 
 
+def speculative_settings(cfg: RunConfig) -> list[str]:
+    """Every speculative server benchmarked against the one baseline, in order: the drafter's settings (trios),
+    then 'ngram' (SGLang's drafter-free n-gram speculation) with serve.ngram."""
+    return [*trios(cfg), *([NGRAM] if cfg.serve.ngram else [])]
+
+
+def ngram_settings(cfg: RunConfig) -> NgramSettings:
+    """serve.ngram_* as the n-gram server's settings."""
+    from infra.sglang_spec import NgramSettings
+
+    sv = cfg.serve
+    return NgramSettings(
+        sv.ngram_num_draft_tokens,
+        sv.ngram_min_bfs_breadth,
+        sv.ngram_max_bfs_breadth,
+        sv.ngram_max_trie_depth,
+        sv.ngram_match_type,
+    )
+
+
 def server_specs(
     cfg: RunConfig, model_path: str, draft_path: str, api_key: str | None, trio: str | None = None
 ) -> tuple[ServerSpec, ServerSpec]:
     """(baseline, speculative) ServerSpecs from cfg.serve and cfg.server: equal flags except --speculative-* and
-    the port (a DFlash drafter: a DFLASH server verifying ``trio``'s draft tokens, its block size)."""
+    the port (a DFlash drafter: a DFLASH server verifying ``trio``'s draft tokens, its block size; ``trio`` 'ngram':
+    SGLang's n-gram server with serve.ngram_*)."""
     from eagle3.config_sglang import parse_trio
-    from infra.sglang import dflash_serving_pair, serving_pair
+    from infra.sglang import dflash_serving_pair, ngram_serving_pair, serving_pair
 
     sv, server = cfg.serve, cfg.server
-    steps, topk, tokens = parse_trio(trio or trios(cfg)[0])
     shared: dict[str, Any] = dict(
         port=sv.port,
         host=server.host,
@@ -93,6 +114,9 @@ def server_specs(
         python=server.python,
         module=server.launch_module,
     )
+    if trio == NGRAM:
+        return ngram_serving_pair(model_path, ngram=ngram_settings(cfg), **shared)
+    steps, topk, tokens = parse_trio(trio or trios(cfg)[0])
     if cfg.drafter.family == "dflash":
         return dflash_serving_pair(model_path, draft_path, block_size=tokens, **shared)
     return serving_pair(model_path, draft_path, num_steps=steps, topk=topk, num_draft_tokens=tokens, **shared)
@@ -211,8 +235,8 @@ def benchmark_server(
     logger: logging.Logger | logging.LoggerAdapter = log,
     trio: str | None = None,
 ) -> ServerRun:
-    """Launch one server (a speculative one with ``trio``, default serve's own), wait until it passes readiness,
-    benchmark every level, always stop it."""
+    """Launch one server (a speculative one with ``trio``, default serve's own; 'ngram': SGLang's n-gram server),
+    wait until it passes readiness, benchmark every level, always stop it."""
     from infra.process import RestartPolicy
     from infra.sglang import ManagedServer
     from infra.sglang_bench import run_benchmark
@@ -275,15 +299,15 @@ def finish_deploy(cfg: RunConfig, baseline: ServerRun, speculative: ServerRun | 
 
 
 def run_deploy(cfg: RunConfig, show_bar: bool | None = None) -> DeployReport:
-    """The whole stage without an orchestrator: prepare, baseline server, each EAGLE-3 server, report."""
+    """The whole stage without an orchestrator: prepare, baseline server, each speculative server, report."""
     if not cfg.serve.enabled:
         raise ConfigError(f"{NOT_ENABLED}; set serve.enabled=true on a GPU host with SGLang")
     plan = prepare_serving(cfg)
     with _progress_bar(cfg, "baseline", show_bar) as bar:
         baseline = benchmark_server(cfg, "baseline", plan, progress=_advance(bar))
     runs = []
-    for trio in trios(cfg):
-        with _progress_bar(cfg, f"EAGLE-3 {trio}", show_bar) as bar:
+    for trio in speculative_settings(cfg):
+        with _progress_bar(cfg, setting_label(cfg, trio), show_bar) as bar:
             runs.append(benchmark_server(cfg, "speculative", plan, progress=_advance(bar), trio=trio))
     return finish_deploy(cfg, baseline, runs)
 

@@ -9,13 +9,16 @@ Two comparisons, both at the lowest concurrency measured:
 * ``same_text_checks``: only the prompts whose output is token-identical on both sides, verify steps compared on
   that same text. Divergence cannot move it, so a gap here points at the drafter as served (aux-layer ids, norms,
   d2t/t2d, RoPE, dtype), not at the text; it is reported beside the first and fails the stage the same way.
+
+SGLang's n-gram server (serve.ngram) gets neither: its drafting is another algorithm than eagle3 eval's n-gram
+method, so ``ngram_beside_eval`` only puts the two accept lengths side by side.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -68,6 +71,11 @@ def drafter_label(cfg: RunConfig) -> str:
     return "DFlash" if cfg.drafter.family == "dflash" else "EAGLE-3"
 
 
+def setting_label(cfg: RunConfig, trio: str) -> str:
+    """One speculative server as the report names it: 'EAGLE-3 3-1-4', 'DFlash 15-1-16', or 'n-gram'."""
+    return NGRAM_LABEL if trio == NGRAM else f"{drafter_label(cfg)} {trio}"
+
+
 def dflash_trio(cfg: RunConfig) -> str:
     """A DFlash drafter's one way of drafting, as a trio: K-1 drafts in one block, top-1, K tokens verified per round
     (SGLang's DFLASH runs steps 1, topk 1, K draft tokens), K the served export's block size."""
@@ -107,41 +115,58 @@ def serves_own_export(cfg: RunConfig) -> bool:
 
 def accept_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[AcceptCheck], str | None]:
     """Per dataset and overall, at the lowest concurrency: (checks, why none were made)."""
-    from eagle3.run.layout import run_layout
-    from infra.sglang_compare import group_indices
-
-    if cfg.serve.prompts != "evaluation":
-        return [], "serve.prompts is fixed: eagle3 eval measured other prompts"
-    if not serves_own_export(cfg):
+    if cfg.serve.prompts == "evaluation" and not serves_own_export(cfg):
         return [], (
             "the servers load a promoted drafter whose weights differ from the run's export (what eagle3 eval "
             "measured): its gate table is in promoted/README.md"
         )
+    assert run.trio is not None
+    method = eval_method_name(run.trio, cfg.drafter.family)
+    rows, skipped = eval_rows(cfg, method)
+    if skipped:
+        return [], skipped
+    if not rows:
+        return [], f"eagle3 eval did not measure {method} (evaluate.chain_steps / tree_* settings)"
+    checks = []
+    for dataset, ours in sglang_accept_lengths(run):
+        if dataset in rows:
+            theirs = rows[dataset]["num_tokens"] / rows[dataset]["num_verify"]
+            gap = abs(ours - theirs) / theirs
+            checks.append(AcceptCheck(run.trio, dataset, ours, theirs, gap, gap <= cfg.serve.accept_tolerance))
+    return checks, None
+
+
+def eval_rows(cfg: RunConfig, method: str) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """eagle3 eval's results.json rows of ``method`` by dataset, on the prompts the servers were sent, or why there
+    are none to compare with (then the rows are empty)."""
+    from eagle3.run.layout import run_layout
+
+    if cfg.serve.prompts != "evaluation":
+        return {}, "serve.prompts is fixed: eagle3 eval measured other prompts"
     path = run_layout(cfg).eval_results
     if not path.is_file():
-        return [], f"no {path}: run the evaluate step first"
+        return {}, f"no {path}: run the evaluate step first"
     doc = json.loads(path.read_text())
     if doc.get("settings", {}).get("max_new_tokens") != cfg.serve.max_new_tokens:
-        return [], (
+        return {}, (
             f"eagle3 eval generated {doc.get('settings', {}).get('max_new_tokens')} tokens per prompt, "
             f"the servers {cfg.serve.max_new_tokens}: set evaluate.max_new_tokens equal"
         )
-    assert run.trio is not None
-    method = eval_method_name(run.trio, cfg.drafter.family)
-    rows = {r["dataset"]: r for r in doc.get("results", []) if r.get("method") == method}
-    if not rows:
-        return [], f"eagle3 eval did not measure {method} (evaluate.chain_steps / tree_* settings)"
+    return {r["dataset"]: r for r in doc.get("results", []) if r.get("method") == method}, None
+
+
+def sglang_accept_lengths(run: ServerRun) -> list[tuple[str, float]]:
+    """(dataset, tokens / verify steps) per dataset and overall at the lowest concurrency (datasets without a verify
+    step left out)."""
+    from infra.sglang_compare import group_indices
+
     level = min(run.result.levels, key=lambda lv: lv.concurrency)
-    checks = []
+    out = []
     for dataset, idx in group_indices(run.groups):
         verify = sum(level.verify_by_prompt[i] for i in idx)
-        if dataset not in rows or not verify:
-            continue
-        ours = sum(level.completion_by_prompt[i] for i in idx) / verify
-        theirs = rows[dataset]["num_tokens"] / rows[dataset]["num_verify"]
-        gap = abs(ours - theirs) / theirs
-        checks.append(AcceptCheck(run.trio, dataset, ours, theirs, gap, gap <= cfg.serve.accept_tolerance))
-    return checks, None
+        if verify:
+            out.append((dataset, sum(level.completion_by_prompt[i] for i in idx) / verify))
+    return out
 
 
 @dataclass(frozen=True)
@@ -264,3 +289,51 @@ def check_errors(checks: list[AcceptCheck], same: list[SameTextCheck], tolerance
         if not s.ok
     ]
     return errors
+
+
+# ------------------------------------------------------------------------ SGLang's n-gram beside eagle3 eval's
+
+NGRAM = "ngram"
+"""The n-gram server's setting (a ServerRun's ``trio``) and the name of eagle3 eval's n-gram method."""
+NGRAM_LABEL = "n-gram"
+
+
+@dataclass(frozen=True)
+class NgramBeside:
+    """SGLang's n-gram accept length beside eagle3 eval's n-gram method for one dataset: two implementations of
+    drafter-free drafting, shown side by side and never checked against each other."""
+
+    dataset: str
+    sglang: float
+    evaluate: float
+
+
+def ngram_beside_eval(cfg: RunConfig, run: ServerRun) -> tuple[list[NgramBeside], str | None]:
+    """Per dataset and overall, at the lowest concurrency: (rows, why there are none)."""
+    rows, skipped = eval_rows(cfg, NGRAM)
+    if skipped:
+        return [], skipped
+    if not rows:
+        return [], "eagle3 eval did not measure its n-gram method (evaluate.methods)"
+    return [
+        NgramBeside(dataset, ours, rows[dataset]["num_tokens"] / rows[dataset]["num_verify"])
+        for dataset, ours in sglang_accept_lengths(run)
+        if dataset in rows
+    ], None
+
+
+def render_ngram_beside(rows: list[NgramBeside], skipped: str | None) -> str:
+    """The report's n-gram lines: SGLang's accept length beside eagle3 eval's, labelled as another implementation."""
+    if not rows:
+        return f"\nAccept length not shown beside eagle3 eval's n-gram: {skipped}\n"
+    lines = [
+        "",
+        "Beside eagle3 eval's n-gram method, a different implementation (SGLang's NGRAM drafts a tree from a "
+        "trie of recent tokens that all requests share; eagle3 eval's looks up the request's own context and "
+        "drafts a chain): accept lengths shown, not checked.",
+        "",
+        "| dataset | SGLang NGRAM accept length | eagle3 eval n-gram (other implementation) |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {r.dataset} | {r.sglang:.3f} | {r.evaluate:.3f} |" for r in rows]
+    return "\n".join(lines) + "\n"

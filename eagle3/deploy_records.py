@@ -27,7 +27,7 @@ class ServerRun:
     pid: int | None
     ready: dict[str, Any]  # {smoke, elapsed_s, version} of infra.sglang.ReadyReport
     result: BenchResult
-    trio: str | None = None  # 'steps-topk-draft_tokens' of a speculative server
+    trio: str | None = None  # 'steps-topk-draft_tokens' of a speculative server; 'ngram': SGLang's n-gram server
     groups: tuple[str, ...] = ()  # each prompt's dataset, in prompt order
 
     def to_json(self) -> dict[str, Any]:

@@ -45,12 +45,13 @@ else:
 
 
 def run_benchmarks(cfg: RunConfig) -> DeployReport:
-    """Baseline server, then one server per EAGLE-3 setting (each started, benchmarked, stopped), then the report."""
-    from eagle3.deploy import trios
+    """Baseline server, then one server per EAGLE-3 setting and (serve.ngram) SGLang's n-gram server (each started,
+    benchmarked, stopped), then the report."""
+    from eagle3.deploy import speculative_settings
 
     plan = prepare_serving_task(cfg)
     baseline = benchmark_server_task(cfg, "baseline", plan)
-    speculative = [benchmark_server_task(cfg, "speculative", plan, trio) for trio in trios(cfg)]
+    speculative = [benchmark_server_task(cfg, "speculative", plan, trio) for trio in speculative_settings(cfg)]
     return report_task(cfg, baseline, speculative)
 
 

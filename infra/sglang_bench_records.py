@@ -43,6 +43,10 @@ SPEC_SETTINGS = (
     "speculative_num_steps",
     "speculative_eagle_topk",
     "speculative_num_draft_tokens",
+    "speculative_ngram_min_bfs_breadth",
+    "speculative_ngram_max_bfs_breadth",
+    "speculative_ngram_max_trie_depth",
+    "speculative_ngram_match_type",
 )
 _TASKS = (
     "Explain {t} to a new colleague in five short paragraphs.",

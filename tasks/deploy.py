@@ -62,7 +62,8 @@ def prepare_serving_task(cfg: RunConfig) -> ServingPlan:
     name="serve-benchmark", task_run_name="benchmark-{role}-{cfg.run.name}", tags=["inference"], cache_policy=NO_CACHE
 )
 def benchmark_server_task(cfg: RunConfig, role: Role, plan: ServingPlan, trio: str | None = None) -> ServerRun:
-    """Launch one server (speculative: the EAGLE-3 setting ``trio``), wait for readiness, benchmark, always stop it."""
+    """Launch one server (speculative: the EAGLE-3 setting ``trio``, or 'ngram'), wait for readiness, benchmark,
+    always stop it."""
     from eagle3.deploy import benchmark_server
 
     name = role if trio is None else f"{role}-{trio}"

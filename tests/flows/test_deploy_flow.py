@@ -77,29 +77,44 @@ def _artifact_keys(*keys: str) -> set[str]:
     return {a.key for a in found}
 
 
-def test_deploy_flow_benchmarks_both_fake_servers_and_reports(serve_cfg, monkeypatch):
-    """Benchmark-only run: results.json + report.md + artifacts with the scripted clock's figures, servers gone."""
+def test_deploy_flow_benchmarks_every_fake_server_and_reports(serve_cfg, monkeypatch):
+    """Benchmark-only run with serve.ngram: the baseline, the EAGLE-3 and the n-gram server each benchmarked and
+    gone; results.json + report.md + artifacts with the scripted clock's figures, the n-gram server's own rows."""
     monkeypatch.setattr(infra.sglang_bench, "clock", FakeClock(0.01))  # a level of 8 requests lasts 3 x 8 + 1 ticks
-    state = eagle3_deploy(config=serve_cfg, steps=["benchmark"], return_state=True)
+    cfg = serve_cfg.model_copy(deep=True)
+    cfg.serve.ngram, cfg.serve.ngram_num_draft_tokens = True, 8
+    state = eagle3_deploy(config=cfg, steps=["benchmark"], return_state=True)
     assert state.is_completed(), state.message
-    out = serve_cfg.run_dir / "deploy"
+    out = cfg.run_dir / "deploy"
     doc = json.loads((out / "results.json").read_text())
-    assert doc["valid"] and [row["concurrency"] for row in doc["comparison"]] == [1, 4]
+    assert doc["valid"] and [(row["trio"], row["concurrency"]) for row in doc["comparison"]] == [
+        ("3-1-4", 1),
+        ("3-1-4", 4),
+        ("ngram", 1),
+        ("ngram", 4),
+    ]
     for row in doc["comparison"]:
         assert row["accept_length"] == pytest.approx(16 / 7)  # ceil(16 / 2.5) = 7 verify steps per request
         assert [row["baseline_tok_per_s"], row["speculative_tok_per_s"]] == pytest.approx([8 * 16 / 0.25] * 2)
-        assert row["speedup"] == pytest.approx(1.0)  # the same ticks for both servers
-    (speculative,) = doc["speculative"]
-    for run in (doc["baseline"], speculative):
+        assert row["speedup"] == pytest.approx(1.0)  # the same ticks for all servers
+    speculative, ngram = doc["speculative"]
+    for run in (doc["baseline"], speculative, ngram):
         assert not group_alive(run["pid"])
         assert "a test double, not SGLang" in Path(run["log"]).read_text()
     assert "--speculative-num-draft-tokens 4" in speculative["argv"]
+    assert "--speculative-algorithm NGRAM --speculative-num-draft-tokens 8" in ngram["argv"]
+    assert "--speculative-draft-model-path" not in ngram["argv"] and ngram["log"].endswith(
+        "sglang-speculative-ngram.log"
+    )
+    assert ngram["result"]["server_settings"]["speculative_eagle_topk"] == 10  # the max BFS breadth, as SGLang sets it
     assert "--api-key" not in doc["baseline"]["argv"] and "--config " in doc["baseline"]["argv"]  # key in a file
     report = (out / "report.md").read_text()
-    assert "not SGLang measurements" in report and report.count("| 1.00x | 2.29") == 2
+    assert "not SGLang measurements" in report and report.count("| 1.00x | 2.29") == 4
+    assert "## n-gram\n" in report and "breadth 1-10, trie depth 18, match BFS" in report
+    assert doc["accept_checks"] == [] and doc["ngram_beside_eval"] == []  # fixed prompts: nothing from eagle3 eval
     assert _artifact_keys("dep-deploy-report", "dep-deploy-benchmark") == {"dep-deploy-report", "dep-deploy-benchmark"}
-    bound = [int(re.search(r"--port (\d+)", run["argv"])[1]) for run in (doc["baseline"], speculative)]
-    assert bound == [serve_cfg.serve.port, serve_cfg.serve.port + 1]  # both picked free by two_free_ports
+    bound = [int(re.search(r"--port (\d+)", run["argv"])[1]) for run in (doc["baseline"], speculative, ngram)]
+    assert bound == [cfg.serve.port, cfg.serve.port + 1, cfg.serve.port + 1]  # picked free by two_free_ports
     assert not any(port_in_use("127.0.0.1", port) for port in bound)  # the servers' own ports, released
 
 

@@ -222,3 +222,14 @@ def test_only_a_stage_that_runs_in_one_process_takes_one_gpu_of_several():
     for section in ("train", "evaluate"):
         with pytest.raises(ConfigError, match=f"{section}.device takes auto, cpu or cuda, not 'cuda:1'"):
             load_config("tiny", [f"{section}.device=cuda:1"])
+
+
+def test_serve_ngram_is_keyed_only_once_set_and_refuses_a_min_breadth_above_the_max():
+    """serve.ngram* at their defaults leave the serve key as before; min BFS breadth > max is a config error."""
+    from eagle3.config import section_dict
+
+    assert not any(k.startswith("ngram") for k in section_dict(load_config("tiny", []), "serve")["serve"])
+    on = section_dict(load_config("tiny", ["serve.ngram=true", "serve.ngram_max_bfs_breadth=4"]), "serve")["serve"]
+    assert (on["ngram"], on["ngram_max_bfs_breadth"]) == (True, 4)
+    with pytest.raises(ConfigError, match="ngram_min_bfs_breadth 5 exceeds ngram_max_bfs_breadth 4"):
+        load_config("tiny", ["serve.ngram_min_bfs_breadth=5", "serve.ngram_max_bfs_breadth=4"])

@@ -285,3 +285,40 @@ def test_report_only_checks_accept_lengths_against_an_evaluation_run_after_the_b
     again = report_again(cfg)
     assert {(c.dataset, c.ok) for c in again.accept_checks} == {("mtbench", True), ("gsm8k", True), ("all", True)}
     assert json.loads(again.results.read_text())["accept_checks"][0]["evaluate"] == 2.0
+
+
+def test_the_ngram_server_is_shown_beside_eagle3_evals_ngram_and_never_checked_against_it(tmp_path):
+    """An n-gram run gets its own section and rows; its accept length far from eagle3 eval's n-gram fails nothing
+    (another implementation): the two stand side by side, while the EAGLE-3 setting is still checked."""
+    from dataclasses import replace
+
+    from eagle3.deploy import report_again
+
+    cfg = RunConfig.model_validate(
+        {"run": {"workdir": str(tmp_path), "name": "r"}, "serve": {"prompts": "evaluation", "max_new_tokens": 256}}
+    )
+    spec = _run("3-1-4", ["mtbench", "gsm8k"], [100, 270], [50, 100])
+    ngram = _run("ngram", ["mtbench", "gsm8k"], [100, 270], [80, 200])  # 1.25 and 1.35 against eval's 3.0
+    base = replace(spec, role="baseline", trio=None, result=replace(spec.result, speculative=False))
+    (cfg.run_dir / "deploy").mkdir(parents=True)
+    (cfg.run_dir / "deploy" / "results.json").write_text(
+        json.dumps({"baseline": base.to_json(), "speculative": [spec.to_json(), ngram.to_json()]})
+    )
+    results = [
+        {"method": m, "dataset": d, "num_tokens": t, "num_verify": v}
+        for m in ("chain-3-1-4", "ngram")
+        for d, t, v in [("mtbench", 100, 50), ("gsm8k", 270, 100), ("all", 370, 150)]
+    ]
+    results = [r if r["method"] != "ngram" else r | {"num_verify": r["num_tokens"] / 3} for r in results]
+    (cfg.run_dir / "eval").mkdir()
+    (cfg.run_dir / "eval" / "results.json").write_text(
+        json.dumps({"settings": {"max_new_tokens": 256}, "results": results})
+    )
+    report = report_again(cfg)  # raises MeasurementError if any check failed
+    doc = json.loads(report.results.read_text())
+    assert doc["valid"] and {row["trio"] for row in doc["comparison"]} == {"3-1-4", "ngram"}
+    assert {c["trio"] for c in doc["accept_checks"]} == {"3-1-4"}
+    beside = {c["dataset"]: (round(c["sglang"], 4), c["evaluate"]) for c in doc["ngram_beside_eval"]}
+    assert beside == {"mtbench": (1.25, 3.0), "gsm8k": (1.35, 3.0), "all": (round(370 / 280, 4), 3.0)}
+    assert "## n-gram\n" in report.markdown and "a different implementation" in report.markdown
+    assert "| gsm8k | 1.350 | 3.000 |" in report.markdown

@@ -383,6 +383,34 @@ def test_deploy_config_builds_a_pair_sglang_accepts(sglang_parser, tmp_path):
     assert _sglang_args(sglang_parser, _args_of(baseline, tmp_path)).speculative_algorithm is None
 
 
+def test_deploy_config_builds_an_ngram_server_sglang_accepts(sglang_parser, tmp_path):
+    """With serve.ngram the deploy flow's n-gram spec parses in SGLang to serve.ngram_* and the baseline's serving
+    flags; through SGLang's parser it differs from the baseline in speculative fields and the port only."""
+    import msgspec
+
+    from eagle3.config import RunConfig
+    from eagle3.deploy import server_specs, speculative_settings
+
+    cfg = RunConfig.model_validate({"serve": {"ngram": True, "ngram_num_draft_tokens": 8, "ngram_match_type": "PROB"}})
+    assert speculative_settings(cfg) == ["3-1-4", "ngram"]
+    baseline, ngram = server_specs(cfg, "/models/target", "/runs/r/export/sglang", api_key="k", trio="ngram")
+    base, args = (_sglang_args(sglang_parser, _args_of(s, tmp_path)) for s in (baseline, ngram))
+    assert (args.speculative_algorithm, args.speculative_num_draft_tokens, args.speculative_ngram_match_type) == (
+        "NGRAM",
+        8,
+        "PROB",
+    )
+    assert (args.speculative_ngram_min_bfs_breadth, args.speculative_ngram_max_bfs_breadth) == (1, 10)
+    assert (args.max_running_requests, args.cuda_graph_max_bs_decode, args.api_key) == (32, 32, "k")
+    names = [f.name for f in msgspec.structs.fields(sglang_parser[0])]
+    assert {n for n in names if getattr(base, n) != getattr(args, n)} == {
+        "port",
+        "speculative_algorithm",
+        "speculative_num_draft_tokens",
+        "speculative_ngram_match_type",
+    }  # breadth 1..10 and depth 18 are SGLang's defaults, so equal on the baseline's namespace
+
+
 def test_benchmark_settings_names_are_sglang_fields(sglang_parser):
     """Every /server_info key the benchmark compares between the two servers is a ServerArgs field of 0.5.23."""
     import msgspec
@@ -441,6 +469,7 @@ VERSIONED_SPECS = SPECS | {
         "/models/target", "capture_packed", port=30104, aux_layer_ids=(1, 15, 28), api_key="k3y"
     ),
     "dflash": ServerSpec("/models/target", "dflash", draft_model_path="/runs/x/export/sglang"),
+    "ngram": ServerSpec("/models/target", "ngram", port=30001, max_running_requests=32, attention_backend="triton"),
     "dflash_block": ServerSpec(
         "/models/target",
         "dflash",
@@ -463,6 +492,11 @@ FLAG_RELEASES = {
     "--disable-cuda-graph": ("0.5.16", "0.5.23"),
     "--config": ("0.5.16", "0.5.23"),
     "--speculative-dflash-block-size": ("0.5.16", "0.5.23"),
+    # The NGRAM flags are the same in both releases (0.5.16 server_args.py, 0.5.23 arg_groups/fields/spec.py).
+    "--speculative-ngram-min-bfs-breadth": ("0.5.16", "0.5.23"),
+    "--speculative-ngram-max-bfs-breadth": ("0.5.16", "0.5.23"),
+    "--speculative-ngram-max-trie-depth": ("0.5.16", "0.5.23"),
+    "--speculative-ngram-match-type": ("0.5.16", "0.5.23"),
 }
 
 
