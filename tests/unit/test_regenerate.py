@@ -19,9 +19,9 @@ from eagle3.data.regenerate import (
     HFGenerateBackend,
     OpenAIChatBackend,
     make_backend,
-    plan_turns,
     regenerate,
 )
+from eagle3.data.regenerate_turns import plan_turns
 from eagle3.run.journal import Journal
 from tests.fakes.openai_server import FakeOpenAIServer, fake_answer
 
