@@ -134,6 +134,12 @@ def eval_outputs(cfg: RunConfig, count: int) -> list[list[int]]:
     records = eval_records(cfg)
     if records is None:
         raise FileNotFoundError("no eval/prompts.jsonl in the run: run the evaluate stage first")
+    missing = [i for i in range(count) if i not in records]
+    if missing:
+        raise SystemExit(
+            f"eval/prompts.jsonl has no record of {len(missing)} of the {count} prompts (first: {missing[0]}): "
+            "evaluate the same prompts the deploy benchmark sent (evaluate.datasets and num_prompts)"
+        )
     return [list(records[i].greedy.tokens) for i in range(count)]
 
 
@@ -182,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         names = ("baseline", args.trio)
         a, b = level_outputs(doc, "baseline", None), level_outputs(doc, "speculative", args.trio)
     else:
+        if cfg.serve.prompts != "evaluation":
+            raise SystemExit(
+                "--against eval compares the evaluation's prompts: the deploy must have sent them "
+                "(serve.prompts=evaluation)"
+            )
         names = ("eval", "baseline")
         a, b = eval_outputs(cfg, len(sent.prompts)), level_outputs(doc, "baseline", None)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(args.device).eval()

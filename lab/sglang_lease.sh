@@ -7,7 +7,8 @@
 #   lab/sglang_lease.sh sglang K     install .sglang/bundle-K (K = 1..3); after the last, `measure` starts detached
 #   lab/sglang_lease.sh poll [S]     wait up to S seconds for the chain, print its log's tail, copy results to $OUT
 #   lab/sglang_lease.sh results DIR  restore a run trained elsewhere; then LEASE_RUN=runs/<it> LEASE_TRAINED=1
-#                                           on every call skips training and measures that run
+#                                           on every call skips training and measures that run (the kill test,
+#                                           capture parity and regeneration read a small run built there, runs/lease)
 # The repository as one commit: while people edit the checkout, carry `git archive HEAD | xz > .curve/pin/pin.tar.xz`
 # with the first bundle, unpack it on the host (tar -xJf .curve/pin/pin.tar.xz -C /tmp/pin), copy each carried
 # bundle there (cp -a .curve/bundle-K /tmp/pin/.curve/) and run /tmp/pin/lab/sglang_lease.sh: a later call's copy of
@@ -26,8 +27,8 @@
 # side:    doctor, tests/gpu/test_sglang_gpu.py, then the capture kill test next to training
 # measure: eagle3 eval (chain 3), deploy (baseline + EAGLE-3 3-1-4 at concurrency 1 and 32 on the 160 evaluation
 #          prompts, accept length checked against eagle3 eval), where outputs split (lab/sglang_identity.py),
-#          SGLang's levers and profiler (lab/sglang_levers.py),
-#          regeneration through the server's OpenAI endpoint
+#          (after training here or for a carried-in drafter: the GPU test, the kill test and capture parity),
+#          regeneration through the server's OpenAI endpoint, then SGLang's levers and profiler (lab/sglang_levers.py)
 # Figures and the commands that produced them: docs/deploy.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +44,9 @@ read -r -a EXTRA <<< "${LEASE_SETS:-}"
 RUN=${LEASE_RUN:-runs/lease}
 QPRESET=${LEASE_QUALITY_PRESET:-smollm2-quality}
 CFG=$RUN/config.json
+# the kill test, capture parity and regeneration read a run with data on this host: a carried-in drafter's run has none
+SIDE_RUN=$RUN; [ -n "${LEASE_TRAINED:-}" ] && SIDE_RUN=runs/lease
+SIDE_CFG=$SIDE_RUN/config.json
 # Flags for the lab scripts' servers; those the run's server section already sets are dropped (lab/sglang_lab.new_flags)
 SERVER_ARGS=${LEASE_SERVER_ARGS-"--attention-backend triton --sampling-backend pytorch --grammar-backend none"}
 # SGLang lives in its own folder (its pins: transformers 5.12.1, tokenizers 0.22.2) so the pipeline keeps the host's.
@@ -114,8 +118,9 @@ side_chain() {  # next to training: the kill test needs no drafter and no timing
     while [ ! -f "$W/quality-done" ]; do sleep 5; done
   fi
   step doctor "$W/python-sglang" -m flows.doctor --preset "$PRESET"   # SGLang's version, every argv through its parser
-  # after training on this host the drafter's figures come first: the GPU tests wait for the end of `measure`
-  [ -n "${LEASE_QUALITY_TRAIN:-}" ] && { touch "$W/side-done"; return; }
+  # after training on this host, or for a carried-in drafter, the drafter's figures come first: the GPU tests run
+  # inside `measure`, after them
+  [ -n "${LEASE_QUALITY_TRAIN:-}${LEASE_TRAINED:-}" ] && { touch "$W/side-done"; return; }
   gpu_tests
   touch "$W/side-done"
 }
@@ -123,15 +128,24 @@ side_chain() {  # next to training: the kill test needs no drafter and no timing
 gpu_tests() {  # the marked GPU test, then SGLang's capture killed mid-run (and float32 parity when asked)
   EAGLE3_SGLANG_PYTHON="$W/python-sglang" step gpu-test "$PY" -m pytest tests/gpu/test_sglang_gpu.py -q \
     -p no:cacheprovider -o addopts=""   # the marked GPU test against the real server (tiny target, bf16)
-  [ -n "${LEASE_TRAINED:-}" ] && return 0   # a carried-in run has no tokenized data here
-  while [ ! -f "$RUN/data/tokenized.parquet" ]; do sleep 2; done
+  side_data
   # 40 samples: SGLang 0.5.16 returns states as JSON at a few hundred tokens/s (347.5 on an H100), so 200 samples'
   # nine shards took ~90 s each and the test would outlast a lease
-  step capture-kill "$PY" lab/sglang_capture.py --config "$CFG" --samples "${LEASE_KILL_SAMPLES:-40}" --no-compare \
-    --kill-test --out "$RUN/bench-capture-kill.json" "${LAB[@]}"
+  step capture-kill "$PY" lab/sglang_capture.py --config "$SIDE_CFG" --samples "${LEASE_KILL_SAMPLES:-40}" \
+    --no-compare --kill-test --out "$RUN/bench-capture-kill.json" "${LAB[@]}"
   if [ -n "${LEASE_CAPTURE_PARITY:-}" ]; then   # SGLang's states against HF in float32 (each engine's bf16 error)
-    step capture-fp32 "$PY" lab/sglang_capture.py --config "$CFG" --samples "${LEASE_SAMPLES:-200}" \
+    step capture-fp32 "$PY" lab/sglang_capture.py --config "$SIDE_CFG" --samples "${LEASE_SAMPLES:-200}" \
       --reference-dtype float32 --out "$RUN/bench-capture-fp32.json" "${LAB[@]}"
+  fi
+}
+
+side_data() {  # the data the kill test, capture parity and regeneration read: this run's, or for a carried-in drafter
+  # (whose data stayed where it was trained) a small run of $PRESET's own (runs/lease: ShareGPT's answers, no generation)
+  if [ -n "${LEASE_TRAINED:-}" ]; then
+    [ -f "$SIDE_RUN/data/tokenized.parquet" ] || step side-data "$PY" -m eagle3.run.stages all --preset "$PRESET" \
+      "${SETS[@]}"
+  else
+    while [ ! -f "$SIDE_RUN/data/tokenized.parquet" ]; do sleep 2; done
   fi
 }
 
@@ -151,12 +165,13 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
     step "identity-$against" "$PY" lab/sglang_identity.py --config "$CFG" --deploy "$RUN/deploy/results.json" \
       --against "$against" --device "${LEASE_DEVICE:-cuda}" --out "$RUN/deploy/identity-$against.json" "${SERVE_SETS[@]}"
   done
+  [ -n "${LEASE_QUALITY_TRAIN:-}${LEASE_TRAINED:-}" ] && gpu_tests
+  side_data
+  step regenerate "$PY" lab/sglang_regenerate.py --config "$SIDE_CFG" --rows "${LEASE_SAMPLES:-200}" \
+    --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" --mem-fraction-static 0.25 "${REGEN[@]}"
   step levers "$PY" lab/sglang_levers.py --config "$CFG" --out "$RUN/levers/bench-levers.json" \
     --variants "${LEASE_LEVERS:-baseline,3-1-4,vocab-4096,attn-decode,compile,3-1-4#2}" --profile 3-1-4 --profile-steps 30 \
     "${LAB[@]}"
-  [ -z "${LEASE_TRAINED:-}" ] && step regenerate "$PY" lab/sglang_regenerate.py --config "$CFG" --rows "${LEASE_SAMPLES:-200}" \
-    --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" --mem-fraction-static 0.25 "${REGEN[@]}"
-  [ -n "${LEASE_QUALITY_TRAIN:-}" ] && gpu_tests
   touch "$W/measured"
 }
 
@@ -174,7 +189,7 @@ collect() {  # the figures and reports so far, into $OUT (at most 8 files come b
     [ -f "$RUN/$f" ] && files+=("$f")
   done
   mkdir -p "$RUN/killtest"   # the kill test's stage output and server log (why a failed one failed)
-  cp runs/lease-sglang-killtest/capture-stage-*.out runs/lease-sglang-killtest/logs/*.log "$RUN/killtest/" 2>/dev/null \
+  cp "$SIDE_RUN"-sglang-killtest/capture-stage-*.out "$SIDE_RUN"-sglang-killtest/logs/*.log "$RUN/killtest/" 2>/dev/null \
     && files+=(killtest)
   [ ${#files[@]} -gt 0 ] && tar -C "$RUN" -czf "$OUT/lease-results.tar.gz" "${files[@]}"
   local trace; trace=$(ls "$RUN"/levers/profile/*.trace.json.gz 2>/dev/null | head -1)  # SGLang's profiler trace

@@ -66,3 +66,13 @@ def test_a_prompt_set_other_than_the_one_the_benchmark_sent_is_refused():
     check_same_prompts(doc, [[1, 2], [3]])
     with pytest.raises(SystemExit, match="serve.prompts=evaluation"):
         check_same_prompts(doc, ["a fixed English prompt", "another"])
+
+
+def test_eval_records_missing_for_some_deploy_prompts_stop_the_script_with_their_count(monkeypatch):
+    """An evaluation of fewer prompts than the deploy sent is named (not a KeyError)."""
+    import eagle3.deploy_checks as checks
+    from lab.sglang_identity import eval_outputs
+
+    monkeypatch.setattr(checks, "eval_records", lambda cfg: {0: object()})
+    with pytest.raises(SystemExit, match="no record of 2 of the 3 prompts"):
+        eval_outputs(load_config("tiny"), 3)
