@@ -101,7 +101,7 @@ def capture_endpoints(cfg: RunConfig) -> Iterator[RunConfig]:
     if cfg.capture.backend != "sglang" or cfg.capture.sglang.endpoints:
         yield cfg
         return
-    from eagle3.features.capture import build_spec
+    from eagle3.features.run_spec import build_spec
     from eagle3.features.sglang_backend import managed_endpoints
     from eagle3.target.load import prepare_target
 

@@ -50,7 +50,7 @@ def synthetic_samples(args: argparse.Namespace, vocab_size: int, seed: int) -> l
 def preset_setup(cfg: Any, args: argparse.Namespace, device: str) -> tuple[HFCaptureBackend, FeatureSpec, list]:
     """The configured target, its spec, and the first tokenized samples that fit the length cap (or synthetic)."""
     from eagle3.data.tokenize import read_tokenized
-    from eagle3.features.capture import build_spec
+    from eagle3.features.run_spec import build_spec
     from eagle3.target.load import prepare_target
 
     model_dir = prepare_target(cfg)

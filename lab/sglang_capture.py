@@ -323,7 +323,7 @@ def _sortable(x: float | str) -> float:
 
 def run_compare(cfg: RunConfig, args: argparse.Namespace, results: dict[str, Any]) -> list[str]:
     """Steps 1-4 (the kill test runs between the SGLang and the HF capture); returns the failures."""
-    from eagle3.features.capture import build_spec
+    from eagle3.features.run_spec import build_spec
     from eagle3.run.layout import run_layout
     from eagle3.target.load import prepare_target
 

@@ -1,7 +1,7 @@
 """The capture stage: target hidden states of every tokenized sample, in resumable, validated shards.
 
-    prepare_capture   spec.json (refused if an existing one differs), plan.json, stale-shard cleanup,
-                      disk preflight for the shards still to write
+    prepare_capture   spec.json (refused if an existing one differs: eagle3.features.run_spec), plan.json,
+                      stale-shard cleanup, disk preflight for the shards still to write
     capture_shard     one shard: skip if its done file matches, else tokens -> backend -> shard file
     finalize_capture  every planned shard complete -> features/capture.manifest.json
     run_capture       all three in sequence (what ``python -m eagle3.features.capture`` runs)
@@ -30,6 +30,7 @@ from eagle3.config import RunConfig, section_dict
 from eagle3.data.stages import tokenize
 from eagle3.features import ONLINE_SKIP, STAGE
 from eagle3.features.plan import PLAN_FILE, CapturePlan, ShardPlan, build_plan, check_disk, preflight_bytes
+from eagle3.features.run_spec import build_spec, save_or_check_spec
 from eagle3.features.shards.done import ShardDone, complete_shards, read_done, shard_is_complete
 from eagle3.features.shards.layout import SHARD_RE, done_path_for, shard_path, shard_stem, spec_hash
 from eagle3.features.spec import CaptureBackend, FeatureSpec, SampleTokens
@@ -44,10 +45,6 @@ SECTION = "capture"
 
 ST_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
 MANIFEST_FILE = manifest_name(STAGE.name)
-
-
-class SpecMismatchError(ValueError):
-    """features/spec.json describes other features than this run would capture."""
 
 
 def features_dir(cfg: RunConfig) -> Path:
@@ -70,59 +67,11 @@ def _tokenized_key(manifest: Path) -> str:
     return json.loads(manifest.read_text())["key"]
 
 
-def build_spec(cfg: RunConfig, model_dir: Path) -> FeatureSpec:
-    """The FeatureSpec this run's capture produces (target shape, aux ids, supervision, dtypes, template)."""
-    from eagle3.target.load import fingerprint, load_tokenizer, target_info
-    from infra.storage import sha256_text
-
-    info = target_info(model_dir, cfg.target)
-    template = load_tokenizer(model_dir).chat_template
-    cap = cfg.capture
-    return FeatureSpec(
-        target_name=cfg.target.name,
-        target_fingerprint=fingerprint(model_dir),
-        hidden_size=info.hidden_size,
-        num_layers=info.num_layers,
-        vocab_size=info.vocab_size,
-        aux_layer_ids=info.aux_layer_ids,
-        supervision=cap.supervision,
-        topk=cap.topk if cap.supervision == "topk_logprobs" else None,
-        dtype=cap.dtype,
-        aux_dtype=cap.aux_dtype,
-        max_len=cfg.tokenize.max_len,
-        chat_template_hash=sha256_text(template if isinstance(template, str) else json.dumps(template)),
-        backend=cap.backend,
-    )
-
-
 def capture_key(cfg: RunConfig, spec: FeatureSpec) -> str:
     """Stage key: capture config minus its operational fields, target dtype, tokenized manifest, target, spec."""
     _, manifest = _tokenized(cfg)
     conf = section_dict(cfg, SECTION)[SECTION] | {"target_dtype": cfg.target.dtype}
     return stage_key(STAGE, conf, [manifest], {"target": spec.target_fingerprint, "spec": spec_hash(spec)})
-
-
-def spec_differences(old: dict[str, Any], new: FeatureSpec) -> list[str]:
-    """'field: old -> new' for every field that differs."""
-    fresh = new.model_dump(mode="json")
-    keys = sorted(set(old) | set(fresh))
-    return [f"{k}: {old.get(k)!r} -> {fresh.get(k)!r}" for k in keys if old.get(k) != fresh.get(k)]
-
-
-def save_or_check_spec(fdir: Path, spec: FeatureSpec) -> None:
-    """Write <fdir>/spec.json, or refuse when the one there describes other features (which fields differ)."""
-    fdir.mkdir(parents=True, exist_ok=True)
-    path = fdir / SPEC_FILE
-    if path.is_file():
-        old = json.loads(path.read_text())
-        diffs = spec_differences(old, spec)
-        if diffs:
-            raise SpecMismatchError(
-                f"{path} was written for other features; differing fields: {'; '.join(diffs)}. "
-                f"Delete {fdir} to capture again with this config, or use another run.name"
-            )
-        return
-    spec.save(path)
 
 
 def _shard_matches(doc: ShardDone | None, shard: ShardPlan, fdir: Path, expected_hash: str) -> TypeGuard[ShardDone]:

@@ -69,7 +69,7 @@ def read_inputs(cfg: RunConfig, model_dir: Path) -> RunInputs:
 
     layout = run_layout(cfg)
     if cfg.train.features == "online":
-        from eagle3.features.capture import build_spec
+        from eagle3.features.run_spec import build_spec
 
         spec = build_spec(cfg, model_dir)
     else:

@@ -375,7 +375,7 @@ def _train(cfg: RunConfig, info: DistInfo, stop_after_steps: int | None, known_k
 
     inputs = read_inputs(cfg, _prepare_target(cfg, info))
     if cfg.train.features == "online" and info.is_main:
-        from eagle3.features.capture import save_or_check_spec
+        from eagle3.features.run_spec import save_or_check_spec
 
         save_or_check_spec(inputs.features_dir, inputs.spec)  # export and evaluation read what was trained on
     manifest = RunLayout(inputs.run_dir).manifest(STAGE)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from eagle3.config import load_config
-from eagle3.features.capture import build_spec, make_backend
+from eagle3.features.capture import make_backend
+from eagle3.features.run_spec import build_spec
 from eagle3.features.sglang_backend import SGLangCaptureBackend
 from eagle3.features.spec import SampleTokens
 from eagle3.target.load import prepare_target

@@ -13,16 +13,10 @@ from eagle3.config import RunConfig, TinyTargetConfig, load_config
 from eagle3.features import hf_backend
 from eagle3.features.attention import ATTENTION
 from eagle3.features.batching import plan_batches
-from eagle3.features.capture import (
-    MANIFEST_FILE,
-    SpecMismatchError,
-    capture_shard,
-    features_dir,
-    prepare_capture,
-    run_capture,
-)
+from eagle3.features.capture import MANIFEST_FILE, capture_shard, features_dir, prepare_capture, run_capture
 from eagle3.features.hf_backend import HFCaptureBackend
 from eagle3.features.hf_models import clear_model_cache, get_model
+from eagle3.features.run_spec import SpecMismatchError
 from eagle3.features.shards.reader import ShardReader
 from eagle3.features.spec import SampleTokens
 from eagle3.target.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_target
@@ -261,7 +255,8 @@ def test_run_capture_streamed_and_whole_shards_are_identical(tiny_base, tmp_path
 def test_per_sample_attention_knob_reaches_the_backend_and_keeps_the_key(tiny_base, tmp_path):
     """capture.per_sample_attention=false gives a padded-attention backend; the capture key does not change
     (like the batch size, it moves results by rounding only)."""
-    from eagle3.features.capture import build_spec, capture_key, make_backend
+    from eagle3.features.capture import capture_key, make_backend
+    from eagle3.features.run_spec import build_spec
     from eagle3.target.load import prepare_target
 
     on, off = (

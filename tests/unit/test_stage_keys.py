@@ -79,7 +79,7 @@ def _run_dir(tmp_path, monkeypatch, overrides: list[str]):
     """A tiny run whose every stage has a manifest over a fixed file, and the files the train key reads."""
     import eagle3.target.load as target_load
     from eagle3.data.vocab import MAP_FILE
-    from eagle3.features.capture import build_spec
+    from eagle3.features.run_spec import build_spec
     from eagle3.target.load import prepare_target, target_info
 
     monkeypatch.setattr(target_load, "fingerprint", lambda model_dir: FINGERPRINT)

@@ -112,7 +112,7 @@ def _same_shapes_other_weights(src, dst):
 def test_fingerprint_covers_the_weights_by_content(tiny_dir, tmp_path):
     """Another target with the same config, tokenizer and tensor shapes but other weights has another fingerprint,
     also when its weights were replaced in place keeping size and mtime (the spec, hence every key, follows it)."""
-    from eagle3.features.capture import build_spec
+    from eagle3.features.run_spec import build_spec
 
     copy = tmp_path / "copy"
     shutil.copytree(tiny_dir, copy)
