@@ -32,6 +32,7 @@ from eagle3.features import STAGE as CAPTURE
 from eagle3.features.spec import FeatureSpec
 from eagle3.refresh import warm_start
 from eagle3.run.layout import manifest_name, run_layout
+from eagle3.run.stage import MissingInputError
 from eagle3.target.tensors import drafter_dims, load_target_lm_head, load_target_weights
 from eagle3.train import STAGE
 from eagle3.train.data import EpochPlan, plan_epoch, read_split
@@ -73,7 +74,14 @@ def read_inputs(cfg: RunConfig, model_dir: Path) -> RunInputs:
 
         spec = build_spec(cfg, model_dir)
     else:
+        if not layout.spec.is_file():
+            raise MissingInputError(
+                f"train reads captured features (train.features=offline) and {layout.spec} does not exist: run the "
+                "capture stage first (eagle3 stage capture), or set train.features=online"
+            )
         spec = FeatureSpec.load(layout.spec)
+    if not Path(layout.vocab).exists():
+        raise MissingInputError(f"train needs the draft vocab map at {layout.vocab}: run the vocab stage first")
     d2t, t2d = load_vocab_map(layout.vocab)
     info = target_info(model_dir, cfg.target)
     if spec.target_fingerprint != fingerprint(model_dir):

@@ -96,3 +96,24 @@ def test_a_wrapped_user_fixable_os_error_is_a_user_error():
             raise RuntimeError("shard 3 failed") from err
     except RuntimeError as exc:
         assert is_user_error(exc)
+
+
+def test_train_before_capture_or_vocab_names_the_stage_to_run_first(tmp_path):
+    """Offline training in a run with no captured features (or no vocab map) says which stage to run first, as a
+    user error, instead of a FileNotFoundError traceback."""
+    from eagle3.config import load_config
+    from eagle3.train.build import read_inputs
+
+    cfg = load_config("tiny", [f"run.workdir={tmp_path}", "train.features=offline"])
+    with pytest.raises(MissingInputError, match="run the capture stage first") as caught:
+        read_inputs(cfg, tmp_path / "unused")
+    assert is_user_error(caught.value)
+    online = load_config("tiny", [f"run.workdir={tmp_path}", "train.features=online"])
+    with pytest.raises(MissingInputError, match="run the vocab stage first"):
+        read_inputs(online, _tiny_target(online))
+
+
+def _tiny_target(cfg):
+    from eagle3.target.load import prepare_target
+
+    return prepare_target(cfg)
