@@ -12,7 +12,7 @@ from flows.deploy import eagle3_deploy
 from flows.pipeline import eagle3_pipeline
 from flows.train import eagle3_train
 
-GPU_ONLY = ["kimi-k25", "llama31-8b", "smollm2-curve", "smollm2-quality", "smollm2-sglang"]
+GPU_ONLY = ["kimi-k25", "llama31-8b", "smollm2-40m", "smollm2-curve", "smollm2-quality", "smollm2-sglang"]
 
 
 def test_gpu_presets_are_computed_from_their_configs():
