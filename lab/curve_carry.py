@@ -4,7 +4,8 @@ A lent GPU host starts bare and returns at most 8 files of 16 MiB per call, and 
 Two things have to travel:
 - **journals** (``pack_journals`` / ``unpack_journals``): the generation journals (regeneration and synthesis) of
   a data run, the text the target took a stretch's minutes to write; restored into a data run elsewhere, its data
-  stages generate only what the journals lack.
+  stages generate only what the journals lack. A synthetic source's records file is left behind: the synthesize
+  stage writes it again from the journal without generating, and it is as large as the journal.
 - **results** (``pack_results`` / ``unpack_results``): what every run of a curve measured (its config, training
   metrics, export metadata and model card, evaluation results and prompt records), and with ``weights`` the
   exported drafters, so a later host can evaluate one again without training it, and ``quality_curve.py report``
@@ -24,8 +25,9 @@ from pathlib import Path
 @functools.cache
 def _carried() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """What travels, as paths relative to a run, from the names the stages write (imported when first needed: the
-    export's names come with torch): (journals: the generated text of a data run, from which a rerun rebuilds its
-    data; results: what each run of a curve measured, a path through a link such as a size's data/ excepted;
+    export's names come with torch): (journals: where the generated text of a data run is journaled, the
+    regeneration journal and the synthetic sources' folder (``journal_files``), from which a rerun rebuilds its data;
+    results: what each run of a curve measured, a path through a link such as a size's data/ excepted;
     weights: the exported drafter, in the SGLang layout the other layout is exported from). The evaluation journal
     travels too: an evaluation cut short by a stretch's end leaves only it, and ``eagle3.evaluate.stage``'s
     ``write_partial_report`` reads it here."""
@@ -112,13 +114,28 @@ def _through_link(run_dir: Path, rel: str) -> bool:
     return False
 
 
+JOURNALS_XZ_PRESET = 1
+"""xz preset of the journals' parts. On a 2-core CPU smollm2-quality's journals (regeneration 17.6 MB, synthesis 7.1
+MB) packed to 4.05 MB in 1.1 CPU seconds at preset 1, 3.03 MB in 12.2 at the default 6; a data build of ~150K
+synthetic records has ~300 MB of journals, whose packing at preset 6 would take minutes of every lease."""
+
+
+def journal_files(run_dir: Path) -> list[str]:
+    """The generation journals under ``run_dir``, relative to it: the regeneration's and each synthetic source's."""
+    from eagle3.data.synthetic import JOURNAL_SUFFIX
+
+    regenerate, synthetic = _carried()[0]
+    found = [regenerate] if (run_dir / regenerate).is_file() else []
+    journals = (run_dir / synthetic).glob(f"*{JOURNAL_SUFFIX}")
+    return found + sorted(p.relative_to(run_dir).as_posix() for p in journals if p.is_file())
+
+
 def pack_journals(run_dir: Path, out: Path, part_mib: float = 15.0) -> list[Path]:
     """The journals under ``run_dir`` as ``out``/journals.tar.xz.NN parts of at most ``part_mib`` MiB each."""
-    journals = _carried()[0]
-    present = [rel for rel in journals if (run_dir / rel).exists()]
+    present = journal_files(run_dir)
     if not present:
-        raise SystemExit(f"error: no generation journal under {run_dir} ({', '.join(journals)})")
-    return _write_parts([(run_dir / rel, rel) for rel in present], out, "journals", part_mib)
+        raise SystemExit(f"error: no generation journal under {run_dir} ({', '.join(_carried()[0])})")
+    return _write_parts([(run_dir / rel, rel) for rel in present], out, "journals", part_mib, JOURNALS_XZ_PRESET)
 
 
 def unpack_journals(run_dir: Path, folder: Path) -> list[str]:

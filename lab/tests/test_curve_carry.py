@@ -11,21 +11,24 @@ from lab import curve_carry
 
 
 def _journals(run_dir):
-    """A regeneration journal and two synthesis journals of incompressible bytes (several parts when packed)."""
+    """A regeneration journal and the journals of two synthetic sources, of incompressible bytes (several parts when
+    packed), beside the sources' records files."""
     files = {
         "data/regenerate.journal.jsonl": os.urandom(300_000),
-        "data/synthetic/journal.jsonl": b'{"seed": 0, "text": "hello"}\n' * 500,
-        "data/synthetic/sub/part.jsonl": os.urandom(50_000),
+        "data/synthetic/magpie.journal.jsonl": b'{"seed": 0, "text": "hello"}\n' * 500,
+        "data/synthetic/magpie-more.journal.jsonl": os.urandom(50_000),
     }
     for rel, data in files.items():
         (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / rel).write_bytes(data)
+    for name in ("magpie", "magpie-more"):  # the records files the synthesize stage writes from the journals
+        (run_dir / f"data/synthetic/{name}.jsonl").write_bytes(b'{"id": "0"}\n')
     return files
 
 
 def test_pack_then_unpack_restores_every_journal_byte_for_byte(tmp_path):
-    """Packed in 0.1 MiB parts and unpacked into an empty run, every journal file is identical; other files of the
-    run are not carried."""
+    """Packed in 0.1 MiB parts and unpacked into an empty run, every journal file is identical, those of every
+    synthetic source included; other files of the run, the synthetic records files among them, are not carried."""
     files = _journals(tmp_path / "here")
     (tmp_path / "here" / "data" / "merged.parquet").write_bytes(b"not a journal")
     parts = curve_carry.pack_journals(tmp_path / "here", tmp_path / "carry", part_mib=0.1)
@@ -33,8 +36,9 @@ def test_pack_then_unpack_restores_every_journal_byte_for_byte(tmp_path):
     names = curve_carry.unpack_journals(tmp_path / "there", tmp_path / "carry")
     for rel, data in files.items():
         assert (tmp_path / "there" / rel).read_bytes() == data
-    assert "data/regenerate.journal.jsonl" in names
+    assert sorted(names) == sorted(files)
     assert not (tmp_path / "there" / "data" / "merged.parquet").exists()
+    assert not (tmp_path / "there" / "data" / "synthetic" / "magpie.jsonl").exists()
 
 
 def test_a_missing_part_or_no_journal_is_an_error_naming_the_folder(tmp_path):
