@@ -26,7 +26,7 @@ def test_every_field_has_a_one_line_doc():
 
 
 @pytest.mark.parametrize(
-    "preset", ["tiny", "smollm2-demo", "smollm2-curve", "smollm2-quality", "llama31-8b", "kimi-k25"]
+    "preset", ["tiny", "smollm2-demo", "smollm2-curve", "smollm2-quality", "smollm2-40m", "llama31-8b", "kimi-k25"]
 )
 def test_presets_validate(preset):
     """Each shipped preset is a valid RunConfig."""
