@@ -22,6 +22,7 @@ from infra.sglang_modes import DFLASH_RESOLVED
 from infra.sglang_pairs import dflash_serving_pair
 from infra.sglang_spec import ServerSpec, ServerSpecError
 from tests.fakes.sglang_model import LaunchArgs, build_parser
+from tests.unit.argv_pairs import without_speculative_flags
 
 SKIP_REASON = (
     "sglang 0.5.23 is not importable (pip install --no-deps sglang==0.5.23 and tests/sglang-parser-requirements.txt)"
@@ -82,23 +83,11 @@ def test_block_size_belongs_to_mode_dflash_only():
             ServerSpec("M", mode, block_size=4, **extra)
 
 
-def _without_speculative_flags(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg.startswith("--speculative-") or arg == "--port":
-            skip = True
-        else:
-            out.append(arg)
-    return out
-
-
 def test_dflash_pair_differs_only_in_speculative_flags_and_port():
     """Baseline and DFlash argv are equal once the --speculative-* pairs and the port are removed."""
     baseline, dflash = PAIR
     assert (baseline.mode, dflash.mode, dflash.port) == ("serve", "dflash", baseline.port + 1)
-    assert _without_speculative_flags(dflash.launch_args()) == _without_speculative_flags(baseline.launch_args())
+    assert without_speculative_flags(dflash.launch_args()) == without_speculative_flags(baseline.launch_args())
     assert dflash.speculative and not baseline.speculative
 
 

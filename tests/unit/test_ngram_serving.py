@@ -19,6 +19,7 @@ from infra.sglang_modes import NGRAM_RESOLVED
 from infra.sglang_pairs import ngram_serving_pair
 from infra.sglang_spec import NgramSettings, ServerSpec, ServerSpecError
 from tests.fakes.sglang_model import FakeModel, LaunchArgs, build_parser
+from tests.unit.argv_pairs import without_speculative_flags
 
 SKIP_REASON = (
     "sglang 0.5.23 is not importable (pip install --no-deps sglang==0.5.23 and tests/sglang-parser-requirements.txt)"
@@ -89,23 +90,11 @@ def test_ngram_settings_belong_to_mode_ngram_only():
             ServerSpec("M", mode, ngram=NgramSettings(), **extra)
 
 
-def _without_speculative_flags(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg.startswith("--speculative-") or arg == "--port":
-            skip = True
-        else:
-            out.append(arg)
-    return out
-
-
 def test_ngram_pair_differs_only_in_speculative_flags_and_port():
     """Baseline and n-gram argv are equal once the --speculative-* pairs and the port are removed."""
     baseline, ngram = PAIR
     assert (baseline.mode, ngram.mode, ngram.port) == ("serve", "ngram", baseline.port + 1)
-    assert _without_speculative_flags(ngram.launch_args()) == _without_speculative_flags(baseline.launch_args())
+    assert without_speculative_flags(ngram.launch_args()) == without_speculative_flags(baseline.launch_args())
     assert ngram.speculative and not baseline.speculative
 
 

@@ -26,6 +26,7 @@ from infra.sglang_modes import MODE_GAPS, SGLANG_VERSIONS
 from tests import sglang_side
 from tests.fakes.sglang_model import LaunchArgs, build_parser
 from tests.fakes.sglang_server import fake_authorized
+from tests.unit.argv_pairs import without_speculative_flags
 
 SKIP_REASON = (
     "sglang 0.5.23 is not importable: install it with `pip install --no-deps sglang==0.5.23` and "
@@ -212,24 +213,12 @@ def _args_of(spec: ServerSpec, folder: Path) -> list[str]:
     return spec.launch_args(str(key_file))
 
 
-def _without_speculative_flags(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg.startswith("--speculative-") or arg == "--port":
-            skip = True
-        else:
-            out.append(arg)
-    return out
-
-
 def test_serving_pair_differs_only_in_speculative_flags_and_port():
     """Baseline and speculative argv are equal once the --speculative-* pairs and the port are removed."""
     baseline, speculative = BENCH_PAIR
     assert (baseline.mode, speculative.mode, speculative.port) == ("serve", "speculative", baseline.port + 1)
     base_args, spec_args = baseline.launch_args("k.yaml"), speculative.launch_args("k.yaml")
-    assert _without_speculative_flags(spec_args) == _without_speculative_flags(base_args)
+    assert without_speculative_flags(spec_args) == without_speculative_flags(base_args)
     assert " ".join(spec_args).count("--speculative-") == 5
     assert "--max-running-requests 32 --cuda-graph-max-bs-decode 32 --attention-backend triton" in " ".join(base_args)
 
