@@ -36,7 +36,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from eagle3.config import RunConfig  # noqa: E402
-from eagle3.run.cli_args import config_from_args  # noqa: E402
+from eagle3.run.cli_args import add_config_args, config_from_args  # noqa: E402
 from infra.sglang_compare import group_indices  # noqa: E402
 
 NEAR_TIE = 0.25  # float32 logits: bf16 rounding of logits around 20 is ~0.06-0.12, kernels differ by a few of those
@@ -158,21 +158,15 @@ def check_same_prompts(doc: dict[str, Any], prompts: list[Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="the overrides the deploy benchmark ran with (serve.prompts=evaluation, ...)",
-    )
+    add_config_args(parser)  # --config <run>/config.json and the --set overrides the deploy benchmark ran with
     parser.add_argument("--deploy", type=Path, required=True, help="the deploy stage's results.json")
     parser.add_argument("--trio", default="3-1-4")
     parser.add_argument("--against", choices=["baseline", "eval"], default="baseline")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.config is None:
+        parser.error("--config <run>/config.json is required (the run whose deploy results are read)")
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+from typing import Any
+
+import pytest
+
 
 def without_speculative_flags(argv: list[str]) -> list[str]:
     """argv minus every --speculative-* flag and --port, each with its value (both flags always take one)."""
@@ -14,3 +19,16 @@ def without_speculative_flags(argv: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+SGLANG_SKIP_REASON = (
+    "sglang 0.5.23 is not importable (pip install --no-deps sglang==0.5.23 and tests/sglang-parser-requirements.txt)"
+)
+
+
+def sglang_parser() -> tuple[Any, argparse.ArgumentParser]:
+    """SGLang 0.5.23's ServerArgs class and its own launch_server parser (the test is skipped without SGLang)."""
+    server_args = pytest.importorskip("sglang.srt.server_args", reason=SGLANG_SKIP_REASON)
+    parser = argparse.ArgumentParser(prog="sglang.launch_server")
+    server_args.ServerArgs.add_cli_args(parser)
+    return server_args.ServerArgs, parser

@@ -22,11 +22,8 @@ from infra.sglang_modes import DFLASH_RESOLVED
 from infra.sglang_pairs import dflash_serving_pair
 from infra.sglang_spec import ServerSpec, ServerSpecError
 from tests.fakes.sglang_model import LaunchArgs, build_parser
-from tests.unit.argv_pairs import without_speculative_flags
+from tests.unit.argv_pairs import sglang_parser, without_speculative_flags
 
-SKIP_REASON = (
-    "sglang 0.5.23 is not importable (pip install --no-deps sglang==0.5.23 and tests/sglang-parser-requirements.txt)"
-)
 PAIR = dflash_serving_pair(
     "/models/target",
     "/runs/r/export/sglang",
@@ -108,10 +105,7 @@ def test_dflash_server_info_is_what_sglangs_hook_resolves():
 
 @pytest.fixture(scope="module")
 def sglang() -> tuple[Any, argparse.ArgumentParser]:
-    server_args = pytest.importorskip("sglang.srt.server_args", reason=SKIP_REASON)
-    parser = argparse.ArgumentParser(prog="sglang.launch_server")
-    server_args.ServerArgs.add_cli_args(parser)
-    return server_args.ServerArgs, parser
+    return sglang_parser()
 
 
 def _resolved(sglang: tuple[Any, argparse.ArgumentParser], args: list[str], keys: list[str]) -> dict[str, Any]:

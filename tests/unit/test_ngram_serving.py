@@ -19,11 +19,8 @@ from infra.sglang_modes import NGRAM_RESOLVED
 from infra.sglang_pairs import ngram_serving_pair
 from infra.sglang_spec import NgramSettings, ServerSpec, ServerSpecError
 from tests.fakes.sglang_model import FakeModel, LaunchArgs, build_parser
-from tests.unit.argv_pairs import without_speculative_flags
+from tests.unit.argv_pairs import sglang_parser, without_speculative_flags
 
-SKIP_REASON = (
-    "sglang 0.5.23 is not importable (pip install --no-deps sglang==0.5.23 and tests/sglang-parser-requirements.txt)"
-)
 SETTINGS = NgramSettings(num_draft_tokens=8, min_bfs_breadth=2, max_bfs_breadth=4, max_trie_depth=12, match_type="PROB")
 PAIR = ngram_serving_pair(
     "/models/target",
@@ -103,10 +100,7 @@ def test_ngram_pair_differs_only_in_speculative_flags_and_port():
 
 @pytest.fixture(scope="module")
 def sglang() -> tuple[Any, argparse.ArgumentParser]:
-    server_args = pytest.importorskip("sglang.srt.server_args", reason=SKIP_REASON)
-    parser = argparse.ArgumentParser(prog="sglang.launch_server")
-    server_args.ServerArgs.add_cli_args(parser)
-    return server_args.ServerArgs, parser
+    return sglang_parser()
 
 
 def _resolved(sglang: tuple[Any, argparse.ArgumentParser], args: list[str], keys: list[str]) -> dict[str, Any]:
