@@ -86,6 +86,17 @@ def _compare_level(b: LevelResult, s: LevelResult) -> LevelComparison:
     )
 
 
+def where_it_pays(rows: Sequence[LevelComparison]) -> str:
+    """One line: the concurrency levels at which speculation was faster than the baseline, and those where not."""
+    pays = [str(r.concurrency) for r in rows if r.speedup > 1.0]
+    not_pays = [str(r.concurrency) for r in rows if r.speedup <= 1.0]
+    if not not_pays:
+        return f"Speculation paid at every concurrency measured ({', '.join(pays)})."
+    if not pays:
+        return f"Speculation did not pay at any concurrency measured ({', '.join(not_pays)})."
+    return f"Speculation paid at concurrency {', '.join(pays)}; it did not at {', '.join(not_pays)}."
+
+
 def render_report(
     rows: Sequence[LevelComparison],
     baseline: BenchResult,
@@ -115,6 +126,7 @@ def render_report(
             f"{r.speculative_tpot_ms:.2f} | {r.baseline_p90_latency_s:.3f} / "
             f"{r.speculative_p90_latency_s:.3f} | {r.identical_outputs}/{r.num_requests} |"
         )
+    lines += ["", where_it_pays(rows)]
     lines += [
         "",
         f"speedup = {drafter} output tok/s / baseline output tok/s; accept length = sum completion_tokens / "

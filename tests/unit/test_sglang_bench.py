@@ -24,7 +24,7 @@ from infra.sglang_bench_records import (
     nearest_rank,
     summarize_level,
 )
-from infra.sglang_compare import compare, compare_groups, render_report
+from infra.sglang_compare import LevelComparison, compare, compare_groups, render_report, where_it_pays
 from infra.sglang_probe import ProbeExpectations, ServerCheckError, probe_ready
 from infra.sglang_spec import ServerSpecError
 from tests.fakes.clock import FakeClock
@@ -269,6 +269,18 @@ def test_fake_pair_gives_the_ratio_of_its_timings_and_a_report(monkeypatch):
         assert row.identical_outputs == 4  # the fake's greedy chain is the same for both servers
     report = render_report(rows, result, result, {"target": "fake"})
     assert report.count("\n| 1 |") == 1 and report.count("\n| 4 |") == 1
+    assert "Speculation paid at every concurrency measured (1, 4)." in report
+
+
+def test_the_report_says_at_which_concurrency_speculation_stops_paying():
+    """Levels with speedup > 1 are named as paying, the others (1.0 included) as not, in level order."""
+
+    def level(concurrency: int, speedup: float) -> LevelComparison:
+        return LevelComparison(concurrency, 100.0, 100.0 * speedup, speedup, 3.0, None, 1.0, 1.0, 0.1, 0.1, 0, 8)
+
+    rows = [level(1, 1.51), level(8, 1.09), level(32, 0.77), level(128, 1.0)]
+    assert where_it_pays(rows) == "Speculation paid at concurrency 1, 8; it did not at 32, 128."
+    assert where_it_pays(rows[2:]) == "Speculation did not pay at any concurrency measured (32, 128)."
 
 
 def test_fake_spec_server_faster_than_its_acceptance_is_caught(monkeypatch):
