@@ -201,15 +201,15 @@ def judge(cfg: RunConfig, line: Line, where: Path, current: tuple[str, Path], ex
     measured now (eagle3.refresh.gate.run_gate)."""
     import json
 
-    from eagle3.refresh.gate import GATE_FILE, GateResult, freeze_prompts, run_gate
+    from eagle3.refresh.gate import GATE_DIR, GATE_FILE, GateResult, freeze_prompts, run_gate
     from eagle3.target.load import prepare_target
 
     if (line.drafter_dir(f"round-{where.name}") / PROMOTION_FILE).is_file():
-        return GateResult.from_json(json.loads((where / "gate" / GATE_FILE).read_text()))
+        return GateResult.from_json(json.loads((where / GATE_DIR / GATE_FILE).read_text()))
     prompts = gate_prompts_path(cfg)
     if cfg.refresh.gate.prompts is None:
         freeze_prompts(cfg, prompts)
-    return run_gate(cfg, prepare_target(cfg), prompts, current, export_dir, where / "gate")
+    return run_gate(cfg, prepare_target(cfg), prompts, current, export_dir, where / GATE_DIR)
 
 
 def gate_prompts_path(cfg: RunConfig) -> Path:

@@ -33,7 +33,9 @@ if TYPE_CHECKING:
     from eagle3.evaluate.prompts import EvalPrompt
     from eagle3.evaluate.records import PromptRecord
 
-GATE_PROMPTS_FILE, GATE_FILE = "gate_prompts.jsonl", "gate.json"
+GATE_PROMPTS_FILE, GATE_FILE, GATE_DIR = "gate_prompts.jsonl", "gate.json", "gate"  # GATE_DIR: in rounds/<N>/
+JOURNAL_FILES = {"current": "current.journal.jsonl", "candidate": "candidate.journal.jsonl"}
+"""gate/: each drafter's per-prompt records as they finish (keyed by its weights, the prompt file and the settings)."""
 ALL = "all"
 
 
@@ -259,8 +261,8 @@ def run_gate(
             return result
     prompts = read_gate_prompts(prompts_path)
     method = method_name(cfg.refresh.gate.chain_steps)
-    ours = measure(cfg, model_dir, prompts, current[1], Journal(gate_dir / "current.journal.jsonl"))
-    theirs = measure(cfg, model_dir, prompts, candidate, Journal(gate_dir / "candidate.journal.jsonl"))
+    ours = measure(cfg, model_dir, prompts, current[1], Journal(gate_dir / JOURNAL_FILES["current"]))
+    theirs = measure(cfg, model_dir, prompts, candidate, Journal(gate_dir / JOURNAL_FILES["candidate"]))
     rows = rows_of(prompts, ours, theirs, method)
     mismatches = sum(r.methods[method].lossless.kind == "mismatch" for r in theirs)
     promote, reason = decide(rows, cfg.refresh.gate, mismatches)
