@@ -17,6 +17,8 @@ method, so ``ngram_beside_eval`` only puts the two accept lengths side by side.
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -127,6 +129,10 @@ def accept_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[AcceptCheck], st
         return [], skipped
     if not rows:
         return [], f"eagle3 eval did not measure {method} (evaluate.chain_steps / tree_* settings)"
+    counts = {d: r["num_prompts"] for d, r in rows.items() if d != "all" and "num_prompts" in r}
+    other = prompt_count_mismatch(counts, run.groups) if counts else None  # results older than the count: unchecked
+    if other:
+        return [], other
     checks = []
     for dataset, ours in sglang_accept_lengths(run):
         if dataset in rows:
@@ -134,6 +140,19 @@ def accept_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[AcceptCheck], st
             gap = abs(ours - theirs) / theirs
             checks.append(AcceptCheck(run.trio, dataset, ours, theirs, gap, gap <= cfg.serve.accept_tolerance))
     return checks, None
+
+
+def prompt_count_mismatch(evaluated: Mapping[str, int], groups: Sequence[str]) -> str | None:
+    """Why eagle3 eval measured other prompts than the servers were sent (prompts per dataset differ, e.g. an
+    evaluation of a subset), or None. Both take the first prompts of each dataset, so equal counts are equal sets."""
+    sent = Counter(groups)
+    for dataset in sorted(set(evaluated) | set(sent)):
+        if evaluated.get(dataset, 0) != sent.get(dataset, 0):
+            return (
+                f"eagle3 eval measured {evaluated.get(dataset, 0)} {dataset} prompts, the servers were sent "
+                f"{sent.get(dataset, 0)}: evaluate the same prompts (evaluate.num_prompts, num_prompts_by_dataset)"
+            )
+    return None
 
 
 def eval_rows(cfg: RunConfig, method: str) -> tuple[dict[str, dict[str, Any]], str | None]:
@@ -209,6 +228,9 @@ def same_text_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[SameTextCheck
     records = eval_records(cfg)
     if records is None or cfg.serve.prompts != "evaluation" or run.trio is None:
         return [], "no eval/prompts.jsonl with this drafting to compare per prompt"
+    other = prompt_count_mismatch(Counter(r.dataset for r in records.values()), run.groups)
+    if other:  # prompts are paired by index: another prompt set would pair the wrong ones
+        return [], other
     method = eval_method_name(run.trio, cfg.drafter.family)
     level: LevelResult = min(run.result.levels, key=lambda lv: lv.concurrency)
     same: dict[int, tuple[int, int, int]] = {}  # prompt -> (tokens, SGLang verify steps, eval verify steps)

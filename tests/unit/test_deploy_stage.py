@@ -162,6 +162,27 @@ def test_sglang_accept_length_is_checked_against_eagle3_eval_per_dataset(tmp_pat
     assert checks == [] and "did not measure chain-7-1-8" in skipped
 
 
+def test_an_evaluation_of_other_prompts_than_the_servers_were_sent_is_not_compared(tmp_path):
+    """eval measured 1 mtbench prompt, the servers were sent 2: no accept check and no same-text check (prompts
+    are paired by position), each saying why."""
+    from eagle3.deploy_checks import accept_checks, same_text_checks
+
+    cfg = RunConfig.model_validate(
+        {"run": {"workdir": str(tmp_path), "name": "r"}, "serve": {"prompts": "evaluation", "max_new_tokens": 256}}
+    )
+    (cfg.run_dir / "eval").mkdir(parents=True)
+    row = {"method": "chain-3-1-4", "dataset": "mtbench", "num_prompts": 1, "num_tokens": 4, "num_verify": 2}
+    (cfg.run_dir / "eval" / "results.json").write_text(
+        json.dumps({"settings": {"max_new_tokens": 256}, "results": [row, row | {"dataset": "all"}]})
+    )
+    (cfg.run_dir / "eval" / "prompts.jsonl").write_text(json.dumps(_eval_record(0, "mtbench", [1, 2, 3, 4], 2)) + "\n")
+    run = _digest_run("3-1-4", ["mtbench", "mtbench"], [[1, 2, 3, 4], [5, 6]], [2, 1])
+    checks, skipped = accept_checks(cfg, run)
+    assert checks == [] and "measured 1 mtbench prompts, the servers were sent 2" in skipped
+    same, why = same_text_checks(cfg, run)
+    assert same == [] and "measured 1 mtbench prompts, the servers were sent 2" in why
+
+
 def _digest_run(trio: str, groups: list[str], outputs: list[list[int]], verify: list[int]):
     """A speculative ServerRun whose per-prompt output digests are those of ``outputs``."""
     from eagle3.deploy_records import ServerRun
