@@ -32,3 +32,15 @@ def sglang_parser() -> tuple[Any, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(prog="sglang.launch_server")
     server_args.ServerArgs.add_cli_args(parser)
     return server_args.ServerArgs, parser
+
+
+SERVING = {
+    "tp_size": 2,
+    "dtype": "bfloat16",
+    "mem_fraction_static": 0.8,
+    "max_running_requests": 32,
+    "cuda_graph_max_bs_decode": 32,
+    "attention_backend": "triton",
+    "extra_args": ("--context-length", "4096"),
+}
+"""The serving settings a pair's two servers share in the n-gram and DFlash pair tests (every one set, none default)."""

@@ -22,20 +22,14 @@ from infra.sglang_modes import DFLASH_RESOLVED
 from infra.sglang_pairs import dflash_serving_pair
 from infra.sglang_spec import ServerSpec, ServerSpecError
 from tests.fakes.sglang_model import LaunchArgs, build_parser
-from tests.unit.argv_pairs import sglang_parser, without_speculative_flags
+from tests.unit.argv_pairs import SERVING, sglang_parser, without_speculative_flags
 
 PAIR = dflash_serving_pair(
     "/models/target",
     "/runs/r/export/sglang",
     port=30000,
     block_size=8,
-    tp_size=2,
-    dtype="bfloat16",
-    mem_fraction_static=0.8,
-    max_running_requests=32,
-    cuda_graph_max_bs_decode=32,
-    attention_backend="triton",
-    extra_args=("--context-length", "4096"),
+    **SERVING,
 )
 
 

@@ -19,20 +19,14 @@ from infra.sglang_modes import NGRAM_RESOLVED
 from infra.sglang_pairs import ngram_serving_pair
 from infra.sglang_spec import NgramSettings, ServerSpec, ServerSpecError
 from tests.fakes.sglang_model import FakeModel, LaunchArgs, build_parser
-from tests.unit.argv_pairs import sglang_parser, without_speculative_flags
+from tests.unit.argv_pairs import SERVING, sglang_parser, without_speculative_flags
 
 SETTINGS = NgramSettings(num_draft_tokens=8, min_bfs_breadth=2, max_bfs_breadth=4, max_trie_depth=12, match_type="PROB")
 PAIR = ngram_serving_pair(
     "/models/target",
     port=30000,
     ngram=SETTINGS,
-    tp_size=2,
-    dtype="bfloat16",
-    mem_fraction_static=0.8,
-    max_running_requests=32,
-    cuda_graph_max_bs_decode=32,
-    attention_backend="triton",
-    extra_args=("--context-length", "4096"),
+    **SERVING,
 )
 
 
