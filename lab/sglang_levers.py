@@ -12,6 +12,8 @@ the speed-up a setting can reach is accept length / (round ms / step ms). Varian
                   draft lm_head and SGLang's per-step top-k work shrink K/V_draft (e.g. vocab-4096)
   attn-decode     chain 3, ``--speculative-attention-mode decode`` (verify and draft extend on decode kernels)
   compile         chain 3, ``--enable-torch-compile --torch-compile-max-bs 4``
+  A+B             levers combined, e.g. 7-1-8+vocab-4096: the trio of the one that sets it, every flag, the cut;
+                  compared with its own trio's plain variant (7-1-8 here)
 
 ``--profile VARIANT`` runs SGLang's own profiler (``/start_profile``, torch profiler, CPU and GPU) on that
 variant after its benchmark, over ``--profile-steps`` scheduler steps of one request, and copies the chrome trace
@@ -31,6 +33,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -60,6 +64,8 @@ def parse_variant(name: str) -> Variant:
     if "#" in name:
         base, _, tag = name.partition("#")
         return replace(parse_variant(base), name=f"{base}-{tag}")
+    if "+" in name:
+        return combine(name, [parse_variant(part) for part in name.split("+")])
     fixed = {
         "baseline": Variant("baseline", trio=None),
         "3-1-4": Variant("3-1-4"),
@@ -74,13 +80,47 @@ def parse_variant(name: str) -> Variant:
     raise ValueError(f"unknown variant {name!r}: one of {sorted(fixed)} or vocab-<K>")
 
 
-def shrink_export(src: Path, dst: Path, tokenized: Path, keep: int) -> dict[str, Any]:
+def combine(name: str, parts: list[Variant]) -> Variant:
+    """Levers applied together: at most one part names a trio other than the control's 3-1-4 (a baseline part
+    cannot combine), flags are concatenated, at most one draft vocab cut. ValueError naming the clash otherwise."""
+    if any(p.trio is None for p in parts):
+        raise ValueError(f"variant {name!r}: the baseline has no speculation to combine levers with")
+    trios = {p.trio for p in parts} - {"3-1-4"}
+    vocabs = {p.draft_vocab for p in parts} - {None}
+    if len(trios) > 1 or len(vocabs) > 1:
+        raise ValueError(f"variant {name!r}: its parts name two trios or two draft vocab sizes")
+    env: dict[str, str] = {}
+    for p in parts:
+        env |= p.env
+    return Variant(
+        name,
+        trio=trios.pop() if trios else "3-1-4",
+        extra_args=tuple(a for p in parts for a in p.extra_args),
+        draft_vocab=vocabs.pop() if vocabs else None,
+        env=env,
+    )
+
+
+def train_token_counts(tokenized: Path, saved: Path | None, vocab_size: int) -> np.ndarray:
+    """int64 [V]: the train split's supervised token counts, from ``saved`` (an .npy of them, for a run whose
+    tokenized data stayed on another host) or counted from ``tokenized``."""
+    from eagle3.data.vocab import count_train_tokens
+
+    if saved is None:
+        return count_train_tokens(tokenized, vocab_size)[0]
+    counts = np.load(saved)
+    if counts.shape != (vocab_size,) or counts.dtype != np.int64:
+        raise ValueError(f"{saved}: expected int64 counts [{vocab_size}], got {counts.dtype} {list(counts.shape)}")
+    return counts
+
+
+def shrink_export(src: Path, dst: Path, tokenized: Path, keep: int, saved_counts: Path | None = None) -> dict[str, Any]:
     """Copy an SGLang export keeping only its ``keep`` most frequent draft tokens (by the train split's counts):
     lm_head rows [keep, H], d2t [keep], t2d with ``keep`` trues. Returns what was kept."""
     import torch
     from safetensors.torch import load_file
 
-    from eagle3.data.vocab import count_train_tokens, maps_from_used
+    from eagle3.data.vocab import maps_from_used
     from eagle3.export.checks import CONFIG_FILE, INFO_FILE, WEIGHTS_FILE
     from eagle3.export.folder import write_folder
     from eagle3.export.sglang import check_sglang_export
@@ -91,7 +131,7 @@ def shrink_export(src: Path, dst: Path, tokenized: Path, keep: int) -> dict[str,
     used = d2t + torch.arange(len(d2t))  # int64 [Vd]: target ids, ascending
     if keep >= len(used):
         raise ValueError(f"export has {len(used)} draft tokens: nothing to cut to {keep}")
-    counts, _ = count_train_tokens(tokenized, int(config["vocab_size"]))
+    counts = train_token_counts(tokenized, saved_counts, int(config["vocab_size"]))
     order = sorted(range(len(used)), key=lambda i: (-int(counts[int(used[i])]), int(used[i])))
     rows = torch.tensor(sorted(order[:keep]))  # draft ids kept, ascending (so target ids stay ascending)
     new_d2t, new_t2d = maps_from_used(used[rows].numpy(), int(config["vocab_size"]))
@@ -170,7 +210,9 @@ def measure_variant(cfg: RunConfig, variant: Variant, plan: Any, args: argparse.
     record: dict[str, Any] = {"variant": variant.name, "trio": variant.trio}
     if variant.draft_vocab:
         dst = Path(args.out).parent / f"export-{variant.name}"
-        record["shrink"] = shrink_export(Path(draft), dst, run_layout(cfg).tokenized, variant.draft_vocab)
+        record["shrink"] = shrink_export(
+            Path(draft), dst, run_layout(cfg).tokenized, variant.draft_vocab, args.token_counts
+        )
         draft = str(dst.resolve())
     key = api_key_for(vcfg)
     spec = server_specs(vcfg, plan.model_path, draft, key, variant.trio or "3-1-4")[variant.trio is not None]
@@ -226,16 +268,18 @@ def summarize(records: list[dict[str, Any]]) -> list[str]:
     """Per variant: round cost in target steps and the speed-up it gives, against baseline and control."""
     by = {r["variant"]: r for r in records if "ms_per_round" in r}
     step = by.get("baseline", {}).get("ms_per_round")
-    control = by.get("3-1-4", {}).get("ms_per_round")  # the first 3-1-4 server; a repeat shows the spread
     lines = []
     for r in records:
         if "ms_per_round" not in r:
             lines.append(f"{r['variant']}: FAILED {r.get('error')}")
             continue
         steps = f"{r['ms_per_round'] / step:.2f} target steps" if step else "no baseline"
+        # a lever against its own trio's plain server (the first one; a repeat #2 shows the spread)
+        trio = r.get("trio") or "3-1-4"
+        control = by.get(trio, {}).get("ms_per_round")
         vs = (
-            f", {r['ms_per_round'] / control - 1:+.1%} vs 3-1-4"
-            if control and r["variant"] not in ("3-1-4", "baseline")
+            f", {r['ms_per_round'] / control - 1:+.1%} vs {trio}"
+            if control and r["variant"] not in (trio, "baseline")
             else ""
         )
         speed = f", speed-up {step / (r['ms_per_round'] / (r['accept_length'] or 1)):.2f}x" if step else ""
@@ -253,6 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="baseline,3-1-4,vocab-4096,7-1-8,attn-decode")
     parser.add_argument("--profile", default="", help="profile this variant after its benchmark")
     parser.add_argument("--profile-steps", type=int, default=60)
+    parser.add_argument(
+        "--token-counts",
+        type=Path,
+        default=None,
+        help="vocab-K: the train split's token counts as .npy (int64 [V], eagle3.data.vocab.count_train_tokens), "
+        "for a run whose tokenized data is not on this host; default: counted from the run's tokenized data",
+    )
     add_server_args(parser, python_default="server.python")
     args = parser.parse_args(argv)
     args.server_args = args.server_args.split()

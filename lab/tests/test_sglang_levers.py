@@ -44,6 +44,27 @@ def test_shrink_export_keeps_the_most_frequent_draft_tokens_and_their_head_rows(
     assert info["coverage_kept"] == pytest.approx(13 / 20) and info["coverage_full"] == pytest.approx(14 / 20)
 
 
+def test_saved_token_counts_cut_the_same_as_counting_the_tokenized_data_and_a_wrong_file_is_refused(tmp_path):
+    """Counts saved as .npy (the run's data on another host) give the same cut; a wrong-sized file is named."""
+    import numpy as np
+
+    from eagle3.data.vocab import count_train_tokens
+
+    src, _, _, _ = sglang_export(tmp_path)
+    data = tokenized(tmp_path / "tok.parquet", [[45] * 5 + [3] * 4 + [47] * 4 + [7, 2]])
+    vocab_size = json.loads((src / "config.json").read_text())["vocab_size"]
+    np.save(tmp_path / "counts.npy", count_train_tokens(data, vocab_size)[0])
+    shrink_export(src, tmp_path / "a", data, keep=3)
+    shrink_export(src, tmp_path / "b", tmp_path / "absent.parquet", keep=3, saved_counts=tmp_path / "counts.npy")
+    assert torch.equal(
+        load_file(str(tmp_path / "a" / "model.safetensors"))["d2t"],
+        load_file(str(tmp_path / "b" / "model.safetensors"))["d2t"],
+    )
+    np.save(tmp_path / "short.npy", np.zeros(5, dtype=np.int64))
+    with pytest.raises(ValueError, match="short.npy: expected int64 counts"):
+        shrink_export(src, tmp_path / "c", data, keep=3, saved_counts=tmp_path / "short.npy")
+
+
 def test_shrink_export_refuses_to_cut_to_the_size_it_has(tmp_path):
     """Asking for as many tokens as the export holds is an error, not a silent copy."""
     src, _, _, dims = sglang_export(tmp_path)
@@ -59,6 +80,31 @@ def test_variants_parse_by_name_and_unknown_ones_are_named():
     assert again.name == "vocab-4096-2" and again.draft_vocab == 4096
     with pytest.raises(ValueError, match="attn-decode"):
         parse_variant("fast")
+
+
+def test_combined_variants_take_one_trio_every_flag_and_the_cut_and_clashes_are_refused():
+    """7-1-8+vocab-4096+attn-decode is chain 7 with the cut and the flag; two trios or a baseline part are errors."""
+    v = parse_variant("7-1-8+vocab-4096+attn-decode")
+    assert (v.name, v.trio, v.draft_vocab) == ("7-1-8+vocab-4096+attn-decode", "7-1-8", 4096)
+    assert v.extra_args == ("--speculative-attention-mode", "decode")
+    assert parse_variant("vocab-4096+compile").trio == "3-1-4"
+    with pytest.raises(ValueError, match="two trios"):
+        parse_variant("7-1-8+3-1-4+vocab-4096+vocab-2048")
+    with pytest.raises(ValueError, match="baseline"):
+        parse_variant("baseline+vocab-4096")
+
+
+def test_a_combined_lever_is_compared_with_its_own_trios_plain_server():
+    """7-1-8+vocab-4096 at 3 ms against 7-1-8's 4 ms reads -25.0% vs 7-1-8, not against 3-1-4."""
+    records = [
+        {"variant": "baseline", "trio": None, "ms_per_round": 1.0, "accept_length": None, "tok_per_s": 1000.0},
+        {"variant": "3-1-4", "trio": "3-1-4", "ms_per_round": 2.0, "accept_length": 2.0, "tok_per_s": 900.0},
+        {"variant": "7-1-8", "trio": "7-1-8", "ms_per_round": 4.0, "accept_length": 3.0, "tok_per_s": 700.0},
+        {"variant": "7-1-8+vocab-4096", "trio": "7-1-8", "ms_per_round": 3.0, "accept_length": 3.0, "tok_per_s": 950.0},
+    ]
+    lines = summarize(records)
+    assert " vs " not in lines[2]  # 7-1-8 is its own trio's control
+    assert "-25.0% vs 7-1-8" in lines[3] and "speed-up 1.00x" in lines[3]
 
 
 def test_summary_reads_round_cost_in_target_steps_and_speedup():
