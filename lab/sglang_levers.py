@@ -12,6 +12,7 @@ the speed-up a setting can reach is accept length / (round ms / step ms). Varian
                   draft lm_head and SGLang's per-step top-k work shrink K/V_draft (e.g. vocab-4096)
   attn-decode     chain 3, ``--speculative-attention-mode decode`` (verify and draft extend on decode kernels)
   compile         chain 3, ``--enable-torch-compile --torch-compile-max-bs 4``
+  ngram           SGLang's n-gram server (no drafter; the run's serve.ngram_* settings), the drafter-free rival
   A+B             levers combined, e.g. 7-1-8+vocab-4096: the trio of the one that sets it, every flag, the cut;
                   compared with its own trio's plain variant (7-1-8 here)
 
@@ -72,6 +73,7 @@ def parse_variant(name: str) -> Variant:
         "7-1-8": Variant("7-1-8", trio="7-1-8"),
         "attn-decode": Variant("attn-decode", extra_args=("--speculative-attention-mode", "decode")),
         "compile": Variant("compile", extra_args=("--enable-torch-compile", "--torch-compile-max-bs", "4")),
+        "ngram": Variant("ngram", trio="ngram"),  # SGLang's drafter-free n-gram server (serve.ngram_* settings)
     }
     if name in fixed:
         return fixed[name]
@@ -83,8 +85,8 @@ def parse_variant(name: str) -> Variant:
 def combine(name: str, parts: list[Variant]) -> Variant:
     """Levers applied together: at most one part names a trio other than the control's 3-1-4 (a baseline part
     cannot combine), flags are concatenated, at most one draft vocab cut. ValueError naming the clash otherwise."""
-    if any(p.trio is None for p in parts):
-        raise ValueError(f"variant {name!r}: the baseline has no speculation to combine levers with")
+    if any(p.trio in (None, "ngram") for p in parts):
+        raise ValueError(f"variant {name!r}: the baseline and the n-gram server have no drafter to apply levers to")
     trios = {p.trio for p in parts} - {"3-1-4"}
     vocabs = {p.draft_vocab for p in parts} - {None}
     if len(trios) > 1 or len(vocabs) > 1:

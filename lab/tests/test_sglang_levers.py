@@ -90,8 +90,11 @@ def test_combined_variants_take_one_trio_every_flag_and_the_cut_and_clashes_are_
     assert parse_variant("vocab-4096+compile").trio == "3-1-4"
     with pytest.raises(ValueError, match="two trios"):
         parse_variant("7-1-8+3-1-4+vocab-4096+vocab-2048")
-    with pytest.raises(ValueError, match="baseline"):
+    with pytest.raises(ValueError, match="no drafter"):
         parse_variant("baseline+vocab-4096")
+    with pytest.raises(ValueError, match="no drafter"):
+        parse_variant("ngram+attn-decode")
+    assert parse_variant("ngram").trio == "ngram"
 
 
 def test_a_combined_lever_is_compared_with_its_own_trios_plain_server():
