@@ -33,7 +33,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -299,6 +299,24 @@ def run_evaluate(
 def skip_reason(cfg: RunConfig) -> str | None:
     """None: evaluate always runs."""
     return None
+
+
+def headline(result: Mapping[str, Any]) -> str:
+    """The run summary's result cell (eagle3.run.summary): the measured acceptance length of each method."""
+    accepted = acceptance_by_method(result.get("stats") or {})
+    return ", ".join(f"{method} {accept:.3f}" for method, accept in accepted.items())
+
+
+def acceptance_by_method(stats: Mapping[str, Any]) -> dict[str, float]:
+    """{method: accept_len} of the manifest's stats ({"<dataset>/<method>": {"accept_len": ...}}): the 'all' rows
+    when there are several datasets, else the one dataset's."""
+    rows: list[tuple[str, str, Any]] = []  # (dataset, method, accept_len)
+    for name, value in stats.items():
+        dataset, slash, method = name.partition("/")
+        if slash and isinstance(value, Mapping):
+            rows.append((dataset, method, value.get("accept_len")))
+    pooled = [row for row in rows if row[0] == "all"]
+    return {method: float(accept) for _, method, accept in pooled or rows if isinstance(accept, (int, float))}
 
 
 key = stage_key_of

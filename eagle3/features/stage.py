@@ -8,6 +8,7 @@ for eagle3.run.registry, imported without torch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from eagle3.config import RunConfig
@@ -15,7 +16,18 @@ from eagle3.features import ONLINE_SKIP, STAGE
 from eagle3.run.progress import ProgressFn
 from eagle3.run.stage import StageOutcome
 
-__all__ = ["DESCRIPTION", "ONLINE_SKIP", "SECTION", "STAGE", "key", "main", "run", "skip_reason", "up_to_date"]
+__all__ = [
+    "DESCRIPTION",
+    "ONLINE_SKIP",
+    "SECTION",
+    "STAGE",
+    "headline",
+    "key",
+    "main",
+    "run",
+    "skip_reason",
+    "up_to_date",
+]
 
 SECTION = "capture"
 DESCRIPTION = "capture the target's hidden states of every tokenized sample, in shards"
@@ -24,6 +36,13 @@ DESCRIPTION = "capture the target's hidden states of every tokenized sample, in 
 def skip_reason(cfg: RunConfig) -> str | None:
     """Why the stage has nothing to do for ``cfg`` (None: it runs): a run that trains online captures nothing."""
     return ONLINE_SKIP if cfg.train.features == "online" else None
+
+
+def headline(result: Mapping[str, Any]) -> str:
+    """The run summary's result cell (eagle3.run.summary): shards, tokens and megabytes captured."""
+    stats = result.get("stats") or {}
+    megabytes = stats.get("num_bytes", 0) / 1e6
+    return f"{stats.get('num_shards')} shards, {stats.get('num_tokens')} tokens, {megabytes:.1f} MB"
 
 
 def key(cfg: RunConfig) -> str:

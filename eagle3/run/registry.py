@@ -12,7 +12,7 @@ The stage modules load without torch (their work imports it when it runs), so th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -35,9 +35,9 @@ ONLINE_SKIP = capture.ONLINE_SKIP
 
 
 class StageModule(Protocol):
-    """The names every stage module defines; a module may add ``COMMAND``, ``TORCHRUN``, ``up_to_date(cfg, key)``
-    and ``output(layout)`` (StageSpec says what each means and what its absence does); the registry reads nothing
-    else."""
+    """The names every stage module defines; a module may add ``COMMAND``, ``TORCHRUN``, ``up_to_date(cfg, key)``,
+    ``output(layout)`` and ``headline(result)`` (StageSpec says what each means and what its absence does); the
+    registry reads nothing else."""
 
     STAGE: StageId
     SECTION: str | None
@@ -136,6 +136,13 @@ class StageSpec:
     def main(self, argv: list[str] | None = None) -> Any:
         """The stage's command line (``python -m <cli>``) with ``argv``."""
         return self.stage.main(argv)
+
+    def headline(self, result: Mapping[str, Any]) -> str | None:
+        """The main counts of the stage's result (its task's JSON) in a few words, as its module's
+        ``headline(result)`` says them (the run summary's result cell); None: the module says nothing of this
+        result (the summary lists its outputs)."""
+        said: Callable[[Mapping[str, Any]], str | None] | None = getattr(self.module, "headline", None)
+        return None if said is None else said(result)
 
     def is_complete(self, cfg: RunConfig, key: str | None = None) -> bool:
         """True when the stage's manifest matches its current inputs (a re-run would skip it); ``key``: the stage

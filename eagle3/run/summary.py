@@ -84,41 +84,17 @@ def stage_output(layout: RunLayout, stage: str) -> str:
 
 
 def headline(stage: str, result: Mapping[str, Any] | None) -> str:
-    """The main counts of a stage's result (its task's JSON): what the summary's 'result' cell says."""
+    """The main counts of a stage's result (its task's JSON): what the summary's 'result' cell says. A registry
+    stage says them itself (eagle3.run.registry: StageSpec.headline); otherwise, and for a row that is no registry
+    stage, the cell lists the result's outputs."""
+    from eagle3.run.registry import BY_NAME
+
     if not isinstance(result, Mapping) or not result:
         return ""
     if result.get("skipped"):
         return str(result["skipped"])
-    stats = result.get("stats") or {}
-    if stage == "merge" and stats.get("total"):
-        return f"kept {stats['total'].get('kept')} of {stats['total'].get('read')} conversations"
-    if stage == "tokenize" and "rows_written" in stats:
-        return f"{stats['rows_written']} rows, {stats.get('num_tokens')} tokens"
-    if stage == "vocab" and "draft_vocab_size" in stats:
-        return f"{stats['draft_vocab_size']} draft tokens, coverage {stats.get('coverage', float('nan')):.3f}"
-    if stage == "capture":
-        return (
-            f"{stats.get('num_shards')} shards, {stats.get('num_tokens')} tokens, "
-            f"{stats.get('num_bytes', 0) / 1e6:.1f} MB"
-        )
-    if stage == "train":
-        last = result.get("last_eval") or {}
-        return f"val acc_0 {_fmt(last.get('acc_0'))}, accept_len_est {_fmt(last.get('accept_len_est'))}"
-    if stage == "evaluate":
-        return ", ".join(f"{method} {accept:.3f}" for method, accept in acceptance_by_method(stats).items())
-    return ", ".join(f"`{k}`" for k in result.get("outputs") or {})
-
-
-def acceptance_by_method(stats: Mapping[str, Any]) -> dict[str, float]:
-    """{method: accept_len} of the evaluate manifest's stats ({"<dataset>/<method>": {"accept_len": ...}}): the
-    'all' rows when there are several datasets, else the one dataset's."""
-    rows: list[tuple[str, str, Any]] = []  # (dataset, method, accept_len)
-    for key, value in stats.items():
-        dataset, slash, method = key.partition("/")
-        if slash and isinstance(value, Mapping):
-            rows.append((dataset, method, value.get("accept_len")))
-    pooled = [row for row in rows if row[0] == "all"]
-    return {method: float(accept) for _, method, accept in pooled or rows if isinstance(accept, (int, float))}
+    said = BY_NAME[stage].headline(result) if stage in BY_NAME else None
+    return said if said is not None else ", ".join(f"`{k}`" for k in result.get("outputs") or {})
 
 
 def summary_rows(runs: Sequence[StageRun]) -> list[dict[str, str]]:
@@ -198,11 +174,6 @@ def duration_lines(runs: Sequence[StageRun]) -> list[str]:
     lines = [f"  {r['stage']:<{width}}  {r['state']:<20} {r['seconds'] or '-':>9}" for r in rows]
     total = sum(r.duration_s or 0.0 for r in runs)
     return lines + [f"  {'total':<{width}}  {'':<20} {total:>9.2f}"]
-
-
-def _fmt(value: Any) -> str:
-    """A figure to 3 decimals (floats), as given otherwise (None: "-")."""
-    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def render_early_failure(

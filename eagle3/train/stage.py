@@ -9,6 +9,7 @@ stage's face for eagle3.run.registry, imported without torch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from eagle3.config import RunConfig
@@ -16,7 +17,7 @@ from eagle3.run.progress import ProgressFn
 from eagle3.run.stage import StageOutcome, read_manifest
 from eagle3.train import STAGE
 
-__all__ = ["DESCRIPTION", "SECTION", "STAGE", "TORCHRUN", "key", "main", "run", "skip_reason"]
+__all__ = ["DESCRIPTION", "SECTION", "STAGE", "TORCHRUN", "headline", "key", "main", "run", "skip_reason"]
 
 SECTION = "train"
 DESCRIPTION = "train the drafter (torchrun; resumes from the latest checkpoint)"
@@ -27,6 +28,17 @@ TORCHRUN = True
 def skip_reason(cfg: RunConfig) -> str | None:
     """None: training always runs."""
     return None
+
+
+def headline(result: Mapping[str, Any]) -> str:
+    """The run summary's result cell (eagle3.run.summary): the last validation's acc_0 and acceptance estimate."""
+    last = result.get("last_eval") or {}
+    return f"val acc_0 {_fmt(last.get('acc_0'))}, accept_len_est {_fmt(last.get('accept_len_est'))}"
+
+
+def _fmt(value: Any) -> str:
+    """A figure to 3 decimals (floats), as given otherwise (None: "-")."""
+    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def key(cfg: RunConfig) -> str:

@@ -4,11 +4,13 @@ on records and paths, checked against golden rows without a Prefect server."""
 from __future__ import annotations
 
 import json
+import types
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
+from eagle3.evaluate.stage import acceptance_by_method
 from eagle3.run.history import (
     AcceptanceRecord,
     acceptance_record,
@@ -26,7 +28,6 @@ from eagle3.run.summary import (
     SKIPPED,
     SUMMARY_COLUMNS,
     StageRun,
-    acceptance_by_method,
     headline,
     render_early_failure,
     render_summary,
@@ -122,6 +123,22 @@ def test_headlines_give_each_stage_its_main_counts():
     assert headline("export", {"outputs": {"sglang": "/x", "speculators": "/y"}}) == "`sglang`, `speculators`"
     assert headline("capture", {"skipped": "online"}) == "online"
     assert headline("target", None) == "" and headline("target", object()) == ""  # type: ignore[arg-type]
+
+
+def test_a_stage_says_its_own_headline_through_the_registry(monkeypatch):
+    """The result cell of a registry stage is its module's headline(result) (the summary names no stage); a module
+    without one, or one that says nothing of this result, gets the result's outputs."""
+    from eagle3.run import registry
+    from eagle3.run.stage import StageId
+
+    toy, plain = types.ModuleType("toy_stage"), types.ModuleType("plain_stage")
+    toy.STAGE, plain.STAGE = StageId("toy", "toy"), StageId("plain", "plain")
+    toy.headline = lambda result: f"{result['stats']['rows']} rows" if result.get("stats") else None
+    specs = {"toy": registry.StageSpec(toy), "plain": registry.StageSpec(plain)}
+    monkeypatch.setattr(registry, "BY_NAME", {**registry.BY_NAME, **specs})
+    assert headline("toy", {"stats": {"rows": 3}, "outputs": {"count": "/x"}}) == "3 rows"
+    assert headline("toy", {"outputs": {"count": "/x"}}) == "`count`"
+    assert headline("plain", {"stats": {"rows": 3}, "outputs": {"count": "/x"}}) == "`count`"
 
 
 GOLDEN_RUNS = [

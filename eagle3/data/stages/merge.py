@@ -5,7 +5,9 @@ python -m eagle3.data.stages.merge --preset tiny
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from eagle3.config import ConfigError, RunConfig, section_dict
 from eagle3.data.stages import synthesize
@@ -27,6 +29,12 @@ def output(layout: RunLayout) -> Path:
 def skip_reason(cfg: RunConfig) -> str | None:
     """None: merge always runs."""
     return None
+
+
+def headline(result: Mapping[str, Any]) -> str | None:
+    """The run summary's result cell (eagle3.run.summary): conversations kept of those read (None: no totals)."""
+    total = (result.get("stats") or {}).get("total")
+    return f"kept {total.get('kept')} of {total.get('read')} conversations" if total else None
 
 
 def key(cfg: RunConfig) -> str:

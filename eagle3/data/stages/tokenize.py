@@ -5,7 +5,9 @@ python -m eagle3.data.stages.tokenize --preset smollm2-demo --set tokenize.max_l
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from eagle3.config import RunConfig, section_dict
 from eagle3.data.stages import merge, regenerate
@@ -27,6 +29,12 @@ def output(layout: RunLayout) -> Path:
 def skip_reason(cfg: RunConfig) -> str | None:
     """None: tokenize always runs."""
     return None
+
+
+def headline(result: Mapping[str, Any]) -> str | None:
+    """The run summary's result cell (eagle3.run.summary): rows and tokens written (None: no counts)."""
+    stats = result.get("stats") or {}
+    return f"{stats['rows_written']} rows, {stats.get('num_tokens')} tokens" if "rows_written" in stats else None
 
 
 def conversations_manifest(cfg: RunConfig) -> Path:

@@ -5,6 +5,9 @@ python -m eagle3.data.stages.vocab --preset tiny
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from eagle3.config import RunConfig, section_dict
 from eagle3.data.stages import tokenize
 from eagle3.data.stages.common import data_stage_main, target
@@ -20,6 +23,14 @@ DESCRIPTION = "build the draft vocab map from the train split's assistant tokens
 def skip_reason(cfg: RunConfig) -> str | None:
     """None: vocab always runs."""
     return None
+
+
+def headline(result: Mapping[str, Any]) -> str | None:
+    """The run summary's result cell (eagle3.run.summary): the draft vocab's size and coverage (None: no counts)."""
+    stats = result.get("stats") or {}
+    if "draft_vocab_size" not in stats:
+        return None
+    return f"{stats['draft_vocab_size']} draft tokens, coverage {stats.get('coverage', float('nan')):.3f}"
 
 
 def key(cfg: RunConfig, fp: str | None = None) -> str:
