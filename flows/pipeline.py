@@ -23,6 +23,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from eagle3 import deploy
 from eagle3.config import ConfigError, RunConfig, intended_run_name, load_config
 from eagle3.data.stages import regenerate
 from eagle3.evaluate import stage as evaluate
@@ -148,9 +149,9 @@ def run_model_stages(
             MODEL_RUNS[spec.module](cfg, force, results, clock)
     steps = deploy_steps(until)
     if steps:
-        deploy = eagle3_deploy.with_options(flow_run_name=stage_run_name("deploy"))  # "deploy-<run>"
+        subflow = eagle3_deploy.with_options(flow_run_name=stage_run_name(deploy.STAGE.name))  # "deploy-<run>"
         state = clock.call(
-            deploy_label(steps), "flow-run", lambda: deploy(config=cfg, force=force, steps=steps, return_state=True)
+            deploy_label(steps), "flow-run", lambda: subflow(config=cfg, force=force, steps=steps, return_state=True)
         )
         deployed = state.result()
         if deployed.get("stage_runs"):  # the subflow's own row gives way to one row per step, linked to its run
@@ -202,7 +203,7 @@ def eagle3_pipeline(
     overrides: list[str] | None = None,
     config: RunConfig | None = None,
     force: bool = False,
-    until: LastStage = "deploy",
+    until: LastStage = LAST_STAGES[-1],
 ) -> dict[str, Any]:
     """Run the pipeline for a preset (+ dotted overrides) or a full config, up to stage ``until``.
 

@@ -30,7 +30,7 @@ SLICE_DEPLOYMENT = "eagle3-regenerate-slice/eagle3-regenerate-slice"
 
 def regenerate_in_slices(cfg: RunConfig, force: bool = False, poll_s: float = 5.0) -> StageOutcome:
     """The regenerate stage with its conversations answered by regenerate.num_slices slice runs; its outcome."""
-    from eagle3.data.stages.regenerate import run as run_regenerate
+    from eagle3.data.stages import regenerate
 
     def run(num_slices: int, poll: Callable[[], None]) -> None:
         run_slices(
@@ -42,8 +42,8 @@ def regenerate_in_slices(cfg: RunConfig, force: bool = False, poll_s: float = 5.
         )
 
     description = f"regenerate ({cfg.run.name}, {cfg.regenerate.num_slices} slices)"
-    with ProgressArtifact(artifact_key(cfg, "regenerate"), description) as progress:
-        outcome = run_regenerate(cfg, progress.callback, force, run_slices=run)
+    with ProgressArtifact(artifact_key(cfg, regenerate.STAGE.name), description) as progress:
+        outcome = regenerate.run(cfg, progress.callback, force, run_slices=run)
         assert outcome is not None  # (called with regeneration on)
         return outcome
 

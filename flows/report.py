@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from eagle3.config import RunConfig
+from eagle3.data.stages import merge, tokenize, vocab
 from eagle3.evaluate import stage as evaluate
 from eagle3.export import stage as export
 from eagle3.features import stage as capture
@@ -61,20 +62,22 @@ def print_summary(result: dict[str, Any], wall_s: float | None = None, outcome: 
         print(f"\n[{stage}] {state}")
         for key, value in _headline(res["stats"]).items():
             print(f"  {key:<28} {value}")
-    if result.get("capture", {}).get("skipped"):
-        print(f"\n[capture] skipped: {result['capture']['skipped']}")
-    elif result.get("capture"):
-        print("\n[capture]")
+    captured, trained = result.get(capture.STAGE.name), result.get(train.STAGE.name)
+    exported, evaluation = result.get(export.STAGE.name), result.get(evaluate.STAGE.name)
+    if captured and captured.get("skipped"):
+        print(f"\n[{capture.STAGE.name}] skipped: {captured['skipped']}")
+    elif captured:
+        print(f"\n[{capture.STAGE.name}]")
         for key in ("num_shards", "num_samples", "num_tokens", "num_bytes", "bytes_per_token", "aux_layer_ids"):
-            print(f"  {key:<28} {result['capture']['stats'].get(key)}")
-    if result.get("train"):
-        _print_train(result["train"])
-    if result.get("export"):
-        print(f"\n[export]\n  {'directory':<28} {result['export']['dir']}")
-        if selection := result["export"]["stats"].get("selection"):
+            print(f"  {key:<28} {captured['stats'].get(key)}")
+    if trained:
+        _print_train(trained)
+    if exported:
+        print(f"\n[{export.STAGE.name}]\n  {'directory':<28} {exported['dir']}")
+        if selection := exported["stats"].get("selection"):
             print(f"  {'checkpoint':<28} step {selection['step']} ({selection['reason']})")
-    if result.get("evaluate"):
-        _print_eval(result["evaluate"])
+    if evaluation:
+        _print_eval(evaluation)
 
 
 def print_stage_seconds(cfg: RunConfig, flow_run_id: str) -> None:
@@ -90,7 +93,7 @@ def print_stage_seconds(cfg: RunConfig, flow_run_id: str) -> None:
 
 def _print_train(summary: dict[str, Any]) -> None:
     """Train and validation accuracy per TTT step, and the acceptance-length estimate."""
-    print("\n[train]")
+    print(f"\n[{train.STAGE.name}]")
     for name, rec in (("last train step", summary.get("last_train")), ("last validation", summary.get("last_eval"))):
         if not rec:
             continue
@@ -109,7 +112,7 @@ def _print_train(summary: dict[str, Any]) -> None:
 
 def _print_eval(evaluation: dict[str, Any]) -> None:
     """Measured acceptance length per dataset and method (from eval/results.json)."""
-    print("\n[evaluate] measured by speculative decoding against the target (bonus token included)")
+    print(f"\n[{evaluate.STAGE.name}] measured by speculative decoding against the target (bonus token included)")
     for row in eval_rows(evaluation):
         print(
             f"  {row['dataset']:<10} {row['method']:<14} accept_len {row['accept_len']:<7} "
@@ -164,13 +167,13 @@ def _table(rows: list[dict[str, Any]], columns: tuple[str, ...] | None = None) -
 def data_section(res: dict[str, Any]) -> list[str]:
     """Markdown of the data stages' stats: per-source counts, rejects by reason, tokenization, draft vocab."""
     lines: list[str] = []
-    merge = res.get("merge", {}).get("stats", {})
-    if merge:
+    merged = res.get(merge.STAGE.name, {}).get("stats", {})
+    if merged:
         per_source = [
             {"source": name, **{k: s.get(k) for k in ("read", "kept", "rejected", "train", "val", "num_turns")}}
-            for name, s in {**merge.get("sources", {}), "(total)": merge.get("total", {})}.items()
+            for name, s in {**merged.get("sources", {}), "(total)": merged.get("total", {})}.items()
         ]
-        reasons = {r: n for r, n in merge.get("total", {}).get("rejected_by_reason", {}).items() if n}
+        reasons = {r: n for r, n in merged.get("total", {}).get("rejected_by_reason", {}).items() if n}
         lines += (
             ["## Data", ""]
             + _table(per_source)
@@ -182,7 +185,7 @@ def data_section(res: dict[str, Any]) -> list[str]:
                 "",
             ]
         )
-    tok = res.get("tokenize", {}).get("stats", {})
+    tok = res.get(tokenize.STAGE.name, {}).get("stats", {})
     if tok:
         cut = {r: n for r, n in tok.get("rejected_by_reason", {}).items() if n}
         lines += [
@@ -195,15 +198,15 @@ def data_section(res: dict[str, Any]) -> list[str]:
             f"end of turn `{tok.get('end_of_turn_text')}`",
             "",
         ]
-    vocab = res.get("vocab", {}).get("stats", {})
-    if vocab:
+    drafted = res.get(vocab.STAGE.name, {}).get("stats", {})
+    if drafted:
         lines += [
             "## Draft vocabulary",
-            f"{vocab.get('draft_vocab_size', 0):,} of "
-            f"{vocab.get('target_vocab_size', 0):,} target tokens; they cover "
-            f"{vocab.get('coverage', float('nan')):.3f} of the "
-            f"{vocab.get('num_train_loss_tokens', 0):,} trained-on tokens of the train split "
-            f"({vocab.get('num_distinct_tokens', 0):,} distinct)",
+            f"{drafted.get('draft_vocab_size', 0):,} of "
+            f"{drafted.get('target_vocab_size', 0):,} target tokens; they cover "
+            f"{drafted.get('coverage', float('nan')):.3f} of the "
+            f"{drafted.get('num_train_loss_tokens', 0):,} trained-on tokens of the train split "
+            f"({drafted.get('num_distinct_tokens', 0):,} distinct)",
             "",
         ]
     return lines
@@ -237,7 +240,7 @@ def render_run_report(cfg: RunConfig) -> str:
 
     res, layout = results_from_disk(cfg), run_layout(cfg)
     lines = [f"# Run report `{cfg.run.name}`", "", f"run directory `{layout.root.resolve()}`", ""] + data_section(res)
-    cap = res.get("capture", {}).get("stats", {})
+    cap = res.get(capture.STAGE.name, {}).get("stats", {})
     if cap:
         lines += [
             "## Capture",
@@ -245,7 +248,7 @@ def render_run_report(cfg: RunConfig) -> str:
             f"{cap.get('num_bytes', 0) / 1e6:.1f} MB, {cap.get('bytes_per_token')} bytes/token",
             "",
         ]
-    trained = res.get("train")
+    trained = res.get(train.STAGE.name)
     if trained:
         last_train, last_eval = trained.get("last_train") or {}, trained.get("last_eval") or {}
         lines += [
@@ -255,11 +258,11 @@ def render_run_report(cfg: RunConfig) -> str:
             f"{last_eval.get('accept_len_est', float('nan')):.3f}",
             "",
         ]
-        lines += selection_lines(trained.get("manifest", {}), res.get("export", {}).get("stats", {}))
+        lines += selection_lines(trained.get("manifest", {}), res.get(export.STAGE.name, {}).get("stats", {}))
         lines += [markdown_image(p) for p in layout.train_plots if p.is_file()]
-    if res.get("evaluate"):
+    if res.get(evaluate.STAGE.name):
         lines += ["", "## Measured acceptance (speculative decoding against the target)", ""]
-        rows = eval_rows(res["evaluate"])
+        rows = eval_rows(res[evaluate.STAGE.name])
         lines += _table(rows, ACCEPTANCE_COLUMNS) + [
             "",
             "Lossless check against the target's own greedy output: identical, near_tie (first difference "

@@ -13,13 +13,14 @@ from typing import Any
 from prefect import flow
 
 from eagle3.config import RunConfig, load_config
+from eagle3.train import STAGE
 from flows.common import PresetName, as_json, guard_crash_loop, preset_gpu_note
 from flows.run_names import stage_run_name
 from flows.train_nodes import train_nodes
 from tasks.train import train_task
 
 
-@flow(name="eagle3-train", log_prints=True, flow_run_name=stage_run_name("train"))
+@flow(name="eagle3-train", log_prints=True, flow_run_name=stage_run_name(STAGE.name))
 @preset_gpu_note
 def eagle3_train(
     preset: PresetName = "smollm2-demo", overrides: list[str] | None = None, config: RunConfig | None = None

@@ -46,7 +46,7 @@ def export_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
 def evaluate_task(cfg: RunConfig, force: bool = False) -> StageOutcome:
     """Offline speculative decoding with the target in PyTorch: acceptance and lossless check (up to date:
     ``Cached``, tasks.stage_cache)."""
-    with ProgressArtifact(artifact_key(cfg, "evaluate"), f"offline evaluation ({cfg.run.name})") as progress:
+    with ProgressArtifact(artifact_key(cfg, evaluate.STAGE.name), f"offline evaluation ({cfg.run.name})") as progress:
         return evaluate.run_evaluate(cfg, progress=progress.callback, force=force, known_key=computed_key())
 
 

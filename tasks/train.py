@@ -195,7 +195,7 @@ def skipped_train(cfg: RunConfig, key: str) -> TrainSummary:
 
 
 @task(
-    name="train",
+    name=STAGE.name,
     tags=["gpu"],
     retries=2,
     retry_delay_seconds=[30, 120],

@@ -101,7 +101,7 @@ def key_for(cfg: RunConfig, model_dir: Path, export_dir: Path | None = None) -> 
         from eagle3.export.model_card import CARD_FILE  # rewritten by this stage: never part of what it measured
 
         files = sorted(p for p in Path(export_dir).iterdir() if p.is_file() and p.name != CARD_FILE)
-        extra["export"] = {p.name: sha256_file(p) for p in files}
+        extra[export.STAGE.name] = {p.name: sha256_file(p) for p in files}
         inputs = []
     return stage_key(STAGE, section_dict(cfg, SECTION), inputs, extra)
 

@@ -59,7 +59,7 @@ def check_export(export_dir: Path) -> str:
 
 def export_dir(cfg: RunConfig) -> Path:
     """<run>/export."""
-    return cfg.run_dir / "export"
+    return cfg.run_dir / EXPORT_DIR
 
 
 def key_for(cfg: RunConfig) -> str:
@@ -89,7 +89,7 @@ def _checkpoint_dir(cfg: RunConfig) -> tuple[Path, Any]:
     from eagle3.train.checkpoint import MODEL_FILE, verify_checkpoint
 
     selection = select_checkpoint(cfg.train.select, cfg.export.checkpoint, _train_stats(cfg))
-    path = cfg.run_dir / "train" / selection.checkpoint
+    path = cfg.run_dir / TRAIN.folder / selection.checkpoint
     if not selection.checkpoint or not (path / WEIGHTS_FILE).is_file():
         raise FileNotFoundError(f"no checkpoint weights at {path / WEIGHTS_FILE} ({selection.reason})")
     verify_checkpoint(path, (MODEL_FILE,))
@@ -133,7 +133,7 @@ def _drafter_inputs(cfg: RunConfig, model_dir: Path) -> tuple[DrafterDims, list[
             f"features/spec.json (target {spec.target_fingerprint}, aux {spec.aux_layer_ids}) does not "
             f"match the configured target {model_dir} (aux {info.aux_layer_ids})"
         )
-    d2t, t2d = load_vocab_map(cfg.run_dir / "vocab")
+    d2t, t2d = load_vocab_map(cfg.run_dir / vocab.STAGE.folder)
     return drafter_dims(info, model_dir, draft_vocab_size=len(d2t)), list(spec.aux_layer_ids), d2t, t2d
 
 
