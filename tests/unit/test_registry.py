@@ -175,7 +175,7 @@ def test_a_toy_stage_added_to_the_registry_runs_through_the_same_runner_cli_and_
 
 # --------------------------------------------------------------------------- one list of stages
 
-CODE_DIRS = ("eagle3", "flows", "tasks", "scripts")
+CODE_DIRS = ("eagle3", "infra", "flows", "tasks", "deployments", "scripts")
 STAGE_CALLS = {
     "get_stage",
     "manifest",
@@ -195,26 +195,36 @@ STAGE_CALLS = {
     "StageOutcome",
 }
 """Calls whose string arguments name a stage."""
+LOOKUPS = {"get", "pop", "setdefault"}
+"""Methods whose first argument is a key: ``results.get("merge")`` picks a stage's result by its name."""
 
 
 def stage_name_uses(path: Path, names: set[str]) -> list[str]:
     """'file:line name' for every place ``path``'s code names a stage by a string: a string argument of a call
-    that takes a stage (STAGE_CALLS), or a list, tuple, set or dict of two or more stage names (a stage order)."""
+    that takes a stage (STAGE_CALLS), a comparison with a stage's name (``stage == "merge"``), a lookup by it
+    (``res["evaluate"]``, ``res.get("capture")``), or a list, tuple, set or dict of two or more stage names (a stage
+    order)."""
     found = []
+
+    def named(*nodes: ast.expr) -> list[str]:
+        return [f"{path}:{n.lineno} {n.value}" for n in nodes if isinstance(n, ast.Constant) and n.value in names]
+
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Call):
             func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
             if func in STAGE_CALLS:
-                found += [
-                    f"{path}:{a.lineno} {a.value}"
-                    for a in node.args
-                    if isinstance(a, ast.Constant) and a.value in names
-                ]
+                found += named(*node.args)
+            elif func in LOOKUPS and isinstance(node.func, ast.Attribute):
+                found += named(*node.args[:1])
+        elif isinstance(node, ast.Compare):
+            found += named(node.left, *node.comparators)
+        elif isinstance(node, ast.Subscript):
+            found += named(node.slice)
         elif isinstance(node, (ast.List, ast.Tuple, ast.Set, ast.Dict)):
             items = node.keys if isinstance(node, ast.Dict) else node.elts
-            named = [e for e in items if isinstance(e, ast.Constant) and e.value in names]
-            if len(named) >= 2:
-                found += [f"{path}:{e.lineno} {e.value}" for e in named]
+            listed = named(*(e for e in items if e is not None))
+            if len(listed) >= 2:
+                found += listed
     return found
 
 
@@ -225,6 +235,13 @@ NOT_STAGES = {
         "layout names every folder once and a stage's StageId points at its own; four of "
         "them equal a stage's name, and runs on disk keep them",
     ),
+    "eagle3/data/merge.py": (1, "the 'train' split of a row (row['split'] == 'train'), not the stage"),
+    "eagle3/export/model_card.py": (
+        2,
+        "the 'train' split's count of a source and the train manifest's last training step (stats['train']), "
+        "not the stage",
+    ),
+    "flows/report.py": (1, "the train manifest's last training step (stats.get('train')), not the stage"),
     "eagle3/refresh/candidate.py": (
         2,
         "config section names of a candidate run's overrides ({'regenerate': "
@@ -261,10 +278,18 @@ def test_stage_names_appear_in_code_only_in_their_own_module_and_the_registry():
 
 
 def test_stage_name_checker_finds_a_hand_written_stage_list(tmp_path):
-    """The check above finds a stage list and a stage named in a call, and passes a split named 'train'."""
+    """The check above finds a stage list, a stage named in a call, a comparison with a stage's name and a lookup
+    by it, and passes a split named 'train'."""
     code = tmp_path / "x.py"
-    code.write_text('ORDER = ["merge", "tokenize"]\npath = layout.manifest("vocab")\nsplit = read_split(p, "train")\n')
-    assert [u.split(" ")[1] for u in stage_name_uses(code, {"merge", "tokenize", "vocab", "train"})] == [
+    code.write_text(
+        'ORDER = ["merge", "tokenize"]\npath = layout.manifest("vocab")\nsplit = read_split(p, "train")\n'
+        'if stage == "capture":\n    x = res.get("export")\ny = res["evaluate"]\n'
+    )
+    stages = {"merge", "tokenize", "vocab", "train", "capture", "export", "evaluate"}
+    assert sorted(u.split(" ")[1] for u in stage_name_uses(code, stages)) == [
+        "capture",
+        "evaluate",
+        "export",
         "merge",
         "tokenize",
         "vocab",
