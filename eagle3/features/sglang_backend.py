@@ -163,6 +163,9 @@ def _launch_servers(cfg: RunConfig, model_dir: Path, spec: FeatureSpec, api_key:
                 dp_size=sg.dp_size,
                 api_key=api_key,
                 mem_fraction_static=mem,
+                # the in-process capture's compute dtype: without --dtype SGLang serves a float32 checkpoint (a
+                # converted GGUF target) in float16, whose states differ from bf16 ones and can overflow
+                dtype=cfg.target.dtype,
                 attention_backend=server.attention_backend,
                 aux_layer_ids=tuple(spec.aux_layer_ids) if mode != "capture_final" else None,
                 extra_args=tuple(server.extra_args),

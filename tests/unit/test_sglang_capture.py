@@ -553,9 +553,11 @@ def test_a_shard_backend_waits_for_a_managed_server_killed_between_shards(tmp_pa
 
 
 def test_a_managed_capture_packed_server_returns_aux_and_final_in_one_pass(tmp_path, monkeypatch):
-    """server_mode capture_packed launches ONE server with the model package's env; aux and final equal the fake's."""
+    """server_mode capture_packed launches ONE server with the model package's env, in the target's compute dtype
+    (SGLang's own default would serve a float32 checkpoint in float16); aux and final equal the fake's."""
     model = _fake_gpu_host(tmp_path, monkeypatch)
     cfg = run_config(tmp_path, "final_hidden", python=sys.executable, port=two_free_ports(), startup_timeout_s=30)
+    cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"dtype": "bfloat16"})})
     assert cfg.capture.sglang.server_mode == "capture_packed"  # the default: it runs on SGLang 0.5.16 too
     b = SGLangCaptureBackend.from_config(cfg, model, feature_spec())
     try:
@@ -564,6 +566,7 @@ def test_a_managed_capture_packed_server_returns_aux_and_final_in_one_pass(tmp_p
         assert server.spec.mode == "capture_packed" and server.spec.aux_layer_ids == tuple(AUX_IDS)
         argv = server.spec.argv("key.yaml")
         assert "--disable-cuda-graph" in argv and "--enable-return-hidden-states" in argv
+        assert argv[argv.index("--dtype") + 1] == "bfloat16"
     finally:
         b.close()
     for got, sample in zip(captured, samples(3)):
