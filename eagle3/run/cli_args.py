@@ -144,13 +144,19 @@ def is_user_error(exc: BaseException) -> bool:
 
 
 def exit_on_user_error(fn):
-    """Decorator for main(): a user error (is_user_error) prints one line, ``error: <message>``, and exits 2; any
-    other exception propagates with its traceback (Python exits 1)."""
+    """Decorator for main(): a user error (is_user_error) prints one line, ``error: <message>``, and exits 2; a
+    failed check of measured figures (MeasurementError: its message names each failed figure and why) prints that
+    message and exits 1, as a result rather than a bug; any other exception propagates with its traceback (Python
+    exits 1)."""
+    from infra.sglang_bench_records import MeasurementError
 
     def wrapper(*a, **kw):
         try:
             return fn(*a, **kw)
         except Exception as exc:
+            if isinstance(exc, MeasurementError):
+                print(f"error: {exc}", file=sys.stderr)
+                raise SystemExit(1) from None
             if not is_user_error(exc):
                 raise
             print(f"error: {os_error_message(exc) or exc}", file=sys.stderr)

@@ -253,7 +253,11 @@ def test_a_whole_set_gap_names_the_same_text_gap_and_where_it_comes_from():
     errors = check_errors(checks, same, 0.03)
     assert len(errors) == 2
     assert "3.6% > 3%" in errors[0] and "19 prompts with identical outputs the gap is 0.1%" in errors[0]
-    assert "not from the drafter" in errors[0]
+    assert "not from the drafter or a train/serve mismatch" in errors[0] and "(aux layer ids" not in errors[0]
+    gap = [AcceptCheck("3-1-4", "humaneval", 1.410, 1.463, 0.036, False)]
+    drifted = [SameTextCheck("3-1-4", "humaneval", 19, 40, 1.40, 1.46, 0.041, False)]
+    (mismatch, _) = check_errors(gap, drifted, 0.03)
+    assert "a train/serve mismatch (aux layer ids" in mismatch and "identical outputs the gap is 4.1%" in mismatch
     assert errors[1].startswith("3-1-4 all: on 70 prompts with identical outputs") and "7.1% > 3%" in errors[1]
     table = render_checks(checks, same, None)
     assert "| humaneval | 1.410 | 1.463 | 3.6% FAIL | 19/40 | 1.450 / 1.452 | 0.1% |" in table

@@ -117,3 +117,19 @@ def _tiny_target(cfg):
     from eagle3.target.load import prepare_target
 
     return prepare_target(cfg)
+
+
+def test_a_failed_measurement_check_exits_1_with_its_message_and_no_traceback(capsys):
+    """MeasurementError (e.g. SGLang's accept length 3.7% from eagle3 eval's) is a result: its lines, exit 1."""
+    from eagle3.run.cli_args import exit_on_user_error
+    from infra.sglang_bench_records import MeasurementError
+
+    @exit_on_user_error
+    def main() -> None:
+        raise MeasurementError("deploy figures failed their checks:\n  5-4-8 mtbench: 3.7% > 3%")
+
+    with pytest.raises(SystemExit) as ended:
+        main()
+    assert ended.value.code == 1
+    err = capsys.readouterr().err
+    assert err == "error: deploy figures failed their checks:\n  5-4-8 mtbench: 3.7% > 3%\n"
