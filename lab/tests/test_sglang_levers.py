@@ -45,15 +45,15 @@ def test_shrink_export_keeps_the_most_frequent_draft_tokens_and_their_head_rows(
 
 
 def test_saved_token_counts_cut_the_same_as_counting_the_tokenized_data_and_a_wrong_file_is_refused(tmp_path):
-    """Counts saved as .npy (the run's data on another host) give the same cut; a wrong-sized file is named."""
+    """Counts saved by lab/token_counts.py (the run's data on another host) give the same cut; a wrong-sized file
+    is named."""
     import numpy as np
-
-    from eagle3.data.vocab import count_train_tokens
 
     src, _, _, _ = sglang_export(tmp_path)
     data = tokenized(tmp_path / "tok.parquet", [[45] * 5 + [3] * 4 + [47] * 4 + [7, 2]])
-    vocab_size = json.loads((src / "config.json").read_text())["vocab_size"]
-    np.save(tmp_path / "counts.npy", count_train_tokens(data, vocab_size)[0])
+    from lab.token_counts import save_counts
+
+    assert save_counts(data, src, tmp_path / "counts.npy") == (15, 1)
     shrink_export(src, tmp_path / "a", data, keep=3)
     shrink_export(src, tmp_path / "b", tmp_path / "absent.parquet", keep=3, saved_counts=tmp_path / "counts.npy")
     assert torch.equal(
