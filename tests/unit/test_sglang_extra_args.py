@@ -10,7 +10,8 @@ import argparse
 
 import pytest
 
-from infra.sglang_spec import FORBIDDEN_EXTRA, ServerSpec, ServerSpecError
+from infra.sglang_spec import ServerSpec, ServerSpecError
+from infra.sglang_spec_checks import FORBIDDEN_EXTRA
 
 
 def _spec(*extra: str) -> ServerSpec:
