@@ -12,6 +12,9 @@ baseline on a wide margin verifies wrongly).
         [--set serve.prompts=evaluation ...] [--trio 3-1-4] [--against baseline|eval] [--device cuda] \\
         [--out runs/<run>/deploy/identity.json]
 
+``--trio`` names the speculative server (default: the deploy's first, the serve section's own setting; for a
+DFlash drafter its ``{K-1}-1-{K}``, e.g. 15-1-16).
+
 Give the same ``--set serve.*`` overrides the deploy benchmark ran with: the prompts are rendered again from the
 config, and a prompt set whose digest differs from the one in results.json is refused (outputs would be paired with
 the wrong prompts).
@@ -115,6 +118,14 @@ def summarize(splits: list[Split], groups: list[str], names: tuple[str, str]) ->
     return out
 
 
+def first_trio(doc: dict[str, Any]) -> str:
+    """The deploy's first speculative server: the serve section's own trio (EAGLE-3) or a DFlash drafter's
+    {K-1}-1-{K}; extra settings and SGLang's n-gram server come after it."""
+    if not doc.get("speculative"):
+        raise ValueError("no speculative run in the deploy results")
+    return str(doc["speculative"][0]["trio"])
+
+
 def level_outputs(doc: dict[str, Any], role: str, trio: str | None) -> list[list[int]]:
     """Output ids per prompt at the lowest concurrency of one server in a deploy results.json."""
     runs = [doc["baseline"]] if role == "baseline" else [r for r in doc["speculative"] if r["trio"] == trio]
@@ -160,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_config_args(parser)  # --config <run>/config.json and the --set overrides the deploy benchmark ran with
     parser.add_argument("--deploy", type=Path, required=True, help="the deploy stage's results.json")
-    parser.add_argument("--trio", default="3-1-4")
+    parser.add_argument("--trio", help="the speculative server compared (default: the deploy's first)")
     parser.add_argument("--against", choices=["baseline", "eval"], default="baseline")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path)
@@ -179,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     sent = deploy_prompts(cfg, str(model_dir))
     check_same_prompts(doc, sent.prompts)
     if args.against == "baseline":
-        names = ("baseline", args.trio)
-        a, b = level_outputs(doc, "baseline", None), level_outputs(doc, "speculative", args.trio)
+        trio = args.trio or first_trio(doc)
+        names = ("baseline", trio)
+        a, b = level_outputs(doc, "baseline", None), level_outputs(doc, "speculative", trio)
     else:
         if cfg.serve.prompts != "evaluation":
             raise SystemExit(

@@ -310,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.server_args = args.server_args.split()
     cfg = validate_config(read_config_file(Path(args.config)), args.config)
+    if cfg.drafter.family != "eagle3":  # before any server starts: its trios and vocab cuts are EAGLE-3's
+        raise SystemExit(
+            f"the levers are EAGLE-3's (chain/tree trios, draft-vocab cuts); {args.config} trains a "
+            f"{cfg.drafter.family} drafter: skip this step (lab/sglang_lease.sh: LEASE_SKIP=levers)"
+        )
     server = {"launch_module": args.module} | ({"python": args.python} if args.python else {})
     cfg = lever_config(
         cfg.model_copy(update={"server": cfg.server.model_copy(update=server)}),

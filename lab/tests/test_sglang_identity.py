@@ -10,7 +10,7 @@ import torch
 from eagle3.config import load_config
 from eagle3.target.load import prepare_target
 from infra.sglang_bench import BenchResult, BenchSettings, RequestSample, summarize_level
-from lab.sglang_identity import analyse, first_split, summarize
+from lab.sglang_identity import analyse, first_split, first_trio, level_outputs, summarize
 
 
 def test_first_split_is_the_first_difference_or_the_shorter_end():
@@ -18,6 +18,23 @@ def test_first_split_is_the_first_difference_or_the_shorter_end():
     assert first_split([1, 2, 3], [1, 2, 3]) is None
     assert first_split([1, 2, 3], [1, 5, 3]) == 1
     assert first_split([1, 2, 3], [1, 2]) == 2
+
+
+def test_the_compared_server_defaults_to_the_deploys_first_speculative_one():
+    """A DFlash run's server is named by its block size (15-1-16), not 3-1-4: without --trio the deploy's first
+    speculative run is compared, never SGLang's n-gram server listed after it."""
+    level = {"concurrency": 1, "output_ids_by_prompt": [[5, 6]]}
+    doc = {
+        "baseline": {"result": {"levels": [level]}},
+        "speculative": [
+            {"trio": "15-1-16", "result": {"levels": [{"concurrency": 8}, level]}},
+            {"trio": "ngram", "result": {"levels": []}},
+        ],
+    }
+    assert first_trio(doc) == "15-1-16"
+    assert level_outputs(doc, "speculative", first_trio(doc)) == [[5, 6]]
+    with pytest.raises(ValueError, match="no speculative run"):
+        first_trio({"speculative": []})
 
 
 def test_output_ids_survive_the_results_json_round_trip():

@@ -11,9 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle3.config import load_config
 from eagle3.export.sglang import check_sglang_export
+from eagle3.run.layout import write_run_config
 from lab.sglang_lab import new_flags
-from lab.sglang_levers import parse_variant, shrink_export, summarize
+from lab.sglang_levers import main, parse_variant, shrink_export, summarize
 from lab.sglang_trace import busy_us, summarize_trace
 from tests.unit.test_export import sglang_export
 
@@ -70,6 +72,17 @@ def test_shrink_export_refuses_to_cut_to_the_size_it_has(tmp_path):
     src, _, _, dims = sglang_export(tmp_path)
     with pytest.raises(ValueError, match="nothing to cut"):
         shrink_export(src, tmp_path / "cut", tokenized(tmp_path / "t.parquet", [[1, 3]]), keep=dims.draft_vocab_size)
+
+
+def test_a_dflash_run_is_refused_before_any_server_starts(tmp_path):
+    """The levers' trios and vocab cuts are EAGLE-3's: a DFlash run's config stops the script at once, naming the
+    lease's skip, and writes nothing."""
+    cfg = load_config("tiny", [f"run.workdir={tmp_path}", "drafter.family=dflash"])
+    config = write_run_config(cfg)
+    out = tmp_path / "levers" / "bench-levers.json"
+    with pytest.raises(SystemExit, match="LEASE_SKIP=levers"):
+        main(["--config", str(config), "--out", str(out)])
+    assert not out.exists()
 
 
 def test_variants_parse_by_name_and_unknown_ones_are_named():
