@@ -24,6 +24,8 @@
 #   `poll` brought back), restores the journals and starts `qtrain`: the rest of the data, training (feature cache
 #   sized to the card) and export through lab/quality_run.sh, results and weights packed after each phase;
 #   `poll` brings the parts back (`results DIR` restores them on the lease that measures the drafter).
+# A DFlash drafter on smollm2-quality's data (LEASE_QUALITY_TRAIN with run.name and drafter.family in LEASE_SETS, and
+#   LEASE_SKIP for the steps that are EAGLE-3's or not the drafter's): the calls, carries and env in docs/dflash.md.
 # LEASE_REFRESH_GOAL=1 (issue 42's goal, docs/refresh.md; no SGLang): `results DIR` restores the full run trained
 #   earlier (its results with weights), then `curve 1`, `curve 2` (carried with LEASE_JOURNALS) restore the journals
 #   and start `goal`: the preset's data from the journals, then lab/refresh_goal.py split, base (the half-data run,
@@ -193,6 +195,9 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
   [ -n "${LEASE_QUALITY_TRAIN:-}" ] && step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true \
     "${SERVE_SETS[@]}"
   [ -z "${LEASE_TRAINED:-}" ] && step eval "$PY" -m eagle3.evaluate.stage --config "$CFG"
+  # trained here, deploy first: its report rebuilt against that evaluation (SGLang's accept lengths beside eval's)
+  [ -n "${LEASE_QUALITY_TRAIN:-}" ] && [ -f "$RUN/deploy/results.json" ] && step report "$PY" -m eagle3.deploy \
+    --config "$CFG" --report-only "${SERVE_SETS[@]}"
   if [ -n "${LEASE_TRAINED:-}" ] && [ -n "${LEASE_EVAL:-}" ]; then   # started at `results`, or here
     if [ -f "$W/eval.log" ]; then while [ ! -f "$W/evaluated" ]; do sleep 2; done; else eval_chain; fi
   fi
@@ -236,8 +241,9 @@ detach() {  # detach NAME FUNCTION: survives the call (own session), logs to $W/
 }
 
 restore_journals() {  # the journals of an earlier lease (LEASE_JOURNALS) into the preset's run, before its chain
+  # (with LEASE_SETS: a run renamed there, e.g. run.name=smollm2-quality-dflash, reads them from its own folder)
   local dir=${LEASE_JOURNALS:-.curve/journals}
-  [ -d "$dir" ] && "$PY" lab/quality_curve.py unpack-journals "$dir" --preset "$QPRESET" | tail -3
+  [ -d "$dir" ] && "$PY" lab/quality_curve.py unpack-journals "$dir" --preset "$QPRESET" "${EXTRA[@]}" | tail -3
   return 0
 }
 
