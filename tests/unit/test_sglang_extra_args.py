@@ -10,8 +10,7 @@ import argparse
 
 import pytest
 
-from infra.sglang_spec import ServerSpec, ServerSpecError
-from infra.sglang_spec_checks import FORBIDDEN_EXTRA
+from infra.sglang_spec import FORBIDDEN_EXTRA, ServerSpec, ServerSpecError
 
 
 def _spec(*extra: str) -> ServerSpec:
