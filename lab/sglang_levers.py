@@ -31,7 +31,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,6 @@ class Variant:
     trio: str | None = "3-1-4"
     extra_args: tuple[str, ...] = ()
     draft_vocab: int | None = None  # cut the export to this many draft tokens
-    env: dict[str, str] = field(default_factory=dict)
 
 
 def parse_variant(name: str) -> Variant:
@@ -91,15 +90,11 @@ def combine(name: str, parts: list[Variant]) -> Variant:
     vocabs = {p.draft_vocab for p in parts} - {None}
     if len(trios) > 1 or len(vocabs) > 1:
         raise ValueError(f"variant {name!r}: its parts name two trios or two draft vocab sizes")
-    env: dict[str, str] = {}
-    for p in parts:
-        env |= p.env
     return Variant(
         name,
         trio=trios.pop() if trios else "3-1-4",
         extra_args=tuple(a for p in parts for a in p.extra_args),
         draft_vocab=vocabs.pop() if vocabs else None,
-        env=env,
     )
 
 
