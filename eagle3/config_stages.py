@@ -278,6 +278,8 @@ class EvaluateConfig(Section):
     """Static path: masked cache, or each row's keys gathered in order (trees equal greedy bit for bit); masked without it."""
     fuse_projections: bool = False
     """Static path: each target MLP's gate and up as one product (one kernel fewer per layer; rounding differs only)."""
+    speed_baseline: Literal["auto", "one_row", "reference"] = Added("auto")
+    """Speedups' baseline: one_row = greedy timed again one row a forward; reference = the reference's own time; auto = one_row when decode_rows > 1."""
     near_tie_logit_gap: float = Field(1e-3, ge=0)
     """A differing token within this logit gap of the reference's top-1 is a numerical near-tie, not a bug."""
     temperature: float = Added(0.0, ge=0)
@@ -298,8 +300,8 @@ class EvaluateConfig(Section):
         )
 
     def resolved(self, device: str) -> EvaluateConfig:
-        """This section with ``dtype``, ``static_cache`` and ``decode_rows`` decided for ``device`` (cpu | cuda):
-        no "auto" left in them (decode_rows is None without the static path, where it has no effect)."""
+        """This section with ``dtype``, ``static_cache``, ``decode_rows`` and ``speed_baseline`` decided for ``device``
+        (cpu | cuda): no "auto" left in them (decode_rows is None without the static path, where it has no effect)."""
         cuda = device.startswith("cuda")
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if cuda else "float32")
         static = switch_on(self.static_cache, cuda)
@@ -307,12 +309,17 @@ class EvaluateConfig(Section):
         if rows == "auto":  # gathered keys need one width for greedy and verifies, in any dtype
             one_width = dtype != "float32" or self.decode_keys == "gathered"
             rows = min(64, max(16, self.widest_verify())) if one_width else None
+        rows = rows if static else None
+        baseline = self.speed_baseline
+        if baseline == "auto":  # a one-row decode is already what the reference runs without a decode width
+            baseline = "one_row" if isinstance(rows, int) and rows > 1 else "reference"
         return self.model_copy(
             update={
                 "dtype": dtype,
                 "static_cache": "on" if static else "off",
-                "decode_rows": rows if static else None,
+                "decode_rows": rows,
                 "decode_keys": self.decode_keys if static else "masked",
+                "speed_baseline": baseline,
             }
         )
 
@@ -350,6 +357,11 @@ class EvaluateConfig(Section):
             )
         if self.decode_keys == "gathered" and (self.static_cache == "off" or self.decode_rows is None):
             raise ValueError("evaluate.decode_keys=gathered needs the static cache and decode_rows (auto or a number)")
+        if self.speed_baseline == "one_row" and self.static_cache == "off":
+            raise ValueError(
+                "evaluate.speed_baseline=one_row needs the static cache: without it every greedy forward is one "
+                "row already (set speed_baseline to auto or reference)"
+            )
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"evaluate.ngram_min {self.ngram_min} exceeds ngram_max {self.ngram_max}")
         most = 1 + self.tree_topk + (self.tree_steps - 1) * self.tree_topk**2

@@ -180,8 +180,9 @@ def forward_ms(target: StaticTargetRunner, position: int, count: int = 100) -> f
     return 1000 * (time.perf_counter() - start) / count
 
 
-def profile_decode(name: str, decode, device: str, rows: int = 15) -> None:
-    """torch.profiler over one decode: the ops that take the most host time, and (on CUDA) the most device time."""
+def profile_decode(name: str, decode, device: str, rows: int = 15, steps: bool = True) -> None:
+    """torch.profiler over one decode: the ops that take the most host time, and (on CUDA) the most device time
+    (kernels inside CUDA graph replays included) with the kernel count per generated token."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -190,10 +191,17 @@ def profile_decode(name: str, decode, device: str, rows: int = 15) -> None:
         if device == "cuda":
             torch.cuda.synchronize()
     table = prof.key_averages()
-    print(f"profile {name}: {len(out.steps)} rounds, {len(out.tokens)} tokens; top ops by host time")
+    rounds = f"{len(out.steps)} rounds, " if steps else ""
+    print(f"profile {name}: {rounds}{len(out.tokens)} tokens; top ops by host time")
     print(table.table(sort_by="self_cpu_time_total", row_limit=rows))
     if device == "cuda":
-        print(f"profile {name}: top ops by device time")
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy_us = sum(e.self_device_time_total for e in kernels)
+        per_token = max(len(out.tokens), 1)
+        print(
+            f"profile {name}: {len(kernels) / per_token:.1f} kernels and {busy_us / 1000 / per_token:.3f} ms of "
+            "kernels per token; top ops by device time"
+        )
         print(table.table(sort_by="self_cuda_time_total", row_limit=rows))
 
 
@@ -286,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{narrow_s / static_s:.2f} of its rate)"
         )
         print(f"target_forward_width_1_ms: {forward_ms(narrow, args.prompt_len):.3f}")
+        if args.profile:  # the evaluation's one-row speed baseline: where a plain decode step's time goes
+            profile_decode("greedy-width-1", lambda: greedy_decode(narrow, prompt, n), device, steps=False)
         narrow.close()
 
     full = [*prompt, *reference.tokens]
@@ -327,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{kinds.count('near_tie')}, mismatch {kinds.count('mismatch')}; every output vs the eager greedy)"
     )
     if args.profile:
+        wide = f"greedy-width-{target.widths[0]}"
+        profile_decode(wide, lambda: greedy_decode(target, prompt, n), device, steps=False)
         for name in ("chain-3-oracle", "tree-5-4-8-oracle"):
             profile_decode(name, lambda name=name: speculative_decode(target, methods[name](), prompt, n), device)
     if device == "cuda":

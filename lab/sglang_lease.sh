@@ -41,6 +41,9 @@
 #   LEASE_TOKEN_COUNTS: the train split's token counts (.npy) for vocab-K when the run's data is not on the host;
 #   with LEASE_TRAINED, a `results` call carried with LEASE_JOURNALS (the preset's journals) and no such file yet
 #   starts `counts`: the preset's data replayed from the journals under $W/qdata (no generation), then the counts.
+# LEASE_TEMPERATURE_EVAL=T (with LEASE_TRAINED): after deploy, the export evaluated at temperature T in a run of its own
+#   (<run>-tT), beside the GPU tests; its results.json and report.md come back under eval-tT/.
+# LEASE_EVAL_SPEED="ARGS": lab/eval_speed.py ARGS alone at the end of the measure chain (its output: eval-speed.log).
 # LEASE_SKIP="deploy ...": steps (by their log names) that the chain skips, e.g. figures an earlier lease brought back.
 # train:   data stages (ShareGPT's own answers), online training, export
 # side:    doctor, tests/gpu/test_sglang_gpu.py, then the capture kill test next to training
@@ -207,7 +210,10 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
     step "identity-$against" "$PY" lab/sglang_identity.py --config "$CFG" --deploy "$RUN/deploy/results.json" \
       --against "$against" --device "${LEASE_DEVICE:-cuda}" --out "$RUN/deploy/identity-$against.json" "${SERVE_SETS[@]}"
   done
+  local sampled=""   # LEASE_TEMPERATURE_EVAL: a sampled evaluation beside the GPU tests (neither is timed)
+  if [ -n "${LEASE_TEMPERATURE_EVAL:-}" ]; then sampled_eval & sampled=$!; fi
   [ -n "${LEASE_QUALITY_TRAIN:-}${LEASE_TRAINED:-}" ] && [ -z "${LEASE_SIDE_TESTS:-}" ] && gpu_tests
+  [ -n "$sampled" ] && wait "$sampled"
   side_data
   step regenerate "$PY" lab/sglang_regenerate.py --config "$SIDE_CFG" --rows "${LEASE_SAMPLES:-200}" \
     --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" --mem-fraction-static 0.25 "${REGEN[@]}"
@@ -215,7 +221,17 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
     --variants "${LEASE_LEVERS:-baseline,3-1-4,vocab-4096,attn-decode,compile,3-1-4#2}" \
     --profile "${LEASE_PROFILE:-3-1-4}" --profile-steps 30 ${LEASE_TOKEN_COUNTS:+--token-counts "$LEASE_TOKEN_COUNTS"} \
     "${LAB[@]}"
+  # LEASE_EVAL_SPEED="ARGS": lab/eval_speed.py alone on the GPU last (random SmolLM2-135M-shaped weights: the
+  # decode's kernels and, with --profile, where a forward's time goes)
+  [ -n "${LEASE_EVAL_SPEED:-}" ] && step eval-speed bash -c "$PY lab/eval_speed.py $LEASE_EVAL_SPEED > $RUN/eval-speed.log 2>&1"
   touch "$W/measured"
+}
+
+sampled_eval() {  # the carried-in export evaluated at temperature LEASE_TEMPERATURE_EVAL, in a run of its own
+  local t=$LEASE_TEMPERATURE_EVAL name; name="$(basename "$RUN")-t$t"
+  step "eval-t$t" "$PY" -m eagle3.evaluate.stage --config "$CFG" --export-dir "$RUN/export/sglang" \
+    --set "run.name=$name" --set "evaluate.temperature=$t"
+  mkdir -p "$RUN/eval-t$t" && cp "runs/$name"/eval/{results.json,report.md} "$RUN/eval-t$t/" 2>/dev/null
 }
 
 eval_chain() {  # a carried-in export evaluated (the run brings no speculators export, which eval checks otherwise),
@@ -253,8 +269,9 @@ collect() {  # the figures and reports so far, into $OUT (at most 8 files come b
     | tail -c 12000000 > "$OUT/lease.log"
   local files=() f
   for f in eval/results.json eval/prompts.jsonl deploy/results.json deploy/report.md deploy/identity-baseline.json \
-           deploy/identity-eval.json levers/bench-levers.json bench-regen.json bench-capture-kill.json bench-capture-fp32.json; do
-    [ -f "$RUN/$f" ] && files+=("$f")
+           deploy/identity-eval.json levers/bench-levers.json bench-regen.json bench-capture-kill.json bench-capture-fp32.json \
+           eval-t"${LEASE_TEMPERATURE_EVAL:-1}" eval-speed.log; do
+    [ -e "$RUN/$f" ] && files+=("$f")
   done
   mkdir -p "$RUN/killtest"   # the kill test's stage output and server log (why a failed one failed)
   cp "$SIDE_RUN"-sglang-killtest/capture-stage-*.out "$SIDE_RUN"-sglang-killtest/logs/*.log "$RUN/killtest/" 2>/dev/null \

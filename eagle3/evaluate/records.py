@@ -82,16 +82,33 @@ class GreedyReference:
     wall_s: float
     tokens: list[int]
     logprob: float | None = None  # sampling: the target's log-prob of its tokens, summed (None when greedy)
+    # evaluate.speed_baseline one_row: the same number of tokens decoded again at one row a forward, timed (the
+    # speedups' baseline); None when the reference's own time is the baseline
+    baseline_wall_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc = {"num_tokens": self.num_tokens, "wall_s": self.wall_s, "tokens": self.tokens}
-        return doc | ({"logprob": self.logprob} if self.logprob is not None else {})
+        doc |= {"logprob": self.logprob} if self.logprob is not None else {}
+        return doc | ({"baseline_wall_s": self.baseline_wall_s} if self.baseline_wall_s is not None else {})
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> GreedyReference:
         return _parse(
-            "greedy", doc, lambda d: cls(int(d["num_tokens"]), d["wall_s"], _ints(d["tokens"]), d.get("logprob"))
+            "greedy",
+            doc,
+            lambda d: cls(
+                int(d["num_tokens"]),
+                d["wall_s"],
+                _ints(d["tokens"]),
+                d.get("logprob"),
+                float(d["baseline_wall_s"]) if d.get("baseline_wall_s") is not None else None,
+            ),
         )
+
+    @property
+    def speed_wall_s(self) -> float:
+        """The wall time speedups divide: the one-row baseline's where measured, else the reference's."""
+        return self.baseline_wall_s if self.baseline_wall_s is not None else self.wall_s
 
 
 @dataclass(frozen=True)
@@ -278,6 +295,7 @@ class SummaryRow:
     category: str | None = None  # a row of one category of a prompt file (results.json's by_category)
     logprob_per_token: float | None = None  # sampling: the target's mean log-prob of the method's tokens
     reference_logprob_per_token: float | None = None  # ... and of the target's own sampling on the same prompts
+    reference_tokens_per_s: float | None = None  # the reference's own rate, where a one-row baseline is the greedy
 
     def to_json(self) -> dict[str, Any]:
         """results.json's row: every field in declaration order (the last three only when set)."""
@@ -307,7 +325,7 @@ class SummaryRow:
         return _parse(what, doc, build)
 
 
-_ROW_IF_SET = ("category", "logprob_per_token", "reference_logprob_per_token")
+_ROW_IF_SET = ("category", "logprob_per_token", "reference_logprob_per_token", "reference_tokens_per_s")
 """SummaryRow fields results.json holds only where set (files written before them stay byte for byte)."""
 
 

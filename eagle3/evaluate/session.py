@@ -90,6 +90,17 @@ class EvalSession:
     drafter: Any  # DrafterRunner of its own, for the teacher-forced cross-check (None for a DFlash drafter)
     ecfg: EvaluateConfig
     stop_ids: list[int]
+    baseline: Any = None  # TargetRunner at one row a forward on the same model: the speed baseline (speed_baseline)
+
+
+def baseline_runner(target: Any, ecfg: EvaluateConfig, settings: CompileSettings, capacity: int) -> TargetRunner | None:
+    """A static runner at one row a forward over ``target``'s model (weights shared, a cache of its own), when
+    ``ecfg`` (resolved) times speedups against one-row decoding; None otherwise."""
+    from eagle3.evaluate.static_target import StaticTargetRunner
+
+    if ecfg.speed_baseline != "one_row":
+        return None
+    return StaticTargetRunner(target.model, target.aux_layer_ids, capacity, settings, 1, name="one-row baseline")
 
 
 def make_runners(
@@ -154,7 +165,8 @@ def open_session(job: EvalJob) -> EvalSession:
         ecfg.decode_keys == "gathered",
     )
     proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, loaded.d2t, runner) for s in method_specs(ecfg)}
-    return EvalSession(target, proposers, runner, ecfg, list(job.stop_ids))
+    baseline = baseline_runner(target, ecfg, settings, job.cache_len)
+    return EvalSession(target, proposers, runner, ecfg, list(job.stop_ids), baseline)
 
 
 def dflash_block_size(export_dir: Path) -> int | None:
@@ -203,7 +215,8 @@ def _open_dflash_session(job: EvalJob, ecfg: EvaluateConfig) -> EvalSession:
         ecfg.decode_keys == "gathered",
     )
     proposers = {s.name: make_proposer(s, ecfg, loaded.drafter) for s in method_specs(ecfg, block)}
-    return EvalSession(target, proposers, None, ecfg, list(job.stop_ids))
+    baseline = baseline_runner(target, ecfg, settings, job.cache_len)
+    return EvalSession(target, proposers, None, ecfg, list(job.stop_ids), baseline)
 
 
 def ready_session(job: EvalJob, warmup_ids: list[int]) -> EvalSession:
@@ -233,11 +246,13 @@ def warm_up(session: EvalSession, prompt_ids: list[int]) -> None:
     from eagle3.evaluate.sampled_decode import decode_method, decode_reference
     from eagle3.evaluate.sampling import sampling_params
 
-    for runner in (session.target, session.drafter):
+    for runner in (session.target, session.drafter, session.baseline):
         getattr(runner, "warm_up_widths", lambda: None)()
     ecfg = session.ecfg
     num, params = min(WARMUP_TOKENS, ecfg.max_new_tokens), sampling_params(ecfg.temperature, ecfg.top_p, ecfg.top_k)
     decode_reference(session.target, prompt_ids, num, session.stop_ids, params, ecfg.seed, "warm-up")
+    if session.baseline is not None:
+        decode_reference(session.baseline, prompt_ids, num, [], params, ecfg.seed, "warm-up")
     for proposer in session.proposers.values():
         decode_method(session.target, proposer, prompt_ids, num, session.stop_ids, params, ecfg.seed, "warm-up")
 
@@ -256,6 +271,10 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
     ref = decode_reference(
         session.target, ids, ecfg.max_new_tokens, session.stop_ids, params, ecfg.seed, f"{prompt.id}/reference"
     )
+    baseline_s = None
+    if session.baseline is not None:  # the reference's length again at one row, no stop test: the same work, timed
+        stream = f"{prompt.id}/reference"
+        baseline_s = decode_reference(session.baseline, ids, len(ref.tokens), [], params, ecfg.seed, stream).wall_s
     teacher_forced = None
     if session.drafter is not None:  # an EAGLE-3 drafter: its first draft at every greedy position
         start = time.perf_counter()
@@ -295,7 +314,7 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
         prompt.dataset,
         prompt.id,
         len(ids),
-        GreedyReference(len(ref.tokens), ref.wall_s, ref.tokens, ref.logprob),
+        GreedyReference(len(ref.tokens), ref.wall_s, ref.tokens, ref.logprob, baseline_s),
         teacher_forced,
         methods,
         decode_fallbacks(session),
@@ -313,4 +332,5 @@ def decode_fallbacks(session: EvalSession) -> dict[str, str]:
 def compiled_steps(session: EvalSession) -> list[Any]:
     """The session's CompiledStep functions: the target runner's, then the drafter runner's."""
     drafter = session.drafter.compiled_steps() if session.drafter is not None else []
-    return [*session.target.compiled_steps(), *drafter]
+    baseline = session.baseline.compiled_steps() if session.baseline is not None else []
+    return [*session.target.compiled_steps(), *drafter, *baseline]

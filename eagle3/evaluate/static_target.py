@@ -73,6 +73,7 @@ class StaticTargetRunner(TargetRunner):
         compile_settings: CompileSettings = CompileSettings(),
         decode_rows: int | None = None,
         gathered_keys: bool = False,
+        name: str = "target",
     ) -> None:
         self._length = 0
         super().__init__(model, aux_layer_ids)  # hooks, device; calls reset()
@@ -86,9 +87,9 @@ class StaticTargetRunner(TargetRunner):
             use_gathered_attention(model)
         self.cache = self._key_index = None  # type: ignore[assignment]  # both set by _allocate below
         decode = self._forward_gathered if gathered_keys else self._forward_rows
-        self.step_fn = CompiledStep(decode, compile_settings, self.device, "target forward")
+        self.step_fn = CompiledStep(decode, compile_settings, self.device, f"{name} forward")
         self.chunk_fn = CompiledStep(
-            self._forward_rows, eager_graph_settings(compile_settings), self.device, "target chunk forward"
+            self._forward_rows, eager_graph_settings(compile_settings), self.device, f"{name} chunk forward"
         )
         # Its warm-up moves the destinations onto themselves: moving the real rows again would read sources
         # that the first move overwrote. A copy, not the same tensor twice: Dynamo guards on which arguments
@@ -99,7 +100,7 @@ class StaticTargetRunner(TargetRunner):
             self._move_rows,
             eager_graph_settings(compile_settings),
             self.device,
-            "target cache row move",
+            f"{name} cache row move",
             warmup_args=lambda args: (args[1].clone(), args[1]),
         )
         self._allocate(round_up(capacity))

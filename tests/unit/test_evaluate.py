@@ -192,6 +192,43 @@ def test_report_says_when_greedy_ran_padded_to_the_decode_width():
     assert "rows wide" not in report_markdown(rows, replace(settings, evaluate=no_static))
 
 
+def test_speedups_divide_by_the_one_row_baseline_where_every_record_has_one():
+    """With one-row baseline times on every record, greedy tok/s and speedups use them and the reference's own rate
+    is kept beside; a record without one (a journal from before) makes the reference's time the baseline again."""
+    records = [_record(0, [3, 3], [3, 1], [4, 2], 1.0), _record(1, [3], [3], [4], 1.0)]  # 7 + 5 tokens, 2 s each
+    timed = [replace(r, greedy=replace(r.greedy, baseline_wall_s=1.5)) for r in records]
+    row = summarize(timed, "m")
+    assert (row.greedy_wall_s, row.speedup, row.greedy_tokens_per_s) == (3.0, 1.5, 12 / 3.0)
+    assert row.reference_tokens_per_s == 12 / 4.0
+    mixed = summarize([timed[0], records[1]], "m")
+    assert (mixed.greedy_wall_s, mixed.speedup, mixed.reference_tokens_per_s) == (4.0, 2.0, None)
+    assert summarize(records, "m").to_json().keys() == mixed.to_json().keys()  # results.json rows as before
+
+
+def test_report_names_the_one_row_baseline_and_the_reference_rate():
+    """The report says greedy tok/s is one-row decoding and gives the decode-width reference's rate beside it."""
+    records = [replace(r, greedy=replace(r.greedy, baseline_wall_s=1.0)) for r in [_record(0, [3], [3], [4], 1.0)]]
+    section = EvaluateConfig().resolved("cuda").model_dump(mode="json")
+    settings = EvalSettings(
+        section, "t", "t", "f", "e", None, "cuda", None, "bfloat16", 8, {"mtbench": 1}, [], "n", [], 1, "", ""
+    )
+    text = report_markdown(summarize_all(records, ["m"]), settings)
+    assert "greedy tok/s is plain decoding at one row a forward" in text
+    assert "5.0 tok/s over mtbench, against 2.5 for the reference at 16 rows" in text
+    assert "one row a forward" not in report_markdown(summarize_all([_record(0, [3], [3], [4], 1.0)], ["m"]), settings)
+
+
+def test_speed_baseline_resolves_to_one_row_only_where_the_reference_runs_wider():
+    """auto: one_row on the GPU's bf16 static path (16 rows), reference on CPU float32 (one-row forwards already)
+    and without decode_rows; one_row without the static cache is refused with the field named."""
+    assert EvaluateConfig().resolved("cuda").speed_baseline == "one_row"
+    assert EvaluateConfig().resolved("cpu").speed_baseline == "reference"
+    assert EvaluateConfig(decode_rows=None).resolved("cuda").speed_baseline == "reference"
+    assert EvaluateConfig(speed_baseline="reference").resolved("cuda").speed_baseline == "reference"
+    with pytest.raises(ValueError, match="speed_baseline=one_row needs the static cache"):
+        EvaluateConfig(speed_baseline="one_row", static_cache="off", compile="off")
+
+
 def test_config_defaults_and_checks():
     """Defaults are the CPU demo (MT-Bench, 10 prompts, 64 tokens, chain 3 + n-gram 3..1 x 3); a tree too big
     for its depth and topk is refused with the field named."""
@@ -306,6 +343,24 @@ def test_static_cache_session_gives_the_eager_records(tiny_run):
 
     static = records("on")
     assert static == records("off") and all(k == "identical" for _, m in static for _, k in m.values())
+
+
+def test_one_row_baseline_times_the_reference_length_on_the_static_path(tiny_run):
+    """speed_baseline=one_row (static cache, 8-row forwards, CPU): every record has a one-row time, for the same
+    tokens as without it; the reference alone is timed when the baseline is the reference."""
+    cfg, model_dir, export_dir = tiny_run
+    items = load_prompts(["mtbench"], 2, build_tiny_tokenizer())
+
+    def records(baseline: str) -> list:
+        update = {"methods": ["chain"], "static_cache": "on", "decode_rows": 8, "speed_baseline": baseline}
+        e = cfg.evaluate.model_copy(update=update)
+        job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), "cpu", [], num_threads=1)
+        return evaluate_prompts(job, items, 1)
+
+    one_row, reference = records("one_row"), records("reference")
+    assert all(r.greedy.baseline_wall_s is not None and r.greedy.baseline_wall_s > 0 for r in one_row)
+    assert all(r.greedy.baseline_wall_s is None for r in reference)
+    assert [r.greedy.tokens for r in one_row] == [r.greedy.tokens for r in reference]
 
 
 def test_killed_evaluation_resumes_from_its_journal(tiny_run, tmp_path, monkeypatch):

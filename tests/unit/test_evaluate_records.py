@@ -104,3 +104,15 @@ def test_decode_fallbacks_travel_from_records_to_results_and_report(tmp_path):
     assert EvalSettings.from_json(json.loads(json.dumps(settings.to_json()))) == settings
     report = report_markdown(summarize_all([record], METHODS), settings)
     assert "Ran on eager kernels" in report and "tree draft round (5, 4, 8): RuntimeError('capture')" in report
+
+
+def test_a_one_row_baseline_time_round_trips_and_is_absent_otherwise():
+    """A reference with its one-row baseline time loads back equal; one without writes no baseline key (journals
+    and prompts.jsonl of evaluations without it stay as they were)."""
+    from eagle3.evaluate.records import GreedyReference
+
+    timed = GreedyReference(3, 0.5, [1, 2, 3], None, 0.25)
+    assert GreedyReference.from_json(json.loads(json.dumps(timed.to_json()))) == timed
+    assert timed.speed_wall_s == 0.25
+    plain = GreedyReference(3, 0.5, [1, 2, 3])
+    assert "baseline_wall_s" not in plain.to_json() and plain.speed_wall_s == 0.5
