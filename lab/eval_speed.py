@@ -247,6 +247,16 @@ def main(argv: list[str] | None = None) -> None:
         help="static path: the target's MLP gate and up products fused (evaluate.fuse_projections)",
     )
     parser.add_argument(
+        "--no-packed-gqa",
+        action="store_true",
+        help="static path: transformers' masked sdpa (the cache repeated per query head) instead of the packed one",
+    )
+    parser.add_argument(
+        "--only-greedy",
+        action="store_true",
+        help="time (and with --profile profile) greedy at both widths only: no methods, no eager chain",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="after timing, print torch.profiler tables (host and device time per op) of one "
@@ -274,9 +284,17 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.fused:  # after the eager reference, which stays unfused
         print(f"fused_mlps: {fuse_projections(model)}")
+    packed = not args.no_packed_gqa
     target = StaticTargetRunner(
-        model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=rows, gathered_keys=args.gathered_keys
+        model,
+        aux_ids,
+        capacity=capacity,
+        compile_settings=settings,
+        decode_rows=rows,
+        gathered_keys=args.gathered_keys,
+        packed_gqa=packed,
     )
+    print(f"attention: {model.config._attn_implementation}")
     runner = StaticDrafterRunner(drafter, d2t, capacity=capacity, compile_settings=settings, decode_rows=rows)
     start = time.perf_counter()
     warm_widths(target, runner)
@@ -286,7 +304,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"greedy_static_speedup: {eager_s / static_s:.2f}")
     print(f"target_forward_ms: {forward_ms(target, args.prompt_len):.3f}  (one token, back to back)")
     if rows is not None and rows > 1:
-        narrow = StaticTargetRunner(model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=1)
+        narrow = StaticTargetRunner(
+            model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=1, packed_gqa=packed
+        )
         greedy_decode(narrow, prompt, 8)
         narrow_s, _ = timed(lambda: greedy_decode(narrow, prompt, n), args.repeats)
         print(
@@ -298,6 +318,13 @@ def main(argv: list[str] | None = None) -> None:
             profile_decode("greedy-width-1", lambda: greedy_decode(narrow, prompt, n), device, steps=False)
         narrow.close()
 
+    if args.only_greedy:
+        kind = check_lossless(reference, static_ref.tokens, 1e-3).kind
+        print(f"static_greedy_vs_eager: {kind}")
+        if args.profile:
+            wide = f"greedy-width-{target.widths[0]}"
+            profile_decode(wide, lambda: greedy_decode(target, prompt, n), device, steps=False)
+        return
     full = [*prompt, *reference.tokens]
     methods = {
         "chain-3": lambda: EagleProposer(drafter, d2t, 3, runner=runner),

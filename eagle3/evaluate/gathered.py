@@ -38,13 +38,13 @@ def gathered_attention(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """query [1, H, w, D]; key/value [1, Hkv, L, D] (the whole static cache layer); kwargs ``key_order`` long
-    [w, L]; attention_mask [1, 1, w, L] in sequence order (0 = attend) -> [1, w, H, D]. Without ``key_order``:
-    transformers' sdpa."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    [w, L]; attention_mask [1, 1, w, L] in sequence order (0 = attend) -> [1, w, H, D]. Without ``key_order`` (a
+    prompt's chunks, a one-row runner on the same model): the packed masked attention (packed_attention.py)."""
+    from eagle3.evaluate.packed_attention import packed_attention
 
     order = kwargs.pop("key_order", None)
     if order is None:
-        return sdpa_attention_forward(
+        return packed_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     assert attention_mask is not None, "key_order comes with its mask"
@@ -66,9 +66,11 @@ def gathered_attention(
 
 def use_gathered_attention(model: Any) -> None:
     """Register the gathered attention (with the sdpa mask) and switch the model to it."""
+    from eagle3.evaluate.packed_attention import PACKED_ATTENTION
     from eagle3.features.attention import use_attention
 
-    if model.config._attn_implementation not in ("sdpa", GATHERED_ATTENTION):
+    # the packed attention is sdpa's masked path without the repeated cache: a static runner may have set it before
+    if model.config._attn_implementation not in ("sdpa", PACKED_ATTENTION, GATHERED_ATTENTION):
         raise ValueError(
             f"gathered decode keys need a target on sdpa attention, not {model.config._attn_implementation!r}"
         )

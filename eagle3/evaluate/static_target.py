@@ -18,6 +18,7 @@ from eagle3.evaluate import decode_cache
 from eagle3.evaluate.decode_cache import bucket, decode_widths, pad_rows, round_up
 from eagle3.evaluate.gathered import key_order, use_gathered_attention
 from eagle3.evaluate.graphs import CompiledStep, CompileSettings, eager_graph_settings
+from eagle3.evaluate.packed_attention import use_packed_attention
 from eagle3.evaluate.runners import REFERENCE_TOPK, StepOut, TargetRunner, as_token_tensor
 
 
@@ -74,6 +75,7 @@ class StaticTargetRunner(TargetRunner):
         decode_rows: int | None = None,
         gathered_keys: bool = False,
         name: str = "target",
+        packed_gqa: bool = True,
     ) -> None:
         self._length = 0
         super().__init__(model, aux_layer_ids)  # hooks, device; calls reset()
@@ -85,6 +87,8 @@ class StaticTargetRunner(TargetRunner):
             if decode_rows is None:
                 raise ValueError("gathered decode keys need decode_rows (one width for greedy and verifies)")
             use_gathered_attention(model)
+        elif packed_gqa:  # no copy of the cache per query head (eagle3/evaluate/packed_attention.py)
+            use_packed_attention(model)
         self.cache = self._key_index = None  # type: ignore[assignment]  # both set by _allocate below
         decode = self._forward_gathered if gathered_keys else self._forward_rows
         self.step_fn = CompiledStep(decode, compile_settings, self.device, f"{name} forward")

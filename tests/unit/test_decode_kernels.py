@@ -116,3 +116,56 @@ def test_fusion_leaves_moe_experts_alone_and_keeps_greedy(architecture):
     assert count == expected and count > 0 and _params(fused) == _params(model)
     target = StaticTargetRunner(fused, [1], 128, CompileSettings(), decode_rows=16)
     assert greedy_decode(target, prompt, 24).tokens == ref
+
+
+@pytest.mark.parametrize("width", [1, 5, 16])
+def test_packed_gqa_attention_equals_attention_over_the_repeated_cache(width):
+    """Query heads packed as rows of their key/value head, each row with its own mask, give the attention over
+    keys and values repeated per query head (float64, to rounding), also through Dynamo without a graph break."""
+    from torch._dynamo.utils import counters
+
+    from eagle3.evaluate.packed_attention import packed_attention
+
+    gen = torch.Generator().manual_seed(width)
+    heads, kv_heads, length, dim = 6, 2, 40, 8
+    query = torch.randn(1, width, heads, dim, generator=gen, dtype=torch.float64).transpose(1, 2)  # as HF: strided
+    key, value = (torch.randn(1, kv_heads, length, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    visible = torch.rand(width, length, generator=gen) < 0.6
+    visible[:, 0] = True  # every row sees a key
+    mask = torch.zeros(1, 1, width, length, dtype=torch.float64).masked_fill(~visible, torch.finfo(torch.float64).min)
+    module = torch.nn.Module()
+    module.num_key_value_groups = heads // kv_heads
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(3, dim=1), value.repeat_interleave(3, dim=1), attn_mask=mask, scale=0.5
+    ).transpose(1, 2)  # [1, w, H, D]
+    packed, _ = packed_attention(module, query, key, value, mask, scaling=0.5)
+    torch.testing.assert_close(packed, repeated, rtol=1e-12, atol=1e-12)
+    counters.clear()
+    compiled = torch.compile(lambda *a: packed_attention(module, *a, scaling=0.5)[0], backend="eager")
+    torch.testing.assert_close(compiled(query, key, value, mask), repeated, rtol=1e-12, atol=1e-12)
+    assert not counters["graph_break"]
+
+
+def test_static_decode_on_packed_attention_gives_the_repeated_caches_logits_and_greedys_tokens(setup):  # noqa: F811
+    """The static runner switches an sdpa target to the packed attention: its forwards' logits equal those over
+    the repeated cache (float64, to rounding), and greedy and a tree decode give the eager greedy's tokens."""
+    from eagle3.evaluate.packed_attention import PACKED_ATTENTION
+
+    plain_model, packed_model = copy.deepcopy(setup["model"]), copy.deepcopy(setup["model"])
+    plain_model.set_attn_implementation("sdpa")
+    assert plain_model.config.num_key_value_heads < plain_model.config.num_attention_heads  # a GQA target
+    plain = StaticTargetRunner(plain_model, AUX_IDS, 128, CompileSettings(), decode_rows=8, packed_gqa=False)
+    packed = StaticTargetRunner(packed_model, AUX_IDS, 128, CompileSettings(), decode_rows=8)
+    assert (plain_model.config._attn_implementation, packed_model.config._attn_implementation) == (
+        "sdpa",
+        PACKED_ATTENTION,
+    )
+    prompt = setup["prompts"][0]
+    logits = [runner.step(prompt, with_logits=True).logits for runner in (plain, packed)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-12, atol=1e-12)
+    logits = [runner.step(prompt[:5], with_logits=True).logits for runner in (plain, packed)]  # 5 rows at width 8
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-12, atol=1e-12)
+    ref = setup["refs"][0]
+    assert greedy_decode(packed, prompt, MAX_NEW).tokens == ref.tokens
+    oracle = FakeOracleProposer(prompt, ref.tokens, 4, tree=True)
+    assert speculative_decode(packed, oracle, prompt, MAX_NEW).tokens == ref.tokens
