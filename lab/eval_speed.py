@@ -131,8 +131,9 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return best, out
 
 
-def warm_widths(target: StaticTargetRunner, runner: StaticDrafterRunner) -> None:
-    """Compile or capture each width of the target and drafter forwards, printing the first-call seconds of each."""
+def warm_widths(target: StaticTargetRunner, runner: StaticDrafterRunner, drafter: bool = True) -> None:
+    """Compile or capture each width of the target and (with ``drafter``) drafter forwards, printing the first-call
+    seconds of each."""
     dims = runner.drafter.dims
     calls = [
         ("target", w, lambda w=w: target.step(torch.zeros(w, dtype=torch.long, device=target.device)))
@@ -149,6 +150,7 @@ def warm_widths(target: StaticTargetRunner, runner: StaticDrafterRunner) -> None
             ),
         )
         for w in runner.widths
+        if drafter
     ]
     for name, width, call in calls:
         start = time.perf_counter()
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"attention: {model.config._attn_implementation}")
     runner = StaticDrafterRunner(drafter, d2t, capacity=capacity, compile_settings=settings, decode_rows=rows)
     start = time.perf_counter()
-    warm_widths(target, runner)
+    warm_widths(target, runner, drafter=not args.only_greedy)
     print(f"warmup_total_s: {time.perf_counter() - start:.1f}")
     static_s, static_ref = timed(lambda: greedy_decode(target, prompt, n), args.repeats)
     print(f"greedy_static_tok_s: {n / static_s:.1f}  (target forwards {target.widths[0]} rows wide)")

@@ -62,6 +62,7 @@ PY=${PYTHON:-python3}
 PRESET=${LEASE_PRESET:-smollm2-sglang}
 MODULE=${LEASE_MODULE:-sglang.launch_server}
 read -r -a EXTRA <<< "${LEASE_SETS:-}"
+read -r -a EVAL_SETS <<< "${LEASE_EVAL_SETS:-}"   # the carried-in export's evaluations only, e.g. --set evaluate.X=Y
 # LEASE_RUN + LEASE_TRAINED=1: measure a run trained on an earlier host (its results carried in with `results DIR`)
 RUN=${LEASE_RUN:-runs/lease}
 QPRESET=${LEASE_QUALITY_PRESET:-smollm2-quality}
@@ -227,16 +228,17 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
   touch "$W/measured"
 }
 
-sampled_eval() {  # the carried-in export evaluated at temperature LEASE_TEMPERATURE_EVAL, in a run of its own
+sampled_eval() {  # the carried-in export evaluated at temperature LEASE_TEMPERATURE_EVAL, in a run of its own, for
+  # its acceptance (it runs beside the GPU tests: its speeds are not clean, so no one-row baseline pass)
   local t=$LEASE_TEMPERATURE_EVAL name; name="$(basename "$RUN")-t$t"
   step "eval-t$t" "$PY" -m eagle3.evaluate.stage --config "$CFG" --export-dir "$RUN/export/sglang" \
-    --set "run.name=$name" --set "evaluate.temperature=$t"
+    --set "run.name=$name" --set "evaluate.temperature=$t" "${EVAL_SETS[@]}" --set evaluate.speed_baseline=reference
   mkdir -p "$RUN/eval-t$t" && cp "runs/$name"/eval/{results.json,report.md} "$RUN/eval-t$t/" 2>/dev/null
 }
 
 eval_chain() {  # a carried-in export evaluated (the run brings no speculators export, which eval checks otherwise),
   # then the deploy report rebuilt against this evaluation: SGLang's accept lengths beside eval's, the 3% check
-  step eval "$PY" -m eagle3.evaluate.stage --config "$CFG" --export-dir "$RUN/export/sglang"
+  step eval "$PY" -m eagle3.evaluate.stage --config "$CFG" --export-dir "$RUN/export/sglang" "${EVAL_SETS[@]}"
   [ -f "$RUN/deploy/results.json" ] && step report "$PY" -m eagle3.deploy --config "$CFG" --report-only \
     "${SERVE_SETS[@]}"
   touch "$W/evaluated"
