@@ -171,17 +171,44 @@ def unpack_results(runs_root: Path, folder: Path) -> list[str]:
 
 def sglang_only_exports(runs_root: Path, names: list[str]) -> list[str]:
     """The runs among unpacked ``names`` whose exported drafter came in the SGLang layout alone (the speculators layout
-    is exported from it and is too large to carry), each with the evaluation command that reads it: the stage's own
-    input check wants the export manifest's every output, so a plain ``eagle3.evaluate.stage --config`` refuses it."""
+    is exported from it and is too large to carry), made readable by the stages after export: the export manifest's
+    entries for files that did not come move under its ``left_behind`` (their recorded size and sha256 kept), since
+    evaluate and deploy check every output the manifest lists. Returns one note per run."""
     weights = _carried()[2][0]
     runs = sorted({name.split("/", 1)[0] for name in names if name.split("/", 1)[-1] == weights})
     speculators = Path(weights).parent.parent / "speculators"
-    return [
-        f"{run}: the drafter came in the SGLang layout only; evaluate it with python3 -m eagle3.evaluate.stage "
-        f"--config {runs_root / run / 'config.json'} --export-dir {runs_root / run / Path(weights).parent}"
-        for run in runs
-        if not (runs_root / run / speculators).exists()
-    ]
+    notes = []
+    for run in runs:
+        if (runs_root / run / speculators).exists():
+            continue
+        left = _drop_left_behind(runs_root / run / _export_manifest())
+        notes.append(
+            f"{run}: the drafter came in the SGLang layout only; its export manifest lists that layout alone now "
+            f"({', '.join(left) or 'nothing else was listed'} under left_behind), so evaluate and deploy read it"
+        )
+    return notes
+
+
+def _export_manifest() -> Path:
+    """The export stage's manifest, relative to a run."""
+    from eagle3.run.layout import RunLayout
+    from eagle3.run.registry import get_stage
+
+    return get_stage("export").manifest(RunLayout(Path()).root)
+
+
+def _drop_left_behind(manifest: Path) -> list[str]:
+    """Move the outputs of ``manifest`` whose files are absent under its "left_behind"; their names."""
+    import json
+
+    doc = json.loads(manifest.read_text())
+    outputs = doc.get("outputs", {})
+    left = {name: entry for name, entry in outputs.items() if not (manifest.parent / entry["path"]).is_file()}
+    if left:
+        doc["outputs"] = {name: entry for name, entry in outputs.items() if name not in left}
+        doc["left_behind"] = {**doc.get("left_behind", {}), **left}
+        manifest.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    return sorted(left)
 
 
 PHASES = ("pack-journals", "unpack-journals", "pack-results", "unpack-results")

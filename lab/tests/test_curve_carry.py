@@ -92,19 +92,32 @@ def test_a_curves_results_come_back_byte_for_byte_without_checkpoints_links_or_o
     assert "smollm2-curve-3M/data/stats.json" not in names
 
 
-def test_unpacking_a_drafter_names_the_evaluation_that_reads_its_sglang_layout(tmp_path):
-    """unpack-results of a run with weights notes the --export-dir evaluation command (the speculators layout does not
-    travel), and says nothing once that layout is there or when no weights came."""
+def test_an_unpacked_sglang_only_drafter_passes_the_input_checks_of_the_stages_after_export(tmp_path):
+    """unpack-results of a run with weights but no speculators layout moves that layout's manifest entries under
+    left_behind (kept as recorded) and notes it, so the export manifest's outputs are all on disk; nothing is noted
+    once that layout is there or when no weights came."""
+    import json
+
+    from eagle3.run.stage import output_problem
+
     _curve(tmp_path / "here")
     run = tmp_path / "here" / "smollm2-curve"
+    manifest = tmp_path / "here" / "smollm2-curve-3M" / "export" / "export.manifest.json"
+    sglang, speculators = (
+        {"path": f"{d}/model.safetensors", "bytes": 1, "sha256": "x"} for d in ("sglang", "speculators")
+    )
+    manifest.write_text(json.dumps({"stage": "export", "outputs": {"sglang": sglang, "speculators": speculators}}))
     curve_carry.pack_results(run, tmp_path / "carry", weights=True)
     out = curve_carry.run("unpack-results", tmp_path / "there" / "smollm2-curve", tmp_path / "carry", False)
     there = tmp_path / "there" / "smollm2-curve-3M"
-    assert out[-1] == (
-        f"note: smollm2-curve-3M: the drafter came in the SGLang layout only; evaluate it with python3 "
-        f"-m eagle3.evaluate.stage --config {there / 'config.json'} "
-        f"--export-dir {there / 'export/sglang'}"
+    assert out[-1].startswith("note: smollm2-curve-3M: the drafter came in the SGLang layout only") and (
+        "speculators under left_behind" in out[-1]
     )
+    doc = json.loads((there / "export" / "export.manifest.json").read_text())
+    assert doc["outputs"] == {"sglang": sglang} and doc["left_behind"] == {"speculators": speculators}
+    assert output_problem(doc, there / "export" / "export.manifest.json") == (
+        f"{there / 'export/sglang/model.safetensors'} has 100000 bytes where export.manifest.json recorded 1"
+    )  # the files that came are still checked
     (there / "export" / "speculators").mkdir()
     assert curve_carry.sglang_only_exports(tmp_path / "there", out[:-1]) == []
     curve_carry.pack_results(run, tmp_path / "carry", weights=False)

@@ -147,15 +147,16 @@ def test_packed_gqa_attention_equals_attention_over_the_repeated_cache(width):
 
 
 def test_static_decode_on_packed_attention_gives_the_repeated_caches_logits_and_greedys_tokens(setup):  # noqa: F811
-    """The static runner switches an sdpa target to the packed attention: its forwards' logits equal those over
-    the repeated cache (float64, to rounding), and greedy and a tree decode give the eager greedy's tokens."""
+    """With packed_gqa the static runner switches an sdpa target to the packed attention (without it the target stays
+    on sdpa): its forwards' logits equal those over the repeated cache (float64, to rounding), and greedy and a
+    tree decode give the eager greedy's tokens."""
     from eagle3.evaluate.packed_attention import PACKED_ATTENTION
 
     plain_model, packed_model = copy.deepcopy(setup["model"]), copy.deepcopy(setup["model"])
     plain_model.set_attn_implementation("sdpa")
     assert plain_model.config.num_key_value_heads < plain_model.config.num_attention_heads  # a GQA target
-    plain = StaticTargetRunner(plain_model, AUX_IDS, 128, CompileSettings(), decode_rows=8, packed_gqa=False)
-    packed = StaticTargetRunner(packed_model, AUX_IDS, 128, CompileSettings(), decode_rows=8)
+    plain = StaticTargetRunner(plain_model, AUX_IDS, 128, CompileSettings(), decode_rows=8)  # packed_gqa off
+    packed = StaticTargetRunner(packed_model, AUX_IDS, 128, CompileSettings(), decode_rows=8, packed_gqa=True)
     assert (plain_model.config._attn_implementation, packed_model.config._attn_implementation) == (
         "sdpa",
         PACKED_ATTENTION,
