@@ -27,6 +27,33 @@ FLEX_KV_BLOCK = 128
 """Keys per block of the flex decode's block mask (at most the cache length)."""
 
 
+def kv_head_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Grouped-query attention on the unrepeated cache: query [B, H, q, D] with H = Hkv * G, key/value [B, Hkv, L, D],
+    attention_mask None or [B or 1, 1, q, L] -> [B, q, H, Dv].
+
+    The G query heads sharing a key/value head (query head h reads head h // G, as ``repeat_kv`` orders them) become
+    G * q query rows of it, group g's row r at g * q + r, each with its row's mask; one query row's mask broadcasts
+    over the G rows without a copy. Each query sees the same keys and weights as through the repeated cache."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    rows = query.reshape(batch, kv_heads, groups * q_len, dim)  # [B, Hkv, G*q, D]
+    mask = attention_mask
+    if mask is not None and q_len > 1:  # [B, 1, q, L] -> [B, 1, G*q, L]
+        mask = mask.expand(mask.shape[0], groups, q_len, mask.shape[-1]).reshape(mask.shape[0], 1, groups * q_len, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        rows, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+    )  # [B, Hkv, G*q, Dv]
+    return out.reshape(batch, heads, q_len, out.shape[-1]).transpose(1, 2).contiguous()  # [B, q, H, Dv]
+
+
 def sdpa_kv_heads(
     module: Any,
     query: torch.Tensor,
@@ -38,27 +65,19 @@ def sdpa_kv_heads(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA that never repeats the kv cache for grouped-query attention in a one-token decode step.
-
-    query [B, H, 1, D] is viewed as [B, Hkv, G, D] (query head h = kv head h // G, as ``repeat_kv``
-    orders them): the G query heads sharing a kv head become G query rows against the unrepeated
-    key/value [B, Hkv, L, D], and the mask [B, 1, 1, L] broadcasts over them. Everything else
-    (prefill, no grouping, position bias) goes to transformers' own sdpa function.
-    """
+    """SDPA that never repeats the kv cache for grouped-query attention in a one-token decode step (``kv_head_rows``;
+    the mask [B, 1, 1, L] broadcasts over a group's rows). Everything else (prefill, no grouping, position bias)
+    goes to transformers' own sdpa function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    batch, heads, q_len, dim = query.shape
+    q_len = query.shape[2]
     mask_ok = attention_mask is None or (attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1)
     if q_len != 1 or groups == 1 or not mask_ok or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    packed = query.reshape(batch, heads // groups, groups, dim)  # [B, Hkv, G, D]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        packed, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
-    )  # [B, Hkv, G, D]
-    return out.reshape(batch, 1, heads, dim), None  # [B, 1, H, D], the layout sdpa_attention_forward returns
+    return kv_head_rows(query, key, value, attention_mask, dropout, scaling), None  # [B, 1, H, D]
 
 
 def decode_block_mask(valid: torch.Tensor) -> Any:

@@ -1,13 +1,12 @@
-"""Masked decode attention without copying the cache per query head: the query heads that share a key/value head
-are attended as extra query rows of it.
+"""Masked decode attention without copying the cache per query head, for the static decode's forwards of any width.
 
 Through transformers' SDPA path a masked forward on CUDA repeats every layer's keys and values to the query heads
-(``repeat_kv``: SmolLM2-135M's 3 key/value heads become 9, a copy of the whole static cache layer, two kernels per
-layer of every decode forward); its own way around that (``pack_gqa``) serves one query row outside torch.compile
-only, and the static decode is compiled and runs up to 16 rows. Here the G = H / Hkv heads of a group become G * w
-query rows of their key/value head, each with its row's mask: the same keys and weights for every query, no copy of
-the cache. Greedy and every verify run it at one width, so their outputs stay bit-identical to each other; against
-the repeated-cache path they differ by rounding only (tests/unit/test_decode_kernels.py: equal to 1e-12 in float64).
+(``repeat_kv``: SmolLM2-135M's 3 key/value heads become 9, a copy of the whole static cache layer in every decode
+forward); its own way around that (``pack_gqa``) serves one query row outside torch.compile only. Here the G query
+heads of a key/value head become G * w query rows of it, each with its row's mask (the arithmetic is
+eagle3.data.decode_attention.kv_head_rows, which generation's one-token step uses too). Greedy and every verify run
+it at one width, so their outputs stay bit-identical to each other; against the repeated cache they differ by
+rounding only (tests/unit/test_decode_kernels.py: equal to 1e-12 in float64).
 
 Off by default (StaticTargetRunner's ``packed_gqa``; ``lab/eval_speed.py --packed-gqa``): on an H100 (bf16, Inductor
 kernels in CUDA graphs, 1,408 cache entries) the forward with it and fused gate/up products took 2.04 ms at 16 rows
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.nn.functional as F
 from torch import Tensor
 
 PACKED_ATTENTION = "eagle3_packed_gqa"
@@ -38,21 +36,18 @@ def packed_attention(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """query [1, H, w, D]; key/value [1, Hkv, L, D]; attention_mask [1, 1, w, L] additive (0 = attend), or None
-    -> [1, w, H, Dv]. Without a mask or key/value groups: transformers' sdpa."""
+    -> [1, w, H, Dv] (eagle3.data.decode_attention.kv_head_rows). Without a mask or key/value groups: transformers'
+    sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    batch, heads, width, dim = query.shape
-    kv_heads = key.shape[1]
-    if attention_mask is None or heads == kv_heads or batch != 1 or attention_mask.shape[:2] != (1, 1):
+    from eagle3.data.decode_attention import kv_head_rows
+
+    batch, heads = query.shape[:2]
+    if attention_mask is None or heads == key.shape[1] or batch != 1 or attention_mask.shape[:2] != (1, 1):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    groups = heads // kv_heads  # query head h reads key/value head h // groups (transformers' repeat_kv)
-    rows = query.reshape(1, kv_heads, groups * width, dim)  # [1, Hkv, G*w, D]: group g's row r at g*w + r
-    mask = attention_mask.expand(1, groups, width, attention_mask.shape[-1]).reshape(1, 1, groups * width, -1)
-    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    # [1, Hkv, G*w, Dv] -> [1, H, w, Dv] -> [1, w, H, Dv] (the layout sdpa_attention_forward returns)
-    return out.reshape(1, heads, width, out.shape[-1]).transpose(1, 2).contiguous(), None
+    return kv_head_rows(query, key, value, attention_mask, dropout, scaling), None
 
 
 def use_packed_attention(model: Any) -> bool:
