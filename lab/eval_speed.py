@@ -249,10 +249,11 @@ def main(argv: list[str] | None = None) -> None:
         help="static path: the target's MLP gate and up products fused (evaluate.fuse_projections)",
     )
     parser.add_argument(
-        "--packed-gqa",
-        action="store_true",
-        help="static path: query heads packed as rows of their key/value head instead of transformers' masked sdpa "
-        "(which repeats the cache per query head; eagle3/evaluate/packed_attention.py)",
+        "--attention",
+        default="sdpa",
+        choices=("sdpa", "packed", "flex"),
+        help="static path, masked keys: transformers' sdpa (the cache repeated per query head), query heads packed "
+        "as rows of their key/value head, or flex over the key blocks in use at one row (MaskedAttention)",
     )
     parser.add_argument(
         "--only-greedy",
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.fused:  # after the eager reference, which stays unfused
         print(f"fused_mlps: {fuse_projections(model)}")
-    packed = args.packed_gqa
+    attention = args.attention
     target = StaticTargetRunner(
         model,
         aux_ids,
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         compile_settings=settings,
         decode_rows=rows,
         gathered_keys=args.gathered_keys,
-        packed_gqa=packed,
+        attention=attention,
     )
     print(f"attention: {model.config._attn_implementation}")
     runner = StaticDrafterRunner(drafter, d2t, capacity=capacity, compile_settings=settings, decode_rows=rows)
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"target_forward_ms: {forward_ms(target, args.prompt_len):.3f}  (one token, back to back)")
     if rows is not None and rows > 1:
         narrow = StaticTargetRunner(
-            model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=1, packed_gqa=packed
+            model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=1, attention=attention
         )
         greedy_decode(narrow, prompt, 8)
         narrow_s, _ = timed(lambda: greedy_decode(narrow, prompt, n), args.repeats)

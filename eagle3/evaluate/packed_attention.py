@@ -8,10 +8,10 @@ eagle3.data.decode_attention.kv_head_rows, which generation's one-token step use
 it at one width, so their outputs stay bit-identical to each other; against the repeated cache they differ by
 rounding only (tests/unit/test_decode_kernels.py: equal to 1e-12 in float64).
 
-Off by default (StaticTargetRunner's ``packed_gqa``; ``lab/eval_speed.py --packed-gqa``): on an H100 (bf16, Inductor
-kernels in CUDA graphs, 1,408 cache entries) the forward with it and fused gate/up products took 2.04 ms at 16 rows
-against 2.22 without either, but 1.93 ms at one row against 1.58: its one-row attention ran through cuDNN's flash
-kernel at 24 us a layer. Which of the two changes moved which width is not separated yet.
+Not the default (StaticTargetRunner's ``attention="packed"``; ``lab/eval_speed.py --attention packed``): on an H100
+(bf16, Inductor kernels in CUDA graphs, 1,408 cache entries) the forward with it and fused gate/up products took
+2.04 ms at 16 rows against 2.22 without either, but 1.93 ms at one row against 1.58: its one-row attention ran
+through cuDNN's flash kernel at 24 us a layer. Which of the two changes moved which width is not separated yet.
 """
 
 from __future__ import annotations

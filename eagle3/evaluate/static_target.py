@@ -7,13 +7,14 @@ CHUNK is read through its module (``decode_cache.CHUNK``), so one setting govern
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from eagle3.data.decode_attention import use_decode_attention
 from eagle3.evaluate import decode_cache
 from eagle3.evaluate.decode_cache import bucket, decode_widths, pad_rows, round_up
 from eagle3.evaluate.gathered import key_order, use_gathered_attention
@@ -55,6 +56,13 @@ class PositionedStaticCache(StaticCache):
         return keys, values
 
 
+MaskedAttention = Literal["sdpa", "packed", "flex"]
+"""The masked (not gathered) decode's attention: transformers' sdpa (the cache repeated per query head under
+torch.compile), the packed grouped-query one (eagle3/evaluate/packed_attention.py), or flex over the key blocks in
+use at one row (eagle3.data.decode_attention.flex_decode; other widths take sdpa). The static runner's option,
+timed by ``lab/eval_speed.py --attention``; the evaluation runs sdpa."""
+
+
 class StaticTargetRunner(TargetRunner):
     """TargetRunner over a PositionedStaticCache: the same step/keep/length contract, fixed-width forwards.
 
@@ -75,7 +83,7 @@ class StaticTargetRunner(TargetRunner):
         decode_rows: int | None = None,
         gathered_keys: bool = False,
         name: str = "target",
-        packed_gqa: bool = False,
+        attention: MaskedAttention = "sdpa",
     ) -> None:
         self._length = 0
         super().__init__(model, aux_layer_ids)  # hooks, device; calls reset()
@@ -87,9 +95,16 @@ class StaticTargetRunner(TargetRunner):
             if decode_rows is None:
                 raise ValueError("gathered decode keys need decode_rows (one width for greedy and verifies)")
             use_gathered_attention(model)
-        elif packed_gqa:  # no copy of the cache per query head (eagle3/evaluate/packed_attention.py; off by default:
-            # on an H100 it ran a one-row forward slower, through cuDNN's attention kernel)
+        elif attention == "packed":  # no copy of the cache per query head (eagle3/evaluate/packed_attention.py;
+            # not the default: on an H100 it ran a one-row forward slower, through cuDNN's attention kernel)
             use_packed_attention(model)
+        elif attention == "flex":  # one-row forwards read only the key blocks in use (data/decode_attention.py)
+            use_decode_attention(model, "flex")
+        if gathered_keys and attention != "sdpa":
+            raise ValueError(
+                f"gathered decode keys bring their own attention: attention {attention!r} is for masked keys"
+            )
+        self._bool_mask = attention == "flex"  # flex_decode takes a bool mask (True = attend); sdpa takes either
         self.cache = self._key_index = None  # type: ignore[assignment]  # both set by _allocate below
         decode = self._forward_gathered if gathered_keys else self._forward_rows
         self.step_fn = CompiledStep(decode, compile_settings, self.device, f"{name} forward")
@@ -150,8 +165,11 @@ class StaticTargetRunner(TargetRunner):
         """ids, positions, write_index long [w]; visible bool [w, L] -> greedy [w], top values, top ids [w, K],
         aux [w, A*H], logits [w, V] fp32. The function torch.compile sees: fixed shapes per width, no host reads."""
         self.cache.write_index = write_index
-        mask = torch.zeros(visible.shape, dtype=self._dtype, device=visible.device)
-        mask = mask.masked_fill(~visible, torch.finfo(self._dtype).min)[None, None]  # [1, 1, w, L], 0 = attend
+        if self._bool_mask:
+            mask = visible[None, None]  # [1, 1, w, L], True = attend
+        else:
+            mask = torch.zeros(visible.shape, dtype=self._dtype, device=visible.device)
+            mask = mask.masked_fill(~visible, torch.finfo(self._dtype).min)[None, None]  # [1, 1, w, L], 0 = attend
         out = self.model(
             input_ids=ids[None],
             position_ids=positions[None],

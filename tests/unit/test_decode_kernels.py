@@ -147,16 +147,16 @@ def test_packed_gqa_attention_equals_attention_over_the_repeated_cache(width):
 
 
 def test_static_decode_on_packed_attention_gives_the_repeated_caches_logits_and_greedys_tokens(setup):  # noqa: F811
-    """With packed_gqa the static runner switches an sdpa target to the packed attention (without it the target stays
-    on sdpa): its forwards' logits equal those over the repeated cache (float64, to rounding), and greedy and a
-    tree decode give the eager greedy's tokens."""
+    """With attention="packed" the static runner switches an sdpa target to the packed attention (without it the
+    target stays on sdpa): its forwards' logits equal those over the repeated cache (float64, to rounding), and
+    greedy and a tree decode give the eager greedy's tokens."""
     from eagle3.evaluate.packed_attention import PACKED_ATTENTION
 
     plain_model, packed_model = copy.deepcopy(setup["model"]), copy.deepcopy(setup["model"])
     plain_model.set_attn_implementation("sdpa")
     assert plain_model.config.num_key_value_heads < plain_model.config.num_attention_heads  # a GQA target
-    plain = StaticTargetRunner(plain_model, AUX_IDS, 128, CompileSettings(), decode_rows=8)  # packed_gqa off
-    packed = StaticTargetRunner(packed_model, AUX_IDS, 128, CompileSettings(), decode_rows=8, packed_gqa=True)
+    plain = StaticTargetRunner(plain_model, AUX_IDS, 128, CompileSettings(), decode_rows=8)  # sdpa
+    packed = StaticTargetRunner(packed_model, AUX_IDS, 128, CompileSettings(), decode_rows=8, attention="packed")
     assert (plain_model.config._attn_implementation, packed_model.config._attn_implementation) == (
         "sdpa",
         PACKED_ATTENTION,
@@ -170,3 +170,33 @@ def test_static_decode_on_packed_attention_gives_the_repeated_caches_logits_and_
     assert greedy_decode(packed, prompt, MAX_NEW).tokens == ref.tokens
     oracle = FakeOracleProposer(prompt, ref.tokens, 4, tree=True)
     assert speculative_decode(packed, oracle, prompt, MAX_NEW).tokens == ref.tokens
+
+
+def test_one_row_flex_attention_reads_the_used_key_blocks_and_gives_greedys_tokens(setup, monkeypatch):  # noqa: F811
+    """attention="flex": the one-row forwards run flex over a block mask (their logits equal sdpa's to rounding,
+    float64), wider forwards keep sdpa, and greedy and a chain decode give the eager greedy's tokens; gathered keys
+    refuse another attention."""
+    from eagle3.data import decode_attention
+
+    built: list[tuple[int, ...]] = []
+    real = decode_attention.decode_block_mask
+    monkeypatch.setattr(
+        decode_attention, "decode_block_mask", lambda valid: built.append(tuple(valid.shape)) or real(valid)
+    )
+    plain_model, flex_model = copy.deepcopy(setup["model"]), copy.deepcopy(setup["model"])
+    plain_model.set_attn_implementation("sdpa")
+    plain = StaticTargetRunner(plain_model, AUX_IDS, 256, CompileSettings(), decode_rows=1)
+    flex = StaticTargetRunner(flex_model, AUX_IDS, 256, CompileSettings(), decode_rows=1, attention="flex")
+    prompt = setup["prompts"][0]
+    for runner in (plain, flex):
+        runner.step(prompt)
+    assert built == []  # the prompt's chunks: sdpa
+    logits = [runner.step(prompt[:1], with_logits=True).logits for runner in (plain, flex)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-10, atol=1e-10)
+    assert built and set(built) == {(1, 256)}
+    ref = setup["refs"][0]
+    assert greedy_decode(flex, prompt, MAX_NEW).tokens == ref.tokens
+    oracle = FakeOracleProposer(prompt, ref.tokens, 4)
+    assert speculative_decode(flex, oracle, prompt, MAX_NEW).tokens == ref.tokens
+    with pytest.raises(ValueError, match="gathered decode keys bring their own attention"):
+        StaticTargetRunner(copy.deepcopy(setup["model"]), AUX_IDS, 256, CompileSettings(), 8, True, attention="flex")
