@@ -330,7 +330,7 @@ def decode_fallbacks(session: EvalSession) -> dict[str, str]:
 
 
 def compiled_steps(session: EvalSession) -> list[Any]:
-    """The session's CompiledStep functions: the target runner's, then the drafter runner's."""
+    """The session's CompiledStep functions: the target runner's, the drafter runner's, the one-row baseline's."""
     drafter = session.drafter.compiled_steps() if session.drafter is not None else []
     baseline = session.baseline.compiled_steps() if session.baseline is not None else []
     return [*session.target.compiled_steps(), *drafter, *baseline]
