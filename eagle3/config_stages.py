@@ -290,6 +290,8 @@ class EvaluateConfig(Section):
     """Sampling: keep the top_k most likely tokens, in target and drafter alike (0 = all)."""
     seed: int = Added(0, ge=0)
     """Sampling: seed of the random streams, one per prompt and method (the same whatever the workers)."""
+    chain_sampling: Literal["rejection", "target_only"] = Added("rejection")
+    """Sampling, EAGLE-3 chains: rejection = drafts drawn from the drafter, the rejection rule (SGLang's --speculative-use-rejection-sampling); target_only = its top token, kept with the target's probability (SGLang's default; trees always)."""
 
     def widest_verify(self) -> int:
         """Rows of the widest verify forward of the measured methods (the root included)."""

@@ -119,14 +119,24 @@ def server_specs(
     steps, topk, tokens = parse_trio(trio or trios(cfg)[0])
     if cfg.drafter.family == "dflash":
         return dflash_serving_pair(model_path, draft_path, block_size=tokens, **shared)
-    return serving_pair(model_path, draft_path, num_steps=steps, topk=topk, num_draft_tokens=tokens, **shared)
+    rejection = topk == 1 and cfg.evaluate.temperature > 0 and cfg.evaluate.chain_sampling == "rejection"
+    return serving_pair(
+        model_path,
+        draft_path,
+        num_steps=steps,
+        topk=topk,
+        num_draft_tokens=tokens,
+        rejection_sampling=rejection,
+        **shared,
+    )
 
 
 def bench_settings(cfg: RunConfig) -> BenchSettings:
-    """cfg.serve -> infra.sglang_bench.BenchSettings (evaluation prompts stop at end of turn, as eagle3 eval does)."""
+    """cfg.serve -> infra.sglang_bench.BenchSettings (evaluation prompts stop at end of turn, as eagle3 eval does);
+    requests sample as eagle3 eval does (evaluate.temperature, top_p, top_k), so the accept lengths compare."""
     from infra.sglang_bench import BenchSettings
 
-    sv = cfg.serve
+    sv, e = cfg.serve, cfg.evaluate
     return BenchSettings(
         tuple(sv.concurrency_levels),
         sv.num_prompts,
@@ -134,6 +144,9 @@ def bench_settings(cfg: RunConfig) -> BenchSettings:
         sv.num_warmup,
         sv.request_timeout_s,
         ignore_eos=sv.prompts == "fixed",
+        temperature=e.temperature,
+        top_p=e.top_p,
+        top_k=e.top_k,
     )
 
 
@@ -338,14 +351,21 @@ def skip_reason(cfg: RunConfig) -> str | None:
     return None if cfg.serve.enabled else NOT_ENABLED
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "chain_sampling")
+"""The evaluate fields the benchmark's requests and servers follow (bench_settings, server_specs)."""
+
+
 def key(cfg: RunConfig) -> str:
-    """The serve section (operational fields left out), the export manifest and the target."""
+    """The serve section (operational fields left out), the export manifest, the target, and the evaluation's
+    sampling where it samples (greedy runs keep the key they had before the benchmark could sample)."""
     from eagle3.config import section_dict
     from eagle3.run.stage import stage_key
     from eagle3.target.load import fingerprint, prepare_target
 
-    fp = fingerprint(prepare_target(cfg))
-    return stage_key(STAGE, section_dict(cfg, SECTION), [export.STAGE.manifest(cfg.run_dir)], {"target": fp})
+    extra: dict[str, Any] = {"target": fingerprint(prepare_target(cfg))}
+    if cfg.evaluate.temperature > 0:
+        extra["sampling"] = {name: getattr(cfg.evaluate, name) for name in SAMPLING_FIELDS}
+    return stage_key(STAGE, section_dict(cfg, SECTION), [export.STAGE.manifest(cfg.run_dir)], extra)
 
 
 def skipped(cfg: RunConfig, known_key: str | None = None) -> StageOutcome | None:

@@ -171,7 +171,27 @@ def eval_rows(cfg: RunConfig, method: str) -> tuple[dict[str, dict[str, Any]], s
             f"eagle3 eval generated {doc.get('settings', {}).get('max_new_tokens')} tokens per prompt, "
             f"the servers {cfg.serve.max_new_tokens}: set evaluate.max_new_tokens equal"
         )
+    other = sampling_mismatch(cfg, doc.get("settings", {}).get("evaluate", {}))
+    if other:
+        return {}, other
     return {r["dataset"]: r for r in doc.get("results", []) if r.get("method") == method}, None
+
+
+def sampling_mismatch(cfg: RunConfig, evaluated: Mapping[str, Any]) -> str | None:
+    """Why eagle3 eval's results (its evaluate settings, ``evaluated``) sampled otherwise than the servers were
+    asked to (temperature, top_p, top_k, and at temperature > 0 the chain rule), or None."""
+    from eagle3.config import EvaluateConfig
+
+    fields = EvaluateConfig.model_fields
+    names = ("temperature", "top_p", "top_k") + (("chain_sampling",) if cfg.evaluate.temperature > 0 else ())
+    for name in names:
+        ran, asked = evaluated.get(name, fields[name].default), getattr(cfg.evaluate, name)
+        if ran != asked:
+            return (
+                f"eagle3 eval ran with evaluate.{name}={ran!r}, the servers with {asked!r}: "
+                "evaluate again with these settings"
+            )
+    return None
 
 
 def sglang_accept_lengths(run: ServerRun) -> list[tuple[str, float]]:
@@ -225,6 +245,8 @@ def same_text_checks(cfg: RunConfig, run: ServerRun) -> tuple[list[SameTextCheck
     """Per dataset and overall: verify steps on token-identical outputs; (checks, why none were made)."""
     from infra.sglang_compare import group_indices
 
+    if cfg.evaluate.temperature > 0:
+        return [], "requests sampled: outputs are identical only by chance, so no text is shared to compare on"
     records = eval_records(cfg)
     if records is None or cfg.serve.prompts != "evaluation" or run.trio is None:
         return [], "no eval/prompts.jsonl with this drafting to compare per prompt"

@@ -74,7 +74,8 @@ def _section(
     markdown = render_report(rows, baseline.result, run.result, setting, label)
     markdown = markdown.replace(f"# {label} deploy benchmark", heading, 1)
     if len(set(run.groups)) > 1 or cfg.serve.prompts == "evaluation":
-        markdown += "\n" + render_group_table(compare_groups(baseline.result, run.result, list(run.groups)), label)
+        groups = compare_groups(baseline.result, run.result, list(run.groups))
+        markdown += "\n" + render_group_table(groups, label, baseline.result.settings.sampled)
     level_rows = [{"trio": run.trio} | asdict(r) for r in rows]
     if ngram:  # another algorithm than eagle3 eval's n-gram: shown beside it, never checked
         beside, beside_skipped = ngram_beside_eval(cfg, run)

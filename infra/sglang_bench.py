@@ -1,7 +1,8 @@
 """Benchmark one serving SGLang server (0.5.16 or 0.5.23); infra/sglang_compare.py compares two runs.
 
 Hygiene (as in SGLang's python/sglang/benchmark/serving.py): the same fixed prompts for every server, temperature
-0, a fixed ``max_new_tokens`` with ``ignore_eos``, and before each measured concurrency level some
+0 (or the settings' sampling), a fixed ``max_new_tokens`` with ``ignore_eos``, and before each measured concurrency
+level some
 warmup requests followed by ``POST /flush_cache``. Every answer is checked (HTTP 200, meta_info with
 the request's id, ``completion_tokens == max_new_tokens``, verify steps on a speculative server and
 none on a baseline) before it counts. Requests stream (server-sent events), so the time to the first
@@ -47,14 +48,18 @@ class BenchmarkError(RuntimeError):
 # ---------------------------------------------------------------- one request
 
 
-def bench_request_body(prompt: Prompt, rid: str, max_new_tokens: int, ignore_eos: bool = True) -> dict[str, Any]:
-    """A streamed greedy /generate body: exactly ``max_new_tokens`` tokens, or up to them with ``ignore_eos`` off."""
+def bench_request_body(
+    prompt: Prompt,
+    rid: str,
+    max_new_tokens: int,
+    ignore_eos: bool = True,
+    sampling: dict[str, float | int] | None = None,
+) -> dict[str, Any]:
+    """A streamed /generate body, greedy unless ``sampling`` (BenchSettings.sampling_params) samples: exactly
+    ``max_new_tokens`` tokens, or up to them with ``ignore_eos`` off."""
     body: dict[str, Any] = {"text": prompt} if isinstance(prompt, str) else {"input_ids": list(prompt)}
-    return body | {
-        "rid": rid,
-        "stream": True,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": ignore_eos},
-    }
+    params = {"max_new_tokens": max_new_tokens, **(sampling or {"temperature": 0}), "ignore_eos": ignore_eos}
+    return body | {"rid": rid, "stream": True, "sampling_params": params}
 
 
 def check_bench_answer(
@@ -119,12 +124,14 @@ async def measure_request(
     speculative: bool,
     label: str,
     ignore_eos: bool = True,
+    sampling: dict[str, float | int] | None = None,
 ) -> RequestSample:
     """Send one prompt, check the answer, time it; BenchmarkError names the request and the check."""
     rid = f"bench-{label}-{index}-{uuid.uuid4().hex[:8]}"
     t0 = clock()
+    body = bench_request_body(prompt, rid, max_new_tokens, ignore_eos, sampling)
     try:
-        final, first_at = await _stream_generate(client, bench_request_body(prompt, rid, max_new_tokens, ignore_eos))
+        final, first_at = await _stream_generate(client, body)
         meta = check_bench_answer(
             final, rid=rid, max_new_tokens=max_new_tokens, speculative=speculative, ignore_eos=ignore_eos
         )
@@ -233,6 +240,7 @@ async def run_level(
                 speculative=speculative,
                 label=label,
                 ignore_eos=settings.ignore_eos,
+                sampling=settings.sampling_params(),
             )
             counter.tick(concurrency)
             return sample

@@ -47,6 +47,7 @@ SPEC_SETTINGS = (
     "speculative_ngram_max_bfs_breadth",
     "speculative_ngram_max_trie_depth",
     "speculative_ngram_match_type",
+    "speculative_use_rejection_sampling",
 )
 _TASKS = (
     "Explain {t} to a new colleague in five short paragraphs.",
@@ -100,6 +101,9 @@ class BenchSettings:
     num_warmup: int = 4
     request_timeout_s: float = 600.0
     ignore_eos: bool = True  # False: a request may stop at end of turn (1..max_new_tokens tokens)
+    temperature: float = 0.0  # 0: greedy; > 0: every request samples (then top_p, top_k: 0 = all)
+    top_p: float = 1.0
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "concurrency_levels", tuple(self.concurrency_levels))
@@ -107,6 +111,26 @@ class BenchSettings:
             raise ValueError(f"concurrency_levels {list(self.concurrency_levels)} must be non-empty and >= 1")
         if self.num_prompts < 1 or self.num_warmup < 0 or self.max_new_tokens < 2:
             raise ValueError("num_prompts >= 1, num_warmup >= 0 and max_new_tokens >= 2 (TPOT needs two tokens)")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"temperature >= 0, 0 < top_p <= 1 and top_k >= 0; got {self}")
+
+    @property
+    def sampled(self) -> bool:
+        """Whether requests sample (outputs then differ between servers by chance, not by numerics)."""
+        return self.temperature > 0
+
+    def sampling_params(self) -> dict[str, float | int]:
+        """The sampling part of a request's sampling_params: temperature 0, or temperature with top_p and top_k where
+        set (SGLang's top_k -1 = all is its default, so 0 is left out)."""
+        if not self.sampled:
+            return {"temperature": 0}
+        return {"temperature": self.temperature, "top_p": self.top_p} | ({"top_k": self.top_k} if self.top_k else {})
+
+    def sampling_words(self) -> str:
+        """'temperature 0', or the sampling settings as the reports name them."""
+        if not self.sampled:
+            return "temperature 0"
+        return f"temperature {self.temperature:g} (top-p {self.top_p:g}, top-k {self.top_k or 'all'})"
 
 
 @dataclass(frozen=True)

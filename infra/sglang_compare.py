@@ -109,7 +109,7 @@ def render_report(
     lines = [f"# {drafter} deploy benchmark", ""] + [f"* {k}: `{v}`" for k, v in context.items()]
     lines += [
         f"* SGLang version (server): `{speculative.server_settings.get('version')}`",
-        f"* prompts: {st.num_prompts} (digest `{baseline.prompts_digest}`), temperature 0, "
+        f"* prompts: {st.num_prompts} (digest `{baseline.prompts_digest}`), {st.sampling_words()}, "
         f"max_new_tokens {st.max_new_tokens} "
         + ("with ignore_eos" if st.ignore_eos else "or end of turn")
         + f", {st.num_warmup} warmup requests then /flush_cache before each level",
@@ -124,7 +124,7 @@ def render_report(
             f"| {r.concurrency} | {r.baseline_tok_per_s:,.1f} | {r.speculative_tok_per_s:,.1f} | "
             f"{r.speedup:.2f}x | {r.accept_length:.2f}{server} | {r.baseline_tpot_ms:.2f} / "
             f"{r.speculative_tpot_ms:.2f} | {r.baseline_p90_latency_s:.3f} / "
-            f"{r.speculative_p90_latency_s:.3f} | {r.identical_outputs}/{r.num_requests} |"
+            f"{r.speculative_p90_latency_s:.3f} | {identical_cell(r.identical_outputs, r.num_requests, st.sampled)} |"
         )
     lines += ["", where_it_pays(rows)]
     lines += [
@@ -132,9 +132,15 @@ def render_report(
         f"speedup = {drafter} output tok/s / baseline output tok/s; accept length = sum completion_tokens / "
         "sum spec_verify_ct (bonus token included; in brackets SGLang's avg_spec_accept_length since the "
         "flush); checked: speedup <= accept length at every level. Identical outputs: greedy outputs equal "
-        "to the baseline's (numerics of batched kernels may legitimately differ).",
+        "to the baseline's (numerics of batched kernels may legitimately differ); sampled outputs differ by "
+        "chance, so none are counted.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def identical_cell(identical: int, num: int, sampled: bool) -> str:
+    """A table's identical-outputs cell: 'k/n', or 'sampled' where requests sampled (no identity to expect)."""
+    return "sampled" if sampled else f"{identical}/{num}"
 
 
 @dataclass(frozen=True)
@@ -191,8 +197,9 @@ def _group_row(b: LevelResult, s: LevelResult, name: str, idx: Sequence[int]) ->
     )
 
 
-def render_group_table(rows: Sequence[GroupComparison], drafter: str = "EAGLE-3") -> str:
-    """Markdown table: per concurrency and dataset, accept length, per-request tok/s, speedup, identical outputs."""
+def render_group_table(rows: Sequence[GroupComparison], drafter: str = "EAGLE-3", sampled: bool = False) -> str:
+    """Markdown table: per concurrency and dataset, accept length, per-request tok/s, speedup, identical outputs
+    (``sampled``: requests sampled, so none are counted)."""
     lines = [
         f"| concurrency | dataset | prompts | accept length | baseline tok/s per request | {drafter} tok/s per "
         "request | speedup | identical to baseline |",
@@ -200,7 +207,8 @@ def render_group_table(rows: Sequence[GroupComparison], drafter: str = "EAGLE-3"
     ]
     lines += [
         f"| {r.concurrency} | {r.group} | {r.num_requests} | {r.accept_length:.3f} | {r.baseline_tok_per_s:,.1f} "
-        f"| {r.speculative_tok_per_s:,.1f} | {r.speedup:.2f}x | {r.identical_outputs}/{r.num_requests} |"
+        f"| {r.speculative_tok_per_s:,.1f} | {r.speedup:.2f}x | "
+        f"{identical_cell(r.identical_outputs, r.num_requests, sampled)} |"
         for r in rows
     ]
     return "\n".join(lines) + "\n"

@@ -18,12 +18,14 @@ def serving_pair(
     num_steps: int,
     topk: int,
     num_draft_tokens: int,
+    rejection_sampling: bool = False,
     **shared: Any,
 ) -> tuple[ServerSpec, ServerSpec]:
     """(baseline, speculative) specs for a benchmark: the same ``shared`` fields, ports ``port`` and ``port + 1``.
 
     Only the ``--speculative-*`` flags (and the port) differ, as a fair comparison needs; the
     EAGLE-3 trio is always explicit, so SGLang's per-architecture defaults never pick it silently.
+    ``rejection_sampling`` (topk 1 only): sampled requests verify drafts drawn from the drafter by the rejection rule.
     """
     baseline = ServerSpec(model_path, "serve", port=port, **shared)
     speculative = ServerSpec(
@@ -34,6 +36,7 @@ def serving_pair(
         num_steps=num_steps,
         topk=topk,
         num_draft_tokens=num_draft_tokens,
+        rejection_sampling=rejection_sampling,
         **shared,
     )
     return baseline, speculative

@@ -141,6 +141,9 @@ class ServerSpec:
     topk: int | None = None
     num_draft_tokens: int | None = None
     block_size: int | None = None  # dflash: tokens verified per round (SGLang reads the draft's config when None)
+    # speculative, topk 1: at temperature > 0 drafts drawn from the drafter and the rejection rule
+    # (--speculative-use-rejection-sampling); off, SGLang keeps each top draft with the target's probability
+    rejection_sampling: bool = False
     ngram: NgramSettings | None = None  # mode ngram: its settings (None there = SGLang's defaults, written out)
     extra_args: tuple[str, ...] = ()
     python: str = "python"
@@ -279,7 +282,7 @@ def _mode_args(spec: ServerSpec) -> list[str]:
                 "--speculative-num-draft-tokens",
                 str(spec.num_draft_tokens),
             ]
-        return args
+        return args + (["--speculative-use-rejection-sampling"] if spec.rejection_sampling else [])
     if spec.mode == "dflash":
         block = ["--speculative-dflash-block-size", str(spec.block_size)] if spec.block_size is not None else []
         return [
@@ -319,7 +322,7 @@ def _mode_expectations(spec: ServerSpec) -> dict[str, Any]:
                 "speculative_eagle_topk": spec.topk,
                 "speculative_num_draft_tokens": spec.num_draft_tokens,
             }
-        return want
+        return want | ({"speculative_use_rejection_sampling": True} if spec.rejection_sampling else {})
     if spec.mode == "dflash":  # _handle_dflash: one step, top-1, K tokens verified
         want = {
             "speculative_algorithm": "DFLASH",
@@ -400,6 +403,8 @@ def _aux_problems(spec: ServerSpec) -> list[str]:
 def _speculative_problems(spec: ServerSpec) -> list[str]:
     trio = {"num_steps": spec.num_steps, "topk": spec.topk, "num_draft_tokens": spec.num_draft_tokens}
     given = [name for name, value in trio.items() if value is not None]
+    if spec.rejection_sampling and spec.mode != "speculative":
+        return [f"rejection_sampling only applies to mode speculative (EAGLE-3 chains), not {spec.mode!r}"]
     if spec.mode == "dflash":
         return _dflash_problems(spec, given)
     if spec.mode == "ngram":
@@ -416,6 +421,8 @@ def _speculative_problems(spec: ServerSpec) -> list[str]:
             else []
         )
     problems = [] if spec.draft_model_path else ["mode speculative needs draft_model_path"]
+    if spec.rejection_sampling and spec.topk != 1:
+        problems.append(f"rejection_sampling needs topk 1 (SGLang samples chains only), not {spec.topk}")
     if given and len(given) != 3:
         missing = sorted(set(trio) - set(given))
         problems.append(

@@ -4,6 +4,7 @@
     python lab/eval_speed.py --tiny           # CPU smoke run: a tiny random target, uncompiled static path
     python lab/eval_speed.py --capacity 1408 --prompt-len 300 --dtype bfloat16 --profile   # as the evaluation
     python lab/eval_speed.py --compile on     # Inductor's kernels inside the graphs (minutes of warm-up)
+    python lab/eval_speed.py --compile on --temperature 1 --only-greedy   # sampled chain rounds, no greedy methods
 
 Builds a random Llama with SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads, 3 key/value heads, MLP 1536,
 vocab 49152, tied embeddings; nothing is downloaded) and a random EAGLE-3 drafter of matching dims. Random
@@ -34,6 +35,8 @@ from eagle3.evaluate.fused_projections import fuse_projections  # noqa: E402
 from eagle3.evaluate.graphs import resolve_decode  # noqa: E402
 from eagle3.evaluate.proposers import EagleProposer, NgramProposer  # noqa: E402
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner  # noqa: E402
+from eagle3.evaluate.sampled_decode import sample_decode, sampled_speculative_decode  # noqa: E402
+from eagle3.evaluate.sampling import SamplingParams, sampler_for  # noqa: E402
 from eagle3.evaluate.speculate import (  # noqa: E402
     DecodeResult,
     DraftTree,
@@ -119,6 +122,43 @@ class OracleProposer:
             tokens[node] = self.full[ahead] if ahead < len(self.full) else tokens[node]
             node = tree.parents[node]
         return DraftTree(tokens, tree.parents)
+
+
+class WithoutSampledRound:
+    """Test double for timing: a static drafter runner without its one-call sampled chain, so
+    sampled_decode.sampled_chain drafts step by step through it (the path before that round existed)."""
+
+    def __init__(self, inner: StaticDrafterRunner) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        if name == "sampled_chain":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def sampled_rounds(target, runner, drafter, d2t, prompt: list[int], n: int, temperature: float, repeats: int) -> None:
+    """Speculative sampling at ``temperature``: the target's own sampling (the evaluation's reference and baseline
+    then), and chain 3 and 7 rounds drafted in one call and step by step (random weights: few drafts accepted, so
+    these are round costs)."""
+    params = SamplingParams(temperature)
+    device = str(target.device)
+    sample = lambda: sample_decode(target, prompt, n, [], sampler_for(params, 0, "own", device))  # noqa: E731
+    sample()
+    wall, own = timed(sample, repeats)
+    print(f"sampled_target_tok_s: {len(own.tokens) / wall:.1f}  (temperature {temperature:g})")
+    for steps in (3, 7):
+        for label, inner in (("", runner), ("_stepwise", WithoutSampledRound(runner))):
+            proposer = EagleProposer(drafter, d2t, steps, runner=inner)
+            run = lambda proposer=proposer, stream=f"chain-{steps}": sampled_speculative_decode(  # noqa: E731
+                target, proposer, prompt, n, [], sampler_for(params, 0, stream, device)
+            )
+            run()
+            wall, out = timed(run, repeats)
+            print(
+                f"sampled_chain-{steps}{label}_round_ms: {1000 * wall / max(len(out.steps), 1):.2f}  "
+                f"(accept_len {out.accept_len:.2f}, {len(out.tokens) / wall:.1f} tok/s)"
+            )
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -261,6 +301,13 @@ def main(argv: list[str] | None = None) -> None:
         help="time (and with --profile profile) greedy at both widths only: no methods, no eager chain",
     )
     parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="> 0: also time speculative sampling at this temperature (chain rounds in one call and step by step, "
+        "against the target's own sampling)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="after timing, print torch.profiler tables (host and device time per op) of one "
@@ -325,6 +372,8 @@ def main(argv: list[str] | None = None) -> None:
         wide = f"greedy-width-{target.widths[0]}"
         profile_decode(wide, lambda: greedy_decode(target, prompt, n), device, steps=False)
 
+    if args.temperature > 0:
+        sampled_rounds(target, runner, drafter, d2t, prompt, n, args.temperature, args.repeats)
     if args.only_greedy:
         kind = check_lossless(reference, static_ref.tokens, 1e-3).kind
         print(f"static_greedy_vs_eager: {kind}")

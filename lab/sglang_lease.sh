@@ -43,6 +43,8 @@
 #   starts `counts`: the preset's data replayed from the journals under $W/qdata (no generation), then the counts.
 # LEASE_TEMPERATURE_EVAL=T (with LEASE_TRAINED): after deploy, the export evaluated at temperature T in a run of its own
 #   (<run>-tT), beside the GPU tests; its results.json and report.md come back under eval-tT/.
+# LEASE_TEMPERATURE_DEPLOY=1 (with LEASE_TEMPERATURE_EVAL): that run's deploy next, alone on the GPU: requests
+#   sampled at T, chains served with --speculative-use-rejection-sampling; eval-tT/deploy-{results.json,report.md}.
 # LEASE_EVAL_SPEED="ARGS": lab/eval_speed.py ARGS alone at the end of the measure chain (its output: eval-speed.log).
 # LEASE_SKIP="deploy ...": steps (by their log names) that the chain skips, e.g. figures an earlier lease brought back.
 # train:   data stages (ShareGPT's own answers), online training, export
@@ -215,6 +217,7 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
   if [ -n "${LEASE_TEMPERATURE_EVAL:-}" ]; then sampled_eval & sampled=$!; fi
   [ -n "${LEASE_QUALITY_TRAIN:-}${LEASE_TRAINED:-}" ] && [ -z "${LEASE_SIDE_TESTS:-}" ] && gpu_tests
   [ -n "$sampled" ] && wait "$sampled"
+  [ -n "${LEASE_TEMPERATURE_DEPLOY:-}" ] && sampled_deploy
   side_data
   step regenerate "$PY" lab/sglang_regenerate.py --config "$SIDE_CFG" --rows "${LEASE_SAMPLES:-200}" \
     --device "${LEASE_DEVICE:-cuda}" --out "$RUN/bench-regen.json" --mem-fraction-static 0.25 "${REGEN[@]}"
@@ -234,6 +237,19 @@ sampled_eval() {  # the carried-in export evaluated at temperature LEASE_TEMPERA
   step "eval-t$t" "$PY" -m eagle3.evaluate.stage --config "$CFG" --export-dir "$RUN/export/sglang" \
     --set "run.name=$name" --set "evaluate.temperature=$t" "${EVAL_SETS[@]}" --set evaluate.speed_baseline=reference
   mkdir -p "$RUN/eval-t$t" && cp "runs/$name"/eval/{results.json,report.md} "$RUN/eval-t$t/" 2>/dev/null
+}
+
+sampled_deploy() {  # LEASE_TEMPERATURE_DEPLOY=1: the sampled run's deploy, alone on the GPU: every request at that
+  # temperature, the chain server with --speculative-use-rejection-sampling, accept lengths against that evaluation
+  local t=${LEASE_TEMPERATURE_EVAL:?LEASE_TEMPERATURE_DEPLOY needs LEASE_TEMPERATURE_EVAL} name
+  name="$(basename "$RUN")-t$t"
+  [ -d "runs/$name/export" ] || cp -a "$RUN/export" "runs/$name/"   # the evaluated export, its manifest beside it
+  step "deploy-t$t" "$PY" -m eagle3.deploy --config "runs/$name/config.json" --set serve.enabled=true \
+    "${SERVE_SETS[@]}"
+  for f in results.json report.md; do   # beside the sampled evaluation's own files, under eval-tT/ (collect)
+    cp "runs/$name/deploy/$f" "$RUN/eval-t$t/deploy-$f" 2>/dev/null
+  done
+  return 0
 }
 
 eval_chain() {  # a carried-in export evaluated (the run brings no speculators export, which eval checks otherwise),

@@ -173,8 +173,14 @@ def _decoding_words(settings: EvalSettings) -> str:
         return "greedy"
     return (
         f"sampling at temperature {e['temperature']} (top-p {e.get('top_p', 1.0)}, top-k {e.get('top_k', 0)}, "
-        f"seed {e.get('seed', 0)})"
+        f"seed {e.get('seed', 0)}; chains {_CHAIN_RULE_WORDS[e.get('chain_sampling', 'rejection')]})"
     )
+
+
+_CHAIN_RULE_WORDS = {
+    "rejection": "drawn from the drafter, the rejection rule",
+    "target_only": "the drafter's top tokens, kept with the target's probability",
+}
 
 
 def _sampling_lines(settings: EvalSettings) -> list[str]:

@@ -35,22 +35,27 @@ from eagle3.evaluate.speculate import (
 
 def sampled_chain(runner: Any, hidden: Tensor, logits: Tensor, steps: int, sampler: Sampler) -> DraftTree:
     """``steps`` chain drafts, each drawn from the drafter's distribution (temperature, top-k, top-p over the draft
-    vocab), fed back as greedy chains feed theirs; root out [1, H] and logits [Vd] at the last committed index.
-    Returns the chain with, per draft, the distribution it was drawn from over the target vocab [S, V]."""
+    vocab) with one of ``steps`` uniforms drawn first, fed back as greedy chains feed theirs; root out [1, H] and
+    logits [Vd] at the last committed index. Returns the chain with, per draft, the distribution it was drawn from
+    over the target vocab [S, V]. A static runner drafts the whole round in one (compiled) call."""
+    uniforms = sampler.uniform(steps)  # [S] float64
+    if hasattr(runner, "sampled_chain"):
+        tokens, q = runner.sampled_chain(hidden, logits, steps, sampler.params, uniforms)
+        return DraftTree.chain(tokens.tolist(), draft_probs=q)  # one device sync per round
     vocab = runner.drafter.dims.vocab_size
     draft_ids = runner.to_target_ids(torch.arange(len(runner.d2t), device=runner.device))  # [Vd] their target ids
     root_position = runner.num_committed - 1
-    tokens, rows = [], []
+    token_list, rows = [], []
     for j in range(1, steps + 1):
         q_draft = probabilities(logits, sampler.params)  # [Vd]
-        token = runner.to_target_ids(draw(q_draft, sampler.uniform(1)))  # [1] target id
-        tokens.append(token)
+        token = runner.to_target_ids(draw(q_draft, uniforms[j - 1 : j]))  # [1] target id
+        token_list.append(token)
         rows.append(q_draft.new_zeros(vocab).index_copy(0, draft_ids, q_draft))  # [V]: 0 outside the draft vocab
         if j < steps:
             ancestors = torch.ones(1, runner.num_draft_entries + 1, dtype=torch.bool, device=runner.device)
             hidden, level = runner.draft(hidden, token, root_position + j, ancestors)
             logits = level[0]
-    return DraftTree.chain(torch.cat(tokens).tolist(), draft_probs=torch.stack(rows))  # one device sync per round
+    return DraftTree.chain(torch.cat(token_list).tolist(), draft_probs=torch.stack(rows))  # one device sync per round
 
 
 class SampledRounds:
@@ -73,9 +78,11 @@ class SampledRounds:
         return token
 
     def propose(self, proposer: Any, context: list[int]) -> DraftTree:
-        """An EAGLE chain's drafts drawn from the drafter; every other proposer's (trees, prompt lookup, DFlash
-        blocks) deterministic drafts, verified with q a point mass (eagle3.evaluate.sampling)."""
-        if isinstance(proposer, EagleProposer) and proposer.topk == 1:
+        """An EAGLE chain's drafts drawn from the drafter (chain_rule rejection); every other proposer's (chains
+        under target_only, trees, prompt lookup, DFlash blocks) deterministic drafts, verified with q a point mass
+        (eagle3.evaluate.sampling)."""
+        rejection = self.sampler.params.chain_rule == "rejection"
+        if rejection and isinstance(proposer, EagleProposer) and proposer.topk == 1:
             return sampled_chain(proposer.runner, *proposer.root, proposer.steps, self.sampler)
         return proposer.propose(context)
 
@@ -85,19 +92,35 @@ class SampledRounds:
         assert out.logits is not None, "the verify ran with_logits"
         p = probabilities(out.logits, self.sampler.params)  # [N+1, V]
         if tree.draft_probs is not None and tree.tokens:  # drafts drawn from q: the rejection rule
-            num = len(tree.tokens)
-            drafts = torch.tensor(tree.tokens, device=p.device)
-            accepted, token = chain_accept(
-                p, tree.draft_probs.to(p), drafts, self.sampler.uniform(num), self.sampler.uniform(1)[0]
-            )
-            path, bonus = list(range(int(accepted))), int(token)
+            new, chosen = self._chain_verdict(p, tree)
+            path = list(range(len(new) - 1))
         else:  # deterministic candidates: one draw per row, walk into the child that drew it
-            path, bonus = accept_path(tree, draw(p, self.sampler.uniform(len(p))).tolist())
-        new = [tree.tokens[i] for i in path] + [bonus]
-        rows = [0, *(i + 1 for i in path)]  # the row that predicted each new token
-        chosen = p[torch.tensor(rows, device=p.device), torch.tensor(new, device=p.device)]
-        self._pending = list(zip(new, chosen.tolist()))
+            drawn = draw(p, self.sampler.uniform(len(p)))  # [N+1]
+            probs = p.gather(-1, drawn[:, None])[:, 0]  # [N+1] each row's drawn token's probability
+            host = torch.cat([drawn.to(probs.dtype), probs]).tolist()  # one device read per round
+            tokens, row_probs = [int(t) for t in host[: len(p)]], host[len(p) :]
+            path, bonus = accept_path(tree, tokens)
+            new = [tree.tokens[i] for i in path] + [bonus]
+            chosen = [row_probs[r] for r in (0, *(i + 1 for i in path))]  # new token j was drawn at this row
+        self._pending = list(zip(new, chosen))
         return new, path, keep_accepted(target, len(context) - 1, path, out)
+
+    def _chain_verdict(self, p: Tensor, tree: DraftTree) -> tuple[list[int], list[float]]:
+        """A sampled chain's verify by the rejection rule, p [S+1, V]: (new tokens: the accepted drafts then the
+        residual or bonus draw, the target's probability of each), read from the device once."""
+        assert tree.draft_probs is not None
+        num = len(tree.tokens)
+        drafts = torch.tensor(tree.tokens, device=p.device)  # [S]
+        accepted, token = chain_accept(
+            p, tree.draft_probs.to(p), drafts, self.sampler.uniform(num), self.sampler.uniform(1)[0]
+        )  # [], []
+        rows = torch.arange(num + 1, device=p.device)  # [S+1]
+        # row i's token: draft i while i < accepted, the draw at i == accepted (later rows are not read)
+        tokens = torch.where(rows == accepted, token, torch.cat([drafts, drafts[:1]]))  # [S+1]
+        probs = p[rows, tokens]  # [S+1]
+        host = torch.cat([accepted[None].to(p.dtype), tokens.to(p.dtype), probs]).tolist()  # one device read
+        kept = int(host[0]) + 1
+        return [int(t) for t in host[1 : 1 + kept]], host[2 + num : 2 + num + kept]
 
     def commit(self, position: int, num: int) -> None:
         """The first ``num`` tokens of the last round were kept, the first at output ``position``."""

@@ -8,9 +8,10 @@ round; after the last accepted draft the bonus token is drawn from p. Then P(tok
 (1 - sum_x min(p(x), q(x))) * norm(max(0, p - q))(y) = p(y): lossless in distribution, whatever q is.
 
 Where the draws come from:
-  * chain drafts sampled from the drafter (EAGLE-3 chains): q is the drafter's distribution at each step
-    (``chain_accept``);
-  * deterministic candidates (a tree's top-k children, prompt lookup, a DFlash block): q is a point mass on each
+  * chain drafts sampled from the drafter (EAGLE-3 chains, chain_rule "rejection"): q is the drafter's distribution
+    at each step (``chain_accept``);
+  * deterministic candidates (a tree's top-k children, an EAGLE-3 chain's top tokens under chain_rule "target_only",
+    prompt lookup, a DFlash block): q is a point mass on each
     candidate, so the rule accepts candidate x with probability p(x) and otherwise zeroes p(x) and renormalizes before
     the next sibling. That sequence is the same distribution as one draw y ~ p per node followed by walking into the
     child whose token is y, and stopping with y where there is none, which is how it is implemented
@@ -23,22 +24,29 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
+ChainRule = Literal["rejection", "target_only"]
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a token is drawn from logits: temperature (> 0), then top-k (0 = off), then top-p (1 = off)."""
+    """How a token is drawn from logits: temperature (> 0), then top-k (0 = off), then top-p (1 = off); and how an
+    EAGLE-3 chain's drafts are chosen: drawn from the drafter (rejection) or its top token (target_only)."""
 
     temperature: float
     top_p: float = 1.0
     top_k: int = 0
+    chain_rule: ChainRule = "rejection"
 
     def __post_init__(self) -> None:
         if not (self.temperature > 0 and 0 < self.top_p <= 1 and self.top_k >= 0):
             raise ValueError(f"sampling needs temperature > 0, 0 < top_p <= 1, top_k >= 0; got {self}")
+        if self.chain_rule not in ("rejection", "target_only"):
+            raise ValueError(f"chain_rule is rejection or target_only; got {self.chain_rule!r}")
 
 
 @dataclass
@@ -53,9 +61,11 @@ class Sampler:
         return torch.rand(shape, generator=self.generator, device=self.generator.device, dtype=torch.float64)
 
 
-def sampling_params(temperature: float, top_p: float = 1.0, top_k: int = 0) -> SamplingParams | None:
+def sampling_params(
+    temperature: float, top_p: float = 1.0, top_k: int = 0, chain_rule: ChainRule = "rejection"
+) -> SamplingParams | None:
     """The evaluate section's sampling settings; None at temperature 0 (greedy)."""
-    return SamplingParams(temperature, top_p, top_k) if temperature > 0 else None
+    return SamplingParams(temperature, top_p, top_k, chain_rule) if temperature > 0 else None
 
 
 def stream_seed(seed: int, stream: str) -> int:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from eagle3.drafter.model import Eagle3Drafter
     from eagle3.evaluate.graphs import CompileSettings
     from eagle3.evaluate.runners import DrafterRunner, TargetRunner
+    from eagle3.evaluate.sampling import SamplingParams
 
 WARMUP_TOKENS = 8
 """Tokens each method generates on the first prompt before anything is timed (kernels, allocator, caches)."""
@@ -240,16 +241,22 @@ def ready_session(job: EvalJob, warmup_ids: list[int]) -> EvalSession:
     return session
 
 
+def eval_sampling(ecfg: EvaluateConfig) -> SamplingParams | None:
+    """The evaluate section's sampling settings (None at temperature 0: greedy)."""
+    from eagle3.evaluate.sampling import sampling_params
+
+    return sampling_params(ecfg.temperature, ecfg.top_p, ecfg.top_k, ecfg.chain_sampling)
+
+
 def warm_up(session: EvalSession, prompt_ids: list[int]) -> None:
     """Run every forward width of the static runners (compiles them), then the reference and every method briefly
     (sampling at temperature > 0); untimed."""
     from eagle3.evaluate.sampled_decode import decode_method, decode_reference
-    from eagle3.evaluate.sampling import sampling_params
 
     for runner in (session.target, session.drafter, session.baseline):
         getattr(runner, "warm_up_widths", lambda: None)()
     ecfg = session.ecfg
-    num, params = min(WARMUP_TOKENS, ecfg.max_new_tokens), sampling_params(ecfg.temperature, ecfg.top_p, ecfg.top_k)
+    num, params = min(WARMUP_TOKENS, ecfg.max_new_tokens), eval_sampling(ecfg)
     decode_reference(session.target, prompt_ids, num, session.stop_ids, params, ecfg.seed, "warm-up")
     if session.baseline is not None:
         decode_reference(session.baseline, prompt_ids, num, [], params, ecfg.seed, "warm-up")
@@ -263,11 +270,10 @@ def evaluate_prompt(session: EvalSession, index: int, prompt: EvalPrompt, ids: l
     import torch
 
     from eagle3.evaluate.sampled_decode import decode_method, decode_reference, sampled_check
-    from eagle3.evaluate.sampling import sampling_params
     from eagle3.evaluate.speculate import check_lossless, draft_hits, teacher_forced_drafts
 
     ecfg = session.ecfg
-    params = sampling_params(ecfg.temperature, ecfg.top_p, ecfg.top_k)  # None: greedy
+    params = eval_sampling(ecfg)  # None: greedy
     ref = decode_reference(
         session.target, ids, ecfg.max_new_tokens, session.stop_ids, params, ecfg.seed, f"{prompt.id}/reference"
     )

@@ -18,6 +18,7 @@ from eagle3.evaluate import decode_cache
 from eagle3.evaluate.decode_cache import bucket, decode_widths, pad_rows, round_up
 from eagle3.evaluate.graphs import CompiledStep, CompileSettings, eager_graph_settings
 from eagle3.evaluate.runners import DrafterRunner, as_token_tensor
+from eagle3.evaluate.sampling import SamplingParams, draw, probabilities
 
 
 class StaticDrafterRunner(DrafterRunner):
@@ -53,7 +54,9 @@ class StaticDrafterRunner(DrafterRunner):
             self._rows_step, eager_graph_settings(compile_settings), self.device, "drafter chunk forward"
         )  # every forward of decode_cache.CHUNK rows
         self._settings = compile_settings
-        self._rounds: dict[tuple, CompiledStep] = {}  # ("chain", steps) | ("tree", steps, topk, size) -> its round
+        # ("chain", steps) | ("sampled chain", steps, params) | ("tree", steps, topk, size) -> its round
+        self._rounds: dict[tuple, CompiledStep] = {}
+        self._draft_targets = self.to_target_ids(torch.arange(len(self.d2t), device=self.device))  # [Vd] target ids
         self._allocate(round_up(capacity))
 
     def compiled_steps(self) -> list[CompiledStep]:
@@ -135,6 +138,43 @@ class StaticDrafterRunner(DrafterRunner):
         )
         return tokens
 
+    def _sampled_chain_rows(
+        self, hidden: Tensor, logits: Tensor, committed: Tensor, uniforms: Tensor, steps: int, params: SamplingParams
+    ) -> tuple[Tensor, Tensor]:
+        """_chain_rows with each draft drawn from the drafter's distribution (eagle3.evaluate.sampled_decode's
+        sampled_chain, here on the device): uniforms float64 [steps] -> (draft tokens [steps] target ids, the
+        distribution each was drawn from over the target vocab [steps, V], 0 outside the draft vocab)."""
+        tokens, rows = [], []
+        for j in range(1, steps + 1):
+            q_draft = probabilities(logits, params)  # [Vd] float64
+            token = self.to_target_ids(draw(q_draft, uniforms[j - 1 : j]))  # [1]
+            tokens.append(token)
+            rows.append(q_draft)
+            if j < steps:
+                write = committed + (j - 1)  # [1]
+                visible = (self._key_index <= write)[None, :]  # [1, L]
+                hidden, level = self._rows_step(hidden, token, committed - 1 + j, write, visible)  # [1, H], [1, Vd]
+                logits = level[0]
+        q = torch.stack(rows)  # [steps, Vd]
+        q_target = q.new_zeros(steps, self.drafter.dims.vocab_size).index_copy_(1, self._draft_targets, q)
+        return torch.cat(tokens), q_target
+
+    @torch.no_grad()
+    def sampled_chain(
+        self, hidden: Tensor, logits: Tensor, steps: int, params: SamplingParams, uniforms: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """A whole sampled chain round in one call (one CUDA graph when compiled), from the root's out [1, H] and
+        logits [Vd] and ``uniforms`` float64 [steps]: (draft tokens [steps], their distributions [steps, V])."""
+        return self._round(
+            ("sampled chain", steps, params),
+            steps - 1,
+            1,
+            lambda h, lg, c, u: self._sampled_chain_rows(h, lg, c, u, steps, params),
+            hidden,
+            logits,
+            uniforms,
+        )
+
     @torch.no_grad()
     def tree(self, hidden: Tensor, logits: Tensor, steps: int, topk: int, size: int) -> tuple[Tensor, Tensor]:
         """A whole tree round in one call (eagle3/evaluate/tree_draft.py): (tokens [size], parents [size]) of the
@@ -160,14 +200,15 @@ class StaticDrafterRunner(DrafterRunner):
         fn: Callable[..., tuple[Tensor, ...]],
         hidden: Tensor,
         logits: Tensor,
+        *inputs: Tensor,
     ) -> tuple[Tensor, ...]:
-        """Run a whole draft round ``fn(hidden, logits, committed)`` (compiled once per ``key``), which writes
-        ``num_drafts`` draft entries after the committed ones (its last forward ``width`` rows wide)."""
+        """Run a whole draft round ``fn(hidden, logits, committed, *inputs)`` (compiled once per ``key``), which
+        writes ``num_drafts`` draft entries after the committed ones (its last forward ``width`` rows wide)."""
         self._reserve(self.num_committed + num_drafts + width)
         if key not in self._rounds:
             self._rounds[key] = CompiledStep(fn, self._settings, self.device, f"{key[0]} draft round {key[1:]}")
         committed = self._key_index[self.num_committed : self.num_committed + 1]  # [1] on the device: no copy
-        out = self._rounds[key](hidden, logits, committed)
+        out = self._rounds[key](hidden, logits, committed, *inputs)
         self._num_entries = self.num_committed + num_drafts
         return out
 

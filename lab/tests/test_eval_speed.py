@@ -17,3 +17,18 @@ def test_eval_speed_benchmark_tiny_run_is_lossless(capsys):
     assert printed["lossless_identical"].startswith("5 of 5") and float(printed["greedy_static_tok_s"].split()[0]) > 0
     assert printed["eager_reference_identical"].startswith("7 of 7")
     assert float(printed["chain-3-oracle_round_ms"].split()[0]) > 0
+
+
+def test_eval_speed_times_sampled_chain_rounds_both_ways(capsys):
+    """--temperature 1 times the target's own sampling and chain 3 and 7 rounds drafted in one call and step by step;
+    from the same seed both ways decode the same tokens, so their accept lengths are equal."""
+    bench = runpy.run_path(str(LAB / "eval_speed.py"))
+    bench["main"](["--tiny", "--new-tokens", "16", "--repeats", "1", "--temperature", "1", "--only-greedy"])
+    printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line)
+    assert float(printed["sampled_target_tok_s"].split()[0]) > 0
+    for steps in (3, 7):
+        one_call, stepwise = (
+            printed[f"sampled_chain-{steps}_round_ms"],
+            printed[f"sampled_chain-{steps}_stepwise_round_ms"],
+        )
+        assert one_call.split("accept_len ")[1].split(",")[0] == stepwise.split("accept_len ")[1].split(",")[0]

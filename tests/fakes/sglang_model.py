@@ -121,6 +121,7 @@ class LaunchArgs:
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_dflash_block_size: int | None = None
+    speculative_use_rejection_sampling: bool = False
     speculative_ngram_min_bfs_breadth: int = 1
     speculative_ngram_max_bfs_breadth: int = 10
     speculative_ngram_match_type: str = "BFS"
@@ -145,6 +146,8 @@ class LaunchArgs:
             out["return_hidden_states_mode"] = "full"
         if out["speculative_algorithm"] == "EAGLE3":
             out |= _speculative_defaults(self, model)
+            if self.speculative_use_rejection_sampling and out["speculative_eagle_topk"] != 1:
+                raise ValueError("Chain speculative sampling supports only topk=1")  # eagle_worker_v2's assert
         if out["speculative_algorithm"] == "DFLASH":
             out |= _dflash_resolution(self)
         if out["speculative_algorithm"] == "NGRAM":

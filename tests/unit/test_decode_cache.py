@@ -218,6 +218,45 @@ def test_static_chain_round_in_one_call_equals_step_by_step_drafts(setup, settin
             fused._num_entries = fused.num_committed
 
 
+class HostSampledRunner(StaticDrafterRunner):
+    """The static runner without its one-call sampled chain: sampled_decode.sampled_chain drafts step by step."""
+
+    @property
+    def sampled_chain(self):
+        raise AttributeError("sampled_chain: this runner makes sampled_decode draft a sampled chain step by step")
+
+
+@pytest.mark.parametrize("settings", [CompileSettings(), COMPILED], ids=["uncompiled", "compiled"])
+def test_static_sampled_chain_round_in_one_call_equals_step_by_step_draws(setup, settings):
+    """StaticDrafterRunner.sampled_chain (one call per round) draws the tokens, gives the distributions and leaves
+    the cache entries that step-by-step draws from the same uniforms give (temperature 1, and 0.8 with top-p and
+    top-k), after extends at several lengths, also through torch.compile."""
+    from eagle3.evaluate.sampled_decode import sampled_chain
+    from eagle3.evaluate.sampling import SamplingParams, sampler_for
+
+    drafter, d2t = setup["drafter"], setup["d2t"]
+    fused = StaticDrafterRunner(drafter, d2t, capacity=64, compile_settings=settings)
+    stepwise = HostSampledRunner(drafter, d2t, capacity=64)
+    gen = torch.Generator().manual_seed(5)
+    aux, ids = torch.randn(30, 192, generator=gen, dtype=torch.float64), torch.randint(0, 300, (30,), generator=gen)
+    for params in (SamplingParams(1.0), SamplingParams(0.8, top_p=0.9, top_k=40)):
+        for stop in (5, 17, 30):
+            for runner in (fused, stepwise):
+                runner.reset()
+                out, logits = runner.extend(aux[:stop], ids[:stop].tolist(), 0)
+            for steps in (1, 3, 7):
+                trees = [
+                    sampled_chain(runner, out[-1:], logits[-1], steps, sampler_for(params, 9, f"{stop}/{steps}", "cpu"))
+                    for runner in (fused, stepwise)
+                ]
+                assert trees[0].tokens == trees[1].tokens, (params, stop, steps)
+                torch.testing.assert_close(trees[0].draft_probs, trees[1].draft_probs, rtol=0, atol=0)
+                end = stop + steps - 1
+                torch.testing.assert_close(fused.keys[:, :, :end], stepwise.keys[:, :, :end], rtol=0, atol=0)
+                for runner in (fused, stepwise):
+                    runner._num_entries = runner.num_committed  # drop the round's drafts, as extend would
+
+
 class HostTreeRunner(StaticDrafterRunner):
     """The static runner without its device-side tree: EagleProposer builds the tree on the host, level by level."""
 

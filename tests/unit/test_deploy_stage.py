@@ -125,6 +125,63 @@ def test_every_extra_eagle3_setting_gets_its_own_server_against_one_baseline(con
     assert (config_file.parent / "deploy" / "sglang-speculative-5-4-8.log").exists()
 
 
+def test_a_sampled_evaluation_makes_the_benchmark_sample_with_the_same_chain_rule(config_file):
+    """evaluate.temperature 1: every request samples, the chain server verifies by the rejection rule (the flag SGLang
+    takes, read back from /server_info), the tree server keeps SGLang's default, and no output is counted identical;
+    the report says so."""
+    proc = _run_stage(
+        "--config", str(config_file), "--set", "evaluate.temperature=1", "--set", 'serve.extra_speculative=["5-4-8"]'
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = config_file.parent / "deploy"
+    doc = json.loads((out / "results.json").read_text())
+    chain, tree = doc["speculative"]
+    assert "--speculative-use-rejection-sampling" in chain["argv"]
+    assert "--speculative-use-rejection-sampling" not in tree["argv"]
+    assert chain["result"]["server_settings"]["speculative_use_rejection_sampling"] is True
+    assert doc["baseline"]["result"]["settings"]["temperature"] == 1.0
+    report = (out / "report.md").read_text()
+    assert "temperature 1 (top-p 1, top-k all)" in report and "| sampled |" in report
+
+
+def test_eval_results_of_other_sampling_are_not_compared(tmp_path):
+    """An evaluation at temperature 0 is not compared with servers asked to sample (nor at temperature 1 one that
+    drafted chains by another rule), and at temperature > 0 no same-text check runs: each says why."""
+    from eagle3.deploy_checks import accept_checks, same_text_checks
+
+    cfg = RunConfig.model_validate(
+        {
+            "run": {"workdir": str(tmp_path), "name": "r"},
+            "serve": {"prompts": "evaluation", "max_new_tokens": 256},
+            "evaluate": {"temperature": 1.0},
+        }
+    )
+    (cfg.run_dir / "eval").mkdir(parents=True)
+    row = {"method": "chain-3-1-4", "dataset": "mtbench", "num_prompts": 1, "num_tokens": 4, "num_verify": 2}
+    results = cfg.run_dir / "eval" / "results.json"
+    run = _run("3-1-4", ["mtbench"], [4], [2])
+    for evaluated, named in (
+        ({"temperature": 0.0}, "evaluate.temperature=0.0"),
+        ({"temperature": 1.0, "chain_sampling": "target_only"}, "evaluate.chain_sampling"),
+    ):
+        settings = {"max_new_tokens": 256, "evaluate": evaluated}
+        results.write_text(json.dumps({"settings": settings, "results": [row, row | {"dataset": "all"}]}))
+        checks, skipped = accept_checks(cfg, run)
+        assert checks == [] and named in skipped, skipped
+    results.write_text(
+        json.dumps(
+            {
+                "settings": {"max_new_tokens": 256, "evaluate": {"temperature": 1.0}},
+                "results": [row, row | {"dataset": "all"}],
+            }
+        )
+    )
+    checks, skipped = accept_checks(cfg, run)
+    assert skipped is None and [c.dataset for c in checks] == ["mtbench", "all"]
+    same, why = same_text_checks(cfg, run)
+    assert same == [] and "requests sampled" in why
+
+
 def _run(trio: str, groups: list[str], completion: list[int], verify: list[int]):
     from eagle3.deploy_records import ServerRun
     from infra.sglang_bench import BenchResult, BenchSettings, RequestSample, summarize_level

@@ -11,7 +11,7 @@ import torch
 
 from eagle3.evaluate.proposers import EagleProposer, NgramProposer
 from eagle3.evaluate.runners import TargetRunner
-from eagle3.evaluate.sampled_decode import sample_decode, sampled_check, sampled_speculative_decode
+from eagle3.evaluate.sampled_decode import SampledRounds, sample_decode, sampled_check, sampled_speculative_decode
 from eagle3.evaluate.sampling import (
     SamplingParams,
     chain_accept,
@@ -232,11 +232,14 @@ def test_broken_chain_rules_fail_the_test(world, rule):
     assert chi_square_p(torch.bincount(x1, minlength=len(p1)), p1) < 1e-6
 
 
-def tree_samples(world, params: SamplingParams, first_child_always: bool = False) -> tuple[torch.Tensor, ...]:
-    """NUM_SAMPLES first and second generated tokens of tree speculative sampling (the drafter's top-k tree, 5-4-8:
-    deterministic candidates), from a real tree verify: one draw per row, then the walk into matching children
+def tree_samples(
+    world, params: SamplingParams, first_child_always: bool = False, shape: tuple[int, int, int] = (5, 4, 8)
+) -> tuple[torch.Tensor, ...]:
+    """NUM_SAMPLES first and second generated tokens of tree speculative sampling (the drafter's top-k tree of
+    ``shape``, steps-topk-tokens, 5-4-8 by default; topk 1: a chain of its top tokens, chain_rule target_only):
+    deterministic candidates, from a real tree verify: one draw per row, then the walk into matching children
     (``first_child_always``: a broken walk that always takes the root's first child)."""
-    proposer = EagleProposer(world["drafter"], world["d2t"], 5, 4, 8)
+    proposer = EagleProposer(world["drafter"], world["d2t"], *shape)
     context, _ = _after_first_token(world, proposer)
     tree = proposer.propose(context)
     rows = probabilities(verify_forward(world["target"], tree, context, with_logits=True).logits, params)
@@ -267,6 +270,18 @@ def test_tree_speculative_sampling_matches_the_target(world):
     assert chi_square_p(torch.bincount(x1, minlength=vocab), p1) > 0.01
     assert chi_square_p(torch.bincount(x2, minlength=vocab), p2) > 0.01
     broken, _, _, _ = tree_samples(world, params, first_child_always=True)
+    assert chi_square_p(torch.bincount(broken, minlength=vocab), p1) < 1e-6
+
+
+def test_target_only_chain_matches_the_target(world):
+    """A chain of the drafter's top tokens (chain_rule target_only, SGLang's default rule at temperature > 0), each
+    kept with the target's probability: first and second tokens distributed as the target's sampling (chi-square
+    p > 0.01 over 10^5 draws); the first-child walk fails the same test."""
+    x1, x2, p1, p2 = tree_samples(world, PARAMS[1], shape=(3, 1, 4))
+    vocab = len(p1)
+    assert chi_square_p(torch.bincount(x1, minlength=vocab), p1) > 0.01
+    assert chi_square_p(torch.bincount(x2, minlength=vocab), p2) > 0.01
+    broken, _, _, _ = tree_samples(world, PARAMS[0], first_child_always=True, shape=(3, 1, 4))
     assert chi_square_p(torch.bincount(broken, minlength=vocab), p1) < 1e-6
 
 
@@ -324,6 +339,30 @@ def test_sampled_decodes_report_acceptance_at_both_temperatures(decode_world, ca
         lines.append(f"{name}: accept length t=0 {greedy.accept_len:.3f}, t=1 {runs[0].accept_len:.3f}")
     with capsys.disabled():
         print("\ntiny target, random drafter, 1 prompt, " + "; ".join(lines))
+
+
+def test_chain_rule_decides_how_a_chain_is_drafted(decode_world):
+    """rejection draws a chain's drafts from the drafter (with their distributions); target_only proposes the greedy
+    chain (no distributions: verified as deterministic candidates) and decodes inside the target's support."""
+    target, prompt = decode_world["target"], decode_world["prompt"]
+    drafter, d2t = decode_world["drafter"], decode_world["d2t"]
+    proposer = EagleProposer(drafter, d2t, 3)
+    context, _ = _after_first_token(decode_world, proposer)
+    greedy_chain = proposer.propose(context)
+    proposer.runner._drop_drafts()  # each proposal below drafts from the same committed state
+    rules = {"rejection": True, "target_only": False}  # rule -> drafts come with their distributions
+    for rule, has_q in rules.items():
+        rounds = SampledRounds(sampler_for(SamplingParams(1.0, chain_rule=rule), 0, rule, "cpu"))
+        tree = rounds.propose(proposer, context)
+        proposer.runner._drop_drafts()
+        assert (tree.draft_probs is not None) is has_q, rule
+        if not has_q:
+            assert tree.tokens == greedy_chain.tokens
+    for rule in rules:
+        out = sampled_speculative_decode(
+            target, proposer, prompt, MAX_NEW, [], sampler_for(SamplingParams(1.0, chain_rule=rule), 5, rule, "cpu")
+        )
+        assert sampled_check(out).kind == "sampled" and len(out.tokens) == MAX_NEW, rule
 
 
 def test_sampled_check_names_a_token_outside_the_support():

@@ -19,7 +19,7 @@ import pytest
 
 from infra.sglang import SGLANG_VERSION, ServerSpec, ServerSpecError, serving_pair
 from infra.sglang_argv_check import mismatches, parse_many
-from infra.sglang_bench import bench_request_body
+from infra.sglang_bench import BenchSettings, bench_request_body
 from infra.sglang_bench_records import SHARED_SETTINGS, SPEC_SETTINGS
 from infra.sglang_checks import capture_request_body, generation_smoke_body
 from infra.sglang_modes import MODE_GAPS, SGLANG_VERSIONS
@@ -71,6 +71,15 @@ SPECS: dict[str, ServerSpec] = {
     ),
     "speculative_topk4": ServerSpec(
         "/models/target", "speculative", draft_model_path="/d", num_steps=5, topk=4, num_draft_tokens=8
+    ),
+    "speculative_rejection": ServerSpec(
+        "/models/target",
+        "speculative",
+        draft_model_path="/d",
+        num_steps=3,
+        topk=1,
+        num_draft_tokens=4,
+        rejection_sampling=True,
     ),
 }
 # The deploy benchmark's pair: every serving flag set, EAGLE-3 trio explicit.
@@ -151,6 +160,19 @@ def test_speculative_trio_goes_together():
         ServerSpec("M", "speculative")
     with pytest.raises(ServerSpecError, match="only apply to mode speculative"):
         ServerSpec("M", "serve", num_steps=3, topk=1, num_draft_tokens=4)
+
+
+def test_rejection_sampling_belongs_to_eagle3_chains_only():
+    """--speculative-use-rejection-sampling is built for a speculative chain (SGLang asserts topk 1) and refused on a
+    tree or another mode, naming the rule."""
+    with pytest.raises(ServerSpecError, match="rejection_sampling needs topk 1"):
+        ServerSpec(
+            "M", "speculative", draft_model_path="D", num_steps=5, topk=4, num_draft_tokens=8, rejection_sampling=True
+        )
+    with pytest.raises(ServerSpecError, match="rejection_sampling only applies to mode speculative"):
+        ServerSpec("M", "ngram", rejection_sampling=True)
+    assert SPECS["speculative_rejection"].launch_args()[-1] == "--speculative-use-rejection-sampling"
+    assert "--speculative-use-rejection-sampling" not in SPECS["speculative_trio"].launch_args(key_file="k")
 
 
 def test_topk_one_requires_steps_plus_one_draft_tokens():
@@ -419,6 +441,27 @@ def test_our_generate_bodies_pass_sglangs_request_schema(sglang_parser):
     assert generate_contract_error({"input_ids": [1], "sampling_params": {"max_new_token": 1}})  # gate is live
 
 
+@pytest.mark.parametrize(
+    "sampling", [BenchSettings(temperature=1.0), BenchSettings(temperature=0.7, top_p=0.9, top_k=50)]
+)
+def test_sampled_bench_bodies_pass_sglangs_sampling_checks(sglang_parser, sampling):
+    """A sampled benchmark body passes the contract gate and SGLang's own SamplingParams checks, which refuse the
+    top_k 0 our settings use for "all" (so it is left out)."""
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    body = bench_request_body([1, 2, 3], "bench-c1-0", 64, False, sampling.sampling_params())
+    assert generate_contract_error(body) is None
+    params = SamplingParams(**body["sampling_params"])
+    params.normalize(None)
+    params.verify(vocab_size=1000)
+    assert (params.temperature, params.top_p) == (sampling.temperature, sampling.top_p)
+    bad = SamplingParams(**(body["sampling_params"] | {"top_k": 0}))
+    bad.normalize(None)
+    with pytest.raises(ValueError, match="top_k"):
+        bad.verify(vocab_size=1000)
+
+
 def test_fake_server_auth_matches_sglangs_rule(sglang_parser):
     """The fake's API-key decision equals SGLang's decide_request_auth on the paths we use."""
     from sglang.srt.utils.auth import AuthLevel, decide_request_auth
@@ -481,6 +524,7 @@ FLAG_RELEASES = {
     "--disable-cuda-graph": ("0.5.16", "0.5.23"),
     "--config": ("0.5.16", "0.5.23"),
     "--speculative-dflash-block-size": ("0.5.16", "0.5.23"),
+    "--speculative-use-rejection-sampling": ("0.5.16", "0.5.23"),
     # The NGRAM flags are the same in both releases (0.5.16 server_args.py, 0.5.23 arg_groups/fields/spec.py).
     "--speculative-ngram-min-bfs-breadth": ("0.5.16", "0.5.23"),
     "--speculative-ngram-max-bfs-breadth": ("0.5.16", "0.5.23"),
