@@ -244,8 +244,9 @@ sampled_deploy() {  # LEASE_TEMPERATURE_DEPLOY=1: the sampled run's deploy, alon
   local t=${LEASE_TEMPERATURE_EVAL:?LEASE_TEMPERATURE_DEPLOY needs LEASE_TEMPERATURE_EVAL} name
   name="$(basename "$RUN")-t$t"
   [ -d "runs/$name/export" ] || cp -a "$RUN/export" "runs/$name/"   # the evaluated export, its manifest beside it
-  step "deploy-t$t" "$PY" -m eagle3.deploy --config "runs/$name/config.json" --set serve.enabled=true \
-    "${SERVE_SETS[@]}"
+  # the run's config as sampled_eval set it (the evaluation writes no config.json of its own)
+  step "deploy-t$t" "$PY" -m eagle3.deploy --config "$CFG" --set "run.name=$name" --set "evaluate.temperature=$t" \
+    "${EVAL_SETS[@]}" --set serve.enabled=true "${SERVE_SETS[@]}"
   for f in results.json report.md; do   # beside the sampled evaluation's own files, under eval-tT/ (collect)
     cp "runs/$name/deploy/$f" "$RUN/eval-t$t/deploy-$f" 2>/dev/null
   done
@@ -376,4 +377,6 @@ print(*sglang_only_exports(Path('runs'), names), sep='\n')" "$2"
   _eval_chain) eval_chain ;;
   _counts_chain) counts_chain ;;
   _side_chain) side_chain ;;
+  _sampled_eval) sampled_eval ;;   # these two alone (e.g. a CPU dry run, or again on a lease): not detached
+  _sampled_deploy) sampled_deploy ;;
 esac
