@@ -123,11 +123,16 @@ class StaticDrafterRunner(DrafterRunner):
             token = self.to_target_ids(logits.argmax(-1, keepdim=True))  # [1]
             tokens.append(token)
             if j < steps:
-                write = committed + (j - 1)  # [1]
-                visible = (self._key_index <= write)[None, :]  # [1, L]
-                hidden, rows = self._rows_step(hidden, token, committed - 1 + j, write, visible)  # [1, H], [1, Vd]
-                logits = rows[0]
+                hidden, logits = self._chain_step(hidden, token, committed, j)
         return (torch.cat(tokens),)
+
+    def _chain_step(self, hidden: Tensor, token: Tensor, committed: Tensor, j: int) -> tuple[Tensor, Tensor]:
+        """Draft j + 1's forward in a chain round: draft j's ``token`` [1] after its out ``hidden`` [1, H], at
+        position committed - 1 + j, written at entry committed + j - 1 -> (out [1, H], logits [Vd])."""
+        write = committed + (j - 1)  # [1]
+        visible = (self._key_index <= write)[None, :]  # [1, L]
+        hidden, rows = self._rows_step(hidden, token, committed - 1 + j, write, visible)  # [1, H], [1, Vd]
+        return hidden, rows[0]
 
     @torch.no_grad()
     def chain(self, hidden: Tensor, logits: Tensor, steps: int) -> Tensor:
@@ -151,10 +156,7 @@ class StaticDrafterRunner(DrafterRunner):
             tokens.append(token)
             rows.append(q_draft)
             if j < steps:
-                write = committed + (j - 1)  # [1]
-                visible = (self._key_index <= write)[None, :]  # [1, L]
-                hidden, level = self._rows_step(hidden, token, committed - 1 + j, write, visible)  # [1, H], [1, Vd]
-                logits = level[0]
+                hidden, logits = self._chain_step(hidden, token, committed, j)
         q = torch.stack(rows)  # [steps, Vd]
         q_target = q.new_zeros(steps, self.drafter.dims.vocab_size).index_copy_(1, self._draft_targets, q)
         return torch.cat(tokens), q_target
