@@ -16,37 +16,23 @@ Prompt chunks run the plain masked path (no ``key_order``): greedy and every met
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-GATHERED_ATTENTION = "eagle3_gathered_keys"
-"""Name under which the gathered decode attention is registered with transformers."""
-
 
 def gathered_attention(
-    module: Any,
     query: Tensor,
     key: Tensor,
     value: Tensor,
     attention_mask: Tensor | None,
+    order: Tensor,
     dropout: float = 0.0,
     scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """query [1, H, w, D]; key/value [1, Hkv, L, D] (the whole static cache layer); kwargs ``key_order`` long
-    [w, L]; attention_mask [1, 1, w, L] in sequence order (0 = attend) -> [1, w, H, D]. Without ``key_order`` (a
-    prompt's chunks, a one-row runner on the same model): transformers' sdpa."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    order = kwargs.pop("key_order", None)
-    if order is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
+    """query [1, H, w, D]; key/value [1, Hkv, L, D] (the whole static cache layer); ``order`` long [w, L];
+    attention_mask [1, 1, w, L] in sequence order (0 = attend) -> [1, w, H, Dv]. Reached through
+    eagle3.evaluate.static_attention, from a forward given ``key_order``."""
     assert attention_mask is not None, "key_order comes with its mask"
     _, heads, width, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
@@ -62,19 +48,6 @@ def gathered_attention(
     )  # [w, Hkv, G, D]
     # [1, w, H, Dv] (the layout sdpa_attention_forward returns; Dv differs from D under MLA)
     return out.reshape(1, width, heads, out.shape[-1]), None
-
-
-def use_gathered_attention(model: Any) -> None:
-    """Register the gathered attention (with the sdpa mask) and switch the model to it."""
-    from eagle3.evaluate.packed_attention import PACKED_ATTENTION
-    from eagle3.features.attention import use_attention
-
-    # the packed attention is sdpa's masked path without the repeated cache: a static runner may have set it before
-    if model.config._attn_implementation not in ("sdpa", PACKED_ATTENTION, GATHERED_ATTENTION):
-        raise ValueError(
-            f"gathered decode keys need a target on sdpa attention, not {model.config._attn_implementation!r}"
-        )
-    use_attention(model, GATHERED_ATTENTION, gathered_attention)
 
 
 def key_order(key_index: Tensor, write: Tensor, at: int, num: int, tree: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -8,7 +8,8 @@ eagle3.data.decode_attention.kv_head_rows, which generation's one-token step use
 it at one width, so their outputs stay bit-identical to each other; against the repeated cache they differ by
 rounding only (tests/unit/test_decode_kernels.py: equal to 1e-12 in float64).
 
-Not the default (StaticTargetRunner's ``attention="packed"``; ``lab/eval_speed.py --attention packed``): on an H100
+Not the default (StaticTargetRunner's ``attention="packed"``, through eagle3.evaluate.static_attention;
+``lab/eval_speed.py --attention packed``): on an H100
 (bf16, Inductor kernels in CUDA graphs, 1,408 cache entries) the forward with it and fused gate/up products took
 2.04 ms at 16 rows against 2.22 without either, but 1.93 ms at one row against 1.58: its one-row attention ran
 through cuDNN's flash kernel at 24 us a layer. Which of the two changes moved which width is not separated yet.
@@ -19,9 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 from torch import Tensor
-
-PACKED_ATTENTION = "eagle3_packed_gqa"
-"""Name under which the packed decode attention is registered with transformers."""
 
 
 def packed_attention(
@@ -48,14 +46,3 @@ def packed_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     return kv_head_rows(query, key, value, attention_mask, dropout, scaling), None
-
-
-def use_packed_attention(model: Any) -> bool:
-    """Switch a target on transformers' sdpa attention to the packed one (its mask function stays sdpa's);
-    False, leaving the model as it is, when it runs another attention."""
-    from eagle3.features.attention import use_attention
-
-    if model.config._attn_implementation not in ("sdpa", PACKED_ATTENTION):
-        return False
-    use_attention(model, PACKED_ATTENTION, packed_attention)
-    return True

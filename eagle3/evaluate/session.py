@@ -101,7 +101,15 @@ def baseline_runner(target: Any, ecfg: EvaluateConfig, settings: CompileSettings
 
     if ecfg.speed_baseline != "one_row":
         return None
-    return StaticTargetRunner(target.model, target.aux_layer_ids, capacity, settings, 1, name="one-row baseline")
+    return StaticTargetRunner(
+        target.model,
+        target.aux_layer_ids,
+        capacity,
+        settings,
+        1,
+        name="one-row baseline",
+        attention=ecfg.baseline_attention,
+    )
 
 
 def make_runners(

@@ -167,7 +167,7 @@ class StaticDrafterRunner(DrafterRunner):
     ) -> tuple[Tensor, Tensor]:
         """A whole sampled chain round in one call (one CUDA graph when compiled), from the root's out [1, H] and
         logits [Vd] and ``uniforms`` float64 [steps]: (draft tokens [steps], their distributions [steps, V])."""
-        return self._round(
+        tokens, q = self._round(
             ("sampled chain", steps, params),
             steps - 1,
             1,
@@ -176,6 +176,7 @@ class StaticDrafterRunner(DrafterRunner):
             logits,
             uniforms,
         )
+        return tokens, q
 
     @torch.no_grad()
     def tree(self, hidden: Tensor, logits: Tensor, steps: int, topk: int, size: int) -> tuple[Tensor, Tensor]:

@@ -7,20 +7,19 @@ CHUNK is read through its module (``decode_cache.CHUNK``), so one setting govern
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
-from eagle3.data.decode_attention import use_decode_attention
 from eagle3.evaluate import decode_cache
 from eagle3.evaluate.decode_cache import bucket, decode_widths, pad_rows, round_up
-from eagle3.evaluate.gathered import key_order, use_gathered_attention
+from eagle3.evaluate.gathered import key_order
 from eagle3.evaluate.graphs import CompiledStep, CompileSettings, eager_graph_settings
-from eagle3.evaluate.packed_attention import use_packed_attention
 from eagle3.evaluate.runners import REFERENCE_TOPK, StepOut, TargetRunner, as_token_tensor
+from eagle3.evaluate.static_attention import MaskedAttention, use_static_attention
 
 
 def _kv(layer: StaticLayer) -> tuple[Tensor, Tensor]:
@@ -56,13 +55,6 @@ class PositionedStaticCache(StaticCache):
         return keys, values
 
 
-MaskedAttention = Literal["sdpa", "packed", "flex"]
-"""The masked (not gathered) decode's attention: transformers' sdpa (the cache repeated per query head under
-torch.compile), the packed grouped-query one (eagle3/evaluate/packed_attention.py), or flex over the key blocks in
-use at one row (eagle3.data.decode_attention.flex_decode; other widths take sdpa). The static runner's option,
-timed by ``lab/eval_speed.py --attention``; the evaluation runs sdpa."""
-
-
 class StaticTargetRunner(TargetRunner):
     """TargetRunner over a PositionedStaticCache: the same step/keep/length contract, fixed-width forwards.
 
@@ -91,19 +83,17 @@ class StaticTargetRunner(TargetRunner):
         self._rows = torch.arange(decode_cache.CHUNK, device=self.device)  # [CHUNK]
         self.widths = decode_widths(decode_rows)
         self.gathered_keys = gathered_keys
-        if gathered_keys:  # eagle3/evaluate/gathered.py: trees equal greedy bit for bit at one decode width
-            if decode_rows is None:
-                raise ValueError("gathered decode keys need decode_rows (one width for greedy and verifies)")
-            use_gathered_attention(model)
-        elif attention == "packed":  # no copy of the cache per query head (eagle3/evaluate/packed_attention.py;
-            # not the default: on an H100 it ran a one-row forward slower, through cuDNN's attention kernel)
-            use_packed_attention(model)
-        elif attention == "flex":  # one-row forwards read only the key blocks in use (data/decode_attention.py)
-            use_decode_attention(model, "flex")
+        if gathered_keys and decode_rows is None:  # eagle3/evaluate/gathered.py: trees equal greedy bit for bit
+            raise ValueError("gathered decode keys need decode_rows (one width for greedy and verifies)")
         if gathered_keys and attention != "sdpa":
             raise ValueError(
                 f"gathered decode keys bring their own attention: attention {attention!r} is for masked keys"
             )
+        if gathered_keys or attention != "sdpa":  # runners of one model each choose per forward (static_attention)
+            use_static_attention(model)
+        # packed: no copy of the cache per query head (not the default: on an H100 it ran a one-row forward slower,
+        # through cuDNN's attention kernel); flex: one-row forwards read only the key blocks in use
+        self._attention = {} if attention == "sdpa" else {"masked_attention": attention}
         self._bool_mask = attention == "flex"  # flex_decode takes a bool mask (True = attend); sdpa takes either
         self.cache = self._key_index = None  # type: ignore[assignment]  # both set by _allocate below
         decode = self._forward_gathered if gathered_keys else self._forward_rows
@@ -176,6 +166,7 @@ class StaticTargetRunner(TargetRunner):
             attention_mask=mask,
             use_cache=True,
             **{self._cache_arg: self.cache},
+            **self._attention,
             **attention,
         )
         logits = out.logits[0].float()  # [w, V]

@@ -146,12 +146,16 @@ def test_packed_gqa_attention_equals_attention_over_the_repeated_cache(width):
     assert not counters["graph_break"]
 
 
-def test_static_decode_on_packed_attention_gives_the_repeated_caches_logits_and_greedys_tokens(setup):  # noqa: F811
-    """With attention="packed" the static runner switches an sdpa target to the packed attention (without it the
-    target stays on sdpa): its forwards' logits equal those over the repeated cache (float64, to rounding), and
-    greedy and a tree decode give the eager greedy's tokens."""
-    from eagle3.evaluate.packed_attention import PACKED_ATTENTION
+def test_static_decode_on_packed_attention_gives_the_repeated_caches_logits_and_greedys_tokens(setup, monkeypatch):  # noqa: F811
+    """With attention="packed" the static runner's forwards run the packed attention (the target switched to the
+    static decode's attention; without it the target stays on sdpa): their logits equal those over the repeated
+    cache (float64, to rounding), and greedy and a tree decode give the eager greedy's tokens."""
+    from eagle3.evaluate import packed_attention
+    from eagle3.evaluate.static_attention import STATIC_ATTENTION
 
+    calls: list[int] = []
+    real = packed_attention.packed_attention
+    monkeypatch.setattr(packed_attention, "packed_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     plain_model, packed_model = copy.deepcopy(setup["model"]), copy.deepcopy(setup["model"])
     plain_model.set_attn_implementation("sdpa")
     assert plain_model.config.num_key_value_heads < plain_model.config.num_attention_heads  # a GQA target
@@ -159,7 +163,7 @@ def test_static_decode_on_packed_attention_gives_the_repeated_caches_logits_and_
     packed = StaticTargetRunner(packed_model, AUX_IDS, 128, CompileSettings(), decode_rows=8, attention="packed")
     assert (plain_model.config._attn_implementation, packed_model.config._attn_implementation) == (
         "sdpa",
-        PACKED_ATTENTION,
+        STATIC_ATTENTION,
     )
     prompt = setup["prompts"][0]
     logits = [runner.step(prompt, with_logits=True).logits for runner in (plain, packed)]
@@ -170,6 +174,28 @@ def test_static_decode_on_packed_attention_gives_the_repeated_caches_logits_and_
     assert greedy_decode(packed, prompt, MAX_NEW).tokens == ref.tokens
     oracle = FakeOracleProposer(prompt, ref.tokens, 4, tree=True)
     assert speculative_decode(packed, oracle, prompt, MAX_NEW).tokens == ref.tokens
+    assert calls  # the packed attention ran, not sdpa under its name
+
+
+def test_runners_of_one_model_each_keep_their_own_attention(setup, monkeypatch):  # noqa: F811
+    """The evaluation's pair on one model: a gathered-keys reference at 8 rows and a one-row flex baseline made after
+    it. Each forward runs its own runner's attention (the reference gathers, the baseline builds flex block masks),
+    and both decode the eager greedy's tokens."""
+    from eagle3.data import decode_attention
+    from eagle3.evaluate import gathered
+
+    seen: list[str] = []
+    real_mask, real_gathered = decode_attention.decode_block_mask, gathered.gathered_attention
+    monkeypatch.setattr(decode_attention, "decode_block_mask", lambda v: seen.append("flex") or real_mask(v))
+    monkeypatch.setattr(gathered, "gathered_attention", lambda *a: seen.append("gathered") or real_gathered(*a))
+    model = copy.deepcopy(setup["model"])
+    reference = StaticTargetRunner(model, AUX_IDS, 256, CompileSettings(), decode_rows=8, gathered_keys=True)
+    baseline = StaticTargetRunner(model, AUX_IDS, 256, CompileSettings(), decode_rows=1, attention="flex")
+    prompt, ref = setup["prompts"][0], setup["refs"][0]
+    for runner, kind in ((reference, "gathered"), (baseline, "flex"), (reference, "gathered")):
+        seen.clear()
+        assert greedy_decode(runner, prompt, MAX_NEW).tokens == ref.tokens, kind
+        assert seen and set(seen) == {kind}, (kind, set(seen))
 
 
 def test_one_row_flex_attention_reads_the_used_key_blocks_and_gives_greedys_tokens(setup, monkeypatch):  # noqa: F811

@@ -347,20 +347,23 @@ def test_static_cache_session_gives_the_eager_records(tiny_run):
 
 def test_one_row_baseline_times_the_reference_length_on_the_static_path(tiny_run):
     """speed_baseline=one_row (static cache, 8-row forwards, CPU): every record has a one-row time, for the same
-    tokens as without it; the reference alone is timed when the baseline is the reference."""
+    tokens as without it, also with the GPU presets' gathered-keys reference beside a flex one-row baseline; the
+    reference alone is timed when the baseline is the reference."""
     cfg, model_dir, export_dir = tiny_run
     items = load_prompts(["mtbench"], 2, build_tiny_tokenizer())
 
-    def records(baseline: str) -> list:
-        update = {"methods": ["chain"], "static_cache": "on", "decode_rows": 8, "speed_baseline": baseline}
+    def records(baseline: str, **more: str) -> list:
+        update = {"methods": ["chain"], "static_cache": "on", "decode_rows": 8, "speed_baseline": baseline, **more}
         e = cfg.evaluate.model_copy(update=update)
         job = EvalJob(str(model_dir), str(export_dir), e.model_dump(mode="json"), "cpu", [], num_threads=1)
         return evaluate_prompts(job, items, 1)
 
     one_row, reference = records("one_row"), records("reference")
-    assert all(r.greedy.baseline_wall_s is not None and r.greedy.baseline_wall_s > 0 for r in one_row)
+    flex = records("one_row", decode_keys="gathered", baseline_attention="flex")
+    for run in (one_row, flex):
+        assert all(r.greedy.baseline_wall_s is not None and r.greedy.baseline_wall_s > 0 for r in run)
     assert all(r.greedy.baseline_wall_s is None for r in reference)
-    assert [r.greedy.tokens for r in one_row] == [r.greedy.tokens for r in reference]
+    assert [r.greedy.tokens for r in one_row] == [r.greedy.tokens for r in reference] == [r.greedy.tokens for r in flex]
 
 
 def test_killed_evaluation_resumes_from_its_journal(tiny_run, tmp_path, monkeypatch):
