@@ -247,6 +247,11 @@ NOT_STAGES = {
         "config section names of a candidate run's overrides ({'regenerate': "
         "{'enabled': False}, 'train': {...}}), not stages",
     ),
+    "eagle3/deploy_checks.py": (
+        1,
+        "the config section an evaluation ran with, as eval/results.json records it (settings['evaluate']), "
+        "not the stage",
+    ),
 }
 """Strings equal to a stage's name that name something else, each file with how many and why: no other file may
 name a stage by hand."""
