@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eagle3.config import ConfigError, RunConfig
-from eagle3.deploy_checks import NGRAM, dflash_trio, draft_dir, setting_label
+from eagle3.deploy_checks import NGRAM, SAMPLING_FIELDS, dflash_trio, draft_dir, setting_label
 from eagle3.deploy_records import DeployReport, Role, ServerRun
 from eagle3.deploy_report import recorded_runs, write_report
 from eagle3.export import stage as export
@@ -349,10 +349,6 @@ def _progress_bar(cfg: RunConfig, role: str, show_bar: bool | None) -> Progress:
 def skip_reason(cfg: RunConfig) -> str | None:
     """Why the stage has nothing to do for ``cfg`` (None: it runs): no SGLang host is configured."""
     return None if cfg.serve.enabled else NOT_ENABLED
-
-
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "chain_sampling")
-"""The evaluate fields the benchmark's requests and servers follow (bench_settings, server_specs)."""
 
 
 def key(cfg: RunConfig) -> str:

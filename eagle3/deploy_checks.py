@@ -43,6 +43,10 @@ class ServerRun(Protocol):
     def groups(self) -> tuple[str, ...]: ...
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "chain_sampling")
+"""The evaluate fields the deploy benchmark's requests and chain servers follow, so its accept lengths compare with
+eagle3 eval's (chain_sampling matters only at temperature > 0)."""
+
 MISMATCH_HINT = "a train/serve mismatch (aux layer ids, norms, d2t/t2d, RoPE, chat template or dtype)"
 
 
@@ -183,7 +187,7 @@ def sampling_mismatch(cfg: RunConfig, evaluated: Mapping[str, Any]) -> str | Non
     from eagle3.config import EvaluateConfig
 
     fields = EvaluateConfig.model_fields
-    names = ("temperature", "top_p", "top_k") + (("chain_sampling",) if cfg.evaluate.temperature > 0 else ())
+    names = [n for n in SAMPLING_FIELDS if n != "chain_sampling" or cfg.evaluate.temperature > 0]
     for name in names:
         ran, asked = evaluated.get(name, fields[name].default), getattr(cfg.evaluate, name)
         if ran != asked:

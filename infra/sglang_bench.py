@@ -2,8 +2,7 @@
 
 Hygiene (as in SGLang's python/sglang/benchmark/serving.py): the same fixed prompts for every server, temperature
 0 (or the settings' sampling), a fixed ``max_new_tokens`` with ``ignore_eos``, and before each measured concurrency
-level some
-warmup requests followed by ``POST /flush_cache``. Every answer is checked (HTTP 200, meta_info with
+level some warmup requests followed by ``POST /flush_cache``. Every answer is checked (HTTP 200, meta_info with
 the request's id, ``completion_tokens == max_new_tokens``, verify steps on a speculative server and
 none on a baseline) before it counts. Requests stream (server-sent events), so the time to the first
 token is measured per request. The records a run fills, and the metrics per level, are
