@@ -15,24 +15,30 @@ the warm-up (compile or capture) time of each forward width, greedy tok/s of the
 path at ``--decode-rows`` (what the evaluation's reference runs) and at width 1 (the padding's cost), ms per
 target forward, ms per verify round per method, and how many outputs are token-identical to the static greedy
 reference (the evaluation's lossless check) and to the eager one. ``--fused``: the static path runs the
-target with its MLPs' gate and up products fused (evaluate.fuse_projections). Needs torch, transformers,
+target with its MLPs' gate and up products fused (evaluate.fuse_projections). ``--width-1-attention
+sdpa,sdpa-math,flex,packed`` times the one-row decode (the evaluation's speed baseline) once per attention, each
+checked against the static greedy. Needs torch, transformers,
 pydantic and pyyaml only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar, cast
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle3.drafter.model import DrafterDims, Eagle3Drafter, init_weights  # noqa: E402
 from eagle3.evaluate.fused_projections import fuse_projections  # noqa: E402
-from eagle3.evaluate.graphs import resolve_decode  # noqa: E402
+from eagle3.evaluate.graphs import CompileSettings, resolve_decode  # noqa: E402
 from eagle3.evaluate.proposers import EagleProposer, NgramProposer  # noqa: E402
 from eagle3.evaluate.runners import DrafterRunner, TargetRunner  # noqa: E402
 from eagle3.evaluate.sampled_decode import sample_decode, sampled_speculative_decode  # noqa: E402
@@ -44,8 +50,11 @@ from eagle3.evaluate.speculate import (  # noqa: E402
     greedy_decode,
     speculative_decode,
 )
+from eagle3.evaluate.static_attention import MaskedAttention  # noqa: E402
 from eagle3.evaluate.static_drafter import StaticDrafterRunner  # noqa: E402
 from eagle3.evaluate.static_target import StaticTargetRunner  # noqa: E402
+
+T = TypeVar("T")
 
 SMOLLM2 = dict(
     hidden_size=576,
@@ -161,13 +170,14 @@ def sampled_rounds(target, runner, drafter, d2t, prompt: list[int], n: int, temp
             )
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """(best wall seconds over ``repeats`` calls, last result)."""
+def timed(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
+    """(best wall seconds over ``repeats`` >= 1 calls, last result)."""
     best, out = float("inf"), None
     for _ in range(repeats):
         start = time.perf_counter()
         out = fn()
         best = min(best, time.perf_counter() - start)
+    assert out is not None, "timed needs repeats >= 1"
     return best, out
 
 
@@ -247,6 +257,61 @@ def profile_decode(name: str, decode, device: str, rows: int = 15, steps: bool =
         print(table.table(sort_by="self_cuda_time_total", row_limit=rows))
 
 
+# sdpa-BACKEND variants of the one-row decode: torch's scaled_dot_product_attention kernels (on an H100 the default
+# dispatch picks cuDNN's, 24 us a layer at one row over a 1,408-entry cache)
+SDPA_BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def one_row_variant(variant: str) -> tuple[MaskedAttention, contextlib.AbstractContextManager[object]]:
+    """(the runner's attention, the sdpa kernels allowed while it compiles and captures) of a --width-1-attention
+    entry: sdpa, packed or flex (no restriction), or sdpa-BACKEND (that kernel only)."""
+    attention, _, backend = variant.partition("-")
+    if attention in ("packed", "flex") and not backend:
+        return cast(MaskedAttention, attention), contextlib.nullcontext()
+    if attention == "sdpa" and (not backend or backend in SDPA_BACKENDS):
+        return "sdpa", sdpa_kernel([SDPA_BACKENDS[backend]]) if backend else contextlib.nullcontext()
+    raise SystemExit(f"--width-1-attention {variant}: use sdpa, packed, flex or sdpa-{{{','.join(SDPA_BACKENDS)}}}")
+
+
+def one_row(
+    model: torch.nn.Module,
+    aux_ids: list[int],
+    capacity: int,
+    settings: CompileSettings,
+    variant: str,
+    static_s: float,
+    static_ref: DecodeResult,
+    args: argparse.Namespace,
+    device: str,
+) -> None:
+    """Time greedy one row a forward with one attention variant; print its rate, forward time and whether it decodes
+    the static greedy's tokens (it must: only the kernel differs)."""
+    prompt, n = ([11, 12, 13, 14] * args.prompt_len)[: args.prompt_len], args.new_tokens
+    attention, kernels = one_row_variant(variant)
+    # every call inside the allowance: the kernels are chosen as the runner compiles and captures, and a compiled
+    # graph that guards on the allowance would recompile with the default kernels outside it
+    with kernels:
+        narrow = StaticTargetRunner(
+            model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=1, attention=attention
+        )
+        greedy_decode(narrow, prompt, 8)
+        narrow_s, narrow_out = timed(lambda: greedy_decode(narrow, prompt, n), args.repeats)
+        kind = check_lossless(static_ref, narrow_out.tokens, 1e-3).kind
+        print(
+            f"greedy_width_1_tok_s[{variant}]: {n / narrow_s:.1f}  (the same path one row wide; {args.decode_rows} "
+            f"rows run at {narrow_s / static_s:.2f} of its rate; vs the static greedy: {kind})"
+        )
+        print(f"target_forward_width_1_ms[{variant}]: {forward_ms(narrow, args.prompt_len):.3f}")
+        if args.profile:  # the evaluation's one-row speed baseline: where a plain decode step's time goes
+            profile_decode(f"greedy-width-1-{variant}", lambda: greedy_decode(narrow, prompt, n), device, steps=False)
+    narrow.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny target on CPU (a smoke run of this script)")
@@ -294,6 +359,13 @@ def main(argv: list[str] | None = None) -> None:
         choices=("sdpa", "packed", "flex"),
         help="static path, masked keys: transformers' sdpa (the cache repeated per query head), query heads packed "
         "as rows of their key/value head, or flex over the key blocks in use at one row (MaskedAttention)",
+    )
+    parser.add_argument(
+        "--width-1-attention",
+        type=lambda text: text.split(","),
+        default=None,
+        help="comma list of the one-row decodes to time (default: --attention): sdpa, packed, flex, or sdpa-BACKEND "
+        "(sdpa with only that kernel allowed while the runner compiles and captures: " + ", ".join(SDPA_BACKENDS) + ")",
     )
     parser.add_argument(
         "--only-greedy",
@@ -355,19 +427,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"greedy_static_speedup: {eager_s / static_s:.2f}")
     print(f"target_forward_ms: {forward_ms(target, args.prompt_len):.3f}  (one token, back to back)")
     if rows is not None and rows > 1:
-        narrow = StaticTargetRunner(
-            model, aux_ids, capacity=capacity, compile_settings=settings, decode_rows=1, attention=attention
-        )
-        greedy_decode(narrow, prompt, 8)
-        narrow_s, _ = timed(lambda: greedy_decode(narrow, prompt, n), args.repeats)
-        print(
-            f"greedy_width_1_tok_s: {n / narrow_s:.1f}  (the same path one row wide; {rows} rows run at "
-            f"{narrow_s / static_s:.2f} of its rate)"
-        )
-        print(f"target_forward_width_1_ms: {forward_ms(narrow, args.prompt_len):.3f}")
-        if args.profile:  # the evaluation's one-row speed baseline: where a plain decode step's time goes
-            profile_decode("greedy-width-1", lambda: greedy_decode(narrow, prompt, n), device, steps=False)
-        narrow.close()
+        for variant in args.width_1_attention or [attention]:
+            one_row(model, aux_ids, capacity, settings, variant, static_s, static_ref, args, device)
     if args.profile:  # the evaluation's reference: greedy at the decode width
         wide = f"greedy-width-{target.widths[0]}"
         profile_decode(wide, lambda: greedy_decode(target, prompt, n), device, steps=False)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import runpy
 from pathlib import Path
 
+import pytest
+
 LAB = Path(__file__).resolve().parents[1]
 
 
@@ -32,3 +34,18 @@ def test_eval_speed_times_sampled_chain_rounds_both_ways(capsys):
             printed[f"sampled_chain-{steps}_stepwise_round_ms"],
         )
         assert one_call.split("accept_len ")[1].split(",")[0] == stepwise.split("accept_len ")[1].split(",")[0]
+
+
+def test_every_one_row_attention_variant_decodes_the_static_greedy(capsys):
+    """--width-1-attention times the one-row decode once per attention (an sdpa kernel forced among them), and each
+    decodes the static greedy's tokens; an unknown variant is refused by name."""
+    bench = runpy.run_path(str(LAB / "eval_speed.py"))
+    variants = ["sdpa", "sdpa-math", "packed", "flex"]
+    bench["main"](
+        ["--tiny", "--new-tokens", "12", "--repeats", "1", "--only-greedy", "--width-1-attention", ",".join(variants)]
+    )
+    printed = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line)
+    for variant in variants:
+        assert printed[f"greedy_width_1_tok_s[{variant}]"].endswith("vs the static greedy: identical)")
+    with pytest.raises(SystemExit, match="sdpa-fast"):
+        bench["main"](["--tiny", "--only-greedy", "--width-1-attention", "sdpa-fast"])
