@@ -28,7 +28,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
-from typing import cast
+from typing import cast, get_args
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -182,7 +182,7 @@ def one_row_variant(variant: str) -> tuple[MaskedAttention, contextlib.AbstractC
     """(the runner's attention, the sdpa kernels allowed while it compiles and captures) of a --width-1-attention
     entry: sdpa, packed or flex (no restriction), or sdpa-BACKEND (that kernel only)."""
     attention, _, backend = variant.partition("-")
-    if attention in ("packed", "flex") and not backend:
+    if attention in get_args(MaskedAttention) and attention != "sdpa" and not backend:
         return cast(MaskedAttention, attention), contextlib.nullcontext()
     if attention == "sdpa" and (not backend or backend in SDPA_BACKENDS):
         return "sdpa", sdpa_kernel([SDPA_BACKENDS[backend]]) if backend else contextlib.nullcontext()
@@ -195,6 +195,7 @@ def one_row(
     capacity: int,
     settings: CompileSettings,
     variant: str,
+    prompt: list[int],
     static_s: float,
     static_ref: DecodeResult,
     args: argparse.Namespace,
@@ -202,7 +203,7 @@ def one_row(
 ) -> None:
     """Time greedy one row a forward with one attention variant; print its rate, forward time and whether it decodes
     the static greedy's tokens (it must: only the kernel differs)."""
-    prompt, n = ([11, 12, 13, 14] * args.prompt_len)[: args.prompt_len], args.new_tokens
+    n = args.new_tokens
     attention, kernels = one_row_variant(variant)
     # every call inside the allowance: the kernels are chosen as the runner compiles and captures, and a compiled
     # graph that guards on the allowance would recompile with the default kernels outside it
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"target_forward_ms: {forward_ms(target, args.prompt_len):.3f}  (one token, back to back)")
     if rows is not None and rows > 1:
         for variant in args.width_1_attention or [attention]:
-            one_row(model, aux_ids, capacity, settings, variant, static_s, static_ref, args, device)
+            one_row(model, aux_ids, capacity, settings, variant, prompt, static_s, static_ref, args, device)
     if args.profile:  # the evaluation's reference: greedy at the decode width
         wide = f"greedy-width-{target.widths[0]}"
         profile_decode(wide, lambda: greedy_decode(target, prompt, n), device, steps=False)
