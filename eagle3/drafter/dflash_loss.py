@@ -9,12 +9,18 @@ prediction, no shift: docs/dflash.md, "The block"). Slot 0 is never scored.
     supervised(b, n, k) = valid[b, n] and p+k < T and x_{p+k} in p's document and loss_mask[p+k] = 1
     w_k                 = exp(-(k-1) / gamma)            (gamma None: w_k = 1)
     loss                = sum w_k * CE(b, n, k) / sum w_k      over the supervised (b, n, k)
+    CE(b, n, k)         = -sum_v P_{p+k-1}(v) log q_k(v)   with a teacher (the target's own distribution at p+k-1,
+                          i.e. its prediction of the token at p+k: what a verify accepts), else -log q_k(x_{p+k})
 
-This is SpecForge's objective (specforge/core/dflash.py ``OnlineDFlashModel.forward``: same-position labels,
-the anchor slot excluded, the loss mask and the row end applied, ``loss_decay_gamma`` weights normalised by
-their sum) with packed documents added. All N blocks of a row run in ONE drafter forward: the row's features
-are the context of every block and ``block_visibility`` cuts each block's view at its own anchor and document
-start, so the result equals one decode call per block (tests/unit/test_dflash_loss.py checks it).
+With a teacher, a draft counts as right when it equals the target's argmax at p+k-1 (EAGLE-3's accuracy, and
+what greedy verification accepts); without one, when it equals x_{p+k}. The token labels are SpecForge's
+objective (specforge/core/dflash.py ``OnlineDFlashModel.forward``: same-position labels, the anchor slot
+excluded, the loss mask and the row end applied, ``loss_decay_gamma`` weights normalised by their sum) with
+packed documents added. The teacher is EAGLE-3's supervision (eagle3.drafter.alignment) over the full vocab: it
+matters when the row's answers were not written by the target, whose own greedy tokens are what drafts must
+match. All N blocks of a row run in ONE drafter forward: the row's features are the context of every block and
+``block_visibility`` cuts each block's view at its own anchor and document start, so the result equals one
+decode call per block (tests/unit/test_dflash_loss.py checks it).
 
 Shape letters used in the comments:
     B   rows          T   tokens per row (the context: every token's target features)     N   anchors per row
@@ -25,11 +31,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from eagle3.drafter.alignment import Supervision, supervision_from_topk
 from eagle3.drafter.dflash import DFlashDrafter, block_input_ids, block_positions, block_visibility
 from eagle3.drafter.functional import upcast
 from eagle3.drafter.masks import positions_from_documents, same_document_ahead, shift_left, single_document_ids
@@ -89,6 +97,44 @@ def sample_anchors(
     return anchors, valid
 
 
+# -------------------------------------------------------------------------------------------- the teacher
+
+
+def teacher_index(anchors: Tensor, block_size: int, seq_len: int) -> Tensor:
+    """int64 [B, N, K-1]: p+k-1 for slot k = 1 .. K-1, the row index whose target distribution predicts the token
+    at p+k (clamped into the row: a slot past the row end is never supervised)."""
+    index = anchors[..., None] + torch.arange(block_size - 1, device=anchors.device)
+    return index.clamp(max=seq_len - 1)
+
+
+@torch.no_grad()
+def block_teacher(batch: TTTBatch, anchors: Tensor, block_size: int, lm_head_weight: Tensor) -> Supervision | None:
+    """The target's distribution over its FULL vocab for every block slot: probs fp32 [B, N, K-1, V], argmax
+    [B, N, K-1]; None when the batch carries no supervision.
+
+    From ``final_hidden`` through the target's lm_head (only the N*(K-1) gathered positions, so never a [T, V]
+    tensor), or from the top-K log-probs (eagle3.drafter.alignment.supervision_from_topk with every id in vocab).
+    """
+    batch_size, seq_len = batch.input_ids.shape
+    index = teacher_index(anchors, block_size, seq_len)  # [B, N, K-1]
+    flat = index.flatten(1)  # [B, M]
+    if batch.final_hidden is not None:
+        hidden = batch.final_hidden.gather(1, flat[..., None].expand(-1, -1, batch.final_hidden.shape[-1]))
+        logits = F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight)  # [B, M, V]
+        probs = torch.softmax(upcast(logits), dim=-1)
+        return Supervision(probs.view(*index.shape, -1), logits.argmax(-1).view_as(index))
+    if batch.topk_ids is not None and batch.topk_logprobs is not None:
+        vocab = lm_head_weight.shape[0]
+
+        def at(x: Tensor) -> Tensor:
+            return x.gather(1, flat[..., None].expand(-1, -1, x.shape[-1]))  # [B, M, K]
+
+        every = torch.ones(vocab, dtype=torch.bool, device=index.device)
+        sup = supervision_from_topk(at(batch.topk_ids), at(batch.topk_logprobs), every, vocab)
+        return Supervision(sup.probs.view(*index.shape, -1), sup.argmax.view_as(index))
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- the loss
 
 
@@ -100,8 +146,10 @@ class DFlashLossOutput:
     loss: Tensor  # [] sum_k w_k * loss_sum[k] / max(sum_k w_k * num_supervised[k], tiny); differentiable
     loss_sum: Tensor  # [K-1] unweighted CE summed over each slot's supervised targets; differentiable
     num_supervised: Tensor  # [K-1] supervised targets per slot
-    num_correct: Tensor  # [K-1] of those, argmax of the draft logits == the token
+    num_correct: Tensor  # [K-1] of those, argmax of the draft logits == the reference
     num_full_correct: Tensor  # [K-1] of those, slots 1 .. k of the block all right (a verify would accept k)
+    reference: Tensor  # [B, N, K-1] what a draft is counted right against: the teacher's argmax, else the token
+    supervised: Tensor  # [B, N, K-1] bool, block_targets' mask
 
     def slot_accuracy(self) -> Tensor:
         """[K-1] per-slot accuracy (0 where a slot has no supervised target)."""
@@ -151,13 +199,17 @@ def dflash_loss(
     valid: Tensor,
     document_ids: Tensor | None = None,
     gamma: float | None = None,
+    teacher: Supervision | None = None,
+    distill: bool = True,
 ) -> DFlashLossOutput:
     """The DFlash loss of N blocks per row in one drafter forward.
 
     features [B, T, F*H] (the target's states for every token of the row, ascending layer order), input_ids and
     loss_mask [B, T], anchors int64 and valid bool [B, N] (sample_anchors), document_ids [B, T] for packed rows
-    (None: one document per row). Positions restart at 0 in every document, as each document is served alone
-    (RoPE makes only differences matter, but this keeps them within max_position_embeddings as served).
+    (None: one document per row). ``teacher`` (block_teacher): drafts are counted right against its argmax, and
+    with ``distill`` the CE is against its distribution; without a teacher, both are against the row's tokens.
+    Positions restart at 0 in every document, as each document is served alone (RoPE makes only differences
+    matter, but this keeps them within max_position_embeddings as served).
     Invalid anchors still run (a fixed shape) but score nothing.
     """
     d = drafter.dims
@@ -175,7 +227,11 @@ def dflash_loss(
     logits = upcast(drafter.logits(hidden))  # [B, N, K-1, V], CE in at least fp32
 
     targets, supervised = block_targets(input_ids, loss_mask, docs, anchors, valid, k_size)
-    ce = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view_as(targets)
+    if teacher is not None and distill:
+        ce = -(teacher.probs * torch.log_softmax(logits, dim=-1)).sum(-1)  # [B, N, K-1]
+    else:
+        ce = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view_as(targets)
+    reference = targets if teacher is None else teacher.argmax
     mask = supervised.to(ce.dtype)
     loss_sum = (ce * mask).sum(dim=(0, 1))  # [K-1]
     num_supervised = supervised.sum(dim=(0, 1))  # [K-1]
@@ -184,11 +240,11 @@ def dflash_loss(
     # batch with nothing supervised gives 0 (still attached to the graph) instead of NaN.
     loss = (w * loss_sum).sum() / (w * num_supervised).sum().clamp_min(torch.finfo(ce.dtype).tiny)
     with torch.no_grad():
-        hits = logits.argmax(dim=-1) == targets  # [B, N, K-1]
+        hits = logits.argmax(dim=-1) == reference  # [B, N, K-1]
         num_correct = (hits & supervised).sum(dim=(0, 1))
         # Slot k is accepted only after slots 1 .. k-1 were: the run of hits from the block's start.
         num_full_correct = (hits.int().cumprod(dim=-1).bool() & supervised).sum(dim=(0, 1))
-    return DFlashLossOutput(loss, loss_sum, num_supervised, num_correct, num_full_correct)
+    return DFlashLossOutput(loss, loss_sum, num_supervised, num_correct, num_full_correct, reference, supervised)
 
 
 # ---------------------------------------------------------------------------------------------- the objective
@@ -210,6 +266,7 @@ class DFlashObjective(nn.Module):
         num_aux: int,
         num_blocks: int,
         gamma: float | None = None,
+        labels: Literal["tokens", "target"] = "tokens",
     ) -> None:
         super().__init__()
         if sorted(feature_index) != feature_index or not all(0 <= i < num_aux for i in feature_index):
@@ -219,7 +276,7 @@ class DFlashObjective(nn.Module):
                 f"{len(feature_index)} feature layers for a drafter whose fc reads {drafter.dims.num_context_features}"
             )
         self.drafter, self.feature_index, self.num_aux = drafter, list(feature_index), num_aux
-        self.num_blocks, self.gamma = num_blocks, gamma
+        self.num_blocks, self.gamma, self.labels = num_blocks, gamma, labels
 
     @property
     def num_slots(self) -> int:
@@ -250,8 +307,15 @@ class DFlashObjective(nn.Module):
         return supervised.sum(dim=(0, 1))
 
     def forward(self, batch: TTTBatch, anchors: tuple[Tensor, Tensor]) -> DFlashLossOutput:
-        """dflash_loss of the row's blocks (``anchors``: this objective's ``anchors`` of the batch)."""
+        """dflash_loss of the row's blocks (``anchors``: this objective's ``anchors`` of the batch), with the
+        target's distribution as the teacher whenever the batch carries the target's supervision."""
         assert batch.aux is not None, "online features fill aux first"
+        teacher = block_teacher(batch, anchors[0], self.drafter.dims.block_size, self.drafter.lm_head.weight)
+        if teacher is None and self.labels == "target":
+            raise ValueError(
+                "drafter.dflash.labels=target needs the target's supervision in the batch (final_hidden or "
+                "topk_logprobs features), and this batch has neither"
+            )
         return dflash_loss(
             self.drafter,
             self.features(batch.aux),
@@ -260,4 +324,6 @@ class DFlashObjective(nn.Module):
             *anchors,
             batch.document_ids,
             self.gamma,
+            teacher,
+            distill=self.labels == "target",
         )

@@ -28,8 +28,7 @@ from torch import Tensor, nn
 
 from eagle3.config import RunConfig
 from eagle3.drafter.dflash import DFlashDims, DFlashDrafter, init_dflash_weights
-from eagle3.drafter.dflash_loss import DFlashLossOutput, DFlashObjective, block_targets, slot_weights
-from eagle3.drafter.masks import single_document_ids
+from eagle3.drafter.dflash_loss import DFlashLossOutput, DFlashObjective, slot_weights
 from eagle3.drafter.ttt import TTTBatch, metrics_from_counts
 from eagle3.train.dist import DistInfo, all_reduce_sum, autocast, gradient_sync, unwrap
 
@@ -124,7 +123,9 @@ def build_dflash_objective(
         drafter.embed_tokens.weight.copy_(read_tensor(Path(model_dir), EMBED_TENSOR))  # [V, H]
         drafter.lm_head.weight.copy_(load_target_lm_head(model_dir))  # [V, H]
     d = cfg.drafter.dflash
-    objective = DFlashObjective(drafter, setup.feature_index, setup.num_aux, d.num_blocks, d.loss_decay_gamma)
+    objective = DFlashObjective(
+        drafter, setup.feature_index, setup.num_aux, d.num_blocks, d.loss_decay_gamma, labels=d.labels
+    )
     return objective.to(device)
 
 
@@ -188,18 +189,10 @@ def metrics(
     return {**record, "loss": float(mean)}
 
 
-def eval_counts(
-    objective: DFlashObjective, batch: TTTBatch, anchors: Anchors, out: DFlashLossOutput, unigram_token: int
-) -> Tensor:
+def eval_counts(out: DFlashLossOutput, unigram_token: int) -> Tensor:
     """[5 * (K-1) + 1] sums of one val row (the layout eagle3.train.validate.evaluate reduces); the last entry counts
-    the scored first-slot targets that equal the unigram guess."""
-    docs = batch.document_ids
-    if docs is None:
-        docs = single_document_ids(batch.input_ids.shape[0], batch.input_ids.shape[1], batch.input_ids.device)
-    targets, supervised = block_targets(
-        batch.input_ids, batch.loss_mask, docs, *anchors, objective.drafter.dims.block_size
-    )  # [B, N, K-1] each
-    unigram_hits = ((targets[..., 0] == unigram_token) & supervised[..., 0]).sum()
+    the scored first-slot references (the target's argmax, as EAGLE-3's) that equal the unigram guess."""
+    unigram_hits = ((out.reference[..., 0] == unigram_token) & out.supervised[..., 0]).sum()
     rows = _count_rows(out)
     parts = [rows[0], rows[1], rows[1], rows[2], rows[3]]  # every scored target is a prediction
     return torch.cat([torch.stack(parts).flatten(), unigram_hits.double()[None]])

@@ -58,7 +58,7 @@ def _dflash_eval_row(tr: Trainer, dflash: DFlashObjective, batch: TTTBatch, row:
     with autocast(tr.dist):
         anchors = dflash.anchors(batch, row.noise_seed)
         out = tr.model(batch, anchors)  # through the wrapper: FSDP2 must gather on every rank
-    counts = dflash_step.eval_counts(dflash, batch, anchors, out, tr.unigram[0])
+    counts = dflash_step.eval_counts(out, tr.unigram[0])
     return counts if row.counted else torch.zeros_like(counts)
 
 

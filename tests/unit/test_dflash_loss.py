@@ -39,11 +39,12 @@ def a_batch(seed: int = 0):
     return d, features(d, 2, 20, seed=seed + 1), ids, mask, docs
 
 
-def reference_loss(drafter: DFlashDrafter, feats, ids, mask, docs, anchors, valid, gamma):
+def reference_loss(drafter: DFlashDrafter, feats, ids, mask, docs, anchors, valid, gamma, final=None):
     """Block by block through the DECODE path: one DFlashDrafter.forward per valid anchor p, its context the
     features of p's document before p at positions 0 .., the block at p's in-document position, every key
     visible (visible=None; an anchor at a document start gets one masked padding token, as the module cannot
-    run an empty context); CE by hand (-log_softmax at the target) over the supervised slots, weighted mean."""
+    run an empty context); CE by hand (-log_softmax at the target) over the supervised slots, weighted mean.
+    ``final`` [B, T, H]: the CE of slot k is against softmax(lm_head(final[p+k-1])) instead (the teacher)."""
     num, den = 0.0, 0.0
     for b in range(anchors.shape[0]):
         for n in range(anchors.shape[1]):
@@ -67,7 +68,11 @@ def reference_loss(drafter: DFlashDrafter, feats, ids, mask, docs, anchors, vali
                 t = p + k
                 if t < ids.shape[1] and docs[b, t] == docs[b, p] and mask[b, t]:
                     w = 1.0 if gamma is None else math.exp(-(k - 1) / gamma)
-                    num = num - w * logp[k, ids[b, t]]
+                    if final is None:
+                        num = num - w * logp[k, ids[b, t]]
+                    else:
+                        teacher = torch.softmax(drafter.logits(final[b, t - 1]), dim=-1)  # [V]
+                        num = num - w * (teacher * logp[k]).sum()
                     den += w
     return num / den
 
