@@ -107,6 +107,11 @@ def teacher_index(anchors: Tensor, block_size: int, seq_len: int) -> Tensor:
     return index.clamp(max=seq_len - 1)
 
 
+def _at_slots(x: Tensor, flat: Tensor) -> Tensor:
+    """x [B, T, D] at the row indices flat [B, M] -> [B, M, D]."""
+    return x.gather(1, flat[..., None].expand(-1, -1, x.shape[-1]))
+
+
 @torch.no_grad()
 def block_teacher(batch: TTTBatch, anchors: Tensor, block_size: int, lm_head_weight: Tensor) -> Supervision | None:
     """The target's distribution over its FULL vocab for every block slot: probs fp32 [B, N, K-1, V], argmax
@@ -115,23 +120,31 @@ def block_teacher(batch: TTTBatch, anchors: Tensor, block_size: int, lm_head_wei
     From ``final_hidden`` through the target's lm_head (only the N*(K-1) gathered positions, so never a [T, V]
     tensor), or from the top-K log-probs (eagle3.drafter.alignment.supervision_from_topk with every id in vocab).
     """
-    batch_size, seq_len = batch.input_ids.shape
-    index = teacher_index(anchors, block_size, seq_len)  # [B, N, K-1]
+    index = teacher_index(anchors, block_size, batch.input_ids.shape[1])  # [B, N, K-1]
     flat = index.flatten(1)  # [B, M]
     if batch.final_hidden is not None:
-        hidden = batch.final_hidden.gather(1, flat[..., None].expand(-1, -1, batch.final_hidden.shape[-1]))
-        logits = F.linear(hidden.to(lm_head_weight.dtype), lm_head_weight)  # [B, M, V]
+        logits = F.linear(_at_slots(batch.final_hidden, flat).to(lm_head_weight.dtype), lm_head_weight)  # [B, M, V]
         probs = torch.softmax(upcast(logits), dim=-1)
         return Supervision(probs.view(*index.shape, -1), logits.argmax(-1).view_as(index))
     if batch.topk_ids is not None and batch.topk_logprobs is not None:
         vocab = lm_head_weight.shape[0]
-
-        def at(x: Tensor) -> Tensor:
-            return x.gather(1, flat[..., None].expand(-1, -1, x.shape[-1]))  # [B, M, K]
-
         every = torch.ones(vocab, dtype=torch.bool, device=index.device)
-        sup = supervision_from_topk(at(batch.topk_ids), at(batch.topk_logprobs), every, vocab)
+        sup = supervision_from_topk(_at_slots(batch.topk_ids, flat), _at_slots(batch.topk_logprobs, flat), every, vocab)
         return Supervision(sup.probs.view(*index.shape, -1), sup.argmax.view_as(index))
+    return None
+
+
+@torch.no_grad()
+def block_target_argmax(batch: TTTBatch, anchors: Tensor, block_size: int, lm_head_weight: Tensor) -> Tensor | None:
+    """block_teacher's argmax alone [B, N, K-1] (no softmax over the vocab); None without supervision."""
+    index = teacher_index(anchors, block_size, batch.input_ids.shape[1])
+    flat = index.flatten(1)
+    if batch.final_hidden is not None:
+        hidden = _at_slots(batch.final_hidden, flat).to(lm_head_weight.dtype)
+        return F.linear(hidden, lm_head_weight).argmax(-1).view_as(index)
+    if batch.topk_ids is not None and batch.topk_logprobs is not None:
+        best = _at_slots(batch.topk_logprobs, flat).argmax(-1, keepdim=True)  # [B, M, 1]
+        return _at_slots(batch.topk_ids, flat).gather(-1, best).squeeze(-1).long().view_as(index)
     return None
 
 
@@ -200,14 +213,15 @@ def dflash_loss(
     document_ids: Tensor | None = None,
     gamma: float | None = None,
     teacher: Supervision | None = None,
-    distill: bool = True,
+    reference: Tensor | None = None,
 ) -> DFlashLossOutput:
     """The DFlash loss of N blocks per row in one drafter forward.
 
     features [B, T, F*H] (the target's states for every token of the row, ascending layer order), input_ids and
     loss_mask [B, T], anchors int64 and valid bool [B, N] (sample_anchors), document_ids [B, T] for packed rows
-    (None: one document per row). ``teacher`` (block_teacher): drafts are counted right against its argmax, and
-    with ``distill`` the CE is against its distribution; without a teacher, both are against the row's tokens.
+    (None: one document per row). ``teacher`` (block_teacher): the CE is against its distribution, else against
+    the row's tokens. A draft is counted right when it equals ``reference`` [B, N, K-1] (block_target_argmax),
+    else the teacher's argmax, else the row's token.
     Positions restart at 0 in every document, as each document is served alone (RoPE makes only differences
     matter, but this keeps them within max_position_embeddings as served).
     Invalid anchors still run (a fixed shape) but score nothing.
@@ -227,11 +241,12 @@ def dflash_loss(
     logits = upcast(drafter.logits(hidden))  # [B, N, K-1, V], CE in at least fp32
 
     targets, supervised = block_targets(input_ids, loss_mask, docs, anchors, valid, k_size)
-    if teacher is not None and distill:
+    if teacher is not None:
         ce = -(teacher.probs * torch.log_softmax(logits, dim=-1)).sum(-1)  # [B, N, K-1]
     else:
         ce = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view_as(targets)
-    reference = targets if teacher is None else teacher.argmax
+    if reference is None:
+        reference = targets if teacher is None else teacher.argmax
     mask = supervised.to(ce.dtype)
     loss_sum = (ce * mask).sum(dim=(0, 1))  # [K-1]
     num_supervised = supervised.sum(dim=(0, 1))  # [K-1]
@@ -310,12 +325,17 @@ class DFlashObjective(nn.Module):
         """dflash_loss of the row's blocks (``anchors``: this objective's ``anchors`` of the batch), with the
         target's distribution as the teacher whenever the batch carries the target's supervision."""
         assert batch.aux is not None, "online features fill aux first"
-        teacher = block_teacher(batch, anchors[0], self.drafter.dims.block_size, self.drafter.lm_head.weight)
-        if teacher is None and self.labels == "target":
-            raise ValueError(
-                "drafter.dflash.labels=target needs the target's supervision in the batch (final_hidden or "
-                "topk_logprobs features), and this batch has neither"
-            )
+        k_size, head = self.drafter.dims.block_size, self.drafter.lm_head.weight
+        teacher, reference = None, None
+        if self.labels == "target":
+            teacher = block_teacher(batch, anchors[0], k_size, head)
+            if teacher is None:
+                raise ValueError(
+                    "drafter.dflash.labels=target needs the target's supervision in the batch (final_hidden or "
+                    "topk_logprobs features), and this batch has neither"
+                )
+        else:
+            reference = block_target_argmax(batch, anchors[0], k_size, head)
         return dflash_loss(
             self.drafter,
             self.features(batch.aux),
@@ -325,5 +345,5 @@ class DFlashObjective(nn.Module):
             batch.document_ids,
             self.gamma,
             teacher,
-            distill=self.labels == "target",
+            reference,
         )

@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from eagle3.drafter.alignment import Supervision
-from eagle3.drafter.dflash_loss import DFlashObjective, block_teacher, dflash_loss, sample_anchors
+from eagle3.drafter.dflash_loss import (
+    DFlashObjective,
+    block_target_argmax,
+    block_teacher,
+    dflash_loss,
+    sample_anchors,
+)
 from eagle3.drafter.ttt import TTTBatch
 from tests.unit.test_dflash_loss import K, a_batch, reference_loss
 from tests.unit.test_dflash_model import random_dflash
@@ -64,39 +70,31 @@ def test_a_one_hot_teacher_gives_the_token_loss():
     assert torch.equal(taught.num_correct, plain.num_correct)
 
 
-def test_drafts_are_counted_right_against_the_teacher_argmax():
-    """With a teacher, a hit is a draft equal to the teacher's argmax: argmax = the row's tokens counts what the
-    token labels count, an argmax no draft can equal (-1) counts nothing, whatever the distribution."""
+def test_drafts_are_counted_right_against_the_reference():
+    """A hit is a draft equal to the reference (default: the teacher's argmax): the row's tokens as reference count
+    what the token labels count, a reference no draft can equal (-1) counts nothing, whatever the loss."""
     drafter, b, anchors, valid = setup()
     teacher = block_teacher(b, anchors, K, drafter.lm_head.weight)
     assert teacher is not None
     index = (anchors[..., None] + torch.arange(1, K)).clamp(max=19)
     tokens = b.input_ids.gather(1, index.flatten(1)).view_as(index)
 
-    def run(argmax):
+    def run(**kwargs):
         with torch.no_grad():
-            return dflash_loss(
-                drafter,
-                b.aux,
-                b.input_ids,
-                b.loss_mask,
-                anchors,
-                valid,
-                b.document_ids,
-                None,
-                Supervision(teacher.probs, argmax),
-            )
+            return dflash_loss(drafter, b.aux, b.input_ids, b.loss_mask, anchors, valid, b.document_ids, **kwargs)
 
-    plain = dflash_loss(drafter, b.aux, b.input_ids, b.loss_mask, anchors, valid, b.document_ids)
-    assert plain.num_correct.sum() > 0  # the comparison below is not vacuous
-    assert torch.equal(run(tokens).num_correct, plain.num_correct)
-    assert run(torch.full_like(tokens, -1)).num_correct.sum() == 0
-    assert torch.equal(run(teacher.argmax).reference, teacher.argmax)
+    plain = run()
+    assert plain.num_correct.sum() > 0  # the comparisons below are not vacuous
+    assert torch.equal(run(teacher=teacher, reference=tokens).num_correct, plain.num_correct)
+    assert run(reference=torch.full_like(tokens, -1)).num_correct.sum() == 0
+    assert torch.equal(run(teacher=teacher).reference, teacher.argmax)
+    assert torch.equal(run(reference=tokens).loss, plain.loss)  # the reference never changes the loss
 
 
 def test_objective_distills_when_asked_and_refuses_target_labels_without_supervision():
     """DFlashObjective(labels=target) equals dflash_loss with block_teacher; labels=tokens keeps the token CE but
-    still counts hits against the target; with no supervision in the batch, target labels are refused."""
+    still counts hits against the target's argmax (against the tokens when the batch has no supervision); with no
+    supervision in the batch, target labels are refused."""
     drafter, b, anchors, valid = setup()
     d = drafter.dims
     index = list(range(d.num_context_features))
@@ -110,6 +108,9 @@ def test_objective_distills_when_asked_and_refuses_target_labels_without_supervi
     torch.testing.assert_close(kept.loss, tokens.loss, rtol=0, atol=0)
     assert torch.equal(kept.reference, teacher.argmax)
     bare = TTTBatch(aux=b.aux, input_ids=b.input_ids, loss_mask=b.loss_mask, document_ids=b.document_ids)
+    with torch.no_grad():
+        bare_tokens = DFlashObjective(drafter, index, len(index), 6, labels="tokens")(bare, (anchors, valid))
+    assert torch.equal(bare_tokens.num_correct, tokens.num_correct)
     with pytest.raises(ValueError, match="labels=target needs the target's supervision"):
         DFlashObjective(drafter, index, len(index), 6, labels="target")(bare, (anchors, valid))
 
@@ -126,3 +127,17 @@ def test_topk_teacher_with_every_id_equals_the_final_hidden_teacher():
     assert want is not None and got is not None
     torch.testing.assert_close(got.probs, want.probs, rtol=0, atol=1e-6)
     assert torch.equal(got.argmax, want.argmax)
+
+
+def test_target_argmax_alone_equals_the_teacher_argmax():
+    """block_target_argmax (no softmax) gives block_teacher's argmax, from final states and from top-K log-probs."""
+    drafter, b, anchors, _ = setup()
+    logprobs = torch.log_softmax(b.final_hidden @ drafter.lm_head.weight.T, dim=-1)
+    top = logprobs.topk(5, dim=-1)
+    topk = TTTBatch(b.aux, b.input_ids, b.loss_mask, b.document_ids, topk_ids=top.indices, topk_logprobs=top.values)
+    for batch in (b, topk):
+        teacher = block_teacher(batch, anchors, K, drafter.lm_head.weight)
+        assert teacher is not None
+        assert torch.equal(block_target_argmax(batch, anchors, K, drafter.lm_head.weight), teacher.argmax)
+    bare = TTTBatch(b.aux, b.input_ids, b.loss_mask, b.document_ids)
+    assert block_target_argmax(bare, anchors, K, drafter.lm_head.weight) is None
