@@ -151,8 +151,8 @@ class DataConfig(Section):
 class RegenerateConfig(Section):
     enabled: bool = False
     """Re-answer every user turn with the target before tokenizing."""
-    backend: Literal["openai", "hf"] = "openai"
-    """openai: an OpenAI-compatible endpoint (SGLang, vLLM, hosted); hf: in-process transformers generate."""
+    backend: Literal["openai", "hf", "sglang"] = "openai"
+    """openai: an OpenAI-compatible endpoint (SGLang, vLLM, hosted); hf: in-process transformers generate; sglang: an SGLang server this stage starts on the target (as the server section says), answers through its OpenAI endpoint, and stops."""
     endpoint: str = "http://127.0.0.1:30000/v1"
     """Base URL of the OpenAI-compatible API (ends in /v1)."""
     model: str = "default"
@@ -160,7 +160,9 @@ class RegenerateConfig(Section):
     api_key_env: str | None = None
     """Name of the environment variable holding the API key (never the key itself)."""
     max_concurrency: int = Field(8, ge=1)
-    """Conversations in flight at once (openai backend)."""
+    """Conversations in flight at once (openai and sglang backends)."""
+    sglang_port: int = Operational(30200, ge=1, le=65535)
+    """Port of the managed server of the sglang backend."""
     batch_size_conversations: int = Field(4, ge=1)
     """Conversations per generate() batch (hf backend); counts conversations, not tokens."""
     generation_backend: Literal["auto", "static", "dynamic", "continuous"] = "auto"

@@ -145,9 +145,12 @@ def sglang_mode_checks() -> tuple[str | None, list[Check]]:
 
 def sglang_modes_used(cfg: RunConfig) -> set[str]:
     """ServerSpec modes a run of ``cfg`` launches (sglang capture: its server_mode and capture_final for
-    final_hidden with capture_aux; serve: the baseline and its EAGLE-3 or, drafter.family=dflash, DFlash twin)."""
+    final_hidden with capture_aux; serve: the baseline and its EAGLE-3 or, drafter.family=dflash, DFlash twin;
+    regenerate.backend sglang: the plain server)."""
     drafter = "dflash" if cfg.drafter.family == "dflash" else "speculative"
     modes = {"serve", drafter} if cfg.serve.enabled else set()
+    if cfg.regenerate.enabled and cfg.regenerate.backend == "sglang":
+        modes.add("serve")
     if cfg.capture.backend == "sglang":
         server_mode = getattr(cfg.capture.sglang, "server_mode", "capture_aux")
         modes.add(server_mode)
@@ -225,6 +228,7 @@ def preset_checks(cfg: RunConfig) -> list[Check]:
         why
         for why, used in (
             ("capture.backend sglang", cfg.capture.backend == "sglang"),
+            ("regenerate.backend sglang", cfg.regenerate.enabled and cfg.regenerate.backend == "sglang"),
             ("serve.enabled", cfg.serve.enabled),
         )
         if used

@@ -128,7 +128,7 @@ class FakeOpenAIServer:
             self._stop.wait(self.stall_s)
         content = "" if _has(text, self.empty_marker) else fake_answer(request.messages)
         finish = "length" if _has(text, self.length_marker) else "stop"
-        return 200, _completion(seq, request.body.get("model", "fake"), content, finish)
+        return 200, completion_body(seq, request.body.get("model", "fake"), content, finish)
 
 
 def _has(text: str, marker: str | None) -> bool:
@@ -139,7 +139,7 @@ def _error(message: str) -> dict[str, Any]:
     return {"object": "error", "message": message, "type": "fake_error"}
 
 
-def _completion(seq: int, model: str, content: str, finish_reason: str = "stop") -> dict[str, Any]:
+def completion_body(seq: int, model: str, content: str, finish_reason: str = "stop") -> dict[str, Any]:
     num_tokens = len(content.split())
     return {
         "id": f"chatcmpl-fake-{seq}",

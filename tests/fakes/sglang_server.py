@@ -17,6 +17,7 @@ It answers:
                           spec_accept_length, spec_accept_rate, ...}, prompt_token_ids}; "stream": true gives
                           server-sent events "data: {...}" (cumulative output_ids), then "data: [DONE]"
   GET/POST /flush_cache   200 "Cache flushed..." (text); resets the acceptance totals of /server_info
+  POST /v1/chat/completions   the fake OpenAI server's answer (tests/fakes/openai_server.py fake_answer), status 200
 
 Serving (``FakeServing``, ``--fake-accept-length/-step-s/-spec-step-cost``): both servers output the greedy chain
 of ``fake_next_token``; a speculative one (EAGLE3, DFLASH or NGRAM: no drafter is loaded, all pretend alike) reports
@@ -59,6 +60,7 @@ from dataclasses import asdict, dataclass, field, fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tests.fakes.openai_server import CHAT_PATH, completion_body, fake_answer
 from tests.fakes.sglang_model import (
     FAKE_VERSION,
     SPECULATIVE_ALGORITHMS,
@@ -425,6 +427,9 @@ def _handler_class(fake: FakeSGLangServer) -> type[BaseHTTPRequestHandler]:
                 return self._send(200, asdict(fake.faults))
             if self.path.split("?")[0] == "/flush_cache":
                 return self._send(*fake.flush(fake.faults))
+            if self.path == CHAT_PATH:  # the OpenAI route, answered as the fake OpenAI server answers
+                answer = fake_answer(body.get("messages", []))
+                return self._send(200, completion_body(fake.counts[CHAT_PATH], str(body.get("model", "")), answer))
             if self.path != "/generate":
                 return self._send(404, {"detail": "Not Found"})
             return self._generate(body)

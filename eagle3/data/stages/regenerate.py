@@ -5,6 +5,8 @@ python -m eagle3.data.stages.regenerate --preset smollm2-demo --set regenerate.e
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +18,7 @@ from eagle3.run.progress import ProgressFn
 from eagle3.run.stage import StageId, StageOutcome, run_stage, stage_key
 
 if TYPE_CHECKING:
+    from eagle3.data.chat_backends import ChatBackend
     from eagle3.data.regenerate_slices import SliceRunner, SliceStats
 
 STAGE = StageId("regenerate", DATA_DIR, version=2)  # 2: regenerated.parquet holds truncated_turns
@@ -63,9 +66,8 @@ def run(
     def compute():
         if run_slices is not None and cfg.regenerate.num_slices > 1:
             return regenerate_sliced(layout.merged, layout.data, cfg.regenerate, run_slices, progress, keep_sources=own)
-        return regenerate(
-            layout.merged, layout.data, cfg.regenerate, chat_backend(cfg, model_dir), progress, keep_sources=own
-        )
+        with chat_backend(cfg, model_dir) as backend:
+            return regenerate(layout.merged, layout.data, cfg.regenerate, backend, progress, keep_sources=own)
 
     return run_stage(STAGE, STAGE.manifest(layout.root), known_key or key(cfg, fp), compute, force=force)
 
@@ -76,15 +78,24 @@ def run_slice(cfg: RunConfig, index: int, progress: ProgressFn | None = None) ->
 
     model_dir, _ = target(cfg)
     layout = run_layout(cfg)
-    return regenerate_slice(layout.merged, layout.data, cfg.regenerate, chat_backend(cfg, model_dir), index, progress)
+    with chat_backend(cfg, model_dir) as backend:
+        return regenerate_slice(layout.merged, layout.data, cfg.regenerate, backend, index, progress)
 
 
-def chat_backend(cfg: RunConfig, model_dir: Path):
-    """The regenerate backend: an endpoint client, or the target loaded here (hf)."""
+@contextlib.contextmanager
+def chat_backend(cfg: RunConfig, model_dir: Path) -> Iterator[ChatBackend]:
+    """The regenerate backend while regeneration runs: an endpoint client, the target loaded here (hf), or a
+    client on an SGLang server started here and stopped on the way out (sglang: eagle3.data.sglang_chat)."""
     from eagle3.data.regenerate import make_backend
 
+    if cfg.regenerate.backend == "sglang":
+        from eagle3.data.sglang_chat import managed_chat_backend
+
+        with managed_chat_backend(cfg, model_dir) as client:
+            yield client
+        return
     model, tok = model_loader(cfg, model_dir)() if cfg.regenerate.backend == "hf" else (None, None)
-    return make_backend(cfg.regenerate, model=model, tokenizer=tok)
+    yield make_backend(cfg.regenerate, model=model, tokenizer=tok)
 
 
 def main(argv: list[str] | None = None) -> None:
