@@ -30,17 +30,20 @@ else:
 
 def gpu_needs(cfg: RunConfig) -> list[str]:
     """The settings of ``cfg`` that need a CUDA device (empty: the run can go on a CPU-only host): a stage whose
-    device is cuda, or SGLang (capture or serving), which runs on GPUs only."""
+    device is cuda, or SGLang (capture or regeneration), which runs on GPUs only."""
+    regenerates = cfg.regenerate.enabled
     needs = [
         f"{name}.device={device}"
         for name, device in (
+            ("regenerate", cfg.regenerate.device if regenerates and cfg.regenerate.backend == "hf" else "cpu"),
             ("train", cfg.train.device),
             ("capture", cfg.capture.device),
             ("evaluate", cfg.evaluate.device),
         )
         if str(device).startswith("cuda")
     ]
-    return needs + (["capture.backend=sglang"] if cfg.capture.backend == "sglang" else [])
+    needs += ["capture.backend=sglang"] if cfg.capture.backend == "sglang" else []
+    return needs + (["regenerate.backend=sglang"] if regenerates and cfg.regenerate.backend == "sglang" else [])
 
 
 def gpu_presets() -> list[str]:

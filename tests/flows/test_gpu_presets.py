@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from prefect.utilities.callables import parameter_schema
 
+from eagle3.config import load_config
 from flows.capture import eagle3_capture
-from flows.common import gpu_presets
+from flows.common import gpu_needs, gpu_presets
 from flows.deploy import eagle3_deploy
 from flows.pipeline import eagle3_pipeline
 from flows.train import eagle3_train
@@ -18,6 +19,21 @@ GPU_ONLY = ["kimi-k25", "llama31-8b", "smollm2-40m", "smollm2-curve", "smollm2-q
 def test_gpu_presets_are_computed_from_their_configs():
     """SGLang capture or a cuda device makes a preset GPU-only; the CPU presets are not listed."""
     assert gpu_presets() == GPU_ONLY
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["regenerate.enabled=true", "regenerate.backend=sglang"], ["regenerate.backend=sglang"]),
+        (["regenerate.enabled=true", "regenerate.backend=hf", "regenerate.device=cuda"], ["regenerate.device=cuda"]),
+        (["regenerate.enabled=false", "regenerate.backend=sglang", "regenerate.device=cuda"], []),
+        (["regenerate.enabled=true", "regenerate.backend=openai", "regenerate.device=cuda"], []),
+    ],
+)
+def test_regeneration_on_the_gpu_makes_a_run_gpu_only(overrides, named):
+    """Regeneration through a server the stage starts, or in-process on cuda, needs a GPU host; an endpoint
+    elsewhere (openai, its device unused) or regeneration switched off does not."""
+    assert gpu_needs(load_config("tiny", overrides)) == named
 
 
 @pytest.mark.parametrize("flow", [eagle3_pipeline, eagle3_capture, eagle3_train, eagle3_deploy], ids=lambda f: f.name)
