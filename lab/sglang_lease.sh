@@ -24,6 +24,10 @@
 #   `poll` brought back), restores the journals and starts `qtrain`: the rest of the data, training (feature cache
 #   sized to the card) and export through lab/quality_run.sh, results and weights packed after each phase;
 #   `poll` brings the parts back (`results DIR` restores them on the lease that measures the drafter).
+# LEASE_DATA_SGLANG=1 with LEASE_QUALITY_TRAIN (no journals needed): the preset's synthesis runs in-process while
+#   `sglang 1..3` install SGLang, then its regeneration goes through an SGLang server the regenerate stage starts
+#   (regenerate.backend=sglang, LEASE_REGEN_CONCURRENCY conversations in flight, default 256), then training as
+#   above. Calls: `curve 1`, `curve 3 && curve 2` (qtrain starts), `sglang 1..3`, then `poll`.
 # A DFlash drafter on smollm2-quality's data (LEASE_QUALITY_TRAIN with run.name and drafter.family in LEASE_SETS, and
 #   LEASE_SKIP for the steps that are EAGLE-3's or not the drafter's): the calls, carries and env in docs/dflash.md.
 # LEASE_REFRESH_GOAL=1 (issue 42's goal, docs/refresh.md; no SGLang): `results DIR` restores the full run trained
@@ -132,13 +136,35 @@ card_sets() {  # CARD_SETS: smollm2-quality's feature cache sized to this card
   fi
 }
 
+sglang_data_sets() {  # DATA_SETS: regeneration through a managed SGLang server (LEASE_DATA_SGLANG), else none
+  DATA_SETS=()
+  [ -z "${LEASE_DATA_SGLANG:-}" ] && return
+  DATA_SETS=(--set regenerate.backend=sglang --set "regenerate.max_concurrency=${LEASE_REGEN_CONCURRENCY:-256}"
+             --set "server.python=$W/python-sglang" --set "server.launch_module=$MODULE"
+             --set server.attention_backend=triton --set server.startup_timeout_s=400
+             --set 'server.extra_args=["--sampling-backend","pytorch","--grammar-backend","none"]')
+}
+
+wait_for_sglang() {  # until `sglang 3` installed it (a substitute launch module, e.g. the CPU dry run's fake: no wait)
+  [ "$MODULE" != sglang.launch_server ] && return 0
+  echo "== waiting for SGLang's install $(date +%T) =="
+  while [ ! -f "$W/sglang-installed" ]; do sleep 5; done
+}
+
 qtrain_chain() {  # smollm2-quality: data (from the journals), train, export; results packed into $W/res
   card_sets
   local sets=("${CARD_SETS[@]}")
+  sglang_data_sets
+  if [ -n "${LEASE_DATA_SGLANG:-}" ]; then
+    # the synthesis in a process of its own, so its static batches' GPU memory is released before SGLang starts
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step quality-synthesize "$PY" -m eagle3.run.stages synthesize \
+      --preset "$QPRESET" "${sets[@]}" "${EXTRA[@]}"
+    wait_for_sglang
+  fi
   # expandable segments: the preset's 512-row static batches left 21 GiB reserved but unusable and ran out of
   # memory on an 80 GB card; they do not change what is generated
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PRESET=$QPRESET PYTHON=$PY \
-    step quality-data bash lab/quality_run.sh data "${sets[@]}" "${EXTRA[@]}"
+    step quality-data bash lab/quality_run.sh data "${sets[@]}" "${DATA_SETS[@]}" "${EXTRA[@]}"
   for phase in train export; do
     PACK_RESULTS_TO="$W/res" PRESET=$QPRESET PYTHON=$PY step "quality-$phase" bash lab/quality_run.sh "$phase" \
       "${sets[@]}" "${EXTRA[@]}"
@@ -355,6 +381,7 @@ print(*sglang_only_exports(Path('runs'), names), sep='\n')" "$2"
   sglang)
     "$PY" lab/sglang_assets.py install ".sglang/bundle-$2" --stage /tmp/sglang-stage --site /tmp/sglang-site \
       | tail -4
+    [ -f /tmp/sglang-site/sglang/__init__.py ] && touch "$W/sglang-installed"
     if [ -n "${LEASE_QUALITY_DATA:-}" ] && [ -f /tmp/sglang-site/sglang/__init__.py ] && [ ! -f "$W/side.log" ]; then
       detach side side_chain
     elif [ -f /tmp/sglang-site/sglang/__init__.py ] && [ ! -f "$W/measure.log" ]; then
