@@ -50,15 +50,25 @@ def method_specs(ecfg: EvaluateConfig, dflash_block: int | None = None) -> list[
 
 
 def make_proposer(
-    spec: MethodSpec, ecfg: EvaluateConfig, drafter: Any = None, d2t: Any = None, runner: Any = None
+    spec: MethodSpec,
+    ecfg: EvaluateConfig,
+    drafter: Any = None,
+    d2t: Any = None,
+    runner: Any = None,
+    static: tuple[int, CompileSettings] | None = None,
 ) -> Any:
-    """The Proposer of a method (EAGLE methods need the drafter and its d2t; ``runner``: a shared drafter runner)."""
+    """The Proposer of a method (EAGLE methods need the drafter and its d2t; ``runner``: a shared drafter runner;
+    ``static``: (cache capacity, compile settings) of a DFlash drafter's fixed-size cache, None for the growing one)."""
     from eagle3.evaluate.proposers import EagleProposer, NgramProposer
 
     if spec.kind == "ngram":
         return NgramProposer(ecfg.ngram_max, ecfg.ngram_min, ecfg.ngram_num_tokens)
     if drafter is None:
         raise ValueError(f"method {spec.name} needs a drafter")
+    if spec.kind == "dflash" and static is not None:
+        from eagle3.evaluate.dflash_static import StaticDFlashProposer
+
+        return StaticDFlashProposer(drafter, *static)
     if spec.kind == "dflash":
         from eagle3.evaluate.dflash_decode import DFlashProposer
 
@@ -223,7 +233,8 @@ def _open_dflash_session(job: EvalJob, ecfg: EvaluateConfig) -> EvalSession:
         rows,
         ecfg.decode_keys == "gathered",
     )
-    proposers = {s.name: make_proposer(s, ecfg, loaded.drafter) for s in method_specs(ecfg, block)}
+    cache = (job.cache_len, settings) if static else None
+    proposers = {s.name: make_proposer(s, ecfg, loaded.drafter, static=cache) for s in method_specs(ecfg, block)}
     baseline = baseline_runner(target, ecfg, settings, job.cache_len)
     return EvalSession(target, proposers, None, ecfg, list(job.stop_ids), baseline)
 
@@ -344,7 +355,9 @@ def decode_fallbacks(session: EvalSession) -> dict[str, str]:
 
 
 def compiled_steps(session: EvalSession) -> list[Any]:
-    """The session's CompiledStep functions: the target runner's, the drafter runner's, the one-row baseline's."""
+    """The session's CompiledStep functions: the target runner's, the drafter runner's, the one-row baseline's and
+    the proposers' own (a DFlash block)."""
     drafter = session.drafter.compiled_steps() if session.drafter is not None else []
     baseline = session.baseline.compiled_steps() if session.baseline is not None else []
-    return [*session.target.compiled_steps(), *drafter, *baseline]
+    own = [step for p in session.proposers.values() for step in getattr(p, "compiled_steps", list)()]
+    return [*session.target.compiled_steps(), *drafter, *baseline, *own]

@@ -162,3 +162,38 @@ def test_stage_measures_a_dflash_export_losslessly(dflash_run):
     assert [m["name"] for m in doc["settings"]["methods"]] == ["dflash-3-1-4", "ngram"]
     prompts = [json.loads(line) for line in (cfg.run_dir / "eval" / "prompts.jsonl").read_text().splitlines()]
     assert len(prompts) == 4 and all("teacher_forced" not in p for p in prompts)
+
+
+def test_fixed_size_cache_drafts_what_the_growing_cache_drafts(setup, monkeypatch):
+    """StaticDFlashProposer (one fixed-shape block call over the whole cache, later entries hidden) drafts what
+    DFlashProposer drafts at every round of every prompt, also across cache growth (8-entry steps here), so the
+    decodes commit the same tokens round by round."""
+    from eagle3.evaluate import decode_cache
+    from eagle3.evaluate.dflash_static import StaticDFlashProposer
+
+    monkeypatch.setattr(decode_cache, "CAPACITY_STEP", 8)
+    growing, fixed = DFlashProposer(setup["drafter"]), StaticDFlashProposer(setup["drafter"], capacity=8)
+    for prompt, ref in zip(setup["prompts"], setup["refs"]):
+        a = speculative_decode(setup["target"], growing, prompt, MAX_NEW)
+        b = speculative_decode(setup["target"], fixed, prompt, MAX_NEW)
+        assert a.tokens == b.tokens == ref.tokens
+        assert [(s.accepted, s.committed) for s in a.steps] == [(s.accepted, s.committed) for s in b.steps]
+    assert fixed.capacity > 8 and fixed.capacity % 8 == 0  # it grew
+
+
+def test_stage_with_the_static_cache_drafts_through_the_fixed_size_cache(dflash_run, monkeypatch):
+    """With evaluate.static_cache=on the evaluation's DFlash method drafts every round through
+    StaticDFlashProposer and stays lossless."""
+    from eagle3.evaluate.dflash_static import StaticDFlashProposer
+    from eagle3.evaluate.stage import run_evaluate
+
+    calls = []
+    propose = StaticDFlashProposer.propose
+    monkeypatch.setattr(StaticDFlashProposer, "propose", lambda self, ctx: calls.append(1) or propose(self, ctx))
+    cfg, export_dir = dflash_run
+    cfg = cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"static_cache": "on", "num_workers": 1})})
+    run_evaluate(cfg, export_dir=export_dir)
+    assert len(calls) >= 4  # at least a round per prompt
+    doc = json.loads((cfg.run_dir / "eval" / "results.json").read_text())
+    rows = [r for r in doc["results"] if r["method"] == "dflash-3-1-4"]
+    assert rows and all(r["lossless"]["identical"] == r["num_prompts"] for r in rows)
