@@ -68,6 +68,8 @@ class DFlashConfig(Section):
     """Target vocab id whose frozen embedding fills the mask slots; None = the tokenizer's pad token, else its eos."""
     num_blocks: int = Field(16, ge=1)
     """Training: blocks (anchors) drawn per packed row, uniformly among the positions whose block has a target."""
+    init: Literal["random", "target"] = Added("random")
+    """Starting weights: random (seeded normal, as EAGLE-3's) or target = the target's own layers after the deepest one the drafter reads, fc picking that layer's states, the target's final norm (docs/dflash.md, "Starting from the target")."""
     labels: Literal["tokens", "target"] = Added("tokens")
     """Training labels: tokens = the row's tokens (the published DFlash recipe, made for answers the target wrote); target = the target's own next-token distribution at each drafted position (soft cross-entropy, as EAGLE-3 trains: what verification accepts). Accuracy counts the target's argmax either way."""
     loss_decay_gamma: float | None = Field(None, gt=0)

@@ -123,6 +123,10 @@ def build_dflash_objective(
         drafter.embed_tokens.weight.copy_(read_tensor(Path(model_dir), EMBED_TENSOR))  # [V, H]
         drafter.lm_head.weight.copy_(load_target_lm_head(model_dir))  # [V, H]
     d = cfg.drafter.dflash
+    if d.init == "target":
+        from eagle3.train.dflash_init import init_from_target
+
+        init_from_target(drafter, Path(model_dir), setup.target_layer_ids, setup.num_target_layers)
     objective = DFlashObjective(
         drafter, setup.feature_index, setup.num_aux, d.num_blocks, d.loss_decay_gamma, labels=d.labels
     )
