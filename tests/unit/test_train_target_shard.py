@@ -89,6 +89,10 @@ def _states_worker(rank: int, port: int, out_dir: str) -> None:
             assert torch.equal(got_packed[name], want_packed[name]), (supervision, name, "packed")
     with open(os.path.join(out_dir, f"ok{rank}"), "w") as f:
         f.write("checked")
+    # Both ranks past their last collective before either tears gloo down: a rank that destroyed its group while
+    # the other still held the pair's connection aborted once under a loaded CI ("terminate called without an
+    # active exception", SIGABRT).
+    dist.barrier()
     dist.destroy_process_group()
 
 
