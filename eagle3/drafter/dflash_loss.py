@@ -12,8 +12,9 @@ prediction, no shift: docs/dflash.md, "The block"). Slot 0 is never scored.
     CE(b, n, k)         = -sum_v P_{p+k-1}(v) log q_k(v)   with a teacher (the target's own distribution at p+k-1,
                           i.e. its prediction of the token at p+k: what a verify accepts), else -log q_k(x_{p+k})
 
-With a teacher, a draft counts as right when it equals the target's argmax at p+k-1 (EAGLE-3's accuracy, and
-what greedy verification accepts); without one, when it equals x_{p+k}. The token labels are SpecForge's
+A draft counts as right when it equals the target's argmax at p+k-1 (EAGLE-3's accuracy, and what greedy
+verification accepts) whenever the batch carries the target's supervision, whichever the labels; otherwise when
+it equals x_{p+k}. The token labels are SpecForge's
 objective (specforge/core/dflash.py ``OnlineDFlashModel.forward``: same-position labels, the anchor slot
 excluded, the loss mask and the row end applied, ``loss_decay_gamma`` weights normalised by their sum) with
 packed documents added. The teacher is EAGLE-3's supervision (eagle3.drafter.alignment) over the full vocab: it
