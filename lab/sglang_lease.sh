@@ -139,10 +139,9 @@ card_sets() {  # CARD_SETS: smollm2-quality's feature cache sized to this card
 sglang_data_sets() {  # DATA_SETS: regeneration through a managed SGLang server (LEASE_DATA_SGLANG), else none
   DATA_SETS=()
   [ -z "${LEASE_DATA_SGLANG:-}" ] && return
+  # the server.* settings every server of this lease gets (SETS, via SERVE_SETS)
   DATA_SETS=(--set regenerate.backend=sglang --set "regenerate.max_concurrency=${LEASE_REGEN_CONCURRENCY:-256}"
-             --set "server.python=$W/python-sglang" --set "server.launch_module=$MODULE"
-             --set server.attention_backend=triton --set server.startup_timeout_s=400
-             --set 'server.extra_args=["--sampling-backend","pytorch","--grammar-backend","none"]')
+             "${SERVE_SETS[@]}")
 }
 
 wait_for_sglang() {  # until `sglang 3` installed it (a substitute launch module, e.g. the CPU dry run's fake: no wait)
