@@ -180,13 +180,16 @@ SDPA_BACKENDS = {
 
 def one_row_variant(variant: str) -> tuple[MaskedAttention, contextlib.AbstractContextManager[object]]:
     """(the runner's attention, the sdpa kernels allowed while it compiles and captures) of a --width-1-attention
-    entry: sdpa, packed or flex (no restriction), or sdpa-BACKEND (that kernel only)."""
+    entry: a MaskedAttention (no restriction), or sdpa-BACKEND or packed-BACKEND (that sdpa kernel only)."""
     attention, _, backend = variant.partition("-")
     if attention in get_args(MaskedAttention) and attention != "sdpa" and not backend:
         return cast(MaskedAttention, attention), contextlib.nullcontext()
-    if attention == "sdpa" and (not backend or backend in SDPA_BACKENDS):
-        return "sdpa", sdpa_kernel([SDPA_BACKENDS[backend]]) if backend else contextlib.nullcontext()
-    raise SystemExit(f"--width-1-attention {variant}: use sdpa, packed, flex or sdpa-{{{','.join(SDPA_BACKENDS)}}}")
+    if attention in ("sdpa", "packed") and (not backend or backend in SDPA_BACKENDS):
+        return attention, sdpa_kernel([SDPA_BACKENDS[backend]]) if backend else contextlib.nullcontext()
+    raise SystemExit(
+        f"--width-1-attention {variant}: use {', '.join(get_args(MaskedAttention))}, or sdpa-/packed-"
+        f"{{{','.join(SDPA_BACKENDS)}}}"
+    )
 
 
 def one_row(
@@ -268,16 +271,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--attention",
         default="sdpa",
-        choices=("sdpa", "packed", "flex"),
+        choices=get_args(MaskedAttention),
         help="static path, masked keys: transformers' sdpa (the cache repeated per query head), query heads packed "
-        "as rows of their key/value head, or flex over the key blocks in use at one row (MaskedAttention)",
+        "as rows of their key/value head (through sdpa, or matmul: written out), or flex over the key blocks in use "
+        "at one row (MaskedAttention)",
     )
     parser.add_argument(
         "--width-1-attention",
         type=lambda text: text.split(","),
         default=None,
-        help="comma list of the one-row decodes to time (default: --attention): sdpa, packed, flex, or sdpa-BACKEND "
-        "(sdpa with only that kernel allowed while the runner compiles and captures: " + ", ".join(SDPA_BACKENDS) + ")",
+        help="comma list of the one-row decodes to time (default: --attention): sdpa, packed, matmul, flex, or "
+        "sdpa-BACKEND / packed-BACKEND (only that sdpa kernel allowed while the runner compiles and captures: "
+        + ", ".join(SDPA_BACKENDS)
+        + ")",
     )
     parser.add_argument(
         "--only-greedy",

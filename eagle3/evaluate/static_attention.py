@@ -8,8 +8,9 @@ arguments (transformers passes a forward's extra keyword arguments down to the a
 
   * ``key_order`` long [w, L]: the row's keys gathered in sequence order (eagle3/evaluate/gathered.py);
   * else ``masked_attention``: ``sdpa`` (transformers' own, the default and what a forward without it runs),
-    ``packed`` (eagle3/evaluate/packed_attention.py) or ``flex`` (eagle3.data.decode_attention.flex_decode: one-row
-    forwards with a bool mask over the key blocks in use; other shapes fall back to sdpa).
+    ``packed`` or ``matmul`` (eagle3/evaluate/packed_attention.py) or ``flex``
+    (eagle3.data.decode_attention.flex_decode: one-row forwards with a bool mask over the key blocks in use; other
+    shapes fall back to sdpa).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-MaskedAttention = Literal["sdpa", "packed", "flex"]
+MaskedAttention = Literal["sdpa", "packed", "matmul", "flex"]
 """The masked (not gathered) decode's attention: transformers' sdpa (the cache repeated per query head under
-torch.compile), the packed grouped-query one, or flex over the key blocks in use at one row."""
+torch.compile), the packed grouped-query one through sdpa or written out as matrix products (matmul), or flex over
+the key blocks in use at one row."""
 
 STATIC_ATTENTION = "eagle3_static_decode"
 """Name under which ``static_attention`` is registered with transformers."""
@@ -43,13 +45,15 @@ def static_attention(
 
     from eagle3.data.decode_attention import flex_decode
     from eagle3.evaluate.gathered import gathered_attention
-    from eagle3.evaluate.packed_attention import packed_attention
+    from eagle3.evaluate.packed_attention import matmul_attention, packed_attention
 
     order = kwargs.pop("key_order", None)
     kind = kwargs.pop("masked_attention", "sdpa")
     if order is not None:
         return gathered_attention(query, key, value, attention_mask, order, dropout, scaling)
-    fn = {"sdpa": sdpa_attention_forward, "packed": packed_attention, "flex": flex_decode}[kind]
+    fn = {"sdpa": sdpa_attention_forward, "packed": packed_attention, "matmul": matmul_attention, "flex": flex_decode}[
+        kind
+    ]
     return fn(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
     )

@@ -40,7 +40,7 @@ def test_every_one_row_attention_variant_decodes_the_static_greedy(capsys):
     """--width-1-attention times the one-row decode once per attention (an sdpa kernel forced among them), and each
     decodes the static greedy's tokens; an unknown variant is refused by name."""
     bench = runpy.run_path(str(LAB / "eval_speed.py"))
-    variants = ["sdpa", "sdpa-math", "packed", "flex"]
+    variants = ["sdpa", "sdpa-math", "packed", "packed-math", "matmul", "flex"]
     bench["main"](
         ["--tiny", "--new-tokens", "12", "--repeats", "1", "--only-greedy", "--width-1-attention", ",".join(variants)]
     )

@@ -118,13 +118,17 @@ def test_fusion_leaves_moe_experts_alone_and_keeps_greedy(architecture):
     assert greedy_decode(target, prompt, 24).tokens == ref
 
 
+@pytest.mark.parametrize("kind", ["packed", "matmul"])
 @pytest.mark.parametrize("width", [1, 5, 16])
-def test_packed_gqa_attention_equals_attention_over_the_repeated_cache(width):
-    """Query heads packed as rows of their key/value head, each row with its own mask, give the attention over
-    keys and values repeated per query head (float64, to rounding), also through Dynamo without a graph break."""
+def test_packed_gqa_attention_equals_attention_over_the_repeated_cache(width, kind):
+    """Query heads packed as rows of their key/value head, each row with its own mask (through sdpa, or written out
+    as matrix products), give the attention over keys and values repeated per query head (float64, to rounding),
+    also through Dynamo without a graph break."""
     from torch._dynamo.utils import counters
 
-    from eagle3.evaluate.packed_attention import packed_attention
+    from eagle3.evaluate import packed_attention as module_of
+
+    attention = getattr(module_of, f"{kind}_attention")
 
     gen = torch.Generator().manual_seed(width)
     heads, kv_heads, length, dim = 6, 2, 40, 8
@@ -138,29 +142,36 @@ def test_packed_gqa_attention_equals_attention_over_the_repeated_cache(width):
     repeated = torch.nn.functional.scaled_dot_product_attention(
         query, key.repeat_interleave(3, dim=1), value.repeat_interleave(3, dim=1), attn_mask=mask, scale=0.5
     ).transpose(1, 2)  # [1, w, H, D]
-    packed, _ = packed_attention(module, query, key, value, mask, scaling=0.5)
+    packed, _ = attention(module, query, key, value, mask, scaling=0.5)
     torch.testing.assert_close(packed, repeated, rtol=1e-12, atol=1e-12)
+    if kind == "matmul":  # a bool mask (True = attend) means the same as the additive one
+        torch.testing.assert_close(attention(module, query, key, value, visible[None, None], scaling=0.5)[0], repeated)
     counters.clear()
-    compiled = torch.compile(lambda *a: packed_attention(module, *a, scaling=0.5)[0], backend="eager")
+    compiled = torch.compile(lambda *a: attention(module, *a, scaling=0.5)[0], backend="eager")
     torch.testing.assert_close(compiled(query, key, value, mask), repeated, rtol=1e-12, atol=1e-12)
     assert not counters["graph_break"]
 
 
-def test_static_decode_on_packed_attention_gives_the_repeated_caches_logits_and_greedys_tokens(setup, monkeypatch):  # noqa: F811
-    """With attention="packed" the static runner's forwards run the packed attention (the target switched to the
+@pytest.mark.parametrize("kind", ["packed", "matmul"])
+def test_static_decode_on_packed_attention_gives_the_repeated_caches_logits_and_greedys_tokens(  # noqa: F811
+    setup,  # noqa: F811
+    monkeypatch,
+    kind,
+):
+    """With attention="packed" (or "matmul") the static runner's forwards run that attention (the target switched to the
     static decode's attention; without it the target stays on sdpa): their logits equal those over the repeated
     cache (float64, to rounding), and greedy and a tree decode give the eager greedy's tokens."""
     from eagle3.evaluate import packed_attention
     from eagle3.evaluate.static_attention import STATIC_ATTENTION
 
     calls: list[int] = []
-    real = packed_attention.packed_attention
-    monkeypatch.setattr(packed_attention, "packed_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = getattr(packed_attention, f"{kind}_attention")
+    monkeypatch.setattr(packed_attention, f"{kind}_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     plain_model, packed_model = copy.deepcopy(setup["model"]), copy.deepcopy(setup["model"])
     plain_model.set_attn_implementation("sdpa")
     assert plain_model.config.num_key_value_heads < plain_model.config.num_attention_heads  # a GQA target
     plain = StaticTargetRunner(plain_model, AUX_IDS, 128, CompileSettings(), decode_rows=8)  # sdpa
-    packed = StaticTargetRunner(packed_model, AUX_IDS, 128, CompileSettings(), decode_rows=8, attention="packed")
+    packed = StaticTargetRunner(packed_model, AUX_IDS, 128, CompileSettings(), decode_rows=8, attention=kind)
     assert (plain_model.config._attn_implementation, packed_model.config._attn_implementation) == (
         "sdpa",
         STATIC_ATTENTION,
@@ -174,7 +185,7 @@ def test_static_decode_on_packed_attention_gives_the_repeated_caches_logits_and_
     assert greedy_decode(packed, prompt, MAX_NEW).tokens == ref.tokens
     oracle = FakeOracleProposer(prompt, ref.tokens, 4, tree=True)
     assert speculative_decode(packed, oracle, prompt, MAX_NEW).tokens == ref.tokens
-    assert calls  # the packed attention ran, not sdpa under its name
+    assert calls  # that attention ran, not sdpa under its name
 
 
 def test_runners_of_one_model_each_keep_their_own_attention(setup, monkeypatch):  # noqa: F811
