@@ -138,12 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         from eagle3.deploy import deploy_prompts
         from eagle3.target.load import prepare_target
 
-        results["device"] = device_name(cfg.evaluate.device)
         model_path = str(prepare_target(cfg).resolve())
         prompts = cast(list[list[int]], deploy_prompts(cfg, model_path).prompts)
         say(f"SGLang baseline on {len(prompts)} prompts")
         sglang = results["sglang"] = sglang_baseline(cfg, model_path)
         say(f"sglang_tok_s: {sglang['tok_per_s']:.1f}  ({sglang['completion_tokens']} tokens)")
+        results["device"] = device_name(cfg.evaluate.device)  # after the server: the GPU check wants no CUDA context
         failures = []
         for variant in variants:
             try:
