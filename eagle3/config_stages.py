@@ -284,7 +284,7 @@ class EvaluateConfig(Section):
     """Static path: each target MLP's gate and up as one product (one kernel fewer per layer; rounding differs only)."""
     speed_baseline: Literal["auto", "one_row", "reference"] = Added("auto")
     """Speedups' baseline: one_row = greedy timed again one row a forward; reference = the reference's own time; auto = one_row when decode_rows > 1."""
-    baseline_attention: Literal["sdpa", "packed", "matmul", "flex"] = Operational("sdpa")
+    baseline_attention: Literal["sdpa", "packed", "matmul", "flex"] = Operational("matmul")
     """speed_baseline one_row: its attention (sdpa = transformers'; packed = query heads as rows of their key/value head; matmul = those rows' attention as matrix products and a softmax; flex = only the key blocks in use); times the baseline only."""
     near_tie_logit_gap: float = Field(1e-3, ge=0)
     """A differing token within this logit gap of the reference's top-1 is a numerical near-tie, not a bug."""
