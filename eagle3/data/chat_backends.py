@@ -23,6 +23,8 @@ Message = dict[str, str]
 
 # --------------------------------------------------------------------------- backend contract
 
+_JITTER = random.Random()  # retry jitter of its own: drawing it never moves the process's random stream
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -157,7 +159,7 @@ class OpenAIChatBackend:
     def _backoff_s(self, attempt: int, retry_after_s: float) -> float:
         # Full jitter keeps many workers that failed together from retrying together.
         ceiling = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
-        return max(random.uniform(0.0, ceiling), min(retry_after_s, self.backoff_max_s))
+        return max(_JITTER.uniform(0.0, ceiling), min(retry_after_s, self.backoff_max_s))
 
     async def _post_once(self, messages: list[Message], request_id: str) -> Completion:
         if self._client is None:

@@ -198,6 +198,11 @@ def gather_weights(model: nn.Module) -> dict[str, Tensor]:
 def decode(m: Measurer, weights: dict[str, Tensor]) -> dict[str, Any]:
     """The measurement of ``weights``: every prompt decoded by chain drafting and greedy verification; acceptance
     length = tokens committed by verify forwards / verify forwards (the prefill's first token in neither)."""
+    with kept_random_state(m.target.device):  # training draws what it would have drawn without the measurement
+        return _decode(m, weights)
+
+
+def _decode(m: Measurer, weights: dict[str, Tensor]) -> dict[str, Any]:
     from eagle3.evaluate.proposers import EagleProposer
     from eagle3.evaluate.speculate import speculative_decode
 

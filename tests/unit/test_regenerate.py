@@ -499,3 +499,21 @@ def test_answers_cut_at_the_token_cap_are_listed_by_message_index(tmp_path):
     assert out[1]["messages"][4]["role"] == "assistant" and stats["finish_reasons"] == {"length": 1, "stop": 4}
     again, _ = _read_out(regenerate(src, tmp_path / "out", _cfg(server), _backend(_cfg(server)))[0])
     assert again == out  # from the journal alone: the server is closed
+
+
+def test_retry_jitter_stays_within_its_ceiling_and_never_moves_the_process_random_stream():
+    """Backoff draws full jitter up to base * 2**(attempt-1) (capped), from a generator of its own: a regeneration
+    retrying beside training in one process leaves python's global random stream where it was."""
+    import random
+
+    from eagle3.config import RegenerateConfig
+    from eagle3.data.chat_backends import OpenAIChatBackend
+
+    backend = OpenAIChatBackend(RegenerateConfig(api_key_env=None), backoff_base_s=1.0, backoff_max_s=5.0)
+    random.seed(7)
+    before = random.getstate()
+    waits = [backend._backoff_s(attempt, 0.0) for attempt in (1, 2, 3, 4, 5) for _ in range(50)]
+    assert random.getstate() == before
+    for i, attempt in enumerate((1, 2, 3, 4, 5)):
+        assert all(0.0 <= w <= min(5.0, 2 ** (attempt - 1)) for w in waits[50 * i : 50 * (i + 1)])
+    assert backend._backoff_s(1, 3.0) >= 3.0  # a server's Retry-After is honoured (up to the cap)
