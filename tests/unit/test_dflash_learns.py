@@ -3,12 +3,15 @@ anchor's own state (tiny, CPU)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from eagle3.drafter.dflash import DFlashDims, DFlashDrafter
+from eagle3.drafter.dflash import DFlashDrafter
 from eagle3.drafter.dflash_loss import dflash_loss, sample_anchors
+from tests.unit.test_dflash_model import tiny_dflash_dims
 
-V, H, K, T, B, N = 12, 48, 3, 40, 8, 8
+V, K, T, B, N = 12, 3, 40, 8, 8
 STEPS = 150
 
 
@@ -18,23 +21,9 @@ def _slot_accuracy(lead: int) -> list[float]:
     before p: with lead 2 the state at p-1 tells the token at p+1 (slot 1) and nothing tells p+2 (slot 2); with
     lead 1 no visible state tells p+1 (only the anchor's own state would, which must stay invisible)."""
     torch.manual_seed(0)
-    dims = DFlashDims(
-        hidden_size=H,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=12,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        vocab_size=V,
-        num_context_features=1,
-        block_size=K,
-        mask_token_id=V - 1,
-    )
+    dims = replace(tiny_dflash_dims(layers=1, block_size=K, vocab=V), num_context_features=1)
     drafter = DFlashDrafter(dims)
-    table = torch.randn(V, H)  # [V, H] what the "target" state of a token looks like
+    table = torch.randn(V, dims.hidden_size)  # [V, H] what the "target" state of a token looks like
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     gen, data = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
     mask = torch.ones(B, T, dtype=torch.long)
