@@ -97,7 +97,7 @@ class DrafterConfig(Section):
     step_decay: float = Field(0.8, gt=0)
     """Loss weight of TTT step k is step_decay**k (EAGLE, SpecForge: 0.8)."""
     attn_impl: Literal["auto", "dense", "flex"] = "auto"
-    """TTT attention kernel: auto = compiled flex_attention on CUDA, dense elsewhere."""
+    """Training attention kernel (EAGLE-3's TTT steps, DFlash's blocks): auto = compiled flex_attention on CUDA, dense elsewhere."""
     init_std: float = Field(0.02, gt=0)
     """Std of the seeded normal init of every linear layer (HF Llama's 0.02)."""
     init_lm_head_from_target: bool = True
@@ -184,7 +184,7 @@ class TrainConfig(Section):
     """torch.compile (Inductor) of the TTT step's pieces and the fused loss on CUDA: auto and on compile there, off = eager; a CPU run stays eager (Inductor's CPU kernels would change the trained bytes, and this is an operational setting)."""
     # 0 (log_softmax) and the fused loss round differently, and compiled kernels per chunk shape may too: keyed
     loss_chunk_tokens: int = Added(4096, ge=0)
-    """Fused soft cross-entropy over this many tokens at a time (no fp32 [T, Vd] tensors); 0 = plain log_softmax."""
+    """Fused soft cross-entropy over this many tokens at a time (no fp32 [T, Vd] tensors; DFlash: this many block slots per checkpointed lm_head chunk); 0 = plain log_softmax, all at once."""
     # what each TTT step is scored by (eagle3.drafter.acceptance); keyed once off the default soft cross-entropy
     loss: Literal["kl", "tv", "kl+tv", "lk_alpha", "lk_lambda"] = Added("kl")
     """EAGLE-3 step loss against the target's draft-vocab distribution p (draft q, acceptance a = sum_v min(p, q)): kl = soft cross-entropy (the default); tv = 1 - a; kl+tv = their mix by loss_tv_weight; lk_alpha = -log a; lk_lambda = kl and tv mixed by loss_lk_eta (docs/train.md, "The loss")."""

@@ -38,15 +38,20 @@ Shape letters used in the comments:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Union, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
 from eagle3.drafter.functional import (
+    FLEX_AVAILABLE,
     Llama3RopeScaling,
     apply_rope,
+    flex_attention_over,
     repeat_kv,
     rms_norm,
     rope_cos_sin,
@@ -143,7 +148,50 @@ def block_visibility(
     return visible.repeat_interleave(block_size, dim=1)[:, None]  # [B, 1, Q, S]
 
 
+def block_mask_mod(context_start: Tensor, context_end: Tensor, num_context: int, block_size: int) -> Any:
+    """flex_attention mask_mod of block_visibility: query q (block q // K) sees context key kv when
+    context_start[b, block] <= kv < context_end[b, block], and block key kv (>= C) when it is in its own block."""
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        block = q_idx // block_size
+        in_context = (kv_idx < num_context) & (kv_idx >= context_start[b, block]) & (kv_idx < context_end[b, block])
+        return in_context | ((kv_idx >= num_context) & ((kv_idx - num_context) // block_size == block))
+
+    return mask_mod
+
+
+def flex_block_visibility(
+    context_end: Tensor, num_context: int, block_size: int, context_start: Tensor | None = None
+) -> BlockMask:
+    """block_visibility as a flex BlockMask: the score tiles no block query sees are skipped, never computed.
+
+    With many anchors per row the dense [B, nH, Q, C + Q] scores grow with N * T (4,096 blocks of 16 over a
+    16K-token row: 65,536 queries x 81,920 keys, 5.4G scores per head); flex computes only the tiles under each
+    block's own context and its own block: for ascending anchors about half the context columns, and the diagonal.
+    """
+    if not FLEX_AVAILABLE:
+        raise RuntimeError("flex_attention is not available in this torch build; use drafter.attn_impl=dense")
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, blocks = context_end.shape
+    start = torch.zeros_like(context_end) if context_start is None else context_start
+    num_queries = blocks * block_size
+    return create_block_mask(
+        block_mask_mod(start, context_end, num_context, block_size),
+        batch,
+        None,
+        num_queries,
+        num_context + num_queries,
+        device=context_end.device,
+        _compile=context_end.is_cuda,
+    )
+
+
 # ---------------------------------------------------------------------------------------- the functions
+
+
+Visibility = Union[Tensor, "BlockMask", None]
+"""What a block query sees: block_visibility's bool mask, flex_block_visibility's BlockMask, or None (every key)."""
 
 
 class LayerWeights(NamedTuple):
@@ -214,9 +262,12 @@ def context_kv(w: DFlashWeights, context: Tensor, positions: Tensor, dims: DFlas
     return [_keys(lw, context, cos, sin, dims) for lw in w.layers]
 
 
-def block_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor | None) -> Tensor:
+def block_attention(q: Tensor, keys: Tensor, values: Tensor, visible: Visibility) -> Tensor:
     """[B, nH, Q, hd] queries over keys/values [B, nKV, S, hd] -> [B, nH, Q, hd]; ``visible`` bool [B|1, 1, Q, S]
-    (None: every key), no causal mask; scale 1/sqrt(hd) (DFlashAttention.scaling); softmax in fp32."""
+    (None: every key) or the same as a flex BlockMask (flex_block_visibility), no causal mask; scale 1/sqrt(hd)
+    (DFlashAttention.scaling); softmax in fp32."""
+    if visible is not None and not isinstance(visible, Tensor):
+        return flex_attention_over(q, keys, values, visible)  # its default scale is 1/sqrt(hd) too
     groups = q.shape[1] // keys.shape[1]
     scores = torch.matmul(q, repeat_kv(keys, groups).transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, nH, Q, S]
     if visible is not None:
@@ -231,7 +282,7 @@ def decoder_layer(
     ctx: tuple[Tensor, Tensor],
     cos: Tensor,
     sin: Tensor,
-    visible: Tensor | None,
+    visible: Visibility,
     dims: DFlashDims,
 ) -> Tensor:
     """One DFlashDecoderLayer on the block's residual stream x [B, Q, H] -> [B, Q, H].
@@ -255,7 +306,7 @@ def block_forward(
     ctx: list[tuple[Tensor, Tensor]],
     block_embeds: Tensor,
     positions: Tensor,
-    visible: Tensor | None,
+    visible: Visibility,
     dims: DFlashDims,
 ) -> Tensor:
     """The draft model on the block tokens: embeddings [B, Q, H] at positions [B, Q] -> norm(x) [B, Q, H].
@@ -324,7 +375,7 @@ class DFlashDrafter(nn.Module):
         context_positions: Tensor,
         block_ids: Tensor,
         positions: Tensor,
-        visible: Tensor | None = None,
+        visible: Visibility = None,
     ) -> Tensor:
         """Normed hidden states [B, Q, H] of the block tokens block_ids [B, Q] at positions [B, Q].
 

@@ -37,10 +37,17 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from eagle3.drafter.alignment import Supervision, supervision_from_topk
-from eagle3.drafter.dflash import DFlashDrafter, block_input_ids, block_positions, block_visibility
-from eagle3.drafter.functional import upcast
+from eagle3.drafter.dflash import (
+    DFlashDrafter,
+    block_input_ids,
+    block_positions,
+    block_visibility,
+    flex_block_visibility,
+)
+from eagle3.drafter.functional import AttnImpl, resolve_attn_impl, upcast
 from eagle3.drafter.masks import positions_from_documents, same_document_ahead, shift_left, single_document_ids
 from eagle3.drafter.ttt import TTTBatch
 
@@ -136,13 +143,18 @@ def block_teacher(batch: TTTBatch, anchors: Tensor, block_size: int, lm_head_wei
 
 
 @torch.no_grad()
-def block_target_argmax(batch: TTTBatch, anchors: Tensor, block_size: int, lm_head_weight: Tensor) -> Tensor | None:
-    """block_teacher's argmax alone [B, N, K-1] (no softmax over the vocab); None without supervision."""
+def block_target_argmax(
+    batch: TTTBatch, anchors: Tensor, block_size: int, lm_head_weight: Tensor, chunk: int = 0
+) -> Tensor | None:
+    """block_teacher's argmax alone [B, N, K-1] (no softmax over the vocab); None without supervision.
+    ``chunk``: slots per lm_head product (0: all at once), so no [B, N*(K-1), V] logits exist at once."""
     index = teacher_index(anchors, block_size, batch.input_ids.shape[1])
     flat = index.flatten(1)
     if batch.final_hidden is not None:
-        hidden = _at_slots(batch.final_hidden, flat).to(lm_head_weight.dtype)
-        return F.linear(hidden, lm_head_weight).argmax(-1).view_as(index)
+        hidden = _at_slots(batch.final_hidden, flat).to(lm_head_weight.dtype)  # [B, M, H]
+        step = flat.shape[1] if chunk <= 0 else max(1, chunk // flat.shape[0])
+        parts = [F.linear(hidden[:, s : s + step], lm_head_weight).argmax(-1) for s in range(0, flat.shape[1], step)]
+        return torch.cat(parts, dim=1).view_as(index)
     if batch.topk_ids is not None and batch.topk_logprobs is not None:
         best = _at_slots(batch.topk_logprobs, flat).argmax(-1, keepdim=True)  # [B, M, 1]
         return _at_slots(batch.topk_ids, flat).gather(-1, best).squeeze(-1).long().view_as(index)
@@ -204,6 +216,44 @@ def block_targets(
     return at(input_ids), supervised
 
 
+def _slot_ce(hidden: Tensor, head: Tensor, targets: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor]:
+    """hidden [M, H] of M slots through the target's lm_head [V, H]: (CE [M] against probs [M, V] if given, else
+    against targets [M]; the drafts, argmax [M]). The logits are fp32 at least."""
+    logits = upcast(F.linear(hidden.to(head.dtype), head))  # [M, V]
+    if probs is None:
+        ce = F.cross_entropy(logits, targets, reduction="none")
+    else:
+        ce = -(probs * torch.log_softmax(logits, dim=-1)).sum(-1)
+    return ce, logits.detach().argmax(dim=-1)
+
+
+def slot_cross_entropy(
+    hidden: Tensor, head: Tensor, targets: Tensor, probs: Tensor | None, chunk: int = 0
+) -> tuple[Tensor, Tensor]:
+    """Every slot's CE and draft: hidden [B, N, K-1, H], targets [B, N, K-1], probs [B, N, K-1, V] or None ->
+    (CE, argmax), each [B, N, K-1].
+
+    ``chunk`` > 0 and fewer than the slots: ``chunk`` slots at a time, each under activation checkpointing, so
+    one chunk's [chunk, V] logits (and their softmax) live at a time instead of [B*N*(K-1), V]; the backward
+    recomputes them. Slot by slot the same numbers either way.
+    """
+    shape = targets.shape
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    p = None if probs is None else probs.reshape(-1, probs.shape[-1])
+    if chunk <= 0 or t.numel() <= chunk:
+        ce, drafts = _slot_ce(h, head, t, p)
+        return ce.view(shape), drafts.view(shape)
+    parts = []
+    for s in range(0, t.numel(), chunk):
+        part = (h[s : s + chunk], head, t[s : s + chunk], None if p is None else p[s : s + chunk])
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_slot_ce, *part, use_reentrant=False))
+        else:
+            parts.append(_slot_ce(*part))
+    ce, drafts = (torch.cat(x) for x in zip(*parts, strict=True))
+    return ce.view(shape), drafts.view(shape)
+
+
 def dflash_loss(
     drafter: DFlashDrafter,
     features: Tensor,
@@ -215,6 +265,9 @@ def dflash_loss(
     gamma: float | None = None,
     teacher: Supervision | None = None,
     reference: Tensor | None = None,
+    *,
+    attn: Literal["dense", "flex"] = "dense",
+    chunk: int = 0,
 ) -> DFlashLossOutput:
     """The DFlash loss of N blocks per row in one drafter forward.
 
@@ -225,7 +278,8 @@ def dflash_loss(
     else the teacher's argmax, else the row's token.
     Positions restart at 0 in every document, as each document is served alone (RoPE makes only differences
     matter, but this keeps them within max_position_embeddings as served).
-    Invalid anchors still run (a fixed shape) but score nothing.
+    Invalid anchors still run (a fixed shape) but score nothing. ``attn``: the blocks' attention as a dense bool
+    mask or a flex BlockMask (the same keys); ``chunk``: slots per lm_head chunk (slot_cross_entropy).
     """
     d = drafter.dims
     batch, seq_len = input_ids.shape
@@ -235,17 +289,15 @@ def dflash_loss(
     doc_start = torch.arange(seq_len, device=docs.device) - positions  # [B, T] first index of t's document
 
     # Each block sees its document's context strictly before its anchor, and its own K tokens.
-    visible = block_visibility(anchors, seq_len, k_size, context_start=doc_start.gather(1, anchors))
+    see = flex_block_visibility if attn == "flex" else block_visibility
+    visible = see(anchors, seq_len, k_size, context_start=doc_start.gather(1, anchors))
     ids = block_input_ids(input_ids.gather(1, anchors), k_size, d.mask_token_id)  # [B, N*K]
     hidden = drafter(features, positions, ids, block_positions(positions.gather(1, anchors), k_size), visible)
     hidden = hidden.view(batch, anchors.shape[1], k_size, -1)[:, :, 1:]  # [B, N, K-1, H]: slot 0 is never scored
-    logits = upcast(drafter.logits(hidden))  # [B, N, K-1, V], CE in at least fp32
 
     targets, supervised = block_targets(input_ids, loss_mask, docs, anchors, valid, k_size)
-    if teacher is not None:
-        ce = -(teacher.probs * torch.log_softmax(logits, dim=-1)).sum(-1)  # [B, N, K-1]
-    else:
-        ce = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view_as(targets)
+    probs = None if teacher is None else teacher.probs
+    ce, drafts = slot_cross_entropy(hidden, drafter.lm_head.weight, targets, probs, chunk)  # [B, N, K-1] x 2
     if reference is None:
         reference = targets if teacher is None else teacher.argmax
     mask = supervised.to(ce.dtype)
@@ -256,7 +308,7 @@ def dflash_loss(
     # batch with nothing supervised gives 0 (still attached to the graph) instead of NaN.
     loss = (w * loss_sum).sum() / (w * num_supervised).sum().clamp_min(torch.finfo(ce.dtype).tiny)
     with torch.no_grad():
-        hits = logits.argmax(dim=-1) == reference  # [B, N, K-1]
+        hits = drafts == reference  # [B, N, K-1]
         num_correct = (hits & supervised).sum(dim=(0, 1))
         # Slot k is accepted only after slots 1 .. k-1 were: the run of hits from the block's start.
         num_full_correct = (hits.int().cumprod(dim=-1).bool() & supervised).sum(dim=(0, 1))
@@ -272,7 +324,8 @@ class DFlashObjective(nn.Module):
 
     ``feature_index``: for each of the drafter's target layers (ascending, fc's order), its place in the captured
     aux concatenation of ``num_aux`` layers; so one capture serves an EAGLE-3 and a DFlash drafter, and a DFlash
-    drafter may read a subset of the captured layers.
+    drafter may read a subset of the captured layers. ``attn_impl``: the blocks' attention kernel (auto = flex on
+    CUDA, dense elsewhere); ``loss_chunk``: slots per lm_head chunk of the loss (0: all at once).
     """
 
     def __init__(
@@ -283,6 +336,8 @@ class DFlashObjective(nn.Module):
         num_blocks: int,
         gamma: float | None = None,
         labels: Literal["tokens", "target"] = "tokens",
+        attn_impl: AttnImpl = "auto",
+        loss_chunk: int = 0,
     ) -> None:
         super().__init__()
         if sorted(feature_index) != feature_index or not all(0 <= i < num_aux for i in feature_index):
@@ -293,6 +348,7 @@ class DFlashObjective(nn.Module):
             )
         self.drafter, self.feature_index, self.num_aux = drafter, list(feature_index), num_aux
         self.num_blocks, self.gamma, self.labels = num_blocks, gamma, labels
+        self.attn_impl, self.loss_chunk = attn_impl, loss_chunk
 
     @property
     def num_slots(self) -> int:
@@ -336,7 +392,7 @@ class DFlashObjective(nn.Module):
                     "topk_logprobs features), and this batch has neither"
                 )
         else:
-            reference = block_target_argmax(batch, anchors[0], k_size, head)
+            reference = block_target_argmax(batch, anchors[0], k_size, head, self.loss_chunk)
         return dflash_loss(
             self.drafter,
             self.features(batch.aux),
@@ -347,4 +403,6 @@ class DFlashObjective(nn.Module):
             self.gamma,
             teacher,
             reference,
+            attn=resolve_attn_impl(self.attn_impl, batch.input_ids.device),
+            chunk=self.loss_chunk,
         )

@@ -128,7 +128,14 @@ def build_dflash_objective(
 
         init_from_target(drafter, Path(model_dir), setup.target_layer_ids, setup.num_target_layers)
     objective = DFlashObjective(
-        drafter, setup.feature_index, setup.num_aux, d.num_blocks, d.loss_decay_gamma, labels=d.labels
+        drafter,
+        setup.feature_index,
+        setup.num_aux,
+        d.num_blocks,
+        d.loss_decay_gamma,
+        labels=d.labels,
+        attn_impl=cfg.drafter.attn_impl,
+        loss_chunk=cfg.train.loss_chunk_tokens,
     )
     return objective.to(device)
 
@@ -205,12 +212,14 @@ def eval_counts(out: DFlashLossOutput, unigram_token: int) -> Tensor:
 def row_flops(dims: DFlashDims, seq_len: int, num_blocks: int) -> float:
     """FLOPs of one training step over a packed row of ``seq_len`` tokens with ``num_blocks`` blocks (x3 for the
     backward, as eagle3.train.metrics counts): fc and the context keys/values per token, the layers and the target
-    lm_head per block token, dense attention of every block token over the row and the blocks."""
+    lm_head per block token, and the attention each block token needs: its own block and the context before its
+    anchor, half the row on average for anchors spread over it (the useful work, whichever kernel runs it: the
+    dense mask computes every key, flex skips the tiles no block sees)."""
     h, hd, layers = dims.hidden_size, dims.head_dim, dims.num_hidden_layers
     heads, kv = dims.num_attention_heads, dims.num_key_value_heads
     block_tokens = num_blocks * dims.block_size
     per_layer_token = 2 * h * (heads + 2 * kv) * hd + 2 * heads * hd * h + 2 * 3 * h * dims.intermediate_size
     context = seq_len * (2 * dims.num_context_features * h * h + layers * 2 * h * 2 * kv * hd)
     linear = block_tokens * (layers * per_layer_token + 2 * h * dims.vocab_size) + context
-    attention = layers * block_tokens * (seq_len + block_tokens) * 4 * hd * heads
+    attention = layers * block_tokens * (seq_len // 2 + dims.block_size) * 4 * hd * heads
     return float(3 * (linear + attention))
