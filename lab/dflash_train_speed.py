@@ -111,7 +111,7 @@ def measure(args: argparse.Namespace, blocks: int, kernel: Kernel, device: torch
     return {"ms": ms, "peak_gib": peak, "loss": losses[0]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-len", type=int, default=16384, help="tokens of the packed row")
     p.add_argument("--blocks", type=int, nargs="+", default=[256, 1024, 4096], help="anchors per row")
@@ -120,7 +120,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=4096, help="train.loss_chunk_tokens: slots per lm_head chunk")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (flex compiles here)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# {name}, torch {torch.__version__}, row {args.seq_len} tokens, block {BLOCK}, {args.layers} layer(s)")
