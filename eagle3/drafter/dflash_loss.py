@@ -40,13 +40,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from eagle3.drafter.alignment import Supervision, supervision_from_topk
-from eagle3.drafter.dflash import (
-    DFlashDrafter,
-    block_input_ids,
-    block_positions,
-    block_visibility,
-    flex_block_visibility,
-)
+from eagle3.drafter.dflash import DFlashDrafter
+from eagle3.drafter.dflash_blocks import block_input_ids, block_positions, block_visibility, flex_block_visibility
 from eagle3.drafter.functional import AttnImpl, resolve_attn_impl, upcast
 from eagle3.drafter.masks import positions_from_documents, same_document_ahead, shift_left, single_document_ids
 from eagle3.drafter.ttt import TTTBatch

@@ -19,15 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eagle3.drafter.dflash import (
-    DFlashDrafter,
-    block_forward,
-    block_input_ids,
-    block_positions,
-    context_kv,
-    dflash_weights,
-    project_context,
-)
+from eagle3.drafter.dflash import DFlashDrafter, block_forward, context_kv, dflash_weights, project_context
+from eagle3.drafter.dflash_blocks import block_input_ids, block_positions
 from eagle3.evaluate.speculate import DraftTree
 
 

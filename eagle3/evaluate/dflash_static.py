@@ -15,15 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eagle3.drafter.dflash import (
-    DFlashDrafter,
-    block_forward,
-    block_input_ids,
-    block_positions,
-    block_visibility,
-    context_kv,
-    project_context,
-)
+from eagle3.drafter.dflash import DFlashDrafter, block_forward, context_kv, project_context
+from eagle3.drafter.dflash_blocks import block_input_ids, block_positions, block_visibility
 from eagle3.evaluate.decode_cache import round_up
 from eagle3.evaluate.dflash_decode import DFlashProposer
 from eagle3.evaluate.graphs import CompiledStep, CompileSettings

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from eagle3.drafter.dflash import DFlashDrafter, block_input_ids, block_positions, block_visibility
+from eagle3.drafter.dflash import DFlashDrafter
+from eagle3.drafter.dflash_blocks import block_input_ids, block_positions, block_visibility
 from eagle3.drafter.dflash_loss import anchor_candidates, dflash_loss, sample_anchors, slot_weights
 from eagle3.drafter.model import trainable_parameters
 from tests.unit.test_dflash_model import features, random_dflash, tiny_dflash_dims

@@ -12,15 +12,8 @@ import math
 import pytest
 import torch
 
-from eagle3.drafter.dflash import (
-    DFlashDims,
-    DFlashDrafter,
-    block_input_ids,
-    block_positions,
-    block_visibility,
-    export_state_dict,
-    init_dflash_weights,
-)
+from eagle3.drafter.dflash import DFlashDims, DFlashDrafter, export_state_dict, init_dflash_weights
+from eagle3.drafter.dflash_blocks import block_input_ids, block_positions, block_visibility
 from eagle3.drafter.functional import Llama3RopeScaling
 from eagle3.drafter.model import trainable_parameters
 

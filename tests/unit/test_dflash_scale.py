@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.drafter.dflash import block_mask_mod, block_visibility, flex_block_visibility
+from eagle3.drafter.dflash_blocks import block_mask_mod, block_visibility, flex_block_visibility
 from eagle3.drafter.dflash_loss import block_target_argmax, block_teacher, dflash_loss, sample_anchors
 from eagle3.drafter.functional import FLEX_AVAILABLE
 from eagle3.drafter.ttt import TTTBatch

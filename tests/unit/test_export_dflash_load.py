@@ -256,7 +256,7 @@ def forward_inputs(drafter, path: Path, seed: int = 5) -> dict[str, torch.Tensor
     """Two rows (CONTEXT_LENS committed tokens each), random target features and anchors, the embedding table."""
     from safetensors.torch import save_file
 
-    from eagle3.drafter.dflash import block_input_ids
+    from eagle3.drafter.dflash_blocks import block_input_ids
 
     d = drafter.dims
     gen = torch.Generator().manual_seed(seed)
@@ -278,7 +278,7 @@ def forward_inputs(drafter, path: Path, seed: int = 5) -> dict[str, torch.Tensor
 
 def our_block_forward(drafter, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """Our module on the same rows, contexts padded to the longest: hidden states [R*K, H]."""
-    from eagle3.drafter.dflash import block_positions, block_visibility
+    from eagle3.drafter.dflash_blocks import block_positions, block_visibility
 
     d, lens = drafter.dims, inputs["context_lens"]
     longest, width = int(lens.max()), d.num_context_features * d.hidden_size
