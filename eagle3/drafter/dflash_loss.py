@@ -31,6 +31,7 @@ Shape letters used in the comments:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -211,10 +212,12 @@ def block_targets(
     return at(input_ids), supervised
 
 
-def _slot_ce(hidden: Tensor, head: Tensor, targets: Tensor, probs: Tensor | None) -> tuple[Tensor, Tensor]:
-    """hidden [M, H] of M slots through the target's lm_head [V, H]: (CE [M] against probs [M, V] if given, else
-    against targets [M]; the drafts, argmax [M]). The logits are fp32 at least."""
-    logits = upcast(F.linear(hidden.to(head.dtype), head))  # [M, V]
+def _slot_ce(
+    hidden: Tensor, logits_of: Callable[[Tensor], Tensor], targets: Tensor, probs: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """hidden [M, H] of M slots through ``logits_of`` (DFlashDrafter.logits, the target's lm_head): (CE [M] against
+    probs [M, V] if given, else against targets [M]; the drafts, argmax [M]). The logits are fp32 at least."""
+    logits = upcast(logits_of(hidden))  # [M, V]
     if probs is None:
         ce = F.cross_entropy(logits, targets, reduction="none")
     else:
@@ -223,10 +226,10 @@ def _slot_ce(hidden: Tensor, head: Tensor, targets: Tensor, probs: Tensor | None
 
 
 def slot_cross_entropy(
-    hidden: Tensor, head: Tensor, targets: Tensor, probs: Tensor | None, chunk: int = 0
+    hidden: Tensor, logits_of: Callable[[Tensor], Tensor], targets: Tensor, probs: Tensor | None, chunk: int = 0
 ) -> tuple[Tensor, Tensor]:
-    """Every slot's CE and draft: hidden [B, N, K-1, H], targets [B, N, K-1], probs [B, N, K-1, V] or None ->
-    (CE, argmax), each [B, N, K-1].
+    """Every slot's CE and draft: hidden [B, N, K-1, H] read by ``logits_of`` (DFlashDrafter.logits), targets
+    [B, N, K-1], probs [B, N, K-1, V] or None -> (CE, argmax), each [B, N, K-1].
 
     ``chunk`` > 0 and fewer than the slots: ``chunk`` slots at a time, each under activation checkpointing, so
     one chunk's [chunk, V] logits (and their softmax) live at a time instead of [B*N*(K-1), V]; the backward
@@ -236,11 +239,11 @@ def slot_cross_entropy(
     h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     p = None if probs is None else probs.reshape(-1, probs.shape[-1])
     if chunk <= 0 or t.numel() <= chunk:
-        ce, drafts = _slot_ce(h, head, t, p)
+        ce, drafts = _slot_ce(h, logits_of, t, p)
         return ce.view(shape), drafts.view(shape)
     parts = []
     for s in range(0, t.numel(), chunk):
-        part = (h[s : s + chunk], head, t[s : s + chunk], None if p is None else p[s : s + chunk])
+        part = (h[s : s + chunk], logits_of, t[s : s + chunk], None if p is None else p[s : s + chunk])
         if torch.is_grad_enabled():
             parts.append(checkpoint(_slot_ce, *part, use_reentrant=False))
         else:
@@ -292,7 +295,7 @@ def dflash_loss(
 
     targets, supervised = block_targets(input_ids, loss_mask, docs, anchors, valid, k_size)
     probs = None if teacher is None else teacher.probs
-    ce, drafts = slot_cross_entropy(hidden, drafter.lm_head.weight, targets, probs, chunk)  # [B, N, K-1] x 2
+    ce, drafts = slot_cross_entropy(hidden, drafter.logits, targets, probs, chunk)  # [B, N, K-1] x 2
     if reference is None:
         reference = targets if teacher is None else teacher.argmax
     mask = supervised.to(ce.dtype)
